@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Debian packages used by the tests: HDF5 command-line tools (h5dump in the format tests).
+set -euo pipefail
+if command -v apt-get >/dev/null; then
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends hdf5-tools >/dev/null
+fi

@@ -1,0 +1,1 @@
+"""Scaling analysis of hpcpar run records (pandas tables, plots, reports)."""

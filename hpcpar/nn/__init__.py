@@ -1,0 +1,34 @@
+"""Distributed layers: spatial (halo-exchanging) 3D layers, tensor-parallel dense layers and
+distributed graph layers. Each spatial layer takes its torch twin's arguments plus ``grid=``
+and has the same state_dict keys and shapes. Names load lazily (importing layers pulls torch).
+"""
+
+import importlib
+
+_LAZY = {
+    # spatial CNN layers
+    "SpatialConv3d": "hpcpar.nn.conv",
+    "SpatialConvTranspose3d": "hpcpar.nn.conv",
+    "SpatialMaxPool3d": "hpcpar.nn.pool",
+    "SpatialAvgPool3d": "hpcpar.nn.pool",
+    "SpatialBatchNorm3d": "hpcpar.nn.norm",
+    "SpatialUpsample": "hpcpar.nn.upsample",
+    "SpatialAdaptiveAvgPool3d": "hpcpar.nn.gather",
+    "SpatialGather": "hpcpar.nn.gather",
+    "spatialize": "hpcpar.nn.spatialize",
+    # tensor parallelism
+    "TensorParallelLinear": "hpcpar.nn.tensor_parallel",
+    "tensor_parallelize": "hpcpar.nn.tensor_parallel",
+    # graphs
+    "DistGCNConv": "hpcpar.nn.graph",
+    "DistSAGEConv": "hpcpar.nn.graph",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'hpcpar.nn' has no attribute {name!r}")
+
+
+__all__ = sorted(_LAZY)

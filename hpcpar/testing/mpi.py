@@ -1,0 +1,161 @@
+"""Launching a test module's MPI cases under ``mpiexec`` and collecting per-rank results.
+
+One ``mpiexec -n N`` per (module, N) runs every selected case of the module in order (a new
+Python process that imports torch costs seconds on small machines). A case that raises on any
+rank writes its traceback and aborts the whole job at once (``MPI.Abort``), so a failure never
+becomes a deadlock; a case that hangs is killed at its timeout, and the report says which
+ranks were still inside which case.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+from ..mpiexec import find_mpiexec, rank_env
+
+DEFAULT_TIMEOUT = 120.0
+
+
+def mpi_case(nprocs=(1, 2, 4), timeout: float = DEFAULT_TIMEOUT):
+    """Mark a test function to run on every rank under ``mpiexec -n N`` for each N.
+
+    The function takes no arguments, or one named ``comm`` (``MPI.COMM_WORLD``). Assertions
+    inside run on every rank; any rank failing fails the case.
+    """
+    if isinstance(nprocs, int):
+        nprocs = (nprocs,)
+
+    def deco(fn):
+        fn._hpcpar_mpi = {"nprocs": tuple(nprocs), "timeout": float(timeout)}
+        return fn
+
+    return deco
+
+
+@dataclass
+class CaseResult:
+    name: str
+    status: str  # passed | failed | skipped | timeout | not-run
+    message: str = ""
+    ranks: dict = field(default_factory=dict)  # rank -> traceback / message
+    duration: float = 0.0
+
+
+@dataclass
+class ModuleRun:
+    path: str
+    nprocs: int
+    cases: dict  # name -> CaseResult
+    returncode: int | None
+    output: str
+    timed_out: bool
+    elapsed: float
+
+
+def startup_allowance(nprocs: int) -> float:
+    """Seconds to allow for launching N Python+torch processes on a small machine."""
+    return 20.0 + 4.0 * nprocs
+
+
+def run_module(path: str, nprocs: int, cases: list[str], timeouts: dict | None = None,
+               timeout: float | None = None, env: dict | None = None) -> ModuleRun:
+    """Run ``cases`` (function names) of the module at ``path`` on ``nprocs`` ranks."""
+    timeouts = timeouts or {}
+    if timeout is None:
+        timeout = startup_allowance(nprocs) + sum(timeouts.get(c, DEFAULT_TIMEOUT) for c in cases)
+    with tempfile.TemporaryDirectory(prefix="hpcpar-mpitest-") as tmp:
+        cmd = [find_mpiexec(), "-n", str(nprocs), sys.executable, "-m",
+               "hpcpar.testing.worker", os.path.abspath(path), tmp, ",".join(cases)]
+        start = time.monotonic()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                env=rank_env(env), start_new_session=True, text=True,
+                                errors="replace")
+        timed_out = False
+        try:
+            output, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _kill_group(proc)
+            output, _ = proc.communicate()
+        elapsed = time.monotonic() - start
+        results = _collect(tmp, nprocs, cases, timed_out, timeout, proc.returncode)
+    return ModuleRun(path, nprocs, results, proc.returncode, output or "", timed_out, elapsed)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=5)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _read_json_lines(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path) as fh:
+        for line in fh:
+            line = line.strip()
+            if line:
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    pass
+    return out
+
+
+def _collect(tmp: str, nprocs: int, cases: list[str], timed_out: bool, timeout: float,
+             returncode) -> dict:
+    per_case: dict[str, dict[int, dict]] = {c: {} for c in cases}
+    progress: dict[int, str] = {}
+    for r in range(nprocs):
+        for rec in _read_json_lines(os.path.join(tmp, f"rank{r}.jsonl")):
+            if rec.get("event") == "start":
+                progress[r] = rec["case"]
+            elif rec.get("case") in per_case:
+                prev = per_case[rec["case"]].get(r)
+                if prev is None or prev["status"] != "failed":
+                    per_case[rec["case"]][r] = rec
+                if progress.get(r) == rec["case"]:
+                    progress.pop(r)
+    results = {}
+    for c in cases:
+        recs = per_case[c]
+        failed = {r: v["traceback"] for r, v in recs.items() if v["status"] == "failed"}
+        skipped = {r: v.get("message", "") for r, v in recs.items() if v["status"] == "skipped"}
+        dur = max((v.get("duration", 0.0) for v in recs.values()), default=0.0)
+        inside = sorted(r for r, cc in progress.items() if cc == c)
+        if failed:
+            results[c] = CaseResult(c, "failed", f"failed on rank(s) {sorted(failed)}",
+                                    failed, dur)
+        elif len(recs) == nprocs and len(skipped) == nprocs:
+            results[c] = CaseResult(c, "skipped", next(iter(skipped.values())), skipped, dur)
+        elif len(recs) == nprocs:
+            results[c] = CaseResult(c, "passed", "", {}, dur)
+        elif timed_out and (inside or recs):
+            done = sorted(recs)
+            results[c] = CaseResult(
+                c, "timeout", f"killed at the {timeout:.0f} s timeout: rank(s) {inside} still "
+                f"inside this case, rank(s) {done} had finished it", {}, dur)
+        elif inside:
+            results[c] = CaseResult(
+                c, "failed", f"the job ended (exit code {returncode}) while rank(s) {inside} "
+                "were inside this case (a rank crashed or was killed)", {}, dur)
+        else:
+            why = "timed out before it started" if timed_out else \
+                f"the job ended (exit code {returncode}) before it started"
+            results[c] = CaseResult(c, "not-run", why, {}, 0.0)
+    return results
