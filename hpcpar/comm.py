@@ -71,7 +71,7 @@ def detect_cuda_aware(env=None, library_version: str | None = None,
         except Exception:  # pragma: no cover - depends on the MPI build
             pass
     version = MPI.Get_library_version() if library_version is None else library_version
-    first = version.strip().splitlines()[0] if version.strip() else "unknown MPI"
+    first = " ".join(version.strip().splitlines()[0].split()) if version.strip() else "unknown MPI"
     if "CRAY MPICH" in version.upper():
         on = env.get("MPICH_GPU_SUPPORT_ENABLED") == "1"
         return CudaAwareness(on, f"{first}: MPICH_GPU_SUPPORT_ENABLED="
@@ -163,7 +163,7 @@ class Buffer:
             nbytes = tensor.numel() * tensor.element_size()
             raw = STAGING.take(nbytes)
             self.host = raw
-            host = raw.view(wire.dtype).view(wire.shape) if nbytes else raw.view(wire.dtype)
+            host = raw.view(wire.dtype).view(wire.shape)
             host.copy_(wire, non_blocking=False)
             if tensor.device.type != "cpu":
                 torch.cuda.current_stream(tensor.device).synchronize()

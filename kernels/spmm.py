@@ -1,0 +1,177 @@
+"""CSR sparse x dense products (SpMM) for graph aggregation: Numba CUDA kernels and their
+parallel CPU twins.
+
+``out[i, :] = sum_k data[k] * x[indices[k], :]`` for ``k`` in row ``i``. Both kernels are
+row-parallel (one row per CPU iteration / one (row, column) per CUDA thread) and write each
+output element once, so there are no atomics; the product with the transpose uses a
+precomputed transposed CSR (:func:`transpose_csr`) instead of scattering. Within a row the sum
+runs in the stored column order, so a row's result does not depend on how the other rows were
+split across ranks (the distributed GCN relies on this for partition-independent results).
+
+Torch tensors and numpy arrays are both accepted; CPU torch tensors are used zero-copy.
+Under ``NUMBA_ENABLE_CUDASIM=1`` the CUDA kernel runs in Numba's simulator (tests).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from numba import njit, prange
+
+__all__ = ["spmm", "spmm_cpu", "spmm_cuda", "transpose_csr", "cuda_kernel_available"]
+
+
+@njit(parallel=True, cache=True)
+def _spmm_rows(indptr, indices, data, x, out):
+    f = x.shape[1]
+    for i in prange(out.shape[0]):
+        for c in range(f):
+            out[i, c] = 0
+        for k in range(indptr[i], indptr[i + 1]):
+            j = indices[k]
+            w = data[k]
+            for c in range(f):
+                out[i, c] += w * x[j, c]
+
+
+def _as_numpy(a):
+    return a.detach().numpy() if hasattr(a, "detach") else np.asarray(a)
+
+
+def _check(indptr, indices, data, x, out):
+    if x.ndim != 2 or out.ndim != 2 or out.shape[1] != x.shape[1]:
+        raise ValueError(f"spmm: x {tuple(x.shape)} and out {tuple(out.shape)} must be 2-D "
+                         "with the same number of columns")
+    if indptr.shape[0] != out.shape[0] + 1 or indices.shape[0] != data.shape[0]:
+        raise ValueError("spmm: CSR arrays do not match the output rows")
+
+
+_THREADS_SET = False
+
+
+def _limit_threads() -> None:
+    """Use no more Numba threads than torch does (OMP_NUM_THREADS), once per process."""
+    global _THREADS_SET
+    if _THREADS_SET:
+        return
+    import numba
+
+    want = os.environ.get("NUMBA_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS")
+    if want:
+        numba.set_num_threads(max(1, min(int(want), numba.config.NUMBA_NUM_THREADS)))
+    _THREADS_SET = True
+
+
+def spmm_cpu(indptr, indices, data, x, out=None):
+    """Parallel CPU CSR SpMM (row-parallel, no atomics). Returns ``out`` (allocated if None)."""
+    _limit_threads()
+    is_torch = hasattr(x, "detach")
+    if out is None:
+        n = indptr.shape[0] - 1
+        if is_torch:
+            import torch
+
+            out = torch.empty((n, x.shape[1]), dtype=x.dtype)
+        else:
+            out = np.empty((n, x.shape[1]), dtype=x.dtype)
+    a = [_as_numpy(v) for v in (indptr, indices, data, x, out)]
+    if not a[3].flags.c_contiguous:
+        a[3] = np.ascontiguousarray(a[3])
+    _check(*a)
+    _spmm_rows(*a)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# CUDA
+# --------------------------------------------------------------------------------------------
+_CUDA_KERNELS: dict = {}
+cuda = None  # numba.cuda, imported on first use (importing it costs start-up time)
+
+
+def _cuda_kernel(dtype):
+    """Compile (once per dtype) the CUDA kernel: thread (c, i) computes out[i, c], summing in
+    the data type (a typed zero keeps fp32 sums in fp32 registers)."""
+    global cuda  # the kernel must see numba.cuda as a module global (the simulator patches it)
+    key = np.dtype(dtype).name
+    if key not in _CUDA_KERNELS:
+        from numba import cuda
+
+        zero = np.dtype(dtype).type(0)
+
+        @cuda.jit
+        def kernel(indptr, indices, data, x, out):
+            c, i = cuda.grid(2)
+            if i < out.shape[0] and c < out.shape[1]:
+                acc = zero
+                for k in range(indptr[i], indptr[i + 1]):
+                    acc += data[k] * x[indices[k], c]
+                out[i, c] = acc
+
+        _CUDA_KERNELS[key] = kernel
+    return _CUDA_KERNELS[key]
+
+
+def cuda_kernel_available() -> bool:
+    """True when a CUDA device (or the simulator) can run the kernel."""
+    try:
+        from numba import cuda
+
+        return bool(cuda.is_available()) or os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+    except Exception:  # pragma: no cover - numba-cuda missing or broken driver
+        return False
+
+
+def spmm_cuda(indptr, indices, data, x, out=None, block=(32, 8)):
+    """CUDA CSR SpMM. Accepts CUDA torch tensors (run on torch's current stream), Numba
+    device arrays, or host numpy arrays (copied in and out; used by the simulator tests)."""
+    from numba import cuda
+
+    n = indptr.shape[0] - 1
+    f = x.shape[1]
+    grid = ((f + block[0] - 1) // block[0], (n + block[1] - 1) // block[1])
+    if hasattr(x, "is_cuda") and x.is_cuda:
+        import torch
+
+        if out is None:
+            out = torch.empty((n, f), dtype=x.dtype, device=x.device)
+        stream = cuda.external_stream(torch.cuda.current_stream(x.device).cuda_stream)
+        args = [cuda.as_cuda_array(t.detach()) for t in (indptr, indices, data,
+                                                         x.contiguous(), out)]
+        _check(*args)
+        _cuda_kernel(args[3].dtype)[grid, block, stream](*args)
+        return out
+    host = [_as_numpy(v) for v in (indptr, indices, data, x)]
+    res = np.zeros((n, f), dtype=host[3].dtype)
+    _check(*host, res)
+    if n and f:
+        dev = [cuda.to_device(np.ascontiguousarray(v)) for v in (*host, res)]
+        _cuda_kernel(res.dtype)[grid, block](*dev)
+        res = dev[-1].copy_to_host()
+    if out is None:
+        return res
+    _as_numpy(out)[...] = res
+    return out
+
+
+def spmm(indptr, indices, data, x, out=None):
+    """CSR SpMM on the device of ``x``: the CUDA kernel for CUDA tensors, else the CPU twin."""
+    if hasattr(x, "is_cuda") and x.is_cuda:
+        return spmm_cuda(indptr, indices, data, x, out)
+    return spmm_cpu(indptr, indices, data, x, out)
+
+
+def transpose_csr(indptr, indices, data, num_cols: int):
+    """CSR of the transpose (= CSC of the input) as numpy arrays ``(indptr, indices, data)``.
+
+    Stable: within each transposed row, entries keep increasing original-row order.
+    """
+    indptr = _as_numpy(indptr)
+    indices = _as_numpy(indices)
+    data = _as_numpy(data)
+    rows = np.repeat(np.arange(indptr.shape[0] - 1, dtype=indices.dtype), np.diff(indptr))
+    order = np.argsort(indices, kind="stable")
+    t_indptr = np.zeros(num_cols + 1, dtype=indptr.dtype)
+    np.cumsum(np.bincount(indices, minlength=num_cols), out=t_indptr[1:])
+    return t_indptr, rows[order], data[order]
