@@ -1,1 +1,21 @@
-"""Scaling analysis of hpcpar run records (pandas tables, plots, reports)."""
+"""Scaling analysis of hpcpar run records (pandas tables, plots, reports).
+
+>>> runs, steps = load(["sweep/"])            # run or sweep directories
+>>> table = scaling_table(runs, steps)         # one row per (config, ranks)
+"""
+
+from .load import find_runs, load, load_run
+from .scaling import TABLE_COLUMNS, detect_mode, scaling_table
+from .stats import PHASES, drop_warmup
+from .synthetic import synthetic_run
+
+__all__ = ["load", "load_run", "find_runs", "scaling_table", "detect_mode", "drop_warmup",
+           "TABLE_COLUMNS", "PHASES", "synthetic_run", "write_report"]
+
+
+def __getattr__(name):
+    if name == "write_report":  # matplotlib loads only when a report is written
+        from .render import write_report
+
+        return write_report
+    raise AttributeError(f"module 'hpcpar.analysis' has no attribute {name!r}")

@@ -320,7 +320,7 @@ def allgather(t: torch.Tensor, comm) -> torch.Tensor:
 def allgatherv(t: torch.Tensor, comm) -> torch.Tensor:
     """Concatenate along dim 0 tensors whose first dimension differs between ranks."""
     rows = comm.allgather(int(t.shape[0]))
-    inner = t[0].numel() if t.dim() else 1
+    inner = int(np.prod(t.shape[1:])) if t.dim() > 1 else 1
     out = torch.empty((sum(rows), *t.shape[1:]), dtype=t.dtype, device=t.device)
     sb = as_buffer(t.contiguous(), copy_back=False)
     rb = as_buffer(out)
@@ -329,6 +329,26 @@ def allgatherv(t: torch.Tensor, comm) -> torch.Tensor:
     sb.finish()
     rb.finish()
     return out
+
+
+def reduce_scatter(t: torch.Tensor, rows, comm, op="sum") -> torch.Tensor:
+    """Sum ``t`` over ``comm`` and give rank r rows ``[off_r, off_r + rows[r])`` (dim 0) of the
+    result; uneven ``rows`` allowed. 16-bit tensors reduce in float32."""
+    from mpi4py import MPI
+
+    rows = [int(r) for r in rows]
+    if len(rows) != comm.Get_size() or sum(rows) != t.shape[0]:
+        raise CommError(f"reduce_scatter: row counts {rows} do not split {t.shape[0]} rows "
+                        f"over {comm.Get_size()} ranks")
+    src, _ = _reduce_target(t.contiguous())
+    inner = int(np.prod(t.shape[1:])) if t.dim() > 1 else 1
+    out = torch.empty((rows[comm.Get_rank()], *t.shape[1:]), dtype=src.dtype, device=t.device)
+    sb = as_buffer(src, copy_back=False)
+    rb = as_buffer(out)
+    comm.Reduce_scatter(sb.mpi, rb.mpi, [r * inner for r in rows], op=_mpi_op(op))
+    sb.finish()
+    rb.finish()
+    return out.to(t.dtype)
 
 
 def alltoallv(send: torch.Tensor, send_rows, comm, recv_rows=None) -> torch.Tensor:

@@ -92,7 +92,8 @@ SCHEMA: dict[str, dict[str, Param]] = {
     },
 }
 
-TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
+              list: "a list", dict: "a table"}
 
 
 class Section:
@@ -188,7 +189,7 @@ def _type_ok(value, types) -> bool:
             return True
         if t is int and isinstance(value, int) and not isinstance(value, bool):
             return True
-        if t in (str, bool) and isinstance(value, t):
+        if t not in (int, float) and isinstance(value, t):
             return True
     return False
 
@@ -226,9 +227,6 @@ def _validate_section(src: str, name: str, raw: dict, schema: dict[str, Param]) 
     for key, value in raw.items():
         if key not in schema:
             raise JobSpecError(f"{where} unknown key {key!r}{_did_you_mean(key, schema)}")
-        if isinstance(value, dict):
-            raise JobSpecError(f"{where} {key}: expected {_describe(schema[key].type)}, "
-                               f"got a table")
         out[key] = check_value(where, key, value, schema[key])
     for key, spec in schema.items():
         if key not in out:

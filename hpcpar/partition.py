@@ -62,13 +62,14 @@ def stencil_output_length(n: int, kernel: int, stride: int = 1, pad_lo: int = 0,
     """
     pad_hi = pad_lo if pad_hi is None else pad_hi
     span = n + pad_lo + pad_hi - dilation * (kernel - 1) - 1
-    if span < 0:
-        return 0
     if ceil_mode:
-        m = -(-span // stride) + 1
+        # torch: floor((span + s - 1) / s) + 1, even for a window longer than the input
+        m = (span + stride - 1) // stride + 1
         if (m - 1) * stride >= n + pad_lo:
             m -= 1
-        return m
+        return max(m, 0)
+    if span < 0:
+        return 0
     return span // stride + 1
 
 
@@ -112,7 +113,8 @@ class AxisHalo:
     ``owned``: the rank's input range; ``out``: its output range; ``needed``: input range the
     outputs read, clipped to [0, n_in); ``halo_lo/halo_hi``: items to receive from the lower /
     upper neighbours' data (negative = owned items nobody needs: trim them); ``pad_lo/pad_hi``:
-    padding items this rank adds itself (only ranks on the global boundary).
+    padding items this rank adds itself (only ranks on the global boundary). When the owned
+    outputs read only padding, ``needed`` is empty and the padding is all there is.
     """
 
     n_in: int
@@ -136,13 +138,18 @@ def axis_halo(n_in: int, n_out: int, parts: int, index: int,
     owned = part_range(n_in, parts, index)
     out = part_range(n_out, parts, index)
     start, stop = needed_for(*out)
-    if out[1] <= out[0]:
-        # Owns no output: needs nothing, trims everything it owns.
-        return AxisHalo(n_in, n_out, owned, out, (owned[0], owned[0]), -(owned[1] - owned[0]),
-                        0, 0, 0)
-    pad_lo, pad_hi = max(0, -start), max(0, stop - n_in)
+    nothing = (owned[0], owned[0])
+    if out[1] <= out[0] or stop <= start:
+        # Owns no output, or its outputs read no input (transposed-conv gaps): needs nothing,
+        # trims everything it owns.
+        return AxisHalo(n_in, n_out, owned, out, nothing, -(owned[1] - owned[0]), 0, 0, 0)
+    pad_lo = max(0, min(stop, 0) - start)       # positions < 0 in [start, stop)
+    pad_hi = max(0, stop - max(start, n_in))    # positions >= n_in
     c_start, c_stop = max(start, 0), min(stop, n_in)
-    c_stop = max(c_stop, c_start)
+    if c_stop <= c_start:
+        # Windows entirely in the padding (padding wider than the kernel's reach).
+        return AxisHalo(n_in, n_out, owned, out, nothing, -(owned[1] - owned[0]), 0, pad_lo,
+                        pad_hi)
     return AxisHalo(n_in, n_out, owned, out, (c_start, c_stop), owned[0] - c_start,
                     c_stop - owned[1], pad_lo, pad_hi)
 

@@ -71,6 +71,8 @@ META_KEYS = {
     "job_name": "job name ([job] name)", "job": "the job spec as run (dict)",
     "job_file": "path of the job TOML, if any", "config": "label runs are grouped by in reports "
     "(default: job_name)", "global_batch": "samples per step over all ranks, if known",
+    "problem_size": "optional work per sample (e.g. voxels) when it changes between runs",
+    "timing_warmup": "optional: steps the report drops at each (re)start (default n/10)",
     "grid": "{data, x, y, z}", "grid_spec": "'DxXxYxZ'", "ranks": "world size",
     "nodes": "number of nodes", "hostnames": "sorted distinct host names",
     "rank_hosts": "host of each rank", "slurm": "Slurm job facts or null",
@@ -107,7 +109,7 @@ def package_versions() -> dict:
     try:
         from mpi4py import MPI
 
-        out["mpi_library"] = MPI.Get_library_version().strip().splitlines()[0].strip()
+        out["mpi_library"] = " ".join(MPI.Get_library_version().strip().splitlines()[0].split())
         out["mpi_standard"] = "%d.%d" % MPI.Get_version()
     except Exception:  # noqa: BLE001 - a missing MPI must not stop a record
         out["mpi_library"] = None
@@ -160,17 +162,21 @@ def _grid_facts(grid) -> dict:
             "nodes": int(getattr(grid, "num_nodes", 1))}
 
 
-class _SelfComm:
-    """Stand-in communicator for a recorder without MPI (grid=None): one rank."""
+class LocalComm:
+    """Stand-in communicator for recording without MPI: rank ``rank`` of ``size`` processes
+    that never talk (``grid=None`` uses one rank; synthetic runs write each rank in turn)."""
+
+    def __init__(self, rank: int = 0, size: int = 1):
+        self.rank, self.size = rank, size
 
     def Get_rank(self):
-        return 0
+        return self.rank
 
     def Get_size(self):
-        return 1
+        return self.size
 
     def allgather(self, x):
-        return [x]
+        return [x] * self.size
 
     def bcast(self, x, root=0):
         return x
@@ -179,12 +185,14 @@ class _SelfComm:
         pass
 
 
-class _SerialGrid:
-    shape = (1, 1, 1, 1)
-    size = 1
-    rank = 0
-    num_nodes = 1
-    comm = _SelfComm()
+class LocalGrid:
+    """Grid facts for a recorder without MPI (``shape`` = (data, x, y, z))."""
+
+    def __init__(self, shape=(1, 1, 1, 1), rank: int = 0, nodes: int = 1):
+        self.shape = tuple(shape)
+        self.size = self.shape[0] * self.shape[1] * self.shape[2] * self.shape[3]
+        self.rank, self.num_nodes = rank, nodes
+        self.comm = LocalComm(rank, self.size)
 
 
 # -- row encoding ----------------------------------------------------------------------------
@@ -273,7 +281,7 @@ class RunRecorder:
     """
 
     def __init__(self, run_dir, grid=None, meta: dict | None = None, resume: bool = False):
-        self.grid = grid if grid is not None else _SerialGrid()
+        self.grid = grid if grid is not None else LocalGrid()
         self.comm = self.grid.comm
         self.rank = int(self.comm.Get_rank())
         self.size = int(self.comm.Get_size())

@@ -1,1 +1,31 @@
+"""HDF5 sharded volume datasets: format, synthetic generator, per-rank hyperslab reader.
 
+Names load lazily: ``hpcpar.data`` imports neither torch nor h5py until a name is used.
+"""
+
+import importlib
+
+_LAZY = {
+    "ShardedVolumeDataset": "hpcpar.data.reader",
+    "SyntheticVolumeDataset": "hpcpar.data.inmemory",
+    "DataError": "hpcpar.data.errors",
+    "FORMAT_VERSION": "hpcpar.data.format",
+    "Manifest": "hpcpar.data.format",
+    "read_manifest": "hpcpar.data.format",
+    "verify_dataset": "hpcpar.data.format",
+    "write_dataset": "hpcpar.data.writer",
+    "shard_counts": "hpcpar.data.writer",
+    "H5Source": "hpcpar.data.writer",
+    "CosmoflowSource": "hpcpar.data.synthetic",
+    "cosmoflow_sample": "hpcpar.data.synthetic",
+    "local_box": "hpcpar.data.schedule",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'hpcpar.data' has no attribute {name!r}")
+
+
+__all__ = sorted(_LAZY)

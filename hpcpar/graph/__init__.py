@@ -1,1 +1,31 @@
+"""Full-graph GNN training over MPI: graph files, partitioning, halo plans, DistGraph.
 
+``partition`` and the format/generator helpers need only numpy; ``DistGraph`` (torch) loads
+lazily.
+"""
+
+import importlib
+
+from .partitioning import partition, partition_csr  # numpy only
+
+_LAZY = {
+    "DistGraph": ("hpcpar.graph.distgraph", "DistGraph"),
+    "GraphFile": ("hpcpar.graph.format", "GraphFile"),
+    "write_graph": ("hpcpar.graph.format", "write_graph"),
+    "import_npz": ("hpcpar.graph.format", "import_npz"),
+    "power_law_community_graph": ("hpcpar.graph.generate", "power_law_community_graph"),
+    "GraphError": ("hpcpar.graph.csr", "GraphError"),
+    "GraphFormatError": ("hpcpar.graph.format", "GraphFormatError"),
+    "masked_loss": ("hpcpar.graph.metrics", "masked_loss"),
+    "split_metrics": ("hpcpar.graph.metrics", "split_metrics"),
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'hpcpar.graph' has no attribute {name!r}")
+
+
+__all__ = sorted([*_LAZY, "partition", "partition_csr"])

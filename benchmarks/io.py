@@ -1,0 +1,196 @@
+"""I/O benchmark: hyperslab reads vs raw reads, reader-fed training vs in-memory, bytes read.
+
+    mpiexec -n 2 python benchmarks/io.py --grid 1x2x1x1 --size 64 --samples 16
+
+1. Hyperslab read throughput: every rank reads its sub-volume of every sample through
+   HDF5; the baseline reads the same number of bytes with plain ``preadv`` from the same
+   files, in the same run. Both cold (pages dropped with ``posix_fadvise(DONTNEED)``) and
+   warm (page cache); throughput counts useful bytes (the rank's share). Target >= 0.9x.
+2. Training loop (a small local conv net on each rank's block, no communication: an I/O
+   test) fed by ``ShardedVolumeDataset(prefetch=2)`` from cold files vs the same loop on
+   the same batches already in memory. Target step time <= 1.05x.
+3. Bytes read per rank per sample vs the ideal 1/(x*y*z) of a sample (chunk rounding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+
+def drop_cache(paths) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def read_hyperslabs(files, items, box, local_shape) -> float:
+    """One pass over ``items`` through HDF5 (files stay open, as the reader keeps them)."""
+    from hpcpar.data.hyperslab import read_samples
+
+    out_x = np.empty((1, *local_shape), np.float32)
+    out_y = np.empty((1, 4), np.float32)
+    t0 = time.perf_counter()
+    for shard, row in items:
+        read_samples(files, [(shard, row)], box, out_x, out_y)
+    return time.perf_counter() - t0
+
+
+def read_raw(paths, items, nbytes: int, rows_per_shard: int) -> float:
+    """Same byte count per sample, one contiguous ``preadv`` per sample."""
+    buf = np.empty(nbytes, np.uint8)
+    fds = [os.open(p, os.O_RDONLY) for p in paths]
+    sizes = [os.fstat(fd).st_size for fd in fds]
+    t0 = time.perf_counter()
+    for shard, row in items:
+        span = max(sizes[shard] - nbytes, 1)
+        os.preadv(fds[shard], [buf], (row * sizes[shard] // rows_per_shard) % span)
+    dt = time.perf_counter() - t0
+    for fd in fds:
+        os.close(fd)
+    return dt
+
+
+def small_net(channels: int, targets: int):
+    import torch.nn as nn
+
+    return nn.Sequential(
+        nn.Conv3d(channels, 16, 3, padding=1), nn.ReLU(), nn.MaxPool3d(2),
+        nn.Conv3d(16, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool3d(1), nn.Flatten(),
+        nn.Linear(16, targets))
+
+
+def train_steps(batches, net, opt) -> list[float]:
+    import torch
+
+    times = []
+    t0 = time.perf_counter()
+    for x, y in batches:
+        loss = torch.nn.functional.mse_loss(net(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        t1 = time.perf_counter()
+        times.append(t1 - t0)
+        t0 = t1
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--grid", default="1x1x1x1", help="data x X x Y x Z (one may be -1)")
+    ap.add_argument("--size", type=int, default=64)
+    ap.add_argument("--channels", type=int, default=4)
+    ap.add_argument("--samples", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=0, help="global batch (default: 2 x data)")
+    ap.add_argument("--chunk", default="32", help="chunk edge, or D,H,W (as `data make`)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dir", default=None, help="where to write the dataset (default: tmp)")
+    args = ap.parse_args()
+
+    import torch
+    from mpi4py import MPI
+
+    from hpcpar import ProcessGrid
+    from hpcpar.data import ShardedVolumeDataset
+    from hpcpar.data.format import parse_chunk, read_manifest
+    from hpcpar.data.hyperslab import ShardFiles, cache_bytes
+    from hpcpar.data.synthetic import CosmoflowSource
+    from hpcpar.data.writer import shard_counts, write_dataset
+
+    torch.set_num_threads(1)
+    comm = MPI.COMM_WORLD
+    grid = ProcessGrid.parse(args.grid, comm=comm)
+    root = comm.bcast(tempfile.mkdtemp(prefix="hpcpar-io-", dir=args.dir)
+                      if comm.rank == 0 else None)
+    out = os.path.join(root, "ds")
+    shards = min(args.samples, max(comm.size, 4))
+    write_dataset(out, CosmoflowSource(args.samples, args.size, args.channels, seed=0),
+                  shard_counts(args.samples, shards=shards), comm=comm, chunk=parse_chunk(args.chunk),
+                  progress=False)
+    m = read_manifest(out)
+    paths = [os.path.join(out, s.file) for s in m.shards]
+    batch = args.batch or 2 * grid.data
+    ds = ShardedVolumeDataset(out, grid, batch, prefetch=0)
+    box, local_shape = ds.box, (args.channels, *ds.local_shape)
+    share = int(np.prod(local_shape)) * 4
+    items = [m.locate(i) for i in range(m.num_samples)]
+    files = ShardFiles(paths, rdcc_nbytes=cache_bytes(m.x.chunks, 4), rdcc_w0=1.0)
+    read_hyperslabs(files, items, box, local_shape)  # metadata into HDF5's cache
+
+    # 1. hyperslab vs raw, cold and warm (best of repeats; ranks read at the same time)
+    res = {}
+    for mode in ("cold", "warm"):
+        best_h, best_r = float("inf"), float("inf")
+        for _ in range(args.repeats * (1 if mode == "cold" else 5)):
+            for name in ("h", "r"):
+                if mode == "cold":
+                    comm.Barrier()
+                    drop_cache(paths)
+                else:
+                    read_raw(paths, items, share, m.shards[0].count)
+                    read_hyperslabs(files, items, box, local_shape)
+                comm.Barrier()
+                if name == "h":
+                    best_h = min(best_h, read_hyperslabs(files, items, box, local_shape))
+                else:
+                    best_r = min(best_r, read_raw(paths, items, share, m.shards[0].count))
+        res[mode] = (share * len(items) / best_h / 1e6, share * len(items) / best_r / 1e6)
+    files.close()
+
+    # 3. bytes read per rank per sample vs the ideal share
+    before = ds.bytes_read
+    nread = 0
+    for xb, _ in ds:
+        nread += len(xb)
+    per_sample = (ds.bytes_read - before) / max(nread, 1) - 4 * len(m.y.shape)
+    ideal = args.channels * args.size**3 * 4 / grid.spatial_size
+    ds.close()
+
+    # 2. training: reader (prefetch, cold files) vs the same batches in memory
+    torch.manual_seed(0)
+    net = small_net(args.channels, m.y.shape[0])
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+    reader = ShardedVolumeDataset(out, grid, batch, prefetch=2)
+    memory = [(x.clone(), y.clone()) for x, y in reader]  # also warms up the worker
+    train_steps(memory[:2], net, opt)  # warm up torch
+    t_mem, t_rd = [], []
+    for epoch in range(args.repeats):
+        reader.set_epoch(0)
+        comm.Barrier()
+        drop_cache(paths)
+        comm.Barrier()
+        t_rd += train_steps(reader, net, opt)[1:]
+        comm.Barrier()
+        t_mem += train_steps(memory, net, opt)[1:]
+    reader.close()
+    med_rd, med_mem = statistics.median(t_rd), statistics.median(t_mem)
+
+    rows = comm.gather((grid.rank, res, per_sample, ideal, med_rd, med_mem), root=0)
+    if comm.rank == 0:
+        print(f"benchmarks/io.py: grid {grid.spec()} ({comm.size} ranks), {args.samples} "
+              f"samples {args.channels}x{args.size}^3 float32, chunk {tuple(m.x.chunks)}, "
+              f"batch {batch}, local block {local_shape}")
+        for r, res_r, ps, ideal_r, mr, mm in rows:
+            (hc, rc), (hw, rw) = res_r["cold"], res_r["warm"]
+            print(f"rank {r}: hyperslab/raw read  cold {hc:8.0f} / {rc:8.0f} MB/s = {hc / rc:.2f}x"
+                  f"   warm {hw:8.0f} / {rw:8.0f} MB/s = {hw / rw:.2f}x")
+            print(f"rank {r}: bytes read per sample {ps:.0f} = {ps / ideal_r:.3f}x the ideal "
+                  f"1/{grid.spatial_size} of a sample ({ideal_r:.0f})")
+            print(f"rank {r}: step time reader(prefetch=2, cold) {mr * 1e3:.1f} ms vs "
+                  f"in-memory {mm * 1e3:.1f} ms = {mr / mm:.3f}x")
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""Gradient buckets and their non-blocking reduction.
+
+A :class:`Bucket` is one flat buffer holding the gradients of a few parameters (each
+parameter's ``.grad`` is a view into it) followed by one "has a gradient" flag per parameter
+and padding to a multiple of the group size. A :class:`ReduceGroup` reduces a bucket over
+one communicator as a pipeline of non-blocking MPI steps (a generator that yields requests),
+so the training thread can start it from a backward hook, nudge it forward from later hooks
+and finish it at the end of backward:
+
+* flat: ``Ialltoall`` (rank r receives everybody's chunk r) -> sum in the canonical order of
+  :func:`hpcpar.compression.fold` -> divide -> ``Iallgather``;
+* hierarchical (equal ranks per node, more than one node and one rank per node): the same
+  two-step reduce-scatter first inside the node (shared memory), then between node peers
+  (ranks with the same node-local index), then the two allgathers in reverse.
+
+Both orders of summation are the same (nodes' ranks first, then nodes), so fp32 results are
+bitwise identical with hierarchical on or off, and every rank gets the same bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .comm import as_buffer
+from .compression import accumulation_dtype, fold
+
+MB = 1 << 20
+
+
+class ReduceGroup:
+    """Sum over ``comm`` then divide by ``divisor``; optionally node-hierarchical.
+
+    Collective: every rank of ``comm`` constructs it with the same arguments.
+    ``node_index`` is this rank's node (``ProcessGrid.node_index``).
+    """
+
+    def __init__(self, comm, node_index: int, divisor: int, hierarchical="auto"):
+        self.comm = comm
+        self.size = comm.Get_size()
+        self.rank = comm.Get_rank()
+        self.divisor = divisor
+        nodes = comm.allgather(int(node_index))
+        order = sorted(set(nodes))
+        #: the canonical summation order: comm ranks grouped by node, nodes in order
+        self.groups = [[r for r, n in enumerate(nodes) if n == node] for node in order]
+        counts = {len(g) for g in self.groups}
+        possible = len(self.groups) > 1 and len(counts) == 1 and counts.pop() > 1
+        wanted = possible if hierarchical == "auto" else bool(hierarchical)
+        self.hierarchical = wanted and possible
+        if self.hierarchical:
+            node = order.index(int(node_index))
+            local = self.groups[node].index(self.rank)
+            self.node_comm = comm.Split(color=node, key=self.rank)
+            self.peer_comm = comm.Split(color=local, key=node)
+            self.local, self.node = local, node
+            self.local_size, self.num_nodes = len(self.groups[0]), len(self.groups)
+
+    def reduce(self, bucket: "Bucket"):
+        """Generator: yields MPI requests; when exhausted, ``bucket.flat`` holds the result."""
+        if self.size == 1:
+            if self.divisor != 1:
+                bucket.flat.div_(self.divisor)
+            return
+        if bucket.wire is not bucket.flat:
+            bucket.wire.copy_(bucket.flat)
+        if self.hierarchical:
+            yield from self._hierarchical(bucket)
+        else:
+            yield from self._flat(bucket)
+        if bucket.wire is not bucket.flat:
+            bucket.flat.copy_(bucket.wire)
+
+    # -- pipelines ---------------------------------------------------------------------------
+    def _flat(self, bucket):
+        yield from _reduce_scatter(self.comm, bucket.wire, self.groups, self.divisor,
+                                   bucket, "flat")
+        yield from _allgather_in_place(self.comm, bucket.wire)
+
+    def _hierarchical(self, bucket):
+        wire = bucket.wire
+        part = wire.numel() // self.local_size
+        mine = wire[self.local * part:(self.local + 1) * part]
+        # inside the node: this rank ends with chunk `local` summed over the node (no divide)
+        yield from _reduce_scatter(self.node_comm, wire, [list(range(self.local_size))], 1,
+                                   bucket, "node")
+        # between nodes: node partials summed in node order, then divided
+        yield from _reduce_scatter(self.peer_comm, mine,
+                                   [[n] for n in range(self.num_nodes)], self.divisor,
+                                   bucket, "peer")
+        yield from _allgather_in_place(self.peer_comm, mine)
+        yield from _allgather_in_place(self.node_comm, wire)
+
+
+def _reduce_scatter(comm, wire: torch.Tensor, groups, divisor: int, bucket, key: str):
+    """Leave in chunk ``rank`` of ``wire`` the canonical sum over ``comm`` (divided)."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    chunk = wire.numel() // size
+    acc_dtype = bucket.acc_dtype
+    recv = bucket.scratch(key + ".recv", (size, chunk), wire.dtype)
+    send_buf = as_buffer(wire, copy_back=False)
+    recv_buf = as_buffer(recv)
+    yield comm.Ialltoall(send_buf.mpi, recv_buf.mpi)
+    send_buf.finish()
+    recv_buf.finish()
+    mine = wire[rank * chunk:(rank + 1) * chunk]
+    out = mine if wire.dtype == acc_dtype else bucket.scratch(key + ".out", (chunk,), acc_dtype)
+    fold(recv, groups, out, lambda: bucket.scratch(key + ".tmp", (chunk,), acc_dtype))
+    if divisor != 1:
+        out.div_(divisor)
+    if out is not mine:
+        mine.copy_(out)
+
+
+def _allgather_in_place(comm, wire: torch.Tensor):
+    from mpi4py import MPI
+
+    buf = as_buffer(wire)
+    yield comm.Iallgather(MPI.IN_PLACE, buf.mpi)
+    buf.finish()
+
+
+class Pending:
+    """Drives a reduction generator: ``test()`` advances without blocking, ``wait()`` finishes."""
+
+    __slots__ = ("_gen", "_req")
+
+    def __init__(self, gen):
+        self._gen = gen
+        self._req = next(gen, None)
+
+    def test(self) -> bool:
+        while self._req is not None and self._req.Test():
+            self._req = next(self._gen, None)
+        return self._req is None
+
+    def wait(self) -> None:
+        while self._req is not None:
+            self._req.Wait()
+            self._req = next(self._gen, None)
+
+
+class Bucket:
+    """Flat gradient storage for ``params`` (in the given order) reduced over ``group``."""
+
+    def __init__(self, index: int, params, group: ReduceGroup, wire_dtype=None):
+        self.index = index
+        self.params = list(params)
+        self.group = group
+        dtype = self.params[0].dtype
+        device = self.params[0].device
+        self.numel = sum(p.numel() for p in self.params)
+        used = self.numel + len(self.params)
+        size = -(-used // group.size) * group.size
+        self.flat = torch.zeros(size, dtype=dtype, device=device)
+        self.views = []
+        offset = 0
+        for p in self.params:
+            self.views.append(self.flat[offset:offset + p.numel()].view(p.shape))
+            offset += p.numel()
+        self.flags = self.flat[self.numel:used]
+        self.acc_dtype = accumulation_dtype(dtype)
+        self.wire = self.flat if wire_dtype is None or wire_dtype == dtype else \
+            torch.empty(size, dtype=wire_dtype, device=device)
+        self._scratch: dict = {}
+        self.pending: Pending | None = None
+        self.arrived = [False] * len(self.params)
+        self.missing = len(self.params)
+
+    def scratch(self, key: str, shape, dtype) -> torch.Tensor:
+        """A temporary kept between steps (large allocations are not free on every step)."""
+        t = self._scratch.get(key)
+        if t is None:
+            t = self._scratch[key] = torch.empty(shape, dtype=dtype, device=self.flat.device)
+        return t
+
+    @property
+    def wire_bytes(self) -> int:
+        return self.wire.numel() * self.wire.element_size()
+
+    def reset(self) -> None:
+        self.pending = None
+        self.arrived = [False] * len(self.params)
+        self.missing = len(self.params)
+
+    def mark(self, slot: int) -> bool:
+        """Record that parameter ``slot`` got its gradient in this pass; True when all have."""
+        if not self.arrived[slot]:
+            self.arrived[slot] = True
+            self.missing -= 1
+        return self.missing == 0
+
+    def adopt_grads(self) -> None:
+        """Make every ``.grad`` live in the flat buffer; None contributes zero; set flags."""
+        for i, (p, view) in enumerate(zip(self.params, self.views)):
+            g = p.grad
+            if g is None:
+                view.zero_()
+                self.flags[i] = 0
+                continue
+            if g.data_ptr() != view.data_ptr():
+                view.copy_(g)
+                p.grad = view
+            self.flags[i] = 1
+
+    def launch(self) -> None:
+        self.adopt_grads()
+        self.pending = Pending(self.group.reduce(self))
+
+    def finalize(self) -> None:
+        """After the reduction: grads of parameters with no gradient on any rank stay None."""
+        for p, view, flag in zip(self.params, self.views, self.flags.tolist()):
+            p.grad = view if flag > 0 else None
+
+
+def assign_buckets(params, cap_bytes: int, first_cap_bytes: int):
+    """Split ``params`` (already in launch order) into lists no larger than the caps.
+
+    The first list is capped by ``first_cap_bytes`` (starts communication early), the rest by
+    ``cap_bytes``; a parameter larger than a cap gets a list of its own.
+    """
+    out, current, size = [], [], 0
+    for p in params:
+        cap = first_cap_bytes if not out else cap_bytes
+        nbytes = p.numel() * p.element_size()
+        if current and size + nbytes > cap:
+            out.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += nbytes
+    if current:
+        out.append(current)
+    return out

@@ -1,0 +1,111 @@
+"""Measure this machine for the planner: message latency and bandwidth between two ranks,
+allreduce, the sustained conv3d rate and memory bandwidth of one rank (one thread).
+
+Run by ``hpcpar plan --calibrate`` as ``mpiexec -n 2 python -m hpcpar.calibrate OUT.toml``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+
+def _best(fn, repeat=5):
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def pingpong(comm, nbytes: int, iters: int) -> float:
+    """One-way time of an ``nbytes`` message between ranks 0 and 1 (half a round trip)."""
+    import numpy as np
+
+    buf = np.zeros(max(1, nbytes), dtype=np.uint8)
+    rank = comm.Get_rank()
+    comm.Barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        if rank == 0:
+            comm.Send(buf, dest=1)
+            comm.Recv(buf, source=1)
+        elif rank == 1:
+            comm.Recv(buf, source=0)
+            comm.Send(buf, dest=0)
+    return (time.perf_counter() - t0) / (2 * iters)
+
+
+def compute_rates() -> tuple[float, float]:
+    """(conv3d FLOP/s, memory bytes/s) of one thread, measured on a mid-size conv."""
+    import torch
+
+    torch.set_num_threads(1)
+    x = torch.randn(1, 16, 34, 34, 34)
+    conv = torch.nn.Conv3d(16, 16, 3)
+    with torch.no_grad():
+        conv(x)
+        t = _best(lambda: conv(x), 3)
+    flops = 2.0 * 16 * 16 * 27 * 32**3 / t
+    a = torch.randn(8_000_000)
+    b = torch.empty_like(a)
+    tm = _best(lambda: b.copy_(a), 5)
+    return flops, 2 * a.numel() * 4 / tm
+
+
+def main(argv=None) -> int:
+    from mpi4py import MPI
+
+    from .machine import Link, Machine
+
+    argv = sys.argv[1:] if argv is None else argv
+    out = argv[0]
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() < 2:
+        print("calibrate needs 2 ranks (mpiexec -n 2)", file=sys.stderr)
+        return 2
+    small = min(pingpong(comm, 8, 2000) for _ in range(3))
+    big_bytes = 16 * 2**20
+    big = min(pingpong(comm, big_bytes, 10) for _ in range(3))
+    beta = big_bytes / max(big - small, 1e-9)
+    flops, mem_bw = compute_rates() if comm.Get_rank() == 0 else (0.0, 0.0)
+    if comm.Get_rank() == 0:
+        cores = os.cpu_count() or 1
+        m = Machine(name="local", ranks_per_node=cores, flops=flops, mem_bw=mem_bw,
+                    mem_per_rank=_mem_per_rank(cores), io_bw=_io_bw(), intra=Link(small, beta),
+                    inter=Link(max(small, 2e-6), min(beta, 12.5e9)),
+                    description=f"calibrated on {os.uname().nodename} by hpcpar plan "
+                                f"--calibrate (inter-node link assumed)")
+        tmp = out + ".tmp"
+        with open(tmp, "w") as fh:
+            fh.write(m.to_toml())
+        os.replace(tmp, out)
+        print(f"latency {small * 1e6:.1f} us, bandwidth {beta / 1e9:.2f} GB/s, conv3d "
+              f"{flops / 1e9:.1f} GFLOP/s, memory {mem_bw / 1e9:.1f} GB/s -> {out}")
+    return 0
+
+
+def _mem_per_rank(cores: int) -> float:
+    try:
+        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return pages / cores
+    except (ValueError, OSError):
+        return 4e9
+
+
+def _io_bw() -> float:
+    """Read bandwidth of a freshly written 64 MB file (page cache: an upper bound)."""
+    import tempfile
+
+    data = os.urandom(64 * 2**20)
+    with tempfile.NamedTemporaryFile() as fh:
+        fh.write(data)
+        fh.flush()
+        t = _best(lambda: open(fh.name, "rb").read(), 3)
+    return len(data) / t
+
+
+if __name__ == "__main__":
+    sys.exit(main())

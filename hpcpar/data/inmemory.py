@@ -1,0 +1,57 @@
+"""``SyntheticVolumeDataset``: the ``hpcpar data make cosmoflow`` samples, made in memory.
+
+Same interface and schedule as :class:`~hpcpar.data.ShardedVolumeDataset`, and the same
+batches as reading a dataset made with the same ``seed`` (the data seed doubles as the
+shuffle seed), without files: for quick jobs and tests. Each rank generates whole samples
+and keeps only its sub-volume (cached when it fits ``cache_bytes``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .schedule import VolumeDatasetBase
+from .synthetic import TARGETS, cosmoflow_sample
+
+CACHE_BYTES = 1 << 30
+
+
+class SyntheticVolumeDataset(VolumeDatasetBase):
+    """``SyntheticVolumeDataset(grid, batch_size, *, size, channels, samples, seed=0, ...)``:
+    ``batch_size`` is the global batch; yields ``(x_local, y)`` like the file reader."""
+
+    def __init__(self, grid, batch_size: int, *, size: int, channels: int = 4,
+                 samples: int, seed: int = 0, shuffle: bool = True, drop_last: bool = True,
+                 cache_bytes: int = CACHE_BYTES):
+        super().__init__(grid, batch_size, samples, (size, size, size), shuffle=shuffle,
+                         seed=seed, drop_last=drop_last,
+                         name=f"synthetic cosmoflow ({samples} samples of {size}^3)")
+        self.size, self.channels, self.seed = size, channels, seed
+        per_sample = channels * int(np.prod(self.local_shape)) * 4
+        self._cache = {} if per_sample * samples <= cache_bytes else None
+        self.bytes_read = 0  # nothing comes from storage
+
+    def sample(self, index: int):
+        """(x_local (C, d, h, w), y (K,)) of global sample ``index``."""
+        if self._cache is not None and index in self._cache:
+            return self._cache[index]
+        x, y = cosmoflow_sample(self.seed, index, self.size, self.channels)
+        sel = tuple(slice(a, b) for a, b in self.box)
+        item = (np.ascontiguousarray(x[(slice(None), *sel)]), y)
+        if self._cache is not None:
+            self._cache[index] = item
+        return item
+
+    def _batches(self, epoch: int, start: int):
+        import torch
+
+        for samples in self.schedule.local_steps(epoch, start):
+            xs, ys = zip(*(self.sample(int(i)) for i in samples))
+            yield torch.from_numpy(np.stack(xs)), torch.from_numpy(np.stack(ys))
+
+    @property
+    def targets(self) -> tuple:
+        return TARGETS
+
+    def close(self) -> None:
+        """Nothing to release (same interface as the file reader)."""

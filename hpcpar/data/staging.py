@@ -1,0 +1,54 @@
+"""Copying the shards a node will read to node-local disk, once per node.
+
+The lowest rank of each node (``grid.node_comm``) copies the union of the shards its node's
+ranks need into ``STAGE_TO/<dataset>-<manifest digest>/``, each file to a temporary name
+then renamed, so a crashed copy is never taken for a finished one and a later run on the
+same node reuses what is there (matching size). The other ranks of the node wait for it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+
+from .errors import DataError
+from .format import MANIFEST
+
+
+def staged_dir(stage_to: str, directory: str, manifest) -> str:
+    digest = hashlib.sha256(json.dumps(manifest.to_json(), sort_keys=True).encode())
+    name = os.path.basename(os.path.abspath(directory).rstrip("/")) or "dataset"
+    return os.path.join(stage_to, f"{name}-{digest.hexdigest()[:12]}")
+
+
+def _copy(src: str, dst: str) -> int:
+    if os.path.exists(dst) and os.path.getsize(dst) == os.path.getsize(src):
+        return 0
+    tmp = f"{dst}.partial-{os.getpid()}"
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+    return os.path.getsize(dst)
+
+
+def stage_shards(directory: str, manifest, needed, stage_to: str, node_comm) -> tuple:
+    """Collective over ``node_comm``: returns (staged directory, bytes this rank copied)."""
+    wanted = node_comm.gather(sorted(set(int(i) for i in needed)), root=0)
+    dest = staged_dir(stage_to, directory, manifest)
+    copied, err = 0, None
+    if node_comm.Get_rank() == 0:
+        try:
+            os.makedirs(dest, exist_ok=True)
+            for i in sorted(set().union(*wanted)):
+                f = manifest.shards[i].file
+                copied += _copy(os.path.join(directory, f), os.path.join(dest, f))
+            src_manifest = os.path.join(directory, MANIFEST)
+            if os.path.exists(src_manifest):
+                _copy(src_manifest, os.path.join(dest, MANIFEST))
+        except OSError as exc:
+            err = f"{stage_to}: staging {directory} failed ({exc})"
+    err = node_comm.bcast(err, root=0)
+    if err:
+        raise DataError(err)
+    return dest, copied

@@ -1,0 +1,238 @@
+"""Writing a dataset directory in parallel, all or nothing.
+
+Shards are split over the ranks with the partition rule; each rank writes its own shards into
+a hidden temporary directory next to ``OUT``; rank 0 writes the manifest and renames the
+directory to ``OUT`` only when every rank succeeded. A failure on any rank removes the
+temporary directory, so ``OUT`` is either complete or absent. Sources provide
+``x_shape``, ``y_shape``, dtypes, ``attrs`` and ``read(start, stop) -> (x, y)``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import numpy as np
+
+from ..partition import part_range
+from .errors import DataError
+from .format import (DEFAULT_CHUNK, FORMAT, FORMAT_VERSION, Array, Manifest, Shard,
+                     check_file, open_h5, sha256_file, shard_name, x_chunks)
+
+BLOCK_BYTES = 64 << 20  # samples are read from the source in blocks of about this size
+
+
+class SerialComm:
+    """The few communicator calls the writer makes, for one process without MPI."""
+
+    def Get_rank(self) -> int:
+        return 0
+
+    def Get_size(self) -> int:
+        return 1
+
+    def bcast(self, obj, root=0):
+        return obj
+
+    def allgather(self, obj):
+        return [obj]
+
+    def gather(self, obj, root=0):
+        return [obj]
+
+    def Barrier(self) -> None:
+        pass
+
+
+def shard_counts(samples: int, shards: int | None = None,
+                 samples_per_shard: int | None = None) -> list[int]:
+    """Samples per shard: ``shards`` balanced shards, or shards of ``samples_per_shard``."""
+    from ..partition import split_sizes
+
+    if samples < 1:
+        raise DataError(f"--samples: need at least 1 sample, got {samples}")
+    if samples_per_shard is not None:
+        if samples_per_shard < 1:
+            raise DataError(f"--samples-per-shard: must be positive, got {samples_per_shard}")
+        full, rest = divmod(samples, samples_per_shard)
+        return [samples_per_shard] * full + ([rest] if rest else [])
+    if shards is None or not 1 <= shards <= samples:
+        raise DataError(f"--shards: must be between 1 and the {samples} samples, got {shards}")
+    return split_sizes(samples, shards)
+
+
+def _write_shard(path: str, source, index: int, start: int, count: int, total: int,
+                 nshards: int, chunk, progress) -> None:
+    import h5py
+
+    sample_bytes = int(np.prod(source.x_shape)) * np.dtype(source.x_dtype).itemsize
+    block = max(1, BLOCK_BYTES // max(sample_bytes, 1))
+    with h5py.File(path, "w") as f:
+        f.attrs.update({"format": FORMAT, "format_version": FORMAT_VERSION,
+                        "shard_index": index, "num_shards": nshards, "sample_start": start,
+                        "sample_stop": start + count, "num_samples": total})
+        dx = f.create_dataset("x", shape=(count, *source.x_shape), dtype=source.x_dtype,
+                              chunks=x_chunks(source.x_shape, chunk), track_times=False)
+        dx.attrs["axes"] = "NCDHW"
+        dy = f.create_dataset("y", shape=(count, *source.y_shape), dtype=source.y_dtype,
+                               track_times=False)
+        if source.target_names:
+            dy.attrs["names"] = list(source.target_names)
+        for a in range(0, count, block):
+            b = min(count, a + block)
+            x, y = source.read(start + a, start + b)
+            dx[a:b] = x
+            dy[a:b] = y
+            if progress is not None:
+                progress.update(b - a)
+
+
+def _make_temp_dir(out: str, force: bool) -> str:
+    out = os.path.abspath(out)
+    if os.path.exists(out) and not force:
+        raise DataError(f"{out}: already exists (use --force to replace it)")
+    parent = os.path.dirname(out)
+    if not os.path.isdir(parent):
+        raise DataError(f"{parent}: output's parent directory not found")
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.partial-", dir=parent)
+    umask = os.umask(0o22)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the dataset is not
+    return tmp
+
+
+def _publish(tmp: str, out: str) -> None:
+    """Rename ``tmp`` to ``out``, replacing an existing ``out`` only after tmp is complete."""
+    out = os.path.abspath(out)
+    old = None
+    if os.path.exists(out):
+        old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old-", dir=os.path.dirname(out))
+        os.rename(out, os.path.join(old, "d"))
+    os.rename(tmp, out)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def write_dataset(out: str, source, counts: list[int], *, comm=None, chunk=DEFAULT_CHUNK,
+                  force: bool = False, progress: bool = True) -> Manifest:
+    """Write ``source`` as shards of ``counts`` samples into directory ``out`` (collective).
+
+    Each rank writes shards ``part_range(len(counts), ranks, rank)``; rank 0 shows a progress
+    bar of its own shards. Returns the manifest on every rank.
+    """
+    if comm is None:
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    tmp, err = None, None
+    if rank == 0:
+        try:
+            tmp = _make_temp_dir(out, force)
+        except DataError as exc:
+            err = str(exc)
+    tmp, err = comm.bcast((tmp, err), root=0)
+    if err:
+        raise DataError(err)
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(int).tolist()
+    total = starts[-1]
+    lo, hi = part_range(len(counts), size, rank)
+    entries, error = [], None
+    bar = None
+    try:
+        if progress and rank == 0:
+            from tqdm import tqdm
+
+            bar = tqdm(total=sum(counts[lo:hi]), unit="sample", dynamic_ncols=True,
+                       desc=f"writing {os.path.basename(os.path.abspath(out))}"
+                            + (f" (rank 0 of {size})" if size > 1 else ""))
+        for i in range(lo, hi):
+            path = os.path.join(tmp, shard_name(i))
+            _write_shard(path, source, i, starts[i], counts[i], total, len(counts), chunk, bar)
+            entries.append(Shard(shard_name(i), starts[i], counts[i], os.path.getsize(path),
+                                 sha256_file(path)))
+    except Exception as exc:  # noqa: BLE001 - every rank must learn of the failure
+        error = exc
+    finally:
+        if bar is not None:
+            bar.close()
+    errors = comm.allgather(None if error is None else f"{error}")
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        comm.Barrier()
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if error is not None:
+            raise error
+        r, e = failed[0]
+        raise DataError(f"writing {out} failed on rank {r}: {e}")
+    gathered = comm.gather(entries, root=0)
+    manifest = None
+    if rank == 0:
+        shards = sorted((s for part in gathered for s in part), key=lambda s: s.start)
+        manifest = Manifest(total,
+                            Array("x", tuple(source.x_shape), str(np.dtype(source.x_dtype)),
+                                  x_chunks(source.x_shape, chunk)),
+                            Array("y", tuple(source.y_shape), str(np.dtype(source.y_dtype)),
+                                  names=source.target_names),
+                            shards, dict(source.attrs))
+        try:
+            manifest.write(tmp)
+            _publish(tmp, out)
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            err = f"{out}: cannot publish the dataset ({exc})"
+    err = comm.bcast(err if rank == 0 else None, root=0)
+    if err:
+        raise DataError(err)
+    return comm.bcast(manifest, root=0)
+
+
+class H5Source:
+    """An existing single HDF5 file with ``x_key`` (N, C, D, H, W) or (N, D, H, W) and
+    ``y_key`` (N, K) or (N,): the way real data comes in (``hpcpar data shard``)."""
+
+    def __init__(self, path: str, x_key: str = "x", y_key: str = "y"):
+        check_file(path)
+        self.path, self.x_key, self.y_key = path, x_key, y_key
+        self._f = open_h5(path)
+        try:
+            self._describe(path, x_key, y_key)
+        except DataError:
+            self._f.close()
+            raise
+
+    def _describe(self, path: str, x_key: str, y_key: str) -> None:
+        for key in (x_key, y_key):
+            if key not in self._f:
+                raise DataError(f"{path}: missing dataset '{key}'")
+        x, y = self._f[x_key], self._f[y_key]
+        if x.ndim not in (4, 5):
+            raise DataError(f"{path}: dataset '{x_key}' has shape {x.shape}, expected "
+                            "(N, C, D, H, W) or (N, D, H, W)")
+        if y.ndim not in (1, 2):
+            raise DataError(f"{path}: dataset '{y_key}' has shape {y.shape}, expected "
+                            "(N, K) or (N,)")
+        if x.shape[0] != y.shape[0]:
+            raise DataError(f"{path}: dataset '{x_key}' has {x.shape[0]} samples but "
+                            f"'{y_key}' has {y.shape[0]}")
+        self.samples = x.shape[0]
+        self._x_channel = x.ndim == 4
+        self.x_shape = (1, *x.shape[1:]) if self._x_channel else tuple(x.shape[1:])
+        self.y_shape = (1,) if y.ndim == 1 else tuple(y.shape[1:])
+        self.x_dtype, self.y_dtype = x.dtype, y.dtype
+        names = y.attrs.get("names")
+        self.target_names = [str(n) for n in names] if names is not None else None
+        self.attrs = {"resharded_from": os.path.abspath(path), "x_key": x_key, "y_key": y_key}
+
+    def __len__(self) -> int:
+        return self.samples
+
+    def read(self, start: int, stop: int):
+        x = self._f[self.x_key][start:stop]
+        y = self._f[self.y_key][start:stop]
+        return (x[:, None] if self._x_channel else x), y.reshape(stop - start, *self.y_shape)
+
+    def close(self) -> None:
+        self._f.close()

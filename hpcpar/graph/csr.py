@@ -1,0 +1,65 @@
+"""Edge lists <-> in-edge CSR, with the checks every graph entry point shares.
+
+Convention used everywhere in hpcpar.graph: an edge ``(src, dst)`` means ``src -> dst``
+(messages flow from source to destination, PyG's ``edge_index`` order). The CSR is indexed by
+DESTINATION: row ``i`` lists the sources of ``i``'s in-edges, sorted, without duplicates. So
+aggregation is ``out = A @ x`` with ``A[i, j] = 1`` for an edge ``j -> i``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import HpcparError
+
+
+class GraphError(HpcparError, ValueError):
+    """A graph (edge list, file or partition request) is malformed."""
+
+
+def check_edges(edge_index, num_nodes: int, what: str = "edge_index") -> np.ndarray:
+    """``edge_index`` as an int64 (2, E) array, or a one-line :class:`GraphError`."""
+    e = np.asarray(edge_index)
+    if e.ndim != 2 or e.shape[0] != 2:
+        raise GraphError(f"{what}: expected shape (2, E), got {tuple(e.shape)}")
+    if not np.issubdtype(e.dtype, np.integer):
+        raise GraphError(f"{what}: expected integer vertex ids, got {e.dtype}")
+    e = e.astype(np.int64, copy=False)
+    if e.size:
+        lo, hi = int(e.min()), int(e.max())
+        if lo < 0 or hi >= num_nodes:
+            bad = hi if hi >= num_nodes else lo
+            raise GraphError(f"{what}: edge points to vertex {bad}, outside 0..{num_nodes - 1} "
+                             f"(num_nodes={num_nodes})")
+    return e
+
+
+def sorted_unique(a: np.ndarray) -> np.ndarray:
+    """``np.unique`` by sorting (numpy 2's hash-based unique is several times slower here)."""
+    a = np.sort(a)
+    return a[np.concatenate([[True], a[1:] != a[:-1]])] if a.size else a
+
+
+def edges_to_csr(edge_index, num_nodes: int):
+    """In-edge CSR ``(indptr, indices)`` of ``src -> dst`` edges; duplicates removed."""
+    e = check_edges(edge_index, num_nodes)
+    key = sorted_unique(e[1] * np.int64(num_nodes) + e[0])  # sorted by (dst, src)
+    dst, src = np.divmod(key, np.int64(num_nodes))
+    indptr = np.zeros(num_nodes + 1, dtype=np.int64)
+    np.cumsum(np.bincount(dst, minlength=num_nodes), out=indptr[1:])
+    return indptr, src.astype(np.int64)
+
+
+def csr_to_edges(indptr, indices) -> np.ndarray:
+    """(2, E) ``src -> dst`` edge list of an in-edge CSR."""
+    indptr = np.asarray(indptr, dtype=np.int64)
+    dst = np.repeat(np.arange(indptr.shape[0] - 1, dtype=np.int64), np.diff(indptr))
+    return np.stack([np.asarray(indices, dtype=np.int64), dst])
+
+
+def is_symmetric(indptr, indices, num_nodes: int) -> bool:
+    """True when every edge ``j -> i`` has its reverse ``i -> j``."""
+    e = csr_to_edges(indptr, indices)
+    fwd = np.sort(e[1] * np.int64(num_nodes) + e[0])
+    rev = np.sort(e[0] * np.int64(num_nodes) + e[1])
+    return bool(np.array_equal(fwd, rev))

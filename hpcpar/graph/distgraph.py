@@ -1,0 +1,307 @@
+"""A graph partitioned over the ranks of a communicator, for exact full-graph GNN training.
+
+Each rank holds only its owned vertices: their in-edge rows (sources as global ids), features,
+labels and masks. Local order: owned vertices (ascending global id) then halo vertices grouped
+by owner (see :mod:`hpcpar.graph.halo`). Aggregation operators are local sparse matrices
+``(n_owned, n_owned + n_halo)`` whose weights use GLOBAL degrees:
+
+* ``"gcn"``: ``D~^-1/2 (A + I) D~^-1/2`` — a self loop is added only where none exists (never
+  doubled), ``D~`` is the in-degree of ``A + I`` and a zero degree gives a zero weight;
+* ``"mean"``: ``A`` divided by the global in-degree (0 for isolated vertices); ``"sum"``: ``A``.
+
+Every row's entries are ordered by global source id, so a row's sum runs in the same order
+whatever the partition. The backward product uses the stored transpose (exact for directed
+graphs).
+
+A graph is one sample: build it over a grid with ``data == 1``; it is split over
+``grid.spatial_comm``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..comm import allgatherv, alltoallv
+from ..errors import HpcparError
+from ..partition import part_range
+from .csr import GraphError, edges_to_csr, is_symmetric, sorted_unique
+from .format import MASKS, GraphFile
+from .halo import HaloPlan, with_halo
+from .partitioning import partition_csr
+from .sparse import SparseOperator
+
+KINDS = ("gcn", "mean", "sum")
+
+
+def graph_comm(grid):
+    """The communicator a graph is split over: ``grid.spatial_comm`` (``data`` must be 1), or
+    ``grid`` itself when it is an MPI communicator."""
+    if hasattr(grid, "spatial_comm"):
+        if grid.data != 1:
+            raise GraphError(f"DistGraph: grid {grid.spec() if hasattr(grid, 'spec') else ''}"
+                             f" has data={grid.data}; a graph is one sample, so full-graph "
+                             "training needs data=1 (split the graph over x, e.g. --grid "
+                             f"1x{grid.size}x1x1)")
+        return grid.spatial_comm
+    return grid
+
+
+def collective(comm, fn, *args, **kwargs):
+    """Run ``fn`` on every rank; if it raises a user error on any rank, raise it on all."""
+    err = None
+    try:
+        result = fn(*args, **kwargs)
+    except HpcparError as exc:
+        err, result = exc, None
+    errors = comm.allgather(None if err is None else (type(err), str(err)))
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        if err is not None:
+            raise err
+        raise first[0](first[1])
+    return result
+
+
+def _row_positions(indptr: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Positions in ``indices`` of the entries of ``rows`` (in that order)."""
+    lengths = indptr[rows + 1] - indptr[rows]
+    starts = np.repeat(indptr[rows] - np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths)
+    return starts + np.arange(int(lengths.sum()), dtype=np.int64)
+
+
+class DistGraph:
+    """This rank's part of a graph. Build with :meth:`from_hdf5` or :meth:`from_global`.
+
+    Attributes: ``num_nodes`` (global), ``num_owned``, ``num_halo``, ``global_ids`` (owned,
+    ascending), ``halo_ids``, ``x`` (owned features), ``y``, ``train_mask``/``val_mask``/
+    ``test_mask`` (owned), ``num_train``/``num_val``/``num_test`` (GLOBAL counts),
+    ``in_degree`` (owned, global), ``plan`` (:class:`HaloPlan`), ``comm``.
+    """
+
+    def __init__(self, comm, num_nodes: int, owner: np.ndarray, block: dict, start: int,
+                 num_classes: int | None = None, directed: bool | None = None,
+                 row_normalize: bool = False, backend: str = "auto"):
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.num_nodes = int(num_nodes)
+        self.backend = backend
+        self.directed = directed
+        self._receive_rows(owner, block, start)
+        self._build_halo(owner)
+        counts = torch.tensor([int(m.sum()) for m in self.masks.values()], dtype=torch.int64)
+        from ..comm import allreduce_
+
+        allreduce_(counts, comm)
+        self.num_train, self.num_val, self.num_test = (int(c) for c in counts)
+        if num_classes is None:
+            num_classes = comm.allreduce(int(self.y.max()) + 1 if self.y.numel() else 0,
+                                         op=_max())
+        self.num_classes = int(num_classes)
+        if row_normalize:
+            s = self.x.sum(1, keepdim=True)
+            self.x = torch.where(s != 0, self.x / torch.where(s != 0, s, 1), self.x)
+        self._ops: dict = {}
+
+    # ---- construction -------------------------------------------------------------------
+    def _receive_rows(self, owner: np.ndarray, block: dict, start: int) -> None:
+        """Send each row of this rank's contiguous block to its owner (Alltoallv)."""
+        ip = block["indptr"]
+        n_blk = ip.shape[0] - 1
+        dest = owner[start:start + n_blk]
+        order = np.argsort(dest, kind="stable")
+        rows = np.bincount(dest, minlength=self.size).tolist()
+        deg = np.diff(ip)
+        meta = np.stack([np.arange(start, start + n_blk, dtype=np.int64), deg, block["y"],
+                         *(block[m].astype(np.int64) for m in MASKS)], axis=1)[order]
+        meta = alltoallv(torch.from_numpy(np.ascontiguousarray(meta)), rows, self.comm)
+        self.x = alltoallv(torch.from_numpy(np.ascontiguousarray(block["x"][order],
+                                                                  np.float32)),
+                           rows, self.comm)
+        edge_rows = np.bincount(dest, weights=deg, minlength=self.size).astype(np.int64)
+        src = block["indices"][_row_positions(ip, order)]
+        self.src_ids = alltoallv(torch.from_numpy(np.ascontiguousarray(src, np.int64)),
+                                 edge_rows.tolist(), self.comm).numpy()
+        meta = meta.numpy()
+        self.global_ids = meta[:, 0].copy()
+        self.in_degree = meta[:, 1].copy()
+        self.y = torch.from_numpy(meta[:, 2].copy())
+        self.masks = {m: torch.from_numpy(meta[:, 3 + k].astype(bool)) for k, m in
+                      enumerate(MASKS)}
+        self.num_owned = self.global_ids.shape[0]
+        self.indptr = np.zeros(self.num_owned + 1, np.int64)
+        np.cumsum(self.in_degree, out=self.indptr[1:])
+
+    def _build_halo(self, owner: np.ndarray) -> None:
+        src_owner = owner[self.src_ids]
+        halo_sorted = sorted_unique(self.src_ids[src_owner != self.rank])
+        by_owner = np.argsort(owner[halo_sorted], kind="stable")
+        self.halo_ids = halo_sorted[by_owner]
+        self.num_halo = self.halo_ids.shape[0]
+        self.plan = HaloPlan.build(self.comm, self.global_ids, self.halo_ids,
+                                   owner[self.halo_ids])
+        position = np.empty_like(by_owner)
+        position[by_owner] = np.arange(by_owner.shape[0])
+        own = src_owner == self.rank
+        cols = np.empty_like(self.src_ids)
+        cols[own] = np.searchsorted(self.global_ids, self.src_ids[own])
+        cols[~own] = self.num_owned + position[np.searchsorted(halo_sorted,
+                                                               self.src_ids[~own])]
+        self.cols = cols  # local column of every in-edge
+
+    # ---- properties -----------------------------------------------------------------------
+    @property
+    def train_mask(self) -> torch.Tensor:
+        return self.masks["train"]
+
+    @property
+    def val_mask(self) -> torch.Tensor:
+        return self.masks["val"]
+
+    @property
+    def test_mask(self) -> torch.Tensor:
+        return self.masks["test"]
+
+    @property
+    def num_features(self) -> int:
+        return int(self.x.shape[1])
+
+    def mask(self, name: str) -> torch.Tensor:
+        return self.masks[name]
+
+    def num_masked(self, name: str) -> int:
+        return {"train": self.num_train, "val": self.num_val, "test": self.num_test}[name]
+
+    # ---- operators ------------------------------------------------------------------------
+    def operator(self, kind: str = "gcn") -> SparseOperator:
+        """The local aggregation matrix of ``kind`` (built once, cached)."""
+        if kind not in KINDS:
+            raise GraphError(f"aggregation {kind!r}: expected one of {', '.join(KINDS)}")
+        if kind not in self._ops:
+            self._ops[kind] = self._build_operator(kind).to(self.x.device)
+        return self._ops[kind]
+
+    def _build_operator(self, kind: str) -> SparseOperator:
+        # weights in float64; the operator casts them once per compute dtype
+        n, rows = self.num_owned, np.repeat(np.arange(self.num_owned), self.in_degree)
+        width = n + self.num_halo
+        if kind == "sum":
+            return SparseOperator(self.indptr, self.cols, np.ones(self.cols.shape[0]), width,
+                                  self.backend)
+        if kind == "mean":
+            inv = np.where(self.in_degree > 0, 1.0 / np.maximum(self.in_degree, 1), 0.0)
+            return SparseOperator(self.indptr, self.cols, inv[rows], width,
+                                  self.backend)
+        has_loop = np.zeros(n, bool)
+        has_loop[rows[self.src_ids == self.global_ids[rows]]] = True
+        deg = (self.in_degree + ~has_loop).astype(np.float64)
+        halo_deg = self.plan.fetch(torch.from_numpy(deg)).numpy() if self.plan.distributed \
+            else np.zeros(0)
+        full = np.concatenate([deg, halo_deg])
+        dinv = np.where(full > 0, 1.0 / np.sqrt(np.maximum(full, 1e-300)), 0.0)
+        loops = np.flatnonzero(~has_loop)
+        r = np.concatenate([rows, loops])
+        c = np.concatenate([self.cols, loops])
+        g = np.concatenate([self.src_ids, self.global_ids[loops]])
+        order = np.lexsort((g, r))  # by row, then by GLOBAL source id
+        r, c = r[order], c[order]
+        indptr = np.zeros(n + 1, np.int64)
+        np.cumsum(np.bincount(r, minlength=n), out=indptr[1:])
+        return SparseOperator(indptr, c, dinv[r] * dinv[c], width,
+                              self.backend)
+
+    def propagate(self, x: torch.Tensor, kind: str = "gcn") -> torch.Tensor:
+        """``A_kind @ x`` for owned rows ``x``: halo exchange (autograd-aware), then SpMM."""
+        return self.operator(kind)(with_halo(x, self.plan))
+
+    # ---- utilities --------------------------------------------------------------------------
+    def to(self, device) -> "DistGraph":
+        self.x = self.x.to(device)
+        self.y = self.y.to(device)
+        self.masks = {k: v.to(device) for k, v in self.masks.items()}
+        self.plan.to(device)
+        for op in self._ops.values():
+            op.to(device)
+        return self
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """The global tensor (vertex order) of owned rows ``t``, on every rank (tests)."""
+        rows = allgatherv(t.detach().contiguous(), self.comm)
+        ids = allgatherv(torch.from_numpy(self.global_ids), self.comm)
+        out = torch.empty_like(rows)
+        out[ids.to(rows.device)] = rows
+        return out
+
+    def halo_bytes(self, features: int, itemsize: int = 4) -> int:
+        """Bytes ALL ranks send in one forward exchange of ``features`` columns."""
+        return int(self.comm.allreduce(self.plan.bytes_per_exchange(features, itemsize)))
+
+    # ---- builders ---------------------------------------------------------------------------
+    @classmethod
+    def from_global(cls, edge_index, num_nodes: int, x, grid, y=None, masks=None,
+                    method: str = "metis", seed: int = 0, owner=None, **kw) -> "DistGraph":
+        """Partition a graph every rank holds in full (small graphs, tests): ``edge_index``
+        (2, E) ``src -> dst``, ``x`` (N, F), ``y`` (N,), ``masks`` {train, val, test}."""
+        comm = graph_comm(grid)
+        indptr, indices = collective(comm, edges_to_csr, edge_index, num_nodes)
+        x = x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
+        y = np.zeros(num_nodes, np.int64) if y is None else np.asarray(
+            y.cpu() if hasattr(y, "cpu") else y, np.int64)
+        masks = masks or {}
+        masks = {m: np.asarray(masks[m].cpu() if hasattr(masks.get(m), "cpu") else masks[m],
+                               bool) if m in masks else np.zeros(num_nodes, bool)
+                 for m in MASKS}
+        if owner is None:
+            owner = _owner(comm, lambda: (indptr, indices), num_nodes, method, seed)
+        start, stop = part_range(num_nodes, comm.Get_size(), comm.Get_rank())
+        block = {"indptr": indptr[start:stop + 1] - indptr[start],
+                 "indices": indices[indptr[start]:indptr[stop]], "x": x[start:stop],
+                 "y": y[start:stop], **{m: masks[m][start:stop] for m in MASKS}}
+        kw.setdefault("directed", not is_symmetric(indptr, indices, num_nodes))
+        return cls(comm, num_nodes, np.asarray(owner, np.int64), block, start, **kw)
+
+    @classmethod
+    def from_hdf5(cls, path, grid, method: str = "metis", seed: int = 0, **kw) -> "DistGraph":
+        """Each rank reads one contiguous block of rows (hyperslabs), then rows move to their
+        owners. METIS partitions on rank 0 (which reads the structure) and broadcasts."""
+        comm = graph_comm(grid)
+        gf = collective(comm, GraphFile, path)
+        try:
+            n = gf.num_nodes
+            owner = _owner(comm, gf.read_structure, n, method, seed)
+            start, stop = part_range(n, comm.Get_size(), comm.Get_rank())
+            block = collective(comm, gf.read_rows, start, stop)
+            kw.setdefault("num_classes", gf.num_classes)
+            kw.setdefault("directed", gf.directed)
+        finally:
+            gf.close()
+        return cls(comm, n, owner, block, start, **kw)
+
+
+def _owner(comm, structure, num_nodes: int, method: str, seed: int) -> np.ndarray:
+    """Owner array on every rank: computed on rank 0 (METIS needs the whole graph), broadcast."""
+    size = comm.Get_size()
+
+    def compute():
+        if comm.Get_rank() != 0:
+            if size > num_nodes:  # same check as rank 0, so all ranks fail alike
+                raise GraphError(f"partition: {size} parts for a graph of {num_nodes} "
+                                 "vertices (need at least one vertex per part)")
+            return None
+        indptr, indices = structure() if method == "metis" else (
+            np.zeros(num_nodes + 1, np.int64), np.zeros(0, np.int64))
+        return partition_csr(indptr, indices, size, method, seed)
+
+    owner = collective(comm, compute)
+    buf = owner if owner is not None else np.empty(num_nodes, np.int64)
+    comm.Bcast(buf, root=0)
+    return buf
+
+
+def _max():
+    from mpi4py import MPI
+
+    return MPI.MAX
+
+
+__all__ = ["DistGraph", "graph_comm", "collective"]

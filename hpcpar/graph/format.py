@@ -1,0 +1,232 @@
+"""The hpcpar graph file: one HDF5 file per graph (format version 1).
+
+Layout (``N`` vertices, ``E`` edges, ``F`` features)::
+
+    /                 attrs: format="hpcpar-graph", version=1, num_nodes=N, num_edges=E,
+                             num_features=F, num_classes, directed (bool), name, source
+    /csr/indptr       (N+1,) int64   in-edge CSR, row = DESTINATION vertex
+    /csr/indices      (E,)   int64   sources of each row's in-edges, sorted, no duplicates
+      (or, instead of /csr: /edge_index (2, E) int64, row 0 source, row 1 destination)
+    /features         (N, F) float32 dense
+      (or a group /features with indptr, indices, data and attr shape=(N, F): CSR features)
+    /labels           (N,)   int64   class id
+    /masks/train      (N,)   bool    (also /masks/val, /masks/test)
+
+Readers read row blocks (``[start, stop)`` hyperslabs), so each rank only touches its block.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from .csr import GraphError, check_edges, edges_to_csr, is_symmetric
+
+FORMAT = "hpcpar-graph"
+VERSION = 1
+MASKS = ("train", "val", "test")
+
+
+class GraphFormatError(GraphError):
+    """The file is not a valid hpcpar graph file (missing field, wrong shape, bad vertex id)."""
+
+
+def write_graph(path, num_nodes: int, x, y, masks: dict, edge_index=None, csr=None,
+                directed: bool = False, name: str = "", source: str = "",
+                num_classes: int | None = None) -> None:
+    """Write a graph file. Structure from ``edge_index`` (2, E) or ``csr=(indptr, indices)``
+    (in-edge CSR); ``x`` dense (N, F) or ``(indptr, indices, data, shape)`` CSR features."""
+    import h5py
+
+    if csr is None:
+        indptr, indices = edges_to_csr(edge_index, num_nodes)
+    else:
+        indptr, indices = (np.asarray(a, dtype=np.int64) for a in csr)
+    y = np.asarray(y, dtype=np.int64)
+    with h5py.File(path, "w") as f:
+        f.attrs.update(format=FORMAT, version=VERSION, num_nodes=num_nodes,
+                       num_edges=int(indices.shape[0]), directed=bool(directed),
+                       name=name, source=source,
+                       num_classes=int(num_classes if num_classes is not None else y.max() + 1))
+        g = f.create_group("csr")
+        g["indptr"] = indptr
+        g["indices"] = indices
+        if isinstance(x, tuple):
+            fi, fj, fv, shape = x
+            fg = f.create_group("features")
+            fg["indptr"] = np.asarray(fi, dtype=np.int64)
+            fg["indices"] = np.asarray(fj, dtype=np.int64)
+            fg["data"] = np.asarray(fv, dtype=np.float32)
+            fg.attrs["shape"] = np.asarray(shape, dtype=np.int64)
+            f.attrs["num_features"] = int(shape[1])
+        else:
+            f["features"] = np.asarray(x, dtype=np.float32)
+            f.attrs["num_features"] = int(x.shape[1])
+        f["labels"] = y
+        mg = f.create_group("masks")
+        for m in MASKS:
+            mg[m] = np.asarray(masks[m], dtype=bool)
+
+
+class GraphFile:
+    """A validated, open graph file; read row blocks with :meth:`read_rows`."""
+
+    def __init__(self, path):
+        import h5py
+
+        self.path = str(path)
+        try:
+            self.f = h5py.File(self.path, "r")
+        except FileNotFoundError:
+            raise GraphFormatError(f"{self.path}: no such graph file") from None
+        except OSError as exc:
+            raise GraphFormatError(f"{self.path}: not an HDF5 file ({exc})") from None
+        try:
+            self._validate()
+        except Exception:
+            self.f.close()
+            raise
+        self._edge_csr = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self) -> None:
+        self.f.close()
+
+    def _fail(self, msg: str):
+        raise GraphFormatError(f"{self.path}: {msg} (hpcpar graph format v{VERSION})")
+
+    def _need(self, name: str, shape=None):
+        if name not in self.f:
+            self._fail(f"missing field '/{name}'")
+        ds = self.f[name]
+        if shape is not None and tuple(ds.shape) != tuple(shape):
+            self._fail(f"field '/{name}' has shape {tuple(ds.shape)}, expected {tuple(shape)}")
+        return ds
+
+    def _validate(self) -> None:
+        a = self.f.attrs
+        if a.get("format") != FORMAT:
+            self._fail(f"attribute format={a.get('format')!r}, expected {FORMAT!r}")
+        if int(a.get("version", 0)) > VERSION:
+            self._fail(f"file version {a.get('version')} is newer than this reader")
+        if "num_nodes" not in a:
+            self._fail("missing attribute 'num_nodes'")
+        n = self.num_nodes = int(a["num_nodes"])
+        self.directed = bool(a.get("directed", False))
+        self.name = str(a.get("name", ""))
+        if "csr" in self.f:
+            self._need("csr/indptr", (n + 1,))
+            self._need("csr/indices")
+        elif "edge_index" in self.f:
+            if self.f["edge_index"].ndim != 2 or self.f["edge_index"].shape[0] != 2:
+                self._fail(f"field '/edge_index' has shape {self.f['edge_index'].shape}, "
+                           "expected (2, E)")
+        else:
+            self._fail("missing field '/csr' (or '/edge_index')")
+        if "features" not in self.f:
+            self._fail("missing field '/features'")
+        if hasattr(self.f["features"], "keys"):
+            for k in ("indptr", "indices", "data"):
+                self._need(f"features/{k}")
+            if "shape" not in self.f["features"].attrs:
+                self._fail("field '/features' (CSR) has no 'shape' attribute")
+            shape = tuple(int(s) for s in self.f["features"].attrs["shape"])
+            self._need("features/indptr", (shape[0] + 1,))
+        else:
+            shape = self.f["features"].shape
+        if len(shape) != 2 or shape[0] != n:
+            self._fail(f"field '/features' has shape {tuple(shape)}, expected ({n}, F)")
+        self.num_features = int(shape[1])
+        self._need("labels", (n,))
+        for m in MASKS:
+            self._need(f"masks/{m}", (n,))
+        labels_max = a.get("num_classes")
+        self.num_classes = int(labels_max) if labels_max is not None else \
+            int(self.f["labels"][()].max()) + 1
+
+    # ---- reading ------------------------------------------------------------------------
+    def _csr_arrays(self):
+        if "csr" in self.f:
+            return self.f["csr/indptr"], self.f["csr/indices"]
+        if self._edge_csr is None:
+            e = check_edges(self.f["edge_index"][()], self.num_nodes,
+                            f"{self.path}: /edge_index")
+            self._edge_csr = edges_to_csr(e, self.num_nodes)
+        return self._edge_csr
+
+    def read_structure(self):
+        """The whole in-edge CSR ``(indptr, indices)`` (for partitioning)."""
+        indptr, indices = self._csr_arrays()
+        return self._checked(np.asarray(indptr[:], np.int64), np.asarray(indices[:], np.int64))
+
+    def _checked(self, indptr, indices):
+        if indices.size and (indices.min() < 0 or indices.max() >= self.num_nodes):
+            bad = int(indices.max() if indices.max() >= self.num_nodes else indices.min())
+            self._fail(f"/csr/indices has an edge from vertex {bad}, outside "
+                       f"0..{self.num_nodes - 1}")
+        if np.any(np.diff(indptr) < 0):
+            self._fail("/csr/indptr is not non-decreasing")
+        return indptr, indices
+
+    def read_rows(self, start: int, stop: int) -> dict:
+        """Rows ``[start, stop)``: ``indptr`` (from 0), ``indices`` (global source ids),
+        ``x`` dense float32, ``y``, and the ``train``/``val``/``test`` masks."""
+        indptr_ds, indices_ds = self._csr_arrays()
+        ip = np.asarray(indptr_ds[start:stop + 1], np.int64)
+        idx = np.asarray(indices_ds[int(ip[0]):int(ip[-1])], np.int64) if stop > start \
+            else np.zeros(0, np.int64)
+        ip, idx = self._checked(ip - ip[0], idx)
+        out = {"indptr": ip, "indices": idx, "x": self._read_features(start, stop),
+               "y": np.asarray(self.f["labels"][start:stop], np.int64)}
+        for m in MASKS:
+            out[m] = np.asarray(self.f[f"masks/{m}"][start:stop], bool)
+        return out
+
+    def _read_features(self, start: int, stop: int) -> np.ndarray:
+        fs = self.f["features"]
+        if not hasattr(fs, "keys"):
+            return np.asarray(fs[start:stop], np.float32)
+        ip = np.asarray(fs["indptr"][start:stop + 1], np.int64)
+        cols = np.asarray(fs["indices"][int(ip[0]):int(ip[-1])], np.int64)
+        vals = np.asarray(fs["data"][int(ip[0]):int(ip[-1])], np.float32)
+        dense = np.zeros((stop - start, self.num_features), np.float32)
+        rows = np.repeat(np.arange(stop - start), np.diff(ip))
+        dense[rows, cols] = vals
+        return dense
+
+
+def import_npz(src, out) -> dict:
+    """Convert a Planetoid-style ``.npz`` (edge_index, CSR x, y, train/val/test_idx) to a graph
+    file; returns a summary dict."""
+    try:
+        d = np.load(src)
+    except FileNotFoundError:
+        raise GraphFormatError(f"{src}: no such file") from None
+    need = ("edge_index", "x_indptr", "x_indices", "x_data", "x_shape", "y",
+            "train_idx", "val_idx", "test_idx")
+    missing = [k for k in need if k not in d.files]
+    if missing:
+        raise GraphFormatError(f"{src}: missing field(s) {', '.join(missing)} "
+                               f"(expected {', '.join(need)})")
+    y = d["y"]
+    n = int(y.shape[0])
+    e = check_edges(d["edge_index"], n, f"{src}: edge_index")
+    masks = {}
+    for m in MASKS:
+        mask = np.zeros(n, bool)
+        mask[d[f"{m}_idx"]] = True
+        masks[m] = mask
+    indptr, indices = edges_to_csr(e, n)
+    directed = not is_symmetric(indptr, indices, n)
+    write_graph(out, n, (d["x_indptr"], d["x_indices"], d["x_data"], d["x_shape"]), y, masks,
+                csr=(indptr, indices), directed=directed,
+                name=os.path.splitext(os.path.basename(str(src)))[0], source=str(src))
+    return {"nodes": n, "edges": int(indices.shape[0]), "features": int(d["x_shape"][1]),
+            "classes": int(y.max()) + 1, "directed": directed,
+            **{m: int(masks[m].sum()) for m in MASKS}}

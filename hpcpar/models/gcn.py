@@ -1,0 +1,70 @@
+"""GCN / GraphSAGE node classifier for full-graph training on a DistGraph.
+
+``GCN(in, hidden, out, num_layers=2, dropout=0.5)`` is Kipf & Welling's model: dropout on the
+input of every layer, ReLU between layers. ``model(x, graph)`` returns logits of the owned
+vertices. Dropout masks come from a hash of (seed, forward call, layer, GLOBAL vertex id,
+column) (:mod:`hpcpar.graph.dropout`), so a seed gives the same training at every rank count.
+
+``precompute=True`` computes the constant ``A·X`` of the first layer once (no halo exchange of
+the widest tensor per epoch). Input dropout then acts on ``A·X`` instead of ``X`` (a slightly
+different model); for the GCN first layer with ``dropout=0`` it is exact.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..graph.dropout import vertex_dropout
+from ..nn.graph import DistGCNConv, DistSAGEConv
+
+
+class GCN(nn.Module):
+    def __init__(self, in_channels: int, hidden_channels: int, out_channels: int,
+                 num_layers: int = 2, dropout: float = 0.5, conv: str = "gcn",
+                 precompute: bool = False, seed: int = 0, aggr: str = "mean"):
+        super().__init__()
+        if conv not in ("gcn", "sage"):
+            raise ValueError(f"GCN: conv={conv!r}, expected 'gcn' or 'sage'")
+        widths = [in_channels] + [hidden_channels] * (num_layers - 1) + [out_channels]
+        make = (lambda i, o: DistGCNConv(i, o)) if conv == "gcn" else \
+            (lambda i, o: DistSAGEConv(i, o, aggr=aggr))
+        self.convs = nn.ModuleList(make(i, o) for i, o in zip(widths[:-1], widths[1:]))
+        self.dropout, self.conv, self.precompute, self.seed = dropout, conv, precompute, seed
+        self.aggr = aggr
+        self.calls = 0  # training forward passes so far (drives the dropout masks)
+        self._agg = None
+
+    def first_aggregate(self, x: torch.Tensor, graph) -> torch.Tensor:
+        """The constant ``A·X`` of the first layer (cached per graph and input)."""
+        key = (id(graph), x.data_ptr(), tuple(x.shape))
+        if self._agg is None or self._agg[0] != key:
+            with torch.no_grad():
+                agg = graph.propagate(x, "gcn" if self.conv == "gcn" else self.aggr)
+            self._agg = (key, agg)
+        return self._agg[1]
+
+    def forward(self, x: torch.Tensor, graph) -> torch.Tensor:
+        call = self.calls
+        if self.training:
+            self.calls += 1
+
+        def drop(t, stream):
+            return vertex_dropout(t, self.dropout, graph.global_ids, self.seed, call, stream,
+                                  self.training)
+
+        for layer, conv in enumerate(self.convs):
+            if layer:
+                x = conv(drop(torch.relu(x), layer), graph)
+            elif self.precompute:
+                agg = drop(self.first_aggregate(x, graph), len(self.convs))
+                x = conv(drop(x, 0) if self.conv == "sage" else None, graph, agg=agg)
+            else:
+                x = conv(drop(x, 0), graph)
+        return x
+
+    def get_extra_state(self) -> dict:
+        return {"calls": self.calls}
+
+    def set_extra_state(self, state: dict) -> None:
+        self.calls = int(state.get("calls", 0))

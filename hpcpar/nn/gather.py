@@ -1,0 +1,146 @@
+"""Leaving the partitioned world: after these layers every rank of a spatial group holds the
+same (replicated) tensor, and the layers that follow run redundantly on each of them.
+
+Convention (the conjugate pair): ``SpatialGather`` is all-gather forward / own-slice backward;
+``SpatialAdaptiveAvgPool3d(1)`` is allreduce-mean forward / identity (broadcast) backward. The
+loss computed after them is the same on every spatial rank and counts ONCE, so the gradient
+flowing back into the partitioned part is each rank's slice, not a sum over ranks.
+
+Parameters of layers after a gather are complete on every rank: tag them with
+:func:`hpcpar.tags.tag_data_only` (``spatialize`` does) so the gradient sync does not sum them
+over the spatial group. Random layers there must draw the same numbers on every spatial rank:
+:class:`ReplicatedDropout` does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..comm import allreduce_
+from ..spatial import SpatialError, allgather_volume
+from ._base import SpatialModule
+
+
+class GatherPoint(nn.Identity):
+    """No-op marker in a plain model: "the tensor is gathered here". ``spatialize`` turns it
+    into :class:`SpatialGather`; single-process it does nothing."""
+
+    replicates = True
+
+    def spatial_twin(self, grid):
+        return SpatialGather(grid)
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, grid):
+        full, own = allgather_volume(x.detach(), grid)
+        ctx.own = own
+        return full
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[ctx.own].contiguous(), None
+
+
+class SpatialGather(SpatialModule, nn.Module):
+    """All-gather the partitioned ``(N, C, D, H, W)`` tensor into the full tensor on every rank
+    of the spatial group; backward returns the rank's own slice of the gradient."""
+
+    replicates = True
+
+    def __init__(self, grid):
+        nn.Module.__init__(self)
+        self.init_spatial(grid)
+
+    def forward(self, x):
+        if self.grid.spatial_size == 1:
+            return x
+        return _Gather.apply(x, self.grid)
+
+
+def _acc_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class _GlobalMean(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        acc = _acc_dtype(x.dtype)
+        n_local = x.shape[-3] * x.shape[-2] * x.shape[-1]
+        sums = x.sum(dim=(-3, -2, -1), dtype=acc).reshape(-1)
+        buf = torch.cat([sums, sums.new_full((1,), float(n_local))])
+        allreduce_(buf, comm)
+        count = buf[-1].item()
+        ctx.count, ctx.shape = count, x.shape
+        return (buf[:-1] / count).to(x.dtype).view(*x.shape[:-3], 1, 1, 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad / ctx.count).expand(ctx.shape).contiguous(), None
+
+
+class SpatialAdaptiveAvgPool3d(SpatialModule, nn.AdaptiveAvgPool3d):
+    """``nn.AdaptiveAvgPool3d(1)`` over the whole (partitioned) volume: the mean over all
+    voxels of the spatial group, replicated on every rank. Only output size 1 is supported."""
+
+    replicates = True
+
+    def __init__(self, output_size=1, *, grid):
+        sizes = (output_size,) * 3 if not isinstance(output_size, (tuple, list)) else output_size
+        if tuple(sizes) != (1, 1, 1):
+            raise SpatialError(f"SpatialAdaptiveAvgPool3d: output_size {output_size!r} is not "
+                               "supported, only 1 (a global pool); put hpcpar.nn.SpatialGather "
+                               "before other adaptive pools")
+        nn.AdaptiveAvgPool3d.__init__(self, output_size)
+        self.init_spatial(grid)
+
+    def forward(self, x):
+        if x.dim() not in (4, 5):
+            raise SpatialError(f"SpatialAdaptiveAvgPool3d: expected a 4D or 5D input, got "
+                               f"shape {tuple(x.shape)}")
+        return _GlobalMean.apply(x, self.grid.spatial_comm)
+
+
+class ReplicatedDropout(nn.Module):
+    """Dropout whose masks are identical on every rank of a spatial group (and differ between
+    data groups), so replicated layers stay replicated. ``feature=True`` drops whole channels
+    (``Dropout3d``), which is also correct on a partitioned tensor.
+
+    The generator is seeded once from the spatial root (collective at construction).
+    """
+
+    def __init__(self, p: float = 0.5, *, grid, feature: bool = False, inplace: bool = False):
+        super().__init__()
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
+        self.p, self.feature, self.inplace = p, feature, inplace
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+        self.seed = grid.spatial_comm.bcast(seed, root=0) + 1_000_003 * grid.coords[0]
+        self._generators = {}
+
+    def _generator(self, device):
+        key = str(device)
+        if key not in self._generators:
+            g = torch.Generator(device=device)
+            g.manual_seed(self.seed)
+            self._generators[key] = g
+        return self._generators[key]
+
+    def forward(self, x):
+        if not self.training or self.p == 0.0:
+            return x
+        if self.p == 1.0:
+            return x * 0.0
+        shape = (*x.shape[:2], *([1] * (x.dim() - 2))) if self.feature else x.shape
+        keep = torch.empty(shape, dtype=x.dtype, device=x.device)
+        keep.bernoulli_(1.0 - self.p, generator=self._generator(x.device))
+        keep.div_(1.0 - self.p)
+        return x.mul_(keep) if self.inplace else x * keep
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, feature={self.feature}, seed={self.seed}"
+
+
+__all__ = ["GatherPoint", "SpatialGather", "SpatialAdaptiveAvgPool3d", "ReplicatedDropout"]

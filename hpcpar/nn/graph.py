@@ -1,0 +1,78 @@
+"""Distributed graph convolutions over a :class:`hpcpar.graph.DistGraph`.
+
+Called as ``conv(x, graph)`` with ``x`` the OWNED rows; they return owned rows. Parameters are
+replicated; each rank's gradient is its partial sum, so the default gradient reduction
+("spatial+data": SUM over the graph's ranks, ``data == 1``) yields the exact gradient when the
+loss is divided by the GLOBAL number of training vertices (:func:`hpcpar.graph.masked_loss`).
+No tags are needed.
+
+Both layers aggregate whichever side is narrower: when ``in > out`` they transform first and
+exchange/aggregate ``out`` columns (A(XW) = (AX)W), else the other way round. ``agg=`` passes
+a precomputed aggregate (e.g. the constant A·X of the first layer).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class DistGCNConv(nn.Module):
+    """``out = D~^-1/2 (A+I) D~^-1/2 X W + b`` (Kipf & Welling), global degrees.
+
+    State-dict keys match PyG's ``GCNConv`` (``lin.weight``, ``bias``); Glorot weights, zero
+    bias.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, bias: bool = True):
+        super().__init__()
+        self.in_channels, self.out_channels = in_channels, out_channels
+        self.lin = nn.Linear(in_channels, out_channels, bias=False)
+        self.bias = nn.Parameter(torch.zeros(out_channels)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.xavier_uniform_(self.lin.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def forward(self, x: torch.Tensor, graph, agg: torch.Tensor | None = None) -> torch.Tensor:
+        if agg is not None:
+            out = self.lin(agg)
+        elif self.in_channels > self.out_channels:
+            out = graph.propagate(self.lin(x), "gcn")
+        else:
+            out = self.lin(graph.propagate(x, "gcn"))
+        return out + self.bias if self.bias is not None else out
+
+    def extra_repr(self) -> str:
+        return f"{self.in_channels}, {self.out_channels}, bias={self.bias is not None}"
+
+
+class DistSAGEConv(nn.Module):
+    """GraphSAGE: ``out = W_l · aggr_{j->i} x_j + b + W_r · x_i``; ``aggr="mean"`` divides the
+    neighbour sum by the GLOBAL in-degree. Keys match PyG's ``SAGEConv`` (``lin_l``,
+    ``lin_r``)."""
+
+    def __init__(self, in_channels: int, out_channels: int, aggr: str = "mean",
+                 bias: bool = True):
+        super().__init__()
+        if aggr not in ("mean", "sum"):
+            raise ValueError(f"DistSAGEConv: aggr={aggr!r}, expected 'mean' or 'sum'")
+        self.in_channels, self.out_channels, self.aggr = in_channels, out_channels, aggr
+        self.lin_l = nn.Linear(in_channels, out_channels, bias=bias)
+        self.lin_r = nn.Linear(in_channels, out_channels, bias=False)
+
+    def forward(self, x: torch.Tensor, graph, agg: torch.Tensor | None = None) -> torch.Tensor:
+        if agg is not None:
+            neigh = self.lin_l(agg)
+        elif self.in_channels > self.out_channels:
+            neigh = graph.propagate(x @ self.lin_l.weight.t(), self.aggr)
+            if self.lin_l.bias is not None:
+                neigh = neigh + self.lin_l.bias
+        else:
+            neigh = self.lin_l(graph.propagate(x, self.aggr))
+        return neigh + self.lin_r(x)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_channels}, {self.out_channels}, aggr={self.aggr!r}"

@@ -1,0 +1,128 @@
+"""Batch normalisation with statistics over the whole (partitioned) volume.
+
+Per channel, over N·D·H·W voxels of the spatial group (and of the data group with
+``include_data=True``, i.e. what one BatchNorm on the whole global batch would see):
+
+    forward   mean = Σx / M,  var = Σ(x - mean)² / M   (two allreduces: exact two-pass sums)
+              x̂ = (x - mean) / sqrt(var + eps),  y = γ x̂ + β
+    backward  dx = γ / sqrt(var + eps) · (dy - Σdy / M - x̂ · Σ(dy x̂) / M)   (one allreduce)
+              dγ = Σ_local dy x̂,  dβ = Σ_local dy   (partial: the gradient sync sums them)
+
+M is the global count. Running statistics are updated from the global mean and unbiased
+variance, so they are the same on every rank and equal to torch's on the whole batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..comm import allreduce_
+from ..spatial import SpatialError
+from ._base import SpatialModule
+
+
+def _acc_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class _GlobalBatchNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps, comm, name):
+        acc = _acc_dtype(x.dtype)
+        C = x.shape[1]
+        dims = [0] + list(range(2, x.dim()))
+        view = (1, C) + (1,) * (x.dim() - 2)
+        xa = x.detach().to(acc)
+        first = torch.empty(C + 1, dtype=acc, device=x.device)
+        first[:C] = xa.sum(dims)
+        first[C] = x.numel() // C if C else 0
+        allreduce_(first, comm)
+        count = int(round(first[C].item()))
+        if count <= 1:
+            raise SpatialError(f"{name}: expected more than 1 value per channel when training, "
+                               f"got {count} over the whole group (input {tuple(x.shape)})")
+        mean = first[:C] / count
+        xc = xa - mean.view(view)
+        m2 = (xc * xc).sum(dims)
+        allreduce_(m2, comm)
+        var = m2 / count
+        invstd = torch.rsqrt(var + eps)
+        xhat = xc.mul_(invstd.view(view))
+        y = xhat
+        if weight is not None:
+            y = y * weight.detach().to(acc).view(view)
+        if bias is not None:
+            y = y + bias.detach().to(acc).view(view)
+        if running_mean is not None:
+            with torch.no_grad():
+                running_mean.mul_(1 - momentum).add_((mean * momentum).to(running_mean.dtype))
+                unbiased = var * (count / (count - 1))
+                running_var.mul_(1 - momentum).add_((unbiased * momentum).to(running_var.dtype))
+        ctx.save_for_backward(x, weight, mean, invstd)
+        ctx.count, ctx.comm = count, comm
+        ctx.has_bias = bias is not None
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, mean, invstd = ctx.saved_tensors
+        acc = mean.dtype
+        C = x.shape[1]
+        dims = [0] + list(range(2, x.dim()))
+        view = (1, C) + (1,) * (x.dim() - 2)
+        dya = dy.to(acc)
+        xhat = (x.to(acc) - mean.view(view)).mul_(invstd.view(view))
+        sums = torch.stack([dya.sum(dims), (dya * xhat).sum(dims)])  # partial, this sub-volume
+        # partial gradients: copies, as ``sums`` is reduced in place below
+        d_weight = sums[1].to(weight.dtype, copy=True) if weight is not None else None
+        d_bias = sums[0].to(weight.dtype, copy=True) if ctx.has_bias else None
+        dx = None
+        if ctx.needs_input_grad[0]:
+            allreduce_(sums, ctx.comm)
+            scale = invstd if weight is None else invstd * weight.detach().to(acc)
+            dx = dya - (sums[0] / ctx.count).view(view) - xhat * (sums[1] / ctx.count).view(view)
+            dx = dx.mul_(scale.view(view)).to(x.dtype)
+        return dx, d_weight, d_bias, None, None, None, None, None, None
+
+
+class SpatialBatchNorm3d(SpatialModule, nn.BatchNorm3d):
+    """``nn.BatchNorm3d`` whose batch statistics cover the whole volume of the spatial group
+    (``include_data=True``: also every sample of the data group). Same arguments, state_dict
+    and running statistics as torch's; eval mode is purely local."""
+
+    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True,
+                 track_running_stats=True, device=None, dtype=None, *, grid,
+                 include_data: bool = False):
+        nn.BatchNorm3d.__init__(self, num_features, eps, momentum, affine, track_running_stats,
+                                device, dtype)
+        self.init_spatial(grid)
+        self.include_data = include_data
+
+    @property
+    def comm(self):
+        return self.grid.comm if self.include_data else self.grid.spatial_comm
+
+    def forward(self, x):
+        self._check_input_dim(x)
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:
+                factor = 1.0 / float(self.num_batches_tracked)
+        batch_stats = self.training or (self.running_mean is None and self.running_var is None)
+        if not batch_stats:
+            return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
+                                False, 0.0, self.eps)
+        update = self.training and self.running_mean is not None
+        return _GlobalBatchNorm.apply(
+            x, self.weight, self.bias, self.running_mean if update else None,
+            self.running_var if update else None, factor, self.eps, self.comm,
+            type(self).__name__)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", include_data={self.include_data}"
+
+
+__all__ = ["SpatialBatchNorm3d"]

@@ -1,0 +1,137 @@
+"""Spatially partitioned 3D max / average pooling (torch's MaxPool3d / AvgPool3d + ``grid=``).
+
+Each rank pools its halo-extended sub-volume with padding 0. Max pooling pads the global
+boundary with -inf (a padded cell never wins, like torch's implicit padding). ceil_mode's
+partial last window is covered by extending the halo/padding to the window's end.
+Average pooling sums windows and divides by torch's per-window divisor, which is separable:
+``count_include_pad`` counts cells inside [-p, N+p) (ceil_mode's overhang never counts),
+otherwise cells inside [0, N); ``divisor_override`` replaces it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..halo import HaloError, StencilOp, halo_stencil
+from ..partition import conv_axis_halo
+from ._base import SpatialModule, triple
+
+
+class _PoolMixin(SpatialModule):
+    """Halo geometry shared by the pools (kernel, stride, symmetric padding, ceil_mode)."""
+
+    def _geometry(self):
+        name = self.layer_name
+        k = triple(self.kernel_size, "kernel_size", name)
+        s = triple(self.stride if self.stride is not None else self.kernel_size, "stride", name)
+        p = triple(self.padding, "padding", name)
+        d = triple(getattr(self, "dilation", 1), "dilation", name)
+        for a in range(3):
+            if p[a] > k[a] // 2:  # torch's rule
+                raise HaloError(f"{name}: padding {p[a]} must be at most half the kernel "
+                                f"size {k[a]}")
+        return k, s, p, d
+
+    def axis_halos(self, axis, n):
+        k, s, p, d = self._geometry()
+        parts = self.grid.spatial_shape[axis]
+        return [conv_axis_halo(n, parts, i, k[axis], s[axis], p[axis], p[axis], d[axis],
+                               self.ceil_mode) for i in range(parts)]
+
+
+class MaxPoolOp(StencilOp):
+    def __init__(self, kernel, stride, dilation, out_shape):
+        self.kernel, self.stride, self.dilation, self.out_shape = kernel, stride, dilation, \
+            out_shape
+
+    def forward(self, ext):
+        if 0 in self.out_shape:
+            return ext.new_zeros((*ext.shape[:2], *self.out_shape))
+        return F.max_pool3d(ext, self.kernel, self.stride, 0, self.dilation)
+
+
+class SpatialMaxPool3d(_PoolMixin, nn.MaxPool3d):
+    """``torch.nn.MaxPool3d`` over a spatially split volume (ceil_mode, dilation, padding)."""
+
+    def __init__(self, kernel_size, stride=None, padding=0, dilation=1, return_indices=False,
+                 ceil_mode=False, *, grid):
+        nn.MaxPool3d.__init__(self, kernel_size, stride, padding, dilation, return_indices,
+                              ceil_mode)
+        if return_indices:
+            raise HaloError(f"{self.layer_name}: return_indices=True is not supported (local "
+                            f"indices would not address the global volume)")
+        self.init_spatial(grid)
+        self._geometry()
+
+    def make_extra(self, global_shape, halos):
+        k, s, _, d = self._geometry()
+        return MaxPoolOp(k, s, d, tuple(h.out[1] - h.out[0] for h in halos))
+
+    def forward(self, x):
+        entry = self.spatial_plan(x)
+        return halo_stencil(x, entry.halo, entry.extra, pad_value=float("-inf"))
+
+
+def avg_divisors(halo, kernel, stride, padding, count_include_pad) -> list[int]:
+    """torch's avg-pool divisor along one axis for each owned output (global rule)."""
+    out = []
+    for o in range(*halo.out):
+        start = o * stride - padding
+        end = min(start + kernel, halo.n_in + padding)
+        if count_include_pad:
+            out.append(end - start)
+        else:
+            out.append(min(end, halo.n_in) - max(start, 0))
+    return out
+
+
+class AvgPoolOp(StencilOp):
+    """Window sums divided by a (separable) divisor tensor, or plain avg_pool when every
+    owned window's divisor is the full kernel volume."""
+
+    def __init__(self, kernel, stride, out_shape, divisor=None, override=None):
+        self.kernel, self.stride, self.out_shape = kernel, stride, out_shape
+        self.divisor, self.override = divisor, override
+
+    def forward(self, ext):
+        if 0 in self.out_shape:
+            return ext.new_zeros((*ext.shape[:2], *self.out_shape))
+        if self.divisor is None:
+            return F.avg_pool3d(ext, self.kernel, self.stride, 0, False, True, self.override)
+        sums = F.avg_pool3d(ext, self.kernel, self.stride, 0, False, True, 1)
+        return sums / self.divisor.to(device=ext.device, dtype=ext.dtype)
+
+
+class SpatialAvgPool3d(_PoolMixin, nn.AvgPool3d):
+    """``torch.nn.AvgPool3d`` over a spatially split volume (ceil_mode, count_include_pad,
+    divisor_override)."""
+
+    def __init__(self, kernel_size, stride=None, padding=0, ceil_mode=False,
+                 count_include_pad=True, divisor_override=None, *, grid):
+        nn.AvgPool3d.__init__(self, kernel_size, stride, padding, ceil_mode,
+                              count_include_pad, divisor_override)
+        self.init_spatial(grid)
+        self._geometry()
+
+    def make_extra(self, global_shape, halos):
+        k, s, p, _ = self._geometry()
+        shape = tuple(h.out[1] - h.out[0] for h in halos)
+        if self.divisor_override:
+            return AvgPoolOp(k, s, shape, override=self.divisor_override)
+        divs = [avg_divisors(h, k[a], s[a], p[a], self.count_include_pad)
+                for a, h in enumerate(halos)]
+        if all(v == k[a] for a, d in enumerate(divs) for v in d):
+            return AvgPoolOp(k, s, shape)
+        t = torch.tensor(divs[0], dtype=torch.float64).view(-1, 1, 1) * \
+            torch.tensor(divs[1], dtype=torch.float64).view(1, -1, 1) * \
+            torch.tensor(divs[2], dtype=torch.float64).view(1, 1, -1)
+        return AvgPoolOp(k, s, shape, divisor=t)
+
+    def forward(self, x):
+        entry = self.spatial_plan(x)
+        return halo_stencil(x, entry.halo, entry.extra, pad_value=0.0)
+
+
+__all__ = ["SpatialMaxPool3d", "SpatialAvgPool3d", "MaxPoolOp", "AvgPoolOp", "avg_divisors"]

@@ -1,0 +1,49 @@
+"""Optimizer and learning-rate schedule from a job's ``[train]`` section."""
+
+from __future__ import annotations
+
+import math
+
+
+def build_optimizer(train, param_groups):
+    """sgd (momentum, weight_decay), adam or adamw (beta1, beta2, weight_decay) at ``lr``.
+    Keys set inside a param group (e.g. its own weight_decay) win over the job's."""
+    import torch
+
+    common = {"lr": train.lr, "weight_decay": train.weight_decay}
+    if train.optimizer == "sgd":
+        return torch.optim.SGD(param_groups, momentum=train.momentum, **common)
+    cls = torch.optim.Adam if train.optimizer == "adam" else torch.optim.AdamW
+    return cls(param_groups, betas=(train.beta1, train.beta2), **common)
+
+
+class LRFactor:
+    """Multiplier of the peak lr at optimizer step ``s`` (0-based): linear warmup over
+    ``warmup_steps``, then constant ('constant'/'warmup'), cosine down to ``min_lr``, or step
+    decay by ``lr_gamma`` every ``lr_step_every`` steps. A picklable callable, so LambdaLR's
+    state_dict round-trips."""
+
+    def __init__(self, train, total_steps: int):
+        self.schedule = train.lr_schedule
+        self.warmup = int(train.warmup_steps)
+        self.total = int(total_steps)
+        self.floor = (train.min_lr / train.lr) if train.lr > 0 else 0.0
+        self.every = int(train.lr_step_every)
+        self.gamma = float(train.lr_gamma)
+
+    def __call__(self, s: int) -> float:
+        if self.warmup and s < self.warmup:
+            return (s + 1) / self.warmup
+        t = s - self.warmup
+        if self.schedule == "cosine":
+            progress = min(1.0, t / max(1, self.total - self.warmup))
+            return self.floor + (1 - self.floor) * 0.5 * (1 + math.cos(math.pi * progress))
+        if self.schedule == "step":
+            return self.gamma ** (t // self.every)
+        return 1.0
+
+
+def build_scheduler(optimizer, train, total_steps: int):
+    import torch
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, LRFactor(train, total_steps))

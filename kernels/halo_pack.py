@@ -1,0 +1,199 @@
+"""Halo face pack / unpack / add-unpack: strided 3D face of a (N, C, D, H, W) buffer <->
+contiguous message buffer.
+
+CUDA: Numba ``cuda.jit`` kernels, one thread per element (tested under
+``NUMBA_ENABLE_CUDASIM=1``). CPU: ``njit(parallel=True, cache=True)`` twins. Which CPU path
+is used is decided by measurement (benchmarks/spatial.py): torch's strided copy already runs
+at memory speed on faces whose rows are long (x and y faces), while faces with short rows (a
+few items of the fastest axis, the z face) and the fused read-add-write of the backward
+favour the Numba loop. ``HPCPAR_HALO_KERNELS=torch|numba`` forces a path.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+from numba import njit, prange
+
+# --------------------------------------------------------------------------------------------
+# CPU twins (4D: batch*channels merged, then the face's 3 spatial dims)
+# --------------------------------------------------------------------------------------------
+
+
+@njit(parallel=True, cache=True)
+def pack_cpu(src, out):
+    """out[...] = src[...] (src strided, out contiguous; same 4D shape)."""
+    n0, n1, n2, n3 = src.shape
+    for p in prange(n0 * n1):
+        i, j = p // n1, p % n1
+        for k in range(n2):
+            for m in range(n3):
+                out[i, j, k, m] = src[i, j, k, m]
+
+
+@njit(parallel=True, cache=True)
+def unpack_cpu(dst, buf):
+    """dst[...] = buf[...] (dst strided view of the halo buffer)."""
+    n0, n1, n2, n3 = dst.shape
+    for p in prange(n0 * n1):
+        i, j = p // n1, p % n1
+        for k in range(n2):
+            for m in range(n3):
+                dst[i, j, k, m] = buf[i, j, k, m]
+
+
+@njit(parallel=True, cache=True)
+def add_unpack_cpu(dst, buf):
+    """dst[...] += buf[...] (backward: ghost gradients added into the owner's cells)."""
+    n0, n1, n2, n3 = dst.shape
+    for p in prange(n0 * n1):
+        i, j = p // n1, p % n1
+        for k in range(n2):
+            for m in range(n3):
+                dst[i, j, k, m] += buf[i, j, k, m]
+
+
+# --------------------------------------------------------------------------------------------
+# CUDA kernels (flat index over the face; the face is the contiguous side)
+# --------------------------------------------------------------------------------------------
+_CUDA = None
+
+
+def cuda_kernels():
+    """(pack, unpack, add_unpack) CUDA kernels, compiled lazily (needs numba-cuda)."""
+    global _CUDA
+    if _CUDA is None:
+        from numba import cuda
+
+        def _index(t, shape):
+            n3 = shape[3]
+            n2 = shape[2]
+            n1 = shape[1]
+            m = t % n3
+            t //= n3
+            k = t % n2
+            t //= n2
+            return t // n1, t % n1, k, m
+
+        index = cuda.jit(device=True)(_index)
+
+        @cuda.jit
+        def pack(src, out):
+            t = cuda.grid(1)
+            if t < out.size:
+                i, j, k, m = index(t, src.shape)
+                out[i, j, k, m] = src[i, j, k, m]
+
+        @cuda.jit
+        def unpack(dst, buf):
+            t = cuda.grid(1)
+            if t < buf.size:
+                i, j, k, m = index(t, dst.shape)
+                dst[i, j, k, m] = buf[i, j, k, m]
+
+        @cuda.jit
+        def add_unpack(dst, buf):
+            t = cuda.grid(1)
+            if t < buf.size:
+                i, j, k, m = index(t, dst.shape)
+                dst[i, j, k, m] += buf[i, j, k, m]
+
+        _CUDA = (pack, unpack, add_unpack)
+    return _CUDA
+
+
+THREADS = 256
+
+
+def launch(kernel, a, b, stream=0):
+    """Launch a CUDA face kernel over ``b``'s elements (``a``, ``b``: device arrays)."""
+    n = int(np.prod(b.shape))
+    if n:
+        kernel[(n + THREADS - 1) // THREADS, THREADS, stream](a, b)
+
+
+def _torch_stream(t: torch.Tensor):
+    """Numba view of torch's current stream, so kernels order with torch's work."""
+    from numba import cuda
+
+    return cuda.external_stream(torch.cuda.current_stream(t.device).cuda_stream)
+
+
+# --------------------------------------------------------------------------------------------
+# torch-facing dispatch
+# --------------------------------------------------------------------------------------------
+_NUMPY_OK = (torch.float32, torch.float64, torch.int32, torch.int64, torch.int16, torch.int8,
+             torch.uint8)
+_AS_INT = {torch.bfloat16: torch.int16, torch.float16: torch.int16}  # copies only: bits
+
+
+def _mode() -> str:
+    return os.environ.get("HPCPAR_HALO_KERNELS", "auto")
+
+
+def _as4d(t: torch.Tensor) -> torch.Tensor:
+    """Merge batch and channels (a view: regions slice spatial dims only)."""
+    t = t.view(_AS_INT[t.dtype]) if t.dtype in _AS_INT else t
+    return t.flatten(0, 1) if t.dim() == 5 else t
+
+
+def _use_numba_cpu(view: torch.Tensor, add: bool) -> bool:
+    mode = _mode()
+    if mode == "torch" or view.device.type != "cpu":
+        return False
+    if view.dtype not in _NUMPY_OK and (add or view.dtype not in _AS_INT):
+        return False
+    if mode == "numba":
+        return True
+    # auto: short rows (z faces) or the fused add; long rows copy at memory speed in torch
+    return add or view.shape[-1] < 16
+
+
+def _use_cuda(view: torch.Tensor) -> bool:
+    if view.device.type != "cuda" or _mode() == "torch":
+        return False
+    try:
+        from numba import cuda
+
+        return cuda.is_available()
+    except Exception:  # pragma: no cover - numba-cuda missing
+        return False
+
+
+def pack(view: torch.Tensor) -> torch.Tensor:
+    """Contiguous copy of the strided face ``view``."""
+    if view.is_contiguous():
+        return view.clone()
+    out = torch.empty(view.shape, dtype=view.dtype, device=view.device)
+    if _use_numba_cpu(view, False):
+        pack_cpu(_as4d(view).numpy(), _as4d(out).numpy())
+    elif _use_cuda(view):
+        from numba import cuda
+
+        launch(cuda_kernels()[0], cuda.as_cuda_array(_as4d(view)), cuda.as_cuda_array(_as4d(out)),
+               _torch_stream(view))
+    else:
+        out.copy_(view)
+    return out
+
+
+def unpack(view: torch.Tensor, buf: torch.Tensor, add: bool = False) -> None:
+    """``view[...] = buf`` (or ``+=`` with ``add``); ``buf`` contiguous, same shape."""
+    buf = buf.view(view.shape)
+    if _use_numba_cpu(view, add):
+        (add_unpack_cpu if add else unpack_cpu)(_as4d(view).numpy(), _as4d(buf).numpy())
+    elif _use_cuda(view):
+        from numba import cuda
+
+        k = cuda_kernels()[2 if add else 1]
+        launch(k, cuda.as_cuda_array(_as4d(view)), cuda.as_cuda_array(_as4d(buf)), _torch_stream(view))
+    elif add:
+        view.add_(buf)
+    else:
+        view.copy_(buf)
+
+
+__all__ = ["pack", "unpack", "pack_cpu", "unpack_cpu", "add_unpack_cpu", "cuda_kernels",
+           "launch"]

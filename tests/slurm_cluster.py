@@ -1,0 +1,371 @@
+"""A private single-node Slurm cluster for the tests (Debian's slurmctld/slurmd + munge).
+
+``slurm_cluster`` is a session-scoped pytest fixture: it writes a ``slurm.conf`` into a
+temporary directory, starts munged (own key and socket), slurmctld and slurmd there, waits for
+the node to be idle, and at the end of the session stops exactly the PIDs it started. Client
+commands must see ``SLURM_CONF``: use :meth:`SlurmCluster.env` / :meth:`SlurmCluster.run`.
+
+Where Slurm cannot start (not root, packages missing) the tests skip with the reason; with
+``CI=true`` they fail instead, because CI installs the packages (.ci/setup.d/10-slurm.sh).
+Configuration facts (Slurm 22.05 as root without cgroups): proctrack/pgid + task/none,
+select/cons_tres so jobs share the node, no scheduling delay, kill_invalid_depend, the node
+advertises more CPUs than it has (config_overrides), jobcomp/filetxt instead of slurmdbd.
+Run ``python tests/slurm_cluster.py`` to start one by hand (it prints the SLURM_CONF to export).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from hpcpar.submit import parse_scontrol
+
+DAEMONS = ("munged", "slurmctld", "slurmd")
+CLIENTS = ("sbatch", "scontrol", "squeue", "scancel", "srun", "sinfo")
+NODE_CPUS = 8
+PARTITION = "debug"
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+            "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
+
+
+class SlurmUnavailable(RuntimeError):
+    """Slurm cannot be started here (the reason is the message)."""
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _find(name: str) -> str | None:
+    return shutil.which(name, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin")
+
+
+def slurm_conf(root: Path, node: str, ports: list[int], munge_socket: Path,
+               first_job_id: int) -> str:
+    """The cluster's slurm.conf: one node ``node`` at 127.0.0.1 in partition ``debug``.
+    Job ids start at a random ``first_job_id``: MPICH names its shared memory after
+    "jobid.stepid", and segments leaked by an earlier session's job 1 would hang this one's."""
+    return f"""\
+ClusterName=hpcpartest
+FirstJobId={first_job_id}
+SlurmctldHost={node}(127.0.0.1)
+SlurmctldPort={ports[0]}
+SlurmdPort={ports[1]}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={munge_socket}
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd.pid
+SlurmctldLogFile={root}/slurmctld.log
+SlurmdLogFile={root}/slurmd.log
+SlurmctldDebug=info
+SlurmdDebug=info
+ProctrackType=proctrack/pgid
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SchedulerType=sched/backfill
+SchedulerParameters=batch_sched_delay=0,sched_min_interval=0
+DependencyParameters=kill_invalid_depend
+SlurmdParameters=config_overrides
+MpiDefault=none
+ReturnToService=2
+JobCompType=jobcomp/filetxt
+JobCompLoc={root}/jobcomp.txt
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+MinJobAge=600
+KillWait=5
+InactiveLimit=0
+Waittime=0
+MessageTimeout=20
+NodeName={node} NodeAddr=127.0.0.1 CPUs={NODE_CPUS} Sockets=1 CoresPerSocket={NODE_CPUS} \
+ThreadsPerCore=1 RealMemory=1000 State=UNKNOWN
+PartitionName={PARTITION} Nodes={node} Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+class SlurmCluster:
+    """A running private cluster: its directory, slurm.conf and the PIDs it started."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.conf = self.root / "slurm.conf"
+        self.node = socket.gethostname().split(".")[0]
+        self.partition = PARTITION
+        self.pids: dict[str, int] = {}
+
+    # -- clients ---------------------------------------------------------------------------
+    def env(self, base: dict | None = None) -> dict:
+        """An environment for client commands (and ``hpcpar submit``) aimed at this cluster."""
+        env = dict(os.environ if base is None else base)
+        for key in [k for k in env if k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_"))]:
+            del env[key]
+        env["SLURM_CONF"] = str(self.conf)
+        return env
+
+    def run(self, *args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
+        proc = subprocess.run(list(args), env=self.env(), capture_output=True, text=True,
+                              timeout=timeout)
+        if check and proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(args)} failed ({proc.returncode}): "
+                               f"{proc.stderr.strip()}")
+        return proc
+
+    def sbatch(self, *args: str) -> str:
+        """Submit with ``sbatch --parsable``; return the job id."""
+        return self.run("sbatch", "--parsable", *args).stdout.strip().split(";")[0]
+
+    def job(self, job_id: str) -> dict:
+        """``scontrol show job`` as a dict (one dict; for an array the first task)."""
+        return self.jobs(job_id)[0]
+
+    def jobs(self, job_id: str) -> list[dict]:
+        out = self.run("scontrol", "show", "job", "--oneliner", str(job_id)).stdout
+        return [parse_scontrol(line) for line in out.splitlines() if line.strip()]
+
+    def wait(self, job_id: str, timeout: float = 120, states=TERMINAL) -> dict:
+        """Poll until every job (array task) of ``job_id`` is in ``states``; return the first."""
+        deadline = time.monotonic() + timeout
+        while True:
+            jobs = self.jobs(job_id)
+            if all(j.get("JobState") in states for j in jobs):
+                return jobs[0]
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} not in {sorted(states)} after {timeout}s: "
+                                   + "; ".join(f"{j['JobId']} {j.get('JobState')} "
+                                               f"{j.get('Reason')}" for j in jobs)
+                                   + "\n" + self.log_tail())
+            time.sleep(0.25)
+
+    def log_tail(self, n: int = 15) -> str:
+        parts = []
+        for name in ("slurmctld.log", "slurmd.log"):
+            path = self.root / name
+            if path.exists():
+                lines = path.read_text(errors="replace").splitlines()[-n:]
+                parts.append(f"--- {name}\n" + "\n".join(lines))
+        return "\n".join(parts)
+
+    # -- life cycle ------------------------------------------------------------------------
+    def start(self, timeout: float = 60) -> "SlurmCluster":
+        missing = [d for d in DAEMONS + CLIENTS if not _find(d)]
+        if missing:
+            raise SlurmUnavailable(f"Slurm/munge not installed (missing {', '.join(missing)}; "
+                                   "see .ci/setup.d/10-slurm.sh)")
+        if os.geteuid() != 0:
+            raise SlurmUnavailable("the private Slurm cluster needs root (slurmd as root)")
+        for sub in ("state", "spool", "munge"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        munge_dir = self.root / "munge"
+        munge_dir.chmod(0o700)
+        key = munge_dir / "munge.key"
+        key.write_bytes(os.urandom(128))
+        key.chmod(0o400)
+        sock = munge_dir / "munge.socket"
+        self.conf.write_text(slurm_conf(self.root, self.node, _free_ports(2), sock,
+                                        random.randrange(10_000, 60_000_000)))
+        atexit.register(self.stop)
+        self._spawn("munged", [_find("munged"), "-F", "-f", f"--socket={sock}",
+                               f"--key-file={key}", f"--log-file={munge_dir}/munged.log",
+                               f"--pid-file={munge_dir}/munged.pid",
+                               f"--seed-file={munge_dir}/munged.seed"])
+        self._until(lambda: sock.exists(), 10, "munged socket")
+        self._spawn("slurmctld", [_find("slurmctld"), "-D", "-i", "-f", str(self.conf)])
+        self._until(lambda: self.run("scontrol", "ping", check=False).returncode == 0,
+                    timeout, "slurmctld to answer")
+        self._spawn("slurmd", [_find("slurmd"), "-D", "-N", self.node, "-f", str(self.conf)])
+        self._until(self._node_ready, timeout, f"node {self.node} to become idle")
+        return self
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        log = open(self.root / f"{name}.stdout", "wb")
+        env = self.env()
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        log.close()
+        self.pids[name] = proc.pid
+        self._procs = getattr(self, "_procs", {})
+        self._procs[name] = proc
+
+    def _until(self, ok, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not ok():
+            for name, proc in getattr(self, "_procs", {}).items():
+                if proc.poll() is not None:
+                    raise SlurmUnavailable(f"{name} exited with {proc.returncode} while waiting "
+                                           f"for {what}:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                raise SlurmUnavailable(f"timed out waiting for {what}:\n{self.log_tail()}")
+            time.sleep(0.2)
+
+    def _node_ready(self) -> bool:
+        out = self.run("sinfo", "-h", "-N", "-o", "%T", check=False).stdout.strip()
+        return out.startswith("idle") or out.startswith("mixed")
+
+    def stop(self) -> None:
+        """Cancel the jobs, stop the daemons this object started (by PID), then end any job
+        process of this cluster that outlived them (found by its SLURM_CONF). The temporary
+        directory is left to its owner (pytest's tmp_path_factory)."""
+        procs = getattr(self, "_procs", {})
+        if not procs:
+            return
+        if "slurmctld" in procs and procs["slurmctld"].poll() is None:
+            self.run("scancel", "--full", check=False, timeout=10)
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:
+                q = self.run("squeue", "-h", "-o", "%i", check=False, timeout=10)
+                if q.returncode != 0 or not q.stdout.strip():
+                    break
+                time.sleep(0.2)
+        for name in ("slurmd", "slurmctld", "munged"):
+            proc = procs.get(name)
+            if proc is None or proc.poll() is not None:
+                continue
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+        procs.clear()
+        for pid in self._leftover_pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+    def _leftover_pids(self) -> list[int]:
+        """slurmstepd and job processes started for this cluster (their environment names
+        this cluster's slurm.conf)."""
+        mark = f"SLURM_CONF={self.conf}".encode()
+        pids = []
+        for d in Path("/proc").iterdir():
+            if not d.name.isdigit() or int(d.name) == os.getpid():
+                continue
+            try:
+                if mark in (d / "environ").read_bytes().split(b"\0"):
+                    pids.append(int(d.name))
+            except OSError:
+                continue
+        return pids
+
+
+# -- helpers shared by the sbatch/Slurm tests ---------------------------------------------------
+TEST_KIND = "sbatch-test"
+TEST_JOB = """\
+# a job file for the sbatch tests: validated by hpcpar, never trained (kind sbatch-test)
+[job]
+name = "cosmo"
+[model]
+kind = "sbatch-test"
+[train]
+steps = 10
+global_batch = 64
+"""
+
+# Stands in for ``python`` in rendered scripts (no torch start-up): records its argv (NUL
+# separated) and Slurm variables into the run dir (--run-dir, or -o for the report), then
+# behaves as `--set job.name=...` says: fail -> exit 1; preempt -> on the first start wait
+# for SIGUSR1, "checkpoint" and exit 3, on a restart finish.
+STUB_PYTHON = r"""#!/bin/bash
+out=""; prev=""
+for a in "$@"; do
+    if [ "$prev" = --run-dir ] || [ "$prev" = -o ]; then out=$a; fi
+    prev=$a
+done
+mkdir -p "$out"
+tag="${SLURM_PROCID:-0}.${SLURM_RESTART_COUNT:-0}"
+printf '%s\0' "$@" > "$out/argv.$tag"
+env | grep -E '^SLURM_(PROCID|LOCALID|NTASKS|ARRAY_TASK_ID|JOB_ID|RESTART_COUNT|CPUS_PER_TASK|STEP_ID)=' | sort > "$out/env.$tag"
+case "$*" in
+    *job.name=fail*) exit 1 ;;
+    *job.name=preempt*)
+        if [ "${SLURM_RESTART_COUNT:-0}" = 0 ]; then
+            trap 'touch "$out/checkpointed.$tag"; exit 3' USR1
+            touch "$out/ready.$tag"
+            while :; do sleep 0.1; done
+        fi ;;
+esac
+exit 0
+"""
+
+
+def register_test_kind() -> None:
+    """A model kind without parameters, so job validation does not depend on real models."""
+    from hpcpar.workload import register_workload
+
+    class SbatchTestKind:
+        model_params: dict = {}
+        data_params: dict = {}
+
+    register_workload(TEST_KIND, SbatchTestKind)
+
+
+def write_test_job(path: Path) -> Path:
+    register_test_kind()
+    path.write_text(TEST_JOB)
+    return path
+
+
+def write_stub_python(path: Path) -> Path:
+    path.write_text(STUB_PYTHON)
+    path.chmod(0o755)
+    return path
+
+
+def read_argv(path: Path) -> list[str]:
+    return path.read_bytes().decode().split("\0")[:-1]
+
+
+_CLUSTER: SlurmCluster | None = None
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(request, tmp_path_factory) -> SlurmCluster:
+    """One private cluster per test session (shared by every module that imports this)."""
+    global _CLUSTER
+    if _CLUSTER is None:
+        root = Path(tempfile.mkdtemp(prefix="slurm-", dir=tmp_path_factory.getbasetemp()))
+        cluster = SlurmCluster(root)
+        try:
+            cluster.start()
+        except SlurmUnavailable as exc:
+            cluster.stop()
+            if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+                pytest.fail(f"Slurm must run in CI: {exc}", pytrace=False)
+            pytest.skip(f"no Slurm here: {exc}")
+        request.addfinalizer(cluster.stop)
+        _CLUSTER = cluster
+    return _CLUSTER
+
+
+if __name__ == "__main__":  # start one by hand: python tests/slurm_cluster.py
+    c = SlurmCluster(Path(tempfile.mkdtemp(prefix="slurm-"))).start()
+    print(f"export SLURM_CONF={c.conf}   # Ctrl-C stops the cluster")
+    try:
+        signal.pause()
+    except KeyboardInterrupt:
+        c.stop()

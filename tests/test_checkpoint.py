@@ -1,0 +1,122 @@
+"""Checkpoints: atomic layout, manifest checksums, keep-K, corrupt fallback, full state dict
+hooks, RNG round trip, weights_only loading into the plain model."""
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from hpcpar import checkpoint as ckpt
+
+
+@pytest.fixture
+def comm():
+    from mpi4py import MPI
+
+    return MPI.COMM_SELF
+
+
+def _save(comm, d, step, model, keep=2):
+    return ckpt.save(d, step, comm=comm, model_state=ckpt.full_state_dict(model),
+                     trainer_state={"step": step}, rank_state={"rng": ckpt.rng_state()},
+                     info={"grid": "1x1x1x1"}, keep=keep)
+
+
+def test_layout_keep_and_weights_only(tmp_path, comm):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    for step in (2, 4, 6):
+        path = _save(comm, tmp_path, step, model)
+    assert path.name == "step-000006"
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step-000006", "step-000004"]
+    assert sorted(p.name for p in path.iterdir()) == ["manifest.json", "model.pt",
+                                                      "rank-00000.pt", "trainer.pt"]
+    manifest = ckpt.verify(path)
+    assert manifest["step"] == 6 and manifest["world_size"] == 1
+    assert set(manifest["files"]) == {"model.pt", "rank-00000.pt", "trainer.pt"}
+    assert not list(tmp_path.glob(".tmp-*"))
+    plain = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    plain.load_state_dict(torch.load(path / "model.pt", weights_only=True))
+    for a, b in zip(plain.state_dict().values(), model.state_dict().values()):
+        assert torch.equal(a, b)
+    man, model_sd, trainer_sd, rank_sd = ckpt.load(path, 0)
+    assert trainer_sd == {"step": 6} and set(rank_sd) == {"rng"}
+
+
+def test_corrupt_newest_falls_back_with_warning(tmp_path, comm):
+    model = nn.Linear(2, 2)
+    for step in (1, 2, 3):
+        _save(comm, tmp_path, step, model, keep=3)
+    # a leftover temporary directory from a crash mid-write is never picked
+    (tmp_path / ".tmp-step-000009").mkdir()
+    newest = tmp_path / "step-000003" / "model.pt"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    (tmp_path / "step-000002" / "manifest.json").write_text("{not json")
+    logged = []
+    with pytest.warns(RuntimeWarning, match="corrupt"):
+        chosen = ckpt.find_resumable(tmp_path, comm, log=logged.append)
+    assert chosen.name == "step-000001"
+    assert any("step-000003: model.pt is corrupt" in m for m in logged)
+    assert any("step-000002: unreadable manifest" in m for m in logged)
+    (tmp_path / "step-000001" / "rank-00000.pt").unlink()
+    with pytest.warns(RuntimeWarning):
+        assert ckpt.find_resumable(tmp_path, comm, log=logged.append) is None
+    assert ckpt.find_resumable(tmp_path / "missing", comm) is None
+
+
+def test_incompatible_grid_is_a_user_error(tmp_path, comm):
+    path = _save(comm, tmp_path, 1, nn.Linear(2, 2))
+    with pytest.raises(ckpt.CheckpointError, match="written by grid 1x1x1x1"):
+        ckpt.check_compatible(path, 2, "2x1x1x1")
+
+
+class Sharded(nn.Module):
+    """A stand-in for a tensor-parallel layer: stores half a weight, gathers on request."""
+
+    def __init__(self):
+        super().__init__()
+        self.part = nn.Parameter(torch.arange(4.0))
+
+    def full_state_dict(self):
+        return {"weight": torch.cat([self.part.detach(), self.part.detach() + 10])}
+
+    def load_full_state_dict(self, sd):
+        with torch.no_grad():
+            self.part.copy_(sd["weight"][:4])
+
+
+def test_full_state_dict_hooks_roundtrip():
+    model = nn.Sequential(nn.Linear(2, 2), Sharded())
+    sd = ckpt.full_state_dict(model)
+    assert set(sd) == {"0.weight", "0.bias", "1.weight"} and sd["1.weight"].shape == (8,)
+    other = nn.Sequential(nn.Linear(2, 2), Sharded())
+    with torch.no_grad():
+        other[1].part.zero_()
+    ckpt.load_full_state_dict(other, sd)
+    assert torch.equal(other[1].part, model[1].part)
+    assert torch.equal(other[0].weight, model[0].weight)
+    with pytest.raises(ckpt.CheckpointError, match="does not fit"):
+        ckpt.load_full_state_dict(nn.Sequential(nn.Linear(2, 3), Sharded()),
+                                  {k: v for k, v in sd.items() if k != "0.bias"})
+
+
+def test_rng_state_roundtrip_weights_only(tmp_path):
+    state = ckpt.rng_state()
+    torch.save(state, tmp_path / "rng.pt")
+    expect = (random.random(), np.random.rand(), torch.rand(3))
+    random.random(), np.random.rand(), torch.rand(5)  # move on
+    ckpt.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    got = (random.random(), np.random.rand(), torch.rand(3))
+    assert got[0] == expect[0] and got[1] == expect[1] and torch.equal(got[2], expect[2])
+
+
+def test_manifest_is_json_with_checksums(tmp_path, comm):
+    path = _save(comm, tmp_path, 5, nn.Linear(1, 1))
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert all(len(v["sha256"]) == 64 and v["bytes"] > 0 for v in manifest["files"].values())
+    assert manifest["grid"] == "1x1x1x1" and manifest["format"] == ckpt.FORMAT_VERSION

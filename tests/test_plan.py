@@ -1,0 +1,89 @@
+"""The planner: grid enumeration, cost terms on hand-made layer lists, infeasible grids,
+machine files, and the CLI on a 512^3 CosmoFlow job for 1024 frontier-class GPUs."""
+
+import math
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hpcpar.machine import Link, Machine, MachineError, load_machine
+from hpcpar.planner import Layer, Workload, allreduce_time, grids, predict
+
+M = Machine("test", ranks_per_node=4, flops=1e9, mem_bw=1e10, mem_per_rank=1e9, io_bw=1e9,
+            intra=Link(1e-6, 1e9), inter=Link(1e-5, 1e8))
+
+
+def conv(c_in, c_out, n, k=3, stride=1):
+    out = (n - k + 2 * (k // 2)) // stride + 1
+    return Layer("conv", True, (c_in, n, n, n), (c_out, out, out, out),
+                 c_in * c_out * k**3 + c_out, (k,) * 3, (stride,) * 3,
+                 2.0 * c_out * out**3 * c_in * k**3)
+
+
+def test_grids_enumerates_every_factorisation():
+    for n in (1, 2, 6, 8, 12):
+        gs = list(grids(n))
+        assert all(math.prod(g) == n for g in gs) and len(set(gs)) == len(gs)
+        brute = [(d, x, y, z) for d in range(1, n + 1) for x in range(1, n + 1)
+                 for y in range(1, n + 1) for z in range(1, n + 1) if d * x * y * z == n]
+        assert sorted(gs) == sorted(brute)
+
+
+def test_cost_terms():
+    work = Workload("t", [conv(4, 8, 32)], (4, 32, 32, 32), global_batch=4)
+    one = predict(work, (1, 1, 1, 1), M)
+    assert one.feasible and one.t_halo == 0 and one.t_allreduce == 0
+    assert one.t_compute == pytest.approx(
+        3 * work.layers[0].flops * 4 / M.flops + 3 * (4 + 8) * 32**3 * 4 * 4 / M.mem_bw)
+    split = predict(work, (1, 2, 1, 1), M)
+    assert split.t_halo > 0 and split.t_compute == pytest.approx(one.t_compute / 2)
+    data = predict(work, (2, 1, 1, 1), M)
+    assert data.t_halo == 0 and data.t_allreduce > 0
+    # allreduce: 2(p-1) steps of nbytes/p, intra-node only up to ranks_per_node
+    assert allreduce_time(8e6, 4, M) == pytest.approx(6 * (1e-6 + 2e6 / 1e9))
+    assert allreduce_time(8e6, 8, M) > allreduce_time(8e6, 4, M)
+
+
+def test_infeasible_grids_are_marked():
+    work = Workload("t", [conv(4, 8, 6)], (4, 6, 6, 6), global_batch=4)
+    assert "not divisible" in predict(work, (3, 1, 1, 1), M).reason
+    too_many = predict(work, (1, 8, 1, 1), M)
+    assert not too_many.feasible and "axis x has 6 voxels for 8 ranks" in too_many.reason
+    big = Workload("t", [conv(4, 64, 256)], (4, 256, 256, 256), global_batch=4)
+    oom = predict(big, (1, 1, 1, 1), M)
+    assert not oom.feasible and "GB per rank" in oom.reason
+
+
+def test_machine_files(tmp_path):
+    for name in ("frontier", "perlmutter"):
+        m = load_machine(name)
+        assert m.ranks_per_node in (4, 8) and m.inter.beta < m.intra.beta
+    with pytest.raises(MachineError, match="not found"):
+        load_machine("no-such-machine")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("ranks_per_node = 2\n")
+    with pytest.raises(MachineError, match="missing key 'flops'"):
+        load_machine(str(bad))
+    good = tmp_path / "m.toml"
+    good.write_text(M.to_toml())
+    assert load_machine(str(good)) == M
+
+
+def test_cli_plans_cosmoflow_512_on_1024_frontier_gpus(tmp_path):
+    t0 = time.monotonic()
+    csv = tmp_path / "plan.csv"
+    r = subprocess.run([sys.executable, "-m", "hpcpar.cli", "plan",
+                        "jobs/cosmoflow-512-spatial.toml", "--ranks", "1024", "--machine",
+                        "frontier", "--top", "5", "--set", "train.global_batch=4096",
+                        "--csv", str(csv)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert time.monotonic() - t0 < 60  # the plan itself is well under 10 s; start-up varies
+    lines = r.stdout.splitlines()
+    assert "1024 ranks on frontier" in lines[0]
+    ranked = [ln for ln in lines if ln[:4].strip().isdigit()]
+    assert len(ranked) == 5
+    steps = [float(ln.split()[2]) for ln in ranked]
+    assert steps == sorted(steps)
+    assert "infeasible" in r.stdout and "GB per rank" in csv.read_text()

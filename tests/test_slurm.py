@@ -1,0 +1,196 @@
+"""``hpcpar submit`` / ``status`` against a real single-node Slurm (tests/slurm_cluster.py).
+
+Scheduling tests use a stub in place of ``python`` (no torch start-up) and the real rendered
+scripts; the training tests run ``hpcpar run`` on the CosmoFlow demo shrunk by ``--set``.
+Requeued jobs wait for a BeginTime Slurm sets (about two minutes); the tests move it to now.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpcpar.submit import plan_submit, submit, sweep_status
+
+from slurm_cluster import (read_argv, slurm_cluster, write_stub_python,  # noqa: F401 (fixture)
+                           write_test_job)
+
+pytestmark = pytest.mark.slurm
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO = REPO / "jobs" / "demo-cosmoflow.toml"
+NASTY = """sp ace 'q' "dq" $(touch PWNED) `touch PWNED2` #c %j;&|<>*?~"""
+
+
+@pytest.fixture(scope="module")
+def sandbox(tmp_path_factory):
+    d = tmp_path_factory.mktemp("slurm-jobs")
+    return {"dir": d, "job": write_test_job(d / "cosmo.toml"),
+            "python": str(write_stub_python(d / "python"))}
+
+
+def _submit(cluster, sandbox, out, **kw) -> list[dict]:
+    kw.setdefault("python", sandbox["python"])
+    return submit(plan_submit(kw.pop("job", sandbox["job"]), out, **kw), out,
+                  env=cluster.env())
+
+
+def _wait_for(pred, timeout: float, what: str, cluster=None) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} after {timeout}s" +
+                               (f"\n{cluster.log_tail()}" if cluster else ""))
+        time.sleep(0.1)
+
+
+def _requeue_now(cluster, job_id: str, timeout: float = 60) -> None:
+    """Wait for the requeued job to be pending, then lift Slurm's requeue start delay."""
+    cluster.wait(job_id, timeout, states={"PENDING"})
+    cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+
+
+def test_quoting_on_slurm(slurm_cluster, sandbox):
+    """Job name and paths with spaces, quotes, backslash, #, %, $(...) reach Slurm and the
+    job literally; nothing is executed."""
+    out = sandbox["dir"] / NASTY
+    name = NASTY + " back\\slash"    # not in the path: Slurm's log patterns drop backslashes
+    [rec] = _submit(slurm_cluster, sandbox, out, ranks=[1], sets=[f"job.name={name}"])
+    info = slurm_cluster.wait(rec["id"], 60)
+    log = out / "slurm" / f"ranks-1-{rec['id']}.out"
+    assert info["JobState"] == "COMPLETED", log.read_text() if log.exists() else info
+    assert info["JobName"] == f"{name}-ranks-1"
+    assert log.is_file() and "job step exited with 0" in log.read_text()
+    argv = read_argv(out / "ranks-1" / "argv.0.0")
+    assert argv[4:7] == ["--run-dir", str(out / "ranks-1"), "--resume"]
+    assert argv[7:] == ["--set", f"job.name={name}"]
+    for where in (REPO, sandbox["dir"], Path.cwd()):
+        assert not (where / "PWNED").exists() and not (where / "PWNED2").exists()
+
+
+def test_array_of_three_with_report(slurm_cluster, sandbox):
+    out = sandbox["dir"] / "array"
+    recs = _submit(slurm_cluster, sandbox, out, ranks=[1, 2, 4], array=True, report=True)
+    runs, report = recs[:3], recs[3]
+    assert [r["id"] for r in runs] == [f"{runs[0]['array_job']}_{i}" for i in range(3)]
+    assert report["dependency"] == f"afterany:{runs[0]['array_job']}"
+    slurm_cluster.wait(report["id"], 90)
+    rows = {r["label"]: r for r in sweep_status(out, env=slurm_cluster.env())}
+    assert [rows[f"ranks-{n}"]["state"] for n in (1, 2, 4)] == ["COMPLETED"] * 3
+    assert rows["report"]["state"] == "COMPLETED"
+    for i, n in enumerate((1, 2, 4)):
+        run = out / f"ranks-{n}"
+        envs = [dict(line.split("=", 1) for line in (run / f"env.{r}.0").read_text().split())
+                for r in range(n)]   # one file per rank: every rank started
+        assert {e["SLURM_PROCID"] for e in envs} == {str(r) for r in range(n)}
+        assert all(e["SLURM_NTASKS"] == str(n) and e["SLURM_ARRAY_TASK_ID"] == str(i)
+                   and e["SLURM_CPUS_PER_TASK"] == "1" for e in envs)
+    argv = read_argv(out / "report" / "argv.0.0")
+    assert argv[2:] == ["report", *(str(out / f"ranks-{n}") for n in (1, 2, 4)),
+                        "-o", str(out / "report")]
+    assert (out / "jobs.json").is_file() and (out / "slurm" / "array.sbatch").is_file()
+
+
+def test_dependency_chain(slurm_cluster, sandbox):
+    """B runs after A succeeded; D, after a failing C, is cancelled (kill_invalid_depend)."""
+    d = sandbox["dir"] / "chain"
+    [a] = _submit(slurm_cluster, sandbox, d / "a", ranks=[1])
+    [b] = _submit(slurm_cluster, sandbox, d / "b", ranks=[1], after=[a["id"]])
+    [c] = _submit(slurm_cluster, sandbox, d / "c", ranks=[1], sets=["job.name=fail"])
+    [dd] = _submit(slurm_cluster, sandbox, d / "d", ranks=[1], after=[c["id"]])
+    assert b["dependency"] == f"afterok:{a['id']}"
+    ia, ib = slurm_cluster.wait(a["id"], 60), slurm_cluster.wait(b["id"], 60)
+    assert ia["JobState"] == ib["JobState"] == "COMPLETED"
+    assert ib["StartTime"] >= ia["EndTime"]
+    assert slurm_cluster.wait(c["id"], 60)["JobState"] == "FAILED"
+    idd = slurm_cluster.wait(dd["id"], 60)
+    assert idd["JobState"] == "CANCELLED" and not (d / "d" / "ranks-1").exists()
+    [row] = sweep_status(d / "c", env=slurm_cluster.env())
+    assert row["state"] == "FAILED" and row["exit"].startswith("1:")
+
+
+def test_usr1_requeue_contract(slurm_cluster, sandbox):
+    """USR1 to the batch shell -> forwarded to both ranks -> exit 3 -> scontrol requeue ->
+    the restarted job (SLURM_RESTART_COUNT=1) completes."""
+    out = sandbox["dir"] / "preempt"
+    [rec] = _submit(slurm_cluster, sandbox, out, ranks=[2], sets=["job.name=preempt"])
+    run = out / "ranks-2"
+    _wait_for(lambda: (run / "ready.0.0").exists() and (run / "ready.1.0").exists(), 60,
+              "stub ranks not started", slurm_cluster)
+    slurm_cluster.run("scancel", "--batch", "--signal=USR1", rec["id"])
+    _requeue_now(slurm_cluster, rec["id"])
+    info = slurm_cluster.wait(rec["id"], 60)
+    log = (out / "slurm" / f"ranks-2-{rec['id']}.out").read_text()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log
+    assert (run / "checkpointed.0.0").exists() and (run / "checkpointed.1.0").exists()
+    assert (run / "argv.0.1").exists() and (run / "argv.1.1").exists()
+    assert "forwarding to the job step" in log and "requeueing" in log
+    [row] = sweep_status(out, env=slurm_cluster.env())
+    assert row["state"] == "COMPLETED" and row["restarts"] == "1"
+
+
+# -- real training through sbatch -----------------------------------------------------------
+def _tiny(data_dir: Path) -> list[str]:
+    """The CosmoFlow demo shrunk to seconds: 2 data-parallel ranks, 8^3 volumes."""
+    return ["grid.data=2", "grid.x=1", "model.n_conv_blocks=2", "model.base_filters=2",
+            "model.dense=[8]", f"data.path={data_dir}", "data.size=8", "data.samples=16",
+            "data.shards=2", "data.val_samples=0", "train.steps=24", "train.global_batch=2",
+            "train.val_every=0", "train.warmup_steps=0", "train.log_every=1",
+            "checkpoint.every=4", "checkpoint.keep=2", "resources.tasks_per_node=2"]
+
+
+@pytest.fixture(scope="module")
+def reference_run(slurm_cluster, sandbox):
+    """An uninterrupted 2-rank training job through sbatch (shared by the tests below)."""
+    if not DEMO.is_file():
+        pytest.skip(f"{DEMO} not there yet")
+    out = sandbox["dir"] / "train-ref"
+    [rec] = _submit(slurm_cluster, sandbox, out, job=DEMO, ranks=[2],
+                    sets=_tiny(sandbox["dir"] / "data"), python=sys.executable)
+    info = slurm_cluster.wait(rec["id"], 180)
+    log = out / "slurm" / f"ranks-2-{rec['id']}.out"
+    assert info["JobState"] == "COMPLETED", log.read_text()
+    return rec, out / "ranks-2"
+
+
+def test_training_job_records(reference_run):
+    rec, run = reference_run
+    meta = json.loads((run / "meta.json").read_text())
+    assert meta["ranks"] == 2 and meta["status"] == "ok" and meta["grid_spec"] == "2x1x1x1"
+    assert rec["id"] in json.dumps(meta["slurm"])
+    import pandas as pd
+
+    steps = pd.read_parquet(run / meta["steps_file"])
+    assert len(steps) == 2 * 24 and set(steps["rank"]) == {0, 1}
+    assert sorted(set(steps["step"])) == list(range(24))
+    assert json.loads((run / "metrics.json").read_text())["steps"] == 24
+
+
+def test_training_requeue_resumes_identically(slurm_cluster, sandbox, reference_run):
+    """USR1 mid-run -> checkpoint -> requeue -> resume: same final parameters as the
+    uninterrupted run."""
+    import torch
+
+    out = sandbox["dir"] / "train-preempt"
+    [rec] = _submit(slurm_cluster, sandbox, out, job=DEMO, ranks=[2],
+                    sets=_tiny(sandbox["dir"] / "data"), python=sys.executable)
+    run = out / "ranks-2"
+    _wait_for(lambda: (run / "checkpoints" / "step-000004").is_dir(), 180,
+              "no first checkpoint", slurm_cluster)
+    slurm_cluster.run("scancel", "--batch", "--signal=USR1", rec["id"])
+    _requeue_now(slurm_cluster, rec["id"])
+    info = slurm_cluster.wait(rec["id"], 180)
+    log = (out / "slurm" / f"ranks-2-{rec['id']}.out").read_text()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log
+    meta = json.loads((run / "meta.json").read_text())
+    assert len(meta["segments"]) == 2 and 0 < meta["segments"][1]["first_step"] < 24, log
+    final = "checkpoints/step-000024/model.pt"
+    mine = torch.load(run / final, weights_only=True)
+    ref = torch.load(reference_run[1] / final, weights_only=True)
+    assert mine.keys() == ref.keys()
+    for k in ref:
+        assert torch.equal(mine[k], ref[k]), k

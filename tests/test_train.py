@@ -1,0 +1,131 @@
+"""The training loop in-process on 2 ranks: loss falls; 2 data ranks == 1 rank with the same
+global batch; a stop signal on ONE rank stops all after the same step, checkpoints, and the
+resumed run is bit-identical to an uninterrupted one; a corrupt newest checkpoint falls back
+to the previous one; the checkpoint loads into the plain torch model; U-Net and bf16 run."""
+
+import os
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from hpcpar.jobspec import build_job
+from hpcpar.testing import mpi_case
+from hpcpar.volume_workload import CosmoFlowWorkload
+from hpcpar.workload import register_workload
+
+
+@register_workload("cosmoflow-sigtest")
+class SignalAtCall(CosmoFlowWorkload):
+    """CosmoFlow that sends itself SIGUSR1 during its 3rd forward, on the last rank only."""
+
+    def forward_loss(self, model, batch):
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls == 3 and self.grid.rank == self.grid.size - 1:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return super().forward_loss(model, batch)
+
+
+def job(grid, steps=8, kind="cosmoflow", **sections):
+    raw = {"job": {"name": "t"}, "grid": dict(zip(("data", "x", "y", "z"), grid)),
+           "model": {"kind": kind, "n_conv_blocks": 2, "base_filters": 4, "dense": [16]},
+           "data": {"source": "synthetic", "size": 16, "channels": 2, "samples": 32,
+                    "val_samples": 4},
+           "train": {"steps": steps, "global_batch": 4, "lr": 0.003, "log_every": 1},
+           "checkpoint": {"every": 0, "keep": 3}}
+    for name, values in sections.items():
+        raw.setdefault(name, {}).update(values)
+    return build_job(raw)
+
+
+def final_model(run_dir):
+    from hpcpar.checkpoint import list_checkpoints
+
+    newest = list_checkpoints(Path(run_dir) / "checkpoints")[0]
+    return torch.load(newest / "model.pt", weights_only=True)
+
+
+def idle_wait(comm):
+    """Barrier that sleeps instead of busy-polling (the other rank trains alone meanwhile)."""
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(0.02)
+
+
+@mpi_case(nprocs=2, timeout=400)
+def test_loop_equivalence_signal_resume_fallback(comm):
+    from mpi4py import MPI
+
+    from hpcpar.train import train
+
+    rank = comm.Get_rank()
+    tmp = Path(comm.bcast(tempfile.mkdtemp(prefix="hpcpar-train-") if rank == 0 else None))
+
+    # -- 2 data ranks vs 1 rank, same global batch; the loss falls ------------------------
+    d2 = train(job((2, 1, 1, 1), steps=10), tmp / "d2", comm=comm)
+    losses = [loss for _, loss in d2.metrics["train_loss_history"]]
+    assert min(losses[-3:]) < 0.8 * losses[0], losses
+    assert {"val_loss", "val_mae", "final_train_loss"} <= set(d2.metrics)
+    if rank == 0:
+        d1 = train(job((1, 1, 1, 1), steps=10), tmp / "d1", comm=MPI.COMM_SELF)
+        a, b = final_model(tmp / "d2"), final_model(tmp / "d1")
+        assert a.keys() == b.keys()
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=2e-5, atol=2e-6, msg=k)
+        assert abs(d1.metrics["final_train_loss"] - d2.metrics["final_train_loss"]) < 1e-5
+        # the full state dict loads into the plain single-process model
+        from hpcpar.models.cosmoflow import CosmoFlow
+
+        CosmoFlow(input_size=16, in_channels=2, n_conv_blocks=2, base_filters=4,
+                  dense=(16,)).load_state_dict(a)
+    idle_wait(comm)
+
+    # -- SIGUSR1 on the last rank only: both stop after step 3, checkpoint, resume ---------
+    spatial = (1, 2, 1, 1)
+    ref = train(job(spatial), tmp / "ref", comm=comm)
+    assert ref.step == 8 and not ref.stopped
+    cut = train(job(spatial, kind="cosmoflow-sigtest"), tmp / "cut", comm=comm)
+    assert cut.stopped and cut.step == 3
+    assert (tmp / "cut" / "checkpoints" / "step-000003" / "manifest.json").exists()
+    done = train(job(spatial), tmp / "cut", comm=comm)
+    assert done.step == 8 and not done.stopped
+    a, b = final_model(tmp / "ref"), final_model(tmp / "cut")
+    assert all(torch.equal(a[k], b[k]) for k in a), "resume is not bit-identical"
+    assert done.metrics["final_train_loss"] == ref.metrics["final_train_loss"]
+
+    # -- corrupt newest checkpoint -> previous one, with a warning ---------------------------
+    comm.Barrier()
+    if rank == 0:
+        newest = tmp / "cut" / "checkpoints" / "step-000008" / "model.pt"
+        newest.write_bytes(newest.read_bytes()[:-7] + b"garbage")
+    comm.Barrier()
+    more = job(spatial, steps=10)
+    back = train(more, tmp / "cut", comm=comm)              # 3 -> 10
+    ahead = train(more, tmp / "ref", comm=comm)             # 8 -> 10
+    assert back.step == ahead.step == 10
+    a, b = final_model(tmp / "ref"), final_model(tmp / "cut")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    if rank == 0:
+        log = (tmp / "cut" / "logs" / "rank-00000.log").read_text()
+        assert "skipping corrupt checkpoint" in log and "resumed from" in log
+        assert "step-000003 at step 3" in log
+
+    # -- U-Net (spatial, batch norm over the global batch) under bf16 autocast runs ----------
+    u = train(_unet_job((1, 2, 1, 1)), tmp / "unet", comm=comm)
+    assert u.step == 2 and 0.0 <= u.metrics["val_accuracy"] <= 1.0
+    assert u.metrics["final_train_loss"] == u.metrics["final_train_loss"]  # not NaN
+    if rank == 0:
+        assert (tmp / "unet" / "metrics.json").exists() and (tmp / "unet" / "meta.json").exists()
+    comm.Barrier()
+
+
+def _unet_job(grid):
+    return build_job({
+        "job": {"name": "u"}, "grid": dict(zip(("data", "x", "y", "z"), grid)),
+        "model": {"kind": "unet3d", "base_filters": 2, "depth": 1},
+        "data": {"source": "synthetic", "size": 8, "channels": 2, "samples": 8,
+                 "val_samples": 4},
+        "train": {"steps": 2, "global_batch": 4, "precision": "bf16", "log_every": 1},
+        "checkpoint": {"at_end": False}})
