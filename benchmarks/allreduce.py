@@ -60,7 +60,8 @@ def configs(args):
     """name -> (model factory, input shape per rank, output features, bucket caps in MB)."""
     mlp_width = wide_mlp(args.mb * MB)[0].in_features
     out = {
-        "comm": (lambda: wide_mlp(args.mb * MB), (4, mlp_width), mlp_width, (25.0, 1.0)),
+        "comm": (lambda: wide_mlp(args.mb * MB), (4, mlp_width), mlp_width,
+                 (args.bucket_mb or max(1.0, args.mb / 4), 1.0)),
         "compute": (small_cnn, (2, 1, args.cnn, args.cnn, args.cnn), 8, (0.25, 0.05)),
     }
     return {k: out[k] for k in args.configs.split(",")}
@@ -193,6 +194,9 @@ def bench_config(name, factory, in_shape, out_features, caps, grid, args, dist):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=float, default=16, help="gradient MB of the wide MLP (B)")
+    ap.add_argument("--bucket-mb", type=float, default=None,
+                    help="bucket cap of the MLP for both DDPs (default: B/4, so buckets can "
+                         "overlap backward; DDP's 25 MB would make a 16 MB model one bucket)")
     ap.add_argument("--cnn", type=int, default=24, help="CNN input edge (voxels)")
     ap.add_argument("--configs", default="comm,compute")
     ap.add_argument("--rounds", type=int, default=4)

@@ -5,6 +5,8 @@ gradients are the average over ranks, i.e. the gradient of the mean loss over th
 batch. Every second step accumulates two micro-batches with ``no_sync()`` first.
 """
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -28,12 +30,10 @@ for step in range(20):
         x = torch.randn(per_rank * grid.size, 16, generator=data)
         y = x @ w_true
         mine = slice(grid.rank * per_rank, (grid.rank + 1) * per_rank)
-        loss = ((ddp(x[mine]) - y[mine]) ** 2).mean() / micro  # scale: mean over micro-batches
-        if m < micro - 1:
-            with ddp.no_sync():                 # local accumulation only
-                loss.backward()
-        else:
-            loss.backward()                     # syncs everything accumulated so far
+        last = m == micro - 1
+        with contextlib.nullcontext() if last else ddp.no_sync():  # no_sync: local only
+            loss = ((ddp(x[mine]) - y[mine]) ** 2).mean() / micro  # mean over micro-batches
+            loss.backward()                     # the last one syncs all accumulated grads
     opt.step()
     if grid.is_root and step % 5 == 4:
         print(f"step {step + 1:2d}  loss {loss.item() * micro:.4f}", flush=True)

@@ -73,7 +73,6 @@ class DistributedDataParallel(nn.Module):
         self._buckets = self._make_buckets(bucket_cap_mb * MB, first_bucket_mb * MB, wire)
         self._stall = StallMonitor(self.grid.comm)
         self._require_sync = True
-        self._forward_sync: bool | None = None
         self._reset_pass()
         self._step = 0
         self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(b, i))
@@ -81,14 +80,17 @@ class DistributedDataParallel(nn.Module):
 
     # -- public API --------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
-        # As in torch DDP, whether the next backward syncs is decided at forward time.
-        self._forward_sync = self._require_sync
         return self.module(*args, **kwargs)
 
     @contextmanager
     def no_sync(self):
-        """Backward passes inside (forward inside decides) only accumulate local gradients;
-        the first synchronised backward after reduces the accumulated ``.grad``."""
+        """Backward passes run while this is active only accumulate local gradients; the
+        next backward outside reduces everything accumulated in ``.grad``.
+
+        Unlike torch DDP, the context active when *backward* runs decides (torch: when the
+        forward ran). Either way wrapping forward and backward, as in torch's examples, does
+        the same; a backward that syncs "too early" is only extra traffic, never a wrong
+        result, because the reduction is linear."""
         old = self._require_sync
         self._require_sync = False
         try:
@@ -202,13 +204,13 @@ class DistributedDataParallel(nn.Module):
                 if bucket.mark(slot):
                     self._launch_ready()
                 self._progress()
-                self._t_hooks += time.perf_counter() - t0
+                if self._t_first is not None:  # exposed: only once communication started
+                    self._t_hooks += time.perf_counter() - max(t0, self._t_first)
         return hook
 
     def _begin_pass(self) -> None:
         self._pass_active = True
-        self._pass_sync = self._require_sync if self._forward_sync is None \
-            else self._forward_sync
+        self._pass_sync = self._require_sync
         torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
 
     def _launch(self, bucket: Bucket) -> None:
@@ -226,17 +228,18 @@ class DistributedDataParallel(nn.Module):
 
     def _progress(self) -> None:
         """Advance in-flight reductions (MPI progresses only inside MPI calls)."""
+        prefix = True
         for b in self._buckets[self._done:self._next]:
-            if not b.pending.test():
-                break
-            self._done += 1
+            finished = b.pending.test()  # every in-flight bucket moves to its next stage
+            prefix = prefix and finished
+            if prefix:
+                self._done += 1
 
     def _end_pass(self) -> None:
         try:
             if self._pass_sync:
                 self._finish_sync()
         finally:
-            self._forward_sync = None
             self._reset_pass()
 
     def _finish_sync(self) -> None:
@@ -249,12 +252,12 @@ class DistributedDataParallel(nn.Module):
                 b.pending.wait()
         finally:
             self._stall.disarm()
-        t_end = time.perf_counter()
         for b in self._buckets:
             b.finalize()
             b.reset()
+        t_end = time.perf_counter()
         COUNTERS.t_allreduce_total += t_end - self._t_first
-        COUNTERS.t_allreduce_exposed += self._t_hooks + time.perf_counter() - t0
+        COUNTERS.t_allreduce_exposed += self._t_hooks + t_end - t0
         COUNTERS.bytes_allreduce += sum(b.wire_bytes for b in self._buckets)
 
 

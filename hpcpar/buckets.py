@@ -92,19 +92,26 @@ class ReduceGroup:
 
 
 def _reduce_scatter(comm, wire: torch.Tensor, groups, divisor: int, bucket, key: str):
-    """Leave in chunk ``rank`` of ``wire`` the canonical sum over ``comm`` (divided)."""
+    """Leave in chunk ``rank`` of ``wire`` the canonical sum over ``comm`` (divided).
+
+    The other ranks' copies of my chunk arrive in ``recv``; my own is read in place."""
     size, rank = comm.Get_size(), comm.Get_rank()
     chunk = wire.numel() // size
     acc_dtype = bucket.acc_dtype
     recv = bucket.scratch(key + ".recv", (size, chunk), wire.dtype)
+    counts = [0 if r == rank else chunk for r in range(size)]
+    displs = [r * chunk for r in range(size)]
     send_buf = as_buffer(wire, copy_back=False)
     recv_buf = as_buffer(recv)
-    yield comm.Ialltoall(send_buf.mpi, recv_buf.mpi)
+    yield comm.Ialltoallv([send_buf.mpi, (counts, displs)], [recv_buf.mpi, (counts, displs)])
     send_buf.finish()
     recv_buf.finish()
     mine = wire[rank * chunk:(rank + 1) * chunk]
-    out = mine if wire.dtype == acc_dtype else bucket.scratch(key + ".out", (chunk,), acc_dtype)
-    fold(recv, groups, out, lambda: bucket.scratch(key + ".tmp", (chunk,), acc_dtype))
+    rows = [mine if r == rank else recv[r] for r in range(size)]
+    simple = len(groups) == 1 or all(len(g) == 1 for g in groups)
+    in_place = wire.dtype == acc_dtype and simple
+    out = mine if in_place else bucket.scratch(key + ".out", (chunk,), acc_dtype)
+    fold(rows, groups, out, lambda: bucket.scratch(key + ".tmp", (chunk,), acc_dtype))
     if divisor != 1:
         out.div_(divisor)
     if out is not mine:

@@ -38,28 +38,41 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 def fold(rows, groups, out: torch.Tensor, scratch=None) -> torch.Tensor:
     """``out = sum(rows)`` in the canonical order: within each group left to right, then the
     group partials left to right. ``rows[i]`` are equal-length 1-D tensors (any float dtype,
-    summed in ``out.dtype``); ``groups`` lists row indices covering every row once; ``out``
-    must not alias a row. ``scratch()`` returns a temporary like ``out`` (needed only for a
-    second or later group of more than one row)."""
+    summed in ``out.dtype``); ``groups`` lists row indices covering every row once.
+    ``scratch()`` returns a temporary like ``out``.
+
+    ``out`` may BE one of the rows (this rank's own chunk, so it need not be copied) when the
+    order is a plain left fold (one group, or groups of one row each); otherwise it must not
+    alias any row.
+    """
     acc = out.dtype
 
     def row(i):
         r = rows[i]
         return r if r.dtype == acc else r.to(acc)
 
-    def fold_into(indices, dest):
-        if len(indices) == 1:
-            return dest.copy_(row(indices[0]))
-        torch.add(row(indices[0]), row(indices[1]), out=dest)
-        for i in indices[2:]:
-            dest.add_(row(i))
-        return dest
+    def temp():
+        return scratch() if scratch is not None else torch.empty_like(out)
 
-    fold_into(groups[0], out)
+    if len(groups) == 1 or all(len(g) == 1 for g in groups):
+        return _left_fold(row, [i for g in groups for i in g], out, rows, temp)
+    _left_fold(row, groups[0], out, rows, temp)
     for g in groups[1:]:
-        if len(g) == 1:
-            out.add_(row(g[0]))
-        else:
-            tmp = scratch() if scratch is not None else torch.empty_like(out)
-            out.add_(fold_into(g, tmp))
+        out.add_(row(g[0]) if len(g) == 1 else _left_fold(row, g, temp(), rows, temp))
     return out
+
+
+def _left_fold(row, order, dest, rows, temp):
+    """((r0 + r1) + r2) + ... into ``dest``, which may be one of the rows."""
+    alias = next((k for k, i in enumerate(order) if rows[i] is dest), None)
+    if len(order) == 1:
+        return dest if alias == 0 else dest.copy_(row(order[0]))
+    into = dest if alias is None or alias <= 1 else temp()  # dest is read before written
+    torch.add(row(order[0]), row(order[1]), out=into)
+    for k in range(2, len(order)):
+        if k == alias:
+            torch.add(into, row(order[k]), out=dest)
+            into = dest
+        else:
+            into.add_(row(order[k]))
+    return dest

@@ -85,6 +85,7 @@ META_KEYS = {
 
 STATUSES = ("running", "ok", "preempted", "failed")
 _HEADER_TAG = f"# {SCHEMA_NAME} steps schema_version="
+_RESUME_MARK = b"# resume"
 
 
 class RecordsError(HpcparError, ValueError):
@@ -305,9 +306,8 @@ class RunRecorder:
             _drop_torn_tail(self.path)
         fresh = not (resume and self.path.exists() and self.path.stat().st_size > 0)
         self._file = open(self.path, "w" if fresh else "a", buffering=1)
-        if fresh:
-            self._file.write(_header())
-            self._file.flush()
+        self._file.write(_header() if fresh else f"{_RESUME_MARK.decode()} {now_iso()}\n")
+        self._file.flush()
 
     def _start_meta(self, user: dict, hosts: list, resume: bool) -> None:
         path = self.run_dir / "meta.json"
@@ -377,8 +377,9 @@ class RunRecorder:
 
 # -- the reader ------------------------------------------------------------------------------
 def read_rank_file(path):
-    """DataFrame of one rank file; a torn last line (crash mid-write) is dropped, and a later
-    row of the same step (redone after a resume) replaces the earlier one."""
+    """DataFrame of one rank file. A torn last line (crash mid-write) is dropped; after each
+    resume marker, every earlier row at or past the first step recorded after the resume is
+    replaced (steps redone after the checkpoint, and stale ones the crash left behind)."""
     import pandas as pd
 
     path = Path(path)
@@ -393,11 +394,19 @@ def read_rank_file(path):
                            f"{SCHEMA_VERSION}")
     if not rest.endswith(b"\n"):
         rest = rest[: rest.rfind(b"\n") + 1]
-    df = pd.read_csv(io.BytesIO(rest))
-    if tuple(df.columns) != COLUMN_NAMES:
-        raise RecordsError(f"{path}: columns {list(df.columns)} differ from schema v"
+    header, _, body = rest.partition(b"\n")
+    if tuple(header.decode(errors="replace").split(",")) != COLUMN_NAMES:
+        raise RecordsError(f"{path}: columns {header[:200]!r} differ from schema v"
                            f"{SCHEMA_VERSION}")
-    return df.drop_duplicates(["rank", "step"], keep="last")
+    segments = (b"\n" + body).split(b"\n" + _RESUME_MARK)
+    df = None
+    for rows in [segments[0]] + [seg.partition(b"\n")[2] for seg in segments[1:]]:
+        part = pd.read_csv(io.BytesIO(header + b"\n" + rows.lstrip(b"\n")))
+        if df is None or not len(df):
+            df = part
+        elif len(part):
+            df = pd.concat([df[df["step"] < part["step"].min()], part], ignore_index=True)
+    return df.drop_duplicates(["rank", "step"], keep="last").reset_index(drop=True)
 
 
 def _sorted(df):

@@ -91,12 +91,14 @@ def render(template: str, values: dict[str, str], source: str = "<template>") ->
 # -- what goes into a script --------------------------------------------------------------------
 @dataclass
 class Point:
-    """One sweep point: ``ranks`` MPI ranks on ``nodes`` nodes writing into ``run_dir``."""
+    """One sweep point: ``ranks`` MPI ranks on ``nodes`` nodes writing into ``run_dir``;
+    ``args`` are this point's own ``hpcpar run`` arguments (``--grid``, weak-scaling batch)."""
 
     label: str
     ranks: int
     nodes: int
     run_dir: Path
+    args: list[str] = field(default_factory=list)
 
     @property
     def tasks_per_node(self) -> int | None:
@@ -186,22 +188,28 @@ def run_script(site: Site, alloc: Allocation, points: list[Point], *, job: Path,
     sbatch = "\n".join([sbatch_lines(opts)] + _extra_lines(site.sbatch["options"] + alloc.options,
                                                             "[sbatch] options"))
 
+    def words(args) -> str:
+        return " ".join(shell_quote(a, "hpcpar run argument") for a in args)
+
     def assign(p: Point) -> str:
         return (f"RANKS={p.ranks} NODES={p.nodes} "
                 f"RUN_DIR={shell_quote(p.run_dir, 'run directory')}")
 
     if array:
-        cases = "\n".join(f"    {i}) {assign(p)} ;;" for i, p in enumerate(points))
+        cases = "\n".join(f"    {i}) {assign(p)} POINT_ARGS=({words(p.args)}) ;;"
+                          for i, p in enumerate(points))
         point = (f'case "$SLURM_ARRAY_TASK_ID" in\n{cases}\n'
                  '    *) echo "hpcpar: no sweep point for array task '
                  '$SLURM_ARRAY_TASK_ID" >&2; exit 2 ;;\nesac')
         srun = ['--nodes="$NODES"', '--ntasks="$RANKS"']
+        point_args = ' "${POINT_ARGS[@]}"'
     else:
         p = points[0]
         point = assign(p)
         srun = [f"--nodes={p.nodes}", f"--ntasks={p.ranks}"]
         if p.tasks_per_node:
             srun.append(f"--ntasks-per-node={p.tasks_per_node}")
+        point_args = "".join(f" {words([a])}" for a in p.args)
     srun += [f"--cpus-per-task={alloc.cpus_per_task}", "--kill-on-bad-exit=1"]
     if site.srun["cpu_bind"]:
         srun.append(f"--cpu-bind={shell_quote(site.srun['cpu_bind'])}")
@@ -210,7 +218,7 @@ def run_script(site: Site, alloc: Allocation, points: list[Point], *, job: Path,
     if alloc.gpus_per_node:
         srun += [shell_quote(o, "[srun] gpu_options") for o in site.srun["gpu_options"]]
     srun += [shell_quote(o, "[srun] options") for o in site.srun["options"]]
-    run_args = "".join(f" --set {shell_quote(s, '--set')}" for s in sets)
+    run_args = point_args + "".join(f" --set {shell_quote(s, '--set')}" for s in sets)
     what = (f"{len(points)} sweep points as a job array" if array
             else f"{points[0].ranks} ranks on {points[0].nodes} node(s)")
     values = {

@@ -68,11 +68,11 @@ def scatter(volume, grid, root: int = 0, device=None) -> torch.Tensor:
     if me == root:
         handles = []
         for r in range(comm.Get_size()):
-            piece = volume[local_slices(shape, grid, r)].contiguous()
-            if r == root:
-                local = piece
+            piece = volume[local_slices(shape, grid, r)]
+            if r == root:  # a copy, never a view of the caller's volume
+                local = piece.clone(memory_format=torch.contiguous_format)
             else:
-                handles.append(isend(piece, r, comm, _TAG))
+                handles.append(isend(piece.contiguous(), r, comm, _TAG))
         for h in handles:
             h.wait()
         return local

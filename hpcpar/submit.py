@@ -91,8 +91,11 @@ def parse_after(values) -> str:
     return ",".join(parts)
 
 
-def _points(job, out: Path, site: Site, ranks, nodes, tpn: int | None,
-            explicit: set) -> list[Point]:
+def _points(job, job_path: Path, out: Path, site: Site, ranks, nodes, tpn: int | None,
+            explicit: set, weak: bool, sets: list[str]) -> list[Point]:
+    """Sweep points; grids and weak-scaling batches as ``hpcpar sweep`` chooses them."""
+    from .commands.sweep import plan as sweep_plan
+
     r = job.resources
     if ranks and nodes:
         raise SubmitError("give --ranks or --nodes, not both")
@@ -112,19 +115,22 @@ def _points(job, out: Path, site: Site, ranks, nodes, tpn: int | None,
         sizes = [(n, math.ceil(n / tpn) if tpn else min(base, n)) for n in ranks]
     if len({s for s, _ in sizes}) != len(sizes):
         raise SubmitError(f"sweep sizes repeat: {[s for s, _ in sizes]}")
+    order = sorted(sizes)      # the weak-scaling base is the smallest count
+    planned = {p["ranks"]: p for p in sweep_plan(str(job_path), [n for n, _ in order], weak,
+                                                 tuple(sets))}
     points = []
-    for n, k in sizes:
-        if n < 1 or k < 1:
-            raise SubmitError(f"sweep size {n} ranks on {k} nodes: must be >= 1")
-        job.check_ranks(n)
-        points.append(Point(label=f"ranks-{n}", ranks=n, nodes=k, run_dir=out / f"ranks-{n}"))
+    for n, k in order:
+        own = planned[n]["sets"][len(sets):]
+        args = ["--grid", planned[n]["grid"]] + [a for s in own for a in ("--set", s)]
+        points.append(Point(label=f"ranks-{n}", ranks=n, nodes=k, run_dir=out / f"ranks-{n}",
+                            args=args))
     return points
 
 
 def plan_submit(job_file, out, *, site: str | Site = "generic", ranks=None, nodes=None,
                 array: bool = False, after=(), report: bool = False, time: str | None = None,
                 sets=(), python: str | None = None, grace: int | None = None,
-                max_requeues: int | None = None) -> list[BatchJob]:
+                max_requeues: int | None = None, weak: bool = False) -> list[BatchJob]:
     """Everything ``hpcpar submit`` would submit, rendered but not written."""
     from .jobspec import TIME_RE, load_job
 
@@ -139,7 +145,7 @@ def plan_submit(job_file, out, *, site: str | Site = "generic", ranks=None, node
     r = job.resources
     explicit = _explicit_resources(job_path, sets)
     tpn = r.tasks_per_node or site.node["tasks_per_node"] or None
-    points = _points(job, out, site, ranks, nodes, tpn, explicit)
+    points = _points(job, job_path, out, site, ranks, nodes, tpn, explicit, weak, sets)
     time = time or r.time or site.sbatch["time"]
     if not TIME_RE.match(time):
         raise SubmitError(f"--time {time!r}: not a Slurm time such as 30, 01:30:00 or 1-00:00:00")

@@ -259,6 +259,7 @@ class Trainer:
         self.model.train()
         t_start, steps_done, samples_done = time.perf_counter(), 0, 0
         last_ckpt, mean_loss, stopped, it, epoch = None, float("nan"), False, None, None
+        window: list[float] = []          # mean losses since the last log line
         try:
             while self.step < self.total:
                 if self.step // self.spe != epoch or it is None:
@@ -274,10 +275,13 @@ class Trainer:
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(loss=f"{mean_loss:.4g}")
+                window.append(mean_loss)
                 if self.step % job.train.log_every == 0 or self.step in (1, self.total):
-                    self.history.append([self.step, mean_loss])
+                    smooth = sum(window) / len(window)
+                    window.clear()
+                    self.history.append([self.step, smooth])
                     rate = row["samples"] / max(row["t_step"], 1e-12)
-                    self.log(f"step {self.step}/{self.total} loss {mean_loss:.5g} "
+                    self.log(f"step {self.step}/{self.total} loss {smooth:.5g} "
                              f"lr {self.scheduler.get_last_lr()[0]:.3g} "
                              f"step {row['t_step'] * 1e3:.1f}ms ({rate:.1f} samples/s/replica)")
                 if job.train.val_every and self.step % job.train.val_every == 0 \
@@ -308,8 +312,8 @@ class Trainer:
         metrics = self.evaluate(final=True)
         wall = time.perf_counter() - t_start
         total_samples = self.comm.allreduce(samples_done) / max(1, self.grid.spatial_size)
-        out = {"final_train_loss": mean_loss if steps_done else (
-                   self.history[-1][1] if self.history else None),
+        out = {"final_train_loss": self.history[-1][1] if self.history else None,
+               "last_step_loss": mean_loss if steps_done else None,
                "steps": self.step, "epochs": self.step / self.spe,
                "wall_time_s": wall, "samples_per_s": total_samples / wall if wall > 0 else None,
                "train_loss_history": self.history, "validation_history": self.val_history,

@@ -103,8 +103,12 @@ class VolumeWorkload(Workload):
 
     def _generate(self, path, samples, seed) -> None:
         """Collective: write the synthetic dataset at ``path`` unless it exists."""
-        exists = self.grid.comm.bcast(os.path.exists(path) if self.grid.rank == 0 else None)
-        if exists:
+        exists = None
+        if self.grid.rank == 0:
+            exists = os.path.exists(path)
+            if not exists:
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        if self.grid.comm.bcast(exists):
             return
         from .data import CosmoflowSource, shard_counts, write_dataset
 
@@ -153,7 +157,7 @@ class VolumeWorkload(Workload):
         return self.plain_model()
 
     def build_model(self):
-        from .nn.spatialize import spatialize
+        from .nn.spatializer import spatialize
 
         return spatialize(self.reference_model(), self.grid,
                           **self.spatialize_kwargs()).to(self.device)

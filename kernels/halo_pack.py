@@ -58,50 +58,11 @@ def add_unpack_cpu(dst, buf):
 # --------------------------------------------------------------------------------------------
 # CUDA kernels (flat index over the face; the face is the contiguous side)
 # --------------------------------------------------------------------------------------------
-_CUDA = None
-
-
 def cuda_kernels():
-    """(pack, unpack, add_unpack) CUDA kernels, compiled lazily (needs numba-cuda)."""
-    global _CUDA
-    if _CUDA is None:
-        from numba import cuda
+    """(pack, unpack, add_unpack) CUDA kernels (kernels/halo_pack_cuda.py, needs numba-cuda)."""
+    from . import halo_pack_cuda as kc
 
-        def _index(t, shape):
-            n3 = shape[3]
-            n2 = shape[2]
-            n1 = shape[1]
-            m = t % n3
-            t //= n3
-            k = t % n2
-            t //= n2
-            return t // n1, t % n1, k, m
-
-        index = cuda.jit(device=True)(_index)
-
-        @cuda.jit
-        def pack(src, out):
-            t = cuda.grid(1)
-            if t < out.size:
-                i, j, k, m = index(t, src.shape)
-                out[i, j, k, m] = src[i, j, k, m]
-
-        @cuda.jit
-        def unpack(dst, buf):
-            t = cuda.grid(1)
-            if t < buf.size:
-                i, j, k, m = index(t, dst.shape)
-                dst[i, j, k, m] = buf[i, j, k, m]
-
-        @cuda.jit
-        def add_unpack(dst, buf):
-            t = cuda.grid(1)
-            if t < buf.size:
-                i, j, k, m = index(t, dst.shape)
-                dst[i, j, k, m] += buf[i, j, k, m]
-
-        _CUDA = (pack, unpack, add_unpack)
-    return _CUDA
+    return kc.pack, kc.unpack, kc.add_unpack
 
 
 THREADS = 256

@@ -61,6 +61,18 @@ def test_fold_order_is_grouped_then_across_groups():
     assert out.dtype == torch.float32
 
 
+def test_fold_in_place_on_own_row_matches_out_of_place():
+    g = torch.Generator().manual_seed(0)
+    base = [torch.randn(64, generator=g) * 10.0 ** k for k in range(5)]
+    for groups in ([[0, 1, 2, 3, 4]], [[0], [1], [2], [3], [4]], [[0, 1], [2, 3, 4]]):
+        want = fold(base, groups, torch.empty(64))
+        simple = len(groups) == 1 or all(len(x) == 1 for x in groups)
+        for own in range(5) if simple else ():
+            rows = [t.clone() for t in base]
+            got = fold(rows, groups, rows[own])
+            assert got is rows[own] and torch.equal(got, want), (groups, own)
+
+
 def test_assign_buckets_caps_and_compression_names():
     ps = [torch.zeros(n) for n in (10, 10, 300, 5, 5)]
     sizes = [[p.numel() for p in b] for b in assign_buckets(ps, cap_bytes=400,
@@ -114,13 +126,16 @@ def test_no_sync_accumulation_equals_big_batch(comm):
     ddp = hpcpar.DDP(model, grid)
     micro = 2
     xs, ys = batch(7, micro * B * P)
-    with ddp.no_sync():
-        x, y = xs[:B * P], ys[:B * P]
-        (loss_fn(ddp, x[r * B:(r + 1) * B], y[r * B:(r + 1) * B]) / micro).backward()
+    x, y = xs[:B * P], ys[:B * P]
+    loss = loss_fn(ddp, x[r * B:(r + 1) * B], y[r * B:(r + 1) * B]) / micro
+    with ddp.no_sync():  # the context around backward decides
+        loss.backward()
+    assert ddp.sync_steps == 0
     local = grads(model)
     x, y = xs[B * P:], ys[B * P:]
     (loss_fn(ddp, x[r * B:(r + 1) * B], y[r * B:(r + 1) * B]) / micro).backward()
     loss_fn(ref, xs, ys).backward()
+    assert ddp.sync_steps == 1
     for p, q in zip(model.parameters(), ref.parameters()):
         assert rel_err(p.grad, q.grad) <= 1e-6
     if P > 1:  # no communication happened inside no_sync: the local grads differed

@@ -76,7 +76,8 @@ def test_cli_plans_cosmoflow_512_on_1024_frontier_gpus(tmp_path):
     csv = tmp_path / "plan.csv"
     r = subprocess.run([sys.executable, "-m", "hpcpar.cli", "plan",
                         "jobs/cosmoflow-512-spatial.toml", "--ranks", "1024", "--machine",
-                        "frontier", "--top", "5", "--set", "train.global_batch=4096",
+                        "frontier", "--top", "5", "--set", "train.global_batch=1024",
+                        "--set", "data.samples=8192", "--set", "data.val_samples=0",
                         "--csv", str(csv)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert time.monotonic() - t0 < 60  # the plan itself is well under 10 s; start-up varies
@@ -86,4 +87,11 @@ def test_cli_plans_cosmoflow_512_on_1024_frontier_gpus(tmp_path):
     assert len(ranked) == 5
     steps = [float(ln.split()[2]) for ln in ranked]
     assert steps == sorted(steps)
-    assert "infeasible" in r.stdout and "GB per rank" in csv.read_text()
+    assert "infeasible" in r.stdout and "voxels for" in csv.read_text()
+    # the same job with 4 samples per rank does not fit a 64 GB GCD: marked, not ranked
+    r = subprocess.run([sys.executable, "-m", "hpcpar.cli", "plan",
+                        "jobs/cosmoflow-512-spatial.toml", "--ranks", "1024", "--machine",
+                        "frontier", "--set", "train.global_batch=4096",
+                        "--set", "data.samples=8192", "--set", "data.val_samples=0"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "GB per rank, machine has 64.0 GB" in r.stdout

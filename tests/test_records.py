@@ -66,6 +66,14 @@ def test_crash_then_resume_replaces_redone_steps(tmp_path):
     meta = read_meta(run)
     assert meta["start_time"] == start and len(meta["segments"]) == 2
     assert meta["segments"][1]["first_step"] == 3
+    # resumed again from step 1 and stopped at step 2: the stale steps 3..6 are gone too
+    rec3 = RunRecorder(run, None, {"job_name": "demo"}, resume=True)
+    for s in (1, 2):
+        rec3.step(**row(s, scale=3.0))
+    rec3.finish("preempted")
+    df = read_steps(run)
+    assert list(df["step"]) == [0, 1, 2] and df.loc[2, "t_step"] == row(2, scale=3.0)["t_step"]
+    assert read_steps(run).equals(records.read_rank_file(run / "records/rank-00000.csv"))
 
 
 def test_csv_fallback_without_pyarrow(tmp_path, monkeypatch):

@@ -145,7 +145,7 @@ def test_script_logic(tmp_path, job, behaviour, signal, max_requeues, rc, requeu
     argv = read_argv(run_dir / "argv.0.0")
     assert argv[:3] == ["-m", "hpcpar.cli", "run"]
     assert argv[3] == str(job) and argv[4:7] == ["--run-dir", str(run_dir), "--resume"]
-    assert argv[7:] == [x for s in sets for x in ("--set", s)]
+    assert argv[7:] == ["--grid", "1x1x1x1"] + [x for s in sets for x in ("--set", s)]
     assert not (tmp_path / "PWNED").exists() and not Path("PWNED").exists()
 
 
@@ -176,6 +176,9 @@ def test_sites_and_errors(tmp_path, job, monkeypatch):
         plan_submit(job, tmp_path / "a\\b", ranks=[2])
     with pytest.raises(SubmitError, match="Slurm time"):
         plan_submit(job, tmp_path / "o", ranks=[2], time="soon")
+    weak = plan_submit(job, tmp_path / "o", ranks=[2, 1], weak=True, array=True)[0].text
+    assert "0) RANKS=1 NODES=1" in weak and \
+        "POINT_ARGS=(--grid 2x1x1x1 --set train.global_batch=128)" in weak
     assert parse_after(["12", "afterany:13:14", "15,16"]) == \
         "afterok:12,afterany:13:14,afterok:15,afterok:16"
     with pytest.raises(SubmitError, match="job id"):

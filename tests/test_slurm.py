@@ -67,12 +67,12 @@ def test_quoting_on_slurm(slurm_cluster, sandbox):
     assert log.is_file() and "job step exited with 0" in log.read_text()
     argv = read_argv(out / "ranks-1" / "argv.0.0")
     assert argv[4:7] == ["--run-dir", str(out / "ranks-1"), "--resume"]
-    assert argv[7:] == ["--set", f"job.name={name}"]
+    assert argv[7:] == ["--grid", "1x1x1x1", "--set", f"job.name={name}"]
     for where in (REPO, sandbox["dir"], Path.cwd()):
         assert not (where / "PWNED").exists() and not (where / "PWNED2").exists()
 
 
-def test_array_of_three_with_report(slurm_cluster, sandbox):
+def test_array_of_three_with_report(slurm_cluster, sandbox, monkeypatch, capsys):
     out = sandbox["dir"] / "array"
     recs = _submit(slurm_cluster, sandbox, out, ranks=[1, 2, 4], array=True, report=True)
     runs, report = recs[:3], recs[3]
@@ -93,6 +93,13 @@ def test_array_of_three_with_report(slurm_cluster, sandbox):
     assert argv[2:] == ["report", *(str(out / f"ranks-{n}") for n in (1, 2, 4)),
                         "-o", str(out / "report")]
     assert (out / "jobs.json").is_file() and (out / "slurm" / "array.sbatch").is_file()
+    from hpcpar.cli import main
+
+    monkeypatch.setenv("SLURM_CONF", str(slurm_cluster.conf))
+    main(["status", str(out)])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:4] == ["JOBID", "LABEL", "RANKS", "STATE"] and len(lines) == 5
+    assert all(" COMPLETED " in line for line in lines[1:]), lines
 
 
 def test_dependency_chain(slurm_cluster, sandbox):

@@ -135,7 +135,8 @@ def transposed_cases(world: int):
     usable = [(d, g) for g in GRIDS for d in (1, 2) if d * g[0] * g[1] * g[2] <= world]
     # (kernel, stride, padding, output_padding, dilation): k != s among them
     geoms = [(2, 2, 0, 0, 1), (3, 2, 1, 1, 1), (4, 2, 1, 0, 1), (1, 2, 0, 1, 1),
-             (3, 3, 0, 2, 2), (5, 2, 2, 1, 1), (3, 1, 1, 0, 1), (2, 3, 1, 0, 2)]
+             (3, 3, 0, 2, 2), (5, 2, 2, 1, 1), (3, 1, 1, 0, 1), (2, 3, 1, 0, 2),
+             (1, 3, 0, 0, 1)]  # the last one leaves outputs that receive no input
     cases = []
     for i, geom in enumerate(geoms):
         data, dims = usable[(2 * i + 1) % len(usable)]
@@ -145,6 +146,16 @@ def transposed_cases(world: int):
                           dtype=[torch.float32, torch.float64][i % 2], groups=1 + i % 2,
                           bias=i % 3 != 2))
     return cases
+
+
+def edge_cases():
+    """Geometry corners: outputs reading only padding, ranks owning no output, strided trims."""
+    base = dict(dilation=1, groups=1, bias=True, dtype=torch.float64, data=1, dims=(3, 1, 1))
+    return [dict(base, kernel=1, stride=1, padding=3, shape=(4, 5, 5)),   # rank 2: pad only
+            dict(base, kernel=2, stride=3, padding=0, shape=(7, 5, 5)),   # M=2 < 3 ranks
+            dict(base, kernel=1, stride=3, padding=1, shape=(17, 4, 4)),  # trims owned items
+            dict(base, kernel=5, stride=1, padding=4, dilation=2, shape=(5, 5, 12),
+                 dims=(1, 1, 3))]
 
 
 def _run_conv(comm, cases):
@@ -199,7 +210,7 @@ def test_conv_matches_torch(comm):
         cases = [c for c in conv_cases(8) if c["data"] * c["dims"][0] * c["dims"][1] *
                  c["dims"][2] > 4]
     else:
-        cases = conv_cases(4)
+        cases = conv_cases(4) + edge_cases()
     _run_conv(comm, cases)
 
 
@@ -233,6 +244,6 @@ def test_state_dict_roundtrip_and_16bit(comm):
 if __name__ == "__main__":  # pragma: no cover - manual debugging: mpiexec -n 4 python ...
     from mpi4py import MPI
 
-    _run_conv(MPI.COMM_WORLD, conv_cases(MPI.COMM_WORLD.Get_size()))
+    _run_conv(MPI.COMM_WORLD, conv_cases(MPI.COMM_WORLD.Get_size()) + edge_cases())
     _run_transposed(MPI.COMM_WORLD, transposed_cases(MPI.COMM_WORLD.Get_size()))
     print("ok")

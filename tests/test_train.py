@@ -1,7 +1,7 @@
 """The training loop in-process on 2 ranks: loss falls; 2 data ranks == 1 rank with the same
 global batch; a stop signal on ONE rank stops all after the same step, checkpoints, and the
 resumed run is bit-identical to an uninterrupted one; a corrupt newest checkpoint falls back
-to the previous one; the checkpoint loads into the plain torch model; U-Net and bf16 run."""
+to the previous one; the checkpoint loads into the plain torch model; U-Net runs."""
 
 import os
 import signal
@@ -112,7 +112,7 @@ def test_loop_equivalence_signal_resume_fallback(comm):
         assert "skipping corrupt checkpoint" in log and "resumed from" in log
         assert "step-000003 at step 3" in log
 
-    # -- U-Net (spatial, batch norm over the global batch) under bf16 autocast runs ----------
+    # -- U-Net (spatial, batch norm over the global batch) runs --------------------------------
     u = train(_unet_job((1, 2, 1, 1)), tmp / "unet", comm=comm)
     assert u.step == 2 and 0.0 <= u.metrics["val_accuracy"] <= 1.0
     assert u.metrics["final_train_loss"] == u.metrics["final_train_loss"]  # not NaN
@@ -127,5 +127,5 @@ def _unet_job(grid):
         "model": {"kind": "unet3d", "base_filters": 2, "depth": 1},
         "data": {"source": "synthetic", "size": 8, "channels": 2, "samples": 8,
                  "val_samples": 4},
-        "train": {"steps": 2, "global_batch": 4, "precision": "bf16", "log_every": 1},
+        "train": {"steps": 2, "global_batch": 4, "log_every": 1},
         "checkpoint": {"at_end": False}})

@@ -61,7 +61,7 @@ def workload_from_job(path: str, overrides=()):
 
 def table(preds, top: int) -> str:
     head = (f"{'rank':>4}  {'grid':<12} {'step s':>9} {'compute':>9} {'halo':>8} "
-            f"{'gather':>8} {'allred':>8} {'io':>8} {'mem GB':>7}  note")
+            f"{'gather':>8} {'allred':>8} {'io':>8} {'mem GB':>7}")
     lines = [head]
     feasible = [p for p in preds if p.feasible]
     for i, p in enumerate(feasible[:top], 1):
@@ -71,9 +71,20 @@ def table(preds, top: int) -> str:
     bad = [p for p in preds if not p.feasible]
     if bad:
         lines.append(f"infeasible ({len(bad)} grids, not recommended), e.g.:")
-        for p in bad[: max(3, min(top, 5))]:
+        for p in _examples(bad, max(3, min(top, 5))):
             lines.append(f"     {p.spec:<12} {p.reason}")
     return "\n".join(lines)
+
+
+def _examples(bad, k: int):
+    """Up to ``k`` infeasible grids, one per kind of reason first (memory, batch, extent)."""
+    seen, first, rest = set(), [], []
+    for p in bad:
+        kind = ("memory" if "GB per rank" in p.reason else
+                "batch" if "not divisible" in p.reason else "extent")
+        (rest if kind in seen else first).append(p)
+        seen.add(kind)
+    return (first + rest)[:k]
 
 
 def write_csv(preds, path: str) -> None:

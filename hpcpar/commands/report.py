@@ -24,7 +24,7 @@ def print_report(rep) -> None:
               "(global batch constant -> strong, growing with ranks -> weak).")
 @click.option("--warmup", type=click.IntRange(min=0), default=None,
               help="Steps dropped at the start of each run segment [default: the run's "
-                   "warmup_steps, else max(1, steps/10)].")
+                   "timing_warmup meta, else max(1, steps/10)].")
 @click.option("--title", default="hpcpar scaling report", show_default=True)
 def report(paths, out, mode, warmup, title):
     """Scaling report of run or sweep directories (any depth below each path)."""

@@ -28,6 +28,8 @@ def _int_list(ctx, param, value):
 @click.option("--ranks", callback=_int_list, help="Rank counts to run, e.g. 1,2,4.")
 @click.option("--nodes", callback=_int_list, help="Node counts (ranks = nodes x tasks/node).")
 @click.option("--array", is_flag=True, help="One job array over the sweep points.")
+@click.option("--weak", is_flag=True,
+              help="Weak scaling: global batch grows with the ranks (as hpcpar sweep).")
 @click.option("--after", multiple=True, metavar="JOBID",
               help="Start after JOBID succeeded (afterok); TYPE:JOBID passes through.")
 @click.option("--report", is_flag=True,
@@ -40,14 +42,14 @@ def _int_list(ctx, param, value):
               help="Requeue a checkpointed job at most N times (default: the site's).")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
               help="Override a job field (passed on to `hpcpar run`).")
-def submit(job_file, out, site, ranks, nodes, array, after, report, dry_run, time_, grace,
+def submit(job_file, out, site, ranks, nodes, array, weak, after, report, dry_run, time_, grace,
            max_requeues, sets):
     """Render sbatch scripts for JOB_FILE from a site profile and submit them."""
     from ..submit import dry_run_text, plan_submit, submit as do_submit
 
     jobs = plan_submit(job_file, out, site=site, ranks=ranks, nodes=nodes, array=array,
                        after=after, report=report, time=time_, sets=sets, grace=grace,
-                       max_requeues=max_requeues)
+                       max_requeues=max_requeues, weak=weak)
     if dry_run:
         click.echo(dry_run_text(jobs), nl=False)
         return

@@ -25,23 +25,31 @@ FORMAT = "hpcpar-volume-shards"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
-DEFAULT_CHUNK = 32
+DEFAULT_CHUNK = 32  # largest automatic chunk edge: 4 x 32^3 float32 = 512 KiB per chunk
 
 
 def shard_name(index: int) -> str:
     return f"shard-{index:05d}.h5"
 
 
-def chunk_edge(n: int, target: int = DEFAULT_CHUNK) -> int:
-    """Chunk length on an axis of length ``n``: about ``target``, splitting ``n`` evenly."""
+def chunk_edge(n: int, target: int | None = None) -> int:
+    """Chunk length on an axis of length ``n``: about ``target``, splitting ``n`` evenly.
+
+    ``None`` (the default): at most 32 and at most a quarter of the axis, so grids of up to 4
+    ranks per axis read their own quarter, not a whole small sample; 0: the whole axis."""
+    if target is None:
+        target = min(DEFAULT_CHUNK, -(-n // 4))
     if target <= 0 or target >= n:
         return n
     pieces = -(-n // target)
     return -(-n // pieces)
 
 
-def parse_chunk(text) -> int | tuple:
-    """``"32"`` -> 32 (target edge on every axis); ``"16,128,128"`` -> per-axis targets."""
+def parse_chunk(text) -> int | tuple | None:
+    """``"auto"`` -> None (see :func:`chunk_edge`); ``"32"`` -> 32 (target edge on every
+    axis); ``"16,128,128"`` -> per-axis targets."""
+    if text is None or str(text).strip().lower() == "auto":
+        return None
     parts = [p for p in str(text).replace("x", ",").split(",") if p.strip()]
     try:
         vals = tuple(int(p) for p in parts)
@@ -52,9 +60,9 @@ def parse_chunk(text) -> int | tuple:
     return vals[0] if len(vals) == 1 else vals
 
 
-def x_chunks(sample_shape, target=DEFAULT_CHUNK) -> tuple[int, ...]:
-    """Chunk shape of ``x`` for per-sample shape (C, D, H, W); ``target`` is one edge for
-    D, H, W or a (D, H, W) triple; 0 means the whole axis."""
+def x_chunks(sample_shape, target=None) -> tuple[int, ...]:
+    """Chunk shape of ``x`` for per-sample shape (C, D, H, W); ``target`` is None (auto), one
+    edge for D, H, W or a (D, H, W) triple; 0 means the whole axis."""
     c, *spatial = sample_shape
     targets = target if isinstance(target, (tuple, list)) else (target,) * len(spatial)
     return (1, c, *(chunk_edge(n, t) for n, t in zip(spatial, targets)))

@@ -5,10 +5,11 @@ numpy + h5py only. Bytes read are counted as storage delivers them: every chunk 
 touches, whole (edge chunks are stored full size), plus the ``y`` rows.
 
 Fast path (unfiltered chunked ``x``, POSIX files): HDF5's chunk index gives each chunk's file
-offset and the chunk is read with one ``preadv`` — straight into the output when the chunk
-lands in a few contiguous runs of it (chunks aligned with the rank's box), else into a reused
-buffer and copied. This avoids HDF5's per-chunk cache allocation and copy, which otherwise
-makes warm reads several times slower than a plain read. Anything else (compressed chunks,
+offset. Chunks aligned with the rank's box and spanning its H and W are read with one
+``preadv`` straight into the output; otherwise every touched chunk is read with one
+``preadv`` per run of chunks adjacent in the file into a reused buffer, then moved into the
+output with one transposing copy. This avoids HDF5's per-chunk cache allocation and row-wise
+copies, which make warm reads several times slower than a plain read. Anything else (compressed chunks,
 contiguous datasets, the mpio driver) goes through ``read_direct`` with a chunk cache big
 enough to hold a chunk, so HDF5 fetches each chunk once instead of row by row.
 """
@@ -26,7 +27,7 @@ from .errors import DataError
 from .format import open_h5
 
 MAX_OPEN = 64  # shard files kept open at once
-MAX_IOVECS = 64  # a chunk landing in more runs of the output than this goes via a buffer
+MAX_IOVECS = 64  # channels beyond this: chunks go through the staging buffer
 
 
 def touched_chunk_bytes(box, chunks, itemsize: int) -> int:
@@ -74,6 +75,7 @@ class ShardFiles:
         self.opener = opener or open_h5
         self._open: OrderedDict = OrderedDict()
         self.pending_bytes = 0
+        self.scratch: dict = {}  # staging buffers, reused across reads
 
     def get(self, shard: int) -> OpenShard:
         if shard in self._open:
@@ -107,53 +109,79 @@ class ShardFiles:
             self._open.popitem()[1].close()
 
 
-def chunk_plan(box, chunks) -> list:
-    """For each chunk the box touches: (chunk origin (D, H, W), slices inside the chunk,
-    slices inside the rank's block)."""
-    per_axis = []
-    for (a, b), c in zip(box, chunks[2:]):
-        axis = []
-        for k in range(a // c, (b - 1) // c + 1):
-            lo, hi = max(a, k * c), min(b, (k + 1) * c)
-            axis.append((k * c, slice(lo - k * c, hi - k * c), slice(lo - a, hi - a)))
-        per_axis.append(axis)
-    return [(tuple(p[0] for p in combo), tuple(p[1] for p in combo),
-             tuple(p[2] for p in combo)) for combo in itertools.product(*per_axis)]
+@dataclass(frozen=True)
+class ChunkPlan:
+    """How to read one box: the touched chunks' origins (D, H, W) in row-major order, their
+    grid (nd, nh, nw), the box inside the chunk-aligned super-box (None: aligned), and
+    whether chunks can be read straight into place (aligned, spanning the block's H and W)."""
+
+    origins: tuple
+    grid: tuple
+    crop: tuple | None
+    direct: bool
 
 
-def _runs(view: np.ndarray):
-    """``view`` as a list of contiguous byte memoryviews, or None if that takes too many."""
-    inner = view.ndim
-    while inner > 0 and view[(0,) * (inner - 1)].flags.c_contiguous:
-        inner -= 1
-    outer = view.shape[:inner]
-    if int(np.prod(outer)) > MAX_IOVECS:
-        return None
-    return [memoryview(view[idx]).cast("B") for idx in np.ndindex(*outer)] if outer else \
-        [memoryview(view).cast("B")]
+def chunk_plan(box, chunks) -> ChunkPlan:
+    sizes = chunks[2:]
+    ranges = [(a // c, (b - 1) // c + 1) for (a, b), c in zip(box, sizes)]
+    grid = tuple(k1 - k0 for k0, k1 in ranges)
+    origins = tuple(tuple(k * c for k, c in zip(ks, sizes))
+                    for ks in itertools.product(*(range(k0, k1) for k0, k1 in ranges)))
+    crop = tuple(slice(a - k0 * c, b - k0 * c) for (a, b), (k0, _), c in zip(box, ranges, sizes))
+    aligned = all(s.start == 0 and s.stop == g * c for s, g, c in zip(crop, grid, sizes))
+    direct = aligned and grid[1] == grid[2] == 1 and chunks[1] <= MAX_IOVECS
+    return ChunkPlan(origins, grid, None if aligned else crop, direct)
+
+
+def _pread(fd: int, buffers, offset: int, expected: int) -> None:
+    got = os.preadv(fd, buffers, offset)
+    if got != expected:
+        raise OSError(f"short read at byte {offset}: {got} of {expected}")
+
+
+def _scratch(scratch: dict, shape, dtype) -> np.ndarray:
+    key = (tuple(shape), dtype)
+    if key not in scratch:
+        scratch[key] = np.empty(shape, dtype)
+    return scratch[key]
 
 
 def _read_chunks(sh: OpenShard, row: int, box, dest: np.ndarray, scratch: dict) -> None:
-    """Read the chunks of ``box`` of sample ``row`` into ``dest`` (C, d, h, w) with preadv."""
-    dx, chunk_shape = sh.x, sh.chunks[1:]
-    for origin, src, dst in sh.plan(box):
-        info = dx.id.get_chunk_info_by_coord((row, 0, *origin))
-        region = dest[(slice(None), *dst)]
-        if info.byte_offset is None:  # never written: HDF5's fill value
-            region[...] = dx.fillvalue
+    """Read the chunks of ``box`` of sample ``row`` into ``dest`` (C, d, h, w) with preadv:
+    straight into place when the plan allows, else all chunks with one ``preadv`` per run of
+    chunks adjacent in the file, then one transposing copy into ``dest``."""
+    plan, dx = sh.plan(box), sh.x
+    c, cd, ch, cw = sh.chunks[1:]
+    nbytes = c * cd * ch * cw * dx.dtype.itemsize
+    offsets = [dx.id.get_chunk_info_by_coord((row, 0, *o)).byte_offset for o in plan.origins]
+    if plan.direct:
+        for k, off in enumerate(offsets):
+            region = dest[:, k * cd:(k + 1) * cd]
+            if off is None:  # never written: HDF5's fill value
+                region[...] = dx.fillvalue
+            else:
+                _pread(sh.fd, [memoryview(region[i]).cast("B") for i in range(c)], off, nbytes)
+        return
+    nd, nh, nw = plan.grid
+    staging = _scratch(scratch, (len(offsets), c, cd, ch, cw), dx.dtype)
+    i = 0
+    while i < len(offsets):
+        if offsets[i] is None:
+            staging[i] = dx.fillvalue
+            i += 1
             continue
-        whole = all(s.stop - s.start == n for s, n in zip(src, chunk_shape[1:]))
-        runs = _runs(region) if whole else None
-        if runs is not None:  # the chunk's bytes go straight to their place
-            got = os.preadv(sh.fd, runs, info.byte_offset)
-        else:
-            buf = scratch.get(chunk_shape)
-            if buf is None:
-                buf = scratch[chunk_shape] = np.empty(chunk_shape, dx.dtype)
-            got = os.preadv(sh.fd, [memoryview(buf).cast("B")], info.byte_offset)
-            region[...] = buf[(slice(None), *src)]
-        if got != info.size:
-            raise OSError(f"short read at byte {info.byte_offset}: {got} of {info.size}")
+        j = i + 1
+        while j < len(offsets) and offsets[j] is not None and \
+                offsets[j] == offsets[j - 1] + nbytes:
+            j += 1
+        _pread(sh.fd, [memoryview(staging[i:j]).cast("B")], offsets[i], (j - i) * nbytes)
+        i = j
+    aligned = plan.crop is None and dest.flags.c_contiguous
+    target = dest if aligned else _scratch(scratch, (c, nd * cd, nh * ch, nw * cw), dx.dtype)
+    target.reshape(c, nd, cd, nh, ch, nw, cw).transpose(1, 3, 5, 0, 2, 4, 6)[...] = \
+        staging.reshape(nd, nh, nw, c, cd, ch, cw)
+    if not aligned:
+        dest[...] = target[(slice(None), *(plan.crop or ()))]
 
 
 def read_samples(files: ShardFiles, items, box, out_x: np.ndarray, out_y: np.ndarray) -> int:
@@ -162,13 +190,12 @@ def read_samples(files: ShardFiles, items, box, out_x: np.ndarray, out_y: np.nda
     box = tuple(tuple(int(v) for v in b) for b in box)
     sel = tuple(slice(a, b) for a, b in box)
     total = 0
-    scratch: dict = {}
     for j, (shard, row) in enumerate(items):
         sh = files.get(shard)
         row = int(row)
         try:
             if sh.fd is not None:
-                _read_chunks(sh, row, box, out_x[j], scratch)
+                _read_chunks(sh, row, box, out_x[j], files.scratch)
             else:
                 sh.x.read_direct(out_x, (row, slice(None), *sel), np.s_[j])
         except (OSError, ValueError, TypeError) as exc:

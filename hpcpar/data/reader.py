@@ -19,8 +19,7 @@ import numpy as np
 
 from ..stats import COUNTERS
 from .errors import DataError
-from .format import (Array, Manifest, Shard, check_array, check_shard, open_h5,
-                     read_manifest)
+from .format import Array, Manifest, Shard, check_shard, open_h5, read_manifest
 from .hyperslab import ShardFiles, cache_bytes, read_samples
 from .schedule import VolumeDatasetBase
 
@@ -73,6 +72,7 @@ class ShardedVolumeDataset(VolumeDatasetBase):
         self._check_shards(grid.comm)
         self.bytes_read = 0
         self.bytes_staged = 0
+        self.staged_dir = None
         paths = [os.path.join(self.directory, s.file) for s in m.shards]
         if stage_to is not None:
             from .staging import stage_shards

@@ -64,7 +64,8 @@ def cosmoflow_sample(seed: int, index: int, size: int, channels: int = 4):
     p = cosmoflow_params(u)
     noise = rng.standard_normal((size, size, size), dtype=np.float32)
     modes = np.fft.rfftn(noise) * _spectrum_sqrt(size, p["slope"], p["cutoff"])
-    delta = np.fft.irfftn(modes, s=noise.shape, axes=(0, 1, 2)).astype(np.float32) * np.float32(p["sigma"])
+    delta = np.fft.irfftn(modes, s=noise.shape, axes=(0, 1, 2)).astype(np.float32)
+    delta *= np.float32(p["sigma"])
     x = np.empty((channels, size, size, size), dtype=np.float32)
     for c in range(channels):
         a = np.float32(p["nonlinearity"] * (c + 1) / channels)

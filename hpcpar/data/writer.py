@@ -17,7 +17,7 @@ import numpy as np
 
 from ..partition import part_range
 from .errors import DataError
-from .format import (DEFAULT_CHUNK, FORMAT, FORMAT_VERSION, Array, Manifest, Shard,
+from .format import (FORMAT, FORMAT_VERSION, Array, Manifest, Shard,
                      check_file, open_h5, sha256_file, shard_name, x_chunks)
 
 BLOCK_BYTES = 64 << 20  # samples are read from the source in blocks of about this size
@@ -114,7 +114,7 @@ def _publish(tmp: str, out: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def write_dataset(out: str, source, counts: list[int], *, comm=None, chunk=DEFAULT_CHUNK,
+def write_dataset(out: str, source, counts: list[int], *, comm=None, chunk=None,
                   force: bool = False, progress: bool = True) -> Manifest:
     """Write ``source`` as shards of ``counts`` samples into directory ``out`` (collective).
 

@@ -15,7 +15,7 @@ _LAZY = {
     "SpatialUpsample": "hpcpar.nn.upsample",
     "SpatialAdaptiveAvgPool3d": "hpcpar.nn.gather",
     "SpatialGather": "hpcpar.nn.gather",
-    "spatialize": "hpcpar.nn.spatialize",
+    "spatialize": "hpcpar.nn.spatializer",
     # tensor parallelism
     "TensorParallelLinear": "hpcpar.nn.tensor_parallel",
     "tensor_parallelize": "hpcpar.nn.tensor_parallel",

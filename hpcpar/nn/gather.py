@@ -60,17 +60,13 @@ class SpatialGather(SpatialModule, nn.Module):
         return _Gather.apply(x, self.grid)
 
 
-def _acc_dtype(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 class _GlobalMean(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm):
-        acc = _acc_dtype(x.dtype)
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         n_local = x.shape[-3] * x.shape[-2] * x.shape[-1]
-        sums = x.sum(dim=(-3, -2, -1), dtype=acc).reshape(-1)
-        buf = torch.cat([sums, sums.new_full((1,), float(n_local))])
+        sums = x.sum(dim=(-3, -2, -1), dtype=acc).reshape(-1).double()
+        buf = torch.cat([sums, sums.new_full((1,), float(n_local))])  # counts > 2**24 exact
         allreduce_(buf, comm)
         count = buf[-1].item()
         ctx.count, ctx.shape = count, x.shape

@@ -35,7 +35,8 @@ class _GlobalBatchNorm(torch.autograd.Function):
         dims = [0] + list(range(2, x.dim()))
         view = (1, C) + (1,) * (x.dim() - 2)
         xa = x.detach().to(acc)
-        first = torch.empty(C + 1, dtype=acc, device=x.device)
+        # float64 on the wire: sums of many partial sums, and counts above 2**24 stay exact
+        first = torch.empty(C + 1, dtype=torch.float64, device=x.device)
         first[:C] = xa.sum(dims)
         first[C] = x.numel() // C if C else 0
         allreduce_(first, comm)
@@ -43,12 +44,12 @@ class _GlobalBatchNorm(torch.autograd.Function):
         if count <= 1:
             raise SpatialError(f"{name}: expected more than 1 value per channel when training, "
                                f"got {count} over the whole group (input {tuple(x.shape)})")
-        mean = first[:C] / count
+        mean = (first[:C] / count).to(acc)
         xc = xa - mean.view(view)
-        m2 = (xc * xc).sum(dims)
+        m2 = (xc * xc).sum(dims).double()
         allreduce_(m2, comm)
         var = m2 / count
-        invstd = torch.rsqrt(var + eps)
+        invstd = torch.rsqrt(var + eps).to(acc)
         xhat = xc.mul_(invstd.view(view))
         y = xhat
         if weight is not None:
@@ -75,14 +76,14 @@ class _GlobalBatchNorm(torch.autograd.Function):
         dya = dy.to(acc)
         xhat = (x.to(acc) - mean.view(view)).mul_(invstd.view(view))
         sums = torch.stack([dya.sum(dims), (dya * xhat).sum(dims)])  # partial, this sub-volume
-        # partial gradients: copies, as ``sums`` is reduced in place below
-        d_weight = sums[1].to(weight.dtype, copy=True) if weight is not None else None
-        d_bias = sums[0].to(weight.dtype, copy=True) if ctx.has_bias else None
+        d_weight = sums[1].to(weight.dtype) if weight is not None else None
+        d_bias = sums[0].to(weight.dtype) if ctx.has_bias else None
         dx = None
         if ctx.needs_input_grad[0]:
-            allreduce_(sums, ctx.comm)
+            total = allreduce_(sums.to(torch.float64, copy=True), ctx.comm)
+            mean_dy, mean_dy_xhat = (total / ctx.count).to(acc)
             scale = invstd if weight is None else invstd * weight.detach().to(acc)
-            dx = dya - (sums[0] / ctx.count).view(view) - xhat * (sums[1] / ctx.count).view(view)
+            dx = dya - mean_dy.view(view) - xhat * mean_dy_xhat.view(view)
             dx = dx.mul_(scale.view(view)).to(x.dtype)
         return dx, d_weight, d_bias, None, None, None, None, None, None
 

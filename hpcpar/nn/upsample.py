@@ -98,7 +98,10 @@ class SpatialUpsample(SpatialModule, nn.Upsample):
 
     def forward(self, x):
         entry = self.spatial_plan(x)
+        dtype = x.dtype
         x = _exchange(x, entry.halo)
+        if entry.extra[0][2] is not None and dtype in (torch.float16, torch.bfloat16):
+            x = x.float()  # blend 16-bit inputs in float32, as torch does
         for dim, (i0, i1, w1) in zip((2, 3, 4), entry.extra):
             i0 = i0.to(x.device)
             if w1 is None:
@@ -109,7 +112,7 @@ class SpatialUpsample(SpatialModule, nn.Upsample):
             w = w1.to(device=x.device, dtype=x.dtype).view(shape)
             a, b = x.index_select(dim, i0), x.index_select(dim, i1.to(x.device))
             x = a + (b - a) * w
-        return x
+        return x.to(dtype)
 
 
 def _offsets(source, target):

@@ -59,7 +59,7 @@ class MPIItem(pytest.Item):
         return super().repr_failure(excinfo)
 
     def reportinfo(self):
-        return self.path, None, f"{self.name}"
+        return self.path, 0, f"{self.name}"
 
 
 def _max_np() -> int:

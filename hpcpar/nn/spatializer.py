@@ -21,8 +21,6 @@ at all (U-Net: every op is spatial, so every layer swaps).
 from __future__ import annotations
 
 import copy
-import sys
-import types
 
 import torch.nn as nn
 
@@ -182,16 +180,5 @@ def spatialize(model: nn.Module, grid, *, bn_include_data: bool = False) -> nn.M
     new, _ = walker.one(model, PARTITIONED, "")
     return new
 
-
-class _CallableModule(types.ModuleType):
-    """Importing this module binds ``hpcpar.nn.spatialize`` to the MODULE (the import system
-    sets the package attribute), shadowing the lazily exported function of the same name;
-    making the module callable keeps ``hpcpar.nn.spatialize(model, grid)`` working."""
-
-    def __call__(self, model, grid, **kw):
-        return spatialize(model, grid, **kw)
-
-
-sys.modules[__name__].__class__ = _CallableModule
 
 __all__ = ["spatialize", "SpatializeError", "POINTWISE"]

@@ -1,0 +1,258 @@
+"""Spatial parallelism benchmark: a conv3d stack, forward + backward, on 1 vs 2 vs 4 ranks.
+
+    mpiexec -n 4 python benchmarks/spatial.py --size 128      # the issue's 128^3 x 16 case
+    mpiexec -n 2 python benchmarks/spatial.py                 # small default (48^3)
+
+Everything is measured in the same run. The 1-rank baseline is plain torch (nn.Conv3d with
+padding, same weights) on the whole volume; r ranks run SpatialConv3d on a (r,1,1) or (2,2,1)
+grid while the remaining ranks sleep (they do not spin, so they do not steal the cores).
+One compute thread per rank (torch and numba), the one-rank-per-core convention: 1 rank vs
+2 ranks compares one core with two. Printed:
+
+* step time, speedup vs the 1-rank baseline, halo time as a fraction of the step;
+* pack / unpack / add-unpack GB/s of the halo faces (torch and Numba paths) vs a numpy
+  contiguous copy of the same bytes;
+* peak memory per rank during a step (RSS high-water mark above the pre-step RSS, with glibc
+  told to return big blocks at once) vs the 1-rank baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import statistics
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("NUMBA_NUM_THREADS", "1")
+
+
+def _malloc_returns_big_blocks():
+    """Serve >=1 MiB blocks by mmap and never raise that threshold, so freed tensors leave
+    the RSS at once and the RSS high-water mark measures live tensor memory."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 1 << 20)  # M_TRIM_THRESHOLD
+    except OSError:  # pragma: no cover - not glibc
+        pass
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(field):
+                return int(line.split()[1])
+    return 0
+
+
+class PeakMemory:
+    """Peak RSS growth (bytes) inside the ``with`` block (Linux: VmHWM reset by clear_refs)."""
+
+    def __enter__(self):
+        try:
+            with open("/proc/self/clear_refs", "w") as fh:
+                fh.write("5")
+            self.ok = True
+        except OSError:
+            self.ok = False
+        self.base = _rss_kib("VmRSS")
+        return self
+
+    def __exit__(self, *exc):
+        self.peak = (_rss_kib("VmHWM") - self.base) * 1024 if self.ok else float("nan")
+
+
+def polite_wait(comm):
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(0.002)
+
+
+def grid_dims(r: int):
+    return {1: (1, 1, 1), 2: (2, 1, 1), 4: (2, 2, 1), 8: (2, 2, 2)}[r]
+
+
+def build_stack(channels, layers, grid=None, seed=0):
+    import torch
+    from torch import nn
+
+    from hpcpar.nn import SpatialConv3d
+
+    torch.manual_seed(seed)
+    mods = []
+    for _ in range(layers):
+        if grid is None:
+            mods += [nn.Conv3d(channels, channels, 3, padding=1), nn.ReLU()]
+        else:
+            mods += [SpatialConv3d(channels, channels, 3, padding=1, grid=grid), nn.ReLU()]
+    return nn.Sequential(*mods)
+
+
+def time_steps(model, x, repeat):
+    """Median seconds of forward + backward (after one warm-up step) and the peak memory of
+    one step."""
+    import torch
+
+    from hpcpar.stats import COUNTERS
+
+    def step():
+        x.grad = None
+        model.zero_grad(set_to_none=True)
+        y = model(x)
+        y.backward(torch.ones_like(y))
+
+    step()
+    with PeakMemory() as mem:
+        step()
+    times, halo = [], []
+    for _ in range(repeat):
+        before = COUNTERS.snapshot()
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+        halo.append(COUNTERS.since(before)["t_halo"])
+    return statistics.median(times), statistics.median(halo), mem.peak
+
+
+def bench_ranks(comm, r, args):
+    """Time the spatial stack on the first r ranks; returns (step, halo, peak) maxima."""
+    import torch
+
+    from hpcpar import ProcessGrid
+    from hpcpar.partition import part_range
+
+    member = comm.Get_rank() < r
+    sub = comm.Split(0 if member else 1, comm.Get_rank())
+    result = None
+    if member:
+        grid = ProcessGrid(1, *grid_dims(r), comm=sub)
+        n = args.size
+        sl = tuple(slice(*part_range(n, p, i)) for p, i in
+                   zip(grid.spatial_shape, grid.spatial_coords))
+        torch.manual_seed(1)
+        x = torch.randn(args.batch, args.channels, n, n, n)[(slice(None), slice(None), *sl)]
+        x = x.contiguous().requires_grad_()
+        model = build_stack(args.channels, args.layers, grid)
+        sub.Barrier()
+        step, halo, peak = time_steps(model, x, args.repeat)
+        result = tuple(sub.allreduce(v, op=_max()) for v in (step, halo, peak))
+        grid.free()
+    sub.Free()
+    polite_wait(comm)
+    return result
+
+
+def _max():
+    from mpi4py import MPI
+
+    return MPI.MAX
+
+
+def bench_baseline(comm, args):
+    """Plain torch on the whole volume, rank 0 only."""
+    import torch
+
+    out = None
+    if comm.Get_rank() == 0:
+        n = args.size
+        torch.manual_seed(1)
+        x = torch.randn(args.batch, args.channels, n, n, n, requires_grad=True)
+        out = time_steps(build_stack(args.channels, args.layers), x, args.repeat)
+    polite_wait(comm)
+    return comm.bcast(out, root=0)
+
+
+def bench_pack(args):
+    """GB/s of face pack/unpack/add-unpack on a half volume vs a numpy contiguous copy."""
+    import numpy as np
+    import torch
+
+    from hpcpar.kernels import halo_pack as K
+
+    n, c = args.size, args.channels
+    buf = torch.randn(args.batch, c, n // 2 + 2, n + 2, n + 2)
+    faces = {"x": (slice(1, 2), slice(1, n + 1), slice(1, n + 1)),
+             "y": (slice(1, n // 2 + 1), slice(1, 2), slice(1, n + 1)),
+             "z": (slice(1, n // 2 + 1), slice(1, n + 1), slice(1, 2))}
+    rows = []
+    for name, face in faces.items():
+        view = buf[(slice(None), slice(None), *face)]
+        nbytes = view.numel() * view.element_size()
+        src = np.random.rand(view.numel()).astype(np.float32)
+        dst = np.empty_like(src)
+        ref = _best(lambda: np.copyto(dst, src), args.repeat * 5)
+        msg = K.pack(view)
+        for mode in ("torch", "numba"):
+            os.environ["HPCPAR_HALO_KERNELS"] = mode
+            tp = _best(lambda: K.pack(view), args.repeat * 5)
+            tu = _best(lambda: K.unpack(view, msg), args.repeat * 5)
+            ta = _best(lambda: K.unpack(view, msg, add=True), args.repeat * 5)
+            rows.append((name, mode, nbytes, nbytes / ref / 1e9, nbytes / tp / 1e9,
+                         nbytes / tu / 1e9, nbytes / ta / 1e9))
+    os.environ.pop("HPCPAR_HALO_KERNELS", None)
+    return rows
+
+
+def _best(fn, repeat):
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", type=int, default=48, help="cube edge (issue: 128)")
+    parser.add_argument("--channels", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args(argv)
+    _malloc_returns_big_blocks()
+    import torch
+    from mpi4py import MPI
+
+    torch.set_num_threads(1)
+    try:
+        import numba
+
+        numba.set_num_threads(1)
+    except Exception:  # pragma: no cover
+        pass
+    comm = MPI.COMM_WORLD
+    size = comm.Get_size()
+    say = print if comm.Get_rank() == 0 else (lambda *a, **k: None)
+    say(f"# conv3d stack: {args.layers} x (Conv3d {args.channels}->{args.channels} k3 p1 + "
+        f"ReLU), input {args.batch}x{args.channels}x{args.size}^3 fp32, forward+backward; "
+        f"{size} MPI ranks launched on {os.cpu_count()} cores, 1 thread each")
+    base = bench_baseline(comm, args)
+    say(f"{'ranks':>5} {'grid':>7} {'step s':>8} {'speedup':>8} {'halo %':>7} "
+        f"{'peak MiB':>9} {'mem ratio':>9}")
+    say(f"{1:>5} {'torch':>7} {base[0]:8.3f} {1.0:8.2f} {0.0:7.1f} {base[2] / 2**20:9.1f} "
+        f"{1.0:9.2f}")
+    for r in (1, 2, 4, 8):
+        if r > size:
+            break
+        res = bench_ranks(comm, r, args)
+        if comm.Get_rank() == 0:
+            step, halo, peak = res
+            say(f"{r:>5} {'x'.join(map(str, grid_dims(r))):>7} {step:8.3f} "
+                f"{base[0] / step:8.2f} {100 * halo / step:7.1f} {peak / 2**20:9.1f} "
+                f"{peak / base[2]:9.2f}")
+    if comm.Get_rank() == 0:
+        say("\n# halo faces of a half volume (GB/s); ratio = pack / numpy contiguous copy")
+        say(f"{'face':>4} {'path':>6} {'KiB':>8} {'numpy':>7} {'pack':>7} {'unpack':>7} "
+            f"{'add':>7} {'ratio':>6}")
+        for name, mode, nbytes, ref, p, u, a in bench_pack(args):
+            say(f"{name:>4} {mode:>6} {nbytes / 1024:8.0f} {ref:7.2f} {p:7.2f} {u:7.2f} "
+                f"{a:7.2f} {p / ref:6.2f}")
+    polite_wait(comm)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""``hpcpar run`` end to end through mpiexec: SIGUSR1 to the launcher -> checkpoint, exit 3 ->
+rerun resumes -> final parameters bit-identical to an uninterrupted run; kill -9 of one rank ->
+every rank gone and the launcher non-zero within 60 s, the last checkpoint intact and
+resumable. Tiny jobs (16^3, 2 ranks)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpcpar import checkpoint as ckpt
+
+JOB = """
+[job]
+name = "tiny"
+[grid]
+data = 1
+x = 2
+[model]
+kind = "cosmoflow"
+n_conv_blocks = 2
+base_filters = 4
+dense = [16]
+[data]
+source = "synthetic"
+size = 16
+channels = 2
+samples = 32
+[train]
+steps = {steps}
+global_batch = 4
+lr = 0.003
+log_every = 1
+[checkpoint]
+every = {every}
+keep = 2
+"""
+
+
+class Run:
+    """One ``hpcpar run`` in its own session (so cleanup can stop exactly what it started)."""
+
+    def __init__(self, tmp: Path, name: str, steps: int, every: int, *extra: str):
+        self.dir = tmp / name
+        job = tmp / f"{name}.toml"
+        job.write_text(JOB.format(steps=steps, every=every))
+        self.out = open(tmp / f"{name}.out", "w")
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "hpcpar.cli", "run", str(job), "-n", "2", "--run-dir",
+             str(self.dir), *extra], stdout=self.out, stderr=subprocess.STDOUT, env=env,
+            start_new_session=True)
+
+    def rows(self) -> int:
+        f = self.dir / "records" / "rank-00000.csv"
+        return max(0, len(f.read_text().splitlines()) - 2) if f.exists() else 0
+
+    def wait_until(self, pred, timeout=240.0):
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if pred():
+                return True
+            if self.proc.poll() is not None:
+                return pred()
+            time.sleep(0.1)
+        return False
+
+    def finish(self, timeout=240.0) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self.stop()
+
+    def stop(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.out.close()
+
+    def log(self) -> str:
+        return Path(self.out.name).read_text()
+
+
+def rank_pids(run_dir: Path) -> list[int]:
+    """PIDs of the rank processes of the run in ``run_dir`` (from /proc)."""
+    pids = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                cmd = (p / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if cmd[1:3] == [b"-m", b"hpcpar.train"] and str(run_dir).encode() in cmd:
+                pids.append(int(p.name))
+    return pids
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def final_params(run_dir: Path) -> dict:
+    newest = ckpt.list_checkpoints(run_dir / "checkpoints")[0]
+    return torch.load(newest / "model.pt", weights_only=True)
+
+
+def test_sigusr1_requeue_resume_bit_identical(tmp_path):
+    ref = Run(tmp_path, "ref", steps=24, every=0)          # uninterrupted, alongside
+    cut = Run(tmp_path, "cut", steps=24, every=0)
+    try:
+        assert cut.wait_until(lambda: cut.rows() >= 2), cut.log()
+        cut.proc.send_signal(signal.SIGUSR1)
+        rc = cut.finish(timeout=120)
+        assert rc == 3, cut.log()
+        assert "stopped by signal after checkpointing" in cut.log()
+        (stopped_at,) = ckpt.list_checkpoints(cut.dir / "checkpoints")
+        assert 2 <= int(stopped_at.name.split("-")[1]) < 24
+        again = Run(tmp_path, "cut", steps=24, every=0)     # same command: resumes
+        assert again.finish() == 0, again.log()
+        assert ref.finish() == 0, ref.log()
+        assert "resuming from step-" in again.log()
+    finally:
+        ref.stop()
+        cut.stop()
+    a, b = final_params(ref.dir), final_params(cut.dir)
+    assert all(torch.equal(a[k], b[k]) for k in a), "resumed run differs from uninterrupted"
+    import json
+
+    meta = json.loads((cut.dir / "meta.json").read_text())
+    assert meta["status"] == "ok" and len(meta["segments"]) == 2
+    from hpcpar.records import read_steps
+
+    steps = read_steps(cut.dir)
+    assert sorted(set(steps["step"])) == list(range(24)) and len(steps) == 48
+
+
+def test_kill9_one_rank_stops_all_and_checkpoint_resumes(tmp_path):
+    run = Run(tmp_path, "k", steps=400, every=2)
+    try:
+        assert run.wait_until(lambda: len(ckpt.list_checkpoints(run.dir / "checkpoints")) >= 1
+                              and run.rows() >= 4), run.log()
+        pids = rank_pids(run.dir)
+        assert len(pids) == 2, pids
+        os.kill(pids[-1], signal.SIGKILL)
+        t0 = time.monotonic()
+        rc = run.proc.wait(timeout=60)
+        assert rc != 0
+        while any(alive(p) for p in pids) and time.monotonic() - t0 < 60:
+            time.sleep(0.1)
+        assert not any(alive(p) for p in pids), "a rank outlived the killed one by 60 s"
+    finally:
+        run.stop()
+    newest = ckpt.list_checkpoints(run.dir / "checkpoints")[0]
+    ckpt.verify(newest)
+    step = int(newest.name.split("-")[1])
+    resumed = Run(tmp_path, "k", steps=step + 2, every=2)
+    assert resumed.finish() == 0, resumed.log()
+    assert f"resuming from {newest.name}" in resumed.log()
