@@ -55,6 +55,21 @@ class ReduceGroup:
             self.local, self.node = local, node
             self.local_size, self.num_nodes = len(self.groups[0]), len(self.groups)
 
+    def channel(self) -> tuple:
+        """Private communicators for one bucket (collective; call in the same order everywhere).
+
+        MPI needs every rank to START collectives on a communicator in the same order. A
+        bucket's stages start whenever this rank notices the previous stage finished, so two
+        buckets' stages may interleave differently on different ranks: each bucket therefore
+        reduces on its own duplicates, where its stages always come in the same order (and
+        collectives of the model or the user on the grid's communicators cannot interleave).
+        """
+        if self.size == 1:
+            return ()
+        if self.hierarchical:
+            return (self.node_comm.Dup(), self.peer_comm.Dup())
+        return (self.comm.Dup(),)
+
     def reduce(self, bucket: "Bucket"):
         """Generator: yields MPI requests; when exhausted, ``bucket.flat`` holds the result."""
         if self.size == 1:
@@ -72,23 +87,24 @@ class ReduceGroup:
 
     # -- pipelines ---------------------------------------------------------------------------
     def _flat(self, bucket):
-        yield from _reduce_scatter(self.comm, bucket.wire, self.groups, self.divisor,
-                                   bucket, "flat")
-        yield from _allgather_in_place(self.comm, bucket.wire)
+        (comm,) = bucket.channel
+        yield from _reduce_scatter(comm, bucket.wire, self.groups, self.divisor, bucket, "flat")
+        yield from _allgather_in_place(comm, bucket.wire)
 
     def _hierarchical(self, bucket):
+        node_comm, peer_comm = bucket.channel
         wire = bucket.wire
         part = wire.numel() // self.local_size
         mine = wire[self.local * part:(self.local + 1) * part]
         # inside the node: this rank ends with chunk `local` summed over the node (no divide)
-        yield from _reduce_scatter(self.node_comm, wire, [list(range(self.local_size))], 1,
+        yield from _reduce_scatter(node_comm, wire, [list(range(self.local_size))], 1,
                                    bucket, "node")
         # between nodes: node partials summed in node order, then divided
-        yield from _reduce_scatter(self.peer_comm, mine,
+        yield from _reduce_scatter(peer_comm, mine,
                                    [[n] for n in range(self.num_nodes)], self.divisor,
                                    bucket, "peer")
-        yield from _allgather_in_place(self.peer_comm, mine)
-        yield from _allgather_in_place(self.node_comm, wire)
+        yield from _allgather_in_place(peer_comm, mine)
+        yield from _allgather_in_place(node_comm, wire)
 
 
 def _reduce_scatter(comm, wire: torch.Tensor, groups, divisor: int, bucket, key: str):
@@ -153,6 +169,7 @@ class Bucket:
         self.index = index
         self.params = list(params)
         self.group = group
+        self.channel = group.channel()
         dtype = self.params[0].dtype
         device = self.params[0].device
         self.numel = sum(p.numel() for p in self.params)

@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     flops, mem_bw = compute_rates() if comm.Get_rank() == 0 else (0.0, 0.0)
     if comm.Get_rank() == 0:
         cores = os.cpu_count() or 1
-        m = Machine(name="local", ranks_per_node=cores, flops=flops, mem_bw=mem_bw,
+        m = Machine(name="local", ranks_per_node=max(8, cores), cores=cores, flops=flops, mem_bw=mem_bw,
                     mem_per_rank=_mem_per_rank(cores), io_bw=_io_bw(), intra=Link(small, beta),
                     inter=Link(max(small, 2e-6), min(beta, 12.5e9)),
                     description=f"calibrated on {os.uname().nodename} by hpcpar plan "

@@ -5,6 +5,7 @@ A machine file (``slurm/machines/NAME.toml``) describes one rank's share of a no
 ```toml
 name = "perlmutter-gpu"
 ranks_per_node = 4            # GPUs (or cores) per node, one rank each
+cores = 0                     # optional: cores per node when ranks may oversubscribe them
 flops = 9.7e12                # sustained dense conv/GEMM rate per rank, FLOP/s (fp32)
 mem_bw = 1.3e12               # sustained memory bandwidth per rank, bytes/s (pointwise layers)
 mem_per_rank = 40e9           # device memory per rank, bytes
@@ -52,11 +53,17 @@ class Machine:
     intra: Link
     inter: Link
     description: str = ""
+    cores: int = 0  # cores per node; 0 = one per rank. More ranks than cores share them.
+
+    def compute_share(self, ranks_on_node: int) -> float:
+        """Fraction of a core each rank gets (1 unless the node is oversubscribed)."""
+        cores = self.cores or self.ranks_per_node
+        return min(1.0, cores / max(1, ranks_on_node))
 
     def to_toml(self) -> str:
         d = asdict(self)
         lines = [f'name = "{self.name}"', f'description = "{self.description}"']
-        for k in ("ranks_per_node", "flops", "mem_bw", "mem_per_rank", "io_bw"):
+        for k in ("ranks_per_node", "cores", "flops", "mem_bw", "mem_per_rank", "io_bw"):
             lines.append(f"{k} = {d[k]!r}")
         for sec in ("intra", "inter"):
             lines += ["", f"[{sec}]", f"alpha = {d[sec]['alpha']!r}", f"beta = {d[sec]['beta']!r}"]
@@ -103,4 +110,4 @@ def load_machine(name_or_path: str) -> Machine:
                    flops=float(raw["flops"]), mem_bw=float(raw["mem_bw"]),
                    mem_per_rank=float(raw["mem_per_rank"]), io_bw=float(raw["io_bw"]),
                    intra=links["intra"], inter=links["inter"],
-                   description=str(raw.get("description", "")))
+                   description=str(raw.get("description", "")), cores=int(raw.get("cores", 0)))

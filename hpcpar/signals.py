@@ -1,8 +1,9 @@
 """The stop contract: SIGUSR1 / SIGTERM -> finish the step, checkpoint, exit ``EXIT_REQUEUE``.
 
-A signal only sets a flag. At the end of every step all ranks agree on whether to stop with a
-one-integer MAX allreduce of their flags, so every rank stops after the *same* step even when
-the signal reached only some of them (srun and mpiexec forward it to all, ``kill`` of one rank
+A signal only sets a flag (:class:`StopRequest`). At the end of every step all ranks agree on
+whether to stop with one small allreduce of their flags (the training loop's, which also
+carries the loss), so every rank stops after the *same* step even when the signal reached only
+some of them (srun and mpiexec forward it to all, ``kill`` of one rank
 does not). The loop then writes a checkpoint and exits with :data:`EXIT_REQUEUE`; the Slurm
 batch script (and ``hpcpar run``) turn that code into "requeue me, I will resume".
 
@@ -28,10 +29,9 @@ STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
 
 class StopRequest:
-    """Catches the stop signals (while installed) and answers, collectively, "stop now?"."""
+    """Catches the stop signals while installed; ``received`` is the last one seen (0: none)."""
 
-    def __init__(self, comm, signals=STOP_SIGNALS):
-        self.comm = comm
+    def __init__(self, signals=STOP_SIGNALS):
         self.signals = tuple(signals)
         self.received: int = 0          # number of the last stop signal seen by this rank
         self._previous: dict = {}
@@ -54,12 +54,6 @@ class StopRequest:
 
     def __exit__(self, *exc):
         self.uninstall()
-
-    def agreed(self) -> int:
-        """Collective: the stop signal number if any rank has seen one, else 0."""
-        from mpi4py import MPI
-
-        return int(self.comm.allreduce(int(self.received), op=MPI.MAX))
 
     @staticmethod
     def name(signum: int) -> str:

@@ -88,7 +88,8 @@ def total_steps(job, steps_per_epoch: int) -> int:
 class Trainer:
     """One rank's training run; construction is collective (grid, model, resume)."""
 
-    def __init__(self, job, run_dir, *, resume: bool = True, comm=None, device=None):
+    def __init__(self, job, run_dir, *, resume: bool = True, comm=None, device=None,
+                 stop: StopRequest | None = None):
         import torch
 
         from .grid import ProcessGrid
@@ -101,6 +102,7 @@ class Trainer:
         self.grid = ProcessGrid(*job.grid_shape, comm=comm)
         self.comm = self.grid.comm
         self.rank = self.grid.rank
+        self.stop = stop if stop is not None else StopRequest()
         self.device = device if device is not None else select_device()
         self.log = RankLog(self.run_dir, self.rank, echo=self.rank == 0)
         seed_all(job.train.seed)
@@ -255,7 +257,7 @@ class Trainer:
 
             bar = self.log.bar = tqdm(total=self.total, initial=self.step, unit="step",
                                       dynamic_ncols=True, file=sys.stderr, leave=False)
-        stop = StopRequest(self.comm).install()
+        stop = self.stop
         self.model.train()
         t_start, steps_done, samples_done = time.perf_counter(), 0, 0
         last_ckpt, mean_loss, stopped, it, epoch = None, float("nan"), False, None, None
@@ -294,14 +296,13 @@ class Trainer:
                 if stopped or (every and self.step % every == 0):
                     last_ckpt = self.save_checkpoint()
                 if stopped:
-                    self.log(f"stop signal ({StopRequest.name(stop.received) if stop.received else 'on another rank'}): "
-                             f"checkpointed at step {self.step}, exit {EXIT_REQUEUE} to requeue")
+                    why = StopRequest.name(stop.received) if stop.received else "another rank"
+                    self.log(f"stop signal ({why}): checkpointed at step {self.step}, "
+                             f"exit {EXIT_REQUEUE} to requeue")
                     break
         except BaseException:
             recorder.close()
             raise
-        finally:
-            stop.uninstall()
         if stopped:
             recorder.finish("preempted")
             self.log.close()
@@ -333,12 +334,19 @@ class Trainer:
 
 
 def train(job, run_dir, *, resume: bool = True, comm=None, device=None) -> TrainResult:
-    """Collective: train ``job`` (a :class:`hpcpar.jobspec.JobSpec`) into ``run_dir``."""
-    trainer = Trainer(job, run_dir, resume=resume, comm=comm, device=device)
+    """Collective: train ``job`` (a :class:`hpcpar.jobspec.JobSpec`) into ``run_dir``.
+
+    SIGUSR1/SIGTERM are caught from the start (a signal during set-up stops after the first
+    step) to the end of this call."""
+    stop = StopRequest().install()
     try:
-        return trainer.run()
+        trainer = Trainer(job, run_dir, resume=resume, comm=comm, device=device, stop=stop)
+        try:
+            return trainer.run()
+        finally:
+            trainer.close()
     finally:
-        trainer.close()
+        stop.uninstall()
 
 
 def _die(code: int, msg: str) -> None:

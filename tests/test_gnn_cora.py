@@ -26,7 +26,10 @@ def train_cora(graph, seed: int, epochs: int = 200) -> dict:
         if graph.comm.Get_size() > 1:  # the SUM over the graph's ranks, one message
             flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
             allreduce_(flat, graph.comm)
-            torch.nn.utils.vector_to_parameters(flat, [p.grad for p in model.parameters()])
+            off = 0
+            for p in model.parameters():
+                p.grad.copy_(flat[off:off + p.numel()].view_as(p))
+                off += p.numel()
         opt.step()
     model.eval()
     with torch.no_grad():

@@ -172,3 +172,14 @@ def test_jobspec_error_is_hpcpar_error():
     from hpcpar.errors import HpcparError
 
     assert issubclass(JobSpecError, HpcparError) and JobSpecError.exit_code == 2
+
+
+def test_readme_section_documents_every_key():
+    from hpcpar.jobspec import SCHEMA
+    from hpcpar.volume_workload import CosmoFlowWorkload, UNet3DWorkload, VOLUME_DATA
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "readme" / "60-run.md").read_text()
+    keys = {k for s in SCHEMA.values() for k in s} | set(VOLUME_DATA)
+    keys |= set(CosmoFlowWorkload.model_params) | set(UNet3DWorkload.model_params)
+    missing = sorted(k for k in keys if f"`{k}`" not in text)
+    assert not missing, f"docs/readme/60-run.md does not document {missing}"

@@ -49,8 +49,11 @@ def _wait_for(pred, timeout: float, what: str, cluster=None) -> None:
 
 
 def _requeue_now(cluster, job_id: str, timeout: float = 60) -> None:
-    """Wait for the requeued job to be pending, then lift Slurm's requeue start delay."""
+    """Wait for the requeued job to be pending and its previous batch step to be cleaned up
+    on the node (what Slurm's requeue start delay waits for), then start it now."""
     cluster.wait(job_id, timeout, states={"PENDING"})
+    _wait_for(lambda: not (cluster.root / "spool" / f"job{job_id}").exists(), timeout,
+              "previous batch step not cleaned up", cluster)
     cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
 
 

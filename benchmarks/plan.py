@@ -1,0 +1,87 @@
+"""Validate ``hpcpar plan``: run a job at several rank counts and grids, print predicted vs
+measured median step time (the planner's calibrated local machine file vs real runs).
+
+    python benchmarks/plan.py [--job jobs/demo-cosmoflow.toml] [--ranks 1,2,4] [--steps 15]
+                              [--machine local] [--calibrate]
+
+Measured = median over steps (after warm-up) of the max over ranks of t_step, from the run's
+records. Prints the ratio predicted/measured per run and how many are within +-25%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def grids_for(n: int) -> list[str]:
+    """Pure data parallel and the spatial splits of the x (and y) axis."""
+    out = [f"{n}x1x1x1"]
+    if n >= 2:
+        out.append(f"{n // 2}x2x1x1")
+    if n >= 4:
+        out.append(f"{n // 4}x2x2x1")
+    return out
+
+
+def measured_step(run_dir: str) -> float:
+    from hpcpar.analysis import load, scaling_table
+
+    runs, steps = load([run_dir])
+    table = scaling_table(runs, steps)
+    return float(table["t_step_median"].iloc[0])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--job", default=os.path.join(ROOT, "jobs", "demo-cosmoflow.toml"))
+    ap.add_argument("--ranks", default="1,2,4")
+    ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--machine", default="local")
+    ap.add_argument("--calibrate", action="store_true", help="measure this machine first")
+    args = ap.parse_args()
+    from hpcpar.commands.plan import workload_from_job
+    from hpcpar.machine import load_machine, machines_dir
+    from hpcpar.planner import predict
+
+    machine_path = args.machine
+    if args.calibrate or (args.machine == "local"
+                          and not (machines_dir() / "local.toml").exists()):
+        subprocess.run([sys.executable, "-m", "hpcpar.cli", "plan", "--calibrate"], check=True)
+    machine = load_machine(machine_path)
+    sets = ["--set", f"train.steps={args.steps}", "--set", "checkpoint.every=100000",
+            "--set", "train.val_every=100000"]
+    work = workload_from_job(args.job, [s for s in sets if s != "--set"])
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="hpcpar-planbench-") as tmp:
+        for n in [int(r) for r in args.ranks.split(",")]:
+            for g in grids_for(n):
+                run_dir = os.path.join(tmp, f"{g}")
+                r = subprocess.run([sys.executable, "-m", "hpcpar.cli", "run", args.job,
+                                    "-n", str(n), "--grid", g, "--run-dir", run_dir,
+                                    "--no-resume", *sets], capture_output=True, text=True)
+                if r.returncode:
+                    print(f"{g}: run failed: {r.stderr.strip()[-300:]}")
+                    continue
+                grid = tuple(int(v) for v in g.split("x"))
+                pred = predict(work, grid, machine)
+                meas = measured_step(run_dir)
+                rows.append((n, g, pred.t_step, meas))
+                print(f"ranks {n}  grid {g:<9} predicted {pred.t_step * 1e3:8.1f} ms  measured "
+                      f"{meas * 1e3:8.1f} ms  ratio {pred.t_step / meas:5.2f}  "
+                      f"(compute {pred.t_compute * 1e3:.1f}, halo {pred.t_halo * 1e3:.1f}, "
+                      f"allreduce {pred.t_allreduce_exposed * 1e3:.1f} ms)", flush=True)
+    within = sum(1 for *_, p, m in rows if abs(p / m - 1) <= 0.25)
+    print(f"{within}/{len(rows)} runs within +-25% of the prediction "
+          f"(machine {machine.name}, {os.cpu_count()} cores)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
