@@ -7,14 +7,17 @@ one communicator as a pipeline of non-blocking MPI steps (a generator that yield
 so the training thread can start it from a backward hook, nudge it forward from later hooks
 and finish it at the end of backward:
 
-* flat: ``Ialltoall`` (rank r receives everybody's chunk r) -> sum in the canonical order of
-  :func:`hpcpar.compression.fold` -> divide -> ``Iallgather``;
+* gather (small buckets, where latency dominates): one ``Iallgather`` of every rank's whole
+  bucket, then every rank sums all rows in the canonical order -> divide;
+* flat: ``Ialltoallv`` (rank r receives the others' chunk r) -> sum in the canonical order
+  of :func:`hpcpar.compression.fold` -> divide -> ``Iallgather``;
 * hierarchical (equal ranks per node, more than one node and one rank per node): the same
   two-step reduce-scatter first inside the node (shared memory), then between node peers
   (ranks with the same node-local index), then the two allgathers in reverse.
 
-Both orders of summation are the same (nodes' ranks first, then nodes), so fp32 results are
-bitwise identical with hierarchical on or off, and every rank gets the same bytes.
+All paths sum in the same order (nodes' ranks first, then nodes), so fp32 results are
+bitwise identical with hierarchical on or off, and every rank gets the same bytes. Each
+bucket runs on its own duplicated communicators (see :meth:`ReduceGroup.channel`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from .comm import as_buffer
 from .compression import accumulation_dtype, fold
 
 MB = 1 << 20
+#: buckets whose other ranks' copies total at most this many bytes take the one-round path
+SMALL_BUCKET_BYTES = 256 * 1024
 
 
 class ReduceGroup:
@@ -55,7 +60,17 @@ class ReduceGroup:
             self.local, self.node = local, node
             self.local_size, self.num_nodes = len(self.groups[0]), len(self.groups)
 
-    def channel(self) -> tuple:
+    def plan(self, wire_bytes: int) -> str:
+        """How a bucket of ``wire_bytes`` is reduced: ``"gather"`` for small buckets (one
+        allgather of everything, then every rank folds all rows: one message round instead
+        of two, latency wins), else ``"hierarchical"`` or ``"flat"``."""
+        if self.size == 1:
+            return "local"
+        if wire_bytes * (self.size - 1) <= SMALL_BUCKET_BYTES:
+            return "gather"
+        return "hierarchical" if self.hierarchical else "flat"
+
+    def channel(self, plan: str) -> tuple:
         """Private communicators for one bucket (collective; call in the same order everywhere).
 
         MPI needs every rank to START collectives on a communicator in the same order. A
@@ -64,28 +79,44 @@ class ReduceGroup:
         reduces on its own duplicates, where its stages always come in the same order (and
         collectives of the model or the user on the grid's communicators cannot interleave).
         """
-        if self.size == 1:
+        if plan == "local":
             return ()
-        if self.hierarchical:
+        if plan == "hierarchical":
             return (self.node_comm.Dup(), self.peer_comm.Dup())
         return (self.comm.Dup(),)
 
     def reduce(self, bucket: "Bucket"):
         """Generator: yields MPI requests; when exhausted, ``bucket.flat`` holds the result."""
-        if self.size == 1:
+        if bucket.plan == "local":
             if self.divisor != 1:
                 bucket.flat.div_(self.divisor)
             return
         if bucket.wire is not bucket.flat:
             bucket.wire.copy_(bucket.flat)
-        if self.hierarchical:
-            yield from self._hierarchical(bucket)
-        else:
-            yield from self._flat(bucket)
+        if bucket.plan == "gather":
+            yield from self._gather(bucket)
+            return
+        yield from getattr(self, "_" + bucket.plan)(bucket)
         if bucket.wire is not bucket.flat:
             bucket.flat.copy_(bucket.wire)
 
     # -- pipelines ---------------------------------------------------------------------------
+    def _gather(self, bucket):
+        (comm,) = bucket.channel
+        rows = bucket.scratch("gather.recv", (self.size, bucket.wire.numel()), bucket.wire.dtype)
+        send_buf = as_buffer(bucket.wire, copy_back=False)
+        recv_buf = as_buffer(rows)
+        yield comm.Iallgather(send_buf.mpi, recv_buf.mpi)
+        send_buf.finish()
+        recv_buf.finish()
+        out = bucket.flat if bucket.flat.dtype == bucket.acc_dtype else \
+            bucket.scratch("gather.out", (bucket.flat.numel(),), bucket.acc_dtype)
+        fold(rows, self.groups, out, lambda: bucket.scratch("gather.tmp", out.shape, out.dtype))
+        if self.divisor != 1:
+            out.div_(self.divisor)
+        if out is not bucket.flat:
+            bucket.flat.copy_(out)
+
     def _flat(self, bucket):
         (comm,) = bucket.channel
         yield from _reduce_scatter(comm, bucket.wire, self.groups, self.divisor, bucket, "flat")
@@ -169,7 +200,6 @@ class Bucket:
         self.index = index
         self.params = list(params)
         self.group = group
-        self.channel = group.channel()
         dtype = self.params[0].dtype
         device = self.params[0].device
         self.numel = sum(p.numel() for p in self.params)
@@ -185,6 +215,8 @@ class Bucket:
         self.acc_dtype = accumulation_dtype(dtype)
         self.wire = self.flat if wire_dtype is None or wire_dtype == dtype else \
             torch.empty(size, dtype=wire_dtype, device=device)
+        self.plan = group.plan(self.wire_bytes)
+        self.channel = group.channel(self.plan)
         self._scratch: dict = {}
         self.pending: Pending | None = None
         self.arrived = [False] * len(self.params)

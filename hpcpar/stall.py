@@ -80,14 +80,16 @@ class StallMonitor:
         self.timeout = stall_timeout() if timeout is None else float(timeout)
         self.what = what
         self.step = 0
-        self._one = np.zeros(1, dtype=np.int64)
         self.win = None
         if self.timeout > 0 and self.size > 1:
             self.win = MPI.Win.Allocate(8, 8, comm=comm)
             self.win.Lock_all(MPI.MODE_NOCHECK)
+            # unified memory model: a plain store + Win_sync publishes (~0.3 us, vs ~5 us for
+            # an accumulate to self); otherwise an atomic accumulate
+            self._local = np.frombuffer(self.win.tomemory(), dtype=np.int64) \
+                if self.win.Get_attr(MPI.WIN_MODEL) == MPI.WIN_UNIFIED else None
             self._post(0)
             _register(self)
-        self._cond = threading.Condition()
         self._armed_at: float | None = None
         self._thread: threading.Thread | None = None
 
@@ -95,9 +97,12 @@ class StallMonitor:
     def _post(self, step: int) -> None:
         from mpi4py import MPI
 
-        self._one[0] = step
-        self.win.Accumulate(self._one, self.rank, op=MPI.REPLACE)
-        self.win.Flush(self.rank)
+        if self._local is not None:
+            self._local[0] = step
+            self.win.Sync()
+        else:
+            self.win.Accumulate(np.array([step], dtype=np.int64), self.rank, op=MPI.REPLACE)
+            self.win.Flush(self.rank)
 
     def reached(self, step: int) -> None:
         """This rank has reached sync ``step`` (cheap; call once per step)."""
@@ -123,35 +128,27 @@ class StallMonitor:
 
     # -- watchdog ----------------------------------------------------------------------------
     def arm(self) -> None:
-        """Start timing a wait at the current step (no-op when disabled)."""
+        """Start timing a wait at the current step (no-op when disabled). Lock-free: the
+        watchdog polls, so arming costs nothing on the training thread."""
         if self.win is None:
             return
-        with self._cond:
-            self._armed_at = time.monotonic()
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._watch, name="hpcpar-stall",
-                                                daemon=True)
-                self._thread.start()
-            self._cond.notify()
+        self._armed_at = time.monotonic()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._watch, name="hpcpar-stall",
+                                            daemon=True)
+            self._thread.start()
 
     def disarm(self) -> None:
-        if self.win is None:
-            return
-        with self._cond:
-            self._armed_at = None
+        self._armed_at = None
 
     def _watch(self) -> None:
+        poll = min(1.0, self.timeout / 10)
         while True:
-            with self._cond:
-                while self._armed_at is None:
-                    self._cond.wait()
-                left = self._armed_at + self.timeout - time.monotonic()
-                if left > 0:
-                    self._cond.wait(left)
-                    continue
-                waited = time.monotonic() - self._armed_at
-            self._abort(waited)
-            return
+            time.sleep(poll)
+            armed = self._armed_at
+            if armed is not None and time.monotonic() - armed > self.timeout:
+                self._abort(time.monotonic() - armed)
+                return
 
     def _abort(self, waited: float) -> None:
         line = describe(self.rank, self.step, self.read(), waited, self.timeout, self.what)

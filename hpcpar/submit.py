@@ -223,8 +223,30 @@ def dry_run_text(jobs: list[BatchJob]) -> str:
     return "\n".join(parts)
 
 
+def _records(j: BatchJob, out: Path, now: str) -> list[dict]:
+    base = {"kind": j.kind, "label": j.label, "script": str(j.script),
+            "dependency": j.dependency, "submitted": now}
+    if j.kind == "report":
+        return [{"id": j.job_id, **base, "run_dir": str(out / "report")}]
+    array = j.label == "array"
+    return [{"id": f"{j.job_id}_{i}" if array else j.job_id,
+             **({"array_job": j.job_id} if array else {}), **base, "label": p.label,
+             "ranks": p.ranks, "nodes": p.nodes, "run_dir": str(p.run_dir)}
+            for i, p in enumerate(j.points)]
+
+
+def _append_records(out: Path, records: list[dict]) -> None:
+    path = out / RECORDS
+    doc = read_records(out) if path.exists() else {"version": RECORD_VERSION, "jobs": []}
+    doc["jobs"].extend(records)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
 def submit(jobs: list[BatchJob], out, env=None) -> list[dict]:
-    """Write the scripts, submit them in order (the report after the runs) and record them."""
+    """Write the scripts, submit them in order (the report after the runs) and record each
+    job in ``OUT/jobs.json`` as soon as sbatch accepted it."""
     out = Path(out).expanduser().absolute()
     (out / SCRIPTS).mkdir(parents=True, exist_ok=True)
     records, run_ids = [], []
@@ -234,28 +256,17 @@ def submit(jobs: list[BatchJob], out, env=None) -> list[dict]:
         j.script.chmod(0o755)
         if j.kind == "report":
             j.dependency = "afterany:" + ":".join(run_ids)
-        j.job_id = sbatch(j, env)
+        try:
+            j.job_id = sbatch(j, env)
+        except SubmitError as exc:
+            done = f" (already submitted: {', '.join(r['id'] for r in records)})" if records \
+                else ""
+            raise SubmitError(f"{exc}{done}") from None
         if j.kind == "run":
             run_ids.append(j.job_id)
-        base = {"kind": j.kind, "label": j.label, "script": str(j.script),
-                "dependency": j.dependency, "submitted": now}
-        if j.label == "array":
-            for i, p in enumerate(j.points):
-                records.append({"id": f"{j.job_id}_{i}", "array_job": j.job_id, **base,
-                                "label": p.label, "ranks": p.ranks, "nodes": p.nodes,
-                                "run_dir": str(p.run_dir)})
-        elif j.kind == "run":
-            p = j.points[0]
-            records.append({"id": j.job_id, **base, "ranks": p.ranks, "nodes": p.nodes,
-                            "run_dir": str(p.run_dir)})
-        else:
-            records.append({"id": j.job_id, **base, "run_dir": str(out / "report")})
-    path = out / RECORDS
-    doc = read_records(out) if path.exists() else {"version": RECORD_VERSION, "jobs": []}
-    doc["jobs"].extend(records)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    os.replace(tmp, path)
+        new = _records(j, out, now)
+        _append_records(out, new)
+        records += new
     return records
 
 
@@ -318,8 +329,11 @@ def _sacct_states(ids: list[str], env=None) -> dict[str, dict]:
     """States from accounting; empty where there is no sacct or no slurmdbd."""
     if not ids or not shutil.which("sacct"):
         return {}
-    proc = _slurm_cmd(["sacct", "-n", "-P", "-X", "-j", ",".join(ids),
-                       "-o", "JobID,State,ExitCode,Elapsed,NodeList"], env)
+    try:
+        proc = _slurm_cmd(["sacct", "-n", "-P", "-X", "-j", ",".join(ids),
+                           "-o", "JobID,State,ExitCode,Elapsed,NodeList"], env)
+    except SubmitError:
+        return {}
     if proc.returncode != 0:
         return {}
     states = {}
@@ -347,13 +361,16 @@ def sweep_status(out, env=None) -> list[dict]:
     """Each recorded job of ``out`` with its Slurm state and its run directory's state."""
     records = read_records(out)["jobs"]
     ids = [r["id"] for r in records]
-    live = _scontrol_states(env)
+    try:
+        live, why = _scontrol_states(env), "no longer known to slurmctld and no accounting"
+    except SubmitError as exc:      # no Slurm here: the run directories still tell
+        live, why = {}, str(exc)
     acct = _sacct_states([i for i in ids if i not in live], env)
     rows = []
     for rec in records:
         info = live.get(rec["id"]) or acct.get(rec["id"]) or {
-            "state": "UNKNOWN", "reason": "no longer known to slurmctld and no accounting",
-            "exit": "", "restarts": "", "elapsed": "", "nodes": ""}
+            "state": "UNKNOWN", "reason": why, "exit": "", "restarts": "", "elapsed": "",
+            "nodes": ""}
         rows.append({**rec, **info, "run": run_dir_state(rec["run_dir"])})
     return rows
 

@@ -12,7 +12,6 @@ got SIGUSR1/SIGTERM, so all ranks stop, checkpoint and exit 3 after the same ste
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time

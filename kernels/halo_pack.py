@@ -1,9 +1,10 @@
 """Halo face pack / unpack / add-unpack: strided 3D face of a (N, C, D, H, W) buffer <->
 contiguous message buffer.
 
-CUDA: Numba ``cuda.jit`` kernels (kernels/halo_pack_cuda.py), one thread per element,
+Dispatch only (imports no numba until a Numba path is used). CUDA: Numba ``cuda.jit``
+kernels (kernels/halo_pack_cuda.py), one thread per element,
 tested under ``NUMBA_ENABLE_CUDASIM=1``; used for CUDA tensors when numba-cuda sees a device.
-CPU: ``njit(parallel=True, cache=True)`` twins. The CPU default is torch's strided copy,
+CPU: ``njit(parallel=True, cache=True)`` twins (kernels/halo_pack_cpu.py). The CPU default is torch's strided copy,
 chosen by measurement (benchmarks/spatial.py, 1 thread): on 128^3 x 16 faces torch copies x
 and y faces at 15-22 GB/s (numpy contiguous copy: ~23 GB/s) and beats the Numba loops on
 every face, including the fused add; the z face (rows of 1-2 items) is bound by touching one
@@ -16,49 +17,7 @@ import os
 
 import numpy as np
 import torch
-from numba import njit, prange
 
-# --------------------------------------------------------------------------------------------
-# CPU twins (4D: batch*channels merged, then the face's 3 spatial dims)
-# --------------------------------------------------------------------------------------------
-
-
-@njit(parallel=True, cache=True)
-def pack_cpu(src, out):
-    """out[...] = src[...] (src strided, out contiguous; same 4D shape)."""
-    n0, n1, n2, n3 = src.shape
-    for p in prange(n0 * n1):
-        i, j = p // n1, p % n1
-        for k in range(n2):
-            for m in range(n3):
-                out[i, j, k, m] = src[i, j, k, m]
-
-
-@njit(parallel=True, cache=True)
-def unpack_cpu(dst, buf):
-    """dst[...] = buf[...] (dst strided view of the halo buffer)."""
-    n0, n1, n2, n3 = dst.shape
-    for p in prange(n0 * n1):
-        i, j = p // n1, p % n1
-        for k in range(n2):
-            for m in range(n3):
-                dst[i, j, k, m] = buf[i, j, k, m]
-
-
-@njit(parallel=True, cache=True)
-def add_unpack_cpu(dst, buf):
-    """dst[...] += buf[...] (backward: ghost gradients added into the owner's cells)."""
-    n0, n1, n2, n3 = dst.shape
-    for p in prange(n0 * n1):
-        i, j = p // n1, p % n1
-        for k in range(n2):
-            for m in range(n3):
-                dst[i, j, k, m] += buf[i, j, k, m]
-
-
-# --------------------------------------------------------------------------------------------
-# CUDA kernels (flat index over the face; the face is the contiguous side)
-# --------------------------------------------------------------------------------------------
 def cuda_kernels():
     """(pack, unpack, add_unpack) CUDA kernels (kernels/halo_pack_cuda.py, needs numba-cuda)."""
     from . import halo_pack_cuda as kc
@@ -121,13 +80,20 @@ def _use_cuda(view: torch.Tensor) -> bool:
         return False
 
 
+def cpu_kernels():
+    """(pack, unpack, add_unpack) Numba CPU twins (kernels/halo_pack_cpu.py)."""
+    from . import halo_pack_cpu as kc
+
+    return kc.pack_cpu, kc.unpack_cpu, kc.add_unpack_cpu
+
+
 def pack(view: torch.Tensor) -> torch.Tensor:
     """Contiguous copy of the strided face ``view``."""
     if view.is_contiguous():
         return view.clone()
     out = torch.empty(view.shape, dtype=view.dtype, device=view.device)
     if _use_numba_cpu(view, False):
-        pack_cpu(_as4d(view).numpy(), _as4d(out).numpy())
+        cpu_kernels()[0](_as4d(view).numpy(), _as4d(out).numpy())
     elif _use_cuda(view):
         from numba import cuda
 
@@ -142,7 +108,7 @@ def unpack(view: torch.Tensor, buf: torch.Tensor, add: bool = False) -> None:
     """``view[...] = buf`` (or ``+=`` with ``add``); ``buf`` contiguous, same shape."""
     buf = buf.view(view.shape)
     if _use_numba_cpu(view, add):
-        (add_unpack_cpu if add else unpack_cpu)(_as4d(view).numpy(), _as4d(buf).numpy())
+        cpu_kernels()[2 if add else 1](_as4d(view).numpy(), _as4d(buf).numpy())
     elif _use_cuda(view):
         from numba import cuda
 
@@ -154,5 +120,4 @@ def unpack(view: torch.Tensor, buf: torch.Tensor, add: bool = False) -> None:
         view.copy_(buf)
 
 
-__all__ = ["pack", "unpack", "pack_cpu", "unpack_cpu", "add_unpack_cpu", "cuda_kernels",
-           "launch"]
+__all__ = ["pack", "unpack", "cpu_kernels", "cuda_kernels", "launch"]

@@ -19,20 +19,34 @@ import os
 import numpy as np
 from numba import njit, prange
 
-__all__ = ["spmm", "spmm_cpu", "spmm_cuda", "transpose_csr", "cuda_kernel_available"]
+__all__ = ["spmm", "spmm_cpu", "spmm_cuda", "transpose_csr", "cuda_kernel_available",
+           "cpu_threads"]
+
+
+@njit(inline="always")
+def _row(i, indptr, indices, data, x, out):
+    f = x.shape[1]
+    for c in range(f):
+        out[i, c] = 0
+    for k in range(indptr[i], indptr[i + 1]):
+        j = indices[k]
+        w = data[k]
+        for c in range(f):
+            out[i, c] += w * x[j, c]
 
 
 @njit(parallel=True, cache=True)
 def _spmm_rows(indptr, indices, data, x, out):
-    f = x.shape[1]
     for i in prange(out.shape[0]):
-        for c in range(f):
-            out[i, c] = 0
-        for k in range(indptr[i], indptr[i + 1]):
-            j = indices[k]
-            w = data[k]
-            for c in range(f):
-                out[i, c] += w * x[j, c]
+        _row(i, indptr, indices, data, x, out)
+
+
+@njit(cache=True)
+def _spmm_rows_serial(indptr, indices, data, x, out):
+    """One-thread twin: a parallel Numba region (OpenMP pool) slows torch's own OpenMP
+    kernels that run next to it by several times, so with one thread we stay serial."""
+    for i in range(out.shape[0]):
+        _row(i, indptr, indices, data, x, out)
 
 
 def _as_numpy(a):
@@ -47,25 +61,26 @@ def _check(indptr, indices, data, x, out):
         raise ValueError("spmm: CSR arrays do not match the output rows")
 
 
-_THREADS_SET = False
+_THREADS: int | None = None
 
 
-def _limit_threads() -> None:
-    """Use no more Numba threads than torch does (OMP_NUM_THREADS), once per process."""
-    global _THREADS_SET
-    if _THREADS_SET:
-        return
-    import numba
+def cpu_threads() -> int:
+    """Threads for the CPU kernels: NUMBA_NUM_THREADS, else OMP_NUM_THREADS (what torch
+    uses), else Numba's default. With 1 the serial twins run (no thread pool at all)."""
+    global _THREADS
+    if _THREADS is None:
+        import numba
 
-    want = os.environ.get("NUMBA_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS")
-    if want:
-        numba.set_num_threads(max(1, min(int(want), numba.config.NUMBA_NUM_THREADS)))
-    _THREADS_SET = True
+        want = os.environ.get("NUMBA_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS")
+        _THREADS = max(1, min(int(want), numba.config.NUMBA_NUM_THREADS)) if want else \
+            numba.config.NUMBA_NUM_THREADS
+        if _THREADS > 1:
+            numba.set_num_threads(_THREADS)
+    return _THREADS
 
 
 def spmm_cpu(indptr, indices, data, x, out=None):
     """Parallel CPU CSR SpMM (row-parallel, no atomics). Returns ``out`` (allocated if None)."""
-    _limit_threads()
     is_torch = hasattr(x, "detach")
     if out is None:
         n = indptr.shape[0] - 1
@@ -79,7 +94,7 @@ def spmm_cpu(indptr, indices, data, x, out=None):
     if not a[3].flags.c_contiguous:
         a[3] = np.ascontiguousarray(a[3])
     _check(*a)
-    _spmm_rows(*a)
+    (_spmm_rows if cpu_threads() > 1 else _spmm_rows_serial)(*a)
     return out
 
 

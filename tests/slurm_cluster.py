@@ -256,6 +256,24 @@ class SlurmCluster:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
+        self._remove_mpich_segments()
+
+    def _remove_mpich_segments(self, steps: int = 8) -> None:
+        """Delete the /dev/shm segments MPICH leaves when ranks exit without MPI_Finalize
+        (checkpoint exits, kills). MPICH names them ``mpich_shm_<FNV-1a of "jobid.stepid">_*``;
+        only this cluster's job ids (random, from jobcomp) are touched."""
+        comp = self.root / "jobcomp.txt"
+        if not comp.exists():
+            return
+        import re
+
+        for job_id in set(re.findall(r"JobId=(\d+)", comp.read_text(errors="replace"))):
+            for step in range(steps):
+                h = 0x811C9DC5
+                for byte in f"{job_id}.{step}".encode():
+                    h = ((h ^ byte) * 0x01000193) & 0xFFFFFFFF
+                for seg in Path("/dev/shm").glob(f"mpich_shm_{h:x}_*"):
+                    seg.unlink(missing_ok=True)
 
     def _leftover_pids(self) -> list[int]:
         """slurmstepd and job processes started for this cluster (their environment names

@@ -91,7 +91,7 @@ def test_exchange_content_and_adjoint(comm):
     _exchange_cases(comm, 28)
 
 
-@mpi_case(nprocs=(2,), timeout=180)
+@mpi_case(nprocs=(4,), timeout=180)
 def test_global_shape_cache_hazard_and_counters(comm):
     """N=10 then N=9 then N=10 over 2 ranks: rank 0 holds 5 every time; must stay exact."""
     from hpcpar.nn import SpatialConv3d

@@ -198,3 +198,32 @@ def test_cli_dry_run(tmp_path, job, capsys):
               "--dry-run"])
     assert exc.value.code == 2
     assert "unknown site 'nowhere'" in capsys.readouterr().err
+
+
+def test_submit_records_and_status_without_slurm(tmp_path, job, monkeypatch):
+    """submit() with a fake sbatch: scripts written, report after the runs (afterany),
+    jobs.json records; status falls back to the run directories when Slurm is unreachable."""
+    from hpcpar.submit import submit, sweep_status
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(
+        f'#!/bin/bash\necho "$*" >> {tmp_path}/sbatch.log\n'
+        f'n=$(wc -l < {tmp_path}/sbatch.log); echo "$((100 + n));cluster"\n')
+    (bin_dir / "scontrol").write_text("#!/bin/bash\necho 'slurm_load_jobs error' >&2; exit 1\n")
+    (bin_dir / "sacct").write_text("#!/bin/bash\nexit 1\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    out = tmp_path / "sweep"
+    recs = submit(plan_submit(job, out, ranks=[1, 2], report=True, after=["77"]), out)
+    assert [(r["id"], r["label"]) for r in recs] == \
+        [("101", "ranks-1"), ("102", "ranks-2"), ("103", "report")]
+    calls = (tmp_path / "sbatch.log").read_text().splitlines()
+    assert calls[0].startswith("--parsable --dependency=afterok:77 ")
+    assert calls[2] == f"--parsable --dependency=afterany:101:102 {out}/slurm/report.sbatch"
+    (out / "ranks-2").mkdir()
+    (out / "ranks-2" / "metrics.json").write_text("{}")
+    rows = sweep_status(out)
+    assert [r["run"] for r in rows] == ["-", "finished", "-"]
+    assert all(r["state"] == "UNKNOWN" and "scontrol" in r["reason"] for r in rows)

@@ -57,6 +57,18 @@ def _requeue_now(cluster, job_id: str, timeout: float = 60) -> None:
     cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
 
 
+def _usr1_then_resume(cluster, rec: dict, out: Path, timeout: float, started) -> str:
+    """Once ``started()``, USR1 the batch shell; the job must requeue itself, restart once
+    and complete. Returns the job's log."""
+    _wait_for(started, timeout, "job never reached the point to interrupt", cluster)
+    cluster.run("scancel", "--batch", "--signal=USR1", rec["id"])
+    _requeue_now(cluster, rec["id"])
+    info = cluster.wait(rec["id"], timeout)
+    log = (out / "slurm" / f"{rec['label']}-{rec['id']}.out").read_text()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log
+    return log
+
+
 def test_quoting_on_slurm(slurm_cluster, sandbox):
     """Job name and paths with spaces, quotes, backslash, #, %, $(...) reach Slurm and the
     job literally; nothing is executed."""
@@ -129,13 +141,8 @@ def test_usr1_requeue_contract(slurm_cluster, sandbox):
     out = sandbox["dir"] / "preempt"
     [rec] = _submit(slurm_cluster, sandbox, out, ranks=[2], sets=["job.name=preempt"])
     run = out / "ranks-2"
-    _wait_for(lambda: (run / "ready.0.0").exists() and (run / "ready.1.0").exists(), 60,
-              "stub ranks not started", slurm_cluster)
-    slurm_cluster.run("scancel", "--batch", "--signal=USR1", rec["id"])
-    _requeue_now(slurm_cluster, rec["id"])
-    info = slurm_cluster.wait(rec["id"], 60)
-    log = (out / "slurm" / f"ranks-2-{rec['id']}.out").read_text()
-    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log
+    log = _usr1_then_resume(slurm_cluster, rec, out, 60, lambda: (
+        (run / "ready.0.0").exists() and (run / "ready.1.0").exists()))
     assert (run / "checkpointed.0.0").exists() and (run / "checkpointed.1.0").exists()
     assert (run / "argv.0.1").exists() and (run / "argv.1.1").exists()
     assert "forwarding to the job step" in log and "requeueing" in log
@@ -189,13 +196,8 @@ def test_training_requeue_resumes_identically(slurm_cluster, sandbox, reference_
     [rec] = _submit(slurm_cluster, sandbox, out, job=DEMO, ranks=[2],
                     sets=_tiny(sandbox["dir"] / "data"), python=sys.executable)
     run = out / "ranks-2"
-    _wait_for(lambda: (run / "checkpoints" / "step-000004").is_dir(), 180,
-              "no first checkpoint", slurm_cluster)
-    slurm_cluster.run("scancel", "--batch", "--signal=USR1", rec["id"])
-    _requeue_now(slurm_cluster, rec["id"])
-    info = slurm_cluster.wait(rec["id"], 180)
-    log = (out / "slurm" / f"ranks-2-{rec['id']}.out").read_text()
-    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log
+    log = _usr1_then_resume(slurm_cluster, rec, out, 180,
+                            lambda: (run / "checkpoints" / "step-000004").is_dir())
     meta = json.loads((run / "meta.json").read_text())
     assert len(meta["segments"]) == 2 and 0 < meta["segments"][1]["first_step"] < 24, log
     final = "checkpoints/step-000024/model.pt"

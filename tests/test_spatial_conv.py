@@ -114,7 +114,8 @@ def conv_cases(world: int):
     rng = random.Random(3)
     usable = [(d, g) for g in GRIDS for d in (1, 2) if d * g[0] * g[1] * g[2] <= world]
     n = max(12, len(usable))
-    base = cover(rng, n, kernel=[1, 2, 3, 5], stride=[1, 2, 3], padding=[0, 1, 2, "same"],
+    base = cover(rng, n, kernel=[1, 2, 3, 5], stride=[1, 2, 3],
+                 padding=[0, 1, 2, "same", "valid"],
                  dilation=[1, 2], size=[17, 31, 64, 12], dtype=[torch.float32, torch.float64],
                  groups=[1, 2], bias=[True, False])
     out = []

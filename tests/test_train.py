@@ -66,7 +66,7 @@ def test_loop_equivalence_signal_resume_fallback(comm):
     # -- 2 data ranks vs 1 rank, same global batch; the loss falls ------------------------
     d2 = train(job((2, 1, 1, 1), steps=10), tmp / "d2", comm=comm)
     losses = [loss for _, loss in d2.metrics["train_loss_history"]]
-    assert min(losses[-3:]) < 0.8 * losses[0], losses
+    assert min(losses[-3:]) < 0.85 * losses[0], losses
     assert {"val_loss", "val_mae", "final_train_loss"} <= set(d2.metrics)
     if rank == 0:
         d1 = train(job((1, 1, 1, 1), steps=10), tmp / "d1", comm=MPI.COMM_SELF)

@@ -11,6 +11,8 @@ import numpy as np
 import torch
 from numba import njit, prange
 
+from ..kernels.spmm import cpu_threads
+
 _M64 = (1 << 64) - 1
 
 
@@ -31,22 +33,33 @@ def _kept(index, key, threshold):
     return (x >> np.uint64(11)) >= threshold
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True)
 def _keep(gids, ncols, key, threshold, out):
-    for r in prange(gids.shape[0]):
+    for r in range(gids.shape[0]):
         base = np.uint64(gids[r]) * np.uint64(ncols)
         for c in range(ncols):
             out[r, c] = _kept(base + np.uint64(c), key, threshold)
 
 
-@njit(parallel=True, cache=True)
-def _apply(gids, key, threshold, scale, x, out):
-    """out = x * keep * scale in one pass (forward and, with x = grad, backward)."""
+@njit(inline="always")
+def _apply_row(r, gids, key, threshold, scale, x, out):
     ncols = x.shape[1]
+    base = np.uint64(gids[r]) * np.uint64(ncols)
+    for c in range(ncols):
+        out[r, c] = x[r, c] * scale if _kept(base + np.uint64(c), key, threshold) else 0
+
+
+@njit(parallel=True, cache=True)
+def _apply_parallel(gids, key, threshold, scale, x, out):
+    """out = x * keep * scale in one pass (forward and, with x = grad, backward)."""
     for r in prange(gids.shape[0]):
-        base = np.uint64(gids[r]) * np.uint64(ncols)
-        for c in range(ncols):
-            out[r, c] = x[r, c] * scale if _kept(base + np.uint64(c), key, threshold) else 0
+        _apply_row(r, gids, key, threshold, scale, x, out)
+
+
+@njit(cache=True)
+def _apply_serial(gids, key, threshold, scale, x, out):
+    for r in range(gids.shape[0]):
+        _apply_row(r, gids, key, threshold, scale, x, out)
 
 
 def _key(seed: int, call: int, layer: int) -> np.uint64:
@@ -83,7 +96,7 @@ def _fused(x, gids, key, threshold, scale):
     x = x.contiguous()
     out = torch.empty_like(x)
     xn = x.detach().numpy()
-    _apply(gids, key, threshold, xn.dtype.type(scale), xn, out.numpy())
+    (_apply_parallel if cpu_threads() > 1 else _apply_serial)(gids, key, threshold, xn.dtype.type(scale), xn, out.numpy())
     return out
 
 

@@ -70,6 +70,9 @@ def _metis(indptr, indices, parts: int, seed: int) -> np.ndarray:
     np.cumsum(np.bincount(a, minlength=n), out=xadj[1:])
     weights = (np.diff(indptr) + 1).astype(np.int64)
     opts = pymetis.Options(seed=int(seed))
-    _, membership = pymetis.part_graph(parts, xadj=xadj, adjncy=b, vweights=weights,
-                                       options=opts)
+    if hasattr(pymetis, "CSRAdjacency"):  # pymetis >= 2025.2
+        graph = {"adjacency": pymetis.CSRAdjacency(xadj, b)}
+    else:
+        graph = {"xadj": xadj, "adjncy": b}
+    _, membership = pymetis.part_graph(parts, vweights=weights, options=opts, **graph)
     return np.asarray(membership, dtype=np.int64)

@@ -10,6 +10,8 @@ torch.sparse on CUDA (cuSPARSE).
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
@@ -71,8 +73,10 @@ class SparseOperator:
             key = (which, x.dtype, x.device)
             if key not in self._torch:
                 cols = self.shape[0] if transpose else self.shape[1]
-                self._torch[key] = torch.sparse_csr_tensor(indptr, indices, data,
-                                                           (rows, cols))
+                with warnings.catch_warnings():  # "sparse CSR support is in beta"
+                    warnings.simplefilter("ignore", UserWarning)
+                    self._torch[key] = torch.sparse_csr_tensor(indptr, indices, data,
+                                                               (rows, cols))
             return self._torch[key] @ x
         return spmm(indptr, indices, data, x.contiguous())
 
