@@ -13,7 +13,8 @@ One compute thread per rank (torch and numba), the one-rank-per-core convention:
 * pack / unpack / add-unpack GB/s of the halo faces (torch and Numba paths) vs a numpy
   contiguous copy of the same bytes;
 * peak memory per rank during a step (RSS high-water mark above the pre-step RSS, with glibc
-  told to return big blocks at once) vs the 1-rank baseline.
+  told to return big blocks at once, plus the halo buffers pooled across steps) vs the
+  1-rank baseline.
 """
 
 from __future__ import annotations
@@ -92,9 +93,10 @@ def build_stack(channels, layers, grid=None, seed=0):
 
 def time_steps(model, x, repeat):
     """Median seconds of forward + backward over ``repeat`` steps after one warm-up step, and
-    the largest peak memory growth of those steps."""
+    the peak memory growth over all of them (halo buffer pool included)."""
     import torch
 
+    from hpcpar.halo import POOL
     from hpcpar.stats import COUNTERS
 
     def step():
@@ -103,17 +105,19 @@ def time_steps(model, x, repeat):
         y = model(x)
         y.backward(torch.ones_like(y))
 
-    step()  # warm-up: plans, MPI buffers, allocator
+    POOL.clear()
     times, halo = [], []
-    for i in range(repeat):
-        with PeakMemory() as mem:
+    step()  # warm-up: plans, oneDNN kernels/scratchpads (~100 MB once), MPI buffers, pool
+    pooled = POOL.nbytes  # held across steps
+    with PeakMemory() as mem:
+        for _ in range(repeat):
             before = COUNTERS.snapshot()
             t0 = time.perf_counter()
             step()
             times.append(time.perf_counter() - t0)
             halo.append(COUNTERS.since(before)["t_halo"])
-        peak = mem.peak if i == 0 else max(peak, mem.peak)
-    return statistics.median(times), statistics.median(halo), peak
+    POOL.clear()
+    return statistics.median(times), statistics.median(halo), mem.peak + pooled
 
 
 def bench_ranks(comm, r, args):

@@ -22,6 +22,8 @@ bucket runs on its own duplicated communicators (see :meth:`ReduceGroup.channel`
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .comm import as_buffer
@@ -188,9 +190,14 @@ class Pending:
         return self._req is None
 
     def wait(self) -> None:
+        """Finish, yielding the core between polls: MPI's own Wait spins, which on a node
+        with more ranks than cores steals the CPU from the ranks that are still computing
+        (the ones this rank is waiting for)."""
         while self._req is not None:
-            self._req.Wait()
-            self._req = next(self._gen, None)
+            if self._req.Test():
+                self._req = next(self._gen, None)
+            else:
+                os.sched_yield()
 
 
 class Bucket:

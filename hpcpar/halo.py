@@ -360,29 +360,45 @@ class BufferPool:
         self.keep = keep
         self._idle: list[torch.Tensor] = []
 
-    def take(self, shape, dtype, device) -> torch.Tensor:
-        for i, t in enumerate(self._idle):
-            if t.shape == shape and t.dtype == dtype and t.device == device:
-                return self._idle.pop(i)
-        return torch.empty(shape, dtype=dtype, device=device)
+    def take(self, shape, dtype, device, perm=None) -> torch.Tensor:
+        """A (N, C, D, H, W) buffer; ``perm`` (of the 3 spatial dims) is its memory order."""
+        key = (tuple(shape), dtype, torch.device(device), perm)
+        for i, (k, _) in enumerate(self._idle):
+            if k == key:
+                return self._idle.pop(i)[1]
+        return new_buffer(shape, dtype, device, perm)
 
-    def give(self, t: torch.Tensor) -> None:
-        self._idle.append(t)
+    def give(self, t: torch.Tensor, perm=None) -> None:
+        self._idle.append(((tuple(t.shape), t.dtype, t.device, perm), t))
         del self._idle[:-self.keep]
 
     def clear(self) -> None:
         self._idle.clear()
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _, t in self._idle)
+
 
 POOL = BufferPool()
 
 
-def _fill_start(x: torch.Tensor, plan: HaloPlan, pad_value, pool: BufferPool | None = None
-                ) -> torch.Tensor:
+def new_buffer(shape, dtype, device, perm=None) -> torch.Tensor:
+    """Empty (N, C, D, H, W) tensor whose memory holds the spatial dims in ``perm`` order
+    (``None``: contiguous), so ``t.permute(0, 1, *(2 + p for p in perm))`` is contiguous."""
+    if perm is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    phys = torch.empty((*shape[:2], *(shape[2 + p] for p in perm)), dtype=dtype, device=device)
+    inv = [perm.index(a) for a in range(3)]
+    return phys.permute(0, 1, *(2 + i for i in inv))
+
+
+def _fill_start(x: torch.Tensor, plan: HaloPlan, pad_value, pool: BufferPool | None = None,
+                perm=None) -> torch.Tensor:
     """Get a buffer, copy the owned items it holds, write global-boundary padding."""
     shape = plan.buffer_shape(x.shape[:2])
-    buf = pool.take(torch.Size(shape), x.dtype, x.device) if pool is not None else \
-        torch.empty(shape, dtype=x.dtype, device=x.device)
+    buf = pool.take(shape, x.dtype, x.device, perm) if pool is not None else \
+        new_buffer(shape, x.dtype, x.device, perm)
     buf[plan.owned_region()].copy_(x[plan.owned_local_region()])
     for a, ax in enumerate(plan.axes):
         for span in ax.pads():
@@ -393,13 +409,13 @@ def _fill_start(x: torch.Tensor, plan: HaloPlan, pad_value, pool: BufferPool | N
 
 
 def exchange_forward(x: torch.Tensor, plan: HaloPlan, pad_value=0.0,
-                     pool: BufferPool | None = None):
+                     pool: BufferPool | None = None, perm=None):
     """Build the full buffer for ``x`` (from ``pool`` if given: give it back when done);
     returns (buffer, received faces per axis)."""
     t0 = time.perf_counter()
     plan.check_input(x)
     x = x.detach()
-    buf = _fill_start(x, plan, pad_value, pool)
+    buf = _fill_start(x, plan, pad_value, pool, perm)
     received, nbytes = [], 0
     for a, ax in enumerate(plan.axes):
         if ax.lo is None and ax.hi is None:
@@ -420,10 +436,10 @@ def exchange_forward(x: torch.Tensor, plan: HaloPlan, pad_value=0.0,
 
 
 def rebuild(x: torch.Tensor, plan: HaloPlan, received, pad_value=0.0,
-            pool: BufferPool | None = None) -> torch.Tensor:
+            pool: BufferPool | None = None, perm=None) -> torch.Tensor:
     """The forward buffer again, from ``x`` and the faces received then (no messages)."""
     t0 = time.perf_counter()
-    buf = _fill_start(x.detach(), plan, pad_value, pool)
+    buf = _fill_start(x.detach(), plan, pad_value, pool, perm)
     for a, faces in enumerate(received):
         for side, face in enumerate(faces):
             if face is not None:
@@ -501,15 +517,24 @@ class StencilOp:
     """A local op applied to the halo-extended tensor by :func:`halo_stencil`.
 
     ``forward(ext, *params) -> out`` (a new tensor, never a view of ``ext``: the halo buffer
-    is reused). ``backward(ext, grad_out, params, needs) -> (grad_ext,
+    is reused). ``backward(holder, grad_out, params, needs) -> (grad_ext,
     *param_grads)``; the default recomputes ``forward`` under autograd (fine for pools; convs
     override it with the direct convolution backward).
+    ``holder`` is a one-item list holding the rebuilt extended tensor: ``holder.pop()`` it
+    and drop it as early as possible (a conv frees it before its input gradient, so the
+    backward peak holds one volume fewer).
     """
+
+    def layout(self, ext_shape, dtype, device):
+        """Memory order of the spatial dims of the extended buffer (a permutation of
+        (0, 1, 2)) when the op runs faster on it, else None (contiguous)."""
+        return None
 
     def forward(self, ext, *params):
         raise NotImplementedError
 
-    def backward(self, ext, grad_out, params, needs):
+    def backward(self, holder, grad_out, params, needs):
+        ext = holder.pop()  # the only reference: freed when this frame drops it
         with torch.enable_grad():
             ext = ext.detach().requires_grad_(needs[0])
             ps = [p.detach().requires_grad_(n) if p is not None else None
@@ -527,13 +552,15 @@ class HaloStencil(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, plan: HaloPlan, pad_value, op: StencilOp, *params):
-        buf, received = exchange_forward(x, plan, pad_value, POOL)
+        perm = op.layout(plan.result_shape(x.shape[:2]), x.dtype, x.device)
+        buf, received = exchange_forward(x, plan, pad_value, POOL, perm)
         ext = buf[plan.result_region()] if plan.trims else buf
         with torch.no_grad():
             out = op.forward(ext, *params)
         del ext
-        POOL.give(buf)
+        POOL.give(buf, perm)
         ctx.plan, ctx.pad_value, ctx.op, ctx.received = plan, pad_value, op, received
+        ctx.perm = perm
         ctx.save_for_backward(x, *params)
         return out
 
@@ -541,23 +568,24 @@ class HaloStencil(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, *params = ctx.saved_tensors
         plan = ctx.plan
-        buf = rebuild(x, plan, ctx.received, ctx.pad_value, POOL)
+        # the rebuilt buffer is taken from the pool and NOT given back: the op frees it as
+        # soon as it can, so the backward peak does not hold it next to grad_ext
+        buf = rebuild(x, plan, ctx.received, ctx.pad_value, POOL, ctx.perm)
         ctx.received = None
-        ext = buf[plan.result_region()] if plan.trims else buf
+        shape = buf.shape
+        holder = [buf[plan.result_region()] if plan.trims else buf]
+        del buf
         needs = ctx.needs_input_grad[4:]
-        grads = ctx.op.backward(ext, grad_out.contiguous(), params,
+        grads = ctx.op.backward(holder, grad_out.contiguous(), params,
                                 (ctx.needs_input_grad[0], *needs))
-        del ext
-        POOL.give(buf)
         gx = None
         if ctx.needs_input_grad[0]:
             gext = grads[0]
             if plan.trims:
-                gbuf = torch.zeros(buf.shape, dtype=gext.dtype, device=gext.device)
+                gbuf = torch.zeros(shape, dtype=gext.dtype, device=gext.device)
                 gbuf[plan.result_region()] = gext
             else:
                 gbuf = gext
-            del buf
             gx = exchange_adjoint(gbuf, plan, x)
         return (gx, None, None, None, *grads[1:])
 
@@ -570,4 +598,5 @@ def halo_stencil(x: torch.Tensor, plan: HaloPlan, op: StencilOp, *params,
 
 __all__ = ["HaloError", "global_spatial_shape", "AxisPlan", "HaloPlan", "halo_exchange",
            "HaloExchange", "HaloStencil", "StencilOp", "halo_stencil", "exchange_forward", "POOL",
+           "BufferPool", "new_buffer",
            "exchange_adjoint", "rebuild", "AXIS_NAMES"]

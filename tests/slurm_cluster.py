@@ -358,6 +358,14 @@ def read_argv(path: Path) -> list[str]:
     return path.read_bytes().decode().split("\0")[:-1]
 
 
+@pytest.fixture(autouse=True)
+def shipped_profiles_only(tmp_path, monkeypatch):
+    """Only hpcpar's own site profiles and templates: no ~/.config/hpcpar, no HPCPAR_*_PATH."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("HPCPAR_SITE_PATH", raising=False)
+    monkeypatch.delenv("HPCPAR_TEMPLATE_PATH", raising=False)
+
+
 _CLUSTER: SlurmCluster | None = None
 
 

@@ -216,8 +216,9 @@ def test_data_only_parameters_reduce_over_data_axis(comm):
 def test_different_model_is_the_same_clear_error_everywhere(comm):
     r, P = comm.Get_rank(), comm.Get_size()
     grid = hpcpar.ProcessGrid(data=P)
-    for sizes, needle in [((6, 17, 9, 4) if r != 2 else (6, 17, 8, 4), "'2.weight' has shape"),
-                          ((6, 17, 9, 4) if r != 3 else (6, 17, 9, 4, 4), "rank 3 has 8 parameters")]:
+    normal = (6, 17, 9, 4)
+    for sizes, needle in [(normal if r != 2 else (6, 17, 8, 4), "'2.weight' has shape"),
+                          (normal if r != 3 else normal + (4,), "rank 3 has 8 parameters")]:
         with pytest.raises(ModelMismatchError) as info:
             hpcpar.DDP(mlp(sizes=sizes), grid)
         msg = str(info.value)

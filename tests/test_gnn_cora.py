@@ -46,3 +46,40 @@ def test_cora_kipf_welling_accuracy():
     g = DistGraph.from_global(e, x.shape[0], x, MPI.COMM_SELF, y=y, masks=masks)
     accs = [train_cora(g, seed)["test_acc"] for seed in range(5)]
     assert np.mean(accs) >= 0.805, accs
+
+
+def test_precompute_first_layer_is_exact_without_dropout():
+    from mpi4py import MPI
+
+    from hpcpar.graph import DistGraph
+    from hpcpar.models import GCN
+
+    e, x, y, masks = ref.load_cora()
+    g = DistGraph.from_global(e, x.shape[0], x, MPI.COMM_SELF, y=y, masks=masks,
+                              method="block")
+    for conv in ("gcn", "sage"):
+        torch.manual_seed(0)
+        plain = GCN(g.num_features, 16, 7, dropout=0.0, conv=conv)
+        pre = GCN(g.num_features, 16, 7, dropout=0.0, conv=conv, precompute=True)
+        pre.load_state_dict(plain.state_dict())
+        torch.testing.assert_close(pre(g.x, g), plain(g.x, g), rtol=1e-4, atol=1e-5)
+
+
+def test_demo_job_through_the_training_loop(tmp_path, monkeypatch):
+    """jobs/demo-gcn-cora.toml (a few epochs): the bundled Cora is imported on first use and
+    val_acc/test_acc land in RUN/metrics.json."""
+    import json
+    import os
+
+    from mpi4py import MPI
+
+    from hpcpar.jobspec import load_job
+    from hpcpar.train import train
+
+    monkeypatch.chdir(tmp_path)
+    job = load_job(os.path.join(os.path.dirname(__file__), "..", "jobs", "demo-gcn-cora.toml"),
+                   ["train.epochs=3", "train.val_every=0"])
+    train(job, tmp_path / "run", comm=MPI.COMM_SELF)
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert {"val_acc", "test_acc", "train_acc"} <= set(metrics)
+    assert (tmp_path / "data" / "cora.h5").exists()

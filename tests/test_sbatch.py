@@ -17,7 +17,8 @@ from hpcpar.sbatch import ScriptError, sbatch_quote, shell_quote
 from hpcpar.site import SiteError, available, load_site
 from hpcpar.submit import SubmitError, parse_after, plan_submit
 
-from slurm_cluster import read_argv, write_stub_python, write_test_job
+from slurm_cluster import (read_argv, shipped_profiles_only,  # noqa: F401 (autouse fixture)
+                           write_stub_python, write_test_job)
 
 GOLDEN = Path(__file__).parent / "golden" / "sbatch"
 PYTHON = "/opt/venv/bin/python"

@@ -16,8 +16,8 @@ import pytest
 
 from hpcpar.submit import plan_submit, submit, sweep_status
 
-from slurm_cluster import (read_argv, slurm_cluster, write_stub_python,  # noqa: F401 (fixture)
-                           write_test_job)
+from slurm_cluster import (read_argv, shipped_profiles_only, slurm_cluster,  # noqa: F401
+                           write_stub_python, write_test_job)
 
 pytestmark = pytest.mark.slurm
 
@@ -51,7 +51,11 @@ def _wait_for(pred, timeout: float, what: str, cluster=None) -> None:
 def _requeue_now(cluster, job_id: str, timeout: float = 60) -> None:
     """Wait for the requeued job to be pending and its previous batch step to be cleaned up
     on the node (what Slurm's requeue start delay waits for), then start it now."""
-    cluster.wait(job_id, timeout, states={"PENDING"})
+    def requeued():
+        info = cluster.job(job_id)
+        return info["JobState"] == "PENDING" and info.get("Restarts", "0") != "0"
+
+    _wait_for(requeued, timeout, "job not requeued", cluster)
     _wait_for(lambda: not (cluster.root / "spool" / f"job{job_id}").exists(), timeout,
               "previous batch step not cleaned up", cluster)
     cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
@@ -148,6 +152,19 @@ def test_usr1_requeue_contract(slurm_cluster, sandbox):
     assert "forwarding to the job step" in log and "requeueing" in log
     [row] = sweep_status(out, env=slurm_cluster.env())
     assert row["state"] == "COMPLETED" and row["restarts"] == "1"
+
+
+def test_time_limit_signal(slurm_cluster, sandbox):
+    """Slurm itself sends --signal=B:USR1@55 near the 1-minute limit (its timer ticks about
+    every 30 s): the job checkpoints, requeues itself and completes."""
+    out = sandbox["dir"] / "timelimit"
+    [rec] = _submit(slurm_cluster, sandbox, out, ranks=[1], sets=["job.name=preempt"],
+                    time="1", grace=55)
+    _requeue_now(slurm_cluster, rec["id"], timeout=90)
+    info = slurm_cluster.wait(rec["id"], 60)
+    log = (out / "slurm" / f"ranks-1-{rec['id']}.out").read_text()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log
+    assert (out / "ranks-1" / "checkpointed.0.0").exists() and "SIGUSR1" in log
 
 
 # -- real training through sbatch -----------------------------------------------------------

@@ -221,10 +221,19 @@ def test_conv_transpose_matches_torch(comm):
 
 
 @mpi_case(nprocs=(4,), timeout=120)
-def test_state_dict_roundtrip_and_16bit(comm):
+def test_state_dict_16bit_and_permuted_layout(comm):
     from hpcpar.nn import SpatialConv3d, SpatialConvTranspose3d
 
     def check(grid):
+        # batch 1, thin x/y pieces: torch would pick its slow kernel; the layer permutes
+        torch.manual_seed(2)
+        twin = nn.Conv3d(16, 4, 3, padding=1)
+        spatial = SpatialConv3d(16, 4, 3, padding=1, grid=grid)
+        compare_with_twin(grid, twin, spatial, (18, 18, 128), 16, torch.float32, batch=1,
+                          what="permuted layout")
+        op = next(iter(spatial._spatial_plans.values())).extra
+        assert op.layout((1, 16, 11, 11, 130), torch.float32, torch.device("cpu")) == (2, 0, 1)
+
         for twin_cls, cls in ((nn.Conv3d, SpatialConv3d),
                               (nn.ConvTranspose3d, SpatialConvTranspose3d)):
             sp = cls(3, 5, 3, padding=1, grid=grid)

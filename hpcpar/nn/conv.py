@@ -22,29 +22,92 @@ def _empty_out(ext, channels, lengths):
     return ext.new_zeros((ext.shape[0], channels, *lengths))
 
 
-class ConvOp(StencilOp):
-    """Valid (padding 0) convolution of the halo-extended tensor."""
+def _torch_picks_slow_conv(shape, kernel, stride, dilation, groups) -> bool:
+    """torch's CPU rule (aten Convolution.cpp, use_mkldnn) for float32: with batch 1 and small
+    kernels it falls back to the im2col 'slow_conv3d' unless N*C*D*H > 20480; the W extent
+    is not counted. Sub-volumes split on x or y fall under it (measured ~7x slower)."""
+    n, c, d, h, _ = shape
+    general = (any(s != 1 for s in stride) or any(v != 1 for v in dilation) or n >= 16 or
+               kernel[2] != 1 or kernel[1] != 1 or torch.get_num_threads() > 1)
+    wide = groups > 1 or (kernel[2] > 3 and kernel[1] > 3) or n > 1 or n * c * d * h > 20480
+    return not (general and wide)
 
-    def __init__(self, stride, dilation, groups, out_channels, out_shape):
+
+def _perm(t, perm, base=2):
+    return tuple(t[:base]) + tuple(t[base + p] for p in perm)
+
+
+class ConvOp(StencilOp):
+    """Valid (padding 0) convolution of the halo-extended tensor. Where torch would pick its
+    slow CPU kernel for this sub-volume, the spatial dims are permuted (the halo buffer is
+    laid out that way, so it costs no copy) to put the shortest extent last."""
+
+    def __init__(self, stride, dilation, groups, out_channels, out_shape, kernel):
         self.stride, self.dilation, self.groups = stride, dilation, groups
-        self.out_channels, self.out_shape = out_channels, out_shape
+        self.out_channels, self.out_shape, self.kernel = out_channels, out_shape, kernel
+
+    def layout(self, ext_shape, dtype, device):
+        if (device.type != "cpu" or dtype != torch.float32 or 0 in ext_shape or
+                not torch.backends.mkldnn.is_available() or
+                not _torch_picks_slow_conv(ext_shape, self.kernel, self.stride, self.dilation,
+                                           self.groups)):
+            return None
+        order = tuple(sorted(range(3), key=lambda a: -ext_shape[2 + a]))
+        if order == (0, 1, 2) or _torch_picks_slow_conv(
+                _perm(ext_shape, order), _perm(self.kernel, order, 0),
+                _perm(self.stride, order, 0), _perm(self.dilation, order, 0), self.groups):
+            return None
+        return order
+
+    def _permuted(self, ext, weight):
+        """(ext, weight, stride, dilation, inverse perm) with spatial dims in memory order."""
+        strides = ext.stride()[2:]
+        order = tuple(sorted(range(3), key=lambda a: -strides[a]))
+        if order == (0, 1, 2):
+            return ext, weight, self.stride, self.dilation, None
+        inv = [order.index(a) for a in range(3)]
+        return (ext.permute(0, 1, *(2 + a for a in order)),
+                weight.permute(0, 1, *(2 + a for a in order)).contiguous(),
+                _perm(self.stride, order, 0), _perm(self.dilation, order, 0),
+                (0, 1, *(2 + a for a in inv)))
 
     def forward(self, ext, weight, bias=None):
         if 0 in self.out_shape:
-            out = _empty_out(ext, self.out_channels, self.out_shape)
-            return out
-        return F.conv3d(ext, weight, bias, self.stride, 0, self.dilation, self.groups)
+            return _empty_out(ext, self.out_channels, self.out_shape)
+        ext, weight, stride, dilation, inv = self._permuted(ext, weight)
+        out = F.conv3d(ext, weight, bias, stride, 0, dilation, self.groups)
+        return out if inv is None else out.permute(*inv).contiguous()
 
-    def backward(self, ext, grad_out, params, needs):
+    def backward(self, holder, grad_out, params, needs):
+        """Weight/bias gradients first (they read the extended input), then free it and
+        compute the input gradient (which reads only its shape): one volume less at peak."""
         weight, bias = params
+        ext = holder.pop()
         if 0 in self.out_shape:
             return (torch.zeros_like(ext) if needs[0] else None,
                     torch.zeros_like(weight) if needs[1] else None,
                     torch.zeros_like(bias) if bias is not None and needs[2] else None)
-        gi, gw, gb = torch.ops.aten.convolution_backward(
-            grad_out, ext, weight, None if bias is None else [bias.shape[0]], self.stride,
-            [0, 0, 0], self.dilation, False, [0, 0, 0], self.groups,
-            [needs[0], needs[1], bias is not None and needs[2]])
+        ext, w, stride, dilation, inv = self._permuted(ext, weight)
+        if inv is not None:
+            order = [inv.index(2 + a) - 2 for a in range(3)]  # spatial dims in memory order
+            grad_out = grad_out.permute(0, 1, *(2 + a for a in order)).contiguous()
+        args = (None if bias is None else [bias.shape[0]], stride, [0, 0, 0], dilation, False,
+                [0, 0, 0], self.groups)
+        aten_bwd = torch.ops.aten.convolution_backward
+        _, gw, gb = aten_bwd(grad_out, ext, w, *args,
+                             [False, needs[1], bias is not None and needs[2]])
+        gi = None
+        if needs[0]:
+            # values of the input are not read for grad_input: an untouched empty tensor
+            # (no pages faulted in) stands in for it once the real one is released
+            shape, strides = ext.shape, ext.stride()
+            del ext
+            gi = aten_bwd(grad_out, torch.empty_strided(shape, strides, dtype=w.dtype,
+                                                        device=w.device),
+                          w, *args, [True, False, False])[0]
+        if inv is not None:
+            gi = gi.permute(*inv) if gi is not None else None
+            gw = gw.permute(*inv).contiguous() if gw is not None else None
         return gi, gw, gb
 
 
@@ -76,7 +139,7 @@ class SpatialConv3d(SpatialModule, nn.Conv3d):
 
     def make_extra(self, global_shape, halos):
         return ConvOp(self.stride, self.dilation, self.groups, self.out_channels,
-                      tuple(h.out[1] - h.out[0] for h in halos))
+                      tuple(h.out[1] - h.out[0] for h in halos), self.kernel_size)
 
     def forward(self, x):
         entry = self.spatial_plan(x)
@@ -106,8 +169,9 @@ class ConvTransposeOp(StencilOp):
             out = out + bias.view(1, -1, 1, 1, 1)
         return out
 
-    def backward(self, ext, grad_out, params, needs):
+    def backward(self, holder, grad_out, params, needs):
         weight, bias = params
+        ext = holder.pop()
         gb = grad_out.sum((0, 2, 3, 4)) if bias is not None and needs[2] else None
         if 0 in ext.shape[2:]:
             return (torch.zeros_like(ext) if needs[0] else None,
