@@ -75,11 +75,15 @@ REQUIRED = {"ranks_per_node": int, "flops": float, "mem_bw": float, "mem_per_ran
 
 
 def machines_dir() -> Path:
-    """``slurm/machines`` of the source tree (or ``HPCPAR_MACHINES``)."""
+    """``HPCPAR_MACHINES``, else ``machines/`` of hpcpar's slurm data (installed package data
+    or the source checkout's ``slurm/``)."""
     env = os.environ.get("HPCPAR_MACHINES")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parent.parent / "slurm" / "machines"
+    from .site import data_dirs
+
+    dirs = [d / "machines" for d in data_dirs()]
+    return next((d for d in dirs if d.is_dir()), dirs[-1] if dirs else Path("slurm/machines"))
 
 
 def load_machine(name_or_path: str) -> Machine:
