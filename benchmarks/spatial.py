@@ -27,15 +27,19 @@ import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("NUMBA_NUM_THREADS", "1")
+# torch's CPU allocator on transparent huge pages: a fresh 67 MB tensor then costs 12 ms
+# instead of 48 ms of page faults (measured); applies to the baseline and the layers alike
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 
 def _malloc_returns_big_blocks():
-    """Serve >=1 MiB blocks by mmap and never raise that threshold, so freed tensors leave
-    the RSS at once and the RSS high-water mark measures live tensor memory."""
+    """Serve >=4 MiB blocks (activations) by mmap and never raise that threshold, so freed
+    tensors leave the RSS at once and the RSS high-water mark measures live tensor memory;
+    smaller blocks (halo messages) are reused from the heap as usual."""
     try:
         libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-        libc.mallopt(-1, 1 << 20)  # M_TRIM_THRESHOLD
+        libc.mallopt(-3, 4 << 20)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 4 << 20)  # M_TRIM_THRESHOLD
     except OSError:  # pragma: no cover - not glibc
         pass
 
@@ -233,7 +237,8 @@ def main(argv=None):
     say = print if comm.Get_rank() == 0 else (lambda *a, **k: None)
     say(f"# conv3d stack: {args.layers} x (Conv3d {args.channels}->{args.channels} k3 p1 + "
         f"ReLU), input {args.batch}x{args.channels}x{args.size}^3 fp32, forward+backward; "
-        f"{size} MPI ranks launched on {os.cpu_count()} cores, 1 thread each")
+        f"{size} MPI ranks launched on {os.cpu_count()} cores, 1 thread each; "
+        f"THP_MEM_ALLOC_ENABLE={os.environ['THP_MEM_ALLOC_ENABLE']}")
     base = bench_baseline(comm, args)
     say(f"{'ranks':>5} {'grid':>7} {'step s':>8} {'speedup':>8} {'halo %':>7} "
         f"{'peak MiB':>9} {'mem ratio':>9}")

@@ -59,10 +59,10 @@ def forward(state, x, ops, conv="gcn", p=0.0, seed=0, call=0, layers=2, aggr="me
         if i:
             h = torch.relu(h)
         h = drop(h, p, seed, call, i)
-        if conv == "gcn":
-            h = ops["gcn"] @ h @ state[f"convs.{i}.lin.weight"].t() + state[f"convs.{i}.bias"]
+        if conv == "gcn":  # A (h W^T): the cheap association of the same product
+            h = ops["gcn"] @ (h @ state[f"convs.{i}.lin.weight"].t()) + state[f"convs.{i}.bias"]
         else:
-            h = (ops[aggr] @ h @ state[f"convs.{i}.lin_l.weight"].t()
+            h = (ops[aggr] @ (h @ state[f"convs.{i}.lin_l.weight"].t())
                  + state[f"convs.{i}.lin_l.bias"] + h @ state[f"convs.{i}.lin_r.weight"].t())
     return h
 

@@ -29,56 +29,66 @@ def synthetic_directed():
     return e, g["x"], g["y"], g["masks"]
 
 
-def _check_model(comm, graph, dense, x, y, masks, conv, dtype, rank_ok):
-    from hpcpar.comm import allreduce_
-    from hpcpar.graph.metrics import masked_loss
+def _model(x, y, conv, dtype):
     from hpcpar.models import GCN
 
-    tol = dict(rtol=2e-4, atol=2e-5) if dtype == torch.float32 else dict(rtol=1e-9, atol=1e-11)
     torch.manual_seed(0)
     model = GCN(x.shape[1], 8, int(y.max()) + 1, dropout=0.5, conv=conv, seed=11).to(dtype)
     model.train()
     model.calls = 3
+    return model
+
+
+def _reference(dense, x, y, masks, conv, dtype):
+    """Single-process logits, input gradient and parameter gradients (float64)."""
+    state = {k: v.detach().clone().to(torch.float64).requires_grad_(True)
+             for k, v in _model(x, y, conv, dtype).state_dict().items() if k != "_extra_state"}
+    xr = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+    logits = ref.forward(state, xr, dense, conv, p=0.5, seed=11, call=3)
+    ref.loss(logits, torch.as_tensor(y), torch.as_tensor(masks["train"])).backward()
+    return logits.detach(), xr.grad, {k: v.grad for k, v in state.items()}
+
+
+def _check_model(comm, graph, expected, x, y, conv, dtype, what):
+    from hpcpar.comm import allreduce_
+    from hpcpar.graph.metrics import masked_loss
+
+    tol = dict(rtol=2e-4, atol=2e-5) if dtype == torch.float32 else dict(rtol=1e-9, atol=1e-11)
+    model = _model(x, y, conv, dtype)
     xl = graph.x.detach().to(dtype).clone().requires_grad_(True)
     out = model(xl, graph)
     masked_loss(out, graph).backward()
     for p in model.parameters():
         allreduce_(p.grad, comm)
-
-    state = {k: v.detach().clone().to(torch.float64).requires_grad_(True)
-             for k, v in model.state_dict().items() if k != "_extra_state"}
-    xr = torch.tensor(x, dtype=torch.float64, requires_grad=True)
-    logits = ref.forward(state, xr, dense, conv, p=0.5, seed=11, call=3)
-    ref.loss(logits, torch.as_tensor(y), torch.as_tensor(masks["train"])).backward()
-
-    what = f"{conv} {dtype} rank {comm.Get_rank()}"
-    torch.testing.assert_close(graph.gather(out).double(), logits.detach(), **tol, msg=what)
-    torch.testing.assert_close(graph.gather(xl.grad).double(), xr.grad, **tol, msg=what)
+    logits, x_grad, grads = expected
+    what = f"{what} {conv} {dtype} rank {comm.Get_rank()}"
+    torch.testing.assert_close(graph.gather(out).double(), logits, **tol, msg=what)
+    torch.testing.assert_close(graph.gather(xl.grad).double(), x_grad, **tol, msg=what)
     for name, p in model.named_parameters():
-        torch.testing.assert_close(p.grad.double(), state[name].grad, **tol,
-                                   msg=f"{what} grad {name}")
+        torch.testing.assert_close(p.grad.double(), grads[name], **tol, msg=f"{what} {name}")
 
 
 @mpi_case(nprocs=(1, 2, 3, 4, 8), timeout=240)
 def test_matches_single_process(comm):
     from hpcpar.graph import DistGraph
 
-    cora = ref.load_cora()
-    graphs = {"cora": cora, "directed": synthetic_directed()}
+    graphs = {"cora": ref.load_cora(), "directed": synthetic_directed()}
     for name, (e, x, y, masks) in graphs.items():
         n = x.shape[0]
         dense = ref.operators(e, n)
+        # fp64 on the small graph is enough
+        cases = [(c, d) for c in ("gcn", "sage") for d in (torch.float32, torch.float64)
+                 if name != "cora" or d == torch.float32]
+        expected = {c: _reference(dense, x, y, masks, *c) for c in cases}
         for method in ("metis", "block", "random"):
-            g = DistGraph.from_global(e, n, x, comm, y=y, masks=masks, method=method, seed=1)
-            assert g.num_owned > 0 and g.num_train == int(masks["train"].sum())
+            backend = "numba" if method == "random" else "auto"  # both SpMM paths, distributed
+            g = DistGraph.from_global(e, n, x, comm, y=y, masks=masks, method=method, seed=1,
+                                      backend=backend)
+            assert g.num_train == int(masks["train"].sum())
             assert comm.allreduce(g.num_owned) == n
-            # halo grouped by owner, owned ascending
-            assert np.all(np.diff(g.global_ids) > 0)
-            for conv in ("gcn", "sage"):
-                for dtype in (torch.float32, torch.float64):
-                    if name == "cora" and dtype == torch.float64:
-                        continue  # fp64 on the small graph is enough
-                    _check_model(comm, g, dense, x, y, masks, conv, dtype, True)
+            assert np.all(np.diff(g.global_ids) > 0)  # owned vertices in global-id order
+            for c in cases:
+                _check_model(comm, g, expected[c], x, y, *c, f"{name} {method}")
 
 
 @mpi_case(nprocs=(2,), timeout=120)

@@ -9,11 +9,9 @@ The oracle helpers here are reused by tests/test_spatial_pool.py.
 
 from __future__ import annotations
 
-import itertools
 import random
 import time
 
-import pytest
 import torch
 from torch import nn
 

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import njit, prange
-
-from ..kernels.spmm import cpu_threads
+from numba import njit
 
 _M64 = (1 << 64) - 1
 
@@ -41,25 +39,15 @@ def _keep(gids, ncols, key, threshold, out):
             out[r, c] = _kept(base + np.uint64(c), key, threshold)
 
 
-@njit(inline="always")
-def _apply_row(r, gids, key, threshold, scale, x, out):
-    ncols = x.shape[1]
-    base = np.uint64(gids[r]) * np.uint64(ncols)
-    for c in range(ncols):
-        out[r, c] = x[r, c] * scale if _kept(base + np.uint64(c), key, threshold) else 0
-
-
-@njit(parallel=True, cache=True)
-def _apply_parallel(gids, key, threshold, scale, x, out):
-    """out = x * keep * scale in one pass (forward and, with x = grad, backward)."""
-    for r in prange(gids.shape[0]):
-        _apply_row(r, gids, key, threshold, scale, x, out)
-
-
 @njit(cache=True)
-def _apply_serial(gids, key, threshold, scale, x, out):
+def _apply(gids, key, threshold, scale, x, out):
+    """out = x * keep * scale in one pass (forward and, with x = grad, backward). Serial on
+    purpose: a Numba thread pool next to torch's slows both (see hpcpar.kernels.spmm)."""
+    ncols = x.shape[1]
     for r in range(gids.shape[0]):
-        _apply_row(r, gids, key, threshold, scale, x, out)
+        base = np.uint64(gids[r]) * np.uint64(ncols)
+        for c in range(ncols):
+            out[r, c] = x[r, c] * scale if _kept(base + np.uint64(c), key, threshold) else 0
 
 
 def _key(seed: int, call: int, layer: int) -> np.uint64:
@@ -96,7 +84,7 @@ def _fused(x, gids, key, threshold, scale):
     x = x.contiguous()
     out = torch.empty_like(x)
     xn = x.detach().numpy()
-    (_apply_parallel if cpu_threads() > 1 else _apply_serial)(gids, key, threshold, xn.dtype.type(scale), xn, out.numpy())
+    _apply(gids, key, threshold, xn.dtype.type(scale), xn, out.numpy())
     return out
 
 
