@@ -528,6 +528,11 @@ class StencilOp:
     backward peak holds one volume fewer).
     """
 
+    #: True for ops that autocast runs in lower precision (convolutions): halo_stencil then
+    #: casts the input and parameters itself and runs the fused op with autocast off, so that
+    #: forward and backward see the same dtypes.
+    autocast = False
+
     def layout(self, ext_shape, dtype, device):
         """Memory order of the spatial dims of the extended buffer (a permutation of
         (0, 1, 2)) when the op runs faster on it, else None (contiguous)."""
@@ -596,6 +601,13 @@ class HaloStencil(torch.autograd.Function):
 def halo_stencil(x: torch.Tensor, plan: HaloPlan, op: StencilOp, *params,
                  pad_value: float = 0.0) -> torch.Tensor:
     """``op.forward(halo_exchange(x), *params)`` with ~1x activation memory."""
+    dev = x.device.type
+    if op.autocast and torch.is_autocast_enabled(dev):
+        # The casts are differentiable, so parameter gradients come back in their own dtype.
+        dt = torch.get_autocast_dtype(dev)
+        cast = [p.to(dt) if p is not None and p.is_floating_point() else p for p in params]
+        with torch.autocast(dev, enabled=False):
+            return HaloStencil.apply(x.to(dt), plan, pad_value, op, *cast)
     return HaloStencil.apply(x, plan, pad_value, op, *params)
 
 

@@ -255,3 +255,35 @@ if __name__ == "__main__":  # pragma: no cover - manual debugging: mpiexec -n 4 
     _run_conv(MPI.COMM_WORLD, conv_cases(MPI.COMM_WORLD.Get_size()) + edge_cases())
     _run_transposed(MPI.COMM_WORLD, transposed_cases(MPI.COMM_WORLD.Get_size()))
     print("ok")
+
+
+@mpi_case(nprocs=(4,), timeout=120)
+def test_bf16_autocast_matches_torch(comm):
+    """Under bf16 autocast a spatial conv runs in bf16 like torch's, forward and backward."""
+    from hpcpar.comm import allreduce_
+    from hpcpar.nn import SpatialConv3d, SpatialConvTranspose3d
+
+    def check(grid):
+        for twin_cls, cls in ((nn.Conv3d, SpatialConv3d),
+                              (nn.ConvTranspose3d, SpatialConvTranspose3d)):
+            torch.manual_seed(5)
+            twin = twin_cls(3, 4, 3, padding=1)
+            sp = cls(3, 4, 3, padding=1, grid=grid)
+            sp.load_state_dict(twin.state_dict())
+            xg = torch.randn(2, 3, 12, 10, 9)
+            sl = local_slices(xg.shape[2:], grid)
+            x = xg[sl].clone().requires_grad_()
+            xr = xg.clone().requires_grad_()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y, yr = sp(x), twin(xr)
+            assert y.dtype == yr.dtype == torch.bfloat16
+            assert rel_err(y.float(), yr[sl].float()) < 2e-2
+            y.float().square().sum().backward()
+            yr.float().square().sum().backward()
+            assert x.grad.dtype == torch.float32 and sp.weight.grad.dtype == torch.float32
+            assert rel_err(x.grad, xr.grad[sl]) < 5e-2
+            gw = allreduce_(sp.weight.grad.clone(), grid.spatial_comm)
+            assert rel_err(gw, twin.weight.grad) < 5e-2
+
+    on_subgrid(comm, 1, (2, 2, 1), check)
+

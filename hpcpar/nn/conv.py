@@ -42,6 +42,8 @@ class ConvOp(StencilOp):
     slow CPU kernel for this sub-volume, the spatial dims are permuted (the halo buffer is
     laid out that way, so it costs no copy) to put the shortest extent last."""
 
+    autocast = True
+
     def __init__(self, stride, dilation, groups, out_channels, out_shape, kernel):
         self.stride, self.dilation, self.groups = stride, dilation, groups
         self.out_channels, self.out_shape, self.kernel = out_channels, out_shape, kernel
@@ -149,6 +151,8 @@ class SpatialConv3d(SpatialModule, nn.Conv3d):
 class ConvTransposeOp(StencilOp):
     """Transposed convolution of the needed inputs, then crop / zero-extend to the owned
     outputs (``crops[a] = (lo, hi)`` in ``F.pad`` convention: negative crops), then bias."""
+
+    autocast = True
 
     def __init__(self, stride, dilation, groups, out_channels, out_shape, crops):
         self.stride, self.dilation, self.groups = stride, dilation, groups
