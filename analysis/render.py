@@ -27,7 +27,7 @@ HEADLINE = (("config", "config", "{}"), ("ranks", "ranks", "{}"), ("grid", "grid
             ("t_step_median", "step time median (s)", "{:.4g}"),
             ("t_step_cv", "CV", "{:.3f}"), ("speedup", "speedup", "{:.3f}"),
             ("efficiency", "efficiency", "{:.3f}"), ("karp_flatt", "Karp-Flatt", "{:.4f}"),
-            ("throughput", "samples/s", "{:.4g}"), ("partial", "", "{}"))
+            ("throughput", "samples/s", "{:.4g}"), ("partial", "partial", "{}"))
 BREAKDOWN = (("config", "config", "{}"), ("ranks", "ranks", "{}"),
              *((f"frac_{p}", f"{plots.PHASE_LABELS[p]}", "{:.1%}") for p in stats.PHASES),
              ("imbalance", "imbalance max/mean", "{:.3f}"), ("steps", "steps", "{}"),

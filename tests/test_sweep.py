@@ -36,7 +36,7 @@ def test_plan_validates_every_point_first():
     assert [p["sets"][-1] for p in weak] == [f"train.global_batch={b}" for b in (2, 4, 8)]
     with pytest.raises(SweepError, match=r"point 3 ranks \(grid 3x1x1x1\).*global_batch: 8 "
                                          r"does not split over 3"):
-        plan(str(DEMO), [1, 3], False, ())
+        plan(str(DEMO), [1, 3], False, ("train.global_batch=8",))
     with pytest.raises(SweepError, match="--weak: global batch 3 x 3/2 ranks is not an integer"):
         plan(str(DEMO), [2, 3], True, ("train.global_batch=3",))
     assert sweep_cmd.submit_command("j.toml", "d", [1, 2], False, ("a.b=1",))[3:] == [
@@ -75,6 +75,7 @@ def test_real_sweep_end_to_end(tmp_path, capsys):
     """1, 2, 4 ranks of a tiny CosmoFlow (16^3, 5 steps): records, report, plots, numbers."""
     out = tmp_path / "sweep"
     sets = ["train.steps=5", "data.size=16", "data.samples=16", "data.val_samples=8",
+            "train.global_batch=8",
             f"data.path={tmp_path / 'data'}", "train.val_every=0", "checkpoint.every=0"]
     args = ["sweep", str(DEMO), "--ranks", "1,2,4", "--out", str(out)]
     for s in sets:
