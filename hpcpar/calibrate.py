@@ -38,21 +38,33 @@ def pingpong(comm, nbytes: int, iters: int) -> float:
     return (time.perf_counter() - t0) / (2 * iters)
 
 
-def compute_rates() -> tuple[float, float]:
-    """(conv3d FLOP/s, memory bytes/s) of one thread, measured on a mid-size conv."""
+def conv_rate(cin: int, size: int = 24, batch: int = 4) -> float:
+    """Forward + backward conv3d (k=3, cin -> 2*cin) of one thread, as 3x forward FLOP/s."""
     import torch
 
     torch.set_num_threads(1)
-    x = torch.randn(1, 16, 34, 34, 34)
-    conv = torch.nn.Conv3d(16, 16, 3)
-    with torch.no_grad():
-        conv(x)
-        t = _best(lambda: conv(x), 3)
-    flops = 2.0 * 16 * 16 * 27 * 32**3 / t
+    x = torch.randn(batch, cin, size, size, size, requires_grad=True)
+    conv = torch.nn.Conv3d(cin, 2 * cin, 3, padding=1)
+
+    def step():
+        conv(x).sum().backward()
+
+    step()
+    t = _best(step, 3)
+    return 3 * 2.0 * batch * cin * 2 * cin * 27 * size**3 / t
+
+
+def compute_rates() -> tuple[float, float, tuple]:
+    """(conv3d FLOP/s, memory bytes/s, per-channel-count conv rates) of one thread, measured
+    the way training uses a conv: forward + backward (input and weight gradients)."""
+    import torch
+
+    torch.set_num_threads(1)
+    rates = tuple((c, conv_rate(c)) for c in (2, 4, 8, 16, 32, 64))
     a = torch.randn(8_000_000)
     b = torch.empty_like(a)
     tm = _best(lambda: b.copy_(a), 5)
-    return flops, 2 * a.numel() * 4 / tm
+    return max(r for _, r in rates), 2 * a.numel() * 4 / tm, rates
 
 
 def main(argv=None) -> int:
@@ -70,10 +82,16 @@ def main(argv=None) -> int:
     big_bytes = 16 * 2**20
     big = min(pingpong(comm, big_bytes, 10) for _ in range(3))
     beta = big_bytes / max(big - small, 1e-9)
-    flops, mem_bw = compute_rates() if comm.Get_rank() == 0 else (0.0, 0.0)
+    flops, mem_bw, rates = compute_rates() if comm.Get_rank() == 0 else (0.0, 0.0, ())
+    comm.Barrier()
+    together = conv_rate(8)  # every rank at once: memory bandwidth and caches are shared
+    mean_together = comm.allreduce(together) / comm.Get_size()
     if comm.Get_rank() == 0:
+        contention = min(1.0, mean_together / dict(rates)[8])
         cores = os.cpu_count() or 1
-        m = Machine(name="local", ranks_per_node=max(8, cores), cores=cores, flops=flops, mem_bw=mem_bw,
+        m = Machine(name="local", ranks_per_node=max(8, cores), cores=cores, conv_rates=rates,
+                    contention=contention,
+                    flops=flops, mem_bw=mem_bw,
                     mem_per_rank=_mem_per_rank(cores), io_bw=_io_bw(), intra=Link(small, beta),
                     inter=Link(max(small, 2e-6), min(beta, 12.5e9)),
                     description=f"calibrated on {os.uname().nodename} by hpcpar plan "
@@ -83,7 +101,8 @@ def main(argv=None) -> int:
             fh.write(m.to_toml())
         os.replace(tmp, out)
         print(f"latency {small * 1e6:.1f} us, bandwidth {beta / 1e9:.2f} GB/s, conv3d "
-              f"{flops / 1e9:.1f} GFLOP/s, memory {mem_bw / 1e9:.1f} GB/s -> {out}")
+              f"{flops / 1e9:.1f} GFLOP/s (x{contention:.2f} with all ranks busy), memory "
+              f"{mem_bw / 1e9:.1f} GB/s -> {out}")
     return 0
 
 

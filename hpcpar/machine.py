@@ -21,6 +21,7 @@ beta = 20e9
 
 from __future__ import annotations
 
+import math
 import os
 import tomllib
 from dataclasses import asdict, dataclass
@@ -54,6 +55,30 @@ class Machine:
     inter: Link
     description: str = ""
     cores: int = 0  # cores per node; 0 = one per rank. More ranks than cores share them.
+    conv_rates: tuple = ()  # optional ((in_channels, FLOP/s), ...) measured by --calibrate
+    contention: float = 1.0  # per-rank compute rate with every core busy / with one busy
+
+    def slowdown(self, ranks_on_node: int) -> float:
+        """Compute-time factor for ``ranks_on_node`` ranks: shared memory bandwidth and caches
+        (``contention``, reached when every core is busy) times oversubscription."""
+        cores = self.cores or self.ranks_per_node
+        busy = min(max(ranks_on_node, 1), cores)
+        frac = (busy - 1) / (cores - 1) if cores > 1 else 0.0
+        return (1 + (1 / self.contention - 1) * frac) / self.compute_share(ranks_on_node)
+
+    def conv_rate(self, in_channels: int) -> float:
+        """Sustained conv rate for a layer with ``in_channels`` inputs: log-linear between the
+        calibrated points (small channel counts run far below peak on CPUs), else ``flops``."""
+        pts = sorted(self.conv_rates)
+        if not pts:
+            return self.flops
+        if in_channels <= pts[0][0]:
+            return pts[0][1]
+        for (c0, r0), (c1, r1) in zip(pts, pts[1:]):
+            if in_channels <= c1:
+                w = math.log(in_channels / c0) / math.log(c1 / c0)
+                return r0 + w * (r1 - r0)
+        return pts[-1][1]
 
     def compute_share(self, ranks_on_node: int) -> float:
         """Fraction of a core each rank gets (1 unless the node is oversubscribed)."""
@@ -63,8 +88,12 @@ class Machine:
     def to_toml(self) -> str:
         d = asdict(self)
         lines = [f'name = "{self.name}"', f'description = "{self.description}"']
-        for k in ("ranks_per_node", "cores", "flops", "mem_bw", "mem_per_rank", "io_bw"):
+        for k in ("ranks_per_node", "cores", "flops", "mem_bw", "mem_per_rank", "io_bw",
+                  "contention"):
             lines.append(f"{k} = {d[k]!r}")
+        if self.conv_rates:
+            lines.append("conv_rates = [" + ", ".join(f"[{c}, {r!r}]" for c, r in
+                                                     self.conv_rates) + "]")
         for sec in ("intra", "inter"):
             lines += ["", f"[{sec}]", f"alpha = {d[sec]['alpha']!r}", f"beta = {d[sec]['beta']!r}"]
         return "\n".join(lines) + "\n"
@@ -114,4 +143,6 @@ def load_machine(name_or_path: str) -> Machine:
                    flops=float(raw["flops"]), mem_bw=float(raw["mem_bw"]),
                    mem_per_rank=float(raw["mem_per_rank"]), io_bw=float(raw["io_bw"]),
                    intra=links["intra"], inter=links["inter"],
-                   description=str(raw.get("description", "")), cores=int(raw.get("cores", 0)))
+                   description=str(raw.get("description", "")), cores=int(raw.get("cores", 0)),
+                   conv_rates=tuple((int(c), float(r)) for c, r in raw.get("conv_rates", ())),
+                   contention=float(raw.get("contention", 1.0)))

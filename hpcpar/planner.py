@@ -207,10 +207,13 @@ def predict(work: Workload, grid: tuple, machine: Machine) -> Prediction:
             mem = (math.prod(layer.in_shape) + math.prod(layer.out_shape)) * b * nbytes
             out_elems = math.prod(layer.out_shape)
         # forward + backward ~ 3x forward for dense layers; pointwise moves bytes 3x
-        pred.t_compute += 3 * flops / machine.flops + 3 * mem / machine.mem_bw
+        if layer.kind in ("conv", "convT"):
+            pred.t_compute += 3 * flops / machine.conv_rate(layer.in_shape[0])
+        else:
+            pred.t_compute += 3 * flops / machine.flops + 3 * mem / machine.mem_bw
         act += out_elems * b * nbytes
     # ranks sharing cores (oversubscribed test machines) compute proportionally slower
-    pred.t_compute /= machine.compute_share(min(d * spatial, machine.ranks_per_node))
+    pred.t_compute *= machine.slowdown(min(d * spatial, machine.ranks_per_node))
     grad_bytes = work.params * 4
     pred.t_allreduce = allreduce_time(grad_bytes, d * spatial, machine)
     t_bwd = pred.t_compute * 2 / 3

@@ -35,8 +35,8 @@ def test_cost_terms():
     work = Workload("t", [conv(4, 8, 32)], (4, 32, 32, 32), global_batch=4)
     one = predict(work, (1, 1, 1, 1), M)
     assert one.feasible and one.t_halo == 0 and one.t_allreduce == 0
-    assert one.t_compute == pytest.approx(
-        3 * work.layers[0].flops * 4 / M.flops + 3 * (4 + 8) * 32**3 * 4 * 4 / M.mem_bw)
+    # convolutions: 3x forward FLOPs at the machine's conv rate (no table: ``flops``)
+    assert one.t_compute == pytest.approx(3 * work.layers[0].flops * 4 / M.flops)
     split = predict(work, (1, 2, 1, 1), M)
     assert split.t_halo > 0 and split.t_compute == pytest.approx(one.t_compute / 2)
     data = predict(work, (2, 1, 1, 1), M)
@@ -44,6 +44,20 @@ def test_cost_terms():
     # allreduce: 2(p-1) steps of nbytes/p, intra-node only up to ranks_per_node
     assert allreduce_time(8e6, 4, M) == pytest.approx(6 * (1e-6 + 2e6 / 1e9))
     assert allreduce_time(8e6, 8, M) > allreduce_time(8e6, 4, M)
+
+
+def test_calibrated_conv_rates_and_oversubscription():
+    from dataclasses import replace
+
+    m = replace(M, conv_rates=((4, 1e9), (16, 4e9)), cores=2, ranks_per_node=8,
+                contention=0.5)
+    assert m.conv_rate(2) == 1e9 and m.conv_rate(64) == 4e9
+    assert m.conv_rate(8) == pytest.approx(2.5e9)  # log-linear between 4 and 16
+    assert m.slowdown(1) == 1 and m.slowdown(2) == pytest.approx(2.0)
+    assert m.slowdown(4) == pytest.approx(4.0)  # contention x oversubscription (4 on 2 cores)
+    work = Workload("t", [conv(4, 8, 32)], (4, 32, 32, 32), global_batch=4)
+    assert predict(work, (1, 1, 1, 1), m).t_compute == pytest.approx(
+        3 * work.layers[0].flops * 4 / 1e9)
 
 
 def test_infeasible_grids_are_marked():
