@@ -4,6 +4,7 @@ over MPI and Slurm, with scaling analysis.
 Heavy submodules (torch layers, data readers) load lazily so ``hpcpar --help`` stays fast.
 """
 
+from ._lazy import lazy_getattr
 from ._version import __version__
 from .errors import CommError, GridError, HpcparError
 from .grid import ProcessGrid
@@ -14,13 +15,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name):
-    if name in _LAZY:
-        import importlib
-
-        module, attr = _LAZY[name]
-        return getattr(importlib.import_module(module), attr)
-    raise AttributeError(f"module 'hpcpar' has no attribute {name!r}")
+__getattr__ = lazy_getattr("hpcpar", _LAZY)
 
 
 __all__ = ["__version__", "ProcessGrid", "GridError", "HpcparError", "CommError",

@@ -168,13 +168,17 @@ def test_time_limit_signal(slurm_cluster, sandbox):
 
 
 # -- real training through sbatch -----------------------------------------------------------
+TINY_STEPS = 120  # long enough (~5 s of steps) that a USR1 always lands mid-run
+
+
 def _tiny(data_dir: Path) -> list[str]:
     """The CosmoFlow demo shrunk to seconds: 2 data-parallel ranks, 8^3 volumes."""
     return ["grid.data=2", "grid.x=1", "model.n_conv_blocks=2", "model.base_filters=2",
             "model.dense=[8]", f"data.path={data_dir}", "data.size=8", "data.samples=16",
-            "data.shards=2", "data.val_samples=0", "train.steps=24", "train.global_batch=2",
+            "data.shards=2", "data.val_samples=0", f"train.steps={TINY_STEPS}",
+            "train.global_batch=2",
             "train.val_every=0", "train.warmup_steps=0", "train.log_every=1",
-            "checkpoint.every=4", "checkpoint.keep=2", "resources.tasks_per_node=2"]
+            "checkpoint.every=8", "checkpoint.keep=2", "resources.tasks_per_node=2"]
 
 
 @pytest.fixture(scope="module")
@@ -199,9 +203,9 @@ def test_training_job_records(reference_run):
     import pandas as pd
 
     steps = pd.read_parquet(run / meta["steps_file"])
-    assert len(steps) == 2 * 24 and set(steps["rank"]) == {0, 1}
-    assert sorted(set(steps["step"])) == list(range(24))
-    assert json.loads((run / "metrics.json").read_text())["steps"] == 24
+    assert len(steps) == 2 * TINY_STEPS and set(steps["rank"]) == {0, 1}
+    assert sorted(set(steps["step"])) == list(range(TINY_STEPS))
+    assert json.loads((run / "metrics.json").read_text())["steps"] == TINY_STEPS
 
 
 def test_training_requeue_resumes_identically(slurm_cluster, sandbox, reference_run):
@@ -214,10 +218,11 @@ def test_training_requeue_resumes_identically(slurm_cluster, sandbox, reference_
                     sets=_tiny(sandbox["dir"] / "data"), python=sys.executable)
     run = out / "ranks-2"
     log = _usr1_then_resume(slurm_cluster, rec, out, 180,
-                            lambda: (run / "checkpoints" / "step-000004").is_dir())
+                            lambda: any((run / "checkpoints").glob("step-*")))
     meta = json.loads((run / "meta.json").read_text())
-    assert len(meta["segments"]) == 2 and 0 < meta["segments"][1]["first_step"] < 24, log
-    final = "checkpoints/step-000024/model.pt"
+    assert len(meta["segments"]) == 2, log
+    assert 0 < meta["segments"][1]["first_step"] < TINY_STEPS, log
+    final = f"checkpoints/step-{TINY_STEPS:06d}/model.pt"
     mine = torch.load(run / final, weights_only=True)
     ref = torch.load(reference_run[1] / final, weights_only=True)
     assert mine.keys() == ref.keys()

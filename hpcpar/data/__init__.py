@@ -3,7 +3,7 @@
 Names load lazily: ``hpcpar.data`` imports neither torch nor h5py until a name is used.
 """
 
-import importlib
+from .._lazy import lazy_getattr
 
 _LAZY = {
     "ShardedVolumeDataset": "hpcpar.data.reader",
@@ -22,10 +22,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'hpcpar.data' has no attribute {name!r}")
+__getattr__ = lazy_getattr("hpcpar.data", _LAZY)
 
 
 __all__ = sorted(_LAZY)

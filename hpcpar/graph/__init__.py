@@ -4,8 +4,7 @@
 lazily.
 """
 
-import importlib
-
+from .._lazy import lazy_getattr
 from .partitioning import partition, partition_csr  # numpy only
 
 _LAZY = {
@@ -21,11 +20,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name):
-    if name in _LAZY:
-        module, attr = _LAZY[name]
-        return getattr(importlib.import_module(module), attr)
-    raise AttributeError(f"module 'hpcpar.graph' has no attribute {name!r}")
+__getattr__ = lazy_getattr("hpcpar.graph", _LAZY)
 
 
 __all__ = sorted([*_LAZY, "partition", "partition_csr"])

@@ -1,6 +1,6 @@
 """Plain-torch-looking model definitions; run them distributed with ``hpcpar.nn.spatialize``."""
 
-import importlib
+from .._lazy import lazy_getattr
 
 _LAZY = {
     "CosmoFlow": "hpcpar.models.cosmoflow",
@@ -9,10 +9,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'hpcpar.models' has no attribute {name!r}")
+__getattr__ = lazy_getattr("hpcpar.models", _LAZY)
 
 
 __all__ = sorted(_LAZY)

@@ -3,7 +3,7 @@ distributed graph layers. Each spatial layer takes its torch twin's arguments pl
 and has the same state_dict keys and shapes. Names load lazily (importing layers pulls torch).
 """
 
-import importlib
+from .._lazy import lazy_getattr
 
 _LAZY = {
     # spatial CNN layers
@@ -25,10 +25,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'hpcpar.nn' has no attribute {name!r}")
+__getattr__ = lazy_getattr("hpcpar.nn", _LAZY)
 
 
 __all__ = sorted(_LAZY)
