@@ -42,6 +42,12 @@ def part_ranges(n: int, parts: int) -> list[tuple[int, int]]:
     return [part_range(n, parts, i) for i in range(parts)]
 
 
+def box(shape, parts, index) -> tuple[tuple[int, int], ...]:
+    """Per-axis ``[start, stop)`` of part ``index`` (a coordinate per axis) when each axis of
+    ``shape`` is split into ``parts`` pieces: a rank's sub-volume, hyperslab or block."""
+    return tuple(part_range(n, p, i) for n, p, i in zip(shape, parts, index))
+
+
 def owner(n: int, parts: int, item: int) -> int:
     """The part that owns global item ``item``."""
     _check_parts(n, parts)
@@ -184,7 +190,7 @@ def ceil_div(a: int, b: int) -> int:
 
 
 __all__ = [
-    "split_sizes", "part_range", "part_ranges", "owner", "stencil_output_length",
+    "split_sizes", "part_range", "part_ranges", "box", "owner", "stencil_output_length",
     "stencil_input_range", "transposed_output_length", "transposed_input_range", "AxisHalo",
     "axis_halo", "conv_axis_halo", "transposed_axis_halo", "same_padding", "ceil_div",
 ]

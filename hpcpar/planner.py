@@ -20,7 +20,9 @@ import math
 from dataclasses import dataclass, field
 
 from .machine import Machine
-from .partition import split_sizes
+from functools import partial
+
+from .partition import conv_axis_halo, same_padding, split_sizes, transposed_axis_halo
 
 BYTES = {"fp32": 4, "bf16": 2}
 BUCKET_BYTES = 25 * 2**20
@@ -33,9 +35,42 @@ class Layer:
     in_shape: tuple      # per sample (C, D, H, W) or (F,)
     out_shape: tuple
     params: int
-    kernel: tuple = (1, 1, 1)
-    stride: tuple = (1, 1, 1)
     flops: float = 0.0   # forward FLOPs per sample (dense layers)
+    halo: tuple = ()     # per spatial axis: (n_in, parts, index) -> partition.AxisHalo
+
+
+def _stencil_halos(mod) -> tuple:
+    """Per-axis halo functions of a conv / transposed conv / pool, from hpcpar.partition (the
+    same geometry the spatial layers use)."""
+    from torch import nn
+
+    def tup(v):
+        return tuple(v) if isinstance(v, (tuple, list)) else (v, v, v)
+
+    k, d = tup(mod.kernel_size), tup(getattr(mod, "dilation", 1))
+    s = tup(mod.stride or mod.kernel_size)
+    if isinstance(mod, nn.ConvTranspose3d):
+        p, op = tup(mod.padding), tup(mod.output_padding)
+        return tuple(partial(transposed_axis_halo, kernel=k[a], stride=s[a], padding=p[a],
+                             output_padding=op[a], dilation=d[a]) for a in range(3))
+    if mod.padding == "same":
+        pads = [same_padding(k[a], d[a]) for a in range(3)]
+    elif mod.padding == "valid":
+        pads = [(0, 0)] * 3
+    else:
+        pads = [(p, p) for p in tup(mod.padding)]
+    ceil = getattr(mod, "ceil_mode", False)
+    return tuple(partial(conv_axis_halo, kernel=k[a], stride=s[a], pad_lo=pads[a][0],
+                         pad_hi=pads[a][1], dilation=d[a], ceil_mode=ceil) for a in range(3))
+
+
+def _halo_width(axis_halo, n: int, parts: int) -> int:
+    """Widest one-sided halo along an axis (the first, an interior and the last rank)."""
+    widths = [0]
+    for i in {0, min(1, parts - 1), parts // 2, parts - 1}:
+        h = axis_halo(n, parts, i)
+        widths += [h.halo_lo, h.halo_hi]
+    return max(widths)
 
 
 def trace_layers(model, sample_shape) -> list[Layer]:
@@ -47,9 +82,6 @@ def trace_layers(model, sample_shape) -> list[Layer]:
     state = {"spatial": True}
     hooks = []
 
-    def tup(v):
-        return tuple(v) if isinstance(v, (tuple, list)) else (v, v, v)
-
     def hook(mod, inputs, output):
         x = inputs[0]
         ins, outs = tuple(x.shape[1:]), tuple(output.shape[1:])
@@ -57,18 +89,18 @@ def trace_layers(model, sample_shape) -> list[Layer]:
         name = type(mod).__name__
         out_elems = math.prod(outs)
         if isinstance(mod, (nn.Conv3d, nn.ConvTranspose3d)):
-            k = tup(mod.kernel_size)
+            k = tuple(mod.kernel_size)
             per_out = (mod.in_channels // mod.groups) * math.prod(k)
             if isinstance(mod, nn.ConvTranspose3d):
                 flops = 2.0 * math.prod(ins) * (mod.out_channels // mod.groups) * math.prod(k)
                 kind = "convT"
             else:
                 flops, kind = 2.0 * out_elems * per_out, "conv"
-            layers.append(Layer(kind, state["spatial"], ins, outs, params, k,
-                                tup(mod.stride), flops))
+            layers.append(Layer(kind, state["spatial"], ins, outs, params, flops,
+                                _stencil_halos(mod)))
         elif isinstance(mod, (nn.MaxPool3d, nn.AvgPool3d)):
-            layers.append(Layer("pool", state["spatial"], ins, outs, 0, tup(mod.kernel_size),
-                                tup(mod.stride or mod.kernel_size)))
+            layers.append(Layer("pool", state["spatial"], ins, outs, 0,
+                                halo=_stencil_halos(mod)))
         elif isinstance(mod, nn.Linear):
             state["spatial"] = False
             layers.append(Layer("linear", False, ins, outs, params,
@@ -185,17 +217,17 @@ def predict(work: Workload, grid: tuple, machine: Machine) -> Prediction:
             share = math.prod(out_local) / max(1, math.prod(vol_out)) if out_local else 1
             out_elems = layer.out_shape[0] * math.prod(out_local) if out_local else 0
             in_elems = layer.in_shape[0] * math.prod(in_local) if in_local else 0
-            # halo: faces along split axes, width (k-1) split over both sides ~ k - stride
-            if layer.kind in ("conv", "convT", "pool") and len(vol_in) == 3:
+            # halo: faces along split axes, widths from the layer's own halo plan geometry
+            if layer.halo and len(vol_in) == 3:
                 for a in range(3):
-                    width = max(0, layer.kernel[a] - layer.stride[a])
-                    if parts[a] == 1 or width == 0:
+                    width = _halo_width(layer.halo[a], vol_in[a], parts[a]) \
+                        if parts[a] > 1 else 0
+                    if width <= 0:
                         continue
                     face = layer.in_shape[0] * b * math.prod(
                         in_local[j] for j in range(3) if j != a)
-                    msg = face * width * nbytes / 2
                     # forward + backward, one message per side (sides overlap)
-                    pred.t_halo += 2 * link.time(msg, 2)
+                    pred.t_halo += 2 * link.time(face * width * nbytes, 2)
             if layer.kind == "gather":
                 full = math.prod(layer.in_shape) * b * nbytes
                 pred.t_gather += 2 * link.time(full * (spatial - 1) / spatial,

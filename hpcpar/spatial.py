@@ -13,7 +13,7 @@ import torch
 from .comm import allgatherv, irecv, isend
 from .errors import HpcparError
 from .grid import coords_of
-from .partition import part_range
+from .partition import box
 
 _TAG = 7301  # point-to-point tag for scatter/gather traffic
 
@@ -42,8 +42,7 @@ def local_slices(global_shape, grid, rank: int | None = None) -> tuple[slice, ..
     shape = _check_shape(global_shape, grid)
     coords = grid.spatial_coords if rank is None else _spatial_coords(rank, grid)
     lead = [slice(None)] * (len(shape) - 3)
-    return tuple(lead + [slice(*part_range(n, p, c))
-                         for n, p, c in zip(shape[-3:], grid.spatial_shape, coords)])
+    return tuple(lead + [slice(*r) for r in box(shape[-3:], grid.spatial_shape, coords)])
 
 
 def local_shape(global_shape, grid, rank: int | None = None) -> tuple[int, ...]:

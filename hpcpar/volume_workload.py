@@ -147,8 +147,20 @@ class VolumeWorkload(Workload):
         return x.log1p() if self.d["transform"] == "log1p" else x
 
     # -- model -------------------------------------------------------------------------------
-    def plain_model(self):
+    label_channels = 0  # trailing sample channels that hold labels, not model input
+
+    @classmethod
+    def build_plain(cls, job, channels: int, size: tuple, n_targets: int):
+        """The plain single-process model of ``job`` for samples of ``channels`` x ``size``
+        (no data needed: the planner builds it on the meta device)."""
         raise NotImplementedError
+
+    def plain_model(self):
+        return self.build_plain(self.job, self.channels, self.size, self._targets())
+
+    def _targets(self) -> int:
+        m = getattr(self.train_set, "manifest", None)
+        return int(m.y.shape[0]) if m is not None else len(self.train_set.targets)
 
     def reference_model(self):
         import torch
@@ -223,17 +235,13 @@ class CosmoFlowWorkload(VolumeWorkload):
                                 f"need a volume of at least {2 ** p['n_conv_blocks']}, "
                                 f"[data] size is {size}")
 
-    def plain_model(self):
+    @classmethod
+    def build_plain(cls, job, channels, size, n_targets):
         from .models.cosmoflow import CosmoFlow
 
-        p = dict(self.job.model.params)
+        p = dict(job.model.params)
         p["dense"] = tuple(p["dense"])
-        return CosmoFlow(input_size=self.size[0], in_channels=self.channels,
-                         n_targets=self._targets(), **p)
-
-    def _targets(self) -> int:
-        m = getattr(self.train_set, "manifest", None)
-        return int(m.y.shape[0]) if m is not None else len(self.train_set.targets)
+        return CosmoFlow(input_size=size[0], in_channels=channels, n_targets=n_targets, **p)
 
     def forward_loss(self, model, batch) -> StepResult:
         import torch.nn.functional as F
@@ -262,6 +270,7 @@ class UNet3DWorkload(VolumeWorkload):
                                                   "global batch (as one process would)"),
     }
     metric_names = ("accuracy",)
+    label_channels = 1  # the last channel is the segmentation label
 
     @staticmethod
     def check_job(job) -> None:
@@ -273,11 +282,12 @@ class UNet3DWorkload(VolumeWorkload):
             raise WorkloadError(f"[model] depth: {p['depth']} poolings need a volume of at "
                                 f"least {2 ** p['depth']}, [data] size is {d['size']}")
 
-    def plain_model(self):
+    @classmethod
+    def build_plain(cls, job, channels, size, n_targets):
         from .models.unet3d import UNet3D
 
-        p = {k: v for k, v in self.job.model.params.items() if k != "bn_include_data"}
-        return UNet3D(in_channels=self.channels - 1, out_channels=2, **p)
+        p = {k: v for k, v in job.model.params.items() if k != "bn_include_data"}
+        return UNet3D(in_channels=channels - cls.label_channels, out_channels=2, **p)
 
     def spatialize_kwargs(self) -> dict:
         return {"bn_include_data": self.job.model.params["bn_include_data"]}

@@ -3,12 +3,14 @@ machine files, and the CLI on a 512^3 CosmoFlow job for 1024 frontier-class GPUs
 
 import math
 import subprocess
+from functools import partial
 import sys
 import time
 
 import pytest
 
 from hpcpar.machine import Link, Machine, MachineError, load_machine
+from hpcpar.partition import conv_axis_halo
 from hpcpar.planner import Layer, Workload, allreduce_time, grids, predict
 
 M = Machine("test", ranks_per_node=4, flops=1e9, mem_bw=1e10, mem_per_rank=1e9, io_bw=1e9,
@@ -17,9 +19,9 @@ M = Machine("test", ranks_per_node=4, flops=1e9, mem_bw=1e10, mem_per_rank=1e9, 
 
 def conv(c_in, c_out, n, k=3, stride=1):
     out = (n - k + 2 * (k // 2)) // stride + 1
+    halo = partial(conv_axis_halo, kernel=k, stride=stride, pad_lo=k // 2, pad_hi=k // 2)
     return Layer("conv", True, (c_in, n, n, n), (c_out, out, out, out),
-                 c_in * c_out * k**3 + c_out, (k,) * 3, (stride,) * 3,
-                 2.0 * c_out * out**3 * c_in * k**3)
+                 c_in * c_out * k**3 + c_out, 2.0 * c_out * out**3 * c_in * k**3, (halo,) * 3)
 
 
 def test_grids_enumerates_every_factorisation():

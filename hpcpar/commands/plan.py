@@ -2,50 +2,45 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import click
 
 
-def _sample_shape(job) -> tuple:
+def _sample_shape(job) -> tuple[tuple, int]:
+    """(per-sample x shape (C, D, H, W), number of targets) from the dataset's manifest, else
+    from the job's synthetic [data] size/channels."""
+    from ..data import read_manifest
+    from ..data.synthetic import TARGETS
     from ..errors import HpcparError
 
     d = job.data.params
-    if d.get("size"):
-        return (d.get("channels", 4),) + (d["size"],) * 3
     path = d.get("path")
-    manifest = Path(path or "") / "manifest.json"
-    if path and manifest.is_file():
-        m = json.loads(manifest.read_text())
-        shape = m.get("x", {}).get("shape") or m.get("x_shape")
-        if shape:
-            return tuple(shape[-4:])
-    raise HpcparError(f"{job.source if hasattr(job, 'source') else 'job'}: [data] size is not "
-                      "set and no dataset manifest to read it from; add --set data.size=N")
+    if path and (Path(path) / "manifest.json").is_file():
+        m = read_manifest(path)
+        return tuple(m.x.shape), int(m.y.shape[0])
+    if d.get("size"):
+        return (d.get("channels", 4),) + (d["size"],) * 3, len(TARGETS)
+    raise HpcparError(f"{job.name}: [data] size is not set and no dataset manifest to read it "
+                      "from; add --set data.size=N")
 
 
-def _model(job, sample_shape):
+def _model(job, sample_shape, n_targets):
+    """The job's plain model on the meta device, built by its workload (no data, no memory),
+    and the shape of its input (the sample without label channels)."""
     import torch
 
     from ..errors import HpcparError
+    from ..workload import get_workload
 
-    kind, p = job.model.kind, dict(job.model.params)
+    cls = get_workload(job.model.kind)
+    if not hasattr(cls, "build_plain"):
+        raise HpcparError(f"[model] kind {job.model.kind!r}: the planner models volume jobs "
+                          "(cosmoflow, unet3d)")
     with torch.device("meta"):
-        if kind == "cosmoflow":
-            from ..models.cosmoflow import CosmoFlow
-
-            p["dense"] = tuple(p.get("dense", (128, 64)))
-            return CosmoFlow(input_size=sample_shape[1], in_channels=sample_shape[0], **p)
-        if kind == "unet3d":
-            from ..models.unet3d import UNet3D
-
-            keep = {k: v for k, v in p.items() if k in ("base_filters", "depth", "batch_norm",
-                                                        "kernel_size", "out_channels")}
-            return UNet3D(in_channels=sample_shape[0], **keep)
-    raise HpcparError(f"[model] kind {kind!r}: the planner models volume jobs (cosmoflow, "
-                      "unet3d)")
+        model = cls.build_plain(job, sample_shape[0], sample_shape[1:], n_targets)
+    return model, (sample_shape[0] - cls.label_channels, *sample_shape[1:])
 
 
 def workload_from_job(path: str, overrides=()):
@@ -53,8 +48,8 @@ def workload_from_job(path: str, overrides=()):
     from ..planner import Workload, trace_layers
 
     job = load_job(path, list(overrides))
-    shape = _sample_shape(job)
-    layers = trace_layers(_model(job, shape), shape)
+    shape, n_targets = _sample_shape(job)
+    layers = trace_layers(*_model(job, shape, n_targets))
     return Workload(job.name, layers, shape, job.train.global_batch,
                     precision=job.train.precision, optimizer=job.train.optimizer)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..partition import part_range
+from ..partition import box, part_range
 from .errors import DataError
 
 
@@ -27,8 +27,7 @@ def local_box(volume_shape, spatial_shape, spatial_coords) -> tuple:
         if parts > n:
             raise DataError(f"grid axis {axis} has {parts} ranks but the volume is only {n} "
                             f"long on that axis (shape {tuple(volume_shape)})")
-    return tuple(part_range(n, p, i) for n, p, i in
-                 zip(volume_shape, spatial_shape, spatial_coords))
+    return box(volume_shape, spatial_shape, spatial_coords)
 
 
 class EpochSchedule:

@@ -36,7 +36,7 @@ class TensorParallelError(HpcparError):
     pass
 
 
-def _gather_rows(t: torch.Tensor, comm, rows) -> torch.Tensor:
+def _gather_rows(t: torch.Tensor, comm) -> torch.Tensor:
     """All-gather row blocks (dim 0) of possibly uneven sizes."""
     if comm.Get_size() == 1:
         return t
@@ -58,7 +58,7 @@ class _TPLinearFn(torch.autograd.Function):
         zc, xc, yc = g.axis_comm("z"), g.axis_comm("x"), g.axis_comm("y")
         b0, b1 = part_range(x.shape[0], layer.Z, layer.kz)
         x_zx = x[b0:b1, layer.in_range[0]:layer.in_range[1]].contiguous()
-        w_yx = _gather_rows(w_shard, zc, layer.block_rows)
+        w_yx = _gather_rows(w_shard, zc)
         y = x_zx @ w_yx.t()
         if layer.X > 1:
             hc.allreduce_(y, xc)
@@ -67,7 +67,7 @@ class _TPLinearFn(torch.autograd.Function):
         ctx.save_for_backward(x_zx, w_yx)
         ctx.layer, ctx.batch, ctx.has_bias = layer, x.shape[0], bias is not None
         y = _gather_cols(y, yc)
-        return _gather_rows(y, zc, split_sizes(x.shape[0], layer.Z))
+        return _gather_rows(y, zc)
 
     @staticmethod
     def backward(ctx, dy):
@@ -80,7 +80,7 @@ class _TPLinearFn(torch.autograd.Function):
         dx_zx = dy_zy @ w_yx
         if layer.Y > 1:
             hc.allreduce_(dx_zx, yc)
-        dx = _gather_rows(_gather_cols(dx_zx, xc), zc, split_sizes(ctx.batch, layer.Z))
+        dx = _gather_rows(_gather_cols(dx_zx, xc), zc)
         dw_yx = dy_zy.t() @ x_zx
         dw = hc.reduce_scatter(dw_yx, layer.block_rows, zc) if layer.Z > 1 else dw_yx
         db = None
