@@ -1,6 +1,6 @@
 """I/O benchmark: hyperslab reads vs raw reads, reader-fed training vs in-memory, bytes read.
 
-    mpiexec -n 2 python benchmarks/io.py --grid 1x2x1x1 --size 64 --samples 16
+    mpiexec -n 2 python benchmarks/io.py --grid 1x2x1x1 --size 128 --samples 16
 
 1. Hyperslab read throughput: every rank reads its sub-volume of every sample with the
    reader's code; the baseline reads the same number of bytes with one plain ``preadv`` per
@@ -11,6 +11,9 @@
    test) fed by ``ShardedVolumeDataset(prefetch=2)`` from cold files vs the same loop on
    the same batches already in memory. Target step time <= 1.05x.
 3. Bytes read per rank per sample vs the ideal 1/(x*y*z) of a sample (chunk rounding).
+
+1 and 3 run for each chunking (default: ``grid:`` one chunk per rank block, then ``auto``
+cubic chunks), 2 for the first.
 """
 
 from __future__ import annotations
@@ -35,6 +38,17 @@ def drop_cache(paths) -> None:
             os.close(fd)
 
 
+def raw_offset(sh, row, box, size, nbytes) -> int:
+    """Where the raw read of (shard, row) starts: at this rank's first chunk of the sample, so
+    each rank reads its own part of the file, as the hyperslab read does (ranks reading the
+    same bytes would share the page cache and halve the raw read's disk traffic)."""
+    if sh.fd is not None:
+        first = sh.chunk_offsets(row, sh.plan(box))[0]
+        if first is not None:
+            return min(first, size - nbytes)
+    return (row * nbytes) % max(size - nbytes, 1)
+
+
 def read_times(files, items, box, local_shape, nbytes: int, raw: bool) -> list[float]:
     """Seconds per sample: this rank's hyperslab through the reader's code (files stay open,
     as the reader keeps them), or the same byte count with one plain ``preadv`` (``raw``).
@@ -50,8 +64,7 @@ def read_times(files, items, box, local_shape, nbytes: int, raw: bool) -> list[f
         if raw:
             path = files.paths[shard]
             fd = fds.setdefault(shard, os.open(path, os.O_RDONLY))
-            size = os.fstat(fd).st_size
-            offset = (row * nbytes) % max(size - nbytes, 1)
+            offset = raw_offset(files.get(shard), row, box, os.fstat(fd).st_size, nbytes)
             t0 = time.perf_counter()
             os.preadv(fd, [buf], offset)
         else:
@@ -95,7 +108,9 @@ def main() -> None:
     ap.add_argument("--channels", type=int, default=4)
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--batch", type=int, default=0, help="global batch (default: 2 x data)")
-    ap.add_argument("--chunk", default="auto", help="chunk edge, D,H,W or auto (as `data make`)")
+    ap.add_argument("--chunk", action="append",
+                    help="chunking as `data make --chunk` (repeatable; default: grid (one chunk "
+                    "per rank block of --grid) and auto (cubic))")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default=None, help="where to write the dataset (default: tmp)")
     args = ap.parse_args()
@@ -104,9 +119,7 @@ def main() -> None:
     from mpi4py import MPI
 
     from hpcpar import ProcessGrid
-    from hpcpar.data import ShardedVolumeDataset
     from hpcpar.data.format import parse_chunk, read_manifest
-    from hpcpar.data.hyperslab import ShardFiles, cache_bytes
     from hpcpar.data.synthetic import CosmoflowSource
     from hpcpar.data.writer import shard_counts, write_dataset
 
@@ -115,22 +128,52 @@ def main() -> None:
     grid = ProcessGrid.parse(args.grid, comm=comm)
     root = comm.bcast(tempfile.mkdtemp(prefix="hpcpar-io-", dir=args.dir)
                       if comm.rank == 0 else None)
-    out = os.path.join(root, "ds")
-    shards = min(args.samples, max(comm.size, 4))
-    write_dataset(out, CosmoflowSource(args.samples, args.size, args.channels, seed=0),
-                  shard_counts(args.samples, shards=shards), comm=comm,
-                  chunk=parse_chunk(args.chunk), progress=False)
-    m = read_manifest(out)
-    paths = [os.path.join(out, s.file) for s in m.shards]
     batch = args.batch or 2 * grid.data
+    chunkings = [f"grid:{grid.spec()}" if c == "grid" else c for c in args.chunk or
+                 ["grid", "auto"]]
+    say = print if comm.rank == 0 else (lambda *a, **k: None)
+    say(f"benchmarks/io.py: grid {grid.spec()} ({comm.size} ranks), {args.samples} samples "
+        f"{args.channels}x{args.size}^3 float32, batch {batch}")
+    for k, chunking in enumerate(chunkings):
+        out = os.path.join(root, f"ds{k}")
+        shards = min(args.samples, max(comm.size, 4))
+        write_dataset(out, CosmoflowSource(args.samples, args.size, args.channels, seed=0),
+                      shard_counts(args.samples, shards=shards), comm=comm,
+                      chunk=parse_chunk(chunking), progress=False)
+        m = read_manifest(out)
+        paths = [os.path.join(out, s.file) for s in m.shards]
+        hyper, per_sample, ideal, local_shape = bench_reads(grid, out, m, paths, batch, args)
+        train = bench_training(grid, out, m, paths, batch, args) if k == 0 else None
+        rows = comm.gather((grid.rank, hyper, per_sample, ideal, train), root=0)
+        say(f"-- --chunk {chunking}: chunks {tuple(m.x.chunks)}, local block {local_shape}")
+        for r, res_r, ps, ideal_r, tr in rows or ():
+            (hc, rc), (hw, rw) = res_r["cold"], res_r["warm"]
+            say(f"rank {r}: hyperslab/raw read  cold {hc:8.0f} / {rc:8.0f} MB/s = "
+                f"{hc / rc:.2f}x   warm {hw:8.0f} / {rw:8.0f} MB/s = {hw / rw:.2f}x")
+            say(f"rank {r}: bytes read per sample {ps:.0f} = {ps / ideal_r:.3f}x the ideal "
+                f"1/{grid.spatial_size} of a sample ({ideal_r:.0f})")
+            if tr:
+                say(f"rank {r}: step time reader(prefetch=2, cold) {tr[0] * 1e3:.1f} ms vs "
+                    f"in-memory {tr[1] * 1e3:.1f} ms = {tr[0] / tr[1]:.3f}x")
+    if comm.rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def bench_reads(grid, out, m, paths, batch, args):
+    """1. hyperslab vs raw, cold and warm (MB/s from the median seconds per sample over all
+    passes); 3. bytes read per rank per sample vs the ideal share."""
+    from mpi4py import MPI
+
+    from hpcpar.data import ShardedVolumeDataset
+    from hpcpar.data.hyperslab import ShardFiles, cache_bytes
+
+    comm = MPI.COMM_WORLD
     ds = ShardedVolumeDataset(out, grid, batch, prefetch=0)
     box, local_shape = ds.box, (args.channels, *ds.local_shape)
     share = int(np.prod(local_shape)) * 4
     items = [m.locate(i) for i in range(m.num_samples)]
     files = ShardFiles(paths, rdcc_nbytes=cache_bytes(m.x.chunks, 4), rdcc_w0=1.0)
     read_times(files, items, box, local_shape, share, False)  # metadata into HDF5's cache
-
-    # 1. hyperslab vs raw, cold and warm: median seconds per sample over all passes
     res = {}
     for mode in ("cold", "warm"):
         t_h, t_r = [], []
@@ -145,8 +188,6 @@ def main() -> None:
                 acc += read_times(files, items, box, local_shape, share, raw)
         res[mode] = (share / statistics.median(t_h) / 1e6, share / statistics.median(t_r) / 1e6)
     files.close()
-
-    # 3. bytes read per rank per sample vs the ideal share
     before = ds.bytes_read
     nread = 0
     for xb, _ in ds:
@@ -154,8 +195,18 @@ def main() -> None:
     per_sample = (ds.bytes_read - before) / max(nread, 1) - 4 * len(m.y.shape)
     ideal = args.channels * args.size**3 * 4 / grid.spatial_size
     ds.close()
+    return res, per_sample, ideal, local_shape
 
-    # 2. training: reader (prefetch, cold files) vs the same batches in memory
+
+def bench_training(grid, out, m, paths, batch, args):
+    """2. the same training loop fed by the reader (prefetch, cold files) and in memory;
+    returns the median step times (reader, memory)."""
+    import torch
+    from mpi4py import MPI
+
+    from hpcpar.data import ShardedVolumeDataset
+
+    comm = MPI.COMM_WORLD
     torch.manual_seed(0)
     net = small_net(args.channels, m.y.shape[0])
     opt = torch.optim.SGD(net.parameters(), lr=1e-3)
@@ -163,7 +214,7 @@ def main() -> None:
     memory = [(x.clone(), y.clone()) for x, y in reader]  # also warms up the worker
     train_steps(memory[:2], net, opt)  # warm up torch
     t_mem, t_rd = [], []
-    for epoch in range(args.repeats):
+    for _ in range(args.repeats):
         reader.set_epoch(0)
         comm.Barrier()
         drop_cache(paths)
@@ -172,22 +223,7 @@ def main() -> None:
         comm.Barrier()
         t_mem += train_steps(memory, net, opt)[1:]
     reader.close()
-    med_rd, med_mem = statistics.median(t_rd), statistics.median(t_mem)
-
-    rows = comm.gather((grid.rank, res, per_sample, ideal, med_rd, med_mem), root=0)
-    if comm.rank == 0:
-        print(f"benchmarks/io.py: grid {grid.spec()} ({comm.size} ranks), {args.samples} "
-              f"samples {args.channels}x{args.size}^3 float32, chunk {tuple(m.x.chunks)}, "
-              f"batch {batch}, local block {local_shape}")
-        for r, res_r, ps, ideal_r, mr, mm in rows:
-            (hc, rc), (hw, rw) = res_r["cold"], res_r["warm"]
-            print(f"rank {r}: hyperslab/raw read  cold {hc:8.0f} / {rc:8.0f} MB/s = "
-                  f"{hc / rc:.2f}x   warm {hw:8.0f} / {rw:8.0f} MB/s = {hw / rw:.2f}x")
-            print(f"rank {r}: bytes read per sample {ps:.0f} = {ps / ideal_r:.3f}x the ideal "
-                  f"1/{grid.spatial_size} of a sample ({ideal_r:.0f})")
-            print(f"rank {r}: step time reader(prefetch=2, cold) {mr * 1e3:.1f} ms vs "
-                  f"in-memory {mm * 1e3:.1f} ms = {mr / mm:.3f}x")
-        shutil.rmtree(root, ignore_errors=True)
+    return statistics.median(t_rd), statistics.median(t_mem)
 
 
 if __name__ == "__main__":

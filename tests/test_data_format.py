@@ -149,6 +149,48 @@ def test_chunks_and_bytes_counted_match_hdf5_reads(tmp_path):
     files.close()
 
 
+def test_chunk_options():
+    from hpcpar.data.format import PerRankChunks, parse_chunk, x_chunks
+
+    assert parse_chunk("auto") is None and parse_chunk("16") == 16
+    assert parse_chunk("16,0,0") == (16, 0, 0)
+    assert parse_chunk("grid:1x2x1x1") == parse_chunk("grid:2x1x1") == PerRankChunks((2, 1, 1))
+    assert x_chunks((4, 64, 64, 64), None) == (1, 4, 16, 16, 16)
+    assert x_chunks((4, 64, 64, 64), (16, 0, 0)) == (1, 4, 16, 64, 64)
+    assert x_chunks((4, 64, 64, 64), PerRankChunks((2, 1, 1))) == (1, 4, 32, 64, 64)
+    assert x_chunks((2, 9, 31, 5), PerRankChunks((2, 3, 1))) == (1, 2, 5, 11, 5)
+    for bad, what in [("grid:2x0x1", "grid:XxYxZ"), ("grid:2x1", "grid:XxYxZ"),
+                      ("a,b", "EDGE, D,H,W"), ("1,2", "EDGE, D,H,W")]:
+        with pytest.raises(DataError, match=f"--chunk: expected {what}.*got '{bad}'"):
+            parse_chunk(bad)
+
+
+def test_direct_chunk_reads_match_numpy_and_fill_unwritten(tmp_path):
+    """The preadv fast path (chunk offsets from one walk of the chunk index) against numpy
+    slicing, for aligned, unaligned, direct and staged boxes; a never-written sample reads as
+    HDF5's fill value."""
+    path = str(tmp_path / "x.h5")
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4, 2, 8, 12, 10)).astype(np.float32)
+    with h5py.File(path, "w") as f:
+        d = f.create_dataset("x", shape=x.shape, dtype="f4", chunks=(1, 2, 4, 12, 5),
+                             fillvalue=-1.5)
+        for i in (0, 1, 3):  # sample 2 never written
+            d[i] = x[i]
+        f["y"] = np.arange(12, dtype=np.float32).reshape(4, 3)
+    x[2] = -1.5
+    files = ShardFiles([path])
+    assert files.get(0).fd is not None  # the fast path, not read_direct
+    for box in [((0, 8), (0, 12), (0, 10)), ((4, 8), (0, 12), (0, 10)),
+                ((0, 4), (0, 12), (5, 10)), ((1, 7), (3, 11), (2, 9))]:
+        shape = tuple(b - a for a, b in box)
+        ox, oy = np.empty((4, 2, *shape), np.float32), np.empty((4, 3), np.float32)
+        read_samples(files, [(0, i) for i in range(4)], box, ox, oy)
+        sel = (slice(None), slice(None), *(slice(a, b) for a, b in box))
+        np.testing.assert_array_equal(ox, x[sel])
+    files.close()
+
+
 # ---- schedule -------------------------------------------------------------------------------
 def test_schedule_drop_last_rule_and_messages():
     s = EpochSchedule(10, 4, 3, 1, shuffle=True, seed=0, drop_last=True, name="ds")

@@ -8,6 +8,12 @@ from __future__ import annotations
 
 import click
 
+CHUNK_OPTION = click.option(
+    "--chunk", default="auto", show_default=True,
+    help="Chunk edge target along D, H, W, or D,H,W (0: whole axis; auto: min(32, axis/4)), "
+         "or grid:XxYxZ (one chunk per rank block of that spatial grid: each rank reads one "
+         "chunk per sample straight into place, the fastest read).")
+
 
 @click.group()
 def data():
@@ -46,9 +52,7 @@ def _comm():
 @click.option("--shards", default=8, show_default=True, help="Number of shard files.")
 @click.option("--seed", default=0, show_default=True, help="Data seed (sample i depends on "
               "(seed, i) only).")
-@click.option("--chunk", default="auto", show_default=True,
-              help="Chunk edge target along D, H, W, or D,H,W (0: whole axis; auto: "
-              "min(32, axis/4)). Chunks spanning a rank's block in H and W read fastest.")
+@CHUNK_OPTION
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def cosmoflow(out, samples, size, channels, shards, seed, chunk, force, quiet):
@@ -80,9 +84,7 @@ def cosmoflow(out, samples, size, channels, shards, seed, chunk, force, quiet):
 @click.option("--y-key", default="y", show_default=True,
               help="Dataset with the targets, (N, K) or (N,).")
 @click.option("--samples-per-shard", type=int, required=True, help="Samples per shard.")
-@click.option("--chunk", default="auto", show_default=True,
-              help="Chunk edge target along D, H, W, or D,H,W (0: whole axis; auto: "
-              "min(32, axis/4)). Chunks spanning a rank's block in H and W read fastest.")
+@CHUNK_OPTION
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def shard(in_file, out, x_key, y_key, samples_per_shard, chunk, force, quiet):

@@ -45,25 +45,48 @@ def chunk_edge(n: int, target: int | None = None) -> int:
     return -(-n // pieces)
 
 
-def parse_chunk(text) -> int | tuple | None:
+@dataclass(frozen=True)
+class PerRankChunks:
+    """Chunks of one rank's block for a spatial grid (x, y, z): each rank of that grid then
+    reads one chunk per sample straight into place."""
+
+    parts: tuple
+
+
+def parse_chunk(text) -> int | tuple | PerRankChunks | None:
     """``"auto"`` -> None (see :func:`chunk_edge`); ``"32"`` -> 32 (target edge on every
-    axis); ``"16,128,128"`` -> per-axis targets."""
+    axis); ``"16,128,128"`` -> per-axis targets; ``"grid:2x2x1"`` (or a 4D ``DxXxYxZ`` grid
+    spec, data part ignored) -> one chunk per rank block of that spatial grid."""
     if text is None or str(text).strip().lower() == "auto":
         return None
-    parts = [p for p in str(text).replace("x", ",").split(",") if p.strip()]
+    text = str(text).strip()
+    if text.lower().startswith("grid:"):
+        try:
+            parts = tuple(int(p) for p in text[5:].lower().split("x"))
+        except ValueError:
+            parts = ()
+        if len(parts) not in (3, 4) or any(p < 1 for p in parts):
+            raise DataError(f"--chunk: expected grid:XxYxZ or grid:DxXxYxZ (positive "
+                            f"integers), got {text!r}")
+        return PerRankChunks(parts[-3:])
+    parts = [p for p in text.replace("x", ",").split(",") if p.strip()]
     try:
         vals = tuple(int(p) for p in parts)
     except ValueError:
         vals = ()
     if len(vals) not in (1, 3) or any(v < 0 for v in vals):
-        raise DataError(f"--chunk: expected EDGE or D,H,W (non-negative integers), got {text!r}")
+        raise DataError(f"--chunk: expected EDGE, D,H,W (non-negative integers) or "
+                        f"grid:XxYxZ, got {text!r}")
     return vals[0] if len(vals) == 1 else vals
 
 
 def x_chunks(sample_shape, target=None) -> tuple[int, ...]:
     """Chunk shape of ``x`` for per-sample shape (C, D, H, W); ``target`` is None (auto), one
-    edge for D, H, W or a (D, H, W) triple; 0 means the whole axis."""
+    edge for D, H, W, a (D, H, W) triple (0 means the whole axis) or :class:`PerRankChunks`
+    (the largest rank block of the balanced split on each axis)."""
     c, *spatial = sample_shape
+    if isinstance(target, PerRankChunks):
+        target = tuple(-(-n // p) for n, p in zip(spatial, target.parts))
     targets = target if isinstance(target, (tuple, list)) else (target,) * len(spatial)
     return (1, c, *(chunk_edge(n, t) for n, t in zip(spatial, targets)))
 
