@@ -26,7 +26,7 @@ import os
 
 import torch
 
-from .comm import as_buffer
+from .comm import as_buffer, message_buffer
 from .compression import accumulation_dtype, fold
 
 MB = 1 << 20
@@ -212,7 +212,7 @@ class Bucket:
         self.numel = sum(p.numel() for p in self.params)
         used = self.numel + len(self.params)
         size = -(-used // group.size) * group.size
-        self.flat = torch.zeros(size, dtype=dtype, device=device)
+        self.flat = message_buffer((size,), dtype, device, zero=True)
         self.views = []
         offset = 0
         for p in self.params:
@@ -221,7 +221,7 @@ class Bucket:
         self.flags = self.flat[self.numel:used]
         self.acc_dtype = accumulation_dtype(dtype)
         self.wire = self.flat if wire_dtype is None or wire_dtype == dtype else \
-            torch.empty(size, dtype=wire_dtype, device=device)
+            message_buffer((size,), wire_dtype, device)
         self.plan = group.plan(self.wire_bytes)
         self.channel = group.channel(self.plan)
         self._scratch: dict = {}
@@ -233,7 +233,7 @@ class Bucket:
         """A temporary kept between steps (large allocations are not free on every step)."""
         t = self._scratch.get(key)
         if t is None:
-            t = self._scratch[key] = torch.empty(shape, dtype=dtype, device=self.flat.device)
+            t = self._scratch[key] = message_buffer(shape, dtype, self.flat.device)
         return t
 
     @property
@@ -276,20 +276,24 @@ class Bucket:
 
 
 def assign_buckets(params, cap_bytes: int, first_cap_bytes: int):
-    """Split ``params`` (already in launch order) into lists no larger than the caps.
+    """Split ``params`` (already in launch order) into buckets.
 
-    The first list is capped by ``first_cap_bytes`` (starts communication early), the rest by
-    ``cap_bytes``; a parameter larger than a cap gets a list of its own.
+    The first bucket holds at most ``first_cap_bytes`` (a parameter that would overflow it
+    starts the next one: communication starts early); later buckets fill until they reach
+    ``cap_bytes``, the parameter that reaches it included (torch DDP's rule: a small bias
+    rides with the weight after it instead of travelling as a message of its own).
     """
     out, current, size = [], [], 0
     for p in params:
-        cap = first_cap_bytes if not out else cap_bytes
         nbytes = p.numel() * p.element_size()
-        if current and size + nbytes > cap:
+        if not out and current and size + nbytes > first_cap_bytes:
             out.append(current)
             current, size = [], 0
         current.append(p)
         size += nbytes
+        if out and size >= cap_bytes:
+            out.append(current)
+            current, size = [], 0
     if current:
         out.append(current)
     return out

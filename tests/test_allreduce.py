@@ -78,7 +78,13 @@ def test_assign_buckets_caps_and_compression_names():
     ps = [torch.zeros(n) for n in (10, 10, 300, 5, 5)]
     sizes = [[p.numel() for p in b] for b in assign_buckets(ps, cap_bytes=400,
                                                              first_cap_bytes=50)]
-    assert sizes == [[10], [10], [300], [5, 5]]
+    assert sizes == [[10], [10, 300], [5, 5]]
+    sizes = [[p.numel() for p in b] for b in assign_buckets(ps, cap_bytes=40,
+                                                             first_cap_bytes=1000)]
+    assert sizes == [[10, 10], [300], [5, 5]]
+    sizes = [[p.numel() for p in b] for b in assign_buckets(ps[2:] + ps[:2], cap_bytes=40,
+                                                             first_cap_bytes=4)]
+    assert sizes == [[300], [5, 5], [10], [10]]
     assert wire_dtype_for("bf16") == torch.bfloat16 and wire_dtype_for(None) is None
     with pytest.raises(CompressionError, match="compression='int8'"):
         wire_dtype_for("int8")
