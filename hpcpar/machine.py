@@ -10,6 +10,10 @@ flops = 9.7e12                # sustained dense conv/GEMM rate per rank, FLOP/s 
 mem_bw = 1.3e12               # sustained memory bandwidth per rank, bytes/s (pointwise layers)
 mem_per_rank = 40e9           # device memory per rank, bytes
 io_bw = 1.0e9                 # per-rank read bandwidth from the file system, bytes/s
+# optional, written by `hpcpar plan --calibrate`: conv_rates = [[in_channels, FLOP/s], ...],
+# contention / mem_contention (rate with every core busy / one busy), oversubscription
+# (compute per core with two ranks per core / one rank per core), and
+# layer_costs = {pool = s/B, pointwise = s/B, bn = s/B} (per input byte, forward + backward)
 [intra]                        # between ranks of one node
 alpha = 3e-6                  # latency per message, s
 beta = 80e9                   # bandwidth per direction, bytes/s
@@ -57,14 +61,26 @@ class Machine:
     cores: int = 0  # cores per node; 0 = one per rank. More ranks than cores share them.
     conv_rates: tuple = ()  # optional ((in_channels, FLOP/s), ...) measured by --calibrate
     contention: float = 1.0  # per-rank compute rate with every core busy / with one busy
+    #: optional ((kind, seconds per byte of layer input, forward + backward), ...) for the
+    #: memory-bound layers (pool, pointwise, bn), measured by --calibrate on hpcpar's layers
+    layer_costs: tuple = ()
+    mem_contention: float = 1.0  # the same as ``contention`` for memory-bound layers
+    #: compute per core with more ranks than cores, relative to one rank per core (time
+    #: slicing: context switches and caches refilled after each switch)
+    oversubscription: float = 1.0
 
-    def slowdown(self, ranks_on_node: int) -> float:
+    def slowdown(self, ranks_on_node: int, contention: float | None = None) -> float:
         """Compute-time factor for ``ranks_on_node`` ranks: shared memory bandwidth and caches
         (``contention``, reached when every core is busy) times oversubscription."""
+        contention = self.contention if contention is None else contention
         cores = self.cores or self.ranks_per_node
         busy = min(max(ranks_on_node, 1), cores)
         frac = (busy - 1) / (cores - 1) if cores > 1 else 0.0
-        return (1 + (1 / self.contention - 1) * frac) / self.compute_share(ranks_on_node)
+        return (1 + (1 / contention - 1) * frac) / self.compute_share(ranks_on_node)
+
+    def layer_cost(self, kind: str) -> float | None:
+        """Calibrated seconds per input byte (forward + backward) of a memory-bound layer."""
+        return dict(self.layer_costs).get(kind)
 
     def conv_rate(self, in_channels: int) -> float:
         """Sustained conv rate for a layer with ``in_channels`` inputs: log-linear between the
@@ -83,14 +99,19 @@ class Machine:
     def compute_share(self, ranks_on_node: int) -> float:
         """Fraction of a core each rank gets (1 unless the node is oversubscribed)."""
         cores = self.cores or self.ranks_per_node
-        return min(1.0, cores / max(1, ranks_on_node))
+        if ranks_on_node <= cores:
+            return 1.0
+        return cores / ranks_on_node * self.oversubscription
 
     def to_toml(self) -> str:
         d = asdict(self)
         lines = [f'name = "{self.name}"', f'description = "{self.description}"']
         for k in ("ranks_per_node", "cores", "flops", "mem_bw", "mem_per_rank", "io_bw",
-                  "contention"):
+                  "contention", "mem_contention", "oversubscription"):
             lines.append(f"{k} = {d[k]!r}")
+        if self.layer_costs:
+            lines.append("layer_costs = {" + ", ".join(f"{k} = {v!r}" for k, v in
+                                                        self.layer_costs) + "}")
         if self.conv_rates:
             lines.append("conv_rates = [" + ", ".join(f"[{c}, {r!r}]" for c, r in
                                                      self.conv_rates) + "]")
@@ -145,4 +166,8 @@ def load_machine(name_or_path: str) -> Machine:
                    intra=links["intra"], inter=links["inter"],
                    description=str(raw.get("description", "")), cores=int(raw.get("cores", 0)),
                    conv_rates=tuple((int(c), float(r)) for c, r in raw.get("conv_rates", ())),
-                   contention=float(raw.get("contention", 1.0)))
+                   contention=float(raw.get("contention", 1.0)),
+                   mem_contention=float(raw.get("mem_contention", 1.0)),
+                   oversubscription=float(raw.get("oversubscription", 1.0)),
+                   layer_costs=tuple((str(k), float(v)) for k, v in
+                                     dict(raw.get("layer_costs", {})).items()))

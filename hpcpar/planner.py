@@ -1,8 +1,9 @@
 """``hpcpar plan``: an alpha-beta model of one training step for every 4D grid.
 
 For a job and a rank count N it enumerates every grid (data, x, y, z) with product N and
-predicts, per rank: compute (FLOPs of each layer at the machine's rate; pointwise layers at
-its memory bandwidth), halo exchange (face bytes per split axis, one message per side, forward
+predicts, per rank: compute (FLOPs of each convolution and dense layer at the machine's rate;
+pools, pointwise layers and batch norms at their calibrated cost per input byte, else at the
+memory bandwidth; each class slowed by its measured contention and by time slicing), halo exchange (face bytes per split axis, one message per side, forward
 and backward), gradient allreduce (ring cost per hierarchy level, overlapped with backward
 except the last bucket), the gather feeding a replicated head, I/O (overlapped by prefetch)
 and memory (activations kept for backward, halos, parameters, gradients, optimizer state).
@@ -202,7 +203,7 @@ def predict(work: Workload, grid: tuple, machine: Machine) -> Prediction:
     parts = (X, Y, Z)
     spatial = X * Y * Z
     link = machine.intra if spatial <= machine.ranks_per_node else machine.inter
-    act = 0.0
+    act = t_dense = t_mem = 0.0
     for i, layer in enumerate(work.layers):
         if layer.spatial:
             vol_in, vol_out = layer.in_shape[1:], layer.out_shape[1:]
@@ -238,14 +239,24 @@ def predict(work: Workload, grid: tuple, machine: Machine) -> Prediction:
             flops = layer.flops * b
             mem = (math.prod(layer.in_shape) + math.prod(layer.out_shape)) * b * nbytes
             out_elems = math.prod(layer.out_shape)
-        # forward + backward ~ 3x forward for dense layers; pointwise moves bytes 3x
+        # forward + backward ~ 3x forward for dense layers; pointwise moves bytes 3x, unless
+        # the machine file has a calibrated cost per input byte for the layer's kind
+        cost = machine.layer_cost(layer.kind)
         if layer.kind in ("conv", "convT"):
-            pred.t_compute += 3 * flops / machine.conv_rate(layer.in_shape[0])
+            t_dense += 3 * flops / machine.conv_rate(layer.in_shape[0])
+        elif cost is not None:
+            t_mem += cost * (in_elems if layer.spatial else math.prod(layer.in_shape)) * b * \
+                nbytes
         else:
-            pred.t_compute += 3 * flops / machine.flops + 3 * mem / machine.mem_bw
+            t_dense += 3 * flops / machine.flops
+            t_mem += 3 * mem / machine.mem_bw
         act += out_elems * b * nbytes
-    # ranks sharing cores (oversubscribed test machines) compute proportionally slower
-    pred.t_compute *= machine.slowdown(min(d * spatial, machine.ranks_per_node))
+    # ranks sharing cores (oversubscribed test machines) compute proportionally slower, and
+    # shared memory bandwidth slows memory-bound layers more than convolutions
+    on_node = min(d * spatial, machine.ranks_per_node)
+    pred.t_compute = t_dense * machine.slowdown(on_node) + \
+        t_mem * machine.slowdown(on_node, machine.mem_contention)
+    pred.extra["t_memory_bound"] = t_mem * machine.slowdown(on_node, machine.mem_contention)
     grad_bytes = work.params * 4
     pred.t_allreduce = allreduce_time(grad_bytes, d * spatial, machine)
     t_bwd = pred.t_compute * 2 / 3
@@ -256,9 +267,12 @@ def predict(work: Workload, grid: tuple, machine: Machine) -> Prediction:
     io_exposed = max(0.0, pred.t_io - pred.t_compute)
     opt_state = {"adam": 2, "adamw": 2, "sgd": 1}.get(work.optimizer, 2)
     pred.mem_bytes = act + work.params * 4 * (2 + opt_state) + 2 * b * sample_bytes / spatial
+    # the optimizer streams parameters, gradients and its state: (3 + 2 x state) passes
+    t_opt = work.params * 4 * (3 + 2 * opt_state) / machine.mem_bw
     pred.t_step = (pred.t_compute + pred.t_halo + pred.t_gather + pred.t_allreduce_exposed
-                   + io_exposed)
+                   + io_exposed + t_opt)
     pred.extra["io_exposed"] = io_exposed
+    pred.extra["t_opt"] = t_opt
     if pred.mem_bytes > 0.9 * machine.mem_per_rank:
         pred.feasible = False
         pred.reason = (f"needs {pred.mem_bytes / 1e9:.1f} GB per rank, machine has "

@@ -62,6 +62,28 @@ def test_calibrated_conv_rates_and_oversubscription():
         3 * work.layers[0].flops * 4 / 1e9)
 
 
+def test_calibrated_layer_costs_contention_and_time_slicing(tmp_path):
+    from dataclasses import replace
+
+    pool = Layer("pool", True, (8, 32, 32, 32), (8, 16, 16, 16), 0)
+    relu = Layer("pointwise", True, (8, 32, 32, 32), (8, 32, 32, 32), 0)
+    work = Workload("t", [pool, relu], (8, 32, 32, 32), global_batch=4)
+    in_bytes = 8 * 32**3 * 4 * 4
+    m = replace(M, cores=2, ranks_per_node=8, layer_costs=(("pool", 2e-9), ("pointwise", 1e-10)),
+                mem_contention=0.5, contention=1.0, oversubscription=0.8)
+    one = predict(work, (1, 1, 1, 1), m)
+    assert one.t_compute == pytest.approx(in_bytes * (2e-9 + 1e-10))  # cost x input bytes
+    # two ranks, one per core: half the bytes each, memory-bound layers at half the rate
+    assert predict(work, (2, 1, 1, 1), m).t_compute == pytest.approx(one.t_compute)
+    # four ranks on two cores: a quarter of the bytes, half a core at 0.8 efficiency
+    assert predict(work, (4, 1, 1, 1), m).t_compute == pytest.approx(
+        one.t_compute / 4 * 2 / (0.5 * 0.8))
+    assert m.compute_share(2) == 1 and m.compute_share(4) == pytest.approx(0.4)
+    path = tmp_path / "m.toml"
+    path.write_text(m.to_toml())
+    assert load_machine(str(path)) == m  # the new fields survive the file
+
+
 def test_infeasible_grids_are_marked():
     work = Workload("t", [conv(4, 8, 6)], (4, 6, 6, 6), global_batch=4)
     assert "not divisible" in predict(work, (3, 1, 1, 1), M).reason
