@@ -192,9 +192,9 @@ def bench_config(name, factory, in_shape, out_features, caps, grid, args, dist):
                   f"1/25 MB: "
                   f"{len(default.bucket_layout)} buckets; target >= 0.9; raw "
                   f"{raw_d * 1e3:.2f} ms beside it)")
-        note = f"({len(hp.bucket_layout)} buckets of the step below vs one message: " + \
-            ("each message pays MPI's per-message cost)" if name == "comm" else
-             "latency-bound, no target)")
+        note = f"({len(hp.bucket_layout)} buckets of the step below vs one message" + \
+            ("; plans " + ", ".join(sorted({b.plan for b in hp._buckets})) + ")"
+             if name == "comm" else ": latency-bound, no target)")
         print(f"  hpcpar sync   {span * 1e3:8.2f} ms  {bw_sync:6.2f} GB/s   sync/raw bandwidth "
               f"= {bw_sync / bw_raw:.2f}  {note}")
         print(f"  step: local (no sync) {med['local'] * 1e3:.1f} ms | hpcpar "

@@ -189,6 +189,53 @@ def test_hierarchical_is_bitwise_flat_and_compression_is_close(comm):
                 assert a.dtype == torch.float32 and rel_err(a, b) <= tol, (name, rel_err(a, b))
 
 
+@mpi_case(nprocs=(2, 4), timeout=90)
+def test_shared_memory_buckets_are_bitwise_the_flat_path(comm):
+    """On one node, big full-precision CPU buckets live in an MPI shared-memory window and
+    are reduced by direct loads: bitwise the message path's results, every step, on every
+    rank, and the single-process model on the whole batch; unused parameters stay None."""
+    r, P = comm.Get_rank(), comm.Get_size()
+    grid = hpcpar.ProcessGrid(data=P)
+    sizes = (64, 515, 257, 4)  # buckets far above the one-round threshold, odd lengths
+
+    def inputs(step, scale):
+        x, y = batch(step, B * P, fin=64)
+        return x * (1 + scale * (torch.arange(B * P) // B)[:, None]), y  # order shows in bits
+
+    def run(shm: str, scale: float, steps: int = 3):
+        os.environ["HPCPAR_DDP_SHM"] = shm
+        try:
+            model = mlp(sizes=sizes)
+            ddp = hpcpar.DDP(model, grid, bucket_cap_mb=0.25, first_bucket_mb=0.01)
+        finally:
+            del os.environ["HPCPAR_DDP_SHM"]
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        for step in range(steps):
+            x, y = inputs(step, scale)
+            opt.zero_grad(set_to_none=step % 2 == 0)
+            loss_fn(ddp, x[r * B:(r + 1) * B], y[r * B:(r + 1) * B]).backward()
+            assert same_everywhere(comm, grads(model))
+            opt.step()
+        return {b.plan for b in ddp._buckets}, grads(model), [p.detach() for p in
+                                                              model.parameters()]
+
+    plans, g_shm, p_shm = run("1", 1000, steps=1)
+    flat_plans, g_flat, p_flat = run("0", 1000, steps=1)
+    assert "shared" in plans and "shared" not in flat_plans and "flat" in flat_plans
+    for a, b in zip(g_shm + p_shm, g_flat + p_flat):
+        assert torch.equal(a, b)
+    _, _, p_shm = run("1", 0)
+    ref = mlp(sizes=sizes)  # one process, the whole batch, same steps
+    opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    for step in range(3):
+        x, y = inputs(step, 0)
+        opt.zero_grad()
+        loss_fn(ref, x, y).backward()
+        opt.step()
+    for a, b in zip(p_shm, ref.parameters()):
+        assert rel_err(a, b) <= 1e-6
+
+
 @mpi_case(nprocs=(4,), timeout=60)
 def test_data_only_parameters_reduce_over_data_axis(comm):
     """data=2 x x=2: default params SUM over the spatial pair and AVERAGE over data; a tagged
