@@ -60,6 +60,7 @@ class OpenShard:
     fill: object = 0
     plans: dict = field(default_factory=dict)
     _offsets: np.ndarray | None = None
+    _row_offsets: dict = field(default_factory=dict)
 
     def plan(self, box) -> list:
         if box not in self.plans:
@@ -68,10 +69,13 @@ class OpenShard:
 
     def chunk_offsets(self, row: int, plan: "ChunkPlan") -> list:
         """File offsets of ``plan``'s chunks of sample ``row`` (None: never written)."""
-        if self._offsets is None:
-            self._offsets = chunk_offset_table(self.x)
-        table = self._offsets[row]
-        return [None if off < 0 else off for off in table[plan.coords].tolist()]
+        key = (row, id(plan))  # plans live in self.plans as long as this shard
+        if key not in self._row_offsets:  # every epoch reads the same (row, box) again
+            if self._offsets is None:
+                self._offsets = chunk_offset_table(self.x)
+            self._row_offsets[key] = [None if off < 0 else off
+                                      for off in self._offsets[row][plan.coords].tolist()]
+        return self._row_offsets[key]
 
     def close(self) -> None:
         self.file.close()
@@ -182,19 +186,19 @@ def _scratch(scratch: dict, shape, dtype) -> np.ndarray:
 
 
 def _read_run(fd: int, offsets, i: int, j: int, parts, nbytes: int, fill) -> int:
-    """Read chunks i..j-1, chunk q into the arrays ``parts(q)`` (C-contiguous, filled in
-    order), one ``preadv`` per stretch of chunks adjacent in the file; returns the bytes
-    read."""
+    """Read chunks i..j-1, chunk q into the byte buffers ``parts(q)`` (filled in order;
+    ``parts(q, True)`` gives them as arrays, to fill), one ``preadv`` per stretch of chunks
+    adjacent in the file; returns the bytes read."""
     nread = 0
     while i < j:
         if offsets[i] is None:  # never written: HDF5's fill value
-            for a in parts(i):
+            for a in parts(i, True):
                 a[...] = fill
             i += 1
             continue
         iov, m = [], i
         while m < j and len(iov) < IOV_PER_READ and offsets[m] == offsets[i] + (m - i) * nbytes:
-            iov += [memoryview(a).cast("B") for a in parts(m)]
+            iov += parts(m)
             m += 1
         _pread(fd, iov, offsets[i], (m - i) * nbytes)
         nread += (m - i) * nbytes
@@ -212,9 +216,14 @@ def _read_chunks(sh: OpenShard, row: int, box, dest: np.ndarray, scratch: dict) 
     nbytes = c * cd * ch * cw * sh.dtype.itemsize
     offsets = sh.chunk_offsets(row, plan)
     if plan.direct:  # chunk k is dest[:, k*cd:(k+1)*cd], one contiguous block per channel
-        return _read_run(sh.fd, offsets, 0, len(offsets),
-                         lambda k: [dest[i, k * cd:(k + 1) * cd] for i in range(c)],
-                         nbytes, sh.fill)
+        raw, (sc, sd) = memoryview(dest).cast("B"), dest.strides[:2]
+
+        def blocks(k, arrays=False):
+            if arrays:
+                return [dest[i, k * cd:(k + 1) * cd] for i in range(c)]
+            return [raw[i * sc + k * cd * sd:i * sc + (k + 1) * cd * sd] for i in range(c)]
+
+        return _read_run(sh.fd, offsets, 0, len(offsets), blocks, nbytes, sh.fill)
     nd, nh, nw = plan.grid
     staging = _scratch(scratch, (len(offsets), c, cd, ch, cw), sh.dtype)
     aligned = plan.crop is None and dest.flags.c_contiguous
@@ -223,7 +232,8 @@ def _read_chunks(sh: OpenShard, row: int, box, dest: np.ndarray, scratch: dict) 
     nread = 0
     for r in range(nd * nh):  # read a row of chunks, place it while the kernel reads ahead
         i, j = r * nw, (r + 1) * nw
-        nread += _read_run(sh.fd, offsets, i, j, lambda q: [staging[q]], nbytes, sh.fill)
+        nread += _read_run(sh.fd, offsets, i, j, lambda q, arrays=False: [
+            staging[q] if arrays else memoryview(staging[q]).cast("B")], nbytes, sh.fill)
         rows[:, r // nh, :, r % nh] = staging[i:j].transpose(1, 2, 3, 0, 4)
     if not aligned:
         dest[...] = target[(slice(None), *(plan.crop or ()))]
