@@ -32,7 +32,7 @@ import os
 
 import torch
 
-from .comm import as_buffer, message_buffer
+from .comm import as_buffer, free_at_exit, message_buffer
 from .compression import accumulation_dtype, fold
 
 MB = 1 << 20
@@ -72,10 +72,16 @@ class ReduceGroup:
         wanted = possible if hierarchical == "auto" else bool(hierarchical)
         self.hierarchical = wanted and possible
         #: every rank of ``comm`` shares one node's memory: buckets can live in an MPI
-        #: shared-memory window and be reduced by direct loads (see ``_shared``)
-        self.shared = (not self.hierarchical and len(self.groups) == 1 and self.size > 1
-                       and os.environ.get("HPCPAR_DDP_SHM", "1") != "0"
-                       and _one_shared_node(comm))
+        #: shared-memory window and be reduced by direct loads (see ``_shared``); agreed on
+        #: by all ranks, so an environment that differs between ranks cannot split the plans
+        self.shared = False
+        if self.size > 1:
+            from mpi4py import MPI
+
+            wanted = (not self.hierarchical and len(self.groups) == 1
+                      and os.environ.get("HPCPAR_DDP_SHM", "1") != "0")
+            self.shared = bool(comm.allreduce(int(_one_shared_node(comm) and wanted),
+                                              op=MPI.MIN))
         if self.hierarchical:
             node = order.index(int(node_index))
             local = self.groups[node].index(self.rank)
@@ -101,12 +107,13 @@ class ReduceGroup:
     def shared_segments(self, numel: int, dtype: torch.dtype):
         """(window, [every rank's segment as a tensor]) of a new shared-memory window of
         ``numel`` items per rank (collective; call in the same order everywhere). Kept in
-        a passive-target epoch for ``Win.Sync``; lives as long as the process."""
+        a passive-target epoch for ``Win.Sync``; freed at exit (the gradients live in it)."""
         from mpi4py import MPI
 
         itemsize = torch.empty((), dtype=dtype).element_size()
         win = MPI.Win.Allocate_shared(numel * itemsize, itemsize, comm=self.comm)
         win.Lock_all(MPI.MODE_NOCHECK)
+        free_at_exit(lambda: (win.Unlock_all(), win.Free()))
         segs = [torch.frombuffer(win.Shared_query(r)[0], dtype=dtype, count=numel)
                 for r in range(self.size)]
         segs[self.rank].zero_()

@@ -185,6 +185,29 @@ class Buffer:
         return self.tensor
 
 
+_AT_EXIT: list = []
+
+
+def free_at_exit(free) -> None:
+    """Call ``free()`` (a collective release: ``Win_free``...) at interpreter exit, before
+    mpi4py finalizes MPI, in registration order, which is the same on every rank when the
+    objects were created collectively."""
+    if not _AT_EXIT:
+        import atexit
+
+        atexit.register(_free_all)  # registered after MPI's own hook: runs before it
+    _AT_EXIT.append(free)
+
+
+def _free_all() -> None:
+    from mpi4py import MPI
+
+    if not MPI.Is_finalized():
+        for free in _AT_EXIT:
+            free()
+    _AT_EXIT.clear()
+
+
 def message_buffer(shape, dtype: torch.dtype, device="cpu", zero: bool = False) -> torch.Tensor:
     """A tensor that lives long and travels through MPI often (gradient buckets): on CPU it
     is allocated by numpy, which asks the kernel for transparent huge pages for big arrays,

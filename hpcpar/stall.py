@@ -14,7 +14,6 @@ non-zero instead of hanging silently.
 
 from __future__ import annotations
 
-import atexit
 import os
 import sys
 import threading
@@ -22,6 +21,7 @@ import time
 
 import numpy as np
 
+from .comm import free_at_exit
 from .errors import HpcparError
 
 DEFAULT_TIMEOUT = 600.0
@@ -89,7 +89,7 @@ class StallMonitor:
             self._local = np.frombuffer(self.win.tomemory(), dtype=np.int64) \
                 if self.win.Get_attr(MPI.WIN_MODEL) == MPI.WIN_UNIFIED else None
             self._post(0)
-            _register(self)
+            free_at_exit(self.close)  # strong: an unreferenced window must still be freed
         self._armed_at: float | None = None
         self._thread: threading.Thread | None = None
 
@@ -168,20 +168,3 @@ class StallMonitor:
             self.win.Unlock_all()
             self.win.Free()
         self.win = None
-
-
-# Windows still open at exit are freed (collectively, in creation order, which is the same on
-# every rank) before MPI finalizes; the hook is registered after mpi4py initialised MPI.
-_LIVE: list = []
-
-
-def _register(monitor: StallMonitor) -> None:
-    if not _LIVE:
-        atexit.register(_close_all)
-    _LIVE.append(monitor)  # strong: an unreferenced window must still be freed at exit
-
-
-def _close_all() -> None:
-    for monitor in _LIVE:
-        monitor.close()
-    _LIVE.clear()
