@@ -26,6 +26,7 @@ from .errors import HpcparError
 
 DEFAULT_TIMEOUT = 600.0
 READ_DEADLINE = 5.0  # seconds to wait for the counters of the other ranks
+ABORT_GRACE = 1.0  # seconds between printing the stall line and MPI_Abort
 
 
 class StallConfigError(HpcparError, ValueError):
@@ -155,6 +156,9 @@ class StallMonitor:
         sys.stderr.write(line + "\n")
         sys.stderr.flush()
         sys.stdout.flush()
+        # the launcher forwards output asynchronously and MPI_Abort tears it down: give it
+        # a moment, or the one line that says what happened can be lost (seen under load)
+        time.sleep(ABORT_GRACE)
         self.comm.Abort(1)
         os._exit(1)
 
