@@ -43,7 +43,7 @@ def raw_offset(sh, row, box, size, nbytes) -> int:
     each rank reads its own part of the file, as the hyperslab read does (ranks reading the
     same bytes would share the page cache and halve the raw read's disk traffic)."""
     if sh.fd is not None:
-        first = sh.chunk_offsets(row, sh.plan(box))[0]
+        first = sh.chunk_offsets(row, box)[0]
         if first is not None:
             return min(first, size - nbytes)
     return (row * nbytes) % max(size - nbytes, 1)

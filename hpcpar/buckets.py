@@ -110,8 +110,7 @@ class ReduceGroup:
         a passive-target epoch for ``Win.Sync``; freed at exit (the gradients live in it)."""
         from mpi4py import MPI
 
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        win = MPI.Win.Allocate_shared(numel * itemsize, itemsize, comm=self.comm)
+        win = MPI.Win.Allocate_shared(numel * dtype.itemsize, dtype.itemsize, comm=self.comm)
         win.Lock_all(MPI.MODE_NOCHECK)
         free_at_exit(lambda: (win.Unlock_all(), win.Free()))
         segs = [torch.frombuffer(win.Shared_query(r)[0], dtype=dtype, count=numel)
@@ -288,8 +287,7 @@ class Bucket:
         full = wire_dtype is None or wire_dtype == dtype
         shareable = full and torch.device(device).type == "cpu" and \
             dtype in (torch.float32, torch.float64)
-        itemsize = torch.empty((), dtype=wire_dtype if not full else dtype).element_size()
-        self.plan = group.plan(size * itemsize, shareable)
+        self.plan = group.plan(size * (dtype if full else wire_dtype).itemsize, shareable)
         self.window = self.segments = None
         if self.plan == "shared":
             self.window, self.segments = group.shared_segments(size, dtype)

@@ -216,7 +216,7 @@ def message_buffer(shape, dtype: torch.dtype, device="cpu", zero: bool = False) 
     if torch.device(device).type != "cpu":
         return (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
     numel = int(np.prod(shape))
-    raw = (np.zeros if zero else np.empty)(numel * torch.empty((), dtype=dtype).element_size(),
+    raw = (np.zeros if zero else np.empty)(numel * dtype.itemsize,
                                            np.uint8)
     return torch.from_numpy(raw).view(dtype).view(shape)
 

@@ -3,10 +3,11 @@
 For a job and a rank count N it enumerates every grid (data, x, y, z) with product N and
 predicts, per rank: compute (FLOPs of each convolution and dense layer at the machine's rate;
 pools, pointwise layers and batch norms at their calibrated cost per input byte, else at the
-memory bandwidth; each class slowed by its measured contention and by time slicing), halo exchange (face bytes per split axis, one message per side, forward
-and backward), gradient allreduce (ring cost per hierarchy level, overlapped with backward
-except the last bucket), the gather feeding a replicated head, I/O (overlapped by prefetch)
-and memory (activations kept for backward, halos, parameters, gradients, optimizer state).
+memory bandwidth; each class slowed by its measured contention and by time slicing), halo
+exchange (face bytes per split axis, one message per side, forward and backward), gradient
+allreduce (ring cost per hierarchy level, overlapped with backward except the last bucket),
+the gather feeding a replicated head, I/O (overlapped by prefetch) and memory (activations
+kept for backward, halos, parameters, gradients, optimizer state).
 Grids that cannot run (too many ranks for a layer's extent, batch not divisible, out of
 memory) are marked infeasible with the reason and never recommended.
 
@@ -256,7 +257,6 @@ def predict(work: Workload, grid: tuple, machine: Machine) -> Prediction:
     on_node = min(d * spatial, machine.ranks_per_node)
     pred.t_compute = t_dense * machine.slowdown(on_node) + \
         t_mem * machine.slowdown(on_node, machine.mem_contention)
-    pred.extra["t_memory_bound"] = t_mem * machine.slowdown(on_node, machine.mem_contention)
     grad_bytes = work.params * 4
     pred.t_allreduce = allreduce_time(grad_bytes, d * spatial, machine)
     t_bwd = pred.t_compute * 2 / 3

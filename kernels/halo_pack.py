@@ -1,8 +1,8 @@
 """Halo face pack / unpack / add-unpack: strided 3D face of a (N, C, D, H, W) buffer <->
 contiguous message buffer.
 
-Dispatch only (imports no numba until a Numba path is used). CUDA: Numba ``cuda.jit``
-kernels (kernels/halo_pack_cuda.py), one thread per element,
+Dispatch only (imports no numba until a Numba path is used). CUDA: one Numba ``cuda.jit``
+kernel (kernels/halo_pack_cuda.py), one thread per element,
 tested under ``NUMBA_ENABLE_CUDASIM=1``; used for CUDA tensors when numba-cuda sees a device.
 CPU: ``njit(parallel=True, cache=True)`` twins (kernels/halo_pack_cpu.py). The CPU default is torch's strided copy,
 chosen by measurement (benchmarks/spatial.py, 1 thread): on 128^3 x 16 faces torch copies x
@@ -18,21 +18,18 @@ import os
 import numpy as np
 import torch
 
-def cuda_kernels():
-    """(pack, unpack, add_unpack) CUDA kernels (kernels/halo_pack_cuda.py, needs numba-cuda)."""
-    from . import halo_pack_cuda as kc
-
-    return kc.pack, kc.unpack, kc.add_unpack
-
-
 THREADS = 256
 
 
-def launch(kernel, a, b, stream=0):
-    """Launch a CUDA face kernel over ``b``'s elements (``a``, ``b``: device arrays)."""
-    n = int(np.prod(b.shape))
+def launch(dst, src, add: bool = False, stream=0):
+    """``dst[...] = src`` (or ``+=`` with ``add``) on the device: the CUDA face kernel
+    (kernels/halo_pack_cuda.py, needs numba-cuda) over the elements of two device arrays of
+    one 4D shape, either strided."""
+    from .halo_pack_cuda import copy_face
+
+    n = int(np.prod(dst.shape))
     if n:
-        kernel[(n + THREADS - 1) // THREADS, THREADS, stream](a, b)
+        copy_face[(n + THREADS - 1) // THREADS, THREADS, stream](dst, src, add)
 
 
 def _torch_stream(t: torch.Tensor):
@@ -97,8 +94,8 @@ def pack(view: torch.Tensor) -> torch.Tensor:
     elif _use_cuda(view):
         from numba import cuda
 
-        launch(cuda_kernels()[0], cuda.as_cuda_array(_as4d(view)), cuda.as_cuda_array(_as4d(out)),
-               _torch_stream(view))
+        launch(cuda.as_cuda_array(_as4d(out)), cuda.as_cuda_array(_as4d(view)),
+               stream=_torch_stream(view))
     else:
         out.copy_(view)
     return out
@@ -112,12 +109,12 @@ def unpack(view: torch.Tensor, buf: torch.Tensor, add: bool = False) -> None:
     elif _use_cuda(view):
         from numba import cuda
 
-        k = cuda_kernels()[2 if add else 1]
-        launch(k, cuda.as_cuda_array(_as4d(view)), cuda.as_cuda_array(_as4d(buf)), _torch_stream(view))
+        launch(cuda.as_cuda_array(_as4d(view)), cuda.as_cuda_array(_as4d(buf)), add,
+               _torch_stream(view))
     elif add:
         view.add_(buf)
     else:
         view.copy_(buf)
 
 
-__all__ = ["pack", "unpack", "cpu_kernels", "cuda_kernels", "launch"]
+__all__ = ["pack", "unpack", "cpu_kernels", "launch"]

@@ -1,4 +1,4 @@
-"""CUDA halo face kernels (pack / unpack / add-unpack), one thread per face element.
+"""CUDA halo face kernel (pack / unpack / add-unpack in one), one thread per face element.
 
 A separate module so importing :mod:`hpcpar.kernels.halo_pack` never needs numba-cuda, and
 so the Numba CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) can swap the module-level ``cuda``.
@@ -20,24 +20,12 @@ def face_index(t, shape):
 
 
 @cuda.jit
-def pack(src, out):
+def copy_face(dst, src, add):
+    """dst[...] = src[...] (or += with ``add``): one thread per element of the common shape."""
     t = cuda.grid(1)
-    if t < out.size:
-        i, j, k, m = face_index(t, src.shape)
-        out[i, j, k, m] = src[i, j, k, m]
-
-
-@cuda.jit
-def unpack(dst, buf):
-    t = cuda.grid(1)
-    if t < buf.size:
+    if t < dst.size:
         i, j, k, m = face_index(t, dst.shape)
-        dst[i, j, k, m] = buf[i, j, k, m]
-
-
-@cuda.jit
-def add_unpack(dst, buf):
-    t = cuda.grid(1)
-    if t < buf.size:
-        i, j, k, m = face_index(t, dst.shape)
-        dst[i, j, k, m] += buf[i, j, k, m]
+        if add:
+            dst[i, j, k, m] += src[i, j, k, m]
+        else:
+            dst[i, j, k, m] = src[i, j, k, m]

@@ -60,7 +60,6 @@ SIM = textwrap.dedent("""
     import numpy as np
     from numba import cuda
     from hpcpar.kernels import halo_pack as K
-    pack, unpack, add_unpack = K.cuda_kernels()
     rng = np.random.default_rng(0)
     for dtype in (np.float32, np.float64):
         buf = rng.standard_normal((2, 8, 7, 6)).astype(dtype)   # batch*channels, 8x7x6 volume
@@ -70,13 +69,13 @@ SIM = textwrap.dedent("""
             sl = (slice(None), *face)
             dbuf = cuda.to_device(buf)                  # strided face views of a device buffer
             out = cuda.device_array(buf[sl].shape, dtype)
-            K.launch(pack, dbuf[sl], out)
+            K.launch(out, dbuf[sl])
             assert np.array_equal(out.copy_to_host(), buf[sl]), "pack"
             msg = rng.standard_normal(buf[sl].shape).astype(dtype)
-            K.launch(unpack, dbuf[sl], cuda.to_device(msg))
+            K.launch(dbuf[sl], cuda.to_device(msg))
             ref = buf.copy(); ref[sl] = msg
             assert np.array_equal(dbuf.copy_to_host(), ref), "unpack"
-            K.launch(add_unpack, dbuf[sl], cuda.to_device(msg))
+            K.launch(dbuf[sl], cuda.to_device(msg), add=True)
             ref[sl] += msg
             assert np.allclose(dbuf.copy_to_host(), ref), "add_unpack"
     print("SIM-OK")

@@ -17,7 +17,6 @@ enough to hold a chunk, so HDF5 fetches each chunk once instead of row by row.
 
 from __future__ import annotations
 
-import itertools
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -67,14 +66,16 @@ class OpenShard:
             self.plans[box] = chunk_plan(box, self.chunks)
         return self.plans[box]
 
-    def chunk_offsets(self, row: int, plan: "ChunkPlan") -> list:
-        """File offsets of ``plan``'s chunks of sample ``row`` (None: never written)."""
-        key = (row, id(plan))  # plans live in self.plans as long as this shard
+    def chunk_offsets(self, row: int, box) -> list:
+        """File offsets of the chunks ``box`` touches in sample ``row``, in the plan's order
+        (None: never written)."""
+        key = (row, box)
         if key not in self._row_offsets:  # every epoch reads the same (row, box) again
             if self._offsets is None:
                 self._offsets = chunk_offset_table(self.x)
+            coords = self.plan(box).coords
             self._row_offsets[key] = [None if off < 0 else off
-                                      for off in self._offsets[row][plan.coords].tolist()]
+                                      for off in self._offsets[row][coords].tolist()]
         return self._row_offsets[key]
 
     def close(self) -> None:
@@ -129,15 +130,15 @@ class ShardFiles:
 
 @dataclass(frozen=True)
 class ChunkPlan:
-    """How to read one box: the touched chunks' origins (D, H, W) in row-major order, their
-    grid (nd, nh, nw), the box inside the chunk-aligned super-box (None: aligned), and
-    whether chunks can be read straight into place (aligned, spanning the block's H and W)."""
+    """How to read one box: the touched chunks' grid (nd, nh, nw), the box inside the
+    chunk-aligned super-box (None: aligned), whether chunks can be read straight into place
+    (aligned, spanning the block's H and W), and the touched chunks' (kd, kh, kw) indices in
+    row-major order, as 3 index arrays."""
 
-    origins: tuple
     grid: tuple
     crop: tuple | None
     direct: bool
-    coords: tuple  # the touched chunks' (kd, kh, kw) indices, as 3 index arrays
+    coords: tuple
 
 
 def chunk_offset_table(dx) -> np.ndarray:
@@ -163,13 +164,12 @@ def chunk_plan(box, chunks) -> ChunkPlan:
     sizes = chunks[2:]
     ranges = [(a // c, (b - 1) // c + 1) for (a, b), c in zip(box, sizes)]
     grid = tuple(k1 - k0 for k0, k1 in ranges)
-    origins = tuple(tuple(k * c for k, c in zip(ks, sizes))
-                    for ks in itertools.product(*(range(k0, k1) for k0, k1 in ranges)))
+    coords = tuple(k.ravel() for k in np.meshgrid(*(np.arange(k0, k1) for k0, k1 in ranges),
+                                                  indexing="ij"))
     crop = tuple(slice(a - k0 * c, b - k0 * c) for (a, b), (k0, _), c in zip(box, ranges, sizes))
     aligned = all(s.start == 0 and s.stop == g * c for s, g, c in zip(crop, grid, sizes))
     direct = aligned and grid[1] == grid[2] == 1 and chunks[1] <= MAX_IOVECS
-    coords = tuple(np.array([o[a] // sizes[a] for o in origins], np.intp) for a in range(3))
-    return ChunkPlan(origins, grid, None if aligned else crop, direct, coords)
+    return ChunkPlan(grid, None if aligned else crop, direct, coords)
 
 
 def _pread(fd: int, buffers, offset: int, expected: int) -> None:
@@ -185,22 +185,21 @@ def _scratch(scratch: dict, shape, dtype) -> np.ndarray:
     return scratch[key]
 
 
-def _read_run(fd: int, offsets, i: int, j: int, parts, nbytes: int, fill) -> int:
-    """Read chunks i..j-1, chunk q into the byte buffers ``parts(q)`` (filled in order;
-    ``parts(q, True)`` gives them as arrays, to fill), one ``preadv`` per stretch of chunks
-    adjacent in the file; returns the bytes read."""
+def _read_run(sh: OpenShard, offsets, i: int, j: int, parts, nbytes: int) -> int:
+    """Read chunks i..j-1, chunk q into the byte buffers ``parts(q)`` (filled in order), one
+    ``preadv`` per stretch of chunks adjacent in the file; returns the bytes read."""
     nread = 0
     while i < j:
         if offsets[i] is None:  # never written: HDF5's fill value
-            for a in parts(i, True):
-                a[...] = fill
+            for part in parts(i):
+                np.frombuffer(part, sh.dtype)[...] = sh.fill
             i += 1
             continue
         iov, m = [], i
         while m < j and len(iov) < IOV_PER_READ and offsets[m] == offsets[i] + (m - i) * nbytes:
             iov += parts(m)
             m += 1
-        _pread(fd, iov, offsets[i], (m - i) * nbytes)
+        _pread(sh.fd, iov, offsets[i], (m - i) * nbytes)
         nread += (m - i) * nbytes
         i = m
     return nread
@@ -214,16 +213,11 @@ def _read_chunks(sh: OpenShard, row: int, box, dest: np.ndarray, scratch: dict) 
     plan = sh.plan(box)
     c, cd, ch, cw = sh.chunks[1:]
     nbytes = c * cd * ch * cw * sh.dtype.itemsize
-    offsets = sh.chunk_offsets(row, plan)
+    offsets = sh.chunk_offsets(row, box)
     if plan.direct:  # chunk k is dest[:, k*cd:(k+1)*cd], one contiguous block per channel
         raw, (sc, sd) = memoryview(dest).cast("B"), dest.strides[:2]
-
-        def blocks(k, arrays=False):
-            if arrays:
-                return [dest[i, k * cd:(k + 1) * cd] for i in range(c)]
-            return [raw[i * sc + k * cd * sd:i * sc + (k + 1) * cd * sd] for i in range(c)]
-
-        return _read_run(sh.fd, offsets, 0, len(offsets), blocks, nbytes, sh.fill)
+        return _read_run(sh, offsets, 0, len(offsets), lambda k: [
+            raw[i * sc + k * cd * sd:i * sc + (k + 1) * cd * sd] for i in range(c)], nbytes)
     nd, nh, nw = plan.grid
     staging = _scratch(scratch, (len(offsets), c, cd, ch, cw), sh.dtype)
     aligned = plan.crop is None and dest.flags.c_contiguous
@@ -232,8 +226,8 @@ def _read_chunks(sh: OpenShard, row: int, box, dest: np.ndarray, scratch: dict) 
     nread = 0
     for r in range(nd * nh):  # read a row of chunks, place it while the kernel reads ahead
         i, j = r * nw, (r + 1) * nw
-        nread += _read_run(sh.fd, offsets, i, j, lambda q, arrays=False: [
-            staging[q] if arrays else memoryview(staging[q]).cast("B")], nbytes, sh.fill)
+        nread += _read_run(sh, offsets, i, j, lambda q: [memoryview(staging[q]).cast("B")],
+                           nbytes)
         rows[:, r // nh, :, r % nh] = staging[i:j].transpose(1, 2, 3, 0, 4)
     if not aligned:
         dest[...] = target[(slice(None), *(plan.crop or ()))]
@@ -254,16 +248,13 @@ def read_samples(files: ShardFiles, items, box, out_x: np.ndarray, out_y: np.nda
                 total += _read_chunks(sh, row, box, out_x[j], files.scratch)
             else:
                 sh.x.read_direct(out_x, (row, slice(None), *sel), np.s_[j])
+                # whole chunks through HDF5's chunk cache; a contiguous layout: the selection
+                total += touched_chunk_bytes(box, sh.chunks, sh.dtype.itemsize) \
+                    if sh.chunks else out_x[j].nbytes
         except (OSError, ValueError, TypeError) as exc:
             raise DataError(f"{files.paths[shard]}: reading sample row {row} failed "
                             f"({str(exc).splitlines()[0]})") from None
         out_y[j] = sh.y[row]
-        if sh.fd is not None:
-            pass  # counted by _read_chunks: the chunks it read
-        elif sh.chunks:
-            total += touched_chunk_bytes(box, sh.chunks, sh.dtype.itemsize)
-        else:  # contiguous layout: HDF5 reads just the selection
-            total += out_x[j].nbytes
     total += files.pending_bytes
     files.pending_bytes = 0
     return total
