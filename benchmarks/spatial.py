@@ -4,17 +4,22 @@
     mpiexec -n 2 python benchmarks/spatial.py                 # small default (48^3)
 
 Everything is measured in the same run. The 1-rank baseline is plain torch (nn.Conv3d with
-padding, same weights) on the whole volume; r ranks run SpatialConv3d on a (r,1,1) or (2,2,1)
-grid while the remaining ranks sleep (they do not spin, so they do not steal the cores).
+padding, same weights) on the whole volume; r ranks run SpatialConv3d on the grids below
+(2 ranks: each single-axis split, so the cost of splitting the innermost axis z shows)
+while the remaining ranks sleep (they do not spin, so they do not steal the cores).
 One compute thread per rank (torch and numba), the one-rank-per-core convention: 1 rank vs
 2 ranks compares one core with two. Printed:
 
 * step time, speedup vs the 1-rank baseline, halo time as a fraction of the step;
-* pack / unpack / add-unpack GB/s of the halo faces (torch and Numba paths) vs a numpy
-  contiguous copy of the same bytes;
+* pack / unpack / add-unpack GB/s of the halo faces (torch and Numba paths, packing into a
+  reused message buffer as the exchange does) vs a numpy contiguous copy of the same bytes,
+  and vs a numpy copy that moves as many bytes through the caches as the pack must: it reads
+  every cache line the face touches (a z face uses 4 bytes of each 64-byte line) and writes
+  the message, so the copy is of (lines + message) / 2 bytes. That is the physical limit of a
+  strided face, where no kernel can reach a copy of the face bytes alone;
 * peak memory per rank during a step (RSS high-water mark above the pre-step RSS, with glibc
-  told to return big blocks at once, plus the halo buffers pooled across steps) vs the
-  1-rank baseline.
+  told to return big blocks at once, plus the halo buffers and message buffers kept across
+  steps) vs the 1-rank baseline.
 """
 
 from __future__ import annotations
@@ -75,8 +80,7 @@ def polite_wait(comm):
         time.sleep(0.002)
 
 
-def grid_dims(r: int):
-    return {1: (1, 1, 1), 2: (2, 1, 1), 4: (2, 2, 1), 8: (2, 2, 2)}[r]
+GRIDS = ((1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 2, 2))
 
 
 def build_stack(channels, layers, grid=None, seed=0):
@@ -112,7 +116,8 @@ def time_steps(model, x, repeat):
     POOL.clear()
     times, halo = [], []
     step()  # warm-up: plans, oneDNN kernels/scratchpads (~100 MB once), MPI buffers, pool
-    pooled = POOL.nbytes  # held across steps
+    pooled = POOL.nbytes + sum(p.halo.message_nbytes for m in model.modules()
+                               for p in getattr(m, "_spatial_plans", {}).values())
     with PeakMemory() as mem:
         for _ in range(repeat):
             before = COUNTERS.snapshot()
@@ -124,18 +129,19 @@ def time_steps(model, x, repeat):
     return statistics.median(times), statistics.median(halo), mem.peak + pooled
 
 
-def bench_ranks(comm, r, args):
-    """Time the spatial stack on the first r ranks; returns (step, halo, peak) maxima."""
+def bench_ranks(comm, dims, args):
+    """Time the spatial stack on the first r = prod(dims) ranks; returns (step, halo, peak)
+    maxima."""
     import torch
 
     from hpcpar import ProcessGrid
     from hpcpar.partition import part_range
 
-    member = comm.Get_rank() < r
+    member = comm.Get_rank() < dims[0] * dims[1] * dims[2]
     sub = comm.Split(0 if member else 1, comm.Get_rank())
     result = None
     if member:
-        grid = ProcessGrid(1, *grid_dims(r), comm=sub)
+        grid = ProcessGrid(1, *dims, comm=sub)
         n = args.size
         sl = tuple(slice(*part_range(n, p, i)) for p, i in
                    zip(grid.spatial_shape, grid.spatial_coords))
@@ -172,12 +178,29 @@ def bench_baseline(comm, args):
     return comm.bcast(out, root=0)
 
 
+def lines_touched(view) -> int:
+    """Bytes of the distinct 64-byte cache lines holding the elements of ``view``."""
+    import numpy as np
+
+    idx = np.zeros(1, dtype=np.int64)
+    for n, st in zip(view.shape, view.stride()):
+        idx = (idx[:, None] + np.arange(n, dtype=np.int64) * st).ravel()
+    addr = view.data_ptr() + idx * view.element_size()
+    return int(np.unique(addr // 64).size) * 64
+
+
 def bench_pack(args):
-    """GB/s of face pack/unpack/add-unpack on a half volume vs a numpy contiguous copy."""
+    """GB/s of face pack/unpack/add-unpack on a half volume vs a numpy contiguous copy of the
+    same bytes and vs one moving the same cache traffic."""
     import numpy as np
     import torch
 
     from hpcpar.kernels import halo_pack as K
+
+    def copy_time(nbytes):
+        src = np.random.rand(nbytes // 4).astype(np.float32)
+        dst = np.empty_like(src)
+        return _best(lambda: np.copyto(dst, src), args.repeat * 25)
 
     n, c = args.size, args.channels
     buf = torch.randn(args.batch, c, n // 2 + 2, n + 2, n + 2)
@@ -188,17 +211,16 @@ def bench_pack(args):
     for name, face in faces.items():
         view = buf[(slice(None), slice(None), *face)]
         nbytes = view.numel() * view.element_size()
-        src = np.random.rand(view.numel()).astype(np.float32)
-        dst = np.empty_like(src)
-        ref = _best(lambda: np.copyto(dst, src), args.repeat * 5)
-        msg = K.pack(view)
+        lines = lines_touched(view)
+        ref, ref_lines = copy_time(nbytes), copy_time((lines + nbytes) // 2)
+        msg = K.pack(view)  # the message buffer, reused by every pack (HaloPlan.message)
         for mode in ("torch", "numba"):
             os.environ["HPCPAR_HALO_KERNELS"] = mode
-            tp = _best(lambda: K.pack(view), args.repeat * 5)
-            tu = _best(lambda: K.unpack(view, msg), args.repeat * 5)
-            ta = _best(lambda: K.unpack(view, msg, add=True), args.repeat * 5)
-            rows.append((name, mode, nbytes, nbytes / ref / 1e9, nbytes / tp / 1e9,
-                         nbytes / tu / 1e9, nbytes / ta / 1e9))
+            tp = _best(lambda: K.pack(view, msg), args.repeat * 25)
+            tu = _best(lambda: K.unpack(view, msg), args.repeat * 25)
+            ta = _best(lambda: K.unpack(view, msg, add=True), args.repeat * 25)
+            rows.append((name, mode, nbytes, lines, nbytes / ref / 1e9, nbytes / tp / 1e9,
+                         nbytes / tu / 1e9, nbytes / ta / 1e9, ref_lines / tp))
     os.environ.pop("HPCPAR_HALO_KERNELS", None)
     return rows
 
@@ -244,22 +266,25 @@ def main(argv=None):
         f"{'peak MiB':>9} {'mem ratio':>9}")
     say(f"{1:>5} {'torch':>7} {base[0]:8.3f} {1.0:8.2f} {0.0:7.1f} {base[2] / 2**20:9.1f} "
         f"{1.0:9.2f}")
-    for r in (1, 2, 4, 8):
+    for dims in GRIDS:
+        r = dims[0] * dims[1] * dims[2]
         if r > size:
             break
-        res = bench_ranks(comm, r, args)
+        res = bench_ranks(comm, dims, args)
         if comm.Get_rank() == 0:
             step, halo, peak = res
-            say(f"{r:>5} {'x'.join(map(str, grid_dims(r))):>7} {step:8.3f} "
+            say(f"{r:>5} {'x'.join(map(str, dims)):>7} {step:8.3f} "
                 f"{base[0] / step:8.2f} {100 * halo / step:7.1f} {peak / 2**20:9.1f} "
                 f"{peak / base[2]:9.2f}")
     if comm.Get_rank() == 0:
-        say("\n# halo faces of a half volume (GB/s); ratio = pack / numpy contiguous copy")
-        say(f"{'face':>4} {'path':>6} {'KiB':>8} {'numpy':>7} {'pack':>7} {'unpack':>7} "
-            f"{'add':>7} {'ratio':>6}")
-        for name, mode, nbytes, ref, p, u, a in bench_pack(args):
-            say(f"{name:>4} {mode:>6} {nbytes / 1024:8.0f} {ref:7.2f} {p:7.2f} {u:7.2f} "
-                f"{a:7.2f} {p / ref:6.2f}")
+        say("\n# halo faces of a half volume (GB/s); ratio = pack / numpy contiguous copy of "
+            "the same bytes;\n# limit = numpy copy time of (lines + KiB) / 2, the same cache "
+            "traffic, / pack time (lines = KiB of the cache lines the face touches)")
+        say(f"{'face':>4} {'path':>6} {'KiB':>6} {'lines':>6} {'numpy':>7} {'pack':>7} "
+            f"{'unpack':>7} {'add':>7} {'ratio':>6} {'limit':>6}")
+        for name, mode, nbytes, lines, ref, p, u, a, lim in bench_pack(args):
+            say(f"{name:>4} {mode:>6} {nbytes / 1024:6.0f} {lines / 1024:6.0f} {ref:7.2f} "
+                f"{p:7.2f} {u:7.2f} {a:7.2f} {p / ref:6.2f} {lim:6.2f}")
     polite_wait(comm)
 
 

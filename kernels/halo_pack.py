@@ -4,15 +4,17 @@ contiguous message buffer.
 Dispatch only (imports no numba until a Numba path is used). CUDA: one Numba ``cuda.jit``
 kernel (kernels/halo_pack_cuda.py), one thread per element,
 tested under ``NUMBA_ENABLE_CUDASIM=1``; used for CUDA tensors when numba-cuda sees a device.
-CPU: ``njit(parallel=True, cache=True)`` twins (kernels/halo_pack_cpu.py). The CPU default is torch's strided copy,
-chosen by measurement (benchmarks/spatial.py, 1 thread): on 128^3 x 16 faces torch copies x
-and y faces at 15-22 GB/s (numpy contiguous copy: ~23 GB/s) and beats the Numba loops on
-every face, including the fused add; the z face (rows of 1-2 items) is bound by touching one
-cache line per item on any path. ``HPCPAR_HALO_KERNELS=torch|numba`` forces a path.
+CPU: ``njit(parallel=True, cache=True)`` twins (kernels/halo_pack_cpu.py). The CPU default
+is torch's strided copy, chosen by measurement (benchmarks/spatial.py, 1 thread): on 128^3 x
+16 faces torch packs x faces at copy speed and beats the Numba loops on every face,
+including the fused add. y faces (512-byte rows pages apart) reach ~0.6 of a contiguous copy
+and z faces (rows of 1-2 items) ~0.1, bound by touching one cache line per item, on torch,
+Numba and numpy alike. ``HPCPAR_HALO_KERNELS=torch|numba`` forces a path.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -47,34 +49,33 @@ _NUMPY_OK = (torch.float32, torch.float64, torch.int32, torch.int64, torch.int16
 _AS_INT = {torch.bfloat16: torch.int16, torch.float16: torch.int16}  # copies only: bits
 
 
-def _mode() -> str:
-    return os.environ.get("HPCPAR_HALO_KERNELS", "auto")
+def _path(view: torch.Tensor, add: bool) -> str:
+    """'torch', 'numba' (CPU twin) or 'cuda' for this face. Kept cheap: a 512 KiB face packs
+    in ~20 us, so a few microseconds of dispatch show in its bandwidth."""
+    mode = os.environ.get("HPCPAR_HALO_KERNELS", "auto")
+    if mode == "torch":
+        return "torch"
+    if view.is_cuda:
+        return "cuda" if _cuda_available() else "torch"
+    if mode != "numba" or (view.dtype not in _NUMPY_OK and (add or view.dtype not in _AS_INT)):
+        return "torch"  # auto: torch measured faster on CPU (see the module docstring)
+    return "numba"
 
 
-def _as4d(t: torch.Tensor) -> torch.Tensor:
-    """Merge batch and channels (a view: regions slice spatial dims only)."""
-    t = t.view(_AS_INT[t.dtype]) if t.dtype in _AS_INT else t
-    return t.flatten(0, 1) if t.dim() == 5 else t
-
-
-def _use_numba_cpu(view: torch.Tensor, add: bool) -> bool:
-    mode = _mode()
-    if mode == "torch" or view.device.type != "cpu":
-        return False
-    if view.dtype not in _NUMPY_OK and (add or view.dtype not in _AS_INT):
-        return False
-    return mode == "numba"  # auto: torch measured faster on CPU (see the module docstring)
-
-
-def _use_cuda(view: torch.Tensor) -> bool:
-    if view.device.type != "cuda" or _mode() == "torch":
-        return False
+@functools.cache
+def _cuda_available() -> bool:
     try:
         from numba import cuda
 
         return cuda.is_available()
     except Exception:  # pragma: no cover - numba-cuda missing
         return False
+
+
+def _as4d(t: torch.Tensor) -> torch.Tensor:
+    """Merge batch and channels (a view: regions slice spatial dims only)."""
+    t = t.view(_AS_INT[t.dtype]) if t.dtype in _AS_INT else t
+    return t.flatten(0, 1) if t.dim() == 5 else t
 
 
 def cpu_kernels():
@@ -84,14 +85,15 @@ def cpu_kernels():
     return kc.pack_cpu, kc.unpack_cpu, kc.add_unpack_cpu
 
 
-def pack(view: torch.Tensor) -> torch.Tensor:
-    """Contiguous copy of the strided face ``view``."""
-    if view.is_contiguous():
-        return view.clone()
-    out = torch.empty(view.shape, dtype=view.dtype, device=view.device)
-    if _use_numba_cpu(view, False):
+def pack(view: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Contiguous copy of the strided face ``view``, into ``out`` (contiguous, same shape and
+    dtype: a reused message buffer) if given."""
+    if out is None:
+        out = torch.empty(view.shape, dtype=view.dtype, device=view.device)
+    path = "torch" if view.is_contiguous() else _path(view, False)
+    if path == "numba":
         cpu_kernels()[0](_as4d(view).numpy(), _as4d(out).numpy())
-    elif _use_cuda(view):
+    elif path == "cuda":
         from numba import cuda
 
         launch(cuda.as_cuda_array(_as4d(out)), cuda.as_cuda_array(_as4d(view)),
@@ -103,10 +105,12 @@ def pack(view: torch.Tensor) -> torch.Tensor:
 
 def unpack(view: torch.Tensor, buf: torch.Tensor, add: bool = False) -> None:
     """``view[...] = buf`` (or ``+=`` with ``add``); ``buf`` contiguous, same shape."""
-    buf = buf.view(view.shape)
-    if _use_numba_cpu(view, add):
+    if buf.shape != view.shape:
+        buf = buf.view(view.shape)
+    path = _path(view, add)
+    if path == "numba":
         cpu_kernels()[2 if add else 1](_as4d(view).numpy(), _as4d(buf).numpy())
-    elif _use_cuda(view):
+    elif path == "cuda":
         from numba import cuda
 
         launch(cuda.as_cuda_array(_as4d(view)), cuda.as_cuda_array(_as4d(buf)), add,

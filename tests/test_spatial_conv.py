@@ -287,3 +287,34 @@ def test_bf16_autocast_matches_torch(comm):
 
     on_subgrid(comm, 1, (2, 2, 1), check)
 
+
+
+class _Twice(nn.Module):
+    """One conv applied twice (tied weights): its halo plan serves two exchanges before any
+    backward, so reused message buffers must not leak into the faces kept for backward."""
+
+    def __init__(self, conv):
+        super().__init__()
+        self.conv = conv
+
+    def forward(self, x):
+        return self.conv(torch.relu(self.conv(x)))
+
+
+@mpi_case(nprocs=(4,), timeout=120)
+def test_tied_conv_reuses_plan_exactly(comm):
+    from hpcpar.nn import SpatialConv3d
+
+    def check(grid):
+        torch.manual_seed(7)
+        twin = _Twice(nn.Conv3d(3, 3, 3, padding=1))
+        spatial = _Twice(SpatialConv3d(3, 3, 3, padding=1, grid=grid))
+        for step in range(2):  # the second step reuses the first step's message buffers
+            spatial.zero_grad()
+            twin.zero_grad()
+            compare_with_twin(grid, twin, spatial, (11, 10, 9), 3, torch.float64, seed=step,
+                              what=f"tied conv {grid.spatial_shape} step {step}")
+        plans = list(spatial.conv._spatial_plans.values())
+        assert len(plans) == 1 and plans[0].halo.message_nbytes > 0
+    for dims in ((2, 2, 1), (1, 1, 2)):
+        on_subgrid(comm, 1, dims, check)
