@@ -2,6 +2,8 @@
 
     mpiexec -n 4 python benchmarks/spatial.py --size 128      # the 128^3 x 16 case
     mpiexec -n 2 python benchmarks/spatial.py                 # small default (48^3)
+    mpiexec -n 4 python benchmarks/spatial.py --size 128 --channels-last   # the stack in
+                                                              # torch's channels_last_3d
 
 Everything is measured in the same run. The 1-rank baseline is plain torch (nn.Conv3d with
 padding, same weights) on the whole volume; r ranks run SpatialConv3d on the grids below
@@ -147,7 +149,7 @@ def bench_ranks(comm, dims, args):
                    zip(grid.spatial_shape, grid.spatial_coords))
         torch.manual_seed(1)
         x = torch.randn(args.batch, args.channels, n, n, n)[(slice(None), slice(None), *sl)]
-        x = x.contiguous().requires_grad_()
+        x = x.contiguous(memory_format=_fmt(args)).requires_grad_()
         model = build_stack(args.channels, args.layers, grid)
         sub.Barrier()
         step, halo, peak = time_steps(model, x, args.repeat)
@@ -156,6 +158,12 @@ def bench_ranks(comm, dims, args):
     sub.Free()
     polite_wait(comm)
     return result
+
+
+def _fmt(args):
+    import torch
+
+    return torch.channels_last_3d if args.channels_last else torch.contiguous_format
 
 
 def _max():
@@ -172,7 +180,8 @@ def bench_baseline(comm, args):
     if comm.Get_rank() == 0:
         n = args.size
         torch.manual_seed(1)
-        x = torch.randn(args.batch, args.channels, n, n, n, requires_grad=True)
+        x = torch.randn(args.batch, args.channels, n, n, n)
+        x = x.contiguous(memory_format=_fmt(args)).requires_grad_()
         out = time_steps(build_stack(args.channels, args.layers), x, args.repeat)
     polite_wait(comm)
     return comm.bcast(out, root=0)
@@ -203,25 +212,36 @@ def bench_pack(args):
         return _best(lambda: np.copyto(dst, src), args.repeat * 25)
 
     n, c = args.size, args.channels
-    buf = torch.randn(args.batch, c, n // 2 + 2, n + 2, n + 2)
     faces = {"x": (slice(1, 2), slice(1, n + 1), slice(1, n + 1)),
              "y": (slice(1, n // 2 + 1), slice(1, 2), slice(1, n + 1)),
              "z": (slice(1, n // 2 + 1), slice(1, n + 1), slice(1, 2))}
+    rows = []
+    for layout, fmt in (("ncdhw", torch.contiguous_format), ("cl", torch.channels_last_3d)):
+        buf = torch.randn(args.batch, c, n // 2 + 2, n + 2, n + 2).contiguous(memory_format=fmt)
+        rows += _pack_rows(K, buf, layout, faces, copy_time, args)
+    os.environ.pop("HPCPAR_HALO_KERNELS", None)
+    return rows
+
+
+def _pack_rows(K, buf, layout, faces, copy_time, args):
+    from hpcpar.halo import CHANNELS_LAST, new_buffer
+
     rows = []
     for name, face in faces.items():
         view = buf[(slice(None), slice(None), *face)]
         nbytes = view.numel() * view.element_size()
         lines = lines_touched(view)
         ref, ref_lines = copy_time(nbytes), copy_time((lines + nbytes) // 2)
-        msg = K.pack(view)  # the message buffer, reused by every pack (HaloPlan.message)
+        # the message buffer as the exchange makes it (in the buffer's memory order), reused
+        msg = new_buffer(view.shape, view.dtype, view.device,
+                         CHANNELS_LAST if layout == "cl" else None)
         for mode in ("torch", "numba"):
             os.environ["HPCPAR_HALO_KERNELS"] = mode
             tp = _best(lambda: K.pack(view, msg), args.repeat * 25)
             tu = _best(lambda: K.unpack(view, msg), args.repeat * 25)
             ta = _best(lambda: K.unpack(view, msg, add=True), args.repeat * 25)
-            rows.append((name, mode, nbytes, lines, nbytes / ref / 1e9, nbytes / tp / 1e9,
-                         nbytes / tu / 1e9, nbytes / ta / 1e9, ref_lines / tp))
-    os.environ.pop("HPCPAR_HALO_KERNELS", None)
+            rows.append((name, layout, mode, nbytes, lines, nbytes / ref / 1e9,
+                         nbytes / tp / 1e9, nbytes / tu / 1e9, nbytes / ta / 1e9, ref_lines / tp))
     return rows
 
 
@@ -242,6 +262,8 @@ def main(argv=None):
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--channels-last", action="store_true",
+                        help="run the stack (torch baseline too) on channels_last_3d tensors")
     args = parser.parse_args(argv)
     _malloc_returns_big_blocks()
     import torch
@@ -258,7 +280,8 @@ def main(argv=None):
     size = comm.Get_size()
     say = print if comm.Get_rank() == 0 else (lambda *a, **k: None)
     say(f"# conv3d stack: {args.layers} x (Conv3d {args.channels}->{args.channels} k3 p1 + "
-        f"ReLU), input {args.batch}x{args.channels}x{args.size}^3 fp32, forward+backward; "
+        f"ReLU), input {args.batch}x{args.channels}x{args.size}^3 fp32"
+        f"{' channels-last' if args.channels_last else ''}, forward+backward; "
         f"{size} MPI ranks launched on {os.cpu_count()} cores, 1 thread each; "
         f"THP_MEM_ALLOC_ENABLE={os.environ['THP_MEM_ALLOC_ENABLE']}")
     base = bench_baseline(comm, args)
@@ -280,10 +303,11 @@ def main(argv=None):
         say("\n# halo faces of a half volume (GB/s); ratio = pack / numpy contiguous copy of "
             "the same bytes;\n# limit = numpy copy time of (lines + KiB) / 2, the same cache "
             "traffic, / pack time (lines = KiB of the cache lines the face touches)")
-        say(f"{'face':>4} {'path':>6} {'KiB':>6} {'lines':>6} {'numpy':>7} {'pack':>7} "
-            f"{'unpack':>7} {'add':>7} {'ratio':>6} {'limit':>6}")
-        for name, mode, nbytes, lines, ref, p, u, a, lim in bench_pack(args):
-            say(f"{name:>4} {mode:>6} {nbytes / 1024:6.0f} {lines / 1024:6.0f} {ref:7.2f} "
+        say(f"{'face':>4} {'layout':>6} {'path':>6} {'KiB':>6} {'lines':>6} {'numpy':>7} "
+            f"{'pack':>7} {'unpack':>7} {'add':>7} {'ratio':>6} {'limit':>6}")
+        for name, layout, mode, nbytes, lines, ref, p, u, a, lim in bench_pack(args):
+            say(f"{name:>4} {layout:>6} {mode:>6} {nbytes / 1024:6.0f} {lines / 1024:6.0f} "
+                f"{ref:7.2f} "
                 f"{p:7.2f} {u:7.2f} {a:7.2f} {p / ref:6.2f} {lim:6.2f}")
     polite_wait(comm)
 

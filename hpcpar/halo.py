@@ -72,10 +72,12 @@ def global_spatial_shape(x: torch.Tensor, grid, what: str = "input") -> tuple[in
         raise HaloError(f"{what}: expected a 5D (N, C, D, H, W) tensor, got shape "
                         f"{tuple(x.shape)}")
     comm = grid.spatial_comm
-    mine = np.array([*x.shape, _dtype_code(x.dtype), int(x.requires_grad)], dtype=np.int64)
+    mine = np.array([*x.shape, _dtype_code(x.dtype), int(x.requires_grad),
+                     int(input_layout(x) == CHANNELS_LAST)], dtype=np.int64)
     table = np.empty((comm.Get_size(), mine.size), dtype=np.int64)
     comm.Allgather(mine, table)
-    for col, name in ((0, "batch size"), (1, "channels"), (5, "dtype"), (6, "requires_grad")):
+    for col, name in ((0, "batch size"), (1, "channels"), (5, "dtype"), (6, "requires_grad"),
+                      (7, "memory format (channels-last or not)")):
         bad = np.nonzero(table[:, col] != table[0, col])[0]
         if bad.size:
             raise HaloError(f"{what}: {name} differs across the spatial group (rank 0 and "
@@ -196,16 +198,16 @@ class HaloPlan:
         self.layer = layer
         self._messages: dict = {}
 
-    def message(self, key, shape, like: torch.Tensor) -> torch.Tensor:
+    def message(self, key, shape, like: torch.Tensor, layout=None) -> torch.Tensor:
         """A message buffer kept with the plan and reused by every exchange that uses it.
 
         Safe for what is finished when :func:`_swap` returns (sends; receives the adjoint
         adds at once), not for the forward's receives (kept for backward). A fresh buffer per
         exchange cost 15-25% of the face pack in malloc and first touch (benchmarks/spatial.py).
         """
-        t = self._messages.get(key)
+        t = self._messages.get((key, layout))
         if t is None or t.shape != shape or t.dtype != like.dtype or t.device != like.device:
-            t = self._messages[key] = torch.empty(shape, dtype=like.dtype, device=like.device)
+            t = self._messages[key, layout] = _new_message(shape, like, layout)
         return t
 
     @property
@@ -322,11 +324,24 @@ def _check_axis(halos, a: int, layer: str) -> None:
 # --------------------------------------------------------------------------------------------
 # the exchange itself
 # --------------------------------------------------------------------------------------------
-def _pack(plan: HaloPlan, key, view: torch.Tensor) -> torch.Tensor:
+def _new_message(shape, like: torch.Tensor, layout) -> torch.Tensor:
+    """A message in the memory order of the buffers of ``layout``, dense, so it packs from a
+    face of the buffer without a transpose. Both ends use the layout all ranks agreed on
+    (:func:`global_spatial_shape` checks it), so the bytes on the wire mean the same."""
+    return new_buffer(shape, like.dtype, like.device,
+                      CHANNELS_LAST if layout == CHANNELS_LAST else None)
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """The dense memory of a message as a contiguous tensor, for MPI."""
+    return t if t.is_contiguous() else t.permute(0, 2, 3, 4, 1)
+
+
+def _pack(plan: HaloPlan, key, view: torch.Tensor, layout) -> torch.Tensor:
     """Pack ``view`` into the plan's reused message buffer ``key``."""
     from .kernels.halo_pack import pack
 
-    return pack(view, plan.message(key, view.shape, view))
+    return pack(view, plan.message(key, view.shape, view, layout))
 
 
 def _unpack(view: torch.Tensor, buf: torch.Tensor, add: bool = False) -> None:
@@ -335,12 +350,12 @@ def _unpack(view: torch.Tensor, buf: torch.Tensor, add: bool = False) -> None:
     unpack(view, buf, add)
 
 
-def _swap(plan: HaloPlan, a: int, sends, recv_into, like: torch.Tensor, tag: int):
+def _swap(plan: HaloPlan, a: int, sends, recv_into, like: torch.Tensor, tag: int, layout):
     """Post the receives and sends of axis ``a``; returns (received tensors, bytes sent).
 
     ``sends[side]``: contiguous tensor for neighbour ``side`` (0 lo, 1 hi) or None;
-    ``recv_into[side]``: the shape expected from that neighbour (a fresh tensor is made) or a
-    tensor to receive into, or None.
+    ``recv_into[side]``: the shape expected from that neighbour (a fresh message of
+    ``layout`` is made) or a message to receive into, or None.
     """
     from .comm import irecv, isend
 
@@ -352,12 +367,12 @@ def _swap(plan: HaloPlan, a: int, sends, recv_into, like: torch.Tensor, tag: int
         into = recv_into[side]
         if into is not None:
             recvs[side] = into if isinstance(into, torch.Tensor) else \
-                torch.empty(into, dtype=like.dtype, device=like.device)
+                _new_message(into, like, layout)
             # the neighbour sent it from its opposite side
-            handles.append(irecv(recvs[side], nbr[side], comm, tag + 2 * a + (1 - side)))
+            handles.append(irecv(_wire(recvs[side]), nbr[side], comm, tag + 2 * a + (1 - side)))
     for side in (0, 1):
         if sends[side] is not None:
-            handles.append(isend(sends[side], nbr[side], comm, tag + 2 * a + side))
+            handles.append(isend(_wire(sends[side]), nbr[side], comm, tag + 2 * a + side))
             nbytes += sends[side].numel() * sends[side].element_size()
     for h in handles:
         h.wait()
@@ -408,11 +423,30 @@ class BufferPool:
 POOL = BufferPool()
 
 
+CHANNELS_LAST = "channels_last"
+
+
+def input_layout(x: torch.Tensor):
+    """:data:`CHANNELS_LAST` for a channels-last (N, C, D, H, W) input, else None. The halo
+    buffer then keeps that layout, like torch's own conv: no transposing copy per layer, and
+    x and y faces are runs of whole rows of channels (they pack at copy speed)."""
+    if x.dim() == 5 and x.shape[1] > 1 and not x.is_contiguous() and \
+            x.is_contiguous(memory_format=torch.channels_last_3d):
+        return CHANNELS_LAST
+    return None
+
+
+def memory_format(layout):
+    """torch memory format of tensors laid out like a buffer of ``layout``."""
+    return torch.channels_last_3d if layout == CHANNELS_LAST else torch.contiguous_format
+
+
 def new_buffer(shape, dtype, device, perm=None) -> torch.Tensor:
     """Empty (N, C, D, H, W) tensor whose memory holds the spatial dims in ``perm`` order
-    (``None``: contiguous), so ``t.permute(0, 1, *(2 + p for p in perm))`` is contiguous."""
-    if perm is None:
-        return torch.empty(shape, dtype=dtype, device=device)
+    (``None``: contiguous; :data:`CHANNELS_LAST`: channels innermost), so with a permutation
+    ``t.permute(0, 1, *(2 + p for p in perm))`` is contiguous."""
+    if perm is None or perm == CHANNELS_LAST:
+        return torch.empty(shape, dtype=dtype, device=device, memory_format=memory_format(perm))
     phys = torch.empty((*shape[:2], *(shape[2 + p] for p in perm)), dtype=dtype, device=device)
     inv = [perm.index(a) for a in range(3)]
     return phys.permute(0, 1, *(2 + i for i in inv))
@@ -446,10 +480,10 @@ def exchange_forward(x: torch.Tensor, plan: HaloPlan, pad_value=0.0,
         if ax.lo is None and ax.hi is None:
             received.append((None, None))
             continue
-        sends = [_pack(plan, ("fwd", a, s), buf[plan.region(a, ax.sent(s))])
+        sends = [_pack(plan, ("fwd", a, s), buf[plan.region(a, ax.sent(s))], perm)
                  if (ax.send_lo, ax.send_hi)[s] else None for s in (0, 1)]
         shapes = [_recv_shape(plan, buf, a, s) for s in (0, 1)]
-        recvs, n = _swap(plan, a, sends, shapes, buf, _TAG_FWD)
+        recvs, n = _swap(plan, a, sends, shapes, buf, _TAG_FWD, perm)
         nbytes += n
         for side in (0, 1):
             if recvs[side] is not None:
@@ -473,20 +507,23 @@ def rebuild(x: torch.Tensor, plan: HaloPlan, received, pad_value=0.0,
     return buf
 
 
-def exchange_adjoint(gbuf: torch.Tensor, plan: HaloPlan, like: torch.Tensor) -> torch.Tensor:
+def exchange_adjoint(gbuf: torch.Tensor, plan: HaloPlan, like: torch.Tensor,
+                     layout=None) -> torch.Tensor:
     """Adjoint of :func:`exchange_forward`: ``gbuf`` (buffer-shaped, modified in place) ->
-    gradient of the local input. Ghost gradients are sent back and added into the owners."""
+    gradient of the local input. Ghost gradients are sent back and added into the owners;
+    ``layout``: the forward buffer's (messages travel in its memory order)."""
     t0 = time.perf_counter()
     nbytes = 0
     for a in reversed(range(3)):
         ax = plan.axes[a]
         if ax.lo is None and ax.hi is None:
             continue
-        sends = [_pack(plan, ("bwd", a, s), gbuf[plan.region(a, ax.ghost(s))])
+        sends = [_pack(plan, ("bwd", a, s), gbuf[plan.region(a, ax.ghost(s))], layout)
                  if (ax.recv_lo, ax.recv_hi)[s] else None for s in (0, 1)]
-        into = [plan.message(("bwd-recv", a, s), gbuf[plan.region(a, ax.sent(s))].shape, gbuf)
+        into = [plan.message(("bwd-recv", a, s), gbuf[plan.region(a, ax.sent(s))].shape, gbuf,
+                             layout)
                 if (ax.send_lo, ax.send_hi)[s] else None for s in (0, 1)]
-        recvs, n = _swap(plan, a, sends, into, gbuf, _TAG_BWD)
+        recvs, n = _swap(plan, a, sends, into, gbuf, _TAG_BWD, layout)
         nbytes += n
         for side in (0, 1):
             if recvs[side] is not None:
@@ -557,7 +594,8 @@ class StencilOp:
 
     def layout(self, ext_shape, dtype, device):
         """Memory order of the spatial dims of the extended buffer (a permutation of
-        (0, 1, 2)) when the op runs faster on it, else None (contiguous)."""
+        (0, 1, 2)) when the op runs faster on it, else None (contiguous). Not asked for a
+        channels-last input: its buffer stays channels-last."""
         return None
 
     def forward(self, ext, *params):
@@ -582,7 +620,7 @@ class HaloStencil(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, plan: HaloPlan, pad_value, op: StencilOp, *params):
-        perm = op.layout(plan.result_shape(x.shape[:2]), x.dtype, x.device)
+        perm = input_layout(x) or op.layout(plan.result_shape(x.shape[:2]), x.dtype, x.device)
         buf, received = exchange_forward(x, plan, pad_value, POOL, perm)
         ext = buf[plan.result_region()] if plan.trims else buf
         with torch.no_grad():
@@ -606,17 +644,19 @@ class HaloStencil(torch.autograd.Function):
         holder = [buf[plan.result_region()] if plan.trims else buf]
         del buf
         needs = ctx.needs_input_grad[4:]
-        grads = ctx.op.backward(holder, grad_out.contiguous(), params,
+        grad_out = grad_out.contiguous(memory_format=memory_format(ctx.perm))
+        grads = ctx.op.backward(holder, grad_out, params,
                                 (ctx.needs_input_grad[0], *needs))
         gx = None
         if ctx.needs_input_grad[0]:
             gext = grads[0]
             if plan.trims:
-                gbuf = torch.zeros(shape, dtype=gext.dtype, device=gext.device)
+                gbuf = torch.empty(shape, dtype=gext.dtype, device=gext.device,
+                                   memory_format=memory_format(ctx.perm)).zero_()
                 gbuf[plan.result_region()] = gext
             else:
                 gbuf = gext
-            gx = exchange_adjoint(gbuf, plan, x)
+            gx = exchange_adjoint(gbuf, plan, x, ctx.perm)
         return (gx, None, None, None, *grads[1:])
 
 
@@ -635,5 +675,5 @@ def halo_stencil(x: torch.Tensor, plan: HaloPlan, op: StencilOp, *params,
 
 __all__ = ["HaloError", "global_spatial_shape", "AxisPlan", "HaloPlan", "halo_exchange",
            "HaloExchange", "HaloStencil", "StencilOp", "halo_stencil", "exchange_forward", "POOL",
-           "BufferPool", "new_buffer",
+           "BufferPool", "new_buffer", "input_layout", "CHANNELS_LAST",
            "exchange_adjoint", "rebuild", "AXIS_NAMES"]

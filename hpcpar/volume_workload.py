@@ -144,7 +144,12 @@ class VolumeWorkload(Workload):
 
     def _inputs(self, x):
         x = x.to(self.device, non_blocking=True)
-        return x.log1p() if self.d["transform"] == "log1p" else x
+        x = x.log1p() if self.d["transform"] == "log1p" else x
+        if self.job.train.channels_last:  # every spatial layer then runs in that order
+            import torch
+
+            x = x.contiguous(memory_format=torch.channels_last_3d)
+        return x
 
     # -- model -------------------------------------------------------------------------------
     label_channels = 0  # trailing sample channels that hold labels, not model input

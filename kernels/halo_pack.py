@@ -53,8 +53,9 @@ def _path(view: torch.Tensor, add: bool) -> str:
     """'torch', 'numba' (CPU twin) or 'cuda' for this face. Kept cheap: a 512 KiB face packs
     in ~20 us, so a few microseconds of dispatch show in its bandwidth."""
     mode = os.environ.get("HPCPAR_HALO_KERNELS", "auto")
-    if mode == "torch":
-        return "torch"
+    if mode == "torch" or (view.dim() == 5 and view.shape[0] > 1 and
+                           view.stride(0) != view.shape[1] * view.stride(1)):
+        return "torch"  # (batch, channels) not mergeable into one dim (channels-last)
     if view.is_cuda:
         return "cuda" if _cuda_available() else "torch"
     if mode != "numba" or (view.dtype not in _NUMPY_OK and (add or view.dtype not in _AS_INT)):
@@ -73,9 +74,10 @@ def _cuda_available() -> bool:
 
 
 def _as4d(t: torch.Tensor) -> torch.Tensor:
-    """Merge batch and channels (a view: regions slice spatial dims only)."""
+    """Merge batch and channels: a view (raises rather than copy, or an unpack would be lost;
+    :func:`_path` sends unmergeable faces to torch)."""
     t = t.view(_AS_INT[t.dtype]) if t.dtype in _AS_INT else t
-    return t.flatten(0, 1) if t.dim() == 5 else t
+    return t.view(t.shape[0] * t.shape[1], *t.shape[2:]) if t.dim() == 5 else t
 
 
 def cpu_kernels():

@@ -25,14 +25,20 @@ FACES = [  # (D, H, W) slices of a (2, 3, 9, 10, 11) buffer: x, y, z faces and a
 @pytest.mark.parametrize("mode", ["numba", "torch", "auto"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16,
                                    torch.bfloat16, torch.int64])
-def test_pack_unpack_add(monkeypatch, mode, dtype):
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last_3d])
+def test_pack_unpack_add(monkeypatch, mode, dtype, fmt):
+    """Channels-last buffers with batch 2 cannot merge (batch, channels) for the Numba and
+    CUDA kernels: they must take torch's path, not unpack into a temporary copy."""
     monkeypatch.setenv("HPCPAR_HALO_KERNELS", mode)
     gen = torch.Generator().manual_seed(0)
     buf = (torch.randn(2, 3, 9, 10, 11, generator=gen) * 10).to(dtype)
+    buf = buf.contiguous(memory_format=fmt)
     for face in FACES:
         view = buf[(slice(None), slice(None), *face)]
         packed = K.pack(view)
         assert packed.is_contiguous() and torch.equal(packed, view)
+        into = torch.empty_like(view)  # a message in the face's own memory order
+        assert K.pack(view, into) is into and torch.equal(into, view)
         other = buf.clone()
         msg = (torch.randn(view.shape, generator=gen) * 10).to(dtype)
         K.unpack(other[(slice(None), slice(None), *face)], msg)

@@ -318,3 +318,58 @@ def test_tied_conv_reuses_plan_exactly(comm):
         assert len(plans) == 1 and plans[0].halo.message_nbytes > 0
     for dims in ((2, 2, 1), (1, 1, 2)):
         on_subgrid(comm, 1, dims, check)
+
+
+@mpi_case(nprocs=(4,), timeout=180)
+def test_channels_last_matches_torch(comm):
+    """A channels_last_3d input runs channels-last through the spatial layers (halo buffers,
+    messages and conv outputs in that memory order, like torch's own conv) and still equals
+    torch; ranks that disagree on the memory format get an error, not garbled messages."""
+    from hpcpar.comm import allreduce_
+    from hpcpar.halo import HaloError
+    from hpcpar.nn import spatialize
+
+    CL = torch.channels_last_3d
+
+    def check(grid):
+        for dtype in (torch.float32, torch.float64):
+            torch.manual_seed(11)
+            model = nn.Sequential(
+                nn.Conv3d(3, 4, 3, padding=1), nn.ReLU(), nn.MaxPool3d(2, ceil_mode=True),
+                nn.Conv3d(4, 4, 3, padding=1), nn.ConvTranspose3d(4, 2, 3, 2, 1, 1),
+                nn.AvgPool3d(3, 1, 1), nn.Upsample(scale_factor=2, mode="trilinear")).to(dtype)
+            spatial = spatialize(model, grid)
+            shape = (13, 12, 11)
+            gen = torch.Generator().manual_seed(3)
+            X = torch.randn(2, 3, *shape, generator=gen, dtype=dtype)
+            X = X.contiguous(memory_format=CL).requires_grad_()
+            Y = model(X)
+            G = torch.randn(Y.shape, generator=gen, dtype=dtype)
+            (Y * G).sum().backward()
+            x = X.detach()[local_slices(shape, grid)].contiguous(memory_format=CL)
+            x.requires_grad_()
+            y = spatial(x)
+            oslc = local_slices(tuple(Y.shape[2:]), grid)
+            tol = FP32_TOL if dtype == torch.float32 else FP64_TOL
+            what = f"channels-last {grid.spatial_shape} {dtype}"
+            assert rel_err(y.detach(), Y.detach()[oslc]) <= tol, what
+            (y * G[oslc]).sum().backward()
+            assert rel_err(x.grad, X.grad[local_slices(shape, grid)]) <= tol, what
+            for (name, p), (_, q) in zip(spatial.named_parameters(), model.named_parameters()):
+                g = allreduce_(p.grad.clone(), grid.spatial_comm)
+                assert rel_err(g, q.grad) <= tol, f"{what}: {name}"
+            with torch.no_grad():  # the conv output keeps torch's memory format
+                assert spatial[0](x).is_contiguous(memory_format=CL) == \
+                    model[0](X).is_contiguous(memory_format=CL)
+        # one rank channels-last, the others not: every rank raises
+        x = torch.randn(1, 3, *(n // p for n, p in zip((8, 8, 8), grid.spatial_shape)))
+        if grid.rank == 0:
+            x = x.contiguous(memory_format=CL)
+        try:
+            spatial[0](x)
+        except HaloError as e:
+            assert "memory format" in str(e)
+        else:
+            raise AssertionError("mixed memory formats were not refused")
+    for dims in ((2, 2, 1), (1, 1, 2)):
+        on_subgrid(comm, 1, dims, check)

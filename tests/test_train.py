@@ -1,7 +1,8 @@
 """The training loop in-process on 2 ranks: loss falls; 2 data ranks == 1 rank with the same
 global batch; a stop signal on ONE rank stops all after the same step, checkpoints, and the
 resumed run is bit-identical to an uninterrupted one; a corrupt newest checkpoint falls back
-to the previous one; the checkpoint loads into the plain torch model; U-Net runs."""
+to the previous one; the checkpoint loads into the plain torch model; channels-last training
+matches; U-Net runs."""
 
 import os
 import signal
@@ -94,6 +95,13 @@ def test_loop_equivalence_signal_resume_fallback(comm):
     a, b = final_model(tmp / "ref"), final_model(tmp / "cut")
     assert all(torch.equal(a[k], b[k]) for k in a), "resume is not bit-identical"
     assert done.metrics["final_train_loss"] == ref.metrics["final_train_loss"]
+
+    # -- train.channels_last: the same training, in channels-last memory order ---------------
+    cl = train(job(spatial, train={"channels_last": True}), tmp / "cl", comm=comm)
+    a, b = final_model(tmp / "ref"), final_model(tmp / "cl")
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=2e-5, atol=2e-6, msg=k)
+    assert abs(cl.metrics["final_train_loss"] - ref.metrics["final_train_loss"]) < 1e-5
 
     # -- corrupt newest checkpoint -> previous one, with a warning ---------------------------
     comm.Barrier()
