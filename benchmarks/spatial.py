@@ -12,7 +12,8 @@ while the remaining ranks sleep (they do not spin, so they do not steal the core
 One compute thread per rank (torch and numba), the one-rank-per-core convention: 1 rank vs
 2 ranks compares one core with two. Printed:
 
-* step time, speedup vs the 1-rank baseline, halo time as a fraction of the step;
+* step time, speedup vs the 1-rank baseline, halo time as a fraction of the step, and the
+  part of it spent waiting for the neighbours' messages (their lateness, not our copies);
 * pack / unpack / add-unpack GB/s of the halo faces (torch and Numba paths, packing into a
   reused message buffer as the exchange does) vs a numpy contiguous copy of the same bytes,
   and vs a numpy copy that moves as many bytes through the caches as the pack must: it reads
@@ -116,7 +117,7 @@ def time_steps(model, x, repeat):
         y.backward(torch.ones_like(y))
 
     POOL.clear()
-    times, halo = [], []
+    times, halo, wait = [], [], []
     step()  # warm-up: plans, oneDNN kernels/scratchpads (~100 MB once), MPI buffers, pool
     pooled = POOL.nbytes + sum(p.halo.message_nbytes for m in model.modules()
                                for p in getattr(m, "_spatial_plans", {}).values())
@@ -126,14 +127,17 @@ def time_steps(model, x, repeat):
             t0 = time.perf_counter()
             step()
             times.append(time.perf_counter() - t0)
-            halo.append(COUNTERS.since(before)["t_halo"])
+            spent = COUNTERS.since(before)
+            halo.append(spent["t_halo"])
+            wait.append(spent["t_halo_wait"])
     POOL.clear()
-    return statistics.median(times), statistics.median(halo), mem.peak + pooled
+    return (statistics.median(times), statistics.median(halo), mem.peak + pooled,
+            statistics.median(wait))
 
 
 def bench_ranks(comm, dims, args):
-    """Time the spatial stack on the first r = prod(dims) ranks; returns (step, halo, peak)
-    maxima."""
+    """Time the spatial stack on the first r = prod(dims) ranks; returns (step, halo, peak,
+    halo wait) maxima."""
     import torch
 
     from hpcpar import ProcessGrid
@@ -152,8 +156,7 @@ def bench_ranks(comm, dims, args):
         x = x.contiguous(memory_format=_fmt(args)).requires_grad_()
         model = build_stack(args.channels, args.layers, grid)
         sub.Barrier()
-        step, halo, peak = time_steps(model, x, args.repeat)
-        result = tuple(sub.allreduce(v, op=_max()) for v in (step, halo, peak))
+        result = tuple(sub.allreduce(v, op=_max()) for v in time_steps(model, x, args.repeat))
         grid.free()
     sub.Free()
     polite_wait(comm)
@@ -285,20 +288,20 @@ def main(argv=None):
         f"{size} MPI ranks launched on {os.cpu_count()} cores, 1 thread each; "
         f"THP_MEM_ALLOC_ENABLE={os.environ['THP_MEM_ALLOC_ENABLE']}")
     base = bench_baseline(comm, args)
-    say(f"{'ranks':>5} {'grid':>7} {'step s':>8} {'speedup':>8} {'halo %':>7} "
+    say(f"{'ranks':>5} {'grid':>7} {'step s':>8} {'speedup':>8} {'halo %':>7} {'wait %':>7} "
         f"{'peak MiB':>9} {'mem ratio':>9}")
-    say(f"{1:>5} {'torch':>7} {base[0]:8.3f} {1.0:8.2f} {0.0:7.1f} {base[2] / 2**20:9.1f} "
-        f"{1.0:9.2f}")
+    say(f"{1:>5} {'torch':>7} {base[0]:8.3f} {1.0:8.2f} {0.0:7.1f} {0.0:7.1f} "
+        f"{base[2] / 2**20:9.1f} {1.0:9.2f}")
     for dims in GRIDS:
         r = dims[0] * dims[1] * dims[2]
         if r > size:
             break
         res = bench_ranks(comm, dims, args)
         if comm.Get_rank() == 0:
-            step, halo, peak = res
+            step, halo, peak, wait = res
             say(f"{r:>5} {'x'.join(map(str, dims)):>7} {step:8.3f} "
-                f"{base[0] / step:8.2f} {100 * halo / step:7.1f} {peak / 2**20:9.1f} "
-                f"{peak / base[2]:9.2f}")
+                f"{base[0] / step:8.2f} {100 * halo / step:7.1f} {100 * wait / step:7.1f} "
+                f"{peak / 2**20:9.1f} {peak / base[2]:9.2f}")
     if comm.Get_rank() == 0:
         say("\n# halo faces of a half volume (GB/s); ratio = pack / numpy contiguous copy of "
             "the same bytes;\n# limit = numpy copy time of (lines + KiB) / 2, the same cache "

@@ -374,8 +374,10 @@ def _swap(plan: HaloPlan, a: int, sends, recv_into, like: torch.Tensor, tag: int
         if sends[side] is not None:
             handles.append(isend(_wire(sends[side]), nbr[side], comm, tag + 2 * a + side))
             nbytes += sends[side].numel() * sends[side].element_size()
+    t0 = time.perf_counter()
     for h in handles:
         h.wait()
+    COUNTERS.t_halo_wait += time.perf_counter() - t0
     return recvs, nbytes
 
 

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, fields
 @dataclass
 class Counters:
     t_halo: float = 0.0            # seconds spent in halo exchanges (forward + backward)
+    t_halo_wait: float = 0.0       # the part of t_halo waiting for neighbours' messages
     bytes_halo: int = 0            # bytes sent in halo exchanges
     t_allreduce_total: float = 0.0  # seconds from first bucket launch to last bucket done
     t_allreduce_exposed: float = 0.0  # seconds the step waited for gradient sync
