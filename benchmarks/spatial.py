@@ -141,7 +141,7 @@ def bench_ranks(comm, dims, args):
     import torch
 
     from hpcpar import ProcessGrid
-    from hpcpar.partition import part_range
+    from hpcpar.spatial import local_slices
 
     member = comm.Get_rank() < dims[0] * dims[1] * dims[2]
     sub = comm.Split(0 if member else 1, comm.Get_rank())
@@ -149,11 +149,9 @@ def bench_ranks(comm, dims, args):
     if member:
         grid = ProcessGrid(1, *dims, comm=sub)
         n = args.size
-        sl = tuple(slice(*part_range(n, p, i)) for p, i in
-                   zip(grid.spatial_shape, grid.spatial_coords))
         torch.manual_seed(1)
-        x = torch.randn(args.batch, args.channels, n, n, n)[(slice(None), slice(None), *sl)]
-        x = x.contiguous(memory_format=_fmt(args)).requires_grad_()
+        x = torch.randn(args.batch, args.channels, n, n, n)
+        x = x[local_slices(x.shape, grid)].contiguous(memory_format=_fmt(args)).requires_grad_()
         model = build_stack(args.channels, args.layers, grid)
         sub.Barrier()
         result = tuple(sub.allreduce(v, op=_max()) for v in time_steps(model, x, args.repeat))
@@ -207,6 +205,7 @@ def bench_pack(args):
     import numpy as np
     import torch
 
+    from hpcpar.halo import CHANNELS_LAST, new_buffer
     from hpcpar.kernels import halo_pack as K
 
     def copy_time(nbytes):
@@ -219,33 +218,33 @@ def bench_pack(args):
              "y": (slice(1, n // 2 + 1), slice(1, 2), slice(1, n + 1)),
              "z": (slice(1, n // 2 + 1), slice(1, n + 1), slice(1, 2))}
     rows = []
-    for layout, fmt in (("ncdhw", torch.contiguous_format), ("cl", torch.channels_last_3d)):
-        buf = torch.randn(args.batch, c, n // 2 + 2, n + 2, n + 2).contiguous(memory_format=fmt)
-        rows += _pack_rows(K, buf, layout, faces, copy_time, args)
+    for label, layout in (("ncdhw", None), ("cl", CHANNELS_LAST)):
+        # halo buffer and message buffers as the exchange makes them, in one memory order
+        buf = new_buffer((args.batch, c, n // 2 + 2, n + 2, n + 2), torch.float32, "cpu",
+                         layout).normal_()
+        for name, face in faces.items():
+            view = buf[(slice(None), slice(None), *face)]
+            nbytes = view.numel() * view.element_size()
+            lines = lines_touched(view)
+            ref, ref_lines = copy_time(nbytes), copy_time((lines + nbytes) // 2)
+            msg = new_buffer(view.shape, view.dtype, view.device, layout)
+            for mode, tp, tu, ta in _pack_times(K, view, msg, args.repeat * 25):
+                rows.append((name, label, mode, nbytes, lines, nbytes / ref / 1e9,
+                             nbytes / tp / 1e9, nbytes / tu / 1e9, nbytes / ta / 1e9,
+                             ref_lines / tp))
     os.environ.pop("HPCPAR_HALO_KERNELS", None)
     return rows
 
 
-def _pack_rows(K, buf, layout, faces, copy_time, args):
-    from hpcpar.halo import CHANNELS_LAST, new_buffer
-
-    rows = []
-    for name, face in faces.items():
-        view = buf[(slice(None), slice(None), *face)]
-        nbytes = view.numel() * view.element_size()
-        lines = lines_touched(view)
-        ref, ref_lines = copy_time(nbytes), copy_time((lines + nbytes) // 2)
-        # the message buffer as the exchange makes it (in the buffer's memory order), reused
-        msg = new_buffer(view.shape, view.dtype, view.device,
-                         CHANNELS_LAST if layout == "cl" else None)
-        for mode in ("torch", "numba"):
-            os.environ["HPCPAR_HALO_KERNELS"] = mode
-            tp = _best(lambda: K.pack(view, msg), args.repeat * 25)
-            tu = _best(lambda: K.unpack(view, msg), args.repeat * 25)
-            ta = _best(lambda: K.unpack(view, msg, add=True), args.repeat * 25)
-            rows.append((name, layout, mode, nbytes, lines, nbytes / ref / 1e9,
-                         nbytes / tp / 1e9, nbytes / tu / 1e9, nbytes / ta / 1e9, ref_lines / tp))
-    return rows
+def _pack_times(K, view, msg, repeat):
+    """(path, pack s, unpack s, add-unpack s) of one face on the torch and Numba paths."""
+    out = []
+    for mode in ("torch", "numba"):
+        os.environ["HPCPAR_HALO_KERNELS"] = mode
+        out.append((mode, _best(lambda: K.pack(view, msg), repeat),
+                    _best(lambda: K.unpack(view, msg), repeat),
+                    _best(lambda: K.unpack(view, msg, add=True), repeat)))
+    return out
 
 
 def _best(fn, repeat):

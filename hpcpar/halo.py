@@ -350,24 +350,20 @@ def _unpack(view: torch.Tensor, buf: torch.Tensor, add: bool = False) -> None:
     unpack(view, buf, add)
 
 
-def _swap(plan: HaloPlan, a: int, sends, recv_into, like: torch.Tensor, tag: int, layout):
-    """Post the receives and sends of axis ``a``; returns (received tensors, bytes sent).
+def _swap(plan: HaloPlan, a: int, sends, recvs, tag: int) -> int:
+    """Post the receives and sends of axis ``a`` and wait for them; returns the bytes sent.
 
-    ``sends[side]``: contiguous tensor for neighbour ``side`` (0 lo, 1 hi) or None;
-    ``recv_into[side]``: the shape expected from that neighbour (a fresh message of
-    ``layout`` is made) or a message to receive into, or None.
+    ``sends[side]``: the message for neighbour ``side`` (0 lo, 1 hi) or None; ``recvs[side]``:
+    the message to receive from it or None (messages are dense: see :func:`_wire`).
     """
     from .comm import irecv, isend
 
     ax = plan.axes[a]
     comm = plan.grid.spatial_comm
     nbr = (ax.lo, ax.hi)
-    handles, recvs, nbytes = [], [None, None], 0
+    handles, nbytes = [], 0
     for side in (0, 1):
-        into = recv_into[side]
-        if into is not None:
-            recvs[side] = into if isinstance(into, torch.Tensor) else \
-                _new_message(into, like, layout)
+        if recvs[side] is not None:
             # the neighbour sent it from its opposite side
             handles.append(irecv(_wire(recvs[side]), nbr[side], comm, tag + 2 * a + (1 - side)))
     for side in (0, 1):
@@ -378,14 +374,7 @@ def _swap(plan: HaloPlan, a: int, sends, recv_into, like: torch.Tensor, tag: int
     for h in handles:
         h.wait()
     COUNTERS.t_halo_wait += time.perf_counter() - t0
-    return recvs, nbytes
-
-
-def _recv_shape(plan: HaloPlan, buf: torch.Tensor, a: int, side: int):
-    ax = plan.axes[a]
-    if not (ax.recv_lo if side == 0 else ax.recv_hi):
-        return None
-    return tuple(buf[plan.region(a, ax.ghost(side))].shape)
+    return nbytes
 
 
 class BufferPool:
@@ -484,9 +473,10 @@ def exchange_forward(x: torch.Tensor, plan: HaloPlan, pad_value=0.0,
             continue
         sends = [_pack(plan, ("fwd", a, s), buf[plan.region(a, ax.sent(s))], perm)
                  if (ax.send_lo, ax.send_hi)[s] else None for s in (0, 1)]
-        shapes = [_recv_shape(plan, buf, a, s) for s in (0, 1)]
-        recvs, n = _swap(plan, a, sends, shapes, buf, _TAG_FWD, perm)
-        nbytes += n
+        # fresh: kept for the backward rebuild (unlike the reused send buffers)
+        recvs = [_new_message(buf[plan.region(a, ax.ghost(s))].shape, buf, perm)
+                 if (ax.recv_lo, ax.recv_hi)[s] else None for s in (0, 1)]
+        nbytes += _swap(plan, a, sends, recvs, _TAG_FWD)
         for side in (0, 1):
             if recvs[side] is not None:
                 _unpack(buf[plan.region(a, ax.ghost(side))], recvs[side])
@@ -522,11 +512,10 @@ def exchange_adjoint(gbuf: torch.Tensor, plan: HaloPlan, like: torch.Tensor,
             continue
         sends = [_pack(plan, ("bwd", a, s), gbuf[plan.region(a, ax.ghost(s))], layout)
                  if (ax.recv_lo, ax.recv_hi)[s] else None for s in (0, 1)]
-        into = [plan.message(("bwd-recv", a, s), gbuf[plan.region(a, ax.sent(s))].shape, gbuf,
-                             layout)
-                if (ax.send_lo, ax.send_hi)[s] else None for s in (0, 1)]
-        recvs, n = _swap(plan, a, sends, into, gbuf, _TAG_BWD, layout)
-        nbytes += n
+        recvs = [plan.message(("bwd-recv", a, s), gbuf[plan.region(a, ax.sent(s))].shape, gbuf,
+                              layout)
+                 if (ax.send_lo, ax.send_hi)[s] else None for s in (0, 1)]
+        nbytes += _swap(plan, a, sends, recvs, _TAG_BWD)
         for side in (0, 1):
             if recvs[side] is not None:
                 _unpack(gbuf[plan.region(a, ax.sent(side))], recvs[side], add=True)

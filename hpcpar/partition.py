@@ -185,6 +185,17 @@ def same_padding(kernel: int, dilation: int = 1) -> tuple[int, int]:
     return total // 2, total - total // 2
 
 
+def conv_pads(padding, axis: int, kernel: int, dilation: int = 1) -> tuple[int, int]:
+    """(low, high) padding on ``axis`` for a conv's ``padding`` argument: ``'same'``,
+    ``'valid'``, an int or one int per axis (torch's meanings)."""
+    if padding == "same":
+        return same_padding(kernel, dilation)
+    if padding == "valid":
+        return 0, 0
+    p = padding if isinstance(padding, int) else padding[axis]
+    return p, p
+
+
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -192,5 +203,6 @@ def ceil_div(a: int, b: int) -> int:
 __all__ = [
     "split_sizes", "part_range", "part_ranges", "box", "owner", "stencil_output_length",
     "stencil_input_range", "transposed_output_length", "transposed_input_range", "AxisHalo",
-    "axis_halo", "conv_axis_halo", "transposed_axis_halo", "same_padding", "ceil_div",
+    "axis_halo", "conv_axis_halo", "transposed_axis_halo", "same_padding", "conv_pads",
+    "ceil_div",
 ]

@@ -20,11 +20,10 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
-
-from .machine import Machine
 from functools import partial
 
-from .partition import conv_axis_halo, same_padding, split_sizes, transposed_axis_halo
+from .machine import Machine
+from .partition import conv_axis_halo, conv_pads, split_sizes, transposed_axis_halo
 
 BYTES = {"fp32": 4, "bf16": 2}
 BUCKET_BYTES = 25 * 2**20
@@ -55,12 +54,7 @@ def _stencil_halos(mod) -> tuple:
         p, op = tup(mod.padding), tup(mod.output_padding)
         return tuple(partial(transposed_axis_halo, kernel=k[a], stride=s[a], padding=p[a],
                              output_padding=op[a], dilation=d[a]) for a in range(3))
-    if mod.padding == "same":
-        pads = [same_padding(k[a], d[a]) for a in range(3)]
-    elif mod.padding == "valid":
-        pads = [(0, 0)] * 3
-    else:
-        pads = [(p, p) for p in tup(mod.padding)]
+    pads = [conv_pads(mod.padding, a, k[a], d[a]) for a in range(3)]
     ceil = getattr(mod, "ceil_mode", False)
     return tuple(partial(conv_axis_halo, kernel=k[a], stride=s[a], pad_lo=pads[a][0],
                          pad_hi=pads[a][1], dilation=d[a], ceil_mode=ceil) for a in range(3))

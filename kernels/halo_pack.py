@@ -90,8 +90,9 @@ def cpu_kernels():
 
 
 def pack(view: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Contiguous copy of the strided face ``view``, into ``out`` (contiguous, same shape and
-    dtype: a reused message buffer) if given."""
+    """Dense copy of the strided face ``view``: into ``out`` if given (a reused message buffer
+    of the same shape and dtype, dense in the buffer's memory order), else a new contiguous
+    tensor."""
     if out is None:
         out = torch.empty(view.shape, dtype=view.dtype, device=view.device)
     path = "torch" if view.is_contiguous() else _path(view, False)
@@ -108,7 +109,7 @@ def pack(view: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
 
 
 def unpack(view: torch.Tensor, buf: torch.Tensor, add: bool = False) -> None:
-    """``view[...] = buf`` (or ``+=`` with ``add``); ``buf`` contiguous, same shape."""
+    """``view[...] = buf`` (or ``+=`` with ``add``); ``buf`` a dense message, same shape."""
     if buf.shape != view.shape:
         buf = buf.view(view.shape)
     path = _path(view, add)

@@ -19,6 +19,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from ..partition import split_sizes
 from .errors import DataError
 
 FORMAT = "hpcpar-volume-shards"
@@ -86,7 +87,7 @@ def x_chunks(sample_shape, target=None) -> tuple[int, ...]:
     (the largest rank block of the balanced split on each axis)."""
     c, *spatial = sample_shape
     if isinstance(target, PerRankChunks):
-        target = tuple(-(-n // p) for n, p in zip(spatial, target.parts))
+        target = tuple(split_sizes(n, p)[0] for n, p in zip(spatial, target.parts))
     targets = target if isinstance(target, (tuple, list)) else (target,) * len(spatial)
     return (1, c, *(chunk_edge(n, t) for n, t in zip(spatial, targets)))
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..halo import HaloError, StencilOp, halo_stencil
-from ..partition import conv_axis_halo, same_padding, transposed_axis_halo
+from ..partition import conv_axis_halo, conv_pads, transposed_axis_halo
 from ._base import SpatialModule
 
 
@@ -126,15 +126,8 @@ class SpatialConv3d(SpatialModule, nn.Conv3d):
                             f"supported across ranks; use 'zeros'")
         self.init_spatial(grid)
 
-    def _pads(self, a):
-        if self.padding == "same":
-            return same_padding(self.kernel_size[a], self.dilation[a])
-        if self.padding == "valid":
-            return 0, 0
-        return self.padding[a], self.padding[a]
-
     def axis_halos(self, axis, n):
-        lo, hi = self._pads(axis)
+        lo, hi = conv_pads(self.padding, axis, self.kernel_size[axis], self.dilation[axis])
         parts = self.grid.spatial_shape[axis]
         return [conv_axis_halo(n, parts, i, self.kernel_size[axis], self.stride[axis], lo, hi,
                                self.dilation[axis]) for i in range(parts)]
