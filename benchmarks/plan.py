@@ -51,6 +51,7 @@ def main() -> int:
     ap.add_argument("--calibrate", action="store_true", help="measure this machine first")
     args = ap.parse_args()
     from hpcpar.commands.plan import workload_from_job
+    from hpcpar.grid import parse_spec
     from hpcpar.machine import load_machine, machines_dir
     from hpcpar.planner import predict
 
@@ -77,7 +78,7 @@ def main() -> int:
                     continue
                 measured.setdefault((n, g), []).append(measured_step(run_dir))
     for (n, g), times in measured.items():
-        grid = tuple(int(v) for v in g.split("x"))
+        grid = parse_spec(g)
         pred = predict(work, grid, machine)
         meas = min(times)
         rows.append((n, g, pred.t_step, meas))
