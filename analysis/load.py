@@ -2,7 +2,7 @@
 
 A path is a run directory (it holds ``meta.json``) or a folder holding run directories at any
 depth (a sweep: ``DIR/ranks-N/``). Unreadable or foreign records raise one-line
-:class:`~hpcpar.records.RecordsError`; a run that crashed, lost a rank or is still running is
+:class:`~hpcpar.run.records.RecordsError`; a run that crashed, lost a rank or is still running is
 loaded and marked ``partial`` with a ``note`` saying why, and only its steps that every rank
 recorded are kept (a step time is a maximum over ranks: a missing rank would make it wrong).
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from hpcpar.records import COLUMN_NAMES, RecordsError, read_meta, read_steps
+from hpcpar.run.records import COLUMN_NAMES, RecordsError, read_meta, read_steps
 
 #: Columns of the run table (one row per run directory).
 RUN_COLUMNS = ("run", "name", "config", "job_name", "ranks", "nodes", "grid_spec",
@@ -119,7 +119,7 @@ def load(paths) -> tuple[pd.DataFrame, pd.DataFrame]:
     """``(runs, steps)`` of run or sweep directories.
 
     ``runs``: one row per run (:data:`RUN_COLUMNS`); ``steps``: the step records of every run
-    (schema columns of :mod:`hpcpar.records` plus ``run``, ``config``, ``ranks``), only steps
+    (schema columns of :mod:`hpcpar.run.records` plus ``run``, ``config``, ``ranks``), only steps
     that every rank of the run recorded. Warm-up steps are still in; see
     :func:`hpcpar.analysis.drop_warmup`.
     """

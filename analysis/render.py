@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from hpcpar.records import SCHEMA_VERSION
+from hpcpar.run.records import SCHEMA_VERSION
 
 from . import plots, stats
 from .load import load

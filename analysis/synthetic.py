@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hpcpar.records import LocalGrid, RunRecorder
+from hpcpar.run.records import LocalGrid, RunRecorder
 
 #: Default split of each rank's step time over the recorded phases (fractions of t_step):
 #: compute = fwd + bwd + opt - halo = 0.65, halo 0.1, exposed allreduce 0.1, io 0.1, other 0.05.

@@ -14,7 +14,7 @@ Configurations: ``comm`` (wide MLP, batch of 4 per rank: communication-bound) an
   backward pass that produces every gradient at once, vs B / raw Allreduce time, with the
   default buckets (25 MB, first 1 MB: the target) and with the step's smaller buckets;
 * DDP(gloo) step time / hpcpar step time (step = zero_grad + forward + backward + SGD step);
-* exposed vs total communication per hpcpar step (``hpcpar.stats.COUNTERS``): the part of the
+* exposed vs total communication per hpcpar step (``hpcpar.parallel.counters.COUNTERS``): the part of the
   sync the step waited for vs first launch -> last completion (overlap proof).
 
 Times are the median over steps of the slowest rank; the implementations alternate in rounds
@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 import hpcpar
-from hpcpar.stats import COUNTERS
+from hpcpar.parallel.counters import COUNTERS
 
 MB = 1 << 20
 
@@ -83,7 +83,7 @@ def sync_vs_raw(ddp, model, nbytes: int, reps: int) -> tuple[float, float]:
     sync is all it does (the counters' ``t_allreduce_total``)."""
     from mpi4py import MPI
 
-    from hpcpar.comm import message_buffer
+    from hpcpar.parallel.comm import message_buffer
 
     comm = ddp.grid.comm
     buf = message_buffer((nbytes // 4,), torch.float32).numpy()  # huge pages, as the buckets

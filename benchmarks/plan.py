@@ -50,10 +50,10 @@ def main() -> int:
                     help="runs per configuration, round robin; measured = the fastest")
     ap.add_argument("--calibrate", action="store_true", help="measure this machine first")
     args = ap.parse_args()
-    from hpcpar.commands.plan import workload_from_job
-    from hpcpar.grid import parse_spec
-    from hpcpar.machine import load_machine, machines_dir
-    from hpcpar.planner import predict
+    from hpcpar.cli.plan import workload_from_job
+    from hpcpar.parallel.grid import parse_spec
+    from hpcpar.plan.machine import load_machine, machines_dir
+    from hpcpar.plan.planner import predict
 
     machine_path = args.machine
     if args.calibrate or (args.machine == "local"

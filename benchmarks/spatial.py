@@ -107,8 +107,8 @@ def time_steps(model, x, repeat):
     the peak memory growth over all of them (halo buffer pool included)."""
     import torch
 
-    from hpcpar.halo import POOL
-    from hpcpar.stats import COUNTERS
+    from hpcpar.parallel.halo import POOL
+    from hpcpar.parallel.counters import COUNTERS
 
     def step():
         x.grad = None
@@ -141,7 +141,7 @@ def bench_ranks(comm, dims, args):
     import torch
 
     from hpcpar import ProcessGrid
-    from hpcpar.spatial import local_slices
+    from hpcpar.parallel.spatial import local_slices
 
     member = comm.Get_rank() < dims[0] * dims[1] * dims[2]
     sub = comm.Split(0 if member else 1, comm.Get_rank())
@@ -205,7 +205,7 @@ def bench_pack(args):
     import numpy as np
     import torch
 
-    from hpcpar.halo import CHANNELS_LAST, new_buffer
+    from hpcpar.parallel.halo import CHANNELS_LAST, new_buffer
     from hpcpar.kernels import halo_pack as K
 
     def copy_time(nbytes):

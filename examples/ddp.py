@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import hpcpar
-from hpcpar.stats import COUNTERS
+from hpcpar.parallel.counters import COUNTERS
 
 grid = hpcpar.ProcessGrid(data=-1)              # all ranks on the data axis
 torch.manual_seed(0)                            # (rank 0's weights are broadcast anyway)

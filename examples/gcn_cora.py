@@ -12,7 +12,7 @@ import tempfile
 import torch
 
 import hpcpar
-from hpcpar.commands.graph import bundled
+from hpcpar.graph.format import bundled
 from hpcpar.graph import DistGraph, import_npz, masked_loss, split_metrics
 from hpcpar.models import GCN
 

@@ -4,7 +4,7 @@ import torch
 from mpi4py import MPI
 
 import hpcpar
-from hpcpar import comm as hc
+from hpcpar.parallel import comm as hc
 
 grid = hpcpar.ProcessGrid(data=2, x=-1)        # 4 ranks -> 2 data groups x 2 spatial ranks
 d, i, j, k = grid.coords

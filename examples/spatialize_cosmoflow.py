@@ -17,11 +17,11 @@ import torch
 from mpi4py import MPI
 
 import hpcpar
-from hpcpar import spatial
-from hpcpar.comm import allreduce_
+from hpcpar.parallel import spatial
+from hpcpar.parallel.comm import allreduce_
 from hpcpar.models import CosmoFlow
 from hpcpar.nn import spatialize
-from hpcpar.tags import reduce_scope
+from hpcpar.sync.tags import reduce_scope
 
 
 def split3(n: int) -> tuple[int, int, int]:

@@ -7,11 +7,11 @@ Heavy submodules (torch layers, data readers) load lazily so ``hpcpar --help`` s
 from ._lazy import lazy_getattr
 from ._version import __version__
 from .errors import CommError, GridError, HpcparError
-from .grid import ProcessGrid
+from hpcpar.parallel.grid import ProcessGrid
 
 _LAZY = {
-    "DistributedDataParallel": ("hpcpar.allreduce", "DistributedDataParallel"),
-    "DDP": ("hpcpar.allreduce", "DistributedDataParallel"),
+    "DistributedDataParallel": ("hpcpar.sync.ddp", "DistributedDataParallel"),
+    "DDP": ("hpcpar.sync.ddp", "DistributedDataParallel"),
 }
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcpar.submit import parse_scontrol
+from hpcpar.launch.submit import parse_scontrol
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "scontrol", "squeue", "scancel", "srun", "sinfo")
@@ -333,7 +333,7 @@ exit 0
 
 def register_test_kind() -> None:
     """A model kind without parameters, so job validation does not depend on real models."""
-    from hpcpar.workload import register_workload
+    from hpcpar.run.workloads.base import register_workload
 
     class SbatchTestKind:
         model_params: dict = {}

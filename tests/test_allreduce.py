@@ -8,11 +8,11 @@ import torch
 from torch import nn
 
 import hpcpar
-from hpcpar.allreduce import ModelMismatchError
-from hpcpar.buckets import assign_buckets
-from hpcpar.compression import CompressionError, fold, wire_dtype_for
-from hpcpar.stats import COUNTERS
-from hpcpar.tags import tag_data_only
+from hpcpar.sync.ddp import ModelMismatchError
+from hpcpar.sync.buckets import assign_buckets
+from hpcpar.sync.compression import CompressionError, fold, wire_dtype_for
+from hpcpar.parallel.counters import COUNTERS
+from hpcpar.sync.tags import tag_data_only
 from hpcpar.testing import mpi_case
 
 B = 3  # samples per rank
@@ -343,7 +343,7 @@ def test_spatial_cnn_data2_x2_matches_single_process(comm):
     (data-only after the global pool) averages over data; == one process, whole batch
     (fp64: every tensor to 1e-12; fp32: the parameter vector to 1e-6)."""
     from hpcpar.nn import spatialize
-    from hpcpar.spatial import local_slices
+    from hpcpar.parallel.spatial import local_slices
 
     grid = hpcpar.ProcessGrid(data=2, x=2)
     d = grid.coords[0]

@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 from hpcpar.analysis import drop_warmup, load, scaling_table, synthetic_run
-from hpcpar.records import LocalGrid, RecordsError, RunRecorder
+from hpcpar.run.records import LocalGrid, RecordsError, RunRecorder
 
 T_STRONG = {1: 8.0, 2: 4.4, 4: 2.5}
 

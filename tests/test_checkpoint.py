@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from hpcpar import checkpoint as ckpt
+from hpcpar.run import checkpoint as ckpt
 
 
 @pytest.fixture

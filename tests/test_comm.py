@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from hpcpar import comm as hc
+from hpcpar.parallel import comm as hc
 from hpcpar.errors import CommError
 from hpcpar.testing import mpi_case
 

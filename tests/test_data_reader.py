@@ -64,8 +64,8 @@ def cleanup(comm, tmp):
 def test_every_grid_hyperslabs_coverage_bytes(comm):
     from hpcpar import ProcessGrid
     from hpcpar.data import ShardedVolumeDataset
-    from hpcpar.partition import part_range
-    from hpcpar.stats import COUNTERS
+    from hpcpar.parallel.partition import part_range
+    from hpcpar.parallel.counters import COUNTERS
 
     tmp = shared_tmp(comm)
     out, x_all, y_all = make_dataset(comm, tmp)
@@ -278,7 +278,7 @@ def test_mpio_single_shared_file(comm):
         x_all, y_all = f["x"][:], f["y"][:]
     grid = ProcessGrid(1, comm.size, comm=comm)
     with ShardedVolumeDataset(path, grid, 2, driver="mpio") as ds:
-        from hpcpar.partition import part_range
+        from hpcpar.parallel.partition import part_range
 
         a, b = part_range(SHAPE[1], comm.size, grid.coords[1])
         for xb, yb in ds:

@@ -10,7 +10,7 @@ import graph_reference as ref
 
 def train_cora(graph, seed: int, epochs: int = 200) -> dict:
     """Train the K&W GCN on ``graph`` (row-normalised Cora); final val/test accuracy."""
-    from hpcpar.comm import allreduce_
+    from hpcpar.parallel.comm import allreduce_
     from hpcpar.graph.metrics import masked_loss, split_metrics
     from hpcpar.models import GCN
 
@@ -73,8 +73,8 @@ def test_demo_job_through_the_training_loop(tmp_path, monkeypatch):
 
     from mpi4py import MPI
 
-    from hpcpar.jobspec import load_job
-    from hpcpar.train import train
+    from hpcpar.run.jobspec import load_job
+    from hpcpar.run.trainer import train
 
     monkeypatch.chdir(tmp_path)
     job = load_job(os.path.join(os.path.dirname(__file__), "..", "jobs", "demo-gcn-cora.toml"),

@@ -50,7 +50,7 @@ def _reference(dense, x, y, masks, conv, dtype):
 
 
 def _check_model(comm, graph, expected, x, y, conv, dtype, what):
-    from hpcpar.comm import allreduce_
+    from hpcpar.parallel.comm import allreduce_
     from hpcpar.graph.metrics import masked_loss
 
     tol = dict(rtol=2e-4, atol=2e-5) if dtype == torch.float32 else dict(rtol=1e-9, atol=1e-11)

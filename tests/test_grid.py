@@ -5,7 +5,7 @@ import itertools
 import pytest
 
 from hpcpar import GridError, ProcessGrid
-from hpcpar.grid import coords_of, layout, parse_spec, rank_of, resolve_shape
+from hpcpar.parallel.grid import coords_of, layout, parse_spec, rank_of, resolve_shape
 from hpcpar.testing import mpi_case
 
 

@@ -17,7 +17,7 @@ SMALL_GRIDS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (1, 2, 2), (3, 1, 1),
 
 def random_halos(rng, shape, grid):
     """Halos of a random conv or transposed-conv stencil (may trim: stride 3, kernel 1)."""
-    from hpcpar.partition import conv_axis_halo, transposed_axis_halo
+    from hpcpar.parallel.partition import conv_axis_halo, transposed_axis_halo
 
     kind = rng.choice(["conv", "conv", "transposed"])
     out = []
@@ -46,8 +46,8 @@ def padded_slice(X, halos, pad_value):
 
 
 def _exchange_cases(comm, trials):
-    from hpcpar.comm import allreduce_
-    from hpcpar.halo import halo_exchange
+    from hpcpar.parallel.comm import allreduce_
+    from hpcpar.parallel.halo import halo_exchange
 
     rng = random.Random(1)
     for t in range(trials):
@@ -79,7 +79,7 @@ def _exchange_cases(comm, trials):
 
 
 def test_padded_slice_reference():
-    from hpcpar.partition import conv_axis_halo
+    from hpcpar.parallel.partition import conv_axis_halo
 
     X = torch.arange(5.).view(1, 1, 5, 1, 1)
     h = [conv_axis_halo(5, 1, 0, 3, 1, 1), conv_axis_halo(1, 1, 0, 1), conv_axis_halo(1, 1, 0, 1)]
@@ -95,7 +95,7 @@ def test_exchange_content_and_adjoint(comm):
 def test_global_shape_cache_hazard_and_counters(comm):
     """N=10 then N=9 then N=10 over 2 ranks: rank 0 holds 5 every time; must stay exact."""
     from hpcpar.nn import SpatialConv3d
-    from hpcpar.stats import COUNTERS
+    from hpcpar.parallel.counters import COUNTERS
 
     def check(grid):
         torch.manual_seed(3)
@@ -112,7 +112,7 @@ def test_global_shape_cache_hazard_and_counters(comm):
 
 @mpi_case(nprocs=(4,), timeout=180)
 def test_user_errors_are_raised_on_every_rank(comm):
-    from hpcpar.halo import HaloError, global_spatial_shape
+    from hpcpar.parallel.halo import HaloError, global_spatial_shape
     from hpcpar.nn import SpatialConv3d, SpatialMaxPool3d
 
     def expect(fn, *patterns):

@@ -5,9 +5,10 @@ import signal
 
 import pytest
 
-from hpcpar.launch import (LaunchError, default_ranks, launch_command, plan_launch, rank_argv,
-                           rank_info)
-from hpcpar.signals import EXIT_REQUEUE, STOP_SIGNALS
+from hpcpar.launch.launcher import (LaunchError, default_ranks, launch_command, plan_launch,
+                                    rank_argv)
+from hpcpar.parallel.placement import rank_info
+from hpcpar.run.signals import EXIT_REQUEUE, STOP_SIGNALS
 
 SLURM_ALLOC = {"SLURM_JOB_ID": "42", "SLURM_NTASKS": "8", "SLURM_CPUS_PER_TASK": "4"}
 SLURM_STEP = {**SLURM_ALLOC, "SLURM_STEP_ID": "0", "SLURM_PROCID": "5", "SLURM_LOCALID": "1",
@@ -45,7 +46,7 @@ def test_rank_info_sources():
 
 def test_commands():
     argv = rank_argv("R/job.json", "R", True)
-    assert argv[1:] == ["-m", "hpcpar.train", "R/job.json", "--run-dir", "R", "--resume"]
+    assert argv[1:] == ["-m", "hpcpar.run.trainer", "R/job.json", "--run-dir", "R", "--resume"]
     cmd = launch_command("srun", 8, argv, cpus_per_task=2, gpus_per_node=4,
                          env={**SLURM_ALLOC, "HPCPAR_SRUN_MPI": "pmi2",
                               "HPCPAR_SRUN_FLAGS": "--cpu-bind=cores"})

@@ -14,10 +14,10 @@ from hpcpar.testing import mpi_case
 def check_model(grid, model, x, seed, what, replicated_output=False):
     """fp32 gradients of whole models are sums over every voxel of several layers: allow
     10x the single-layer tolerance there (fp64 keeps the tight one)."""
-    from hpcpar.comm import allreduce_
+    from hpcpar.parallel.comm import allreduce_
     from hpcpar.nn import spatialize
-    from hpcpar.spatial import local_slices
-    from hpcpar.tags import reduce_scope
+    from hpcpar.parallel.spatial import local_slices
+    from hpcpar.sync.tags import reduce_scope
 
     slack = 10.0 if x.dtype == torch.float32 else 1.0
     sp = spatialize(model, grid)

@@ -1,4 +1,4 @@
-"""hpcpar.partition against brute force (hypothesis property tests) and torch's own lengths."""
+"""hpcpar.parallel.partition against brute force (hypothesis property tests) and torch's own lengths."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpcpar import partition as P
+from hpcpar.parallel import partition as P
 
 FAST = settings(max_examples=120, deadline=None)
 sizes = st.integers(0, 60)

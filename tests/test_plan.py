@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from hpcpar.machine import Link, Machine, MachineError, load_machine
-from hpcpar.partition import conv_axis_halo
-from hpcpar.planner import Layer, Workload, allreduce_time, grids, predict
+from hpcpar.plan.machine import Link, Machine, MachineError, load_machine
+from hpcpar.parallel.partition import conv_axis_halo
+from hpcpar.plan.planner import Layer, Workload, allreduce_time, grids, predict
 
 M = Machine("test", ranks_per_node=4, flops=1e9, mem_bw=1e10, mem_per_rank=1e9, io_bw=1e9,
             intra=Link(1e-6, 1e9), inter=Link(1e-5, 1e8))

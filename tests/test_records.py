@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from hpcpar import records
-from hpcpar.records import COLUMN_NAMES, RecordsError, RunRecorder, read_meta, read_steps
+from hpcpar.run import records
+from hpcpar.run.records import COLUMN_NAMES, RecordsError, RunRecorder, read_meta, read_steps
 from hpcpar.testing import mpi_case
 
 

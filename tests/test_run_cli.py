@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from hpcpar import checkpoint as ckpt
+from hpcpar.run import checkpoint as ckpt
 
 JOB = """
 [job]
@@ -94,7 +94,7 @@ def rank_pids(run_dir: Path) -> list[int]:
                 cmd = (p / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if cmd[1:3] == [b"-m", b"hpcpar.train"] and str(run_dir).encode() in cmd:
+            if cmd[1:3] == [b"-m", b"hpcpar.run.trainer"] and str(run_dir).encode() in cmd:
                 pids.append(int(p.name))
     return pids
 
@@ -136,7 +136,7 @@ def test_sigusr1_requeue_resume_bit_identical(tmp_path):
 
     meta = json.loads((cut.dir / "meta.json").read_text())
     assert meta["status"] == "ok" and len(meta["segments"]) == 2
-    from hpcpar.records import read_steps
+    from hpcpar.run.records import read_steps
 
     steps = read_steps(cut.dir)
     assert sorted(set(steps["step"])) == list(range(24)) and len(steps) == 48

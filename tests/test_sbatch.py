@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from hpcpar.sbatch import ScriptError, sbatch_quote, shell_quote
-from hpcpar.site import SiteError, available, load_site
-from hpcpar.submit import SubmitError, parse_after, plan_submit
+from hpcpar.launch.sbatch import ScriptError, sbatch_quote, shell_quote
+from hpcpar.launch.site import SiteError, available, load_site
+from hpcpar.launch.submit import SubmitError, parse_after, plan_submit
 
 from slurm_cluster import (read_argv, shipped_profiles_only,  # noqa: F401 (autouse fixture)
                            write_stub_python, write_test_job)
@@ -204,7 +204,7 @@ def test_cli_dry_run(tmp_path, job, capsys):
 def test_submit_records_and_status_without_slurm(tmp_path, job, monkeypatch):
     """submit() with a fake sbatch: scripts written, report after the runs (afterany),
     jobs.json records; status falls back to the run directories when Slurm is unreachable."""
-    from hpcpar.submit import submit, sweep_status
+    from hpcpar.launch.submit import submit, sweep_status
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

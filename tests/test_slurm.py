@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcpar.submit import plan_submit, submit, sweep_status
+from hpcpar.launch.submit import plan_submit, submit, sweep_status
 
 from slurm_cluster import (read_argv, shipped_profiles_only, slurm_cluster,  # noqa: F401
                            write_stub_python, write_test_job)

@@ -50,7 +50,7 @@ def on_subgrid(comm, data, dims, fn) -> None:
 
 
 def local_slices(global_shape, grid):
-    from hpcpar.partition import part_range
+    from hpcpar.parallel.partition import part_range
 
     return (slice(None), slice(None), *(
         slice(*part_range(n, p, i))
@@ -65,7 +65,7 @@ def rel_err(a, b):
 def compare_with_twin(grid, twin: nn.Module, spatial: nn.Module, shape, channels, dtype,
                       seed=0, batch=2, what=""):
     """Forward, input grad and summed parameter grads of ``spatial`` vs ``twin``."""
-    from hpcpar.comm import allreduce_
+    from hpcpar.parallel.comm import allreduce_
 
     tol = FP32_TOL if dtype == torch.float32 else FP64_TOL
     twin = twin.to(dtype)
@@ -260,7 +260,7 @@ if __name__ == "__main__":  # pragma: no cover - manual debugging: mpiexec -n 4 
 @mpi_case(nprocs=(4,), timeout=120)
 def test_bf16_autocast_matches_torch(comm):
     """Under bf16 autocast a spatial conv runs in bf16 like torch's, forward and backward."""
-    from hpcpar.comm import allreduce_
+    from hpcpar.parallel.comm import allreduce_
     from hpcpar.nn import SpatialConv3d, SpatialConvTranspose3d
 
     def check(grid):
@@ -325,8 +325,8 @@ def test_channels_last_matches_torch(comm):
     """A channels_last_3d input runs channels-last through the spatial layers (halo buffers,
     messages and conv outputs in that memory order, like torch's own conv) and still equals
     torch; ranks that disagree on the memory format get an error, not garbled messages."""
-    from hpcpar.comm import allreduce_
-    from hpcpar.halo import HaloError
+    from hpcpar.parallel.comm import allreduce_
+    from hpcpar.parallel.halo import HaloError
     from hpcpar.nn import spatialize
 
     CL = torch.channels_last_3d

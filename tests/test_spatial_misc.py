@@ -76,8 +76,8 @@ def check_layer(grid, ref, sp, x, seed, what, whole_batch=False):
     """Forward, input gradient and summed parameter gradients of spatial layer ``sp`` vs
     torch layer ``ref`` (same weights) on the global batch ``x``. Each data group takes its
     share of the batch; ``whole_batch``: the reference sees all of it (statistics over data)."""
-    from hpcpar.comm import allreduce_
-    from hpcpar.spatial import local_slices
+    from hpcpar.parallel.comm import allreduce_
+    from hpcpar.parallel.spatial import local_slices
 
     bs = batch_slice(x.shape[0], grid)
     xr = (x if whole_batch else x[bs]).clone().requires_grad_()
@@ -146,7 +146,7 @@ def test_upsample_and_match_size(comm):
             yr = MatchSize()(ref_x, like)
             w = randn(yr.shape, 400 + i, torch.float64)
             (yr * w).sum().backward()
-            from hpcpar.spatial import local_slices
+            from hpcpar.parallel.spatial import local_slices
             xl = x[local_slices(x.shape, grid)].clone().requires_grad_()
             yl = SpatialMatchSize(grid)(xl, like[local_slices(like.shape, grid)])
             close(yl, yr.detach()[local_slices(yr.shape, grid)], f"MatchSize {src}->{dst}")
@@ -158,7 +158,7 @@ def test_upsample_and_match_size(comm):
 
 @mpi_case(nprocs=(8,), timeout=240)
 def test_gather_pool_scatter(comm):
-    from hpcpar import spatial
+    from hpcpar.parallel import spatial
     from hpcpar.nn.gather import ReplicatedDropout, SpatialAdaptiveAvgPool3d, SpatialGather
 
     def run(grid):
@@ -211,7 +211,7 @@ def test_gather_pool_scatter(comm):
 def test_errors_without_mpi_launch():
     from hpcpar.nn.gather import SpatialAdaptiveAvgPool3d
     from hpcpar.nn.upsample import SpatialUpsample
-    from hpcpar.spatial import SpatialError, local_shape
+    from hpcpar.parallel.spatial import SpatialError, local_shape
 
     grid = one_rank_grid()
     with pytest.raises(SpatialError, match="output_size"):
@@ -226,7 +226,7 @@ def test_errors_without_mpi_launch():
 def test_partition_of_whole_volumes():
     from types import SimpleNamespace
 
-    from hpcpar.spatial import SpatialError, local_shape, local_slices
+    from hpcpar.parallel.spatial import SpatialError, local_shape, local_slices
 
     grid = SimpleNamespace(spatial_shape=(3, 1, 2), spatial_coords=(2, 0, 1))
     # 17 over 3: 6, 6, 5 -> rank 2 holds [12, 17); 4 over 2: [2, 4)

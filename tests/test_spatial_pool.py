@@ -52,7 +52,7 @@ def test_pool_cases_cover_ceil_mode_and_both_kinds():
 
 
 def test_bad_pool_arguments():
-    from hpcpar.halo import HaloError
+    from hpcpar.parallel.halo import HaloError
     from hpcpar.nn import SpatialMaxPool3d
 
     class FakeGrid:

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 from test_spatial_misc import one_rank_grid
 
-from hpcpar.tags import reduce_scope
+from hpcpar.sync.tags import reduce_scope
 
 
 @pytest.fixture(scope="module")

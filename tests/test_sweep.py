@@ -7,8 +7,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from hpcpar.commands import sweep as sweep_cmd
-from hpcpar.commands.sweep import SweepError, parse_ranks, plan, point_grid
+from hpcpar.cli import sweep as sweep_cmd
+from hpcpar.launch.sweep import SweepError, parse_ranks, plan, point_grid
 from test_report import run_cli  # noqa: E402 (tests/ is on sys.path under pytest)
 
 DEMO = Path(__file__).parents[1] / "jobs" / "demo-cosmoflow.toml"

@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 from hpcpar import ProcessGrid
-from hpcpar import comm as hc
+from hpcpar.parallel import comm as hc
 from hpcpar.nn.tensor_parallel import (TensorParallelError, TensorParallelLinear,
                                        full_state_dict, tensor_parallelize)
-from hpcpar.tags import reduce_scope
+from hpcpar.sync.tags import reduce_scope
 from hpcpar.testing import mpi_case
 
 
@@ -148,7 +148,7 @@ def test_tensor_parallel_cosmoflow_head_matches_replicated(comm):
     import hpcpar
     from hpcpar.models import CosmoFlow
     from hpcpar.nn import spatialize
-    from hpcpar.spatial import local_slices
+    from hpcpar.parallel.spatial import local_slices
 
     torch.manual_seed(0)
     plain = CosmoFlow.small(input_size=16, n_conv_blocks=2, base_filters=4, dense=(12, 6))

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 
-from hpcpar.jobspec import build_job
+from hpcpar.run.jobspec import build_job
 from hpcpar.testing import mpi_case
-from hpcpar.volume_workload import CosmoFlowWorkload
-from hpcpar.workload import register_workload
+from hpcpar.run.workloads.volume import CosmoFlowWorkload
+from hpcpar.run.workloads.base import register_workload
 
 
 @register_workload("cosmoflow-sigtest")
@@ -42,7 +42,7 @@ def job(grid, steps=8, kind="cosmoflow", **sections):
 
 
 def final_model(run_dir):
-    from hpcpar.checkpoint import list_checkpoints
+    from hpcpar.run.checkpoint import list_checkpoints
 
     newest = list_checkpoints(Path(run_dir) / "checkpoints")[0]
     return torch.load(newest / "model.pt", weights_only=True)
@@ -59,7 +59,7 @@ def idle_wait(comm):
 def test_loop_equivalence_signal_resume_fallback(comm):
     from mpi4py import MPI
 
-    from hpcpar.train import train
+    from hpcpar.run.trainer import train
 
     rank = comm.Get_rank()
     tmp = Path(comm.bcast(tempfile.mkdtemp(prefix="hpcpar-train-") if rank == 0 else None))

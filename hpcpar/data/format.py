@@ -19,7 +19,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from ..partition import split_sizes
+from hpcpar.parallel.partition import split_sizes
 from .errors import DataError
 
 FORMAT = "hpcpar-volume-shards"

@@ -17,7 +17,7 @@ import os
 
 import numpy as np
 
-from ..stats import COUNTERS
+from hpcpar.parallel.counters import COUNTERS
 from .errors import DataError
 from .format import Array, Manifest, Shard, check_shard, open_h5, read_manifest
 from .hyperslab import ShardFiles, cache_bytes, read_samples

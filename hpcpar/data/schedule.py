@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..partition import box, part_range
+from hpcpar.parallel.partition import box, part_range
 from .errors import DataError
 
 

@@ -15,7 +15,7 @@ import tempfile
 
 import numpy as np
 
-from ..partition import part_range
+from hpcpar.parallel.partition import part_range
 from .errors import DataError
 from .format import (FORMAT, FORMAT_VERSION, Array, Manifest, Shard,
                      check_file, open_h5, sha256_file, shard_name, x_chunks)
@@ -48,7 +48,7 @@ class SerialComm:
 def shard_counts(samples: int, shards: int | None = None,
                  samples_per_shard: int | None = None) -> list[int]:
     """Samples per shard: ``shards`` balanced shards, or shards of ``samples_per_shard``."""
-    from ..partition import split_sizes
+    from hpcpar.parallel.partition import split_sizes
 
     if samples < 1:
         raise DataError(f"--samples: need at least 1 sample, got {samples}")

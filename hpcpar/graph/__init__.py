@@ -5,7 +5,7 @@ lazily.
 """
 
 from .._lazy import lazy_getattr
-from .partitioning import partition, partition_csr  # numpy only
+from hpcpar.graph.vertex_partition import partition, partition_csr  # numpy only
 
 _LAZY = {
     "DistGraph": ("hpcpar.graph.distgraph", "DistGraph"),

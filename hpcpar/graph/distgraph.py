@@ -2,7 +2,7 @@
 
 Each rank holds only its owned vertices: their in-edge rows (sources as global ids), features,
 labels and masks. Local order: owned vertices (ascending global id) then halo vertices grouped
-by owner (see :mod:`hpcpar.graph.halo`). Aggregation operators are local sparse matrices
+by owner (see :mod:`hpcpar.graph.vertex_halo`). Aggregation operators are local sparse matrices
 ``(n_owned, n_owned + n_halo)`` whose weights use GLOBAL degrees:
 
 * ``"gcn"``: ``D~^-1/2 (A + I) D~^-1/2`` — a self loop is added only where none exists (never
@@ -22,13 +22,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..comm import allgatherv, alltoallv
+from hpcpar.parallel.comm import allgatherv, alltoallv
 from ..errors import HpcparError
-from ..partition import part_range
+from hpcpar.parallel.partition import part_range
 from .csr import GraphError, edges_to_csr, is_symmetric, sorted_unique
 from .format import MASKS, GraphFile
-from .halo import HaloPlan, with_halo
-from .partitioning import partition_csr
+from hpcpar.graph.vertex_halo import HaloPlan, with_halo
+from hpcpar.graph.vertex_partition import partition_csr
 from .sparse import SparseOperator
 
 KINDS = ("gcn", "mean", "sum")
@@ -90,7 +90,7 @@ class DistGraph:
         self._receive_rows(owner, block, start)
         self._build_halo(owner)
         counts = torch.tensor([int(m.sum()) for m in self.masks.values()], dtype=torch.int64)
-        from ..comm import allreduce_
+        from hpcpar.parallel.comm import allreduce_
 
         allreduce_(counts, comm)
         self.num_train, self.num_val, self.num_test = (int(c) for c in counts)

@@ -230,3 +230,8 @@ def import_npz(src, out) -> dict:
     return {"nodes": n, "edges": int(indices.shape[0]), "features": int(d["x_shape"][1]),
             "classes": int(y.max()) + 1, "directed": directed,
             **{m: int(masks[m].sum()) for m in MASKS}}
+
+
+def bundled(name: str) -> str:
+    """Path of a dataset shipped with hpcpar (``cora``)."""
+    return os.path.join(os.path.dirname(__file__), "datasets", f"{name}.npz")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..comm import allreduce_
+from hpcpar.parallel.comm import allreduce_
 
 
 def masked_loss(logits: torch.Tensor, graph, split: str = "train") -> torch.Tensor:

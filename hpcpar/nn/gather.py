@@ -7,7 +7,7 @@ loss computed after them is the same on every spatial rank and counts ONCE, so t
 flowing back into the partitioned part is each rank's slice, not a sum over ranks.
 
 Parameters of layers after a gather are complete on every rank: tag them with
-:func:`hpcpar.tags.tag_data_only` (``spatialize`` does) so the gradient sync does not sum them
+:func:`hpcpar.sync.tags.tag_data_only` (``spatialize`` does) so the gradient sync does not sum them
 over the spatial group. Random layers there must draw the same numbers on every spatial rank:
 :class:`ReplicatedDropout` does.
 """
@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..comm import allreduce_
-from ..spatial import SpatialError, allgather_volume
+from hpcpar.parallel.comm import allreduce_
+from hpcpar.parallel.spatial import SpatialError, allgather_volume
 from ._base import SpatialModule
 
 

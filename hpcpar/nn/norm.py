@@ -18,8 +18,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..comm import allreduce_
-from ..spatial import SpatialError
+from hpcpar.parallel.comm import allreduce_
+from hpcpar.parallel.spatial import SpatialError
 from ._base import SpatialModule
 
 

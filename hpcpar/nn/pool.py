@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..halo import HaloError, StencilOp, halo_stencil
-from ..partition import conv_axis_halo
+from hpcpar.parallel.halo import HaloError, StencilOp, halo_stencil
+from hpcpar.parallel.partition import conv_axis_halo
 from ._base import SpatialModule, triple
 
 

@@ -25,7 +25,7 @@ import copy
 import torch.nn as nn
 
 from ..errors import HpcparError
-from ..tags import tag_data_only
+from hpcpar.sync.tags import tag_data_only
 from .gather import GatherPoint, ReplicatedDropout
 
 PARTITIONED, REPLICATED = "partitioned", "replicated"

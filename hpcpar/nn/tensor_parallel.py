@@ -26,10 +26,10 @@ import copy
 import torch
 from torch import nn
 
-from .. import comm as hc
+from hpcpar.parallel import comm as hc
 from ..errors import HpcparError
-from ..partition import part_range, split_sizes
-from ..tags import tag_data_only
+from hpcpar.parallel.partition import part_range, split_sizes
+from hpcpar.sync.tags import tag_data_only
 
 
 class TensorParallelError(HpcparError):

@@ -16,8 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..partition import axis_halo
-from ..spatial import SpatialError
+from hpcpar.parallel.partition import axis_halo
+from hpcpar.parallel.spatial import SpatialError
 from ._base import SpatialModule
 
 _MODES = ("nearest", "trilinear")
@@ -53,7 +53,7 @@ def _axis_map(n: int, size, scale, mode: str, align_corners, recompute):
 
 
 def _exchange(x, plan):
-    from ..halo import halo_exchange
+    from hpcpar.parallel.halo import halo_exchange
 
     return halo_exchange(x, plan.grid, plan)
 
@@ -147,7 +147,7 @@ class SpatialMatchSize(SpatialModule, nn.Module):
         self.init_spatial(grid)
 
     def forward(self, x, like):
-        from ..halo import HaloPlan, global_spatial_shape
+        from hpcpar.parallel.halo import HaloPlan, global_spatial_shape
 
         name = self.layer_name
         src = global_spatial_shape(x, self.grid, name)

@@ -18,7 +18,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from ..mpiexec import find_mpiexec, rank_env
+from hpcpar.launch.mpiexec import find_mpiexec, rank_env
 
 DEFAULT_TIMEOUT = 120.0
 

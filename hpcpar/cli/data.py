@@ -1,0 +1,155 @@
+"""``hpcpar data``: make, inspect, verify and re-shard HDF5 volume datasets.
+
+``make`` and ``shard`` run in parallel under ``mpiexec`` (each rank writes its own shards)
+and as one rank without it. torch/h5py/mpi4py load inside the commands, not at import.
+"""
+
+from __future__ import annotations
+
+import click
+
+CHUNK_OPTION = click.option(
+    "--chunk", default="auto", show_default=True,
+    help="Chunk edge target along D, H, W, or D,H,W (0: whole axis; auto: min(32, axis/4)), "
+         "or grid:XxYxZ (one chunk per rank block of that spatial grid: each rank reads one "
+         "chunk per sample straight into place, the fastest read).")
+
+
+@click.group()
+def data():
+    """Make, inspect, verify and re-shard sharded HDF5 volume datasets."""
+
+
+@data.group()
+def make():
+    """Generate a synthetic dataset."""
+
+
+LAUNCHER_VARS = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE",
+                 "MV2_COMM_WORLD_SIZE", "SLURM_STEP_ID")
+
+
+def _comm():
+    """MPI.COMM_WORLD under a launcher (or once MPI is loaded), else a one-rank stand-in so
+    the command needs no MPI initialisation when run directly."""
+    import os
+    import sys
+
+    if "mpi4py.MPI" in sys.modules or any(v in os.environ for v in LAUNCHER_VARS):
+        from mpi4py import MPI
+
+        return MPI.COMM_WORLD
+    from hpcpar.data.writer import SerialComm
+
+    return SerialComm()
+
+
+@make.command()
+@click.argument("out", type=click.Path())
+@click.option("--samples", default=64, show_default=True, help="Number of samples.")
+@click.option("--size", default=128, show_default=True, help="Edge of the cubic volume.")
+@click.option("--channels", default=4, show_default=True, help="Channels per sample.")
+@click.option("--shards", default=8, show_default=True, help="Number of shard files.")
+@click.option("--seed", default=0, show_default=True, help="Data seed (sample i depends on "
+              "(seed, i) only).")
+@CHUNK_OPTION
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def cosmoflow(out, samples, size, channels, shards, seed, chunk, force, quiet):
+    """CosmoFlow-like Gaussian random fields; targets: amplitude, slope, cutoff,
+    nonlinearity (normalised to [-1, 1])."""
+    from hpcpar.data.errors import DataError
+    from hpcpar.data.format import parse_chunk
+    from hpcpar.data.synthetic import CosmoflowSource
+    from hpcpar.data.writer import shard_counts, write_dataset
+
+    for name, value in (("--size", size), ("--channels", channels)):
+        if value < 1:
+            raise DataError(f"{name}: must be positive, got {value}")
+    comm = _comm()
+    counts = shard_counts(samples, shards=shards)
+    m = write_dataset(out, CosmoflowSource(samples, size, channels, seed), counts, comm=comm,
+                      chunk=parse_chunk(chunk), force=force, progress=not quiet)
+    if comm.Get_rank() == 0:
+        click.echo(f"wrote {out}: {m.num_samples} samples in {len(m.shards)} shards "
+                   f"(x {tuple(m.x.shape)} {m.x.dtype}, y {tuple(m.y.shape)}) "
+                   f"with {comm.Get_size()} rank(s)")
+
+
+@data.command()
+@click.argument("in_file", metavar="IN.h5", type=click.Path())
+@click.argument("out", type=click.Path())
+@click.option("--x-key", default="x", show_default=True,
+              help="Dataset with the volumes, (N, C, D, H, W) or (N, D, H, W).")
+@click.option("--y-key", default="y", show_default=True,
+              help="Dataset with the targets, (N, K) or (N,).")
+@click.option("--samples-per-shard", type=int, required=True, help="Samples per shard.")
+@CHUNK_OPTION
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def shard(in_file, out, x_key, y_key, samples_per_shard, chunk, force, quiet):
+    """Re-shard a single HDF5 file into an hpcpar dataset directory."""
+    from hpcpar.data.format import parse_chunk
+    from hpcpar.data.writer import H5Source, shard_counts, write_dataset
+
+    source = H5Source(in_file, x_key, y_key)
+    try:
+        comm = _comm()
+        counts = shard_counts(len(source), samples_per_shard=samples_per_shard)
+        m = write_dataset(out, source, counts, comm=comm, chunk=parse_chunk(chunk), force=force,
+                          progress=not quiet)
+    finally:
+        source.close()
+    if comm.Get_rank() == 0:
+        click.echo(f"wrote {out}: {m.num_samples} samples in {len(m.shards)} shards")
+
+
+@data.command()
+@click.argument("directory", type=click.Path())
+def info(directory):
+    """Format version, sample count, shapes, chunks and the shard table."""
+    from hpcpar.data.format import read_manifest
+
+    m = read_manifest(directory)
+    total = sum(s.bytes for s in m.shards)
+    click.echo(f"dataset        {directory}")
+    click.echo(f"format         {m.format} v{m.format_version}")
+    click.echo(f"samples        {m.num_samples} in {len(m.shards)} shards, "
+               f"{total / 2**20:.1f} MiB")
+    click.echo(f"x              {m.x.key} {tuple(m.x.shape)} {m.x.dtype} chunks "
+               f"{tuple(m.x.chunks) if m.x.chunks else 'contiguous'}")
+    names = f" ({', '.join(m.y.names)})" if m.y.names else ""
+    click.echo(f"y              {m.y.key} {tuple(m.y.shape)} {m.y.dtype}{names}")
+    for key, value in m.source.items():
+        click.echo(f"source.{key:<8} {value}")
+    click.echo("shards:")
+    for s in m.shards:
+        click.echo(f"  {s.file}  samples [{s.start}, {s.stop})  {s.bytes} bytes  "
+                   f"sha256 {s.sha256[:16]}")
+
+
+@data.command()
+@click.argument("directory", type=click.Path())
+@click.option("--no-checksum", is_flag=True, help="Skip the sha256 check (shapes only).")
+def verify(directory, no_checksum):
+    """Check every shard: present, HDF5, size, sha256, keys, shapes, dtypes, sample range."""
+    from hpcpar.data.errors import DataError
+    from hpcpar.data.format import read_manifest, verify_dataset
+
+    problems = verify_dataset(directory, checksum=not no_checksum)
+    if problems:
+        for p in problems[1:]:
+            click.echo(f"hpcpar: error: {p}", err=True)
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise DataError(problems[0] + more)
+    m = read_manifest(directory)
+    click.echo(f"ok: {directory}: {len(m.shards)} shards, {m.num_samples} samples verified")
+
+
+try:  # `hpcpar data graph ...` lives in the GNN's module when that is installed
+    from hpcpar.cli.graph import graph as _graph
+except ModuleNotFoundError as _exc:
+    if _exc.name != "hpcpar.cli.graph":
+        raise
+else:
+    data.add_command(_graph, "graph")

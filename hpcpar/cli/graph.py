@@ -1,0 +1,66 @@
+"""``hpcpar data graph``: import and generate graph files (HDF5, hpcpar graph format v1).
+
+Mounted under ``hpcpar data`` by hpcpar/commands/data.py. No numpy-heavy/torch/h5py imports at
+module import time (``--help`` stays fast).
+"""
+
+from __future__ import annotations
+
+import os
+
+import click
+
+from hpcpar.graph.format import bundled
+
+
+@click.group()
+def graph():
+    """Graph files for full-graph GNN training (one HDF5 file per graph)."""
+
+
+@graph.command("import")
+@click.argument("source")
+@click.argument("out", type=click.Path(dir_okay=False))
+def import_(source, out):
+    """Convert a Planetoid-style .npz (edge_index, CSR x, y, train/val/test_idx) to OUT.h5.
+
+    SOURCE may be a path or the name of a bundled dataset (``cora``).
+    """
+    from hpcpar.graph.format import import_npz
+
+    if not os.path.exists(source) and os.path.exists(bundled(source.removesuffix(".npz"))):
+        source = bundled(source.removesuffix(".npz"))
+    s = import_npz(source, out)
+    click.echo(f"wrote {out}: {s['nodes']} nodes, {s['edges']} edges, {s['features']} "
+               f"features, {s['classes']} classes, {'directed' if s['directed'] else 'undirected'}"
+               f"; train/val/test {s['train']}/{s['val']}/{s['test']}")
+
+
+@graph.command("make")
+@click.argument("out", type=click.Path(dir_okay=False))
+@click.option("--nodes", type=int, required=True, help="number of vertices")
+@click.option("--avg-degree", type=float, default=10.0, show_default=True,
+              help="mean in-degree")
+@click.option("--communities", type=int, default=16, show_default=True)
+@click.option("--features", type=int, default=32, show_default=True)
+@click.option("--classes", type=int, default=4, show_default=True,
+              help="labels = community % classes")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--directed", is_flag=True, help="one-way edges (default: both directions)")
+@click.option("--p-in", type=float, default=0.85, show_default=True,
+              help="fraction of edges inside a community")
+def make(out, nodes, avg_degree, communities, features, classes, seed, directed, p_in):
+    """Write a seeded power-law community graph with learnable labels to OUT.h5."""
+    from hpcpar.graph.format import write_graph
+    from hpcpar.graph.generate import power_law_community_graph
+
+    g = power_law_community_graph(nodes, avg_degree, communities, features, classes, seed,
+                                  directed=directed, p_in=p_in)
+    write_graph(out, nodes, g["x"], g["y"], g["masks"], csr=(g["indptr"], g["indices"]),
+                directed=directed, name=os.path.splitext(os.path.basename(out))[0],
+                source=f"hpcpar data graph make --nodes {nodes} --avg-degree {avg_degree} "
+                       f"--communities {communities} --features {features} --classes "
+                       f"{classes} --seed {seed}{' --directed' if directed else ''}",
+                num_classes=classes)
+    click.echo(f"wrote {out}: {nodes} nodes, {g['indices'].shape[0]} edges, {features} "
+               f"features, {classes} classes")

@@ -1,0 +1,76 @@
+"""The ``hpcpar`` command line.
+
+Sub-commands live in their own modules and load lazily (importing torch costs seconds), so
+``hpcpar --help`` is instant. Register a command by adding it to ``COMMANDS``.
+User errors (:class:`hpcpar.HpcparError`, click usage errors) print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+from hpcpar._version import __version__
+from hpcpar.errors import HpcparError
+
+# name -> (module, attribute, one-line help)
+COMMANDS = {
+    "info": ("hpcpar.cli.info", "info", "Versions, MPI/CUDA facts, and a grid's rank table."),
+    "run": ("hpcpar.cli.run", "run", "Run a training job (mpiexec locally, srun in Slurm)."),
+    "sweep": ("hpcpar.cli.sweep", "sweep", "Run a job at several rank counts and report."),
+    "report": ("hpcpar.cli.report", "report", "Scaling tables and plots from run records."),
+    "submit": ("hpcpar.cli.submit", "submit", "Render and submit sbatch jobs (sweeps)."),
+    "status": ("hpcpar.cli.submit", "status", "State of the Slurm jobs of a sweep."),
+    "data": ("hpcpar.cli.data", "data", "Make, inspect, verify and re-shard datasets."),
+    "plan": ("hpcpar.cli.plan", "plan", "Predict step time for every grid; pick one."),
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx):
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx, name):
+        if name not in COMMANDS:
+            return None
+        module, attr, _ = COMMANDS[name]
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name == module:
+                raise click.UsageError(f"command {name!r} is not available in this build")
+            raise
+        return getattr(mod, attr)
+
+    def format_commands(self, ctx, formatter):
+        rows = [(name, COMMANDS[name][2]) for name in self.list_commands(ctx)]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="hpcpar")
+def cli():
+    """hpcpar: train large-sample 3D CNNs and full graphs over many MPI ranks, then see how
+    well it scaled."""
+
+
+def main(argv=None) -> None:
+    """Console entry point: one-line errors and exit code 2 for user errors."""
+    try:
+        cli.main(args=argv, prog_name="hpcpar", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("hpcpar: aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        click.echo(f"hpcpar: error: {exc.format_message()}", err=True)
+        sys.exit(2)
+    except HpcparError as exc:
+        click.echo(f"hpcpar: error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+
+

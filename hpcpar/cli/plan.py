@@ -1,0 +1,141 @@
+"""``hpcpar plan``: predict the step time of a job on every grid of N ranks; pick one."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import click
+
+
+def _sample_shape(job) -> tuple[tuple, int]:
+    """(per-sample x shape (C, D, H, W), number of targets) from the dataset's manifest, else
+    from the job's synthetic [data] size/channels."""
+    from hpcpar.data import read_manifest
+    from hpcpar.data.synthetic import TARGETS
+    from hpcpar.errors import HpcparError
+
+    d = job.data.params
+    path = d.get("path")
+    if path and (Path(path) / "manifest.json").is_file():
+        m = read_manifest(path)
+        return tuple(m.x.shape), int(m.y.shape[0])
+    if d.get("size"):
+        return (d.get("channels", 4),) + (d["size"],) * 3, len(TARGETS)
+    raise HpcparError(f"{job.name}: [data] size is not set and no dataset manifest to read it "
+                      "from; add --set data.size=N")
+
+
+def _model(job, sample_shape, n_targets):
+    """The job's plain model on the meta device, built by its workload (no data, no memory),
+    and the shape of its input (the sample without label channels)."""
+    import torch
+
+    from hpcpar.errors import HpcparError
+    from hpcpar.run.workloads.base import get_workload
+
+    cls = get_workload(job.model.kind)
+    if not hasattr(cls, "build_plain"):
+        raise HpcparError(f"[model] kind {job.model.kind!r}: the planner models volume jobs "
+                          "(cosmoflow, unet3d)")
+    with torch.device("meta"):
+        model = cls.build_plain(job, sample_shape[0], sample_shape[1:], n_targets)
+    return model, (sample_shape[0] - cls.label_channels, *sample_shape[1:])
+
+
+def workload_from_job(path: str, overrides=()):
+    from hpcpar.run.jobspec import load_job
+    from hpcpar.plan.planner import Workload, trace_layers
+
+    job = load_job(path, list(overrides))
+    shape, n_targets = _sample_shape(job)
+    layers = trace_layers(*_model(job, shape, n_targets))
+    return Workload(job.name, layers, shape, job.train.global_batch,
+                    precision=job.train.precision, optimizer=job.train.optimizer)
+
+
+def table(preds, top: int) -> str:
+    head = (f"{'rank':>4}  {'grid':<12} {'step s':>9} {'compute':>9} {'halo':>8} "
+            f"{'gather':>8} {'allred':>8} {'io':>8} {'mem GB':>7}")
+    lines = [head]
+    feasible = [p for p in preds if p.feasible]
+    for i, p in enumerate(feasible[:top], 1):
+        lines.append(f"{i:>4}  {p.spec:<12} {p.t_step:>9.4f} {p.t_compute:>9.4f} "
+                     f"{p.t_halo:>8.4f} {p.t_gather:>8.4f} {p.t_allreduce_exposed:>8.4f} "
+                     f"{p.extra.get('io_exposed', 0):>8.4f} {p.mem_bytes / 1e9:>7.2f}")
+    bad = [p for p in preds if not p.feasible]
+    if bad:
+        lines.append(f"infeasible ({len(bad)} grids, not recommended), e.g.:")
+        for p in _examples(bad, max(3, min(top, 5))):
+            lines.append(f"     {p.spec:<12} {p.reason}")
+    return "\n".join(lines)
+
+
+def _examples(bad, k: int):
+    """Up to ``k`` infeasible grids, one per kind of reason first (memory, batch, extent)."""
+    seen, first, rest = set(), [], []
+    for p in bad:
+        kind = ("memory" if "GB per rank" in p.reason else
+                "batch" if "not divisible" in p.reason else "extent")
+        (rest if kind in seen else first).append(p)
+        seen.add(kind)
+    return (first + rest)[:k]
+
+
+def write_csv(preds, path: str) -> None:
+    import csv
+
+    tmp = path + ".tmp"
+    with open(tmp, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["grid", "data", "x", "y", "z", "feasible", "reason", "t_step", "t_compute",
+                    "t_halo", "t_gather", "t_allreduce", "t_allreduce_exposed", "t_io",
+                    "mem_bytes"])
+        for p in preds:
+            w.writerow([p.spec, *p.grid, p.feasible, p.reason, p.t_step, p.t_compute, p.t_halo,
+                        p.t_gather, p.t_allreduce, p.t_allreduce_exposed, p.t_io, p.mem_bytes])
+    os.replace(tmp, path)
+
+
+@click.command("plan")
+@click.argument("job", required=False, type=click.Path(dir_okay=False))
+@click.option("--ranks", "-n", type=click.IntRange(min=1), help="Total ranks to plan for.")
+@click.option("--machine", default="local", show_default=True,
+              help="Machine file: a name in slurm/machines/ or a path.")
+@click.option("--top", type=click.IntRange(min=1), default=10, show_default=True)
+@click.option("--csv", "csv_path", type=click.Path(dir_okay=False), help="Write every grid.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE")
+@click.option("--calibrate", is_flag=True,
+              help="Measure this machine (2 ranks) and write a machine file.")
+@click.option("--out", "out_path", type=click.Path(dir_okay=False),
+              help="With --calibrate: where to write (default slurm/machines/local.toml).")
+def plan(job, ranks, machine, top, csv_path, overrides, calibrate, out_path):
+    """Predict one training step of JOB on every grid that factors --ranks, fastest first,
+    with the compute / halo / gather / exposed-allreduce / I/O breakdown and memory per rank."""
+    import subprocess
+    import sys
+
+    from hpcpar.errors import HpcparError
+    from hpcpar.plan.machine import load_machine, machines_dir
+    from hpcpar.launch.mpiexec import find_mpiexec, rank_env
+    from hpcpar.plan.planner import plan as make_plan
+
+    if calibrate:
+        out = out_path or str(machines_dir() / "local.toml")
+        r = subprocess.run([find_mpiexec(), "-n", "2", sys.executable, "-m",
+                            "hpcpar.plan.calibrate", out], env=rank_env(), timeout=600)
+        if r.returncode:
+            raise HpcparError(f"calibration failed (exit code {r.returncode})")
+        return
+    if not job or not ranks:
+        raise click.UsageError("give JOB.toml and --ranks N (or --calibrate)")
+    m = load_machine(machine)
+    work = workload_from_job(job, overrides)
+    preds = make_plan(work, ranks, m)
+    click.echo(f"{work.name}: {ranks} ranks on {m.name} ({m.ranks_per_node} ranks/node), "
+               f"sample {'x'.join(map(str, work.sample_shape))}, global batch "
+               f"{work.global_batch}, {work.params / 1e6:.2f} M parameters")
+    click.echo(table(preds, top))
+    if csv_path:
+        write_csv(preds, csv_path)
+        click.echo(f"all {len(preds)} grids -> {csv_path}")

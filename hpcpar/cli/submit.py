@@ -1,0 +1,74 @@
+"""``hpcpar submit`` (render + sbatch a sweep) and ``hpcpar status`` (its jobs' states)."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+
+def _int_list(ctx, param, value):
+    if value is None:
+        return None
+    try:
+        out = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: expected integers such as 1,2,4") from None
+    if not out or min(out) < 1:
+        raise click.BadParameter(f"{value!r}: expected positive integers such as 1,2,4")
+    return out
+
+
+@click.command()
+@click.argument("job_file", type=click.Path(dir_okay=False))
+@click.option("--out", "-o", required=True, type=click.Path(file_okay=False),
+              help="Sweep directory: runs in OUT/ranks-N/, scripts+logs in OUT/slurm/.")
+@click.option("--site", default="generic", show_default=True,
+              help="Site profile name (see slurm/sites) or path to a .toml profile.")
+@click.option("--ranks", callback=_int_list, help="Rank counts to run, e.g. 1,2,4.")
+@click.option("--nodes", callback=_int_list, help="Node counts (ranks = nodes x tasks/node).")
+@click.option("--array", is_flag=True, help="One job array over the sweep points.")
+@click.option("--weak", is_flag=True,
+              help="Weak scaling: global batch grows with the ranks (as hpcpar sweep).")
+@click.option("--after", multiple=True, metavar="JOBID",
+              help="Start after JOBID succeeded (afterok); TYPE:JOBID passes through.")
+@click.option("--report", is_flag=True,
+              help="Add a job (afterany) running `hpcpar report` into OUT/report.")
+@click.option("--dry-run", is_flag=True, help="Print the scripts; submit nothing.")
+@click.option("--time", "time_", metavar="TIME", help="Time limit, e.g. 01:30:00.")
+@click.option("--grace", type=click.IntRange(0), metavar="SECONDS",
+              help="Checkpoint signal this long before the time limit (0: none).")
+@click.option("--max-requeues", type=click.IntRange(0), metavar="N",
+              help="Requeue a checkpointed job at most N times (default: the site's).")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
+              help="Override a job field (passed on to `hpcpar run`).")
+def submit(job_file, out, site, ranks, nodes, array, weak, after, report, dry_run, time_, grace,
+           max_requeues, sets):
+    """Render sbatch scripts for JOB_FILE from a site profile and submit them."""
+    from hpcpar.launch.submit import dry_run_text, plan_submit, submit as do_submit
+
+    jobs = plan_submit(job_file, out, site=site, ranks=ranks, nodes=nodes, array=array,
+                       after=after, report=report, time=time_, sets=sets, grace=grace,
+                       max_requeues=max_requeues, weak=weak)
+    if dry_run:
+        click.echo(dry_run_text(jobs), nl=False)
+        return
+    for rec in do_submit(jobs, out):
+        what = f"{rec['ranks']} ranks" if rec["kind"] == "run" else "report"
+        click.echo(f"{rec['id']}\t{rec['label']}\t{what}\t{rec['run_dir']}")
+    click.echo(f"hpcpar: submitted; follow with `hpcpar status {out}`", err=True)
+
+
+@click.command()
+@click.argument("sweep_dir", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per job.")
+def status(sweep_dir, as_json):
+    """State of each Slurm job recorded in SWEEP_DIR (by `hpcpar submit`)."""
+    from hpcpar.launch.submit import format_status, sweep_status
+
+    rows = sweep_status(sweep_dir)
+    if as_json:
+        for row in rows:
+            click.echo(json.dumps(row))
+    else:
+        click.echo(format_status(rows))

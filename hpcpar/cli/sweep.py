@@ -1,0 +1,127 @@
+"""``hpcpar sweep JOB.toml --ranks 1,2,4 --out DIR``: a scaling study on this machine.
+
+Each rank count N runs ``hpcpar run JOB -n N --grid G --run-dir DIR/ranks-N`` in turn, then
+``hpcpar report`` writes DIR/report/. Grid of a point (:func:`point_grid`): keep the job's
+spatial axes (x, y, z) when their product divides N; otherwise shrink the largest spatial axis
+(z first on ties) by its smallest prime factor until it does; the data axis takes the rest.
+``--weak`` scales the global batch with N: B(N) = B0 * N / N0 (N0 the smallest count of the
+sweep), so the work per rank stays constant. ``--submit`` hands the whole sweep to
+``hpcpar submit`` (Slurm).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from hpcpar.launch.sweep import SweepError, parse_ranks, plan
+
+
+def run_command(job_path: str, point: dict, run_dir: Path, resume: bool = False) -> list[str]:
+    """``hpcpar run`` of one point (fresh unless ``resume``: old files are set aside)."""
+    cmd = [sys.executable, "-m", "hpcpar.cli", "run", str(job_path), "-n", str(point["ranks"]),
+           "--grid", point["grid"], "--run-dir", str(run_dir),
+           "--resume" if resume else "--no-resume"]
+    for s in point["sets"]:
+        cmd += ["--set", s]
+    return cmd
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def run_points(job_path, points, out: Path, verbose: bool, resume: bool = False) -> list[int]:
+    """Run the points one after the other; returns the rank counts that failed."""
+    failed = []
+    for point in points:
+        run_dir = out / f"ranks-{point['ranks']}"
+        log = out / f"ranks-{point['ranks']}.log"
+        cmd = run_command(job_path, point, run_dir, resume)
+        click.echo(f"sweep: {point['ranks']} rank(s), grid {point['grid']} -> {run_dir}")
+        t0 = time.monotonic()
+        with open(log, "w") as fh:
+            if verbose:
+                proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True, errors="replace")
+                for line in proc.stdout:
+                    fh.write(line)
+                    click.echo(f"  {line}", nl=False)
+                rc = proc.wait()
+            else:
+                rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT).returncode
+        took = time.monotonic() - t0
+        if rc == 0:
+            click.echo(f"sweep: {point['ranks']} rank(s) done in {took:.1f} s (log {log})")
+        else:
+            failed.append(point["ranks"])
+            click.echo(f"sweep: {point['ranks']} rank(s) FAILED with exit code {rc} after "
+                       f"{took:.1f} s; last lines of {log}:\n{_tail(log)}", err=True)
+    return failed
+
+
+def submit_command(job_path, out, ranks, weak, sets) -> list[str]:
+    cmd = [sys.executable, "-m", "hpcpar.cli", "submit", str(job_path), "--out", str(out),
+           "--ranks", ",".join(map(str, ranks)), "--report"]
+    if weak:
+        cmd.append("--weak")
+    for s in sets:
+        cmd += ["--set", s]
+    return cmd
+
+
+@click.command("sweep")
+@click.argument("job", type=click.Path(dir_okay=False))
+@click.option("--ranks", "ranks_text", required=True, help="Rank counts, e.g. 1,2,4.")
+@click.option("--out", type=click.Path(file_okay=False), required=True,
+              help="Sweep directory: DIR/ranks-N/ per point, DIR/report/ at the end.")
+@click.option("--weak", is_flag=True, help="Weak scaling: global batch grows with the ranks.")
+@click.option("--submit", is_flag=True, help="Submit the points and the report to Slurm "
+              "(hpcpar submit) instead of running here.")
+@click.option("--set", "sets", multiple=True, metavar="SECTION.KEY=VALUE",
+              help="Override a job field at every point (repeatable).")
+@click.option("--warmup", type=click.IntRange(min=0), default=None,
+              help="Steps the report drops at the start of each run [default: max(1, n/10)].")
+@click.option("--resume", is_flag=True, help="Continue interrupted points from their "
+              "checkpoints instead of starting each point afresh.")
+@click.option("-v", "--verbose", is_flag=True, help="Stream each run's output.")
+def sweep(job, ranks_text, out, weak, submit, sets, warmup, resume, verbose):
+    """Run JOB at each rank count, then write the scaling report into OUT/report/."""
+    ranks = parse_ranks(ranks_text)
+    if submit:
+        if weak:
+            raise SweepError("--weak --submit: hpcpar submit has no per-point global batch "
+                             "yet; run the weak sweep locally or submit each point with "
+                             "--set train.global_batch=...")
+        rc = subprocess.run(submit_command(job, out, ranks, weak, sets)).returncode
+        sys.exit(rc)
+    points = plan(job, ranks, weak, sets)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sweep.json").write_text(json.dumps(
+        {"job": str(job), "ranks": ranks, "weak": weak, "sets": list(sets),
+         "points": [dict(p, command=run_command(job, p, out / f"ranks-{p['ranks']}", resume))
+                    for p in points]}, indent=1) + "\n")
+    failed = run_points(job, points, out, verbose, resume)
+    done = [out / f"ranks-{p['ranks']}" for p in points
+            if (out / f"ranks-{p['ranks']}" / "meta.json").exists()]
+    if not done:
+        raise SweepError(f"{out}: no point of the sweep left run records; see the logs there")
+    from hpcpar.analysis.render import write_report
+
+    from hpcpar.cli.report import print_report
+
+    rep = write_report(done, out / "report", mode="weak" if weak else "strong", warmup=warmup,
+                       title=f"hpcpar {'weak' if weak else 'strong'} scaling: {Path(job).name}")
+    print_report(rep)
+    if failed:
+        raise SweepError(f"sweep: point(s) {', '.join(map(str, failed))} failed; their rows "
+                         f"are partial or missing (logs in {out})")

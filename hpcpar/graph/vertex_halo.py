@@ -1,0 +1,113 @@
+"""Graph halo exchange: owners send their boundary rows to the ranks that need them.
+
+Local vertex order on every rank: owned vertices ``[0, n_owned)`` (sorted by global id), then
+the halo vertices grouped by owner rank (ascending), sorted by global id inside a group. A
+single Alltoallv therefore lands received rows exactly in place (``x_full = [x; halo]``), and
+in backward the gradient rows of the halo go back to their owners as one contiguous block per
+owner, where they are scatter-ADDED (``index_add_``) into the owned rows they came from.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from hpcpar.parallel.comm import alltoallv
+from hpcpar.parallel.counters import COUNTERS
+
+
+class HaloPlan:
+    """Who sends which owned rows to whom.
+
+    ``send_index``: local owned rows to send, concatenated in destination-rank order;
+    ``send_rows[r]`` of them go to rank ``r``; ``recv_rows[r]`` halo rows come from rank ``r``.
+    Built collectively by :meth:`build` (one Alltoall of counts + one Alltoallv of ids).
+    """
+
+    def __init__(self, comm, n_owned: int, send_index: np.ndarray, send_rows, recv_rows):
+        self.comm = comm
+        self.n_owned = int(n_owned)
+        self.send_index_np = np.asarray(send_index, np.int64)
+        self.send_index = torch.from_numpy(self.send_index_np)
+        self.send_rows = [int(r) for r in send_rows]
+        self.recv_rows = [int(r) for r in recv_rows]
+        self.n_halo = sum(self.recv_rows)
+        self.bytes_sent = 0  # running total of bytes this rank sent (forward + backward)
+
+    @classmethod
+    def build(cls, comm, owned_ids: np.ndarray, halo_ids: np.ndarray, halo_owner: np.ndarray):
+        """``halo_ids`` must already be grouped by ``halo_owner`` (ascending)."""
+        size = comm.Get_size()
+        recv_rows = np.bincount(halo_owner, minlength=size).astype(np.int64)
+        wanted = alltoallv(torch.from_numpy(np.ascontiguousarray(halo_ids, np.int64)),
+                           recv_rows.tolist(), comm)
+        send_rows = comm.alltoall(recv_rows.tolist())
+        wanted = wanted.numpy()
+        send_index = np.searchsorted(owned_ids, wanted)
+        if wanted.size and not np.array_equal(owned_ids[np.minimum(send_index,
+                                                                   owned_ids.size - 1)],
+                                              wanted):
+            raise RuntimeError("graph halo plan: a rank asked for a vertex this rank does not "
+                               "own (inconsistent owner arrays across ranks)")
+        return cls(comm, owned_ids.shape[0], send_index, send_rows, recv_rows)
+
+    @property
+    def distributed(self) -> bool:
+        return self.comm.Get_size() > 1
+
+    def to(self, device) -> "HaloPlan":
+        self.send_index = self.send_index.to(device)
+        return self
+
+    def fetch(self, x: torch.Tensor) -> torch.Tensor:
+        """Halo rows (``n_halo``, ...) of the owned rows ``x`` (forward direction)."""
+        t0 = time.perf_counter()
+        send = x.index_select(0, self.send_index) if self.send_index.numel() else \
+            x.new_empty((0, *x.shape[1:]))
+        halo = alltoallv(send, self.send_rows, self.comm, self.recv_rows)
+        self._count(send, t0)
+        return halo
+
+    def give_back(self, g_halo: torch.Tensor) -> torch.Tensor:
+        """Adjoint of :meth:`fetch`: halo gradient rows -> (n_owned, ...) sums at the owners."""
+        t0 = time.perf_counter()
+        g_send = alltoallv(g_halo.contiguous(), self.recv_rows, self.comm, self.send_rows)
+        out = g_halo.new_zeros((self.n_owned, *g_halo.shape[1:]))
+        if g_send.shape[0]:
+            out.index_add_(0, self.send_index, g_send)
+        self._count(g_halo, t0)
+        return out
+
+    def _count(self, sent: torch.Tensor, t0: float) -> None:
+        nbytes = sent.numel() * sent.element_size()
+        self.bytes_sent += nbytes
+        COUNTERS.bytes_halo += nbytes
+        COUNTERS.t_graph_halo += time.perf_counter() - t0
+
+    def bytes_per_exchange(self, features: int, itemsize: int = 4) -> int:
+        """Bytes this rank sends in one forward exchange of ``features`` columns."""
+        return int(self.send_index_np.shape[0]) * features * itemsize
+
+
+class GraphHaloExchange(torch.autograd.Function):
+    """``x_owned -> [x_owned; halo]``; backward scatter-adds halo gradients to the owners."""
+
+    @staticmethod
+    def forward(ctx, x, plan: HaloPlan):
+        ctx.plan = plan
+        return torch.cat([x, plan.fetch(x.contiguous())], dim=0)
+
+    @staticmethod
+    def backward(ctx, g):
+        plan = ctx.plan
+        g_owned = g[:plan.n_owned]
+        return g_owned + plan.give_back(g[plan.n_owned:]), None
+
+
+def with_halo(x: torch.Tensor, plan: HaloPlan) -> torch.Tensor:
+    """Owned rows followed by halo rows (identity on a single rank)."""
+    if not plan.distributed:
+        return x
+    return GraphHaloExchange.apply(x, plan)

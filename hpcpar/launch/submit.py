@@ -1,0 +1,385 @@
+"""Submitting a job file to Slurm as a scaling sweep, and reading back the sweep's state.
+
+``plan_submit`` resolves the sweep points (``--ranks`` or ``--nodes``), the allocation (site
+profile < job ``[resources]`` < command line) and renders one batch script per point (or one
+job array) plus an optional report job; ``submit`` writes the scripts to ``OUT/slurm/``,
+submits them with ``sbatch --parsable`` (the report with ``--dependency=afterany:...``) and
+appends one record per job (array tasks: one per task) to ``OUT/jobs.json``. Runs land in
+``OUT/ranks-N/`` as with ``hpcpar sweep``. ``sweep_status`` joins those records with
+``sacct`` (when accounting exists) or ``scontrol show job`` and with each run directory.
+This module does not import torch.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hpcpar.errors import HpcparError
+from hpcpar.launch.sbatch import Allocation, Point, report_script, run_script, sbatch_filename
+from hpcpar.launch.site import Site, load_site
+
+RECORDS = "jobs.json"
+SCRIPTS = "slurm"
+RECORD_VERSION = 1
+_DEPEND = re.compile(r"^(?:(after|afterok|afterany|afternotok|aftercorr|afterburstbuffer):)?"
+                     r"(\d+(?:_\d+)?(?:[:+]\d+(?:_\d+)?)*)$")
+
+
+class SubmitError(HpcparError, RuntimeError):
+    """sbatch refused a job, Slurm is not reachable, or the sweep cannot be planned."""
+
+
+@dataclass
+class BatchJob:
+    """One script to submit: a run (one point, or an array over points) or the report."""
+
+    kind: str                       # "run" or "report"
+    label: str                      # "ranks-4", "array", "report"
+    script: Path
+    text: str
+    points: list[Point] = field(default_factory=list)
+    dependency: str = ""
+    job_id: str = ""
+
+    def sbatch_argv(self) -> list[str]:
+        argv = ["sbatch", "--parsable"]
+        if self.dependency:
+            argv.append(f"--dependency={self.dependency}")
+        return argv + [str(self.script)]
+
+
+# -- planning ---------------------------------------------------------------------------------
+def _explicit_resources(job_path: Path, sets) -> set[str]:
+    """The [resources] keys the user wrote (job file or --set), as opposed to defaults."""
+    from hpcpar.run.jobspec import parse_override
+
+    try:
+        raw = tomllib.loads(job_path.read_text()).get("resources", {})
+    except (OSError, tomllib.TOMLDecodeError):
+        raw = {}
+    keys = set(raw) if isinstance(raw, dict) else set()
+    for text in sets:
+        section, key, _ = parse_override(text)
+        if section == "resources":
+            keys.add(key)
+    return keys
+
+
+def parse_after(values) -> str:
+    """``--after`` values -> a Slurm dependency: ``123`` means ``afterok:123``; a
+    ``type:ID[:ID]`` value passes through; several are all required (``,``)."""
+    parts = []
+    for value in values:
+        for item in str(value).split(","):
+            item = item.strip()
+            m = _DEPEND.match(item)
+            if not m:
+                raise SubmitError(f"--after {item!r}: expected a job id such as 1234 or "
+                                  "TYPE:ID such as afterany:1234")
+            parts.append(f"{m.group(1) or 'afterok'}:{m.group(2)}")
+    return ",".join(parts)
+
+
+def _points(job, job_path: Path, out: Path, site: Site, ranks, nodes, tpn: int | None,
+            explicit: set, weak: bool, sets: list[str]) -> list[Point]:
+    """Sweep points; grids and weak-scaling batches as ``hpcpar sweep`` chooses them."""
+    from hpcpar.launch.sweep import plan as sweep_plan
+
+    r = job.resources
+    if ranks and nodes:
+        raise SubmitError("give --ranks or --nodes, not both")
+    if nodes:
+        if not tpn:
+            raise SubmitError("--nodes needs ranks per node: set [resources] tasks_per_node in "
+                              f"the job or [node] tasks_per_node in the site ({site.source})")
+        sizes = [(n * tpn, n) for n in nodes]
+    else:
+        if not ranks:
+            fixed = job.fixed_ranks() or (r.nodes * tpn if tpn else None)
+            if fixed is None:
+                raise SubmitError("how many ranks? give --ranks N[,N...] or --nodes N[,N...] "
+                                  "(or a grid without -1, or [resources] tasks_per_node)")
+            ranks = [fixed]
+        base = r.nodes if "nodes" in explicit else 1
+        sizes = [(n, math.ceil(n / tpn) if tpn else min(base, n)) for n in ranks]
+    if len({s for s, _ in sizes}) != len(sizes):
+        raise SubmitError(f"sweep sizes repeat: {[s for s, _ in sizes]}")
+    order = sorted(sizes)      # the weak-scaling base is the smallest count
+    planned = {p["ranks"]: p for p in sweep_plan(str(job_path), [n for n, _ in order], weak,
+                                                 tuple(sets))}
+    points = []
+    for n, k in order:
+        own = planned[n]["sets"][len(sets):]
+        args = ["--grid", planned[n]["grid"]] + [a for s in own for a in ("--set", s)]
+        points.append(Point(label=f"ranks-{n}", ranks=n, nodes=k, run_dir=out / f"ranks-{n}",
+                            args=args))
+    return points
+
+
+def plan_submit(job_file, out, *, site: str | Site = "generic", ranks=None, nodes=None,
+                array: bool = False, after=(), report: bool = False, time: str | None = None,
+                sets=(), python: str | None = None, grace: int | None = None,
+                max_requeues: int | None = None, weak: bool = False) -> list[BatchJob]:
+    """Everything ``hpcpar submit`` would submit, rendered but not written."""
+    from hpcpar.run.jobspec import TIME_RE, load_job
+
+    job_path = Path(job_file).expanduser().absolute()
+    out = Path(out).expanduser().absolute()
+    if "\\" in str(out):
+        raise SubmitError(f"--out {str(out)!r}: a backslash turns off Slurm's %j log-file "
+                          "patterns (and is dropped): choose a directory without one")
+    sets = list(sets)
+    site = load_site(site) if isinstance(site, str) else site
+    job = load_job(str(job_path), sets)
+    r = job.resources
+    explicit = _explicit_resources(job_path, sets)
+    tpn = r.tasks_per_node or site.node["tasks_per_node"] or None
+    points = _points(job, job_path, out, site, ranks, nodes, tpn, explicit, weak, sets)
+    time = time or r.time or site.sbatch["time"]
+    if not TIME_RE.match(time):
+        raise SubmitError(f"--time {time!r}: not a Slurm time such as 30, 01:30:00 or 1-00:00:00")
+    if "cpus_per_task" in explicit or not site.node["cpus"]:
+        cpus = r.cpus_per_task
+    else:
+        cpus = max(1, site.node["cpus"] // (tpn or 1))
+    gpus = r.gpus_per_node if "gpus_per_node" in explicit else site.node["gpus"]
+    pick = {k: (getattr(r, k) if getattr(r, k) is not None else site.sbatch[k])
+            for k in ("account", "partition", "qos", "constraint")}
+    python = python or sys.executable
+    scripts = out / SCRIPTS
+    dependency = parse_after(after) if after else ""
+
+    def alloc(name: str, output: str, **kw) -> Allocation:
+        base = dict(name=name, time=time, cpus_per_task=cpus, gpus_per_node=gpus,
+                    exclusive=site.sbatch["exclusive"],
+                    output=f"{sbatch_filename(scripts)}/{output}", **pick)
+        base.update(kw)
+        return Allocation(**base)
+
+    common = dict(job=job_path, out=out, python=python, sets=sets, grace=grace,
+                  max_requeues=max_requeues)
+    jobs = []
+    if array:
+        a = alloc(f"{job.name}-sweep", "array-%A_%a.out")
+        jobs.append(BatchJob("run", "array", scripts / "array.sbatch",
+                             run_script(site, a, points, array=True, **common), points,
+                             dependency))
+    else:
+        for p in points:
+            a = alloc(f"{job.name}-{p.label}", f"{p.label}-%j.out")
+            jobs.append(BatchJob("run", p.label, scripts / f"{p.label}.sbatch",
+                                 run_script(site, a, [p], **common), [p], dependency))
+    if report:
+        rep = site.report
+        a = alloc(f"{job.name}-report", "report-%j.out", time=rep["time"],
+                  cpus_per_task=rep["cpus_per_task"], gpus_per_node=0,
+                  exclusive=rep["exclusive"],
+                  **{k: rep[k] or pick[k] for k in ("partition", "qos", "constraint")})
+        text = report_script(site, a, [p.run_dir for p in points], out / "report", out=out,
+                             python=python)
+        jobs.append(BatchJob("report", "report", scripts / "report.sbatch", text))
+    return jobs
+
+
+# -- submitting -------------------------------------------------------------------------------
+def _slurm_cmd(argv: list[str], env=None, timeout: float = 60) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout)
+    except FileNotFoundError:
+        raise SubmitError(f"{argv[0]} not found: run this on a Slurm login node "
+                          "(or use --dry-run)") from None
+    except subprocess.TimeoutExpired:
+        raise SubmitError(f"{argv[0]} did not answer within {timeout:.0f} s") from None
+
+
+def sbatch(job: BatchJob, env=None) -> str:
+    """Submit one script with ``sbatch --parsable``; return the job id."""
+    proc = _slurm_cmd(job.sbatch_argv(), env)
+    if proc.returncode != 0:
+        msg = proc.stderr.strip().splitlines()
+        raise SubmitError(f"sbatch {job.script} failed: {msg[-1] if msg else proc.returncode}")
+    return proc.stdout.strip().split(";")[0]
+
+
+def dry_run_text(jobs: list[BatchJob]) -> str:
+    """What ``--dry-run`` prints: each script under the sbatch command that would submit it."""
+    parts = []
+    for j in jobs:
+        argv = j.sbatch_argv()
+        if j.kind == "report":
+            argv[2:2] = ["--dependency=afterany:<the jobs above>"]
+        parts.append(f"# ==> {shlex.join(argv)}\n{j.text}")
+    return "\n".join(parts)
+
+
+def _records(j: BatchJob, out: Path, now: str) -> list[dict]:
+    base = {"kind": j.kind, "label": j.label, "script": str(j.script),
+            "dependency": j.dependency, "submitted": now}
+    if j.kind == "report":
+        return [{"id": j.job_id, **base, "run_dir": str(out / "report")}]
+    array = j.label == "array"
+    return [{"id": f"{j.job_id}_{i}" if array else j.job_id,
+             **({"array_job": j.job_id} if array else {}), **base, "label": p.label,
+             "ranks": p.ranks, "nodes": p.nodes, "run_dir": str(p.run_dir)}
+            for i, p in enumerate(j.points)]
+
+
+def _append_records(out: Path, records: list[dict]) -> None:
+    path = out / RECORDS
+    doc = read_records(out) if path.exists() else {"version": RECORD_VERSION, "jobs": []}
+    doc["jobs"].extend(records)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def submit(jobs: list[BatchJob], out, env=None) -> list[dict]:
+    """Write the scripts, submit them in order (the report after the runs) and record each
+    job in ``OUT/jobs.json`` as soon as sbatch accepted it."""
+    out = Path(out).expanduser().absolute()
+    (out / SCRIPTS).mkdir(parents=True, exist_ok=True)
+    records, run_ids = [], []
+    now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    for j in jobs:
+        j.script.write_text(j.text)
+        j.script.chmod(0o755)
+        if j.kind == "report":
+            j.dependency = "afterany:" + ":".join(run_ids)
+        try:
+            j.job_id = sbatch(j, env)
+        except SubmitError as exc:
+            done = f" (already submitted: {', '.join(r['id'] for r in records)})" if records \
+                else ""
+            raise SubmitError(f"{exc}{done}") from None
+        if j.kind == "run":
+            run_ids.append(j.job_id)
+        new = _records(j, out, now)
+        _append_records(out, new)
+        records += new
+    return records
+
+
+# -- status ----------------------------------------------------------------------------------
+def read_records(out) -> dict:
+    path = Path(out) / RECORDS
+    if not path.is_file():
+        raise SubmitError(f"{out}: no {RECORDS} here (not a directory made by hpcpar submit)")
+    try:
+        doc = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise SubmitError(f"{path}: not valid JSON ({exc})") from None
+    if doc.get("version") != RECORD_VERSION:
+        raise SubmitError(f"{path}: record version {doc.get('version')!r}, expected "
+                          f"{RECORD_VERSION}")
+    return doc
+
+
+def parse_scontrol(line: str) -> dict:
+    """One ``scontrol show ... --oneliner`` record as a dict (values may hold spaces: each runs
+    up to the next ``Key=``)."""
+    fields = {}
+    matches = list(re.finditer(r"(?:^|\s)([A-Za-z][A-Za-z0-9_:/]*)=", line))
+    for m, nxt in zip(matches, matches[1:] + [None]):
+        fields[m.group(1)] = line[m.end():nxt.start() if nxt else len(line)].strip()
+    return fields
+
+
+def _task_ids(spec: str) -> set[str]:
+    """``ArrayTaskId`` of a pending array record: ``0-3``, ``1,3-4`` or ``0-7%2``."""
+    ids = set()
+    for part in spec.split("%")[0].split(","):
+        lo, _, hi = part.partition("-")
+        if lo.isdigit():
+            ids.update(str(i) for i in range(int(lo), int(hi or lo) + 1))
+    return ids
+
+
+def _scontrol_states(env=None) -> dict[str, dict]:
+    proc = _slurm_cmd(["scontrol", "show", "job", "--oneliner"], env)
+    if proc.returncode != 0:
+        raise SubmitError(f"scontrol show job failed: {proc.stderr.strip()}")
+    states = {}
+    for line in proc.stdout.splitlines():
+        if not line.startswith("JobId="):
+            continue
+        rec = parse_scontrol(line)
+        info = {"state": rec.get("JobState", "?"), "reason": "" if rec.get("Reason") == "None" else rec.get("Reason", ""),
+                "exit": rec.get("ExitCode", ""), "restarts": rec.get("Restarts", "0"),
+                "elapsed": rec.get("RunTime", ""), "nodes": rec.get("NodeList", "")}
+        states[rec["JobId"]] = info
+        array, task = rec.get("ArrayJobId"), rec.get("ArrayTaskId")
+        if array and task:
+            for t in _task_ids(task):
+                states[f"{array}_{t}"] = info
+    return states
+
+
+def _sacct_states(ids: list[str], env=None) -> dict[str, dict]:
+    """States from accounting; empty where there is no sacct or no slurmdbd."""
+    if not ids or not shutil.which("sacct"):
+        return {}
+    try:
+        proc = _slurm_cmd(["sacct", "-n", "-P", "-X", "-j", ",".join(ids),
+                           "-o", "JobID,State,ExitCode,Elapsed,NodeList"], env)
+    except SubmitError:
+        return {}
+    if proc.returncode != 0:
+        return {}
+    states = {}
+    for line in proc.stdout.splitlines():
+        jid, state, code, elapsed, nodes = (line.split("|") + [""] * 5)[:5]
+        states[jid] = {"state": state.split()[0] if state else "?", "reason": "",
+                       "exit": code, "restarts": "", "elapsed": elapsed, "nodes": nodes}
+    return states
+
+
+def run_dir_state(run_dir) -> str:
+    """What a run directory shows: finished (metrics.json), newest checkpoint, or nothing."""
+    d = Path(run_dir)
+    if (d / "metrics.json").is_file():
+        return "finished"
+    if d.name == "report" and (d / "scaling.csv").is_file():
+        return "written"
+    ckpts = sorted((d / "checkpoints").glob("step-*")) if (d / "checkpoints").is_dir() else []
+    if ckpts:
+        return f"checkpoint {ckpts[-1].name}"
+    return "started" if d.is_dir() else "-"
+
+
+def sweep_status(out, env=None) -> list[dict]:
+    """Each recorded job of ``out`` with its Slurm state and its run directory's state."""
+    records = read_records(out)["jobs"]
+    ids = [r["id"] for r in records]
+    try:
+        live, why = _scontrol_states(env), "no longer known to slurmctld and no accounting"
+    except SubmitError as exc:      # no Slurm here: the run directories still tell
+        live, why = {}, str(exc)
+    acct = _sacct_states([i for i in ids if i not in live], env)
+    rows = []
+    for rec in records:
+        info = live.get(rec["id"]) or acct.get(rec["id"]) or {
+            "state": "UNKNOWN", "reason": why, "exit": "", "restarts": "", "elapsed": "",
+            "nodes": ""}
+        rows.append({**rec, **info, "run": run_dir_state(rec["run_dir"])})
+    return rows
+
+
+def format_status(rows: list[dict]) -> str:
+    cols = [("JOBID", "id"), ("LABEL", "label"), ("RANKS", "ranks"), ("STATE", "state"),
+            ("EXIT", "exit"), ("RESTARTS", "restarts"), ("ELAPSED", "elapsed"),
+            ("RUN", "run"), ("REASON", "reason")]
+    table = [[h for h, _ in cols]] + [[str(r.get(k, "") or "") for _, k in cols] for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
+                     for row in table)

@@ -1,0 +1,70 @@
+"""Sweep planning: the (ranks, grid, --set) points of a scaling study, validated up front.
+
+Grid of a point (:func:`point_grid`): keep the job's spatial axes (x, y, z) when their product
+divides N; otherwise shrink the largest spatial axis (z first on ties) by its smallest prime
+factor until it does; the data axis takes the rest. Weak scaling grows the global batch with N:
+B(N) = B0 * N / N0 (N0 the smallest count of the sweep), so the work per rank stays constant.
+"""
+
+from __future__ import annotations
+
+from hpcpar.errors import HpcparError
+
+
+class SweepError(HpcparError, ValueError):
+    """A sweep that cannot be run as asked (rank list, grid, batch)."""
+
+
+def parse_ranks(text: str) -> list[int]:
+    """``"1,2,4"`` -> [1, 2, 4] (sorted, distinct, positive)."""
+    try:
+        ranks = sorted({int(t) for t in str(text).split(",") if t.strip()})
+    except ValueError:
+        raise SweepError(f"--ranks {text!r}: expected a comma-separated list such as 1,2,4") \
+            from None
+    if not ranks or ranks[0] < 1:
+        raise SweepError(f"--ranks {text!r}: expected positive rank counts such as 1,2,4")
+    return ranks
+
+
+def _smallest_factor(n: int) -> int:
+    return next(f for f in range(2, n + 1) if n % f == 0)
+
+
+def point_grid(job_shape, n: int) -> tuple[int, int, int, int]:
+    """Grid (data, x, y, z) for N ranks from the job's grid (a -1 spatial axis counts as 1):
+    the spatial axes stay while X*Y*Z divides N, else the largest one (on ties z, then y: x
+    groups stay inside a node) shrinks by its smallest prime factor until the product divides
+    N; data = N / (X*Y*Z)."""
+    spatial = [max(1, int(a)) for a in tuple(job_shape)[1:]]
+    while n % (spatial[0] * spatial[1] * spatial[2]):
+        i = max(range(3), key=lambda a: (spatial[a], a))  # ties: z, then y, then x
+        spatial[i] //= _smallest_factor(spatial[i])
+    x, y, z = spatial
+    return (n // (x * y * z), x, y, z)
+
+
+def plan(job_path: str, ranks: list[int], weak: bool, sets: tuple) -> list[dict]:
+    """One entry per point: ranks, grid, --set list; every point validated before any runs."""
+    from hpcpar.run.jobspec import load_job
+
+    job = load_job(job_path, list(sets))
+    base_batch = job.train.global_batch
+    points = []
+    for n in ranks:
+        grid = point_grid(job.grid_shape, n)
+        spec = "x".join(map(str, grid))
+        point_sets = list(sets)
+        if weak:
+            if (base_batch * n) % ranks[0]:
+                raise SweepError(f"--weak: global batch {base_batch} x {n}/{ranks[0]} ranks is "
+                                 f"not an integer; use rank counts that are multiples of "
+                                 f"{ranks[0]}")
+            point_sets.append(f"train.global_batch={base_batch * n // ranks[0]}")
+        try:
+            grid_sets = [f"grid.{a}={v}" for a, v in zip(("data", "x", "y", "z"), grid)]
+            load_job(job_path, point_sets + grid_sets).check_ranks(n)
+        except HpcparError as exc:
+            raise SweepError(f"sweep point {n} ranks (grid {spec}): {exc}") from None
+        points.append({"ranks": n, "grid": spec, "sets": point_sets})
+    return points

@@ -1,0 +1,150 @@
+"""Whole volumes <-> the pieces each rank of a spatial group holds.
+
+A volume ``(N, C, D, H, W)`` (any leading dims) has its last three dims split over the grid's
+x, y, z axes with the partition rule (:mod:`hpcpar.parallel.partition`). Every function here is about
+ONE spatial group (``grid.spatial_comm``): each data group moves its own samples, and ``root``
+is a rank of the spatial group (spatial rank ``i + X*(j + Y*k)``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hpcpar.parallel.comm import allgatherv, irecv, isend
+from hpcpar.errors import HpcparError
+from hpcpar.parallel.grid import coords_of
+from hpcpar.parallel.partition import box
+
+_TAG = 7301  # point-to-point tag for scatter/gather traffic
+
+
+class SpatialError(HpcparError, ValueError):
+    """A volume or layer does not fit the spatial grid (too small, wrong rank, ...)."""
+
+
+def _spatial_coords(rank: int, grid) -> tuple[int, int, int]:
+    return coords_of(rank, (1, *grid.spatial_shape))[1:]
+
+
+def _check_shape(global_shape, grid) -> tuple[int, ...]:
+    shape = tuple(int(s) for s in global_shape)
+    if len(shape) < 3:
+        raise SpatialError(f"volume shape {shape}: needs at least 3 (spatial) dims")
+    for axis, n, p in zip("xyz", shape[-3:], grid.spatial_shape):
+        if n < p:
+            raise SpatialError(f"volume shape {shape}: axis {axis} has {n} voxels but the grid "
+                               f"splits it over {p} ranks (need at least {p})")
+    return shape
+
+
+def local_slices(global_shape, grid, rank: int | None = None) -> tuple[slice, ...]:
+    """Slices of the global volume held by spatial ``rank`` (default: this rank)."""
+    shape = _check_shape(global_shape, grid)
+    coords = grid.spatial_coords if rank is None else _spatial_coords(rank, grid)
+    lead = [slice(None)] * (len(shape) - 3)
+    return tuple(lead + [slice(*r) for r in box(shape[-3:], grid.spatial_shape, coords)])
+
+
+def local_shape(global_shape, grid, rank: int | None = None) -> tuple[int, ...]:
+    """Shape of the piece held by spatial ``rank`` (default: this rank)."""
+    shape = _check_shape(global_shape, grid)
+    sl = local_slices(shape, grid, rank)
+    return tuple(shape[:-3]) + tuple(s.stop - s.start for s in sl[-3:])
+
+
+def scatter(volume, grid, root: int = 0, device=None) -> torch.Tensor:
+    """Split ``volume`` (given on spatial rank ``root``; ignored elsewhere) over the spatial
+    group; every rank returns its own contiguous piece.
+
+    Collective over ``grid.spatial_comm``. Non-root ranks allocate on ``device`` (default
+    CPU); the root keeps the volume's device.
+    """
+    comm = grid.spatial_comm
+    me = comm.Get_rank()
+    meta = (tuple(volume.shape), volume.dtype) if me == root else None
+    shape, dtype = comm.bcast(meta, root=root)
+    shape = _check_shape(shape, grid)
+    if me == root:
+        handles = []
+        for r in range(comm.Get_size()):
+            piece = volume[local_slices(shape, grid, r)]
+            if r == root:  # a copy, never a view of the caller's volume
+                local = piece.clone(memory_format=torch.contiguous_format)
+            else:
+                handles.append(isend(piece.contiguous(), r, comm, _TAG))
+        for h in handles:
+            h.wait()
+        return local
+    local = torch.empty(local_shape(shape, grid), dtype=dtype, device=device)
+    irecv(local, root, comm, _TAG).wait()
+    return local
+
+
+def _layout(shapes, grid):
+    """Global shape and per-rank slices from every rank's local shape (x/y/z offsets are
+    prefix sums of the extents along each grid axis; no split rule assumed)."""
+    X, Y, Z = grid.spatial_shape
+    coords = [_spatial_coords(r, grid) for r in range(len(shapes))]
+    lead = shapes[0][:-3]
+    for r, s in enumerate(shapes):
+        if tuple(s[:-3]) != tuple(lead):
+            raise SpatialError(f"spatial rank {r} holds shape {tuple(s)}, rank 0 holds "
+                               f"{tuple(shapes[0])}: leading (batch, channel) dims differ")
+    extents = []  # per axis: extent of coordinate c along that axis
+    for a, P in enumerate((X, Y, Z)):
+        ext = [0] * P
+        for r, c in enumerate(coords):
+            ext[c[a]] = shapes[r][len(lead) + a]
+        extents.append(ext)
+    offsets = [[sum(e[:c]) for c in range(len(e))] for e in extents]
+    global_shape = tuple(lead) + tuple(sum(e) for e in extents)
+    slices = []
+    for c in coords:
+        slices.append(tuple([slice(None)] * len(lead) + [
+            slice(offsets[a][c[a]], offsets[a][c[a]] + extents[a][c[a]]) for a in range(3)]))
+    return global_shape, slices
+
+
+def gather(local: torch.Tensor, grid, root: int = 0):
+    """Assemble the pieces of the spatial group on spatial rank ``root``; returns the full
+    volume there and ``None`` elsewhere. Collective over ``grid.spatial_comm``."""
+    comm = grid.spatial_comm
+    me = comm.Get_rank()
+    shapes = comm.gather(tuple(local.shape), root=root)
+    if me != root:
+        isend(local.contiguous(), root, comm, _TAG).wait()
+        return None
+    global_shape, slices = _layout(shapes, grid)
+    full = torch.empty(global_shape, dtype=local.dtype, device=local.device)
+    for r, sl in enumerate(slices):
+        if r == root:
+            full[sl] = local
+        else:
+            piece = torch.empty(shapes[r], dtype=local.dtype, device=local.device)
+            irecv(piece, r, comm, _TAG).wait()
+            full[sl] = piece
+    return full
+
+
+def allgather_volume(local: torch.Tensor, grid):
+    """The full volume on every rank of the spatial group, and this rank's slice of it.
+
+    Collective over ``grid.spatial_comm`` (one object allgather of shapes + one Allgatherv).
+    """
+    comm = grid.spatial_comm
+    shapes = comm.allgather(tuple(local.shape))
+    global_shape, slices = _layout(shapes, grid)
+    flat = allgatherv(local.reshape(-1), comm)
+    full = torch.empty(global_shape, dtype=local.dtype, device=local.device)
+    start = 0
+    for shape, sl in zip(shapes, slices):
+        count = 1
+        for s in shape:
+            count *= s
+        full[sl] = flat[start:start + count].view(shape)
+        start += count
+    return full, slices[comm.Get_rank()]
+
+
+__all__ = ["SpatialError", "scatter", "gather", "allgather_volume", "local_shape",
+           "local_slices"]

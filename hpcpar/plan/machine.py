@@ -1,0 +1,173 @@
+"""Machine files: the alpha-beta and compute-rate parameters the planner uses.
+
+A machine file (``slurm/machines/NAME.toml``) describes one rank's share of a node:
+
+```toml
+name = "perlmutter-gpu"
+ranks_per_node = 4            # GPUs (or cores) per node, one rank each
+cores = 0                     # optional: cores per node when ranks may oversubscribe them
+flops = 9.7e12                # sustained dense conv/GEMM rate per rank, FLOP/s (fp32)
+mem_bw = 1.3e12               # sustained memory bandwidth per rank, bytes/s (pointwise layers)
+mem_per_rank = 40e9           # device memory per rank, bytes
+io_bw = 1.0e9                 # per-rank read bandwidth from the file system, bytes/s
+# optional, written by `hpcpar plan --calibrate`: conv_rates = [[in_channels, FLOP/s], ...],
+# contention / mem_contention (rate with every core busy / one busy), oversubscription
+# (compute per core with two ranks per core / one rank per core), and
+# layer_costs = {pool = s/B, pointwise = s/B, bn = s/B} (per input byte, forward + backward)
+[intra]                        # between ranks of one node
+alpha = 3e-6                  # latency per message, s
+beta = 80e9                   # bandwidth per direction, bytes/s
+[inter]                        # between nodes (per rank's share of the NICs)
+alpha = 4e-6
+beta = 20e9
+```
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tomllib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from hpcpar.errors import HpcparError
+
+
+class MachineError(HpcparError):
+    pass
+
+
+@dataclass(frozen=True)
+class Link:
+    alpha: float  # seconds per message
+    beta: float   # bytes per second
+
+    def time(self, nbytes: float, messages: int = 1) -> float:
+        return messages * self.alpha + nbytes / self.beta
+
+
+@dataclass(frozen=True)
+class Machine:
+    name: str
+    ranks_per_node: int
+    flops: float
+    mem_bw: float
+    mem_per_rank: float
+    io_bw: float
+    intra: Link
+    inter: Link
+    description: str = ""
+    cores: int = 0  # cores per node; 0 = one per rank. More ranks than cores share them.
+    conv_rates: tuple = ()  # optional ((in_channels, FLOP/s), ...) measured by --calibrate
+    contention: float = 1.0  # per-rank compute rate with every core busy / with one busy
+    #: optional ((kind, seconds per byte of layer input, forward + backward), ...) for the
+    #: memory-bound layers (pool, pointwise, bn), measured by --calibrate on hpcpar's layers
+    layer_costs: tuple = ()
+    mem_contention: float = 1.0  # the same as ``contention`` for memory-bound layers
+    #: compute per core with more ranks than cores, relative to one rank per core (time
+    #: slicing: context switches and caches refilled after each switch)
+    oversubscription: float = 1.0
+
+    def slowdown(self, ranks_on_node: int, contention: float | None = None) -> float:
+        """Compute-time factor for ``ranks_on_node`` ranks: shared memory bandwidth and caches
+        (``contention``, reached when every core is busy) times oversubscription."""
+        contention = self.contention if contention is None else contention
+        cores = self.cores or self.ranks_per_node
+        busy = min(max(ranks_on_node, 1), cores)
+        frac = (busy - 1) / (cores - 1) if cores > 1 else 0.0
+        return (1 + (1 / contention - 1) * frac) / self.compute_share(ranks_on_node)
+
+    def layer_cost(self, kind: str) -> float | None:
+        """Calibrated seconds per input byte (forward + backward) of a memory-bound layer."""
+        return dict(self.layer_costs).get(kind)
+
+    def conv_rate(self, in_channels: int) -> float:
+        """Sustained conv rate for a layer with ``in_channels`` inputs: log-linear between the
+        calibrated points (small channel counts run far below peak on CPUs), else ``flops``."""
+        pts = sorted(self.conv_rates)
+        if not pts:
+            return self.flops
+        if in_channels <= pts[0][0]:
+            return pts[0][1]
+        for (c0, r0), (c1, r1) in zip(pts, pts[1:]):
+            if in_channels <= c1:
+                w = math.log(in_channels / c0) / math.log(c1 / c0)
+                return r0 + w * (r1 - r0)
+        return pts[-1][1]
+
+    def compute_share(self, ranks_on_node: int) -> float:
+        """Fraction of a core each rank gets (1 unless the node is oversubscribed)."""
+        cores = self.cores or self.ranks_per_node
+        if ranks_on_node <= cores:
+            return 1.0
+        return cores / ranks_on_node * self.oversubscription
+
+    def to_toml(self) -> str:
+        d = asdict(self)
+        lines = [f'name = "{self.name}"', f'description = "{self.description}"']
+        for k in ("ranks_per_node", "cores", "flops", "mem_bw", "mem_per_rank", "io_bw",
+                  "contention", "mem_contention", "oversubscription"):
+            lines.append(f"{k} = {d[k]!r}")
+        if self.layer_costs:
+            lines.append("layer_costs = {" + ", ".join(f"{k} = {v!r}" for k, v in
+                                                        self.layer_costs) + "}")
+        if self.conv_rates:
+            lines.append("conv_rates = [" + ", ".join(f"[{c}, {r!r}]" for c, r in
+                                                     self.conv_rates) + "]")
+        for sec in ("intra", "inter"):
+            lines += ["", f"[{sec}]", f"alpha = {d[sec]['alpha']!r}", f"beta = {d[sec]['beta']!r}"]
+        return "\n".join(lines) + "\n"
+
+
+REQUIRED = {"ranks_per_node": int, "flops": float, "mem_bw": float, "mem_per_rank": float,
+            "io_bw": float}
+
+
+def machines_dir() -> Path:
+    """``HPCPAR_MACHINES``, else ``machines/`` of hpcpar's slurm data (installed package data
+    or the source checkout's ``slurm/``)."""
+    env = os.environ.get("HPCPAR_MACHINES")
+    if env:
+        return Path(env)
+    from hpcpar._resources import data_dirs
+
+    dirs = [d / "machines" for d in data_dirs()]
+    return next((d for d in dirs if d.is_dir()), dirs[-1] if dirs else Path("slurm/machines"))
+
+
+def load_machine(name_or_path: str) -> Machine:
+    """Load a machine by file path or by name in :func:`machines_dir`."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = machines_dir() / f"{name_or_path}.toml"
+    if not path.is_file():
+        known = sorted(p.stem for p in machines_dir().glob("*.toml"))
+        raise MachineError(f"machine file {path}: not found (known machines: "
+                           f"{', '.join(known) or 'none'})")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise MachineError(f"machine file {path}: not valid TOML ({exc})") from None
+    for key, typ in REQUIRED.items():
+        if key not in raw:
+            raise MachineError(f"machine file {path}: missing key {key!r}")
+        if not isinstance(raw[key], (int, float)) or raw[key] <= 0:
+            raise MachineError(f"machine file {path}: {key} must be a positive number")
+    links = {}
+    for sec in ("intra", "inter"):
+        s = raw.get(sec)
+        if not isinstance(s, dict) or not {"alpha", "beta"} <= set(s):
+            raise MachineError(f"machine file {path}: section [{sec}] needs alpha and beta")
+        links[sec] = Link(float(s["alpha"]), float(s["beta"]))
+    return Machine(name=str(raw.get("name", path.stem)), ranks_per_node=int(raw["ranks_per_node"]),
+                   flops=float(raw["flops"]), mem_bw=float(raw["mem_bw"]),
+                   mem_per_rank=float(raw["mem_per_rank"]), io_bw=float(raw["io_bw"]),
+                   intra=links["intra"], inter=links["inter"],
+                   description=str(raw.get("description", "")), cores=int(raw.get("cores", 0)),
+                   conv_rates=tuple((int(c), float(r)) for c, r in raw.get("conv_rates", ())),
+                   contention=float(raw.get("contention", 1.0)),
+                   mem_contention=float(raw.get("mem_contention", 1.0)),
+                   oversubscription=float(raw.get("oversubscription", 1.0)),
+                   layer_costs=tuple((str(k), float(v)) for k, v in
+                                     dict(raw.get("layer_costs", {})).items()))

@@ -1,0 +1,281 @@
+"""``hpcpar plan``: an alpha-beta model of one training step for every 4D grid.
+
+For a job and a rank count N it enumerates every grid (data, x, y, z) with product N and
+predicts, per rank: compute (FLOPs of each convolution and dense layer at the machine's rate;
+pools, pointwise layers and batch norms at their calibrated cost per input byte, else at the
+memory bandwidth; each class slowed by its measured contention and by time slicing), halo
+exchange (face bytes per split axis, one message per side, forward and backward), gradient
+allreduce (ring cost per hierarchy level, overlapped with backward except the last bucket),
+the gather feeding a replicated head, I/O (overlapped by prefetch) and memory (activations
+kept for backward, halos, parameters, gradients, optimizer state).
+Grids that cannot run (too many ranks for a layer's extent, batch not divisible, out of
+memory) are marked infeasible with the reason and never recommended.
+
+The layer list comes from tracing the job's plain model on torch's ``meta`` device, so a
+512³ CosmoFlow costs no memory and plans in well under a second per grid.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from functools import partial
+
+from hpcpar.plan.machine import Machine
+from hpcpar.parallel.partition import conv_axis_halo, conv_pads, split_sizes, transposed_axis_halo
+
+BYTES = {"fp32": 4, "bf16": 2}
+BUCKET_BYTES = 25 * 2**20
+
+
+@dataclass
+class Layer:
+    kind: str            # conv, convT, pool, bn, pointwise, linear, gather
+    spatial: bool        # runs on partitioned volumes (before the gather point)
+    in_shape: tuple      # per sample (C, D, H, W) or (F,)
+    out_shape: tuple
+    params: int
+    flops: float = 0.0   # forward FLOPs per sample (dense layers)
+    halo: tuple = ()     # per spatial axis: (n_in, parts, index) -> partition.AxisHalo
+
+
+def _stencil_halos(mod) -> tuple:
+    """Per-axis halo functions of a conv / transposed conv / pool, from hpcpar.parallel.partition (the
+    same geometry the spatial layers use)."""
+    from torch import nn
+
+    def tup(v):
+        return tuple(v) if isinstance(v, (tuple, list)) else (v, v, v)
+
+    k, d = tup(mod.kernel_size), tup(getattr(mod, "dilation", 1))
+    s = tup(mod.stride or mod.kernel_size)
+    if isinstance(mod, nn.ConvTranspose3d):
+        p, op = tup(mod.padding), tup(mod.output_padding)
+        return tuple(partial(transposed_axis_halo, kernel=k[a], stride=s[a], padding=p[a],
+                             output_padding=op[a], dilation=d[a]) for a in range(3))
+    pads = [conv_pads(mod.padding, a, k[a], d[a]) for a in range(3)]
+    ceil = getattr(mod, "ceil_mode", False)
+    return tuple(partial(conv_axis_halo, kernel=k[a], stride=s[a], pad_lo=pads[a][0],
+                         pad_hi=pads[a][1], dilation=d[a], ceil_mode=ceil) for a in range(3))
+
+
+def _halo_width(axis_halo, n: int, parts: int) -> int:
+    """Widest one-sided halo along an axis (the first, an interior and the last rank)."""
+    widths = [0]
+    for i in {0, min(1, parts - 1), parts // 2, parts - 1}:
+        h = axis_halo(n, parts, i)
+        widths += [h.halo_lo, h.halo_hi]
+    return max(widths)
+
+
+def trace_layers(model, sample_shape) -> list[Layer]:
+    """Leaf layers of ``model`` in call order with per-sample shapes, traced on ``meta``."""
+    import torch
+    from torch import nn
+
+    layers: list[Layer] = []
+    state = {"spatial": True}
+    hooks = []
+
+    def hook(mod, inputs, output):
+        x = inputs[0]
+        ins, outs = tuple(x.shape[1:]), tuple(output.shape[1:])
+        params = sum(p.numel() for p in mod.parameters(recurse=False))
+        name = type(mod).__name__
+        out_elems = math.prod(outs)
+        if isinstance(mod, (nn.Conv3d, nn.ConvTranspose3d)):
+            k = tuple(mod.kernel_size)
+            per_out = (mod.in_channels // mod.groups) * math.prod(k)
+            if isinstance(mod, nn.ConvTranspose3d):
+                flops = 2.0 * math.prod(ins) * (mod.out_channels // mod.groups) * math.prod(k)
+                kind = "convT"
+            else:
+                flops, kind = 2.0 * out_elems * per_out, "conv"
+            layers.append(Layer(kind, state["spatial"], ins, outs, params, flops,
+                                _stencil_halos(mod)))
+        elif isinstance(mod, (nn.MaxPool3d, nn.AvgPool3d)):
+            layers.append(Layer("pool", state["spatial"], ins, outs, 0,
+                                halo=_stencil_halos(mod)))
+        elif isinstance(mod, nn.Linear):
+            state["spatial"] = False
+            layers.append(Layer("linear", False, ins, outs, params,
+                                flops=2.0 * mod.in_features * mod.out_features))
+        elif name in ("GatherPoint", "AdaptiveAvgPool3d", "Flatten"):
+            if state["spatial"]:
+                layers.append(Layer("gather", True, ins, outs, 0))
+            state["spatial"] = False
+        elif isinstance(mod, nn.modules.batchnorm._BatchNorm):
+            layers.append(Layer("bn", state["spatial"], ins, outs, params))
+        else:
+            layers.append(Layer("pointwise", state["spatial"], ins, outs, params))
+
+    for mod in model.modules():
+        if not list(mod.children()):
+            hooks.append(mod.register_forward_hook(hook))
+    try:
+        model = model.to("meta")
+        with torch.no_grad():
+            model(torch.empty((1, *sample_shape), device="meta"))
+    finally:
+        for h in hooks:
+            h.remove()
+    return layers
+
+
+@dataclass
+class Workload:
+    """What the planner needs to know about a job."""
+
+    name: str
+    layers: list
+    sample_shape: tuple
+    global_batch: int
+    precision: str = "fp32"
+    optimizer: str = "adam"
+    params: int = 0
+
+    def __post_init__(self):
+        self.params = sum(l.params for l in self.layers)
+
+
+@dataclass
+class Prediction:
+    grid: tuple
+    feasible: bool
+    reason: str = ""
+    t_compute: float = 0.0
+    t_halo: float = 0.0
+    t_gather: float = 0.0
+    t_allreduce: float = 0.0
+    t_allreduce_exposed: float = 0.0
+    t_io: float = 0.0
+    t_step: float = 0.0
+    mem_bytes: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def spec(self) -> str:
+        return "x".join(map(str, self.grid))
+
+
+def grids(n: int):
+    """Every (data, x, y, z) with product ``n``."""
+    for d in range(1, n + 1):
+        if n % d:
+            continue
+        rest = n // d
+        for x, y in itertools.product(range(1, rest + 1), repeat=2):
+            if rest % (x * y) == 0:
+                yield (d, x, y, rest // (x * y))
+
+
+def _ring_allreduce(nbytes: float, p: int, link, messages_per_step: int = 1) -> float:
+    """Ring allreduce: 2(p-1) steps, each moving nbytes/p over ``link``."""
+    if p <= 1 or nbytes == 0:
+        return 0.0
+    return 2 * (p - 1) * (messages_per_step * link.alpha + nbytes / p / link.beta)
+
+
+def allreduce_time(nbytes: float, ranks: int, machine: Machine) -> float:
+    """Hierarchical: intra-node reduce + inter-node ring between node peers + broadcast."""
+    per_node = min(ranks, machine.ranks_per_node)
+    nodes = math.ceil(ranks / per_node)
+    buckets = max(1, math.ceil(nbytes / BUCKET_BYTES))
+    intra = _ring_allreduce(nbytes, per_node, machine.intra, buckets)
+    inter = _ring_allreduce(nbytes / per_node, nodes, machine.inter, buckets) if nodes > 1 else 0
+    return intra + inter
+
+
+def predict(work: Workload, grid: tuple, machine: Machine) -> Prediction:
+    d, X, Y, Z = grid
+    pred = Prediction(grid, True)
+    nbytes = BYTES.get(work.precision, 4)
+    if work.global_batch % d:
+        return Prediction(grid, False, f"global batch {work.global_batch} not divisible by "
+                                       f"data={d}")
+    b = work.global_batch // d
+    parts = (X, Y, Z)
+    spatial = X * Y * Z
+    link = machine.intra if spatial <= machine.ranks_per_node else machine.inter
+    act = t_dense = t_mem = 0.0
+    for i, layer in enumerate(work.layers):
+        if layer.spatial:
+            vol_in, vol_out = layer.in_shape[1:], layer.out_shape[1:]
+            for a in range(3):
+                if len(vol_in) == 3 and parts[a] > vol_in[a]:
+                    return Prediction(grid, False, f"layer {i} ({layer.kind}): axis "
+                                      f"{'xyz'[a]} has {vol_in[a]} voxels for {parts[a]} ranks")
+            out_local = [max(split_sizes(n, p)) for n, p in zip(vol_out, parts)] \
+                if len(vol_out) == 3 else []
+            in_local = [max(split_sizes(n, p)) for n, p in zip(vol_in, parts)] \
+                if len(vol_in) == 3 else []
+            share = math.prod(out_local) / max(1, math.prod(vol_out)) if out_local else 1
+            out_elems = layer.out_shape[0] * math.prod(out_local) if out_local else 0
+            in_elems = layer.in_shape[0] * math.prod(in_local) if in_local else 0
+            # halo: faces along split axes, widths from the layer's own halo plan geometry
+            if layer.halo and len(vol_in) == 3:
+                for a in range(3):
+                    width = _halo_width(layer.halo[a], vol_in[a], parts[a]) \
+                        if parts[a] > 1 else 0
+                    if width <= 0:
+                        continue
+                    face = layer.in_shape[0] * b * math.prod(
+                        in_local[j] for j in range(3) if j != a)
+                    # forward + backward, one message per side (sides overlap)
+                    pred.t_halo += 2 * link.time(face * width * nbytes, 2)
+            if layer.kind == "gather":
+                full = math.prod(layer.in_shape) * b * nbytes
+                pred.t_gather += 2 * link.time(full * (spatial - 1) / spatial,
+                                               max(1, spatial - 1)) if spatial > 1 else 0
+            flops = layer.flops * share * b
+            mem = (in_elems + out_elems) * b * nbytes
+        else:
+            flops = layer.flops * b
+            mem = (math.prod(layer.in_shape) + math.prod(layer.out_shape)) * b * nbytes
+            out_elems = math.prod(layer.out_shape)
+        # forward + backward ~ 3x forward for dense layers; pointwise moves bytes 3x, unless
+        # the machine file has a calibrated cost per input byte for the layer's kind
+        cost = machine.layer_cost(layer.kind)
+        if layer.kind in ("conv", "convT"):
+            t_dense += 3 * flops / machine.conv_rate(layer.in_shape[0])
+        elif cost is not None:
+            t_mem += cost * (in_elems if layer.spatial else math.prod(layer.in_shape)) * b * \
+                nbytes
+        else:
+            t_dense += 3 * flops / machine.flops
+            t_mem += 3 * mem / machine.mem_bw
+        act += out_elems * b * nbytes
+    # ranks sharing cores (oversubscribed test machines) compute proportionally slower, and
+    # shared memory bandwidth slows memory-bound layers more than convolutions
+    on_node = min(d * spatial, machine.ranks_per_node)
+    pred.t_compute = t_dense * machine.slowdown(on_node) + \
+        t_mem * machine.slowdown(on_node, machine.mem_contention)
+    grad_bytes = work.params * 4
+    pred.t_allreduce = allreduce_time(grad_bytes, d * spatial, machine)
+    t_bwd = pred.t_compute * 2 / 3
+    last_bucket = allreduce_time(min(grad_bytes, BUCKET_BYTES), d * spatial, machine)
+    pred.t_allreduce_exposed = max(last_bucket, pred.t_allreduce - t_bwd)
+    sample_bytes = math.prod(work.sample_shape) * 4
+    pred.t_io = b * sample_bytes / spatial / machine.io_bw
+    io_exposed = max(0.0, pred.t_io - pred.t_compute)
+    opt_state = {"adam": 2, "adamw": 2, "sgd": 1}.get(work.optimizer, 2)
+    pred.mem_bytes = act + work.params * 4 * (2 + opt_state) + 2 * b * sample_bytes / spatial
+    # the optimizer streams parameters, gradients and its state: (3 + 2 x state) passes
+    t_opt = work.params * 4 * (3 + 2 * opt_state) / machine.mem_bw
+    pred.t_step = (pred.t_compute + pred.t_halo + pred.t_gather + pred.t_allreduce_exposed
+                   + io_exposed + t_opt)
+    pred.extra["io_exposed"] = io_exposed
+    pred.extra["t_opt"] = t_opt
+    if pred.mem_bytes > 0.9 * machine.mem_per_rank:
+        pred.feasible = False
+        pred.reason = (f"needs {pred.mem_bytes / 1e9:.1f} GB per rank, machine has "
+                       f"{machine.mem_per_rank / 1e9:.1f} GB")
+    return pred
+
+
+def plan(work: Workload, ranks: int, machine: Machine) -> list[Prediction]:
+    """Predictions for every grid of ``ranks``, feasible ones first, fastest first."""
+    preds = [predict(work, g, machine) for g in grids(ranks)]
+    return sorted(preds, key=lambda p: (not p.feasible, p.t_step if p.feasible else 0.0,
+                                        p.grid))

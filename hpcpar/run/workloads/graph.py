@@ -1,0 +1,156 @@
+"""``[model] kind = "gcn" | "sage"``: full-graph node classification through ``hpcpar run``.
+
+One step = one epoch = one forward/backward over the whole graph, split over the grid's
+spatial ranks (``[grid] data = 1``, ``x = -1``). The loss on each rank is the sum over its
+owned training vertices divided by the GLOBAL number of training vertices, so the default
+gradient sync (SUM over the spatial group, average over ``data == 1``) gives exactly the
+single-process gradient; no parameter tags are needed.
+
+``[data] path`` is a graph file (hpcpar graph format); ``make = "cora"`` imports the bundled
+Cora there if it is missing, ``make = "synthetic"`` generates a power-law community graph from
+the ``nodes``/``avg_degree``/``communities``/``features``/``classes``/``seed`` keys.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hpcpar.run.workloads.base import Param, StepResult, Workload, WorkloadError, register_workload
+
+METHODS = ("metis", "block", "random")
+
+MODEL_PARAMS = {
+    "hidden": Param(int, 16, min=1, help="hidden width"),
+    "layers": Param(int, 2, min=1, help="graph convolutions"),
+    "dropout": Param(float, 0.5, min=0.0, max=1.0, help="on the input of every layer"),
+    "precompute": Param(bool, False, help="compute the first layer's A·X once"),
+    "decay": Param(str, "first", choices=("first", "all"),
+                   help="layers that get [train] weight_decay (Kipf & Welling: first)"),
+}
+
+DATA_PARAMS = {
+    "path": Param(str, help="graph file (.h5, hpcpar graph format)"),
+    "make": Param(str, "", choices=("", "cora", "synthetic"),
+                  help="create `path` first if it is missing"),
+    "partition": Param(str, "metis", choices=METHODS, help="vertex partitioning"),
+    "partition_seed": Param(int, 0, min=0),
+    "normalize": Param(bool, True, help="row-normalise features"),
+    "backend": Param(str, "auto", choices=("auto", "numba", "torch"), help="SpMM backend"),
+    "nodes": Param(int, 100000, min=2, help="make = synthetic"),
+    "avg_degree": Param(float, 10.0, min=0.0, help="make = synthetic"),
+    "communities": Param(int, 64, min=1, help="make = synthetic"),
+    "features": Param(int, 128, min=1, help="make = synthetic"),
+    "classes": Param(int, 8, min=2, help="make = synthetic"),
+    "seed": Param(int, 0, min=0, help="make = synthetic"),
+}
+
+
+def _check_job(job) -> None:
+    data = job.grid.data if hasattr(job.grid, "data") else job.grid_shape[0]
+    if data != 1:
+        raise WorkloadError(f"[grid] data = {data}: a graph is one sample, full-graph "
+                            f"training ({job.model.kind}) needs data = 1 and x = -1")
+
+
+def make_graph_file(path: str, d: dict) -> None:
+    """Create ``path`` as ``[data] make`` says (rank 0 only)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    if d["make"] == "cora":
+        from hpcpar.graph.format import bundled
+        from hpcpar.graph.format import import_npz
+
+        import_npz(bundled("cora"), path)
+    else:
+        from hpcpar.graph.format import write_graph
+        from hpcpar.graph.generate import power_law_community_graph
+
+        g = power_law_community_graph(d["nodes"], d["avg_degree"], d["communities"],
+                                      d["features"], d["classes"], d["seed"])
+        write_graph(path, d["nodes"], g["x"], g["y"], g["masks"],
+                    csr=(g["indptr"], g["indices"]), num_classes=d["classes"],
+                    name="synthetic", source="hpcpar [data] make = synthetic")
+
+
+class GraphWorkload(Workload):
+    conv = "gcn"
+    model_params = MODEL_PARAMS
+    data_params = DATA_PARAMS
+    splits_global_batch = False
+    check_job = staticmethod(_check_job)
+
+    def __init__(self, job, grid, device):
+        super().__init__(job, grid, device)
+        from hpcpar.graph.distgraph import DistGraph, graph_comm
+
+        d = job.data.params
+        comm = graph_comm(grid)
+        path = d["path"]
+        if d["make"] and comm.Get_rank() == 0 and not os.path.exists(path):
+            make_graph_file(path, d)
+        comm.Barrier()
+        self.graph = DistGraph.from_hdf5(path, grid, method=d["partition"],
+                                         seed=d["partition_seed"], row_normalize=d["normalize"],
+                                         backend=d["backend"]).to(device)
+
+    def _make(self):
+        from hpcpar.models.gcn import GCN
+
+        m = self.job.model.params
+        g = self.graph
+        return GCN(g.num_features, m["hidden"], g.num_classes, num_layers=m["layers"],
+                   dropout=m["dropout"], conv=self.conv, precompute=m["precompute"],
+                   seed=self.job.train.seed)
+
+    def build_model(self):
+        return self._make().to(self.device)
+
+    def reference_model(self):
+        return self._make()
+
+    def param_groups(self, model):
+        if self.job.model.params["decay"] == "all":
+            return super().param_groups(model)
+        first = list(model.convs[0].parameters())
+        rest = [p for c in model.convs[1:] for p in c.parameters()]
+        return [{"params": first}, {"params": rest, "weight_decay": 0.0}]
+
+    def steps_per_epoch(self) -> int:
+        return 1
+
+    def batches(self, epoch: int):
+        yield self.graph
+
+    def forward_loss(self, model, batch) -> StepResult:
+        from hpcpar.parallel.comm import allreduce_
+        from hpcpar.graph.metrics import masked_loss
+
+        loss = masked_loss(model(batch.x, batch), batch)
+        total = loss.detach().double().reshape(1).cpu()
+        allreduce_(total, batch.comm)
+        return StepResult(loss=loss, samples=batch.num_nodes, loss_value=float(total[0]))
+
+    def _metrics(self, model, splits) -> dict:
+        from hpcpar.graph.metrics import split_metrics
+
+        out = model(self.graph.x, self.graph)
+        res = {}
+        for s in splits:
+            res.update(split_metrics(out, self.graph, s))
+        return res
+
+    def evaluate(self, model) -> dict:
+        return self._metrics(model, ("val",))
+
+    def final_metrics(self, model) -> dict:
+        return self._metrics(model, ("train", "val", "test"))
+
+
+@register_workload("gcn")
+class GCNWorkload(GraphWorkload):
+    conv = "gcn"
+
+
+@register_workload("sage")
+class SAGEWorkload(GraphWorkload):
+    conv = "sage"

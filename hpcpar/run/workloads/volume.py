@@ -1,0 +1,319 @@
+"""The volume model kinds, ``cosmoflow`` and ``unet3d``, as :class:`hpcpar.run.workloads.base.Workload`s.
+
+Data (``[data]``): an HDF5 dataset directory (``path``; made on first use with
+``generate = true``, by all ranks in parallel) or in-memory synthetic CosmoFlow-like volumes
+(``source = "synthetic"``), both yielding this rank's sub-volume of its data group's samples.
+Validation uses ``val_path`` or ``val_samples`` synthetic samples of another seed.
+
+* ``cosmoflow`` regresses the 4 targets (MSE); the dense head runs replicated after the
+  gather point, so the per-rank loss is the replica's mean loss.
+* ``unet3d`` segments voxels: inputs are all channels but the last, the label is
+  ``last channel > 0`` (a nonlinear function of the same field; learnable from the others).
+  Each spatial rank's loss is its voxels' share of the global mean cross-entropy, so the
+  gradient sync's spatial sum gives the exact gradient; the logged loss is the group's sum.
+
+No torch import at module import (job validation runs in the launcher).
+"""
+
+from __future__ import annotations
+
+import os
+
+from hpcpar.run.workloads.base import Param, StepResult, Workload, WorkloadError, register_workload
+
+VOLUME_DATA = {
+    "source": Param(str, "hdf5", choices=("hdf5", "synthetic"),
+                    help="hdf5: read `path`; synthetic: generate in memory"),
+    "path": Param(str, None, help="HDF5 dataset directory (or single .h5 file)"),
+    "generate": Param(bool, False, help="make `path` (synthetic cosmoflow) if it is missing"),
+    "size": Param(int, None, min=1, help="synthetic/generate: volume edge"),
+    "channels": Param(int, 4, min=1, help="synthetic/generate: channels"),
+    "samples": Param(int, 64, min=1, help="synthetic/generate: training samples"),
+    "shards": Param(int, 4, min=1, help="generate: shard files"),
+    "seed": Param(int, 0, min=0, help="data seed (sample i depends on (seed, i) only)"),
+    "shuffle": Param(bool, True),
+    "prefetch": Param(int, 2, min=0, help="HDF5: batches read ahead"),
+    "stage_to": Param(str, None, help="HDF5: copy shards to node-local storage first"),
+    "val_path": Param(str, None, help="HDF5 validation dataset"),
+    "val_samples": Param(int, 0, min=0, help="synthetic validation samples (another seed)"),
+    "transform": Param(str, "log1p", choices=("log1p", "none"), help="input transform"),
+}
+
+
+def _check_volume_job(job) -> None:
+    d = job.data.params
+    if d["source"] == "synthetic":
+        if d["size"] is None:
+            raise WorkloadError("[data] size: required for source = 'synthetic'")
+        if d["path"] is not None:
+            raise WorkloadError("[data] path: not used with source = 'synthetic' (drop one)")
+    else:
+        if d["path"] is None:
+            raise WorkloadError("[data] path: required (or set source = 'synthetic')")
+        if d["generate"] and d["size"] is None:
+            raise WorkloadError("[data] size: required with generate = true")
+    if d["val_path"] and d["val_samples"]:
+        raise WorkloadError("[data] give val_path or val_samples, not both")
+    if d["val_samples"] and d["val_samples"] < job.train.global_batch:
+        raise WorkloadError(f"[data] val_samples: {d['val_samples']} is out of range (must be "
+                            f">= [train] global_batch = {job.train.global_batch})")
+
+
+class VolumeWorkload(Workload):
+    """Shared data handling of the volume kinds; subclasses build the model and the loss."""
+
+    data_params = VOLUME_DATA
+    check_job = staticmethod(_check_volume_job)
+
+    def __init__(self, job, grid, device):
+        super().__init__(job, grid, device)
+        d = job.data.params
+        self.d = d
+        batch = job.train.global_batch
+        if d["source"] == "synthetic":
+            self.train_set = self._synthetic(d["samples"], d["seed"], d["shuffle"])
+            self.val_set = (self._synthetic(d["val_samples"], d["seed"] + 1_000_003, False)
+                            if d["val_samples"] else None)
+        else:
+            if d["generate"]:
+                self._generate(d["path"], d["samples"], d["seed"])
+            from hpcpar.data import ShardedVolumeDataset
+
+            self.train_set = ShardedVolumeDataset(d["path"], grid, batch, shuffle=d["shuffle"],
+                                                  seed=d["seed"], prefetch=d["prefetch"],
+                                                  stage_to=d["stage_to"])
+            self.val_set = None
+            if d["val_samples"]:
+                val = d["path"].rstrip("/") + "-val"
+                if d["generate"]:
+                    self._generate(val, d["val_samples"], d["seed"] + 1_000_003)
+                d = dict(d, val_path=val)
+            if d["val_path"]:
+                self.val_set = ShardedVolumeDataset(d["val_path"], grid, batch, shuffle=False,
+                                                    prefetch=0)
+        x_shape = self._sample_shape(self.train_set)
+        self.channels, self.size = x_shape[0], x_shape[1:]
+
+    def _synthetic(self, samples, seed, shuffle):
+        from hpcpar.data import SyntheticVolumeDataset
+
+        return SyntheticVolumeDataset(self.grid, self.job.train.global_batch,
+                                      size=self.d["size"], channels=self.d["channels"],
+                                      samples=samples, seed=seed, shuffle=shuffle)
+
+    def _generate(self, path, samples, seed) -> None:
+        """Collective: write the synthetic dataset at ``path`` unless it exists."""
+        exists = None
+        if self.grid.rank == 0:
+            exists = os.path.exists(path)
+            if not exists:
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        if self.grid.comm.bcast(exists):
+            return
+        from hpcpar.data import CosmoflowSource, shard_counts, write_dataset
+
+        src = CosmoflowSource(samples, self.d["size"], self.d["channels"], seed)
+        write_dataset(path, src, shard_counts(samples, shards=min(self.d["shards"], samples)),
+                      comm=self.grid.comm, progress=False)
+
+    @staticmethod
+    def _sample_shape(ds) -> tuple:
+        m = getattr(ds, "manifest", None)
+        if m is not None:
+            return tuple(m.x.shape)
+        return (ds.channels, ds.size, ds.size, ds.size)
+
+    # -- data --------------------------------------------------------------------------------
+    def steps_per_epoch(self) -> int:
+        return len(self.train_set)
+
+    def batches(self, epoch: int):
+        self.train_set.set_epoch(epoch)
+        return iter(self.train_set)
+
+    def state_dict(self) -> dict:
+        return {"train": self.train_set.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.train_set.load_state_dict(state["train"])
+
+    def close(self) -> None:
+        for ds in (self.train_set, self.val_set):
+            if ds is not None:
+                ds.close()
+
+    def _inputs(self, x):
+        x = x.to(self.device, non_blocking=True)
+        x = x.log1p() if self.d["transform"] == "log1p" else x
+        if self.job.train.channels_last:  # every spatial layer then runs in that order
+            import torch
+
+            x = x.contiguous(memory_format=torch.channels_last_3d)
+        return x
+
+    # -- model -------------------------------------------------------------------------------
+    label_channels = 0  # trailing sample channels that hold labels, not model input
+
+    @classmethod
+    def build_plain(cls, job, channels: int, size: tuple, n_targets: int):
+        """The plain single-process model of ``job`` for samples of ``channels`` x ``size``
+        (no data needed: the planner builds it on the meta device)."""
+        raise NotImplementedError
+
+    def plain_model(self):
+        return self.build_plain(self.job, self.channels, self.size, self._targets())
+
+    def _targets(self) -> int:
+        m = getattr(self.train_set, "manifest", None)
+        return int(m.y.shape[0]) if m is not None else len(self.train_set.targets)
+
+    def reference_model(self):
+        import torch
+
+        torch.manual_seed(self.job.train.seed)
+        return self.plain_model()
+
+    def build_model(self):
+        from hpcpar.nn.spatializer import spatialize
+
+        return spatialize(self.reference_model(), self.grid,
+                          **self.spatialize_kwargs()).to(self.device)
+
+    def spatialize_kwargs(self) -> dict:
+        return {}
+
+    # -- evaluation ----------------------------------------------------------------------------
+    def evaluate(self, model) -> dict:
+        """Mean validation loss (and kind metrics) over every full validation batch."""
+        import numpy as np
+        from mpi4py import MPI
+
+        if self.val_set is None:
+            return {}
+        sums = np.zeros(1 + len(self.metric_names), dtype=np.float64)
+        count = 0
+        self.val_set.set_epoch(0)
+        self.val_set.load_state_dict({"epoch": 0, "position": 0})
+        for x, y in self.val_set:
+            res = self.forward_loss(model, (x, y))
+            n = res.samples
+            sums[0] += res.loss_value * n
+            sums[1:] += np.asarray(res.extra.get("metrics", []), dtype=np.float64) * n
+            count += n
+        # one replica per data group: sum over the data axis only
+        data_comm = self.grid.data_comm
+        sums = data_comm.allreduce(sums, op=MPI.SUM)
+        count = data_comm.allreduce(count, op=MPI.SUM)
+        out = {"val_loss": sums[0] / max(count, 1)}
+        out.update({f"val_{k}": v / max(count, 1) for k, v in zip(self.metric_names, sums[1:])})
+        return out
+
+    metric_names: tuple = ()
+
+
+@register_workload("cosmoflow")
+class CosmoFlowWorkload(VolumeWorkload):
+    """CosmoFlow regression of the 4 targets, MSE loss; validation reports val_loss, val_mae."""
+
+    kind = "cosmoflow"
+    model_params = {
+        "n_conv_blocks": Param(int, 5, min=1, help="conv + pool blocks"),
+        "base_filters": Param(int, 16, min=1, help="filters of block 0 (doubling)"),
+        "kernel_size": Param(int, 3, min=1),
+        "dense": Param(list, [128, 64], help="widths of the dense layers"),
+        "dropout": Param(float, 0.0, min=0.0, max=1.0),
+        "negative_slope": Param(float, 0.3, min=0.0),
+    }
+    metric_names = ("mae",)
+
+    @staticmethod
+    def check_job(job) -> None:
+        _check_volume_job(job)
+        p = job.model.params
+        if not all(isinstance(w, int) and not isinstance(w, bool) and w > 0
+                   for w in p["dense"]):
+            raise WorkloadError(f"[model] dense: expected a list of positive integers, got "
+                                f"{p['dense']!r}")
+        size = job.data.params["size"]
+        if size is not None and size < 2 ** p["n_conv_blocks"]:
+            raise WorkloadError(f"[model] n_conv_blocks: {p['n_conv_blocks']} pooling blocks "
+                                f"need a volume of at least {2 ** p['n_conv_blocks']}, "
+                                f"[data] size is {size}")
+
+    @classmethod
+    def build_plain(cls, job, channels, size, n_targets):
+        from hpcpar.models.cosmoflow import CosmoFlow
+
+        p = dict(job.model.params)
+        p["dense"] = tuple(p["dense"])
+        return CosmoFlow(input_size=size[0], in_channels=channels, n_targets=n_targets, **p)
+
+    def forward_loss(self, model, batch) -> StepResult:
+        import torch.nn.functional as F
+
+        x, y = batch
+        y = y.to(self.device, non_blocking=True)
+        out = model(self._inputs(x))
+        loss = F.mse_loss(out.float(), y.float())
+        mae = float((out.detach().float() - y).abs().mean())
+        return StepResult(loss=loss, samples=int(y.shape[0]), loss_value=float(loss.detach()),
+                          extra={"metrics": [mae]})
+
+
+@register_workload("unet3d")
+class UNet3DWorkload(VolumeWorkload):
+    """3D U-Net voxel segmentation (label: last channel > 0) with cross-entropy; validation
+    reports val_loss and val_accuracy (voxel accuracy)."""
+
+    kind = "unet3d"
+    model_params = {
+        "base_filters": Param(int, 16, min=1),
+        "depth": Param(int, 3, min=1, help="poolings"),
+        "batch_norm": Param(bool, True),
+        "kernel_size": Param(int, 3, min=1),
+        "bn_include_data": Param(bool, True, help="batch-norm statistics over the whole "
+                                                  "global batch (as one process would)"),
+    }
+    metric_names = ("accuracy",)
+    label_channels = 1  # the last channel is the segmentation label
+
+    @staticmethod
+    def check_job(job) -> None:
+        _check_volume_job(job)
+        d, p = job.data.params, job.model.params
+        if d["channels"] < 2 and (d["source"] == "synthetic" or d["generate"]):
+            raise WorkloadError("[data] channels: unet3d needs >= 2 (inputs + label channel)")
+        if d["size"] is not None and d["size"] < 2 ** p["depth"]:
+            raise WorkloadError(f"[model] depth: {p['depth']} poolings need a volume of at "
+                                f"least {2 ** p['depth']}, [data] size is {d['size']}")
+
+    @classmethod
+    def build_plain(cls, job, channels, size, n_targets):
+        from hpcpar.models.unet3d import UNet3D
+
+        p = {k: v for k, v in job.model.params.items() if k != "bn_include_data"}
+        return UNet3D(in_channels=channels - cls.label_channels, out_channels=2, **p)
+
+    def spatialize_kwargs(self) -> dict:
+        return {"bn_include_data": self.job.model.params["bn_include_data"]}
+
+    def forward_loss(self, model, batch) -> StepResult:
+        import numpy as np
+        import torch
+        import torch.nn.functional as F
+        from mpi4py import MPI
+
+        x, _ = batch
+        x = self._inputs(x)
+        labels = (x[:, -1] > 0).long()
+        logits = model(x[:, :-1])
+        n = x.shape[0]
+        voxels = n * int(torch.tensor(self.size).prod())
+        # this rank's share of the global mean: the sync's spatial sum completes it
+        loss = F.cross_entropy(logits.float(), labels, reduction="sum") / voxels
+        correct = float((logits.detach().argmax(1) == labels).sum()) / voxels
+        both = np.array([float(loss.detach()), correct])
+        if self.grid.spatial_size > 1:
+            self.grid.spatial_comm.Allreduce(MPI.IN_PLACE, both, op=MPI.SUM)
+        return StepResult(loss=loss, samples=int(n), loss_value=float(both[0]),
+                          extra={"metrics": [float(both[1])]})
