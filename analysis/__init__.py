@@ -2,6 +2,8 @@
 
 >>> runs, steps = load(["sweep/"])            # run or sweep directories
 >>> table = scaling_table(runs, steps)         # one row per (config, ranks)
+
+May import: hpcpar.errors, hpcpar.run (the record format).
 """
 
 from .load import find_runs, load, load_run

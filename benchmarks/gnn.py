@@ -26,7 +26,7 @@ import torch.nn.functional as F  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from hpcpar.graph import DistGraph, power_law_community_graph  # noqa: E402
-from hpcpar.graph.csr import csr_to_edges  # noqa: E402
+from hpcpar.graph._csr import csr_to_edges  # noqa: E402
 from hpcpar.graph.metrics import masked_loss  # noqa: E402
 from hpcpar.models import GCN  # noqa: E402
 

@@ -53,7 +53,7 @@ def read_times(files, items, box, local_shape, nbytes: int, raw: bool) -> list[f
     """Seconds per sample: this rank's hyperslab through the reader's code (files stay open,
     as the reader keeps them), or the same byte count with one plain ``preadv`` (``raw``).
     Per-sample times, so a busy machine's preemptions show as outliers, not averages."""
-    from hpcpar.data.hyperslab import read_samples
+    from hpcpar.data._hyperslab import read_samples
 
     out_x = np.empty((1, *local_shape), np.float32)
     out_y = np.empty((1, 4), np.float32)
@@ -165,7 +165,7 @@ def bench_reads(grid, out, m, paths, batch, args):
     from mpi4py import MPI
 
     from hpcpar.data import ShardedVolumeDataset
-    from hpcpar.data.hyperslab import ShardFiles, cache_bytes
+    from hpcpar.data._hyperslab import ShardFiles, cache_bytes
 
     comm = MPI.COMM_WORLD
     ds = ShardedVolumeDataset(out, grid, batch, prefetch=0)

@@ -9,8 +9,8 @@ from torch import nn
 
 import hpcpar
 from hpcpar.sync.ddp import ModelMismatchError
-from hpcpar.sync.buckets import assign_buckets
-from hpcpar.sync.compression import CompressionError, fold, wire_dtype_for
+from hpcpar.sync._buckets import assign_buckets
+from hpcpar.sync._compression import CompressionError, fold, wire_dtype_for
 from hpcpar.parallel.counters import COUNTERS
 from hpcpar.sync.tags import tag_data_only
 from hpcpar.testing import mpi_case

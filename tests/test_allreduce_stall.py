@@ -12,7 +12,7 @@ import time
 import pytest
 
 from hpcpar.launch.mpiexec import find_mpiexec, rank_env
-from hpcpar.sync.stall import StallConfigError, describe, stall_timeout
+from hpcpar.sync._stall import StallConfigError, describe, stall_timeout
 from hpcpar.testing.mpi import startup_allowance
 
 TIMEOUT = 3  # HPCPAR_STALL_TIMEOUT in the scenario

@@ -16,8 +16,8 @@ from hpcpar.cli import main as cli_main
 from hpcpar.data.errors import DataError
 from hpcpar.data.format import (FORMAT_VERSION, check_shard, read_manifest, sha256_file,
                                 verify_dataset)
-from hpcpar.data.hyperslab import ShardFiles, read_samples, touched_chunk_bytes
-from hpcpar.data.schedule import EpochSchedule, local_box
+from hpcpar.data._hyperslab import ShardFiles, read_samples, touched_chunk_bytes
+from hpcpar.data._schedule import EpochSchedule, local_box
 from hpcpar.data.synthetic import CosmoflowSource, cosmoflow_sample
 from hpcpar.data.writer import H5Source, SerialComm, shard_counts, write_dataset
 
@@ -335,7 +335,7 @@ def test_h5dump_reads_shards(tmp_path):
 ORPHAN_SCRIPT = """
 import os, signal, sys
 from hpcpar.data.format import read_manifest
-from hpcpar.data.prefetch import Prefetcher, SlotLayout
+from hpcpar.data._prefetch import Prefetcher, SlotLayout
 out = sys.argv[1]
 m = read_manifest(out)
 lay = SlotLayout(2, 2, (2, 9, 7, 5), 'float32', (3,), 'float32')

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from hpcpar.cli.graph import graph
 from hpcpar.graph.format import bundled
 from hpcpar.graph import GraphError, GraphFile, partition, power_law_community_graph
-from hpcpar.graph.csr import csr_to_edges, edges_to_csr
+from hpcpar.graph._csr import csr_to_edges, edges_to_csr
 from hpcpar.graph.format import GraphFormatError, write_graph
 
 

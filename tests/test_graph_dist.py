@@ -18,7 +18,7 @@ def synthetic_directed():
     """A small directed power-law graph with a self loop, a duplicate edge and a vertex
     without in-edges (exercises: loop not doubled, dedupe, zero in-degree)."""
     from hpcpar.graph.generate import power_law_community_graph
-    from hpcpar.graph.csr import csr_to_edges
+    from hpcpar.graph._csr import csr_to_edges
 
     g = power_law_community_graph(120, 4, communities=4, features=6, classes=3, seed=3,
                                   directed=True)

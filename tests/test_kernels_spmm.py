@@ -35,7 +35,7 @@ def test_cpu_twin_and_transpose_match_scipy(dtype):
 
 
 def test_torch_tensors_zero_copy_and_operator_adjoint():
-    from hpcpar.graph.sparse import SparseOperator
+    from hpcpar.graph._sparse import SparseOperator
 
     a = random_csr(30, 20, 0.15, np.float64, seed=3)
     for backend in ("numba", "torch"):

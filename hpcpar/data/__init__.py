@@ -1,6 +1,8 @@
 """HDF5 sharded volume datasets: format, synthetic generator, per-rank hyperslab reader.
 
 Names load lazily: ``hpcpar.data`` imports neither torch nor h5py until a name is used.
+
+May import: hpcpar.errors, hpcpar.parallel.
 """
 
 from .._lazy import lazy_getattr
@@ -18,7 +20,7 @@ _LAZY = {
     "H5Source": "hpcpar.data.writer",
     "CosmoflowSource": "hpcpar.data.synthetic",
     "cosmoflow_sample": "hpcpar.data.synthetic",
-    "local_box": "hpcpar.data.schedule",
+    "local_box": "hpcpar.data._schedule",
 }
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .schedule import VolumeDatasetBase
+from hpcpar.data._schedule import VolumeDatasetBase
 from .synthetic import TARGETS, cosmoflow_sample
 
 CACHE_BYTES = 1 << 30

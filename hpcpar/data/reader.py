@@ -20,8 +20,8 @@ import numpy as np
 from hpcpar.parallel.counters import COUNTERS
 from .errors import DataError
 from .format import Array, Manifest, Shard, check_shard, open_h5, read_manifest
-from .hyperslab import ShardFiles, cache_bytes, read_samples
-from .schedule import VolumeDatasetBase
+from hpcpar.data._hyperslab import ShardFiles, cache_bytes, read_samples
+from hpcpar.data._schedule import VolumeDatasetBase
 
 
 def single_file_manifest(path: str, x_key: str = "x", y_key: str = "y") -> Manifest:
@@ -162,7 +162,7 @@ class ShardedVolumeDataset(VolumeDatasetBase):
             yield torch.from_numpy(x), torch.from_numpy(y)
 
     def _start_prefetcher(self):
-        from .prefetch import Prefetcher, SlotLayout
+        from hpcpar.data._prefetch import Prefetcher, SlotLayout
 
         if self._prefetcher is not None and self._prefetcher.alive:
             return self._prefetcher

@@ -2,6 +2,8 @@
 
 ``partition`` and the format/generator helpers need only numpy; ``DistGraph`` (torch) loads
 lazily.
+
+May import: hpcpar.errors, hpcpar.parallel, hpcpar.kernels.
 """
 
 from .._lazy import lazy_getattr
@@ -13,7 +15,7 @@ _LAZY = {
     "write_graph": ("hpcpar.graph.format", "write_graph"),
     "import_npz": ("hpcpar.graph.format", "import_npz"),
     "power_law_community_graph": ("hpcpar.graph.generate", "power_law_community_graph"),
-    "GraphError": ("hpcpar.graph.csr", "GraphError"),
+    "GraphError": ("hpcpar.graph._csr", "GraphError"),
     "GraphFormatError": ("hpcpar.graph.format", "GraphFormatError"),
     "masked_loss": ("hpcpar.graph.metrics", "masked_loss"),
     "split_metrics": ("hpcpar.graph.metrics", "split_metrics"),

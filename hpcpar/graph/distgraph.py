@@ -2,7 +2,7 @@
 
 Each rank holds only its owned vertices: their in-edge rows (sources as global ids), features,
 labels and masks. Local order: owned vertices (ascending global id) then halo vertices grouped
-by owner (see :mod:`hpcpar.graph.vertex_halo`). Aggregation operators are local sparse matrices
+by owner (see :mod:`hpcpar.graph._vertex_halo`). Aggregation operators are local sparse matrices
 ``(n_owned, n_owned + n_halo)`` whose weights use GLOBAL degrees:
 
 * ``"gcn"``: ``D~^-1/2 (A + I) D~^-1/2`` — a self loop is added only where none exists (never
@@ -25,11 +25,11 @@ import torch
 from hpcpar.parallel.comm import allgatherv, alltoallv
 from ..errors import HpcparError
 from hpcpar.parallel.partition import part_range
-from .csr import GraphError, edges_to_csr, is_symmetric, sorted_unique
+from hpcpar.graph._csr import GraphError, edges_to_csr, is_symmetric, sorted_unique
 from .format import MASKS, GraphFile
-from hpcpar.graph.vertex_halo import HaloPlan, with_halo
+from hpcpar.graph._vertex_halo import HaloPlan, with_halo
 from hpcpar.graph.vertex_partition import partition_csr
-from .sparse import SparseOperator
+from hpcpar.graph._sparse import SparseOperator
 
 KINDS = ("gcn", "mean", "sum")
 

@@ -21,7 +21,7 @@ import os
 
 import numpy as np
 
-from .csr import GraphError, check_edges, edges_to_csr, is_symmetric
+from hpcpar.graph._csr import GraphError, check_edges, edges_to_csr, is_symmetric
 
 FORMAT = "hpcpar-graph"
 VERSION = 1

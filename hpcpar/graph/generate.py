@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .csr import GraphError, edges_to_csr
+from hpcpar.graph._csr import GraphError, edges_to_csr
 
 
 def _sample(cum: np.ndarray, u: np.ndarray) -> np.ndarray:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from hpcpar.parallel.partition import split_sizes
-from hpcpar.graph.csr import GraphError, check_edges, edges_to_csr, sorted_unique
+from hpcpar.graph._csr import GraphError, check_edges, edges_to_csr, sorted_unique
 
 METHODS = ("metis", "block", "random")
 

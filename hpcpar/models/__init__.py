@@ -1,4 +1,7 @@
-"""Plain-torch-looking model definitions; run them distributed with ``hpcpar.nn.spatialize``."""
+"""Plain-torch-looking model definitions; run them distributed with ``hpcpar.nn.spatialize``.
+
+May import: hpcpar.errors, hpcpar.parallel, hpcpar.sync, hpcpar.nn, hpcpar.graph.
+"""
 
 from .._lazy import lazy_getattr
 

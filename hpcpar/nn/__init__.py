@@ -1,6 +1,8 @@
 """Distributed layers: spatial (halo-exchanging) 3D layers, tensor-parallel dense layers and
 distributed graph layers. Each spatial layer takes its torch twin's arguments plus ``grid=``
 and has the same state_dict keys and shapes. Names load lazily (importing layers pulls torch).
+
+May import: hpcpar.errors, hpcpar.parallel, hpcpar.sync, hpcpar.graph, hpcpar.kernels.
 """
 
 from .._lazy import lazy_getattr

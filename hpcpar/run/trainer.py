@@ -93,7 +93,7 @@ class Trainer:
 
         from hpcpar.parallel.grid import ProcessGrid
         from hpcpar.parallel.placement import select_device
-        from hpcpar.run.optim import build_optimizer, build_scheduler
+        from hpcpar.run._optim import build_optimizer, build_scheduler
         from hpcpar.run.workloads.base import get_workload
 
         self.job = job

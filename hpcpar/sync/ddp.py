@@ -18,8 +18,8 @@ Mechanics: gradients live in flat buckets (reverse registration order, first buc
 a post-accumulate-grad hook marks a parameter ready and launches every bucket whose turn has
 come, in the same bucket order on every rank; the end of backward (an autograd-engine
 callback) launches buckets still waiting (parameters without a gradient this step) and waits
-for all of them. See :mod:`hpcpar.sync.buckets` for the reduction itself, :mod:`hpcpar.sync.stall` for
-the stall detector and :mod:`hpcpar.sync.compression` for 16-bit transport.
+for all of them. See :mod:`hpcpar.sync._buckets` for the reduction itself, :mod:`hpcpar.sync._stall` for
+the stall detector and :mod:`hpcpar.sync._compression` for 16-bit transport.
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from hpcpar.sync.buckets import MB, Bucket, ReduceGroup, assign_buckets
+from hpcpar.sync._buckets import MB, Bucket, ReduceGroup, assign_buckets
 from hpcpar.parallel.comm import bcast_
-from hpcpar.sync.compression import wire_dtype_for
+from hpcpar.sync._compression import wire_dtype_for
 from hpcpar.errors import HpcparError
 from hpcpar.parallel.grid import ProcessGrid
-from hpcpar.sync.stall import StallMonitor
+from hpcpar.sync._stall import StallMonitor
 from hpcpar.parallel.counters import COUNTERS
 from hpcpar.sync.tags import DATA_ONLY, reduce_scope
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import DataError
-from .format import open_h5
+from hpcpar.data.errors import DataError
+from hpcpar.data.format import open_h5
 
 MAX_OPEN = 64  # shard files kept open at once
 MAX_IOVECS = 64  # channels beyond this: chunks go through the staging buffer

@@ -2,7 +2,7 @@
 
 h5py serialises every HDF5 call behind one lock, so a reader thread cannot overlap reads with
 anything else that touches HDF5; a separate process can. The child is a fresh interpreter
-(``python -m hpcpar.data.prefetch``), not a fork: nothing HDF5 opened in the parent is
+(``python -m hpcpar.data._prefetch``), not a fork: nothing HDF5 opened in the parent is
 inherited, the user's ``__main__`` is not re-imported (as spawn/forkserver would do), and it
 imports numpy + h5py only (no torch, no MPI: ~0.2 s to start). It opens the shard files itself.
 
@@ -24,7 +24,7 @@ import sys
 
 import numpy as np
 
-from .errors import DataError
+from hpcpar.data.errors import DataError
 
 
 class SlotLayout:
@@ -75,7 +75,7 @@ class Prefetcher:
                   "open_kwargs": open_kwargs, "parent": os.getpid()}
         env = dict(os.environ, OMP_NUM_THREADS="1")
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "hpcpar.data.prefetch"], stdin=subprocess.PIPE,
+            [sys.executable, "-m", "hpcpar.data._prefetch"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, pass_fds=(fd,), env=env, text=True, bufsize=1)
         os.close(fd)
         self._send(config)
@@ -163,7 +163,7 @@ def _die_with_parent(parent: int) -> None:
 
 def main() -> None:
     """Child side: serve read requests until stdin closes."""
-    from .hyperslab import ShardFiles, read_samples
+    from hpcpar.data._hyperslab import ShardFiles, read_samples
 
     config = json.loads(sys.stdin.readline())
     _die_with_parent(config["parent"])

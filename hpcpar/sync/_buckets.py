@@ -10,7 +10,7 @@ and finish it at the end of backward:
 * gather (small buckets, where latency dominates): one ``Iallgather`` of every rank's whole
   bucket, then every rank sums all rows in the canonical order -> divide;
 * flat: ``Ialltoallv`` (rank r receives the others' chunk r) -> sum in the canonical order
-  of :func:`hpcpar.sync.compression.fold` -> divide -> ``Iallgather``;
+  of :func:`hpcpar.sync._compression.fold` -> divide -> ``Iallgather``;
 * shared (every rank on one node, full-precision CPU gradients): the buckets live in an MPI
   shared-memory window; rank r sums chunk r of every rank's bucket by direct loads, divides,
   then copies the other chunks from their owners, between three barriers (no message
@@ -33,7 +33,7 @@ import os
 import torch
 
 from hpcpar.parallel.comm import as_buffer, free_at_exit, message_buffer
-from hpcpar.sync.compression import accumulation_dtype, fold
+from hpcpar.sync._compression import accumulation_dtype, fold
 
 MB = 1 << 20
 #: buckets whose other ranks' copies total at most this many bytes take the one-round path

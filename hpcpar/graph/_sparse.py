@@ -17,7 +17,7 @@ import warnings
 import numpy as np
 import torch
 
-from ..kernels.spmm import cpu_threads, spmm, transpose_csr
+from hpcpar.kernels.spmm import cpu_threads, spmm, transpose_csr
 
 BACKENDS = ("auto", "numba", "torch")
 NUMBA_MIN_COLS = 32

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from hpcpar.parallel.partition import box, part_range
-from .errors import DataError
+from hpcpar.data.errors import DataError
 
 
 def local_box(volume_shape, spatial_shape, spatial_coords) -> tuple:

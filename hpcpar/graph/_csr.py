@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import HpcparError
+from hpcpar.errors import HpcparError
 
 
 class GraphError(HpcparError, ValueError):
