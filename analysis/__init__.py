@@ -6,13 +6,17 @@
 May import: hpcpar.errors, hpcpar.run (the record format).
 """
 
+from .expect import check_expectations, read_expectations
 from .load import find_runs, load, load_run
 from .scaling import TABLE_COLUMNS, detect_mode, scaling_table
+from .settings import resolved_settings, settings_hash, split_unlike
 from .stats import PHASES, drop_warmup
 from .synthetic import synthetic_run
 
 __all__ = ["load", "load_run", "find_runs", "scaling_table", "detect_mode", "drop_warmup",
-           "TABLE_COLUMNS", "PHASES", "synthetic_run", "write_report"]
+           "TABLE_COLUMNS", "PHASES", "synthetic_run", "write_report", "write_comparison",
+           "resolved_settings", "settings_hash", "split_unlike", "read_expectations",
+           "check_expectations"]
 
 
 def __getattr__(name):
@@ -20,4 +24,8 @@ def __getattr__(name):
         from .render import write_report
 
         return write_report
+    if name == "write_comparison":
+        from .compare import write_comparison
+
+        return write_comparison
     raise AttributeError(f"module 'hpcpar.analysis' has no attribute {name!r}")

@@ -1,37 +1,56 @@
 """Reading run and sweep directories into two pandas DataFrames (runs and steps).
 
 A path is a run directory (it holds ``meta.json``) or a folder holding run directories at any
-depth (a sweep: ``DIR/ranks-N/``). Unreadable or foreign records raise one-line
-:class:`~hpcpar.run.records.RecordsError`; a run that crashed, lost a rank or is still running is
-loaded and marked ``partial`` with a ``note`` saying why, and only its steps that every rank
-recorded are kept (a step time is a maximum over ranks: a missing rank would make it wrong).
+depth (a sweep: ``DIR/ranks-N/``). A run whose meta.json is unreadable or foreign is skipped
+with a one-line reason (:func:`load`); a run that crashed, lost a rank, is still running or
+has damaged step records (missing or garbled rank files, a truncated steps.parquet) is loaded
+and marked ``partial`` with a ``note`` saying why, and only its steps that every rank recorded
+are kept (a step time is a maximum over ranks: a missing rank would make it wrong).
 """
 
 from __future__ import annotations
 
 import os
+import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 import pandas as pd
 
-from hpcpar.run.records import COLUMN_NAMES, RecordsError, read_meta, read_steps
+from hpcpar.errors import RunDirError
+from hpcpar.run.records import COLUMN_NAMES, read_meta, read_steps
+
+from .settings import resolved_settings, settings_hash
+
+__all__ = ["RUN_COLUMNS", "find_runs", "load_run", "load"]
 
 #: Columns of the run table (one row per run directory).
 RUN_COLUMNS = ("run", "name", "config", "job_name", "ranks", "nodes", "grid_spec",
                "spatial_size", "global_batch", "problem_size", "timing_warmup", "status",
                "start_time", "end_time", "segment_starts", "hostnames", "slurm_job_id",
                "git_commit", "torch", "mpi_library", "steps_recorded", "steps_complete",
-               "partial", "note")
+               "partial", "note", "cores_per_node", "ranks_per_node", "threads_per_rank",
+               "oversubscribed", "settings_hash", "settings")
 
 
-def find_runs(paths) -> list[Path]:
-    """Run directories named by ``paths`` (runs themselves, or folders searched for them)."""
+def find_runs(paths: Sequence[str | os.PathLike] | str | os.PathLike) -> list[Path]:
+    """The run directories named by paths: runs themselves, or folders searched for them.
+
+    Args:
+        paths: Run directories, sweep directories or any folders holding runs.
+
+    Returns:
+        The run directories found.
+
+    Raises:
+        RunDirError: A path does not exist, or no run is found.
+    """
     if isinstance(paths, (str, Path)):
         paths = [paths]
     runs: list[Path] = []
     for p in map(Path, paths):
         if not p.exists():
-            raise RecordsError(f"{p}: no such file or directory")
+            raise RunDirError(f"{p}: no such file or directory")
         found = []
         for where, dirs, files in os.walk(p):
             if "meta.json" in files:  # a run: not searched further (previous-*/ set aside)
@@ -40,7 +59,7 @@ def find_runs(paths) -> list[Path]:
             dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         found.sort()
         if not found:
-            raise RecordsError(f"{p}: no hpcpar run records (no meta.json in it or below)")
+            raise RunDirError(f"{p}: no hpcpar run records (no meta.json in it or below)")
         runs += [r for r in found if r not in runs]
     return runs
 
@@ -68,23 +87,59 @@ def _completeness(steps: pd.DataFrame, ranks: int) -> tuple[pd.DataFrame, list[s
     return kept, notes
 
 
-def load_run(run_dir) -> tuple[dict, pd.DataFrame]:
-    """(run facts, complete steps) of one run directory; see the module docstring."""
+def _ranks(meta: dict, path: Path) -> int:
+    ranks = meta.get("ranks")
+    if isinstance(ranks, bool) or not isinstance(ranks, (int, float)) or ranks < 1 \
+            or int(ranks) != ranks:
+        raise RunDirError(f"{path}: field 'ranks' is {ranks!r}, expected a positive integer")
+    return int(ranks)
+
+
+def _optional_int(value):
+    return None if value is None else int(value)
+
+
+def load_run(run_dir: str | os.PathLike) -> tuple[dict, pd.DataFrame]:
+    """Load one run directory.
+
+    Damaged step records (a missing or unreadable rank file, garbage lines, a truncated
+    steps.parquet) make the run partial, with notes in its facts.
+
+    Args:
+        run_dir: The run directory.
+
+    Returns:
+        ``(facts, steps)``: the run's row of the run table, and its complete steps.
+
+    Raises:
+        RunDirError: A meta.json that cannot be read or holds malformed fields (the run
+            cannot be placed in a table).
+    """
     run_dir = Path(run_dir)
     meta = read_meta(run_dir)
-    ranks = int(meta.get("ranks") or 0)
+    try:
+        return _load_run(run_dir, meta)
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise RunDirError(f"{run_dir / 'meta.json'}: malformed field ({exc})") from None
+
+
+def _load_run(run_dir: Path, meta: dict) -> tuple[dict, pd.DataFrame]:
+    ranks = _ranks(meta, run_dir / "meta.json")
     notes = []
     status = meta.get("status", "?")
     if status != "ok":
         why = {"running": "crashed or still running", "preempted": "preempted before the end",
-               "failed": "the run failed"}.get(status, "unknown status")
+               "failed": "the run failed",
+               "diverged": "non-finite loss or gradient"}.get(status, "unknown status")
+        reason = (meta.get("diverged") or {}).get("reason") if status == "diverged" else None
+        why += f": {reason}" if reason else ""
         notes.append(f"status {status!r} ({why})")
     try:
-        steps = read_steps(run_dir)
-    except RecordsError as exc:
-        if "no step records" not in str(exc):
-            raise
+        steps = read_steps(run_dir, notes)
+    except RunDirError as exc:
         steps = pd.DataFrame({c: pd.Series(dtype="float64") for c in COLUMN_NAMES})
+        if "no step records" not in str(exc):
+            notes.append(str(exc).replace(f"{run_dir}/", ""))
     recorded = int(steps["step"].nunique())
     if recorded == 0:
         notes.append("no step records")
@@ -95,39 +150,69 @@ def load_run(run_dir) -> tuple[dict, pd.DataFrame]:
         notes.append(f"{dropped} step(s) not recorded by every rank ignored")
     slurm = meta.get("slurm") or {}
     versions = meta.get("versions") or {}
+    machine = meta.get("machine") or {}
+    settings = resolved_settings(meta)
     facts = {
         "run": str(run_dir), "name": run_dir.name,
         "config": str(meta.get("config") or meta.get("job_name") or "run"),
         "job_name": meta.get("job_name"), "ranks": ranks, "nodes": meta.get("nodes"),
         "grid_spec": meta.get("grid_spec"), "spatial_size": _spatial_size(meta),
         "global_batch": meta.get("global_batch"), "problem_size": meta.get("problem_size"),
-        "timing_warmup": meta.get("timing_warmup"), "status": status,
+        "timing_warmup": _optional_int(meta.get("timing_warmup")), "status": status,
         "start_time": meta.get("start_time"), "end_time": meta.get("end_time"),
-        "segment_starts": [s.get("first_step") for s in meta.get("segments") or []
+        "segment_starts": [int(s["first_step"]) for s in meta.get("segments") or []
                            if s.get("first_step") is not None],
         "hostnames": ",".join(meta.get("hostnames") or []), "slurm_job_id": slurm.get("job_id"),
         "git_commit": (meta.get("git") or {}).get("commit"), "torch": versions.get("torch"),
         "mpi_library": versions.get("mpi_library"), "steps_recorded": recorded,
         "steps_complete": int(kept["step"].nunique()), "partial": bool(notes),
         "note": "; ".join(notes),
+        **{k: _optional_int(machine.get(k)) for k in ("cores_per_node", "ranks_per_node",
+                                                      "threads_per_rank")},
+        "oversubscribed": machine.get("oversubscribed"),
+        "settings_hash": settings_hash(settings) if settings else None, "settings": settings,
     }
     kept = kept.assign(run=facts["run"], config=facts["config"], ranks=ranks)
     return facts, kept.reset_index(drop=True)
 
 
-def load(paths) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """``(runs, steps)`` of run or sweep directories.
+def load(paths: Sequence[str | os.PathLike] | str | os.PathLike,
+         skipped: list | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Load the records of run or sweep directories into two tables.
 
-    ``runs``: one row per run (:data:`RUN_COLUMNS`); ``steps``: the step records of every run
-    (schema columns of :mod:`hpcpar.run.records` plus ``run``, ``config``, ``ranks``), only steps
-    that every rank of the run recorded. Warm-up steps are still in; see
-    :func:`hpcpar.analysis.drop_warmup`.
+    Only steps that every rank of a run recorded are kept; warm-up steps are still in (see
+    ``hpcpar.analysis.drop_warmup``).
+
+    Args:
+        paths: Run or sweep directories, at any depth.
+        skipped: A list that receives the one-line reason of each run whose meta.json cannot
+            be used; such runs are reported with ``warnings.warn`` when None.
+
+    Returns:
+        ``(runs, steps)``: one row per run (``RUN_COLUMNS``), and the step records of every
+        run (the schema columns of ``hpcpar.run.records`` plus ``run``, ``config``,
+        ``ranks``).
+
+    Raises:
+        RunDirError: No readable run at all.
     """
-    facts, frames = [], []
+    facts, frames, reasons = [], [], []
     for run in find_runs(paths):
-        f, s = load_run(run)
+        try:
+            f, s = load_run(run)
+        except RunDirError as exc:
+            reasons.append(str(exc))
+            continue
         facts.append(f)
         frames.append(s)
+    if reasons and not facts:
+        more = f" (and {len(reasons) - 1} more)" if len(reasons) > 1 else ""
+        raise RunDirError(f"no readable run records: {reasons[0]}{more}")
+    if skipped is not None:
+        skipped += reasons
+    else:
+        for reason in reasons:
+            warnings.warn(f"skipped run: {reason}", stacklevel=2)
     runs = pd.DataFrame(facts, columns=list(RUN_COLUMNS))
     steps = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     return runs, steps

@@ -11,28 +11,60 @@ import html
 import math
 import os
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 
+from hpcpar.errors import RunDirError
 from hpcpar.run.records import SCHEMA_VERSION
 
 from . import plots, stats
 from .load import load
 from .scaling import scaling_table
+from .settings import split_unlike
 
-#: Headline columns: (table column, header, format).
+__all__ = ["HEADLINE", "BREAKDOWN", "SPREAD", "RESOURCES", "RUNS", "DEFINITIONS", "Section",
+           "Report", "rows_of", "markdown_table", "headline_table", "verdict", "amdahl_lines",
+           "render_markdown", "CSS", "render_html", "write_report"]
+
+PREDICTED = (("config", "config", "{}"), ("ranks", "ranks", "{}"), ("grid", "grid", "{}"),
+             *((f"t_{p}_{w}", f"{p} {w[:4]}.", "{:.4g}") for p in ("step", "compute", "halo",
+                                                                    "comm_exposed", "io")
+               for w in ("measured", "predicted")),
+             ("ratio", "step measured/predicted", "{:.3f}"), ("note", "note", "{}"))
+#: Headline columns: (table column, header, format); ``_display`` adds the text columns.
 HEADLINE = (("config", "config", "{}"), ("ranks", "ranks", "{}"), ("grid", "grid", "{}"),
             ("t_step_median", "step time median (s)", "{:.4g}"),
             ("t_step_cv", "CV", "{:.3f}"), ("speedup", "speedup", "{:.3f}"),
+            ("speedup_ci", "speedup 95% CI", "{}"),
             ("efficiency", "efficiency", "{:.3f}"), ("karp_flatt", "Karp-Flatt", "{:.4f}"),
-            ("throughput", "samples/s", "{:.4g}"), ("partial", "partial", "{}"))
+            ("throughput", "samples/s", "{:.4g}"),
+            ("placement", "ranks/node x threads : cores", "{}"),
+            ("oversub", "oversubscribed", "{}"), ("partial", "partial", "{}"))
 BREAKDOWN = (("config", "config", "{}"), ("ranks", "ranks", "{}"),
-             *((f"frac_{p}", f"{plots.PHASE_LABELS[p]}", "{:.1%}") for p in stats.PHASES),
+             *((f"show_{p}", f"{plots.PHASE_LABELS[p]}", "{}")
+               for p in ("compute", "halo_comm", "halo_local", "halo", "comm_exposed", "io",
+                         "other")),
              ("imbalance", "imbalance max/mean", "{:.3f}"), ("steps", "steps", "{}"),
              ("runs", "runs", "{}"))
-RUNS = (("name", "run", "{}"), ("ranks", "ranks", "{}"), ("grid_spec", "grid", "{}"),
+SPREAD = (("config", "config", "{}"), ("ranks", "ranks", "{}"), ("runs", "runs", "{}"),
+          ("steps", "steps", "{}"), ("t_step_median", "median (s)", "{:.4g}"),
+          ("t_step_std", "std (s)", "{:.3g}"), ("t_step_cv", "CV", "{:.3f}"),
+          ("run_range", "run medians min..max (s)", "{}"),
+          ("speedup_ci", "speedup 95% CI", "{}"), ("efficiency_ci", "efficiency 95% CI", "{}"))
+RESOURCES = (("config", "config", "{}"), ("ranks", "ranks", "{}"),
+             ("bytes_halo_per_step", "halo B/step", "{:.4g}"),
+             ("bytes_allreduce_per_step", "allreduce B/step", "{:.4g}"),
+             ("bytes_read_per_step", "read B/step", "{:.4g}"),
+             ("peak_mem_mib", "peak memory/rank (MiB)", "{:.4g}"),
+             ("placement", "ranks/node x threads : cores", "{}"),
+             ("oversub", "oversubscribed", "{}"))
+RUNS = (("name", "run", "{}"), ("config", "config", "{}"), ("ranks", "ranks", "{}"),
+        ("grid_spec", "grid", "{}"), ("settings_hash", "settings", "{}"),
+        ("cores_per_node", "cores/node", "{:.0f}"), ("ranks_per_node", "ranks/node", "{:.0f}"),
+        ("threads_per_rank", "threads/rank", "{:.0f}"),
         ("status", "status", "{}"), ("steps_complete", "steps", "{}"),
         ("start_time", "start", "{}"), ("hostnames", "hosts", "{}"),
         ("slurm_job_id", "Slurm job", "{}"), ("git_commit", "commit", "{:.10}"),
@@ -48,7 +80,22 @@ DEFINITIONS = [
     "Karp-Flatt serial fraction e = (1/S - 1/q) / (1 - 1/q). Amdahl fit: least squares f in "
     "S(q) = 1 / (f + (1 - f)/q).",
     "Fractions: sum over ranks and steps of each phase / sum of t_step; compute = t_fwd + "
-    "t_bwd + t_opt - t_halo; other = the rest. Imbalance = max_r / mean_r of compute time.",
+    "t_bwd + t_opt - t_halo; halo = t_halo = halo communication (t_halo_wait: waiting for "
+    "neighbours' messages, the graph all-to-all) + halo local copies/padding (t_halo - "
+    "t_halo_wait); other = t_step minus the measured phases (untimed loop overhead, and the "
+    "time of any phase marked 'unmeasured'). Imbalance = max_r / mean_r of compute time.",
+    "Intervals: 95% percentile bootstrap (1000 replicates) of the median step time, drawing "
+    "runs with replacement and then steps within each run; speedup and efficiency are "
+    "computed per replicate (baseline and point drawn independently).",
+    "Fitted law: Amdahl S = 1/(f + (1-f)/q) for strong, Gustafson S = q - f (q-1) for weak "
+    "scaling (least squares f). Quality R^2 = 1 - sum (S - S_fit)^2 / sum (S - mean S)^2 "
+    "over the points; drawn only with >= 3 rank counts, non-decreasing speedup, "
+    "0 <= f <= 1 and R^2 >= 0.9.",
+    "Oversubscribed: ranks per node x threads per rank > cores per node (SLURM_CPUS_ON_NODE "
+    "under Slurm, else the ranks' CPU affinity), from meta.json 'machine'.",
+    "Like for like: runs of one config share a row only when their job settings (meta.json "
+    "'job' without grid, resources and global batch) hash the same; others get their own "
+    "row, named 'CONFIG [settings HASH]', with the differing keys in the notes.",
 ]
 
 
@@ -63,11 +110,25 @@ class Section:
 
 @dataclass
 class Report:
+    """What [write_report][hpcpar.analysis.render.write_report] wrote.
+
+    Attributes:
+        out: The report directory.
+        table: The scaling table, one row per (config, ranks).
+        runs: One row per run.
+        files: Name (``"report.html"``, ``"scaling.csv"``...) -> path of every file written.
+        headline: The headline table as text (what ``hpcpar report`` prints).
+        skipped: The one-line reason of each run left out.
+        verdict: The one-line verdict at the top of the report.
+    """
+
     out: Path
     table: pd.DataFrame
     runs: pd.DataFrame
     files: dict
     headline: str
+    skipped: list = field(default_factory=list)  # "reason" of each run left out
+    verdict: str = ""
 
 
 def _cell(value, fmt: str) -> str:
@@ -94,9 +155,111 @@ def markdown_table(header, rows) -> str:
     return "\n".join([line(header), line(["---"] * len(header)), *map(line, rows)])
 
 
+def _num(v) -> bool:
+    return v is not None and not (isinstance(v, float) and math.isnan(v))
+
+
+def _interval(lo, hi, fmt="{:.3f}") -> str:
+    return f"[{fmt.format(lo)}, {fmt.format(hi)}]" if _num(lo) and _num(hi) else "-"
+
+
+def _display(table: pd.DataFrame) -> pd.DataFrame:
+    """The scaling table plus the text columns of the report's tables."""
+    t = table.copy()
+
+    def opt(v):
+        return str(int(v)) if _num(v) else "?"
+
+    t["speedup_ci"] = [_interval(a, b) for a, b in zip(t["speedup_lo"], t["speedup_hi"])]
+    t["efficiency_ci"] = [_interval(a, b) for a, b in zip(t["efficiency_lo"],
+                                                           t["efficiency_hi"])]
+    t["run_range"] = [_interval(a, b, "{:.4g}").strip("[]").replace(", ", "..")
+                      if _num(a) else "-" for a, b in zip(t["t_step_run_min"],
+                                                           t["t_step_run_max"])]
+    t["placement"] = [f"{opt(r)}x{opt(th)} : {opt(c)}" for r, th, c in
+                      zip(t["ranks_per_node"], t["threads_per_rank"], t["cores_per_node"])]
+    t["oversub"] = ["OVERSUBSCRIBED" if o is True else ("" if o is False else "unknown")
+                    for o in t["oversubscribed"]]
+    t["peak_mem_mib"] = t["peak_mem_max"] / 2**20
+    for p in ("compute", "halo_comm", "halo_local", "halo", "comm_exposed", "io", "other"):
+        t[f"show_{p}"] = [f"{v:.1%}" if _num(v) else "unmeasured" if n else "-"
+                          for v, n in zip(t[f"frac_{p}"], t["steps"])]
+    return t
+
+
 def headline_table(table: pd.DataFrame) -> str:
-    """The headline table (Markdown pipe table, also readable in a terminal)."""
-    return markdown_table(*rows_of(table, HEADLINE))
+    """The headline table (Markdown pipe table, also readable in a terminal).
+
+    Args:
+        table: The scaling table.
+
+    Returns:
+        The table as text.
+    """
+    return markdown_table(*rows_of(_display(table), HEADLINE))
+
+
+def verdict(table: pd.DataFrame, threshold: float = 0.7) -> str:
+    """The one-line verdict at the top of the report, per config: best speedup (where),
+    the first rank count whose efficiency drops below ``threshold``, the largest phase at
+    the largest scale, and the oversubscribed points.
+
+    Args:
+        table: The scaling table.
+        threshold: The efficiency that counts as acceptable.
+
+    Returns:
+        One line.
+    """
+    parts = []
+    for config, t in table.groupby("config", sort=True):
+        t = t[t["speedup"].notna()].sort_values("ranks")
+        if not len(t):
+            parts.append(f"{config}: no usable steps")
+            continue
+        best = t.loc[t["speedup"].idxmax()]
+        scaled = "scaled " if t["mode"].iloc[0] == "weak" else ""
+        text = (f"{config} ({t['mode'].iloc[0]}): best {scaled}speedup {best['speedup']:.2f}x "
+                f"at {best['ranks']} ranks "
+                f"(efficiency {best['efficiency']:.2f})")
+        low = t[t["efficiency"] < threshold]
+        text += (f"; efficiency below {threshold:g} from {low['ranks'].iloc[0]} ranks "
+                 f"({low['efficiency'].iloc[0]:.2f})" if len(low) else
+                 f"; efficiency >= {threshold:g} up to {t['ranks'].iloc[-1]} ranks")
+        last = t.iloc[-1]
+        shares = {p: last[f"frac_{p}"] for p in stats.BREAKDOWN_PHASES
+                  if _num(last[f"frac_{p}"])}
+        if not _num(last["frac_halo_comm"]) and _num(last["frac_halo"]):
+            shares["halo"] = last["frac_halo"]
+        if shares:
+            top = max(shares, key=shares.get)
+            text += (f"; largest phase at {last['ranks']} ranks: {plots.PHASE_LABELS[top]} "
+                     f"({shares[top]:.0%})")
+        over = t[t["oversubscribed"] == True]["ranks"].tolist()  # noqa: E712 - None = unknown
+        if over:
+            text += f"; OVERSUBSCRIBED at {', '.join(map(str, over))} ranks"
+        if t["partial"].any():
+            text += "; some points PARTIAL"
+        parts.append(text)
+    return "Verdict: " + " | ".join(parts) + "."
+
+
+def amdahl_lines(table: pd.DataFrame) -> list[str]:
+    """One line per config: the fitted law (Amdahl for strong, Gustafson for weak scaling),
+    its R^2 and whether it is drawn (and why not)."""
+    out = []
+    for config, t in table.groupby("config", sort=True):
+        r = t.iloc[0]
+        law = str(r["fit_law"] or "").capitalize()
+        if not _num(r["fit_serial_fraction"]):
+            why = r["fit_note"] or "one rank count"
+            out.append(f"{config}: no {law or 'scaling-law'} fit ({why})")
+            continue
+        r2 = f"{r['fit_r2']:.3f}" if _num(r["fit_r2"]) else "undefined"
+        out.append(f"{config}: {law} serial fraction f = {r['fit_serial_fraction']:.4f}, "
+                   f"R^2 = {r2}; " + ("drawn" if r["fit_shown"] else
+                                      f"not drawn: {r['fit_note']}"))
+    return out
 
 
 def _slug(text: str) -> str:
@@ -107,7 +270,9 @@ def _write_plots(out: Path, table, runs, steps) -> dict:
     files = {"speedup": plots.speedup_plot(table, out / "speedup.png"),
              "efficiency": plots.efficiency_plot(table, out / "efficiency.png"),
              "breakdown": plots.breakdown_plot(table, out / "breakdown.png"),
-             "throughput": plots.throughput_plot(table, out / "throughput.png")}
+             "step_times": plots.step_times_plot(table, steps, runs, out / "step_times.png"),
+             "throughput": plots.throughput_plot(table, out / "throughput.png"),
+             "resources": plots.resources_plot(table, out / "resources.png")}
     configs = sorted(runs["config"].unique())
     for config in configs:
         cruns = runs[runs["config"] == config].sort_values(["partial", "ranks"],
@@ -123,9 +288,11 @@ def _write_plots(out: Path, table, runs, steps) -> dict:
     return files
 
 
-def _sections(table, runs, files, paths, mode, warmup) -> list[Section]:
+def _sections(table, runs, files, paths, mode, warmup, skipped=(),
+              threshold=0.7) -> list[Section]:
     notes = [f"{r['config']} @ {r['ranks']} ranks: {r['note']}"
              for r in table.to_dict("records") if r["note"]]
+    notes += [f"skipped (unreadable): {reason}" for reason in skipped]
     partial = bool(table["partial"].any())
     where = ", ".join(map(str, paths)) if len(paths) <= 2 else \
         f"{len(paths)} paths under {Path(os.path.commonpath([str(p) for p in paths]))}"
@@ -136,12 +303,27 @@ def _sections(table, runs, files, paths, mode, warmup) -> list[Section]:
              f"Record schema v{SCHEMA_VERSION}."]
     if partial:
         intro.append("Rows marked PARTIAL come from incomplete runs: see the notes.")
-    secs = [Section("Scaling", intro, rows_of(table, HEADLINE))]
+    over = table[table["oversubscribed"] == True]  # noqa: E712 - None = unknown
+    if len(over):
+        intro.append("OVERSUBSCRIBED points (ranks per node x threads per rank > cores per "
+                     "node) time CPU sharing, not scaling: " + ", ".join(
+                         f"{c} @ {p}" for c, p in zip(over["config"], over["ranks"])) + ".")
+    shown = _display(table)
+    secs = [Section("Verdict", [verdict(table, threshold)]),
+            Section("Scaling", intro, rows_of(shown, HEADLINE))]
     if notes:
         secs.append(Section("Notes", notes, bullets=True))
     secs.append(Section("Plots", images=[(k, v) for k, v in files.items()]))
-    secs.append(Section("Where the time goes", ["Share of rank time per phase."],
-                        rows_of(table, BREAKDOWN)))
+    secs.append(Section("Spread", ["Run-to-run and step-to-step spread of the step time; "
+                                   "intervals are 95% bootstrap over runs and steps.",
+                                   *amdahl_lines(table)], rows_of(shown, SPREAD)))
+    secs.append(Section("Where the time goes", [
+        "Share of rank time per phase. 'unmeasured': the records hold no such timing (its "
+        "time is inside 'other'); halo total = communication + local copies/padding."],
+        rows_of(shown, BREAKDOWN)))
+    secs.append(Section("Bytes, memory and placement", [
+        "Bytes per step: sum over ranks, median over steps. Peak memory: the largest "
+        "rank's."], rows_of(shown, RESOURCES)))
     secs.append(Section("Runs", [], rows_of(runs.sort_values(["config", "ranks"]), RUNS)))
     secs.append(Section("Definitions", DEFINITIONS, bullets=True))
     return secs
@@ -163,7 +345,9 @@ def render_markdown(secs, title) -> str:
 CSS = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}"
        "table{border-collapse:collapse;font-size:90%}td,th{border:1px solid #ccc;"
        "padding:3px 7px;text-align:right}th{background:#f0f0f0}img{max-width:48%;margin:4px}"
-       "td:first-child,th:first-child{text-align:left}.partial{background:#ffe0e0}")
+       "td:first-child,th:first-child{text-align:left}.partial{background:#ffe0e0}"
+       ".oversub{background:#ffe8cc}.verdict{font-size:110%;font-weight:bold;padding:.6em;"
+       "background:#eef4ff;border-left:4px solid #4c72b0}")
 
 
 def render_html(secs, title) -> str:
@@ -175,12 +359,14 @@ def render_html(secs, title) -> str:
         if s.bullets:
             parts.append("<ul>" + "".join(f"<li>{esc(t)}</li>" for t in s.text) + "</ul>")
         else:
-            parts += [f"<p>{esc(t)}</p>" for t in s.text]
+            cls = " class='verdict'" if s.title == "Verdict" else ""
+            parts += [f"<p{cls}>{esc(t)}</p>" for t in s.text]
         if s.table:
             header, rows = s.table
             parts.append("<table><tr>" + "".join(f"<th>{esc(h)}</th>" for h in header) + "</tr>")
             for row in rows:
-                cls = " class='partial'" if "PARTIAL" in row else ""
+                cls = " class='partial'" if "PARTIAL" in row else \
+                    " class='oversub'" if "OVERSUBSCRIBED" in row else ""
                 parts.append(f"<tr{cls}>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>")
             parts.append("</table>")
         for alt, path in s.images:
@@ -190,25 +376,83 @@ def render_html(secs, title) -> str:
     return "\n".join(parts) + "\n"
 
 
-def write_report(paths, out, mode: str | None = None, warmup=None,
-                 title: str = "hpcpar scaling report") -> Report:
-    """Load ``paths`` (run or sweep directories) and write the report into ``out``:
-    scaling.csv, runs.csv, speedup/efficiency/breakdown/throughput/imbalance PNGs, report.md,
-    report.html (plots embedded). Returns the table, the run table and the file paths."""
+def write_report(paths: Sequence[str | os.PathLike], out: str | os.PathLike,
+                 mode: str | None = None, warmup: int | None = None,
+                 title: str = "hpcpar scaling report", strict: bool = False,
+                 threshold: float = 0.7,
+                 predict_point: Callable[[dict, tuple], dict] | None = None,
+                 predicted_by: str = "prediction") -> Report:
+    """Load runs and write a scaling report: what ``hpcpar report`` does.
+
+    Writes into ``out``: ``scaling.csv``, ``runs.csv``, speedup / efficiency / breakdown /
+    throughput / imbalance PNGs, ``report.md`` and ``report.html`` (plots embedded).
+
+    Args:
+        paths: Run or sweep directories, at any depth.
+        out: The report directory (created).
+        mode: ``"strong"`` or ``"weak"`` scaling; detected from the runs when None.
+        warmup: Steps dropped at the start of every run segment; the runs' own setting, else
+            a tenth of the steps (at least one), when None.
+        title: Title of the report.
+        strict: Refuse runs of one config with different settings (else: own rows).
+        threshold: The efficiency the verdict calls acceptable.
+        predict_point: ``(job dict, grid) -> predicted seconds per step`` (see
+            ``hpcpar.analysis.predicted``): adds predicted.csv, predicted.png and a
+            "Predicted vs measured" section.
+        predicted_by: What predicted (shown in the plot and section).
+
+    Returns:
+        The report: tables, headline and the paths of the files written.
+
+    Raises:
+        RunDirError: No readable run among ``paths``, or ``out`` cannot be written.
+        ConfigError: ``strict`` and runs of one config with different settings.
+        ValueError: An unknown ``mode``.
+
+    Example:
+        ```python
+        rep = write_report(["runs/demo-sweep"], "runs/demo-sweep/report")
+        print(rep.headline, rep.files["report.html"])
+        ```
+    """
     out = Path(out)
+    skipped: list = []
+    runs, steps = load(paths, skipped)
+    runs = split_unlike(runs, strict)
+    try:
+        return _write(out, paths, runs, steps, skipped, mode, warmup, title, threshold,
+                      predict_point, predicted_by)
+    except OSError as exc:  # disk full, permissions, OUT is a file: one line naming it
+        where = exc.filename or out
+        raise RunDirError(f"{where}: cannot write the report ({exc.strerror or exc})") from None
+
+
+def _write(out: Path, paths, runs, steps, skipped, mode, warmup, title, threshold,
+           predict_point=None, predicted_by="prediction") -> Report:
     out.mkdir(parents=True, exist_ok=True)
-    runs, steps = load(paths)
     table = scaling_table(runs, steps, mode=mode, warmup=warmup)
     kept = stats.drop_warmup(steps, runs, warmup) if len(steps) else steps
     files = {"scaling.csv": out / "scaling.csv", "runs.csv": out / "runs.csv"}
     table.to_csv(files["scaling.csv"], index=False)
-    runs.to_csv(files["runs.csv"], index=False)
+    runs.drop(columns=["settings"]).to_csv(files["runs.csv"], index=False)
     images = _write_plots(out, table, runs, kept)
-    secs = _sections(table, runs, images, paths, mode, warmup)
+    secs = _sections(table, runs, images, paths, mode, warmup, skipped, threshold)
+    if predict_point is not None:
+        from .predicted import predicted_vs_measured
+
+        pred = predicted_vs_measured(table, runs, predict_point)
+        files["predicted.csv"] = out / "predicted.csv"
+        pred.to_csv(files["predicted.csv"], index=False)
+        images["predicted"] = plots.predicted_plot(pred, predicted_by, out / "predicted.png")
+        secs.insert(-2, Section("Predicted vs measured", [
+            f"Seconds per step: measured (median step time; phases: mean over ranks) beside "
+            f"{predicted_by}; ratio = measured / predicted."], rows_of(pred, PREDICTED),
+            images=[("predicted", images["predicted"])]))
     stamp = _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     files["report.md"] = out / "report.md"
     files["report.md"].write_text(render_markdown(secs, title) + f"\n_Generated {stamp}._\n")
     files["report.html"] = out / "report.html"
     files["report.html"].write_text(render_html(secs, title))
     files.update(images)
-    return Report(out, table, runs, files, headline_table(table))
+    return Report(out, table, runs, files, headline_table(table), skipped,
+                  verdict(table, threshold))

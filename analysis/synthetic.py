@@ -6,32 +6,70 @@ resulting scaling table follows from the arguments by the formulas in ``stats``.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from hpcpar.run.records import LocalGrid, RunRecorder
+from hpcpar.run.records import LocalGrid, RunRecorder, machine_facts
+
+__all__ = ["PHASE_SHARES", "synthetic_run"]
 
 #: Default split of each rank's step time over the recorded phases (fractions of t_step):
-#: compute = fwd + bwd + opt - halo = 0.65, halo 0.1, exposed allreduce 0.1, io 0.1, other 0.05.
+#: compute = fwd + bwd + opt - halo = 0.65, halo 0.1 (of which 0.04 waiting for messages when
+#: the spatial group has more than one rank, else 0), exposed allreduce 0.1, io 0.1, other 0.05.
 PHASE_SHARES = {"t_data": 0.1, "t_fwd": 0.3, "t_bwd": 0.4, "t_halo": 0.1,
-                "t_allreduce_exposed": 0.1, "t_allreduce_total": 0.2, "t_opt": 0.05}
+                "t_allreduce_exposed": 0.1, "t_allreduce_total": 0.2, "t_opt": 0.05,
+                "t_halo_wait": 0.04}
 
 
-def synthetic_run(run_dir, grid=(1, 1, 1, 1), steps: int = 10, t_step=1.0,
+def synthetic_run(run_dir: str | os.PathLike, grid: Sequence[int] = (1, 1, 1, 1),
+                  steps: int = 10, t_step: float | Callable[[int, int], float] = 1.0,
                   global_batch: int = 8, shares: dict | None = None, status: str = "ok",
-                  stop: dict | None = None, meta: dict | None = None) -> Path:
-    """Write a run of ``grid`` = (data, x, y, z) ranks with ``steps`` steps.
+                  stop: dict | None = None, meta: dict | None = None,
+                  cores_per_node: int | None = None, threads: int = 1,
+                  nodes: int = 1) -> Path:
+    """Write a run with known times through the real recorder (tests, trying the report).
 
-    ``t_step``: seconds, or ``f(rank, step) -> seconds``. Each phase is ``shares[phase] *
-    t_step``. ``samples`` = global_batch / data per rank. ``status``: "ok"/"preempted"/"failed"
-    finish normally; "running" leaves the run as a crash does (no merge, no end time).
-    ``stop``: {rank: last step written} for ranks that died early.
+    Args:
+        run_dir: The run directory to write.
+        grid: ``(data, x, y, z)`` ranks.
+        steps: Steps per rank.
+        t_step: Seconds per step, or ``f(rank, step) -> seconds``.
+        global_batch: Samples per step; each rank records ``global_batch / data``.
+        shares: Phase -> share of ``t_step`` (each phase is ``shares[phase] * t_step``).
+        status: ``"ok"``, ``"preempted"`` or ``"failed"`` finish normally; ``"running"``
+            leaves the run as a crash does (no merge, no end time).
+        stop: ``{rank: last step written}`` for ranks that died early.
+        cores_per_node: Cores of each node; the run's machine facts (``meta.json``
+            ``machine``) are those of ``nodes`` nodes holding the ranks in even blocks, each
+            rank with ``threads`` threads. None: unknown (the machine writing the files did
+            not run them).
+        threads: Threads per rank.
+        nodes: Nodes.
+        meta: Extra meta.json facts (``machine``, ``job`` ... replace the defaults: the
+            machine this runs on, and a job spec ``{"job": {"name"}, "train": {"steps",
+            "global_batch"}, "grid": ...}``).
+
+    Returns:
+        The run directory.
     """
     grid = tuple(grid)
     size = grid[0] * grid[1] * grid[2] * grid[3]
     shares = {**PHASE_SHARES, **(shares or {})}
+    if grid[1] * grid[2] * grid[3] == 1 and "t_halo_wait" in shares:
+        shares["t_halo_wait"] = 0.0  # no spatial neighbour: no message to wait for
     timing = t_step if callable(t_step) else (lambda r, s: float(t_step))
-    info = {"job_name": "synthetic", "global_batch": global_batch, **(meta or {})}
-    recorders = [RunRecorder(run_dir, LocalGrid(grid, rank=r), info) for r in range(size)]
+    job = {"job": {"name": "synthetic"}, "train": {"steps": steps, "global_batch": global_batch},
+           "grid": dict(zip(("data", "x", "y", "z"), grid))}
+    machine = None
+    if cores_per_node:
+        per_rank = [{"host": f"node{r * nodes // size}", "cpus": list(range(cores_per_node)),
+                     "threads": threads} for r in range(size)]
+        machine = machine_facts(per_rank)
+    info = {"job_name": "synthetic", "global_batch": global_batch, "job": job,
+            "machine": machine, **(meta or {})}
+    recorders = [RunRecorder(run_dir, LocalGrid(grid, rank=r, nodes=nodes), info)
+                 for r in range(size)]
     stop = stop or {}
     for s in range(steps):
         for r, rec in enumerate(recorders):

@@ -14,8 +14,8 @@ Configurations: ``comm`` (wide MLP, batch of 4 per rank: communication-bound) an
   backward pass that produces every gradient at once, vs B / raw Allreduce time, with the
   default buckets (25 MB, first 1 MB: the target) and with the step's smaller buckets;
 * DDP(gloo) step time / hpcpar step time (step = zero_grad + forward + backward + SGD step);
-* exposed vs total communication per hpcpar step (``hpcpar.parallel.counters.COUNTERS``): the part of the
-  sync the step waited for vs first launch -> last completion (overlap proof).
+* exposed vs total communication per hpcpar step (``hpcpar.parallel.counters.COUNTERS``): the
+  part of the sync the step waited for vs first launch -> last completion (overlap proof).
 
 Times are the median over steps of the slowest rank; the implementations alternate in rounds
 so load drift on a shared machine hits all of them alike. Targets: sync/raw >= 0.9,

@@ -107,8 +107,8 @@ def time_steps(model, x, repeat):
     the peak memory growth over all of them (halo buffer pool included)."""
     import torch
 
-    from hpcpar.parallel.halo import POOL
     from hpcpar.parallel.counters import COUNTERS
+    from hpcpar.parallel.halo import POOL
 
     def step():
         x.grad = None
@@ -205,13 +205,14 @@ def bench_pack(args):
     import numpy as np
     import torch
 
-    from hpcpar.parallel.halo import CHANNELS_LAST, new_buffer
     from hpcpar.kernels import halo_pack as K
+    from hpcpar.parallel.halo import CHANNELS_LAST, new_buffer
+    from hpcpar.plan.calibrate import best_time
 
     def copy_time(nbytes):
         src = np.random.rand(nbytes // 4).astype(np.float32)
         dst = np.empty_like(src)
-        return _best(lambda: np.copyto(dst, src), args.repeat * 25)
+        return best_time(lambda: np.copyto(dst, src), args.repeat * 25)
 
     n, c = args.size, args.channels
     faces = {"x": (slice(1, 2), slice(1, n + 1), slice(1, n + 1)),
@@ -238,23 +239,15 @@ def bench_pack(args):
 
 def _pack_times(K, view, msg, repeat):
     """(path, pack s, unpack s, add-unpack s) of one face on the torch and Numba paths."""
+    from hpcpar.plan.calibrate import best_time
+
     out = []
     for mode in ("torch", "numba"):
         os.environ["HPCPAR_HALO_KERNELS"] = mode
-        out.append((mode, _best(lambda: K.pack(view, msg), repeat),
-                    _best(lambda: K.unpack(view, msg), repeat),
-                    _best(lambda: K.unpack(view, msg, add=True), repeat)))
+        out.append((mode, best_time(lambda: K.pack(view, msg), repeat),
+                    best_time(lambda: K.unpack(view, msg), repeat),
+                    best_time(lambda: K.unpack(view, msg, add=True), repeat)))
     return out
-
-
-def _best(fn, repeat):
-    fn()
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def main(argv=None):

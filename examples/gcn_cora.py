@@ -12,8 +12,8 @@ import tempfile
 import torch
 
 import hpcpar
-from hpcpar.graph.format import bundled
 from hpcpar.graph import DistGraph, import_npz, masked_loss, split_metrics
+from hpcpar.graph.format import bundled
 from hpcpar.models import GCN
 
 grid = hpcpar.ProcessGrid(data=1, x=-1)          # one graph = one sample: split it over x
@@ -28,7 +28,7 @@ model = GCN(graph.num_features, 16, graph.num_classes, dropout=0.5, seed=0)
 ddp = hpcpar.DDP(model, grid)                    # data == 1: gradients SUM over the graph ranks
 opt = torch.optim.Adam([{"params": model.convs[0].parameters(), "weight_decay": 5e-4},
                         {"params": model.convs[1].parameters()}], lr=0.01)
-for epoch in range(200):
+for _epoch in range(200):
     opt.zero_grad()
     loss = masked_loss(ddp(graph.x, graph), graph)   # owned train vertices / GLOBAL count
     loss.backward()

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from hpcpar import ProcessGrid
-from hpcpar.parallel.comm import allreduce_
 from hpcpar.nn import SpatialConv3d, SpatialConvTranspose3d, SpatialMaxPool3d
+from hpcpar.parallel.comm import allreduce_
 from hpcpar.parallel.partition import part_range
 
 grid = ProcessGrid(data=1, x=2, y=2)             # 4 ranks: the volume is split on x and y

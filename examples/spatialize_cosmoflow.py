@@ -17,10 +17,10 @@ import torch
 from mpi4py import MPI
 
 import hpcpar
-from hpcpar.parallel import spatial
-from hpcpar.parallel.comm import allreduce_
 from hpcpar.models import CosmoFlow
 from hpcpar.nn import spatialize
+from hpcpar.parallel import spatial
+from hpcpar.parallel.comm import allreduce_
 from hpcpar.sync.tags import reduce_scope
 
 

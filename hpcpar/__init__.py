@@ -1,22 +1,46 @@
 """hpcpar: 4D-parallel training (data x x x y x z) of large-sample 3D CNNs and full-graph GNNs
 over MPI and Slurm, with scaling analysis.
 
-Heavy submodules (torch layers, data readers) load lazily so ``hpcpar --help`` stays fast.
+The public face: the names below are what a user's script imports (``hpcpar.ProcessGrid``,
+``hpcpar.DDP``, ``hpcpar.spatialize`` ...). Heavy ones (torch layers, data readers) load
+lazily so ``import hpcpar`` and ``hpcpar --help`` stay fast.
 """
+
+from hpcpar.parallel.grid import ProcessGrid
 
 from ._lazy import lazy_getattr
 from ._version import __version__
-from .errors import CommError, GridError, HpcparError
-from hpcpar.parallel.grid import ProcessGrid
+from .errors import (
+    CommError,
+    ConfigError,
+    DataError,
+    DivergedError,
+    GridError,
+    HpcparError,
+    LaunchError,
+    LayerError,
+    RunDirError,
+)
 
 _LAZY = {
     "DistributedDataParallel": ("hpcpar.sync.ddp", "DistributedDataParallel"),
     "DDP": ("hpcpar.sync.ddp", "DistributedDataParallel"),
+    "spatialize": ("hpcpar.nn.spatializer", "spatialize"),
+    "ShardedVolumeDataset": ("hpcpar.data.reader", "ShardedVolumeDataset"),
+    "DistGraph": ("hpcpar.graph.distgraph", "DistGraph"),
+    "RunRecorder": ("hpcpar.run.records", "RunRecorder"),
+    "Workload": ("hpcpar.run.workloads.base", "Workload"),
+    "register_workload": ("hpcpar.run.workloads.base", "register_workload"),
+    "load_job": ("hpcpar.run.jobspec", "load_job"),
+    "train": ("hpcpar.run.trainer", "train"),
 }
 
 
 __getattr__ = lazy_getattr("hpcpar", _LAZY)
 
 
-__all__ = ["__version__", "ProcessGrid", "GridError", "HpcparError", "CommError",
-           "DistributedDataParallel", "DDP"]
+__all__ = ["__version__", "ProcessGrid", "DistributedDataParallel", "DDP", "spatialize",
+           "ShardedVolumeDataset", "DistGraph", "RunRecorder", "Workload", "register_workload",
+           "load_job", "train",
+           "HpcparError", "ConfigError", "GridError", "LayerError", "CommError", "DataError",
+           "RunDirError", "DivergedError", "LaunchError"]

@@ -1,20 +1,140 @@
-"""User-facing error types.
+"""Every error class of hpcpar and every exit code, in one place.
 
-Every error a user can cause (bad job file, wrong grid, broken dataset) derives from
-:class:`HpcparError`; the CLI prints such errors as one line and exits with code 2, with no
-traceback. Anything else is a bug and keeps its traceback.
+A mistake a user can make (a bad job file, a grid that does not fit, a broken dataset, a
+layer that cannot be split that way, a run directory that cannot be resumed, a job that
+cannot be launched) raises a subclass of :class:`HpcparError` whose message is one line
+naming the file/field/layer and what was expected. The CLI and every rank print it as
+``hpcpar: error: <message>`` and exit with the class's ``exit_code``, without a traceback.
+Anything else is a bug and keeps its traceback (exit code 1).
+
+The classes are as few as a user needs to tell apart: each names *what to fix*.
+
+=================  ======================================================================
+class              what to fix
+=================  ======================================================================
+``ConfigError``    a setting: job file field, command-line option, ``HPCPAR_*`` variable,
+                   machine file, an API option value
+``GridError``      the process grid against the job: rank count, axis sizes
+``LayerError``     a layer or model against the grid or its input: volume too small for
+                   the ranks, an option the distributed layer lacks, a wrong input shape
+``CommError``      what the ranks pass to a collective: a tensor MPI cannot carry, or
+                   ranks that disagree (shapes, model parameters)
+``DataError``      a dataset (volume shards, graph file): missing, malformed, or not
+                   matching the job
+``RunDirError``    a run directory: checkpoints or run records missing, corrupt, or
+                   written by an incompatible grid/model/version
+``DivergedError``  the training itself: the loss or gradients became non-finite (exit 4)
+``LaunchError``    starting or submitting the job: MPI launcher, ``srun``, site profile,
+                   batch script, submission options, ``sbatch``/Slurm, failed sweep points
+=================  ======================================================================
+
+Exit codes of ``hpcpar`` (every command) and of every rank of ``hpcpar run``:
+
+====  ========================  ==============================================================
+code  name                      meaning
+====  ========================  ==============================================================
+0     ``EXIT_OK``               finished (all steps, or the command did what it was asked)
+1     ``EXIT_FAILED``           crashed: a bug (traceback with the rank), a rank died, or the
+                                stall detector aborted a hung gradient sync; ``mpiexec``/``srun
+                                --kill-on-bad-exit`` then stop the other ranks, never a hang
+2     ``EXIT_USAGE``            user error (any :class:`HpcparError`, a click usage error): one
+                                line, fix what it names and run again
+3     ``EXIT_REQUEUE``          stopped by SIGUSR1/SIGTERM/SIGINT after writing a checkpoint:
+                                requeue (or run the same command again) to resume
+4     ``EXIT_DIVERGED``         training diverged: a non-finite loss or gradient (``[train]
+                                on_nonfinite = "stop"``); the last finite checkpoint is kept
+5     ``EXIT_BELOW_REFERENCE``  ``hpcpar report --expect``: a point fell short of its
+                                reference (minimum efficiency or maximum step time)
+130   ``EXIT_ABORTED``          interrupted by Ctrl-C (SIGINT) in the CLI
+====  ========================  ==============================================================
+
+This module imports nothing from hpcpar: every layer may use it.
 """
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_REQUEUE = 3
+EXIT_DIVERGED = 4
+EXIT_BELOW_REFERENCE = 5
+EXIT_ABORTED = 130
 
 
 class HpcparError(Exception):
-    """A user error: the message is one line naming the file/field/layer and what was expected."""
+    """A user error: the message is one line naming the file/field/layer and what was expected.
 
-    exit_code = 2
+    Catch this to catch every hpcpar user error; raise one of the subclasses below.
+    """
+
+    exit_code = EXIT_USAGE
+
+
+class ConfigError(HpcparError, ValueError):
+    """A setting is invalid: a job file field, a command-line option, an ``HPCPAR_*``
+    environment variable, a machine file, or an API option value (``compression=``...)."""
+
+    exit_code = EXIT_USAGE
 
 
 class GridError(HpcparError, ValueError):
     """The process grid does not fit the communicator (wrong sizes, non-positive axes)."""
 
+    exit_code = EXIT_USAGE
+
+
+class LayerError(HpcparError, ValueError):
+    """A layer or model cannot run over this grid or on this input: too many ranks for the
+    volume (halo wider than a rank's part), an option the distributed layer does not
+    support, an input shape other than the one it was built for, a module ``spatialize``
+    cannot convert, a tensor-parallel axis larger than the features it splits."""
+
+    exit_code = EXIT_USAGE
+
 
 class CommError(HpcparError, RuntimeError):
-    """A tensor cannot be moved through MPI as asked (dtype, device, mismatched shapes)."""
+    """A collective cannot proceed as asked: a tensor MPI cannot carry (dtype, device,
+    layout), or ranks that disagree (shapes differ across ranks, the model differs across
+    ranks under DistributedDataParallel). Raised on every rank alike, instead of a hang."""
+
+    exit_code = EXIT_USAGE
+
+
+class DataError(HpcparError, ValueError):
+    """A dataset is missing, malformed, or does not fit the job: HDF5 volume shards and
+    their manifest, graph files and their partitions, the options that make them."""
+
+    exit_code = EXIT_USAGE
+
+
+class RunDirError(HpcparError, RuntimeError):
+    """A run directory cannot be used as asked: a checkpoint is missing, corrupt, or was
+    written by another grid/model; run records (``meta.json``, ``rank-*.csv``) are missing,
+    unreadable or of another schema version."""
+
+    exit_code = EXIT_USAGE
+
+
+class DivergedError(HpcparError, FloatingPointError):
+    """Training diverged: a rank's loss or gradients (or the weights) became non-finite."""
+
+    exit_code = EXIT_DIVERGED
+
+
+class LaunchError(HpcparError, RuntimeError):
+    """The job cannot be started or submitted: no ``mpiexec``, a launcher that fails to
+    start, ``-n`` against an existing MPI world, a bad site profile, batch-script value or
+    submission option (``--time``, ``--after``, ``--nodes``), ``sbatch``/``squeue``
+    failures, sweep points that failed."""
+
+    exit_code = EXIT_USAGE
+
+
+#: every error class, root first (the reference page and its test list these)
+ERRORS = (HpcparError, ConfigError, GridError, LayerError, CommError, DataError, RunDirError,
+          DivergedError, LaunchError)
+
+#: every exit code: name -> value
+EXIT_CODES = {"EXIT_OK": EXIT_OK, "EXIT_FAILED": EXIT_FAILED, "EXIT_USAGE": EXIT_USAGE,
+              "EXIT_REQUEUE": EXIT_REQUEUE,
+              "EXIT_DIVERGED": EXIT_DIVERGED, "EXIT_BELOW_REFERENCE": EXIT_BELOW_REFERENCE,
+              "EXIT_ABORTED": EXIT_ABORTED}

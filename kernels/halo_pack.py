@@ -9,18 +9,21 @@ is torch's strided copy, chosen by measurement (benchmarks/spatial.py, 1 thread)
 16 faces torch packs x faces at copy speed and beats the Numba loops on every face,
 including the fused add. y faces (512-byte rows pages apart) reach ~0.6 of a contiguous copy
 and z faces (rows of 1-2 items) ~0.1, bound by touching one cache line per item, on torch,
-Numba and numpy alike. In channels-last buffers (hpcpar.parallel.halo.CHANNELS_LAST) x and y faces are
-runs of whole rows of channels and pack at copy speed; z faces are runs of C items (64 bytes
-for 16 fp32 channels) 8 KB apart, ~0.4. ``HPCPAR_HALO_KERNELS=torch|numba`` forces a path.
+Numba and numpy alike. In channels-last buffers (hpcpar.parallel.halo.CHANNELS_LAST) x and y
+faces are runs of whole rows of channels and pack at copy speed; z faces are runs of C items
+(64 bytes for 16 fp32 channels) 8 KB apart, ~0.4. ``HPCPAR_HALO_KERNELS=torch|numba`` forces a path.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import numpy as np
 import torch
+
+from hpcpar import _env
+
+__all__ = ["pack", "unpack", "cpu_kernels", "launch"]
 
 THREADS = 256
 
@@ -54,7 +57,7 @@ _AS_INT = {torch.bfloat16: torch.int16, torch.float16: torch.int16}  # copies on
 def _path(view: torch.Tensor, add: bool) -> str:
     """'torch', 'numba' (CPU twin) or 'cuda' for this face. Kept cheap: a 512 KiB face packs
     in ~20 us, so a few microseconds of dispatch show in its bandwidth."""
-    mode = os.environ.get("HPCPAR_HALO_KERNELS", "auto")
+    mode = _env.get("HPCPAR_HALO_KERNELS")
     if mode == "torch" or (view.dim() == 5 and view.shape[0] > 1 and
                            view.stride(0) != view.shape[1] * view.stride(1)):
         return "torch"  # (batch, channels) not mergeable into one dim (channels-last)
@@ -124,6 +127,3 @@ def unpack(view: torch.Tensor, buf: torch.Tensor, add: bool = False) -> None:
         view.add_(buf)
     else:
         view.copy_(buf)
-
-
-__all__ = ["pack", "unpack", "cpu_kernels", "launch"]

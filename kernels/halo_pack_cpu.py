@@ -7,6 +7,8 @@ so MPI ranks reuse one compilation. One loop serves all three (``add`` is loop-i
 
 from numba import njit, prange
 
+__all__ = ["copy_face", "pack_cpu", "unpack_cpu", "add_unpack_cpu"]
+
 
 @njit(parallel=True, cache=True)
 def copy_face(dst, src, add):

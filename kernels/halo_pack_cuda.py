@@ -8,6 +8,8 @@ may be strided, the message buffer is contiguous.
 
 from numba import cuda
 
+__all__ = ["face_index", "copy_face"]
+
 
 @cuda.jit(device=True)
 def face_index(t, shape):

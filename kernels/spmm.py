@@ -112,9 +112,10 @@ def _cuda_kernel(dtype):
     global cuda  # the kernel must see numba.cuda as a module global (the simulator patches it)
     key = np.dtype(dtype).name
     if key not in _CUDA_KERNELS:
-        from numba import cuda
+        from numba import config, cuda
 
         zero = np.dtype(dtype).type(0)
+        mul = _mul_simulated if config.ENABLE_CUDASIM else _mul_rounded(key)
 
         @cuda.jit
         def kernel(indptr, indices, data, x, out):
@@ -122,11 +123,34 @@ def _cuda_kernel(dtype):
             if i < out.shape[0] and c < out.shape[1]:
                 acc = zero
                 for k in range(indptr[i], indptr[i + 1]):
-                    acc += data[k] * x[indices[k], c]
+                    acc += mul(data[k], x[indices[k], c])
                 out[i, c] = acc
 
         _CUDA_KERNELS[key] = kernel
     return _CUDA_KERNELS[key]
+
+
+def _mul_simulated(a, b):
+    return a * b
+
+
+def _mul_rounded(dtype_name: str):
+    """A product NVVM cannot fuse with the following add: NVVM contracts ``a * b + c`` into
+    one FMA by default (one rounding instead of two), which would make the device result
+    differ in the last bit from the CPU twin; libdevice's round-to-nearest multiply is never
+    contracted (CUDA C's ``__fmul_rn``)."""
+    if dtype_name not in ("float32", "float64"):
+        return _mul_simulated_device()
+    from numba.cuda import libdevice
+
+    return libdevice.fmul_rn if dtype_name == "float32" else libdevice.dmul_rn
+
+
+def _mul_simulated_device():
+    """Plain product as a device function (integer types: exact anyway)."""
+    from numba import cuda
+
+    return cuda.jit(device=True)(_mul_simulated)
 
 
 def cuda_kernel_available() -> bool:

@@ -98,3 +98,30 @@ def test_imports_follow_the_layers():
 def test_parallel_imports_no_other_layer(rule):
     allowed = allowed_imports()["hpcpar.parallel"]
     assert allowed <= {"hpcpar.errors", "hpcpar.kernels"}, allowed
+
+
+def test_no_test_module_imports_another():
+    """Test modules share oracles through hpcpar.testing.oracles (importable inside the MPI
+    workers, which load one test file by path) and fixtures through tests/conftest.py, never by
+    importing each other: any import of a name that resolves to a file or folder under tests/
+    (whose folders pytest and the workers put on sys.path) is refused. conftest.py is pytest's."""
+    tests = ROOT / "tests"
+    local = {p.stem for p in tests.rglob("*.py")} | {
+        d.name for d in tests.rglob("*") if d.is_dir() and d.name != "__pycache__"}
+    bad = []
+    for path in sorted(tests.rglob("*.py")):
+        if path.name == "conftest.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = ["." * node.level + (node.module or "")] if node.level else [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                if name.startswith(".") or name.split(".")[0] in local:
+                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {name}")
+    assert not bad, ("test modules import each other (shared code belongs in "
+                     "hpcpar.testing.oracles, shared fixtures in tests/conftest.py):\n"
+                     + "\n".join(bad))

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import click
 
+__all__ = ["CHUNK_OPTION", "data", "make", "LAUNCHER_VARS", "cosmoflow", "shard", "info", "verify"]
+
 CHUNK_OPTION = click.option(
     "--chunk", default="auto", show_default=True,
     help="Chunk edge target along D, H, W, or D,H,W (0: whole axis; auto: min(32, axis/4)), "
@@ -58,14 +60,11 @@ def _comm():
 def cosmoflow(out, samples, size, channels, shards, seed, chunk, force, quiet):
     """CosmoFlow-like Gaussian random fields; targets: amplitude, slope, cutoff,
     nonlinearity (normalised to [-1, 1])."""
-    from hpcpar.data.errors import DataError
     from hpcpar.data.format import parse_chunk
-    from hpcpar.data.synthetic import CosmoflowSource
+    from hpcpar.data.synthetic import CosmoflowSource, check_params
     from hpcpar.data.writer import shard_counts, write_dataset
 
-    for name, value in (("--size", size), ("--channels", channels)):
-        if value < 1:
-            raise DataError(f"{name}: must be positive, got {value}")
+    check_params(size, channels, seed, samples)
     comm = _comm()
     counts = shard_counts(samples, shards=shards)
     m = write_dataset(out, CosmoflowSource(samples, size, channels, seed), counts, comm=comm,
@@ -87,8 +86,17 @@ def cosmoflow(out, samples, size, channels, shards, seed, chunk, force, quiet):
 @CHUNK_OPTION
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def shard(in_file, out, x_key, y_key, samples_per_shard, chunk, force, quiet):
-    """Re-shard a single HDF5 file into an hpcpar dataset directory."""
+@click.option("--allow-nonfinite", is_flag=True, help="Keep NaN/inf values (else an error "
+              "naming the sample); the manifest then records the data as not finite.")
+@click.option("--transform", type=click.Choice(["none", "log1p"]), default="none",
+              show_default=True,
+              help="Input transform training applies at run time, recorded in the manifest "
+                   "(the stored values are copied unchanged); [data] transform = 'auto' "
+                   "follows it.")
+def shard(in_file, out, x_key, y_key, samples_per_shard, chunk, force, quiet, allow_nonfinite,
+          transform):
+    """Re-shard a single HDF5 file into an hpcpar dataset directory; values are copied as
+    they are, and no input transform is applied at run time unless --transform asks."""
     from hpcpar.data.format import parse_chunk
     from hpcpar.data.writer import H5Source, shard_counts, write_dataset
 
@@ -97,11 +105,13 @@ def shard(in_file, out, x_key, y_key, samples_per_shard, chunk, force, quiet):
         comm = _comm()
         counts = shard_counts(len(source), samples_per_shard=samples_per_shard)
         m = write_dataset(out, source, counts, comm=comm, chunk=parse_chunk(chunk), force=force,
-                          progress=not quiet)
+                          progress=not quiet, allow_nonfinite=allow_nonfinite,
+                          transform=transform)
     finally:
         source.close()
     if comm.Get_rank() == 0:
-        click.echo(f"wrote {out}: {m.num_samples} samples in {len(m.shards)} shards")
+        click.echo(f"wrote {out}: {m.num_samples} samples in {len(m.shards)} shards "
+                   f"(transform at run time: {m.transform})")
 
 
 @data.command()
@@ -120,6 +130,7 @@ def info(directory):
                f"{tuple(m.x.chunks) if m.x.chunks else 'contiguous'}")
     names = f" ({', '.join(m.y.names)})" if m.y.names else ""
     click.echo(f"y              {m.y.key} {tuple(m.y.shape)} {m.y.dtype}{names}")
+    click.echo(f"transform      {m.transform} (applied to x at run time)")
     for key, value in m.source.items():
         click.echo(f"source.{key:<8} {value}")
     click.echo("shards:")
@@ -130,11 +141,13 @@ def info(directory):
 
 @data.command()
 @click.argument("directory", type=click.Path())
-@click.option("--no-checksum", is_flag=True, help="Skip the sha256 check (shapes only).")
+@click.option("--no-checksum", is_flag=True, help="Skip the sha256 check and the value scan "
+              "(shapes only).")
 def verify(directory, no_checksum):
-    """Check every shard: present, HDF5, size, sha256, keys, shapes, dtypes, sample range."""
-    from hpcpar.data.errors import DataError
+    """Check every shard: present, HDF5, size, sha256, keys, shapes, dtypes, sample range,
+    and every value finite (NaN/inf only where the manifest records them)."""
     from hpcpar.data.format import read_manifest, verify_dataset
+    from hpcpar.errors import DataError
 
     problems = verify_dataset(directory, checksum=not no_checksum)
     if problems:
@@ -143,7 +156,11 @@ def verify(directory, no_checksum):
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise DataError(problems[0] + more)
     m = read_manifest(directory)
-    click.echo(f"ok: {directory}: {len(m.shards)} shards, {m.num_samples} samples verified")
+    scanned = "" if no_checksum else ", values finite" if all(
+        (m.stats.get(k) or {}).get("finite", True) for k in ("x", "y")) else \
+        ", NaN/inf present as the manifest records"
+    click.echo(f"ok: {directory}: {len(m.shards)} shards, {m.num_samples} samples verified"
+               f"{scanned}")
 
 
 try:  # `hpcpar data graph ...` lives in the GNN's module when that is installed

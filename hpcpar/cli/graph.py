@@ -12,25 +12,51 @@ import click
 
 from hpcpar.graph.format import bundled
 
+__all__ = ["graph", "import_", "make"]
+
 
 @click.group()
 def graph():
     """Graph files for full-graph GNN training (one HDF5 file per graph)."""
 
 
+def _split(ctx, param, value):
+    try:
+        a, b = (float(v) for v in value.split(","))
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: expected TRAIN,VAL fractions, e.g. 0.6,0.2") \
+            from None
+    return a, b
+
+
 @graph.command("import")
 @click.argument("source")
 @click.argument("out", type=click.Path(dir_okay=False))
-def import_(source, out):
-    """Convert a Planetoid-style .npz (edge_index, CSR x, y, train/val/test_idx) to OUT.h5.
+@click.option("--features", type=click.Path(dir_okay=False), default=None,
+              help="Edge lists: the (N, F) features, .npy or text (one row per vertex).")
+@click.option("--labels", type=click.Path(dir_okay=False), default=None,
+              help="Edge lists: the (N,) class ids, .npy or text (default: zeros).")
+@click.option("--split", default="0.6,0.2", show_default=True, callback=_split,
+              metavar="TRAIN,VAL",
+              help="Random train/val fractions (rest test) where the source has no masks.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of --split.")
+def import_(source, out, features, labels, split, seed):
+    """Convert a graph to OUT.h5: a Planetoid-style .npz (edge_index, CSR x, y,
+    train/val/test_idx), a PyTorch Geometric Data saved with torch.save (.pt/.pth: edge_index,
+    x, y, *_mask; unpickled, so only files you trust), or an edge list (text, one `src dst`
+    per line) with --features.
 
     SOURCE may be a path or the name of a bundled dataset (``cora``).
     """
     from hpcpar.graph.format import import_npz
+    from hpcpar.graph.interop import import_graph
 
     if not os.path.exists(source) and os.path.exists(bundled(source.removesuffix(".npz"))):
         source = bundled(source.removesuffix(".npz"))
-    s = import_npz(source, out)
+    if source.endswith(".npz"):
+        s = import_npz(source, out)
+    else:
+        s = import_graph(source, out, features=features, labels=labels, split=split, seed=seed)
     click.echo(f"wrote {out}: {s['nodes']} nodes, {s['edges']} edges, {s['features']} "
                f"features, {s['classes']} classes, {'directed' if s['directed'] else 'undirected'}"
                f"; train/val/test {s['train']}/{s['val']}/{s['test']}")

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import platform
 
 import click
+
+__all__ = ["slurm_context", "facts", "info"]
 
 
 def _version(module: str) -> str:
@@ -33,9 +36,9 @@ def facts() -> list[tuple[str, str]]:
     try:
         from mpi4py import MPI
 
-        lib = " ".join(MPI.Get_library_version().strip().splitlines()[0].split())
+        lib = " ".join(MPI.Get_library_version().strip("\x00 \n").splitlines()[0].split())
         rows.append(("MPI library", lib))
-        rows.append(("MPI standard", "%d.%d" % MPI.Get_version()))
+        rows.append(("MPI standard", "{}.{}".format(*MPI.Get_version())))
     except Exception as exc:  # noqa: BLE001
         rows.append(("MPI library", f"not available ({exc})"))
     rows += [("numba", _version("numba")), ("h5py", _version("h5py"))]
@@ -76,17 +79,29 @@ def facts() -> list[tuple[str, str]]:
               help="Grid DATAxXxYxZ (one axis may be -1). Default: all data-parallel.")
 @click.option("--ranks-per-node", type=int, default=None,
               help="Ranks per node for the table (default: all on one node).")
-def info(ranks, grid_spec, ranks_per_node):
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON object (the facts, or the grid and its rank table).")
+def info(ranks, grid_spec, ranks_per_node, as_json):
     """Versions, MPI/CUDA facts, Slurm context; with --ranks, the rank -> (data, x, y, z) ->
     node table of a grid, computed without launching anything."""
     from hpcpar.errors import GridError
+    from hpcpar.launch.allocation import rank_hosts
     from hpcpar.parallel.grid import layout, parse_spec, resolve_shape
 
+    hosts = rank_hosts()
     if ranks is None and grid_spec is None:
         rows = facts()
+        if as_json:
+            click.echo(json.dumps({**dict(rows), "allocation_hosts": hosts or []}))
+            return
         width = max(len(k) for k, _ in rows)
         for k, v in rows:
             click.echo(f"{k:<{width}}  {v}")
+        if hosts:
+            click.echo(f"\nrank -> host as srun places this allocation's {len(hosts)} tasks "
+                       f"(block):")
+            for r, h in enumerate(hosts):
+                click.echo(f"{r:>5}  {h}")
         return
     if ranks is None:
         shape = parse_spec(grid_spec)
@@ -96,10 +111,23 @@ def info(ranks, grid_spec, ranks_per_node):
     if ranks < 1:
         raise GridError(f"--ranks must be positive, got {ranks}")
     shape = resolve_shape(parse_spec(grid_spec) if grid_spec else (-1, 1, 1, 1), ranks)
-    per_node = ranks_per_node or ranks
-    click.echo(f"grid {'x'.join(map(str, shape))} (data x X x Y x Z), {ranks} ranks, "
-               f"{-(-ranks // per_node)} node(s) of {per_node} ranks")
+    spec = "x".join(map(str, shape))
+    if hosts and ranks_per_node is None and len(hosts) == ranks:  # the allocation's placement
+        title = (f"grid {spec} (data x X x Y x Z), {ranks} ranks on this allocation's "
+                 f"{len(dict.fromkeys(hosts))} node(s)")
+        table = [(e, hosts[e.rank]) for e in layout(shape, ranks)]
+    else:
+        per_node = ranks_per_node or ranks
+        title = (f"grid {spec} (data x X x Y x Z), {ranks} ranks, {-(-ranks // per_node)} "
+                 f"node(s) of {per_node} ranks")
+        table = [(e, str(e.node)) for e in layout(shape, per_node)]
+    if as_json:
+        click.echo(json.dumps({"grid": spec, "ranks": ranks, "table": [
+            dict(zip(("rank", "data", "x", "y", "z", "node"), (e.rank, *e.coords, node)))
+            for e, node in table]}))
+        return
+    click.echo(title)
     click.echo(f"{'rank':>5} {'data':>5} {'x':>4} {'y':>4} {'z':>4} {'node':>5}")
-    for e in layout(shape, per_node):
+    for e, node in table:
         d, i, j, k = e.coords
-        click.echo(f"{e.rank:>5} {d:>5} {i:>4} {j:>4} {k:>4} {e.node:>5}")
+        click.echo(f"{e.rank:>5} {d:>5} {i:>4} {j:>4} {k:>4} {node:>5}")

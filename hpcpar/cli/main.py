@@ -13,7 +13,10 @@ import sys
 import click
 
 from hpcpar._version import __version__
-from hpcpar.errors import HpcparError
+from hpcpar.cli.examples import epilog
+from hpcpar.errors import EXIT_ABORTED, EXIT_USAGE, HpcparError
+
+__all__ = ["COMMANDS", "LazyGroup", "cli", "main"]
 
 # name -> (module, attribute, one-line help)
 COMMANDS = {
@@ -25,6 +28,7 @@ COMMANDS = {
     "status": ("hpcpar.cli.submit", "status", "State of the Slurm jobs of a sweep."),
     "data": ("hpcpar.cli.data", "data", "Make, inspect, verify and re-shard datasets."),
     "plan": ("hpcpar.cli.plan", "plan", "Predict step time for every grid; pick one."),
+    "schema": ("hpcpar.cli.schema", "schema", "The job file schema as JSON Schema."),
 }
 
 
@@ -40,9 +44,12 @@ class LazyGroup(click.Group):
             mod = importlib.import_module(module)
         except ModuleNotFoundError as exc:
             if exc.name == module:
-                raise click.UsageError(f"command {name!r} is not available in this build")
+                raise click.UsageError(f"command {name!r} is not available in this build") \
+                    from None
             raise
-        return getattr(mod, attr)
+        from hpcpar.cli.examples import attach
+
+        return attach(getattr(mod, attr), name)
 
     def format_commands(self, ctx, formatter):
         rows = [(name, COMMANDS[name][2]) for name in self.list_commands(ctx)]
@@ -50,7 +57,8 @@ class LazyGroup(click.Group):
             formatter.write_dl(rows)
 
 
-@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]},
+             epilog=epilog(""))
 @click.version_option(__version__, prog_name="hpcpar")
 def cli():
     """hpcpar: train large-sample 3D CNNs and full graphs over many MPI ranks, then see how
@@ -63,10 +71,10 @@ def main(argv=None) -> None:
         cli.main(args=argv, prog_name="hpcpar", standalone_mode=False)
     except click.exceptions.Abort:
         click.echo("hpcpar: aborted", err=True)
-        sys.exit(130)
+        sys.exit(EXIT_ABORTED)
     except click.ClickException as exc:
         click.echo(f"hpcpar: error: {exc.format_message()}", err=True)
-        sys.exit(2)
+        sys.exit(EXIT_USAGE)
     except HpcparError as exc:
         click.echo(f"hpcpar: error: {exc}", err=True)
         sys.exit(exc.exit_code)

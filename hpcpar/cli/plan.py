@@ -7,13 +7,15 @@ from pathlib import Path
 
 import click
 
+__all__ = ["FIELDS", "row", "workload_from_job", "table", "write_csv", "plan"]
+
 
 def _sample_shape(job) -> tuple[tuple, int]:
     """(per-sample x shape (C, D, H, W), number of targets) from the dataset's manifest, else
     from the job's synthetic [data] size/channels."""
     from hpcpar.data import read_manifest
     from hpcpar.data.synthetic import TARGETS
-    from hpcpar.errors import HpcparError
+    from hpcpar.errors import ConfigError
 
     d = job.data.params
     path = d.get("path")
@@ -21,8 +23,8 @@ def _sample_shape(job) -> tuple[tuple, int]:
         m = read_manifest(path)
         return tuple(m.x.shape), int(m.y.shape[0])
     if d.get("size"):
-        return (d.get("channels", 4),) + (d["size"],) * 3, len(TARGETS)
-    raise HpcparError(f"{job.name}: [data] size is not set and no dataset manifest to read it "
+        return (d.get("channels") or 4,) + (d["size"],) * 3, len(TARGETS)
+    raise ConfigError(f"{job.name}: [data] size is not set and no dataset manifest to read it "
                       "from; add --set data.size=N")
 
 
@@ -31,12 +33,12 @@ def _model(job, sample_shape, n_targets):
     and the shape of its input (the sample without label channels)."""
     import torch
 
-    from hpcpar.errors import HpcparError
+    from hpcpar.errors import ConfigError
     from hpcpar.run.workloads.base import get_workload
 
     cls = get_workload(job.model.kind)
     if not hasattr(cls, "build_plain"):
-        raise HpcparError(f"[model] kind {job.model.kind!r}: the planner models volume jobs "
+        raise ConfigError(f"[model] kind {job.model.kind!r}: the planner models volume jobs "
                           "(cosmoflow, unet3d)")
     with torch.device("meta"):
         model = cls.build_plain(job, sample_shape[0], sample_shape[1:], n_targets)
@@ -44,8 +46,8 @@ def _model(job, sample_shape, n_targets):
 
 
 def workload_from_job(path: str, overrides=()):
-    from hpcpar.run.jobspec import load_job
     from hpcpar.plan.planner import Workload, trace_layers
+    from hpcpar.run.jobspec import load_job
 
     job = load_job(path, list(overrides))
     shape, n_targets = _sample_shape(job)
@@ -82,18 +84,25 @@ def _examples(bad, k: int):
     return (first + rest)[:k]
 
 
+FIELDS = ("grid", "data", "x", "y", "z", "feasible", "reason", "t_step", "t_compute", "t_halo",
+          "t_gather", "t_allreduce", "t_allreduce_exposed", "t_io", "mem_bytes")
+
+
+def row(p) -> dict:
+    """One prediction as a flat record (the CSV row and the --json item)."""
+    return dict(zip(FIELDS, [p.spec, *p.grid, p.feasible, p.reason, p.t_step, p.t_compute,
+                             p.t_halo, p.t_gather, p.t_allreduce, p.t_allreduce_exposed, p.t_io,
+                             p.mem_bytes]))
+
+
 def write_csv(preds, path: str) -> None:
     import csv
 
     tmp = path + ".tmp"
     with open(tmp, "w", newline="") as fh:
-        w = csv.writer(fh)
-        w.writerow(["grid", "data", "x", "y", "z", "feasible", "reason", "t_step", "t_compute",
-                    "t_halo", "t_gather", "t_allreduce", "t_allreduce_exposed", "t_io",
-                    "mem_bytes"])
-        for p in preds:
-            w.writerow([p.spec, *p.grid, p.feasible, p.reason, p.t_step, p.t_compute, p.t_halo,
-                        p.t_gather, p.t_allreduce, p.t_allreduce_exposed, p.t_io, p.mem_bytes])
+        w = csv.DictWriter(fh, FIELDS)
+        w.writeheader()
+        w.writerows(row(p) for p in preds)
     os.replace(tmp, path)
 
 
@@ -109,15 +118,18 @@ def write_csv(preds, path: str) -> None:
               help="Measure this machine (2 ranks) and write a machine file.")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False),
               help="With --calibrate: where to write (default slurm/machines/local.toml).")
-def plan(job, ranks, machine, top, csv_path, overrides, calibrate, out_path):
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON object: the job, ranks, machine and every grid (fastest "
+                   "feasible first).")
+def plan(job, ranks, machine, top, csv_path, overrides, calibrate, out_path, as_json):
     """Predict one training step of JOB on every grid that factors --ranks, fastest first,
     with the compute / halo / gather / exposed-allreduce / I/O breakdown and memory per rank."""
     import subprocess
     import sys
 
-    from hpcpar.errors import HpcparError
-    from hpcpar.plan.machine import load_machine, machines_dir
+    from hpcpar.errors import LaunchError
     from hpcpar.launch.mpiexec import find_mpiexec, rank_env
+    from hpcpar.plan.machine import load_machine, machines_dir
     from hpcpar.plan.planner import plan as make_plan
 
     if calibrate:
@@ -125,17 +137,25 @@ def plan(job, ranks, machine, top, csv_path, overrides, calibrate, out_path):
         r = subprocess.run([find_mpiexec(), "-n", "2", sys.executable, "-m",
                             "hpcpar.plan.calibrate", out], env=rank_env(), timeout=600)
         if r.returncode:
-            raise HpcparError(f"calibration failed (exit code {r.returncode})")
+            raise LaunchError(f"calibration failed (exit code {r.returncode})")
         return
     if not job or not ranks:
         raise click.UsageError("give JOB.toml and --ranks N (or --calibrate)")
     m = load_machine(machine)
     work = workload_from_job(job, overrides)
     preds = make_plan(work, ranks, m)
+    if csv_path:
+        write_csv(preds, csv_path)
+    if as_json:
+        import json
+
+        click.echo(json.dumps({"job": work.name, "ranks": ranks, "machine": m.name,
+                               "global_batch": work.global_batch, "params": work.params,
+                               "grids": [row(p) for p in preds]}))
+        return
     click.echo(f"{work.name}: {ranks} ranks on {m.name} ({m.ranks_per_node} ranks/node), "
                f"sample {'x'.join(map(str, work.sample_shape))}, global batch "
                f"{work.global_batch}, {work.params / 1e6:.2f} M parameters")
     click.echo(table(preds, top))
     if csv_path:
-        write_csv(preds, csv_path)
         click.echo(f"all {len(preds)} grids -> {csv_path}")

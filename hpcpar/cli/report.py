@@ -4,19 +4,59 @@ from __future__ import annotations
 
 import click
 
+__all__ = ["plan_predictor", "print_report", "report"]
+
 
 def print_report(rep) -> None:
-    """The headline table, the notes of partial rows, and where the report is."""
+    """The headline table, the notes of partial rows, and where the report is; each run
+    left out (unreadable meta.json) is one warning line on stderr."""
+    for reason in rep.skipped:
+        click.echo(f"hpcpar: warning: skipped run: {reason}", err=True)
+    click.echo(rep.verdict)
     click.echo(rep.headline)
     for r in rep.table.to_dict("records"):
         if r["partial"]:
             click.echo(f"PARTIAL {r['config']} @ {r['ranks']} ranks: {r['note']}")
+        elif "settings differ" in r["note"]:
+            click.echo(f"OWN ROW {r['config']} @ {r['ranks']} ranks: {r['note']}")
     click.echo(f"report: {rep.files['report.html']}  (also report.md, scaling.csv, *.png in "
                f"{rep.out})")
 
 
+def plan_predictor(machine_name: str):
+    """``(job dict, grid) -> predicted seconds per step`` from ``hpcpar plan``'s model of a
+    machine (``slurm/machines/NAME.toml`` or a path); the job's workload is traced once."""
+    import json
+
+    from hpcpar.cli import plan as planning
+    from hpcpar.errors import ConfigError
+    from hpcpar.plan.machine import load_machine
+    from hpcpar.plan.planner import Workload, predict, trace_layers
+    from hpcpar.run.jobspec import build_job
+
+    machine = load_machine(machine_name)
+    works: dict = {}
+
+    def predict_point(job_dict: dict, grid: tuple) -> dict:
+        key = json.dumps(job_dict, sort_keys=True, default=str)
+        if key not in works:
+            job = build_job(job_dict, source="meta.json job")
+            shape, n_targets = planning._sample_shape(job)
+            layers = trace_layers(*planning._model(job, shape, n_targets))
+            works[key] = Workload(job.name, layers, shape, job.train.global_batch,
+                                  precision=job.train.precision, optimizer=job.train.optimizer)
+        pred = predict(works[key], grid, machine)
+        if not pred.feasible:
+            raise ConfigError(f"grid {pred.spec}: {pred.reason}")
+        return {"t_step": pred.t_step, "t_compute": pred.t_compute + pred.extra.get("t_opt", 0),
+                "t_halo": pred.t_halo + pred.t_gather, "t_comm_exposed": pred.t_allreduce_exposed,
+                "t_io": pred.extra.get("io_exposed", pred.t_io)}
+
+    return predict_point
+
+
 @click.command("report")
-@click.argument("paths", nargs=-1, required=True, type=click.Path())
+@click.argument("paths", nargs=-1, required=False, type=click.Path())
 @click.option("-o", "--out", type=click.Path(file_okay=False), default="report",
               show_default=True, help="Directory for scaling.csv, report.md/html and plots.")
 @click.option("--mode", type=click.Choice(["auto", "strong", "weak"]), default="auto",
@@ -26,10 +66,60 @@ def print_report(rep) -> None:
               help="Steps dropped at the start of each run segment [default: the run's "
                    "timing_warmup meta, else max(1, steps/10)].")
 @click.option("--title", default="hpcpar scaling report", show_default=True)
-def report(paths, out, mode, warmup, title):
+@click.option("--strict", is_flag=True, help="Error (exit 2) when runs of one config differ "
+              "in their job settings, instead of giving each its own row.")
+@click.option("--threshold", type=click.FloatRange(0, 1), default=0.7, show_default=True,
+              help="Efficiency the verdict line calls acceptable.")
+@click.option("--expect", "expect", type=click.Path(dir_okay=False), default=None,
+              help="TOML references (per config and rank count: min_efficiency, "
+                   "max_step_time, tolerance); exit 5 naming every point that falls short.")
+@click.option("--plan", "plan_machine", default=None, metavar="MACHINE",
+              help="Put hpcpar plan's predicted step time and phases for MACHINE (a name in "
+                   "slurm/machines or a machine TOML) beside the measured ones.")
+@click.option("--compare", "compare", nargs=2, type=click.Path(), default=None,
+              metavar="BEFORE AFTER", help="Compare two sweeps (before/after a change): "
+              "compare.csv/.md/.html/.png in OUT with the step-time ratio per point.")
+def report(paths, out, mode, warmup, title, strict, threshold, expect, plan_machine, compare):
     """Scaling report of run or sweep directories (any depth below each path)."""
+    from hpcpar.errors import ConfigError
+
+    mode = None if mode == "auto" else mode
+    refs = None
+    if expect:
+        from hpcpar.analysis.expect import read_expectations
+
+        refs = read_expectations(expect)  # a bad file fails before any work
+    if compare:
+        if paths:
+            raise ConfigError("report --compare BEFORE AFTER takes no other paths")
+        from hpcpar.analysis.compare import write_comparison
+
+        cmp, files = write_comparison(compare[0], compare[1], out, mode=mode, warmup=warmup,
+                                      strict=strict)
+        click.echo(cmp.attrs["verdict"])
+        click.echo(cmp.attrs["headline"])
+        click.echo(f"comparison: {files['compare.html']}  (also compare.md, compare.csv, "
+                   f"compare.png in {out})")
+        return
+    if not paths:
+        raise ConfigError("report: give run or sweep directories (or --compare BEFORE AFTER)")
     from hpcpar.analysis.render import write_report
 
-    rep = write_report(paths, out, mode=None if mode == "auto" else mode, warmup=warmup,
-                       title=title)
+    predictor = plan_predictor(plan_machine) if plan_machine else None
+    rep = write_report(paths, out, mode=mode, warmup=warmup, title=title, strict=strict,
+                       threshold=threshold, predict_point=predictor,
+                       predicted_by=f"hpcpar plan ({plan_machine})")
     print_report(rep)
+    if refs is not None:
+        from hpcpar.analysis.expect import check_expectations
+
+        short = check_expectations(rep.table, refs)
+        for line in short:
+            click.echo(f"BELOW REFERENCE {line}", err=True)
+        if short:
+            click.echo(f"hpcpar: error: {len(short)} point(s) below the references in "
+                       f"{expect}", err=True)
+            from hpcpar.errors import EXIT_BELOW_REFERENCE
+
+            raise SystemExit(EXIT_BELOW_REFERENCE)
+        click.echo(f"references met: {expect}")

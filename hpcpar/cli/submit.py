@@ -6,6 +6,8 @@ import json
 
 import click
 
+__all__ = ["submit", "status"]
+
 
 def _int_list(ctx, param, value):
     if value is None:
@@ -26,7 +28,10 @@ def _int_list(ctx, param, value):
 @click.option("--site", default="generic", show_default=True,
               help="Site profile name (see slurm/sites) or path to a .toml profile.")
 @click.option("--ranks", callback=_int_list, help="Rank counts to run, e.g. 1,2,4.")
-@click.option("--nodes", callback=_int_list, help="Node counts (ranks = nodes x tasks/node).")
+@click.option("--nodes", callback=_int_list, help="Node counts (ranks = nodes x ranks per node).")
+@click.option("--ranks-per-node", type=click.IntRange(1), metavar="N",
+              help="Ranks per node (default: the job's [resources] tasks_per_node, else the "
+                   "site's).")
 @click.option("--array", is_flag=True, help="One job array over the sweep points.")
 @click.option("--weak", is_flag=True,
               help="Weak scaling: global batch grows with the ranks (as hpcpar sweep).")
@@ -42,14 +47,15 @@ def _int_list(ctx, param, value):
               help="Requeue a checkpointed job at most N times (default: the site's).")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
               help="Override a job field (passed on to `hpcpar run`).")
-def submit(job_file, out, site, ranks, nodes, array, weak, after, report, dry_run, time_, grace,
-           max_requeues, sets):
+def submit(job_file, out, site, ranks, nodes, ranks_per_node, array, weak, after, report, dry_run,
+           time_, grace, max_requeues, sets):
     """Render sbatch scripts for JOB_FILE from a site profile and submit them."""
-    from hpcpar.launch.submit import dry_run_text, plan_submit, submit as do_submit
+    from hpcpar.launch.submit import dry_run_text, plan_submit
+    from hpcpar.launch.submit import submit as do_submit
 
     jobs = plan_submit(job_file, out, site=site, ranks=ranks, nodes=nodes, array=array,
                        after=after, report=report, time=time_, sets=sets, grace=grace,
-                       max_requeues=max_requeues, weak=weak)
+                       max_requeues=max_requeues, weak=weak, ranks_per_node=ranks_per_node)
     if dry_run:
         click.echo(dry_run_text(jobs), nl=False)
         return

@@ -19,7 +19,10 @@ from pathlib import Path
 
 import click
 
-from hpcpar.launch.sweep import SweepError, parse_ranks, plan
+from hpcpar.errors import LaunchError
+from hpcpar.launch.sweep import parse_ranks, plan
+
+__all__ = ["run_command", "run_points", "submit_command", "sweep"]
 
 
 def run_command(job_path: str, point: dict, run_dir: Path, resume: bool = False) -> list[str]:
@@ -97,10 +100,6 @@ def sweep(job, ranks_text, out, weak, submit, sets, warmup, resume, verbose):
     """Run JOB at each rank count, then write the scaling report into OUT/report/."""
     ranks = parse_ranks(ranks_text)
     if submit:
-        if weak:
-            raise SweepError("--weak --submit: hpcpar submit has no per-point global batch "
-                             "yet; run the weak sweep locally or submit each point with "
-                             "--set train.global_batch=...")
         rc = subprocess.run(submit_command(job, out, ranks, weak, sets)).returncode
         sys.exit(rc)
     points = plan(job, ranks, weak, sets)
@@ -114,14 +113,13 @@ def sweep(job, ranks_text, out, weak, submit, sets, warmup, resume, verbose):
     done = [out / f"ranks-{p['ranks']}" for p in points
             if (out / f"ranks-{p['ranks']}" / "meta.json").exists()]
     if not done:
-        raise SweepError(f"{out}: no point of the sweep left run records; see the logs there")
+        raise LaunchError(f"{out}: no point of the sweep left run records; see the logs there")
     from hpcpar.analysis.render import write_report
-
     from hpcpar.cli.report import print_report
 
     rep = write_report(done, out / "report", mode="weak" if weak else "strong", warmup=warmup,
                        title=f"hpcpar {'weak' if weak else 'strong'} scaling: {Path(job).name}")
     print_report(rep)
     if failed:
-        raise SweepError(f"sweep: point(s) {', '.join(map(str, failed))} failed; their rows "
-                         f"are partial or missing (logs in {out})")
+        raise LaunchError(f"sweep: point(s) {', '.join(map(str, failed))} failed; their rows "
+                          f"are partial or missing (logs in {out})")

@@ -10,7 +10,6 @@ from .._lazy import lazy_getattr
 _LAZY = {
     "ShardedVolumeDataset": "hpcpar.data.reader",
     "SyntheticVolumeDataset": "hpcpar.data.inmemory",
-    "DataError": "hpcpar.data.errors",
     "FORMAT_VERSION": "hpcpar.data.format",
     "Manifest": "hpcpar.data.format",
     "read_manifest": "hpcpar.data.format",

@@ -9,8 +9,8 @@ gives each chunk's file offset. Chunks aligned with the rank's box and spanning 
 are read with one ``preadv`` straight into the output; otherwise each row of touched chunks is
 read with one ``preadv`` per run of chunks adjacent in the file into a reused buffer, then
 placed into the output with one transposing copy while the kernel's readahead fetches the
-next rows. This avoids HDF5's per-chunk cache allocation and row-wise
-copies, which make warm reads several times slower than a plain read. Anything else (compressed chunks,
+next rows. This avoids HDF5's per-chunk cache allocation and row-wise copies, which make
+warm reads several times slower than a plain read. Anything else (compressed chunks,
 contiguous datasets, the mpio driver) goes through ``read_direct`` with a chunk cache big
 enough to hold a chunk, so HDF5 fetches each chunk once instead of row by row.
 """
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hpcpar.data.errors import DataError
 from hpcpar.data.format import open_h5
+from hpcpar.errors import DataError
 
 MAX_OPEN = 64  # shard files kept open at once
 MAX_IOVECS = 64  # channels beyond this: chunks go through the staging buffer

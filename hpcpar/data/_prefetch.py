@@ -24,7 +24,7 @@ import sys
 
 import numpy as np
 
-from hpcpar.data.errors import DataError
+from hpcpar.errors import DataError
 
 
 class SlotLayout:
@@ -51,7 +51,7 @@ class SlotLayout:
                 "y_dtype": self.y_dtype.str}
 
     @classmethod
-    def from_json(cls, d: dict) -> "SlotLayout":
+    def from_json(cls, d: dict) -> SlotLayout:
         return cls(d["depth"], d["max_batch"], d["x_shape"], d["x_dtype"], d["y_shape"],
                    d["y_dtype"])
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from hpcpar.errors import DataError
 from hpcpar.parallel.partition import box, part_range
-from hpcpar.data.errors import DataError
 
 
 def local_box(volume_shape, spatial_shape, spatial_coords) -> tuple:

@@ -17,10 +17,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from hpcpar.errors import DataError
 from hpcpar.parallel.partition import split_sizes
-from .errors import DataError
+
+__all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "HDF5_SIGNATURE", "DEFAULT_CHUNK", "shard_name",
+           "chunk_edge", "PerRankChunks", "parse_chunk", "x_chunks", "Array", "Shard", "Manifest",
+           "read_manifest", "sha256_file", "check_file", "open_h5", "check_array", "check_shard",
+           "manifest_problems", "verify_dataset", "SCAN_BLOCK_BYTES", "value_stats", "merge_stats",
+           "dataset_stats", "expects_finite", "check_finite", "check_values"]
 
 FORMAT = "hpcpar-volume-shards"
 FORMAT_VERSION = 1
@@ -30,14 +37,22 @@ DEFAULT_CHUNK = 32  # largest automatic chunk edge: 4 x 32^3 float32 = 512 KiB p
 
 
 def shard_name(index: int) -> str:
+    """The file name of shard ``index``: ``shard-00000.h5``."""
     return f"shard-{index:05d}.h5"
 
 
 def chunk_edge(n: int, target: int | None = None) -> int:
-    """Chunk length on an axis of length ``n``: about ``target``, splitting ``n`` evenly.
+    """Chunk length on one axis: about ``target``, splitting the axis evenly.
 
-    ``None`` (the default): at most 32 and at most a quarter of the axis, so grids of up to 4
-    ranks per axis read their own quarter, not a whole small sample; 0: the whole axis."""
+    Args:
+        n: Length of the axis.
+        target: The wanted edge. None (the default): at most 32 and at most a quarter of the
+            axis, so grids of up to 4 ranks per axis read their own quarter, not a whole
+            small sample; 0: the whole axis.
+
+    Returns:
+        The chunk length.
+    """
     if target is None:
         target = min(DEFAULT_CHUNK, -(-n // 4))
     if target <= 0 or target >= n:
@@ -54,10 +69,20 @@ class PerRankChunks:
     parts: tuple
 
 
-def parse_chunk(text) -> int | tuple | PerRankChunks | None:
-    """``"auto"`` -> None (see :func:`chunk_edge`); ``"32"`` -> 32 (target edge on every
-    axis); ``"16,128,128"`` -> per-axis targets; ``"grid:2x2x1"`` (or a 4D ``DxXxYxZ`` grid
-    spec, data part ignored) -> one chunk per rank block of that spatial grid."""
+def parse_chunk(text: str | None) -> int | tuple | PerRankChunks | None:
+    """Parse a ``--chunk`` option.
+
+    Args:
+        text: ``"auto"`` (or None), ``"32"`` (target edge on every axis), ``"16,128,128"``
+            (per-axis targets) or ``"grid:2x2x1"`` (or a 4D ``DxXxYxZ`` grid spec, data part
+            ignored: one chunk per rank block of that spatial grid).
+
+    Returns:
+        None, an int, a (D, H, W) tuple or ``PerRankChunks``, as ``x_chunks`` takes.
+
+    Raises:
+        DataError: Not one of these forms.
+    """
     if text is None or str(text).strip().lower() == "auto":
         return None
     text = str(text).strip()
@@ -81,10 +106,19 @@ def parse_chunk(text) -> int | tuple | PerRankChunks | None:
     return vals[0] if len(vals) == 1 else vals
 
 
-def x_chunks(sample_shape, target=None) -> tuple[int, ...]:
-    """Chunk shape of ``x`` for per-sample shape (C, D, H, W); ``target`` is None (auto), one
-    edge for D, H, W, a (D, H, W) triple (0 means the whole axis) or :class:`PerRankChunks`
-    (the largest rank block of the balanced split on each axis)."""
+def x_chunks(sample_shape: Sequence[int],
+             target: int | Sequence[int] | PerRankChunks | None = None) -> tuple[int, ...]:
+    """The HDF5 chunk shape of ``x``.
+
+    Args:
+        sample_shape: Per-sample shape ``(C, D, H, W)``.
+        target: None (auto), one edge for D, H, W, a (D, H, W) triple (0 means the whole
+            axis) or ``PerRankChunks`` (the largest rank block of the balanced split on each
+            axis).
+
+    Returns:
+        ``(1, C, d, h, w)``: one sample and all channels per chunk.
+    """
     c, *spatial = sample_shape
     if isinstance(target, PerRankChunks):
         target = tuple(split_sizes(n, p)[0] for n, p in zip(spatial, target.parts))
@@ -94,7 +128,15 @@ def x_chunks(sample_shape, target=None) -> tuple[int, ...]:
 
 @dataclass
 class Array:
-    """Per-sample shape and dtype of one dataset key (``x`` or ``y``)."""
+    """Per-sample shape and dtype of one dataset key (``x`` or ``y``).
+
+    Attributes:
+        key: The HDF5 dataset name in every shard.
+        shape: Shape of one sample (``(C, D, H, W)`` for x, ``(K,)`` for y).
+        dtype: numpy dtype name.
+        chunks: HDF5 chunk shape of one sample, if chunked.
+        names: Names of the targets (y only).
+    """
 
     key: str
     shape: tuple
@@ -103,6 +145,7 @@ class Array:
     names: list | None = None
 
     def to_json(self) -> dict:
+        """The manifest's JSON form of this entry."""
         out = {"key": self.key, "shape": list(self.shape), "dtype": self.dtype}
         if self.chunks is not None:
             out["chunks"] = list(self.chunks)
@@ -111,13 +154,24 @@ class Array:
         return out
 
     @classmethod
-    def from_json(cls, d: dict) -> "Array":
+    def from_json(cls, d: dict) -> Array:
+        """Read an entry back from its JSON form."""
         return cls(d["key"], tuple(d["shape"]), d["dtype"],
                    tuple(d["chunks"]) if d.get("chunks") else None, d.get("names"))
 
 
 @dataclass
 class Shard:
+    """One shard file of a dataset.
+
+    Attributes:
+        file: File name, relative to the dataset directory.
+        start: Global index of its first sample.
+        count: Number of samples.
+        bytes: File size.
+        sha256: Checksum of the file ("" when not recorded).
+    """
+
     file: str
     start: int
     count: int
@@ -126,12 +180,28 @@ class Shard:
 
     @property
     def stop(self) -> int:
+        """One past the global index of its last sample."""
         return self.start + self.count
 
 
 @dataclass
 class Manifest:
-    """``manifest.json`` of a dataset directory."""
+    """``manifest.json`` of a dataset directory (format: ``docs/guides/data.md``).
+
+    Attributes:
+        num_samples: Samples in the dataset.
+        x: The inputs' per-sample shape and dtype.
+        y: The targets' per-sample shape and dtype.
+        shards: The shard files in sample order, covering ``[0, num_samples)``.
+        source: How the data was made (free-form facts).
+        format: ``"hpcpar-volume-shards"``.
+        format_version: The format version this manifest follows.
+        stats: Min/max and NaN/inf counts of x and y (empty in older datasets).
+        transform: The input transform readers apply at run time (``TRANSFORMS``); the
+            stored values are never transformed. ``"none"`` unless asked for when the
+            dataset was made (``hpcpar data shard --transform``); ``"log1p"`` for CosmoFlow
+            data.
+    """
 
     num_samples: int
     x: Array
@@ -140,31 +210,70 @@ class Manifest:
     source: dict = field(default_factory=dict)
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
+    stats: dict = field(default_factory=dict)  # see value_stats(); {} in older datasets
+    transform: str = "none"
 
     def to_json(self) -> dict:
-        return {"format": self.format, "format_version": self.format_version,
-                "num_samples": self.num_samples, "x": self.x.to_json(), "y": self.y.to_json(),
-                "shards": [vars(s) for s in self.shards], "source": self.source}
+        """The ``manifest.json`` document."""
+        out = {"format": self.format, "format_version": self.format_version,
+               "num_samples": self.num_samples, "x": self.x.to_json(), "y": self.y.to_json(),
+               "shards": [vars(s) for s in self.shards], "source": self.source,
+               "transform": self.transform}
+        if self.stats:
+            out["stats"] = self.stats
+        return out
 
     def write(self, directory: str) -> None:
+        """Write ``directory/manifest.json`` (strict JSON)."""
         with open(os.path.join(directory, MANIFEST), "w") as fh:
-            json.dump(self.to_json(), fh, indent=1)
+            json.dump(self.to_json(), fh, indent=1, allow_nan=False)
             fh.write("\n")
 
     @property
     def offsets(self) -> list[int]:
+        """Global index of each shard's first sample."""
         return [s.start for s in self.shards]
 
     def locate(self, sample: int) -> tuple[int, int]:
-        """(shard index, row in shard) of global ``sample``."""
+        """Where a global sample is stored.
+
+        Args:
+            sample: The global sample index.
+
+        Returns:
+            ``(shard index, row in that shard)``.
+        """
         import bisect
 
         s = bisect.bisect_right(self.offsets, sample) - 1
         return s, sample - self.shards[s].start
 
 
-def read_manifest(directory: str) -> Manifest:
-    """Load and check ``DIR/manifest.json`` (missing directory, bad JSON, wrong version)."""
+#: Input transforms a dataset may ask readers to apply at run time.
+TRANSFORMS = ("none", "log1p")
+
+
+def _transform_of(d: dict) -> str:
+    """The manifest's transform; manifests written before the field existed: ``log1p`` for
+    the CosmoFlow generator's data (what those runs applied), else ``none``."""
+    if "transform" in d:
+        return d["transform"]
+    return "log1p" if (d.get("source") or {}).get("generator") == "cosmoflow" else "none"
+
+
+def read_manifest(directory: str | os.PathLike) -> Manifest:
+    """Load and check a dataset's ``manifest.json``.
+
+    Args:
+        directory: The dataset directory.
+
+    Returns:
+        The manifest.
+
+    Raises:
+        DataError: A missing directory or manifest, invalid JSON, another format or format
+            version, or malformed fields.
+    """
     if not os.path.isdir(directory):
         raise DataError(f"{directory}: dataset directory not found")
     path = os.path.join(directory, MANIFEST)
@@ -182,9 +291,13 @@ def read_manifest(directory: str) -> Manifest:
                         f"this hpcpar reads version {FORMAT_VERSION}")
     try:
         m = Manifest(int(d["num_samples"]), Array.from_json(d["x"]), Array.from_json(d["y"]),
-                     [Shard(**s) for s in d["shards"]], d.get("source", {}))
+                     [Shard(**s) for s in d["shards"]], d.get("source", {}),
+                     stats=dict(d.get("stats") or {}), transform=_transform_of(d))
     except (KeyError, TypeError, ValueError) as exc:
         raise DataError(f"{path}: missing or malformed field {exc}") from None
+    if m.transform not in TRANSFORMS:
+        raise DataError(f"{path}: field 'transform' is {m.transform!r}, expected one of "
+                        f"{', '.join(TRANSFORMS)}")
     expect = 0
     for s in m.shards:
         if s.start != expect:
@@ -198,6 +311,7 @@ def read_manifest(directory: str) -> Manifest:
 
 
 def sha256_file(path: str, block: int = 1 << 22) -> str:
+    """The file's sha256, hex, read in blocks of ``block`` bytes."""
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         while chunk := fh.read(block):
@@ -248,8 +362,21 @@ def check_array(path: str, f, spec: Array, rows: int | None) -> None:
                         f"manifest says {spec.dtype}")
 
 
-def check_shard(directory: str, m: Manifest, index: int, checksum: bool = False) -> None:
-    """Every check of one shard against the manifest (``checksum`` adds the sha256)."""
+def check_shard(directory: str, m: Manifest, index: int, checksum: bool = False,
+                values: bool = False) -> None:
+    """Check one shard against the manifest.
+
+    Args:
+        directory: The dataset directory.
+        m: Its manifest.
+        index: The shard.
+        checksum: Also compare the file's sha256.
+        values: Also scan every value for NaN/inf the manifest does not allow.
+
+    Raises:
+        DataError: The first problem: missing or not HDF5, wrong size, checksum, missing
+            dataset, wrong shape or dtype, or unexpected NaN/inf.
+    """
     s = m.shards[index]
     path = os.path.join(directory, s.file)
     check_file(path, s.bytes)
@@ -265,18 +392,151 @@ def check_shard(directory: str, m: Manifest, index: int, checksum: bool = False)
         if got[0] is not None and (int(got[0]), int(got[1])) != (s.start, s.stop):
             raise DataError(f"{path}: attrs sample_start/sample_stop are {got[0]}/{got[1]}, "
                             f"manifest says {s.start}/{s.stop}")
+        if values:
+            check_values(path, f, m, s)
 
 
-def verify_dataset(directory: str, checksum: bool = True) -> list[str]:
-    """All problems of a dataset, one line each (empty list: the dataset is sound)."""
+def manifest_problems(directory: str, m: Manifest) -> list[str]:
+    """What the manifest's own stats say is wrong: NaN/inf recorded in a dataset that claims
+    to be finite (a dataset made with NaN on purpose says ``finite: false``)."""
+    path = os.path.join(directory, MANIFEST)
+    problems = []
+    for key in ("x", "y"):
+        st = m.stats.get(key) or {}
+        if st.get("finite", True) is not False and st.get("nonfinite"):
+            problems.append(f"{path}: field 'stats.{key}.nonfinite' is {st['nonfinite']} "
+                            f"(NaN/inf values), but 'stats.{key}.finite' says finite")
+    return problems
+
+
+def verify_dataset(directory: str | os.PathLike, checksum: bool = True,
+                   values: bool | None = None) -> list[str]:
+    """Check a whole dataset: what ``hpcpar data verify`` does.
+
+    Args:
+        directory: The dataset directory.
+        checksum: Compare every shard's sha256 with the manifest.
+        values: Scan every value for NaN/inf; same as ``checksum`` when None.
+
+    Returns:
+        Every problem, one line each; empty when the dataset is sound.
+    """
     try:
         m = read_manifest(directory)
     except DataError as exc:
         return [str(exc)]
-    problems = []
+    problems = manifest_problems(directory, m)
     for i in range(len(m.shards)):
         try:
-            check_shard(directory, m, i, checksum=checksum)
+            check_shard(directory, m, i, checksum=checksum,
+                        values=checksum if values is None else values)
         except DataError as exc:
             problems.append(str(exc))
     return problems
+
+
+# -- value statistics: is the data finite? ------------------------------------------------------
+SCAN_BLOCK_BYTES = 64 << 20  # verify reads x in blocks of about this size
+
+
+def value_stats(a) -> dict:
+    """``{"nonfinite": count of NaN/inf, "min", "max"}`` of array ``a`` (min/max over its
+    finite values, None when it has none); integer arrays are finite by construction."""
+    import numpy as np
+
+    a = np.asarray(a)
+    if a.size == 0:
+        return {"nonfinite": 0, "min": None, "max": None}
+    if a.dtype.kind not in "fc":
+        if a.dtype.kind not in "iub":
+            return {"nonfinite": 0, "min": None, "max": None}
+        return {"nonfinite": 0, "min": a.min().item(), "max": a.max().item()}
+    if np.isfinite(a.sum()):  # a finite sum has no NaN and no inf in it: the cheap common case
+        bad, vals = 0, a
+    else:
+        ok = np.isfinite(a)
+        bad = int(a.size - np.count_nonzero(ok))
+        vals = a[ok]
+    if a.dtype.kind == "c" or vals.size == 0:
+        return {"nonfinite": bad, "min": None, "max": None}
+    return {"nonfinite": bad, "min": float(vals.min()), "max": float(vals.max())}
+
+
+def merge_stats(a: dict | None, b: dict) -> dict:
+    """:func:`value_stats` of two arrays together, from theirs."""
+    if a is None:
+        return dict(b)
+    pick = {"min": min, "max": max}
+    out = {"nonfinite": a["nonfinite"] + b["nonfinite"]}
+    for k, f in pick.items():
+        vals = [v for v in (a[k], b[k]) if v is not None]
+        out[k] = f(vals) if vals else None
+    return out
+
+
+def dataset_stats(shards: dict) -> dict:
+    """The manifest's ``stats`` from ``{shard file: {"x": value_stats, "y": value_stats}}``:
+    ``{"x": {"finite", "nonfinite", "min", "max"}, "y": {...}, "shards": shards}``."""
+    out: dict = {}
+    for key in ("x", "y"):
+        total = None
+        for s in shards.values():
+            total = merge_stats(total, s[key])
+        total = total or {"nonfinite": 0, "min": None, "max": None}
+        out[key] = {"finite": total["nonfinite"] == 0, **total}
+    out["shards"] = shards
+    return out
+
+
+def expects_finite(m: Manifest, key: str = "x") -> bool:
+    """True unless the manifest records that ``key`` ('x' or 'y') holds NaN/inf on purpose
+    (datasets written without stats are expected finite too: a NaN input never trains)."""
+    return (m.stats.get(key) or {}).get("finite", True) is not False
+
+
+def _first_nonfinite(arr) -> int | None:
+    """Index along axis 0 of the first sample of ``arr`` holding NaN/inf, or None."""
+    import numpy as np
+
+    if arr.dtype.kind not in "fc" or np.isfinite(arr.sum()):
+        return None
+    ok = np.isfinite(arr.reshape(len(arr), -1)).all(axis=1)
+    return None if ok.all() else int(np.argmin(ok))
+
+
+def check_finite(x, y, items, manifest: Manifest, directory: str = "") -> None:
+    """Raise :class:`DataError` naming shard and sample when a batch read from the dataset holds
+    NaN/inf in ``x`` or ``y`` although the manifest says its values are finite.
+
+    ``x`` (n, ...) and ``y`` (n, ...): the batch as read (a rank's sub-volume is fine);
+    ``items``: its ``[(shard index, row in shard)]`` in order (``ShardedVolumeDataset._items``).
+    Cost: one ``sum`` over the batch at memory speed; the per-sample search only on failure.
+    """
+    for spec, arr in ((manifest.x, x), (manifest.y, y)):
+        if not expects_finite(manifest, spec.key):
+            continue
+        k = _first_nonfinite(arr)
+        if k is not None:
+            shard, row = items[k]
+            s = manifest.shards[shard]
+            raise DataError(f"{os.path.join(directory, s.file)}: sample {s.start + row} (row "
+                            f"{row}) holds NaN/inf in '{spec.key}', but the manifest says the "
+                            f"dataset is finite (corrupt shard? run `hpcpar data verify`)")
+
+
+def check_values(path: str, f, m: Manifest, s: Shard) -> None:
+    """Scan every value of shard ``s`` (open file ``f``) for NaN/inf the manifest does not
+    allow, in blocks of about ``SCAN_BLOCK_BYTES``."""
+    import numpy as np
+
+    for spec in (m.x, m.y):
+        if not expects_finite(m, spec.key):
+            continue
+        d = f[spec.key]
+        per = max(1, int(np.prod(spec.shape)) * np.dtype(spec.dtype).itemsize)
+        block = max(1, SCAN_BLOCK_BYTES // per)
+        for a in range(0, s.count, block):
+            k = _first_nonfinite(d[a:a + block])
+            if k is not None:
+                raise DataError(f"{path}: sample {s.start + a + k} (row {a + k}) holds NaN/inf "
+                                f"in '{spec.key}' (the manifest says the dataset is finite)")

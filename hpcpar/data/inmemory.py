@@ -11,16 +11,38 @@ from __future__ import annotations
 import numpy as np
 
 from hpcpar.data._schedule import VolumeDatasetBase
+from hpcpar.parallel.grid import ProcessGrid
+
 from .synthetic import TARGETS, cosmoflow_sample
+
+__all__ = ["CACHE_BYTES", "SyntheticVolumeDataset"]
 
 CACHE_BYTES = 1 << 30
 
 
 class SyntheticVolumeDataset(VolumeDatasetBase):
-    """``SyntheticVolumeDataset(grid, batch_size, *, size, channels, samples, seed=0, ...)``:
-    ``batch_size`` is the global batch; yields ``(x_local, y)`` like the file reader."""
+    """The synthetic CosmoFlow samples, generated in memory; iterates like the file reader.
 
-    def __init__(self, grid, batch_size: int, *, size: int, channels: int = 4,
+    Yields ``(x_local, y)``: this rank's sub-volume of its data group's samples and their
+    targets, the same batches as reading a dataset made with the same ``seed``.
+
+    Args:
+        grid: The process grid: data groups split the batch, x/y/z split each volume.
+        batch_size: The GLOBAL batch: samples per step over all data groups.
+        size: Edge of the cubic samples.
+        channels: Channels per sample.
+        samples: Samples in the dataset.
+        seed: Seed of the data and of the shuffle.
+        shuffle: Shuffle the sample order each epoch.
+        drop_last: Drop the last incomplete batch of an epoch.
+        cache_bytes: Keep the local sub-volumes in memory when they fit in this many bytes.
+
+    Raises:
+        DataError: A batch larger than the dataset or smaller than the number of data
+            groups, or a volume smaller than the grid.
+    """
+
+    def __init__(self, grid: ProcessGrid, batch_size: int, *, size: int, channels: int = 4,
                  samples: int, seed: int = 0, shuffle: bool = True, drop_last: bool = True,
                  cache_bytes: int = CACHE_BYTES):
         super().__init__(grid, batch_size, samples, (size, size, size), shuffle=shuffle,
@@ -31,8 +53,15 @@ class SyntheticVolumeDataset(VolumeDatasetBase):
         self._cache = {} if per_sample * samples <= cache_bytes else None
         self.bytes_read = 0  # nothing comes from storage
 
-    def sample(self, index: int):
-        """(x_local (C, d, h, w), y (K,)) of global sample ``index``."""
+    def sample(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """One sample's local piece.
+
+        Args:
+            index: The global sample index.
+
+        Returns:
+            ``(x_local, y)``: this rank's ``(C, d, h, w)`` sub-volume and the ``(K,)`` targets.
+        """
         if self._cache is not None and index in self._cache:
             return self._cache[index]
         x, y = cosmoflow_sample(self.seed, index, self.size, self.channels)
@@ -51,6 +80,7 @@ class SyntheticVolumeDataset(VolumeDatasetBase):
 
     @property
     def targets(self) -> tuple:
+        """Names of the regression targets."""
         return TARGETS
 
     def close(self) -> None:

@@ -12,12 +12,31 @@ import hashlib
 import json
 import os
 import shutil
+from typing import TYPE_CHECKING
 
-from .errors import DataError
-from .format import MANIFEST
+from hpcpar.errors import DataError
+
+from .format import MANIFEST, Manifest
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from mpi4py import MPI
+
+__all__ = ["staged_dir", "stage_shards"]
 
 
-def staged_dir(stage_to: str, directory: str, manifest) -> str:
+def staged_dir(stage_to: str, directory: str, manifest: Manifest) -> str:
+    """Where a dataset is staged: ``STAGE_TO/<dataset>-<manifest digest>``.
+
+    Args:
+        stage_to: The node-local staging root.
+        directory: The dataset directory.
+        manifest: Its manifest (the digest tells datasets of one name apart).
+
+    Returns:
+        The staging directory.
+    """
     digest = hashlib.sha256(json.dumps(manifest.to_json(), sort_keys=True).encode())
     name = os.path.basename(os.path.abspath(directory).rstrip("/")) or "dataset"
     return os.path.join(stage_to, f"{name}-{digest.hexdigest()[:12]}")
@@ -32,8 +51,23 @@ def _copy(src: str, dst: str) -> int:
     return os.path.getsize(dst)
 
 
-def stage_shards(directory: str, manifest, needed, stage_to: str, node_comm) -> tuple:
-    """Collective over ``node_comm``: returns (staged directory, bytes this rank copied)."""
+def stage_shards(directory: str, manifest: Manifest, needed: Iterable[int], stage_to: str,
+                 node_comm: MPI.Comm) -> tuple[str, int]:
+    """Copy the shards a node needs to node-local disk, once per node (collective).
+
+    Args:
+        directory: The dataset directory.
+        manifest: Its manifest.
+        needed: Indices of the shards this rank reads.
+        stage_to: The node-local staging root.
+        node_comm (mpi4py.MPI.Comm): The ranks of this node; its rank 0 copies.
+
+    Returns:
+        ``(staged directory, bytes this rank copied)``.
+
+    Raises:
+        DataError: The copy failed (on every rank of the node).
+    """
     wanted = node_comm.gather(sorted(set(int(i) for i in needed)), root=0)
     dest = staged_dir(stage_to, directory, manifest)
     copied, err = 0, None

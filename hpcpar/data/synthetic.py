@@ -21,7 +21,38 @@ from functools import lru_cache
 
 import numpy as np
 
+__all__ = ["TARGETS", "MIN_SIZE", "check_params", "cosmoflow_params", "cosmoflow_sample",
+           "CosmoflowSource"]
+
 TARGETS = ("amplitude", "slope", "cutoff", "nonlinearity")
+
+#: Smallest volume edge: a 1^3 field has only its mean mode, which is zero, so the spectrum's
+#: normalisation (unit variance) would divide by zero and every value would be NaN.
+MIN_SIZE = 2
+
+
+def check_params(size: int, channels: int, seed: int, samples: int | None = None) -> None:
+    """Check the generator's options.
+
+    Args:
+        size: Volume edge (at least ``MIN_SIZE``).
+        channels: Channels (at least 1).
+        seed: Seed (a non-negative integer).
+        samples: Number of samples (at least 1), when given.
+
+    Raises:
+        DataError: One line naming the option the generator cannot work with.
+    """
+    from hpcpar.errors import DataError
+
+    checks = [("--size", size, MIN_SIZE, "a 1-voxel field has no fluctuation modes"),
+              ("--channels", channels, 1, None), ("--seed", seed, 0, "a numpy seed")]
+    if samples is not None:
+        checks.append(("--samples", samples, 1, None))
+    for name, value, low, why in checks:
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
+            because = f" ({why})" if why else ""
+            raise DataError(f"{name}: must be an integer >= {low}{because}, got {value!r}")
 
 
 @lru_cache(maxsize=4)
@@ -48,17 +79,41 @@ def _spectrum_sqrt(size: int, slope: float, cutoff: float) -> np.ndarray:
     if size % 2 == 0:
         weight[-1] = 1.0
     var = float((p * weight).sum()) / size**3
+    if not var > 0:  # size < MIN_SIZE: only the (zeroed) mean mode; would be 0/0 = NaN
+        check_params(size, 1, 0)
     return np.sqrt(p / var).astype(np.float32)
 
 
 def cosmoflow_params(u: np.ndarray) -> dict:
-    """Physical parameters from normalised targets u in [-1, 1]^4."""
+    """Physical parameters from the normalised targets.
+
+    Args:
+        u: The four targets, in ``[-1, 1]``.
+
+    Returns:
+        ``sigma = 0.5 * 2**u0``, ``slope = -2 + u1``, ``cutoff = 0.35 * 2**(0.75 u2)`` (in
+        units of the Nyquist wavenumber) and ``nonlinearity = 1 + 0.5 u3``.
+    """
     return {"sigma": 0.5 * 2.0 ** u[0], "slope": -2.0 + u[1],
             "cutoff": 0.35 * 2.0 ** (0.75 * u[2]), "nonlinearity": 1.0 + 0.5 * u[3]}
 
 
-def cosmoflow_sample(seed: int, index: int, size: int, channels: int = 4):
-    """(x (C, size, size, size) float32, y (4,) float32) of sample ``index``."""
+def cosmoflow_sample(seed: int, index: int, size: int,
+                     channels: int = 4) -> tuple[np.ndarray, np.ndarray]:
+    """One synthetic CosmoFlow-like sample, a pure function of ``(seed, index)``.
+
+    A Gaussian random field with power spectrum ``P(k) ∝ k^n exp(-(k/k_c)²)``; channel c is
+    its log-normal overdensity with growth ``(c + 1) / C`` (see ``docs/guides/data.md``).
+
+    Args:
+        seed: The dataset's seed (>= 0).
+        index: The sample's global index.
+        size: Volume edge (>= ``MIN_SIZE``).
+        channels: Channels.
+
+    Returns:
+        ``(x, y)``: float32 ``(channels, size, size, size)`` and the four targets, float32.
+    """
     rng = np.random.default_rng([int(seed), int(index)])
     u = rng.uniform(-1.0, 1.0, size=len(TARGETS)).astype(np.float32)
     p = cosmoflow_params(u)
@@ -75,21 +130,35 @@ def cosmoflow_sample(seed: int, index: int, size: int, channels: int = 4):
 
 
 class CosmoflowSource:
-    """Sample source for the shard writer: ``read(start, stop) -> (x, y)`` blocks."""
+    """Sample source for the shard writer: ``read(start, stop) -> (x, y)`` blocks.
+
+    Args:
+        samples: Samples in the dataset.
+        size: Volume edge.
+        channels: Channels.
+        seed: The dataset's seed.
+
+    Raises:
+        DataError: An option the generator cannot work with.
+    """
 
     def __init__(self, samples: int, size: int, channels: int = 4, seed: int = 0):
+        check_params(size, channels, seed, samples)
+        self.name = f"cosmoflow generator (size {size}, seed {seed})"
         self.samples, self.size, self.channels, self.seed = samples, size, channels, seed
         self.x_shape = (channels, size, size, size)
         self.y_shape = (len(TARGETS),)
         self.x_dtype = self.y_dtype = "float32"
         self.target_names = list(TARGETS)
+        self.transform = "log1p"  # log-normal fields: readers apply log1p (as CosmoFlow does)
         self.attrs = {"generator": "cosmoflow", "seed": seed, "size": size,
                       "channels": channels, "targets": list(TARGETS)}
 
     def __len__(self) -> int:
         return self.samples
 
-    def read(self, start: int, stop: int):
+    def read(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """Samples ``[start, stop)`` as stacked ``(x, y)`` arrays."""
         xs, ys = zip(*(cosmoflow_sample(self.seed, i, self.size, self.channels)
                        for i in range(start, stop)))
         return np.stack(xs), np.stack(ys)

@@ -12,13 +12,36 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from hpcpar.errors import DataError
 from hpcpar.parallel.partition import part_range
-from .errors import DataError
-from .format import (FORMAT, FORMAT_VERSION, Array, Manifest, Shard,
-                     check_file, open_h5, sha256_file, shard_name, x_chunks)
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+    from .format import PerRankChunks
+    from .synthetic import CosmoflowSource
+from .format import (
+    FORMAT,
+    FORMAT_VERSION,
+    TRANSFORMS,
+    Array,
+    Manifest,
+    Shard,
+    check_file,
+    dataset_stats,
+    merge_stats,
+    open_h5,
+    sha256_file,
+    shard_name,
+    value_stats,
+    x_chunks,
+)
+
+__all__ = ["BLOCK_BYTES", "SerialComm", "shard_counts", "write_dataset", "H5Source"]
 
 BLOCK_BYTES = 64 << 20  # samples are read from the source in blocks of about this size
 
@@ -47,7 +70,20 @@ class SerialComm:
 
 def shard_counts(samples: int, shards: int | None = None,
                  samples_per_shard: int | None = None) -> list[int]:
-    """Samples per shard: ``shards`` balanced shards, or shards of ``samples_per_shard``."""
+    """Samples per shard: balanced shards, or shards of a fixed size.
+
+    Args:
+        samples: Samples in the dataset.
+        shards: Number of shards (the partition rule splits the samples); used when
+            ``samples_per_shard`` is None.
+        samples_per_shard: Samples per shard (the last one may be smaller).
+
+    Returns:
+        The sample count of each shard, in order.
+
+    Raises:
+        DataError: No samples, or a shard count or size out of range.
+    """
     from hpcpar.parallel.partition import split_sizes
 
     if samples < 1:
@@ -62,8 +98,26 @@ def shard_counts(samples: int, shards: int | None = None,
     return split_sizes(samples, shards)
 
 
+def _block_stats(source, start: int, block: dict, allow_nonfinite: bool) -> dict:
+    """value_stats of each key of one block; NaN/inf is an error naming the first bad sample
+    unless ``allow_nonfinite`` (then the manifest records ``finite: false``)."""
+    out = {}
+    for key, arr in block.items():
+        st = value_stats(arr)
+        if st["nonfinite"] and not allow_nonfinite:
+            flat = np.isfinite(arr.reshape(len(arr), -1)).all(axis=1)
+            bad = start + int(np.argmin(flat))
+            what = getattr(source, "name", None) or type(source).__name__
+            key = getattr(source, "keys", {}).get(key, key)
+            raise DataError(f"{what}: sample {bad}: '{key}' holds NaN/inf values (a dataset "
+                            f"must be finite to train; --allow-nonfinite keeps them)")
+        out[key] = st
+    return out
+
+
 def _write_shard(path: str, source, index: int, start: int, count: int, total: int,
-                 nshards: int, chunk, progress) -> None:
+                 nshards: int, chunk, progress, allow_nonfinite: bool = False) -> dict:
+    """Write one shard; returns its ``{"x": value_stats, "y": value_stats}``."""
     import h5py
 
     sample_bytes = int(np.prod(source.x_shape)) * np.dtype(source.x_dtype).itemsize
@@ -79,13 +133,18 @@ def _write_shard(path: str, source, index: int, start: int, count: int, total: i
                                track_times=False)
         if source.target_names:
             dy.attrs["names"] = list(source.target_names)
+        stats: dict = {"x": None, "y": None}
         for a in range(0, count, block):
             b = min(count, a + block)
             x, y = source.read(start + a, start + b)
+            got = _block_stats(source, start + a, {"x": np.asarray(x), "y": np.asarray(y)},
+                               allow_nonfinite)
+            stats = {k: merge_stats(stats[k], got[k]) for k in stats}
             dx[a:b] = x
             dy[a:b] = y
             if progress is not None:
                 progress.update(b - a)
+    return stats
 
 
 def _make_temp_dir(out: str, force: bool) -> str:
@@ -114,13 +173,43 @@ def _publish(tmp: str, out: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def write_dataset(out: str, source, counts: list[int], *, comm=None, chunk=None,
-                  force: bool = False, progress: bool = True) -> Manifest:
-    """Write ``source`` as shards of ``counts`` samples into directory ``out`` (collective).
+def write_dataset(out: str, source: CosmoflowSource | H5Source, counts: list[int], *,
+                  comm: MPI.Comm | SerialComm | None = None,
+                  chunk: int | tuple[int, int, int] | PerRankChunks | None = None,
+                  force: bool = False,
+                  progress: bool = True, allow_nonfinite: bool = False,
+                  transform: str | None = None) -> Manifest:
+    """Write a source's samples as a sharded dataset (collective).
 
-    Each rank writes shards ``part_range(len(counts), ranks, rank)``; rank 0 shows a progress
-    bar of its own shards. Returns the manifest on every rank.
+    Each rank writes shards ``part_range(len(counts), ranks, rank)`` into a hidden
+    ``.OUT.partial-*`` directory, renamed to ``out`` only when every rank has succeeded, so
+    ``out`` is complete or absent. Rank 0 shows a progress bar of its own shards. The
+    manifest records min/max and the NaN/inf count of x and y per shard and overall.
+
+    Args:
+        out: The dataset directory to create.
+        source: Where the samples come from (synthetic, or an existing HDF5 file).
+        counts: Samples per shard (see [shard_counts][hpcpar.data.writer.shard_counts]).
+        comm: The communicator; ``MPI.COMM_WORLD`` when None.
+        chunk: Chunk edge target of x: None (auto), one edge for D, H, W, a (D, H, W)
+            triple (0: the whole axis) or ``PerRankChunks`` (one chunk per rank block).
+        force: Replace an existing ``out`` (only after the new one is complete).
+        progress: Show the progress bar.
+        allow_nonfinite: Accept NaN/inf in the source (an error naming the sample otherwise).
+        transform: The input transform readers apply at run time, recorded in the manifest
+            (``"none"`` or ``"log1p"``; the stored values are not changed). None: the
+            source's own (``log1p`` for the CosmoFlow generator, else ``none``).
+
+    Returns:
+        The manifest, on every rank.
+
+    Raises:
+        DataError: ``out`` exists without ``force``, a write failed on some rank (named),
+            non-finite values, or an unknown ``transform``.
     """
+    transform = getattr(source, "transform", "none") if transform is None else transform
+    if transform not in TRANSFORMS:
+        raise DataError(f"transform {transform!r}: expected one of {', '.join(TRANSFORMS)}")
     if comm is None:
         from mpi4py import MPI
 
@@ -149,9 +238,10 @@ def write_dataset(out: str, source, counts: list[int], *, comm=None, chunk=None,
                             + (f" (rank 0 of {size})" if size > 1 else ""))
         for i in range(lo, hi):
             path = os.path.join(tmp, shard_name(i))
-            _write_shard(path, source, i, starts[i], counts[i], total, len(counts), chunk, bar)
-            entries.append(Shard(shard_name(i), starts[i], counts[i], os.path.getsize(path),
-                                 sha256_file(path)))
+            st = _write_shard(path, source, i, starts[i], counts[i], total, len(counts), chunk,
+                              bar, allow_nonfinite)
+            entries.append((Shard(shard_name(i), starts[i], counts[i], os.path.getsize(path),
+                                  sha256_file(path)), st))
     except Exception as exc:  # noqa: BLE001 - every rank must learn of the failure
         error = exc
     finally:
@@ -170,13 +260,16 @@ def write_dataset(out: str, source, counts: list[int], *, comm=None, chunk=None,
     gathered = comm.gather(entries, root=0)
     manifest = None
     if rank == 0:
-        shards = sorted((s for part in gathered for s in part), key=lambda s: s.start)
+        pairs = sorted((e for part in gathered for e in part), key=lambda e: e[0].start)
+        shards = [s for s, _ in pairs]
         manifest = Manifest(total,
                             Array("x", tuple(source.x_shape), str(np.dtype(source.x_dtype)),
                                   x_chunks(source.x_shape, chunk)),
                             Array("y", tuple(source.y_shape), str(np.dtype(source.y_dtype)),
                                   names=source.target_names),
-                            shards, dict(source.attrs))
+                            shards, dict(source.attrs),
+                            stats=dataset_stats({s.file: st for s, st in pairs}),
+                            transform=transform)
         try:
             manifest.write(tmp)
             _publish(tmp, out)
@@ -190,12 +283,21 @@ def write_dataset(out: str, source, counts: list[int], *, comm=None, chunk=None,
 
 
 class H5Source:
-    """An existing single HDF5 file with ``x_key`` (N, C, D, H, W) or (N, D, H, W) and
-    ``y_key`` (N, K) or (N,): the way real data comes in (``hpcpar data shard``)."""
+    """An existing single HDF5 file: the way real data comes in (``hpcpar data shard``).
+
+    Args:
+        path: The HDF5 file.
+        x_key: Dataset of the inputs, ``(N, C, D, H, W)`` or ``(N, D, H, W)`` (C = 1 added).
+        y_key: Dataset of the targets, ``(N, K)`` or ``(N,)``.
+
+    Raises:
+        DataError: A missing or unreadable file, or datasets of the wrong shapes.
+    """
 
     def __init__(self, path: str, x_key: str = "x", y_key: str = "y"):
         check_file(path)
         self.path, self.x_key, self.y_key = path, x_key, y_key
+        self.name, self.keys = path, {"x": x_key, "y": y_key}  # for messages
         self._f = open_h5(path)
         try:
             self._describe(path, x_key, y_key)

@@ -6,8 +6,9 @@ lazily.
 May import: hpcpar.errors, hpcpar.parallel, hpcpar.kernels.
 """
 
-from .._lazy import lazy_getattr
 from hpcpar.graph.vertex_partition import partition, partition_csr  # numpy only
+
+from .._lazy import lazy_getattr
 
 _LAZY = {
     "DistGraph": ("hpcpar.graph.distgraph", "DistGraph"),
@@ -15,8 +16,6 @@ _LAZY = {
     "write_graph": ("hpcpar.graph.format", "write_graph"),
     "import_npz": ("hpcpar.graph.format", "import_npz"),
     "power_law_community_graph": ("hpcpar.graph.generate", "power_law_community_graph"),
-    "GraphError": ("hpcpar.graph._csr", "GraphError"),
-    "GraphFormatError": ("hpcpar.graph.format", "GraphFormatError"),
     "masked_loss": ("hpcpar.graph.metrics", "masked_loss"),
     "split_metrics": ("hpcpar.graph.metrics", "split_metrics"),
 }
@@ -25,4 +24,5 @@ _LAZY = {
 __getattr__ = lazy_getattr("hpcpar.graph", _LAZY)
 
 
-__all__ = sorted([*_LAZY, "partition", "partition_csr"])
+__all__ = ["DistGraph", "GraphFile", "import_npz", "masked_loss", "partition",
+           "partition_csr", "power_law_community_graph", "split_metrics", "write_graph"]

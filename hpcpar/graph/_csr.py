@@ -10,27 +10,23 @@ from __future__ import annotations
 
 import numpy as np
 
-from hpcpar.errors import HpcparError
-
-
-class GraphError(HpcparError, ValueError):
-    """A graph (edge list, file or partition request) is malformed."""
+from hpcpar.errors import DataError
 
 
 def check_edges(edge_index, num_nodes: int, what: str = "edge_index") -> np.ndarray:
-    """``edge_index`` as an int64 (2, E) array, or a one-line :class:`GraphError`."""
+    """``edge_index`` as an int64 (2, E) array, or a one-line :class:`DataError`."""
     e = np.asarray(edge_index)
     if e.ndim != 2 or e.shape[0] != 2:
-        raise GraphError(f"{what}: expected shape (2, E), got {tuple(e.shape)}")
+        raise DataError(f"{what}: expected shape (2, E), got {tuple(e.shape)}")
     if not np.issubdtype(e.dtype, np.integer):
-        raise GraphError(f"{what}: expected integer vertex ids, got {e.dtype}")
+        raise DataError(f"{what}: expected integer vertex ids, got {e.dtype}")
     e = e.astype(np.int64, copy=False)
     if e.size:
         lo, hi = int(e.min()), int(e.max())
         if lo < 0 or hi >= num_nodes:
             bad = hi if hi >= num_nodes else lo
-            raise GraphError(f"{what}: edge points to vertex {bad}, outside 0..{num_nodes - 1} "
-                             f"(num_nodes={num_nodes})")
+            raise DataError(f"{what}: edge points to vertex {bad}, outside 0..{num_nodes - 1} "
+                            f"(num_nodes={num_nodes})")
     return e
 
 

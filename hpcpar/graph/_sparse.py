@@ -40,7 +40,7 @@ class SparseOperator:
     def nnz(self) -> int:
         return int(self.fwd[1].shape[0])
 
-    def to(self, device=None, dtype=None) -> "SparseOperator":
+    def to(self, device=None, dtype=None) -> SparseOperator:
         """Move the CSR arrays (values to ``dtype`` if given)."""
         def mv(a):
             a = a.to(device) if device is not None else a

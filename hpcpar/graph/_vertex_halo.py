@@ -57,7 +57,7 @@ class HaloPlan:
     def distributed(self) -> bool:
         return self.comm.Get_size() > 1
 
-    def to(self, device) -> "HaloPlan":
+    def to(self, device) -> HaloPlan:
         self.send_index = self.send_index.to(device)
         return self
 
@@ -66,7 +66,9 @@ class HaloPlan:
         t0 = time.perf_counter()
         send = x.index_select(0, self.send_index) if self.send_index.numel() else \
             x.new_empty((0, *x.shape[1:]))
+        t1 = time.perf_counter()
         halo = alltoallv(send, self.send_rows, self.comm, self.recv_rows)
+        COUNTERS.t_halo_wait += time.perf_counter() - t1  # the communication part
         self._count(send, t0)
         return halo
 
@@ -74,6 +76,7 @@ class HaloPlan:
         """Adjoint of :meth:`fetch`: halo gradient rows -> (n_owned, ...) sums at the owners."""
         t0 = time.perf_counter()
         g_send = alltoallv(g_halo.contiguous(), self.recv_rows, self.comm, self.send_rows)
+        COUNTERS.t_halo_wait += time.perf_counter() - t0  # the communication part
         out = g_halo.new_zeros((self.n_owned, *g_halo.shape[1:]))
         if g_send.shape[0]:
             out.index_add_(0, self.send_index, g_send)

@@ -19,17 +19,24 @@ A graph is one sample: build it over a grid with ``data == 1``; it is split over
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 import numpy as np
 import torch
 
-from hpcpar.parallel.comm import allgatherv, alltoallv
-from ..errors import HpcparError
-from hpcpar.parallel.partition import part_range
-from hpcpar.graph._csr import GraphError, edges_to_csr, is_symmetric, sorted_unique
-from .format import MASKS, GraphFile
+from hpcpar.graph._csr import edges_to_csr, is_symmetric, sorted_unique
+from hpcpar.graph._sparse import SparseOperator
 from hpcpar.graph._vertex_halo import HaloPlan, with_halo
 from hpcpar.graph.vertex_partition import partition_csr
-from hpcpar.graph._sparse import SparseOperator
+from hpcpar.parallel.comm import allgatherv, alltoallv
+from hpcpar.parallel.grid import ProcessGrid
+from hpcpar.parallel.partition import part_range
+
+from ..errors import DataError, HpcparError
+from .format import MASKS, GraphFile
+
+__all__ = ["DistGraph", "graph_comm", "collective"]
 
 KINDS = ("gcn", "mean", "sum")
 
@@ -39,10 +46,10 @@ def graph_comm(grid):
     ``grid`` itself when it is an MPI communicator."""
     if hasattr(grid, "spatial_comm"):
         if grid.data != 1:
-            raise GraphError(f"DistGraph: grid {grid.spec() if hasattr(grid, 'spec') else ''}"
-                             f" has data={grid.data}; a graph is one sample, so full-graph "
-                             "training needs data=1 (split the graph over x, e.g. --grid "
-                             f"1x{grid.size}x1x1)")
+            raise DataError(f"DistGraph: grid {grid.spec() if hasattr(grid, 'spec') else ''}"
+                            f" has data={grid.data}; a graph is one sample, so full-graph "
+                            "training needs data=1 (split the graph over x, e.g. --grid "
+                            f"1x{grid.size}x1x1)")
         return grid.spatial_comm
     return grid
 
@@ -71,12 +78,29 @@ def _row_positions(indptr: np.ndarray, rows: np.ndarray) -> np.ndarray:
 
 
 class DistGraph:
-    """This rank's part of a graph. Build with :meth:`from_hdf5` or :meth:`from_global`.
+    """This rank's part of a graph: its owned vertices, their rows, features, labels and masks,
+    and the halo plan that brings the boundary neighbours' rows in every layer.
 
-    Attributes: ``num_nodes`` (global), ``num_owned``, ``num_halo``, ``global_ids`` (owned,
-    ascending), ``halo_ids``, ``x`` (owned features), ``y``, ``train_mask``/``val_mask``/
-    ``test_mask`` (owned), ``num_train``/``num_val``/``num_test`` (GLOBAL counts),
-    ``in_degree`` (owned, global), ``plan`` (:class:`HaloPlan`), ``comm``.
+    Build it with [from_hdf5][hpcpar.graph.distgraph.DistGraph.from_hdf5],
+    [from_pyg][hpcpar.graph.distgraph.DistGraph.from_pyg] or
+    [from_global][hpcpar.graph.distgraph.DistGraph.from_global]; the constructor takes the
+    rows of this rank's contiguous block and moves them to their owners (collective).
+
+    Attributes:
+        comm: The communicator the graph is partitioned over.
+        num_nodes: Vertices in the whole graph.
+        num_owned: Vertices this rank owns (local rows ``[0, num_owned)``).
+        num_halo: Halo vertices (local rows after the owned ones, grouped by owner).
+        global_ids: Global ids of the owned vertices, ascending.
+        halo_ids: Global ids of the halo vertices.
+        x: Features of the owned vertices ``(num_owned, F)``.
+        y: Labels of the owned vertices.
+        in_degree: Global in-degree of each owned vertex.
+        num_train: Training vertices in the whole graph (the loss divides by it).
+        num_val: Validation vertices in the whole graph.
+        num_test: Test vertices in the whole graph.
+        num_classes: Number of classes.
+        plan: The halo plan (which rows go to which rank).
     """
 
     def __init__(self, comm, num_nodes: int, owner: np.ndarray, block: dict, start: int,
@@ -152,31 +176,48 @@ class DistGraph:
     # ---- properties -----------------------------------------------------------------------
     @property
     def train_mask(self) -> torch.Tensor:
+        """Which owned vertices are training vertices."""
         return self.masks["train"]
 
     @property
     def val_mask(self) -> torch.Tensor:
+        """Which owned vertices are validation vertices."""
         return self.masks["val"]
 
     @property
     def test_mask(self) -> torch.Tensor:
+        """Which owned vertices are test vertices."""
         return self.masks["test"]
 
     @property
     def num_features(self) -> int:
+        """Features per vertex."""
         return int(self.x.shape[1])
 
     def mask(self, name: str) -> torch.Tensor:
+        """The owned-vertex mask ``"train"``, ``"val"`` or ``"test"``."""
         return self.masks[name]
 
     def num_masked(self, name: str) -> int:
+        """GLOBAL number of vertices in mask ``"train"``, ``"val"`` or ``"test"``."""
         return {"train": self.num_train, "val": self.num_val, "test": self.num_test}[name]
 
     # ---- operators ------------------------------------------------------------------------
     def operator(self, kind: str = "gcn") -> SparseOperator:
-        """The local aggregation matrix of ``kind`` (built once, cached)."""
+        """The local aggregation matrix of ``kind`` (built once, cached).
+
+        Args:
+            kind: ``"gcn"`` (``D~^-1/2 (A+I) D~^-1/2`` with global degrees), ``"mean"``
+                (divided by the global in-degree) or ``"sum"``.
+
+        Returns:
+            The sparse operator over owned rows and owned + halo columns.
+
+        Raises:
+            DataError: An unknown ``kind``.
+        """
         if kind not in KINDS:
-            raise GraphError(f"aggregation {kind!r}: expected one of {', '.join(KINDS)}")
+            raise DataError(f"aggregation {kind!r}: expected one of {', '.join(KINDS)}")
         if kind not in self._ops:
             self._ops[kind] = self._build_operator(kind).to(self.x.device)
         return self._ops[kind]
@@ -211,11 +252,21 @@ class DistGraph:
                               self.backend)
 
     def propagate(self, x: torch.Tensor, kind: str = "gcn") -> torch.Tensor:
-        """``A_kind @ x`` for owned rows ``x``: halo exchange (autograd-aware), then SpMM."""
+        """Aggregate over in-neighbours: ``A_kind @ x``.
+
+        Args:
+            x: Rows of the owned vertices ``(num_owned, F)``.
+            kind: The aggregation, as in [operator][hpcpar.graph.distgraph.DistGraph.operator].
+
+        Returns:
+            ``(num_owned, F)``: the halo rows are exchanged first (autograd-aware: backward
+            adds the halo gradients into their owners).
+        """
         return self.operator(kind)(with_halo(x, self.plan))
 
     # ---- utilities --------------------------------------------------------------------------
-    def to(self, device) -> "DistGraph":
+    def to(self, device: torch.device | str) -> DistGraph:
+        """Move features, labels, masks, the halo plan and cached operators to ``device``."""
         self.x = self.x.to(device)
         self.y = self.y.to(device)
         self.masks = {k: v.to(device) for k, v in self.masks.items()}
@@ -225,7 +276,14 @@ class DistGraph:
         return self
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
-        """The global tensor (vertex order) of owned rows ``t``, on every rank (tests)."""
+        """Assemble per-vertex rows from every rank in global vertex order (collective).
+
+        Args:
+            t: One row per owned vertex.
+
+        Returns:
+            The ``(num_nodes, ...)`` tensor on every rank (for tests and small graphs).
+        """
         rows = allgatherv(t.detach().contiguous(), self.comm)
         ids = allgatherv(torch.from_numpy(self.global_ids), self.comm)
         out = torch.empty_like(rows)
@@ -238,10 +296,32 @@ class DistGraph:
 
     # ---- builders ---------------------------------------------------------------------------
     @classmethod
-    def from_global(cls, edge_index, num_nodes: int, x, grid, y=None, masks=None,
-                    method: str = "metis", seed: int = 0, owner=None, **kw) -> "DistGraph":
-        """Partition a graph every rank holds in full (small graphs, tests): ``edge_index``
-        (2, E) ``src -> dst``, ``x`` (N, F), ``y`` (N,), ``masks`` {train, val, test}."""
+    def from_global(cls, edge_index: torch.Tensor | np.ndarray, num_nodes: int,
+                    x: torch.Tensor | np.ndarray, grid: ProcessGrid,
+                    y: torch.Tensor | np.ndarray | None = None, masks: dict | None = None,
+                    method: str = "metis", seed: int = 0, owner: np.ndarray | None = None,
+                    **kw: Any) -> DistGraph:
+        """Partition a graph that every rank holds in full (small graphs, tests).
+
+        Args:
+            edge_index: ``(2, E)`` edges ``src -> dst`` (tensor or array).
+            num_nodes: Number of vertices.
+            x: ``(N, F)`` features.
+            grid: The process grid; the graph is split over its spatial ranks (``data == 1``).
+            y: ``(N,)`` labels (zeros when None).
+            masks: ``{"train": ..., "val": ..., "test": ...}`` boolean ``(N,)`` masks.
+            method: Partitioner: ``"metis"``, ``"block"`` or ``"random"``.
+            seed: Seed of the partitioner.
+            owner: A ready owner rank per vertex, instead of partitioning.
+            **kw: Passed to the constructor (``num_classes``, ``directed``,
+                ``row_normalize``, ``backend``).
+
+        Returns:
+            This rank's part.
+
+        Raises:
+            DataError: More ranks than vertices, or a grid with ``data > 1``.
+        """
         comm = graph_comm(grid)
         indptr, indices = collective(comm, edges_to_csr, edge_index, num_nodes)
         x = x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
@@ -261,9 +341,62 @@ class DistGraph:
         return cls(comm, num_nodes, np.asarray(owner, np.int64), block, start, **kw)
 
     @classmethod
-    def from_hdf5(cls, path, grid, method: str = "metis", seed: int = 0, **kw) -> "DistGraph":
-        """Each rank reads one contiguous block of rows (hyperslabs), then rows move to their
-        owners. METIS partitions on rank 0 (which reads the structure) and broadcasts."""
+    def from_pyg(cls, data: Any, grid: ProcessGrid, method: str = "metis", seed: int = 0,
+                 **kw: Any) -> DistGraph:
+        """Partition a PyTorch Geometric ``Data`` that every rank holds in full.
+
+        Reads ``edge_index`` (``[0]`` source, ``[1]`` target, as PyG), ``x``, and when
+        present ``y``, ``train_mask``/``val_mask``/``test_mask`` and ``num_nodes``. Layers
+        then aggregate over in-edges like PyG's ``flow="source_to_target"``.
+
+        Args:
+            data: The ``torch_geometric.data.Data`` (any object with its attributes).
+            grid: The process grid; the graph is split over its spatial ranks (``data == 1``).
+            method: Partitioner: ``"metis"``, ``"block"`` or ``"random"``.
+            seed: Seed of the partitioner.
+            **kw: Passed to the constructor (``num_classes``, ``row_normalize``, ``backend``).
+
+        Returns:
+            This rank's part.
+
+        Raises:
+            DataError: Missing ``edge_index``/``x``, arrays of the wrong shapes, more ranks
+                than vertices, or a grid with ``data > 1``.
+
+        Example:
+            ```python
+            from torch_geometric.datasets import Planetoid
+            graph = DistGraph.from_pyg(Planetoid(root, "Cora")[0], grid)
+            ```
+        """
+        from hpcpar.graph.interop import pyg_arrays
+
+        a = pyg_arrays(data)
+        return cls.from_global(a["edge_index"], a["num_nodes"], a["x"], grid, y=a["y"],
+                               masks=a["masks"], method=method, seed=seed, **kw)
+
+    @classmethod
+    def from_hdf5(cls, path: str | os.PathLike, grid: ProcessGrid, method: str = "metis",
+                  seed: int = 0, **kw: Any) -> DistGraph:
+        """Read and partition a graph file (format: ``docs/guides/gnn.md``).
+
+        Each rank reads one contiguous block of rows (hyperslabs), then rows move to their
+        owners. METIS partitions on rank 0 (which reads the structure) and broadcasts.
+
+        Args:
+            path: The graph's HDF5 file.
+            grid: The process grid; the graph is split over its spatial ranks (``data == 1``).
+            method: Partitioner: ``"metis"``, ``"block"`` or ``"random"``.
+            seed: Seed of the partitioner.
+            **kw: Passed to the constructor (``row_normalize``, ``backend``...).
+
+        Returns:
+            This rank's part.
+
+        Raises:
+            DataError: More ranks than vertices, a grid with ``data > 1``, or a file that is
+                not a valid graph file.
+        """
         comm = graph_comm(grid)
         gf = collective(comm, GraphFile, path)
         try:
@@ -285,8 +418,8 @@ def _owner(comm, structure, num_nodes: int, method: str, seed: int) -> np.ndarra
     def compute():
         if comm.Get_rank() != 0:
             if size > num_nodes:  # same check as rank 0, so all ranks fail alike
-                raise GraphError(f"partition: {size} parts for a graph of {num_nodes} "
-                                 "vertices (need at least one vertex per part)")
+                raise DataError(f"partition: {size} parts for a graph of {num_nodes} "
+                                "vertices (need at least one vertex per part)")
             return None
         indptr, indices = structure() if method == "metis" else (
             np.zeros(num_nodes + 1, np.int64), np.zeros(0, np.int64))
@@ -302,6 +435,3 @@ def _max():
     from mpi4py import MPI
 
     return MPI.MAX
-
-
-__all__ = ["DistGraph", "graph_comm", "collective"]

@@ -11,6 +11,8 @@ import numpy as np
 import torch
 from numba import njit
 
+__all__ = ["keep_mask", "vertex_dropout"]
+
 _M64 = (1 << 64) - 1
 
 
@@ -60,7 +62,20 @@ def _threshold(p: float) -> np.uint64:
 
 def keep_mask(global_ids: np.ndarray, ncols: int, p: float, seed: int, call: int,
               layer: int) -> torch.Tensor:
-    """Bool (len(global_ids), ncols): True where the element is kept (probability 1 - p)."""
+    """The dropout mask of a block of vertex rows, a pure function of its arguments.
+
+    Args:
+        global_ids: Global ids of the rows' vertices.
+        ncols: Columns per row.
+        p: Drop probability.
+        seed: The model's dropout seed.
+        call: Index of the forward call.
+        layer: Index of the layer (the dropout stream).
+
+    Returns:
+        Bool ``(len(global_ids), ncols)``: True where the element is kept (probability
+        ``1 - p``), the same at every rank count and partition.
+    """
     out = np.empty((global_ids.shape[0], ncols), dtype=np.bool_)
     _keep(np.ascontiguousarray(global_ids, np.int64), ncols, _key(seed, call, layer),
           _threshold(p), out)
@@ -90,7 +105,20 @@ def _fused(x, gids, key, threshold, scale):
 
 def vertex_dropout(x: torch.Tensor, p: float, global_ids: np.ndarray, seed: int, call: int,
                    layer: int, training: bool = True) -> torch.Tensor:
-    """Inverted dropout of the rows ``x`` of vertices ``global_ids``."""
+    """Inverted dropout of vertex rows whose masks do not depend on the partition.
+
+    Args:
+        x: Rows of the vertices ``global_ids``.
+        p: Drop probability.
+        global_ids: Global ids of the rows' vertices.
+        seed: The model's dropout seed.
+        call: Index of the forward call.
+        layer: Index of the layer (the dropout stream).
+        training: Apply dropout (identity when False).
+
+    Returns:
+        ``x`` with dropped elements zeroed and the rest scaled by ``1 / (1 - p)``.
+    """
     if not training or p == 0.0:
         return x
     if p >= 1.0:

@@ -21,22 +21,39 @@ import os
 
 import numpy as np
 
-from hpcpar.graph._csr import GraphError, check_edges, edges_to_csr, is_symmetric
+from hpcpar.errors import DataError
+from hpcpar.graph._csr import check_edges, edges_to_csr, is_symmetric
+
+__all__ = ["FORMAT", "VERSION", "MASKS", "write_graph", "GraphFile", "import_npz", "bundled"]
 
 FORMAT = "hpcpar-graph"
 VERSION = 1
 MASKS = ("train", "val", "test")
 
 
-class GraphFormatError(GraphError):
-    """The file is not a valid hpcpar graph file (missing field, wrong shape, bad vertex id)."""
-
-
-def write_graph(path, num_nodes: int, x, y, masks: dict, edge_index=None, csr=None,
+def write_graph(path: str | os.PathLike, num_nodes: int, x: np.ndarray | tuple,
+                y: np.ndarray, masks: dict, edge_index: np.ndarray | None = None,
+                csr: tuple[np.ndarray, np.ndarray] | None = None,
                 directed: bool = False, name: str = "", source: str = "",
                 num_classes: int | None = None) -> None:
-    """Write a graph file. Structure from ``edge_index`` (2, E) or ``csr=(indptr, indices)``
-    (in-edge CSR); ``x`` dense (N, F) or ``(indptr, indices, data, shape)`` CSR features."""
+    """Write a graph file (format version 1: ``docs/guides/gnn.md``).
+
+    Args:
+        path: The HDF5 file to write.
+        num_nodes: Number of vertices N.
+        x: Features: dense ``(N, F)``, or CSR ``(indptr, indices, data, shape)``.
+        y: ``(N,)`` class ids.
+        masks: ``{"train": ..., "val": ..., "test": ...}`` boolean ``(N,)`` masks.
+        edge_index: ``(2, E)`` edges ``src -> dst``; used when ``csr`` is None.
+        csr: The in-edge CSR ``(indptr, indices)``, instead of ``edge_index``.
+        directed: Whether the edges are directed.
+        name: The graph's name.
+        source: Where it came from (free text).
+        num_classes: Number of classes; ``max(y) + 1`` when None.
+
+    Raises:
+        DataError: An edge out of range in ``edge_index``.
+    """
     import h5py
 
     if csr is None:
@@ -70,18 +87,28 @@ def write_graph(path, num_nodes: int, x, y, masks: dict, edge_index=None, csr=No
 
 
 class GraphFile:
-    """A validated, open graph file; read row blocks with :meth:`read_rows`."""
+    """A validated, open graph file; read row blocks with ``read_rows``.
 
-    def __init__(self, path):
+    Usable as a context manager (closes the file).
+
+    Args:
+        path: The graph's HDF5 file.
+
+    Raises:
+        DataError: A missing file, not HDF5, or a missing or malformed field (one line
+            naming the field).
+    """
+
+    def __init__(self, path: str | os.PathLike):
         import h5py
 
         self.path = str(path)
         try:
             self.f = h5py.File(self.path, "r")
         except FileNotFoundError:
-            raise GraphFormatError(f"{self.path}: no such graph file") from None
+            raise DataError(f"{self.path}: no such graph file") from None
         except OSError as exc:
-            raise GraphFormatError(f"{self.path}: not an HDF5 file ({exc})") from None
+            raise DataError(f"{self.path}: not an HDF5 file ({exc})") from None
         try:
             self._validate()
         except Exception:
@@ -96,10 +123,11 @@ class GraphFile:
         self.close()
 
     def close(self) -> None:
+        """Close the file."""
         self.f.close()
 
     def _fail(self, msg: str):
-        raise GraphFormatError(f"{self.path}: {msg} (hpcpar graph format v{VERSION})")
+        raise DataError(f"{self.path}: {msg} (hpcpar graph format v{VERSION})")
 
     def _need(self, name: str, shape=None):
         if name not in self.f:
@@ -160,8 +188,12 @@ class GraphFile:
             self._edge_csr = edges_to_csr(e, self.num_nodes)
         return self._edge_csr
 
-    def read_structure(self):
-        """The whole in-edge CSR ``(indptr, indices)`` (for partitioning)."""
+    def read_structure(self) -> tuple[np.ndarray, np.ndarray]:
+        """The whole in-edge CSR ``(indptr, indices)`` (for partitioning).
+
+        Raises:
+            DataError: An edge from a vertex out of range.
+        """
         indptr, indices = self._csr_arrays()
         return self._checked(np.asarray(indptr[:], np.int64), np.asarray(indices[:], np.int64))
 
@@ -175,8 +207,16 @@ class GraphFile:
         return indptr, indices
 
     def read_rows(self, start: int, stop: int) -> dict:
-        """Rows ``[start, stop)``: ``indptr`` (from 0), ``indices`` (global source ids),
-        ``x`` dense float32, ``y``, and the ``train``/``val``/``test`` masks."""
+        """Read a contiguous block of vertex rows (hyperslabs).
+
+        Args:
+            start: First vertex.
+            stop: One past the last vertex.
+
+        Returns:
+            ``indptr`` (from 0), ``indices`` (global source ids), ``x`` (dense float32),
+            ``y``, and the ``train``/``val``/``test`` masks of the block.
+        """
         indptr_ds, indices_ds = self._csr_arrays()
         ip = np.asarray(indptr_ds[start:stop + 1], np.int64)
         idx = np.asarray(indices_ds[int(ip[0]):int(ip[-1])], np.int64) if stop > start \
@@ -201,19 +241,30 @@ class GraphFile:
         return dense
 
 
-def import_npz(src, out) -> dict:
-    """Convert a Planetoid-style ``.npz`` (edge_index, CSR x, y, train/val/test_idx) to a graph
-    file; returns a summary dict."""
+def import_npz(src: str | os.PathLike, out: str | os.PathLike) -> dict:
+    """Convert a Planetoid-style ``.npz`` to a graph file.
+
+    Args:
+        src: The ``.npz`` with ``edge_index``, CSR features ``x_indptr``/``x_indices``/
+            ``x_data``/``x_shape``, ``y`` and ``train_idx``/``val_idx``/``test_idx``.
+        out: The graph file to write.
+
+    Returns:
+        A summary: vertices, edges, features, classes and split sizes.
+
+    Raises:
+        DataError: A missing or unreadable file or field.
+    """
     try:
         d = np.load(src)
     except FileNotFoundError:
-        raise GraphFormatError(f"{src}: no such file") from None
+        raise DataError(f"{src}: no such file") from None
     need = ("edge_index", "x_indptr", "x_indices", "x_data", "x_shape", "y",
             "train_idx", "val_idx", "test_idx")
     missing = [k for k in need if k not in d.files]
     if missing:
-        raise GraphFormatError(f"{src}: missing field(s) {', '.join(missing)} "
-                               f"(expected {', '.join(need)})")
+        raise DataError(f"{src}: missing field(s) {', '.join(missing)} "
+                        f"(expected {', '.join(need)})")
     y = d["y"]
     n = int(y.shape[0])
     e = check_edges(d["edge_index"], n, f"{src}: edge_index")
@@ -233,5 +284,12 @@ def import_npz(src, out) -> dict:
 
 
 def bundled(name: str) -> str:
-    """Path of a dataset shipped with hpcpar (``cora``)."""
+    """The path of a dataset shipped with hpcpar.
+
+    Args:
+        name: ``"cora"`` (Planetoid Cora, MIT licence, T. Kipf).
+
+    Returns:
+        The ``.npz`` path (for [import_npz][hpcpar.graph.format.import_npz]).
+    """
     return os.path.join(os.path.dirname(__file__), "datasets", f"{name}.npz")

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from hpcpar.graph._csr import GraphError, edges_to_csr
+from hpcpar.errors import DataError
+from hpcpar.graph._csr import edges_to_csr
+
+__all__ = ["power_law_community_graph"]
 
 
 def _sample(cum: np.ndarray, u: np.ndarray) -> np.ndarray:
@@ -27,18 +30,39 @@ def power_law_community_graph(nodes: int, avg_degree: float = 10.0, communities:
                               features: int = 32, classes: int = 4, seed: int = 0,
                               directed: bool = False, p_in: float = 0.85,
                               exponent: float = 2.5, signal: float = 0.25,
-                              split=(0.1, 0.1, 0.2)) -> dict:
-    """A graph dict: ``indptr``, ``indices`` (in-edge CSR), ``x``, ``y``, ``masks``,
-    ``directed``. ``avg_degree`` is the mean in-degree (undirected edges count both ways)."""
+                              split: tuple[float, float, float] = (0.1, 0.1, 0.2)) -> dict:
+    """Generate a learnable synthetic graph: power-law degrees and planted communities.
+
+    Args:
+        nodes: Number of vertices.
+        avg_degree: Mean in-degree (undirected edges count both ways).
+        communities: Planted communities; labels are ``community % classes``.
+        features: Features per vertex.
+        classes: Number of classes.
+        seed: Seed of everything.
+        directed: Keep edges one-way.
+        p_in: Probability that an edge stays inside its community.
+        exponent: Exponent of the power-law degree distribution.
+        signal: Strength of the class signal in the features.
+        split: Fractions of vertices in the train, validation and test masks.
+
+    Returns:
+        ``indptr``, ``indices`` (in-edge CSR), ``x``, ``y``, ``masks`` and ``directed``
+        (what [write_graph][hpcpar.graph.format.write_graph] takes).
+
+    Raises:
+        DataError: A parameter out of range (``nodes < 2``, more classes than
+            communities, ...).
+    """
     for name, v, lo in (("nodes", nodes, 2), ("communities", communities, 1),
                         ("features", features, 1), ("classes", classes, 2)):
         if v < lo:
-            raise GraphError(f"make graph: --{name} must be >= {lo}, got {v}")
+            raise DataError(f"make graph: --{name} must be >= {lo}, got {v}")
     if classes > communities:
-        raise GraphError(f"make graph: --classes {classes} exceeds --communities {communities}"
-                         " (labels are community % classes)")
+        raise DataError(f"make graph: --classes {classes} exceeds --communities {communities}"
+                        " (labels are community % classes)")
     if avg_degree <= 0:
-        raise GraphError(f"make graph: --avg-degree must be positive, got {avg_degree}")
+        raise DataError(f"make graph: --avg-degree must be positive, got {avg_degree}")
     rng = np.random.default_rng(seed)
     comm = rng.integers(0, communities, nodes)
     theta = rng.pareto(exponent - 1.0, nodes) + 1.0

@@ -9,21 +9,49 @@ the global value.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
 from hpcpar.parallel.comm import allreduce_
 
+if TYPE_CHECKING:
+    from hpcpar.graph.distgraph import DistGraph
 
-def masked_loss(logits: torch.Tensor, graph, split: str = "train") -> torch.Tensor:
-    """Cross entropy over the owned vertices of ``split``, divided by the GLOBAL count."""
+__all__ = ["masked_loss", "split_metrics"]
+
+
+def masked_loss(logits: torch.Tensor, graph: DistGraph, split: str = "train") -> torch.Tensor:
+    """Cross entropy summed over the owned vertices of a split, divided by the GLOBAL count.
+
+    Summing the gradients of this loss over the graph's ranks gives exactly the
+    single-process gradient of the mean loss.
+
+    Args:
+        logits: Logits of the owned vertices.
+        graph: This rank's part of the graph.
+        split: ``"train"``, ``"val"`` or ``"test"``.
+
+    Returns:
+        A scalar: this rank's share of the mean loss.
+    """
     m = graph.mask(split)
     total = max(graph.num_masked(split), 1)
     return F.cross_entropy(logits[m], graph.y[m], reduction="sum") / total
 
 
-def split_metrics(logits: torch.Tensor, graph, split: str) -> dict:
-    """``{split}_acc`` and ``{split}_loss`` over the whole graph (collective)."""
+def split_metrics(logits: torch.Tensor, graph: DistGraph, split: str) -> dict:
+    """Accuracy and mean loss of a split over the whole graph (collective).
+
+    Args:
+        logits: Logits of the owned vertices.
+        graph: This rank's part of the graph.
+        split: ``"train"``, ``"val"`` or ``"test"``.
+
+    Returns:
+        ``{f"{split}_acc": ..., f"{split}_loss": ...}``, the same on every rank.
+    """
     m = graph.mask(split)
     with torch.no_grad():
         correct = (logits[m].argmax(1) == graph.y[m]).sum().double()

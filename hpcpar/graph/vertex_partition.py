@@ -1,7 +1,7 @@
 """Vertex partitioning: which rank owns which vertex.
 
-``block``: contiguous ranges by the partition rule (hpcpar.parallel.partition); ``random``: a seeded,
-balanced random assignment; ``metis``: METIS k-way through pymetis on the symmetrised graph,
+``block``: contiguous ranges by the partition rule (hpcpar.parallel.partition); ``random``: a
+seeded, balanced random assignment; ``metis``: METIS k-way through pymetis on the symmetrised graph,
 vertex weights = in-degree + 1 so the aggregation work (one multiply-add per edge) is balanced.
 """
 
@@ -9,15 +9,34 @@ from __future__ import annotations
 
 import numpy as np
 
+from hpcpar.errors import DataError
+from hpcpar.graph._csr import check_edges, edges_to_csr, sorted_unique
 from hpcpar.parallel.partition import split_sizes
-from hpcpar.graph._csr import GraphError, check_edges, edges_to_csr, sorted_unique
+
+__all__ = ["METHODS", "partition", "partition_csr"]
 
 METHODS = ("metis", "block", "random")
 
 
-def partition(edge_index, num_nodes: int, parts: int, method: str = "metis",
+def partition(edge_index: np.ndarray, num_nodes: int, parts: int, method: str = "metis",
               seed: int = 0) -> np.ndarray:
-    """Owner rank (int64, shape (num_nodes,)) of every vertex of a ``src -> dst`` edge list."""
+    """Assign every vertex of a graph to a part.
+
+    Args:
+        edge_index: ``(2, E)`` edges ``src -> dst``.
+        num_nodes: Number of vertices.
+        parts: Number of parts (ranks).
+        method: ``"metis"`` (balanced vertex weights, fewest cut edges; needs pymetis),
+            ``"block"`` (contiguous blocks, the partition rule) or ``"random"``.
+        seed: Seed of METIS or of the random permutation.
+
+    Returns:
+        The owner part of every vertex, int64 ``(num_nodes,)``.
+
+    Raises:
+        DataError: An unknown method, ``parts < 1``, more parts than vertices, an edge out
+            of range, or ``"metis"`` without pymetis.
+    """
     _check(num_nodes, parts, method)
     if method == "metis":
         return partition_csr(*edges_to_csr(edge_index, num_nodes), parts, method, seed)
@@ -25,9 +44,25 @@ def partition(edge_index, num_nodes: int, parts: int, method: str = "metis",
     return _simple(num_nodes, parts, method, seed)
 
 
-def partition_csr(indptr, indices, parts: int, method: str = "metis",
+def partition_csr(indptr: np.ndarray, indices: np.ndarray, parts: int, method: str = "metis",
                   seed: int = 0) -> np.ndarray:
-    """:func:`partition` of an in-edge CSR ``(indptr, indices)``."""
+    """Assign every vertex of a graph given as an in-edge CSR to a part.
+
+    Args:
+        indptr: ``(N + 1,)`` row pointers of the in-edge CSR.
+        indices: ``(E,)`` source vertices of each row's in-edges.
+        parts: Number of parts (ranks).
+        method: ``"metis"``, ``"block"`` or ``"random"`` (see
+            [partition][hpcpar.graph.vertex_partition.partition]).
+        seed: Seed of METIS or of the random permutation.
+
+    Returns:
+        The owner part of every vertex, int64 ``(N,)``.
+
+    Raises:
+        DataError: An unknown method, ``parts < 1``, more parts than vertices, or
+            ``"metis"`` without pymetis.
+    """
     num_nodes = int(np.asarray(indptr).shape[0]) - 1
     _check(num_nodes, parts, method)
     if method != "metis" or parts == 1:
@@ -37,12 +72,12 @@ def partition_csr(indptr, indices, parts: int, method: str = "metis",
 
 def _check(num_nodes: int, parts: int, method: str) -> None:
     if method not in METHODS:
-        raise GraphError(f"partition method {method!r}: expected one of {', '.join(METHODS)}")
+        raise DataError(f"partition method {method!r}: expected one of {', '.join(METHODS)}")
     if parts < 1:
-        raise GraphError(f"partition: parts must be >= 1, got {parts}")
+        raise DataError(f"partition: parts must be >= 1, got {parts}")
     if parts > num_nodes:
-        raise GraphError(f"partition: {parts} parts for a graph of {num_nodes} vertices "
-                         "(need at least one vertex per part)")
+        raise DataError(f"partition: {parts} parts for a graph of {num_nodes} vertices "
+                        "(need at least one vertex per part)")
 
 
 def _simple(num_nodes: int, parts: int, method: str, seed: int) -> np.ndarray:
@@ -56,8 +91,8 @@ def _metis(indptr, indices, parts: int, seed: int) -> np.ndarray:
     try:
         import pymetis
     except ImportError:
-        raise GraphError("partition method 'metis' needs pymetis: pip install pymetis "
-                         "(or pip install 'hpcpar[gnn]'), or use method='block'/'random'") \
+        raise DataError("partition method 'metis' needs pymetis: pip install pymetis "
+                        "(or pip install 'hpcpar[gnn]'), or use method='block'/'random'") \
             from None
     n = indptr.shape[0] - 1
     dst = np.repeat(np.arange(n, dtype=np.int64), np.diff(indptr))

@@ -17,31 +17,45 @@ when already running under MPI.
 from __future__ import annotations
 
 import os
-import shlex
 import signal
 import subprocess
 import sys
+from collections.abc import Mapping
 
-from hpcpar.errors import HpcparError
+from hpcpar import _env
+from hpcpar.errors import LaunchError
 from hpcpar.parallel.placement import env_int, in_slurm_step
+
+__all__ = ["MODES", "mpi_world_size", "default_ranks", "plan_launch", "launch_command",
+           "run_ranks", "rank_argv"]
 
 MODES = ("direct", "srun", "mpiexec")
 
 
-class LaunchError(HpcparError, RuntimeError):
-    """The ranks cannot be started as asked."""
+def mpi_world_size(env: Mapping[str, str] | None = None) -> int:
+    """Ranks of the MPI job this process already belongs to.
 
+    Args:
+        env: The environment; ``os.environ`` when None.
 
-def mpi_world_size(env=None) -> int:
-    """Ranks of the MPI job this process already belongs to (1 when not launched by MPI)."""
+    Returns:
+        The world size (1 when not launched by MPI).
+    """
     env = os.environ if env is None else env
     if in_slurm_step(env):
         return env_int(env, ["SLURM_NTASKS", "PMI_SIZE"], 1)
     return env_int(env, ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"], 1)
 
 
-def default_ranks(env=None) -> int | None:
-    """Rank count implied by the environment: an MPI world or a Slurm allocation's tasks."""
+def default_ranks(env: Mapping[str, str] | None = None) -> int | None:
+    """The rank count implied by the environment: an MPI world or a Slurm allocation's tasks.
+
+    Args:
+        env: The environment; ``os.environ`` when None.
+
+    Returns:
+        The count, or None when the environment implies none.
+    """
     env = os.environ if env is None else env
     world = mpi_world_size(env)
     if world > 1:
@@ -51,13 +65,22 @@ def default_ranks(env=None) -> int | None:
     return None
 
 
-def plan_launch(n: int, env=None) -> str:
-    """``direct``, ``srun`` or ``mpiexec`` for ``n`` ranks in this environment."""
+def plan_launch(n: int, env: Mapping[str, str] | None = None) -> str:
+    """How to start ``n`` ranks here (the rules are in the module docstring).
+
+    Args:
+        n: Number of ranks.
+        env: The environment; ``os.environ`` when None.
+
+    Returns:
+        ``"direct"``, ``"srun"`` or ``"mpiexec"``.
+
+    Raises:
+        LaunchError: Already under MPI with another rank count.
+    """
     env = os.environ if env is None else env
-    forced = env.get("HPCPAR_LAUNCH")
+    forced = _env.get("HPCPAR_LAUNCH", env)
     if forced:
-        if forced not in MODES:
-            raise LaunchError(f"HPCPAR_LAUNCH={forced!r}: expected one of {', '.join(MODES)}")
         return forced
     world = mpi_world_size(env)
     if world > 1:
@@ -81,8 +104,23 @@ def _uses_mpich_wheel() -> bool:
 
 
 def launch_command(mode: str, n: int, argv: list[str], *, cpus_per_task: int = 1,
-                   gpus_per_node: int = 0, env=None) -> list[str]:
-    """The full command line that starts ``argv`` on ``n`` ranks."""
+                   gpus_per_node: int = 0, env: Mapping[str, str] | None = None) -> list[str]:
+    """The full command line that starts a per-rank command on ``n`` ranks.
+
+    Args:
+        mode: ``"direct"``, ``"srun"`` or ``"mpiexec"`` (from ``plan_launch``).
+        n: Number of ranks.
+        argv: The per-rank command.
+        cpus_per_task: ``--cpus-per-task`` for ``srun`` (the allocation's value wins).
+        gpus_per_node: GPUs per node; with ``srun``, each task gets one.
+        env: The environment; ``os.environ`` when None.
+
+    Returns:
+        The command line (``argv`` itself for ``"direct"``).
+
+    Raises:
+        LaunchError: ``mpiexec`` mode without an ``mpiexec``.
+    """
     env = os.environ if env is None else env
     if mode == "mpiexec":
         from hpcpar.launch.mpiexec import find_mpiexec
@@ -91,43 +129,97 @@ def launch_command(mode: str, n: int, argv: list[str], *, cpus_per_task: int = 1
     if mode == "srun":
         cpt = env_int(env, ["SLURM_CPUS_PER_TASK"], cpus_per_task)
         cmd = ["srun", f"--ntasks={n}", f"--cpus-per-task={cpt}", "--kill-on-bad-exit=1"]
-        mpi = env.get("HPCPAR_SRUN_MPI", "pmi2" if _uses_mpich_wheel() else "")
+        mpi = _env.get("HPCPAR_SRUN_MPI", env)
+        if mpi is None:
+            mpi = "pmi2" if _uses_mpich_wheel() else ""
         if mpi:
             cmd.append(f"--mpi={mpi}")
-        if gpus_per_node and "--gpus" not in env.get("HPCPAR_SRUN_FLAGS", ""):
+        flags = _env.get("HPCPAR_SRUN_FLAGS", env)
+        if gpus_per_node and not any(f.startswith("--gpus") for f in flags):
             cmd.append("--gpus-per-task=1")
-        cmd += shlex.split(env.get("HPCPAR_SRUN_FLAGS", ""))
+        cmd += flags
         return cmd + argv
     return list(argv)
 
 
-def run_ranks(cmd: list[str], env: dict) -> int:
-    """Run the launcher command, forwarding SIGUSR1/SIGTERM/SIGINT to it; its exit code."""
+def _child_setup() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """The launcher gets its own process group (a terminal's Ctrl-C reaches only ``hpcpar
+    run``, which forwards it exactly once) and dies with ``hpcpar run`` (Linux
+    ``PR_SET_PDEATHSIG``), taking its ranks along, so nothing outlives a killed CLI."""
+    os.setpgid(0, 0)
     try:
-        proc = subprocess.Popen(cmd, env=env)
-    except OSError as exc:
-        raise LaunchError(f"cannot start {cmd[0]}: {exc}") from None
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def run_ranks(cmd: list[str], env: dict) -> int:
+    """Run the launcher command, forwarding SIGUSR1/SIGTERM/SIGINT to it.
+
+    Ctrl-C: the first SIGINT is forwarded (as SIGTERM to ``srun``, which would only print its
+    status on a single SIGINT): the ranks checkpoint and exit 3. A second one kills the
+    launcher and its ranks at once: ``EXIT_ABORTED`` (130). (The launcher runs in its own
+    process group, so a terminal's Ctrl-C reaches it only through this forwarding, once.)
+
+    Args:
+        cmd: The command line (from ``launch_command``).
+        env: The ranks' environment.
+
+    Returns:
+        The launcher's exit code; 128 + the signal number when a signal killed it.
+
+    Raises:
+        LaunchError: The command cannot be started.
+    """
+    from hpcpar.errors import EXIT_ABORTED
+
+    state = {"proc": None, "interrupted": False, "aborted": False}
+    as_term = os.path.basename(cmd[0]) == "srun"
 
     def forward(signum, frame):
-        if proc.poll() is None:
+        proc = state["proc"]
+        if signum == signal.SIGINT:
+            if state["interrupted"]:
+                if proc is not None and proc.poll() is None:
+                    state["aborted"] = True
+                    proc.kill()
+                return
+            state["interrupted"] = True
+            if as_term:
+                signum = signal.SIGTERM
+        if proc is not None and proc.poll() is None:
             proc.send_signal(signum)
 
     previous = {s: signal.signal(s, forward)
                 for s in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)}
     try:
-        while True:
-            try:
-                rc = proc.wait()
-                break
-            except KeyboardInterrupt:  # pragma: no cover - forwarded above
-                continue
+        try:
+            state["proc"] = proc = subprocess.Popen(cmd, env=env, preexec_fn=_child_setup)
+        except OSError as exc:
+            raise LaunchError(f"cannot start {cmd[0]}: {exc}") from None
+        if state["interrupted"]:              # Ctrl-C while starting: forward it now
+            proc.send_signal(signal.SIGTERM if as_term else signal.SIGINT)
+        rc = proc.wait()
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+    if state["aborted"]:
+        return EXIT_ABORTED
     return rc if rc >= 0 else 128 - rc
 
 
 def rank_argv(job_json: str, run_dir: str, resume: bool) -> list[str]:
-    """The per-rank command (``python -m hpcpar.run.trainer``)."""
+    """The per-rank command (``python -m hpcpar.run.trainer``).
+
+    Args:
+        job_json: The resolved job file (``RUN/job.json``).
+        run_dir: The run directory.
+        resume: Resume from the last checkpoint.
+
+    Returns:
+        The command line.
+    """
     return [sys.executable, "-m", "hpcpar.run.trainer", job_json, "--run-dir", run_dir,
             "--resume" if resume else "--no-resume"]

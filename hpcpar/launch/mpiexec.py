@@ -7,11 +7,22 @@ import shutil
 import sys
 import sysconfig
 
+from hpcpar import _env
+
+__all__ = ["find_mpiexec", "rank_env"]
+
 
 def find_mpiexec() -> str:
-    """``HPCPAR_MPIEXEC``, else the ``mpiexec`` installed beside this Python (the ``mpich``
-    wheel puts it there), else the first ``mpiexec``/``mpirun`` on PATH."""
-    forced = os.environ.get("HPCPAR_MPIEXEC")
+    """The ``mpiexec`` to launch ranks with.
+
+    Returns:
+        ``HPCPAR_MPIEXEC``, else the ``mpiexec`` installed beside this Python (the ``mpich``
+        wheel puts it there), else the first ``mpiexec``/``mpirun`` on PATH.
+
+    Raises:
+        LaunchError: None found.
+    """
+    forced = _env.get("HPCPAR_MPIEXEC")
     if forced:
         return forced
     for d in (sysconfig.get_path("scripts"), os.path.dirname(sys.executable)):
@@ -23,14 +34,21 @@ def find_mpiexec() -> str:
         found = shutil.which(name)
         if found:
             return found
-    from hpcpar.errors import HpcparError
+    from hpcpar.errors import LaunchError
 
-    raise HpcparError("no mpiexec found: pip install 'hpcpar[mpich]' or load your site's MPI "
+    raise LaunchError("no mpiexec found: pip install 'hpcpar[mpich]' or load your site's MPI "
                       "module, or set HPCPAR_MPIEXEC")
 
 
 def rank_env(extra: dict | None = None) -> dict:
-    """Environment for launched ranks: one compute thread per rank unless the user set one."""
+    """The environment for launched ranks: one compute thread per rank unless the user set one.
+
+    Args:
+        extra: Variables to add or override.
+
+    Returns:
+        A copy of ``os.environ`` with the defaults and ``extra``.
+    """
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("MKL_NUM_THREADS", "1")

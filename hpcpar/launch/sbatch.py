@@ -16,51 +16,89 @@ This module does not import torch.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpcpar.errors import HpcparError
-from hpcpar.launch.site import Site, SiteError, find_template
+from hpcpar.errors import LaunchError
+from hpcpar.launch.site import Site, find_template
+
+__all__ = ["shell_quote", "sbatch_quote", "sbatch_filename", "sbatch_lines", "render", "Point",
+           "Allocation", "run_script", "report_script", "omp_threads"]
 
 _SBATCH_BARE = re.compile(r"^[A-Za-z0-9_@%+=:,./-]+$")
 _FIELD = re.compile(r"\{\{\s*([a-z_]+)\s*\}\}")
 
 
-class ScriptError(HpcparError, ValueError):
-    """A value that cannot be written into a batch script."""
-
-
 def _plain(value, what: str) -> str:
     text = str(value)
     if "\n" in text or "\r" in text or "\0" in text:
-        raise ScriptError(f"{what}: {text!r} contains a newline or NUL; not allowed in a "
+        raise LaunchError(f"{what}: {text!r} contains a newline or NUL; not allowed in a "
                           "batch script")
     return text
 
 
-def shell_quote(value, what: str = "value") -> str:
-    """One shell word, literal (``shlex.quote``)."""
+def shell_quote(value: object, what: str = "value") -> str:
+    """Quote a value as one literal shell word (``shlex.quote``).
+
+    Args:
+        value: The value (converted with ``str``).
+        what: What it is, for messages.
+
+    Returns:
+        The quoted word.
+
+    Raises:
+        LaunchError: The value holds a newline or NUL.
+    """
     return shlex.quote(_plain(value, what))
 
 
-def sbatch_quote(value, what: str = "value") -> str:
-    """One ``#SBATCH`` option value, literal for sbatch's parser (not a shell)."""
+def sbatch_quote(value: object, what: str = "value") -> str:
+    """Quote one ``#SBATCH`` option value literally for sbatch's parser (not a shell).
+
+    Args:
+        value: The value (converted with ``str``).
+        what: What it is, for messages.
+
+    Returns:
+        The value, double-quoted unless it is a plain word.
+
+    Raises:
+        LaunchError: The value holds a newline or NUL.
+    """
     text = _plain(value, what)
     if text and _SBATCH_BARE.match(text):
         return text
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def sbatch_filename(path) -> str:
-    """A filename for ``--output``: ``%`` doubled so Slurm's ``%j``-style patterns in the
-    user's path stay literal; append the pattern you want after quoting the directory."""
+def sbatch_filename(path: str | os.PathLike) -> str:
+    """Escape a path for ``--output``: ``%`` doubled so ``%j``-style patterns stay literal.
+
+    Append the pattern you want after escaping the directory.
+
+    Args:
+        path: The user's path.
+
+    Returns:
+        The escaped path.
+    """
     return str(path).replace("%", "%%")
 
 
 def sbatch_lines(options: list[tuple[str, object]]) -> str:
-    """``#SBATCH --opt=value`` lines; a value of None drops the option, True writes the flag."""
+    """Render ``#SBATCH --opt=value`` lines.
+
+    Args:
+        options: ``(option, value)`` pairs; a value of None, False or "" drops the option,
+            True writes the bare flag.
+
+    Returns:
+        The lines, joined by newlines.
+    """
     lines = []
     for opt, value in options:
         if value is None or value is False or value == "":
@@ -73,12 +111,25 @@ def sbatch_lines(options: list[tuple[str, object]]) -> str:
 
 
 def render(template: str, values: dict[str, str], source: str = "<template>") -> str:
-    """Fill ``{{name}}`` fields; drop lines that are a lone empty field; every field must be
-    known and every value used by some template line is plain text."""
+    """Fill a template's ``{{name}}`` fields.
+
+    Lines that are a lone empty field are dropped.
+
+    Args:
+        template: The template text.
+        values: Field name -> text.
+        source: The template's file, for messages.
+
+    Returns:
+        The script.
+
+    Raises:
+        LaunchError: A field without a value.
+    """
     missing = sorted({m.group(1) for m in _FIELD.finditer(template)} - set(values))
     if missing:
-        raise SiteError(f"{source}: unknown template field(s) {', '.join(missing)}; known: "
-                        f"{', '.join(sorted(values))}")
+        raise LaunchError(f"{source}: unknown template field(s) {', '.join(missing)}; known: "
+                          f"{', '.join(sorted(values))}")
     out = []
     for line in template.splitlines():
         m = _FIELD.fullmatch(line.strip())
@@ -91,8 +142,15 @@ def render(template: str, values: dict[str, str], source: str = "<template>") ->
 # -- what goes into a script --------------------------------------------------------------------
 @dataclass
 class Point:
-    """One sweep point: ``ranks`` MPI ranks on ``nodes`` nodes writing into ``run_dir``;
-    ``args`` are this point's own ``hpcpar run`` arguments (``--grid``, weak-scaling batch)."""
+    """One sweep point.
+
+    Attributes:
+        label: ``"ranks-N"``.
+        ranks: MPI ranks.
+        nodes: Nodes.
+        run_dir: The point's run directory.
+        args: This point's own ``hpcpar run`` arguments (``--grid``, weak-scaling batch).
+    """
 
     label: str
     ranks: int
@@ -102,12 +160,27 @@ class Point:
 
     @property
     def tasks_per_node(self) -> int | None:
+        """Ranks per node, or None when they do not divide evenly."""
         return self.ranks // self.nodes if self.ranks % self.nodes == 0 else None
 
 
 @dataclass
 class Allocation:
-    """What the scheduler is asked for (resolved from site, job [resources] and CLI)."""
+    """What the scheduler is asked for (resolved from site, job ``[resources]`` and CLI).
+
+    Attributes:
+        name: Job name.
+        time: Time limit.
+        cpus_per_task: CPUs per task.
+        gpus_per_node: GPUs per node.
+        account: Account ("" for the default).
+        partition: Partition.
+        qos: Quality of service.
+        constraint: Node features.
+        exclusive: Whole nodes.
+        output: Log file pattern, already escaped with ``sbatch_filename``.
+        options: Extra ``#SBATCH`` options.
+    """
 
     name: str
     time: str
@@ -159,18 +232,39 @@ def _python_words(site: Site, python: str) -> str:
 def run_script(site: Site, alloc: Allocation, points: list[Point], *, job: Path, out: Path,
                python: str, sets: list[str] = (), grace: int | None = None,
                max_requeues: int | None = None, array: bool = False) -> str:
-    """The batch script for one sweep point, or for all points as one job array (task i runs
-    point i; the allocation is sized for the largest point)."""
+    """The batch script for one sweep point, or for all points as one job array.
+
+    In an array, task i runs point i and the allocation is sized for the largest point. The
+    script checkpoints on the pre-timeout signal and requeues itself.
+
+    Args:
+        site: The site profile.
+        alloc: The allocation.
+        points: The point, or the points of the array.
+        job: The job file.
+        out: The sweep directory.
+        python: The Python the script runs.
+        sets: ``--set`` overrides.
+        grace: Seconds between the pre-timeout signal and the limit; the site's when None.
+        max_requeues: Requeues allowed; the site's when None.
+        array: Render a job array over ``points``.
+
+    Returns:
+        The script.
+
+    Raises:
+        LaunchError: No points, several points without ``array``, or a bad value.
+    """
     if not points:
-        raise ScriptError("no sweep points to render")
+        raise LaunchError("no sweep points to render")
     if len(points) > 1 and not array:
-        raise ScriptError("several sweep points need array=True (or one script per point)")
+        raise LaunchError("several sweep points need array=True (or one script per point)")
     grace = site.requeue["grace"] if grace is None else grace
     max_requeues = site.requeue["max"] if max_requeues is None else max_requeues
     sig = site.requeue["signal"]
     if not re.fullmatch(r"[A-Z0-9]+", sig):
-        raise SiteError(f"{site.source}: [requeue] signal: {sig!r} is not a signal name "
-                        "such as USR1")
+        raise LaunchError(f"{site.source}: [requeue] signal: {sig!r} is not a signal name "
+                          "such as USR1")
     big = max(points, key=lambda p: (p.nodes, p.ranks))
     uniform = all(p.nodes == big.nodes and p.ranks == big.ranks for p in points)
     opts = _common_options(alloc) + [("--nodes", big.nodes)]
@@ -238,7 +332,19 @@ def run_script(site: Site, alloc: Allocation, points: list[Point], *, job: Path,
 
 def report_script(site: Site, alloc: Allocation, run_dirs: list[Path], report_dir: Path, *,
                   out: Path, python: str) -> str:
-    """The ``--report`` job: one task running ``hpcpar report RUN_DIRS... -o REPORT_DIR``."""
+    """The ``--report`` job: one task running ``hpcpar report RUN_DIRS... -o REPORT_DIR``.
+
+    Args:
+        site: The site profile.
+        alloc: The allocation.
+        run_dirs: The points' run directories.
+        report_dir: Where the report goes.
+        out: The sweep directory.
+        python: The Python the script runs.
+
+    Returns:
+        The script.
+    """
     opts = _common_options(alloc) + [
         ("--nodes", 1), ("--ntasks", 1), ("--cpus-per-task", alloc.cpus_per_task),
         ("--exclusive", alloc.exclusive), ("--time", alloc.time), ("--output", alloc.output)]
@@ -256,7 +362,15 @@ def report_script(site: Site, alloc: Allocation, run_dirs: list[Path], report_di
 
 
 def omp_threads(site: Site, cpus_per_task: int) -> int:
-    """Compute threads per rank: the task's CPUs over the hardware threads per core."""
+    """Compute threads per rank: the task's CPUs over the hardware threads per core.
+
+    Args:
+        site: The site profile.
+        cpus_per_task: CPUs per task.
+
+    Returns:
+        The thread count (at least 1).
+    """
     return max(1, cpus_per_task // site.node["threads_per_core"])
 
 

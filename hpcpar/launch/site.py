@@ -11,18 +11,15 @@ This module does not import torch.
 from __future__ import annotations
 
 import difflib
-import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hpcpar import _env
 from hpcpar._resources import data_dirs
-from hpcpar.errors import HpcparError
+from hpcpar.errors import LaunchError
 
-
-
-class SiteError(HpcparError, ValueError):
-    """A site profile or template that cannot be found or does not fit the schema."""
+__all__ = ["SCHEMA", "Site", "available", "find_template", "parse_site", "load_site"]
 
 
 # section -> key -> (type(s), default); every key of a profile must appear here.
@@ -46,7 +43,23 @@ SCHEMA: dict[str, dict[str, tuple]] = {
 
 @dataclass
 class Site:
-    """A validated profile; sections as dicts with every default filled in."""
+    """A validated site profile; sections as dicts with every default filled in.
+
+    Profiles are TOML files found by name on the search path (``HPCPAR_SITE_PATH``,
+    ``~/.config/hpcpar/sites``, the bundled ones); see ``docs/guides/slurm.md``.
+
+    Attributes:
+        name: The profile's name (its file stem).
+        source: Its file.
+        site: ``[site]``: description, documentation links, templates.
+        node: ``[node]``: CPUs, threads per core, GPUs, tasks per node.
+        sbatch: ``[sbatch]``: default partition, qos, constraint, account, time, options.
+        srun: ``[srun]``: ``--mpi``, CPU binding, GPU and extra options.
+        setup: ``[setup]``: modules, shell commands and the Python to run.
+        env: ``[env]``: environment variables of the job.
+        requeue: ``[requeue]``: pre-timeout signal, grace seconds and requeue limit.
+        report: ``[report]``: resources of the report job.
+    """
 
     name: str
     source: str
@@ -59,14 +72,10 @@ class Site:
     requeue: dict = field(default_factory=dict)
     report: dict = field(default_factory=dict)
 
-    @property
-    def has_gpus(self) -> bool:
-        return self.node["gpus"] > 0
-
 
 # -- finding files ---------------------------------------------------------------------------
 def _search_path(env_var: str, sub: str) -> list[Path]:
-    user = [Path(p) for p in os.environ.get(env_var, "").split(os.pathsep) if p]
+    user = [Path(p) for p in _env.get(env_var)]
     return user + [Path.home() / ".config" / "hpcpar" / sub] + [d / sub for d in data_dirs()]
 
 
@@ -74,7 +83,7 @@ def _find(what: str, name_or_path: str, env_var: str, sub: str, suffix: str) -> 
     if "/" in name_or_path or name_or_path.endswith(suffix):
         path = Path(name_or_path).expanduser()
         if not path.is_file():
-            raise SiteError(f"{what} file not found: {name_or_path}")
+            raise LaunchError(f"{what} file not found: {name_or_path}")
         return path
     for d in _search_path(env_var, sub):
         cand = d / f"{name_or_path}{suffix}"
@@ -82,14 +91,23 @@ def _find(what: str, name_or_path: str, env_var: str, sub: str, suffix: str) -> 
             return cand
     known = available(sub, suffix, env_var)
     hint = difflib.get_close_matches(name_or_path, known, n=1)
-    raise SiteError(f"unknown {what} {name_or_path!r}"
+    raise LaunchError(f"unknown {what} {name_or_path!r}"
                     + (f" (did you mean {hint[0]!r}?)" if hint else "")
                     + f"; known: {', '.join(known) or 'none'}; or give a path to a {suffix} file")
 
 
 def available(sub: str = "sites", suffix: str = ".toml",
               env_var: str = "HPCPAR_SITE_PATH") -> list[str]:
-    """Names of the profiles (or templates) found on the search path."""
+    """Names of the profiles (or templates) found on the search path.
+
+    Args:
+        sub: ``"sites"`` or ``"templates"``.
+        suffix: The files' suffix.
+        env_var: The variable holding extra search directories.
+
+    Returns:
+        The names, sorted.
+    """
     names = set()
     for d in _search_path(env_var, sub):
         if d.is_dir():
@@ -98,6 +116,17 @@ def available(sub: str = "sites", suffix: str = ".toml",
 
 
 def find_template(name_or_path: str) -> Path:
+    """The sbatch template named (on ``HPCPAR_TEMPLATE_PATH`` and the bundled ones) or given.
+
+    Args:
+        name_or_path: A template name, or a path to a ``.sbatch`` file.
+
+    Returns:
+        The template's path.
+
+    Raises:
+        LaunchError: Not found (with a "did you mean").
+    """
     return _find("template", name_or_path, "HPCPAR_TEMPLATE_PATH", "templates", ".sbatch")
 
 
@@ -110,51 +139,74 @@ def _typename(t) -> str:
 def _check(src: str, section: str, key: str, value, expected) -> None:
     ok = isinstance(value, expected) and not (expected is int and isinstance(value, bool))
     if not ok:
-        raise SiteError(f"{src}: [{section}] {key}: expected {_typename(expected)}, "
-                        f"got {value!r}")
+        raise LaunchError(f"{src}: [{section}] {key}: expected {_typename(expected)}, "
+                          f"got {value!r}")
     if expected is int and value < 0:
-        raise SiteError(f"{src}: [{section}] {key}: {value} is out of range (must be >= 0)")
+        raise LaunchError(f"{src}: [{section}] {key}: {value} is out of range (must be >= 0)")
     if expected is list and section != "site" and not all(isinstance(v, str) for v in value):
-        raise SiteError(f"{src}: [{section}] {key}: expected a list of strings, got {value!r}")
+        raise LaunchError(f"{src}: [{section}] {key}: expected a list of strings, got {value!r}")
 
 
 def parse_site(raw: dict, name: str, source: str) -> Site:
-    """Validate a parsed profile (unknown keys with a did-you-mean, types, ranges)."""
+    """Validate a parsed profile.
+
+    Args:
+        raw: The parsed TOML.
+        name: The profile's name.
+        source: Its file, for messages.
+
+    Returns:
+        The profile with every default filled in.
+
+    Raises:
+        LaunchError: An unknown section or key (with a "did you mean"), a wrong type or a
+            value out of range.
+    """
     out = {}
     for section, values in raw.items():
         if section not in SCHEMA:
             hint = difflib.get_close_matches(section, SCHEMA, n=1)
-            raise SiteError(f"{source}: unknown section [{section}]"
+            raise LaunchError(f"{source}: unknown section [{section}]"
                             + (f" (did you mean [{hint[0]}]?)" if hint else ""))
         if not isinstance(values, dict):
-            raise SiteError(f"{source}: {section!r} must be a [{section}] table")
+            raise LaunchError(f"{source}: {section!r} must be a [{section}] table")
     for section, schema in SCHEMA.items():
         values = dict(raw.get(section, {}))
         if section == "env":
             for key, value in values.items():
                 if not key.isidentifier():
-                    raise SiteError(f"{source}: [env] {key!r} is not a variable name")
+                    raise LaunchError(f"{source}: [env] {key!r} is not a variable name")
                 _check(source, section, key, value, str)
             out[section] = values
             continue
         for key, value in values.items():
             if key not in schema:
                 hint = difflib.get_close_matches(key, schema, n=1)
-                raise SiteError(f"{source}: [{section}] unknown key {key!r}"
+                raise LaunchError(f"{source}: [{section}] unknown key {key!r}"
                                 + (f" (did you mean {hint[0]!r}?)" if hint else ""))
             _check(source, section, key, value, schema[key][0])
         out[section] = {k: values.get(k, list(d) if isinstance(d, list) else d)
                         for k, (_, d) in schema.items()}
     if out["node"]["threads_per_core"] < 1:
-        raise SiteError(f"{source}: [node] threads_per_core: must be >= 1")
+        raise LaunchError(f"{source}: [node] threads_per_core: must be >= 1")
     return Site(name=name, source=source, **out)
 
 
 def load_site(name_or_path: str = "generic") -> Site:
-    """The profile ``name_or_path`` (a name on the search path, or a ``.toml`` path)."""
+    """Load and validate a site profile.
+
+    Args:
+        name_or_path: A name on the search path, or a path to a ``.toml`` file.
+
+    Returns:
+        The profile.
+
+    Raises:
+        LaunchError: Not found, invalid TOML, or invalid fields.
+    """
     path = _find("site", name_or_path, "HPCPAR_SITE_PATH", "sites", ".toml")
     try:
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
-        raise SiteError(f"{path}: invalid TOML: {str(exc).splitlines()[0]}") from None
+        raise LaunchError(f"{path}: invalid TOML: {str(exc).splitlines()[0]}") from None
     return parse_site(raw, name=path.stem, source=str(path))

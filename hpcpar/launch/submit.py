@@ -22,12 +22,17 @@ import shutil
 import subprocess
 import sys
 import tomllib
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpcpar.errors import HpcparError
+from hpcpar.errors import LaunchError
 from hpcpar.launch.sbatch import Allocation, Point, report_script, run_script, sbatch_filename
 from hpcpar.launch.site import Site, load_site
+
+__all__ = ["RECORDS", "SCRIPTS", "RECORD_VERSION", "BatchJob", "parse_after", "plan_submit",
+           "sbatch", "dry_run_text", "submit", "read_records", "parse_scontrol", "run_dir_state",
+           "sweep_status", "format_status"]
 
 RECORDS = "jobs.json"
 SCRIPTS = "slurm"
@@ -36,13 +41,19 @@ _DEPEND = re.compile(r"^(?:(after|afterok|afterany|afternotok|aftercorr|afterbur
                      r"(\d+(?:_\d+)?(?:[:+]\d+(?:_\d+)?)*)$")
 
 
-class SubmitError(HpcparError, RuntimeError):
-    """sbatch refused a job, Slurm is not reachable, or the sweep cannot be planned."""
-
-
 @dataclass
 class BatchJob:
-    """One script to submit: a run (one point, or an array over points) or the report."""
+    """One script to submit: a run (one point, or an array over points) or the report.
+
+    Attributes:
+        kind: ``"run"`` or ``"report"``.
+        label: ``"ranks-4"``, ``"array"`` or ``"report"``.
+        script: Where the script is written.
+        text: The rendered script.
+        points: The sweep points it runs.
+        dependency: Its ``--dependency`` ("" for none).
+        job_id: The Slurm job id, once submitted.
+    """
 
     kind: str                       # "run" or "report"
     label: str                      # "ranks-4", "array", "report"
@@ -53,6 +64,7 @@ class BatchJob:
     job_id: str = ""
 
     def sbatch_argv(self) -> list[str]:
+        """The ``sbatch --parsable [--dependency=...] SCRIPT`` command line."""
         argv = ["sbatch", "--parsable"]
         if self.dependency:
             argv.append(f"--dependency={self.dependency}")
@@ -76,16 +88,26 @@ def _explicit_resources(job_path: Path, sets) -> set[str]:
     return keys
 
 
-def parse_after(values) -> str:
-    """``--after`` values -> a Slurm dependency: ``123`` means ``afterok:123``; a
-    ``type:ID[:ID]`` value passes through; several are all required (``,``)."""
+def parse_after(values: Iterable[str | int]) -> str:
+    """Turn ``--after`` values into a Slurm dependency.
+
+    Args:
+        values: Job ids (``123`` means ``afterok:123``) or ``TYPE:ID[:ID]`` (passed
+            through); comma-separated lists allowed. All are required.
+
+    Returns:
+        The ``--dependency`` value, e.g. ``"afterok:123,afterany:456"``.
+
+    Raises:
+        LaunchError: A value that is neither.
+    """
     parts = []
     for value in values:
         for item in str(value).split(","):
             item = item.strip()
             m = _DEPEND.match(item)
             if not m:
-                raise SubmitError(f"--after {item!r}: expected a job id such as 1234 or "
+                raise LaunchError(f"--after {item!r}: expected a job id such as 1234 or "
                                   "TYPE:ID such as afterany:1234")
             parts.append(f"{m.group(1) or 'afterok'}:{m.group(2)}")
     return ",".join(parts)
@@ -98,23 +120,24 @@ def _points(job, job_path: Path, out: Path, site: Site, ranks, nodes, tpn: int |
 
     r = job.resources
     if ranks and nodes:
-        raise SubmitError("give --ranks or --nodes, not both")
+        raise LaunchError("give --ranks or --nodes, not both")
     if nodes:
         if not tpn:
-            raise SubmitError("--nodes needs ranks per node: set [resources] tasks_per_node in "
+            raise LaunchError("--nodes needs ranks per node: give --ranks-per-node N, or set "
+                              "[resources] tasks_per_node in "
                               f"the job or [node] tasks_per_node in the site ({site.source})")
         sizes = [(n * tpn, n) for n in nodes]
     else:
         if not ranks:
             fixed = job.fixed_ranks() or (r.nodes * tpn if tpn else None)
             if fixed is None:
-                raise SubmitError("how many ranks? give --ranks N[,N...] or --nodes N[,N...] "
+                raise LaunchError("how many ranks? give --ranks N[,N...] or --nodes N[,N...] "
                                   "(or a grid without -1, or [resources] tasks_per_node)")
             ranks = [fixed]
         base = r.nodes if "nodes" in explicit else 1
         sizes = [(n, math.ceil(n / tpn) if tpn else min(base, n)) for n in ranks]
     if len({s for s, _ in sizes}) != len(sizes):
-        raise SubmitError(f"sweep sizes repeat: {[s for s, _ in sizes]}")
+        raise LaunchError(f"sweep sizes repeat: {[s for s, _ in sizes]}")
     order = sorted(sizes)      # the weak-scaling base is the smallest count
     planned = {p["ranks"]: p for p in sweep_plan(str(job_path), [n for n, _ in order], weak,
                                                  tuple(sets))}
@@ -127,28 +150,58 @@ def _points(job, job_path: Path, out: Path, site: Site, ranks, nodes, tpn: int |
     return points
 
 
-def plan_submit(job_file, out, *, site: str | Site = "generic", ranks=None, nodes=None,
-                array: bool = False, after=(), report: bool = False, time: str | None = None,
-                sets=(), python: str | None = None, grace: int | None = None,
-                max_requeues: int | None = None, weak: bool = False) -> list[BatchJob]:
-    """Everything ``hpcpar submit`` would submit, rendered but not written."""
+def plan_submit(job_file: str | os.PathLike, out: str | os.PathLike, *,
+                site: str | Site = "generic", ranks: Sequence[int] | None = None,
+                nodes: Sequence[int] | None = None, array: bool = False,
+                after: Sequence[str | int] = (), report: bool = False, time: str | None = None,
+                sets: Sequence[str] = (), python: str | None = None, grace: int | None = None,
+                max_requeues: int | None = None, weak: bool = False,
+                ranks_per_node: int | None = None) -> list[BatchJob]:
+    """Everything ``hpcpar submit`` would submit, rendered but not written.
+
+    Args:
+        job_file: The job file.
+        out: The sweep directory.
+        site: A site profile name or path, or a loaded ``Site``.
+        ranks: Rank counts of the points (or give ``nodes``).
+        nodes: Node counts of the points.
+        array: One job array over the points instead of one job per point.
+        after: ``--after`` dependencies of the first jobs.
+        report: Add a report job that runs after the points.
+        time: Time limit per job; the job's ``[resources]`` or the site's when None.
+        sets: ``--set`` overrides.
+        python: The Python the scripts run; this one when None.
+        grace: Seconds between the pre-timeout signal and the time limit.
+        max_requeues: Requeues allowed per job.
+        weak: Weak scaling: the global batch grows with the ranks.
+        ranks_per_node: Tasks per node; the job's or the site's when None.
+
+    Returns:
+        The scripts to submit, in order.
+
+    Raises:
+        LaunchError: A bad option (time, dependency, output directory...).
+        ConfigError: A point whose job does not validate.
+    """
     from hpcpar.run.jobspec import TIME_RE, load_job
 
     job_path = Path(job_file).expanduser().absolute()
     out = Path(out).expanduser().absolute()
     if "\\" in str(out):
-        raise SubmitError(f"--out {str(out)!r}: a backslash turns off Slurm's %j log-file "
+        raise LaunchError(f"--out {str(out)!r}: a backslash turns off Slurm's %j log-file "
                           "patterns (and is dropped): choose a directory without one")
     sets = list(sets)
     site = load_site(site) if isinstance(site, str) else site
     job = load_job(str(job_path), sets)
     r = job.resources
     explicit = _explicit_resources(job_path, sets)
-    tpn = r.tasks_per_node or site.node["tasks_per_node"] or None
+    if ranks_per_node is not None and ranks_per_node < 1:
+        raise LaunchError(f"--ranks-per-node {ranks_per_node}: expected a positive count")
+    tpn = ranks_per_node or r.tasks_per_node or site.node["tasks_per_node"] or None
     points = _points(job, job_path, out, site, ranks, nodes, tpn, explicit, weak, sets)
     time = time or r.time or site.sbatch["time"]
     if not TIME_RE.match(time):
-        raise SubmitError(f"--time {time!r}: not a Slurm time such as 30, 01:30:00 or 1-00:00:00")
+        raise LaunchError(f"--time {time!r}: not a Slurm time such as 30, 01:30:00 or 1-00:00:00")
     if "cpus_per_task" in explicit or not site.node["cpus"]:
         cpus = r.cpus_per_task
     else:
@@ -197,18 +250,29 @@ def _slurm_cmd(argv: list[str], env=None, timeout: float = 60) -> subprocess.Com
     try:
         return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout)
     except FileNotFoundError:
-        raise SubmitError(f"{argv[0]} not found: run this on a Slurm login node "
+        raise LaunchError(f"{argv[0]} not found: run this on a Slurm login node "
                           "(or use --dry-run)") from None
     except subprocess.TimeoutExpired:
-        raise SubmitError(f"{argv[0]} did not answer within {timeout:.0f} s") from None
+        raise LaunchError(f"{argv[0]} did not answer within {timeout:.0f} s") from None
 
 
-def sbatch(job: BatchJob, env=None) -> str:
-    """Submit one script with ``sbatch --parsable``; return the job id."""
+def sbatch(job: BatchJob, env: Mapping[str, str] | None = None) -> str:
+    """Submit one script with ``sbatch --parsable``.
+
+    Args:
+        job: The script (already written).
+        env: The environment for ``sbatch``.
+
+    Returns:
+        The Slurm job id.
+
+    Raises:
+        LaunchError: sbatch failed (its last error line).
+    """
     proc = _slurm_cmd(job.sbatch_argv(), env)
     if proc.returncode != 0:
         msg = proc.stderr.strip().splitlines()
-        raise SubmitError(f"sbatch {job.script} failed: {msg[-1] if msg else proc.returncode}")
+        raise LaunchError(f"sbatch {job.script} failed: {msg[-1] if msg else proc.returncode}")
     return proc.stdout.strip().split(";")[0]
 
 
@@ -244,9 +308,23 @@ def _append_records(out: Path, records: list[dict]) -> None:
     os.replace(tmp, path)
 
 
-def submit(jobs: list[BatchJob], out, env=None) -> list[dict]:
-    """Write the scripts, submit them in order (the report after the runs) and record each
-    job in ``OUT/jobs.json`` as soon as sbatch accepted it."""
+def submit(jobs: list[BatchJob], out: str | os.PathLike,
+           env: Mapping[str, str] | None = None) -> list[dict]:
+    """Write the scripts and submit them in order (the report after the runs).
+
+    Each job is recorded in ``OUT/jobs.json`` as soon as sbatch accepted it.
+
+    Args:
+        jobs: What ``plan_submit`` returned.
+        out: The sweep directory.
+        env: The environment for ``sbatch``.
+
+    Returns:
+        The records written (id, label, ranks, nodes, run directory, script, dependency).
+
+    Raises:
+        LaunchError: sbatch failed (the jobs submitted before stay recorded).
+    """
     out = Path(out).expanduser().absolute()
     (out / SCRIPTS).mkdir(parents=True, exist_ok=True)
     records, run_ids = [], []
@@ -258,10 +336,10 @@ def submit(jobs: list[BatchJob], out, env=None) -> list[dict]:
             j.dependency = "afterany:" + ":".join(run_ids)
         try:
             j.job_id = sbatch(j, env)
-        except SubmitError as exc:
+        except LaunchError as exc:
             done = f" (already submitted: {', '.join(r['id'] for r in records)})" if records \
                 else ""
-            raise SubmitError(f"{exc}{done}") from None
+            raise LaunchError(f"{exc}{done}") from None
         if j.kind == "run":
             run_ids.append(j.job_id)
         new = _records(j, out, now)
@@ -271,16 +349,27 @@ def submit(jobs: list[BatchJob], out, env=None) -> list[dict]:
 
 
 # -- status ----------------------------------------------------------------------------------
-def read_records(out) -> dict:
+def read_records(out: str | os.PathLike) -> dict:
+    """Read a sweep's ``jobs.json``.
+
+    Args:
+        out: The sweep directory.
+
+    Returns:
+        The document: ``version`` and ``jobs`` (one record per job or array task).
+
+    Raises:
+        LaunchError: Missing, invalid JSON, or another record version.
+    """
     path = Path(out) / RECORDS
     if not path.is_file():
-        raise SubmitError(f"{out}: no {RECORDS} here (not a directory made by hpcpar submit)")
+        raise LaunchError(f"{out}: no {RECORDS} here (not a directory made by hpcpar submit)")
     try:
         doc = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
-        raise SubmitError(f"{path}: not valid JSON ({exc})") from None
+        raise LaunchError(f"{path}: not valid JSON ({exc})") from None
     if doc.get("version") != RECORD_VERSION:
-        raise SubmitError(f"{path}: record version {doc.get('version')!r}, expected "
+        raise LaunchError(f"{path}: record version {doc.get('version')!r}, expected "
                           f"{RECORD_VERSION}")
     return doc
 
@@ -308,13 +397,14 @@ def _task_ids(spec: str) -> set[str]:
 def _scontrol_states(env=None) -> dict[str, dict]:
     proc = _slurm_cmd(["scontrol", "show", "job", "--oneliner"], env)
     if proc.returncode != 0:
-        raise SubmitError(f"scontrol show job failed: {proc.stderr.strip()}")
+        raise LaunchError(f"scontrol show job failed: {proc.stderr.strip()}")
     states = {}
     for line in proc.stdout.splitlines():
         if not line.startswith("JobId="):
             continue
         rec = parse_scontrol(line)
-        info = {"state": rec.get("JobState", "?"), "reason": "" if rec.get("Reason") == "None" else rec.get("Reason", ""),
+        reason = rec.get("Reason", "")
+        info = {"state": rec.get("JobState", "?"), "reason": "" if reason == "None" else reason,
                 "exit": rec.get("ExitCode", ""), "restarts": rec.get("Restarts", "0"),
                 "elapsed": rec.get("RunTime", ""), "nodes": rec.get("NodeList", "")}
         states[rec["JobId"]] = info
@@ -332,7 +422,7 @@ def _sacct_states(ids: list[str], env=None) -> dict[str, dict]:
     try:
         proc = _slurm_cmd(["sacct", "-n", "-P", "-X", "-j", ",".join(ids),
                            "-o", "JobID,State,ExitCode,Elapsed,NodeList"], env)
-    except SubmitError:
+    except LaunchError:
         return {}
     if proc.returncode != 0:
         return {}
@@ -344,8 +434,16 @@ def _sacct_states(ids: list[str], env=None) -> dict[str, dict]:
     return states
 
 
-def run_dir_state(run_dir) -> str:
-    """What a run directory shows: finished (metrics.json), newest checkpoint, or nothing."""
+def run_dir_state(run_dir: str | os.PathLike) -> str:
+    """What a run directory shows.
+
+    Args:
+        run_dir: The run directory (or a report directory).
+
+    Returns:
+        ``"finished"`` (metrics.json), ``"written"`` (a report), ``"checkpoint step-N"``,
+        ``"started"`` or ``"-"`` (absent).
+    """
     d = Path(run_dir)
     if (d / "metrics.json").is_file():
         return "finished"
@@ -357,13 +455,25 @@ def run_dir_state(run_dir) -> str:
     return "started" if d.is_dir() else "-"
 
 
-def sweep_status(out, env=None) -> list[dict]:
-    """Each recorded job of ``out`` with its Slurm state and its run directory's state."""
+def sweep_status(out: str | os.PathLike, env: Mapping[str, str] | None = None) -> list[dict]:
+    """Each recorded job of a sweep with its Slurm state and its run directory's state.
+
+    Args:
+        out: The sweep directory (its ``jobs.json``).
+        env: The environment for ``scontrol``/``sacct``.
+
+    Returns:
+        One row per job: its record, ``state``, ``reason``, ``exit``, ``restarts``,
+        ``elapsed``, ``nodes`` and ``run``.
+
+    Raises:
+        LaunchError: No readable ``jobs.json``.
+    """
     records = read_records(out)["jobs"]
     ids = [r["id"] for r in records]
     try:
         live, why = _scontrol_states(env), "no longer known to slurmctld and no accounting"
-    except SubmitError as exc:      # no Slurm here: the run directories still tell
+    except LaunchError as exc:      # no Slurm here: the run directories still tell
         live, why = {}, str(exc)
     acct = _sacct_states([i for i in ids if i not in live], env)
     rows = []
@@ -376,6 +486,7 @@ def sweep_status(out, env=None) -> list[dict]:
 
 
 def format_status(rows: list[dict]) -> str:
+    """``sweep_status`` rows as the aligned table ``hpcpar status`` prints."""
     cols = [("JOBID", "id"), ("LABEL", "label"), ("RANKS", "ranks"), ("STATE", "state"),
             ("EXIT", "exit"), ("RESTARTS", "restarts"), ("ELAPSED", "elapsed"),
             ("RUN", "run"), ("REASON", "reason")]

@@ -8,22 +8,32 @@ B(N) = B0 * N / N0 (N0 the smallest count of the sweep), so the work per rank st
 
 from __future__ import annotations
 
-from hpcpar.errors import HpcparError
+from collections.abc import Sequence
 
+from hpcpar.errors import ConfigError, HpcparError
 
-class SweepError(HpcparError, ValueError):
-    """A sweep that cannot be run as asked (rank list, grid, batch)."""
+__all__ = ["parse_ranks", "point_grid", "plan"]
 
 
 def parse_ranks(text: str) -> list[int]:
-    """``"1,2,4"`` -> [1, 2, 4] (sorted, distinct, positive)."""
+    """Parse a ``--ranks`` list.
+
+    Args:
+        text: Comma-separated rank counts, e.g. ``"1,2,4"``.
+
+    Returns:
+        The counts, sorted and distinct.
+
+    Raises:
+        ConfigError: Not a list of positive integers.
+    """
     try:
         ranks = sorted({int(t) for t in str(text).split(",") if t.strip()})
     except ValueError:
-        raise SweepError(f"--ranks {text!r}: expected a comma-separated list such as 1,2,4") \
+        raise ConfigError(f"--ranks {text!r}: expected a comma-separated list such as 1,2,4") \
             from None
     if not ranks or ranks[0] < 1:
-        raise SweepError(f"--ranks {text!r}: expected positive rank counts such as 1,2,4")
+        raise ConfigError(f"--ranks {text!r}: expected positive rank counts such as 1,2,4")
     return ranks
 
 
@@ -31,11 +41,20 @@ def _smallest_factor(n: int) -> int:
     return next(f for f in range(2, n + 1) if n % f == 0)
 
 
-def point_grid(job_shape, n: int) -> tuple[int, int, int, int]:
-    """Grid (data, x, y, z) for N ranks from the job's grid (a -1 spatial axis counts as 1):
-    the spatial axes stay while X*Y*Z divides N, else the largest one (on ties z, then y: x
-    groups stay inside a node) shrinks by its smallest prime factor until the product divides
-    N; data = N / (X*Y*Z)."""
+def point_grid(job_shape: Sequence[int], n: int) -> tuple[int, int, int, int]:
+    """The grid of one sweep point.
+
+    The spatial axes stay while X*Y*Z divides N, else the largest one (on ties z, then y: x
+    groups stay inside a node) shrinks by its smallest prime factor until the product
+    divides N; data = N / (X*Y*Z).
+
+    Args:
+        job_shape: The job's ``(data, x, y, z)``; a -1 spatial axis counts as 1.
+        n: Ranks of the point.
+
+    Returns:
+        ``(data, x, y, z)`` for ``n`` ranks.
+    """
     spatial = [max(1, int(a)) for a in tuple(job_shape)[1:]]
     while n % (spatial[0] * spatial[1] * spatial[2]):
         i = max(range(3), key=lambda a: (spatial[a], a))  # ties: z, then y, then x
@@ -44,8 +63,22 @@ def point_grid(job_shape, n: int) -> tuple[int, int, int, int]:
     return (n // (x * y * z), x, y, z)
 
 
-def plan(job_path: str, ranks: list[int], weak: bool, sets: tuple) -> list[dict]:
-    """One entry per point: ranks, grid, --set list; every point validated before any runs."""
+def plan(job_path: str, ranks: list[int], weak: bool, sets: Sequence[str]) -> list[dict]:
+    """Plan a scaling sweep; every point is validated before any runs.
+
+    Args:
+        job_path: The job file.
+        ranks: Rank counts of the points.
+        weak: Weak scaling: the global batch grows as ``B0 * N / N0``.
+        sets: ``--set`` overrides for every point.
+
+    Returns:
+        One ``{"ranks", "grid", "sets"}`` dict per point.
+
+    Raises:
+        ConfigError: A point whose job does not validate (named), or a weak-scaling batch
+            that is not an integer.
+    """
     from hpcpar.run.jobspec import load_job
 
     job = load_job(job_path, list(sets))
@@ -57,14 +90,14 @@ def plan(job_path: str, ranks: list[int], weak: bool, sets: tuple) -> list[dict]
         point_sets = list(sets)
         if weak:
             if (base_batch * n) % ranks[0]:
-                raise SweepError(f"--weak: global batch {base_batch} x {n}/{ranks[0]} ranks is "
-                                 f"not an integer; use rank counts that are multiples of "
-                                 f"{ranks[0]}")
+                raise ConfigError(f"--weak: global batch {base_batch} x {n}/{ranks[0]} ranks is "
+                                  f"not an integer; use rank counts that are multiples of "
+                                  f"{ranks[0]}")
             point_sets.append(f"train.global_batch={base_batch * n // ranks[0]}")
         try:
             grid_sets = [f"grid.{a}={v}" for a, v in zip(("data", "x", "y", "z"), grid)]
             load_job(job_path, point_sets + grid_sets).check_ranks(n)
         except HpcparError as exc:
-            raise SweepError(f"sweep point {n} ranks (grid {spec}): {exc}") from None
+            raise ConfigError(f"sweep point {n} ranks (grid {spec}): {exc}") from None
         points.append({"ranks": n, "grid": spec, "sets": point_sets})
     return points

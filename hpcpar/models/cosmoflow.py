@@ -5,9 +5,16 @@ partitioned, with the small final tensor gathered and the dense head run replica
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
+import torch
 import torch.nn as nn
 
+from ..errors import LayerError
 from ..nn.gather import GatherPoint
+
+__all__ = ["CosmoFlow"]
 
 
 class CosmoFlow(nn.Module):
@@ -16,16 +23,31 @@ class CosmoFlow(nn.Module):
     (``dense`` widths, LeakyReLU, optional dropout) to ``n_targets`` outputs.
 
     Defaults follow the MLPerf reference on 128³ x 4 cubes; ``CosmoFlow.small()`` is a
-    32³ demo configuration. ``input_size`` fixes the width of the first dense layer.
+    32³ demo configuration.
+
+    Args:
+        input_size: Edge of the cubic input; fixes the width of the first dense layer.
+        in_channels: Input channels.
+        n_conv_blocks: Convolution + pooling blocks.
+        base_filters: Filters of the first block (doubling per block).
+        kernel_size: Convolution kernel size.
+        dense: Widths of the hidden dense layers.
+        n_targets: Regression outputs.
+        dropout: Dropout probability after each hidden dense layer (0: none).
+        negative_slope: LeakyReLU slope.
+
+    Raises:
+        LayerError: ``input_size`` is smaller than ``2**n_conv_blocks``.
     """
 
     def __init__(self, input_size: int = 128, in_channels: int = 4, n_conv_blocks: int = 5,
-                 base_filters: int = 16, kernel_size: int = 3, dense=(128, 64),
+                 base_filters: int = 16, kernel_size: int = 3,
+                 dense: Sequence[int] = (128, 64),
                  n_targets: int = 4, dropout: float = 0.0, negative_slope: float = 0.3):
         super().__init__()
         final = input_size // 2 ** n_conv_blocks
         if final < 1:
-            raise ValueError(f"CosmoFlow: input_size {input_size} is too small for "
+            raise LayerError(f"CosmoFlow: input_size {input_size} is too small for "
                              f"{n_conv_blocks} pooling blocks (need >= {2 ** n_conv_blocks})")
         layers, channels = [], in_channels
         for i in range(n_conv_blocks):
@@ -45,13 +67,19 @@ class CosmoFlow(nn.Module):
         self.head = nn.Sequential(*head)
 
     @classmethod
-    def small(cls, input_size: int = 32, **kw) -> "CosmoFlow":
-        """A demo configuration: 3 blocks from 8 filters, dense (64, 32)."""
+    def small(cls, input_size: int = 32, **kw: Any) -> CosmoFlow:
+        """A demo configuration: 3 blocks from 8 filters, dense (64, 32).
+
+        Args:
+            input_size: Edge of the cubic input.
+            **kw: Any other constructor argument, overriding the demo's.
+
+        Returns:
+            The model.
+        """
         kw = {"n_conv_blocks": 3, "base_filters": 8, "dense": (64, 32), **kw}
         return cls(input_size=input_size, **kw)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(N, C, D, H, W)`` -> ``(N, n_targets)``."""
         return self.head(self.gather(self.features(x)))
-
-
-__all__ = ["CosmoFlow"]

@@ -12,20 +12,45 @@ different model); for the GCN first layer with ``dropout=0`` it is exact.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
+from ..errors import LayerError
 from ..graph.dropout import vertex_dropout
 from ..nn.graph import DistGCNConv, DistSAGEConv
 
+if TYPE_CHECKING:
+    from hpcpar.graph.distgraph import DistGraph
+
+__all__ = ["GCN"]
+
 
 class GCN(nn.Module):
+    """GCN or GraphSAGE node classifier: ``model(x, graph)`` returns logits of the owned vertices.
+
+    Args:
+        in_channels: Input features per vertex.
+        hidden_channels: Width of the hidden layers.
+        out_channels: Classes.
+        num_layers: Graph convolution layers.
+        dropout: Dropout probability on the input of every layer.
+        conv: ``"gcn"`` (``DistGCNConv``) or ``"sage"`` (``DistSAGEConv``).
+        precompute: Compute the constant ``A·X`` of the first layer once.
+        seed: Seed of the dropout masks (the same training at every rank count).
+        aggr: GraphSAGE aggregation, ``"mean"`` or ``"sum"``.
+
+    Raises:
+        LayerError: An unknown ``conv``.
+    """
+
     def __init__(self, in_channels: int, hidden_channels: int, out_channels: int,
                  num_layers: int = 2, dropout: float = 0.5, conv: str = "gcn",
                  precompute: bool = False, seed: int = 0, aggr: str = "mean"):
         super().__init__()
         if conv not in ("gcn", "sage"):
-            raise ValueError(f"GCN: conv={conv!r}, expected 'gcn' or 'sage'")
+            raise LayerError(f"GCN: conv={conv!r}, expected 'gcn' or 'sage'")
         widths = [in_channels] + [hidden_channels] * (num_layers - 1) + [out_channels]
         make = (lambda i, o: DistGCNConv(i, o)) if conv == "gcn" else \
             (lambda i, o: DistSAGEConv(i, o, aggr=aggr))
@@ -35,8 +60,16 @@ class GCN(nn.Module):
         self.calls = 0  # training forward passes so far (drives the dropout masks)
         self._agg = None
 
-    def first_aggregate(self, x: torch.Tensor, graph) -> torch.Tensor:
-        """The constant ``A·X`` of the first layer (cached per graph and input)."""
+    def first_aggregate(self, x: torch.Tensor, graph: DistGraph) -> torch.Tensor:
+        """The constant ``A·X`` of the first layer (cached per graph and input).
+
+        Args:
+            x: Features of the owned vertices.
+            graph: This rank's part of the graph.
+
+        Returns:
+            The aggregated features of the owned vertices.
+        """
         key = (id(graph), x.data_ptr(), tuple(x.shape))
         if self._agg is None or self._agg[0] != key:
             with torch.no_grad():
@@ -44,7 +77,8 @@ class GCN(nn.Module):
             self._agg = (key, agg)
         return self._agg[1]
 
-    def forward(self, x: torch.Tensor, graph) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, graph: DistGraph) -> torch.Tensor:
+        """Features of the owned vertices -> logits of the owned vertices."""
         call = self.calls
         if self.training:
             self.calls += 1

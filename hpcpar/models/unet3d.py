@@ -14,9 +14,22 @@ import torch.nn as nn
 
 from ..nn.upsample import MatchSize
 
+__all__ = ["UNet3D", "conv_block"]
+
 
 def conv_block(cin: int, cout: int, batch_norm: bool, kernel_size: int = 3) -> nn.Sequential:
-    """[Conv3d(k, 'same') (+ BatchNorm3d) + ReLU] x 2."""
+    """Two [Conv3d(k, 'same') (+ BatchNorm3d) + ReLU] layers.
+
+    Args:
+        cin: Input channels.
+        cout: Output channels.
+        batch_norm: Add BatchNorm3d after each convolution (the convolution then has no
+            bias).
+        kernel_size: Convolution kernel size.
+
+    Returns:
+        The block.
+    """
     layers = []
     for c in (cin, cout):
         layers.append(nn.Conv3d(c, cout, kernel_size, padding="same", bias=not batch_norm))
@@ -31,7 +44,15 @@ class UNet3D(nn.Module):
 
     Level i has ``base_filters * 2**i`` channels; the decoder up-samples with
     ConvTranspose3d(kernel 2, stride 2); a 1x1x1 conv maps to ``out_channels`` (logits).
-    The input needs at least ``2**depth`` voxels per axis.
+    The input needs at least ``2**depth`` voxels per axis; odd sizes are fine.
+
+    Args:
+        in_channels: Input channels.
+        out_channels: Output channels (classes).
+        base_filters: Channels of the first level (doubling per level).
+        depth: Number of poolings.
+        batch_norm: BatchNorm3d after each convolution.
+        kernel_size: Convolution kernel size.
     """
 
     def __init__(self, in_channels: int = 1, out_channels: int = 2, base_filters: int = 16,
@@ -55,7 +76,8 @@ class UNet3D(nn.Module):
             self.decoders.append(conv_block(2 * w_lo, w_lo, batch_norm, kernel_size))
         self.head = nn.Conv3d(widths[0], out_channels, 1)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(N, in_channels, D, H, W)`` -> logits ``(N, out_channels, D, H, W)``."""
         skips = []
         for enc, pool in zip(self.encoders, self.pools):
             x = enc(x)
@@ -66,6 +88,3 @@ class UNet3D(nn.Module):
                                         reversed(skips)):
             x = dec(torch.cat([skip, match(up(x), skip)], dim=1))
         return self.head(x)
-
-
-__all__ = ["UNet3D", "conv_block"]

@@ -17,9 +17,9 @@ How to write a spatial layer (conv, pool, upsample, ...)::
 :meth:`SpatialModule.spatial_plan` returns a :class:`SpatialPlan` (global shape, this rank's
 three AxisHalo, the :class:`~hpcpar.parallel.halo.HaloPlan`, plus whatever :meth:`make_extra`
 returns). Plans are cached by GLOBAL shape, which every rank learns from the same collective
-(:func:`hpcpar.parallel.halo.global_spatial_shape`), so all ranks hit or miss together (a cache keyed
-by local shape could go stale on one rank only: N=9 and N=10 over 2 ranks both give rank 0
-an extent of 5). Errors raised while planning (too many ranks for the volume: "local extent
+(:func:`hpcpar.parallel.halo.global_spatial_shape`), so all ranks hit or miss together (a
+cache keyed by local shape could go stale on one rank only: N=9 and N=10 over 2 ranks both give
+rank 0 an extent of 5). Errors raised while planning (too many ranks for the volume: "local extent
 smaller than the halo", naming the layer, the axis and the minimum size; a grid axis longer
 than the dimension) are derived from every rank's data, so they are raised on all ranks alike.
 
@@ -33,8 +33,11 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
-from hpcpar.parallel.halo import AXIS_NAMES, HaloError, HaloPlan, global_spatial_shape
+from hpcpar.errors import LayerError
+from hpcpar.parallel.halo import AXIS_NAMES, HaloPlan, global_spatial_shape
 from hpcpar.parallel.partition import AxisHalo
+
+__all__ = ["SpatialModule", "SpatialPlan", "check_axis_length", "triple"]
 
 
 @dataclass(frozen=True)
@@ -44,14 +47,6 @@ class SpatialPlan:
     halo: HaloPlan
     extra: Any = None
 
-    @property
-    def out_global_shape(self) -> tuple[int, int, int]:
-        return tuple(h.n_out for h in self.halos)
-
-    @property
-    def out_local_shape(self) -> tuple[int, int, int]:
-        return tuple(h.out[1] - h.out[0] for h in self.halos)
-
 
 class SpatialModule:
     """Mixin for spatial layers; see the module docstring for the recipe."""
@@ -60,7 +55,7 @@ class SpatialModule:
 
     def init_spatial(self, grid) -> None:
         if grid is None or not hasattr(grid, "spatial_comm"):
-            raise HaloError(f"{type(self).__name__}: pass grid=hpcpar.ProcessGrid(...)")
+            raise LayerError(f"{type(self).__name__}: pass grid=hpcpar.ProcessGrid(...)")
         self.grid = grid
         self._spatial_plans: dict = {}
 
@@ -109,9 +104,9 @@ class SpatialModule:
 def check_axis_length(layer: str, axis: int, n: int, parts: int) -> None:
     """A grid axis longer than the dimension leaves a rank with nothing: refuse."""
     if n < parts:
-        raise HaloError(f"{layer}: the grid has {parts} ranks on axis {AXIS_NAMES[axis]} but the "
-                        f"input is only {n} long there; use at most {n} ranks on "
-                        f"{AXIS_NAMES[axis]} or gather the volume first")
+        raise LayerError(f"{layer}: the grid has {parts} ranks on axis {AXIS_NAMES[axis]} but the "
+                         f"input is only {n} long there; use at most {n} ranks on "
+                         f"{AXIS_NAMES[axis]} or gather the volume first")
 
 
 def triple(v, what: str, layer: str) -> tuple[int, int, int]:
@@ -120,8 +115,5 @@ def triple(v, what: str, layer: str) -> tuple[int, int, int]:
         return (v, v, v)
     v = tuple(v)
     if len(v) != 3:
-        raise HaloError(f"{layer}: {what} must be an int or 3 ints, got {v}")
+        raise LayerError(f"{layer}: {what} must be an int or 3 ints, got {v}")
     return tuple(int(i) for i in v)
-
-
-__all__ = ["SpatialModule", "SpatialPlan", "check_axis_length", "triple"]

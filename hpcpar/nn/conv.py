@@ -13,9 +13,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpcpar.parallel.halo import HaloError, StencilOp, halo_stencil
+from hpcpar.errors import LayerError
+from hpcpar.parallel.grid import ProcessGrid
+from hpcpar.parallel.halo import StencilOp, halo_stencil
 from hpcpar.parallel.partition import conv_axis_halo, conv_pads, transposed_axis_halo
+
 from ._base import SpatialModule
+
+__all__ = ["SpatialConv3d", "SpatialConvTranspose3d", "ConvOp", "ConvTransposeOp"]
 
 
 def _empty_out(ext, channels, lengths):
@@ -114,16 +119,44 @@ class ConvOp(StencilOp):
 
 
 class SpatialConv3d(SpatialModule, nn.Conv3d):
-    """``torch.nn.Conv3d`` over a volume split on the grid's x, y, z axes (dims 2, 3, 4)."""
+    """``torch.nn.Conv3d`` over a volume split on the grid's x, y, z axes (dims 2, 3, 4).
 
-    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0,
-                 dilation=1, groups=1, bias=True, padding_mode="zeros", device=None,
-                 dtype=None, *, grid):
+    Takes ``nn.Conv3d``'s arguments plus ``grid``; same parameters and state_dict keys (each
+    loads the other's). The forward exchanges halos whose widths follow from output
+    ownership, then convolves with ``padding=0``; the result equals ``nn.Conv3d`` on the whole
+    volume, split with the partition rule of the output's global length.
+
+    Args:
+        in_channels: As ``nn.Conv3d``.
+        out_channels: As ``nn.Conv3d``.
+        kernel_size: As ``nn.Conv3d``.
+        stride: As ``nn.Conv3d``.
+        padding: Ints, ``"same"`` or ``"valid"``, as ``nn.Conv3d``.
+        dilation: As ``nn.Conv3d``.
+        groups: As ``nn.Conv3d``.
+        bias: As ``nn.Conv3d``.
+        padding_mode: Only ``"zeros"``.
+        device: As ``nn.Conv3d``.
+        dtype: As ``nn.Conv3d``.
+        grid: The process grid whose x, y, z axes split the volume.
+
+    Raises:
+        LayerError: An unsupported ``padding_mode``; at forward, a local extent smaller than
+            the halo a neighbour needs, or inputs that differ across the spatial group (the
+            same error on every rank).
+    """
+
+    def __init__(self, in_channels: int, out_channels: int,
+                 kernel_size: int | tuple[int, int, int], stride: int | tuple[int, int, int] = 1,
+                 padding: str | int | tuple[int, int, int] = 0,
+                 dilation: int | tuple[int, int, int] = 1, groups: int = 1, bias: bool = True,
+                 padding_mode: str = "zeros", device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None, *, grid: ProcessGrid):
         nn.Conv3d.__init__(self, in_channels, out_channels, kernel_size, stride, padding,
                            dilation, groups, bias, padding_mode, device, dtype)
         if padding_mode != "zeros":
-            raise HaloError(f"{self.layer_name}: padding_mode={padding_mode!r} is not "
-                            f"supported across ranks; use 'zeros'")
+            raise LayerError(f"{self.layer_name}: padding_mode={padding_mode!r} is not "
+                             f"supported across ranks; use 'zeros'")
         self.init_spatial(grid)
 
     def axis_halos(self, axis, n):
@@ -136,7 +169,8 @@ class SpatialConv3d(SpatialModule, nn.Conv3d):
         return ConvOp(self.stride, self.dilation, self.groups, self.out_channels,
                       tuple(h.out[1] - h.out[0] for h in halos), self.kernel_size)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Convolve this rank's piece ``(N, C, d, h, w)``; returns its piece of the output."""
         entry = self.spatial_plan(x)
         return halo_stencil(x, entry.halo, entry.extra, self.weight, self.bias)
 
@@ -183,11 +217,35 @@ class ConvTransposeOp(StencilOp):
 class SpatialConvTranspose3d(SpatialModule, nn.ConvTranspose3d):
     """``torch.nn.ConvTranspose3d`` over a spatially split volume (any k, s, p, output_padding,
     dilation, groups). Output o receives input i when o = s*i - p + d*t: each rank reads the
-    inputs feeding its owned outputs (DESIGN §2) and crops the local result to them."""
+    inputs feeding its owned outputs and crops the local result to them.
 
-    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0,
-                 output_padding=0, groups=1, bias=True, dilation=1, padding_mode="zeros",
-                 device=None, dtype=None, *, grid):
+    Args:
+        in_channels: As ``nn.ConvTranspose3d``.
+        out_channels: As ``nn.ConvTranspose3d``.
+        kernel_size: As ``nn.ConvTranspose3d``.
+        stride: As ``nn.ConvTranspose3d``.
+        padding: As ``nn.ConvTranspose3d``.
+        output_padding: As ``nn.ConvTranspose3d``.
+        groups: As ``nn.ConvTranspose3d``.
+        bias: As ``nn.ConvTranspose3d``.
+        dilation: As ``nn.ConvTranspose3d``.
+        padding_mode: As ``nn.ConvTranspose3d`` (which supports only ``"zeros"``).
+        device: As ``nn.ConvTranspose3d``.
+        dtype: As ``nn.ConvTranspose3d``.
+        grid: The process grid whose x, y, z axes split the volume.
+
+    Raises:
+        LayerError: At forward: ``output_size=`` (set ``output_padding`` instead), inputs too
+            small for the halos, or inputs inconsistent across the spatial group.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int,
+                 kernel_size: int | tuple[int, int, int], stride: int | tuple[int, int, int] = 1,
+                 padding: int | tuple[int, int, int] = 0,
+                 output_padding: int | tuple[int, int, int] = 0, groups: int = 1,
+                 bias: bool = True, dilation: int | tuple[int, int, int] = 1,
+                 padding_mode: str = "zeros", device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None, *, grid: ProcessGrid):
         nn.ConvTranspose3d.__init__(self, in_channels, out_channels, kernel_size, stride,
                                     padding, output_padding, groups, bias, dilation,
                                     padding_mode, device, dtype)
@@ -213,12 +271,10 @@ class SpatialConvTranspose3d(SpatialModule, nn.ConvTranspose3d):
         return ConvTransposeOp(self.stride, self.dilation, self.groups, self.out_channels,
                                tuple(shape), crops)
 
-    def forward(self, x, output_size=None):
+    def forward(self, x: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
+        """Transposed convolution of this rank's piece; returns its piece of the output."""
         if output_size is not None:
-            raise HaloError(f"{self.layer_name}: output_size= is not supported; set "
-                            f"output_padding in the constructor")
+            raise LayerError(f"{self.layer_name}: output_size= is not supported; set "
+                             f"output_padding in the constructor")
         entry = self.spatial_plan(x)
         return halo_stencil(x, entry.halo, entry.extra, self.weight, self.bias)
-
-
-__all__ = ["SpatialConv3d", "SpatialConvTranspose3d", "ConvOp", "ConvTransposeOp"]

@@ -17,9 +17,14 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from hpcpar.errors import LayerError
 from hpcpar.parallel.comm import allreduce_
-from hpcpar.parallel.spatial import SpatialError, allgather_volume
+from hpcpar.parallel.grid import ProcessGrid
+from hpcpar.parallel.spatial import allgather_volume
+
 from ._base import SpatialModule
+
+__all__ = ["GatherPoint", "SpatialGather", "SpatialAdaptiveAvgPool3d", "ReplicatedDropout"]
 
 
 class GatherPoint(nn.Identity):
@@ -28,7 +33,8 @@ class GatherPoint(nn.Identity):
 
     replicates = True
 
-    def spatial_twin(self, grid):
+    def spatial_twin(self, grid: ProcessGrid) -> nn.Module:
+        """The ``SpatialGather`` that ``spatialize`` puts in its place."""
         return SpatialGather(grid)
 
 
@@ -46,15 +52,20 @@ class _Gather(torch.autograd.Function):
 
 class SpatialGather(SpatialModule, nn.Module):
     """All-gather the partitioned ``(N, C, D, H, W)`` tensor into the full tensor on every rank
-    of the spatial group; backward returns the rank's own slice of the gradient."""
+    of the spatial group; backward returns the rank's own slice of the gradient.
+
+    Args:
+        grid: The process grid (the gather runs over ``grid.spatial_comm``).
+    """
 
     replicates = True
 
-    def __init__(self, grid):
+    def __init__(self, grid: ProcessGrid):
         nn.Module.__init__(self)
         self.init_spatial(grid)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole tensor, gathered from the spatial group, on every rank."""
         if self.grid.spatial_size == 1:
             return x
         return _Gather.apply(x, self.grid)
@@ -79,23 +90,32 @@ class _GlobalMean(torch.autograd.Function):
 
 class SpatialAdaptiveAvgPool3d(SpatialModule, nn.AdaptiveAvgPool3d):
     """``nn.AdaptiveAvgPool3d(1)`` over the whole (partitioned) volume: the mean over all
-    voxels of the spatial group, replicated on every rank. Only output size 1 is supported."""
+    voxels of the spatial group, replicated on every rank.
+
+    Args:
+        output_size: Must be 1 (or ``(1, 1, 1)``).
+        grid: The process grid.
+
+    Raises:
+        LayerError: ``output_size`` is not 1.
+    """
 
     replicates = True
 
-    def __init__(self, output_size=1, *, grid):
+    def __init__(self, output_size: int | tuple[int, int, int] = 1, *, grid: ProcessGrid):
         sizes = (output_size,) * 3 if not isinstance(output_size, (tuple, list)) else output_size
         if tuple(sizes) != (1, 1, 1):
-            raise SpatialError(f"SpatialAdaptiveAvgPool3d: output_size {output_size!r} is not "
-                               "supported, only 1 (a global pool); put hpcpar.nn.SpatialGather "
-                               "before other adaptive pools")
+            raise LayerError(f"SpatialAdaptiveAvgPool3d: output_size {output_size!r} is not "
+                             "supported, only 1 (a global pool); put hpcpar.nn.SpatialGather "
+                             "before other adaptive pools")
         nn.AdaptiveAvgPool3d.__init__(self, output_size)
         self.init_spatial(grid)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The mean over the whole volume, ``(N, C, 1, 1, 1)``, on every spatial rank."""
         if x.dim() not in (4, 5):
-            raise SpatialError(f"SpatialAdaptiveAvgPool3d: expected a 4D or 5D input, got "
-                               f"shape {tuple(x.shape)}")
+            raise LayerError(f"SpatialAdaptiveAvgPool3d: expected a 4D or 5D input, got "
+                             f"shape {tuple(x.shape)}")
         return _GlobalMean.apply(x, self.grid.spatial_comm)
 
 
@@ -107,7 +127,8 @@ class ReplicatedDropout(nn.Module):
     The generator is seeded once from the spatial root (collective at construction).
     """
 
-    def __init__(self, p: float = 0.5, *, grid, feature: bool = False, inplace: bool = False):
+    def __init__(self, p: float = 0.5, *, grid: ProcessGrid, feature: bool = False,
+                 inplace: bool = False):
         super().__init__()
         if not 0.0 <= p <= 1.0:
             raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
@@ -124,7 +145,8 @@ class ReplicatedDropout(nn.Module):
             self._generators[key] = g
         return self._generators[key]
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Dropout with masks shared by the spatial group (identity in eval mode)."""
         if not self.training or self.p == 0.0:
             return x
         if self.p == 1.0:
@@ -137,6 +159,3 @@ class ReplicatedDropout(nn.Module):
 
     def extra_repr(self) -> str:
         return f"p={self.p}, feature={self.feature}, seed={self.seed}"
-
-
-__all__ = ["GatherPoint", "SpatialGather", "SpatialAdaptiveAvgPool3d", "ReplicatedDropout"]

@@ -13,15 +13,30 @@ a precomputed aggregate (e.g. the constant A·X of the first layer).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
+
+from hpcpar.errors import LayerError
+
+if TYPE_CHECKING:
+    from hpcpar.graph.distgraph import DistGraph
+
+__all__ = ["DistGCNConv", "DistSAGEConv"]
 
 
 class DistGCNConv(nn.Module):
     """``out = D~^-1/2 (A+I) D~^-1/2 X W + b`` (Kipf & Welling), global degrees.
 
     State-dict keys match PyG's ``GCNConv`` (``lin.weight``, ``bias``); Glorot weights, zero
-    bias.
+    bias. Call it as ``conv(x, graph)`` with this rank's owned vertex rows and a
+    ``hpcpar.graph.DistGraph``; the halo rows are exchanged inside.
+
+    Args:
+        in_channels: Input features per vertex.
+        out_channels: Output features per vertex.
+        bias: Learn an additive bias.
     """
 
     def __init__(self, in_channels: int, out_channels: int, bias: bool = True):
@@ -32,11 +47,23 @@ class DistGCNConv(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
+        """Glorot-uniform weight, zero bias (PyG's initialisation)."""
         nn.init.xavier_uniform_(self.lin.weight)
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
-    def forward(self, x: torch.Tensor, graph, agg: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, graph: DistGraph,
+                agg: torch.Tensor | None = None) -> torch.Tensor:
+        """One GCN layer on the owned vertices.
+
+        Args:
+            x: Features of the owned vertices (ignored when ``agg`` is given).
+            graph: This rank's part of the graph.
+            agg: A precomputed ``A·x`` (the constant first-layer aggregate).
+
+        Returns:
+            The output features of the owned vertices.
+        """
         if agg is not None:
             out = self.lin(agg)
         elif self.in_channels > self.out_channels:
@@ -52,18 +79,39 @@ class DistGCNConv(nn.Module):
 class DistSAGEConv(nn.Module):
     """GraphSAGE: ``out = W_l · aggr_{j->i} x_j + b + W_r · x_i``; ``aggr="mean"`` divides the
     neighbour sum by the GLOBAL in-degree. Keys match PyG's ``SAGEConv`` (``lin_l``,
-    ``lin_r``)."""
+    ``lin_r``).
+
+    Args:
+        in_channels: Input features per vertex.
+        out_channels: Output features per vertex.
+        aggr: ``"mean"`` (divide by the global in-degree) or ``"sum"``.
+        bias: Learn an additive bias.
+
+    Raises:
+        LayerError: ``aggr`` is neither ``"mean"`` nor ``"sum"``.
+    """
 
     def __init__(self, in_channels: int, out_channels: int, aggr: str = "mean",
                  bias: bool = True):
         super().__init__()
         if aggr not in ("mean", "sum"):
-            raise ValueError(f"DistSAGEConv: aggr={aggr!r}, expected 'mean' or 'sum'")
+            raise LayerError(f"DistSAGEConv: aggr={aggr!r}, expected 'mean' or 'sum'")
         self.in_channels, self.out_channels, self.aggr = in_channels, out_channels, aggr
         self.lin_l = nn.Linear(in_channels, out_channels, bias=bias)
         self.lin_r = nn.Linear(in_channels, out_channels, bias=False)
 
-    def forward(self, x: torch.Tensor, graph, agg: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | None, graph: DistGraph,
+                agg: torch.Tensor | None = None) -> torch.Tensor:
+        """One GraphSAGE layer on the owned vertices.
+
+        Args:
+            x: Features of the owned vertices.
+            graph: This rank's part of the graph.
+            agg: A precomputed neighbour aggregate of ``x``.
+
+        Returns:
+            The output features of the owned vertices.
+        """
         if agg is not None:
             neigh = self.lin_l(agg)
         elif self.in_channels > self.out_channels:

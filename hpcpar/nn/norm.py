@@ -14,13 +14,22 @@ variance, so they are the same on every rank and equal to torch's on the whole b
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hpcpar.errors import LayerError
 from hpcpar.parallel.comm import allreduce_
-from hpcpar.parallel.spatial import SpatialError
+from hpcpar.parallel.grid import ProcessGrid
+
 from ._base import SpatialModule
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+__all__ = ["SpatialBatchNorm3d"]
 
 
 def _acc_dtype(dtype):
@@ -42,8 +51,8 @@ class _GlobalBatchNorm(torch.autograd.Function):
         allreduce_(first, comm)
         count = int(round(first[C].item()))
         if count <= 1:
-            raise SpatialError(f"{name}: expected more than 1 value per channel when training, "
-                               f"got {count} over the whole group (input {tuple(x.shape)})")
+            raise LayerError(f"{name}: expected more than 1 value per channel when training, "
+                             f"got {count} over the whole group (input {tuple(x.shape)})")
         mean = (first[:C] / count).to(acc)
         xc = xa - mean.view(view)
         m2 = (xc * xc).sum(dims).double()
@@ -91,21 +100,40 @@ class _GlobalBatchNorm(torch.autograd.Function):
 class SpatialBatchNorm3d(SpatialModule, nn.BatchNorm3d):
     """``nn.BatchNorm3d`` whose batch statistics cover the whole volume of the spatial group
     (``include_data=True``: also every sample of the data group). Same arguments, state_dict
-    and running statistics as torch's; eval mode is purely local."""
+    and running statistics as torch's; eval mode is purely local.
 
-    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True,
-                 track_running_stats=True, device=None, dtype=None, *, grid,
-                 include_data: bool = False):
+    Training-mode statistics are exact: two allreduces in forward (sum, then sum of squared
+    deviations) and one in backward, so the result equals ``nn.BatchNorm3d`` on the whole
+    volume (and, with ``include_data``, the whole global batch).
+
+    Args:
+        num_features: As ``nn.BatchNorm3d``.
+        eps: As ``nn.BatchNorm3d``.
+        momentum: As ``nn.BatchNorm3d``.
+        affine: As ``nn.BatchNorm3d``.
+        track_running_stats: As ``nn.BatchNorm3d``.
+        device: As ``nn.BatchNorm3d``.
+        dtype: As ``nn.BatchNorm3d``.
+        grid: The process grid whose x, y, z axes split the volume.
+        include_data: Also reduce over the data group (BatchNorm over the global batch).
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-05, momentum: float | None = 0.1,
+                 affine: bool = True, track_running_stats: bool = True,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None, *,
+                 grid: ProcessGrid, include_data: bool = False):
         nn.BatchNorm3d.__init__(self, num_features, eps, momentum, affine, track_running_stats,
                                 device, dtype)
         self.init_spatial(grid)
         self.include_data = include_data
 
     @property
-    def comm(self):
+    def comm(self) -> MPI.Comm:
+        """The communicator of the statistics: the spatial group (all ranks: include_data)."""
         return self.grid.comm if self.include_data else self.grid.spatial_comm
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise this rank's piece: whole-volume statistics in training, else running ones."""
         self._check_input_dim(x)
         factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
@@ -124,6 +152,3 @@ class SpatialBatchNorm3d(SpatialModule, nn.BatchNorm3d):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", include_data={self.include_data}"
-
-
-__all__ = ["SpatialBatchNorm3d"]

@@ -14,9 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpcpar.parallel.halo import HaloError, StencilOp, halo_stencil
+from hpcpar.errors import LayerError
+from hpcpar.parallel.grid import ProcessGrid
+from hpcpar.parallel.halo import StencilOp, halo_stencil
 from hpcpar.parallel.partition import conv_axis_halo
+
 from ._base import SpatialModule, triple
+
+__all__ = ["SpatialMaxPool3d", "SpatialAvgPool3d", "MaxPoolOp", "AvgPoolOp", "avg_divisors"]
 
 
 class _PoolMixin(SpatialModule):
@@ -30,8 +35,8 @@ class _PoolMixin(SpatialModule):
         d = triple(getattr(self, "dilation", 1), "dilation", name)
         for a in range(3):
             if p[a] > k[a] // 2:  # torch's rule
-                raise HaloError(f"{name}: padding {p[a]} must be at most half the kernel "
-                                f"size {k[a]}")
+                raise LayerError(f"{name}: padding {p[a]} must be at most half the kernel "
+                                 f"size {k[a]}")
         return k, s, p, d
 
     def axis_halos(self, axis, n):
@@ -53,15 +58,32 @@ class MaxPoolOp(StencilOp):
 
 
 class SpatialMaxPool3d(_PoolMixin, nn.MaxPool3d):
-    """``torch.nn.MaxPool3d`` over a spatially split volume (ceil_mode, dilation, padding)."""
+    """``torch.nn.MaxPool3d`` over a spatially split volume (ceil_mode, dilation, padding).
 
-    def __init__(self, kernel_size, stride=None, padding=0, dilation=1, return_indices=False,
-                 ceil_mode=False, *, grid):
+    Boundary ranks pad with ``-inf``; the result equals ``nn.MaxPool3d`` on the whole volume.
+
+    Args:
+        kernel_size: As ``nn.MaxPool3d``.
+        stride: As ``nn.MaxPool3d`` (``kernel_size`` when None).
+        padding: As ``nn.MaxPool3d``.
+        dilation: As ``nn.MaxPool3d``.
+        return_indices: Must be False (indices into a split volume are not supported).
+        ceil_mode: As ``nn.MaxPool3d``.
+        grid: The process grid whose x, y, z axes split the volume.
+
+    Raises:
+        LayerError: ``return_indices=True``; at forward, a local extent smaller than a halo.
+    """
+
+    def __init__(self, kernel_size: int | tuple[int, int, int],
+                 stride: int | tuple[int, int, int] | None = None,
+                 padding: int | tuple[int, int, int] = 0, dilation: int | tuple[int, int, int] = 1,
+                 return_indices: bool = False, ceil_mode: bool = False, *, grid: ProcessGrid):
         nn.MaxPool3d.__init__(self, kernel_size, stride, padding, dilation, return_indices,
                               ceil_mode)
         if return_indices:
-            raise HaloError(f"{self.layer_name}: return_indices=True is not supported (local "
-                            f"indices would not address the global volume)")
+            raise LayerError(f"{self.layer_name}: return_indices=True is not supported (local "
+                             f"indices would not address the global volume)")
         self.init_spatial(grid)
         self._geometry()
 
@@ -69,7 +91,8 @@ class SpatialMaxPool3d(_PoolMixin, nn.MaxPool3d):
         k, s, _, d = self._geometry()
         return MaxPoolOp(k, s, d, tuple(h.out[1] - h.out[0] for h in halos))
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Max-pool this rank's piece; returns its piece of the output."""
         entry = self.spatial_plan(x)
         return halo_stencil(x, entry.halo, entry.extra, pad_value=float("-inf"))
 
@@ -106,10 +129,27 @@ class AvgPoolOp(StencilOp):
 
 class SpatialAvgPool3d(_PoolMixin, nn.AvgPool3d):
     """``torch.nn.AvgPool3d`` over a spatially split volume (ceil_mode, count_include_pad,
-    divisor_override)."""
+    divisor_override); divisors follow torch's rule in global coordinates.
 
-    def __init__(self, kernel_size, stride=None, padding=0, ceil_mode=False,
-                 count_include_pad=True, divisor_override=None, *, grid):
+    Args:
+        kernel_size: As ``nn.AvgPool3d``.
+        stride: As ``nn.AvgPool3d`` (``kernel_size`` when None).
+        padding: As ``nn.AvgPool3d``.
+        ceil_mode: As ``nn.AvgPool3d``.
+        count_include_pad: As ``nn.AvgPool3d``.
+        divisor_override: As ``nn.AvgPool3d``.
+        grid: The process grid whose x, y, z axes split the volume.
+
+    Raises:
+        LayerError: At forward, a local extent smaller than a halo, or inputs inconsistent
+            across the spatial group.
+    """
+
+    def __init__(self, kernel_size: int | tuple[int, int, int],
+                 stride: int | tuple[int, int, int] | None = None,
+                 padding: int | tuple[int, int, int] = 0, ceil_mode: bool = False,
+                 count_include_pad: bool = True, divisor_override: int | None = None, *,
+                 grid: ProcessGrid):
         nn.AvgPool3d.__init__(self, kernel_size, stride, padding, ceil_mode,
                               count_include_pad, divisor_override)
         self.init_spatial(grid)
@@ -129,9 +169,7 @@ class SpatialAvgPool3d(_PoolMixin, nn.AvgPool3d):
             torch.tensor(divs[2], dtype=torch.float64).view(1, 1, -1)
         return AvgPoolOp(k, s, shape, divisor=t)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Average-pool this rank's piece; returns its piece of the output."""
         entry = self.spatial_plan(x)
         return halo_stencil(x, entry.halo, entry.extra, pad_value=0.0)
-
-
-__all__ = ["SpatialMaxPool3d", "SpatialAvgPool3d", "MaxPoolOp", "AvgPoolOp", "avg_divisors"]

@@ -24,9 +24,13 @@ import copy
 
 import torch.nn as nn
 
-from ..errors import HpcparError
+from hpcpar.parallel.grid import ProcessGrid
 from hpcpar.sync.tags import tag_data_only
+
+from ..errors import HpcparError, LayerError
 from .gather import GatherPoint, ReplicatedDropout
+
+__all__ = ["spatialize", "POINTWISE"]
 
 PARTITIONED, REPLICATED = "partitioned", "replicated"
 
@@ -36,10 +40,6 @@ POINTWISE = (
     nn.Softplus, nn.Softsign, nn.Softshrink, nn.Hardshrink, nn.Tanhshrink, nn.LogSigmoid,
     nn.Threshold, nn.Dropout, nn.AlphaDropout,
 )
-
-
-class SpatializeError(HpcparError, ValueError):
-    """The model has a layer that cannot run on a spatially partitioned tensor."""
 
 
 def _attrs(*names):
@@ -86,8 +86,8 @@ def _is_spatial(m: nn.Module) -> bool:
     return isinstance(m, SpatialModule)
 
 
-def _cannot(qual: str, m: nn.Module, why: str) -> SpatializeError:
-    return SpatializeError(
+def _cannot(qual: str, m: nn.Module, why: str) -> LayerError:
+    return LayerError(
         f"spatialize: layer '{qual or '<model>'}' ({type(m).__name__}) {why}; its input is "
         "still split over the spatial grid: put a global pool (nn.AdaptiveAvgPool3d(1)) or a "
         "gather point (hpcpar.nn.gather.GatherPoint in the plain model, or "
@@ -124,7 +124,7 @@ class _Walker:
                 try:
                     twin = cls(**kwargs(m), grid=self.grid, **extra)
                 except HpcparError as exc:
-                    raise SpatializeError(
+                    raise LayerError(
                         f"spatialize: layer '{qual or '<model>'}': {exc}") from exc
                 return _adopt(twin, m), state
         if isinstance(m, nn.AdaptiveAvgPool3d):
@@ -167,18 +167,38 @@ class _Walker:
         return m
 
 
-def spatialize(model: nn.Module, grid, *, bn_include_data: bool = False) -> nn.Module:
-    """A deep copy of ``model`` with every supported layer replaced by its spatial twin on
-    ``grid``; layers after a gather point / global pool tagged data-only.
+def spatialize(model: nn.Module, grid: ProcessGrid, *,
+               bn_include_data: bool = False) -> nn.Module:
+    """Make a copy of a plain torch model that runs on each rank's piece of the volume.
 
-    ``bn_include_data=True``: batch-norm statistics also cover the data group (what a single
-    BatchNorm on the whole global batch computes). Raises :class:`SpatializeError` naming a
-    layer that cannot take a partitioned input.
+    Walks the model in registration order: ``Conv3d``, ``ConvTranspose3d``, ``MaxPool3d``,
+    ``AvgPool3d``, ``BatchNorm3d``, ``Upsample`` and ``AdaptiveAvgPool3d(1)`` become their
+    spatial twins (sharing the copy's parameters); pointwise layers stay; a module with a
+    ``spatial_twin(grid)`` method is replaced by what it returns. Layers after a gather point
+    or a global pool run replicated and their parameters are tagged data-only. The result
+    equals the plain model on the whole volume (outputs, and gradients once summed over the
+    spatial group).
+
+    Args:
+        model: The plain model; it is deep-copied, not modified.
+        grid: The process grid whose x, y, z axes split every sample's volume.
+        bn_include_data: Batch-norm statistics also cover the data group (what one
+            BatchNorm on the whole global batch computes).
+
+    Returns:
+        The spatialized copy.
+
+    Raises:
+        LayerError: A layer needs the whole volume while its input is still split (the
+            message names it and says where to put a gather point or global pool).
+
+    Example:
+        ```python
+        model = spatialize(CosmoFlow.small(input_size=32), grid)
+        y = model(spatial.scatter(cube, grid))
+        ```
     """
     model = copy.deepcopy(model)
     walker = _Walker(grid, bn_include_data)
     new, _ = walker.one(model, PARTITIONED, "")
     return new
-
-
-__all__ = ["spatialize", "SpatializeError", "POINTWISE"]

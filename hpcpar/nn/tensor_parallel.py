@@ -22,18 +22,19 @@ them over the data axis alone. Splits may be uneven (the partition rule).
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 
 import torch
 from torch import nn
 
 from hpcpar.parallel import comm as hc
-from ..errors import HpcparError
+from hpcpar.parallel.grid import ProcessGrid
 from hpcpar.parallel.partition import part_range, split_sizes
 from hpcpar.sync.tags import tag_data_only
 
+from ..errors import LayerError
 
-class TensorParallelError(HpcparError):
-    pass
+__all__ = ["TensorParallelLinear", "tensor_parallelize", "full_state_dict"]
 
 
 def _gather_rows(t: torch.Tensor, comm) -> torch.Tensor:
@@ -97,10 +98,24 @@ class TensorParallelLinear(nn.Module):
     Holds ``weight`` (this rank's shard: rows ``shard_rows`` of the (y, x) block) and ``bias``
     (the y part of the bias). ``full_weight()`` gathers the whole matrix;
     ``full_state_dict()`` / ``load_full_state_dict(sd)`` speak plain ``nn.Linear`` state dicts.
+    Input and output hold all features, so the layer drops into any model; its parameters
+    are tagged data-only (DDP averages them over the data axis alone).
+
+    Args:
+        in_features: As ``nn.Linear``; split over the grid's x axis.
+        out_features: As ``nn.Linear``; split over y (and each block's rows over z).
+        bias: As ``nn.Linear``.
+        grid: The process grid.
+        device: As ``nn.Linear``.
+        dtype: As ``nn.Linear``.
+
+    Raises:
+        LayerError: The x (y) axis has more ranks than ``in_features`` (``out_features``).
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, grid,
-                 device=None, dtype=None):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 grid: ProcessGrid, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None):
         super().__init__()
         self.grid = grid
         self.in_features, self.out_features = in_features, out_features
@@ -109,7 +124,7 @@ class TensorParallelLinear(nn.Module):
         for axis, parts, n, what in (("x", self.X, in_features, "in_features"),
                                      ("y", self.Y, out_features, "out_features")):
             if parts > n:
-                raise TensorParallelError(
+                raise LayerError(
                     f"TensorParallelLinear({in_features}, {out_features}): grid axis {axis}={parts}"
                     f" is larger than {what}={n}; use a smaller {axis} or a wider layer")
         self.in_range = part_range(in_features, self.X, self.kx)
@@ -135,11 +150,18 @@ class TensorParallelLinear(nn.Module):
                 hc.bcast_(v, self.grid.spatial_comm, root=0)
         self.load_full_state_dict(full)
 
-    def load_full_state_dict(self, sd) -> None:
-        """Load this rank's shard from a plain ``nn.Linear`` state dict."""
+    def load_full_state_dict(self, sd: Mapping[str, torch.Tensor]) -> None:
+        """Load this rank's shard from a plain ``nn.Linear`` state dict.
+
+        Args:
+            sd: ``{"weight": (out, in), "bias": (out,)}``.
+
+        Raises:
+            LayerError: The shapes are not this layer's.
+        """
         w = sd["weight"]
         if tuple(w.shape) != (self.out_features, self.in_features):
-            raise TensorParallelError(
+            raise LayerError(
                 f"TensorParallelLinear: weight shape {tuple(w.shape)} does not match "
                 f"({self.out_features}, {self.in_features})")
         o0 = self.out_range[0] + self.shard_rows[0]
@@ -159,7 +181,8 @@ class TensorParallelLinear(nn.Module):
         return hc.allreduce_(full, self.grid.spatial_comm) if self.grid.spatial_size > 1 \
             else full
 
-    def full_bias(self):
+    def full_bias(self) -> torch.Tensor | None:
+        """The whole bias on every rank (collective over the spatial group); None without bias."""
         if self.bias is None:
             return None
         full = torch.zeros(self.out_features, dtype=self.bias.dtype, device=self.bias.device)
@@ -176,9 +199,10 @@ class TensorParallelLinear(nn.Module):
         return sd
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T + b`` for a replicated input; the output is replicated too."""
         if x.shape[-1] != self.in_features:
-            raise TensorParallelError(f"TensorParallelLinear: input has {x.shape[-1]} "
-                                      f"features, expected {self.in_features}")
+            raise LayerError(f"TensorParallelLinear: input has {x.shape[-1]} "
+                             f"features, expected {self.in_features}")
         lead = x.shape[:-1]
         y = _TPLinearFn.apply(x.reshape(-1, self.in_features), self.weight, self.bias, self)
         return y.reshape(*lead, self.out_features)
@@ -188,9 +212,18 @@ class TensorParallelLinear(nn.Module):
                 f"bias={self.bias is not None}, split x={self.X} y={self.Y} z={self.Z}")
 
 
-def tensor_parallelize(model: nn.Module, grid, min_features: int = 1) -> nn.Module:
-    """A copy of ``model`` with every ``nn.Linear`` (both sides >= ``min_features``) replaced by
-    a :class:`TensorParallelLinear` holding the same weights."""
+def tensor_parallelize(model: nn.Module, grid: ProcessGrid, min_features: int = 1) -> nn.Module:
+    """Make a tensor-parallel copy of ``model``.
+
+    Args:
+        model: A plain torch model; it is deep-copied, not modified.
+        grid: The process grid (x, y, z split the dense layers).
+        min_features: Only ``nn.Linear`` layers with both sides at least this wide are split.
+
+    Returns:
+        The copy, every eligible ``nn.Linear`` replaced by a ``TensorParallelLinear`` holding
+        the same weights (so it computes the same function).
+    """
     model = copy.deepcopy(model)
 
     def swap(parent):
@@ -210,7 +243,14 @@ def tensor_parallelize(model: nn.Module, grid, min_features: int = 1) -> nn.Modu
 
 
 def full_state_dict(model: nn.Module) -> dict:
-    """The model's state dict with tensor-parallel layers gathered: plain torch keys/shapes."""
+    """The model's state dict with tensor-parallel layers gathered (collective).
+
+    Args:
+        model: A model that may hold ``TensorParallelLinear`` layers.
+
+    Returns:
+        A state dict with plain ``nn.Linear`` keys and shapes, loadable into the plain model.
+    """
     sd = {}
     tp_prefixes = {}
     for name, mod in model.named_modules():

@@ -16,9 +16,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hpcpar.errors import LayerError
+from hpcpar.parallel.grid import ProcessGrid
 from hpcpar.parallel.partition import axis_halo
-from hpcpar.parallel.spatial import SpatialError
+
 from ._base import SpatialModule
+
+__all__ = ["SpatialUpsample", "MatchSize", "SpatialMatchSize"]
 
 _MODES = ("nearest", "trilinear")
 
@@ -28,7 +32,7 @@ def _per_axis(value, what):
         return (None,) * 3
     if isinstance(value, (tuple, list)):
         if len(value) != 3:
-            raise SpatialError(f"SpatialUpsample: {what} {value!r} must have 3 entries")
+            raise LayerError(f"SpatialUpsample: {what} {value!r} must have 3 entries")
         return tuple(value)
     return (value,) * 3
 
@@ -61,15 +65,29 @@ def _exchange(x, plan):
 class SpatialUpsample(SpatialModule, nn.Upsample):
     """``nn.Upsample`` on a volume partitioned over the grid: nearest, or trilinear with
     ``align_corners`` True or False, by ``size`` (global) or ``scale_factor``. Exact vs torch
-    on the whole volume; the output is split with the partition rule of its global length."""
+    on the whole volume; the output is split with the partition rule of its global length.
 
-    def __init__(self, size=None, scale_factor=None, mode="nearest", align_corners=None,
-                 recompute_scale_factor=None, *, grid):
+    Args:
+        size: Global output size (int or 3 ints), as ``nn.Upsample``.
+        scale_factor: As ``nn.Upsample``.
+        mode: ``"nearest"`` or ``"trilinear"``.
+        align_corners: As ``nn.Upsample`` (trilinear only).
+        recompute_scale_factor: As ``nn.Upsample``.
+        grid: The process grid whose x, y, z axes split the volume.
+
+    Raises:
+        LayerError: Another ``mode``.
+    """
+
+    def __init__(self, size: int | tuple[int, int, int] | None = None,
+                 scale_factor: float | tuple[float, float, float] | None = None,
+                 mode: str = "nearest", align_corners: bool | None = None,
+                 recompute_scale_factor: bool | None = None, *, grid: ProcessGrid):
         nn.Upsample.__init__(self, size, scale_factor, mode, align_corners,
                              recompute_scale_factor)
         if mode not in _MODES:
-            raise SpatialError(f"SpatialUpsample: mode {mode!r} is not supported "
-                               "(nearest or trilinear)")
+            raise LayerError(f"SpatialUpsample: mode {mode!r} is not supported "
+                             "(nearest or trilinear)")
         self.init_spatial(grid)
 
     def _map(self, axis, n):
@@ -96,7 +114,8 @@ class SpatialUpsample(SpatialModule, nn.Upsample):
             local.append((i0[s:e] - lo, i1[s:e] - lo, None if w1 is None else w1[s:e]))
         return local
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Upsample this rank's piece; returns its piece of the global output."""
         entry = self.spatial_plan(x)
         dtype = x.dtype
         x = _exchange(x, entry.halo)
@@ -125,7 +144,8 @@ class MatchSize(nn.Module):
     difference puts the extra item on the high side). Used at U-Net skips; ``spatialize``
     turns it into :class:`SpatialMatchSize`, which does the same in global coordinates."""
 
-    def forward(self, x, like):
+    def forward(self, x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """Zero-pad or crop ``x`` (centred) to the spatial size of ``like``."""
         src, dst = x.shape[-3:], like.shape[-3:]
         if tuple(src) == tuple(dst):
             return x
@@ -134,7 +154,8 @@ class MatchSize(nn.Module):
             pads += [lo, t - s - lo]
         return F.pad(x, pads)
 
-    def spatial_twin(self, grid):
+    def spatial_twin(self, grid: ProcessGrid) -> nn.Module:
+        """The ``SpatialMatchSize`` that ``spatialize`` puts in its place."""
         return SpatialMatchSize(grid)
 
 
@@ -142,11 +163,12 @@ class SpatialMatchSize(SpatialModule, nn.Module):
     """:class:`MatchSize` on partitioned tensors: output item t reads global input t - lo;
     the halo exchange moves the items between ranks and pads at the global boundary."""
 
-    def __init__(self, grid):
+    def __init__(self, grid: ProcessGrid):
         nn.Module.__init__(self)
         self.init_spatial(grid)
 
-    def forward(self, x, like):
+    def forward(self, x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """Pad or crop this rank's piece of ``x`` to its piece of ``like``'s global size."""
         from hpcpar.parallel.halo import HaloPlan, global_spatial_shape
 
         name = self.layer_name
@@ -164,6 +186,3 @@ class SpatialMatchSize(SpatialModule, nn.Module):
             plan = self._spatial_plans[(src, dst)] = HaloPlan.from_halos(self.grid, per_axis,
                                                                          name)
         return _exchange(x, plan)
-
-
-__all__ = ["SpatialUpsample", "MatchSize", "SpatialMatchSize"]

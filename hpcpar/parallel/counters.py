@@ -9,12 +9,29 @@ communicator state.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
+
+__all__ = ["Counters", "COUNTERS"]
 
 
 @dataclass
 class Counters:
+    """Per-process communication and I/O totals; read differences with ``snapshot``/``since``.
+
+    Attributes:
+        t_halo: Seconds spent in halo exchanges (forward + backward).
+        t_halo_wait: The communication part of ``t_halo`` + ``t_graph_halo``: waiting for
+            neighbours' messages, and the graph all-to-all.
+        bytes_halo: Bytes sent in halo exchanges.
+        t_allreduce_total: Seconds from the first bucket launch to the last bucket done.
+        t_allreduce_exposed: Seconds the step waited for the gradient sync.
+        bytes_allreduce: Gradient bytes reduced (as sent on the wire).
+        t_graph_halo: Seconds in graph (GNN) halo exchanges.
+        bytes_read: Bytes read from storage by this rank's reader.
+    """
+
     t_halo: float = 0.0            # seconds spent in halo exchanges (forward + backward)
     t_halo_wait: float = 0.0       # the part of t_halo waiting for neighbours' messages
     bytes_halo: int = 0            # bytes sent in halo exchanges
@@ -24,20 +41,39 @@ class Counters:
     t_graph_halo: float = 0.0      # seconds in graph (GNN) halo exchanges
     bytes_read: int = 0            # bytes read from storage by this rank's reader
 
-    def snapshot(self) -> "Counters":
+    def snapshot(self) -> Counters:
+        """A copy of the current totals."""
         return Counters(**asdict(self))
 
-    def since(self, earlier: "Counters") -> dict:
-        """Differences since ``earlier`` as a dict (the per-step record fields)."""
+    def since(self, earlier: Counters) -> dict:
+        """The differences since an earlier snapshot (the per-step record fields).
+
+        Args:
+            earlier: A ``snapshot()`` taken before.
+
+        Returns:
+            Counter name -> difference.
+        """
         return {f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)}
 
     def reset(self) -> None:
+        """Set every counter back to zero."""
         for f in fields(self):
             setattr(self, f.name, type(getattr(self, f.name))())
 
     @contextmanager
-    def timed(self, name: str):
-        """``with COUNTERS.timed("t_halo"): ...`` adds the elapsed seconds to ``name``."""
+    def timed(self, name: str) -> Iterator[None]:
+        """Add the seconds spent inside the ``with`` block to a counter.
+
+        Args:
+            name: The counter, e.g. ``"t_halo"``.
+
+        Example:
+            ```python
+            with COUNTERS.timed("t_halo"):
+                exchange()
+            ```
+        """
         t0 = time.perf_counter()
         try:
             yield

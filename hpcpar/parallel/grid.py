@@ -8,18 +8,34 @@ lands on as few nodes as possible, while the data-parallel allreduce crosses nod
 
 from __future__ import annotations
 
-import os
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from hpcpar import _env
 from hpcpar.errors import GridError
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+__all__ = ["AXES", "SPATIAL_AXES", "coords_of", "rank_of", "parse_spec", "resolve_shape",
+           "fake_nodes", "node_of", "Layout", "layout", "ProcessGrid"]
 
 AXES = ("data", "x", "y", "z")
 SPATIAL_AXES = ("x", "y", "z")
 
 
 def coords_of(rank: int, shape: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
-    """(d, i, j, k) of ``rank`` in a grid of ``shape`` = (data, x, y, z); x varies fastest."""
+    """The coordinates of a rank; x varies fastest, data slowest.
+
+    Args:
+        rank: The rank.
+        shape: ``(data, X, Y, Z)``.
+
+    Returns:
+        ``(d, i, j, k)``.
+    """
     d, x, y, z = shape
     i = rank % x
     j = (rank // x) % y
@@ -29,14 +45,33 @@ def coords_of(rank: int, shape: tuple[int, int, int, int]) -> tuple[int, int, in
 
 
 def rank_of(coords: tuple[int, int, int, int], shape: tuple[int, int, int, int]) -> int:
-    """Inverse of :func:`coords_of`."""
+    """The rank at given coordinates: ``i + X*(j + Y*(k + Z*d))`` (inverse of ``coords_of``).
+
+    Args:
+        coords: ``(d, i, j, k)``.
+        shape: ``(data, X, Y, Z)``.
+
+    Returns:
+        The rank.
+    """
     d, i, j, k = coords
     _, x, y, z = shape
     return i + x * (j + y * (k + z * d))
 
 
 def parse_spec(spec: str) -> tuple[int, int, int, int]:
-    """Parse ``"2x2x1x1"`` (data x X x Y x Z; trailing axes may be omitted, one may be -1)."""
+    """Parse a grid string such as ``"2x2x1x1"``.
+
+    Args:
+        spec: ``data x X x Y x Z`` (``x``, ``×`` or ``,`` between); trailing axes may be
+            omitted (they are 1) and one may be -1.
+
+    Returns:
+        ``(data, X, Y, Z)``, not yet checked against a rank count (see ``resolve_shape``).
+
+    Raises:
+        GridError: Not 1 to 4 integers.
+    """
     text = str(spec).strip().lower()
     parts = re.split(r"[x×,]", text) if text else []
     if not 1 <= len(parts) <= 4:
@@ -49,8 +84,20 @@ def parse_spec(spec: str) -> tuple[int, int, int, int]:
     return tuple(vals)  # type: ignore[return-value]
 
 
-def resolve_shape(shape, size: int) -> tuple[int, int, int, int]:
-    """Check ``shape`` against ``size`` ranks, inferring at most one ``-1`` axis."""
+def resolve_shape(shape: Sequence[int], size: int) -> tuple[int, int, int, int]:
+    """Check a grid shape against a rank count, inferring at most one ``-1`` axis.
+
+    Args:
+        shape: ``(data, X, Y, Z)``; one axis may be -1.
+        size: Number of ranks.
+
+    Returns:
+        The shape with the ``-1`` axis filled in.
+
+    Raises:
+        GridError: Not four axes, an axis that is 0 or below -1, more than one -1, or a
+            product that does not match ``size``.
+    """
     shape = tuple(int(s) for s in shape)
     if len(shape) != 4:
         raise GridError(f"grid needs 4 axes (data, x, y, z), got {len(shape)}")
@@ -76,35 +123,52 @@ def resolve_shape(shape, size: int) -> tuple[int, int, int, int]:
 
 def fake_nodes() -> int | None:
     """``HPCPAR_FAKE_NODES=k`` pretends the ranks are spread over k nodes (tests, one machine)."""
-    value = os.environ.get("HPCPAR_FAKE_NODES")
-    if not value:
-        return None
-    try:
-        k = int(value)
-    except ValueError:
-        raise GridError(f"HPCPAR_FAKE_NODES={value!r}: expected a positive integer") from None
-    if k < 1:
-        raise GridError(f"HPCPAR_FAKE_NODES={value!r}: expected a positive integer")
-    return k
+    return _env.get("HPCPAR_FAKE_NODES")
 
 
 def node_of(rank: int, size: int, nodes: int) -> int:
-    """Node index of ``rank`` when ``size`` ranks are packed in blocks onto ``nodes`` nodes."""
+    """The node of a rank when ranks are packed in blocks onto nodes.
+
+    Args:
+        rank: The rank.
+        size: Number of ranks.
+        nodes: Number of nodes.
+
+    Returns:
+        The node index, ``rank // ceil(size / nodes)``.
+    """
     per_node = -(-size // nodes)
     return rank // per_node
 
 
 @dataclass(frozen=True)
 class Layout:
-    """One rank's place in the grid, computable without MPI (used by ``hpcpar info``)."""
+    """One rank's place in the grid, computable without MPI (used by ``hpcpar info``).
+
+    Attributes:
+        rank: The rank.
+        coords: Its ``(d, i, j, k)``.
+        node: Its node index.
+    """
 
     rank: int
     coords: tuple[int, int, int, int]
     node: int
 
 
-def layout(shape, ranks_per_node: int) -> list[Layout]:
-    """The rank -> (data, x, y, z) -> node table of a grid, block-placed on nodes."""
+def layout(shape: Sequence[int], ranks_per_node: int) -> list[Layout]:
+    """The rank -> coordinates -> node table of a grid, block-placed on nodes (no MPI).
+
+    Args:
+        shape: ``(data, X, Y, Z)``, resolved.
+        ranks_per_node: Ranks on each node.
+
+    Returns:
+        One entry per rank, in rank order.
+
+    Raises:
+        GridError: ``ranks_per_node < 1``.
+    """
     size = 1
     for s in shape:
         size *= s
@@ -114,14 +178,46 @@ def layout(shape, ranks_per_node: int) -> list[Layout]:
 
 
 class ProcessGrid:
-    """4D process grid over an MPI communicator.
+    """4D process grid (data x X x Y x Z) over an MPI communicator.
 
-    ``ProcessGrid(data=-1, x=1, y=1, z=1, comm=None)``: one axis may be ``-1`` and is
-    inferred from the communicator size. Sub-communicators are created once, collectively,
-    at construction (every rank of ``comm`` must construct the grid).
+    Rank order is x fastest, then y, then z, data slowest
+    (``rank = i + X*(j + Y*(k + Z*d))``), so a spatial group sits on as few nodes as possible.
+    Sub-communicators are created once, collectively, at construction: every rank of ``comm``
+    must construct the grid.
+
+    Args:
+        data: Ranks along the data axis (groups that split the global batch).
+        x: Ranks along x (tensor dim 2 of ``(N, C, D, H, W)``).
+        y: Ranks along y (dim 3).
+        z: Ranks along z (dim 4). At most one of the four may be ``-1``: inferred from the
+            communicator size.
+        comm: The MPI communicator to split; ``MPI.COMM_WORLD`` when None.
+
+    Raises:
+        GridError: The product of the axes does not equal the communicator size, or more than
+            one axis is ``-1``, or an axis is not a positive integer.
+
+    Attributes:
+        comm: All ranks of the grid.
+        shape: ``(data, X, Y, Z)``.
+        size: Number of ranks.
+        rank: This rank in ``comm``.
+        coords: This rank's ``(d, i, j, k)``.
+        spatial_comm: Ranks with this rank's data coordinate (rank = ``i + X*(j + Y*k)``).
+        data_comm: Ranks with this rank's ``(x, y, z)`` coordinates (rank = ``d``).
+        node_comm: Ranks on this rank's node (shared memory; ``HPCPAR_FAKE_NODES`` fakes it).
+        node_index: Index of this rank's node.
+        num_nodes: Number of nodes the grid spans.
+
+    Example:
+        ```python
+        grid = ProcessGrid(data=-1, x=2)   # under mpiexec -n 4: shape (2, 2, 1, 1)
+        lo, hi = grid.neighbors("x")
+        ```
     """
 
-    def __init__(self, data: int = -1, x: int = 1, y: int = 1, z: int = 1, comm=None):
+    def __init__(self, data: int = -1, x: int = 1, y: int = 1, z: int = 1,
+                 comm: MPI.Comm | None = None):
         from mpi4py import MPI
 
         self.comm = MPI.COMM_WORLD if comm is None else comm
@@ -145,14 +241,39 @@ class ProcessGrid:
 
     # -- construction helpers -------------------------------------------------------------
     @classmethod
-    def parse(cls, spec: str, comm=None) -> "ProcessGrid":
-        """``ProcessGrid.parse("2x2x1x1")``: data x X x Y x Z."""
+    def parse(cls, spec: str, comm: MPI.Comm | None = None) -> ProcessGrid:
+        """Build a grid from a ``"DxXxYxZ"`` string such as ``"2x2x1x1"``.
+
+        Args:
+            spec: ``data x X x Y x Z``; one axis may be ``-1``.
+            comm: The MPI communicator; ``MPI.COMM_WORLD`` when None.
+
+        Returns:
+            The grid (collective: every rank of ``comm`` must call it).
+
+        Raises:
+            GridError: The string is malformed or does not fit the communicator.
+        """
         d, x, y, z = parse_spec(spec)
         return cls(d, x, y, z, comm=comm)
 
     @classmethod
-    def from_spec(cls, spec, comm=None) -> "ProcessGrid":
-        """Build from a string, a 4-sequence or a mapping with keys data/x/y/z."""
+    def from_spec(cls, spec: ProcessGrid | str | Sequence[int] | Mapping[str, int],
+                  comm: MPI.Comm | None = None) -> ProcessGrid:
+        """Build a grid from any of the forms a job file or a caller may hold.
+
+        Args:
+            spec: A ``ProcessGrid`` (returned as is), a ``"DxXxYxZ"`` string, a sequence of up
+                to four ints (missing trailing axes are 1) or a mapping with keys
+                ``data``/``x``/``y``/``z``.
+            comm: The MPI communicator; ``MPI.COMM_WORLD`` when None.
+
+        Returns:
+            The grid.
+
+        Raises:
+            GridError: An unknown axis name, or a shape that does not fit the communicator.
+        """
         if isinstance(spec, ProcessGrid):
             return spec
         if isinstance(spec, str):
@@ -185,6 +306,7 @@ class ProcessGrid:
     # -- queries ----------------------------------------------------------------------------
     @property
     def data(self) -> int:
+        """Number of ranks along the data axis."""
         return self.shape[0]
 
     @property
@@ -194,37 +316,80 @@ class ProcessGrid:
 
     @property
     def spatial_coords(self) -> tuple[int, int, int]:
+        """This rank's ``(i, j, k)`` in its spatial group."""
         return self.coords[1:]  # type: ignore[return-value]
 
     @property
     def spatial_size(self) -> int:
+        """Ranks per spatial group, ``X * Y * Z``."""
         X, Y, Z = self.spatial_shape
         return X * Y * Z
 
     @property
     def is_root(self) -> bool:
+        """True on rank 0 of the grid."""
         return self.rank == 0
 
     @property
     def ranks_per_node(self) -> int:
+        """Ranks on this rank's node."""
         return self.node_comm.Get_size()
 
     def axis_index(self, name: str) -> int:
+        """This rank's coordinate along one axis.
+
+        Args:
+            name: ``'data'``, ``'x'``, ``'y'`` or ``'z'``.
+
+        Returns:
+            The coordinate.
+
+        Raises:
+            GridError: ``name`` is not an axis.
+        """
         return self.coords[self._axis(name)]
 
     def axis_size(self, name: str) -> int:
+        """The number of ranks along one axis.
+
+        Args:
+            name: ``'data'``, ``'x'``, ``'y'`` or ``'z'``.
+
+        Returns:
+            The axis length.
+
+        Raises:
+            GridError: ``name`` is not an axis.
+        """
         return self.shape[self._axis(name)]
 
-    def axis_comm(self, name: str):
-        """Communicator of the ranks that differ only in axis ``name`` (rank = coordinate)."""
+    def axis_comm(self, name: str) -> MPI.Comm:
+        """Communicator of the ranks that differ only in axis ``name``.
+
+        Args:
+            name: ``'data'``, ``'x'``, ``'y'`` or ``'z'``.
+
+        Returns:
+            The ``mpi4py`` communicator; a rank's rank in it is its coordinate on that axis.
+
+        Raises:
+            GridError: ``name`` is not an axis.
+        """
         self._axis(name)
         return self._axis_comms[name]
 
-    def neighbors(self, axis) -> tuple[int, int]:
-        """(lo, hi) neighbours along a spatial axis, as ranks of ``spatial_comm``.
+    def neighbors(self, axis: str | int) -> tuple[int, int]:
+        """The lower and upper neighbours along a spatial axis.
 
-        ``MPI.PROC_NULL`` at the global boundary, so sends/receives there are no-ops.
-        ``axis`` is 'x'/'y'/'z' or 0/1/2.
+        Args:
+            axis: ``'x'``, ``'y'``, ``'z'`` or ``0``, ``1``, ``2``.
+
+        Returns:
+            ``(lo, hi)`` as ranks of ``spatial_comm``; ``MPI.PROC_NULL`` at the global
+            boundary, so sends and receives there are no-ops.
+
+        Raises:
+            GridError: ``axis`` is not a spatial axis.
         """
         from mpi4py import MPI
 
@@ -251,6 +416,7 @@ class ProcessGrid:
         return AXES.index(name)
 
     def spec(self) -> str:
+        """The shape as a ``"DxXxYxZ"`` string (what :meth:`parse` reads)."""
         return "x".join(str(s) for s in self.shape)
 
     def __repr__(self) -> str:

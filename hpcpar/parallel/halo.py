@@ -5,7 +5,7 @@ A rank holds the sub-volume the partition rule gives it on each of the grid's x,
 input range its owned outputs read: :class:`hpcpar.parallel.partition.AxisHalo`. The exchange builds
 one buffer per call holding, per axis::
 
-    [pad_lo][ghosts from lo neighbour][owned items the layer or a neighbour needs][ghosts from hi][pad_hi]
+    [pad_lo][ghosts from lo][owned items the layer or a neighbour needs][ghosts from hi][pad_hi]
 
 The axes are swept in order x, y, z; the message of axis ``a`` spans the full buffer on the
 axes before ``a`` (so it carries their ghosts: edges and corners arrive with 2 messages per
@@ -27,23 +27,29 @@ rank derives every rank's needs, so size checks fail identically everywhere (no 
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from hpcpar.errors import HpcparError
-from hpcpar.parallel.partition import AxisHalo, split_sizes
+from hpcpar.errors import LayerError
 from hpcpar.parallel.counters import COUNTERS
+from hpcpar.parallel.partition import AxisHalo, split_sizes
+
+if TYPE_CHECKING:
+    from hpcpar.parallel.grid import ProcessGrid
+
+__all__ = ["global_spatial_shape", "AxisPlan", "HaloPlan", "halo_exchange",
+           "HaloExchange", "HaloStencil", "StencilOp", "halo_stencil", "exchange_forward", "POOL",
+           "BufferPool", "new_buffer", "input_layout", "CHANNELS_LAST",
+           "exchange_adjoint", "rebuild", "AXIS_NAMES"]
 
 AXIS_NAMES = ("x", "y", "z")
-SPATIAL_DIMS = (2, 3, 4)
 _TAG_FWD = 0x4A10
 _TAG_BWD = 0x4A20
-
-
-class HaloError(HpcparError, ValueError):
-    """A spatially partitioned tensor or layer does not fit the grid (sizes, halos, shapes)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -56,21 +62,33 @@ def _dtype_code(dtype) -> int:
     return zlib.crc32(str(dtype).encode())
 
 
-def global_spatial_shape(x: torch.Tensor, grid, what: str = "input") -> tuple[int, int, int]:
-    """Global (Nx, Ny, Nz) of a partitioned (N, C, D, H, W) tensor. Collective over
-    ``grid.spatial_comm`` (one small allgather).
+def global_spatial_shape(x: torch.Tensor, grid: ProcessGrid,
+                         what: str = "input") -> tuple[int, int, int]:
+    """The global spatial shape of a partitioned ``(N, C, D, H, W)`` tensor.
 
-    Every rank sees every rank's local shape, so it also checks, identically on all ranks,
-    that batch, channels, dtype and ``requires_grad`` agree and that the local extents follow
-    the partition rule. No caching by local shape: two global sizes can give a rank the same
-    local extent (9 or 10 over 2 ranks: rank 0 holds 5) and a stale plan on one rank would
-    hang the others.
+    Collective over ``grid.spatial_comm`` (one small allgather). Every rank sees every
+    rank's local shape, so it also checks, identically on all ranks, that batch, channels,
+    dtype and ``requires_grad`` agree and that the local extents follow the partition rule.
+    No caching by local shape: two global sizes can give a rank the same local extent (9 or
+    10 over 2 ranks: rank 0 holds 5) and a stale plan on one rank would hang the others.
+
+    Args:
+        x: This rank's piece.
+        grid: The process grid.
+        what: What ``x`` is, for messages (the layer's name).
+
+    Returns:
+        ``(Nx, Ny, Nz)``.
+
+    Raises:
+        LayerError: Not 5D, or pieces that disagree across the spatial group (the same
+            error on every rank).
     """
     import numpy as np
 
     if x.dim() != 5:
-        raise HaloError(f"{what}: expected a 5D (N, C, D, H, W) tensor, got shape "
-                        f"{tuple(x.shape)}")
+        raise LayerError(f"{what}: expected a 5D (N, C, D, H, W) tensor, got shape "
+                         f"{tuple(x.shape)}")
     comm = grid.spatial_comm
     mine = np.array([*x.shape, _dtype_code(x.dtype), int(x.requires_grad),
                      int(input_layout(x) == CHANNELS_LAST)], dtype=np.int64)
@@ -80,8 +98,8 @@ def global_spatial_shape(x: torch.Tensor, grid, what: str = "input") -> tuple[in
                       (7, "memory format (channels-last or not)")):
         bad = np.nonzero(table[:, col] != table[0, col])[0]
         if bad.size:
-            raise HaloError(f"{what}: {name} differs across the spatial group (rank 0 and "
-                            f"rank {bad[0]} disagree)")
+            raise LayerError(f"{what}: {name} differs across the spatial group (rank 0 and "
+                             f"rank {bad[0]} disagree)")
     dims = grid.spatial_shape
     coords = [_spatial_coords(r, dims) for r in range(len(table))]
     out = []
@@ -92,9 +110,9 @@ def global_spatial_shape(x: torch.Tensor, grid, what: str = "input") -> tuple[in
         expect = split_sizes(n, dims[a])
         for r, c in enumerate(coords):
             if table[r, 2 + a] != expect[c[a]]:
-                raise HaloError(f"{what}: rank {r} holds {table[r, 2 + a]} items on axis "
-                                f"{AXIS_NAMES[a]}, but the partition rule gives "
-                                f"{expect[c[a]]} for a global size of {n} over {dims[a]} ranks")
+                raise LayerError(f"{what}: rank {r} holds {table[r, 2 + a]} items on axis "
+                                 f"{AXIS_NAMES[a]}, but the partition rule gives "
+                                 f"{expect[c[a]]} for a global size of {n} over {dims[a]} ranks")
         out.append(n)
     return tuple(out)
 
@@ -115,9 +133,19 @@ def _spatial_rank(c, dims) -> int:
 class AxisPlan:
     """One rank's exchange along one axis, in local coordinates (0 = first owned item).
 
-    ``hull``: owned-relative range the buffer spans (needed items, owned items a neighbour
-    needs); ``result``: buffer index range returned to the layer; ``recv_*``/``send_*``:
-    item counts to/from the lo/hi neighbour; ``lo``/``hi``: neighbour ranks (None = none).
+    Attributes:
+        length: Items this rank owns on the axis.
+        hull: Owned-relative range the buffer spans (needed items, and owned items a
+            neighbour needs).
+        pad_lo: Padding items before the hull (global boundary only).
+        pad_hi: Padding items after the hull.
+        recv_lo: Items received from the lower neighbour.
+        recv_hi: Items received from the upper neighbour.
+        send_lo: Items sent to the lower neighbour.
+        send_hi: Items sent to the upper neighbour.
+        lo: The lower neighbour's spatial rank (None: none).
+        hi: The upper neighbour's spatial rank (None: none).
+        result: Buffer index range returned to the layer.
     """
 
     length: int
@@ -147,17 +175,21 @@ class AxisPlan:
 
     @property
     def owned_local(self) -> tuple[int, int]:
+        """Owned-relative range of the owned items held in the buffer."""
         return max(self.hull[0], 0), min(self.hull[1], self.length)
 
     def ghost(self, side: int) -> tuple[int, int]:
+        """Buffer range of the ghosts received from side 0 (lo) or 1 (hi)."""
         return (self._at(-self.recv_lo), self._at(0)) if side == 0 else \
             (self._at(self.length), self._at(self.length + self.recv_hi))
 
     def sent(self, side: int) -> tuple[int, int]:
+        """Buffer range of the owned items sent to side 0 (lo) or 1 (hi)."""
         return (self._at(0), self._at(self.send_lo)) if side == 0 else \
             (self._at(self.length - self.send_hi), self._at(self.length))
 
-    def pads(self):
+    def pads(self) -> Iterator[tuple[int, int]]:
+        """Buffer ranges of the padding, low side first."""
         if self.pad_lo:
             yield 0, self.pad_lo
         if self.pad_hi:
@@ -187,12 +219,18 @@ def _axis_plan(halo: AxisHalo, length: int, send_lo: int, send_hi: int, lo, hi) 
 class HaloPlan:
     """What this rank sends, receives and pads on each axis for one layer and global shape.
 
-    Build with :meth:`from_halos` (every rank's :class:`AxisHalo` per axis, e.g. from
-    :func:`hpcpar.parallel.partition.conv_axis_halo`, as layers do) or :meth:`gather` (each rank passes
-    only its own halos; one allgather). ``layer`` names the layer in errors.
+    Build with ``from_halos`` (every rank's ``AxisHalo`` per axis, e.g. from
+    ``hpcpar.parallel.partition.conv_axis_halo``, as layers do) or ``gather`` (each rank
+    passes only its own halos; one allgather).
+
+    Args:
+        grid: The process grid.
+        axes: This rank's exchange along x, y and z.
+        layer: The layer's name, for messages.
     """
 
-    def __init__(self, grid, axes: tuple[AxisPlan, AxisPlan, AxisPlan], layer: str):
+    def __init__(self, grid: ProcessGrid, axes: tuple[AxisPlan, AxisPlan, AxisPlan],
+                 layer: str):
         self.grid = grid
         self.axes = axes
         self.layer = layer
@@ -217,16 +255,31 @@ class HaloPlan:
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
-    def from_halos(cls, grid, halos_per_axis, layer: str = "halo exchange") -> "HaloPlan":
-        """``halos_per_axis[a][i]``: the AxisHalo of the rank at coordinate ``i`` on axis a."""
+    def from_halos(cls, grid: ProcessGrid, halos_per_axis: Sequence[Sequence[AxisHalo]],
+                   layer: str = "halo exchange") -> HaloPlan:
+        """Build the plan from every rank's halos (no communication).
+
+        Args:
+            grid: The process grid.
+            halos_per_axis: ``halos_per_axis[a][i]`` is the ``AxisHalo`` of the rank at
+                coordinate ``i`` on axis ``a``.
+            layer: The layer's name, for messages.
+
+        Returns:
+            This rank's plan.
+
+        Raises:
+            LayerError: A wrong number of halos, or halos inconsistent with the partition
+                rule or larger than a neighbour's extent.
+        """
         dims = grid.spatial_shape
         coords = grid.spatial_coords
         axes = []
         for a in range(3):
             halos = list(halos_per_axis[a])
             if len(halos) != dims[a]:
-                raise HaloError(f"{layer}: {len(halos)} halos for axis {AXIS_NAMES[a]}, "
-                                f"the grid has {dims[a]} ranks there")
+                raise LayerError(f"{layer}: {len(halos)} halos for axis {AXIS_NAMES[a]}, "
+                                 f"the grid has {dims[a]} ranks there")
             _check_axis(halos, a, layer)
             i = coords[a]
             send_lo = max(0, halos[i - 1].halo_hi) if i > 0 else 0
@@ -241,11 +294,25 @@ class HaloPlan:
         return cls(grid, tuple(axes), layer)
 
     @classmethod
-    def gather(cls, grid, halos, layer: str = "halo exchange") -> "HaloPlan":
-        """Collective over the spatial group: each rank gives its own 3 AxisHalo."""
+    def gather(cls, grid: ProcessGrid, halos: Sequence[AxisHalo],
+               layer: str = "halo exchange") -> HaloPlan:
+        """Build the plan from each rank's own halos (collective over the spatial group).
+
+        Args:
+            grid: The process grid.
+            halos: This rank's three ``AxisHalo`` (x, y, z).
+            layer: The layer's name, for messages.
+
+        Returns:
+            This rank's plan.
+
+        Raises:
+            LayerError: Not three ``AxisHalo``, or halos inconsistent across ranks.
+        """
         halos = tuple(halos)
         if len(halos) != 3 or not all(isinstance(h, AxisHalo) for h in halos):
-            raise HaloError(f"{layer}: halos must be 3 hpcpar.parallel.partition.AxisHalo (x, y, z)")
+            raise LayerError(f"{layer}: halos must be 3 hpcpar.parallel.partition.AxisHalo "
+                             "(x, y, z)")
         table = grid.spatial_comm.allgather(halos)
         dims = grid.spatial_shape
         per_axis = []
@@ -255,17 +322,19 @@ class HaloPlan:
                 c = _spatial_coords(r, dims)
                 # one line per axis is enough for the plan, but every line is checked
                 line.setdefault(tuple(c[b] for b in range(3) if b != a), {})[c[a]] = hs[a]
-            for key, parts in line.items():
+            for parts in line.values():
                 _check_axis([parts[i] for i in range(dims[a])], a, layer)
             mine = tuple(grid.spatial_coords[b] for b in range(3) if b != a)
             per_axis.append([line[mine][i] for i in range(dims[a])])
         return cls.from_halos(grid, per_axis, layer)
 
     # -- geometry -------------------------------------------------------------------------
-    def buffer_shape(self, lead) -> tuple[int, ...]:
+    def buffer_shape(self, lead: Sequence[int]) -> tuple[int, ...]:
+        """Shape of the halo buffer for leading dims ``lead`` (``(N, C)``)."""
         return (*lead, *(ax.size for ax in self.axes))
 
-    def result_shape(self, lead) -> tuple[int, ...]:
+    def result_shape(self, lead: Sequence[int]) -> tuple[int, ...]:
+        """Shape of the extended tensor returned to the layer, for leading dims ``lead``."""
         return (*lead, *(ax.result[1] - ax.result[0] for ax in self.axes))
 
     @property
@@ -275,9 +344,10 @@ class HaloPlan:
 
     @property
     def covers_owned(self) -> bool:
+        """True when the buffer holds every owned item on every axis."""
         return all(ax.owned_local == (0, ax.length) for ax in self.axes)
 
-    def region(self, a: int, span) -> tuple[slice, ...]:
+    def region(self, a: int, span: tuple[int, int]) -> tuple[slice, ...]:
         """Slices of the buffer for axis ``a``'s message over ``span`` on that axis."""
         sl = [slice(None), slice(None)]
         for b, ax in enumerate(self.axes):
@@ -290,20 +360,24 @@ class HaloPlan:
         return tuple(sl)
 
     def owned_region(self) -> tuple[slice, ...]:
+        """Slices of the buffer holding the owned items."""
         return (slice(None), slice(None), *(slice(*ax.owned) for ax in self.axes))
 
     def owned_local_region(self) -> tuple[slice, ...]:
+        """Slices of the local input that the buffer holds."""
         return (slice(None), slice(None), *(slice(*ax.owned_local) for ax in self.axes))
 
     def result_region(self) -> tuple[slice, ...]:
+        """Slices of the buffer returned to the layer."""
         return (slice(None), slice(None), *(slice(*ax.result) for ax in self.axes))
 
     def check_input(self, x: torch.Tensor) -> None:
+        """Raise ``LayerError`` unless ``x`` has the local shape the plan was made for."""
         got = tuple(x.shape[2:])
         want = tuple(ax.length for ax in self.axes)
         if x.dim() != 5 or got != want:
-            raise HaloError(f"{self.layer}: local input has spatial shape {got}, the plan was "
-                            f"made for {want}")
+            raise LayerError(f"{self.layer}: local input has spatial shape {got}, the plan was "
+                             f"made for {want}")
 
 
 def _check_axis(halos, a: int, layer: str) -> None:
@@ -314,7 +388,7 @@ def _check_axis(halos, a: int, layer: str) -> None:
         for j, need in ((i - 1, max(0, h.halo_lo)), (i + 1, max(0, h.halo_hi))):
             if need and (not 0 <= j < len(halos) or ext[j] < need):
                 have = ext[j] if 0 <= j < len(halos) else 0
-                raise HaloError(
+                raise LayerError(
                     f"{layer}: local extent {have} on axis {name} (rank {j} of {len(halos)} on "
                     f"that axis) is smaller than the halo of {need} its neighbour needs; each "
                     f"rank must hold at least {need} items on {name}: use a larger volume or "
@@ -384,30 +458,47 @@ class BufferPool:
     the step's memory peaks (measured: +1 volume per rank, 6.2 vs 5 volumes for a 2-conv
     stack). Memory wins: ``keep=0`` by default (no reuse); ``POOL.keep = 4`` trades one
     buffer per shape for speed. ``take`` hands a buffer to one user at a time.
+
+    Args:
+        keep: Idle buffers kept for reuse (0: none).
     """
 
     def __init__(self, keep: int = 0):
         self.keep = keep
         self._idle: list[torch.Tensor] = []
 
-    def take(self, shape, dtype, device, perm=None) -> torch.Tensor:
-        """A (N, C, D, H, W) buffer; ``perm`` (of the 3 spatial dims) is its memory order."""
+    def take(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device | str,
+             perm: tuple[int, int, int] | str | None = None) -> torch.Tensor:
+        """Hand out an ``(N, C, D, H, W)`` buffer, reused when an idle one matches.
+
+        Args:
+            shape: The buffer's shape.
+            dtype: Its dtype.
+            device: Its device.
+            perm: Its memory order (of the 3 spatial dims, or ``CHANNELS_LAST``).
+
+        Returns:
+            The buffer (contents undefined).
+        """
         key = (tuple(shape), dtype, torch.device(device), perm)
         for i, (k, _) in enumerate(self._idle):
             if k == key:
                 return self._idle.pop(i)[1]
         return new_buffer(shape, dtype, device, perm)
 
-    def give(self, t: torch.Tensor, perm=None) -> None:
+    def give(self, t: torch.Tensor, perm: tuple[int, int, int] | str | None = None) -> None:
+        """Return a buffer from ``take`` (kept when ``keep > 0``)."""
         if self.keep > 0:
             self._idle.append(((tuple(t.shape), t.dtype, t.device, perm), t))
             del self._idle[:-self.keep]
 
     def clear(self) -> None:
+        """Drop every idle buffer."""
         self._idle.clear()
 
     @property
     def nbytes(self) -> int:
+        """Bytes held by idle buffers."""
         return sum(t.numel() * t.element_size() for _, t in self._idle)
 
 
@@ -417,7 +508,7 @@ POOL = BufferPool()
 CHANNELS_LAST = "channels_last"
 
 
-def input_layout(x: torch.Tensor):
+def input_layout(x: torch.Tensor) -> str | None:
     """:data:`CHANNELS_LAST` for a channels-last (N, C, D, H, W) input, else None. The halo
     buffer then keeps that layout, like torch's own conv: no transposing copy per layer, and
     x and y faces are runs of whole rows of channels (they pack at copy speed)."""
@@ -427,12 +518,13 @@ def input_layout(x: torch.Tensor):
     return None
 
 
-def memory_format(layout):
+def memory_format(layout: str | None) -> torch.memory_format:
     """torch memory format of tensors laid out like a buffer of ``layout``."""
     return torch.channels_last_3d if layout == CHANNELS_LAST else torch.contiguous_format
 
 
-def new_buffer(shape, dtype, device, perm=None) -> torch.Tensor:
+def new_buffer(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str,
+               perm: tuple[int, int, int] | str | None = None) -> torch.Tensor:
     """Empty (N, C, D, H, W) tensor whose memory holds the spatial dims in ``perm`` order
     (``None``: contiguous; :data:`CHANNELS_LAST`: channels innermost), so with a permutation
     ``t.permute(0, 1, *(2 + p for p in perm))`` is contiguous."""
@@ -458,8 +550,22 @@ def _fill_start(x: torch.Tensor, plan: HaloPlan, pad_value, pool: BufferPool | N
     return buf
 
 
-def exchange_forward(x: torch.Tensor, plan: HaloPlan, pad_value=0.0,
-                     pool: BufferPool | None = None, perm=None):
+def _named_range(name: str):
+    """Show every call of the decorated function as range ``name`` in torch.profiler traces
+    (``[profile] steps``); NVTX too under ``torch.autograd.profiler.emit_nvtx()``."""
+    def deco(fn):
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            with torch.profiler.record_function(name):
+                return fn(*args, **kwargs)
+        return inner
+    return deco
+
+
+@_named_range("hpcpar.halo_exchange")
+def exchange_forward(x: torch.Tensor, plan: HaloPlan, pad_value: float = 0.0,
+                     pool: BufferPool | None = None,
+                     perm: tuple[int, int, int] | str | None = None) -> tuple[torch.Tensor, list]:
     """Build the full buffer for ``x`` (from ``pool`` if given: give it back when done);
     returns (buffer, received faces per axis)."""
     t0 = time.perf_counter()
@@ -486,8 +592,9 @@ def exchange_forward(x: torch.Tensor, plan: HaloPlan, pad_value=0.0,
     return buf, received
 
 
-def rebuild(x: torch.Tensor, plan: HaloPlan, received, pad_value=0.0,
-            pool: BufferPool | None = None, perm=None) -> torch.Tensor:
+def rebuild(x: torch.Tensor, plan: HaloPlan, received: list, pad_value: float = 0.0,
+            pool: BufferPool | None = None,
+            perm: tuple[int, int, int] | str | None = None) -> torch.Tensor:
     """The forward buffer again, from ``x`` and the faces received then (no messages)."""
     t0 = time.perf_counter()
     buf = _fill_start(x.detach(), plan, pad_value, pool, perm)
@@ -499,8 +606,9 @@ def rebuild(x: torch.Tensor, plan: HaloPlan, received, pad_value=0.0,
     return buf
 
 
+@_named_range("hpcpar.halo_exchange.backward")
 def exchange_adjoint(gbuf: torch.Tensor, plan: HaloPlan, like: torch.Tensor,
-                     layout=None) -> torch.Tensor:
+                     layout: str | None = None) -> torch.Tensor:
     """Adjoint of :func:`exchange_forward`: ``gbuf`` (buffer-shaped, modified in place) ->
     gradient of the local input. Ghost gradients are sent back and added into the owners;
     ``layout``: the forward buffer's (messages travel in its memory order)."""
@@ -554,13 +662,29 @@ class HaloExchange(torch.autograd.Function):
         return exchange_adjoint(gbuf, plan, like), None, None
 
 
-def halo_exchange(x: torch.Tensor, grid, halos, pad_value: float = 0.0) -> torch.Tensor:
-    """Extend the local (N, C, D, H, W) tensor ``x`` by ghosts and boundary padding.
+def halo_exchange(x: torch.Tensor, grid: ProcessGrid,
+                  halos: HaloPlan | Sequence[AxisHalo], pad_value: float = 0.0) -> torch.Tensor:
+    """Extend the local ``(N, C, D, H, W)`` tensor ``x`` by ghosts and boundary padding.
 
-    ``halos``: this rank's 3 :class:`~hpcpar.parallel.partition.AxisHalo` (x, y, z) — then one small
-    allgather over the spatial group tells each rank what its neighbours need — or a ready
-    :class:`HaloPlan` (no collective). Autograd-aware: backward sends ghost gradients back and
-    adds them into the owners.
+    Axes are swept x, y, z, each message carrying the ghosts received before, so edges and
+    corners arrive with two messages per axis. Autograd-aware: backward is the adjoint (ghost
+    gradients go back and are added into their owners' cells).
+
+    Args:
+        x: This rank's piece of the volume.
+        grid: The process grid (the exchange runs over ``grid.spatial_comm``).
+        halos: This rank's three ``AxisHalo`` (x, y, z), e.g. from
+            ``partition.conv_axis_halo`` (then one small allgather over the spatial group
+            tells each rank what its neighbours need), or a ready ``HaloPlan`` (no collective).
+        pad_value: Value of the padding outside the global volume (0 for conv and average
+            pooling, ``-inf`` for max pooling); only ranks on the global boundary pad.
+
+    Returns:
+        ``x`` extended by the halo widths on every side (trimmed where a halo is negative).
+
+    Raises:
+        LayerError: A rank holds fewer items than a neighbour's halo needs (the same error
+            on every rank).
     """
     plan = halos if isinstance(halos, HaloPlan) else HaloPlan.gather(grid, halos)
     return HaloExchange.apply(x, plan, pad_value)
@@ -651,9 +775,24 @@ class HaloStencil(torch.autograd.Function):
         return (gx, None, None, None, *grads[1:])
 
 
-def halo_stencil(x: torch.Tensor, plan: HaloPlan, op: StencilOp, *params,
+def halo_stencil(x: torch.Tensor, plan: HaloPlan, op: StencilOp, *params: torch.Tensor | None,
                  pad_value: float = 0.0) -> torch.Tensor:
-    """``op.forward(halo_exchange(x), *params)`` with ~1x activation memory."""
+    """A halo exchange fused with a local op: ``op.forward(halo_exchange(x), *params)``.
+
+    Keeps only the input and the received ghost faces for backward (the extended tensor is
+    rebuilt there without messages), so it costs about 1x activation memory. What the
+    spatial layers use.
+
+    Args:
+        x: This rank's piece ``(N, C, d, h, w)``.
+        plan: The layer's halo plan.
+        op: The local op applied to the extended tensor.
+        *params: Tensors passed to the op (weight, bias); gradients flow to them.
+        pad_value: Padding outside the global volume (``-inf`` for max pooling).
+
+    Returns:
+        The op's output on this rank's owned outputs.
+    """
     dev = x.device.type
     if op.autocast and torch.is_autocast_enabled(dev):
         # The casts are differentiable, so parameter gradients come back in their own dtype.
@@ -662,9 +801,3 @@ def halo_stencil(x: torch.Tensor, plan: HaloPlan, op: StencilOp, *params,
         with torch.autocast(dev, enabled=False):
             return HaloStencil.apply(x.to(dt), plan, pad_value, op, *cast)
     return HaloStencil.apply(x, plan, pad_value, op, *params)
-
-
-__all__ = ["HaloError", "global_spatial_shape", "AxisPlan", "HaloPlan", "halo_exchange",
-           "HaloExchange", "HaloStencil", "StencilOp", "halo_stencil", "exchange_forward", "POOL",
-           "BufferPool", "new_buffer", "input_layout", "CHANNELS_LAST",
-           "exchange_adjoint", "rebuild", "AXIS_NAMES"]

@@ -1,25 +1,26 @@
 """Whole volumes <-> the pieces each rank of a spatial group holds.
 
 A volume ``(N, C, D, H, W)`` (any leading dims) has its last three dims split over the grid's
-x, y, z axes with the partition rule (:mod:`hpcpar.parallel.partition`). Every function here is about
-ONE spatial group (``grid.spatial_comm``): each data group moves its own samples, and ``root``
+x, y, z axes with the partition rule (:mod:`hpcpar.parallel.partition`). Every function here is
+about ONE spatial group (``grid.spatial_comm``): each data group moves its own samples, and ``root``
 is a rank of the spatial group (spatial rank ``i + X*(j + Y*k)``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from hpcpar.errors import LayerError
 from hpcpar.parallel.comm import allgatherv, irecv, isend
-from hpcpar.errors import HpcparError
-from hpcpar.parallel.grid import coords_of
+from hpcpar.parallel.grid import ProcessGrid, coords_of
 from hpcpar.parallel.partition import box
 
+__all__ = ["scatter", "gather", "allgather_volume", "local_shape",
+           "local_slices"]
+
 _TAG = 7301  # point-to-point tag for scatter/gather traffic
-
-
-class SpatialError(HpcparError, ValueError):
-    """A volume or layer does not fit the spatial grid (too small, wrong rank, ...)."""
 
 
 def _spatial_coords(rank: int, grid) -> tuple[int, int, int]:
@@ -29,35 +30,75 @@ def _spatial_coords(rank: int, grid) -> tuple[int, int, int]:
 def _check_shape(global_shape, grid) -> tuple[int, ...]:
     shape = tuple(int(s) for s in global_shape)
     if len(shape) < 3:
-        raise SpatialError(f"volume shape {shape}: needs at least 3 (spatial) dims")
+        raise LayerError(f"volume shape {shape}: needs at least 3 (spatial) dims")
     for axis, n, p in zip("xyz", shape[-3:], grid.spatial_shape):
         if n < p:
-            raise SpatialError(f"volume shape {shape}: axis {axis} has {n} voxels but the grid "
-                               f"splits it over {p} ranks (need at least {p})")
+            raise LayerError(f"volume shape {shape}: axis {axis} has {n} voxels but the grid "
+                             f"splits it over {p} ranks (need at least {p})")
     return shape
 
 
-def local_slices(global_shape, grid, rank: int | None = None) -> tuple[slice, ...]:
-    """Slices of the global volume held by spatial ``rank`` (default: this rank)."""
+def local_slices(global_shape: Sequence[int], grid: ProcessGrid,
+                 rank: int | None = None) -> tuple[slice, ...]:
+    """Where a rank's piece sits in the global volume.
+
+    Args:
+        global_shape: Shape of the whole volume, e.g. ``(N, C, D, H, W)``; the last three
+            dims are split over x, y, z.
+        grid: The process grid.
+        rank: A rank of ``grid.spatial_comm``; this rank when None.
+
+    Returns:
+        One slice per dim (whole for the leading dims) selecting the rank's piece.
+
+    Raises:
+        LayerError: The volume has fewer than 3 dims or fewer voxels than ranks on an axis.
+    """
     shape = _check_shape(global_shape, grid)
     coords = grid.spatial_coords if rank is None else _spatial_coords(rank, grid)
     lead = [slice(None)] * (len(shape) - 3)
     return tuple(lead + [slice(*r) for r in box(shape[-3:], grid.spatial_shape, coords)])
 
 
-def local_shape(global_shape, grid, rank: int | None = None) -> tuple[int, ...]:
-    """Shape of the piece held by spatial ``rank`` (default: this rank)."""
+def local_shape(global_shape: Sequence[int], grid: ProcessGrid,
+                rank: int | None = None) -> tuple[int, ...]:
+    """Shape of the piece a rank holds (the partition rule on each spatial axis).
+
+    Args:
+        global_shape: Shape of the whole volume, e.g. ``(N, C, D, H, W)``.
+        grid: The process grid.
+        rank: A rank of ``grid.spatial_comm``; this rank when None.
+
+    Returns:
+        The local shape: leading dims unchanged, the last three split.
+
+    Raises:
+        LayerError: The volume has fewer than 3 dims or fewer voxels than ranks on an axis.
+    """
     shape = _check_shape(global_shape, grid)
     sl = local_slices(shape, grid, rank)
     return tuple(shape[:-3]) + tuple(s.stop - s.start for s in sl[-3:])
 
 
-def scatter(volume, grid, root: int = 0, device=None) -> torch.Tensor:
-    """Split ``volume`` (given on spatial rank ``root``; ignored elsewhere) over the spatial
-    group; every rank returns its own contiguous piece.
+def scatter(volume: torch.Tensor | None, grid: ProcessGrid, root: int = 0,
+            device: torch.device | str | None = None) -> torch.Tensor:
+    """Split a whole volume over the spatial group; every rank gets its own piece.
 
-    Collective over ``grid.spatial_comm``. Non-root ranks allocate on ``device`` (default
-    CPU); the root keeps the volume's device.
+    Collective over ``grid.spatial_comm``.
+
+    Args:
+        volume: The whole ``(..., D, H, W)`` tensor on spatial rank ``root``; ignored
+            (may be None) elsewhere.
+        grid: The process grid.
+        root: The spatial rank holding ``volume``.
+        device: Where non-root ranks allocate their piece (CPU when None); the root keeps
+            the volume's device.
+
+    Returns:
+        This rank's contiguous piece, shaped as [local_shape][hpcpar.parallel.spatial.local_shape].
+
+    Raises:
+        LayerError: The volume has fewer than 3 dims or fewer voxels than ranks on an axis.
     """
     comm = grid.spatial_comm
     me = comm.Get_rank()
@@ -88,8 +129,8 @@ def _layout(shapes, grid):
     lead = shapes[0][:-3]
     for r, s in enumerate(shapes):
         if tuple(s[:-3]) != tuple(lead):
-            raise SpatialError(f"spatial rank {r} holds shape {tuple(s)}, rank 0 holds "
-                               f"{tuple(shapes[0])}: leading (batch, channel) dims differ")
+            raise LayerError(f"spatial rank {r} holds shape {tuple(s)}, rank 0 holds "
+                             f"{tuple(shapes[0])}: leading (batch, channel) dims differ")
     extents = []  # per axis: extent of coordinate c along that axis
     for a, P in enumerate((X, Y, Z)):
         ext = [0] * P
@@ -105,9 +146,20 @@ def _layout(shapes, grid):
     return global_shape, slices
 
 
-def gather(local: torch.Tensor, grid, root: int = 0):
-    """Assemble the pieces of the spatial group on spatial rank ``root``; returns the full
-    volume there and ``None`` elsewhere. Collective over ``grid.spatial_comm``."""
+def gather(local: torch.Tensor, grid: ProcessGrid, root: int = 0) -> torch.Tensor | None:
+    """Assemble the pieces of the spatial group into the whole volume on one rank.
+
+    Collective over ``grid.spatial_comm``; the inverse of
+    [scatter][hpcpar.parallel.spatial.scatter].
+
+    Args:
+        local: This rank's piece.
+        grid: The process grid.
+        root: The spatial rank that receives the volume.
+
+    Returns:
+        The whole volume on ``root``; None on every other rank.
+    """
     comm = grid.spatial_comm
     me = comm.Get_rank()
     shapes = comm.gather(tuple(local.shape), root=root)
@@ -144,7 +196,3 @@ def allgather_volume(local: torch.Tensor, grid):
         full[sl] = flat[start:start + count].view(shape)
         start += count
     return full, slices[comm.Get_rank()]
-
-
-__all__ = ["SpatialError", "scatter", "gather", "allgather_volume", "local_shape",
-           "local_slices"]

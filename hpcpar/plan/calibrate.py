@@ -11,9 +11,27 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+__all__ = ["best_time", "pingpong", "conv_rate", "layer_costs", "OVERSUB_WINDOWS",
+           "oversubscription", "polite_barrier", "compute_rates", "main"]
 
 
-def _best(fn, repeat=5):
+def best_time(fn: Callable[[], object], repeat: int = 5) -> float:
+    """The fastest of several timed calls, after one untimed warm-up call.
+
+    Args:
+        fn: What to time.
+        repeat: Timed calls.
+
+    Returns:
+        Seconds of the fastest call.
+    """
+    fn()
     best = float("inf")
     for _ in range(repeat):
         t0 = time.perf_counter()
@@ -22,8 +40,17 @@ def _best(fn, repeat=5):
     return best
 
 
-def pingpong(comm, nbytes: int, iters: int) -> float:
-    """One-way time of an ``nbytes`` message between ranks 0 and 1 (half a round trip)."""
+def pingpong(comm: MPI.Comm, nbytes: int, iters: int) -> float:
+    """One-way time of a message between ranks 0 and 1 (half a round trip).
+
+    Args:
+        comm: The communicator; ranks 0 and 1 take part, the others only in the barrier.
+        nbytes: Message size.
+        iters: Round trips timed.
+
+    Returns:
+        Seconds per one-way message.
+    """
     import numpy as np
 
     buf = np.zeros(max(1, nbytes), dtype=np.uint8)
@@ -70,8 +97,20 @@ def _seconds_per_step(mod, x, seconds: float, windows: int = 3) -> float:
 
 
 def conv_rate(cin: int, size: int = 24, batch: int = 4, seconds: float = 0.6) -> float:
-    """Forward + backward of hpcpar's SpatialConv3d (k=3, cin -> 2*cin, its halo buffers
-    included) on one thread, as 3x forward FLOP/s."""
+    """Measure the convolution rate of one thread as training runs it.
+
+    Forward + backward of hpcpar's SpatialConv3d (k=3, cin -> 2*cin, its halo buffers
+    included), counted as 3x the forward FLOPs.
+
+    Args:
+        cin: Input channels.
+        size: Volume edge.
+        batch: Batch size.
+        seconds: Length of each timing window.
+
+    Returns:
+        FLOP/s.
+    """
     import torch
 
     from hpcpar.nn import SpatialConv3d
@@ -84,8 +123,19 @@ def conv_rate(cin: int, size: int = 24, batch: int = 4, seconds: float = 0.6) ->
 
 
 def layer_costs(cin: int = 8, size: int = 24, batch: int = 4, seconds: float = 0.4) -> tuple:
-    """Seconds per input byte, forward + backward, of the memory-bound layers as hpcpar runs
-    them: max-pool (halo buffers included), LeakyReLU, batch norm."""
+    """Measure the memory-bound layers as hpcpar runs them (one thread).
+
+    Max-pool (halo buffers included), LeakyReLU and batch norm, forward + backward.
+
+    Args:
+        cin: Channels.
+        size: Volume edge.
+        batch: Batch size.
+        seconds: Length of each timing window.
+
+    Returns:
+        ``((kind, seconds per input byte), ...)`` for ``pool``, ``pointwise`` and ``bn``.
+    """
     import torch
 
     from hpcpar.nn import SpatialBatchNorm3d, SpatialMaxPool3d
@@ -123,9 +173,17 @@ def _extra_rank(ready, go, out) -> None:
     out.put([_torch_conv_rate(0.5) for _ in range(OVERSUB_WINDOWS)])
 
 
-def oversubscription(comm) -> float:
-    """Compute per core with two ranks per core, relative to one rank per core (1.0: time
-    slicing costs nothing): every rank starts a helper process that computes beside it."""
+def oversubscription(comm: MPI.Comm) -> float:
+    """Compute per core with two ranks per core, relative to one rank per core (collective).
+
+    Every rank starts a helper process that computes beside it.
+
+    Args:
+        comm: The ranks of the calibration.
+
+    Returns:
+        The ratio (1.0: time slicing costs nothing).
+    """
     import multiprocessing
 
     polite_barrier(comm)
@@ -150,8 +208,12 @@ def oversubscription(comm) -> float:
     return min(1.0, sorted(over)[len(over) // 2] / full)
 
 
-def polite_barrier(comm) -> None:
-    """A barrier that sleeps instead of spinning, so waiting ranks leave the cores alone."""
+def polite_barrier(comm: MPI.Comm) -> None:
+    """A barrier that sleeps instead of spinning, so waiting ranks leave the cores alone.
+
+    Args:
+        comm: The communicator.
+    """
     req = comm.Ibarrier()
     while not req.Test():
         time.sleep(0.001)
@@ -166,11 +228,19 @@ def compute_rates() -> tuple[float, float, tuple, tuple]:
     rates = tuple((c, conv_rate(c)) for c in (2, 4, 8, 16, 32, 64))
     a = torch.randn(8_000_000)
     b = torch.empty_like(a)
-    tm = _best(lambda: b.copy_(a), 5)
+    tm = best_time(lambda: b.copy_(a), 5)
     return max(r for _, r in rates), 2 * a.numel() * 4 / tm, rates, layer_costs()
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Calibrate this machine and write a machine file (run under ``mpiexec -n 2`` or more).
+
+    Args:
+        argv: ``[OUT.toml, ...]``; ``sys.argv[1:]`` when None.
+
+    Returns:
+        The exit code.
+    """
     from mpi4py import MPI
 
     from hpcpar.plan.machine import Link, Machine
@@ -234,7 +304,7 @@ def _io_bw() -> float:
     with tempfile.NamedTemporaryFile() as fh:
         fh.write(data)
         fh.flush()
-        t = _best(lambda: open(fh.name, "rb").read(), 3)
+        t = best_time(lambda: open(fh.name, "rb").read(), 3)
     return len(data) / t
 
 

@@ -26,29 +26,63 @@ beta = 20e9
 from __future__ import annotations
 
 import math
-import os
 import tomllib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from hpcpar.errors import HpcparError
+from hpcpar import _env
+from hpcpar.errors import ConfigError
 
-
-class MachineError(HpcparError):
-    pass
+__all__ = ["Link", "Machine", "REQUIRED", "machines_dir", "load_machine"]
 
 
 @dataclass(frozen=True)
 class Link:
+    """An alpha-beta link: a message of n bytes costs ``alpha + n / beta`` seconds.
+
+    Attributes:
+        alpha: Seconds per message (latency).
+        beta: Bytes per second (bandwidth).
+    """
+
     alpha: float  # seconds per message
     beta: float   # bytes per second
 
     def time(self, nbytes: float, messages: int = 1) -> float:
+        """Seconds to move ``nbytes`` in ``messages`` messages.
+
+        Args:
+            nbytes: Bytes moved.
+            messages: Number of messages.
+
+        Returns:
+            ``messages * alpha + nbytes / beta``.
+        """
         return messages * self.alpha + nbytes / self.beta
 
 
 @dataclass(frozen=True)
 class Machine:
+    """A machine model for the planner: rates, links and calibrated costs (a TOML file).
+
+    Attributes:
+        name: The machine's name.
+        ranks_per_node: Ranks per node.
+        flops: Sustained FLOP/s per rank.
+        mem_bw: Memory bandwidth per rank, bytes/s.
+        mem_per_rank: Memory per rank, bytes.
+        io_bw: Read bandwidth per rank, bytes/s.
+        intra: The link between ranks of a node.
+        inter: The link between nodes.
+        description: Free text.
+        cores: Cores per node (0: one per rank).
+        conv_rates: ``((in_channels, FLOP/s), ...)`` measured by calibration.
+        contention: Per-rank compute rate with every core busy / with one busy.
+        layer_costs: ``((kind, seconds per input byte), ...)`` of memory-bound layers.
+        mem_contention: ``contention`` for memory-bound layers.
+        oversubscription: Compute per core with more ranks than cores, relative to one.
+    """
+
     name: str
     ranks_per_node: int
     flops: float
@@ -70,8 +104,18 @@ class Machine:
     oversubscription: float = 1.0
 
     def slowdown(self, ranks_on_node: int, contention: float | None = None) -> float:
-        """Compute-time factor for ``ranks_on_node`` ranks: shared memory bandwidth and caches
-        (``contention``, reached when every core is busy) times oversubscription."""
+        """Compute-time factor of a node with several busy ranks.
+
+        Shared memory bandwidth and caches (``contention``, reached when every core is
+        busy) times oversubscription.
+
+        Args:
+            ranks_on_node: Busy ranks on the node.
+            contention: The contention to use; ``self.contention`` when None.
+
+        Returns:
+            The factor (1 for one rank).
+        """
         contention = self.contention if contention is None else contention
         cores = self.cores or self.ranks_per_node
         busy = min(max(ranks_on_node, 1), cores)
@@ -79,12 +123,28 @@ class Machine:
         return (1 + (1 / contention - 1) * frac) / self.compute_share(ranks_on_node)
 
     def layer_cost(self, kind: str) -> float | None:
-        """Calibrated seconds per input byte (forward + backward) of a memory-bound layer."""
+        """Calibrated seconds per input byte (forward + backward) of a memory-bound layer.
+
+        Args:
+            kind: ``"pool"``, ``"pointwise"`` or ``"bn"``.
+
+        Returns:
+            The cost, or None when not calibrated.
+        """
         return dict(self.layer_costs).get(kind)
 
     def conv_rate(self, in_channels: int) -> float:
-        """Sustained conv rate for a layer with ``in_channels`` inputs: log-linear between the
-        calibrated points (small channel counts run far below peak on CPUs), else ``flops``."""
+        """Sustained convolution rate for a layer.
+
+        Log-linear between the calibrated points (small channel counts run far below peak on
+        CPUs), else ``flops``.
+
+        Args:
+            in_channels: The layer's input channels.
+
+        Returns:
+            FLOP/s.
+        """
         pts = sorted(self.conv_rates)
         if not pts:
             return self.flops
@@ -97,13 +157,21 @@ class Machine:
         return pts[-1][1]
 
     def compute_share(self, ranks_on_node: int) -> float:
-        """Fraction of a core each rank gets (1 unless the node is oversubscribed)."""
+        """Fraction of a core each rank gets.
+
+        Args:
+            ranks_on_node: Ranks on the node.
+
+        Returns:
+            1 unless the node is oversubscribed.
+        """
         cores = self.cores or self.ranks_per_node
         if ranks_on_node <= cores:
             return 1.0
         return cores / ranks_on_node * self.oversubscription
 
     def to_toml(self) -> str:
+        """The machine as a machine file (what ``load_machine`` reads)."""
         d = asdict(self)
         lines = [f'name = "{self.name}"', f'description = "{self.description}"']
         for k in ("ranks_per_node", "cores", "flops", "mem_bw", "mem_per_rank", "io_bw",
@@ -127,9 +195,9 @@ REQUIRED = {"ranks_per_node": int, "flops": float, "mem_bw": float, "mem_per_ran
 def machines_dir() -> Path:
     """``HPCPAR_MACHINES``, else ``machines/`` of hpcpar's slurm data (installed package data
     or the source checkout's ``slurm/``)."""
-    env = os.environ.get("HPCPAR_MACHINES")
-    if env:
-        return Path(env)
+    folder = _env.get("HPCPAR_MACHINES")
+    if folder:
+        return Path(folder)
     from hpcpar._resources import data_dirs
 
     dirs = [d / "machines" for d in data_dirs()]
@@ -137,28 +205,38 @@ def machines_dir() -> Path:
 
 
 def load_machine(name_or_path: str) -> Machine:
-    """Load a machine by file path or by name in :func:`machines_dir`."""
+    """Load a machine file.
+
+    Args:
+        name_or_path: A path, or a name in ``machines_dir()``.
+
+    Returns:
+        The machine.
+
+    Raises:
+        ConfigError: Not found, invalid TOML, a missing key or a bad value.
+    """
     path = Path(name_or_path)
     if not path.suffix:
         path = machines_dir() / f"{name_or_path}.toml"
     if not path.is_file():
         known = sorted(p.stem for p in machines_dir().glob("*.toml"))
-        raise MachineError(f"machine file {path}: not found (known machines: "
-                           f"{', '.join(known) or 'none'})")
+        raise ConfigError(f"machine file {path}: not found (known machines: "
+                          f"{', '.join(known) or 'none'})")
     try:
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
-        raise MachineError(f"machine file {path}: not valid TOML ({exc})") from None
-    for key, typ in REQUIRED.items():
+        raise ConfigError(f"machine file {path}: not valid TOML ({exc})") from None
+    for key in REQUIRED:
         if key not in raw:
-            raise MachineError(f"machine file {path}: missing key {key!r}")
+            raise ConfigError(f"machine file {path}: missing key {key!r}")
         if not isinstance(raw[key], (int, float)) or raw[key] <= 0:
-            raise MachineError(f"machine file {path}: {key} must be a positive number")
+            raise ConfigError(f"machine file {path}: {key} must be a positive number")
     links = {}
     for sec in ("intra", "inter"):
         s = raw.get(sec)
         if not isinstance(s, dict) or not {"alpha", "beta"} <= set(s):
-            raise MachineError(f"machine file {path}: section [{sec}] needs alpha and beta")
+            raise ConfigError(f"machine file {path}: section [{sec}] needs alpha and beta")
         links[sec] = Link(float(s["alpha"]), float(s["beta"]))
     return Machine(name=str(raw.get("name", path.stem)), ranks_per_node=int(raw["ranks_per_node"]),
                    flops=float(raw["flops"]), mem_bw=float(raw["mem_bw"]),

@@ -19,11 +19,19 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from typing import TYPE_CHECKING
 
-from hpcpar.plan.machine import Machine
 from hpcpar.parallel.partition import conv_axis_halo, conv_pads, split_sizes, transposed_axis_halo
+from hpcpar.plan.machine import Machine
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["BYTES", "BUCKET_BYTES", "Layer", "trace_layers", "Workload", "Prediction", "grids",
+           "allreduce_time", "predict", "plan"]
 
 BYTES = {"fp32": 4, "bf16": 2}
 BUCKET_BYTES = 25 * 2**20
@@ -31,6 +39,18 @@ BUCKET_BYTES = 25 * 2**20
 
 @dataclass
 class Layer:
+    """One traced leaf layer.
+
+    Attributes:
+        kind: ``conv``, ``convT``, ``pool``, ``bn``, ``pointwise``, ``linear`` or ``gather``.
+        spatial: Runs on partitioned volumes (before the gather point).
+        in_shape: Input shape per sample, ``(C, D, H, W)`` or ``(F,)``.
+        out_shape: Output shape per sample.
+        params: Parameter count.
+        flops: Forward FLOPs per sample (dense layers).
+        halo: Per spatial axis, ``(n_in, parts, index) -> AxisHalo``.
+    """
+
     kind: str            # conv, convT, pool, bn, pointwise, linear, gather
     spatial: bool        # runs on partitioned volumes (before the gather point)
     in_shape: tuple      # per sample (C, D, H, W) or (F,)
@@ -41,8 +61,8 @@ class Layer:
 
 
 def _stencil_halos(mod) -> tuple:
-    """Per-axis halo functions of a conv / transposed conv / pool, from hpcpar.parallel.partition (the
-    same geometry the spatial layers use)."""
+    """Per-axis halo functions of a conv / transposed conv / pool, from
+    hpcpar.parallel.partition (the same geometry the spatial layers use)."""
     from torch import nn
 
     def tup(v):
@@ -69,8 +89,16 @@ def _halo_width(axis_halo, n: int, parts: int) -> int:
     return max(widths)
 
 
-def trace_layers(model, sample_shape) -> list[Layer]:
-    """Leaf layers of ``model`` in call order with per-sample shapes, traced on ``meta``."""
+def trace_layers(model: torch.nn.Module, sample_shape: Sequence[int]) -> list[Layer]:
+    """The leaf layers of a plain model in call order, traced on torch's ``meta`` device.
+
+    Args:
+        model: The plain (not spatialized) model.
+        sample_shape: Shape of one sample, e.g. ``(C, D, H, W)``.
+
+    Returns:
+        The layers with per-sample shapes, parameters, FLOPs and halo functions.
+    """
     import torch
     from torch import nn
 
@@ -125,7 +153,17 @@ def trace_layers(model, sample_shape) -> list[Layer]:
 
 @dataclass
 class Workload:
-    """What the planner needs to know about a job."""
+    """What the planner needs to know about a job.
+
+    Attributes:
+        name: The job's name.
+        layers: The traced layers (``trace_layers``).
+        sample_shape: Shape of one sample.
+        global_batch: Samples per step.
+        precision: ``"fp32"`` or ``"bf16"``.
+        optimizer: The optimizer (its state counts in memory).
+        params: Parameter count (summed from the layers).
+    """
 
     name: str
     layers: list
@@ -136,11 +174,28 @@ class Workload:
     params: int = 0
 
     def __post_init__(self):
-        self.params = sum(l.params for l in self.layers)
+        self.params = sum(layer.params for layer in self.layers)
 
 
 @dataclass
 class Prediction:
+    """The predicted step of one grid; times are seconds per step, per rank.
+
+    Attributes:
+        grid: ``(data, x, y, z)``.
+        feasible: False when the grid cannot run.
+        reason: Why not (a layer's extent, the batch, memory).
+        t_compute: Compute time.
+        t_halo: Halo exchange time.
+        t_gather: Time of the gather feeding a replicated head.
+        t_allreduce: Gradient allreduce time.
+        t_allreduce_exposed: The part of it not hidden behind backward.
+        t_io: Exposed I/O time.
+        t_step: The whole step.
+        mem_bytes: Peak memory per rank.
+        extra: Further facts.
+    """
+
     grid: tuple
     feasible: bool
     reason: str = ""
@@ -156,11 +211,19 @@ class Prediction:
 
     @property
     def spec(self) -> str:
+        """The grid as ``"DxXxYxZ"``."""
         return "x".join(map(str, self.grid))
 
 
-def grids(n: int):
-    """Every (data, x, y, z) with product ``n``."""
+def grids(n: int) -> Iterator[tuple[int, int, int, int]]:
+    """Every grid of ``n`` ranks.
+
+    Args:
+        n: Number of ranks.
+
+    Yields:
+        Every ``(data, x, y, z)`` with product ``n``.
+    """
     for d in range(1, n + 1):
         if n % d:
             continue
@@ -178,7 +241,19 @@ def _ring_allreduce(nbytes: float, p: int, link, messages_per_step: int = 1) -> 
 
 
 def allreduce_time(nbytes: float, ranks: int, machine: Machine) -> float:
-    """Hierarchical: intra-node reduce + inter-node ring between node peers + broadcast."""
+    """Predicted time of one gradient allreduce.
+
+    Hierarchical: intra-node reduce, inter-node ring between node peers, intra-node
+    broadcast.
+
+    Args:
+        nbytes: Bytes reduced.
+        ranks: Ranks taking part.
+        machine: The machine model.
+
+    Returns:
+        Seconds.
+    """
     per_node = min(ranks, machine.ranks_per_node)
     nodes = math.ceil(ranks / per_node)
     buckets = max(1, math.ceil(nbytes / BUCKET_BYTES))
@@ -188,6 +263,16 @@ def allreduce_time(nbytes: float, ranks: int, machine: Machine) -> float:
 
 
 def predict(work: Workload, grid: tuple, machine: Machine) -> Prediction:
+    """Predict one training step of a job on one grid (the model is the module docstring).
+
+    Args:
+        work: The job.
+        grid: ``(data, x, y, z)``.
+        machine: The machine model.
+
+    Returns:
+        The prediction; infeasible with a reason when the grid cannot run.
+    """
     d, X, Y, Z = grid
     pred = Prediction(grid, True)
     nbytes = BYTES.get(work.precision, 4)
@@ -275,7 +360,16 @@ def predict(work: Workload, grid: tuple, machine: Machine) -> Prediction:
 
 
 def plan(work: Workload, ranks: int, machine: Machine) -> list[Prediction]:
-    """Predictions for every grid of ``ranks``, feasible ones first, fastest first."""
+    """Predict every grid of a rank count.
+
+    Args:
+        work: The job.
+        ranks: Number of ranks.
+        machine: The machine model.
+
+    Returns:
+        One prediction per grid: feasible ones first, fastest first.
+    """
     preds = [predict(work, g, machine) for g in grids(ranks)]
     return sorted(preds, key=lambda p: (not p.feasible, p.t_step if p.feasible else 0.0,
                                         p.grid))

@@ -13,8 +13,9 @@ Writing is collective: every rank writes its file into ``.tmp-step-000100/`` and
 rank 0 adds the shared files and the manifest, fsyncs, renames the directory to its final name
 (atomic on POSIX) and fsyncs the parent, then prunes to the newest ``keep``. A crash at any
 moment leaves either the previous set or the complete new one. On resume rank 0 verifies the
-manifest's checksums newest first, warns about and skips a corrupt one, and broadcasts the
-choice.
+manifest's checksums newest first, warns once about a corrupt one and renames it aside
+(``step-N.corrupt``: kept, never rotated away), and broadcasts the choice; when checkpoints
+exist but none verifies, resume is an error naming them (never a silent restart).
 
 Tensor-parallel (or otherwise sharded) modules take part through two optional, collective
 methods: ``module.full_state_dict()`` returns the gathered single-process entries of that module
@@ -31,15 +32,17 @@ import shutil
 import warnings
 from pathlib import Path
 
-from hpcpar.errors import HpcparError
+from hpcpar.errors import RunDirError
+
+__all__ = ["MANIFEST", "FORMAT_VERSION", "PREFIX", "step_dir_name", "rank_file", "full_state_dict",
+           "load_full_state_dict", "local_buffers", "rng_state", "set_rng_state", "sha256_file",
+           "list_checkpoints", "verify", "save", "find_resumable", "CORRUPT_SUFFIX", "set_aside",
+           "choose_resumable", "check_optimizer", "nonfinite_entries", "check_compatible",
+           "source_rank", "load"]
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 PREFIX = "step-"
-
-
-class CheckpointError(HpcparError, RuntimeError):
-    """No usable checkpoint, or one written by an incompatible run."""
 
 
 def step_dir_name(step: int) -> str:
@@ -94,13 +97,13 @@ def load_full_state_dict(model, sd: dict) -> None:
         missing, unexpected = model.load_state_dict(rest, strict=False)
     except RuntimeError as exc:  # shape mismatches
         detail = " ".join(str(exc).split("\n")[1:2]).strip()
-        raise CheckpointError(f"checkpoint model state does not fit this model: {detail}") \
+        raise RunDirError(f"checkpoint model state does not fit this model: {detail}") \
             from None
     owned = tuple(p + "." for p, _ in hooked)
     missing = [k for k in missing if not k.startswith(owned)] if owned else missing
     if missing or unexpected:
-        raise CheckpointError(f"checkpoint model state does not fit this model: missing "
-                              f"{missing[:3]}, unexpected {unexpected[:3]}")
+        raise RunDirError(f"checkpoint model state does not fit this model: missing "
+                          f"{missing[:3]}, unexpected {unexpected[:3]}")
 
 
 def local_buffers(model) -> dict:
@@ -109,7 +112,7 @@ def local_buffers(model) -> dict:
     return {k: v.detach().cpu().clone() for k, v in model.named_buffers()}
 
 
-# -- RNG --------------------------------------------------------------------------------------------
+# -- RNG -------------------------------------------------------------------------------------------
 def rng_state() -> dict:
     """Python, NumPy and torch (CPU + CUDA) generator states in weights_only-safe types."""
     import numpy as np
@@ -139,7 +142,7 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-# -- files ------------------------------------------------------------------------------------------
+# -- files -----------------------------------------------------------------------------------------
 def sha256_file(path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -178,19 +181,19 @@ def list_checkpoints(ckpt_dir) -> list[Path]:
 
 def verify(path) -> dict:
     """The manifest of checkpoint ``path`` after checking every file's size and sha256;
-    raises CheckpointError naming the first problem."""
+    raises RunDirError naming the first problem."""
     path = Path(path)
     try:
         manifest = json.loads((path / MANIFEST).read_text())
         files = manifest["files"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{path}: unreadable manifest ({exc})") from None
+        raise RunDirError(f"{path}: unreadable manifest ({exc})") from None
     for name, info in files.items():
         f = path / name
         if not f.is_file():
-            raise CheckpointError(f"{path}: missing {name}")
+            raise RunDirError(f"{path}: missing {name}")
         if f.stat().st_size != info["bytes"] or sha256_file(f) != info["sha256"]:
-            raise CheckpointError(f"{path}: {name} is corrupt (sha256 mismatch)")
+            raise RunDirError(f"{path}: {name} is corrupt (sha256 mismatch)")
     return manifest
 
 
@@ -218,7 +221,7 @@ def save(ckpt_dir, step: int, *, comm, model_state: dict | None, trainer_state: 
             err = f"cannot create {tmp}: {exc}"
     err = comm.bcast(err, root=0)
     if err:
-        raise CheckpointError(err)
+        raise RunDirError(err)
     mine = {}
     try:
         mine[rank_file(rank)] = _save(rank_state, tmp / rank_file(rank))
@@ -252,7 +255,7 @@ def save(ckpt_dir, step: int, *, comm, model_state: dict | None, trainer_state: 
             err = f"checkpoint {final} failed: {exc}"
     err = comm.bcast(err, root=0)
     if err:
-        raise CheckpointError(err)
+        raise RunDirError(err)
     return final
 
 
@@ -264,7 +267,7 @@ def find_resumable(ckpt_dir, comm, log=print) -> Path | None:
         for path in list_checkpoints(ckpt_dir):
             try:
                 verify(path)
-            except CheckpointError as exc:
+            except RunDirError as exc:
                 msg = f"warning: skipping corrupt checkpoint: {exc}"
                 log(msg)
                 warnings.warn(msg, RuntimeWarning, stacklevel=2)
@@ -275,15 +278,110 @@ def find_resumable(ckpt_dir, comm, log=print) -> Path | None:
     return Path(choice) if choice else None
 
 
-def check_compatible(path, world_size: int, grid_spec: str) -> dict:
-    """The manifest of ``path`` if it was written by the same grid (every rank calls this with
-    the same arguments, so all raise together)."""
+CORRUPT_SUFFIX = ".corrupt"
+
+
+def set_aside(path) -> Path:
+    """Rename a corrupt checkpoint to ``step-N.corrupt`` (``.corrupt-2``, ... if taken): kept for
+    the user, no longer listed, so never resumed from nor rotated away."""
+    path = Path(path)
+    dest, n = path.with_name(path.name + CORRUPT_SUFFIX), 1
+    while dest.exists():
+        n += 1
+        dest = path.with_name(f"{path.name}{CORRUPT_SUFFIX}-{n}")
+    os.rename(path, dest)
+    return dest
+
+
+def choose_resumable(ckpt_dir, comm, log=print) -> Path | None:
+    """Collective: the newest valid checkpoint, or None when there is no checkpoint at all.
+
+    Rank 0 verifies newest first. Corrupt checkpoints newer than the chosen one are renamed
+    aside (:func:`set_aside`) with one warning each. When checkpoints exist but none verifies,
+    every rank raises :class:`RunDirError` naming them, and nothing is renamed: a silent
+    restart from step 0 would throw the run away."""
+    choice, error = None, None
+    if comm.Get_rank() == 0:
+        bad = []
+        for path in list_checkpoints(ckpt_dir):
+            try:
+                verify(path)
+            except RunDirError as exc:
+                bad.append((path, str(exc).replace(f"{path}: ", "")))
+                continue
+            choice = str(path)
+            break
+        if bad and choice is None:
+            names = "; ".join(f"{p.name} ({why})" for p, why in bad)
+            error = (f"{ckpt_dir}: no valid checkpoint to resume from: {names}; they are left "
+                     f"untouched: restore them, or start over with --fresh (moves them aside)")
+        for path, why in bad if choice is not None else ():
+            try:
+                kept = set_aside(path).name
+            except OSError as exc:
+                kept = f"{path.name} (could not rename: {exc})"
+            log(f"warning: skipping corrupt checkpoint: {path}: {why}; kept as {kept}")
+    choice, error = comm.bcast((choice, error), root=0)
+    if error:
+        exc = RunDirError(error)
+        exc.collective = True
+        raise exc
+    return Path(choice) if choice else None
+
+
+def check_optimizer(path, optimizer, name: str, saved_state: dict) -> None:
+    """Raise a one-line :class:`RunDirError` when checkpoint ``path`` holds the state of another
+    optimizer than ``optimizer`` (``name`` from the job): torch would load it and fail later
+    with a KeyError inside ``step()``."""
     manifest = json.loads((Path(path) / MANIFEST).read_text())
-    if manifest["world_size"] != world_size or manifest.get("grid") != grid_spec:
-        raise CheckpointError(f"{path}: written by grid {manifest.get('grid')} "
-                              f"({manifest['world_size']} ranks); this run is grid {grid_spec}: "
-                              f"use the same grid or --no-resume")
+    saved_name = manifest.get("optimizer")
+    saved_groups = saved_state.get("param_groups", [])
+    mine = [set(g) - {"params"} for g in optimizer.state_dict()["param_groups"]]
+    theirs = [set(g) - {"params"} for g in saved_groups]
+    sizes = [len(g["params"]) for g in optimizer.state_dict()["param_groups"]]
+    if (saved_name not in (None, name) or mine != theirs
+            or sizes != [len(g.get("params", [])) for g in saved_groups]):
+        was = f"optimizer {saved_name!r}" if saved_name else "another optimizer"
+        exc = RunDirError(f"{path}: written with {was}, this run uses {name!r}: resume with the "
+                          f"job's original optimizer settings, or start over with --fresh")
+        exc.collective = True
+        raise exc
+
+
+def nonfinite_entries(state: dict) -> list[str]:
+    """Names of the floating-point tensors in ``state`` holding NaN or inf."""
+    import torch
+
+    return [k for k, v in state.items() if isinstance(v, torch.Tensor)
+            and v.is_floating_point() and not bool(torch.isfinite(v).all())]
+
+
+def check_compatible(path, shape) -> dict:
+    """The manifest of ``path`` if this grid (``shape`` = (data, X, Y, Z)) can resume it: the
+    same spatial split; the data width may differ (a job that lost nodes resumes on fewer).
+    Every rank calls this with the same arguments, so all raise together."""
+    manifest = json.loads((Path(path) / MANIFEST).read_text())
+    old = _grid_shape(manifest)
+    if tuple(old[1:]) != tuple(shape[1:]):
+        spec = "x".join(map(str, shape))
+        raise RunDirError(f"{path}: written by grid {manifest.get('grid')}, this run is grid "
+                          f"{spec}: a checkpoint resumes on another data width but not on "
+                          f"another spatial split; use --grid DATAx{'x'.join(map(str, old[1:]))}"
+                          f" or --fresh")
     return manifest
+
+
+def _grid_shape(manifest: dict) -> tuple[int, ...]:
+    return tuple(int(v) for v in str(manifest.get("grid", "")).split("x"))
+
+
+def source_rank(manifest: dict, coords) -> int:
+    """The rank of the checkpoint's grid whose per-rank file (RNG, loader position, local
+    buffers) rank ``coords`` = (d, i, j, k) of this grid takes: same spatial place, data
+    index ``d`` modulo the old data width (identical to ``rank`` when the grid is unchanged)."""
+    old_d, x, y, z = _grid_shape(manifest)
+    d, i, j, k = coords
+    return i + x * (j + y * (k + z * (d % old_d)))
 
 
 def load(path, rank: int) -> tuple[dict, dict, dict, dict]:

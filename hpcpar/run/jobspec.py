@@ -3,7 +3,7 @@
 ``load_job(path, overrides=["train.lr=0.01"])`` parses, applies ``--set`` overrides, validates
 every key (unknown key with a did-you-mean, wrong type, out-of-range value, missing required
 key) and returns a :class:`JobSpec` with defaults filled in. Every problem raises
-:class:`JobSpecError`, whose message is one line naming the file, ``[section] key`` and what was
+:class:`ConfigError`, whose message is one line naming the file, ``[section] key`` and what was
 expected. The kind-specific keys of ``[model]`` and ``[data]`` come from the workload registered
 for ``[model] kind`` (``hpcpar.run.workloads.base``). This module does not import torch.
 """
@@ -12,21 +12,27 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
+import os
 import re
 import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpcpar.errors import HpcparError
+from hpcpar.errors import ConfigError, HpcparError
 from hpcpar.parallel.grid import AXES, resolve_shape
 from hpcpar.run.workloads.base import REQUIRED, Param
 
+__all__ = ["TIME_RE", "NAME_RE", "SCHEMA", "TYPE_NAMES", "Section", "JobSpec", "check_value",
+           "parse_override", "load_job", "build_job", "safe_name", "load_resolved", "grid_fix",
+           "profile_window"]
+
 TIME_RE = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$|^\d+$")
-
-
-class JobSpecError(HpcparError, ValueError):
-    """A job file (or ``--set`` override) that does not fit the schema."""
+#: A job name is one path component: run directories are runs/<name>-<time>, never elsewhere.
+# one path component that stays under runs/: no '/' or NUL, not hidden, not an option
+NAME_RE = re.compile(r"^[^/\0.\-][^/\0]{0,199}$")
 
 
 def _p(t, default=REQUIRED, **kw) -> Param:
@@ -36,13 +42,15 @@ def _p(t, default=REQUIRED, **kw) -> Param:
 # Fixed sections; [model] and [data] add the workload's keys.
 SCHEMA: dict[str, dict[str, Param]] = {
     "job": {
-        "name": _p(str, "job", help="run name; run dirs default to runs/<name>-<timestamp>"),
+        "name": _p(str, "job", help="run name; run dirs default to runs/<name>"),
         "description": _p(str, "", help="free text"),
     },
     "grid": {a: _p(int, -1 if a == "data" else 1, min=-1,
                    help="ranks along this axis (-1: inferred from the rank count)")
              for a in AXES},
-    "model": {"kind": _p(str, help="cosmoflow, unet3d, gcn, sage, ...")},
+    "model": {"kind": _p(str, help="cosmoflow, unet3d, gcn, sage, an installed package's kind "
+                                   "(entry point group hpcpar.workloads), or "
+                                   "'package.module:Workload'")},
     "data": {},
     "train": {
         "steps": _p(int, None, min=1, help="optimizer steps (give steps or epochs)"),
@@ -65,6 +73,10 @@ SCHEMA: dict[str, dict[str, Param]] = {
         "channels_last": _p(bool, False, help="volume models: channels_last_3d inputs"),
         "val_every": _p(int, 0, min=0, help="validate every N steps (0: only at the end)"),
         "log_every": _p(int, 10, min=1, help="rank-0 log line every N steps"),
+        "on_nonfinite": _p(str, "stop", choices=("stop", "skip"),
+                           help="non-finite loss/gradient: stop the run (exit 4) or skip the step"),
+        "grad_sync": _p(str, "mpi", choices=("mpi", "nccl"),
+                        help="who reduces gradient buckets: MPI, or NCCL (CUDA models)"),
     },
     "ddp": {
         "bucket_cap_mb": _p(float, 25.0, min=0.0),
@@ -89,16 +101,55 @@ SCHEMA: dict[str, dict[str, Param]] = {
         "constraint": _p(str, None),
     },
     "output": {
-        "dir": _p(str, None, help="run directory (else runs/<name>-<timestamp>)"),
+        "dir": _p(str, None, help="run directory (else runs/<name>)"),
+        "tensorboard": _p(bool, False, help="TensorBoard event files in RUN/tensorboard "
+                                            "(rank 0; pip install 'hpcpar[tensorboard]')"),
+        "callbacks": _p(list, [], help="'package.module:factory' names; factory(job) -> "
+                                       "hpcpar.run.callbacks.Callback, on every rank"),
+    },
+    "profile": {
+        "steps": _p(str, None, help="torch.profiler window, e.g. '20-24' (1-based steps): "
+                                    "one Chrome trace per rank in RUN/profile"),
+        "record_shapes": _p(bool, False, help="record operator input shapes"),
+        "memory": _p(bool, False, help="profile memory allocations"),
     },
 }
+
+PROFILE_RE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
+
+
+def profile_window(text: str | None) -> tuple[int, int] | None:
+    """``[profile] steps`` as a 1-based inclusive ``(first, last)``, or None when unset.
+
+    Args:
+        text: ``"20-24"`` or ``"20"``.
+
+    Returns:
+        The window, or None.
+
+    Raises:
+        ConfigError: Not ``A-B`` with ``1 <= A <= B``.
+    """
+    if text is None:
+        return None
+    m = PROFILE_RE.match(text)
+    if not m or int(m.group(1)) < 1 or int(m.group(2) or m.group(1)) < int(m.group(1)):
+        raise ConfigError(f"[profile] steps: {text!r} is not a step window such as '20-24' "
+                          f"(1-based, first <= last)")
+    return int(m.group(1)), int(m.group(2) or m.group(1))
 
 TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
               list: "a list", dict: "a table"}
 
 
 class Section:
-    """Attribute access to one validated section; ``params`` holds the kind-specific keys."""
+    """Attribute access to one validated section; ``params`` holds the kind-specific keys.
+
+    Args:
+        name: The section's name (``"train"``).
+        values: The section's validated keys, exposed as attributes.
+        params: The kind-specific keys (``[model]`` and ``[data]``).
+    """
 
     def __init__(self, name: str, values: dict, params: dict | None = None):
         self._name = name
@@ -106,6 +157,7 @@ class Section:
         self.params = dict(params or {})
 
     def as_dict(self) -> dict:
+        """Every key of the section, the kind-specific ones included."""
         out = {k: v for k, v in self.__dict__.items() if not k.startswith("_") and k != "params"}
         out.update(self.params)
         return out
@@ -123,7 +175,15 @@ class Section:
 
 @dataclass
 class JobSpec:
-    """A validated job: sections as attributes (``job.train.lr``, ``job.model.params``)."""
+    """A validated job: sections as attributes (``job.train.lr``, ``job.model.params``).
+
+    Made by [load_job][hpcpar.run.jobspec.load_job] or
+    [build_job][hpcpar.run.jobspec.build_job].
+
+    Attributes:
+        source: Where the job came from (the file path), for messages.
+        sections: Section name -> validated section.
+    """
 
     source: str
     sections: dict[str, Section] = field(default_factory=dict)
@@ -136,31 +196,50 @@ class JobSpec:
 
     @property
     def name(self) -> str:
+        """The job's name (``[job] name``, else the file's stem)."""
         return self.sections["job"].name
 
     @property
     def grid_shape(self) -> tuple[int, int, int, int]:
+        """``[grid]`` as ``(data, x, y, z)``; one axis may still be -1."""
         g = self.sections["grid"]
         return tuple(getattr(g, a) for a in AXES)  # type: ignore[return-value]
 
     def to_dict(self) -> dict:
+        """Section name -> every key of the section (what ``RUN/job.json`` stores)."""
         return {name: s.as_dict() for name, s in self.sections.items()}
 
     def to_json(self) -> str:
+        """The job and its source as JSON (``RUN/job.json``; see ``load_resolved``)."""
         return json.dumps({"source": self.source, "job": self.to_dict()}, indent=1)
 
     def check_ranks(self, n: int) -> tuple[int, int, int, int]:
-        """Resolve the grid against ``n`` ranks; global batch must split over data ranks."""
+        """Resolve the grid against a rank count.
+
+        Args:
+            n: Number of ranks.
+
+        Returns:
+            The grid shape ``(data, x, y, z)``.
+
+        Raises:
+            ConfigError: The grid does not fit ``n`` ranks, or the global batch does not
+                split over the data ranks.
+        """
         try:
             shape = resolve_shape(self.grid_shape, n)
         except HpcparError as exc:
-            raise JobSpecError(f"{self.source}: [grid] {exc}") from None
+            raise ConfigError(f"{self.source}: [grid] {exc}; {grid_fix(self.grid_shape, n)}") \
+                from None
         from hpcpar.run.workloads.base import get_workload
 
         batch = self.train.global_batch
         if getattr(get_workload(self.model.kind), "splits_global_batch", True) and batch % shape[0]:
-            raise JobSpecError(f"{self.source}: [train] global_batch: {batch} does not split over "
-                               f"{shape[0]} data-parallel ranks (grid {'x'.join(map(str, shape))})")
+            fit = -(-batch // shape[0]) * shape[0]
+            raise ConfigError(f"{self.source}: [train] global_batch: {batch} does not split over "
+                              f"{shape[0]} data-parallel ranks (grid {'x'.join(map(str, shape))})"
+                              f"; use --set train.global_batch={fit} (a multiple of "
+                              f"{shape[0]}), or another grid")
         return shape
 
     def fixed_ranks(self) -> int | None:
@@ -175,6 +254,35 @@ class JobSpec:
         if r.tasks_per_node:
             return r.nodes * r.tasks_per_node
         return None
+
+
+def grid_fix(shape: Sequence[int], n: int) -> str:
+    """The fix to suggest when grid ``shape`` (data, x, y, z; one axis may be -1) does not fit
+    ``n`` ranks: the rank count it needs, and a grid for ``n`` ranks keeping the spatial split
+    when it divides ``n``.
+
+    Args:
+        shape: The job's grid.
+        n: The rank count asked for.
+
+    Returns:
+        One clause, e.g. ``"run with -n 4, or fit the grid to 2 ranks: --grid 1x2x1x1"``.
+    """
+    known = math.prod(s for s in shape if s != -1)
+    fixes = []
+    if -1 not in shape:
+        fixes.append(f"run with -n {known}")
+    elif known:
+        fixes.append(f"run with -n {known * max(1, -(-n // known))} (a multiple of {known})")
+    spatial = [1 if s == -1 else s for s in shape[1:]]
+    sp = math.prod(spatial)
+    if n % sp == 0:
+        grid = "x".join(map(str, (n // sp, *spatial)))
+        more = " (or data = -1 in [grid])" if shape[0] != -1 else ""
+        fixes.append(f"fit the grid to {n} ranks: --grid {grid}{more}")
+    else:
+        fixes.append(f"fit the grid to {n} ranks, e.g. --grid {n}x1x1x1 (data parallel only)")
+    return ", or ".join(fixes)
 
 
 # -- parsing ----------------------------------------------------------------------------------
@@ -200,25 +308,40 @@ def _describe(types) -> str:
     return " or ".join(TYPE_NAMES.get(t, t.__name__) for t in types)
 
 
-def check_value(where: str, key: str, value, spec: Param):
-    """Validate one value against its Param; returns the normalised value."""
+def check_value(where: str, key: str, value: Any, spec: Param) -> Any:
+    """Validate one value against its Param.
+
+    Args:
+        where: The file and section, for messages.
+        key: The key, for messages.
+        value: The value as read.
+        spec: What the key accepts.
+
+    Returns:
+        The normalised value (ints accepted as floats...).
+
+    Raises:
+        ConfigError: Wrong type, out of range or not one of the choices.
+    """
     if value is None and spec.default is None:
         return None
     if not _type_ok(value, spec.type):
-        raise JobSpecError(f"{where} {key}: expected {_describe(spec.type)}, got {value!r}")
+        raise ConfigError(f"{where} {key}: expected {_describe(spec.type)}, got {value!r}")
     if spec.type is float or (isinstance(spec.type, tuple) and float in spec.type
                               and not isinstance(value, str)):
         value = float(value) if not isinstance(value, bool) else value
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{where} {key}: expected a finite number, got {value}")
     if spec.choices is not None and value not in spec.choices:
         opts = ", ".join(repr(c) if isinstance(c, str) else str(c).lower() for c in spec.choices)
         hint = _did_you_mean(value, [c for c in spec.choices if isinstance(c, str)]) \
             if isinstance(value, str) else ""
-        raise JobSpecError(f"{where} {key}: {value!r} is not one of {opts}{hint}")
+        raise ConfigError(f"{where} {key}: {value!r} is not one of {opts}{hint}")
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if spec.min is not None and value < spec.min:
-            raise JobSpecError(f"{where} {key}: {value} is out of range (must be >= {spec.min})")
+            raise ConfigError(f"{where} {key}: {value} is out of range (must be >= {spec.min})")
         if spec.max is not None and value > spec.max:
-            raise JobSpecError(f"{where} {key}: {value} is out of range (must be <= {spec.max})")
+            raise ConfigError(f"{where} {key}: {value} is out of range (must be <= {spec.max})")
     return value
 
 
@@ -227,25 +350,35 @@ def _validate_section(src: str, name: str, raw: dict, schema: dict[str, Param]) 
     out = {}
     for key, value in raw.items():
         if key not in schema:
-            raise JobSpecError(f"{where} unknown key {key!r}{_did_you_mean(key, schema)}")
+            raise ConfigError(f"{where} unknown key {key!r}{_did_you_mean(key, schema)}")
         out[key] = check_value(where, key, value, schema[key])
     for key, spec in schema.items():
         if key not in out:
             if spec.required:
-                raise JobSpecError(f"{where} {key}: required key is missing")
+                raise ConfigError(f"{where} {key}: required key is missing")
             out[key] = spec.default
     return out
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
-    """``"train.lr=0.01"`` -> ("train", "lr", 0.01); the value is read as a TOML literal when
-    it is one (numbers, booleans, quoted strings), else as a bare string."""
+    """Split a ``--set`` override.
+
+    Args:
+        text: ``"SECTION.KEY=VALUE"``; the value is read as a TOML literal when it is one
+            (numbers, booleans, quoted strings, arrays), else as a bare string.
+
+    Returns:
+        ``(section, key, value)``, e.g. ``("train", "lr", 0.01)``.
+
+    Raises:
+        ConfigError: Not of the form ``SECTION.KEY=VALUE``.
+    """
     if "=" not in text:
-        raise JobSpecError(f"--set {text!r}: expected SECTION.KEY=VALUE, e.g. train.lr=0.01")
+        raise ConfigError(f"--set {text!r}: expected SECTION.KEY=VALUE, e.g. train.lr=0.01")
     path, value = text.split("=", 1)
     path = path.strip()
     if path.count(".") != 1 or not all(path.split(".")):
-        raise JobSpecError(f"--set {text!r}: expected SECTION.KEY=VALUE, e.g. train.lr=0.01")
+        raise ConfigError(f"--set {text!r}: expected SECTION.KEY=VALUE, e.g. train.lr=0.01")
     section, key = path.split(".")
     try:
         parsed = tomllib.loads(f"v = {value.strip()}")["v"]
@@ -269,50 +402,85 @@ def _coerce_override(value, spec: Param | None):
 def _read_toml(path: str) -> dict:
     p = Path(path)
     if not p.exists():
-        raise JobSpecError(f"{path}: job file not found")
+        raise ConfigError(f"{path}: job file not found")
     if p.is_dir():
-        raise JobSpecError(f"{path}: is a directory, expected a job .toml file")
+        raise ConfigError(f"{path}: is a directory, expected a job .toml file")
     try:
         return tomllib.loads(p.read_text())
     except UnicodeDecodeError:
-        raise JobSpecError(f"{path}: not a text file") from None
+        raise ConfigError(f"{path}: not a text file") from None
     except tomllib.TOMLDecodeError as exc:
-        raise JobSpecError(f"{path}: invalid TOML: {str(exc).splitlines()[0]}") from None
+        raise ConfigError(f"{path}: invalid TOML: {str(exc).splitlines()[0]}") from None
 
 
-def load_job(path: str, overrides: list[str] | tuple = (), name: str | None = None) -> JobSpec:
-    """Read, override and validate a job file."""
+def load_job(path: str | os.PathLike, overrides: Sequence[str] = (),
+             name: str | None = None) -> JobSpec:
+    """Read, override and validate a job file (keys: ``docs/guides/jobs.md``).
+
+    Args:
+        path: The TOML job file.
+        overrides: ``"section.key=value"`` strings (``--set``), applied before validation;
+            the value is parsed as TOML, else taken as a string.
+        name: The job name when ``[job] name`` is not set; the file's stem when None.
+
+    Returns:
+        The validated job: sections as attributes (``job.train.lr``, ``job.model.params``).
+
+    Raises:
+        ConfigError: An unreadable file, invalid TOML, an unknown section or key (with a
+            "did you mean"), a value of the wrong type or out of range, or an unknown model
+            kind; one line naming the file and the field.
+
+    Example:
+        ```python
+        job = load_job("jobs/demo-cosmoflow.toml", ["train.steps=10"])
+        ```
+    """
     raw = _read_toml(path)
     return build_job(raw, overrides, source=str(path), default_name=name or Path(path).stem)
 
 
-def build_job(raw: dict, overrides=(), source: str = "<job>", default_name: str = "job") -> JobSpec:
-    """Validate an already parsed job mapping (``load_job`` without the file)."""
+def build_job(raw: dict, overrides: Sequence[str] = (), source: str = "<job>",
+              default_name: str = "job") -> JobSpec:
+    """Validate an already parsed job mapping (``load_job`` without the file).
+
+    Args:
+        raw: Section name -> key -> value, as read from TOML.
+        overrides: ``"section.key=value"`` strings applied first.
+        source: Where the mapping came from, for messages.
+        default_name: The job name when ``[job] name`` is not set.
+
+    Returns:
+        The validated job.
+
+    Raises:
+        ConfigError: An unknown section or key, a bad value, or an unknown model kind.
+    """
     from hpcpar.run.workloads.base import get_workload
 
     raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
     for text in overrides:
         section, key, value = parse_override(text)
         if section not in SCHEMA:
-            raise JobSpecError(f"--set {text!r}: unknown section [{section}]"
-                               f"{_did_you_mean(section, SCHEMA)}")
+            raise ConfigError(f"--set {text!r}: unknown section [{section}]"
+                              f"{_did_you_mean(section, SCHEMA)}")
         raw.setdefault(section, {})[key] = value
     for name, value in raw.items():
         if name not in SCHEMA:
-            raise JobSpecError(f"{source}: unknown section [{name}]{_did_you_mean(name, SCHEMA)}")
+            raise ConfigError(f"{source}: unknown section [{name}]{_did_you_mean(name, SCHEMA)}")
         if not isinstance(value, dict):
-            raise JobSpecError(f"{source}: {name!r} must be a [{name}] table, got {value!r}")
-    raw.setdefault("job", {}).setdefault("name", default_name)
+            raise ConfigError(f"{source}: {name!r} must be a [{name}] table, got {value!r}")
+    raw.setdefault("job", {}).setdefault("name", safe_name(default_name))
     model_raw = raw.get("model", {})
     if "kind" not in model_raw:
-        raise JobSpecError(f"{source}: [model] kind: required key is missing")
+        raise ConfigError(f"{source}: [model] kind: required key is missing")
     kind = model_raw["kind"]
     if not isinstance(kind, str):
-        raise JobSpecError(f"{source}: [model] kind: expected a string, got {kind!r}")
+        raise ConfigError(f"{source}: [model] kind: expected a string, got {kind!r}")
     try:
         factory = get_workload(kind)
     except HpcparError as exc:
-        raise JobSpecError(f"{source}: {exc}") from None
+        raise ConfigError(f"{source}: {exc}") from None
     schemas = {name: dict(s) for name, s in SCHEMA.items()}
     schemas["model"].update(getattr(factory, "model_params", {}))
     schemas["data"].update(getattr(factory, "data_params", {}))
@@ -335,30 +503,73 @@ def build_job(raw: dict, overrides=(), source: str = "<job>", default_name: str 
         try:
             check(job)
         except HpcparError as exc:
-            raise JobSpecError(f"{source}: {exc}") from None
+            raise ConfigError(f"{source}: {exc}") from None
     return job
+
+
+def safe_name(text: str) -> str:
+    """A job name made from free text (the job file's stem).
+
+    Args:
+        text: Any text.
+
+    Returns:
+        The text with characters outside ``NAME_RE`` replaced by ``-`` (``"job"`` if empty).
+    """
+    name = re.sub(r"[^A-Za-z0-9_.+=@-]+", "-", str(text)).lstrip(".-")[:200]
+    return name or "job"
 
 
 def _cross_checks(job: JobSpec) -> None:
     src, t = job.source, job.train
+    if not NAME_RE.match(job.name):
+        raise ConfigError(f"{src}: [job] name: {job.name!r} must be one plain name (no '/', "
+                          f"not starting with '.' or '-'): the default run directory under "
+                          f"runs/ is made from it")
     if (t.steps is None) == (t.epochs is None):
-        raise JobSpecError(f"{src}: [train] give exactly one of steps or epochs")
+        raise ConfigError(f"{src}: [train] give exactly one of steps or epochs")
     if t.warmup_steps and t.steps is not None and t.warmup_steps > t.steps:
-        raise JobSpecError(f"{src}: [train] warmup_steps: {t.warmup_steps} is out of range "
-                           f"(must be <= steps = {t.steps})")
+        raise ConfigError(f"{src}: [train] warmup_steps: {t.warmup_steps} is out of range "
+                          f"(must be <= steps = {t.steps}); use --set train.warmup_steps="
+                          f"{min(t.warmup_steps, t.steps // 10)} (or more steps)")
     for axis in AXES:
         v = getattr(job.grid, axis)
         if v == 0:
-            raise JobSpecError(f"{src}: [grid] {axis}: 0 is out of range (must be >= 1, or -1)")
+            raise ConfigError(f"{src}: [grid] {axis}: 0 is out of range (must be >= 1, or -1)")
     if sum(1 for a in AXES if getattr(job.grid, a) == -1) > 1:
-        raise JobSpecError(f"{src}: [grid] at most one axis may be -1")
+        raise ConfigError(f"{src}: [grid] at most one axis may be -1")
+    try:
+        window = profile_window(job.profile.steps)
+    except HpcparError as exc:
+        raise ConfigError(f"{src}: {exc}") from None
+    if window and t.steps is not None and window[0] > t.steps:
+        raise ConfigError(f"{src}: [profile] steps: {job.profile.steps!r} starts after the last "
+                          f"step ({t.steps}); use e.g. --set profile.steps="
+                          f"\"{max(1, t.steps - 4)}-{t.steps}\"")
+    if not all(isinstance(c, str) for c in job.output.callbacks):
+        raise ConfigError(f"{src}: [output] callbacks: expected a list of "
+                          f"'package.module:factory' strings")
+    if job.output.tensorboard:
+        from hpcpar.run.callbacks import check_tensorboard
+
+        try:
+            check_tensorboard()
+        except HpcparError as exc:
+            raise ConfigError(f"{src}: {exc}") from None
     r = job.resources
     if r.time is not None and not TIME_RE.match(r.time):
-        raise JobSpecError(f"{src}: [resources] time: {r.time!r} is not a Slurm time such as "
-                           f"01:30:00 or 1-00:00:00")
+        raise ConfigError(f"{src}: [resources] time: {r.time!r} is not a Slurm time such as "
+                          f"01:30:00 or 1-00:00:00")
 
 
-def load_resolved(path: str) -> JobSpec:
-    """Reload the ``RUN/job.json`` written by ``hpcpar run`` (already validated)."""
+def load_resolved(path: str | os.PathLike) -> JobSpec:
+    """Reload the ``RUN/job.json`` written by ``hpcpar run`` (validated again).
+
+    Args:
+        path: The ``job.json`` file.
+
+    Returns:
+        The job.
+    """
     doc = json.loads(Path(path).read_text())
     return build_job(doc["job"], (), source=doc.get("source", str(path)))

@@ -1,45 +1,65 @@
-"""The stop contract: SIGUSR1 / SIGTERM -> finish the step, checkpoint, exit ``EXIT_REQUEUE``.
+"""The stop contract: SIGUSR1 / SIGTERM / SIGINT -> finish the step, checkpoint, exit
+``EXIT_REQUEUE``.
 
 A signal only sets a flag (:class:`StopRequest`). At the end of every step all ranks agree on
 whether to stop with one small allreduce of their flags (the training loop's, which also
 carries the loss), so every rank stops after the *same* step even when the signal reached only
 some of them (srun and mpiexec forward it to all, ``kill`` of one rank
-does not). The loop then writes a checkpoint and exits with :data:`EXIT_REQUEUE`; the Slurm
-batch script (and ``hpcpar run``) turn that code into "requeue me, I will resume".
+does not). The loop then writes a checkpoint and exits with
+:data:`hpcpar.errors.EXIT_REQUEUE` (3); the Slurm batch script (and ``hpcpar run``) turn that
+code into "requeue me, I will resume". Every exit code is listed in :mod:`hpcpar.errors`.
 
-Exit codes of ``hpcpar run`` and of every rank:
-
-====  =====================================================================
-0     finished all steps
-1     crashed (a bug, or a rank died; MPI kills the rest)
-2     user error (job file, command line, incompatible checkpoint): one line
-3     stopped by SIGUSR1/SIGTERM after writing a checkpoint: requeue to resume
-====  =====================================================================
+Ctrl-C (SIGINT) does the same: no KeyboardInterrupt, a checkpoint, exit 3. A second SIGINT
+(more than half a second after the first, so one Ctrl-C delivered twice counts once) exits at
+once with :data:`hpcpar.errors.EXIT_ABORTED` (130), without a checkpoint, after the
+``on_abort`` callback (the loop uses it to mark meta.json).
 """
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
+import time
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
-EXIT_REQUEUE = 3
+from hpcpar.errors import EXIT_ABORTED
+
+__all__ = ["STOP_SIGNALS", "StopRequest"]
+
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+#: a second SIGINT later than this (seconds) after the first one aborts at once
+REPEAT_AFTER_S = 0.5
 
 
 class StopRequest:
     """Catches the stop signals while installed; ``received`` is the last one seen (0: none)."""
 
-    def __init__(self, signals=STOP_SIGNALS):
-        self.signals = tuple(signals)
+    def __init__(self, signals=STOP_SIGNALS, interrupt: bool = True):
+        self.signals = tuple(signals) + ((signal.SIGINT,) if interrupt else ())
         self.received: int = 0          # number of the last stop signal seen by this rank
+        self.on_abort = None            # called before exiting on a second SIGINT
+        self._first_interrupt: float | None = None
         self._previous: dict = {}
 
     def _handler(self, signum, frame):
+        if signum == signal.SIGINT:
+            now = time.monotonic()
+            if self._first_interrupt is None:
+                self._first_interrupt = now
+            elif now - self._first_interrupt > REPEAT_AFTER_S:
+                self._abort()
+            else:
+                return                      # the same Ctrl-C delivered twice
         self.received = signum
 
-    def install(self) -> "StopRequest":
+    def _abort(self) -> None:
+        if callable(self.on_abort):
+            self.on_abort()
+        print("hpcpar: interrupted twice: exiting now, without a checkpoint", file=sys.stderr,
+              flush=True)
+        os._exit(EXIT_ABORTED)
+
+    def install(self) -> StopRequest:
         for s in self.signals:
             self._previous[s] = signal.signal(s, self._handler)
         return self

@@ -5,8 +5,12 @@ Run by ``hpcpar run`` as ``python -m hpcpar.run.trainer RUN/job.json --run-dir R
 every rank, or in-process with :func:`train`. Each step is timed per phase (data wait, forward,
 backward, exposed allreduce, optimizer; halo and allreduce totals come from
 ``hpcpar.parallel.counters.COUNTERS``) and recorded through :class:`hpcpar.run.records.RunRecorder`.
-At the end of every step one small allreduce gives all ranks the mean loss and whether any rank
-got SIGUSR1/SIGTERM, so all ranks stop, checkpoint and exit 3 after the same step.
+Between the gradient sync and the optimizer step, one small allreduce gives all ranks the mean
+loss, whether any rank got SIGUSR1/SIGTERM/SIGINT (all ranks stop, checkpoint and exit 3 after the
+same step) and whether any rank saw a non-finite loss or gradient (the divergence guard:
+``[train] on_nonfinite = "stop"`` ends the run at that step with exit 4 and status "diverged",
+keeping the last finite checkpoint; ``"skip"`` skips that optimizer step and counts it). Checking
+the gradients costs one pass over them per step (``isfinite``), the same order as the optimizer.
 """
 
 from __future__ import annotations
@@ -18,17 +22,70 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from hpcpar import _env
+from hpcpar.errors import EXIT_FAILED, EXIT_OK, EXIT_REQUEUE, EXIT_USAGE, DivergedError, HpcparError
 from hpcpar.run import checkpoint as ckpt
-from hpcpar.errors import HpcparError
-from hpcpar.run.signals import EXIT_FAILED, EXIT_OK, EXIT_REQUEUE, EXIT_USAGE, StopRequest
+from hpcpar.run.signals import StopRequest
+
+if TYPE_CHECKING:
+    import torch
+    from mpi4py import MPI
+
+    from hpcpar.run.jobspec import JobSpec
+
+__all__ = ["TrainResult", "Verdict", "RankLog", "seed_all", "peak_memory", "total_steps",
+           "Trainer", "train", "main"]
 
 
 @dataclass
 class TrainResult:
+    """What [train][hpcpar.run.trainer.train] returns.
+
+    Attributes:
+        step: Steps completed.
+        stopped: True when a signal stopped the run after a checkpoint (exit code 3).
+        metrics: The final evaluation metrics.
+        skipped_steps: Optimizer steps skipped for a non-finite loss
+            (``on_nonfinite = "skip"``).
+    """
+
     step: int                       # steps completed
     stopped: bool = False           # True: stopped by a signal after checkpointing
     metrics: dict = field(default_factory=dict)
+    skipped_steps: int = 0          # optimizer steps skipped (non-finite, on_nonfinite="skip")
+
+
+@dataclass
+class Verdict:
+    """What all ranks agreed on for one step (the result of the one allreduce)."""
+
+    stop: bool = False              # some rank got a stop signal
+    mean_loss: float = float("nan")
+    bad_loss: int = 0               # ranks whose loss is non-finite
+    bad_grad: int = 0               # ranks holding a non-finite gradient
+
+    @property
+    def finite(self) -> bool:
+        return not (self.bad_loss or self.bad_grad)
+
+
+@dataclass
+class _LoopState:
+    """What one :meth:`Trainer.run` carries from step to step."""
+
+    t_start: float
+    steps_done: int = 0
+    samples_done: int = 0
+    mean_loss: float = float("nan")
+    stopped: bool = False
+    last_ckpt: Path | None = None
+    epoch: int | None = None
+    it: object = None
+    bar: object = None
+    window: list = field(default_factory=list)   # mean losses since the last log line
+    diverged: str | None = None     # the one-line reason, when the run diverged
 
 
 class RankLog:
@@ -42,10 +99,10 @@ class RankLog:
         self.echo = echo
         self.bar = None
 
-    def __call__(self, msg: str) -> None:
+    def __call__(self, msg: str, echo: bool = True) -> None:
         stamp = time.strftime("%H:%M:%S")
         self.file.write(f"{stamp} {self.prefix} {msg}\n")
-        if self.echo:
+        if self.echo and echo:
             if self.bar is not None:
                 self.bar.write(f"hpcpar {msg}", file=sys.stderr)
             else:
@@ -88,7 +145,7 @@ class Trainer:
     """One rank's training run; construction is collective (grid, model, resume)."""
 
     def __init__(self, job, run_dir, *, resume: bool = True, comm=None, device=None,
-                 stop: StopRequest | None = None):
+                 stop: StopRequest | None = None, callbacks=None):
         import torch
 
         from hpcpar.parallel.grid import ProcessGrid
@@ -117,8 +174,20 @@ class Trainer:
         self.step = 0
         self.history: list[list] = []      # [step, mean loss] at log points
         self.val_history: list[dict] = []
+        self.skipped = 0                   # optimizer steps skipped for non-finite values
+        self.resumed_from: Path | None = None
+        self._grads_ok = True              # this rank's gradients of the current step
         if resume:
             self._resume()
+        from hpcpar.run.callbacks import job_callbacks
+        from hpcpar.run.jobspec import profile_window
+        from hpcpar.run.profiling import ProfileWindow
+
+        self.callbacks = job_callbacks(job) + list(callbacks or [])
+        self.profiler = ProfileWindow(profile_window(job.profile.steps),
+                                      self.run_dir / "profile", self.rank,
+                                      torch.device(self.device).type,
+                                      job.profile.record_shapes, job.profile.memory)
         if self.rank == 0:
             self.log(f"{job.name}: {job.model.kind} on grid {self.grid.spec()} "
                      f"({self.grid.size} ranks, {self.device}), steps {self.step}->{self.total}")
@@ -129,12 +198,25 @@ class Trainer:
         return self.run_dir / "checkpoints"
 
     def _resume(self) -> None:
-        path = ckpt.find_resumable(self.ckpt_dir, self.comm, log=self.log)
+        path = ckpt.choose_resumable(self.ckpt_dir, self.comm, log=self.log)
         if path is None:
             return
-        manifest = ckpt.check_compatible(path, self.grid.size, self.grid.spec())
-        manifest, model_sd, trainer_sd, rank_sd = ckpt.load(path, self.rank)
-        ckpt.load_full_state_dict(self.model, model_sd)
+        try:
+            manifest = ckpt.check_compatible(path, self.grid.shape)
+        except HpcparError as exc:
+            raise _collective(exc) from None
+        manifest, model_sd, trainer_sd, rank_sd = ckpt.load(
+            path, ckpt.source_rank(manifest, self.grid.coords))
+        if manifest.get("grid") != self.grid.spec():
+            self.log(f"checkpoint of grid {manifest.get('grid')} resumes on grid "
+                     f"{self.grid.spec()} (data width {manifest['grid'].split('x')[0]} -> "
+                     f"{self.grid.shape[0]})")
+        try:
+            ckpt.load_full_state_dict(self.model, model_sd)
+        except HpcparError as exc:
+            raise _collective(exc) from None
+        ckpt.check_optimizer(path, self.optimizer, self.job.train.optimizer,
+                             trainer_sd["optimizer"])
         import torch
 
         with torch.no_grad():
@@ -145,25 +227,46 @@ class Trainer:
         self.scheduler.load_state_dict(trainer_sd["scheduler"])
         self.history = [list(h) for h in trainer_sd.get("history", [])]
         self.val_history = list(trainer_sd.get("val_history", []))
+        self.skipped = int(trainer_sd.get("skipped_steps", 0))
         self.workload.load_state_dict(rank_sd["data"])
         ckpt.set_rng_state(rank_sd["rng"])
         self.step = int(manifest["step"])
+        self.resumed_from = path
         self.log(f"resumed from {path} at step {self.step}")
 
     def save_checkpoint(self) -> Path:
+        """Collective: checkpoint ``self.step``; raises :class:`DivergedError` (and writes
+        nothing) when any rank's weights or buffers hold NaN/inf."""
         t0 = time.perf_counter()
+        model_state = ckpt.full_state_dict(self.model)
+        buffers = ckpt.local_buffers(self.model)
+        self._check_finite_state(model_state, buffers)
         trainer = {"optimizer": self.optimizer.state_dict(),
                    "scheduler": self.scheduler.state_dict(),
-                   "history": self.history, "val_history": self.val_history}
+                   "history": self.history, "val_history": self.val_history,
+                   "skipped_steps": self.skipped}
         rank_state = {"rng": ckpt.rng_state(), "data": self.workload.state_dict(),
-                      "buffers": ckpt.local_buffers(self.model)}
+                      "buffers": buffers}
         info = {"grid": self.grid.spec(), "epoch": self.step // self.spe,
-                "job": self.job.name, "kind": self.job.model.kind, "time": time.time()}
+                "job": self.job.name, "kind": self.job.model.kind,
+                "optimizer": self.job.train.optimizer, "time": time.time()}
         path = ckpt.save(self.ckpt_dir, self.step, comm=self.comm,
-                         model_state=ckpt.full_state_dict(self.model), trainer_state=trainer,
+                         model_state=model_state, trainer_state=trainer,
                          rank_state=rank_state, info=info, keep=self.job.checkpoint.keep)
         self.log(f"checkpoint {path.name} ({time.perf_counter() - t0:.2f}s)")
         return path
+
+    def _check_finite_state(self, model_state: dict, buffers: dict) -> None:
+        """Collective: never checkpoint non-finite weights (e.g. batch-norm statistics of a NaN
+        batch, which the gradient check cannot see)."""
+        bad = ckpt.nonfinite_entries(model_state) + ckpt.nonfinite_entries(buffers)
+        flags = self.comm.allgather(bad[0] if bad else None)
+        culprits = [(r, name) for r, name in enumerate(flags) if name is not None]
+        if culprits:
+            r, name = culprits[0]
+            raise _collective(DivergedError(
+                f"diverged at step {self.step}/{self.total}: non-finite weights ({name!r} on "
+                f"rank {r}); not checkpointed"))
 
     # -- the loop ----------------------------------------------------------------------------------
     def _sync(self) -> None:
@@ -172,17 +275,52 @@ class Trainer:
 
             torch.cuda.synchronize(self.device)
 
-    def _agree(self, stop_flag: int, loss: float) -> tuple[bool, float]:
-        """One allreduce per step: (any rank asked to stop, mean loss over ranks)."""
+    def _agree(self, stop_flag: int, loss: float, bad_grad: bool) -> Verdict:
+        """The one allreduce per step: any rank asked to stop, the mean loss over ranks, and
+        how many ranks saw a non-finite loss or gradient (so all ranks act alike: a NaN on one
+        rank never leaves the others waiting)."""
+        import math
+
         import numpy as np
         from mpi4py import MPI
 
-        buf = np.array([1.0 if stop_flag else 0.0, loss], dtype=np.float64)
+        bad_loss = not math.isfinite(loss)
+        buf = np.array([1.0 if stop_flag else 0.0, 0.0 if bad_loss else loss,
+                        float(bad_loss), float(bad_grad)], dtype=np.float64)
         self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-        return bool(buf[0] > 0), float(buf[1] / self.grid.size)
+        n_bad = int(buf[2])
+        return Verdict(stop=bool(buf[0] > 0),
+                       mean_loss=math.nan if n_bad else float(buf[1] / self.grid.size),
+                       bad_loss=n_bad, bad_grad=int(buf[3]))
 
-    def train_step(self, it) -> tuple[dict, float]:
-        """One optimizer step; returns (record row, local loss)."""
+    def _local_grads_finite(self) -> bool:
+        """Whether every gradient this rank holds is finite (one fused reduction)."""
+        import torch
+
+        flags = [torch.isfinite(p.grad).all() for p in self.model.parameters()
+                 if p.grad is not None]
+        return bool(torch.stack(flags).all()) if flags else True
+
+    def _describe_nonfinite(self, loss: float) -> str:
+        """Collective (only called when some rank saw a non-finite value): which ranks and what,
+        for the one-line message."""
+        import math
+
+        mine = (not math.isfinite(loss), not self._grads_ok)
+        seen = self.comm.allgather(mine)
+        what = []
+        loss_ranks = [r for r, (bl, _) in enumerate(seen) if bl]
+        grad_ranks = [r for r, (_, bg) in enumerate(seen) if bg]
+        if loss_ranks:
+            what.append(f"non-finite loss on rank{_plural(loss_ranks)}")
+        if grad_ranks:
+            what.append(f"non-finite gradient on rank{_plural(grad_ranks)}")
+        return " and ".join(what)
+
+    def train_step(self, it) -> tuple[dict, float, Verdict]:
+        """One step: forward, backward, gradient sync, the agreement allreduce, then the
+        optimizer step unless some rank saw a non-finite value. Returns (record row, local
+        loss, verdict)."""
         from hpcpar.parallel.counters import COUNTERS
 
         t0 = time.perf_counter()
@@ -198,15 +336,16 @@ class Trainer:
         self._sync()
         t2 = time.perf_counter()
         res.loss.backward()
-        finish = getattr(self.wrapped, "finish_gradient_sync", None)
         self._sync()
         t3 = time.perf_counter()
-        if callable(finish):
-            finish()
-            self._sync()
+        loss = res.loss_value if res.loss_value is not None else float(res.loss.detach())
+        self._grads_ok = self._local_grads_finite()
+        verdict = self._agree(self.stop.received, loss, not self._grads_ok)
         t4 = time.perf_counter()
-        self.optimizer.step()
-        self.scheduler.step()
+        if verdict.finite:
+            self.optimizer.step()
+        if verdict.finite or self.job.train.on_nonfinite == "skip":
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._sync()
         t5 = time.perf_counter()
@@ -214,15 +353,12 @@ class Trainer:
 
         row = row_from_counters(COUNTERS.since(before))
         exposed = row.get("t_allreduce_exposed", 0.0)
-        loss = res.loss_value if res.loss_value is not None else float(res.loss.detach())
-        # t_bwd excludes exposed gradient-sync waiting, wherever the wrapper measured it
-        bwd = (t3 - t2) - (exposed if not callable(finish) else 0.0)
+        # t_bwd excludes the exposed gradient-sync waiting the wrapper measured
+        bwd = (t3 - t2) - exposed
         row.update(step=self.step, loss=loss, t_data=t1 - t0, t_fwd=t2 - t1,
                    t_bwd=max(0.0, bwd), t_opt=t5 - t4, t_step=t5 - t0,
                    samples=int(res.samples), peak_mem=peak_memory(self.device))
-        if callable(finish):
-            row["t_allreduce_exposed"] = exposed + (t4 - t3)
-        return row, loss
+        return row, loss, verdict
 
     def evaluate(self, final: bool = False) -> dict:
         import torch
@@ -241,105 +377,258 @@ class Trainer:
             self.model.train()
         return {k: float(v) for k, v in (m or {}).items()}
 
+    # -- the run: open records, loop, finish ----------------------------------------------------
     def run(self) -> TrainResult:
+        """Collective: train from ``self.step`` to the end (or a stop signal); write records,
+        checkpoints and, on rank 0, metrics.json."""
+        recorder = self._open_recorder()
+        loop = _LoopState(t_start=time.perf_counter())
+        loop.bar = self._progress_bar()
+        self.model.train()
+        self.stop.on_abort = lambda: self._mark_aborted(recorder)
+        self._hook("on_train_start")
+        result = None
+        try:
+            try:
+                self._loop(recorder, loop)
+                if not loop.stopped:
+                    self._final_checkpoint(loop)
+            except DivergedError as exc:
+                loop.diverged = str(exc)
+            except BaseException:
+                recorder.close()
+                raise
+            finally:
+                self.stop.on_abort = None
+                self.profiler.close()
+            if loop.diverged:
+                return self._finish_diverged(recorder, loop)
+            if loop.stopped:
+                return self._finish_stopped(recorder)
+            result = self._finish_ok(recorder, loop)
+            return result
+        finally:
+            self._hook("on_train_end", result.metrics if result is not None else {})
+
+    def _hook(self, name: str, *args) -> None:
+        """Call ``name`` on every callback (hpcpar.run.callbacks.Callback)."""
+        for cb in self.callbacks:
+            getattr(cb, name)(self, *args)
+
+    def _open_recorder(self):
         from hpcpar.run.records import RunRecorder
 
         job = self.job
-        recorder = RunRecorder(self.run_dir, self.grid, resume=self.step > 0 or (
-            self.run_dir / "meta.json").exists(), meta={
+        resume = self.step > 0 or (self.run_dir / "meta.json").exists()
+        recorder = RunRecorder(self.run_dir, self.grid, resume=resume, meta={
             "job_name": job.name, "job": job.to_dict(), "job_file": job.source,
             "global_batch": job.train.global_batch, "kind": job.model.kind,
-            "device": str(self.device)})
-        bar = None
-        if self.rank == 0 and os.environ.get("HPCPAR_PROGRESS", "") == "1":
-            from tqdm import tqdm
+            "device": str(self.device), **self.workload.run_meta()})
+        if self.rank == 0:      # what the launcher reports: the step the ranks really resumed
+            where = ({"resumed_from": self.resumed_from.name, "resumed_step": self.step}
+                     if self.resumed_from is not None else {"resumed_from": None})
+            recorder.update_meta(lambda m: m["segments"][-1].update(where))
+        return recorder
 
-            bar = self.log.bar = tqdm(total=self.total, initial=self.step, unit="step",
-                                      dynamic_ncols=True, file=sys.stderr, leave=False)
-        stop = self.stop
-        self.model.train()
-        t_start, steps_done, samples_done = time.perf_counter(), 0, 0
-        last_ckpt, mean_loss, stopped, it, epoch = None, float("nan"), False, None, None
-        window: list[float] = []          # mean losses since the last log line
-        try:
-            while self.step < self.total:
-                if self.step // self.spe != epoch or it is None:
-                    epoch = self.step // self.spe
-                    it = iter(self.workload.batches(epoch))
-                row, loss = self.train_step(it)
-                recorder.step(**row)
-                self.step += 1
-                steps_done += 1
-                samples_done += row["samples"]
-                stopped, mean_loss = self._agree(stop.received, loss)
-                stopped = stopped and self.step < self.total   # done anyway: finish normally
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{mean_loss:.4g}")
-                window.append(mean_loss)
-                if self.step % job.train.log_every == 0 or self.step in (1, self.total):
-                    smooth = sum(window) / len(window)
-                    window.clear()
-                    self.history.append([self.step, smooth])
-                    rate = row["samples"] / max(row["t_step"], 1e-12)
-                    self.log(f"step {self.step}/{self.total} loss {smooth:.5g} "
-                             f"lr {self.scheduler.get_last_lr()[0]:.3g} "
-                             f"step {row['t_step'] * 1e3:.1f}ms ({rate:.1f} samples/s/replica)")
-                if job.train.val_every and self.step % job.train.val_every == 0 \
-                        and self.step < self.total:
-                    metrics = self.evaluate()
-                    self.val_history.append({"step": self.step, **metrics})
-                    self.log(f"validation at step {self.step}: " + ", ".join(
-                        f"{k} {v:.5g}" for k, v in metrics.items()))
-                every = job.checkpoint.every
-                if stopped or (every and self.step % every == 0):
-                    last_ckpt = self.save_checkpoint()
-                if stopped:
-                    why = StopRequest.name(stop.received) if stop.received else "another rank"
-                    self.log(f"stop signal ({why}): checkpointed at step {self.step}, "
-                             f"exit {EXIT_REQUEUE} to requeue")
-                    break
-        except BaseException:
-            recorder.close()
-            raise
-        if stopped:
-            recorder.finish("preempted")
-            self.log.close()
-            return TrainResult(self.step, stopped=True)
-        if job.checkpoint.at_end and (last_ckpt is None or not last_ckpt.name.endswith(
-                f"{self.step:06d}")) and steps_done:
-            self.save_checkpoint()
-        metrics = self.evaluate(final=True)
-        wall = time.perf_counter() - t_start
-        total_samples = self.comm.allreduce(samples_done) / max(1, self.grid.spatial_size)
-        out = {"final_train_loss": self.history[-1][1] if self.history else None,
-               "last_step_loss": mean_loss if steps_done else None,
-               "steps": self.step, "epochs": self.step / self.spe,
-               "wall_time_s": wall, "samples_per_s": total_samples / wall if wall > 0 else None,
-               "train_loss_history": self.history, "validation_history": self.val_history,
-               **metrics}
+    def _mark_aborted(self, recorder) -> None:
+        """Second Ctrl-C: leave meta.json saying how the run ended, not "running"."""
+        if self.rank == 0:
+            try:
+                recorder.update_meta(lambda m: m.update(status="failed", end_reason="interrupted"))
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
+
+    def _progress_bar(self):
+        """A tqdm bar on rank 0 when ``HPCPAR_PROGRESS=1`` (set by ``hpcpar run`` on a tty)."""
+        if self.rank != 0 or not _env.get("HPCPAR_PROGRESS"):
+            return None
+        from tqdm import tqdm
+
+        self.log.bar = tqdm(total=self.total, initial=self.step, unit="step",
+                            dynamic_ncols=True, file=sys.stderr, leave=False)
+        return self.log.bar
+
+    def _loop(self, recorder, loop: _LoopState) -> None:
+        """Steps until the end or an agreed stop; ``loop`` carries what the finish needs."""
+        while self.step < self.total:
+            it = self._batches(loop)
+            self.profiler.before_step(self.step + 1)
+            row, loss, verdict = self.train_step(it)
+            recorder.step(**row)
+            self.step += 1
+            self.profiler.after_step(self.step)
+            loop.steps_done += 1
+            loop.samples_done += row["samples"]
+            loop.mean_loss = verdict.mean_loss
+            if not verdict.finite:
+                self._on_nonfinite(verdict, loss)
+            loop.stopped = verdict.stop and self.step < self.total   # done anyway: finish
+            self._show_progress(loop)
+            self._log_step(row, loop)
+            self._hook("on_step_end", row, verdict.mean_loss)
+            self._maybe_validate()
+            self._maybe_checkpoint(loop)
+            if loop.stopped:
+                why = (StopRequest.name(self.stop.received) if self.stop.received
+                       else "another rank")
+                self.log(f"stop signal ({why}): checkpointed at step {self.step}, "
+                         f"exit {EXIT_REQUEUE} to requeue")
+                return
+
+    def _on_nonfinite(self, verdict: Verdict, loss: float) -> None:
+        """Collective: stop (raise :class:`DivergedError`) or count a skipped step."""
+        what = self._describe_nonfinite(loss)
+        if self.job.train.on_nonfinite == "skip":
+            self.skipped += 1
+            self.log(f"step {self.step}/{self.total}: {what}: optimizer step skipped "
+                     f"({self.skipped} skipped so far)")
+            return
+        raise _collective(DivergedError(f"diverged at step {self.step}/{self.total}: {what}"))
+
+    def _batches(self, loop: _LoopState):
+        """The batch iterator of the current epoch (a new one at each epoch start)."""
+        epoch = self.step // self.spe
+        if epoch != loop.epoch or loop.it is None:
+            loop.epoch = epoch
+            loop.it = iter(self.workload.batches(epoch))
+        return loop.it
+
+    def _show_progress(self, loop: _LoopState) -> None:
+        if loop.bar is not None:
+            loop.bar.update(1)
+            loop.bar.set_postfix(loss=f"{loop.mean_loss:.4g}")
+
+    def _log_step(self, row: dict, loop: _LoopState) -> None:
+        """Every ``log_every`` steps (and the first and last): the window's mean loss into the
+        history and one log line."""
+        if loop.mean_loss == loop.mean_loss:      # a skipped non-finite step has no loss
+            loop.window.append(loop.mean_loss)
+        if not loop.window or not (self.step % self.job.train.log_every == 0
+                                   or self.step in (1, self.total)):
+            return
+        smooth = sum(loop.window) / len(loop.window)
+        loop.window.clear()
+        self.history.append([self.step, smooth])
+        rate = row["samples"] / max(row["t_step"], 1e-12)
+        self.log(f"step {self.step}/{self.total} loss {smooth:.5g} "
+                 f"lr {self.scheduler.get_last_lr()[0]:.3g} "
+                 f"step {row['t_step'] * 1e3:.1f}ms ({rate:.1f} samples/s/replica)")
+
+    def _maybe_validate(self) -> None:
+        every = self.job.train.val_every
+        if not (every and self.step % every == 0 and self.step < self.total):
+            return
+        metrics = self.evaluate()
+        self._hook("on_validation", metrics)
+        self.val_history.append({"step": self.step, **metrics})
+        self.log(f"validation at step {self.step}: " + ", ".join(
+            f"{k} {v:.5g}" for k, v in metrics.items()))
+
+    def _maybe_checkpoint(self, loop: _LoopState) -> None:
+        every = self.job.checkpoint.every
+        if loop.stopped or (every and self.step % every == 0):
+            loop.last_ckpt = self.save_checkpoint()
+
+    def _final_checkpoint(self, loop: _LoopState) -> None:
+        if self.job.checkpoint.at_end and loop.steps_done and (
+                loop.last_ckpt is None or not loop.last_ckpt.name.endswith(f"{self.step:06d}")):
+            loop.last_ckpt = self.save_checkpoint()
+
+    def _finish_stopped(self, recorder) -> TrainResult:
+        recorder.finish("preempted")
+        self.log.close()
+        return TrainResult(self.step, stopped=True, skipped_steps=self.skipped)
+
+    def _finish_diverged(self, recorder, loop: _LoopState):
+        """Collective: records merged, meta.json status "diverged" with the reason, no new
+        checkpoint (the newest one holds the last finite weights); raises DivergedError."""
+        newest = ckpt.list_checkpoints(self.ckpt_dir)
+        kept = (f"; last finite checkpoint {newest[0].name} kept" if newest
+                else "; no checkpoint had been written yet")
+        reason = loop.diverged + kept
+        recorder.finish("diverged")
+        if self.rank == 0:
+            recorder.update_meta(lambda m: m.update(
+                diverged={"step": self.step, "reason": reason}, skipped_steps=self.skipped))
+        self.log(reason, echo=False)       # rank 0 prints it once as the error line
+        self.log.close()
+        raise _collective(DivergedError(reason))
+
+    def _finish_ok(self, recorder, loop: _LoopState) -> TrainResult:
+        """Final metrics, records merged, metrics.json on rank 0."""
+        out = self._final_metrics(loop)
+        self._hook("on_validation", {k: v for k, v in out.items()
+                                     if k.startswith(("val_", "test_")) and isinstance(v, float)})
         recorder.finish("ok")
         if self.rank == 0:
             from hpcpar.run.records import write_json_atomic
+
+            if self.skipped:
+                recorder.update_meta(lambda m: m.update(skipped_steps=self.skipped))
 
             write_json_atomic(self.run_dir / "metrics.json", out)
             self.log("done: " + ", ".join(f"{k} {v:.5g}" for k, v in out.items()
                                           if isinstance(v, float)))
         self.log.close()
-        return TrainResult(self.step, metrics=out)
+        return TrainResult(self.step, metrics=out, skipped_steps=self.skipped)
+
+    def _final_metrics(self, loop: _LoopState) -> dict:
+        """Collective: the metrics.json contents (final evaluation included)."""
+        import math
+
+        metrics = self.evaluate(final=True)
+        wall = time.perf_counter() - loop.t_start
+        total_samples = self.comm.allreduce(loop.samples_done) / max(1, self.grid.spatial_size)
+        return {"final_train_loss": self.history[-1][1] if self.history else None,
+                "last_step_loss": loop.mean_loss if loop.steps_done
+                and math.isfinite(loop.mean_loss) else None,
+                "steps": self.step, "epochs": self.step / self.spe,
+                "wall_time_s": wall, "samples_per_s": total_samples / wall if wall > 0 else None,
+                "train_loss_history": self.history, "validation_history": self.val_history,
+                "skipped_steps": self.skipped, **metrics}
 
     def close(self) -> None:
         self.workload.close()
 
 
-def train(job, run_dir, *, resume: bool = True, comm=None, device=None) -> TrainResult:
-    """Collective: train ``job`` (a :class:`hpcpar.run.jobspec.JobSpec`) into ``run_dir``.
+def train(job: JobSpec, run_dir: str | os.PathLike, *, resume: bool = True,
+          comm: MPI.Comm | None = None, device: torch.device | str | None = None,
+          callbacks: list | None = None) -> TrainResult:
+    """Train ``job`` into ``run_dir`` on every rank of ``comm`` (collective).
 
-    SIGUSR1/SIGTERM are caught from the start (a signal during set-up stops after the first
-    step) to the end of this call."""
+    Builds the grid, the workload's model and data, the optimizer and schedule; trains with
+    per-step records of every rank, checkpoints, and resumes exactly from the last
+    checkpoint. SIGUSR1/SIGTERM/SIGINT are caught from the start (a signal during set-up stops
+    after the first step) to the end of this call: every rank stops after the same step and
+    checkpoints; a second SIGINT exits at once (code 130).
+
+    Args:
+        job: A validated job (``hpcpar.run.jobspec.load_job``).
+        run_dir: The run directory (records, checkpoints, logs).
+        resume: Continue from the run directory's last checkpoint when there is one.
+        comm: The communicator to train on; ``MPI.COMM_WORLD`` when None.
+        device: Where to train; chosen from the job and the machine when None.
+        callbacks: ``hpcpar.run.callbacks.Callback`` instances, after the job's own
+            (``[output] tensorboard``/``callbacks``).
+
+    Returns:
+        The steps completed, whether a signal stopped the run, and the final metrics.
+
+    Raises:
+        DivergedError: The loss or gradients became non-finite (``on_nonfinite = "stop"``).
+        HpcparError: A user error (job, run directory, incompatible checkpoint), raised
+            alike on every rank.
+
+    Example:
+        ```python
+        job = load_job("jobs/demo-cosmoflow.toml", ["train.steps=10"])
+        result = train(job, "runs/api-demo")     # under mpiexec -n 4
+        ```
+    """
     stop = StopRequest().install()
     try:
-        trainer = Trainer(job, run_dir, resume=resume, comm=comm, device=device, stop=stop)
+        trainer = Trainer(job, run_dir, resume=resume, comm=comm, device=device, stop=stop,
+                          callbacks=callbacks)
         try:
             return trainer.run()
         finally:
@@ -348,17 +637,30 @@ def train(job, run_dir, *, resume: bool = True, comm=None, device=None) -> Train
         stop.uninstall()
 
 
-def _die(code: int, msg: str) -> None:
+def _collective(exc: Exception) -> Exception:
+    """Mark an error raised alike on every rank: the ranks print it once, not once each."""
+    exc.collective = True
+    return exc
+
+
+def _plural(ranks: list[int]) -> str:
+    return f" {ranks[0]}" if len(ranks) == 1 else f"s {', '.join(map(str, ranks))}"
+
+
+def _die(code: int, msg: str, on_exit=None) -> None:
     """Exit this rank at once, skipping MPI_Finalize: a rank failing alone must not hang in
-    finalize; mpiexec/srun then stop the others with this code."""
+    finalize; mpiexec/srun then stop the others with this code. ``on_exit`` runs first (e.g.
+    releasing the run directory's lock when the CLI runs in-process)."""
+    if on_exit is not None:
+        on_exit()
     sys.stdout.flush()
     if msg:
         print(msg, file=sys.stderr, flush=True)
     os._exit(code)
 
 
-def main(argv=None) -> int:
-    """Per-rank entry point; exit codes as in :mod:`hpcpar.run.signals`."""
+def main(argv=None, on_exit=None) -> int:
+    """Per-rank entry point; exit codes as in :mod:`hpcpar.errors`."""
     ap = argparse.ArgumentParser(prog="python -m hpcpar.run.trainer")
     ap.add_argument("job_json")
     ap.add_argument("--run-dir", required=True)
@@ -374,12 +676,16 @@ def main(argv=None) -> int:
         job = load_resolved(args.job_json)
         result = train(job, args.run_dir, resume=args.resume)
     except HpcparError as exc:
-        _die(getattr(exc, "exit_code", EXIT_USAGE), f"hpcpar: error: [rank {rank}] {exc}")
+        # an error every rank raised alike is printed once (rank 0), naming no rank
+        collective = getattr(exc, "collective", False)
+        msg = (f"hpcpar: error: {exc}" if rank == 0 else "") if collective else \
+            f"hpcpar: error: [rank {rank}] {exc}"
+        _die(getattr(exc, "exit_code", EXIT_USAGE), msg, on_exit)
     except BaseException:  # noqa: BLE001 - any crash: report with the rank, stop everyone
         _die(EXIT_FAILED, "".join(f"[rank {rank}] {line}\n" for line in
-                                  traceback.format_exc().splitlines()))
+                                  traceback.format_exc().splitlines()), on_exit)
     if result.stopped:
-        _die(EXIT_REQUEUE, "")
+        _die(EXIT_REQUEUE, "", on_exit)
     return EXIT_OK
 
 

@@ -19,7 +19,9 @@ and finish it at the end of backward:
   ``HPCPAR_DDP_SHM=0`` turns it off;
 * hierarchical (equal ranks per node, more than one node and one rank per node): the same
   two-step reduce-scatter first inside the node (shared memory), then between node peers
-  (ranks with the same node-local index), then the two allgathers in reverse.
+  (ranks with the same node-local index), then the two allgathers in reverse;
+* torch.distributed (``grad_sync="nccl"``): :class:`TorchGroup`, one NCCL allreduce per
+  bucket, bootstrapped from MPI by :mod:`hpcpar.sync._torchdist`.
 
 All paths sum in the same order (nodes' ranks first, then nodes), so fp32 results are
 bitwise identical with hierarchical on or off, and every rank gets the same bytes. Each
@@ -32,6 +34,7 @@ import os
 
 import torch
 
+from hpcpar import _env
 from hpcpar.parallel.comm import as_buffer, free_at_exit, message_buffer
 from hpcpar.sync._compression import accumulation_dtype, fold
 
@@ -79,7 +82,7 @@ class ReduceGroup:
             from mpi4py import MPI
 
             wanted = (not self.hierarchical and len(self.groups) == 1
-                      and os.environ.get("HPCPAR_DDP_SHM", "1") != "0")
+                      and _env.get("HPCPAR_DDP_SHM"))
             self.shared = bool(comm.allreduce(int(_one_shared_node(comm) and wanted),
                                               op=MPI.MIN))
         if self.hierarchical:
@@ -133,7 +136,7 @@ class ReduceGroup:
             return (self.node_comm.Dup(), self.peer_comm.Dup())
         return (self.comm.Dup(),)  # "shared": its barriers
 
-    def reduce(self, bucket: "Bucket"):
+    def reduce(self, bucket: Bucket):
         """Generator: yields MPI requests; when exhausted, ``bucket.flat`` holds the result."""
         if bucket.plan == "local":
             if self.divisor != 1:
@@ -247,6 +250,50 @@ def _allgather_in_place(comm, wire: torch.Tensor):
     buf.finish()
 
 
+class TorchGroup:
+    """Sum over a torch.distributed process group (NCCL on GPUs) then divide by ``divisor``:
+    the same buckets, launch order and overlap as :class:`ReduceGroup`, one ``allreduce``
+    per bucket (NCCL picks its own algorithm; with 2 ranks the sum is bitwise the MPI one).
+
+    Collective: every rank of ``comm`` constructs it (the group is bootstrapped over MPI by
+    :func:`hpcpar.sync._torchdist.process_group`).
+    """
+
+    hierarchical = False
+    shared = False
+
+    def __init__(self, comm, divisor: int, backend: str, device=None):
+        from hpcpar.sync._torchdist import process_group
+
+        self.comm = comm
+        self.size = comm.Get_size()
+        self.rank = comm.Get_rank()
+        self.divisor = divisor
+        self.backend = backend
+        self.pg, self._store = process_group(comm, backend, device)
+
+    def plan(self, wire_bytes: int, shareable: bool = False) -> str:
+        """Always the group's allreduce (also on one rank: the path is the one tested)."""
+        return self.backend
+
+    def channel(self, plan: str) -> tuple:
+        """No private communicators: a process group runs its collectives in issue order."""
+        return ()
+
+    def reduce(self, bucket: Bucket):
+        """Generator: yields one work item; when exhausted, ``bucket.flat`` holds the result."""
+        from hpcpar.sync._torchdist import TorchWork
+
+        wire = bucket.wire
+        if wire is not bucket.flat:
+            wire.copy_(bucket.flat)
+        yield TorchWork(self.pg.allreduce([wire]))
+        if wire is not bucket.flat:
+            bucket.flat.copy_(wire)
+        if self.divisor != 1:
+            bucket.flat.div_(self.divisor)
+
+
 class Pending:
     """Drives a reduction generator: ``test()`` advances without blocking, ``wait()`` finishes."""
 
@@ -266,7 +313,10 @@ class Pending:
         with more ranks than cores steals the CPU from the ranks that are still computing
         (the ones this rank is waiting for)."""
         while self._req is not None:
-            if self._req.Test():
+            if getattr(self._req, "blocking_wait", False):
+                self._req.Wait()
+                self._req = next(self._gen, None)
+            elif self._req.Test():
                 self._req = next(self._gen, None)
             else:
                 os.sched_yield()

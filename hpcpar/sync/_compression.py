@@ -12,21 +12,17 @@ from __future__ import annotations
 
 import torch
 
-from hpcpar.errors import HpcparError
+from hpcpar.errors import ConfigError
 
 COMPRESSIONS = {None: None, "none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-class CompressionError(HpcparError, ValueError):
-    """An unknown ``compression=`` value."""
 
 
 def wire_dtype_for(compression) -> torch.dtype | None:
     """The 16-bit dtype for ``compression`` (None: gradients travel in their own dtype)."""
     key = compression.lower() if isinstance(compression, str) else compression
     if key not in COMPRESSIONS:
-        raise CompressionError(f"DistributedDataParallel: compression={compression!r}, "
-                               "expected None, 'fp16' or 'bf16'")
+        raise ConfigError(f"DistributedDataParallel: compression={compression!r}, "
+                          "expected None, 'fp16' or 'bf16'")
     return COMPRESSIONS[key]
 
 

@@ -21,34 +21,17 @@ import time
 
 import numpy as np
 
+from hpcpar import _env
+from hpcpar.errors import EXIT_FAILED
 from hpcpar.parallel.comm import free_at_exit
-from hpcpar.errors import HpcparError
 
-DEFAULT_TIMEOUT = 600.0
 READ_DEADLINE = 5.0  # seconds to wait for the counters of the other ranks
 ABORT_GRACE = 1.0  # seconds between printing the stall line and MPI_Abort
 
 
-class StallConfigError(HpcparError, ValueError):
-    """``HPCPAR_STALL_TIMEOUT`` is not a number of seconds."""
-
-
 def stall_timeout(env=None) -> float:
     """Seconds from ``HPCPAR_STALL_TIMEOUT`` (0 = off)."""
-    env = os.environ if env is None else env
-    value = env.get("HPCPAR_STALL_TIMEOUT", "").strip().lower()
-    if value == "":
-        return DEFAULT_TIMEOUT
-    if value in ("off", "none", "no"):
-        return 0.0
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise StallConfigError(f"HPCPAR_STALL_TIMEOUT={value!r}: expected seconds "
-                               "(0 or 'off' disables the stall detector)") from None
-    if seconds < 0:
-        raise StallConfigError(f"HPCPAR_STALL_TIMEOUT={value!r}: expected seconds >= 0")
-    return seconds
+    return _env.get("HPCPAR_STALL_TIMEOUT", env)
 
 
 def describe(rank: int, step: int, counters, waited: float, timeout: float, what: str) -> str:
@@ -159,8 +142,8 @@ class StallMonitor:
         # the launcher forwards output asynchronously and MPI_Abort tears it down: give it
         # a moment, or the one line that says what happened can be lost (seen under load)
         time.sleep(ABORT_GRACE)
-        self.comm.Abort(1)
-        os._exit(1)
+        self.comm.Abort(EXIT_FAILED)
+        os._exit(EXIT_FAILED)
 
     def close(self) -> None:
         """Free the window (collective). Called at exit for monitors still alive."""

@@ -18,51 +18,88 @@ Mechanics: gradients live in flat buckets (reverse registration order, first buc
 a post-accumulate-grad hook marks a parameter ready and launches every bucket whose turn has
 come, in the same bucket order on every rank; the end of backward (an autograd-engine
 callback) launches buckets still waiting (parameters without a gradient this step) and waits
-for all of them. See :mod:`hpcpar.sync._buckets` for the reduction itself, :mod:`hpcpar.sync._stall` for
-the stall detector and :mod:`hpcpar.sync._compression` for 16-bit transport.
+for all of them. See :mod:`hpcpar.sync._buckets` for the reduction itself,
+:mod:`hpcpar.sync._stall` for the stall detector and :mod:`hpcpar.sync._compression` for 16-bit
+transport.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
 
-from hpcpar.sync._buckets import MB, Bucket, ReduceGroup, assign_buckets
+from hpcpar.errors import CommError, ConfigError
 from hpcpar.parallel.comm import bcast_
-from hpcpar.sync._compression import wire_dtype_for
-from hpcpar.errors import HpcparError
-from hpcpar.parallel.grid import ProcessGrid
-from hpcpar.sync._stall import StallMonitor
 from hpcpar.parallel.counters import COUNTERS
+from hpcpar.parallel.grid import ProcessGrid
+from hpcpar.sync._buckets import MB, Bucket, ReduceGroup, TorchGroup, assign_buckets
+from hpcpar.sync._compression import wire_dtype_for
+from hpcpar.sync._stall import StallMonitor
+from hpcpar.sync._torchdist import check_grad_sync
 from hpcpar.sync.tags import DATA_ONLY, reduce_scope
 
-
-class ModelMismatchError(HpcparError, ValueError):
-    """Ranks hold different models (parameter names, shapes or dtypes), raised on all ranks."""
+__all__ = ["DistributedDataParallel", "DDP"]
 
 
 class DistributedDataParallel(nn.Module):
     """Wrap ``module`` so ``loss.backward()`` also synchronises its gradients over ``grid``.
 
-    ``bucket_cap_mb``/``first_bucket_mb``: bucket sizes (the first bucket launches early);
-    ``hierarchical``: ``"auto"`` (on with more than one node and more than one rank per
-    node), True or False — results are bitwise identical either way in fp32/fp64;
-    ``compression``: None, ``"fp16"`` or ``"bf16"`` (16-bit transport, fp32 sums).
+    After ``loss.backward()`` returns, a replicated parameter's ``.grad`` is the sum over the
+    spatial group and the average over the data group; a parameter tagged
+    ``hpcpar.sync.tags.tag_data_only`` gets the average over the data group only. With a
+    per-sample mean loss this is the single-process gradient of the global-batch mean.
+    Construction is collective: it checks that every rank wraps the same model and
+    broadcasts rank 0's parameters and buffers.
+
     ``state_dict()``/``load_state_dict()`` are the wrapped module's (no ``module.`` prefix;
     loading also accepts a torch-DDP state dict with that prefix).
+
+    Args:
+        module: The model (plain, spatialized or tensor-parallel).
+        grid: The process grid; ``ProcessGrid()`` (all ranks on the data axis) when None.
+        bucket_cap_mb: Size of every bucket after the first, in MB.
+        first_bucket_mb: Size of the first bucket, which launches early, in MB.
+        hierarchical: ``"auto"`` (on with more than one node and more than one rank per
+            node), True or False; results are bitwise identical either way in fp32/fp64.
+        compression: None, ``"fp16"`` or ``"bf16"``: 16-bit transport, fp32 sums (with
+            ``grad_sync="nccl"`` NCCL sums in the 16-bit type itself).
+        grad_sync: ``"mpi"`` (default) or ``"nccl"``: who reduces the gradient buckets.
+            NCCL (CUDA models) uses a torch.distributed group bootstrapped from the grid's
+            MPI communicator, with the same buckets, overlap and ``no_sync``; halo exchange
+            and everything else stays on MPI. ``"gloo"`` makes the same kind of group on
+            CPU (for tests of that path).
+
+    Raises:
+        ConfigError: ``hierarchical``, ``compression`` or ``grad_sync`` is not one of the
+            accepted values, or ``grad_sync="nccl"`` for a model not on a CUDA device.
+        CommError: The model differs across ranks (names, shapes, dtypes or
+            ``requires_grad``); raised on every rank, naming the parameter.
+
+    Example:
+        ```python
+        ddp = hpcpar.DDP(model, grid)
+        loss_fn(ddp(x), y).backward()    # grads synchronised when backward returns
+        opt.step()
+        ```
     """
 
     def __init__(self, module: nn.Module, grid: ProcessGrid | None = None, *,
                  bucket_cap_mb: float = 25, first_bucket_mb: float = 1,
-                 hierarchical="auto", compression=None):
+                 hierarchical: bool | str = "auto", compression: str | None = None,
+                 grad_sync: str = "mpi"):
         super().__init__()
         if hierarchical not in ("auto", True, False):
-            raise HpcparError(f"DistributedDataParallel: hierarchical={hierarchical!r}, "
+            raise ConfigError(f"DistributedDataParallel: hierarchical={hierarchical!r}, "
                               "expected 'auto', True or False")
         wire = wire_dtype_for(compression)
+        self._backend = check_grad_sync(grad_sync, {p.device.type for p in module.parameters()
+                                                    if p.requires_grad})
+        self.grad_sync = grad_sync
         self.module = module
         self.grid = grid if grid is not None else ProcessGrid()
         self.compression = compression
@@ -79,11 +116,20 @@ class DistributedDataParallel(nn.Module):
                          for b in self._buckets for i, p in enumerate(b.params)]
 
     # -- public API --------------------------------------------------------------------------
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the wrapped module.
+
+        Args:
+            *args: Passed to the module.
+            **kwargs: Passed to the module.
+
+        Returns:
+            The module's output.
+        """
         return self.module(*args, **kwargs)
 
     @contextmanager
-    def no_sync(self):
+    def no_sync(self) -> Iterator[None]:
         """Backward passes run while this is active only accumulate local gradients; the
         next backward outside reduces everything accumulated in ``.grad``.
 
@@ -109,10 +155,30 @@ class DistributedDataParallel(nn.Module):
         """Number of gradient synchronisations so far (the step the stall detector reports)."""
         return self._step
 
-    def state_dict(self, *args, **kwargs):
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The wrapped module's state dict (no ``module.`` prefix).
+
+        Args:
+            *args: Passed to the module's ``state_dict``.
+            **kwargs: Passed to the module's ``state_dict``.
+
+        Returns:
+            The module's state dict.
+        """
         return self.module.state_dict(*args, **kwargs)
 
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
+                        assign: bool = False) -> Any:
+        """Load into the wrapped module; a torch-DDP state dict (``module.`` keys) also loads.
+
+        Args:
+            state_dict: The module's state dict, with or without the ``module.`` prefix.
+            strict: As ``nn.Module.load_state_dict``.
+            assign: As ``nn.Module.load_state_dict``.
+
+        Returns:
+            The missing and unexpected keys, as ``nn.Module.load_state_dict``.
+        """
         keys = list(state_dict)
         if keys and all(k.startswith("module.") for k in keys):
             state_dict = {k[len("module."):]: v for k, v in state_dict.items()}
@@ -144,8 +210,8 @@ class DistributedDataParallel(nn.Module):
         problems = grid.comm.allgather(problem) if grid.spatial_size > 1 else [problem]
         problem = next((p for p in problems if p is not None), None)
         if problem is not None:
-            raise ModelMismatchError(f"DistributedDataParallel: the model differs across "
-                                     f"ranks: {problem}")
+            raise CommError(f"DistributedDataParallel: the model differs across "
+                            f"ranks: {problem}")
 
     @torch.no_grad()
     def _broadcast_state(self) -> None:
@@ -162,11 +228,18 @@ class DistributedDataParallel(nn.Module):
 
     def _make_groups(self, hierarchical) -> dict:
         grid = self.grid
-        groups = {"world": ReduceGroup(grid.comm, grid.node_index, grid.data, hierarchical)}
-        needs_data = grid.spatial_size > 1 and any(
-            reduce_scope(p) == DATA_ONLY for p in self.module.parameters() if p.requires_grad)
-        groups["data"] = ReduceGroup(grid.data_comm, grid.node_index, grid.data,
-                                     hierarchical) if needs_data else groups["world"]
+        trained = [p for p in self.module.parameters() if p.requires_grad]
+        if self._backend is None:
+            def group(comm):
+                return ReduceGroup(comm, grid.node_index, grid.data, hierarchical)
+        else:
+            device = trained[0].device if trained else None
+
+            def group(comm):
+                return TorchGroup(comm, grid.data, self._backend, device)
+        groups = {"world": group(grid.comm)}
+        needs_data = grid.spatial_size > 1 and any(reduce_scope(p) == DATA_ONLY for p in trained)
+        groups["data"] = group(grid.data_comm) if needs_data else groups["world"]
         return groups
 
     def _make_buckets(self, cap: float, first_cap: float, wire) -> list[Bucket]:
@@ -256,9 +329,10 @@ class DistributedDataParallel(nn.Module):
             b.finalize()
             b.reset()
         t_end = time.perf_counter()
-        COUNTERS.t_allreduce_total += t_end - self._t_first
-        COUNTERS.t_allreduce_exposed += self._t_hooks + t_end - t0
-        COUNTERS.bytes_allreduce += sum(b.wire_bytes for b in self._buckets)
+        if self.grid.size > 1:  # one rank sends nothing: its bucket copies are local work
+            COUNTERS.t_allreduce_total += t_end - self._t_first
+            COUNTERS.t_allreduce_exposed += self._t_hooks + t_end - t0
+            COUNTERS.bytes_allreduce += sum(b.wire_bytes for b in self._buckets)
 
 
 def _difference(signatures: list, where: str = "") -> str | None:

@@ -16,18 +16,38 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from hpcpar.launch.mpiexec import find_mpiexec, rank_env
 
+__all__ = ["DEFAULT_TIMEOUT", "mpi_case", "CaseResult", "ModuleRun", "startup_allowance",
+           "run_module"]
+
 DEFAULT_TIMEOUT = 120.0
 
 
-def mpi_case(nprocs=(1, 2, 4), timeout: float = DEFAULT_TIMEOUT):
+def mpi_case(nprocs: int | Sequence[int] = (1, 2, 4),
+             timeout: float = DEFAULT_TIMEOUT) -> Callable[[Callable], Callable]:
     """Mark a test function to run on every rank under ``mpiexec -n N`` for each N.
 
     The function takes no arguments, or one named ``comm`` (``MPI.COMM_WORLD``). Assertions
-    inside run on every rank; any rank failing fails the case.
+    inside run on every rank; any rank failing fails the case. All cases of one module and
+    rank count share one launch.
+
+    Args:
+        nprocs: The rank counts to run it at (``HPCPAR_TEST_MAX_NP`` skips larger ones).
+        timeout: Seconds before the case is killed and reported with the ranks still in it.
+
+    Returns:
+        The decorator.
+
+    Example:
+        ```python
+        @mpi_case(nprocs=(1, 2, 4), timeout=60)
+        def test_allreduce(comm):
+            ...   # runs on every rank
+        ```
     """
     if isinstance(nprocs, int):
         nprocs = (nprocs,)
@@ -41,6 +61,16 @@ def mpi_case(nprocs=(1, 2, 4), timeout: float = DEFAULT_TIMEOUT):
 
 @dataclass
 class CaseResult:
+    """The outcome of one case at one rank count.
+
+    Attributes:
+        name: The test function's name.
+        status: ``passed``, ``failed``, ``skipped``, ``timeout`` or ``not-run``.
+        message: One line for the report.
+        ranks: Rank -> traceback or message.
+        duration: Seconds.
+    """
+
     name: str
     status: str  # passed | failed | skipped | timeout | not-run
     message: str = ""
@@ -50,6 +80,18 @@ class CaseResult:
 
 @dataclass
 class ModuleRun:
+    """One ``mpiexec`` launch of a test module's cases.
+
+    Attributes:
+        path: The test module.
+        nprocs: Ranks.
+        cases: Case name -> ``CaseResult``.
+        returncode: ``mpiexec``'s exit code (None if it never ended).
+        output: Its combined output.
+        timed_out: Whether the launch was killed at its timeout.
+        elapsed: Seconds.
+    """
+
     path: str
     nprocs: int
     cases: dict  # name -> CaseResult
@@ -60,13 +102,33 @@ class ModuleRun:
 
 
 def startup_allowance(nprocs: int) -> float:
-    """Seconds to allow for launching N Python+torch processes on a small machine."""
+    """Seconds to allow for launching N Python+torch processes on a small machine.
+
+    Args:
+        nprocs: Ranks.
+
+    Returns:
+        ``20 + 4 * nprocs``.
+    """
     return 20.0 + 4.0 * nprocs
 
 
 def run_module(path: str, nprocs: int, cases: list[str], timeouts: dict | None = None,
                timeout: float | None = None, env: dict | None = None) -> ModuleRun:
-    """Run ``cases`` (function names) of the module at ``path`` on ``nprocs`` ranks."""
+    """Run some cases of a test module on ``nprocs`` ranks in one ``mpiexec`` launch.
+
+    Args:
+        path: The test module's file.
+        nprocs: Ranks.
+        cases: Names of the test functions to run, in order.
+        timeouts: Case name -> seconds (``DEFAULT_TIMEOUT`` for the others).
+        timeout: Seconds for the whole launch; the start-up allowance plus every case's
+            timeout when None.
+        env: Extra environment variables for the ranks.
+
+    Returns:
+        The launch's results, one ``CaseResult`` per case.
+    """
     timeouts = timeouts or {}
     if timeout is None:
         timeout = startup_allowance(nprocs) + sum(timeouts.get(c, DEFAULT_TIMEOUT) for c in cases)

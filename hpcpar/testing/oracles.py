@@ -1,23 +1,219 @@
-"""Single-process dense reference of the GNN maths (DESIGN §2), written independently of
-hpcpar.graph: the oracle of the distributed tests."""
+"""The oracles and helpers the test modules share (one place; no test module imports another).
+
+Everything here is importable inside the ``mpiexec`` workers of :func:`hpcpar.testing.mpi_case`
+(they load a test file by path, so its neighbours are not importable there, this module is).
+
+- Spatial layers: run a check on sub-grids of the launch (:func:`on_grids`, :func:`on_subgrid`)
+  and compare a spatial layer with its torch twin on the same seeded global data
+  (:func:`check_layer`, :func:`compare_with_twin`).
+- GNN: a single-process dense reference of the GNN maths (DESIGN §2), written independently of
+  hpcpar.graph (:func:`gnn_forward`, :func:`dense_operators`), Cora, and the Kipf & Welling
+  training recipe (:func:`train_cora`).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from pathlib import Path
 
 import numpy as np
-import scipy.sparse as sp
 import torch
 import torch.nn.functional as F
 
-from hpcpar.graph.dropout import keep_mask
+__all__ = ["PROCESS_GRIDS", "SPATIAL_GRIDS", "idle_barrier", "on_grids", "on_subgrid",
+           "one_rank_grid", "randn", "tol", "close", "rel_err", "batch_slice", "spatial_slices",
+           "check_layer", "compare_with_twin", "cover", "CORA_NPZ", "load_cora", "dense_operators",
+           "reference_dropout", "gnn_forward", "gnn_loss", "train_cora"]
 
-CORA = "/work/shared/datasets/cora.npz"
+# ============================================================================================
+# spatial layers
+# ============================================================================================
+# (data, x, y, z) process grids; each case runs on the first prod(grid) ranks of the launch
+PROCESS_GRIDS = [(1, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2), (1, 2, 2, 1),
+                 (1, 2, 2, 2), (1, 3, 1, 1), (1, 1, 3, 2), (2, 2, 1, 1), (2, 1, 2, 1),
+                 (2, 1, 1, 2), (2, 2, 2, 1)]
+# (x, y, z) spatial grids of the conv / pool cases; data 1 or 2 where the rank count allows
+SPATIAL_GRIDS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 2, 2), (3, 1, 1), (1, 3, 2)]
+
+FP32_TOL, FP64_TOL = 1e-5, 1e-12
+
+
+def idle_barrier(comm) -> None:
+    """Barrier that sleeps instead of busy-polling (idle ranks must not steal the cores)."""
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(0.002)
+
+
+def on_grids(comm, specs, fn) -> None:
+    """Run ``fn(grid)`` for each (data, x, y, z) spec on the first prod(spec) ranks."""
+    from mpi4py import MPI
+
+    from hpcpar.parallel.grid import ProcessGrid
+
+    for spec in specs:
+        n = math.prod(spec)
+        if n > comm.Get_size():
+            continue
+        sub = comm.Split(0 if comm.Get_rank() < n else MPI.UNDEFINED, comm.Get_rank())
+        if sub != MPI.COMM_NULL:
+            grid = ProcessGrid(*spec, comm=sub)
+            fn(grid)
+            grid.free()
+            sub.Free()
+        idle_barrier(comm)
+
+
+def on_subgrid(comm, data, dims, fn) -> None:
+    """Run ``fn(grid)`` on the first data*X*Y*Z ranks of ``comm``; the others wait politely."""
+    from hpcpar.parallel.grid import ProcessGrid
+
+    need = data * dims[0] * dims[1] * dims[2]
+    if need > comm.Get_size():
+        return
+    member = comm.Get_rank() < need
+    sub = comm.Split(0 if member else 1, comm.Get_rank())
+    if member:
+        grid = ProcessGrid(data, *dims, comm=sub)
+        try:
+            fn(grid)
+        finally:
+            grid.free()
+    sub.Free()
+    idle_barrier(comm)
+
+
+def one_rank_grid():
+    from mpi4py import MPI
+
+    from hpcpar.parallel.grid import ProcessGrid
+
+    return ProcessGrid(1, 1, 1, 1, comm=MPI.COMM_SELF)
+
+
+def randn(shape, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+
+
+def tol(dtype):
+    return 1e-5 if dtype == torch.float32 else 1e-11
+
+
+def close(got, want, what, slack=1.0):
+    """max |got - want| <= slack * tol * max |want| (relative to the output scale)."""
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    scale = want.abs().max().item() if want.numel() else 0.0
+    err = (got - want).abs().max().item() if want.numel() else 0.0
+    assert err <= slack * tol(want.dtype) * max(scale, 1e-30), \
+        f"{what}: max error {err:.3g} vs scale {scale:.3g} ({want.dtype})"
+
+
+def rel_err(a, b):
+    scale = b.abs().max().item() if b.numel() else 0.0
+    return (a - b).abs().max().item() / max(scale, 1e-30) if a.numel() else 0.0
+
+
+def batch_slice(n_global, grid):
+    nb = n_global // grid.data
+    d = grid.coords[0]
+    return slice(d * nb, (d + 1) * nb)
+
+
+def spatial_slices(spatial_shape, grid):
+    """This rank's piece of an (N, C, *spatial_shape) tensor, from the partition rule itself
+    (independent of hpcpar.parallel.spatial.local_slices)."""
+    from hpcpar.parallel.partition import part_range
+
+    return (slice(None), slice(None), *(
+        slice(*part_range(n, p, i))
+        for n, p, i in zip(spatial_shape, grid.spatial_shape, grid.spatial_coords)))
+
+
+def check_layer(grid, ref, sp, x, seed, what, whole_batch=False):
+    """Forward, input gradient and summed parameter gradients of spatial layer ``sp`` vs
+    torch layer ``ref`` (same weights) on the global batch ``x``. Each data group takes its
+    share of the batch; ``whole_batch``: the reference sees all of it (statistics over data)."""
+    from hpcpar.parallel.comm import allreduce_
+    from hpcpar.parallel.spatial import local_slices
+
+    bs = batch_slice(x.shape[0], grid)
+    xr = (x if whole_batch else x[bs]).clone().requires_grad_()
+    yr = ref(xr)
+    w = randn(yr.shape, seed, x.dtype)
+    (yr * w).sum().backward()
+    gr = xr.grad
+    if whole_batch:
+        yr, w, gr = yr[bs], w[bs], gr[bs]
+    xl = x[bs][local_slices(x[bs].shape, grid)].clone().requires_grad_()
+    yl = sp(xl)
+    ys = local_slices(yr.shape, grid)
+    close(yl, yr[ys].detach(), f"{what}: output")
+    (yl * w[ys]).sum().backward()
+    close(xl.grad, gr[local_slices(gr.shape, grid)], f"{what}: input grad")
+    group = grid.comm if whole_batch else grid.spatial_comm
+    for (name, pr), ps in zip(ref.named_parameters(), sp.parameters()):
+        g = allreduce_(ps.grad.clone(), group)
+        close(g, pr.grad, f"{what}: grad of {name}")
+
+
+def compare_with_twin(grid, twin, spatial, shape, channels, dtype, seed=0, batch=2, what=""):
+    """Forward, input grad and summed parameter grads of ``spatial`` vs ``twin`` on a seeded
+    global batch of spatial ``shape`` (each data group its own batch)."""
+    from hpcpar.parallel.comm import allreduce_
+
+    tol_ = FP32_TOL if dtype == torch.float32 else FP64_TOL
+    twin = twin.to(dtype)
+    spatial.load_state_dict(twin.state_dict())  # the twin's state_dict loads as is
+    spatial = spatial.to(dtype)
+    gen = torch.Generator().manual_seed(seed + 1000 * grid.coords[0])  # data groups differ
+    X = torch.randn(batch, channels, *shape, generator=gen, dtype=dtype, requires_grad=True)
+    Y = twin(X)
+    G = torch.randn(Y.shape, generator=gen, dtype=dtype)
+    (Y * G).sum().backward()
+
+    x = X.detach()[spatial_slices(shape, grid)].clone().requires_grad_()
+    y = spatial(x)
+    oslc = spatial_slices(tuple(Y.shape[2:]), grid)
+    ref = Y.detach()[oslc]
+    assert y.shape == ref.shape, f"{what}: output shape {tuple(y.shape)} != {tuple(ref.shape)}"
+    err = rel_err(y.detach(), ref)
+    assert err <= tol_, f"{what}: forward rel err {err:.2e}"
+    (y * G[oslc]).sum().backward()
+    err = rel_err(x.grad, X.grad[spatial_slices(shape, grid)])
+    assert err <= tol_, f"{what}: input grad rel err {err:.2e}"
+    for (name, p), (_, q) in zip(spatial.named_parameters(), twin.named_parameters()):
+        g = allreduce_(p.grad.clone(), grid.spatial_comm)
+        err = rel_err(g, q.grad)
+        assert err <= tol_, f"{what}: {name} grad rel err {err:.2e}"
+
+
+def cover(rng: random.Random, n: int, **values):
+    """``n`` sampled cases: each listed value of each parameter appears at least once."""
+    cols = {}
+    for key, vals in values.items():
+        reps = -(-n // len(vals))
+        col = list(vals) * reps
+        rng.shuffle(col)
+        cols[key] = col[:n] if len(vals) <= n else col
+    assert all(set(map(repr, cols[k])) == set(map(repr, values[k])) for k in values), \
+        "too few cases to cover every value"
+    return [{k: cols[k][i] for k in values} for i in range(n)]
+
+
+# ============================================================================================
+# GNN: dense single-process reference (independent of hpcpar.graph's sparse code)
+# ============================================================================================
+CORA_NPZ = Path(__file__).resolve().parents[1] / "graph" / "datasets" / "cora.npz"
 
 
 def load_cora(path=None):
     """Cora as (edge_index, x dense row-normalised, y, masks)."""
-    import os
+    import scipy.sparse as sp
 
-    path = path or os.path.join(os.path.dirname(__file__), "..", "hpcpar", "graph", "datasets",
-                                "cora.npz")
-    d = np.load(path)
+    d = np.load(path or CORA_NPZ)
     x = sp.csr_matrix((d["x_data"], d["x_indices"], d["x_indptr"]),
                       shape=tuple(d["x_shape"])).toarray()
     x = x / np.maximum(x.sum(1, keepdims=True), 1e-30)
@@ -29,8 +225,8 @@ def load_cora(path=None):
     return d["edge_index"], x.astype(np.float32), d["y"], masks
 
 
-def operators(edge_index, n, dtype=torch.float64):
-    """Dense (gcn, mean) matrices: A[dst, src] = 1 (duplicates once)."""
+def dense_operators(edge_index, n, dtype=torch.float64):
+    """Dense (gcn, mean, sum) matrices: A[dst, src] = 1 (duplicates once)."""
     a = np.zeros((n, n))
     a[edge_index[1], edge_index[0]] = 1.0
     at = a.copy()
@@ -45,20 +241,23 @@ def operators(edge_index, n, dtype=torch.float64):
             "sum": torch.tensor(a, dtype=dtype)}
 
 
-def drop(t, p, seed, call, layer):
+def reference_dropout(t, p, seed, call, layer):
+    """Dropout with the masks of global vertex ids (hpcpar.graph.dropout.keep_mask)."""
+    from hpcpar.graph.dropout import keep_mask
+
     if p == 0:
         return t
     m = keep_mask(np.arange(t.shape[0]), t.shape[1], p, seed, call, layer).to(t.dtype)
     return t * m / (1 - p)
 
 
-def forward(state, x, ops, conv="gcn", p=0.0, seed=0, call=0, layers=2, aggr="mean"):
+def gnn_forward(state, x, ops, conv="gcn", p=0.0, seed=0, call=0, layers=2, aggr="mean"):
     """Logits of the GCN / SAGE model with parameters ``state`` (a state_dict)."""
     h = x
     for i in range(layers):
         if i:
             h = torch.relu(h)
-        h = drop(h, p, seed, call, i)
+        h = reference_dropout(h, p, seed, call, i)
         if conv == "gcn":  # A (h W^T): the cheap association of the same product
             h = ops["gcn"] @ (h @ state[f"convs.{i}.lin.weight"].t()) + state[f"convs.{i}.bias"]
         else:
@@ -67,5 +266,35 @@ def forward(state, x, ops, conv="gcn", p=0.0, seed=0, call=0, layers=2, aggr="me
     return h
 
 
-def loss(logits, y, train_mask):
+def gnn_loss(logits, y, train_mask):
     return F.cross_entropy(logits[train_mask], y[train_mask])
+
+
+def train_cora(graph, seed: int, epochs: int = 200) -> dict:
+    """Train the Kipf & Welling GCN on ``graph`` (row-normalised Cora; 2 layers, 16 hidden,
+    dropout 0.5, Adam lr 0.01, weight decay 5e-4 on layer 1); final val/test accuracy."""
+    from hpcpar.graph.metrics import masked_loss, split_metrics
+    from hpcpar.models import GCN
+    from hpcpar.parallel.comm import allreduce_
+
+    torch.manual_seed(seed)
+    model = GCN(graph.num_features, 16, graph.num_classes, dropout=0.5, seed=seed)
+    opt = torch.optim.Adam([{"params": model.convs[0].parameters(), "weight_decay": 5e-4},
+                            {"params": model.convs[1].parameters(), "weight_decay": 0.0}],
+                           lr=0.01)
+    for _ in range(epochs):
+        model.train()
+        opt.zero_grad()
+        masked_loss(model(graph.x, graph), graph).backward()
+        if graph.comm.Get_size() > 1:  # the SUM over the graph's ranks, one message
+            flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+            allreduce_(flat, graph.comm)
+            off = 0
+            for p in model.parameters():
+                p.grad.copy_(flat[off:off + p.numel()].view_as(p))
+                off += p.numel()
+        opt.step()
+    model.eval()
+    with torch.no_grad():
+        out = model(graph.x, graph)
+    return {**split_metrics(out, graph, "val"), **split_metrics(out, graph, "test")}

@@ -7,11 +7,14 @@ module and rank count share one ``mpiexec`` launch (made on the first such item)
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
+from hpcpar import _env
+
 from .mpi import run_module
+
+__all__ = ["MPIFailure", "MPIItem", "pytest_pycollect_makeitem", "pytest_configure",
+           "pytest_collection_modifyitems"]
 
 _RUNS = pytest.StashKey[dict]()
 _SELECTED = pytest.StashKey[dict]()
@@ -63,7 +66,7 @@ class MPIItem(pytest.Item):
 
 
 def _max_np() -> int:
-    return int(os.environ.get("HPCPAR_TEST_MAX_NP", "8"))
+    return _env.get("HPCPAR_TEST_MAX_NP")
 
 
 @pytest.hookimpl(tryfirst=True)

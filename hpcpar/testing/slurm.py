@@ -1,16 +1,21 @@
 """A private single-node Slurm cluster for the tests (Debian's slurmctld/slurmd + munge).
 
-``slurm_cluster`` is a session-scoped pytest fixture: it writes a ``slurm.conf`` into a
-temporary directory, starts munged (own key and socket), slurmctld and slurmd there, waits for
-the node to be idle, and at the end of the session stops exactly the PIDs it started. Client
-commands must see ``SLURM_CONF``: use :meth:`SlurmCluster.env` / :meth:`SlurmCluster.run`.
+``slurm_cluster`` is a session-scoped pytest fixture (tests/conftest.py imports it): it writes
+a ``slurm.conf`` into a temporary directory, starts munged (own key and socket), slurmctld and
+slurmd there, waits for the node to be idle, and at the end of the session stops exactly the
+PIDs it started. Client commands must see ``SLURM_CONF``: use :meth:`SlurmCluster.env` /
+:meth:`SlurmCluster.run`.
 
 Where Slurm cannot start (not root, packages missing) the tests skip with the reason; with
 ``CI=true`` they fail instead, because CI installs the packages (.ci/setup.d/10-slurm.sh).
 Configuration facts (Slurm 22.05 as root without cgroups): proctrack/pgid + task/none,
 select/cons_tres so jobs share the node, no scheduling delay, kill_invalid_depend, the node
 advertises more CPUs than it has (config_overrides), jobcomp/filetxt instead of slurmdbd.
-Run ``python tests/slurm_cluster.py`` to start one by hand (it prints the SLURM_CONF to export).
+Run ``python -m hpcpar.testing.slurm`` to start one by hand (it prints the SLURM_CONF to export).
+
+Also here: the helpers of the sbatch/Slurm tests (a test job kind, a stub ``python``) and the
+``shipped_profiles_only`` fixture they use (``pytest.mark.usefixtures``; not autouse, so that
+other tests keep the real HOME).
 """
 
 from __future__ import annotations
@@ -28,7 +33,12 @@ from pathlib import Path
 
 import pytest
 
-from hpcpar.launch.submit import parse_scontrol
+from hpcpar.launch.submit import parse_scontrol, plan_submit, submit
+
+__all__ = ["DAEMONS", "CLIENTS", "NODE_CPUS", "PARTITION", "TERMINAL", "SlurmUnavailable",
+           "slurm_conf", "SlurmCluster", "TEST_KIND", "TEST_JOB", "STUB_PYTHON",
+           "register_test_kind", "write_test_job", "write_stub_python", "read_argv",
+           "shipped_profiles_only", "slurm_cluster"]
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "scontrol", "squeue", "scancel", "srun", "sinfo")
@@ -59,14 +69,24 @@ def _find(name: str) -> str | None:
 
 
 def slurm_conf(root: Path, node: str, ports: list[int], munge_socket: Path,
-               first_job_id: int) -> str:
-    """The cluster's slurm.conf: one node ``node`` at 127.0.0.1 in partition ``debug``.
-    Job ids start at a random ``first_job_id``: MPICH names its shared memory after
-    "jobid.stepid", and segments leaked by an earlier session's job 1 would hang this one's."""
+               first_job_id: int, nodes: list[tuple[str, str]] | None = None,
+               controller_addr: str = "127.0.0.1", cpus: int = NODE_CPUS,
+               slurmd_timeout: int = 300) -> str:
+    """The cluster's slurm.conf: by default one node ``node`` at 127.0.0.1 in partition
+    ``debug``; ``nodes`` [(name, address), ...] makes a multi-node cluster whose controller runs
+    on this host (``node``) at ``controller_addr``. Job ids start at a random
+    ``first_job_id``: MPICH names its shared memory after "jobid.stepid", and segments leaked
+    by an earlier session's job 1 would hang this one's."""
+    nodes = nodes or [(node, "127.0.0.1")]
+    names = ",".join(name for name, _ in nodes)
+    node_lines = "".join(
+        f"NodeName={name} NodeAddr={addr} CPUs={cpus} Sockets=1 CoresPerSocket={cpus} "
+        f"ThreadsPerCore=1 RealMemory=1000 State=UNKNOWN\n" for name, addr in nodes)
+    per_node = "" if len(nodes) == 1 else ".%n"
     return f"""\
 ClusterName=hpcpartest
 FirstJobId={first_job_id}
-SlurmctldHost={node}(127.0.0.1)
+SlurmctldHost={node}({controller_addr})
 SlurmctldPort={ports[0]}
 SlurmdPort={ports[1]}
 SlurmUser=root
@@ -75,11 +95,11 @@ AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={munge_socket}
 StateSaveLocation={root}/state
-SlurmdSpoolDir={root}/spool
+SlurmdSpoolDir={root}/spool{per_node.replace('.', '/')}
 SlurmctldPidFile={root}/slurmctld.pid
-SlurmdPidFile={root}/slurmd.pid
+SlurmdPidFile={root}/slurmd{per_node}.pid
 SlurmctldLogFile={root}/slurmctld.log
-SlurmdLogFile={root}/slurmd.log
+SlurmdLogFile={root}/slurmd{per_node}.log
 SlurmctldDebug=info
 SlurmdDebug=info
 ProctrackType=proctrack/pgid
@@ -98,12 +118,11 @@ AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 MinJobAge=600
 KillWait=5
+SlurmdTimeout={slurmd_timeout}
 InactiveLimit=0
 Waittime=0
 MessageTimeout=20
-NodeName={node} NodeAddr=127.0.0.1 CPUs={NODE_CPUS} Sockets=1 CoresPerSocket={NODE_CPUS} \
-ThreadsPerCore=1 RealMemory=1000 State=UNKNOWN
-PartitionName={PARTITION} Nodes={node} Default=YES MaxTime=INFINITE State=UP
+{node_lines}PartitionName={PARTITION} Nodes={names} Default=YES MaxTime=INFINITE State=UP
 """
 
 
@@ -126,7 +145,8 @@ class SlurmCluster:
         env["SLURM_CONF"] = str(self.conf)
         return env
 
-    def run(self, *args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
+    def run(self, *args: str, check: bool = True,
+            timeout: float = 60) -> subprocess.CompletedProcess:
         proc = subprocess.run(list(args), env=self.env(), capture_output=True, text=True,
                               timeout=timeout)
         if check and proc.returncode != 0:
@@ -162,43 +182,52 @@ class SlurmCluster:
 
     def log_tail(self, n: int = 15) -> str:
         parts = []
-        for name in ("slurmctld.log", "slurmd.log"):
-            path = self.root / name
+        for path in [self.root / "slurmctld.log", *sorted(self.root.glob("slurmd*.log"))]:
+            name = path.name
             if path.exists():
                 lines = path.read_text(errors="replace").splitlines()[-n:]
                 parts.append(f"--- {name}\n" + "\n".join(lines))
         return "\n".join(parts)
 
     # -- life cycle ------------------------------------------------------------------------
-    def start(self, timeout: float = 60) -> "SlurmCluster":
+    def start(self, timeout: float = 60) -> SlurmCluster:
         missing = [d for d in DAEMONS + CLIENTS if not _find(d)]
         if missing:
             raise SlurmUnavailable(f"Slurm/munge not installed (missing {', '.join(missing)}; "
                                    "see .ci/setup.d/10-slurm.sh)")
         if os.geteuid() != 0:
             raise SlurmUnavailable("the private Slurm cluster needs root (slurmd as root)")
-        for sub in ("state", "spool", "munge"):
+        for sub in ("state", "spool"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
+        atexit.register(self.stop)
+        sock = self._start_munged()
+        self.conf.write_text(slurm_conf(self.root, self.node, _free_ports(2), sock,
+                                        random.randrange(10_000, 60_000_000)))
+        self._start_slurmctld(timeout)
+        self._spawn("slurmd", [_find("slurmd"), "-D", "-N", self.node, "-f", str(self.conf)])
+        self._until(self._node_ready, timeout, f"node {self.node} to become idle")
+        return self
+
+    def _start_munged(self) -> Path:
+        """munged with its own key and socket under the cluster's folder; the socket path."""
         munge_dir = self.root / "munge"
+        munge_dir.mkdir(parents=True, exist_ok=True)
         munge_dir.chmod(0o700)
         key = munge_dir / "munge.key"
         key.write_bytes(os.urandom(128))
         key.chmod(0o400)
         sock = munge_dir / "munge.socket"
-        self.conf.write_text(slurm_conf(self.root, self.node, _free_ports(2), sock,
-                                        random.randrange(10_000, 60_000_000)))
-        atexit.register(self.stop)
         self._spawn("munged", [_find("munged"), "-F", "-f", f"--socket={sock}",
                                f"--key-file={key}", f"--log-file={munge_dir}/munged.log",
                                f"--pid-file={munge_dir}/munged.pid",
                                f"--seed-file={munge_dir}/munged.seed"])
         self._until(lambda: sock.exists(), 10, "munged socket")
+        return sock
+
+    def _start_slurmctld(self, timeout: float) -> None:
         self._spawn("slurmctld", [_find("slurmctld"), "-D", "-i", "-f", str(self.conf)])
         self._until(lambda: self.run("scontrol", "ping", check=False).returncode == 0,
                     timeout, "slurmctld to answer")
-        self._spawn("slurmd", [_find("slurmd"), "-D", "-N", self.node, "-f", str(self.conf)])
-        self._until(self._node_ready, timeout, f"node {self.node} to become idle")
-        return self
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         log = open(self.root / f"{name}.stdout", "wb")
@@ -328,7 +357,67 @@ case "$*" in
         fi ;;
 esac
 exit 0
-"""
+"""  # noqa: E501 (a bash script: its grep line stays one line)
+
+
+# -- submitting, waiting, preempting (shared by the Slurm test modules) ---------------------
+def submit_job(cluster, sandbox, out, **kw) -> list[dict]:
+    """``hpcpar submit`` (the library call) into ``cluster``; python defaults to the stub."""
+    kw.setdefault("python", sandbox["python"])
+    return submit(plan_submit(kw.pop("job", sandbox["job"]), out, **kw), out,
+                  env=cluster.env())
+
+
+def wait_for(pred, timeout: float, what: str, cluster=None) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} after {timeout}s" +
+                               (f"\n{cluster.log_tail()}" if cluster else ""))
+        time.sleep(0.1)
+
+
+def requeue_now(cluster, job_id: str, timeout: float = 60) -> None:
+    """Wait for the requeued job to be pending and its previous batch step to be cleaned up
+    on the node (what Slurm's requeue start delay waits for), then start it now."""
+    def requeued():
+        info = cluster.job(job_id)
+        return info["JobState"] == "PENDING" and info.get("Restarts", "0") != "0"
+
+    wait_for(requeued, timeout, "job not requeued", cluster)
+    wait_for(lambda: not any(cluster.root.glob(f"spool/**/job{job_id}")), timeout,
+              "previous batch step not cleaned up", cluster)
+    # slurmd refuses a job id whose credential it revoked in the same second ("Job credential
+    # revoked", seen on multi-node requeues): Slurm's own requeue delay avoids it; so do we
+    time.sleep(2)
+    cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+
+
+def usr1_then_resume(cluster, rec: dict, out: Path, timeout: float, started) -> str:
+    """Once ``started()``, USR1 the batch shell; the job must requeue itself, restart once
+    and complete. Returns the job's log."""
+    wait_for(started, timeout, "job never reached the point to interrupt", cluster)
+    cluster.run("scancel", "--batch", "--signal=USR1", rec["id"])
+    requeue_now(cluster, rec["id"])
+    info = cluster.wait(rec["id"], timeout)
+    log = (out / "slurm" / f"{rec['label']}-{rec['id']}.out").read_text()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", \
+        (info, log, cluster.log_tail(40))
+    return log
+
+
+TINY_STEPS = 120  # long enough (~5 s of steps) that a USR1 always lands mid-run
+
+
+def tiny_job(data_dir: Path) -> list[str]:
+    """The CosmoFlow demo shrunk to seconds: 2 data-parallel ranks, 8^3 volumes."""
+    return ["grid.data=2", "grid.x=1", "model.n_conv_blocks=2", "model.base_filters=2",
+            "model.dense=[8]", f"data.path={data_dir}", "data.size=8", "data.samples=16",
+            "data.shards=2", "data.val_samples=0", f"train.steps={TINY_STEPS}",
+            "train.global_batch=2",
+            "train.val_every=0", "train.warmup_steps=0", "train.log_every=1",
+            "checkpoint.every=8", "checkpoint.keep=2", "resources.tasks_per_node=2"]
+
 
 
 def register_test_kind() -> None:
@@ -358,7 +447,7 @@ def read_argv(path: Path) -> list[str]:
     return path.read_bytes().decode().split("\0")[:-1]
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture()
 def shipped_profiles_only(tmp_path, monkeypatch):
     """Only hpcpar's own site profiles and templates: no ~/.config/hpcpar, no HPCPAR_*_PATH."""
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
@@ -371,7 +460,7 @@ _CLUSTER: SlurmCluster | None = None
 
 @pytest.fixture(scope="session")
 def slurm_cluster(request, tmp_path_factory) -> SlurmCluster:
-    """One private cluster per test session (shared by every module that imports this)."""
+    """One private cluster per test session (shared by every module that uses it)."""
     global _CLUSTER
     if _CLUSTER is None:
         root = Path(tempfile.mkdtemp(prefix="slurm-", dir=tmp_path_factory.getbasetemp()))
@@ -388,7 +477,7 @@ def slurm_cluster(request, tmp_path_factory) -> SlurmCluster:
     return _CLUSTER
 
 
-if __name__ == "__main__":  # start one by hand: python tests/slurm_cluster.py
+if __name__ == "__main__":  # start one by hand: python -m hpcpar.testing.slurm
     c = SlurmCluster(Path(tempfile.mkdtemp(prefix="slurm-"))).start()
     print(f"export SLURM_CONF={c.conf}   # Ctrl-C stops the cluster")
     try:

@@ -13,6 +13,8 @@ import sys
 import time
 import traceback
 
+__all__ = ["main"]
+
 
 def _load(path: str):
     folder = os.path.dirname(path)

@@ -1,11 +1,10 @@
 """``hpcpar report``: files, real plots, numbers equal to the records, one-line errors.
 
 Regenerate the golden headline table:
-``HPCPAR_REGEN_GOLDEN=1 python -m pytest tests/test_report.py``.
+``HPCPAR_REGEN_GOLDEN=1 python -m pytest tests/analysis/test_report.py``.
 """
 
 import base64
-import os
 import re
 from pathlib import Path
 
@@ -13,11 +12,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from hpcpar import _env
 from hpcpar.analysis import synthetic_run
-from hpcpar.cli import main
 
-GOLDEN = Path(__file__).parent / "golden" / "report" / "headline.md"
-PLOTS = ("speedup", "efficiency", "breakdown", "throughput", "imbalance")
+GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "report" / "headline.md"
+PLOTS = ("speedup", "efficiency", "breakdown", "step_times", "throughput", "resources",
+         "imbalance")
 
 
 @pytest.fixture(scope="module")
@@ -26,32 +26,23 @@ def report(tmp_path_factory):
     times = {1: 8.0, 2: 4.4, 4: 2.5}
     for p, t in times.items():  # 2 spatial ranks from p = 2 on; last rank 10% slower
         grid = (max(1, p // 2), min(p, 2), 1, 1)
-        synthetic_run(root / "sweep" / f"ranks-{p}", grid=grid, steps=6,
+        synthetic_run(root / "sweep" / f"ranks-{p}", grid=grid, steps=6, cores_per_node=4,
                       t_step=lambda r, s, p=p, t=t: t * (1.1 if r == p - 1 else 1.0))
     synthetic_run(root / "sweep" / "ranks-8", grid=(4, 2, 1, 1), steps=6, t_step=1.5,
-                  status="running", stop={5: 2})
+                  status="running", stop={5: 2}, cores_per_node=4)  # 8 ranks on 4 cores
     return root
 
 
-def run_cli(args, capsys):
-    """(exit code, stdout, stderr) of ``hpcpar ARGS`` run in this process."""
-    with pytest.raises(SystemExit) as exc:
-        main(args)
-        raise SystemExit(0)
-    out = capsys.readouterr()
-    return exc.value.code or 0, out.out, out.err
-
-
-def test_report_files_plots_and_numbers(report, capsys):
+def test_report_files_plots_and_numbers(report, run_cli):
     out = report / "out"
-    rc, stdout, _ = run_cli(["report", str(report / "sweep"), "-o", str(out)], capsys)
+    rc, stdout, _ = run_cli(["report", str(report / "sweep"), "-o", str(out)])
     assert rc == 0
     for name in ("scaling.csv", "runs.csv", "report.md", "report.html",
                  *(f"{p}.png" for p in PLOTS)):
         assert (out / name).stat().st_size > 0, name
     assert f"report: {out / 'report.html'}" in stdout
     headline = stdout[: stdout.index("\nPARTIAL")]
-    if os.environ.get("HPCPAR_REGEN_GOLDEN"):
+    if _env.get("HPCPAR_REGEN_GOLDEN"):
         GOLDEN.parent.mkdir(parents=True, exist_ok=True)
         GOLDEN.write_text(headline + "\n")
     assert headline + "\n" == GOLDEN.read_text()
@@ -90,26 +81,26 @@ def test_report_files_plots_and_numbers(report, capsys):
     assert "Karp-Flatt serial fraction e = (1/S - 1/q) / (1 - 1/q)" in md
 
 
-def test_report_errors_are_one_line(tmp_path, capsys):
+def test_report_errors_are_one_line(tmp_path, run_cli):
     (tmp_path / "empty").mkdir()
-    rc, _, err = run_cli(["report", str(tmp_path / "empty"), "-o", str(tmp_path / "o")], capsys)
+    rc, _, err = run_cli(["report", str(tmp_path / "empty"), "-o", str(tmp_path / "o")])
     assert rc == 2 and err.count("\n") == 1
     assert err.startswith("hpcpar: error: ") and "no hpcpar run records" in err
     run = synthetic_run(tmp_path / "run", steps=2)
     (run / "meta.json").write_text((run / "meta.json").read_text().replace(
         '"schema_version": 1', '"schema_version": 7'))
-    rc, _, err = run_cli(["report", str(run), "-o", str(tmp_path / "o")], capsys)
+    rc, _, err = run_cli(["report", str(run), "-o", str(tmp_path / "o")])
     assert rc == 2 and "schema version 7, this hpcpar reads version 1" in err
     assert err.count("\n") == 1
 
 
-def test_readme_example_runs(tmp_path, monkeypatch, capsys):
-    md = (Path(__file__).parents[1] / "docs/readme/70-analysis.md").read_text()
+def test_analysis_guide_example_runs(tmp_path, monkeypatch, capsys):
+    md = (Path(__file__).resolve().parents[2] / "docs/guides/analysis.md").read_text()
     code = re.findall(r"```python\n(.*?)```", md, re.S)[-1]
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     import tempfile
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    exec(compile(code, "70-analysis.md", "exec"), {})
+    exec(compile(code, "docs/guides/analysis.md", "exec"), {})
     out = capsys.readouterr().out
     assert "karp_flatt" in out and "report.html" in out

@@ -6,7 +6,8 @@ import shutil
 import pytest
 
 from hpcpar.analysis import drop_warmup, load, scaling_table, synthetic_run
-from hpcpar.run.records import LocalGrid, RecordsError, RunRecorder
+from hpcpar.errors import RunDirError
+from hpcpar.run.records import LocalGrid, RunRecorder
 
 T_STRONG = {1: 8.0, 2: 4.4, 4: 2.5}
 
@@ -135,17 +136,17 @@ def test_resume_drops_warmup_of_each_segment_and_pools_runs(tmp_path):
 
 def test_missing_and_malformed_records(tmp_path):
     (tmp_path / "empty").mkdir()
-    with pytest.raises(RecordsError, match=r"empty: no hpcpar run records \(no meta.json"):
+    with pytest.raises(RunDirError, match=r"empty: no hpcpar run records \(no meta.json"):
         load([tmp_path / "empty"])
-    with pytest.raises(RecordsError, match="no such file or directory"):
+    with pytest.raises(RunDirError, match="no such file or directory"):
         load([tmp_path / "nope"])
     run = synthetic_run(tmp_path / "old", grid=(1, 1, 1, 1))
     meta = (run / "meta.json").read_text().replace('"schema_version": 1', '"schema_version": 0')
     (run / "meta.json").write_text(meta)
-    with pytest.raises(RecordsError, match=r"old/meta.json: schema version 0, this hpcpar reads"):
+    with pytest.raises(RunDirError, match=r"old/meta.json: schema version 0, this hpcpar reads"):
         load([tmp_path])
     (run / "meta.json").write_text("{not json")
-    with pytest.raises(RecordsError, match="unreadable JSON"):
+    with pytest.raises(RunDirError, match="unreadable JSON"):
         load([run])
     with pytest.raises(ValueError, match="mode must be"):
         scaling_table(*load([synthetic_run(tmp_path / "x")]), mode="fast")

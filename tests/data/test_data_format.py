@@ -13,13 +13,18 @@ import numpy as np
 import pytest
 
 from hpcpar.cli import main as cli_main
-from hpcpar.data.errors import DataError
-from hpcpar.data.format import (FORMAT_VERSION, check_shard, read_manifest, sha256_file,
-                                verify_dataset)
 from hpcpar.data._hyperslab import ShardFiles, read_samples, touched_chunk_bytes
 from hpcpar.data._schedule import EpochSchedule, local_box
+from hpcpar.data.format import (
+    FORMAT_VERSION,
+    check_shard,
+    read_manifest,
+    sha256_file,
+    verify_dataset,
+)
 from hpcpar.data.synthetic import CosmoflowSource, cosmoflow_sample
 from hpcpar.data.writer import H5Source, SerialComm, shard_counts, write_dataset
+from hpcpar.errors import DataError
 
 
 def make_input(path, n=7, shape=(2, 9, 7, 5), k=3, seed=1):
@@ -297,7 +302,7 @@ def test_cli_make_info_verify_shard(tmp_path, capsys):
     code, o, _ = run_cli(["data", "info", out], capsys)
     assert "hpcpar-volume-shards v1" in o and "5 in 2 shards" in o and "slope" in o
     code, o, _ = run_cli(["data", "verify", out], capsys)
-    assert o.strip() == f"ok: {out}: 2 shards, 5 samples verified"
+    assert o.strip() == f"ok: {out}: 2 shards, 5 samples verified, values finite"
     code, _, err = run_cli(["data", "make", "cosmoflow", out, "--samples", "5", "--size", "8",
                             "--shards", "1", "--quiet"], capsys)
     assert code == 2 and err.strip() == (f"hpcpar: error: {out}: already exists (use --force "

@@ -10,15 +10,21 @@ import pytest
 import torch
 
 from hpcpar.testing import mpi_case
-
-import graph_reference as ref
+from hpcpar.testing.oracles import (
+    CORA_NPZ,
+    dense_operators,
+    gnn_forward,
+    gnn_loss,
+    load_cora,
+    train_cora,
+)
 
 
 def synthetic_directed():
     """A small directed power-law graph with a self loop, a duplicate edge and a vertex
     without in-edges (exercises: loop not doubled, dedupe, zero in-degree)."""
-    from hpcpar.graph.generate import power_law_community_graph
     from hpcpar.graph._csr import csr_to_edges
+    from hpcpar.graph.generate import power_law_community_graph
 
     g = power_law_community_graph(120, 4, communities=4, features=6, classes=3, seed=3,
                                   directed=True)
@@ -44,14 +50,14 @@ def _reference(dense, x, y, masks, conv, dtype):
     state = {k: v.detach().clone().to(torch.float64).requires_grad_(True)
              for k, v in _model(x, y, conv, dtype).state_dict().items() if k != "_extra_state"}
     xr = torch.tensor(x, dtype=torch.float64, requires_grad=True)
-    logits = ref.forward(state, xr, dense, conv, p=0.5, seed=11, call=3)
-    ref.loss(logits, torch.as_tensor(y), torch.as_tensor(masks["train"])).backward()
+    logits = gnn_forward(state, xr, dense, conv, p=0.5, seed=11, call=3)
+    gnn_loss(logits, torch.as_tensor(y), torch.as_tensor(masks["train"])).backward()
     return logits.detach(), xr.grad, {k: v.grad for k, v in state.items()}
 
 
 def _check_model(comm, graph, expected, x, y, conv, dtype, what):
-    from hpcpar.parallel.comm import allreduce_
     from hpcpar.graph.metrics import masked_loss
+    from hpcpar.parallel.comm import allreduce_
 
     tol = dict(rtol=2e-4, atol=2e-5) if dtype == torch.float32 else dict(rtol=1e-9, atol=1e-11)
     model = _model(x, y, conv, dtype)
@@ -72,10 +78,10 @@ def _check_model(comm, graph, expected, x, y, conv, dtype, what):
 def test_matches_single_process(comm):
     from hpcpar.graph import DistGraph
 
-    graphs = {"cora": ref.load_cora(), "directed": synthetic_directed()}
+    graphs = {"cora": load_cora(), "directed": synthetic_directed()}
     for name, (e, x, y, masks) in graphs.items():
         n = x.shape[0]
-        dense = ref.operators(e, n)
+        dense = dense_operators(e, n)
         # fp64 on the small graph is enough
         cases = [(c, d) for c in ("gcn", "sage") for d in (torch.float32, torch.float64)
                  if name != "cora" or d == torch.float32]
@@ -94,15 +100,16 @@ def test_matches_single_process(comm):
 @mpi_case(nprocs=(2,), timeout=120)
 def test_user_errors_on_every_rank(comm):
     from hpcpar import ProcessGrid
-    from hpcpar.graph import DistGraph, GraphError
+    from hpcpar.errors import DataError
+    from hpcpar.graph import DistGraph
     from hpcpar.graph.format import write_graph
 
     e, x, y, masks = synthetic_directed()
-    with pytest.raises(GraphError, match="data=2"):
+    with pytest.raises(DataError, match="data=2"):
         DistGraph.from_global(e, x.shape[0], x, ProcessGrid(2, 1, comm=comm))
-    with pytest.raises(GraphError, match="2 parts for a graph of 1 vertices"):
+    with pytest.raises(DataError, match="2 parts for a graph of 1 vertices"):
         DistGraph.from_global(np.zeros((2, 0), np.int64), 1, np.zeros((1, 2)), comm)
-    with pytest.raises(GraphError, match="vertex 500, outside 0..119"):
+    with pytest.raises(DataError, match="vertex 500, outside 0..119"):
         DistGraph.from_global(np.array([[0, 500], [1, 2]]), 120, x, comm)
     tmp = comm.bcast(tempfile.mkdtemp() if comm.Get_rank() == 0 else None)
     path = os.path.join(tmp, "bad.h5")
@@ -113,7 +120,7 @@ def test_user_errors_on_every_rank(comm):
         with h5py.File(path, "a") as f:
             del f["labels"]
     comm.Barrier()
-    with pytest.raises(GraphError, match="missing field '/labels'"):
+    with pytest.raises(DataError, match="missing field '/labels'"):
         DistGraph.from_hdf5(path, comm, method="block")
     comm.Barrier()
     if comm.Get_rank() == 0:
@@ -123,7 +130,7 @@ def test_user_errors_on_every_rank(comm):
         with h5py.File(path, "a") as f:  # an edge past the vertex count, in rank 1's block
             f["csr/indices"][-1] = 999
     comm.Barrier()
-    with pytest.raises(GraphError, match="vertex 999, outside 0..119"):
+    with pytest.raises(DataError, match="vertex 999, outside 0..119"):
         DistGraph.from_hdf5(path, comm, method="block")
 
 
@@ -135,9 +142,7 @@ def test_same_seed_same_accuracy_at_every_rank_count(comm):
 
     from hpcpar.graph import DistGraph
 
-    from test_gnn_cora import train_cora
-
-    e, x, y, masks = ref.load_cora()
+    e, x, y, masks = load_cora()
     g = DistGraph.from_hdf5(_cora_file(comm), comm, method="metis", row_normalize=True)
     dist = train_cora(g, seed=2)
     single = None
@@ -155,6 +160,5 @@ def _cora_file(comm):
         from hpcpar.graph.format import import_npz
 
         path = os.path.join(tempfile.mkdtemp(), "cora.h5")
-        import_npz(os.path.join(os.path.dirname(ref.__file__), "..", "hpcpar", "graph",
-                                "datasets", "cora.npz"), path)
+        import_npz(str(CORA_NPZ), path)
     return comm.bcast(path)

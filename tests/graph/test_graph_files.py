@@ -9,10 +9,10 @@ import pytest
 from click.testing import CliRunner
 
 from hpcpar.cli.graph import graph
-from hpcpar.graph.format import bundled
-from hpcpar.graph import GraphError, GraphFile, partition, power_law_community_graph
+from hpcpar.errors import DataError
+from hpcpar.graph import GraphFile, partition, power_law_community_graph
 from hpcpar.graph._csr import csr_to_edges, edges_to_csr
-from hpcpar.graph.format import GraphFormatError, write_graph
+from hpcpar.graph.format import bundled, write_graph
 
 
 def test_cli_import_cora_and_read_blocks(tmp_path):
@@ -58,7 +58,7 @@ def test_cli_make_is_seeded_power_law_and_learnable(tmp_path):
 def test_generator_speed_shape_is_vectorised():
     g = power_law_community_graph(20000, 10, 16, 8, 4, seed=0, directed=True)
     assert g["indptr"][-1] == g["indices"].shape[0] > 150000
-    with pytest.raises(GraphError, match="--classes 9 exceeds --communities 4"):
+    with pytest.raises(DataError, match="--classes 9 exceeds --communities 4"):
         power_law_community_graph(100, 4, 4, 8, 9)
 
 
@@ -70,11 +70,11 @@ def test_missing_field_and_bad_edges_are_one_line_errors(tmp_path):
     write_graph(p, n, np.ones((n, 2)), np.zeros(n), masks, edge_index=e)
     with h5py.File(p, "a") as f:
         del f["masks/val"]
-    with pytest.raises(GraphFormatError, match=r"g.h5: missing field '/masks/val'"):
+    with pytest.raises(DataError, match=r"g.h5: missing field '/masks/val'"):
         GraphFile(p)
-    with pytest.raises(GraphFormatError, match="no such graph file"):
+    with pytest.raises(DataError, match="no such graph file"):
         GraphFile(tmp_path / "nope.h5")
-    with pytest.raises(GraphError, match="edge points to vertex 10, outside 0..9"):
+    with pytest.raises(DataError, match="edge points to vertex 10, outside 0..9"):
         write_graph(p, n, np.ones((n, 2)), np.zeros(n), masks, edge_index=[[0, 10], [1, 2]])
     res = CliRunner().invoke(graph, ["import", str(tmp_path / "missing.npz"),
                                      str(tmp_path / "o.h5")])
@@ -94,13 +94,13 @@ def test_partition_methods_balance_and_cut():
     assert cuts["metis"] < cuts["block"] / 3
     np.testing.assert_array_equal(partition(e, 4000, 4, "random", seed=3),
                                   partition(e, 4000, 4, "random", seed=3))
-    with pytest.raises(GraphError, match="5 parts for a graph of 4 vertices"):
+    with pytest.raises(DataError, match="5 parts for a graph of 4 vertices"):
         partition([[0], [1]], 4, 5, method="block")
-    with pytest.raises(GraphError, match="expected one of metis, block, random"):
+    with pytest.raises(DataError, match="expected one of metis, block, random"):
         partition(e, 4000, 2, method="spectral")
 
 
 def test_metis_missing_message(monkeypatch):
     monkeypatch.setitem(sys.modules, "pymetis", None)
-    with pytest.raises(GraphError, match="needs pymetis: pip install pymetis"):
+    with pytest.raises(DataError, match="needs pymetis: pip install pymetis"):
         partition([[0, 1], [1, 0]], 2, 2, method="metis")

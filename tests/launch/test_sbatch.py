@@ -2,7 +2,7 @@
 script's requeue logic (run by bash against stub srun/scontrol), site profiles, planning errors.
 
 Regenerate the golden files after an intended change with
-``HPCPAR_REGEN_GOLDEN=1 python -m pytest tests/test_sbatch.py`` and review the diff.
+``HPCPAR_REGEN_GOLDEN=1 python -m pytest tests/launch/test_sbatch.py`` and review the diff.
 """
 
 from __future__ import annotations
@@ -13,14 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from hpcpar.launch.sbatch import ScriptError, sbatch_quote, shell_quote
-from hpcpar.launch.site import SiteError, available, load_site
-from hpcpar.launch.submit import SubmitError, parse_after, plan_submit
+from hpcpar import _env
+from hpcpar.errors import LaunchError
+from hpcpar.launch.sbatch import sbatch_quote, shell_quote
+from hpcpar.launch.site import available, load_site
+from hpcpar.launch.submit import parse_after, plan_submit
+from hpcpar.testing.slurm import read_argv, write_stub_python, write_test_job
 
-from slurm_cluster import (read_argv, shipped_profiles_only,  # noqa: F401 (autouse fixture)
-                           write_stub_python, write_test_job)
+# shipped_profiles_only: a fixture of tests/conftest.py (hpcpar.testing.slurm)
+pytestmark = pytest.mark.usefixtures("shipped_profiles_only")
 
-GOLDEN = Path(__file__).parent / "golden" / "sbatch"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "sbatch"
 PYTHON = "/opt/venv/bin/python"
 NASTY = """a b 'q' "dq" $(touch PWNED) `id` \\x #c %j;&|<>*?~"""
 
@@ -56,7 +59,7 @@ def _render(tmp_path, job, name) -> str:
 def test_golden(tmp_path, job, name):
     text = _render(tmp_path, job, name)
     path = GOLDEN / f"{name}.sbatch"
-    if os.environ.get("HPCPAR_REGEN_GOLDEN"):
+    if _env.get("HPCPAR_REGEN_GOLDEN"):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     assert path.exists(), f"missing {path}: run HPCPAR_REGEN_GOLDEN=1 pytest {__file__}"
@@ -90,9 +93,9 @@ def test_sbatch_quote():
     assert sbatch_quote('a "b" \\c') == '"a \\"b\\" \\\\c"'
     assert sbatch_quote("x # y") == '"x # y"'
     for bad in ("a\nb", "a\0b"):
-        with pytest.raises(ScriptError):
+        with pytest.raises(LaunchError):
             sbatch_quote(bad)
-        with pytest.raises(ScriptError):
+        with pytest.raises(LaunchError):
             shell_quote(bad)
 
 
@@ -154,35 +157,35 @@ def test_sites_and_errors(tmp_path, job, monkeypatch):
     assert {"generic", "perlmutter", "frontier"} <= set(available())
     for name in available():
         load_site(name)
-    with pytest.raises(SiteError, match="did you mean 'perlmutter'"):
+    with pytest.raises(LaunchError, match="did you mean 'perlmutter'"):
         load_site("perlmuter")
     bad = tmp_path / "sites"
     bad.mkdir()
     (bad / "mine.toml").write_text('[node]\ngpu = 4\n')
     monkeypatch.setenv("HPCPAR_SITE_PATH", str(bad))
-    with pytest.raises(SiteError, match=r"\[node\] unknown key 'gpu' \(did you mean 'gpus'"):
+    with pytest.raises(LaunchError, match=r"\[node\] unknown key 'gpu' \(did you mean 'gpus'"):
         load_site("mine")
     (bad / "mine.toml").write_text('[node]\ngpus = "4"\n')
-    with pytest.raises(SiteError, match="expected an integer"):
+    with pytest.raises(LaunchError, match="expected an integer"):
         load_site(str(bad / "mine.toml"))
     (bad / "mine.toml").write_text('[node]\ngpus = 2\ntasks_per_node = 2\ncpus = 16\n'
                                    '[srun]\ngpu_options = ["--gpus-per-task=1"]\n')
     text = plan_submit(job, tmp_path / "o", site="mine", nodes=[4], python=PYTHON)[0].text
     assert "--ntasks=8" in text and "--cpus-per-task=8" in text and "--gpus-per-task=1" in text
-    with pytest.raises(SubmitError, match="tasks_per_node"):
+    with pytest.raises(LaunchError, match="tasks_per_node"):
         plan_submit(job, tmp_path / "o", nodes=[2])
-    with pytest.raises(SubmitError, match="not both"):
+    with pytest.raises(LaunchError, match="not both"):
         plan_submit(job, tmp_path / "o", nodes=[2], ranks=[2])
-    with pytest.raises(SubmitError, match="backslash"):
+    with pytest.raises(LaunchError, match="backslash"):
         plan_submit(job, tmp_path / "a\\b", ranks=[2])
-    with pytest.raises(SubmitError, match="Slurm time"):
+    with pytest.raises(LaunchError, match="Slurm time"):
         plan_submit(job, tmp_path / "o", ranks=[2], time="soon")
     weak = plan_submit(job, tmp_path / "o", ranks=[2, 1], weak=True, array=True)[0].text
     assert "0) RANKS=1 NODES=1" in weak and \
         "POINT_ARGS=(--grid 2x1x1x1 --set train.global_batch=128)" in weak
     assert parse_after(["12", "afterany:13:14", "15,16"]) == \
         "afterok:12,afterany:13:14,afterok:15,afterok:16"
-    with pytest.raises(SubmitError, match="job id"):
+    with pytest.raises(LaunchError, match="job id"):
         parse_after(["12; rm -rf /"])
 
 

@@ -1,4 +1,4 @@
-"""``hpcpar submit`` / ``status`` against a real single-node Slurm (tests/slurm_cluster.py).
+"""``hpcpar submit`` / ``status`` against a real single-node Slurm (hpcpar.testing.slurm).
 
 Scheduling tests use a stub in place of ``python`` (no torch start-up) and the real rendered
 scripts; the training tests run ``hpcpar run`` on the CosmoFlow demo shrunk by ``--set``.
@@ -9,19 +9,26 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from hpcpar.launch.submit import plan_submit, submit, sweep_status
+from hpcpar.launch.submit import sweep_status
+from hpcpar.testing.slurm import (
+    TINY_STEPS,
+    read_argv,
+    requeue_now,
+    submit_job,
+    tiny_job,
+    usr1_then_resume,
+    write_stub_python,
+    write_test_job,
+)
 
-from slurm_cluster import (read_argv, shipped_profiles_only, slurm_cluster,  # noqa: F401
-                           write_stub_python, write_test_job)
+# slurm_cluster and shipped_profiles_only: fixtures of tests/conftest.py (hpcpar.testing.slurm)
+pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("shipped_profiles_only")]
 
-pytestmark = pytest.mark.slurm
-
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "jobs" / "demo-cosmoflow.toml"
 NASTY = """sp ace 'q' "dq" $(touch PWNED) `touch PWNED2` #c %j;&|<>*?~"""
 
@@ -33,52 +40,12 @@ def sandbox(tmp_path_factory):
             "python": str(write_stub_python(d / "python"))}
 
 
-def _submit(cluster, sandbox, out, **kw) -> list[dict]:
-    kw.setdefault("python", sandbox["python"])
-    return submit(plan_submit(kw.pop("job", sandbox["job"]), out, **kw), out,
-                  env=cluster.env())
-
-
-def _wait_for(pred, timeout: float, what: str, cluster=None) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} after {timeout}s" +
-                               (f"\n{cluster.log_tail()}" if cluster else ""))
-        time.sleep(0.1)
-
-
-def _requeue_now(cluster, job_id: str, timeout: float = 60) -> None:
-    """Wait for the requeued job to be pending and its previous batch step to be cleaned up
-    on the node (what Slurm's requeue start delay waits for), then start it now."""
-    def requeued():
-        info = cluster.job(job_id)
-        return info["JobState"] == "PENDING" and info.get("Restarts", "0") != "0"
-
-    _wait_for(requeued, timeout, "job not requeued", cluster)
-    _wait_for(lambda: not (cluster.root / "spool" / f"job{job_id}").exists(), timeout,
-              "previous batch step not cleaned up", cluster)
-    cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
-
-
-def _usr1_then_resume(cluster, rec: dict, out: Path, timeout: float, started) -> str:
-    """Once ``started()``, USR1 the batch shell; the job must requeue itself, restart once
-    and complete. Returns the job's log."""
-    _wait_for(started, timeout, "job never reached the point to interrupt", cluster)
-    cluster.run("scancel", "--batch", "--signal=USR1", rec["id"])
-    _requeue_now(cluster, rec["id"])
-    info = cluster.wait(rec["id"], timeout)
-    log = (out / "slurm" / f"{rec['label']}-{rec['id']}.out").read_text()
-    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log
-    return log
-
-
 def test_quoting_on_slurm(slurm_cluster, sandbox):
     """Job name and paths with spaces, quotes, backslash, #, %, $(...) reach Slurm and the
     job literally; nothing is executed."""
     out = sandbox["dir"] / NASTY
     name = NASTY + " back\\slash"    # not in the path: Slurm's log patterns drop backslashes
-    [rec] = _submit(slurm_cluster, sandbox, out, ranks=[1], sets=[f"job.name={name}"])
+    [rec] = submit_job(slurm_cluster, sandbox, out, ranks=[1], sets=[f"job.name={name}"])
     info = slurm_cluster.wait(rec["id"], 60)
     log = out / "slurm" / f"ranks-1-{rec['id']}.out"
     assert info["JobState"] == "COMPLETED", log.read_text() if log.exists() else info
@@ -93,7 +60,7 @@ def test_quoting_on_slurm(slurm_cluster, sandbox):
 
 def test_array_of_three_with_report(slurm_cluster, sandbox, monkeypatch, capsys):
     out = sandbox["dir"] / "array"
-    recs = _submit(slurm_cluster, sandbox, out, ranks=[1, 2, 4], array=True, report=True)
+    recs = submit_job(slurm_cluster, sandbox, out, ranks=[1, 2, 4], array=True, report=True)
     runs, report = recs[:3], recs[3]
     assert [r["id"] for r in runs] == [f"{runs[0]['array_job']}_{i}" for i in range(3)]
     assert report["dependency"] == f"afterany:{runs[0]['array_job']}"
@@ -124,10 +91,10 @@ def test_array_of_three_with_report(slurm_cluster, sandbox, monkeypatch, capsys)
 def test_dependency_chain(slurm_cluster, sandbox):
     """B runs after A succeeded; D, after a failing C, is cancelled (kill_invalid_depend)."""
     d = sandbox["dir"] / "chain"
-    [a] = _submit(slurm_cluster, sandbox, d / "a", ranks=[1])
-    [b] = _submit(slurm_cluster, sandbox, d / "b", ranks=[1], after=[a["id"]])
-    [c] = _submit(slurm_cluster, sandbox, d / "c", ranks=[1], sets=["job.name=fail"])
-    [dd] = _submit(slurm_cluster, sandbox, d / "d", ranks=[1], after=[c["id"]])
+    [a] = submit_job(slurm_cluster, sandbox, d / "a", ranks=[1])
+    [b] = submit_job(slurm_cluster, sandbox, d / "b", ranks=[1], after=[a["id"]])
+    [c] = submit_job(slurm_cluster, sandbox, d / "c", ranks=[1], sets=["job.name=fail"])
+    [dd] = submit_job(slurm_cluster, sandbox, d / "d", ranks=[1], after=[c["id"]])
     assert b["dependency"] == f"afterok:{a['id']}"
     ia, ib = slurm_cluster.wait(a["id"], 60), slurm_cluster.wait(b["id"], 60)
     assert ia["JobState"] == ib["JobState"] == "COMPLETED"
@@ -143,9 +110,9 @@ def test_usr1_requeue_contract(slurm_cluster, sandbox):
     """USR1 to the batch shell -> forwarded to both ranks -> exit 3 -> scontrol requeue ->
     the restarted job (SLURM_RESTART_COUNT=1) completes."""
     out = sandbox["dir"] / "preempt"
-    [rec] = _submit(slurm_cluster, sandbox, out, ranks=[2], sets=["job.name=preempt"])
+    [rec] = submit_job(slurm_cluster, sandbox, out, ranks=[2], sets=["job.name=preempt"])
     run = out / "ranks-2"
-    log = _usr1_then_resume(slurm_cluster, rec, out, 60, lambda: (
+    log = usr1_then_resume(slurm_cluster, rec, out, 60, lambda: (
         (run / "ready.0.0").exists() and (run / "ready.1.0").exists()))
     assert (run / "checkpointed.0.0").exists() and (run / "checkpointed.1.0").exists()
     assert (run / "argv.0.1").exists() and (run / "argv.1.1").exists()
@@ -158,9 +125,9 @@ def test_time_limit_signal(slurm_cluster, sandbox):
     """Slurm itself sends --signal=B:USR1@55 near the 1-minute limit (its timer ticks about
     every 30 s): the job checkpoints, requeues itself and completes."""
     out = sandbox["dir"] / "timelimit"
-    [rec] = _submit(slurm_cluster, sandbox, out, ranks=[1], sets=["job.name=preempt"],
+    [rec] = submit_job(slurm_cluster, sandbox, out, ranks=[1], sets=["job.name=preempt"],
                     time="1", grace=55)
-    _requeue_now(slurm_cluster, rec["id"], timeout=90)
+    requeue_now(slurm_cluster, rec["id"], timeout=90)
     info = slurm_cluster.wait(rec["id"], 60)
     log = (out / "slurm" / f"ranks-1-{rec['id']}.out").read_text()
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log
@@ -168,27 +135,14 @@ def test_time_limit_signal(slurm_cluster, sandbox):
 
 
 # -- real training through sbatch -----------------------------------------------------------
-TINY_STEPS = 120  # long enough (~5 s of steps) that a USR1 always lands mid-run
-
-
-def _tiny(data_dir: Path) -> list[str]:
-    """The CosmoFlow demo shrunk to seconds: 2 data-parallel ranks, 8^3 volumes."""
-    return ["grid.data=2", "grid.x=1", "model.n_conv_blocks=2", "model.base_filters=2",
-            "model.dense=[8]", f"data.path={data_dir}", "data.size=8", "data.samples=16",
-            "data.shards=2", "data.val_samples=0", f"train.steps={TINY_STEPS}",
-            "train.global_batch=2",
-            "train.val_every=0", "train.warmup_steps=0", "train.log_every=1",
-            "checkpoint.every=8", "checkpoint.keep=2", "resources.tasks_per_node=2"]
-
-
 @pytest.fixture(scope="module")
 def reference_run(slurm_cluster, sandbox):
     """An uninterrupted 2-rank training job through sbatch (shared by the tests below)."""
     if not DEMO.is_file():
         pytest.skip(f"{DEMO} not there yet")
     out = sandbox["dir"] / "train-ref"
-    [rec] = _submit(slurm_cluster, sandbox, out, job=DEMO, ranks=[2],
-                    sets=_tiny(sandbox["dir"] / "data"), python=sys.executable)
+    [rec] = submit_job(slurm_cluster, sandbox, out, job=DEMO, ranks=[2],
+                    sets=tiny_job(sandbox["dir"] / "data"), python=sys.executable)
     info = slurm_cluster.wait(rec["id"], 180)
     log = out / "slurm" / f"ranks-2-{rec['id']}.out"
     assert info["JobState"] == "COMPLETED", log.read_text()
@@ -214,10 +168,10 @@ def test_training_requeue_resumes_identically(slurm_cluster, sandbox, reference_
     import torch
 
     out = sandbox["dir"] / "train-preempt"
-    [rec] = _submit(slurm_cluster, sandbox, out, job=DEMO, ranks=[2],
-                    sets=_tiny(sandbox["dir"] / "data"), python=sys.executable)
+    [rec] = submit_job(slurm_cluster, sandbox, out, job=DEMO, ranks=[2],
+                    sets=tiny_job(sandbox["dir"] / "data"), python=sys.executable)
     run = out / "ranks-2"
-    log = _usr1_then_resume(slurm_cluster, rec, out, 180,
+    log = usr1_then_resume(slurm_cluster, rec, out, 180,
                             lambda: any((run / "checkpoints").glob("step-*")))
     meta = json.loads((run / "meta.json").read_text())
     assert len(meta["segments"]) == 2, log

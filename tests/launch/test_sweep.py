@@ -8,10 +8,10 @@ import pandas as pd
 import pytest
 
 from hpcpar.cli import sweep as sweep_cmd
-from hpcpar.launch.sweep import SweepError, parse_ranks, plan, point_grid
-from test_report import run_cli  # noqa: E402 (tests/ is on sys.path under pytest)
+from hpcpar.errors import ConfigError
+from hpcpar.launch.sweep import parse_ranks, plan, point_grid
 
-DEMO = Path(__file__).parents[1] / "jobs" / "demo-cosmoflow.toml"
+DEMO = Path(__file__).resolve().parents[2] / "jobs" / "demo-cosmoflow.toml"
 
 
 def test_point_grid_rule():
@@ -25,7 +25,7 @@ def test_point_grid_rule():
     assert point_grid((-1, -1, 1, 1), 4) == (4, 1, 1, 1)  # a -1 spatial axis counts as 1
     assert parse_ranks("4,1,2,2") == [1, 2, 4]
     for bad in ("", "a,b", "0,2"):
-        with pytest.raises(SweepError, match="--ranks"):
+        with pytest.raises(ConfigError, match="--ranks"):
             parse_ranks(bad)
 
 
@@ -34,16 +34,35 @@ def test_plan_validates_every_point_first():
     assert [p["grid"] for p in points] == ["1x1x1x1", "1x2x1x1", "2x2x1x1"]
     weak = plan(str(DEMO), [1, 2, 4], True, ("train.global_batch=2",))
     assert [p["sets"][-1] for p in weak] == [f"train.global_batch={b}" for b in (2, 4, 8)]
-    with pytest.raises(SweepError, match=r"point 3 ranks \(grid 3x1x1x1\).*global_batch: 8 "
+    with pytest.raises(ConfigError, match=r"point 3 ranks \(grid 3x1x1x1\).*global_batch: 8 "
                                          r"does not split over 3"):
         plan(str(DEMO), [1, 3], False, ("train.global_batch=8",))
-    with pytest.raises(SweepError, match="--weak: global batch 3 x 3/2 ranks is not an integer"):
+    with pytest.raises(ConfigError, match="--weak: global batch 3 x 3/2 ranks is not an integer"):
         plan(str(DEMO), [2, 3], True, ("train.global_batch=3",))
     assert sweep_cmd.submit_command("j.toml", "d", [1, 2], False, ("a.b=1",))[3:] == [
         "submit", "j.toml", "--out", "d", "--ranks", "1,2", "--report", "--set", "a.b=1"]
 
 
-def test_sweep_plumbing_with_stand_in_runs(tmp_path, capsys, monkeypatch):
+def test_weak_submit_passes_through(run_cli, monkeypatch):
+    """``sweep --weak --submit`` hands the sweep, --weak included, to ``hpcpar submit``."""
+    seen = []
+
+    class Done:
+        returncode = 0
+
+    def fake_run(cmd, *args, **kwargs):
+        seen.append(cmd)
+        return Done()
+
+    monkeypatch.setattr(sweep_cmd.subprocess, "run", fake_run)
+    rc, _, err = run_cli(["sweep", str(DEMO), "--ranks", "1,2", "--out", "d", "--weak",
+                          "--submit", "--set", "train.global_batch=2"])
+    assert rc == 0, err
+    assert seen and seen[0][3:] == ["submit", str(DEMO), "--out", "d", "--ranks", "1,2",
+                                    "--report", "--weak", "--set", "train.global_batch=2"]
+
+
+def test_sweep_plumbing_with_stand_in_runs(tmp_path, run_cli, monkeypatch):
     """Each point's command is a stand-in writing synthetic records (fails at 4 ranks)."""
     def fake(job, point, run_dir, resume=False):
         n = point["ranks"]
@@ -55,8 +74,7 @@ def test_sweep_plumbing_with_stand_in_runs(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(sweep_cmd, "run_command", fake)
     out = tmp_path / "sw"
-    rc, stdout, err = run_cli(["sweep", str(DEMO), "--ranks", "1,2,4", "--out", str(out)],
-                              capsys)
+    rc, stdout, err = run_cli(["sweep", str(DEMO), "--ranks", "1,2,4", "--out", str(out)])
     assert rc == 2 and "point(s) 4 failed" in err and "exit code 3" in err
     assert "stand-in" in err  # the failed point's log tail
     assert (out / "ranks-2.log").read_text() == "stand-in\n"
@@ -66,12 +84,12 @@ def test_sweep_plumbing_with_stand_in_runs(tmp_path, capsys, monkeypatch):
     assert "| synthetic | 2 | 1x2x1x1 | 4 |" in stdout
     plan_file = json.loads((out / "sweep.json").read_text())
     assert [p["grid"] for p in plan_file["points"]] == ["1x1x1x1", "1x2x1x1", "2x2x1x1"]
-    rc, _, err = run_cli(["sweep", str(DEMO), "--ranks", "1,3", "--out", str(out)], capsys)
+    rc, _, err = run_cli(["sweep", str(DEMO), "--ranks", "1,3", "--out", str(out)])
     assert rc == 2 and err.count("\n") == 1 and "does not split over 3" in err
 
 
 @pytest.mark.slow
-def test_real_sweep_end_to_end(tmp_path, capsys):
+def test_real_sweep_end_to_end(tmp_path, run_cli):
     """1, 2, 4 ranks of a tiny CosmoFlow (16^3, 5 steps): records, report, plots, numbers."""
     out = tmp_path / "sweep"
     sets = ["train.steps=5", "data.size=16", "data.samples=16", "data.val_samples=8",
@@ -80,7 +98,7 @@ def test_real_sweep_end_to_end(tmp_path, capsys):
     args = ["sweep", str(DEMO), "--ranks", "1,2,4", "--out", str(out)]
     for s in sets:
         args += ["--set", s]
-    rc, stdout, err = run_cli(args, capsys)
+    rc, stdout, err = run_cli(args)
     assert rc == 0, err + stdout
     assert f"report: {out / 'report' / 'report.html'}" in stdout
     table = pd.read_csv(out / "report" / "scaling.csv").set_index("ranks")

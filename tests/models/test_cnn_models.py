@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_spatial_misc import batch_slice, close, on_grids, randn
 
 from hpcpar.testing import mpi_case
+from hpcpar.testing.oracles import batch_slice, close, on_grids, randn
 
 
 def check_model(grid, model, x, seed, what, replicated_output=False):
     """fp32 gradients of whole models are sums over every voxel of several layers: allow
     10x the single-layer tolerance there (fp64 keeps the tight one)."""
-    from hpcpar.parallel.comm import allreduce_
     from hpcpar.nn import spatialize
+    from hpcpar.parallel.comm import allreduce_
     from hpcpar.parallel.spatial import local_slices
     from hpcpar.sync.tags import reduce_scope
 

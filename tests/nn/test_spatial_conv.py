@@ -4,113 +4,33 @@ Every rank builds the same global data (seeded), runs the torch twin on the whol
 the spatial layer on its sub-volume, and compares the forward output, the input gradient and
 the spatial-group sum of the weight/bias gradients. Cases are sampled (seeded) so every
 listed value of each parameter appears at least once; all run inside a few MPI launches.
-The oracle helpers here are reused by tests/test_spatial_pool.py.
 """
 
 from __future__ import annotations
 
 import random
-import time
 
 import torch
 from torch import nn
 
-from hpcpar import ProcessGrid
 from hpcpar.testing import mpi_case
-
-FP32_TOL, FP64_TOL = 1e-5, 1e-12
-
-# (x, y, z) spatial grids of the issue; data 1 or 2 where the rank count allows
-GRIDS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 2, 2), (3, 1, 1), (1, 3, 2)]
-
-
-# ---- oracle helpers (shared with test_spatial_pool.py) ------------------------------------
-def polite_barrier(comm) -> None:
-    """Barrier that sleeps instead of spinning (idle ranks must not eat the 2 cores)."""
-    req = comm.Ibarrier()
-    while not req.Test():
-        time.sleep(0.002)
-
-
-def on_subgrid(comm, data, dims, fn) -> None:
-    """Run ``fn(grid)`` on the first data*X*Y*Z ranks of ``comm``; the others wait politely."""
-    need = data * dims[0] * dims[1] * dims[2]
-    if need > comm.Get_size():
-        return
-    member = comm.Get_rank() < need
-    sub = comm.Split(0 if member else 1, comm.Get_rank())
-    if member:
-        grid = ProcessGrid(data, *dims, comm=sub)
-        try:
-            fn(grid)
-        finally:
-            grid.free()
-    sub.Free()
-    polite_barrier(comm)
-
-
-def local_slices(global_shape, grid):
-    from hpcpar.parallel.partition import part_range
-
-    return (slice(None), slice(None), *(
-        slice(*part_range(n, p, i))
-        for n, p, i in zip(global_shape, grid.spatial_shape, grid.spatial_coords)))
-
-
-def rel_err(a, b):
-    scale = b.abs().max().item() if b.numel() else 0.0
-    return (a - b).abs().max().item() / max(scale, 1e-30) if a.numel() else 0.0
-
-
-def compare_with_twin(grid, twin: nn.Module, spatial: nn.Module, shape, channels, dtype,
-                      seed=0, batch=2, what=""):
-    """Forward, input grad and summed parameter grads of ``spatial`` vs ``twin``."""
-    from hpcpar.parallel.comm import allreduce_
-
-    tol = FP32_TOL if dtype == torch.float32 else FP64_TOL
-    twin = twin.to(dtype)
-    spatial.load_state_dict(twin.state_dict())  # the twin's state_dict loads as is
-    spatial = spatial.to(dtype)
-    gen = torch.Generator().manual_seed(seed + 1000 * grid.coords[0])  # data groups differ
-    X = torch.randn(batch, channels, *shape, generator=gen, dtype=dtype, requires_grad=True)
-    Y = twin(X)
-    G = torch.randn(Y.shape, generator=gen, dtype=dtype)
-    (Y * G).sum().backward()
-
-    x = X.detach()[local_slices(shape, grid)].clone().requires_grad_()
-    y = spatial(x)
-    oslc = local_slices(tuple(Y.shape[2:]), grid)
-    ref = Y.detach()[oslc]
-    assert y.shape == ref.shape, f"{what}: output shape {tuple(y.shape)} != {tuple(ref.shape)}"
-    err = rel_err(y.detach(), ref)
-    assert err <= tol, f"{what}: forward rel err {err:.2e}"
-    (y * G[oslc]).sum().backward()
-    err = rel_err(x.grad, X.grad[local_slices(shape, grid)])
-    assert err <= tol, f"{what}: input grad rel err {err:.2e}"
-    for (name, p), (_, q) in zip(spatial.named_parameters(), twin.named_parameters()):
-        g = allreduce_(p.grad.clone(), grid.spatial_comm)
-        err = rel_err(g, q.grad)
-        assert err <= tol, f"{what}: {name} grad rel err {err:.2e}"
-
-
-def cover(rng: random.Random, n: int, **values):
-    """``n`` sampled cases: each listed value of each parameter appears at least once."""
-    cols = {}
-    for key, vals in values.items():
-        reps = -(-n // len(vals))
-        col = list(vals) * reps
-        rng.shuffle(col)
-        cols[key] = col[:n] if len(vals) <= n else col
-    assert all(set(map(repr, cols[k])) == set(map(repr, values[k])) for k in values), \
-        "too few cases to cover every value"
-    return [{k: cols[k][i] for k in values} for i in range(n)]
+from hpcpar.testing.oracles import (
+    FP32_TOL,
+    FP64_TOL,
+    SPATIAL_GRIDS,
+    compare_with_twin,
+    cover,
+    on_subgrid,
+    rel_err,
+    spatial_slices,
+)
 
 
 # ---- cases -------------------------------------------------------------------------------
 def conv_cases(world: int):
     """Sampled SpatialConv3d cases that fit ``world`` ranks."""
     rng = random.Random(3)
-    usable = [(d, g) for g in GRIDS for d in (1, 2) if d * g[0] * g[1] * g[2] <= world]
+    usable = [(d, g) for g in SPATIAL_GRIDS for d in (1, 2) if d * g[0] * g[1] * g[2] <= world]
     n = max(12, len(usable))
     base = cover(rng, n, kernel=[1, 2, 3, 5], stride=[1, 2, 3],
                  padding=[0, 1, 2, "same", "valid"],
@@ -131,7 +51,7 @@ def conv_cases(world: int):
 
 def transposed_cases(world: int):
     rng = random.Random(5)
-    usable = [(d, g) for g in GRIDS for d in (1, 2) if d * g[0] * g[1] * g[2] <= world]
+    usable = [(d, g) for g in SPATIAL_GRIDS for d in (1, 2) if d * g[0] * g[1] * g[2] <= world]
     # (kernel, stride, padding, output_padding, dilation): k != s among them
     geoms = [(2, 2, 0, 0, 1), (3, 2, 1, 1, 1), (4, 2, 1, 0, 1), (1, 2, 0, 1, 1),
              (3, 3, 0, 2, 2), (5, 2, 2, 1, 1), (3, 1, 1, 0, 1), (2, 3, 1, 0, 2),
@@ -196,7 +116,7 @@ def test_case_sampling_covers_every_value():
     assert {c["padding"] for c in cases} >= {0, 1, 2, "same"}
     assert {c["stride"] for c in cases} >= {1, 2, 3}
     assert {(c["data"], c["dims"]) for c in conv_cases(8) + conv_cases(6) + conv_cases(3)} >= \
-        {(1, g) for g in GRIDS}
+        {(1, g) for g in SPATIAL_GRIDS}
     assert any(g[0] != g[3] for g in
                (c["geom"] for c in transposed_cases(4)))  # k != s is present
 
@@ -242,10 +162,10 @@ def test_state_dict_16bit_and_permuted_layout(comm):
                 torch.manual_seed(0)
                 X = torch.randn(1, 3, 8, 9, 6)
                 ref = twin.to(dt)(X.to(dt))
-                y = sp.to(dt)(X[local_slices((8, 9, 6), grid)].to(dt))
+                y = sp.to(dt)(X[spatial_slices((8, 9, 6), grid)].to(dt))
                 assert y.dtype == dt
-                assert rel_err(y.float(), ref.float()[local_slices(tuple(ref.shape[2:]), grid)]) \
-                    < 2e-2
+                assert rel_err(y.float(),
+                               ref.float()[spatial_slices(tuple(ref.shape[2:]), grid)]) < 2e-2
     on_subgrid(comm, 1, (2, 2, 1), check)
 
 
@@ -260,8 +180,8 @@ if __name__ == "__main__":  # pragma: no cover - manual debugging: mpiexec -n 4 
 @mpi_case(nprocs=(4,), timeout=120)
 def test_bf16_autocast_matches_torch(comm):
     """Under bf16 autocast a spatial conv runs in bf16 like torch's, forward and backward."""
-    from hpcpar.parallel.comm import allreduce_
     from hpcpar.nn import SpatialConv3d, SpatialConvTranspose3d
+    from hpcpar.parallel.comm import allreduce_
 
     def check(grid):
         for twin_cls, cls in ((nn.Conv3d, SpatialConv3d),
@@ -271,7 +191,7 @@ def test_bf16_autocast_matches_torch(comm):
             sp = cls(3, 4, 3, padding=1, grid=grid)
             sp.load_state_dict(twin.state_dict())
             xg = torch.randn(2, 3, 12, 10, 9)
-            sl = local_slices(xg.shape[2:], grid)
+            sl = spatial_slices(xg.shape[2:], grid)
             x = xg[sl].clone().requires_grad_()
             xr = xg.clone().requires_grad_()
             with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -325,9 +245,9 @@ def test_channels_last_matches_torch(comm):
     """A channels_last_3d input runs channels-last through the spatial layers (halo buffers,
     messages and conv outputs in that memory order, like torch's own conv) and still equals
     torch; ranks that disagree on the memory format get an error, not garbled messages."""
-    from hpcpar.parallel.comm import allreduce_
-    from hpcpar.parallel.halo import HaloError
+    from hpcpar.errors import LayerError
     from hpcpar.nn import spatialize
+    from hpcpar.parallel.comm import allreduce_
 
     CL = torch.channels_last_3d
 
@@ -346,15 +266,15 @@ def test_channels_last_matches_torch(comm):
             Y = model(X)
             G = torch.randn(Y.shape, generator=gen, dtype=dtype)
             (Y * G).sum().backward()
-            x = X.detach()[local_slices(shape, grid)].contiguous(memory_format=CL)
+            x = X.detach()[spatial_slices(shape, grid)].contiguous(memory_format=CL)
             x.requires_grad_()
             y = spatial(x)
-            oslc = local_slices(tuple(Y.shape[2:]), grid)
+            oslc = spatial_slices(tuple(Y.shape[2:]), grid)
             tol = FP32_TOL if dtype == torch.float32 else FP64_TOL
             what = f"channels-last {grid.spatial_shape} {dtype}"
             assert rel_err(y.detach(), Y.detach()[oslc]) <= tol, what
             (y * G[oslc]).sum().backward()
-            assert rel_err(x.grad, X.grad[local_slices(shape, grid)]) <= tol, what
+            assert rel_err(x.grad, X.grad[spatial_slices(shape, grid)]) <= tol, what
             for (name, p), (_, q) in zip(spatial.named_parameters(), model.named_parameters()):
                 g = allreduce_(p.grad.clone(), grid.spatial_comm)
                 assert rel_err(g, q.grad) <= tol, f"{what}: {name}"
@@ -367,7 +287,7 @@ def test_channels_last_matches_torch(comm):
             x = x.contiguous(memory_format=CL)
         try:
             spatial[0](x)
-        except HaloError as e:
+        except LayerError as e:
             assert "memory format" in str(e)
         else:
             raise AssertionError("mixed memory formats were not refused")

@@ -1,111 +1,23 @@
 """Spatial layers without weights that reshape the partitioned world: upsample, match-size,
 gather, global pool, whole-volume scatter/gather, rank-consistent dropout. Each against
-single-process torch on the same global data. Also home of the oracle helpers the other
-spatial test modules import (``on_grids``, ``check_layer``, ...)."""
+single-process torch on the same global data."""
 
 from __future__ import annotations
-
-import math
-import time
 
 import pytest
 import torch
 import torch.nn as nn
 
 from hpcpar.testing import mpi_case
-
-# (data, x, y, z) grids; each case runs on the first prod(grid) ranks of the launch
-GRIDS = [(1, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2), (1, 2, 2, 1), (1, 2, 2, 2),
-         (1, 3, 1, 1), (1, 1, 3, 2), (2, 2, 1, 1), (2, 1, 2, 1), (2, 1, 1, 2), (2, 2, 2, 1)]
-
-
-# --------------------------------------------------------------------------------------------
-# oracle helpers (imported by test_spatial_norm, test_models)
-# --------------------------------------------------------------------------------------------
-def idle_barrier(comm):
-    """Barrier that sleeps instead of busy-polling (idle ranks must not steal the cores)."""
-    req = comm.Ibarrier()
-    while not req.Test():
-        time.sleep(0.002)
-
-
-def on_grids(comm, specs, fn):
-    """Run ``fn(grid)`` for each (data, x, y, z) spec on the first prod(spec) ranks."""
-    from mpi4py import MPI
-
-    from hpcpar import ProcessGrid
-
-    for spec in specs:
-        n = math.prod(spec)
-        if n > comm.Get_size():
-            continue
-        sub = comm.Split(0 if comm.Get_rank() < n else MPI.UNDEFINED, comm.Get_rank())
-        if sub != MPI.COMM_NULL:
-            grid = ProcessGrid(*spec, comm=sub)
-            fn(grid)
-            grid.free()
-            sub.Free()
-        idle_barrier(comm)
-
-
-def randn(shape, seed, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
-
-
-def tol(dtype):
-    return 1e-5 if dtype == torch.float32 else 1e-11
-
-
-def close(got, want, what, slack=1.0):
-    """max |got - want| <= slack * tol * max |want| (relative to the output scale)."""
-    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    scale = want.abs().max().item() if want.numel() else 0.0
-    err = (got - want).abs().max().item() if want.numel() else 0.0
-    assert err <= slack * tol(want.dtype) * max(scale, 1e-30), \
-        f"{what}: max error {err:.3g} vs scale {scale:.3g} ({want.dtype})"
-
-
-def batch_slice(n_global, grid):
-    nb = n_global // grid.data
-    d = grid.coords[0]
-    return slice(d * nb, (d + 1) * nb)
-
-
-def check_layer(grid, ref, sp, x, seed, what, whole_batch=False):
-    """Forward, input gradient and summed parameter gradients of spatial layer ``sp`` vs
-    torch layer ``ref`` (same weights) on the global batch ``x``. Each data group takes its
-    share of the batch; ``whole_batch``: the reference sees all of it (statistics over data)."""
-    from hpcpar.parallel.comm import allreduce_
-    from hpcpar.parallel.spatial import local_slices
-
-    bs = batch_slice(x.shape[0], grid)
-    xr = (x if whole_batch else x[bs]).clone().requires_grad_()
-    yr = ref(xr)
-    w = randn(yr.shape, seed, x.dtype)
-    (yr * w).sum().backward()
-    gr = xr.grad
-    if whole_batch:
-        yr, w, gr = yr[bs], w[bs], gr[bs]
-    xl = x[bs][local_slices(x[bs].shape, grid)].clone().requires_grad_()
-    yl = sp(xl)
-    ys = local_slices(yr.shape, grid)
-    close(yl, yr[ys].detach(), f"{what}: output")
-    (yl * w[ys]).sum().backward()
-    close(xl.grad, gr[local_slices(gr.shape, grid)], f"{what}: input grad")
-    group = grid.comm if whole_batch else grid.spatial_comm
-    for (name, pr), ps in zip(ref.named_parameters(), sp.parameters()):
-        g = allreduce_(ps.grad.clone(), group)
-        close(g, pr.grad, f"{what}: grad of {name}")
-
-
-def one_rank_grid():
-    from mpi4py import MPI
-
-    from hpcpar import ProcessGrid
-
-    return ProcessGrid(1, 1, 1, 1, comm=MPI.COMM_SELF)
-
+from hpcpar.testing.oracles import (
+    PROCESS_GRIDS,
+    batch_slice,
+    check_layer,
+    close,
+    on_grids,
+    one_rank_grid,
+    randn,
+)
 
 # --------------------------------------------------------------------------------------------
 # MPI cases
@@ -153,13 +65,13 @@ def test_upsample_and_match_size(comm):
             (yl * w[local_slices(w.shape, grid)]).sum().backward()
             close(xl.grad, ref_x.grad[local_slices(x.shape, grid)], f"MatchSize {src} grad")
 
-    on_grids(comm, GRIDS, run)
+    on_grids(comm, PROCESS_GRIDS, run)
 
 
 @mpi_case(nprocs=(8,), timeout=240)
 def test_gather_pool_scatter(comm):
-    from hpcpar.parallel import spatial
     from hpcpar.nn.gather import ReplicatedDropout, SpatialAdaptiveAvgPool3d, SpatialGather
+    from hpcpar.parallel import spatial
 
     def run(grid):
         rank = grid.spatial_comm.Get_rank()
@@ -205,36 +117,23 @@ def test_gather_pool_scatter(comm):
         if grid.data > 1:
             assert masks[0] != masks[grid.spatial_size]
 
-    on_grids(comm, GRIDS, run)
+    on_grids(comm, PROCESS_GRIDS, run)
 
 
 def test_errors_without_mpi_launch():
+    from hpcpar.errors import LayerError
     from hpcpar.nn.gather import SpatialAdaptiveAvgPool3d
     from hpcpar.nn.upsample import SpatialUpsample
-    from hpcpar.parallel.spatial import SpatialError, local_shape
+    from hpcpar.parallel.spatial import local_shape
 
     grid = one_rank_grid()
-    with pytest.raises(SpatialError, match="output_size"):
+    with pytest.raises(LayerError, match="output_size"):
         SpatialAdaptiveAvgPool3d(2, grid=grid)
-    with pytest.raises(SpatialError, match="mode 'bicubic'"):
+    with pytest.raises(LayerError, match="mode 'bicubic'"):
         SpatialUpsample(scale_factor=2, mode="bicubic", grid=grid)
     assert local_shape((2, 3, 5, 6, 7), grid) == (2, 3, 5, 6, 7)
-    with pytest.raises(SpatialError, match="at least 3"):
+    with pytest.raises(LayerError, match="at least 3"):
         local_shape((4, 4), grid)
-
-
-def test_partition_of_whole_volumes():
-    from types import SimpleNamespace
-
-    from hpcpar.parallel.spatial import SpatialError, local_shape, local_slices
-
-    grid = SimpleNamespace(spatial_shape=(3, 1, 2), spatial_coords=(2, 0, 1))
-    # 17 over 3: 6, 6, 5 -> rank 2 holds [12, 17); 4 over 2: [2, 4)
-    assert local_slices((1, 2, 17, 5, 4), grid)[2:] == (slice(12, 17), slice(0, 5),
-                                                         slice(2, 4))
-    assert local_shape((17, 5, 4), grid, rank=0) == (6, 5, 2)
-    with pytest.raises(SpatialError, match="axis x has 2 voxels .* over 3 ranks"):
-        local_shape((1, 1, 2, 5, 4), grid)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from test_spatial_misc import GRIDS, check_layer, close, on_grids, one_rank_grid, randn
 
 from hpcpar.testing import mpi_case
+from hpcpar.testing.oracles import PROCESS_GRIDS, check_layer, close, on_grids, one_rank_grid, randn
 
 CONFIGS = [  # (global spatial shape, dtype, BatchNorm3d kwargs, include_data)
     ((17, 6, 5), torch.float32, {}, False),
@@ -65,7 +65,7 @@ def test_batchnorm_matches_torch(comm):
                 continue  # same as include_data=False there; sample fewer cases
             _run_config(grid, i, shape, dtype, kw, include_data)
 
-    on_grids(comm, GRIDS, run)
+    on_grids(comm, PROCESS_GRIDS, run)
 
 
 def test_batchnorm_state_dict_and_16bit():

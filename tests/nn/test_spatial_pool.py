@@ -10,12 +10,12 @@ import torch
 from torch import nn
 
 from hpcpar.testing import mpi_case
-from test_spatial_conv import GRIDS, compare_with_twin, cover, on_subgrid
+from hpcpar.testing.oracles import SPATIAL_GRIDS, compare_with_twin, cover, on_subgrid
 
 
 def pool_cases(world: int):
     rng = random.Random(9)
-    usable = [(d, g) for g in GRIDS for d in (1, 2) if d * g[0] * g[1] * g[2] <= world]
+    usable = [(d, g) for g in SPATIAL_GRIDS for d in (1, 2) if d * g[0] * g[1] * g[2] <= world]
     n = max(12, len(usable))
     cases = cover(rng, n, kind=["max", "avg"], kernel=[1, 2, 3], stride=[1, 2, 3],
                   padding=[0, 1], ceil_mode=[False, True], size=[17, 31, 12],
@@ -52,17 +52,17 @@ def test_pool_cases_cover_ceil_mode_and_both_kinds():
 
 
 def test_bad_pool_arguments():
-    from hpcpar.parallel.halo import HaloError
+    from hpcpar.errors import LayerError
     from hpcpar.nn import SpatialMaxPool3d
 
     class FakeGrid:
         spatial_comm = None
 
-    with pytest.raises(HaloError, match="return_indices"):
+    with pytest.raises(LayerError, match="return_indices"):
         SpatialMaxPool3d(2, return_indices=True, grid=FakeGrid())
-    with pytest.raises(HaloError, match="at most half"):
+    with pytest.raises(LayerError, match="at most half"):
         SpatialMaxPool3d(2, padding=2, grid=FakeGrid())
-    with pytest.raises(HaloError, match="grid="):
+    with pytest.raises(LayerError, match="grid="):
         SpatialMaxPool3d(2, grid=None)
 
 
@@ -75,7 +75,7 @@ def test_pools_match_torch(comm):
         on_subgrid(comm, c["data"], c["dims"], check)
 
 
-if __name__ == "__main__":  # pragma: no cover - mpiexec -n 4 python tests/test_spatial_pool.py
+if __name__ == "__main__":  # pragma: no cover - mpiexec -n 4 python tests/nn/test_spatial_pool.py
     from mpi4py import MPI
 
     test_pools_match_torch(MPI.COMM_WORLD)

@@ -1,15 +1,15 @@
 """spatialize(): which layers are swapped, weights shared with the copy, data-only tags after
 the gather / global pool, rank-consistent dropout, and errors naming the layer. Multi-rank
-equality of whole models is in test_models.py."""
+equality of whole models is in tests/models/test_cnn_models.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn as nn
-from test_spatial_misc import one_rank_grid
 
 from hpcpar.sync.tags import reduce_scope
+from hpcpar.testing.oracles import one_rank_grid
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,13 @@ import torch
 from torch import nn
 
 from hpcpar import ProcessGrid
+from hpcpar.errors import LayerError
+from hpcpar.nn.tensor_parallel import (
+    TensorParallelLinear,
+    full_state_dict,
+    tensor_parallelize,
+)
 from hpcpar.parallel import comm as hc
-from hpcpar.nn.tensor_parallel import (TensorParallelError, TensorParallelLinear,
-                                       full_state_dict, tensor_parallelize)
 from hpcpar.sync.tags import reduce_scope
 from hpcpar.testing import mpi_case
 
@@ -102,12 +106,12 @@ def test_tensor_parallelize_mlp(comm):
 @mpi_case(nprocs=(2,), timeout=60)
 def test_errors(comm):
     grid = ProcessGrid(1, 1, 2, 1, comm=comm)
-    with pytest.raises(TensorParallelError, match="grid axis y=2 is larger than out_features=1"):
+    with pytest.raises(LayerError, match="grid axis y=2 is larger than out_features=1"):
         TensorParallelLinear(4, 1, grid=grid)
     layer = TensorParallelLinear(4, 3, grid=grid)
-    with pytest.raises(TensorParallelError, match="input has 5 features, expected 4"):
+    with pytest.raises(LayerError, match="input has 5 features, expected 4"):
         layer(torch.zeros(2, 5))
-    with pytest.raises(TensorParallelError, match="weight shape"):
+    with pytest.raises(LayerError, match="weight shape"):
         layer.load_full_state_dict({"weight": torch.zeros(3, 5), "bias": torch.zeros(3)})
 
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
+from hpcpar.errors import CommError, ConfigError
 from hpcpar.parallel import comm as hc
-from hpcpar.errors import CommError
 from hpcpar.testing import mpi_case
 
 DTYPES = [torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8, torch.bool,
@@ -142,7 +142,7 @@ def test_cuda_aware_decisions():
     d = hc.detect_cuda_aware
     assert d({"HPCPAR_CUDA_AWARE": "1"}).aware is True
     assert d({"HPCPAR_CUDA_AWARE": "0"}).aware is False
-    with pytest.raises(CommError, match="expected 0 or 1"):
+    with pytest.raises(ConfigError, match="HPCPAR_CUDA_AWARE='yes': expected 0 or 1"):
         d({"HPCPAR_CUDA_AWARE": "yes"})
     cray = "CRAY MPICH version 8.1.28\n"
     assert d({"MPICH_GPU_SUPPORT_ENABLED": "1"}, library_version=cray).aware

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from hpcpar.testing import mpi_case
-from test_spatial_conv import compare_with_twin, local_slices, on_subgrid
+from hpcpar.testing.oracles import compare_with_twin, on_subgrid, spatial_slices
 
 SMALL_GRIDS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (1, 2, 2), (3, 1, 1), (4, 1, 1)]
 
@@ -57,17 +57,17 @@ def _exchange_cases(comm, trials):
         pad_value = [0.0, float("-inf"), 1.5][t % 3]
         dtype = [torch.float64, torch.float32, torch.float16, torch.bfloat16][t % 4]
 
-        def check(grid, shape=shape, seed=seed, pad_value=pad_value, dtype=dtype):
+        def check(grid, shape=shape, seed=seed, pad_value=pad_value, dtype=dtype, dims=dims):
             r = random.Random(seed)
             halos = random_halos(r, shape, grid)
             gen = torch.Generator().manual_seed(seed)
             X = torch.randn(2, 3, *shape, generator=gen, dtype=torch.float64)
-            x = X[local_slices(shape, grid)].to(dtype).clone().requires_grad_()
+            x = X[spatial_slices(shape, grid)].to(dtype).clone().requires_grad_()
             ext = halo_exchange(x, grid, halos, pad_value)
             assert torch.equal(ext.detach(), padded_slice(X.to(dtype), halos, pad_value)), \
                 f"content {dims} {shape} {halos}"
             # adjoint of the linear map (pad 0, fp64): sum_ranks <F x, y> == sum_ranks <x, F* y>
-            x = X[local_slices(shape, grid)].clone().requires_grad_()
+            x = X[spatial_slices(shape, grid)].clone().requires_grad_()
             ext = halo_exchange(x, grid, halos)
             y = torch.randn(ext.shape, generator=gen, dtype=torch.float64)
             (fty,) = torch.autograd.grad(ext, x, y)
@@ -112,11 +112,12 @@ def test_global_shape_cache_hazard_and_counters(comm):
 
 @mpi_case(nprocs=(4,), timeout=180)
 def test_user_errors_are_raised_on_every_rank(comm):
-    from hpcpar.parallel.halo import HaloError, global_spatial_shape
+    from hpcpar.errors import LayerError
     from hpcpar.nn import SpatialConv3d, SpatialMaxPool3d
+    from hpcpar.parallel.halo import global_spatial_shape
 
     def expect(fn, *patterns):
-        with pytest.raises(HaloError) as info:
+        with pytest.raises(LayerError) as info:
             fn()
         for p in patterns:
             assert p in str(info.value), str(info.value)
@@ -139,6 +140,6 @@ def test_user_errors_are_raised_on_every_rank(comm):
         # requires_grad must agree (else the backward exchange would hang)
         x = torch.zeros(1, 1, 3, 4, 4, requires_grad=grid.rank == 0)
         expect(lambda: global_spatial_shape(x, grid), "requires_grad")
-        with pytest.raises(HaloError, match="padding_mode"):
+        with pytest.raises(LayerError, match="padding_mode"):
             SpatialConv3d(1, 1, 3, padding=1, padding_mode="circular", grid=grid)
     on_subgrid(comm, 1, (4, 1, 1), check)

@@ -1,4 +1,5 @@
-"""hpcpar.parallel.partition against brute force (hypothesis property tests) and torch's own lengths."""
+"""hpcpar.parallel.partition against brute force (hypothesis property tests) and torch's own
+lengths."""
 
 from __future__ import annotations
 

@@ -3,14 +3,15 @@ machine files, and the CLI on a 512^3 CosmoFlow job for 1024 frontier-class GPUs
 
 import math
 import subprocess
-from functools import partial
 import sys
 import time
+from functools import partial
 
 import pytest
 
-from hpcpar.plan.machine import Link, Machine, MachineError, load_machine
+from hpcpar.errors import ConfigError
 from hpcpar.parallel.partition import conv_axis_halo
+from hpcpar.plan.machine import Link, Machine, load_machine
 from hpcpar.plan.planner import Layer, Workload, allreduce_time, grids, predict
 
 M = Machine("test", ranks_per_node=4, flops=1e9, mem_bw=1e10, mem_per_rank=1e9, io_bw=1e9,
@@ -98,11 +99,11 @@ def test_machine_files(tmp_path):
     for name in ("frontier", "perlmutter"):
         m = load_machine(name)
         assert m.ranks_per_node in (4, 8) and m.inter.beta < m.intra.beta
-    with pytest.raises(MachineError, match="not found"):
+    with pytest.raises(ConfigError, match="not found"):
         load_machine("no-such-machine")
     bad = tmp_path / "bad.toml"
     bad.write_text("ranks_per_node = 2\n")
-    with pytest.raises(MachineError, match="missing key 'flops'"):
+    with pytest.raises(ConfigError, match="missing key 'flops'"):
         load_machine(str(bad))
     good = tmp_path / "m.toml"
     good.write_text(M.to_toml())

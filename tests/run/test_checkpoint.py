@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from hpcpar.errors import RunDirError
 from hpcpar.run import checkpoint as ckpt
 
 
@@ -69,10 +70,20 @@ def test_corrupt_newest_falls_back_with_warning(tmp_path, comm):
     assert ckpt.find_resumable(tmp_path / "missing", comm) is None
 
 
-def test_incompatible_grid_is_a_user_error(tmp_path, comm):
+def test_another_data_width_resumes_another_spatial_split_is_a_user_error(tmp_path, comm):
     path = _save(comm, tmp_path, 1, nn.Linear(2, 2))
-    with pytest.raises(ckpt.CheckpointError, match="written by grid 1x1x1x1"):
-        ckpt.check_compatible(path, 2, "2x1x1x1")
+    manifest = ckpt.check_compatible(path, (2, 1, 1, 1))  # a data width of 1 -> 2: fine
+    assert manifest["grid"] == "1x1x1x1"
+    with pytest.raises(RunDirError, match="written by grid 1x1x1x1, this run is grid "
+                       "1x2x1x1: a checkpoint resumes on another data width but not on "
+                       "another spatial split; use --grid DATAx1x1x1 or --fresh"):
+        ckpt.check_compatible(path, (1, 2, 1, 1))
+    # the per-rank file a rank takes: same spatial place, data index modulo the old width
+    old = {"grid": "4x2x1x1"}
+    assert [ckpt.source_rank(old, (d, i, 0, 0)) for d in range(2) for i in range(2)] == \
+        [0, 1, 2, 3]
+    assert ckpt.source_rank({"grid": "1x2x1x1"}, (1, 1, 0, 0)) == 1
+    assert ckpt.source_rank({"grid": "2x2x1x1"}, (3, 0, 0, 0)) == 2
 
 
 class Sharded(nn.Module):
@@ -100,7 +111,7 @@ def test_full_state_dict_hooks_roundtrip():
     ckpt.load_full_state_dict(other, sd)
     assert torch.equal(other[1].part, model[1].part)
     assert torch.equal(other[0].weight, model[0].weight)
-    with pytest.raises(ckpt.CheckpointError, match="does not fit"):
+    with pytest.raises(RunDirError, match="does not fit"):
         ckpt.load_full_state_dict(nn.Sequential(nn.Linear(2, 3), Sharded()),
                                   {k: v for k, v in sd.items() if k != "0.bias"})
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from hpcpar.cli import main
-from hpcpar.run.jobspec import JobSpecError, load_job, parse_override
+from hpcpar.errors import ConfigError
+from hpcpar.run.jobspec import load_job, parse_override
 
 GOOD = """
 [job]
@@ -69,7 +70,7 @@ def test_overrides_are_coerced(tmp_path):
 
 
 def test_all_shipped_jobs_validate():
-    jobs = sorted(Path(__file__).resolve().parents[1].joinpath("jobs").glob("*.toml"))
+    jobs = sorted(Path(__file__).resolve().parents[2].joinpath("jobs").glob("*.toml"))
     mine = {"demo-cosmoflow", "demo-unet3d", "cosmoflow-128", "cosmoflow-512-spatial"}
     assert mine <= {p.stem for p in jobs}
     for p in jobs:
@@ -100,7 +101,8 @@ BAD = [
     (GOOD + "[resources]\ntime = 'soon'\n", [], "[resources] time: 'soon' is not a Slurm time"),
     (GOOD.replace("x = 2", "x = 0"), [], "[grid] x: 0 is out of range"),
     (GOOD.replace("dense = [16]", "dense = [16, 'a']"), [], "dense: expected a list of positive"),
-    ("train = 5\n" + GOOD.replace("[train]\n", "[trainx]\n"), [], "'train' must be a [train] table"),
+    ("train = 5\n" + GOOD.replace("[train]\n", "[trainx]\n"), [],
+     "'train' must be a [train] table"),
     (GOOD, ["--set", "lr=0.1"], "expected SECTION.KEY=VALUE"),
     (GOOD, ["--set", "trainig.lr=0.1"], "unknown section [trainig] (did you mean 'train'?)"),
     (GOOD, ["--set", "train.lr=abc"], "[train] lr: expected a number, got 'abc'"),
@@ -171,15 +173,15 @@ def test_real_process_no_traceback_and_no_torch(tmp_path):
 def test_jobspec_error_is_hpcpar_error():
     from hpcpar.errors import HpcparError
 
-    assert issubclass(JobSpecError, HpcparError) and JobSpecError.exit_code == 2
+    assert issubclass(ConfigError, HpcparError) and ConfigError.exit_code == 2
 
 
-def test_readme_section_documents_every_key():
+def test_jobs_guide_documents_every_key():
     from hpcpar.run.jobspec import SCHEMA
-    from hpcpar.run.workloads.volume import CosmoFlowWorkload, UNet3DWorkload, VOLUME_DATA
+    from hpcpar.run.workloads.volume import VOLUME_DATA, CosmoFlowWorkload, UNet3DWorkload
 
-    text = (Path(__file__).resolve().parents[1] / "docs" / "readme" / "60-run.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "guides" / "jobs.md").read_text()
     keys = {k for s in SCHEMA.values() for k in s} | set(VOLUME_DATA)
     keys |= set(CosmoFlowWorkload.model_params) | set(UNet3DWorkload.model_params)
     missing = sorted(k for k in keys if f"`{k}`" not in text)
-    assert not missing, f"docs/readme/60-run.md does not document {missing}"
+    assert not missing, f"docs/guides/jobs.md does not document {missing}"

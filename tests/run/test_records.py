@@ -1,13 +1,13 @@
 """Run records: exact round trip, crash survival, resume replacement, schema checks, MPI merge."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from hpcpar.errors import RunDirError
 from hpcpar.run import records
-from hpcpar.run.records import COLUMN_NAMES, RecordsError, RunRecorder, read_meta, read_steps
+from hpcpar.run.records import COLUMN_NAMES, RunRecorder, read_meta, read_steps
 from hpcpar.testing import mpi_case
 
 
@@ -48,8 +48,9 @@ def test_crash_then_resume_replaces_redone_steps(tmp_path):
     rec = RunRecorder(run, None, {"job_name": "demo"})
     for s in range(5):
         rec.step(**row(s))
-    rec._file.write("5,0,0.1,0.2")  # torn line: the process died mid-write
-    rec._file.close()
+    with open(rec.path, "a") as f:
+        f.write("5,0,0.1,0.2")  # torn line: the process died mid-write
+    rec.close()
     # crashed: no finish; the rows are on disk already, the run reads as running
     df = read_steps(run)
     assert list(df["step"]) == [0, 1, 2, 3, 4]
@@ -76,12 +77,11 @@ def test_crash_then_resume_replaces_redone_steps(tmp_path):
     assert read_steps(run).equals(records.read_rank_file(run / "records/rank-00000.csv"))
 
 
-def test_csv_fallback_without_pyarrow(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "pyarrow", None)
+def test_records_are_parquet_and_missing_columns_stay_empty(tmp_path):
     rec = RunRecorder(tmp_path, None, {"job_name": "x"})
     rec.step(**row(0))
     rec.step(step=1, t_step=0.5)  # missing columns are left empty (NaN), not invented
-    assert rec.finish("preempted").name == "steps.csv"
+    assert rec.finish("preempted").name == "steps.parquet"
     df = read_steps(tmp_path)
     assert df.loc[0, "t_fwd"] == 0.3 and df["t_fwd"].isna()[1] and df.loc[1, "t_step"] == 0.5
     assert read_meta(tmp_path)["status"] == "preempted"
@@ -100,14 +100,14 @@ def test_schema_errors(tmp_path):
     path = tmp_path / "records/rank-00000.csv"
     path.write_text(path.read_text().replace("schema_version=1", "schema_version=9"))
     (tmp_path / "steps.parquet").unlink()
-    with pytest.raises(RecordsError, match=r"rank-00000.csv: schema version 9, this hpcpar reads"):
+    with pytest.raises(RunDirError, match=r"rank-00000.csv: schema version 9, this hpcpar reads"):
         read_steps(tmp_path)
     meta = json.loads((tmp_path / "meta.json").read_text())
     meta["schema_version"] = 99
     (tmp_path / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(RecordsError, match="schema version 99"):
+    with pytest.raises(RunDirError, match="schema version 99"):
         read_meta(tmp_path)
-    with pytest.raises(RecordsError, match="missing"):
+    with pytest.raises(RunDirError, match="missing"):
         read_meta(tmp_path / "nope")
 
 
@@ -117,9 +117,8 @@ def test_counters_map_and_schema_doc():
                                                 "t_allreduce_total": 2.0}
     doc = records.schema_markdown()
     assert all(f"`{c}`" in doc for c in COLUMN_NAMES)
-    readme = Path(__file__).parents[1] / "docs/readme/70-analysis.md"
-    if readme.exists():  # the README's schema table is the generated one
-        assert doc in readme.read_text()
+    guide = Path(__file__).resolve().parents[2] / "docs/guides/analysis.md"
+    assert doc in guide.read_text()  # the guide's schema table is the generated one
     slurm = records.slurm_facts({"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "n[1-2]"})
     assert slurm == {"job_id": "42", "node_list": "n[1-2]"}
 

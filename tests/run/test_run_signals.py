@@ -5,14 +5,13 @@ resumable. Tiny jobs (16^3, 2 ranks)."""
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 from hpcpar.run import checkpoint as ckpt
+from hpcpar.testing.cli_run import CliRun, alive, rank_pids
 
 JOB = """
 [job]
@@ -41,70 +40,18 @@ keep = 2
 """
 
 
-class Run:
-    """One ``hpcpar run`` in its own session (so cleanup can stop exactly what it started)."""
+class Run(CliRun):
+    """``hpcpar run`` of the tiny job ``name`` (steps, checkpoint every) on 2 ranks."""
 
     def __init__(self, tmp: Path, name: str, steps: int, every: int, *extra: str):
         self.dir = tmp / name
         job = tmp / f"{name}.toml"
         job.write_text(JOB.format(steps=steps, every=every))
-        self.out = open(tmp / f"{name}.out", "w")
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "hpcpar.cli", "run", str(job), "-n", "2", "--run-dir",
-             str(self.dir), *extra], stdout=self.out, stderr=subprocess.STDOUT, env=env,
-            start_new_session=True)
+        super().__init__([job, "-n", "2", "--run-dir", self.dir, *extra], tmp / f"{name}.out")
 
     def rows(self) -> int:
         f = self.dir / "records" / "rank-00000.csv"
         return max(0, len(f.read_text().splitlines()) - 2) if f.exists() else 0
-
-    def wait_until(self, pred, timeout=240.0):
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if pred():
-                return True
-            if self.proc.poll() is not None:
-                return pred()
-            time.sleep(0.1)
-        return False
-
-    def finish(self, timeout=240.0) -> int:
-        try:
-            return self.proc.wait(timeout=timeout)
-        finally:
-            self.stop()
-
-    def stop(self):
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        self.out.close()
-
-    def log(self) -> str:
-        return Path(self.out.name).read_text()
-
-
-def rank_pids(run_dir: Path) -> list[int]:
-    """PIDs of the rank processes of the run in ``run_dir`` (from /proc)."""
-    pids = []
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                cmd = (p / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if cmd[1:3] == [b"-m", b"hpcpar.run.trainer"] and str(run_dir).encode() in cmd:
-                pids.append(int(p.name))
-    return pids
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except OSError:
-        return False
 
 
 def final_params(run_dir: Path) -> dict:
@@ -126,7 +73,7 @@ def test_sigusr1_requeue_resume_bit_identical(tmp_path):
         again = Run(tmp_path, "cut", steps=24, every=0)     # same command: resumes
         assert again.finish() == 0, again.log()
         assert ref.finish() == 0, ref.log()
-        assert "resuming from step-" in again.log()
+        assert "resumed from step-" in again.log()
     finally:
         ref.stop()
         cut.stop()
@@ -161,6 +108,6 @@ def test_kill9_one_rank_stops_all_and_checkpoint_resumes(tmp_path):
     newest = ckpt.list_checkpoints(run.dir / "checkpoints")[0]
     ckpt.verify(newest)
     step = int(newest.name.split("-")[1])
-    resumed = Run(tmp_path, "k", steps=step + 2, every=2)
+    resumed = Run(tmp_path, "k", step + 2, 2, "--new-settings")   # steps, every
     assert resumed.finish() == 0, resumed.log()
-    assert f"resuming from {newest.name}" in resumed.log()
+    assert f"resumed from {newest.name}" in resumed.log()

@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 import hpcpar
-from hpcpar.sync.ddp import ModelMismatchError
-from hpcpar.sync._buckets import assign_buckets
-from hpcpar.sync._compression import CompressionError, fold, wire_dtype_for
+from hpcpar.errors import CommError, ConfigError
 from hpcpar.parallel.counters import COUNTERS
+from hpcpar.sync._buckets import assign_buckets
+from hpcpar.sync._compression import fold, wire_dtype_for
 from hpcpar.sync.tags import tag_data_only
 from hpcpar.testing import mpi_case
 
@@ -86,7 +86,7 @@ def test_assign_buckets_caps_and_compression_names():
                                                              first_cap_bytes=4)]
     assert sizes == [[300], [5, 5], [10], [10]]
     assert wire_dtype_for("bf16") == torch.bfloat16 and wire_dtype_for(None) is None
-    with pytest.raises(CompressionError, match="compression='int8'"):
+    with pytest.raises(ConfigError, match="compression='int8'"):
         wire_dtype_for("int8")
 
 
@@ -118,7 +118,10 @@ def test_training_matches_single_process(comm):
                 assert rel_err(p, q) <= tol, (dtype, step, rel_err(p, q))
             assert same_everywhere(comm, list(model.parameters()))
         stats = COUNTERS.since(before)
-        assert stats["bytes_allreduce"] > 0 and stats["t_allreduce_total"] > 0
+        if P > 1:
+            assert stats["bytes_allreduce"] > 0 and stats["t_allreduce_total"] > 0
+        else:  # one rank communicates nothing: no bytes, no communication time
+            assert stats["bytes_allreduce"] == 0 and stats["t_allreduce_total"] == 0
         assert ddp.sync_steps == 3
         if caps:
             assert len(ddp.bucket_layout) > 2
@@ -272,7 +275,7 @@ def test_different_model_is_the_same_clear_error_everywhere(comm):
     normal = (6, 17, 9, 4)
     for sizes, needle in [(normal if r != 2 else (6, 17, 8, 4), "'2.weight' has shape"),
                           (normal if r != 3 else normal + (4,), "rank 3 has 8 parameters")]:
-        with pytest.raises(ModelMismatchError) as info:
+        with pytest.raises(CommError) as info:
             hpcpar.DDP(mlp(sizes=sizes), grid)
         msg = str(info.value)
         assert needle in msg and "rank 0" in msg, msg
@@ -407,7 +410,7 @@ def test_ranks_at_different_speeds(comm):
                 z = _Delay.apply(z, 0.01 * ((r + k) % 3))
         return z
 
-    for step in range(2):
+    for _ in range(2):
         ddp.zero_grad()
         loss_fn(slow, x[r * B:(r + 1) * B], y[r * B:(r + 1) * B]).backward()
     loss_fn(ref, x, y).backward()

@@ -1,6 +1,6 @@
 """The stall detector: a rank that skips a step is named and the whole job aborts.
 
-Run as a script (``mpiexec -n 3 python tests/test_allreduce_stall.py``) it is the scenario:
+Run as a script (``mpiexec -n 3 python tests/sync/test_stall.py``) it is the scenario:
 rank 1 skips one training step, so the others wait in the last gradient sync.
 """
 
@@ -11,8 +11,9 @@ import time
 
 import pytest
 
+from hpcpar.errors import ConfigError
 from hpcpar.launch.mpiexec import find_mpiexec, rank_env
-from hpcpar.sync._stall import StallConfigError, describe, stall_timeout
+from hpcpar.sync._stall import describe, stall_timeout
 from hpcpar.testing.mpi import startup_allowance
 
 TIMEOUT = 3  # HPCPAR_STALL_TIMEOUT in the scenario
@@ -22,7 +23,7 @@ def test_stall_timeout_parsing_and_message():
     assert stall_timeout({}) == 600.0
     assert stall_timeout({"HPCPAR_STALL_TIMEOUT": "off"}) == 0.0
     assert stall_timeout({"HPCPAR_STALL_TIMEOUT": "2.5"}) == 2.5
-    with pytest.raises(StallConfigError, match="HPCPAR_STALL_TIMEOUT"):
+    with pytest.raises(ConfigError, match="HPCPAR_STALL_TIMEOUT"):
         stall_timeout({"HPCPAR_STALL_TIMEOUT": "soon"})
     line = describe(0, 5, [5, 4, None, 5], 9.0, 8.0, "gradient sync")
     assert "rank(s) 1, 2 have not reached gradient sync #5" in line

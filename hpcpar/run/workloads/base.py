@@ -1,7 +1,7 @@
 """How a model kind plugs into the training loop and ``hpcpar run``.
 
-The loop (``hpcpar.run.trainer``) knows nothing about volumes or graphs. A *workload* owns the model,
-its data and its loss; the loop owns the steps, timings, optimizer, lr schedule, precision,
+The loop (``hpcpar.run.trainer``) knows nothing about volumes or graphs. A *workload* owns the
+model, its data and its loss; the loop owns the steps, timings, optimizer, lr schedule, precision,
 checkpoints, signals, records and logs. ``[model] kind`` in a job file picks the workload::
 
     from hpcpar.run.workloads.base import Workload, Param, StepResult, register_workload
@@ -58,8 +58,17 @@ Class attributes read when validating a job (before any rank starts, without MPI
 kind accepts in ``[model]`` / ``[data]`` / extra ``[train]`` keys; unknown keys are errors),
 ``splits_global_batch`` (False when ``[train] global_batch`` is not split over data ranks, e.g.
 full-graph training) and an optional ``check_job(job)`` staticmethod raising
-``HpcparError`` for cross-field problems. Keep the workload module importable without torch at
-import time (import torch inside methods): job validation runs in the launcher process.
+:class:`hpcpar.errors.ConfigError` for cross-field problems. Keep the workload module
+importable without torch at import time (import torch inside methods): job validation runs in
+the launcher process.
+
+Your own kind, without editing hpcpar (``docs/guides/custom-workloads.md``): name it in the job
+as an import path, ``[model] kind = "my_pkg.my_module:MyWorkload"`` (any importable callable
+``(job, grid, device) -> Workload``; the working directory is searched too, like
+``python -m``), or give it a name from an installed package's entry point in the
+``hpcpar.workloads`` group (``[project.entry-points."hpcpar.workloads"] mykind =
+"my_pkg.my_module:MyWorkload"``). The kind string is stored in ``RUN/job.json`` as written,
+so the ranks, resumed runs, sweeps, submitted jobs and reports all resolve it the same way.
 
 Checkpoints store ``hpcpar.run.checkpoint.full_state_dict(model)``: the unpartitioned
 single-process ``state_dict`` (modules exposing ``full_state_dict()`` / ``load_full_state_dict()``
@@ -70,21 +79,36 @@ plain single-process twin so tests can ``load_state_dict`` a checkpoint into it.
 from __future__ import annotations
 
 import difflib
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
-from hpcpar.errors import HpcparError
+from hpcpar.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from hpcpar.parallel.grid import ProcessGrid
+    from hpcpar.run.jobspec import JobSpec
+
+__all__ = ["REQUIRED", "ENTRY_POINT_GROUP", "Param", "StepResult", "Workload",
+           "register_workload", "known_kinds", "get_workload"]
 
 REQUIRED = object()
 
 
-class WorkloadError(HpcparError, ValueError):
-    """Unknown model kind or a workload-level configuration problem."""
-
-
 @dataclass(frozen=True)
 class Param:
-    """One kind-specific job key: type(s), default (``REQUIRED`` if none), range, choices."""
+    """One kind-specific job key: type(s), default (``REQUIRED`` if none), range, choices.
+
+    Attributes:
+        type: Accepted Python type, or a tuple of them.
+        default: The default value; ``REQUIRED`` when the key must be given.
+        min: Smallest accepted value (numbers).
+        max: Largest accepted value (numbers).
+        choices: The accepted values, when they are a closed set.
+        help: One line for the documentation and error messages.
+    """
 
     type: type | tuple = float
     default: Any = REQUIRED
@@ -95,12 +119,20 @@ class Param:
 
     @property
     def required(self) -> bool:
+        """True when the key has no default."""
         return self.default is REQUIRED
 
 
 @dataclass
 class StepResult:
-    """What ``forward_loss`` returns: the loss to backpropagate and the samples it covered."""
+    """What ``forward_loss`` returns: the loss to backpropagate and the samples it covered.
+
+    Attributes:
+        loss: The loss tensor the loop calls ``backward()`` on.
+        samples: Samples this rank's data-parallel replica processed this step.
+        loss_value: What is logged and recorded; ``loss.item()`` when None.
+        extra: Further per-step values for the log.
+    """
 
     loss: Any
     samples: int
@@ -109,7 +141,23 @@ class StepResult:
 
 
 class Workload:
-    """Base class of a model kind; see the module docstring for the contract."""
+    """Base class of a model kind; the module docstring states the full contract.
+
+    Every method is called on every rank in the same order.
+
+    Args:
+        job: The validated job; ``job.model.params`` and ``job.data.params`` hold this
+            kind's keys.
+        grid: The process grid.
+        device: Where the model and batches live.
+
+    Attributes:
+        kind: The ``[model] kind`` name.
+        model_params: The ``[model]`` keys this kind accepts.
+        data_params: The ``[data]`` keys this kind accepts.
+        train_params: Extra ``[train]`` keys this kind accepts.
+        splits_global_batch: Whether ``[train] global_batch`` is split over data ranks.
+    """
 
     kind: str = ""
     model_params: dict[str, Param] = {}
@@ -117,53 +165,118 @@ class Workload:
     train_params: dict[str, Param] = {}   # extra [train] keys this kind understands
     splits_global_batch: bool = True      # [train] global_batch must divide over data ranks
 
-    def __init__(self, job, grid, device):
+    def __init__(self, job: JobSpec, grid: ProcessGrid, device: torch.device):
         self.job = job
         self.grid = grid
         self.device = device
 
     # -- model -------------------------------------------------------------------------------
-    def build_model(self):
+    def build_model(self) -> torch.nn.Module:
+        """The distributed model on ``self.device``, identical initial weights on every rank."""
         raise NotImplementedError
 
-    def reference_model(self):
+    def reference_model(self) -> torch.nn.Module | None:
         """The plain single-process twin (same state_dict keys), or None."""
         return None
 
-    def param_groups(self, model) -> list[dict]:
+    def param_groups(self, model: torch.nn.Module) -> list[dict]:
+        """What the optimizer gets (default: every trainable parameter in one group).
+
+        Args:
+            model: The model ``build_model`` returned.
+
+        Returns:
+            Optimizer parameter groups; the loop adds lr and optimizer options.
+        """
         return [{"params": [p for p in model.parameters() if p.requires_grad]}]
 
-    def wrap(self, model):
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The module trained: by default ``DistributedDataParallel`` with the job's ``[ddp]``.
+
+        Args:
+            model: The model ``build_model`` returned.
+
+        Returns:
+            The wrapped model whose backward synchronises gradients.
+        """
         from hpcpar.sync.ddp import DistributedDataParallel
 
         opts = self.job.ddp.as_kwargs() if hasattr(self.job, "ddp") else {}
+        train = getattr(self.job, "train", None)
+        if getattr(train, "grad_sync", None):
+            opts.setdefault("grad_sync", train.grad_sync)
         return DistributedDataParallel(model, self.grid, **opts)
 
     # -- data --------------------------------------------------------------------------------
     def steps_per_epoch(self) -> int:
+        """Steps in one epoch, the same on every rank."""
         raise NotImplementedError
 
     def batches(self, epoch: int) -> Iterable[Any]:
+        """This rank's batches of one epoch (continuing mid-epoch after ``load_state_dict``).
+
+        Args:
+            epoch: The epoch index.
+
+        Returns:
+            An iterable of ``steps_per_epoch()`` batches.
+        """
         raise NotImplementedError
 
     def state_dict(self) -> dict:
+        """This rank's data position (epoch, index, shuffle state) for checkpoints."""
         return {}
 
     def load_state_dict(self, state: dict) -> None:
-        pass
+        """Restore a data position saved by ``state_dict``.
+
+        Args:
+            state: What ``state_dict`` returned on this rank.
+        """
 
     # -- loss and metrics ----------------------------------------------------------------------
-    def forward_loss(self, model, batch) -> StepResult:
+    def forward_loss(self, model: torch.nn.Module, batch: Any) -> StepResult:
+        """Forward one batch and return the loss to backpropagate.
+
+        Args:
+            model: The wrapped model.
+            batch: One item of ``batches``.
+
+        Returns:
+            The loss (after the gradient sync, gradients must equal the single-process
+            ones: for the default DDP, the mean over this rank's samples) and the samples.
+        """
         raise NotImplementedError
 
-    def evaluate(self, model) -> dict[str, float]:
+    def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
+        """Validation metrics, the same dict on every rank (collective; eval mode, no grad).
+
+        Args:
+            model: The wrapped model.
+
+        Returns:
+            Metric name -> value, e.g. ``{"val_loss": ..., "val_acc": ...}``.
+        """
         return {}
 
-    def final_metrics(self, model) -> dict[str, float]:
+    def final_metrics(self, model: torch.nn.Module) -> dict[str, float]:
+        """Metrics at the end of training (collective; default ``evaluate``).
+
+        Args:
+            model: The wrapped model.
+
+        Returns:
+            Metric name -> value; written to ``RUN/metrics.json``.
+        """
         return self.evaluate(model)
 
+    def run_meta(self) -> dict:
+        """Facts decided at run time (e.g. the input transform the dataset asked for),
+        recorded in ``RUN/meta.json``; JSON-able."""
+        return {}
+
     def close(self) -> None:
-        pass
+        """Stop prefetchers and close files."""
 
 
 # -- registry ---------------------------------------------------------------------------------
@@ -179,11 +292,17 @@ _BUILTIN = {
 }
 
 
-def register_workload(kind: str, factory: Callable[..., Workload] | None = None):
-    """Register ``factory(job, grid, device) -> Workload`` under ``kind``; usable as a decorator.
+def register_workload(kind: str, factory: Callable[..., Workload] | None = None) -> Any:
+    """Register a model kind for ``[model] kind`` in job files; usable as a decorator.
 
-    ``factory`` is normally the Workload subclass itself; its ``model_params``/``data_params``
-    are read for job validation (a factory function may carry them as attributes too).
+    Args:
+        kind: The kind's name.
+        factory: ``factory(job, grid, device) -> Workload``, normally the Workload subclass
+            itself; its ``model_params``/``data_params`` are read for job validation (a
+            factory function may carry them as attributes too). None: return a decorator.
+
+    Returns:
+        ``factory``, or a decorator that registers what it decorates.
     """
 
     def deco(f):
@@ -193,25 +312,122 @@ def register_workload(kind: str, factory: Callable[..., Workload] | None = None)
     return deco(factory) if factory is not None else deco
 
 
+#: The entry-point group through which an installed package adds kinds by name
+#: (``[project.entry-points."hpcpar.workloads"]`` in its pyproject.toml).
+ENTRY_POINT_GROUP = "hpcpar.workloads"
+
+
+def _entry_points() -> dict:
+    """Name -> entry point of the ``hpcpar.workloads`` group of every installed package."""
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
 def known_kinds() -> list[str]:
-    return sorted(set(_REGISTRY) | set(_BUILTIN))
+    """Every registered, built-in and installed (entry point) kind, sorted."""
+    return sorted(set(_REGISTRY) | set(_BUILTIN) | set(_entry_points()))
 
 
-def get_workload(kind: str):
-    """The registered factory for ``kind`` (importing the built-in module that defines it)."""
-    if kind not in _REGISTRY and kind in _BUILTIN:
+def _check_factory(kind: str, factory: Any, origin: str) -> Callable[..., Workload]:
+    if not callable(factory):
+        raise ConfigError(f"[model] kind {kind!r}: {origin} is {type(factory).__name__}, not a "
+                          f"Workload subclass or factory")
+    for attr in ("model_params", "data_params", "train_params"):
+        params = getattr(factory, attr, {})
+        if not isinstance(params, dict) or not all(isinstance(v, Param)
+                                                   for v in params.values()):
+            raise ConfigError(f"[model] kind {kind!r}: {origin}.{attr} must be a dict of "
+                              f"hpcpar.run.workloads.base.Param")
+    return factory
+
+
+def _import_path(kind: str) -> Callable[..., Workload]:
+    """``"package.module:Attr"`` (``Attr`` may be dotted): import the module (also from the
+    working directory, like ``python -m``) and return the attribute."""
+    import importlib
+    import os
+    import sys
+
+    module, _, attr = kind.partition(":")
+    names = module.split(".") + attr.split(".")
+    if not module or not attr or not all(p.isidentifier() for p in names):
+        raise ConfigError(f"[model] kind {kind!r}: expected a kind name or "
+                          f"'package.module:Callable'")
+    cwd = os.getcwd()
+    for attempt in (0, 1):
+        try:
+            mod = importlib.import_module(module)
+            break
+        except ModuleNotFoundError as exc:
+            if not (exc.name and module.startswith(exc.name)):
+                raise          # the user's module imports something missing: show it
+            if attempt or cwd in sys.path:
+                raise ConfigError(f"[model] kind {kind!r}: cannot import module {exc.name!r} "
+                                  f"(install the package, add its folder to PYTHONPATH, or run "
+                                  f"from the folder that holds it)") from None
+            sys.path.append(cwd)   # a module next to the job, as `python -m` would find it
+    obj: Any = mod
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            names = [n for n in dir(obj) if not n.startswith("_")]
+            hint = difflib.get_close_matches(part, names, n=1)
+            more = f" (did you mean {hint[0]!r}?)" if hint else ""
+            raise ConfigError(f"[model] kind {kind!r}: module {module!r} has no attribute "
+                              f"{attr!r}{more}")
+        obj = getattr(obj, part)
+    return _check_factory(kind, obj, attr)
+
+
+def _from_entry_point(kind: str, ep: Any) -> Callable[..., Workload]:
+    try:
+        factory = ep.load()
+    except Exception as exc:  # noqa: BLE001 - a broken plugin: name it, keep the cause
+        dist = getattr(getattr(ep, "dist", None), "name", None) or "an installed package"
+        raise ConfigError(f"[model] kind {kind!r}: the entry point {ep.value!r} of {dist} "
+                          f"(group {ENTRY_POINT_GROUP!r}) failed to load: "
+                          f"{type(exc).__name__}: {exc}") from None
+    return _check_factory(kind, factory, ep.value)
+
+
+def get_workload(kind: str) -> Callable[..., Workload]:
+    """The factory of a kind: registered, built-in, an installed package's entry point in the
+    ``hpcpar.workloads`` group, or an import path ``"package.module:Callable"``.
+
+    Args:
+        kind: The ``[model] kind`` value.
+
+    Returns:
+        The factory (normally the Workload subclass); ``model_params``/``data_params``/
+        ``train_params`` on it declare the kind's job keys.
+
+    Raises:
+        ConfigError: An unknown kind (with a "did you mean"), a module or attribute that
+            cannot be imported, a broken entry point, or a built-in kind whose module is
+            missing from this build.
+    """
+    if kind in _REGISTRY:
+        return _REGISTRY[kind]
+    if kind in _BUILTIN:
         import importlib
 
         try:
             importlib.import_module(_BUILTIN[kind])
         except ModuleNotFoundError as exc:
             if exc.name and _BUILTIN[kind].startswith(exc.name):
-                raise WorkloadError(f"[model] kind {kind!r} is not available in this build "
-                                    f"({_BUILTIN[kind]} is missing)") from None
+                raise ConfigError(f"[model] kind {kind!r} is not available in this build "
+                                  f"({_BUILTIN[kind]} is missing)") from None
             raise
+    elif ":" in kind:
+        _REGISTRY[kind] = _import_path(kind)
+    else:
+        eps = _entry_points()
+        if kind in eps:
+            _REGISTRY[kind] = _from_entry_point(kind, eps[kind])
     if kind not in _REGISTRY:
         hint = difflib.get_close_matches(kind, known_kinds(), n=1)
         more = f" (did you mean {hint[0]!r}?)" if hint else ""
-        raise WorkloadError(f"[model] kind: unknown kind {kind!r}{more}; known: "
-                            f"{', '.join(known_kinds())}")
+        raise ConfigError(f"[model] kind: unknown kind {kind!r}{more}; known: "
+                          f"{', '.join(known_kinds())}, or 'package.module:Workload' for your "
+                          f"own")
     return _REGISTRY[kind]

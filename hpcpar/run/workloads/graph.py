@@ -15,7 +15,11 @@ from __future__ import annotations
 
 import os
 
-from hpcpar.run.workloads.base import Param, StepResult, Workload, WorkloadError, register_workload
+from hpcpar.errors import ConfigError
+from hpcpar.run.workloads.base import Param, StepResult, Workload, register_workload
+
+__all__ = ["METHODS", "MODEL_PARAMS", "DATA_PARAMS", "make_graph_file", "GraphWorkload",
+           "GCNWorkload", "SAGEWorkload"]
 
 METHODS = ("metis", "block", "random")
 
@@ -48,8 +52,8 @@ DATA_PARAMS = {
 def _check_job(job) -> None:
     data = job.grid.data if hasattr(job.grid, "data") else job.grid_shape[0]
     if data != 1:
-        raise WorkloadError(f"[grid] data = {data}: a graph is one sample, full-graph "
-                            f"training ({job.model.kind}) needs data = 1 and x = -1")
+        raise ConfigError(f"[grid] data = {data}: a graph is one sample, full-graph "
+                          f"training ({job.model.kind}) needs data = 1 and x = -1")
 
 
 def make_graph_file(path: str, d: dict) -> None:
@@ -57,8 +61,7 @@ def make_graph_file(path: str, d: dict) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     if d["make"] == "cora":
-        from hpcpar.graph.format import bundled
-        from hpcpar.graph.format import import_npz
+        from hpcpar.graph.format import bundled, import_npz
 
         import_npz(bundled("cora"), path)
     else:
@@ -122,8 +125,8 @@ class GraphWorkload(Workload):
         yield self.graph
 
     def forward_loss(self, model, batch) -> StepResult:
-        from hpcpar.parallel.comm import allreduce_
         from hpcpar.graph.metrics import masked_loss
+        from hpcpar.parallel.comm import allreduce_
 
         loss = masked_loss(model(batch.x, batch), batch)
         total = loss.detach().double().reshape(1).cpu()

@@ -1,4 +1,5 @@
-"""The volume model kinds, ``cosmoflow`` and ``unet3d``, as :class:`hpcpar.run.workloads.base.Workload`s.
+"""The volume model kinds, ``cosmoflow`` and ``unet3d``, as
+:class:`hpcpar.run.workloads.base.Workload` subclasses.
 
 Data (``[data]``): an HDF5 dataset directory (``path``; made on first use with
 ``generate = true``, by all ranks in parallel) or in-memory synthetic CosmoFlow-like volumes
@@ -19,44 +20,85 @@ from __future__ import annotations
 
 import os
 
-from hpcpar.run.workloads.base import Param, StepResult, Workload, WorkloadError, register_workload
+from hpcpar.errors import ConfigError, DataError
+from hpcpar.run.workloads.base import Param, StepResult, Workload, register_workload
+
+__all__ = ["VOLUME_DATA", "VolumeWorkload", "CosmoFlowWorkload", "UNet3DWorkload"]
 
 VOLUME_DATA = {
     "source": Param(str, "hdf5", choices=("hdf5", "synthetic"),
                     help="hdf5: read `path`; synthetic: generate in memory"),
     "path": Param(str, None, help="HDF5 dataset directory (or single .h5 file)"),
     "generate": Param(bool, False, help="make `path` (synthetic cosmoflow) if it is missing"),
-    "size": Param(int, None, min=1, help="synthetic/generate: volume edge"),
-    "channels": Param(int, 4, min=1, help="synthetic/generate: channels"),
+    "size": Param(int, None, min=2, help="synthetic/generate: volume edge; hdf5: checked "
+                                         "against the dataset when given"),
+    "channels": Param(int, None, min=1, help="synthetic/generate: channels (default 4); hdf5: "
+                                             "checked against the dataset when given"),
     "samples": Param(int, 64, min=1, help="synthetic/generate: training samples"),
     "shards": Param(int, 4, min=1, help="generate: shard files"),
     "seed": Param(int, 0, min=0, help="data seed (sample i depends on (seed, i) only)"),
     "shuffle": Param(bool, True),
     "prefetch": Param(int, 2, min=0, help="HDF5: batches read ahead"),
     "stage_to": Param(str, None, help="HDF5: copy shards to node-local storage first"),
+    "verify": Param(bool, True, help="HDF5: compare every shard's sha256 with the manifest "
+                    "before training (split over the ranks)"),
     "val_path": Param(str, None, help="HDF5 validation dataset"),
     "val_samples": Param(int, 0, min=0, help="synthetic validation samples (another seed)"),
-    "transform": Param(str, "log1p", choices=("log1p", "none"), help="input transform"),
+    "transform": Param(str, "auto", choices=("auto", "log1p", "none"),
+                       help="input transform; auto: the dataset manifest's (none unless the "
+                            "dataset asks; log1p for CosmoFlow data and source = 'synthetic')"),
 }
+
+
+DEFAULT_CHANNELS = 4
+
+
+def _channels(d: dict) -> int:
+    """[data] channels, or the generator's default when the job leaves it to the dataset."""
+    return d["channels"] if d["channels"] is not None else DEFAULT_CHANNELS
+
+
+def _manifest_field(path: str) -> str:
+    return os.path.join(path, "manifest.json") if os.path.isdir(path) else path
+
+
+def _dataset_dir(path: str, field: str) -> str:
+    """``path`` (a job field), or a one-line error naming the field when it is missing."""
+    if not os.path.exists(path):
+        raise DataError(f"[data] {field}: {path!r}: dataset not found (working directory "
+                        f"{os.getcwd()})")
+    return path
 
 
 def _check_volume_job(job) -> None:
     d = job.data.params
+    if d["channels"] is None and (d["source"] == "synthetic" or d["generate"]):
+        d["channels"] = DEFAULT_CHANNELS  # what will be generated: resolved in job.json
     if d["source"] == "synthetic":
         if d["size"] is None:
-            raise WorkloadError("[data] size: required for source = 'synthetic'")
+            raise ConfigError("[data] size: required for source = 'synthetic'")
         if d["path"] is not None:
-            raise WorkloadError("[data] path: not used with source = 'synthetic' (drop one)")
+            raise ConfigError("[data] path: not used with source = 'synthetic' (drop one)")
     else:
         if d["path"] is None:
-            raise WorkloadError("[data] path: required (or set source = 'synthetic')")
+            raise ConfigError("[data] path: required (or set source = 'synthetic')")
         if d["generate"] and d["size"] is None:
-            raise WorkloadError("[data] size: required with generate = true")
+            raise ConfigError("[data] size: required with generate = true")
     if d["val_path"] and d["val_samples"]:
-        raise WorkloadError("[data] give val_path or val_samples, not both")
+        raise ConfigError("[data] give val_path or val_samples, not both")
     if d["val_samples"] and d["val_samples"] < job.train.global_batch:
-        raise WorkloadError(f"[data] val_samples: {d['val_samples']} is out of range (must be "
-                            f">= [train] global_batch = {job.train.global_batch})")
+        raise ConfigError(f"[data] val_samples: {d['val_samples']} is out of range (must be "
+                          f">= [train] global_batch = {job.train.global_batch})")
+
+
+def _check_model_fits(cls, job) -> None:
+    """The model of workload ``cls`` against the job's [data] size, when given."""
+    size = job.data.params["size"]
+    if size is not None:
+        try:
+            cls.check_sample_shape(job, None, (size,) * 3)
+        except ConfigError as exc:
+            raise ConfigError(f"{exc}, [data] size is {size}") from None
 
 
 class VolumeWorkload(Workload):
@@ -79,26 +121,84 @@ class VolumeWorkload(Workload):
                 self._generate(d["path"], d["samples"], d["seed"])
             from hpcpar.data import ShardedVolumeDataset
 
-            self.train_set = ShardedVolumeDataset(d["path"], grid, batch, shuffle=d["shuffle"],
-                                                  seed=d["seed"], prefetch=d["prefetch"],
-                                                  stage_to=d["stage_to"])
+            self.train_set = ShardedVolumeDataset(_dataset_dir(d["path"], "path"), grid, batch,
+                                                  shuffle=d["shuffle"], seed=d["seed"],
+                                                  prefetch=d["prefetch"], stage_to=d["stage_to"],
+                                                  verify=d["verify"])
+            self.check_dataset(job, d["path"], "path", self._sample_shape(self.train_set))
             self.val_set = None
+            val, field = d["val_path"], "val_path"
             if d["val_samples"]:
-                val = d["path"].rstrip("/") + "-val"
+                val, field = d["path"].rstrip("/") + "-val", "val_samples"
                 if d["generate"]:
                     self._generate(val, d["val_samples"], d["seed"] + 1_000_003)
-                d = dict(d, val_path=val)
-            if d["val_path"]:
-                self.val_set = ShardedVolumeDataset(d["val_path"], grid, batch, shuffle=False,
-                                                    prefetch=0)
+                elif not os.path.exists(val):
+                    raise DataError(f"[data] val_samples = {d['val_samples']}: the validation "
+                                    f"set {val!r} ([data] path + '-val', made by generate = "
+                                    f"true) is missing: set generate = true, or give [data] "
+                                    f"val_path instead")
+            if val:
+                self.val_set = ShardedVolumeDataset(_dataset_dir(val, field), grid, batch,
+                                                    shuffle=False, prefetch=0,
+                                                    verify=d["verify"])
+                self.check_dataset(job, val, field, self._sample_shape(self.val_set),
+                                   self._sample_shape(self.train_set))
         x_shape = self._sample_shape(self.train_set)
         self.channels, self.size = x_shape[0], x_shape[1:]
+        self.transform = self.resolve_transform(d, getattr(self.train_set, "manifest", None))
+        val_manifest = getattr(self.val_set, "manifest", None)
+        if d["transform"] == "auto" and val_manifest is not None \
+                and val_manifest.transform != self.transform:
+            raise DataError(f"[data] transform = 'auto': the training set asks for "
+                            f"{self.transform!r}, the validation set for "
+                            f"{val_manifest.transform!r} (manifest field 'transform'); set "
+                            f"[data] transform explicitly")
+
+    @staticmethod
+    def resolve_transform(d: dict, manifest) -> str:
+        """The input transform applied at run time: ``[data] transform`` unless ``auto``,
+        then the dataset manifest's (in-memory synthetic CosmoFlow data: ``log1p``)."""
+        if d["transform"] != "auto":
+            return d["transform"]
+        return manifest.transform if manifest is not None else "log1p"
+
+    def run_meta(self) -> dict:
+        return {"transform": self.transform}
+
+    @classmethod
+    def check_dataset(cls, job, path: str, field: str, shape: tuple, train_shape=None) -> None:
+        """One-line error naming the manifest field and the job field when the dataset at
+        ``path`` (job field ``[data] field``) has samples of another ``shape`` (C, D, H, W)
+        than the job says ([data] size/channels, the model's needs, the training set's)."""
+        d = job.data.params
+        where = f"{_manifest_field(path)} ([data] {field})"
+        shown = "x".join(map(str, shape))
+        if train_shape is not None and tuple(shape) != tuple(train_shape):
+            raise DataError(f"{where}: field 'x.shape' is {shown}, the training set "
+                            f"([data] path) has {'x'.join(map(str, train_shape))}")
+        if d["channels"] is not None and shape[0] != d["channels"]:
+            raise DataError(f"{where}: field 'x.shape' is {shown} ({shape[0]} channels), but "
+                            f"the job's [data] channels = {d['channels']}")
+        if d["size"] is not None and tuple(shape[1:]) != (d["size"],) * 3:
+            raise DataError(f"{where}: field 'x.shape' is {shown} (volume "
+                            f"{'x'.join(map(str, shape[1:]))}), but the job's [data] size = "
+                            f"{d['size']} ({d['size']}^3)")
+        try:
+            cls.check_sample_shape(job, shape[0], tuple(shape[1:]))
+        except ConfigError as exc:
+            raise DataError(f"{where}: field 'x.shape' is {shown}: {exc}") from None
+
+    @classmethod
+    def check_sample_shape(cls, job, channels: int, size: tuple) -> None:
+        """ConfigError (naming the [model] field) when the model cannot take samples of
+        ``channels`` x ``size``; checked against [data] at validation and against the
+        dataset's manifest when it is opened."""
 
     def _synthetic(self, samples, seed, shuffle):
         from hpcpar.data import SyntheticVolumeDataset
 
         return SyntheticVolumeDataset(self.grid, self.job.train.global_batch,
-                                      size=self.d["size"], channels=self.d["channels"],
+                                      size=self.d["size"], channels=_channels(self.d),
                                       samples=samples, seed=seed, shuffle=shuffle)
 
     def _generate(self, path, samples, seed) -> None:
@@ -112,7 +212,7 @@ class VolumeWorkload(Workload):
             return
         from hpcpar.data import CosmoflowSource, shard_counts, write_dataset
 
-        src = CosmoflowSource(samples, self.d["size"], self.d["channels"], seed)
+        src = CosmoflowSource(samples, self.d["size"], _channels(self.d), seed)
         write_dataset(path, src, shard_counts(samples, shards=min(self.d["shards"], samples)),
                       comm=self.grid.comm, progress=False)
 
@@ -144,7 +244,7 @@ class VolumeWorkload(Workload):
 
     def _inputs(self, x):
         x = x.to(self.device, non_blocking=True)
-        x = x.log1p() if self.d["transform"] == "log1p" else x
+        x = x.log1p() if self.transform == "log1p" else x
         if self.job.train.channels_last:  # every spatial layer then runs in that order
             import torch
 
@@ -232,13 +332,16 @@ class CosmoFlowWorkload(VolumeWorkload):
         p = job.model.params
         if not all(isinstance(w, int) and not isinstance(w, bool) and w > 0
                    for w in p["dense"]):
-            raise WorkloadError(f"[model] dense: expected a list of positive integers, got "
-                                f"{p['dense']!r}")
-        size = job.data.params["size"]
-        if size is not None and size < 2 ** p["n_conv_blocks"]:
-            raise WorkloadError(f"[model] n_conv_blocks: {p['n_conv_blocks']} pooling blocks "
-                                f"need a volume of at least {2 ** p['n_conv_blocks']}, "
-                                f"[data] size is {size}")
+            raise ConfigError(f"[model] dense: expected a list of positive integers, got "
+                              f"{p['dense']!r}")
+        _check_model_fits(CosmoFlowWorkload, job)
+
+    @classmethod
+    def check_sample_shape(cls, job, channels, size) -> None:
+        n = job.model.params["n_conv_blocks"]
+        if min(size) < 2 ** n:
+            raise ConfigError(f"[model] n_conv_blocks: {n} pooling blocks need a volume of at "
+                              f"least {2 ** n}")
 
     @classmethod
     def build_plain(cls, job, channels, size, n_targets):
@@ -280,12 +383,19 @@ class UNet3DWorkload(VolumeWorkload):
     @staticmethod
     def check_job(job) -> None:
         _check_volume_job(job)
-        d, p = job.data.params, job.model.params
-        if d["channels"] < 2 and (d["source"] == "synthetic" or d["generate"]):
-            raise WorkloadError("[data] channels: unet3d needs >= 2 (inputs + label channel)")
-        if d["size"] is not None and d["size"] < 2 ** p["depth"]:
-            raise WorkloadError(f"[model] depth: {p['depth']} poolings need a volume of at "
-                                f"least {2 ** p['depth']}, [data] size is {d['size']}")
+        channels = job.data.params["channels"]
+        if channels is not None and channels < 2:
+            raise ConfigError("[data] channels: unet3d needs >= 2 (inputs + label channel)")
+        _check_model_fits(UNet3DWorkload, job)
+
+    @classmethod
+    def check_sample_shape(cls, job, channels, size) -> None:
+        depth = job.model.params["depth"]
+        if channels is not None and channels < 2:
+            raise ConfigError("unet3d needs >= 2 channels (inputs + label channel)")
+        if min(size) < 2 ** depth:
+            raise ConfigError(f"[model] depth: {depth} poolings need a volume of at least "
+                              f"{2 ** depth}")
 
     @classmethod
     def build_plain(cls, job, channels, size, n_targets):

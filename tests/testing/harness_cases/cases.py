@@ -1,4 +1,4 @@
-"""Deliberately broken MPI cases, run only by tests/test_harness.py (not collected)."""
+"""Deliberately broken MPI cases, run only by tests/testing/test_harness.py (not collected)."""
 
 import time
 
