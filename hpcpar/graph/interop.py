@@ -1,0 +1,228 @@
+"""Graphs from PyTorch Geometric and from plain files.
+
+:func:`pyg_arrays` reads a ``torch_geometric.data.Data`` by its attributes (``edge_index``,
+``x``, ``y``, ``train_mask``/``val_mask``/``test_mask``, ``num_nodes``), so this module never
+imports PyG; ``DistGraph.from_pyg`` partitions one, ``hpcpar data graph import`` converts a
+saved one (``torch.save(data, "g.pt")``) or an edge list plus a features file to a graph file.
+PyG's edge direction convention is kept: ``edge_index[0]`` is the source, ``[1]`` the target,
+and a layer aggregates over in-edges (``flow="source_to_target"``). hpcpar graphs are simple:
+repeated edges are merged (with a warning), where PyG's layers would count each copy.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from hpcpar.errors import DataError
+from hpcpar.graph._csr import check_edges, edges_to_csr, is_symmetric
+from hpcpar.graph.format import MASKS, write_graph
+
+__all__ = ["pyg_arrays", "load_pyg", "read_edge_list", "random_masks", "import_graph"]
+
+
+def _np(value, dtype=None):
+    value = value.detach().cpu().numpy() if hasattr(value, "detach") else np.asarray(value)
+    return value.astype(dtype) if dtype is not None else value
+
+
+def pyg_arrays(data: Any, where: str = "PyG Data") -> dict:
+    """The arrays of a PyG ``Data`` (or any object with its attributes).
+
+    Args:
+        data: The graph: ``edge_index`` ``(2, E)`` and ``x`` ``(N, F)`` required; ``y``
+            ``(N,)`` (zeros when absent), boolean ``train_mask``/``val_mask``/``test_mask``
+            (all False when absent), ``num_nodes`` (``x.shape[0]`` when absent).
+        where: What ``data`` is, for messages.
+
+    Returns:
+        ``{"num_nodes", "edge_index", "x", "y", "masks"}`` as numpy arrays.
+
+    Raises:
+        DataError: A missing ``edge_index``/``x`` or arrays of the wrong shapes.
+    """
+    for name in ("edge_index", "x"):
+        if getattr(data, name, None) is None:
+            raise DataError(f"{where}: no '{name}' (a PyG Data needs edge_index and x)")
+    x = _np(data.x, np.float32)
+    if x.ndim != 2:
+        raise DataError(f"{where}: 'x' has shape {x.shape}, expected (num_nodes, features)")
+    n = int(getattr(data, "num_nodes", None) or x.shape[0])
+    if x.shape[0] != n:
+        raise DataError(f"{where}: 'x' has {x.shape[0]} rows, num_nodes is {n}")
+    edges = check_edges(_np(data.edge_index, np.int64), n, f"{where}: edge_index")
+    repeats = edges.shape[1] - np.unique(edges[0] * n + edges[1]).shape[0]
+    if repeats:
+        import warnings
+
+        warnings.warn(f"{where}: {repeats} repeated edge(s) merged: hpcpar graphs are simple "
+                      f"graphs, while PyG's layers count a repeated edge once per copy "
+                      f"(torch_geometric.utils.coalesce(edge_index) gives PyG the same graph)",
+                      stacklevel=2)
+    y = getattr(data, "y", None)
+    y = np.zeros(n, np.int64) if y is None else _np(y, np.int64).reshape(-1)
+    if y.shape[0] != n:
+        raise DataError(f"{where}: 'y' has {y.shape[0]} entries, expected one per vertex ({n}); "
+                        f"node classification labels only")
+    masks = {}
+    for m in MASKS:
+        mask = getattr(data, f"{m}_mask", None)
+        masks[m] = np.zeros(n, bool) if mask is None else _np(mask, bool).reshape(-1)
+        if masks[m].shape[0] != n:
+            raise DataError(f"{where}: '{m}_mask' has {masks[m].shape[0]} entries, expected {n}")
+    return {"num_nodes": n, "edge_index": edges, "x": x, "y": y, "masks": masks}
+
+
+def load_pyg(path: str | os.PathLike) -> Any:
+    """A PyG ``Data`` saved with ``torch.save`` (unpickled: load only files you trust).
+
+    Args:
+        path: The ``.pt`` file; a saved dataset's first graph is taken.
+
+    Returns:
+        The ``Data`` object.
+
+    Raises:
+        DataError: A missing file, or one that holds no graph.
+    """
+    import torch
+
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: no such file")
+    try:
+        obj = torch.load(path, weights_only=False, map_location="cpu")
+    except ModuleNotFoundError as exc:
+        raise DataError(f"{path}: needs the module {exc.name!r} to load (pip install "
+                        f"torch_geometric, or 'hpcpar[gnn]')") from None
+    except Exception as exc:  # noqa: BLE001 - any unreadable pickle: one line
+        raise DataError(f"{path}: not a torch.save file ({type(exc).__name__}: {exc})") from None
+    if isinstance(obj, (tuple, list)) and obj and hasattr(obj[0], "edge_index"):
+        obj = obj[0]
+    if not hasattr(obj, "edge_index"):
+        raise DataError(f"{path}: holds a {type(obj).__name__}, not a PyG Data (edge_index, "
+                        f"x, ...)")
+    return obj
+
+
+def read_edge_list(path: str | os.PathLike) -> np.ndarray:
+    """A text edge list: one ``src dst`` pair per line (spaces, tabs or commas; ``#``
+    comments and blank lines skipped; a non-numeric header line is skipped).
+
+    Args:
+        path: The file.
+
+    Returns:
+        ``(2, E)`` int64 edges ``src -> dst``.
+
+    Raises:
+        DataError: A missing file or a line that is not two integers.
+    """
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: no such file")
+    pairs, header = [], False
+    with open(path) as fh:
+        for number, line in enumerate(fh, 1):
+            words = line.split("#")[0].replace(",", " ").split()
+            if not words:
+                continue
+            try:
+                if len(words) < 2:
+                    raise ValueError
+                pairs.append((int(words[0]), int(words[1])))
+            except ValueError:
+                if not pairs and not header:
+                    header = True
+                    continue     # a header line before the first edge
+                raise DataError(f"{path}:{number}: expected 'src dst' (two integers), got "
+                                f"{line.strip()!r}") from None
+    return np.asarray(pairs, np.int64).reshape(-1, 2).T.copy()
+
+
+def _read_array(path: str | os.PathLike, what: str) -> np.ndarray:
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: no such file ({what})")
+    try:
+        return np.load(path) if str(path).endswith(".npy") else np.loadtxt(path, ndmin=1,
+                                                                           delimiter=None)
+    except ValueError as exc:
+        raise DataError(f"{path}: cannot read {what} ({exc})") from None
+
+
+def random_masks(n: int, split: tuple[float, float], seed: int = 0) -> dict:
+    """Disjoint random train/val/test masks: fractions ``split = (train, val)``, the rest test.
+
+    Args:
+        n: Number of vertices.
+        split: Train and validation fractions (sum <= 1).
+        seed: Seed of the permutation.
+
+    Returns:
+        ``{"train", "val", "test"}`` boolean masks.
+
+    Raises:
+        DataError: Fractions out of range.
+    """
+    a, b = split
+    if a < 0 or b < 0 or a + b > 1:
+        raise DataError(f"--split {a},{b}: expected two fractions >= 0 summing to <= 1")
+    order = np.random.default_rng(seed).permutation(n)
+    cut = [round(a * n), round((a + b) * n)]
+    masks = {m: np.zeros(n, bool) for m in MASKS}
+    for m, part in zip(MASKS, np.split(order, cut)):
+        masks[m][part] = True
+    return masks
+
+
+def import_graph(source: str | os.PathLike, out: str | os.PathLike,
+                 features: str | os.PathLike | None = None,
+                 labels: str | os.PathLike | None = None,
+                 split: tuple[float, float] = (0.6, 0.2), seed: int = 0) -> dict:
+    """Convert a saved PyG ``Data`` (``.pt``/``.pth``) or an edge list (any other text file,
+    with ``features``) to a graph file.
+
+    Args:
+        source: The PyG file or the edge list.
+        out: The graph file to write.
+        features: Edge list only: ``(N, F)`` features, ``.npy`` or text (one row per vertex).
+        labels: Edge list only: ``(N,)`` class ids, ``.npy`` or text (zeros when None).
+        split: Masks the source lacks (edge lists; a PyG Data without masks): random
+            ``(train, val)`` fractions, the rest test.
+        seed: Seed of the random split.
+
+    Returns:
+        A summary: vertices, edges, features, classes, direction and split sizes.
+
+    Raises:
+        DataError: An unreadable source, missing features, or inconsistent shapes.
+    """
+    source = str(source)
+    if source.endswith((".pt", ".pth")):
+        arrays = pyg_arrays(load_pyg(source), source)
+        if not any(m.any() for m in arrays["masks"].values()):
+            arrays["masks"] = random_masks(arrays["num_nodes"], split, seed)
+    else:
+        if features is None:
+            raise DataError(f"{source}: an edge list needs --features (N x F, .npy or text)")
+        x = _read_array(features, "features").astype(np.float32)
+        x = x.reshape(-1, 1) if x.ndim == 1 else x
+        n = x.shape[0]
+        y = (np.zeros(n, np.int64) if labels is None
+             else _read_array(labels, "labels").astype(np.int64).reshape(-1))
+        if y.shape[0] != n:
+            raise DataError(f"{labels}: {y.shape[0]} labels for {n} vertices (rows of "
+                            f"{features})")
+        edges = check_edges(read_edge_list(source), n, f"{source}")
+        arrays = {"num_nodes": n, "edge_index": edges, "x": x, "y": y,
+                  "masks": random_masks(n, split, seed)}
+    n = arrays["num_nodes"]
+    indptr, indices = edges_to_csr(arrays["edge_index"], n)
+    directed = not is_symmetric(indptr, indices, n)
+    y = arrays["y"]
+    write_graph(out, n, arrays["x"], y, arrays["masks"], csr=(indptr, indices),
+                directed=directed, name=os.path.splitext(os.path.basename(source))[0],
+                source=source, num_classes=int(y.max()) + 1 if n else 1)
+    return {"nodes": n, "edges": int(indices.shape[0]), "features": int(arrays["x"].shape[1]),
+            "classes": int(y.max()) + 1 if n else 1, "directed": directed,
+            **{m: int(arrays["masks"][m].sum()) for m in MASKS}}

@@ -1,0 +1,136 @@
+"""The job file as data for tools: JSON Schema of the job keys and the resolved job as TOML.
+
+``hpcpar schema [--kind KIND]`` prints :func:`json_schema` (editors and CI validate job files
+with it); ``hpcpar run JOB --print-config`` prints :func:`job_to_toml` of the fully resolved
+job, every default filled in, which ``hpcpar run`` accepts back as a job file. No torch import.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from hpcpar.run.jobspec import SCHEMA, JobSpec
+from hpcpar.run.workloads.base import REQUIRED, Param
+
+__all__ = ["JSON_SCHEMA_DIALECT", "param_schema", "json_schema", "toml_value", "job_to_toml"]
+
+JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
+_JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array",
+               dict: "object"}
+
+
+def param_schema(spec: Param) -> dict:
+    """One key's JSON Schema: type, enum, bounds, default and description.
+
+    Args:
+        spec: The key's declaration.
+
+    Returns:
+        A JSON Schema object for the key's value.
+    """
+    types = spec.type if isinstance(spec.type, tuple) else (spec.type,)
+    out: dict[str, Any] = {}
+    if spec.choices is not None:
+        out["enum"] = list(spec.choices)
+    else:
+        names = [_JSON_TYPES[t] for t in types if t in _JSON_TYPES]
+        out["type"] = names[0] if len(names) == 1 else names
+    if spec.min is not None:
+        out["minimum"] = spec.min
+    if spec.max is not None:
+        out["maximum"] = spec.max
+    if spec.default is not REQUIRED and spec.default is not None:
+        out["default"] = spec.default
+    if spec.help:
+        out["description"] = spec.help
+    return out
+
+
+def _section(params: dict[str, Param], closed: bool) -> dict:
+    required = [k for k, p in params.items() if p.required]
+    out: dict[str, Any] = {"type": "object",
+                           "properties": {k: param_schema(p) for k, p in params.items()},
+                           "additionalProperties": not closed}
+    if required:
+        out["required"] = required
+    return out
+
+
+def json_schema(kind: str | None = None) -> dict:
+    """The job file's JSON Schema (draft 2020-12).
+
+    Args:
+        kind: A ``[model] kind`` (built-in, installed or ``package.module:Workload``): its
+            ``[model]``/``[data]``/``[train]`` keys are added and unknown keys rejected.
+            None: the fixed sections only, ``[model]`` and ``[data]`` left open.
+
+    Returns:
+        The schema as a JSON-able dict.
+
+    Raises:
+        ConfigError: ``kind`` cannot be resolved.
+    """
+    from hpcpar.run.workloads.base import get_workload, known_kinds
+
+    sections = {name: dict(params) for name, params in SCHEMA.items()}
+    title = "hpcpar job file"
+    if kind is not None:
+        factory = get_workload(kind)
+        for name in ("model", "data", "train"):
+            sections[name].update(getattr(factory, f"{name}_params", {}))
+        title += f" ([model] kind = {kind!r})"
+    props = {name: _section(params, closed=kind is not None or name not in ("model", "data"))
+             for name, params in sections.items()}
+    kind_schema = props["model"]["properties"]["kind"]
+    if kind is not None:
+        kind_schema["const"] = kind
+    else:
+        kind_schema["examples"] = known_kinds()
+    return {"$schema": JSON_SCHEMA_DIALECT, "title": title, "type": "object",
+            "properties": props, "required": ["model"], "additionalProperties": False}
+
+
+def toml_value(value: Any) -> str:
+    """A TOML literal for a job value (strings, numbers, booleans, lists, tables).
+
+    Args:
+        value: The value; not None (TOML has no null).
+
+    Returns:
+        The literal, e.g. ``'"adam"'``, ``'1e-3'``, ``'[64, 32]'``.
+    """
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        if isinstance(value, float) and not math.isfinite(value):
+            return ("-" if value < 0 else "") + ("nan" if math.isnan(value) else "inf")
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {toml_value(v)}"
+                               for k, v in value.items()) + "}"
+    raise TypeError(f"no TOML form for {type(value).__name__}")
+
+
+def job_to_toml(job: JobSpec) -> str:
+    """The resolved job as a TOML job file: every section and key, defaults included; keys
+    without a value (TOML has no null) are shown commented out.
+
+    Args:
+        job: A validated job.
+
+    Returns:
+        TOML text that ``load_job`` reads back into the same job.
+    """
+    lines = [f"# resolved from {job.source} by hpcpar"]
+    for name, values in job.to_dict().items():
+        lines.append(f"\n[{name}]")
+        for key, value in values.items():
+            lines.append(f"# {key} = (unset)" if value is None
+                         else f"{key} = {toml_value(value)}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,274 @@
+"""Who owns a run directory, and whether a rerun may continue in it.
+
+``hpcpar run`` holds ``RUN/hpcpar.lock`` (JSON: host, pid, the pid's start time, since when)
+while its ranks run, so a second run into a busy directory is refused with one line instead of
+interleaving records. A lock whose holder is gone (same host, pid not running or reused; or an
+earlier incarnation of the same requeued Slurm job, on any node) is stale: it is taken over
+with a warning. A lock held from another host cannot be checked: it is
+refused, naming the host and pid (delete the file if that run is gone).
+
+A rerun continues the run in the directory only with the same settings: the resolved job is
+compared with ``RUN/job.json`` key by key, and a difference is refused naming the keys, before
+anything in the directory changes. Keys that do not change what is computed
+(:data:`RESUME_FREE`: logging, checkpoint cadence, resources) may differ. ``--new-settings``
+resumes with the new settings anyway (a new segment; the old job.json is kept beside it), and
+``--fresh`` moves every old file into ``previous-<time>/`` (nothing is deleted) and starts over.
+A rerun of a finished run (meta.json status "ok") with the same settings changes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+from hpcpar.errors import RunDirError
+
+__all__ = ["LOCK_NAME", "RESUME_FREE", "RunLock", "settings_diff", "describe_diff",
+           "check_settings", "finished_status", "move_aside", "keep_old_settings",
+           "mark_ended", "resumed_from"]
+
+LOCK_NAME = "hpcpar.lock"
+#: job keys that may change between the segments of one run: they do not change what is
+#: trained (the data width changes only the rounding, e.g. a job that lost a node resumes on
+#: fewer; checkpoints are independent of it)
+RESUME_FREE = ("job.description", "grid.data", "train.log_every", "train.val_every",
+               "checkpoint.every", "checkpoint.keep", "checkpoint.at_end", "resources.*",
+               "output.dir", "data.prefetch", "data.stage_to", "data.verify")
+
+
+# -- the lock -------------------------------------------------------------------------------
+def _pid_start(pid: int) -> str | None:
+    """The kernel's start time of ``pid`` (/proc; None elsewhere or when it is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def _pid_running(pid: int, start: str | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    if start is not None and Path("/proc").is_dir():
+        return _pid_start(pid) == start     # a reused pid is another process
+    return True
+
+
+def _slurm_incarnation() -> tuple[str | None, str]:
+    """(SLURM_JOB_ID, SLURM_RESTART_COUNT): a requeued job keeps its id, counts up restarts."""
+    return os.environ.get("SLURM_JOB_ID") or None, os.environ.get("SLURM_RESTART_COUNT", "0")
+
+
+class RunLock:
+    """``RUN/hpcpar.lock``: :meth:`acquire` or a :class:`RunDirError`; :meth:`release`."""
+
+    def __init__(self, run_dir, warn=print):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / LOCK_NAME
+        self.warn = warn
+        self.held = False
+
+    def holder(self) -> dict | None:
+        """The lock's contents; ``{}`` for an unreadable lock, None when there is none."""
+        try:
+            data = json.loads(self.path.read_text())
+            return data if isinstance(data, dict) else {}
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            return {}
+
+    def _stale(self, holder: dict) -> bool:
+        if not holder:      # unreadable: stale unless it is being written right now
+            try:
+                return time.time() - self.path.stat().st_mtime > 10
+            except OSError:
+                return True
+        job, restart = _slurm_incarnation()
+        if job and holder.get("slurm_job") == job and holder.get("slurm_restart") != restart:
+            return True     # an earlier incarnation of this requeued Slurm job: it is gone
+        if holder.get("host") != socket.gethostname():
+            return False
+        return not _pid_running(int(holder.get("pid", -1)), holder.get("pid_start"))
+
+    def _busy(self, holder: dict) -> RunDirError:
+        where = holder.get("host", "?")
+        other = "" if where == socket.gethostname() else \
+            f" (another host: if that run is gone, delete {self.path})"
+        return RunDirError(f"{self.run_dir}: in use by another hpcpar run (pid "
+                           f"{holder.get('pid', '?')} on {where} since {holder.get('since', '?')})"
+                           f"{other}; wait for it, or use another --run-dir")
+
+    def check(self) -> None:
+        """Read-only: raise when a live run holds the lock (a stale lock is no obstacle)."""
+        holder = self.holder()
+        if holder is not None and not self._stale(holder):
+            raise self._busy(holder)
+
+    def acquire(self) -> None:
+        job, restart = _slurm_incarnation()
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": _pid_start(
+            os.getpid()), "since": time.strftime("%Y-%m-%dT%H:%M:%S"), "argv": sys.argv,
+            "slurm_job": job, "slurm_restart": restart}
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self.holder()
+                if holder is None:
+                    continue
+                if not self._stale(holder):
+                    raise self._busy(holder) from None
+                self.warn(f"hpcpar: warning: {self.path}: taking over a stale lock (pid "
+                          f"{holder.get('pid', '?')} on {holder.get('host', '?')} is not "
+                          f"running)")
+                try:
+                    os.unlink(self.path)
+                except FileNotFoundError:
+                    pass
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+                f.flush()
+                os.fsync(f.fileno())
+            self.held = True
+            return
+        raise self._busy(self.holder() or {})
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            holder = self.holder()
+            if holder and holder.get("pid") == os.getpid():
+                try:
+                    os.unlink(self.path)
+                except FileNotFoundError:
+                    pass
+
+
+# -- settings -------------------------------------------------------------------------------
+def _flat(job: dict) -> dict:
+    """{"section.key": value} of a job dict, JSON-normalised (tuples as lists)."""
+    job = json.loads(json.dumps(job, default=str))
+    return {f"{sec}.{k}": v for sec, values in job.items() if isinstance(values, dict)
+            for k, v in values.items()}
+
+
+def _free(key: str) -> bool:
+    return any(key == f or (f.endswith(".*") and key.startswith(f[:-1])) for f in RESUME_FREE)
+
+
+def settings_diff(old: dict, new: dict) -> list[tuple[str, object, object]]:
+    """(key, old value, new value) of every result-changing key that differs."""
+    a, b = _flat(old), _flat(new)
+    missing = object()
+    return [(k, a.get(k, missing), b.get(k, missing)) for k in sorted(set(a) | set(b))
+            if a.get(k, missing) != b.get(k, missing) and not _free(k)]
+
+
+def describe_diff(diff) -> str:
+    def show(v):
+        return "(unset)" if not isinstance(v, (str, int, float, bool, list, dict, type(None))) \
+            else json.dumps(v)
+    return ", ".join(f"{k} {show(a)} -> {show(b)}" for k, a, b in diff)
+
+
+def check_settings(run_dir, job: dict) -> list:
+    """The differences between ``job`` (a resolved job dict) and ``RUN/job.json``; [] when
+    there is no job.json yet. An unreadable job.json is an error (never overwritten)."""
+    path = Path(run_dir) / "job.json"
+    if not path.exists():
+        return []
+    try:
+        old = json.loads(path.read_text())["job"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise RunDirError(f"{path}: unreadable ({exc}); restore it, or start over with "
+                          f"--fresh (moves the old files aside)") from None
+    return settings_diff(_with_new_defaults(old), job)
+
+
+def _with_new_defaults(old: dict) -> dict:
+    """A job.json written before keys were added gets their defaults (a key this hpcpar
+    added is not a changed setting); left as it is when it no longer validates."""
+    from hpcpar.errors import HpcparError
+    from hpcpar.run.jobspec import build_job
+
+    try:
+        return build_job(old).to_dict()
+    except (HpcparError, TypeError, AttributeError):
+        return old
+
+
+def finished_status(run_dir) -> dict | None:
+    """meta.json of a run that finished (status "ok"), else None."""
+    try:
+        meta = json.loads((Path(run_dir) / "meta.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) and meta.get("status") == "ok" else None
+
+
+def resumed_from(run_dir) -> tuple[str, int] | None:
+    """(checkpoint name, step) the ranks of the latest segment resumed from, as they wrote it
+    into meta.json; None for a start from step 0 (or no record)."""
+    try:
+        seg = json.loads((Path(run_dir) / "meta.json").read_text())["segments"][-1]
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
+    if seg.get("resumed_from"):
+        return str(seg["resumed_from"]), int(seg.get("resumed_step", 0))
+    return None
+
+
+# -- changing the directory (only after the lock is held) -----------------------------------
+def move_aside(run_dir) -> Path | None:
+    """``--fresh``: move every entry of the run directory except the lock and earlier
+    ``previous-*`` folders into ``previous-<time>/``; returns it (None: nothing to move)."""
+    run_dir = Path(run_dir)
+    old = [p for p in sorted(run_dir.iterdir())
+           if p.name != LOCK_NAME and not p.name.startswith("previous-")]
+    if not old:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    dest, n = run_dir / f"previous-{stamp}", 1
+    while dest.exists():
+        n += 1
+        dest = run_dir / f"previous-{stamp}-{n}"
+    dest.mkdir()
+    for p in old:
+        os.rename(p, dest / p.name)
+    return dest
+
+
+def keep_old_settings(run_dir) -> Path | None:
+    """``--new-settings``: copy job.json to ``job-<time>.json`` before it is replaced."""
+    src = Path(run_dir) / "job.json"
+    if not src.exists():
+        return None
+    dest = src.with_name(f"job-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    dest.write_bytes(src.read_bytes())
+    return dest
+
+
+def mark_ended(run_dir, reason: str) -> None:
+    """After the ranks are gone: a meta.json still saying "running" becomes "failed" with
+    ``end_reason`` (a killed rank or launcher cannot write it themselves)."""
+    path = Path(run_dir) / "meta.json"
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    if not isinstance(meta, dict) or meta.get("status") != "running":
+        return
+    from hpcpar.run.records import now_iso, write_json_atomic
+
+    meta.update(status="failed", end_reason=reason, end_time=now_iso())
+    write_json_atomic(path, meta)

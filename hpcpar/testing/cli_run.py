@@ -1,0 +1,86 @@
+"""Driving ``hpcpar run`` as a user does, for the end-to-end tests: one CLI process in its own
+session (so cleanup stops exactly what the test started, ranks included), its output in a
+file, and helpers to find its ranks and fingerprint a run directory."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["CliRun", "rank_pids", "alive", "tree_hashes"]
+
+
+class CliRun:
+    """``python -m hpcpar.cli run ARGS`` started in ``cwd``, stdout+stderr into ``out``."""
+
+    def __init__(self, args, out: Path, cwd=None, env: dict | None = None):
+        self.out_path = Path(out)
+        self.out = open(self.out_path, "w")
+        full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+        self.proc = subprocess.Popen([sys.executable, "-m", "hpcpar.cli", "run", *map(str, args)],
+                                     cwd=cwd, stdout=self.out, stderr=subprocess.STDOUT,
+                                     env=full_env, start_new_session=True)
+
+    def wait_until(self, pred, timeout: float = 240.0) -> bool:
+        """Poll ``pred()`` until it holds, the run ends, or ``timeout`` seconds pass."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if pred():
+                return True
+            if self.proc.poll() is not None:
+                return pred()
+            time.sleep(0.05)
+        return False
+
+    def finish(self, timeout: float = 240.0) -> int:
+        """The exit code (the run is killed if it outlives ``timeout``)."""
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        """Kill the CLI's session if it still runs (its launcher and ranks die with it)."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.out.close()
+
+    def log(self) -> str:
+        return self.out_path.read_text()
+
+
+def rank_pids(run_dir) -> list[int]:
+    """PIDs of the rank processes (``python -m hpcpar.run.trainer``) of the run in
+    ``run_dir``, from /proc."""
+    pids = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                cmd = (p / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if cmd[1:3] == [b"-m", b"hpcpar.run.trainer"] and str(run_dir).encode() in cmd:
+                pids.append(int(p.name))
+    return pids
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def tree_hashes(d, skip=("hpcpar.lock",)) -> dict:
+    """sha256 of every file under ``d`` by relative path (names in ``skip`` left out)."""
+    d = Path(d)
+    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(d.rglob("*")) if p.is_file() and p.name not in skip}

@@ -1,0 +1,110 @@
+"""One CLI convention: every --help ends with examples that name real commands; --json where a
+command reports something; `run --print-config` prints the resolved job (a job file that gives
+back the same job); `schema` is a JSON Schema the shipped jobs satisfy; errors with an obvious
+fix say it, and the fix works."""
+
+import json
+import shlex
+import tomllib
+from pathlib import Path
+
+import click
+import pytest
+
+from hpcpar.cli.examples import EXAMPLES
+from hpcpar.cli.main import cli
+from hpcpar.run.jobspec import load_job
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = str(ROOT / "jobs" / "demo-cosmoflow.toml")
+
+
+def _commands():
+    ctx = click.Context(cli)
+
+    def walk(cmd, path):
+        yield path, cmd
+        if isinstance(cmd, click.Group):
+            for name in cmd.list_commands(ctx):
+                yield from walk(cmd.get_command(ctx, name), f"{path} {name}".strip())
+
+    return dict(walk(cli, ""))
+
+
+def test_every_help_ends_with_examples_of_real_commands(run_cli):
+    commands = _commands()
+    assert set(commands) == set(EXAMPLES)
+    for path in commands:
+        rc, out, _ = run_cli([*path.split(), "--help"])
+        assert rc == 0
+        tail = out.rstrip().split("Examples:")
+        assert len(tail) == 2, f"hpcpar {path} --help has no examples"
+        for line in tail[1].strip().splitlines():
+            words = shlex.split(line.split("#")[0].replace("$(", " ").replace(")", " "))
+            words = words[words.index("hpcpar") + 1:]
+            if words[0] == "COMMAND":
+                continue
+            named = max((" ".join(words[:k]) for k in range(1, 4)
+                         if " ".join(words[:k]) in commands), key=len, default=None)
+            assert named, f"hpcpar {path} --help: {line!r} names no command"
+            assert named.startswith(path) or path == "", (path, line)
+
+
+def test_print_config_round_trips(run_cli, tmp_path):
+    args = ["run", DEMO, "-n", "2", "--grid", "1x2x1x1", "--set", "train.steps=10"]
+    rc, out, err = run_cli([*args, "--print-config"])
+    assert rc == 0, err
+    doc = tomllib.loads(out)
+    assert doc["train"]["beta2"] == 0.999 and doc["ddp"]["bucket_cap_mb"] == 25.0  # defaults
+    assert doc["grid"] == {"data": 1, "x": 2, "y": 1, "z": 1}                      # resolved
+    (tmp_path / "resolved.toml").write_text(out)
+    again = load_job(tmp_path / "resolved.toml").to_dict()
+    assert again == load_job(DEMO, ["train.steps=10", "grid.data=1"]).to_dict()
+    rc, out, _ = run_cli([*args, "--print-config", "--json"])
+    assert rc == 0 and json.loads(out) == again
+
+
+def test_schema_is_json_schema_of_the_jobs(run_cli):
+    jsonschema = pytest.importorskip("jsonschema")
+    rc, out, _ = run_cli(["schema"])
+    assert rc == 0
+    schema = json.loads(out)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    for path in sorted((ROOT / "jobs").glob("*.toml")):
+        doc = tomllib.loads(path.read_text())
+        jsonschema.validate(doc, schema)
+        rc, out, _ = run_cli(["schema", "--kind", doc["model"]["kind"]])
+        jsonschema.validate(doc, json.loads(out))
+    bad = {"model": {"kind": "cosmoflow", "n_conv_blokcs": 3}, "train": {"steps": 1}}
+    with pytest.raises(jsonschema.ValidationError, match="n_conv_blokcs"):
+        jsonschema.validate(bad, json.loads(run_cli(["schema", "--kind", "cosmoflow"])[1]))
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"model": {"kind": "gcn"}, "train": {"lr": -1.0}}, schema)
+
+
+def test_errors_suggest_a_fix_that_works(run_cli):
+    rc, _, err = run_cli(["run", DEMO, "-n", "2", "--set", "train.steps=4", "--dry-run"])
+    assert rc == 2 and "--set train.warmup_steps=0" in err
+    rc, _, err = run_cli(["run", DEMO, "-n", "2", "--set", "train.steps=4", "--set",
+                          "train.warmup_steps=0", "--dry-run"])
+    assert rc == 2 and "run with -n 4, or fit the grid to 2 ranks: --grid 1x2x1x1" in err
+    rc, out, err = run_cli(["run", DEMO, "-n", "2", "--set", "train.steps=4", "--set",
+                            "train.warmup_steps=0", "--grid", "1x2x1x1", "--dry-run", "--json"])
+    assert rc == 0, err
+    assert json.loads(out)["grid"] == "1x2x1x1"
+    rc, _, err = run_cli(["run", DEMO, "-n", "6", "--set", "grid.data=-1", "--dry-run"])
+    assert rc == 2 and "--set train.global_batch=18" in err
+
+
+def test_json_output(run_cli):
+    rc, out, _ = run_cli(["info", "--json"])
+    assert rc == 0 and "torch" in json.loads(out)
+    rc, out, _ = run_cli(["info", "--ranks", "4", "--grid", "-1x2x1x1", "--json"])
+    table = json.loads(out)["table"]
+    assert [(r["rank"], r["data"], r["x"]) for r in table] == [(0, 0, 0), (1, 0, 1), (2, 1, 0),
+                                                               (3, 1, 1)]
+    rc, out, _ = run_cli(["plan", DEMO, "-n", "4", "--json"])
+    grids = json.loads(out)["grids"]
+    assert rc == 0 and {g["grid"] for g in grids} >= {"4x1x1x1", "2x2x1x1"}
+    assert grids[0]["feasible"] and grids[0]["t_step"] == min(g["t_step"] for g in grids
+                                                               if g["feasible"])
