@@ -236,11 +236,14 @@ class VirtualCluster(SlurmCluster):
     def stop(self) -> None:
         """Cancel the jobs, stop the daemons started here, remove namespaces, bridge, files
         and the state file. Safe to call twice."""
-        super().stop()
-        teardown(json.loads(self.state_file.read_text()) if self.state_file.exists() else {
-            "root": str(self.root), "bridge": self.bridge, "netns": list(self.netns.values()),
-            "veth": list(self.veth.values()), "pids": {}})
-        self.state_file.unlink(missing_ok=True)
+        try:
+            super().stop()
+        finally:  # whatever happened above, nothing this cluster made stays behind
+            teardown(json.loads(self.state_file.read_text()) if self.state_file.exists() else {
+                "root": str(self.root), "bridge": self.bridge,
+                "netns": list(self.netns.values()), "veth": list(self.veth.values()),
+                "pids": {}})
+            self.state_file.unlink(missing_ok=True)
 
     # -- acting on nodes -------------------------------------------------------------------
     def in_netns(self, node: str, *argv: str, check: bool = True) -> subprocess.CompletedProcess:

@@ -262,13 +262,16 @@ class SlurmCluster:
         if not procs:
             return
         if "slurmctld" in procs and procs["slurmctld"].poll() is None:
-            self.run("scancel", "--full", check=False, timeout=10)
-            deadline = time.monotonic() + 15
-            while time.monotonic() < deadline:
-                q = self.run("squeue", "-h", "-o", "%i", check=False, timeout=10)
-                if q.returncode != 0 or not q.stdout.strip():
-                    break
-                time.sleep(0.2)
+            try:  # a controller that no longer answers is stopped below all the same
+                self.run("scancel", "--full", check=False, timeout=10)
+                deadline = time.monotonic() + 15
+                while time.monotonic() < deadline:
+                    q = self.run("squeue", "-h", "-o", "%i", check=False, timeout=10)
+                    if q.returncode != 0 or not q.stdout.strip():
+                        break
+                    time.sleep(0.2)
+            except subprocess.TimeoutExpired:
+                pass
         for name in ("slurmd", "slurmctld", "munged"):
             proc = procs.get(name)
             if proc is None or proc.poll() is not None:

@@ -25,18 +25,29 @@ pytestmark = pytest.mark.slurm
 
 
 def srun(cluster, script: str, tmp_path: Path, nodes: int = 2, per_node: int = 2,
-         env: dict | None = None, timeout: float = 120, wait: bool = True):
-    """Run ``script`` (Python source) as an MPI job over ``nodes`` x ``per_node`` ranks."""
+         env: dict | None = None, timeout: float = 120, wait: bool = True, args=()):
+    """Run ``script`` (Python source, with ``args``) as an MPI job over ``nodes`` x
+    ``per_node`` ranks."""
     path = tmp_path / "job.py"
     path.write_text(textwrap.dedent(script))
     argv = ["srun", f"--nodes={nodes}", f"--ntasks-per-node={per_node}", "--mpi=pmi2",
-            "--kill-on-bad-exit=1", f"--chdir={tmp_path}", sys.executable, str(path)]
+            "--kill-on-bad-exit=1", f"--chdir={tmp_path}", sys.executable, str(path),
+            *map(str, args)]
     full_env = {**cluster.env(), "OMP_NUM_THREADS": "1", **(env or {})}
     if not wait:
         return subprocess.Popen(argv, env=full_env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
-    proc = subprocess.run(argv, env=full_env, capture_output=True, text=True, timeout=timeout)
-    return proc
+    for attempt in (1, 2):
+        try:
+            return subprocess.run(argv, env=full_env, capture_output=True, text=True,
+                                  timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            err = exc.stderr.decode(errors="replace") if exc.stderr else ""
+            # Slurm 22.05's pmi2 plugin has been seen (once in CI) to garble a start-up
+            # message under load ("mpi/pmi2: value not properly terminated"); the ranks then
+            # wait in MPI_Init forever. That is Slurm's wire-up, not hpcpar: start once more.
+            if attempt == 2 or "mpi/pmi2:" not in err:
+                raise
 
 
 def results(tmp_path: Path) -> list[dict]:
@@ -190,12 +201,7 @@ def test_gcn_on_cora_across_two_nodes_matches_one_rank(virtual_cluster, tmp_path
 
     graph = tmp_path / "cora.h5"
     import_npz(str(CORA_NPZ), str(graph))
-    (tmp_path / "job.py").write_text(textwrap.dedent(CORA))
-    proc = subprocess.run(
-        ["srun", "--nodes=2", "--ntasks-per-node=2", "--mpi=pmi2", f"--chdir={tmp_path}",
-         sys.executable, str(tmp_path / "job.py"), str(graph)],
-        env={**virtual_cluster.env(), "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-        timeout=300)
+    proc = srun(virtual_cluster, CORA, tmp_path, args=(graph,), timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     res = results(tmp_path)
     assert len(res) == 4
@@ -298,8 +304,8 @@ STAGE = """
     ds = ShardedVolumeDataset(sys.argv[1], grid, grid.size, shuffle=False, prefetch=0,
                               stage_to=sys.argv[2])
     needed = sorted(ds.manifest.shards[i].file for i in ds._needed_shards())
-    json.dump({"rank": grid.rank, "node": grid.node_index, "copied": ds.bytes_staged,
-               "needed": needed}, open(f"rank{grid.rank}.json", "w"))
+    json.dump({"rank": grid.rank, "node": grid.node_index, "host": os.uname().nodename,
+               "copied": ds.bytes_staged, "needed": needed}, open(f"rank{grid.rank}.json", "w"))
     ds.close()
 """
 
@@ -312,12 +318,7 @@ def test_staging_copies_each_file_once_per_node(virtual_cluster, tmp_path, run_c
                             "--size", "8", "--shards", "8", "--quiet"])
     assert code == 0, err
     local = virtual_cluster.local_dir
-    (tmp_path / "job.py").write_text(textwrap.dedent(STAGE))
-    proc = subprocess.run(
-        ["srun", "--nodes=2", "--ntasks-per-node=2", "--mpi=pmi2", f"--chdir={tmp_path}",
-         sys.executable, str(tmp_path / "job.py"), str(data), str(local)],
-        env={**virtual_cluster.env(), "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-        timeout=120)
+    proc = srun(virtual_cluster, STAGE, tmp_path, args=(data, local))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     res = results(tmp_path)
     sizes = {p.name: p.stat().st_size for p in data.glob("*.h5")}
@@ -326,7 +327,7 @@ def test_staging_copies_each_file_once_per_node(virtual_cluster, tmp_path, run_c
         mine = [r for r in res if r["node"] == node]
         union = sorted(set().union(*(r["needed"] for r in mine)))
         assert [r["copied"] for r in mine] == [sum(sizes[f] for f in union), 0]
-        staged = virtual_cluster.node_files(f"node{node + 1}", local)
+        staged = virtual_cluster.node_files(mine[0]["host"], local)
         assert sorted(os.path.basename(f) for f in staged if f.endswith(".h5")) == union
 
 
@@ -364,7 +365,8 @@ def test_node_sweep_ends_in_one_report_with_a_nodes_column(node_sweep):
     assert sorted(zip(table["ranks"], table["nodes"])) == [(2, 1), (4, 2), (8, 4)]
     meta = json.loads((out / "ranks-4" / "meta.json").read_text())
     assert meta["nodes"] == 2 and meta["grid_spec"] == "2x2x1x1"
-    assert sorted(set(meta["hostnames"])) == ["node1", "node2"]
+    assert len(set(meta["hostnames"])) == 2 and set(meta["hostnames"]) <= {
+        "node1", "node2", "node3", "node4"}
     machine = meta["machine"]  # under Slurm: the node's CPUs as Slurm counts them
     got = [machine[k] for k in ("cores_per_node", "cores_source", "ranks_per_node",
                                 "threads_per_rank", "oversubscribed")]

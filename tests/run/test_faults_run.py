@@ -30,34 +30,10 @@ import pytest
 import torch
 
 from hpcpar.run import checkpoint as ckpt
-from hpcpar.testing.cli_run import CliRun, rank_pids, tree_hashes
+from hpcpar.testing.cli_run import CliRun, rank_pids, tiny_job_toml, tree_hashes
 
-JOB = """
-[job]
-name = "tiny"
-[grid]
-data = 2
-x = 1
-[model]
-kind = "{kind}"
-n_conv_blocks = 2
-base_filters = 4
-dense = [16]
-[data]
-source = "synthetic"
-size = 16
-channels = 2
-samples = 32
-[train]
-steps = {steps}
-global_batch = 4
-lr = 0.003
-log_every = 1
-on_nonfinite = "{on_nonfinite}"
-[checkpoint]
-every = {every}
-keep = 3
-"""
+JOB = tiny_job_toml(data=2, x=1, kind="{kind}", steps="{steps}",
+                    train='on_nonfinite = "{on_nonfinite}"', checkpoint="every = {every}\nkeep = 3")
 
 SITECUSTOMIZE = '''
 import os

@@ -11,33 +11,9 @@ from pathlib import Path
 import torch
 
 from hpcpar.run import checkpoint as ckpt
-from hpcpar.testing.cli_run import CliRun, alive, rank_pids
+from hpcpar.testing.cli_run import CliRun, alive, rank_pids, tiny_job_toml
 
-JOB = """
-[job]
-name = "tiny"
-[grid]
-data = 1
-x = 2
-[model]
-kind = "cosmoflow"
-n_conv_blocks = 2
-base_filters = 4
-dense = [16]
-[data]
-source = "synthetic"
-size = 16
-channels = 2
-samples = 32
-[train]
-steps = {steps}
-global_batch = 4
-lr = 0.003
-log_every = 1
-[checkpoint]
-every = {every}
-keep = 2
-"""
+JOB = tiny_job_toml(steps="{steps}", checkpoint="every = {every}\nkeep = 2")
 
 
 class Run(CliRun):
