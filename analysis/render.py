@@ -101,6 +101,16 @@ DEFINITIONS = [
 
 @dataclass
 class Section:
+    """One section of a report, rendered alike to Markdown and HTML.
+
+    Attributes:
+        title: The section heading.
+        text: Paragraphs, or bullet items when ``bullets`` is set.
+        table: ``(header, rows)`` of text cells, or None for no table.
+        images: ``(alt, path)`` of each PNG shown.
+        bullets: Render ``text`` as a bullet list instead of paragraphs.
+    """
+
     title: str
     text: list = field(default_factory=list)      # paragraphs / bullet items
     table: tuple | None = None                     # (header list, rows of str)
@@ -142,13 +152,31 @@ def _cell(value, fmt: str) -> str:
         return str(value)
 
 
-def rows_of(df: pd.DataFrame, spec) -> tuple[list, list]:
+def rows_of(df: pd.DataFrame, spec: Sequence[tuple[str, str, str]]) -> tuple[list, list]:
+    """Format a table's columns as text cells for a report table.
+
+    Args:
+        df: The table to show.
+        spec: ``(column, header, format)`` of each column shown, e.g. :data:`HEADLINE`.
+
+    Returns:
+        ``(header, rows)``: the headers and one list of text cells per row of ``df``.
+    """
     header = [h for _, h, _ in spec]
     rows = [[_cell(r[c], f) for c, _, f in spec] for r in df.to_dict("records")]
     return header, rows
 
 
-def markdown_table(header, rows) -> str:
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Render text cells as a Markdown pipe table (``|`` in cells escaped).
+
+    Args:
+        header: The column headers.
+        rows: The rows, each a list of text cells.
+
+    Returns:
+        The table as text.
+    """
     def line(cells):
         return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
 
@@ -246,7 +274,14 @@ def verdict(table: pd.DataFrame, threshold: float = 0.7) -> str:
 
 def amdahl_lines(table: pd.DataFrame) -> list[str]:
     """One line per config: the fitted law (Amdahl for strong, Gustafson for weak scaling),
-    its R^2 and whether it is drawn (and why not)."""
+    its R^2 and whether it is drawn (and why not).
+
+    Args:
+        table: The scaling table.
+
+    Returns:
+        One line of text per config.
+    """
     out = []
     for config, t in table.groupby("config", sort=True):
         r = t.iloc[0]
@@ -329,7 +364,16 @@ def _sections(table, runs, files, paths, mode, warmup, skipped=(),
     return secs
 
 
-def render_markdown(secs, title) -> str:
+def render_markdown(secs: Sequence[Section], title: str) -> str:
+    """Render report sections as a Markdown document (images linked by file name).
+
+    Args:
+        secs: The sections, in order.
+        title: The document title.
+
+    Returns:
+        The Markdown text.
+    """
     parts = [f"# {title}", ""]
     for s in secs:
         parts += [f"## {s.title}", ""]
@@ -350,7 +394,16 @@ CSS = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1
        "background:#eef4ff;border-left:4px solid #4c72b0}")
 
 
-def render_html(secs, title) -> str:
+def render_html(secs: Sequence[Section], title: str) -> str:
+    """Render report sections as a self-contained HTML page (images inlined as base64).
+
+    Args:
+        secs: The sections, in order.
+        title: The page title.
+
+    Returns:
+        The HTML text.
+    """
     esc = html.escape
     parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{esc(title)}</title>"
              f"<style>{CSS}</style></head><body><h1>{esc(title)}</h1>"]

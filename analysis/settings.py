@@ -25,8 +25,18 @@ __all__ = ["SCALING_KEYS", "flatten", "resolved_settings", "settings_hash", "spl
 SCALING_KEYS = ("grid.", "resources.", "train.global_batch", "job.description")
 
 
-def flatten(obj, prefix: str = "") -> dict:
-    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (lists stay values)."""
+def flatten(obj: object, prefix: str = "") -> dict:
+    """Flatten nested dicts to dotted keys: ``{"a": {"b": 1}}`` -> ``{"a.b": 1}``.
+
+    Lists stay values.
+
+    Args:
+        obj: A dict (possibly nested) or a leaf value.
+        prefix: Dotted key prefix of ``obj``, ending in ``"."`` (empty at the top level).
+
+    Returns:
+        Dotted key -> leaf value.
+    """
     out = {}
     if isinstance(obj, dict):
         for k, v in obj.items():
@@ -57,7 +67,14 @@ def resolved_settings(meta: dict) -> dict:
 
 
 def settings_hash(settings: dict) -> str:
-    """sha256 of the sorted ``key=json(value)`` lines, first 12 hex digits."""
+    """Identify a run's settings: sha256 of the sorted ``key=json(value)`` lines.
+
+    Args:
+        settings: Dotted key -> value, as from :func:`resolved_settings`.
+
+    Returns:
+        The first 12 hex digits of the digest.
+    """
     text = "\n".join(f"{k}={json.dumps(v, sort_keys=True, default=str)}"
                      for k, v in sorted(settings.items()))
     return hashlib.sha256(text.encode()).hexdigest()[:12]

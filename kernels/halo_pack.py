@@ -31,7 +31,14 @@ THREADS = 256
 def launch(dst, src, add: bool = False, stream=0):
     """``dst[...] = src`` (or ``+=`` with ``add``) on the device: the CUDA face kernel
     (kernels/halo_pack_cuda.py, needs numba-cuda) over the elements of two device arrays of
-    one 4D shape, either strided."""
+    one 4D shape, either strided.
+
+    Args:
+        dst: Destination device array (4D); written in place.
+        src: Source device array of the same shape.
+        add: Add ``src`` into ``dst`` instead of copying.
+        stream: Numba CUDA stream to launch on (0: the default stream).
+    """
     from .halo_pack_cuda import copy_face
 
     n = int(np.prod(dst.shape))
@@ -95,7 +102,15 @@ def cpu_kernels():
 def pack(view: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Dense copy of the strided face ``view``: into ``out`` if given (a reused message buffer
     of the same shape and dtype, dense in the buffer's memory order), else a new contiguous
-    tensor."""
+    tensor.
+
+    Args:
+        view: The (possibly strided) halo face to send.
+        out: Message buffer to fill, or None to allocate one.
+
+    Returns:
+        The message buffer (``out`` when given).
+    """
     if out is None:
         out = torch.empty(view.shape, dtype=view.dtype, device=view.device)
     path = "torch" if view.is_contiguous() else _path(view, False)
@@ -112,7 +127,13 @@ def pack(view: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
 
 
 def unpack(view: torch.Tensor, buf: torch.Tensor, add: bool = False) -> None:
-    """``view[...] = buf`` (or ``+=`` with ``add``); ``buf`` a dense message, same shape."""
+    """Write a received message into a halo face: ``view[...] = buf`` (``+=`` with ``add``).
+
+    Args:
+        view: The (possibly strided) halo face; written in place.
+        buf: The dense message, same shape as ``view`` (or viewable as it).
+        add: Add ``buf`` into ``view`` (backward: ghost gradients) instead of copying.
+    """
     if buf.shape != view.shape:
         buf = buf.view(view.shape)
     path = _path(view, add)

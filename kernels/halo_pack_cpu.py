@@ -12,7 +12,13 @@ __all__ = ["copy_face", "pack_cpu", "unpack_cpu", "add_unpack_cpu"]
 
 @njit(parallel=True, cache=True)
 def copy_face(dst, src, add):
-    """dst[...] = src[...] (or += with ``add``); same 4D shape, either side strided."""
+    """dst[...] = src[...] (or += with ``add``); same 4D shape, either side strided.
+
+    Args:
+        dst: Destination 4D array; written in place.
+        src: Source 4D array of the same shape.
+        add: Add ``src`` into ``dst`` instead of copying.
+    """
     n0, n1, n2, n3 = dst.shape
     for p in prange(n0 * n1):
         i, j = p // n1, p % n1
@@ -25,15 +31,30 @@ def copy_face(dst, src, add):
 
 
 def pack_cpu(src, out):
-    """Strided face ``src`` -> contiguous message ``out``."""
+    """Pack a halo face for sending: strided face ``src`` -> contiguous message ``out``.
+
+    Args:
+        src: The (possibly strided) 4D face.
+        out: The contiguous 4D message buffer, same shape; written in place.
+    """
     copy_face(out, src, False)
 
 
 def unpack_cpu(dst, buf):
-    """Message ``buf`` -> strided face ``dst``."""
+    """Unpack a received halo: message ``buf`` -> strided face ``dst``.
+
+    Args:
+        dst: The (possibly strided) 4D face; written in place.
+        buf: The contiguous 4D message, same shape.
+    """
     copy_face(dst, buf, False)
 
 
 def add_unpack_cpu(dst, buf):
-    """Backward: ghost gradients in ``buf`` added into the owner's face ``dst``."""
+    """Backward: ghost gradients in ``buf`` added into the owner's face ``dst``.
+
+    Args:
+        dst: The owner's (possibly strided) 4D face; added into in place.
+        buf: The contiguous 4D message of ghost gradients, same shape.
+    """
     copy_face(dst, buf, True)

@@ -13,7 +13,15 @@ __all__ = ["face_index", "copy_face"]
 
 @cuda.jit(device=True)
 def face_index(t, shape):
-    """Flat message index -> 4D face index (row-major)."""
+    """Flat message index -> 4D face index (row-major).
+
+    Args:
+        t: Flat index into the message.
+        shape: The 4D face shape.
+
+    Returns:
+        The ``(i, j, k, m)`` face index.
+    """
     m = t % shape[3]
     t //= shape[3]
     k = t % shape[2]
@@ -23,7 +31,13 @@ def face_index(t, shape):
 
 @cuda.jit
 def copy_face(dst, src, add):
-    """dst[...] = src[...] (or += with ``add``): one thread per element of the common shape."""
+    """dst[...] = src[...] (or += with ``add``): one thread per element of the common shape.
+
+    Args:
+        dst: Destination 4D device array; written in place.
+        src: Source 4D device array of the same shape.
+        add: Add ``src`` into ``dst`` instead of copying.
+    """
     t = cuda.grid(1)
     if t < dst.size:
         i, j, k, m = face_index(t, dst.shape)

@@ -81,7 +81,21 @@ def cpu_threads() -> int:
 
 
 def spmm_cpu(indptr, indices, data, x, out=None):
-    """Parallel CPU CSR SpMM (row-parallel, no atomics). Returns ``out`` (allocated if None)."""
+    """Parallel CPU CSR SpMM (row-parallel, no atomics). Returns ``out`` (allocated if None).
+
+    Args:
+        indptr: CSR row pointers (length rows + 1).
+        indices: CSR column index of each stored entry.
+        data: CSR value of each stored entry.
+        x: Dense 2D input, one row per column of the sparse matrix.
+        out: 2D output (rows x columns of ``x``), or None to allocate one.
+
+    Returns:
+        ``out``: a torch tensor when ``x`` is one, else a numpy array.
+
+    Raises:
+        ValueError: The shapes of the arrays do not match.
+    """
     is_torch = hasattr(x, "detach")
     if out is None:
         n = indptr.shape[0] - 1
@@ -165,7 +179,22 @@ def cuda_kernel_available() -> bool:
 
 def spmm_cuda(indptr, indices, data, x, out=None, block=(32, 8)):
     """CUDA CSR SpMM. Accepts CUDA torch tensors (run on torch's current stream), Numba
-    device arrays, or host numpy arrays (copied in and out; used by the simulator tests)."""
+    device arrays, or host numpy arrays (copied in and out; used by the simulator tests).
+
+    Args:
+        indptr: CSR row pointers (length rows + 1).
+        indices: CSR column index of each stored entry.
+        data: CSR value of each stored entry.
+        x: Dense 2D input, one row per column of the sparse matrix.
+        out: 2D output (rows x columns of ``x``), or None to allocate one.
+        block: CUDA thread block ``(columns, rows)``.
+
+    Returns:
+        ``out`` when given, else a new CUDA tensor (CUDA ``x``) or numpy array (host ``x``).
+
+    Raises:
+        ValueError: The shapes of the arrays do not match.
+    """
     from numba import cuda
 
     n = indptr.shape[0] - 1
@@ -196,7 +225,21 @@ def spmm_cuda(indptr, indices, data, x, out=None, block=(32, 8)):
 
 
 def spmm(indptr, indices, data, x, out=None):
-    """CSR SpMM on the device of ``x``: the CUDA kernel for CUDA tensors, else the CPU twin."""
+    """CSR SpMM on the device of ``x``: the CUDA kernel for CUDA tensors, else the CPU twin.
+
+    Args:
+        indptr: CSR row pointers (length rows + 1).
+        indices: CSR column index of each stored entry.
+        data: CSR value of each stored entry.
+        x: Dense 2D input, one row per column of the sparse matrix.
+        out: 2D output (rows x columns of ``x``), or None to allocate one.
+
+    Returns:
+        The product: ``out`` when given, else a new array on the device of ``x``.
+
+    Raises:
+        ValueError: The shapes of the arrays do not match.
+    """
     if hasattr(x, "is_cuda") and x.is_cuda:
         return spmm_cuda(indptr, indices, data, x, out)
     return spmm_cpu(indptr, indices, data, x, out)
@@ -206,6 +249,15 @@ def transpose_csr(indptr, indices, data, num_cols: int):
     """CSR of the transpose (= CSC of the input) as numpy arrays ``(indptr, indices, data)``.
 
     Stable: within each transposed row, entries keep increasing original-row order.
+
+    Args:
+        indptr: CSR row pointers (length rows + 1).
+        indices: CSR column index of each stored entry.
+        data: CSR value of each stored entry.
+        num_cols: Columns of the input matrix (rows of the transpose).
+
+    Returns:
+        ``(indptr, indices, data)`` of the transpose, as numpy arrays.
     """
     indptr = _as_numpy(indptr)
     indices = _as_numpy(indices)

@@ -19,9 +19,15 @@ import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from hpcpar.errors import DataError
 from hpcpar.parallel.partition import split_sizes
+
+if TYPE_CHECKING:
+    import h5py
+    import numpy as np
+    from numpy.typing import ArrayLike
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "HDF5_SIGNATURE", "DEFAULT_CHUNK", "shard_name",
            "chunk_edge", "PerRankChunks", "parse_chunk", "x_chunks", "Array", "Shard", "Manifest",
@@ -37,7 +43,14 @@ DEFAULT_CHUNK = 32  # largest automatic chunk edge: 4 x 32^3 float32 = 512 KiB p
 
 
 def shard_name(index: int) -> str:
-    """The file name of shard ``index``: ``shard-00000.h5``."""
+    """Give the file name of shard ``index``, so every writer and reader agree on it.
+
+    Args:
+        index: Position of the shard in the manifest (0-based).
+
+    Returns:
+        The name, zero-padded to five digits: ``shard-00000.h5``.
+    """
     return f"shard-{index:05d}.h5"
 
 
@@ -311,7 +324,15 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
 
 
 def sha256_file(path: str, block: int = 1 << 22) -> str:
-    """The file's sha256, hex, read in blocks of ``block`` bytes."""
+    """Hash a file in blocks, so shards far larger than memory can be checksummed.
+
+    Args:
+        path: The file to hash.
+        block: Bytes read per call.
+
+    Returns:
+        The file's sha256 digest, hex.
+    """
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         while chunk := fh.read(block):
@@ -320,7 +341,16 @@ def sha256_file(path: str, block: int = 1 << 22) -> str:
 
 
 def check_file(path: str, expected_bytes: int | None = None) -> None:
-    """Exists, starts with the HDF5 signature, and is as long as the manifest says."""
+    """Check a shard file exists, is HDF5, and is not truncated, before h5py opens it.
+
+    Args:
+        path: The shard file.
+        expected_bytes: The size the manifest records; None or 0 skips the size check.
+
+    Raises:
+        DataError: The file is missing, lacks the HDF5 signature, or is shorter than
+            ``expected_bytes``.
+    """
     if not os.path.isfile(path):
         raise DataError(f"{path}: shard file not found")
     with open(path, "rb") as fh:
@@ -333,8 +363,19 @@ def check_file(path: str, expected_bytes: int | None = None) -> None:
                         f"{expected_bytes})")
 
 
-def open_h5(path: str, **kwargs):
-    """``h5py.File(path, 'r')`` with HDF5's open errors turned into one-line DataErrors."""
+def open_h5(path: str, **kwargs: Any) -> h5py.File:
+    """Open an HDF5 file read-only, turning HDF5's long open errors into one-line DataErrors.
+
+    Args:
+        path: The file to open.
+        **kwargs: Passed on to ``h5py.File``.
+
+    Returns:
+        The open ``h5py.File`` (mode ``'r'``); the caller closes it.
+
+    Raises:
+        DataError: The file is truncated, not HDF5, or cannot be opened.
+    """
     import h5py
 
     try:
@@ -348,8 +389,18 @@ def open_h5(path: str, **kwargs):
         raise DataError(f"{path}: cannot open as HDF5 ({text.splitlines()[0]})") from None
 
 
-def check_array(path: str, f, spec: Array, rows: int | None) -> None:
-    """Dataset ``spec.key`` exists in open file ``f`` with (rows, *spec.shape) and dtype."""
+def check_array(path: str, f: h5py.File, spec: Array, rows: int | None) -> None:
+    """Check a dataset in an open shard has the shape and dtype the manifest promises.
+
+    Args:
+        path: The shard file's path (used in messages).
+        f: The open shard file.
+        spec: The manifest's description of the dataset (key, per-sample shape, dtype).
+        rows: The number of samples the shard should hold; None accepts any.
+
+    Raises:
+        DataError: The dataset is missing or has the wrong shape or dtype.
+    """
     if spec.key not in f:
         raise DataError(f"{path}: missing dataset '{spec.key}'")
     d = f[spec.key]
@@ -397,8 +448,18 @@ def check_shard(directory: str, m: Manifest, index: int, checksum: bool = False,
 
 
 def manifest_problems(directory: str, m: Manifest) -> list[str]:
-    """What the manifest's own stats say is wrong: NaN/inf recorded in a dataset that claims
-    to be finite (a dataset made with NaN on purpose says ``finite: false``)."""
+    """Find what the manifest's own stats say is wrong, without reading any shard.
+
+    Flags NaN/inf recorded in a dataset that claims to be finite (a dataset made with NaN on
+    purpose says ``finite: false``).
+
+    Args:
+        directory: The dataset directory (used in messages).
+        m: Its manifest.
+
+    Returns:
+        One line per problem; empty when the stats are consistent.
+    """
     path = os.path.join(directory, MANIFEST)
     problems = []
     for key in ("x", "y"):
@@ -439,9 +500,18 @@ def verify_dataset(directory: str | os.PathLike, checksum: bool = True,
 SCAN_BLOCK_BYTES = 64 << 20  # verify reads x in blocks of about this size
 
 
-def value_stats(a) -> dict:
-    """``{"nonfinite": count of NaN/inf, "min", "max"}`` of array ``a`` (min/max over its
-    finite values, None when it has none); integer arrays are finite by construction."""
+def value_stats(a: ArrayLike) -> dict:
+    """Summarise an array's values so the manifest can record whether the data is finite.
+
+    Min/max are over the finite values only (None when there are none); integer arrays are
+    finite by construction.
+
+    Args:
+        a: The array (anything ``numpy.asarray`` accepts).
+
+    Returns:
+        ``{"nonfinite": count of NaN/inf, "min": ..., "max": ...}``.
+    """
     import numpy as np
 
     a = np.asarray(a)
@@ -463,7 +533,15 @@ def value_stats(a) -> dict:
 
 
 def merge_stats(a: dict | None, b: dict) -> dict:
-    """:func:`value_stats` of two arrays together, from theirs."""
+    """Combine the :func:`value_stats` of two arrays, so shards can be summarised block by block.
+
+    Args:
+        a: The running total, or None for the first block.
+        b: The stats of the next array.
+
+    Returns:
+        The stats of both arrays together (a new dict).
+    """
     if a is None:
         return dict(b)
     pick = {"min": min, "max": max}
@@ -475,8 +553,14 @@ def merge_stats(a: dict | None, b: dict) -> dict:
 
 
 def dataset_stats(shards: dict) -> dict:
-    """The manifest's ``stats`` from ``{shard file: {"x": value_stats, "y": value_stats}}``:
-    ``{"x": {"finite", "nonfinite", "min", "max"}, "y": {...}, "shards": shards}``."""
+    """Build the manifest's ``stats`` field from the per-shard value stats.
+
+    Args:
+        shards: ``{shard file: {"x": value_stats, "y": value_stats}}``.
+
+    Returns:
+        ``{"x": {"finite", "nonfinite", "min", "max"}, "y": {...}, "shards": shards}``.
+    """
     out: dict = {}
     for key in ("x", "y"):
         total = None
@@ -489,8 +573,17 @@ def dataset_stats(shards: dict) -> dict:
 
 
 def expects_finite(m: Manifest, key: str = "x") -> bool:
-    """True unless the manifest records that ``key`` ('x' or 'y') holds NaN/inf on purpose
-    (datasets written without stats are expected finite too: a NaN input never trains)."""
+    """Tell whether a dataset's values must be finite, so readers know when NaN/inf is corruption.
+
+    Datasets written without stats are expected finite too: a NaN input never trains.
+
+    Args:
+        m: The dataset's manifest.
+        key: Which dataset: ``'x'`` or ``'y'``.
+
+    Returns:
+        True unless the manifest records that ``key`` holds NaN/inf on purpose.
+    """
     return (m.stats.get(key) or {}).get("finite", True) is not False
 
 
@@ -504,13 +597,22 @@ def _first_nonfinite(arr) -> int | None:
     return None if ok.all() else int(np.argmin(ok))
 
 
-def check_finite(x, y, items, manifest: Manifest, directory: str = "") -> None:
-    """Raise :class:`DataError` naming shard and sample when a batch read from the dataset holds
-    NaN/inf in ``x`` or ``y`` although the manifest says its values are finite.
+def check_finite(x: np.ndarray, y: np.ndarray, items: Sequence[tuple[int, int]],
+                 manifest: Manifest, directory: str = "") -> None:
+    """Catch NaN/inf in a batch as it is read, naming the shard and sample it came from.
 
-    ``x`` (n, ...) and ``y`` (n, ...): the batch as read (a rank's sub-volume is fine);
-    ``items``: its ``[(shard index, row in shard)]`` in order (``ShardedVolumeDataset._items``).
     Cost: one ``sum`` over the batch at memory speed; the per-sample search only on failure.
+
+    Args:
+        x: The batch's inputs as read, (n, ...) (a rank's sub-volume is fine).
+        y: The batch's targets as read, (n, ...).
+        items: The batch's ``[(shard index, row in shard)]`` in order
+            (``ShardedVolumeDataset._items``).
+        manifest: The dataset's manifest.
+        directory: The dataset directory (used in messages).
+
+    Raises:
+        DataError: ``x`` or ``y`` holds NaN/inf although the manifest says its values are finite.
     """
     for spec, arr in ((manifest.x, x), (manifest.y, y)):
         if not expects_finite(manifest, spec.key):
@@ -524,9 +626,20 @@ def check_finite(x, y, items, manifest: Manifest, directory: str = "") -> None:
                             f"dataset is finite (corrupt shard? run `hpcpar data verify`)")
 
 
-def check_values(path: str, f, m: Manifest, s: Shard) -> None:
-    """Scan every value of shard ``s`` (open file ``f``) for NaN/inf the manifest does not
-    allow, in blocks of about ``SCAN_BLOCK_BYTES``."""
+def check_values(path: str, f: h5py.File, m: Manifest, s: Shard) -> None:
+    """Scan every value of a shard for NaN/inf the manifest does not allow.
+
+    Reads in blocks of about ``SCAN_BLOCK_BYTES``, so memory use stays bounded.
+
+    Args:
+        path: The shard file's path (used in messages).
+        f: The open shard file.
+        m: The dataset's manifest.
+        s: The manifest's entry for this shard.
+
+    Raises:
+        DataError: A sample holds NaN/inf although the manifest says the dataset is finite.
+    """
     import numpy as np
 
     for spec in (m.x, m.y):

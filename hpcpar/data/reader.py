@@ -29,7 +29,20 @@ __all__ = ["single_file_manifest", "ShardedVolumeDataset"]
 
 
 def single_file_manifest(path: str, x_key: str = "x", y_key: str = "y") -> Manifest:
-    """A one-shard manifest describing a single HDF5 file with datasets x and y."""
+    """Describe a single HDF5 file as a one-shard dataset, so it can be read like a sharded one.
+
+    Args:
+        path: The HDF5 file, holding datasets ``x`` (N, C, D, H, W) and ``y`` (N, K).
+        x_key: Name of the input dataset in the file.
+        y_key: Name of the target dataset in the file.
+
+    Returns:
+        A manifest with one shard covering every sample of the file.
+
+    Raises:
+        DataError: The file is missing, not HDF5, lacks either dataset, or their shapes do not
+            match (N, C, D, H, W) and (N, K).
+    """
     from .format import check_file
 
     check_file(path)

@@ -20,6 +20,7 @@ A graph is one sample: build it over a grid with ``data == 1``; it is split over
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -41,9 +42,19 @@ __all__ = ["DistGraph", "graph_comm", "collective"]
 KINDS = ("gcn", "mean", "sum")
 
 
-def graph_comm(grid):
-    """The communicator a graph is split over: ``grid.spatial_comm`` (``data`` must be 1), or
-    ``grid`` itself when it is an MPI communicator."""
+def graph_comm(grid: Any) -> Any:
+    """Pick the communicator a graph is split over (a graph is one sample, so no data groups).
+
+    Args:
+        grid: A ``ProcessGrid`` (its ``spatial_comm`` is used; ``data`` must be 1), or an MPI
+            communicator, used as is.
+
+    Returns:
+        ``grid.spatial_comm`` for a process grid, else ``grid`` itself.
+
+    Raises:
+        DataError: ``grid`` is a process grid with more than one data group.
+    """
     if hasattr(grid, "spatial_comm"):
         if grid.data != 1:
             raise DataError(f"DistGraph: grid {grid.spec() if hasattr(grid, 'spec') else ''}"
@@ -54,8 +65,24 @@ def graph_comm(grid):
     return grid
 
 
-def collective(comm, fn, *args, **kwargs):
-    """Run ``fn`` on every rank; if it raises a user error on any rank, raise it on all."""
+def collective(comm: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run ``fn`` on every rank so that a user error on any rank is raised on all, not left hanging.
+
+    Collective over ``comm`` (one object allgather).
+
+    Args:
+        comm: The MPI communicator whose ranks all call this.
+        fn: The function to run.
+        *args: Positional arguments for ``fn``.
+        **kwargs: Keyword arguments for ``fn``.
+
+    Returns:
+        What ``fn`` returned on this rank.
+
+    Raises:
+        HpcparError: ``fn`` raised an hpcpar error on some rank: this rank's own error if it
+            raised one, else the first rank's, re-created with its type and message.
+    """
     err = None
     try:
         result = fn(*args, **kwargs)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 
 from hpcpar.errors import LaunchError
 
@@ -62,7 +63,17 @@ def expand_hostlist(text: str) -> list[str]:
 
 
 def tasks_per_node(text: str) -> list[int]:
-    """``SLURM_TASKS_PER_NODE`` -> one count per node: ``"2(x3),1"`` -> [2, 2, 2, 1]."""
+    """Expand Slurm's compressed task counts into one count per node.
+
+    Args:
+        text: ``SLURM_TASKS_PER_NODE``, e.g. ``"2(x3),1"``.
+
+    Returns:
+        One count per node: ``"2(x3),1"`` -> ``[2, 2, 2, 1]``.
+
+    Raises:
+        LaunchError: A part of ``text`` is not ``N`` or ``N(xM)``.
+    """
     counts = []
     for part in text.split(","):
         m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
@@ -72,9 +83,19 @@ def tasks_per_node(text: str) -> list[int]:
     return counts
 
 
-def rank_hosts(env=None) -> list[str] | None:
-    """The host of every rank ``srun`` starts in this allocation (block distribution), or
-    None outside an allocation."""
+def rank_hosts(env: Mapping[str, str] | None = None) -> list[str] | None:
+    """Find the host of every rank ``srun`` starts in this allocation (block distribution).
+
+    Args:
+        env: The environment to read the ``SLURM_*`` variables from; ``os.environ`` when None.
+
+    Returns:
+        One host name per rank, in rank order; None outside an allocation.
+
+    Raises:
+        LaunchError: The node list and the task counts disagree on the number of nodes, or
+            either cannot be read.
+    """
     env = os.environ if env is None else env
     nodelist, tasks = env.get("SLURM_JOB_NODELIST"), env.get("SLURM_TASKS_PER_NODE")
     if not env.get("SLURM_JOB_ID") or not nodelist or not tasks:

@@ -277,7 +277,14 @@ def sbatch(job: BatchJob, env: Mapping[str, str] | None = None) -> str:
 
 
 def dry_run_text(jobs: list[BatchJob]) -> str:
-    """What ``--dry-run`` prints: each script under the sbatch command that would submit it."""
+    """Render what ``--dry-run`` prints, so a sweep can be checked before anything is submitted.
+
+    Args:
+        jobs: The batch jobs that would be submitted, in order.
+
+    Returns:
+        Each job's script under the sbatch command that would submit it.
+    """
     parts = []
     for j in jobs:
         argv = j.sbatch_argv()
@@ -375,8 +382,16 @@ def read_records(out: str | os.PathLike) -> dict:
 
 
 def parse_scontrol(line: str) -> dict:
-    """One ``scontrol show ... --oneliner`` record as a dict (values may hold spaces: each runs
-    up to the next ``Key=``)."""
+    """Parse one ``scontrol show ... --oneliner`` record into its fields.
+
+    Values may hold spaces: each runs up to the next ``Key=``.
+
+    Args:
+        line: The record, one line.
+
+    Returns:
+        ``{key: value}`` for every field of the record, values as strings.
+    """
     fields = {}
     matches = list(re.finditer(r"(?:^|\s)([A-Za-z][A-Za-z0-9_:/]*)=", line))
     for m, nxt in zip(matches, matches[1:] + [None]):
@@ -486,7 +501,14 @@ def sweep_status(out: str | os.PathLike, env: Mapping[str, str] | None = None) -
 
 
 def format_status(rows: list[dict]) -> str:
-    """``sweep_status`` rows as the aligned table ``hpcpar status`` prints."""
+    """Lay out ``sweep_status`` rows as the aligned table ``hpcpar status`` prints.
+
+    Args:
+        rows: The rows from ``sweep_status``.
+
+    Returns:
+        The table, a header line then one line per row, columns padded to align.
+    """
     cols = [("JOBID", "id"), ("LABEL", "label"), ("RANKS", "ranks"), ("STATE", "state"),
             ("EXIT", "exit"), ("RESTARTS", "restarts"), ("ELAPSED", "elapsed"),
             ("RUN", "run"), ("REASON", "reason")]

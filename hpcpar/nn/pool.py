@@ -17,7 +17,7 @@ from torch import nn
 from hpcpar.errors import LayerError
 from hpcpar.parallel.grid import ProcessGrid
 from hpcpar.parallel.halo import StencilOp, halo_stencil
-from hpcpar.parallel.partition import conv_axis_halo
+from hpcpar.parallel.partition import AxisHalo, conv_axis_halo
 
 from ._base import SpatialModule, triple
 
@@ -47,7 +47,19 @@ class _PoolMixin(SpatialModule):
 
 
 class MaxPoolOp(StencilOp):
-    def __init__(self, kernel, stride, dilation, out_shape):
+    """Max-pool a rank's halo-extended piece: the stencil :class:`SpatialMaxPool3d` runs.
+
+    The halo already holds the padding (``-inf``), so pooling uses no padding of its own.
+
+    Args:
+        kernel: Window size per spatial axis.
+        stride: Step per spatial axis.
+        dilation: Window dilation per spatial axis.
+        out_shape: This rank's output extent per spatial axis (a 0 gives an empty output).
+    """
+
+    def __init__(self, kernel: tuple[int, int, int], stride: tuple[int, int, int],
+                 dilation: tuple[int, int, int], out_shape: tuple[int, ...]):
         self.kernel, self.stride, self.dilation, self.out_shape = kernel, stride, dilation, \
             out_shape
 
@@ -97,8 +109,22 @@ class SpatialMaxPool3d(_PoolMixin, nn.MaxPool3d):
         return halo_stencil(x, entry.halo, entry.extra, pad_value=float("-inf"))
 
 
-def avg_divisors(halo, kernel, stride, padding, count_include_pad) -> list[int]:
-    """torch's avg-pool divisor along one axis for each owned output (global rule)."""
+def avg_divisors(halo: AxisHalo, kernel: int, stride: int, padding: int,
+                 count_include_pad: bool) -> list[int]:
+    """Compute torch's avg-pool divisor for each owned output along one axis (global rule).
+
+    Matches ``nn.AvgPool3d`` on the whole volume, windows at the global boundary included.
+
+    Args:
+        halo: This rank's halo along the axis (its owned outputs and the axis length).
+        kernel: Window size along the axis.
+        stride: Step along the axis.
+        padding: Padding on each side of the axis.
+        count_include_pad: Whether padded positions count in the divisor (as torch).
+
+    Returns:
+        One divisor per owned output, in order.
+    """
     out = []
     for o in range(*halo.out):
         start = o * stride - padding

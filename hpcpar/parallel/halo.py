@@ -509,9 +509,17 @@ CHANNELS_LAST = "channels_last"
 
 
 def input_layout(x: torch.Tensor) -> str | None:
-    """:data:`CHANNELS_LAST` for a channels-last (N, C, D, H, W) input, else None. The halo
-    buffer then keeps that layout, like torch's own conv: no transposing copy per layer, and
-    x and y faces are runs of whole rows of channels (they pack at copy speed)."""
+    """Detect a channels-last input, so the halo buffer can keep its layout.
+
+    Like torch's own conv, the buffer then needs no transposing copy per layer, and x and y
+    faces are runs of whole rows of channels (they pack at copy speed).
+
+    Args:
+        x: The (N, C, D, H, W) input.
+
+    Returns:
+        :data:`CHANNELS_LAST` for a channels-last input with more than one channel, else None.
+    """
     if x.dim() == 5 and x.shape[1] > 1 and not x.is_contiguous() and \
             x.is_contiguous(memory_format=torch.channels_last_3d):
         return CHANNELS_LAST
@@ -519,15 +527,34 @@ def input_layout(x: torch.Tensor) -> str | None:
 
 
 def memory_format(layout: str | None) -> torch.memory_format:
-    """torch memory format of tensors laid out like a buffer of ``layout``."""
+    """Map a buffer layout to the torch memory format, for tensors that must match the buffer.
+
+    Args:
+        layout: :data:`CHANNELS_LAST`, or None for contiguous.
+
+    Returns:
+        ``torch.channels_last_3d`` or ``torch.contiguous_format``.
+    """
     return torch.channels_last_3d if layout == CHANNELS_LAST else torch.contiguous_format
 
 
 def new_buffer(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str,
                perm: tuple[int, int, int] | str | None = None) -> torch.Tensor:
-    """Empty (N, C, D, H, W) tensor whose memory holds the spatial dims in ``perm`` order
-    (``None``: contiguous; :data:`CHANNELS_LAST`: channels innermost), so with a permutation
-    ``t.permute(0, 1, *(2 + p for p in perm))`` is contiguous."""
+    """Allocate an empty halo buffer whose memory holds the spatial dims in a chosen order.
+
+    With a permutation, ``t.permute(0, 1, *(2 + p for p in perm))`` is contiguous, so faces
+    along any axis can be packed cheaply.
+
+    Args:
+        shape: The logical (N, C, D, H, W) shape.
+        dtype: Element type.
+        device: Where to allocate.
+        perm: Order of the spatial dims in memory; None: contiguous; :data:`CHANNELS_LAST`:
+            channels innermost.
+
+    Returns:
+        The uninitialised tensor, with logical shape ``shape``.
+    """
     if perm is None or perm == CHANNELS_LAST:
         return torch.empty(shape, dtype=dtype, device=device, memory_format=memory_format(perm))
     phys = torch.empty((*shape[:2], *(shape[2 + p] for p in perm)), dtype=dtype, device=device)
@@ -566,8 +593,25 @@ def _named_range(name: str):
 def exchange_forward(x: torch.Tensor, plan: HaloPlan, pad_value: float = 0.0,
                      pool: BufferPool | None = None,
                      perm: tuple[int, int, int] | str | None = None) -> tuple[torch.Tensor, list]:
-    """Build the full buffer for ``x`` (from ``pool`` if given: give it back when done);
-    returns (buffer, received faces per axis)."""
+    """Build the halo-extended buffer for ``x``, swapping faces with the neighbouring ranks.
+
+    Collective with the neighbours along each split axis. The received faces are kept so the
+    backward pass can :func:`rebuild` the buffer without messages.
+
+    Args:
+        x: This rank's local (N, C, D, H, W) input.
+        plan: The halo plan made for ``x``'s local shape.
+        pad_value: Value written where the buffer lies outside the global volume.
+        pool: Buffer pool to take the buffer from (give it back when done); None: allocate.
+        perm: Memory order of the buffer's spatial dims, as in :func:`new_buffer`.
+
+    Returns:
+        The buffer, and the faces received, per axis a ``(low, high)`` pair (None where
+        nothing was received).
+
+    Raises:
+        LayerError: ``x`` does not have the local shape the plan was made for.
+    """
     t0 = time.perf_counter()
     plan.check_input(x)
     x = x.detach()
@@ -595,7 +639,21 @@ def exchange_forward(x: torch.Tensor, plan: HaloPlan, pad_value: float = 0.0,
 def rebuild(x: torch.Tensor, plan: HaloPlan, received: list, pad_value: float = 0.0,
             pool: BufferPool | None = None,
             perm: tuple[int, int, int] | str | None = None) -> torch.Tensor:
-    """The forward buffer again, from ``x`` and the faces received then (no messages)."""
+    """Rebuild the forward halo buffer from ``x`` and the faces received then, with no messages.
+
+    Lets the backward pass recompute the buffer instead of keeping it alive.
+
+    Args:
+        x: This rank's local (N, C, D, H, W) input, as in the forward pass.
+        plan: The halo plan used in the forward pass.
+        received: The faces :func:`exchange_forward` returned.
+        pad_value: Value written where the buffer lies outside the global volume.
+        pool: Buffer pool to take the buffer from (give it back when done); None: allocate.
+        perm: Memory order of the buffer's spatial dims, as in :func:`new_buffer`.
+
+    Returns:
+        The buffer, equal to the one :func:`exchange_forward` built.
+    """
     t0 = time.perf_counter()
     buf = _fill_start(x.detach(), plan, pad_value, pool, perm)
     for a, faces in enumerate(received):
@@ -609,9 +667,20 @@ def rebuild(x: torch.Tensor, plan: HaloPlan, received: list, pad_value: float = 
 @_named_range("hpcpar.halo_exchange.backward")
 def exchange_adjoint(gbuf: torch.Tensor, plan: HaloPlan, like: torch.Tensor,
                      layout: str | None = None) -> torch.Tensor:
-    """Adjoint of :func:`exchange_forward`: ``gbuf`` (buffer-shaped, modified in place) ->
-    gradient of the local input. Ghost gradients are sent back and added into the owners;
-    ``layout``: the forward buffer's (messages travel in its memory order)."""
+    """Apply the adjoint of :func:`exchange_forward`, turning a buffer gradient into the input's.
+
+    Ghost gradients are sent back to their owners and added in. Collective with the
+    neighbours along each split axis.
+
+    Args:
+        gbuf: Gradient with respect to the buffer (buffer-shaped; modified in place).
+        plan: The halo plan used in the forward pass.
+        like: The forward input, giving the gradient's shape, dtype and device.
+        layout: The forward buffer's layout (messages travel in its memory order).
+
+    Returns:
+        The gradient with respect to the local input.
+    """
     t0 = time.perf_counter()
     nbytes = 0
     for a in reversed(range(3)):

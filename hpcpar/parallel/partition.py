@@ -375,5 +375,13 @@ def conv_pads(padding: str | int | Sequence[int], axis: int, kernel: int,
 
 
 def ceil_div(a: int, b: int) -> int:
-    """``ceil(a / b)`` in integers."""
+    """Divide rounding up, in exact integer arithmetic (no float rounding for large sizes).
+
+    Args:
+        a: The dividend.
+        b: The divisor (positive).
+
+    Returns:
+        ``ceil(a / b)``.
+    """
     return -(-a // b)

@@ -178,10 +178,18 @@ def gather(local: torch.Tensor, grid: ProcessGrid, root: int = 0) -> torch.Tenso
     return full
 
 
-def allgather_volume(local: torch.Tensor, grid):
-    """The full volume on every rank of the spatial group, and this rank's slice of it.
+def allgather_volume(local: torch.Tensor,
+                     grid: ProcessGrid) -> tuple[torch.Tensor, tuple[slice, ...]]:
+    """Give every rank of the spatial group the full volume, e.g. for a layer that needs it whole.
 
     Collective over ``grid.spatial_comm`` (one object allgather of shapes + one Allgatherv).
+
+    Args:
+        local: This rank's piece of the volume, (N, C, d, h, w).
+        grid: The process grid whose spatial group holds the pieces.
+
+    Returns:
+        The full volume, and the slices of it that are this rank's piece.
     """
     comm = grid.spatial_comm
     shapes = comm.allgather(tuple(local.shape))

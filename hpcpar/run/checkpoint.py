@@ -30,7 +30,9 @@ import os
 import random
 import shutil
 import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from hpcpar.errors import RunDirError
 
@@ -46,10 +48,26 @@ PREFIX = "step-"
 
 
 def step_dir_name(step: int) -> str:
+    """Name the directory that holds the checkpoint of one step.
+
+    Args:
+        step: Training step the checkpoint was written at.
+
+    Returns:
+        The directory name, ``step-`` followed by the step zero-padded to six digits.
+    """
     return f"{PREFIX}{step:06d}"
 
 
 def rank_file(rank: int) -> str:
+    """Name the per-rank state file inside a checkpoint directory.
+
+    Args:
+        rank: Rank whose state the file holds.
+
+    Returns:
+        The file name, ``rank-`` followed by the rank zero-padded to five digits, then ``.pt``.
+    """
     return f"rank-{rank:05d}.pt"
 
 
@@ -64,9 +82,18 @@ def _hooked_modules(model, attr: str):
     return found
 
 
-def full_state_dict(model) -> dict:
-    """The single-process state_dict of a (possibly partitioned) model, on CPU. Collective when
-    a module has ``full_state_dict()``; spatial layers' parameters are replicated already."""
+def full_state_dict(model: Any) -> dict:
+    """Gather the single-process state_dict of a (possibly partitioned) model, on CPU.
+
+    Collective when a module has ``full_state_dict()``; spatial layers' parameters are
+    replicated already.
+
+    Args:
+        model: The model, possibly wrapped (its ``module`` is used) or partitioned.
+
+    Returns:
+        The full state_dict, every tensor detached and copied to CPU.
+    """
     model = getattr(model, "module", model) if not callable(
         getattr(model, "full_state_dict", None)) else model
     hooked = _hooked_modules(model, "full_state_dict")
@@ -81,8 +108,19 @@ def full_state_dict(model) -> dict:
     return {k: v.detach().cpu().clone() if hasattr(v, "detach") else v for k, v in sd.items()}
 
 
-def load_full_state_dict(model, sd: dict) -> None:
-    """Inverse of :func:`full_state_dict` (strict: every key must match)."""
+def load_full_state_dict(model: Any, sd: dict) -> None:
+    """Load a full state_dict into a (possibly partitioned) model; inverse of `full_state_dict`.
+
+    Strict: every key must match.
+
+    Args:
+        model: The model, possibly wrapped (its ``module`` is used) or partitioned.
+        sd: Full state_dict, as returned by :func:`full_state_dict`.
+
+    Raises:
+        RunDirError: The state does not fit the model (shape mismatch, missing or
+            unexpected keys).
+    """
     model = getattr(model, "module", model) if not callable(
         getattr(model, "load_full_state_dict", None)) else model
     hooked = _hooked_modules(model, "load_full_state_dict")
@@ -106,8 +144,15 @@ def load_full_state_dict(model, sd: dict) -> None:
                           f"{missing[:3]}, unexpected {unexpected[:3]}")
 
 
-def local_buffers(model) -> dict:
-    """This rank's buffers (e.g. BatchNorm running statistics), saved per rank."""
+def local_buffers(model: Any) -> dict:
+    """Copy this rank's buffers (e.g. BatchNorm running statistics), which are saved per rank.
+
+    Args:
+        model: The model, possibly wrapped (its ``module`` is used).
+
+    Returns:
+        Buffer name to a detached CPU copy of the buffer.
+    """
     model = getattr(model, "module", model)
     return {k: v.detach().cpu().clone() for k, v in model.named_buffers()}
 
@@ -130,6 +175,12 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
+    """Restore the Python, NumPy and torch generator states, so a resumed run draws alike.
+
+    Args:
+        state: Generator states as returned by :func:`rng_state`; CUDA states are restored only
+            when present and CUDA is available.
+    """
     import numpy as np
     import torch
 
@@ -143,7 +194,15 @@ def set_rng_state(state: dict) -> None:
 
 
 # -- files -----------------------------------------------------------------------------------------
-def sha256_file(path) -> str:
+def sha256_file(path: str | os.PathLike) -> str:
+    """Checksum a file, to detect corrupt checkpoint files.
+
+    Args:
+        path: File to read.
+
+    Returns:
+        The hex SHA-256 digest of the file's contents.
+    """
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -169,8 +228,15 @@ def _save(obj, path: Path) -> dict:
     return {"sha256": sha256_file(path), "bytes": path.stat().st_size}
 
 
-def list_checkpoints(ckpt_dir) -> list[Path]:
-    """Finished checkpoint directories, newest (highest step) first."""
+def list_checkpoints(ckpt_dir: str | os.PathLike) -> list[Path]:
+    """List the finished checkpoint directories, newest (highest step) first.
+
+    Args:
+        ckpt_dir: Directory holding the ``step-N`` checkpoint directories.
+
+    Returns:
+        The checkpoint directories, newest first; empty when ``ckpt_dir`` does not exist.
+    """
     d = Path(ckpt_dir)
     if not d.is_dir():
         return []
@@ -179,9 +245,19 @@ def list_checkpoints(ckpt_dir) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[len(PREFIX):]), reverse=True)
 
 
-def verify(path) -> dict:
-    """The manifest of checkpoint ``path`` after checking every file's size and sha256;
-    raises RunDirError naming the first problem."""
+def verify(path: str | os.PathLike) -> dict:
+    """Check every file of a checkpoint against its manifest's size and sha256.
+
+    Args:
+        path: Checkpoint directory.
+
+    Returns:
+        The checkpoint's manifest.
+
+    Raises:
+        RunDirError: The manifest is unreadable, or a file is missing or corrupt (the first
+            problem is named).
+    """
     path = Path(path)
     try:
         manifest = json.loads((path / MANIFEST).read_text())
@@ -198,13 +274,27 @@ def verify(path) -> dict:
 
 
 # -- collective save / load -----------------------------------------------------------------------
-def save(ckpt_dir, step: int, *, comm, model_state: dict | None, trainer_state: dict,
-         rank_state: dict, info: dict, keep: int) -> Path:
-    """Collective: write checkpoint ``step`` atomically; returns its final path.
+def save(ckpt_dir: str | os.PathLike, step: int, *, comm: Any, model_state: dict | None,
+         trainer_state: dict, rank_state: dict, info: dict, keep: int) -> Path:
+    """Collective: write checkpoint ``step`` atomically, then drop the oldest beyond ``keep``.
 
-    ``model_state`` (the full state_dict) and ``trainer_state`` are written by rank 0 (pass
-    them on every rank; other ranks' copies are ignored); ``rank_state`` by each rank;
-    ``info`` goes into the manifest.
+    Args:
+        ckpt_dir: Directory holding the checkpoints; created when missing.
+        step: Training step the checkpoint is written at.
+        comm: MPI communicator of all ranks.
+        model_state: Full state_dict, written by rank 0 (pass it on every rank; other ranks'
+            copies are ignored).
+        trainer_state: Trainer state, written by rank 0 like ``model_state``.
+        rank_state: This rank's own state, written by each rank.
+        info: Extra entries for the manifest.
+        keep: How many of the newest checkpoints to keep.
+
+    Returns:
+        The final path of the checkpoint directory.
+
+    Raises:
+        RunDirError: On every rank, when any rank could not write its part or the checkpoint
+            could not be finished.
     """
     rank, size = comm.Get_rank(), comm.Get_size()
     ckpt_dir = Path(ckpt_dir)
@@ -259,9 +349,20 @@ def save(ckpt_dir, step: int, *, comm, model_state: dict | None, trainer_state: 
     return final
 
 
-def find_resumable(ckpt_dir, comm, log=print) -> Path | None:
-    """Collective: the newest checkpoint whose manifest and checksums verify (rank 0 checks,
-    warns about each corrupt one, broadcasts), or None when there is none."""
+def find_resumable(ckpt_dir: str | os.PathLike, comm: Any,
+                   log: Callable[[str], object] = print) -> Path | None:
+    """Collective: find the newest checkpoint whose manifest and checksums verify.
+
+    Rank 0 checks, warns about each corrupt one, and broadcasts its choice.
+
+    Args:
+        ckpt_dir: Directory holding the checkpoints.
+        comm: MPI communicator of all ranks.
+        log: Where rank 0 writes a warning for each corrupt checkpoint.
+
+    Returns:
+        The newest valid checkpoint, or None when there is none.
+    """
     choice = None
     if comm.Get_rank() == 0:
         for path in list_checkpoints(ckpt_dir):
@@ -281,9 +382,17 @@ def find_resumable(ckpt_dir, comm, log=print) -> Path | None:
 CORRUPT_SUFFIX = ".corrupt"
 
 
-def set_aside(path) -> Path:
-    """Rename a corrupt checkpoint to ``step-N.corrupt`` (``.corrupt-2``, ... if taken): kept for
-    the user, no longer listed, so never resumed from nor rotated away."""
+def set_aside(path: str | os.PathLike) -> Path:
+    """Rename a corrupt checkpoint aside: kept for the user, never resumed from nor rotated away.
+
+    The new name is ``step-N.corrupt`` (``.corrupt-2``, ... if taken).
+
+    Args:
+        path: The corrupt checkpoint directory.
+
+    Returns:
+        The checkpoint's new path.
+    """
     path = Path(path)
     dest, n = path.with_name(path.name + CORRUPT_SUFFIX), 1
     while dest.exists():
@@ -293,13 +402,25 @@ def set_aside(path) -> Path:
     return dest
 
 
-def choose_resumable(ckpt_dir, comm, log=print) -> Path | None:
-    """Collective: the newest valid checkpoint, or None when there is no checkpoint at all.
+def choose_resumable(ckpt_dir: str | os.PathLike, comm: Any,
+                     log: Callable[[str], object] = print) -> Path | None:
+    """Collective: choose the newest valid checkpoint to resume from.
 
     Rank 0 verifies newest first. Corrupt checkpoints newer than the chosen one are renamed
     aside (:func:`set_aside`) with one warning each. When checkpoints exist but none verifies,
-    every rank raises :class:`RunDirError` naming them, and nothing is renamed: a silent
-    restart from step 0 would throw the run away."""
+    nothing is renamed: a silent restart from step 0 would throw the run away.
+
+    Args:
+        ckpt_dir: Directory holding the checkpoints.
+        comm: MPI communicator of all ranks.
+        log: Where rank 0 writes a warning for each corrupt checkpoint set aside.
+
+    Returns:
+        The newest valid checkpoint, or None when there is no checkpoint at all.
+
+    Raises:
+        RunDirError: On every rank, when checkpoints exist but none verifies.
+    """
     choice, error = None, None
     if comm.Get_rank() == 0:
         bad = []
@@ -329,10 +450,22 @@ def choose_resumable(ckpt_dir, comm, log=print) -> Path | None:
     return Path(choice) if choice else None
 
 
-def check_optimizer(path, optimizer, name: str, saved_state: dict) -> None:
-    """Raise a one-line :class:`RunDirError` when checkpoint ``path`` holds the state of another
-    optimizer than ``optimizer`` (``name`` from the job): torch would load it and fail later
-    with a KeyError inside ``step()``."""
+def check_optimizer(path: str | os.PathLike, optimizer: Any, name: str,
+                    saved_state: dict) -> None:
+    """Refuse a checkpoint written with another optimizer, which torch would load and fail on later.
+
+    Without this check torch fails later with a KeyError inside ``step()``.
+
+    Args:
+        path: Checkpoint directory.
+        optimizer: This run's optimizer.
+        name: This run's optimizer name, from the job.
+        saved_state: Optimizer state_dict saved in the checkpoint.
+
+    Raises:
+        RunDirError: The checkpoint holds the state of another optimizer (one line, raised
+            alike on every rank).
+    """
     manifest = json.loads((Path(path) / MANIFEST).read_text())
     saved_name = manifest.get("optimizer")
     saved_groups = saved_state.get("param_groups", [])
@@ -349,17 +482,36 @@ def check_optimizer(path, optimizer, name: str, saved_state: dict) -> None:
 
 
 def nonfinite_entries(state: dict) -> list[str]:
-    """Names of the floating-point tensors in ``state`` holding NaN or inf."""
+    """Find the floating-point tensors holding NaN or inf, so a diverged state is not saved or used.
+
+    Args:
+        state: Mapping of names to values; only floating-point tensors are checked.
+
+    Returns:
+        The names of the entries holding NaN or inf.
+    """
     import torch
 
     return [k for k, v in state.items() if isinstance(v, torch.Tensor)
             and v.is_floating_point() and not bool(torch.isfinite(v).all())]
 
 
-def check_compatible(path, shape) -> dict:
-    """The manifest of ``path`` if this grid (``shape`` = (data, X, Y, Z)) can resume it: the
-    same spatial split; the data width may differ (a job that lost nodes resumes on fewer).
-    Every rank calls this with the same arguments, so all raise together."""
+def check_compatible(path: str | os.PathLike, shape: Sequence[int]) -> dict:
+    """Check that this grid can resume a checkpoint: same spatial split, any data width.
+
+    A job that lost nodes resumes on a smaller data width. Every rank calls this with the same
+    arguments, so all raise together.
+
+    Args:
+        path: Checkpoint directory.
+        shape: This run's grid shape, (data, X, Y, Z).
+
+    Returns:
+        The checkpoint's manifest.
+
+    Raises:
+        RunDirError: The checkpoint was written with another spatial split.
+    """
     manifest = json.loads((Path(path) / MANIFEST).read_text())
     old = _grid_shape(manifest)
     if tuple(old[1:]) != tuple(shape[1:]):
@@ -375,18 +527,34 @@ def _grid_shape(manifest: dict) -> tuple[int, ...]:
     return tuple(int(v) for v in str(manifest.get("grid", "")).split("x"))
 
 
-def source_rank(manifest: dict, coords) -> int:
-    """The rank of the checkpoint's grid whose per-rank file (RNG, loader position, local
-    buffers) rank ``coords`` = (d, i, j, k) of this grid takes: same spatial place, data
-    index ``d`` modulo the old data width (identical to ``rank`` when the grid is unchanged)."""
+def source_rank(manifest: dict, coords: Sequence[int]) -> int:
+    """Pick the checkpoint rank whose per-rank file (RNG, loader position, buffers) a rank takes.
+
+    That is the rank at the same spatial place, with data index ``d`` modulo the old data
+    width (identical to this rank when the grid is unchanged).
+
+    Args:
+        manifest: The checkpoint's manifest (it names the old grid).
+        coords: This rank's coordinates (d, i, j, k) in this run's grid.
+
+    Returns:
+        The rank in the checkpoint's grid whose per-rank file to load.
+    """
     old_d, x, y, z = _grid_shape(manifest)
     d, i, j, k = coords
     return i + x * (j + y * (k + z * (d % old_d)))
 
 
-def load(path, rank: int) -> tuple[dict, dict, dict, dict]:
-    """(manifest, model_state, trainer_state, rank_state) of checkpoint ``path`` for ``rank``,
-    all read with ``weights_only=True``."""
+def load(path: str | os.PathLike, rank: int) -> tuple[dict, dict, dict, dict]:
+    """Read a checkpoint's files for one rank, all with ``weights_only=True``.
+
+    Args:
+        path: Checkpoint directory.
+        rank: Rank whose per-rank file to read.
+
+    Returns:
+        (manifest, model_state, trainer_state, rank_state) of the checkpoint.
+    """
     import torch
 
     path = Path(path)

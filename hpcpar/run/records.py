@@ -817,7 +817,14 @@ def read_rank_file(path: str | os.PathLike, notes: list | None = None) -> pd.Dat
 
 
 def pd_concat(frames: Sequence[pd.DataFrame]) -> pd.DataFrame:
-    """Concatenate step tables, keeping the schema's column types."""
+    """Concatenate step tables, keeping the schema's column types.
+
+    Args:
+        frames: The step tables.
+
+    Returns:
+        One table with a fresh index and the schema's column types.
+    """
     import pandas as pd
 
     return _typed(pd.concat(frames, ignore_index=True))

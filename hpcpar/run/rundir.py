@@ -167,23 +167,57 @@ def _free(key: str) -> bool:
 
 
 def settings_diff(old: dict, new: dict) -> list[tuple[str, object, object]]:
-    """(key, old value, new value) of every result-changing key that differs."""
+    """List the result-changing settings that differ between two jobs, to refuse a silent change.
+
+    Keys free to change on resume (``RESUME_FREE``) are left out.
+
+    Args:
+        old: Job dict the run was started with.
+        new: Job dict of this start.
+
+    Returns:
+        (key, old value, new value) of every differing key, sorted by key; an unset value is a
+        placeholder object.
+    """
     a, b = _flat(old), _flat(new)
     missing = object()
     return [(k, a.get(k, missing), b.get(k, missing)) for k in sorted(set(a) | set(b))
             if a.get(k, missing) != b.get(k, missing) and not _free(k)]
 
 
-def describe_diff(diff) -> str:
+def describe_diff(diff: list[tuple[str, object, object]]) -> str:
+    """Describe setting differences in one line for an error message.
+
+    Args:
+        diff: Differences as returned by :func:`settings_diff`.
+
+    Returns:
+        ``key old -> new`` for each difference, comma-separated; an unset value reads
+        ``(unset)``.
+    """
     def show(v):
         return "(unset)" if not isinstance(v, (str, int, float, bool, list, dict, type(None))) \
             else json.dumps(v)
     return ", ".join(f"{k} {show(a)} -> {show(b)}" for k, a, b in diff)
 
 
-def check_settings(run_dir, job: dict) -> list:
-    """The differences between ``job`` (a resolved job dict) and ``RUN/job.json``; [] when
-    there is no job.json yet. An unreadable job.json is an error (never overwritten)."""
+def check_settings(run_dir: str | os.PathLike, job: dict) -> list:
+    """Compare a job with the settings the run directory was started with, before resuming it.
+
+    Keys added to hpcpar since ``job.json`` was written count at their defaults. An
+    unreadable ``job.json`` is never overwritten.
+
+    Args:
+        run_dir: The run directory.
+        job: The resolved job dict of this start.
+
+    Returns:
+        The differences, as :func:`settings_diff` returns them; [] when there is no
+        ``job.json`` yet.
+
+    Raises:
+        RunDirError: ``job.json`` exists but cannot be read.
+    """
     path = Path(run_dir) / "job.json"
     if not path.exists():
         return []
@@ -207,8 +241,15 @@ def _with_new_defaults(old: dict) -> dict:
         return old
 
 
-def finished_status(run_dir) -> dict | None:
-    """meta.json of a run that finished (status "ok"), else None."""
+def finished_status(run_dir: str | os.PathLike) -> dict | None:
+    """Read the meta.json of a run that finished, to tell a finished run from one to resume.
+
+    Args:
+        run_dir: The run directory.
+
+    Returns:
+        The meta.json contents when its status is "ok", else None (also when unreadable).
+    """
     try:
         meta = json.loads((Path(run_dir) / "meta.json").read_text())
     except (OSError, ValueError):
@@ -216,9 +257,15 @@ def finished_status(run_dir) -> dict | None:
     return meta if isinstance(meta, dict) and meta.get("status") == "ok" else None
 
 
-def resumed_from(run_dir) -> tuple[str, int] | None:
-    """(checkpoint name, step) the ranks of the latest segment resumed from, as they wrote it
-    into meta.json; None for a start from step 0 (or no record)."""
+def resumed_from(run_dir: str | os.PathLike) -> tuple[str, int] | None:
+    """Read which checkpoint the ranks of the latest segment resumed from, as written to meta.json.
+
+    Args:
+        run_dir: The run directory.
+
+    Returns:
+        (checkpoint name, step), or None for a start from step 0 (or no record).
+    """
     try:
         seg = json.loads((Path(run_dir) / "meta.json").read_text())["segments"][-1]
     except (OSError, ValueError, KeyError, IndexError, TypeError):
@@ -229,9 +276,18 @@ def resumed_from(run_dir) -> tuple[str, int] | None:
 
 
 # -- changing the directory (only after the lock is held) -----------------------------------
-def move_aside(run_dir) -> Path | None:
-    """``--fresh``: move every entry of the run directory except the lock and earlier
-    ``previous-*`` folders into ``previous-<time>/``; returns it (None: nothing to move)."""
+def move_aside(run_dir: str | os.PathLike) -> Path | None:
+    """``--fresh``: move the old contents of a run directory into ``previous-<time>/``.
+
+    Every entry except the lock and earlier ``previous-*`` folders is moved. Call only while
+    holding the lock.
+
+    Args:
+        run_dir: The run directory.
+
+    Returns:
+        The ``previous-*`` folder, or None when there was nothing to move.
+    """
     run_dir = Path(run_dir)
     old = [p for p in sorted(run_dir.iterdir())
            if p.name != LOCK_NAME and not p.name.startswith("previous-")]
@@ -248,8 +304,15 @@ def move_aside(run_dir) -> Path | None:
     return dest
 
 
-def keep_old_settings(run_dir) -> Path | None:
-    """``--new-settings``: copy job.json to ``job-<time>.json`` before it is replaced."""
+def keep_old_settings(run_dir: str | os.PathLike) -> Path | None:
+    """``--new-settings``: copy job.json to ``job-<time>.json`` before it is replaced.
+
+    Args:
+        run_dir: The run directory.
+
+    Returns:
+        The copy, or None when there is no job.json.
+    """
     src = Path(run_dir) / "job.json"
     if not src.exists():
         return None
@@ -258,9 +321,16 @@ def keep_old_settings(run_dir) -> Path | None:
     return dest
 
 
-def mark_ended(run_dir, reason: str) -> None:
-    """After the ranks are gone: a meta.json still saying "running" becomes "failed" with
-    ``end_reason`` (a killed rank or launcher cannot write it themselves)."""
+def mark_ended(run_dir: str | os.PathLike, reason: str) -> None:
+    """Mark a run whose ranks are gone as failed, since a killed rank or launcher cannot.
+
+    A meta.json still saying "running" becomes "failed" with ``end_reason`` and an end time;
+    any other (or unreadable) meta.json is left as it is.
+
+    Args:
+        run_dir: The run directory.
+        reason: Why the run ended, stored as ``end_reason``.
+    """
     path = Path(run_dir) / "meta.json"
     try:
         meta = json.loads(path.read_text())

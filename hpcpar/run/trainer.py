@@ -30,6 +30,8 @@ from hpcpar.run import checkpoint as ckpt
 from hpcpar.run.signals import StopRequest
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
     import torch
     from mpi4py import MPI
 
@@ -115,6 +117,11 @@ class RankLog:
 
 
 def seed_all(seed: int) -> None:
+    """Seed the Python, NumPy and torch generators, so runs are reproducible.
+
+    Args:
+        seed: The seed (taken modulo 2**32 for NumPy).
+    """
     import random
 
     import numpy as np
@@ -125,8 +132,15 @@ def seed_all(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def peak_memory(device) -> float:
-    """Peak bytes: CUDA max allocated on a GPU, else this process's max RSS."""
+def peak_memory(device: torch.device) -> float:
+    """Measure peak memory use: CUDA max allocated on a GPU, else this process's max RSS.
+
+    Args:
+        device: The device training runs on.
+
+    Returns:
+        The peak, in bytes.
+    """
     import torch
 
     if device.type == "cuda":
@@ -136,7 +150,16 @@ def peak_memory(device) -> float:
     return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024.0
 
 
-def total_steps(job, steps_per_epoch: int) -> int:
+def total_steps(job: JobSpec, steps_per_epoch: int) -> int:
+    """Work out how many optimizer steps the job runs.
+
+    Args:
+        job: The job; ``[train] steps`` wins over ``[train] epochs``.
+        steps_per_epoch: Steps in one epoch of the workload.
+
+    Returns:
+        The total number of steps.
+    """
     t = job.train
     return int(t.steps) if t.steps is not None else int(t.epochs) * int(steps_per_epoch)
 
@@ -659,8 +682,21 @@ def _die(code: int, msg: str, on_exit=None) -> None:
     os._exit(code)
 
 
-def main(argv=None, on_exit=None) -> int:
-    """Per-rank entry point; exit codes as in :mod:`hpcpar.errors`."""
+def main(argv: Sequence[str] | None = None,
+         on_exit: Callable[[], object] | None = None) -> int:
+    """Per-rank entry point: train the resolved job in the run directory.
+
+    Errors end the process (``os._exit``) with the exit codes of :mod:`hpcpar.errors`; a run
+    stopped by a signal exits with ``EXIT_REQUEUE``.
+
+    Args:
+        argv: Command-line arguments (job JSON, ``--run-dir``, ``--[no-]resume``); None reads
+            ``sys.argv``.
+        on_exit: Called before the process exits on an error or stop.
+
+    Returns:
+        ``EXIT_OK`` when the run finished.
+    """
     ap = argparse.ArgumentParser(prog="python -m hpcpar.run.trainer")
     ap.add_argument("job_json")
     ap.add_argument("--run-dir", required=True)

@@ -14,9 +14,16 @@ the ``nodes``/``avg_degree``/``communities``/``features``/``classes``/``seed`` k
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from hpcpar.errors import ConfigError
 from hpcpar.run.workloads.base import Param, StepResult, Workload, register_workload
+
+if TYPE_CHECKING:
+    import torch
+
+    from hpcpar.parallel.grid import ProcessGrid
+    from hpcpar.run.jobspec import JobSpec
 
 __all__ = ["METHODS", "MODEL_PARAMS", "DATA_PARAMS", "make_graph_file", "GraphWorkload",
            "GCNWorkload", "SAGEWorkload"]
@@ -57,7 +64,14 @@ def _check_job(job) -> None:
 
 
 def make_graph_file(path: str, d: dict) -> None:
-    """Create ``path`` as ``[data] make`` says (rank 0 only)."""
+    """Create the graph file a job's ``[data] make`` asks for (rank 0 only).
+
+    Args:
+        path: Graph file to write; its folder is created when missing.
+        d: The job's ``[data]`` parameters: ``make`` is "cora" (the bundled Cora graph) or
+            "synthetic" (``nodes``, ``avg_degree``, ``communities``, ``features``,
+            ``classes``, ``seed``).
+    """
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     if d["make"] == "cora":
@@ -76,13 +90,23 @@ def make_graph_file(path: str, d: dict) -> None:
 
 
 class GraphWorkload(Workload):
+    """Full-graph node classification with a GCN on a vertex-partitioned graph.
+
+    Every rank holds its part of the graph (created first with ``[data] make`` when asked);
+    ``conv`` chooses the graph convolution.
+
+    Args:
+        job: The resolved job; its grid must have data = 1.
+        grid: The process grid.
+        device: The device to train on.
+    """
     conv = "gcn"
     model_params = MODEL_PARAMS
     data_params = DATA_PARAMS
     splits_global_batch = False
     check_job = staticmethod(_check_job)
 
-    def __init__(self, job, grid, device):
+    def __init__(self, job: JobSpec, grid: ProcessGrid, device: torch.device):
         super().__init__(job, grid, device)
         from hpcpar.graph.distgraph import DistGraph, graph_comm
 
@@ -151,9 +175,23 @@ class GraphWorkload(Workload):
 
 @register_workload("gcn")
 class GCNWorkload(GraphWorkload):
+    """Graph workload with GCN convolutions (model kind "gcn").
+
+    Args:
+        job: The resolved job; its grid must have data = 1.
+        grid: The process grid.
+        device: The device to train on.
+    """
     conv = "gcn"
 
 
 @register_workload("sage")
 class SAGEWorkload(GraphWorkload):
+    """Graph workload with GraphSAGE convolutions (model kind "sage").
+
+    Args:
+        job: The resolved job; its grid must have data = 1.
+        grid: The process grid.
+        device: The device to train on.
+    """
     conv = "sage"
