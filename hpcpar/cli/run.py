@@ -33,22 +33,16 @@ def default_run_dir(job) -> str:
 
 
 def _check_grid(run_dir: Path, grid_spec: str) -> None:
-    """Fail early (one line) when the checkpoints to resume were written by another grid."""
-    from hpcpar.errors import RunDirError
-    from hpcpar.run.checkpoint import MANIFEST, list_checkpoints
+    """Fail early (one line) when the newest readable checkpoint cannot resume on this grid
+    (the rule is :func:`hpcpar.run.checkpoint.check_compatible`'s)."""
+    from hpcpar.run.checkpoint import check_compatible, list_checkpoints
 
+    shape = tuple(int(v) for v in grid_spec.split("x"))
     for path in list_checkpoints(run_dir / "checkpoints"):
         try:
-            manifest = json.loads((path / MANIFEST).read_text())
+            check_compatible(path, shape)
         except (OSError, ValueError):
-            continue   # the ranks check it
-        old = str(manifest.get("grid", "")).split("x")[1:]
-        if old != grid_spec.split("x")[1:]:
-            raise RunDirError(f"{run_dir}: its checkpoints were written by grid "
-                              f"{manifest.get('grid')}, this run is grid {grid_spec}: a "
-                              f"checkpoint resumes on another data width but not on another "
-                              f"spatial split; use --grid DATAx{'x'.join(old)}, another "
-                              f"--run-dir, or --fresh")
+            continue   # an unreadable manifest: the ranks check it
         return
 
 

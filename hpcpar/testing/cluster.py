@@ -47,6 +47,7 @@ from hpcpar.testing.slurm import (
     _find,
     _free_ports,
     slurm_conf,
+    start_or_skip,
 )
 
 __all__ = ["VirtualCluster", "ClusterBusy", "parse_link", "teardown", "reclaim_stale",
@@ -354,13 +355,8 @@ def virtual_cluster(request, tmp_path_factory) -> VirtualCluster:
     global _SESSION
     if _SESSION is None:
         root = Path(tempfile.mkdtemp(prefix="vcluster-", dir=tmp_path_factory.getbasetemp()))
-        cluster = VirtualCluster(root, nodes=4, link="2gbit")
-        try:
-            cluster.start()
-        except SlurmUnavailable as exc:
-            if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-                pytest.fail(f"the virtual cluster must run in CI: {exc}", pytrace=False)
-            pytest.skip(f"no virtual cluster here: {exc}")
+        cluster = start_or_skip(VirtualCluster(root, nodes=4, link="2gbit"),
+                                "the virtual cluster")
         atexit.register(cluster.stop)  # an interrupted session still tears it down
         request.addfinalizer(cluster.stop)
         _SESSION = cluster

@@ -200,12 +200,16 @@ class SlurmCluster:
         for sub in ("state", "spool"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         atexit.register(self.stop)
-        sock = self._start_munged()
-        self.conf.write_text(slurm_conf(self.root, self.node, _free_ports(2), sock,
-                                        random.randrange(10_000, 60_000_000)))
-        self._start_slurmctld(timeout)
-        self._spawn("slurmd", [_find("slurmd"), "-D", "-N", self.node, "-f", str(self.conf)])
-        self._until(self._node_ready, timeout, f"node {self.node} to become idle")
+        try:
+            sock = self._start_munged()
+            self.conf.write_text(slurm_conf(self.root, self.node, _free_ports(2), sock,
+                                            random.randrange(10_000, 60_000_000)))
+            self._start_slurmctld(timeout)
+            self._spawn("slurmd", [_find("slurmd"), "-D", "-N", self.node, "-f", str(self.conf)])
+            self._until(self._node_ready, timeout, f"node {self.node} to become idle")
+        except BaseException:
+            self.stop()  # a half-started cluster leaves nothing running
+            raise
         return self
 
     def _start_munged(self) -> Path:
@@ -461,20 +465,32 @@ def shipped_profiles_only(tmp_path, monkeypatch):
 _CLUSTER: SlurmCluster | None = None
 
 
+def start_or_skip(cluster: SlurmCluster, what: str) -> SlurmCluster:
+    """Start ``cluster`` for a test. Where it cannot start here (not root, packages missing)
+    the test skips with the reason; under ``CI=true`` it fails, because CI installs them.
+
+    Args:
+        cluster: A cluster not yet started (a failed start cleans up after itself).
+        what: How the message names it (``"Slurm"``, ``"the virtual cluster"``).
+
+    Returns:
+        The running cluster.
+    """
+    try:
+        return cluster.start()
+    except SlurmUnavailable as exc:
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(f"{what} must run in CI: {exc}", pytrace=False)
+        pytest.skip(f"no {what} here: {exc}")
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster(request, tmp_path_factory) -> SlurmCluster:
     """One private cluster per test session (shared by every module that uses it)."""
     global _CLUSTER
     if _CLUSTER is None:
         root = Path(tempfile.mkdtemp(prefix="slurm-", dir=tmp_path_factory.getbasetemp()))
-        cluster = SlurmCluster(root)
-        try:
-            cluster.start()
-        except SlurmUnavailable as exc:
-            cluster.stop()
-            if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-                pytest.fail(f"Slurm must run in CI: {exc}", pytrace=False)
-            pytest.skip(f"no Slurm here: {exc}")
+        cluster = start_or_skip(SlurmCluster(root), "Slurm")
         request.addfinalizer(cluster.stop)
         _CLUSTER = cluster
     return _CLUSTER

@@ -19,7 +19,7 @@ import pytest
 
 from hpcpar.launch.submit import plan_submit, submit
 from hpcpar.testing.cluster import VirtualCluster, _alive
-from hpcpar.testing.slurm import TINY_STEPS, tiny_job, usr1_then_resume
+from hpcpar.testing.slurm import TINY_STEPS, start_or_skip, tiny_job, usr1_then_resume
 
 pytestmark = pytest.mark.slurm
 
@@ -228,13 +228,9 @@ def test_kill9_of_a_rank_on_the_second_node_ends_the_job(virtual_cluster, tmp_pa
 
 def test_a_node_that_disappears_ends_the_job_without_a_hang(tmp_path):
     """A node whose slurmd and ranks all die mid-job: srun ends with a message naming it."""
-    cluster = VirtualCluster(tmp_path / "c", nodes=2, state_file=tmp_path / "state.json")
-    try:
-        cluster.start()
-    except Exception as exc:  # same rule as the fixture
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(f"the virtual cluster must run in CI: {exc}", pytrace=False)
-        pytest.skip(f"no virtual cluster here: {exc}")
+    cluster = start_or_skip(VirtualCluster(tmp_path / "c", nodes=2,
+                                           state_file=tmp_path / "state.json"),
+                            "the virtual cluster")
     try:
         (tmp_path / "job").mkdir()
         job = srun(cluster, LOOP, tmp_path / "job", env={"VICTIM": "-1"}, wait=False)
@@ -422,13 +418,9 @@ def test_job_that_loses_a_node_resumes_on_the_rest_with_a_smaller_data_axis(tmp_
     """A 2-node training job whose second node dies mid-run ends (no hang) with a message;
     `hpcpar run` on the remaining node resumes from its last checkpoint on grid 1x2x1x1
     (checkpoints do not depend on the data width) and finishes."""
-    cluster = VirtualCluster(tmp_path / "c", nodes=2, state_file=tmp_path / "state.json")
-    try:
-        cluster.start()
-    except Exception as exc:
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(f"the virtual cluster must run in CI: {exc}", pytrace=False)
-        pytest.skip(f"no virtual cluster here: {exc}")
+    cluster = start_or_skip(VirtualCluster(tmp_path / "c", nodes=2,
+                                           state_file=tmp_path / "state.json"),
+                            "the virtual cluster")
     try:
         out = tmp_path / "sweep"
         sets = _spatial_tiny(tmp_path / "data")
