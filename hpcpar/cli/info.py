@@ -9,6 +9,8 @@ import platform
 
 import click
 
+from hpcpar.cli._options import json_option, ranks_option
+
 __all__ = ["slurm_context", "facts", "info"]
 
 
@@ -74,13 +76,12 @@ def facts() -> list[tuple[str, str]]:
 
 
 @click.command("info")
-@click.option("--ranks", type=int, default=None, help="Print the rank table for this many ranks.")
+@ranks_option(many=False, help="Print the rank table for this many ranks.")
 @click.option("--grid", "grid_spec", default=None,
               help="Grid DATAxXxYxZ (one axis may be -1). Default: all data-parallel.")
-@click.option("--ranks-per-node", type=int, default=None,
+@click.option("--ranks-per-node", type=click.IntRange(min=1), default=None,
               help="Ranks per node for the table (default: all on one node).")
-@click.option("--json", "as_json", is_flag=True,
-              help="Print one JSON object (the facts, or the grid and its rank table).")
+@json_option("Print one JSON object (the facts, or the grid and its rank table).")
 def info(ranks, grid_spec, ranks_per_node, as_json):
     """Versions, MPI/CUDA facts, Slurm context; with --ranks, the rank -> (data, x, y, z) ->
     node table of a grid, computed without launching anything."""

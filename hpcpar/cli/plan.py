@@ -7,6 +7,8 @@ from pathlib import Path
 
 import click
 
+from hpcpar.cli._options import json_option, out_option, ranks_option, set_option
+
 __all__ = ["FIELDS", "row", "workload_from_job", "table", "write_csv", "plan"]
 
 
@@ -108,20 +110,19 @@ def write_csv(preds, path: str) -> None:
 
 @click.command("plan")
 @click.argument("job", required=False, type=click.Path(dir_okay=False))
-@click.option("--ranks", "-n", type=click.IntRange(min=1), help="Total ranks to plan for.")
+@ranks_option(many=False, help="Total ranks to plan for.")
 @click.option("--machine", default="local", show_default=True,
               help="Machine file: a name in slurm/machines/ or a path.")
 @click.option("--top", type=click.IntRange(min=1), default=10, show_default=True)
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), help="Write every grid.")
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE")
+@set_option()
 @click.option("--calibrate", is_flag=True,
               help="Measure this machine (2 ranks) and write a machine file.")
-@click.option("--out", "out_path", type=click.Path(dir_okay=False),
-              help="With --calibrate: where to write (default slurm/machines/local.toml).")
-@click.option("--json", "as_json", is_flag=True,
-              help="Print one JSON object: the job, ranks, machine and every grid (fastest "
-                   "feasible first).")
-def plan(job, ranks, machine, top, csv_path, overrides, calibrate, out_path, as_json):
+@out_option("With --calibrate: the machine file to write (default "
+            "slurm/machines/local.toml).", file=True)
+@json_option("Print one JSON object: the job, ranks, machine and every grid (fastest "
+             "feasible first).")
+def plan(job, ranks, machine, top, csv_path, sets, calibrate, out, as_json):
     """Predict one training step of JOB on every grid that factors --ranks, fastest first,
     with the compute / halo / gather / exposed-allreduce / I/O breakdown and memory per rank."""
     import subprocess
@@ -133,7 +134,7 @@ def plan(job, ranks, machine, top, csv_path, overrides, calibrate, out_path, as_
     from hpcpar.plan.planner import plan as make_plan
 
     if calibrate:
-        out = out_path or str(machines_dir() / "local.toml")
+        out = out or str(machines_dir() / "local.toml")
         r = subprocess.run([find_mpiexec(), "-n", "2", sys.executable, "-m",
                             "hpcpar.plan.calibrate", out], env=rank_env(), timeout=600)
         if r.returncode:
@@ -142,7 +143,7 @@ def plan(job, ranks, machine, top, csv_path, overrides, calibrate, out_path, as_
     if not job or not ranks:
         raise click.UsageError("give JOB.toml and --ranks N (or --calibrate)")
     m = load_machine(machine)
-    work = workload_from_job(job, overrides)
+    work = workload_from_job(job, sets)
     preds = make_plan(work, ranks, m)
     if csv_path:
         write_csv(preds, csv_path)

@@ -4,14 +4,33 @@ from __future__ import annotations
 
 import click
 
-__all__ = ["plan_predictor", "print_report", "report"]
+from hpcpar.cli._options import json_option, out_option
+
+__all__ = ["plan_predictor", "print_report", "report", "report_json"]
 
 
-def print_report(rep) -> None:
+def report_json(rep) -> dict:
+    """The report as one strict-JSON document: verdict, one object per (config, ranks) point
+    (the scaling.csv row), the files written and the runs left out."""
+    from hpcpar.run.records import strict_json
+
+    return strict_json({"verdict": rep.verdict, "out": str(rep.out),
+                        "points": rep.table.to_dict("records"),
+                        "files": {k: str(v) for k, v in rep.files.items()},
+                        "skipped": list(rep.skipped)})
+
+
+def print_report(rep, as_json: bool = False) -> None:
     """The headline table, the notes of partial rows, and where the report is; each run
-    left out (unreadable meta.json) is one warning line on stderr."""
+    left out (unreadable meta.json) is one warning line on stderr. With ``as_json``, one JSON
+    document instead (:func:`report_json`)."""
     for reason in rep.skipped:
         click.echo(f"hpcpar: warning: skipped run: {reason}", err=True)
+    if as_json:
+        import json
+
+        click.echo(json.dumps(report_json(rep), allow_nan=False))
+        return
     click.echo(rep.verdict)
     click.echo(rep.headline)
     for r in rep.table.to_dict("records"):
@@ -57,8 +76,7 @@ def plan_predictor(machine_name: str):
 
 @click.command("report")
 @click.argument("paths", nargs=-1, required=False, type=click.Path())
-@click.option("-o", "--out", type=click.Path(file_okay=False), default="report",
-              show_default=True, help="Directory for scaling.csv, report.md/html and plots.")
+@out_option("Directory for scaling.csv, report.md/html and plots.", default="report")
 @click.option("--mode", type=click.Choice(["auto", "strong", "weak"]), default="auto",
               show_default=True, help="Strong or weak scaling; auto reads it from the runs "
               "(global batch constant -> strong, growing with ranks -> weak).")
@@ -79,7 +97,9 @@ def plan_predictor(machine_name: str):
 @click.option("--compare", "compare", nargs=2, type=click.Path(), default=None,
               metavar="BEFORE AFTER", help="Compare two sweeps (before/after a change): "
               "compare.csv/.md/.html/.png in OUT with the step-time ratio per point.")
-def report(paths, out, mode, warmup, title, strict, threshold, expect, plan_machine, compare):
+@json_option("Print the report as one JSON document (verdict, one object per point, files).")
+def report(paths, out, mode, warmup, title, strict, threshold, expect, plan_machine, compare,
+           as_json):
     """Scaling report of run or sweep directories (any depth below each path)."""
     from hpcpar.errors import ConfigError
 
@@ -96,6 +116,15 @@ def report(paths, out, mode, warmup, title, strict, threshold, expect, plan_mach
 
         cmp, files = write_comparison(compare[0], compare[1], out, mode=mode, warmup=warmup,
                                       strict=strict)
+        if as_json:
+            import json
+
+            from hpcpar.run.records import strict_json
+
+            click.echo(json.dumps(strict_json({
+                "verdict": cmp.attrs["verdict"], "points": cmp.to_dict("records"),
+                "files": {k: str(v) for k, v in files.items()}}), allow_nan=False))
+            return
         click.echo(cmp.attrs["verdict"])
         click.echo(cmp.attrs["headline"])
         click.echo(f"comparison: {files['compare.html']}  (also compare.md, compare.csv, "
@@ -109,7 +138,7 @@ def report(paths, out, mode, warmup, title, strict, threshold, expect, plan_mach
     rep = write_report(paths, out, mode=mode, warmup=warmup, title=title, strict=strict,
                        threshold=threshold, predict_point=predictor,
                        predicted_by=f"hpcpar plan ({plan_machine})")
-    print_report(rep)
+    print_report(rep, as_json)
     if refs is not None:
         from hpcpar.analysis.expect import check_expectations
 
@@ -122,4 +151,4 @@ def report(paths, out, mode, warmup, title, strict, threshold, expect, plan_mach
             from hpcpar.errors import EXIT_BELOW_REFERENCE
 
             raise SystemExit(EXIT_BELOW_REFERENCE)
-        click.echo(f"references met: {expect}")
+        click.echo(f"references met: {expect}", err=as_json)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import click
 
+from hpcpar.cli._options import json_option, ranks_option, set_option
+
 __all__ = ["default_run_dir", "run"]
 
 
@@ -138,15 +140,13 @@ def _settle_settings(rd: Path, job_path: Path, job_file: str, started: bool) -> 
 
 @click.command()
 @click.argument("job_file", metavar="JOB.toml")
-@click.option("-n", "--ranks", type=click.IntRange(min=1), default=None,
-              help="Number of ranks (default: the grid's product, the MPI world or the Slurm "
-                   "allocation's tasks, [resources]).")
+@ranks_option(many=False, help="Number of ranks (default: the grid's product, the MPI world "
+              "or the Slurm allocation's tasks, [resources]).")
 @click.option("--grid", "grid_spec", metavar="DxXxYxZ", default=None,
               help="Override [grid], e.g. 2x2x1x1 (data x X x Y x Z; -1 infers one axis).")
 @click.option("--run-dir", default=None, help="Run directory (default: [output] dir, else "
                                               "runs/<job name>).")
-@click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
-              help="Override any job field, e.g. --set train.lr=0.01 (repeatable).")
+@set_option()
 @click.option("--fresh", "--no-resume", "fresh", is_flag=True,
               help="Start over: move the run directory's files into previous-<time>/ (nothing "
                    "is deleted). Default: continue from the newest valid checkpoint.")
@@ -159,14 +159,14 @@ def _settle_settings(rd: Path, job_path: Path, job_file: str, started: bool) -> 
 @click.option("--print-config", is_flag=True,
               help="Print the fully resolved job (every default filled in, the grid resolved "
                    "for the rank count) as TOML, a job file `hpcpar run` accepts; run nothing.")
-@click.option("--json", "as_json", is_flag=True,
-              help="With --print-config or --dry-run: print JSON instead.")
-def run(job_file, ranks, grid_spec, run_dir, overrides, fresh, _resume, new_settings,
+@json_option("With --print-config or --dry-run: print JSON instead.")
+def run(job_file, ranks, grid_spec, run_dir, sets, fresh, _resume, new_settings,
         dry_run, print_config, as_json):
     """Run a training job: mpiexec locally, srun inside a Slurm allocation, in-process when
     already under MPI. Exit codes: 0 done (or already finished), 1 failed (crash or a rank
     died), 2 user error, 3 checkpointed after SIGUSR1/SIGTERM/Ctrl-C (run again to resume),
-    4 diverged (non-finite loss or gradient), 130 interrupted twice. The run directory is
+    4 diverged (non-finite loss or gradient), 6 a rank was killed by the memory limit,
+    130 interrupted twice. The run directory is
     printed on stdout (`RUN=$(hpcpar run job.toml)`), progress on stderr."""
     from hpcpar.errors import EXIT_OK, EXIT_REQUEUE
     from hpcpar.launch.launcher import (
@@ -178,7 +178,7 @@ def run(job_file, ranks, grid_spec, run_dir, overrides, fresh, _resume, new_sett
     )
     from hpcpar.run.jobspec import load_job
 
-    overrides = list(overrides)
+    overrides = list(sets)
     if grid_spec is not None:
         overrides += _grid_overrides(grid_spec)
     job = load_job(job_file, overrides)
@@ -235,14 +235,17 @@ def run(job_file, ranks, grid_spec, run_dir, overrides, fresh, _resume, new_sett
             click.echo(f"hpcpar: {job.name}: {n} rank(s), grid {spec}, run dir {rd}", err=True)
         argv, cmd = command(job_path)
         before = _segments(rd)
-        rc = _launch(mode, cmd, argv, job, lock)
+        from hpcpar.launch.oom import OomWatch
+
+        watch = OomWatch()
+        rc = _launch(mode, cmd, argv, job, lock, world)
         started = _segments(rd) > before
         if lead:
             _settle_settings(rd, job_path, job_file, started)
             if rc in (None, EXIT_OK, EXIT_REQUEUE):    # a run to read or to resume
                 click.echo(str(rd))
         if rc is not None:
-            _report(rd, rc, lock, started)
+            _report(rd, rc, lock, started, watch.message(n, spec))
     finally:
         lock.release()
 
@@ -266,12 +269,15 @@ def _agreed(comm, action):
     return out[1]
 
 
-def _launch(mode, cmd, argv, job, lock) -> int | None:
-    """Start the ranks; the launcher's exit code (None: ran in-process and finished)."""
+def _launch(mode, cmd, argv, job, lock, world=1) -> int | None:
+    """Start the ranks; the launcher's exit code (None: ran in-process and finished). A
+    single rank under a memory limit (a cgroup's) runs as a child process, so that a kill by
+    the limit can be reported instead of killing this command too."""
     from hpcpar.launch.launcher import run_ranks
     from hpcpar.launch.mpiexec import rank_env
+    from hpcpar.launch.oom import memory_limit
 
-    if mode == "direct":
+    if mode == "direct" and (world > 1 or memory_limit() is None):
         from hpcpar.run.trainer import main as rank_main
 
         rank_main(argv[3:], on_exit=lock.release)
@@ -283,15 +289,17 @@ def _launch(mode, cmd, argv, job, lock) -> int | None:
     return run_ranks(cmd, rank_env(extra))
 
 
-def _report(rd: Path, rc: int, lock, started: bool) -> None:
+def _report(rd: Path, rc: int, lock, started: bool, oom: str | None = None) -> None:
     """One closing line per outcome; the exit code of ``hpcpar run`` (documented codes only:
-    a rank killed by a signal is 1, like any crash). ``started``: the ranks began a segment
-    (else meta.json is a previous run's and is left alone)."""
+    a rank killed by a signal is 1, like any crash, unless its memory cgroup counted an
+    out-of-memory kill: ``oom`` is then the line to print, exit code 6). ``started``: the ranks
+    began a segment (else meta.json is a previous run's and is left alone)."""
     from hpcpar.errors import (
         EXIT_ABORTED,
         EXIT_DIVERGED,
         EXIT_FAILED,
         EXIT_OK,
+        EXIT_OUT_OF_MEMORY,
         EXIT_REQUEUE,
         EXIT_USAGE,
     )
@@ -317,6 +325,11 @@ def _report(rd: Path, rc: int, lock, started: bool) -> None:
         click.echo(f"hpcpar: interrupted twice: the ranks were stopped without a checkpoint; "
                    f"run the same command again to resume from the newest one in "
                    f"{rd / 'checkpoints'}", err=True)
+    elif oom is not None and rc not in (EXIT_USAGE, EXIT_DIVERGED):
+        if started:
+            rundir.mark_ended(rd, "out of memory")
+        click.echo(f"hpcpar: error: {oom}; logs in {rd / 'logs'}", err=True)
+        rc = EXIT_OUT_OF_MEMORY
     elif rc not in (EXIT_USAGE, EXIT_DIVERGED):
         if started:
             rundir.mark_ended(rd, f"ranks failed (launcher exit code {rc})")

@@ -6,29 +6,20 @@ import json
 
 import click
 
+from hpcpar.cli._options import json_option, node_counts, out_option, ranks_option, set_option
+
 __all__ = ["submit", "status"]
-
-
-def _int_list(ctx, param, value):
-    if value is None:
-        return None
-    try:
-        out = [int(v) for v in value.split(",") if v.strip()]
-    except ValueError:
-        raise click.BadParameter(f"{value!r}: expected integers such as 1,2,4") from None
-    if not out or min(out) < 1:
-        raise click.BadParameter(f"{value!r}: expected positive integers such as 1,2,4")
-    return out
 
 
 @click.command()
 @click.argument("job_file", type=click.Path(dir_okay=False))
-@click.option("--out", "-o", required=True, type=click.Path(file_okay=False),
-              help="Sweep directory: runs in OUT/ranks-N/, scripts+logs in OUT/slurm/.")
+@out_option("Sweep directory: runs in OUT/ranks-N/, scripts+logs in OUT/slurm/.",
+            required=True)
 @click.option("--site", default="generic", show_default=True,
               help="Site profile name (see slurm/sites) or path to a .toml profile.")
-@click.option("--ranks", callback=_int_list, help="Rank counts to run, e.g. 1,2,4.")
-@click.option("--nodes", callback=_int_list, help="Node counts (ranks = nodes x ranks per node).")
+@ranks_option(many=True, help="Rank counts to run, e.g. 1,2,4.")
+@click.option("--nodes", callback=node_counts, metavar="N[,N...]",
+              help="Node counts (ranks = nodes x ranks per node), e.g. 1,2,4.")
 @click.option("--ranks-per-node", type=click.IntRange(1), metavar="N",
               help="Ranks per node (default: the job's [resources] tasks_per_node, else the "
                    "site's).")
@@ -45,10 +36,10 @@ def _int_list(ctx, param, value):
               help="Checkpoint signal this long before the time limit (0: none).")
 @click.option("--max-requeues", type=click.IntRange(0), metavar="N",
               help="Requeue a checkpointed job at most N times (default: the site's).")
-@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
-              help="Override a job field (passed on to `hpcpar run`).")
+@set_option("Override a job field (passed on to `hpcpar run`).")
+@json_option("One JSON object per submitted job (id, label, kind, ranks, run_dir).")
 def submit(job_file, out, site, ranks, nodes, ranks_per_node, array, weak, after, report, dry_run,
-           time_, grace, max_requeues, sets):
+           time_, grace, max_requeues, sets, as_json):
     """Render sbatch scripts for JOB_FILE from a site profile and submit them."""
     from hpcpar.launch.submit import dry_run_text, plan_submit
     from hpcpar.launch.submit import submit as do_submit
@@ -60,6 +51,9 @@ def submit(job_file, out, site, ranks, nodes, ranks_per_node, array, weak, after
         click.echo(dry_run_text(jobs), nl=False)
         return
     for rec in do_submit(jobs, out):
+        if as_json:
+            click.echo(json.dumps(rec, default=str))
+            continue
         what = f"{rec['ranks']} ranks" if rec["kind"] == "run" else "report"
         click.echo(f"{rec['id']}\t{rec['label']}\t{what}\t{rec['run_dir']}")
     click.echo(f"hpcpar: submitted; follow with `hpcpar status {out}`", err=True)
@@ -67,7 +61,7 @@ def submit(job_file, out, site, ranks, nodes, ranks_per_node, array, weak, after
 
 @click.command()
 @click.argument("sweep_dir", type=click.Path(file_okay=False))
-@click.option("--json", "as_json", is_flag=True, help="One JSON object per job.")
+@json_option("One JSON object per job.")
 def status(sweep_dir, as_json):
     """State of each Slurm job recorded in SWEEP_DIR (by `hpcpar submit`)."""
     from hpcpar.launch.submit import format_status, sweep_status

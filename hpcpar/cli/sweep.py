@@ -19,8 +19,9 @@ from pathlib import Path
 
 import click
 
+from hpcpar.cli._options import json_option, out_option, ranks_option, set_option
 from hpcpar.errors import LaunchError
-from hpcpar.launch.sweep import parse_ranks, plan
+from hpcpar.launch.sweep import plan
 
 __all__ = ["run_command", "run_points", "submit_command", "sweep"]
 
@@ -83,22 +84,23 @@ def submit_command(job_path, out, ranks, weak, sets) -> list[str]:
 
 @click.command("sweep")
 @click.argument("job", type=click.Path(dir_okay=False))
-@click.option("--ranks", "ranks_text", required=True, help="Rank counts, e.g. 1,2,4.")
-@click.option("--out", type=click.Path(file_okay=False), required=True,
-              help="Sweep directory: DIR/ranks-N/ per point, DIR/report/ at the end.")
+@ranks_option(many=True, required=True, help="Rank counts, e.g. 1,2,4.")
+@out_option("Sweep directory: OUT/ranks-N/ per point, OUT/report/ at the end.",
+            required=True)
 @click.option("--weak", is_flag=True, help="Weak scaling: global batch grows with the ranks.")
 @click.option("--submit", is_flag=True, help="Submit the points and the report to Slurm "
               "(hpcpar submit) instead of running here.")
-@click.option("--set", "sets", multiple=True, metavar="SECTION.KEY=VALUE",
-              help="Override a job field at every point (repeatable).")
+@set_option("Override a job field at every point (repeatable).")
 @click.option("--warmup", type=click.IntRange(min=0), default=None,
               help="Steps the report drops at the start of each run [default: max(1, n/10)].")
 @click.option("--resume", is_flag=True, help="Continue interrupted points from their "
               "checkpoints instead of starting each point afresh.")
 @click.option("-v", "--verbose", is_flag=True, help="Stream each run's output.")
-def sweep(job, ranks_text, out, weak, submit, sets, warmup, resume, verbose):
+@json_option("Print the report's summary as JSON (verdict, points, files) on stdout; "
+             "progress goes to stderr.")
+def sweep(job, ranks, out, weak, submit, sets, warmup, resume, verbose, as_json):
     """Run JOB at each rank count, then write the scaling report into OUT/report/."""
-    ranks = parse_ranks(ranks_text)
+    ranks = sorted(ranks)
     if submit:
         rc = subprocess.run(submit_command(job, out, ranks, weak, sets)).returncode
         sys.exit(rc)
@@ -119,7 +121,7 @@ def sweep(job, ranks_text, out, weak, submit, sets, warmup, resume, verbose):
 
     rep = write_report(done, out / "report", mode="weak" if weak else "strong", warmup=warmup,
                        title=f"hpcpar {'weak' if weak else 'strong'} scaling: {Path(job).name}")
-    print_report(rep)
+    print_report(rep, as_json)
     if failed:
         raise LaunchError(f"sweep: point(s) {', '.join(map(str, failed))} failed; their rows "
                           f"are partial or missing (logs in {out})")

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from hpcpar.parallel.comm import alltoallv
-from hpcpar.parallel.counters import COUNTERS
+from hpcpar.parallel.counters import COUNTERS, profiled
 
 
 class HaloPlan:
@@ -98,11 +98,13 @@ class GraphHaloExchange(torch.autograd.Function):
     """``x_owned -> [x_owned; halo]``; backward scatter-adds halo gradients to the owners."""
 
     @staticmethod
+    @profiled("hpcpar.graph_halo")
     def forward(ctx, x, plan: HaloPlan):
         ctx.plan = plan
         return torch.cat([x, plan.fetch(x.contiguous())], dim=0)
 
     @staticmethod
+    @profiled("hpcpar.graph_halo.backward")
     def backward(ctx, g):
         plan = ctx.plan
         g_owned = g[:plan.n_owned]

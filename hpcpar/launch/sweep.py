@@ -15,11 +15,12 @@ from hpcpar.errors import ConfigError, HpcparError
 __all__ = ["parse_ranks", "point_grid", "plan"]
 
 
-def parse_ranks(text: str) -> list[int]:
-    """Parse a ``--ranks`` list.
+def parse_ranks(text: str, flag: str = "--ranks") -> list[int]:
+    """Parse a ``--ranks`` (or ``--nodes``) list.
 
     Args:
-        text: Comma-separated rank counts, e.g. ``"1,2,4"``.
+        text: Comma-separated counts, e.g. ``"1,2,4"``.
+        flag: The flag named in the error.
 
     Returns:
         The counts, sorted and distinct.
@@ -30,10 +31,10 @@ def parse_ranks(text: str) -> list[int]:
     try:
         ranks = sorted({int(t) for t in str(text).split(",") if t.strip()})
     except ValueError:
-        raise ConfigError(f"--ranks {text!r}: expected a comma-separated list such as 1,2,4") \
-            from None
+        raise ConfigError(f"{flag} {text!r}: expected a count such as 4 or a comma-separated "
+                          f"list such as 1,2,4") from None
     if not ranks or ranks[0] < 1:
-        raise ConfigError(f"--ranks {text!r}: expected positive rank counts such as 1,2,4")
+        raise ConfigError(f"{flag} {text!r}: expected positive counts such as 1,2,4")
     return ranks
 
 

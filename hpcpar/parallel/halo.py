@@ -27,7 +27,6 @@ rank derives every rank's needs, so size checks fail identically everywhere (no 
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hpcpar.errors import LayerError
-from hpcpar.parallel.counters import COUNTERS
+from hpcpar.parallel.counters import COUNTERS, profiled
 from hpcpar.parallel.partition import AxisHalo, split_sizes
 
 if TYPE_CHECKING:
@@ -577,19 +576,7 @@ def _fill_start(x: torch.Tensor, plan: HaloPlan, pad_value, pool: BufferPool | N
     return buf
 
 
-def _named_range(name: str):
-    """Show every call of the decorated function as range ``name`` in torch.profiler traces
-    (``[profile] steps``); NVTX too under ``torch.autograd.profiler.emit_nvtx()``."""
-    def deco(fn):
-        @functools.wraps(fn)
-        def inner(*args, **kwargs):
-            with torch.profiler.record_function(name):
-                return fn(*args, **kwargs)
-        return inner
-    return deco
-
-
-@_named_range("hpcpar.halo_exchange")
+@profiled("hpcpar.halo_exchange")
 def exchange_forward(x: torch.Tensor, plan: HaloPlan, pad_value: float = 0.0,
                      pool: BufferPool | None = None,
                      perm: tuple[int, int, int] | str | None = None) -> tuple[torch.Tensor, list]:
@@ -664,7 +651,7 @@ def rebuild(x: torch.Tensor, plan: HaloPlan, received: list, pad_value: float = 
     return buf
 
 
-@_named_range("hpcpar.halo_exchange.backward")
+@profiled("hpcpar.halo_exchange.backward")
 def exchange_adjoint(gbuf: torch.Tensor, plan: HaloPlan, like: torch.Tensor,
                      layout: str | None = None) -> torch.Tensor:
     """Apply the adjoint of :func:`exchange_forward`, turning a buffer gradient into the input's.

@@ -1,9 +1,12 @@
 """``[profile] steps = "20-24"``: a torch.profiler window over a few training steps, one Chrome
 trace per rank (``RUN/profile/rank-00000.json``; open in chrome://tracing or Perfetto).
 
-Halo exchanges show as named ranges (``hpcpar.halo_exchange``,
-``hpcpar.halo_exchange.backward``); :func:`named_range` names your own (NVTX too on CUDA, for
-Nsight Systems).
+Communication shows as named ranges: ``hpcpar.halo_exchange`` and
+``hpcpar.halo_exchange.backward`` (spatial layers), ``hpcpar.graph_halo`` and
+``hpcpar.graph_halo.backward`` (GNN layers), ``hpcpar.allreduce.launch`` (a gradient bucket
+handed to MPI during backward) and ``hpcpar.allreduce`` (the end of backward: the wait for the
+last buckets, the exposed sync). Under ``torch.autograd.profiler.emit_nvtx()`` they are NVTX
+ranges too (Nsight Systems). :func:`named_range` names your own.
 """
 
 from __future__ import annotations

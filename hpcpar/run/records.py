@@ -122,7 +122,6 @@ META_KEYS = {
 
 STATUSES = ("running", "ok", "preempted", "failed", "diverged")
 _HEADER_TAG = f"# {SCHEMA_NAME} steps schema_version="
-_RESUME_MARK = b"# resume"
 
 
 def now_iso() -> str:
@@ -382,13 +381,17 @@ def row_from_counters(delta: dict) -> dict:
 def _file_columns(path: Path) -> tuple:
     """The columns of an existing rank file (rows appended on resume keep to them)."""
     with open(path, "rb") as f:
-        f.readline()
-        names = tuple(f.readline().decode(errors="replace").strip().split(","))
+        line = f.readline()
+        if line.startswith(_HEADER_TAG.encode()):  # a file written before 0.2: a tag line
+            line = f.readline()
+    names = tuple(line.decode(errors="replace").strip().split(","))
     return names if names == _BASE_NAMES else COLUMN_NAMES
 
 
 def _header() -> str:
-    return f"{_HEADER_TAG}{SCHEMA_VERSION}\n" + ",".join(COLUMN_NAMES) + "\n"
+    """The first line of a rank file: the column names, so ``pandas.read_csv(path)`` reads it
+    as it is (the schema version is in meta.json)."""
+    return ",".join(COLUMN_NAMES) + "\n"
 
 
 def _drop_torn_tail(path: Path) -> None:
@@ -554,7 +557,8 @@ class RunRecorder:
             raise RunDirError(f"{self.path}: cannot open step records ({_oserror(exc)})") \
                 from None
         self._complete = os.lseek(self._fd, 0, os.SEEK_END)  # bytes in whole lines
-        self._write(_header() if fresh else f"{_RESUME_MARK.decode()} {now_iso()}\n")
+        if fresh:
+            self._write(_header())
 
     def _write(self, text: str) -> None:
         """Append whole lines: one ``write`` (retried on short writes). On any OSError (disk
@@ -765,10 +769,11 @@ def _parse_rows(header: bytes, rows: bytes, rank: int | None, bad: list,
 def read_rank_file(path: str | os.PathLike, notes: list | None = None) -> pd.DataFrame:
     """Read one rank's step file.
 
-    A torn last line (crash mid-write) is dropped; after each resume marker, every earlier
-    row at or past the first step recorded after the resume is replaced (steps redone after
-    the checkpoint, and stale ones the crash left behind). Lines that are not rows of the
-    schema (damage, another rank's row) are left out.
+    A torn last line (crash mid-write) is dropped; where the step goes back (a resumed run
+    appending from its checkpoint), every earlier row at or past that step is replaced (steps
+    redone after the checkpoint, and stale ones the crash left behind). Lines that are not
+    rows of the schema (damage, another rank's row) are left out. Files of older hpcpar
+    versions (a schema tag line first, ``# resume`` lines) read the same.
 
     Args:
         path: The ``rank-NNNNN.csv`` file.
@@ -785,35 +790,44 @@ def read_rank_file(path: str | os.PathLike, notes: list | None = None) -> pd.Dat
         data = path.read_bytes()
     except OSError as exc:
         raise RunDirError(f"{path}: unreadable ({_oserror(exc)})") from None
-    first, _, rest = data.partition(b"\n")
-    tag = first.decode(errors="replace")
-    if not tag.startswith(_HEADER_TAG):
-        raise RunDirError(f"{path}: not an hpcpar step record (first line {tag[:60]!r})")
-    version = tag[len(_HEADER_TAG):].strip()
-    if version != str(SCHEMA_VERSION):
-        raise RunDirError(f"{path}: schema version {version}, this hpcpar reads version "
-                          f"{SCHEMA_VERSION}")
-    if not rest.endswith(b"\n"):
-        rest = rest[: rest.rfind(b"\n") + 1]
-    header, _, body = rest.partition(b"\n")
+    if data.startswith(_HEADER_TAG.encode()):  # written before 0.2: a schema tag line first
+        tag, _, data = data.partition(b"\n")
+        version = tag[len(_HEADER_TAG):].decode(errors="replace").strip()
+        if version != str(SCHEMA_VERSION):
+            raise RunDirError(f"{path}: schema version {version}, this hpcpar reads version "
+                              f"{SCHEMA_VERSION}")
+    if not data.endswith(b"\n"):
+        data = data[: data.rfind(b"\n") + 1]
+    header, _, body = data.partition(b"\n")
     names = tuple(header.decode(errors="replace").split(","))
     if names not in (COLUMN_NAMES, _BASE_NAMES):
-        raise RunDirError(f"{path}: columns {header[:200]!r} differ from schema v"
-                          f"{SCHEMA_VERSION}")
+        raise RunDirError(f"{path}: not an hpcpar step record (first line "
+                          f"{header[:60].decode(errors='replace')!r})")
     name = path.name
     rank = int(name[5:-4]) if name.startswith("rank-") and name[5:-4].isdigit() else None
-    segments = (b"\n" + body).split(b"\n" + _RESUME_MARK)
-    df, bad = None, []
-    for rows in [segments[0]] + [seg.partition(b"\n")[2] for seg in segments[1:]]:
-        part = _parse_rows(header, rows, rank, bad, names)
-        if df is None or not len(df):
-            df = part
-        elif len(part):
-            df = pd_concat([df[df["step"] < part["step"].min()], part])
+    rows = b"\n".join(line for line in body.split(b"\n") if not line.startswith(b"#"))
+    bad: list = []
+    df = _parse_rows(header, rows, rank, bad, names)
     if bad and notes is not None:
         notes.append(f"{_short(path)}: {len(bad)} unreadable line(s) left out (first: "
                      f"{bad[0][:40].decode(errors='replace')!r})")
-    return df.drop_duplicates(["rank", "step"], keep="last").reset_index(drop=True)
+    return _latest_segments(df)
+
+
+def _latest_segments(df: pd.DataFrame) -> pd.DataFrame:
+    """Rows in file order -> one row per step, the latest run's. A resumed run appends from
+    its checkpoint's step, so wherever the step goes back (or repeats) a new segment starts,
+    and it replaces every earlier row at or past its first step: steps redone after the
+    checkpoint, and stale ones the crash left behind."""
+    import numpy as np
+
+    steps = df["step"].to_numpy()
+    starts = [0, *(np.flatnonzero(steps[1:] <= steps[:-1]) + 1), len(df)]
+    out = df.iloc[starts[0]:starts[1]]
+    for a, b in zip(starts[1:-1], starts[2:]):
+        seg = df.iloc[a:b]
+        out = pd_concat([out[out["step"] < seg["step"].min()], seg])
+    return out.drop_duplicates(["rank", "step"], keep="last").reset_index(drop=True)
 
 
 def pd_concat(frames: Sequence[pd.DataFrame]) -> pd.DataFrame:

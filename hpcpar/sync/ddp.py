@@ -35,7 +35,7 @@ from torch import nn
 
 from hpcpar.errors import CommError, ConfigError
 from hpcpar.parallel.comm import bcast_
-from hpcpar.parallel.counters import COUNTERS
+from hpcpar.parallel.counters import COUNTERS, profiled
 from hpcpar.parallel.grid import ProcessGrid
 from hpcpar.sync._buckets import MB, Bucket, ReduceGroup, TorchGroup, assign_buckets
 from hpcpar.sync._compression import wire_dtype_for
@@ -286,6 +286,7 @@ class DistributedDataParallel(nn.Module):
         self._pass_sync = self._require_sync
         torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
 
+    @profiled("hpcpar.allreduce.launch")
     def _launch(self, bucket: Bucket) -> None:
         if self._t_first is None:
             self._t_first = time.perf_counter()
@@ -315,6 +316,7 @@ class DistributedDataParallel(nn.Module):
         finally:
             self._reset_pass()
 
+    @profiled("hpcpar.allreduce")
     def _finish_sync(self) -> None:
         t0 = time.perf_counter()
         while self._next < len(self._buckets):

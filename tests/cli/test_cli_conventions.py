@@ -108,3 +108,62 @@ def test_json_output(run_cli):
     assert rc == 0 and {g["grid"] for g in grids} >= {"4x1x1x1", "2x2x1x1"}
     assert grids[0]["feasible"] and grids[0]["t_step"] == min(g["t_step"] for g in grids
                                                                if g["feasible"])
+
+
+def _flags(cmd) -> dict:
+    """option name -> (is a flag, metavar, multiple) of one command."""
+    ctx = click.Context(cmd)
+    return {name: (p.is_flag, p.make_metavar(ctx), p.multiple)
+            for p in cmd.params if isinstance(p, click.Option) for name in p.opts}
+
+
+def test_one_meaning_per_flag():
+    """A flag name means the same thing in every command: same short form, same kind."""
+    commands = {path: cmd for path, cmd in _commands().items()
+                if not isinstance(cmd, click.Group)}
+    seen: dict = {}
+    for path, cmd in commands.items():
+        for p in cmd.params:
+            if isinstance(p, click.Option):
+                long = next((o for o in p.opts if o.startswith("--")), None)
+                seen.setdefault(long, set()).add((tuple(sorted(p.opts)), p.is_flag, p.multiple,
+                                                  path))
+    for long in ("--ranks", "--out", "--set", "--json"):
+        forms = {(opts, flag, multiple) for opts, flag, multiple, _ in seen[long]}
+        assert len(forms) == 1, f"{long} differs between commands: {seen[long]}"
+    assert {path for *_, path in seen["--ranks"]} >= {"run", "info", "plan", "sweep", "submit"}
+    assert {path for *_, path in seen["--out"]} >= {"sweep", "submit", "report", "plan",
+                                                    "schema"}
+    assert {path for *_, path in seen["--json"]} >= {"run", "info", "plan", "sweep", "submit",
+                                                     "status", "report"}
+
+
+def test_ranks_parses_alike_and_single_run_commands_point_to_sweep(run_cli, tmp_path):
+    rc, _, err = run_cli(["run", DEMO, "-n", "1,2", "--dry-run"])
+    assert rc == 2 and "takes one rank count" in err and "hpcpar sweep JOB.toml --ranks 1,2" \
+        in err
+    for cmd in (["run", DEMO, "--dry-run"], ["sweep", DEMO, "-o", str(tmp_path / "s")],
+                ["plan", DEMO], ["info"]):
+        rc, _, err = run_cli([*cmd, "-n", "0"])
+        assert rc == 2 and "'-n' / '--ranks'" in err and "positive" in err, (cmd, err)
+        rc, _, err = run_cli([*cmd, "--ranks", "two"])
+        assert rc == 2 and "expected a count such as 4" in err, (cmd, err)
+    assert not (tmp_path / "s").exists()
+
+
+def test_report_json_is_the_scaling_table(run_cli, tmp_path):
+    from hpcpar.analysis import synthetic_run
+
+    for p, grid in ((1, (1, 1, 1, 1)), (2, (2, 1, 1, 1))):
+        synthetic_run(tmp_path / "sweep" / f"ranks-{p}", grid=grid, steps=4)
+    rc, out, err = run_cli(["report", str(tmp_path / "sweep"), "-o", str(tmp_path / "rep"),
+                            "--json"])
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert [p["ranks"] for p in doc["points"]] == [1, 2]
+    assert doc["verdict"] and Path(doc["files"]["report.html"]).exists()
+    import pandas as pd
+
+    table = pd.read_csv(doc["files"]["scaling.csv"])
+    assert list(table["ranks"]) == [1, 2]
+    assert doc["points"][1]["speedup"] == pytest.approx(table["speedup"][1])

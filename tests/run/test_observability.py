@@ -80,7 +80,8 @@ def test_callbacks_tensorboard_and_profile_window(comm):
     for r in range(2):
         trace = json.loads((tmp / "r" / "profile" / f"rank-{r:05d}.json").read_text())
         names = {e.get("name") for e in trace["traceEvents"]}
-        assert {"hpcpar.halo_exchange", "hpcpar.halo_exchange.backward"} <= names, r
+        assert {"hpcpar.halo_exchange", "hpcpar.halo_exchange.backward", "hpcpar.allreduce",
+                "hpcpar.allreduce.launch"} <= names, r
 
 
 def test_job_keys(tmp_path, monkeypatch):

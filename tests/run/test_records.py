@@ -75,6 +75,12 @@ def test_crash_then_resume_replaces_redone_steps(tmp_path):
     df = read_steps(run)
     assert list(df["step"]) == [0, 1, 2] and df.loc[2, "t_step"] == row(2, scale=3.0)["t_step"]
     assert read_steps(run).equals(records.read_rank_file(run / "records/rank-00000.csv"))
+    # the spool is plain CSV: pandas reads it without options, every row in file order
+    import pandas as pd
+
+    raw = pd.read_csv(run / "records/rank-00000.csv")
+    assert tuple(raw.columns) == COLUMN_NAMES
+    assert list(raw["step"]) == [0, 1, 2, 3, 4, 3, 4, 5, 6, 1, 2]
 
 
 def test_records_are_parquet_and_missing_columns_stay_empty(tmp_path):
@@ -98,9 +104,16 @@ def test_schema_errors(tmp_path):
     rec.step(**row(0))
     rec.finish()
     path = tmp_path / "records/rank-00000.csv"
-    path.write_text(path.read_text().replace("schema_version=1", "schema_version=9"))
     (tmp_path / "steps.parquet").unlink()
+    plain = path.read_text()
+    # files of older versions start with a schema tag line and carry "# resume" lines
+    path.write_text("# hpcpar.run steps schema_version=1\n" + plain + "# resume 2026\n")
+    assert read_steps(tmp_path).equals(records.read_rank_file(tmp_path / "records" / path.name))
+    path.write_text("# hpcpar.run steps schema_version=9\n" + plain)
     with pytest.raises(RunDirError, match=r"rank-00000.csv: schema version 9, this hpcpar reads"):
+        read_steps(tmp_path)
+    path.write_text(plain.replace("t_step", "t_stepp"))
+    with pytest.raises(RunDirError, match=r"rank-00000.csv: not an hpcpar step record"):
         read_steps(tmp_path)
     meta = json.loads((tmp_path / "meta.json").read_text())
     meta["schema_version"] = 99

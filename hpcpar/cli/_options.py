@@ -1,0 +1,72 @@
+"""The options several commands share, defined once so a flag means one thing everywhere.
+
+* ``-n/--ranks``: rank count(s), always parsed the same way (``4`` or ``1,2,4``). Commands that
+  run one configuration (``run``, ``info``, ``plan``) take one count and point to ``sweep``
+  when given several; ``sweep`` and ``submit`` take a list.
+* ``-o/--out``: where the command writes its results.
+* ``--set SECTION.KEY=VALUE``: override a job field (repeatable).
+* ``--json``: machine-readable output instead of the text (stdout, one document).
+"""
+
+from __future__ import annotations
+
+import click
+
+__all__ = ["RANKS_HELP", "json_option", "node_counts", "out_option", "ranks_option",
+           "set_option"]
+
+RANKS_HELP = "Rank count(s): 4, or a list such as 1,2,4 where the command runs several."
+
+
+def _parse_counts(text: str, flag: str) -> list[int]:
+    """``"4,1,2"`` -> ``[1, 2, 4]`` by the sweep's own parser; a usage error (click names the
+    flag)."""
+    from hpcpar.errors import ConfigError
+    from hpcpar.launch.sweep import parse_ranks
+
+    try:
+        return parse_ranks(text, flag)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc).removeprefix(f"{flag} ")) from None
+
+
+def ranks_option(many: bool, help: str | None = None, required: bool = False):
+    """``-n/--ranks``: with ``many`` a list of counts (``list[int]``), else one count (``int``);
+    a list given to a one-count command is a usage error that names ``hpcpar sweep``."""
+
+    def convert(ctx, param, value):
+        if value is None:
+            return None
+        counts = _parse_counts(value, "--ranks")
+        if many:
+            return counts
+        if len(counts) > 1:
+            raise click.BadParameter(
+                f"{value!r}: `hpcpar {ctx.info_name}` takes one rank count; to run or compare "
+                f"several, use `hpcpar sweep JOB.toml --ranks {value}`")
+        return counts[0]
+
+    return click.option("-n", "--ranks", "ranks", callback=convert, required=required,
+                        metavar="N[,N...]" if many else "N", help=help or RANKS_HELP)
+
+
+def node_counts(ctx, param, value):
+    """``--nodes 1,2,4`` -> ``[1, 2, 4]``, parsed like ``--ranks``."""
+    return None if value is None else _parse_counts(value, "--nodes")
+
+
+def out_option(help: str, required: bool = False, default=None, file: bool = False):
+    """``-o/--out``: a directory (or, with ``file``, a file) the command writes."""
+    kind = click.Path(dir_okay=False) if file else click.Path(file_okay=False)
+    return click.option("-o", "--out", "out", type=kind, required=required, default=default,
+                        show_default=default is not None, help=help)
+
+
+def set_option(help: str = "Override a job field, e.g. --set train.lr=0.01 (repeatable)."):
+    """``--set SECTION.KEY=VALUE`` (repeatable), collected as a tuple of strings."""
+    return click.option("--set", "sets", multiple=True, metavar="SECTION.KEY=VALUE", help=help)
+
+
+def json_option(help: str = "Print JSON (one document on stdout) instead of text."):
+    """``--json``: machine-readable output."""
+    return click.option("--json", "as_json", is_flag=True, help=help)
