@@ -9,6 +9,9 @@
 4. epoch time on 1, 2, 4, ... ranks (sub-communicators of the world; at most 2 ranks per
    core is sensible, and the line says how many ranks shared how many cores).
 Target ratios: hpcpar/PyG <= 1; METIS/block halo bytes <= 1/3.
+
+The 1M-vertex job (jobs/gcn-synthetic.toml) at 1, 2, 4 ranks, with memory per rank and PyG
+in the same run: benchmarks/gnn_scale.py.
 """
 
 from __future__ import annotations

@@ -45,6 +45,8 @@ code  name                      meaning
                                 on_nonfinite = "stop"``); the last finite checkpoint is kept
 5     ``EXIT_BELOW_REFERENCE``  ``hpcpar report --expect``: a point fell short of its
                                 reference (minimum efficiency or maximum step time)
+6     ``EXIT_OUT_OF_MEMORY``    ``hpcpar run``: a rank was killed by the kernel's memory limit
+                                (its memory cgroup counted the kill): more spatial ranks
 130   ``EXIT_ABORTED``          interrupted by Ctrl-C (SIGINT) in the CLI
 ====  ========================  ==============================================================
 
@@ -57,6 +59,7 @@ EXIT_USAGE = 2
 EXIT_REQUEUE = 3
 EXIT_DIVERGED = 4
 EXIT_BELOW_REFERENCE = 5
+EXIT_OUT_OF_MEMORY = 6
 EXIT_ABORTED = 130
 
 
@@ -137,4 +140,5 @@ ERRORS = (HpcparError, ConfigError, GridError, LayerError, CommError, DataError,
 EXIT_CODES = {"EXIT_OK": EXIT_OK, "EXIT_FAILED": EXIT_FAILED, "EXIT_USAGE": EXIT_USAGE,
               "EXIT_REQUEUE": EXIT_REQUEUE,
               "EXIT_DIVERGED": EXIT_DIVERGED, "EXIT_BELOW_REFERENCE": EXIT_BELOW_REFERENCE,
+              "EXIT_OUT_OF_MEMORY": EXIT_OUT_OF_MEMORY,
               "EXIT_ABORTED": EXIT_ABORTED}

@@ -20,7 +20,8 @@ def test_one_root_and_an_exit_code_each():
         assert getattr(hpcpar, cls.__name__) is cls          # importable from the top level
     assert errors.EXIT_CODES == {"EXIT_OK": 0, "EXIT_FAILED": 1, "EXIT_USAGE": 2,
                                  "EXIT_REQUEUE": 3, "EXIT_DIVERGED": 4,
-                                 "EXIT_BELOW_REFERENCE": 5, "EXIT_ABORTED": 130}
+                                 "EXIT_BELOW_REFERENCE": 5, "EXIT_OUT_OF_MEMORY": 6,
+                                 "EXIT_ABORTED": 130}
 
 
 def test_no_error_class_outside_errors_py():

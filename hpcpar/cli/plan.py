@@ -9,7 +9,8 @@ import click
 
 from hpcpar.cli._options import json_option, out_option, ranks_option, set_option
 
-__all__ = ["FIELDS", "row", "workload_from_job", "table", "write_csv", "plan"]
+__all__ = ["FIELDS", "row", "workload_from_job", "table", "largest_samples", "largest_table",
+           "write_csv", "plan"]
 
 
 def _sample_shape(job) -> tuple[tuple, int]:
@@ -47,12 +48,16 @@ def _model(job, sample_shape, n_targets):
     return model, (sample_shape[0] - cls.label_channels, *sample_shape[1:])
 
 
-def workload_from_job(path: str, overrides=()):
+def workload_from_job(path: str, overrides=(), size: int | None = None):
+    """The planner's view of a job; ``size``: a cubic sample of that edge instead of the
+    dataset's (the job's channels)."""
     from hpcpar.plan.planner import Workload, trace_layers
     from hpcpar.run.jobspec import load_job
 
     job = load_job(path, list(overrides))
     shape, n_targets = _sample_shape(job)
+    if size is not None:
+        shape = (shape[0], size, size, size)
     layers = trace_layers(*_model(job, shape, n_targets))
     return Workload(job.name, layers, shape, job.train.global_batch,
                     precision=job.train.precision, optimizer=job.train.optimizer)
@@ -86,6 +91,54 @@ def _examples(bad, k: int):
     return (first + rest)[:k]
 
 
+def largest_samples(job_file, sets, work, preds, machine) -> list[tuple]:
+    """Per grid ``(grid, edge, peak bytes)``: the largest cubic sample edge (the job's channels
+    and batch) whose predicted peak memory per rank fits the machine's ``mem_per_rank``;
+    edge and peak None: no sample the model takes fits. Largest first."""
+    from hpcpar.errors import HpcparError
+    from hpcpar.plan.memory import HEADROOM, estimate, largest_edge
+    from hpcpar.plan.planner import BYTES, predict
+
+    works = {work.sample_shape[1]: work}
+
+    def at(size):
+        if size not in works:
+            try:
+                works[size] = workload_from_job(job_file, sets, size=size)
+            except HpcparError:   # smaller than the model takes
+                works[size] = None
+        return works[size]
+
+    smallest = next(s for s in range(1, 1 << 14) if at(s) is not None)
+    out = []
+    for p in preds:
+        if "not divisible" in p.reason:
+            continue
+
+        def fits(size, grid=p.grid):
+            total = estimate(at(size), grid, BYTES.get(work.precision, 4)).total
+            return total <= HEADROOM * machine.mem_per_rank
+
+        edge = largest_edge(fits, smallest)
+        best = predict(at(edge), p.grid, machine) if edge else None
+        if best is None or not best.feasible:   # too small for this many ranks on an axis
+            out.append((p.spec, None, None))
+        else:
+            out.append((p.spec, edge, best.mem_bytes))
+    return sorted(out, key=lambda r: (-(r[1] or 0), r[0]))
+
+
+def largest_table(largest, work, budget: float, top: int) -> str:
+    c = work.sample_shape[0]
+    lines = [f"largest cubic sample per grid within {budget / 2**30:.3g} GiB per rank "
+             f"({c} channels, global batch {work.global_batch}; this job's edge is "
+             f"{work.sample_shape[1]}):", f"      {'grid':<12} {'edge':>6} {'mem GB':>7}"]
+    for spec, edge, mem in largest[:top]:
+        lines.append(f"      {spec:<12} {edge:>6} {mem / 1e9:>7.2f}" if edge else
+                     f"      {spec:<12} {'none':>6} {'':>7}")
+    return "\n".join(lines)
+
+
 FIELDS = ("grid", "data", "x", "y", "z", "feasible", "reason", "t_step", "t_compute", "t_halo",
           "t_gather", "t_allreduce", "t_allreduce_exposed", "t_io", "mem_bytes")
 
@@ -117,46 +170,68 @@ def write_csv(preds, path: str) -> None:
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), help="Write every grid.")
 @set_option()
 @click.option("--calibrate", is_flag=True,
-              help="Measure this machine (2 ranks) and write a machine file.")
+              help="Measure this machine and write a machine file: 2 ranks (or -n N) here; "
+                   "in a Slurm allocation all its tasks (2+ nodes: the network too).")
 @out_option("With --calibrate: the machine file to write (default "
             "slurm/machines/local.toml).", file=True)
+@click.option("--memory-budget", "budget", metavar="SIZE", default=None,
+              help="Memory per rank (e.g. 1.5GiB, a Slurm --mem-per-cpu or cgroup limit) "
+                   "instead of the machine file's; also print the largest cubic sample that "
+                   "fits it on each grid.")
 @json_option("Print one JSON object: the job, ranks, machine and every grid (fastest "
              "feasible first).")
-def plan(job, ranks, machine, top, csv_path, sets, calibrate, out, as_json):
+def plan(job, ranks, machine, top, csv_path, sets, calibrate, out, as_json, budget):
     """Predict one training step of JOB on every grid that factors --ranks, fastest first,
     with the compute / halo / gather / exposed-allreduce / I/O breakdown and memory per rank."""
     import subprocess
     import sys
 
     from hpcpar.errors import LaunchError
-    from hpcpar.launch.mpiexec import find_mpiexec, rank_env
+    from hpcpar.launch.mpiexec import rank_env
     from hpcpar.plan.machine import load_machine, machines_dir
     from hpcpar.plan.planner import plan as make_plan
 
     if calibrate:
+        from hpcpar.launch.launcher import default_ranks, launch_command, plan_launch
+
         out = out or str(machines_dir() / "local.toml")
-        r = subprocess.run([find_mpiexec(), "-n", "2", sys.executable, "-m",
-                            "hpcpar.plan.calibrate", out], env=rank_env(), timeout=600)
+        n = ranks or default_ranks() or 2  # inside an allocation: all its tasks (srun)
+        argv = [sys.executable, "-m", "hpcpar.plan.calibrate", str(Path(out).resolve())]
+        mode = plan_launch(n)
+        cmd = argv if mode == "direct" else launch_command(mode, n, argv)
+        r = subprocess.run(cmd, env=rank_env(), timeout=900)
         if r.returncode:
             raise LaunchError(f"calibration failed (exit code {r.returncode})")
         return
     if not job or not ranks:
         raise click.UsageError("give JOB.toml and --ranks N (or --calibrate)")
     m = load_machine(machine)
+    if budget is not None:
+        from dataclasses import replace
+
+        from hpcpar.plan.memory import parse_bytes
+
+        m = replace(m, mem_per_rank=float(parse_bytes(budget)))
     work = workload_from_job(job, sets)
     preds = make_plan(work, ranks, m)
+    largest = largest_samples(job, sets, work, preds, m) if budget is not None else None
     if csv_path:
         write_csv(preds, csv_path)
     if as_json:
         import json
 
+        extra = {} if largest is None else {
+            "memory_budget": m.mem_per_rank,
+            "largest_samples": [{"grid": g, "edge": e, "mem_bytes": b} for g, e, b in largest]}
         click.echo(json.dumps({"job": work.name, "ranks": ranks, "machine": m.name,
                                "global_batch": work.global_batch, "params": work.params,
-                               "grids": [row(p) for p in preds]}))
+                               "grids": [row(p) for p in preds], **extra}))
         return
     click.echo(f"{work.name}: {ranks} ranks on {m.name} ({m.ranks_per_node} ranks/node), "
                f"sample {'x'.join(map(str, work.sample_shape))}, global batch "
                f"{work.global_batch}, {work.params / 1e6:.2f} M parameters")
     click.echo(table(preds, top))
+    if largest is not None:
+        click.echo(largest_table(largest, work, m.mem_per_rank, top))
     if csv_path:
         click.echo(f"all {len(preds)} grids -> {csv_path}")

@@ -358,13 +358,14 @@ class DistGraph:
         masks = {m: np.asarray(masks[m].cpu() if hasattr(masks.get(m), "cpu") else masks[m],
                                bool) if m in masks else np.zeros(num_nodes, bool)
                  for m in MASKS}
+        kw.setdefault("directed", not is_symmetric(indptr, indices, num_nodes))
         if owner is None:
-            owner = _owner(comm, lambda: (indptr, indices), num_nodes, method, seed)
+            owner = _owner(comm, lambda: (indptr, indices), num_nodes, method, seed,
+                           symmetric=not kw["directed"])
         start, stop = part_range(num_nodes, comm.Get_size(), comm.Get_rank())
         block = {"indptr": indptr[start:stop + 1] - indptr[start],
                  "indices": indices[indptr[start]:indptr[stop]], "x": x[start:stop],
                  "y": y[start:stop], **{m: masks[m][start:stop] for m in MASKS}}
-        kw.setdefault("directed", not is_symmetric(indptr, indices, num_nodes))
         return cls(comm, num_nodes, np.asarray(owner, np.int64), block, start, **kw)
 
     @classmethod
@@ -428,7 +429,8 @@ class DistGraph:
         gf = collective(comm, GraphFile, path)
         try:
             n = gf.num_nodes
-            owner = _owner(comm, gf.read_structure, n, method, seed)
+            owner = _owner(comm, gf.read_structure, n, method, seed,
+                           symmetric=not gf.directed)
             start, stop = part_range(n, comm.Get_size(), comm.Get_rank())
             block = collective(comm, gf.read_rows, start, stop)
             kw.setdefault("num_classes", gf.num_classes)
@@ -438,8 +440,13 @@ class DistGraph:
         return cls(comm, n, owner, block, start, **kw)
 
 
-def _owner(comm, structure, num_nodes: int, method: str, seed: int) -> np.ndarray:
-    """Owner array on every rank: computed on rank 0 (METIS needs the whole graph), broadcast."""
+def _owner(comm, structure, num_nodes: int, method: str, seed: int,
+           symmetric: bool = False) -> np.ndarray:
+    """Owner array on every rank: computed on rank 0 (METIS needs the whole graph), broadcast.
+
+    Only METIS on more than one rank reads the whole structure: it is the one step where a
+    rank holds more than its own rows (``symmetric`` lets METIS take it without a copy).
+    """
     size = comm.Get_size()
 
     def compute():
@@ -448,9 +455,9 @@ def _owner(comm, structure, num_nodes: int, method: str, seed: int) -> np.ndarra
                 raise DataError(f"partition: {size} parts for a graph of {num_nodes} "
                                 "vertices (need at least one vertex per part)")
             return None
-        indptr, indices = structure() if method == "metis" else (
+        indptr, indices = structure() if method == "metis" and size > 1 else (
             np.zeros(num_nodes + 1, np.int64), np.zeros(0, np.int64))
-        return partition_csr(indptr, indices, size, method, seed)
+        return partition_csr(indptr, indices, size, method, seed, symmetric=symmetric)
 
     owner = collective(comm, compute)
     buf = owner if owner is not None else np.empty(num_nodes, np.int64)

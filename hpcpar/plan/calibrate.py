@@ -1,9 +1,12 @@
-"""Measure this machine for the planner: message latency and bandwidth between two ranks,
-the sustained conv3d rate of one rank (one thread) per input-channel count, the cost of the
-memory-bound layers, and how much each slows down with every core busy. Layers are
-hpcpar's own spatial layers on a one-rank grid, so their halo buffers are in the numbers.
+"""Measure this machine for the planner: message latency and bandwidth between two ranks of
+a node and, when the ranks span nodes, between two nodes; the sustained conv3d rate of one
+rank (one thread) per input-channel count, the cost of the memory-bound layers, and how much
+each slows down with every core busy. Layers are hpcpar's own spatial layers on a one-rank
+grid, so their halo buffers are in the numbers. Virtual nodes of one host (one kernel) are
+recognised, and the machine file says that they share its cores (``host_cores``).
 
-Run by ``hpcpar plan --calibrate`` as ``mpiexec -n 2 python -m hpcpar.plan.calibrate OUT.toml``.
+Run by ``hpcpar plan --calibrate`` as ``mpiexec -n 2 python -m hpcpar.plan.calibrate OUT.toml``
+(in a Slurm allocation: ``srun`` over the allocation's tasks, e.g. 2 nodes x 2 ranks).
 """
 
 from __future__ import annotations
@@ -12,13 +15,16 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from mpi4py import MPI
 
-__all__ = ["best_time", "pingpong", "conv_rate", "layer_costs", "OVERSUB_WINDOWS",
-           "oversubscription", "polite_barrier", "compute_rates", "main"]
+    from hpcpar.plan.machine import Link
+
+__all__ = ["best_time", "pingpong", "measure_link", "placement", "conv_rate", "layer_costs",
+           "OVERSUB_WINDOWS", "oversubscription", "polite_barrier", "compute_rates", "main"]
 
 
 def best_time(fn: Callable[[], object], repeat: int = 5) -> float:
@@ -40,31 +46,76 @@ def best_time(fn: Callable[[], object], repeat: int = 5) -> float:
     return best
 
 
-def pingpong(comm: MPI.Comm, nbytes: int, iters: int) -> float:
-    """One-way time of a message between ranks 0 and 1 (half a round trip).
+def pingpong(comm: MPI.Comm, nbytes: int, iters: int, peer: int = 1) -> float:
+    """One-way time of a message between ranks 0 and ``peer`` (half a round trip).
 
     Args:
-        comm: The communicator; ranks 0 and 1 take part, the others only in the barrier.
+        comm: The communicator; ranks 0 and ``peer`` take part, the others only in the
+            barrier (they wait politely, leaving the cores to the two).
         nbytes: Message size.
         iters: Round trips timed.
+        peer: The other rank.
 
     Returns:
-        Seconds per one-way message.
+        Seconds per one-way message (on ranks 0 and ``peer``; 0 elsewhere).
     """
     import numpy as np
 
     buf = np.zeros(max(1, nbytes), dtype=np.uint8)
     rank = comm.Get_rank()
-    comm.Barrier()
+    polite_barrier(comm)
     t0 = time.perf_counter()
     for _ in range(iters):
         if rank == 0:
-            comm.Send(buf, dest=1)
-            comm.Recv(buf, source=1)
-        elif rank == 1:
+            comm.Send(buf, dest=peer)
+            comm.Recv(buf, source=peer)
+        elif rank == peer:
             comm.Recv(buf, source=0)
             comm.Send(buf, dest=0)
-    return (time.perf_counter() - t0) / (2 * iters)
+    took = (time.perf_counter() - t0) / (2 * iters) if rank in (0, peer) else 0.0
+    polite_barrier(comm)
+    return took
+
+
+def measure_link(comm: MPI.Comm, peer: int) -> Link:
+    """The alpha-beta link between ranks 0 and ``peer``: the best of three pingpongs of 8 B
+    (latency) and of 16 MiB (bandwidth beyond the latency). Collective; rank 0's result.
+
+    Args:
+        comm: The communicator.
+        peer: The other rank.
+
+    Returns:
+        The link (the same on every rank).
+    """
+    from hpcpar.plan.machine import Link
+
+    small = min(pingpong(comm, 8, 2000, peer) for _ in range(3))
+    big_bytes = 16 * 2**20
+    big = min(pingpong(comm, big_bytes, 10, peer) for _ in range(3))
+    return comm.bcast(Link(small, big_bytes / max(big - small, 1e-9)), root=0)
+
+
+def placement(comm: MPI.Comm) -> tuple[list[str], bool]:
+    """Each rank's host name, and whether the hosts are virtual nodes of one machine (several
+    host names, one running kernel: the same boot id), which then share its cores.
+
+    Args:
+        comm: The communicator (collective).
+
+    Returns:
+        ``(hosts, shared)``: the host name of every rank, and whether they share one host.
+    """
+    import socket
+
+    hosts = comm.allgather(socket.gethostname())
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = None
+    boots = comm.allgather(boot)
+    shared = len(set(hosts)) > 1 and boots[0] is not None and len(set(boots)) == 1
+    return hosts, shared
 
 
 def _one_rank_grid():
@@ -248,42 +299,61 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     out = argv[0]
     comm = MPI.COMM_WORLD
-    if comm.Get_size() < 2:
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if size < 2:
         print("calibrate needs 2 ranks (mpiexec -n 2)", file=sys.stderr)
         return 2
-    small = min(pingpong(comm, 8, 2000) for _ in range(3))
-    big_bytes = 16 * 2**20
-    big = min(pingpong(comm, big_bytes, 10) for _ in range(3))
-    beta = big_bytes / max(big - small, 1e-9)
-    flops, mem_bw, rates, costs = compute_rates() if comm.Get_rank() == 0 else \
-        (0.0, 0.0, (), ())
+    hosts, shared = placement(comm)
+    cores = os.cpu_count() or 1
+    same = [r for r in range(1, size) if hosts[r] == hosts[0]]
+    other = [r for r in range(1, size) if hosts[r] != hosts[0]]
+    intra = measure_link(comm, same[0]) if same else None
+    inter = measure_link(comm, other[0]) if other else None
+    flops, mem_bw, rates, costs = compute_rates() if rank == 0 else (0.0, 0.0, (), ())
     polite_barrier(comm)
-    # every rank at once: memory bandwidth and caches are shared
-    together = conv_rate(8)
-    mean_together = comm.allreduce(together) / comm.Get_size()
-    mem_together = comm.allreduce(dict(layer_costs())["pointwise"]) / comm.Get_size()
-    over = oversubscription(comm) if comm.Get_size() >= (os.cpu_count() or 1) else 1.0
-    if comm.Get_rank() == 0:
+    # as many ranks at once as there are cores (memory bandwidth and caches are shared);
+    # the others wait politely, so time slicing stays out of this number
+    local = hosts[:rank].count(hosts[rank])
+    busy = (rank if shared else local) < cores
+    sub = comm.Split(0 if busy else MPI.UNDEFINED, rank)
+    if busy:
+        together = conv_rate(8)
+        mean_together = sub.allreduce(together) / sub.Get_size()
+        mem_together = sub.allreduce(dict(layer_costs())["pointwise"]) / sub.Get_size()
+        over = oversubscription(sub) if sub.Get_size() >= cores else 1.0
+        sub.Free()
+    polite_barrier(comm)
+    if rank == 0:
         contention = min(1.0, mean_together / dict(rates)[8])
         mem_contention = min(1.0, dict(costs)["pointwise"] / mem_together)
-        cores = os.cpu_count() or 1
-        m = Machine(name="local", ranks_per_node=max(8, cores), cores=cores, conv_rates=rates,
+        nodes = len(set(hosts))
+        if inter is None:  # one node: the network is not measured; a typical NIC assumed
+            inter = Link(max(intra.alpha, 2e-6), min(intra.beta, 12.5e9))
+            where = "inter-node link assumed"
+        else:
+            where = f"{nodes} nodes, inter-node link measured"
+        intra = intra or inter  # one rank per node: no shared-memory peer to measure
+        m = Machine(name="local", ranks_per_node=hosts.count(hosts[0]) if nodes > 1
+                    else max(8, cores), cores=cores, conv_rates=rates,
                     contention=contention, mem_contention=mem_contention, layer_costs=costs,
-                    oversubscription=over,
+                    oversubscription=over, host_cores=cores if shared else 0,
                     flops=flops, mem_bw=mem_bw,
-                    mem_per_rank=_mem_per_rank(cores), io_bw=_io_bw(), intra=Link(small, beta),
-                    inter=Link(max(small, 2e-6), min(beta, 12.5e9)),
+                    mem_per_rank=_mem_per_rank(cores), io_bw=_io_bw(), intra=intra,
+                    inter=inter,
                     description=f"calibrated on {os.uname().nodename} by hpcpar plan "
-                                f"--calibrate (inter-node link assumed)")
+                                f"--calibrate ({where}"
+                                f"{'; the nodes share one host' if shared else ''})")
         tmp = out + ".tmp"
         with open(tmp, "w") as fh:
             fh.write(m.to_toml())
         os.replace(tmp, out)
-        print(f"latency {small * 1e6:.1f} us, bandwidth {beta / 1e9:.2f} GB/s, conv3d "
-              f"{flops / 1e9:.1f} GFLOP/s (x{contention:.2f} with all ranks busy), memory "
+        print(f"latency {intra.alpha * 1e6:.1f} us, bandwidth {intra.beta / 1e9:.2f} GB/s "
+              f"in a node; {inter.alpha * 1e6:.1f} us, {inter.beta / 1e9:.2f} GB/s between "
+              f"nodes ({where}); conv3d "
+              f"{flops / 1e9:.1f} GFLOP/s (x{contention:.2f} with all cores busy), memory "
               f"{mem_bw / 1e9:.1f} GB/s, pool/pointwise/bn "
               f"{'/'.join(f'{v * 1e9:.2f}' for _, v in costs)} ns per input byte "
-              f"(x{mem_contention:.2f} with all ranks busy), x{over:.2f} per core with two "
+              f"(x{mem_contention:.2f} with all cores busy), x{over:.2f} per core with two "
               f"ranks per core -> {out}")
     return 0
 

@@ -81,6 +81,8 @@ class Machine:
         layer_costs: ``((kind, seconds per input byte), ...)`` of memory-bound layers.
         mem_contention: ``contention`` for memory-bound layers.
         oversubscription: Compute per core with more ranks than cores, relative to one.
+        host_cores: Cores that every node shares (virtual nodes on one host, as
+            ``hpcpar.testing.cluster`` makes); 0 when each node has its own ``cores``.
     """
 
     name: str
@@ -102,8 +104,10 @@ class Machine:
     #: compute per core with more ranks than cores, relative to one rank per core (time
     #: slicing: context switches and caches refilled after each switch)
     oversubscription: float = 1.0
+    host_cores: int = 0
 
-    def slowdown(self, ranks_on_node: int, contention: float | None = None) -> float:
+    def slowdown(self, ranks_on_node: int, contention: float | None = None,
+                 ranks: int | None = None) -> float:
         """Compute-time factor of a node with several busy ranks.
 
         Shared memory bandwidth and caches (``contention``, reached when every core is
@@ -112,15 +116,19 @@ class Machine:
         Args:
             ranks_on_node: Busy ranks on the node.
             contention: The contention to use; ``self.contention`` when None.
+            ranks: Busy ranks of the whole job (they share ``host_cores`` when set).
 
         Returns:
             The factor (1 for one rank).
         """
         contention = self.contention if contention is None else contention
-        cores = self.cores or self.ranks_per_node
+        if self.host_cores:  # every node's ranks run on the same cores
+            ranks_on_node, cores = max(ranks or ranks_on_node, ranks_on_node), self.host_cores
+        else:
+            cores = self.cores or self.ranks_per_node
         busy = min(max(ranks_on_node, 1), cores)
         frac = (busy - 1) / (cores - 1) if cores > 1 else 0.0
-        return (1 + (1 / contention - 1) * frac) / self.compute_share(ranks_on_node)
+        return (1 + (1 / contention - 1) * frac) / self.compute_share(ranks_on_node, cores)
 
     def layer_cost(self, kind: str) -> float | None:
         """Calibrated seconds per input byte (forward + backward) of a memory-bound layer.
@@ -156,16 +164,17 @@ class Machine:
                 return r0 + w * (r1 - r0)
         return pts[-1][1]
 
-    def compute_share(self, ranks_on_node: int) -> float:
+    def compute_share(self, ranks_on_node: int, cores: int | None = None) -> float:
         """Fraction of a core each rank gets.
 
         Args:
-            ranks_on_node: Ranks on the node.
+            ranks_on_node: Ranks sharing the cores.
+            cores: The cores they share; the node's when None.
 
         Returns:
-            1 unless the node is oversubscribed.
+            1 unless the cores are oversubscribed.
         """
-        cores = self.cores or self.ranks_per_node
+        cores = cores or self.cores or self.ranks_per_node
         if ranks_on_node <= cores:
             return 1.0
         return cores / ranks_on_node * self.oversubscription
@@ -175,7 +184,7 @@ class Machine:
         d = asdict(self)
         lines = [f'name = "{self.name}"', f'description = "{self.description}"']
         for k in ("ranks_per_node", "cores", "flops", "mem_bw", "mem_per_rank", "io_bw",
-                  "contention", "mem_contention", "oversubscription"):
+                  "contention", "mem_contention", "oversubscription", "host_cores"):
             lines.append(f"{k} = {d[k]!r}")
         if self.layer_costs:
             lines.append("layer_costs = {" + ", ".join(f"{k} = {v!r}" for k, v in
@@ -247,5 +256,6 @@ def load_machine(name_or_path: str) -> Machine:
                    contention=float(raw.get("contention", 1.0)),
                    mem_contention=float(raw.get("mem_contention", 1.0)),
                    oversubscription=float(raw.get("oversubscription", 1.0)),
+                   host_cores=int(raw.get("host_cores", 0)),
                    layer_costs=tuple((str(k), float(v)) for k, v in
                                      dict(raw.get("layer_costs", {})).items()))

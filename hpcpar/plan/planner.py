@@ -6,10 +6,11 @@ pools, pointwise layers and batch norms at their calibrated cost per input byte,
 memory bandwidth; each class slowed by its measured contention and by time slicing), halo
 exchange (face bytes per split axis, one message per side, forward and backward), gradient
 allreduce (ring cost per hierarchy level, overlapped with backward except the last bucket),
-the gather feeding a replicated head, I/O (overlapped by prefetch) and memory (activations
-kept for backward, halos, parameters, gradients, optimizer state).
+the gather feeding a replicated head, I/O (overlapped by prefetch) and memory (runtime, activations
+kept for backward, the backward's transient, parameters, gradients, optimizer state).
 Grids that cannot run (too many ranks for a layer's extent, batch not divisible, out of
-memory) are marked infeasible with the reason and never recommended.
+memory: :mod:`hpcpar.plan.memory`'s estimate over the machine's ``mem_per_rank``) are marked
+infeasible with the reason and never recommended.
 
 The layer list comes from tracing the job's plain model on torch's ``meta`` device, so a
 512³ CosmoFlow costs no memory and plans in well under a second per grid.
@@ -26,6 +27,8 @@ from typing import TYPE_CHECKING
 
 from hpcpar.parallel.partition import conv_axis_halo, conv_pads, split_sizes, transposed_axis_halo
 from hpcpar.plan.machine import Machine
+from hpcpar.plan.memory import HEADROOM
+from hpcpar.plan.memory import estimate as estimate_memory
 
 if TYPE_CHECKING:
     import torch
@@ -283,7 +286,7 @@ def predict(work: Workload, grid: tuple, machine: Machine) -> Prediction:
     parts = (X, Y, Z)
     spatial = X * Y * Z
     link = machine.intra if spatial <= machine.ranks_per_node else machine.inter
-    act = t_dense = t_mem = 0.0
+    t_dense = t_mem = 0.0
     for i, layer in enumerate(work.layers):
         if layer.spatial:
             vol_in, vol_out = layer.in_shape[1:], layer.out_shape[1:]
@@ -318,7 +321,6 @@ def predict(work: Workload, grid: tuple, machine: Machine) -> Prediction:
         else:
             flops = layer.flops * b
             mem = (math.prod(layer.in_shape) + math.prod(layer.out_shape)) * b * nbytes
-            out_elems = math.prod(layer.out_shape)
         # forward + backward ~ 3x forward for dense layers; pointwise moves bytes 3x, unless
         # the machine file has a calibrated cost per input byte for the layer's kind
         cost = machine.layer_cost(layer.kind)
@@ -330,12 +332,11 @@ def predict(work: Workload, grid: tuple, machine: Machine) -> Prediction:
         else:
             t_dense += 3 * flops / machine.flops
             t_mem += 3 * mem / machine.mem_bw
-        act += out_elems * b * nbytes
     # ranks sharing cores (oversubscribed test machines) compute proportionally slower, and
     # shared memory bandwidth slows memory-bound layers more than convolutions
     on_node = min(d * spatial, machine.ranks_per_node)
-    pred.t_compute = t_dense * machine.slowdown(on_node) + \
-        t_mem * machine.slowdown(on_node, machine.mem_contention)
+    pred.t_compute = t_dense * machine.slowdown(on_node, ranks=d * spatial) + \
+        t_mem * machine.slowdown(on_node, machine.mem_contention, ranks=d * spatial)
     grad_bytes = work.params * 4
     pred.t_allreduce = allreduce_time(grad_bytes, d * spatial, machine)
     t_bwd = pred.t_compute * 2 / 3
@@ -345,14 +346,15 @@ def predict(work: Workload, grid: tuple, machine: Machine) -> Prediction:
     pred.t_io = b * sample_bytes / spatial / machine.io_bw
     io_exposed = max(0.0, pred.t_io - pred.t_compute)
     opt_state = {"adam": 2, "adamw": 2, "sgd": 1}.get(work.optimizer, 2)
-    pred.mem_bytes = act + work.params * 4 * (2 + opt_state) + 2 * b * sample_bytes / spatial
+    pred.extra["memory"] = estimate_memory(work, grid, nbytes)   # the parts: plan.memory
+    pred.mem_bytes = pred.extra["memory"].total
     # the optimizer streams parameters, gradients and its state: (3 + 2 x state) passes
     t_opt = work.params * 4 * (3 + 2 * opt_state) / machine.mem_bw
     pred.t_step = (pred.t_compute + pred.t_halo + pred.t_gather + pred.t_allreduce_exposed
                    + io_exposed + t_opt)
     pred.extra["io_exposed"] = io_exposed
     pred.extra["t_opt"] = t_opt
-    if pred.mem_bytes > 0.9 * machine.mem_per_rank:
+    if pred.mem_bytes > HEADROOM * machine.mem_per_rank:
         pred.feasible = False
         pred.reason = (f"needs {pred.mem_bytes / 1e9:.1f} GB per rank, machine has "
                        f"{machine.mem_per_rank / 1e9:.1f} GB")

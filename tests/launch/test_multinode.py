@@ -25,13 +25,14 @@ pytestmark = pytest.mark.slurm
 
 
 def srun(cluster, script: str, tmp_path: Path, nodes: int = 2, per_node: int = 2,
-         env: dict | None = None, timeout: float = 120, wait: bool = True, args=()):
+         env: dict | None = None, timeout: float = 120, wait: bool = True, args=(),
+         python: str = sys.executable):
     """Run ``script`` (Python source, with ``args``) as an MPI job over ``nodes`` x
     ``per_node`` ranks."""
     path = tmp_path / "job.py"
     path.write_text(textwrap.dedent(script))
     argv = ["srun", f"--nodes={nodes}", f"--ntasks-per-node={per_node}", "--mpi=pmi2",
-            "--kill-on-bad-exit=1", f"--chdir={tmp_path}", sys.executable, str(path),
+            "--kill-on-bad-exit=1", f"--chdir={tmp_path}", python, str(path),
             *map(str, args)]
     full_env = {**cluster.env(), "OMP_NUM_THREADS": "1", **(env or {})}
     if not wait:
@@ -117,6 +118,35 @@ def test_grid_nodes_and_hierarchical_sync_over_real_nodes(virtual_cluster, tmp_p
         assert r["bitwise"], "hierarchical sync differs from the flat sync"
         assert r["rel_err_vs_single"] < 1e-5
     assert sorted(r["host"] for r in res) == ["node1", "node1", "node2", "node2"]
+
+
+#: An environment whose mpi4py is built from source against the system's MPI (Debian's MPICH),
+#: as the README tells cluster users to do with their site MPI; .ci/setup.d builds it.
+SITE_MPI_VENV = Path(os.environ.get("MPIO_VENV", "/opt/hpcpar-mpio-venv"))
+
+
+def test_srun_across_nodes_with_a_site_built_mpi(virtual_cluster, tmp_path):
+    """The site-MPI path: mpi4py built against the system MPICH (not the pip wheel), ranks
+    started by srun's pmi2 on two nodes; node split and hierarchical sync as with the wheel."""
+    python = SITE_MPI_VENV / "bin" / "python"
+    if not python.exists():
+        why = f"{python} not found; .ci/setup.d/30-parallel-hdf5.sh builds it"
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(f"the site-MPI test must run in CI: {why}", pytrace=False)
+        pytest.skip(why)
+    script = GRID_AND_SYNC.replace(
+        "    json.dump({", "    from mpi4py import MPI\n    json.dump({'library': "
+        "MPI.Get_library_version().splitlines()[0], ")
+    proc = srun(virtual_cluster, script, tmp_path, python=str(python))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = results(tmp_path)
+    assert sorted(r["host"] for r in res) == ["node1", "node1", "node2", "node2"]
+    for r in res:
+        assert r["num_nodes"] == 2 and r["bitwise"] and r["rel_err_vs_single"] < 1e-5, r
+    wheel = subprocess.run([sys.executable, "-c", "from mpi4py import MPI; "
+                            "print(MPI.Get_library_version().splitlines()[0])"],
+                           capture_output=True, text=True, timeout=60).stdout.strip()
+    assert {r["library"] for r in res} != {wheel}, "the venv ran the wheel's MPI"
 
 
 STALL = """
@@ -246,6 +276,28 @@ def test_a_node_that_disappears_ends_the_job_without_a_hang(tmp_path):
         assert "node2" in out or "task 2" in out or "task 3" in out, out
     finally:
         cluster.stop()
+
+
+def test_plan_calibrate_measures_the_network_between_nodes(virtual_cluster, tmp_path):
+    """`hpcpar plan --calibrate` in a 2-node allocation measures both links (the shaped
+    inter-node one slower than shared memory), sees that the virtual nodes share this host's
+    cores, and `hpcpar plan` then reads the machine file."""
+    from hpcpar.plan.machine import load_machine
+
+    machine = tmp_path / "vcluster.toml"
+    log = tmp_path / "calibrate.out"
+    job = virtual_cluster.sbatch(
+        "--nodes=2", "--ntasks-per-node=2", f"--output={log}", f"--chdir={tmp_path}", "--wrap",
+        f"{sys.executable} -m hpcpar.cli plan --calibrate -o {machine}")
+    info = virtual_cluster.wait(job, 600)
+    text = log.read_text()
+    assert info["JobState"] == "COMPLETED", text
+    m = load_machine(str(machine))
+    assert m.ranks_per_node == 2 and m.host_cores == (os.cpu_count() or 1), m
+    assert "2 nodes, inter-node link measured" in m.description, m.description
+    assert m.inter.beta < 0.5 * m.intra.beta and m.inter.alpha > m.intra.alpha, (m.intra,
+                                                                               m.inter)
+    assert m.inter.beta < 2e9 / 8 * 1.2, m.inter  # the 2 Gbit/s shaping, not shared memory
 
 
 def test_teardown_is_complete_and_a_second_up_is_refused(virtual_cluster, tmp_path):
@@ -390,6 +442,57 @@ def test_two_node_preemption_requeue_resume_is_bit_identical(virtual_cluster, no
                            lambda: any((run / "checkpoints").glob("step-*")))
     meta = json.loads((run / "meta.json").read_text())
     assert len(meta["segments"]) == 2 and 0 < meta["segments"][1]["first_step"] < TINY_STEPS, log
+    mine, want = _final(run), _final(ref / "ranks-4")
+    assert mine.keys() == want.keys()
+    for k in want:
+        assert torch.equal(mine[k], want[k]), k
+
+
+def test_kill9_of_a_training_rank_keeps_the_checkpoint_and_resume_is_exact(virtual_cluster,
+                                                                          node_sweep):
+    """kill -9 of one rank of a 2-node training job on the second node: the whole job is gone
+    within 60 s, every checkpoint left verifies (sizes and sha256), and `hpcpar run` resumed
+    from the newest ends with the same parameters, bit for bit, as the uninterrupted run."""
+    import torch
+
+    from hpcpar.run.checkpoint import list_checkpoints, verify
+
+    d, ref = node_sweep
+    out = d / "kill9"
+    [rec] = submit(plan_submit(DEMO, out, nodes=[2], ranks_per_node=2,
+                               sets=_spatial_tiny(d / "data"), python=sys.executable),
+                   out, env=virtual_cluster.env())
+    run = out / "ranks-4"
+    deadline = time.monotonic() + 180
+    while not any((run / "checkpoints").glob("step-*")):
+        assert time.monotonic() < deadline, virtual_cluster.log_tail()
+        time.sleep(0.2)
+    node = virtual_cluster.run("scontrol", "show", "hostnames",
+                               virtual_cluster.job(rec["id"])["NodeList"]).stdout.split()[1]
+    ranks = [p for p in virtual_cluster.node_pids(node)
+             if str(run) in _cmdline(p) and "hpcpar.cli" in _cmdline(p)
+             and "slurmstepd" not in _cmdline(p)]
+    assert ranks, (node, virtual_cluster.job(rec["id"]))
+    os.kill(max(ranks), signal.SIGKILL)
+    start = time.monotonic()
+    info = virtual_cluster.wait(rec["id"], 60)
+    took = time.monotonic() - start
+    assert info["JobState"] in ("FAILED", "CANCELLED"), info
+    assert took < 60 and _no_job_left(virtual_cluster), took
+    for n in virtual_cluster.nodes:  # no rank of the job left on any node
+        assert not [p for p in virtual_cluster.node_pids(n) if str(run) in _cmdline(p)], n
+    kept = list_checkpoints(run / "checkpoints")
+    assert kept and all(verify(c)["step"] < TINY_STEPS for c in kept)
+    last = int(kept[0].name.split("-")[1])
+    again = d / "kill9-resume.out"
+    cmd = " ".join([sys.executable, "-m", "hpcpar.cli", "run", str(DEMO), "--run-dir", str(run),
+                    *[f"--set {s}" for s in _spatial_tiny(d / "data")]])
+    job = virtual_cluster.sbatch("--nodes=2", "--ntasks-per-node=2", f"--output={again}",
+                                 f"--chdir={d}", "--wrap", cmd)
+    info = virtual_cluster.wait(job, 240)
+    text = again.read_text()
+    assert info["JobState"] == "COMPLETED", text
+    assert f"resumed from step-{last:06d}" in text, text
     mine, want = _final(run), _final(ref / "ranks-4")
     assert mine.keys() == want.keys()
     for k in want:

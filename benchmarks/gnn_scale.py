@@ -1,0 +1,351 @@
+"""The 1M-vertex synthetic GCN job at 1, 2, 4 ranks, against PyG on 1 process, same run.
+
+    python benchmarks/gnn_scale.py                       # jobs/gcn-synthetic.toml, 1,2,4 ranks
+    python benchmarks/gnn_scale.py --ranks 1,2 --epochs 5
+
+Run it as a plain process (not under mpiexec): it makes the job's graph file if missing, then
+launches ``mpiexec -n K`` per rank count and one PyG process, each a fresh process so its
+memory is its own. Graph, model and optimiser come from the job file (``[data]``,
+``[model]``, ``[train]``); each rank reads only its rows of the file (``DistGraph.from_hdf5``).
+
+Per rank count it prints:
+
+* epoch time (forward + backward + gradient Allreduce + Adam; the slowest rank's time per
+  epoch): median over ``--epochs`` timed epochs after one warm-up, with min..max;
+* memory per rank, from /proc/self/status: *peak* = ``VmHWM`` over the whole job (build +
+  training), *above base* = peak minus the RSS before the build (the interpreter, torch and
+  MPI, the same in every process); both the largest over ranks, then the ratio to 1 rank
+  (target at 4 ranks: <= 0.35). The training-only peak (high-water mark reset after the build)
+  is printed too, since the build peak of rank 0 is METIS on the whole graph;
+* halo bytes per epoch: what each rank sends (forward + backward exchanges of one epoch),
+  largest and mean over ranks.
+
+PyG's ``GCNConv`` (cached normalisation, the in-edge CSR passed as a ``torch.sparse`` adjacency,
+which is PyG's memory-lean SpMM path; an ``edge_index`` would materialise ``E x 128`` messages)
+runs the same model (widths, dropout, Adam) on the whole graph in one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import tomllib
+
+HERE = os.path.abspath(__file__)
+TAG = "GNN-SCALE "
+
+
+# ---- memory -----------------------------------------------------------------------------
+def _status_kb(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {key}")
+
+
+def rss_mb() -> float:
+    """Resident memory now (MB)."""
+    return _status_kb("VmRSS") / 1024
+
+
+def peak_mb() -> float:
+    """Resident high-water mark since the process started or the last reset (MB)."""
+    return _status_kb("VmHWM") / 1024
+
+
+def reset_peak() -> None:
+    """Restart the high-water mark at the current RSS (Linux: clear_refs 5)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+# ---- job --------------------------------------------------------------------------------
+def load_job(path: str) -> dict:
+    """``data`` (graph workload defaults filled in), ``model`` and ``train`` of a job file."""
+    from hpcpar.run.workloads.graph import DATA_PARAMS, MODEL_PARAMS
+
+    with open(path, "rb") as f:
+        job = tomllib.load(f)
+    data = {k: p.default for k, p in DATA_PARAMS.items()} | job["data"]
+    model = {k: p.default for k, p in MODEL_PARAMS.items()} | job["model"]
+    if data["make"] != "synthetic" or model.get("kind", "gcn") != "gcn":
+        sys.exit(f"{path}: expected a [model] kind = \"gcn\" job with [data] make = "
+                 "\"synthetic\"")
+    return {"data": data, "model": model, "train": job.get("train", {})}
+
+
+def adam(params_first, params_rest, train: dict):
+    """Adam as the job sets it: weight decay on the first layer only (Kipf & Welling)."""
+    import torch
+
+    return torch.optim.Adam([{"params": params_first},
+                             {"params": params_rest, "weight_decay": 0.0}],
+                            lr=train.get("lr", 0.01), weight_decay=train.get("weight_decay", 0.0))
+
+
+def summary(ts: list[float]) -> dict:
+    return {"median": statistics.median(ts), "min": min(ts), "max": max(ts), "n": len(ts)}
+
+
+# ---- hpcpar worker (under mpiexec) --------------------------------------------------------
+def quiet_barrier(comm) -> None:
+    """A barrier that sleeps while waiting, so it leaves the cores to ranks still working."""
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(0.002)
+
+
+def hpcpar_worker(job: dict, epochs: int) -> None:
+    import numpy as np
+    import torch
+    from mpi4py import MPI
+
+    from hpcpar.graph import DistGraph
+    from hpcpar.graph.metrics import masked_loss
+    from hpcpar.models import GCN
+
+    comm = MPI.COMM_WORLD
+    d, m = job["data"], job["model"]
+    base = rss_mb()
+    reset_peak()
+    t0 = time.perf_counter()
+    graph = DistGraph.from_hdf5(d["path"], comm, method=d["partition"],
+                                seed=d["partition_seed"], row_normalize=d["normalize"],
+                                backend=d["backend"])
+    quiet_barrier(comm)
+    t_build = time.perf_counter() - t0
+    build_peak = peak_mb()
+    reset_peak()
+
+    torch.manual_seed(0)
+    model = GCN(graph.num_features, m["hidden"], graph.num_classes, num_layers=m["layers"],
+                dropout=m["dropout"], conv="gcn")
+    first = list(model.convs[0].parameters())
+    rest = [p for c in model.convs[1:] for p in c.parameters()]
+    opt = adam(first, rest, job["train"])
+    params = first + rest
+
+    def epoch():
+        model.train()
+        opt.zero_grad()
+        masked_loss(model(graph.x, graph), graph).backward()
+        if comm.Get_size() > 1:
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            comm.Allreduce(MPI.IN_PLACE, flat.numpy())
+            off = 0
+            for p in params:
+                p.grad.copy_(flat[off:off + p.numel()].view_as(p))
+                off += p.numel()
+        opt.step()
+
+    times, halo = [], []
+    for i in range(epochs + 1):  # the first epoch is the warm-up (it builds the operator)
+        quiet_barrier(comm)
+        sent0 = graph.plan.bytes_sent
+        t0 = time.perf_counter()
+        epoch()
+        t = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+        if i:
+            times.append(t)
+            halo.append(graph.plan.bytes_sent - sent0)
+    rank = {"base": base, "build_peak": build_peak, "train_peak": peak_mb(),
+            "owned": graph.num_owned, "halo_vertices": graph.num_halo,
+            "halo_bytes": int(np.median(halo))}
+    ranks = comm.gather(rank, root=0)
+    if comm.Get_rank() == 0:
+        print(TAG + json.dumps({"who": "hpcpar", "ranks": comm.Get_size(), "build_s": t_build,
+                                "epoch": summary(times), "per_rank": ranks}), flush=True)
+
+
+# ---- PyG worker (one process) -------------------------------------------------------------
+def pyg_worker(job: dict, epochs: int) -> None:
+    import torch
+    import torch.nn.functional as F
+    from torch_geometric.nn import GCNConv
+
+    from hpcpar.graph.format import GraphFile
+
+    d, m = job["data"], job["model"]
+    base = rss_mb()
+    reset_peak()
+    t0 = time.perf_counter()
+    with GraphFile(d["path"]) as gf:
+        g = gf.read_rows(0, gf.num_nodes)
+        classes = gf.num_classes
+    n = g["y"].shape[0]
+    x = torch.from_numpy(g["x"])
+    if d["normalize"]:
+        s = x.sum(1, keepdim=True)
+        x = torch.where(s != 0, x / torch.where(s != 0, s, 1), x)
+    # in-edge CSR: row = destination, which is PyG's adj_t (transposed adjacency)
+    adj_t = torch.sparse_csr_tensor(torch.from_numpy(g["indptr"]),
+                                    torch.from_numpy(g["indices"]),
+                                    torch.ones(g["indices"].shape[0]), (n, n))
+    y, train = torch.from_numpy(g["y"]), torch.from_numpy(g["train"])
+    del g
+    widths = [x.shape[1]] + [m["hidden"]] * (m["layers"] - 1) + [classes]
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.convs = torch.nn.ModuleList(GCNConv(a, b, cached=True)
+                                             for a, b in zip(widths[:-1], widths[1:]))
+
+        def forward(self, h, a):
+            for i, conv in enumerate(self.convs):
+                if i:
+                    h = F.relu(h)
+                h = conv(F.dropout(h, m["dropout"], self.training), a)
+            return h
+
+    torch.manual_seed(0)
+    net = Net()
+    opt = adam(list(net.convs[0].parameters()),
+               [p for c in net.convs[1:] for p in c.parameters()], job["train"])
+
+    def epoch():
+        net.train()
+        opt.zero_grad()
+        F.cross_entropy(net(x, adj_t)[train], y[train]).backward()
+        opt.step()
+
+    t_build = time.perf_counter() - t0
+    build_peak = peak_mb()
+    reset_peak()
+    times = []
+    for i in range(epochs + 1):
+        t0 = time.perf_counter()
+        epoch()
+        if i:
+            times.append(time.perf_counter() - t0)
+    print(TAG + json.dumps({"who": "pyg", "ranks": 1, "build_s": t_build,
+                            "epoch": summary(times),
+                            "per_rank": [{"base": base, "build_peak": build_peak,
+                                          "train_peak": peak_mb(), "owned": n,
+                                          "halo_vertices": 0, "halo_bytes": 0}]}),
+          flush=True)
+
+
+# ---- driver -------------------------------------------------------------------------------
+def launch(cmd: list[str], env: dict, timeout: float, lock: str | None) -> dict:
+    """Run one measurement process, holding ``lock`` (an flock file) only while it runs."""
+    with open(lock, "a") if lock else contextlib.nullcontext() as held:
+        if held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+        t0 = time.perf_counter()
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith(TAG)]
+    if p.returncode or not lines:
+        sys.exit(f"{' '.join(cmd)} failed (exit {p.returncode}):\n{p.stdout[-2000:]}\n"
+                 f"{p.stderr[-4000:]}")
+    res = json.loads(lines[-1][len(TAG):])
+    res["wall_s"] = time.perf_counter() - t0
+    return res
+
+
+def memory(res: dict) -> dict:
+    """Largest peak / above-base / training peak over the ranks of one run (MB)."""
+    pr = res["per_rank"]
+    return {"peak": max(max(r["build_peak"], r["train_peak"]) for r in pr),
+            "above": max(max(r["build_peak"], r["train_peak"]) - r["base"] for r in pr),
+            "train": max(r["train_peak"] for r in pr),
+            "train_above": max(r["train_peak"] - r["base"] for r in pr),
+            "build_rank": max(range(len(pr)), key=lambda i: pr[i]["build_peak"])}
+
+
+def report(job: dict, runs: list[dict], pyg: dict | None, cores: int) -> None:
+    one = next((r for r in runs if r["ranks"] == 1), None)
+    m1 = memory(one) if one else None
+    e = lambda r: r["epoch"]["median"]  # noqa: E731
+    print(f"{'ranks':>5} {'epoch s (min..max)':>22} {'vs 1 rank':>9} {'vs PyG':>7} "
+          f"{'peak MB':>8} {'ratio':>6} {'above-base MB':>13} {'ratio':>6} "
+          f"{'train-peak MB':>13} {'halo MB/epoch/rank max (mean)':>30} {'build s':>7}")
+    for r in ([pyg] if pyg else []) + runs:
+        mem = memory(r)
+        hb = [p["halo_bytes"] / 1e6 for p in r["per_rank"]]
+        name = "PyG 1" if r["who"] == "pyg" else str(r["ranks"])
+        vs1 = f"{e(one) / e(r):.2f}x" if one and r["who"] == "hpcpar" else "-"
+        vsp = f"{e(pyg) / e(r):.2f}x" if pyg else "-"
+        rp = f"{mem['peak'] / m1['peak']:.2f}" if m1 and r["who"] == "hpcpar" else "-"
+        ra = f"{mem['above'] / m1['above']:.2f}" if m1 and r["who"] == "hpcpar" else "-"
+        ep = r["epoch"]
+        print(f"{name:>5} {ep['median']:7.2f} ({ep['min']:.2f}..{ep['max']:.2f}){'':>6} "
+              f"{vs1:>9} {vsp:>7} {mem['peak']:8.0f} {rp:>6} {mem['above']:13.0f} {ra:>6} "
+              f"{mem['train']:13.0f} {max(hb):17.1f} ({statistics.mean(hb):.1f}){'':>6} "
+              f"{r['build_s']:7.1f}")
+    top = max((r["ranks"] for r in runs), default=1)
+    print(f"epochs: median of {runs[0]['epoch']['n'] if runs else 0} after 1 warm-up; "
+          f"{top} rank(s) shared {cores} core(s)"
+          + (" (oversubscribed)" if top > cores else "")
+          + "; vs = speed-up (time ratio); memory = largest over ranks; peak includes the "
+            "build (rank "
+          + ", ".join(f"{r['ranks']}:{memory(r)['build_rank']}" for r in runs)
+          + " had the largest build peak), train-peak is the high-water mark reset after it")
+    four = next((r for r in runs if r["ranks"] == 4), None)
+    if four and m1:
+        print(f"memory per rank at 4 ranks / 1 rank: peak {memory(four)['peak'] / m1['peak']:.3f}, "
+              f"above base {memory(four)['above'] / m1['above']:.3f} (target <= 0.35)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--job", default="jobs/gcn-synthetic.toml")
+    ap.add_argument("--ranks", default="1,2,4", help="rank counts, comma-separated")
+    ap.add_argument("--epochs", type=int, default=3, help="timed epochs after one warm-up")
+    ap.add_argument("--no-pyg", action="store_true")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per launch")
+    ap.add_argument("--lock", help="flock file held during each launch (shared machines: "
+                    "each launch is one short locked measurement)")
+    ap.add_argument("--worker", choices=("hpcpar", "pyg"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    job = load_job(args.job)
+    if args.worker == "hpcpar":
+        return hpcpar_worker(job, args.epochs)
+    if args.worker == "pyg":
+        return pyg_worker(job, args.epochs)
+
+    from hpcpar.launch.mpiexec import find_mpiexec, rank_env
+
+    d, m = job["data"], job["model"]
+    if not os.path.exists(d["path"]):
+        from hpcpar.run.workloads.graph import make_graph_file
+
+        t0 = time.perf_counter()
+        make_graph_file(d["path"], d)
+        print(f"made {d['path']} in {time.perf_counter() - t0:.1f} s")
+    cores = os.cpu_count() or 1
+    print(f"job {args.job}: {d['nodes']} vertices, avg degree {d['avg_degree']}, "
+          f"{d['features']} features, {d['classes']} classes; GCN {m['layers']} layers x "
+          f"{m['hidden']} hidden, dropout {m['dropout']}; partition {d['partition']}; "
+          f"{cores} core(s), one thread per process", flush=True)
+    env = rank_env()
+    common = [HERE, "--job", args.job, "--epochs", str(args.epochs)]
+    pyg = None if args.no_pyg else launch([sys.executable, *common, "--worker", "pyg"], env,
+                                          args.timeout, args.lock)
+    if pyg:
+        print(f"  PyG: build {pyg['build_s']:.1f} s, epoch {pyg['epoch']['median']:.2f} s, "
+              f"peak {memory(pyg)['peak']:.0f} MB, {pyg['wall_s']:.0f} s wall", flush=True)
+    runs = []
+    for k in (int(s) for s in args.ranks.split(",")):
+        runs.append(launch([find_mpiexec(), "-n", str(k), sys.executable, *common,
+                            "--worker", "hpcpar"], env, args.timeout, args.lock))
+        r = runs[-1]
+        print(f"  {k} rank(s): build {r['build_s']:.1f} s, epoch {r['epoch']['median']:.2f} s, "
+              f"peak {memory(r)['peak']:.0f} MB, {r['wall_s']:.0f} s wall; per rank: owned/halo "
+              "vertices " + ", ".join(f"{p['owned']}/{p['halo_vertices']}"
+                                      for p in r["per_rank"]) + "; MB base+build/train "
+              + ", ".join(f"{p['base']:.0f}+build {p['build_peak']:.0f}/train "
+                          f"{p['train_peak']:.0f}" for p in r["per_rank"]), flush=True)
+    report(job, runs, pyg, cores)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""Peak memory per rank of one training step, and the largest sample a memory budget holds.
+
+The point of splitting a sample over ranks is that it then fits: a CosmoFlow cube too big for
+one rank's memory trains on 8. Per rank, in bytes, with ``b`` samples per data replica and
+every layer's output taken on this rank's piece of the volume (the largest piece the partition
+rule gives, so the rank that runs out first):
+
+* ``runtime``: the process itself (Python, torch, MPI, HDF5, Numba): :data:`RUNTIME_BYTES`;
+* ``params``: weights, gradients, the gradient sync's flat buckets (a copy of the gradients),
+  optimizer state (Adam 2 copies, SGD 1) and the optimizer step's temporaries (1 copy): a
+  replicated dense head (CosmoFlow's first dense layer grows with the sample) weighs on every
+  rank alike;
+* ``data``: the input batch in use and one prefetched, ``2 b C D H W / spatial``;
+* ``saved``: activations kept for backward, every layer's output (the spatial layers keep only
+  their input and the received ghost faces: :func:`hpcpar.parallel.halo.halo_stencil`);
+* ``transient``: backward holds a layer's output gradient next to its input gradient, twice
+  the largest layer output.
+
+A grid fits a budget when the total is at most :data:`HEADROOM` of it (allocator
+fragmentation, page cache, kernel). Checked against a kernel-enforced limit:
+``tests/run/test_memory_limit.py`` (CosmoFlow 192³ x 4 under 1.5 GiB per rank: 1 rank is
+killed, 8 ranks train, and this model says the same).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from hpcpar.parallel.partition import split_sizes
+
+if TYPE_CHECKING:
+    from hpcpar.plan.planner import Workload
+
+__all__ = ["RUNTIME_BYTES", "HEADROOM", "MemoryEstimate", "estimate", "largest_edge", "parse_bytes"]
+
+#: resident memory of one rank before any tensor: measured 0.25-0.29 GB per rank (cgroup
+#: charge, 8 ranks, CosmoFlow on 32³, CPU) on the 2-core test machine
+RUNTIME_BYTES = 0.3e9
+#: share of the budget the estimate may use
+HEADROOM = 0.9
+
+_OPT_STATE = {"adam": 2, "adamw": 2, "sgd": 1}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Peak bytes per rank, by part (see the module docstring)."""
+
+    runtime: float
+    params: float
+    data: float
+    saved: float
+    transient: float
+
+    @property
+    def total(self) -> float:
+        """The predicted peak, bytes."""
+        return self.runtime + self.params + self.data + self.saved + self.transient
+
+
+def _local_out(layer, parts) -> int:
+    """Elements of one sample's output of ``layer`` on the rank holding the largest piece."""
+    vol = layer.out_shape[1:]
+    if not layer.spatial or len(vol) != 3:
+        return math.prod(layer.out_shape)
+    return layer.out_shape[0] * math.prod(max(split_sizes(n, p)) for n, p in zip(vol, parts))
+
+
+def estimate(work: Workload, grid: tuple[int, int, int, int], nbytes: int = 4) -> MemoryEstimate:
+    """Predicted peak memory per rank of one training step of ``work`` on ``grid``.
+
+    Args:
+        work: The job.
+        grid: ``(data, x, y, z)``.
+        nbytes: Bytes per activation element (2 under bf16).
+
+    Returns:
+        The estimate, by part.
+    """
+    d, *parts = grid
+    spatial = math.prod(parts)
+    b = max(1, work.global_batch // d)
+    outs = [_local_out(layer, parts) * b * nbytes for layer in work.layers]
+    opt = _OPT_STATE.get(work.optimizer, 2)
+    return MemoryEstimate(runtime=RUNTIME_BYTES, params=work.params * 4 * (4 + opt),
+                          data=2 * b * math.prod(work.sample_shape) * 4 / spatial,
+                          saved=float(sum(outs)), transient=2.0 * max(outs, default=0))
+
+
+def largest_edge(fits: Callable[[int], bool], smallest: int, limit: int = 1 << 14) -> int | None:
+    """The largest cubic edge ``s >= smallest`` with ``fits(s)``; None when not even the
+    smallest fits. Memory grows with the edge, so ``fits`` holds up to some edge and not
+    after it: doubling finds a bound, bisection the edge.
+
+    Args:
+        fits: Whether a sample of edge ``s`` fits (``s`` never below ``smallest``).
+        smallest: The smallest edge the model accepts.
+        limit: Largest edge tried.
+
+    Returns:
+        The edge, or None.
+    """
+    if not fits(smallest):
+        return None
+    lo, hi = smallest, smallest * 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:   # fits(lo), not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30,
+          "gib": 2**30, "t": 2**40, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+          "tb": 10**12}
+
+
+def parse_bytes(text: str, what: str = "--memory-budget") -> int:
+    """Bytes from ``"1.5GiB"``, ``"800M"``, ``"2GB"`` (K/M/G alone are binary, like Slurm's
+    ``--mem``).
+
+    Args:
+        text: The size.
+        what: The option or field, for the message.
+
+    Returns:
+        Bytes.
+
+    Raises:
+        ConfigError: Not a positive size.
+    """
+    import re
+
+    from hpcpar.errors import ConfigError
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
+        raise ConfigError(f"{what}: {text!r} is not a memory size (e.g. 1.5GiB, 800MiB, 2GB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])

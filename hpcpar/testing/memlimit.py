@@ -1,0 +1,233 @@
+"""Run a command under a kernel-enforced memory limit (a cgroup v1 memory group), the way
+Slurm's cgroup plugin limits a job, so tests can show what happens at the limit.
+
+Groups are made inside this process's own memory cgroup (so they count against it too),
+named ``hpcpar-<what>-<pid>``, and removed once their processes have exited.
+
+* :class:`MemoryGroup`: one group; ``add`` a pid, read ``oom_kills`` / ``max_usage``.
+* :func:`run_limited`: start a command inside a fresh group and wait for it.
+* ``python -m hpcpar.testing.memlimit --limit 1.5GiB -- CMD...``: the same from a shell;
+  under ``mpiexec -n N`` every rank gets its own group with the same limit (``--per-rank``
+  names it after the rank);
+* :func:`mpiexec_wrapper`: an ``mpiexec`` stand-in for ``HPCPAR_MPIEXEC`` doing that, which
+  is how the 8-rank demo runs each rank of ``hpcpar run`` under the limit of one.
+
+Needs root and a cgroup v1 memory controller (:func:`available` says why not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["ROOT", "available", "parse_size", "MemoryGroup", "run_limited", "mpiexec_wrapper",
+           "main"]
+
+ROOT = Path("/sys/fs/cgroup/memory")
+
+
+def _own_group() -> Path:
+    """This process's memory cgroup directory (v1)."""
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if "memory" in controllers.split(","):
+                return ROOT / path.lstrip("/")
+    except OSError:
+        pass
+    return ROOT
+
+
+def available() -> str | None:
+    """None when memory groups can be made here, else why not (a skip reason)."""
+    if os.geteuid() != 0:
+        return "needs root to create memory cgroups"
+    if not (ROOT / "memory.limit_in_bytes").is_file():
+        return f"no cgroup v1 memory controller at {ROOT}"
+    probe = _own_group() / f"hpcpar-probe-{os.getpid()}"
+    try:
+        probe.mkdir()
+        probe.rmdir()
+    except OSError as exc:
+        return f"cannot create a memory cgroup under {probe.parent}: {exc.strerror}"
+    return None
+
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30,
+          "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from ``"1.5GiB"``, ``"800M"``, ``"2GB"`` or an int (binary units for K/M/G)."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a memory size: {text!r} (e.g. 1.5GiB, 800MiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+class MemoryGroup:
+    """A memory cgroup with a hard limit (no swap either, where the kernel accounts it).
+
+    Args:
+        limit: The limit in bytes.
+        what: A word for the group's name (``hpcpar-<what>-<pid>``).
+    """
+
+    def __init__(self, limit: int, what: str = "limit"):
+        self.limit = int(limit)
+        self.path = _own_group() / f"hpcpar-{what}-{os.getpid()}"
+        self.path.mkdir()
+        try:
+            (self.path / "memory.limit_in_bytes").write_text(str(self.limit))
+            memsw = self.path / "memory.memsw.limit_in_bytes"
+            if memsw.exists():
+                memsw.write_text(str(self.limit))
+        except OSError:
+            self.path.rmdir()
+            raise
+
+    def _read(self, name: str) -> str:
+        return (self.path / name).read_text()
+
+    def add(self, pid: int) -> None:
+        """Move process ``pid`` into the group (its later children are born there)."""
+        (self.path / "cgroup.procs").write_text(str(pid))
+
+    @property
+    def oom_kills(self) -> int:
+        """Processes the kernel killed because the group hit its limit."""
+        m = re.search(r"^oom_kill (\d+)", self._read("memory.oom_control"), re.M)
+        return int(m.group(1)) if m else 0
+
+    @property
+    def max_usage(self) -> int:
+        """High-water mark of the group's charged memory, bytes."""
+        return int(self._read("memory.max_usage_in_bytes"))
+
+    @property
+    def failcnt(self) -> int:
+        """Times an allocation hit the limit (reclaim kicked in)."""
+        return int(self._read("memory.failcnt"))
+
+    def remove(self, timeout: float = 10.0) -> None:
+        """Remove the group once its processes have exited (they must be ending)."""
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                self.path.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                if time.monotonic() > end:
+                    raise
+                time.sleep(0.05)
+
+    def __enter__(self) -> MemoryGroup:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+def run_limited(cmd: list[str], limit: int, what: str = "limit", **popen) -> tuple[int, dict]:
+    """Run ``cmd`` (and everything it starts) in a new group limited to ``limit`` bytes.
+
+    The child joins the group before it executes ``cmd``, so every byte it touches counts.
+    MPI's inherited descriptors stay open (``close_fds=False``) for a rank wrapped this way.
+
+    Args:
+        cmd: The command.
+        limit: Bytes.
+        what: Word in the group's name.
+        **popen: Passed to ``subprocess.Popen``.
+
+    Returns:
+        The exit code (negative: killed by that signal), the group's ``oom_kills``,
+        ``max_usage`` (page cache included) and ``failcnt``, and ``max_rss``: the largest
+        resident set of the command or of any of its waited-for descendants (bytes).
+    """
+    with MemoryGroup(limit, what) as group:
+        procs = group.path / "cgroup.procs"
+        popen.setdefault("close_fds", False)
+        proc = subprocess.Popen(cmd, preexec_fn=lambda: procs.write_text(str(os.getpid())),
+                                **popen)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = rc = os.waitstatus_to_exitcode(status)
+        facts = {"oom_kills": group.oom_kills, "max_usage": group.max_usage,
+                 "failcnt": group.failcnt, "limit": limit, "max_rss": usage.ru_maxrss * 1024}
+    return rc, facts
+
+
+def mpiexec_wrapper(path: Path, limit: int, report: Path | None = None) -> Path:
+    """Write an executable ``mpiexec`` stand-in that starts every rank in its own group of
+    ``limit`` bytes; point ``HPCPAR_MPIEXEC`` at it and ``hpcpar run -n N`` runs each rank
+    under the limit of one (what ``--mem-per-cpu`` promises on a cluster).
+
+    Args:
+        path: The script to write.
+        limit: Bytes per rank.
+        report: File each rank appends ``rank rc oom_kills max_usage max_rss`` to.
+
+    Returns:
+        ``path``.
+    """
+    import shlex
+
+    from hpcpar.launch.mpiexec import find_mpiexec
+
+    real = find_mpiexec()
+    tail = ["--report", str(report)] if report else []
+    wrap = shlex.join([sys.executable, "-m", "hpcpar.testing.memlimit", "--limit", str(limit),
+                       "--per-rank", *tail, "--"])
+    path = Path(path)
+    path.write_text(f"#!/bin/sh\n# {shlex.quote(real)} -n N CMD..., each rank under "
+                    f"{limit} bytes\nn=\"$1\"; np=\"$2\"; shift 2\n"
+                    f"exec {shlex.quote(real)} \"$n\" \"$np\" {wrap} \"$@\"\n")
+    path.chmod(0o755)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line: ``--limit SIZE [--per-rank] [--report FILE] -- CMD...``; exits with the
+    command's code (128 + signal when killed). ``--limit SIZE --write-mpiexec PATH``: write
+    :func:`mpiexec_wrapper`'s script."""
+    p = argparse.ArgumentParser(prog="python -m hpcpar.testing.memlimit",
+                                description="run a command under a cgroup memory limit")
+    p.add_argument("--limit", required=True, type=parse_size, help="e.g. 1.5GiB")
+    p.add_argument("--per-rank", action="store_true",
+                   help="name the group after the MPI rank (one group per rank)")
+    p.add_argument("--report", help="append 'rank rc oom_kills max_usage max_rss' to this file")
+    p.add_argument("--write-mpiexec", metavar="PATH",
+                   help="write an mpiexec stand-in for HPCPAR_MPIEXEC that runs every rank "
+                        "under --limit (see mpiexec_wrapper) and exit")
+    p.add_argument("cmd", nargs=argparse.REMAINDER)
+    args = p.parse_args(argv)
+    if args.write_mpiexec:
+        mpiexec_wrapper(Path(args.write_mpiexec), args.limit,
+                        Path(args.report).resolve() if args.report else None)
+        return 0
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        p.error("give the command after --")
+    rank = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
+    rc, facts = run_limited(cmd, args.limit, f"rank{rank}" if args.per_rank else "limit")
+    if facts["oom_kills"]:
+        print(f"memlimit: rank {rank}: {facts['oom_kills']} process(es) killed by the memory "
+              f"limit of {args.limit / 2**30:.3g} GiB", file=sys.stderr)
+    if args.report:
+        with open(args.report, "a") as fh:
+            fh.write(f"{rank} {rc} {facts['oom_kills']} {facts['max_usage']} "
+                     f"{facts['max_rss']}\n")
+    return rc if rc >= 0 else 128 - rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

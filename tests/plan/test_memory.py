@@ -1,0 +1,81 @@
+"""``hpcpar.plan.memory``: the per-rank memory estimate splits activations over the spatial
+ranks but not the replicated parts, and the largest-edge search finds the boundary."""
+
+import pytest
+
+from hpcpar.errors import ConfigError
+from hpcpar.models.cosmoflow import CosmoFlow
+from hpcpar.plan import memory
+from hpcpar.plan.planner import Workload, trace_layers
+
+
+def work(edge=64, batch=1):
+    layers = trace_layers(CosmoFlow.small(input_size=edge), (4, edge, edge, edge))
+    return Workload("cf", layers, (4, edge, edge, edge), batch, optimizer="adam")
+
+
+def test_activations_split_over_spatial_ranks_params_do_not():
+    w = work()
+    one, eight = memory.estimate(w, (1, 1, 1, 1)), memory.estimate(w, (1, 2, 2, 2))
+    assert eight.saved == pytest.approx(one.saved / 8, rel=0.02)
+    assert eight.transient == pytest.approx(one.transient / 8)
+    assert eight.data == pytest.approx(one.data / 8)
+    assert eight.params == one.params == w.params * 4 * 6     # adam: w, g, bucket, 2 state, tmp
+    assert eight.runtime == one.runtime == memory.RUNTIME_BYTES
+    # data parallel: each replica holds the whole sample of its share of the batch
+    assert memory.estimate(work(batch=2), (2, 1, 1, 1)).total == pytest.approx(one.total)
+
+
+def test_uneven_split_counts_the_largest_piece():
+    w = work(edge=65)
+    est = memory.estimate(w, (1, 2, 1, 1))
+    first = w.layers[0]
+    assert est.transient == 2 * first.out_shape[0] * 33 * 65 * 65 * 4
+
+
+@pytest.mark.parametrize("boundary", [8, 9, 100, 4097])
+def test_largest_edge_finds_the_boundary(boundary):
+    assert memory.largest_edge(lambda s: s <= boundary, 8) == boundary
+
+
+def test_largest_edge_none_when_nothing_fits():
+    assert memory.largest_edge(lambda s: False, 8) is None
+
+
+def test_parse_bytes():
+    assert memory.parse_bytes("1.5GiB") == 3 << 29
+    assert memory.parse_bytes("2 GB") == 2 * 10**9
+    with pytest.raises(ConfigError, match="--memory-budget: 'x' is not a memory size"):
+        memory.parse_bytes("x")
+    with pytest.raises(ConfigError):
+        memory.parse_bytes("0")
+
+
+def test_cli_prints_the_largest_sample_per_grid(tmp_path):
+    """``hpcpar plan --memory-budget``: the budget decides feasibility, and per grid the
+    largest edge is the one whose estimate fits while edge + 1 does not."""
+    from click.testing import CliRunner
+
+    from hpcpar.cli.plan import plan, workload_from_job
+    from hpcpar.plan.memory import HEADROOM, estimate
+
+    sets = ["--set", "data.path=" + str(tmp_path / "none"), "--set", "data.size=64"]
+    r = CliRunner().invoke(plan, ["jobs/demo-cosmoflow.toml", "-n", "4", "--memory-budget",
+                                  "0.6GiB", "--top", "20", *sets])
+    assert r.exit_code == 0, r.output
+    head, table = r.output.split("largest cubic sample per grid within 0.6 GiB per rank")
+    assert "this job's edge is 64" in table
+    edges = {ln.split()[0]: int(ln.split()[1]) for ln in table.splitlines()[2:]}
+    assert set(edges) == {"1x1x1x4", "1x1x2x2", "1x1x4x1", "1x2x1x2", "1x2x2x1", "1x4x1x1",
+                          "2x1x1x2", "2x1x2x1", "2x2x1x1", "4x1x1x1"}
+    overrides = [s for s in sets if s != "--set"]
+    for grid in ("1x2x2x1", "4x1x1x1"):
+        g = tuple(int(v) for v in grid.split("x"))
+        e = edges[grid]
+        fits = [estimate(workload_from_job("jobs/demo-cosmoflow.toml", overrides, size=s),
+                         g).total <= HEADROOM * 0.6 * 2**30 for s in (e, e + 1)]
+        assert fits == [True, False], (grid, e)
+    r = CliRunner().invoke(plan, ["jobs/demo-cosmoflow.toml", "-n", "4", "--memory-budget",
+                                  "lots", *sets])
+    assert isinstance(r.exception, ConfigError), r.output      # the CLI's one-line error
+    assert str(r.exception).startswith("--memory-budget: 'lots' is not a memory size")
