@@ -19,6 +19,7 @@ from hpcpar.parallel.halo import StencilOp, halo_stencil
 from hpcpar.parallel.partition import conv_axis_halo, conv_pads, transposed_axis_halo
 
 from ._base import SpatialModule
+from ._boundary_conv import boundary_conv, boundary_spec
 
 __all__ = ["SpatialConv3d", "SpatialConvTranspose3d", "ConvOp", "ConvTransposeOp"]
 
@@ -52,6 +53,7 @@ class ConvOp(StencilOp):
     def __init__(self, stride, dilation, groups, out_channels, out_shape, kernel):
         self.stride, self.dilation, self.groups = stride, dilation, groups
         self.out_channels, self.out_shape, self.kernel = out_channels, out_shape, kernel
+        self.boundary = None  # set by SpatialConv3d where its fast path applies
 
     def layout(self, ext_shape, dtype, device):
         if (device.type != "cpu" or dtype != torch.float32 or 0 in ext_shape or
@@ -166,12 +168,18 @@ class SpatialConv3d(SpatialModule, nn.Conv3d):
                                self.dilation[axis]) for i in range(parts)]
 
     def make_extra(self, global_shape, halos):
-        return ConvOp(self.stride, self.dilation, self.groups, self.out_channels,
-                      tuple(h.out[1] - h.out[0] for h in halos), self.kernel_size)
+        op = ConvOp(self.stride, self.dilation, self.groups, self.out_channels,
+                    tuple(h.out[1] - h.out[0] for h in halos), self.kernel_size)
+        op.boundary = boundary_spec(self, global_shape, self.grid)
+        return op
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Convolve this rank's piece ``(N, C, d, h, w)``; returns its piece of the output."""
         entry = self.spatial_plan(x)
+        spec = entry.extra.boundary
+        if spec is not None and not torch.is_autocast_enabled(x.device.type) and \
+                (x.device.type != "cpu" or spec.fast(x.shape[0])):
+            return boundary_conv(x, self.weight, self.bias, spec)
         return halo_stencil(x, entry.halo, entry.extra, self.weight, self.bias)
 
 

@@ -235,8 +235,69 @@ def test_tied_conv_reuses_plan_exactly(comm):
             compare_with_twin(grid, twin, spatial, (11, 10, 9), 3, torch.float64, seed=step,
                               what=f"tied conv {grid.spatial_shape} step {step}")
         plans = list(spatial.conv._spatial_plans.values())
-        assert len(plans) == 1 and plans[0].halo.message_nbytes > 0
+        assert len(plans) == 1
+        # two split axes: the general halo path and its reused message buffers; one split
+        # axis: the boundary fast path (its faces are fresh per call, saved for backward)
+        fast = grid.spatial_shape == (1, 1, 2)
+        assert (plans[0].extra.boundary is not None) == fast
+        assert (plans[0].halo.message_nbytes > 0) == (not fast)
     for dims in ((2, 2, 1), (1, 1, 2)):
+        on_subgrid(comm, 1, dims, check)
+
+
+@mpi_case(nprocs=(3,), timeout=180)
+def test_boundary_fast_path_matches_torch(comm):
+    """One split axis, stride 1, odd kernel, "same" padding: SpatialConv3d convolves the local
+    piece with torch's padding and adds thin corrections from the neighbours' faces (no
+    extended copy). Equal to torch on the whole volume for uneven splits, p = 1 and 2, groups,
+    no bias, fp32/fp64 and channels-last; a piece thinner than p, or a padding other than
+    "same", takes the general path."""
+    from hpcpar.nn import SpatialConv3d
+
+    CL = torch.channels_last_3d
+    cases = [  # (dims, kernel, padding, shape, groups, bias, dtype, fast)
+        ((3, 1, 1), 3, 1, (17, 9, 8), 1, True, torch.float64, True),
+        ((1, 3, 1), 5, 2, (9, 20, 7), 2, False, torch.float64, True),
+        ((1, 1, 3), 3, "same", (6, 7, 31), 1, True, torch.float32, True),
+        ((2, 1, 1), (3, 5, 1), (1, 2, 0), (11, 9, 6), 1, True, torch.float64, True),
+        ((3, 1, 1), 5, 2, (5, 8, 8), 1, True, torch.float64, False),  # 1 plane < p = 2
+        ((1, 1, 1), 5, 2, (9, 8, 7), 1, True, torch.float64, True),  # nothing split
+        ((2, 1, 1), 3, 1, (9, 8, 7), 1, True, torch.float64, True),
+        ((1, 2, 1), 3, 2, (9, 8, 7), 1, True, torch.float64, False),  # not "same": k != 2p+1
+    ]
+    for dims, k, pad, shape, groups, bias, dtype, fast in cases:
+        def check(grid, k=k, pad=pad, shape=shape, groups=groups, bias=bias, dtype=dtype,
+                  fast=fast):
+            for fmt in (torch.contiguous_format, CL):
+                torch.manual_seed(7)
+                twin = nn.Conv3d(4, 4, k, padding=pad, groups=groups, bias=bias).to(dtype)
+                spatial = SpatialConv3d(4, 4, k, padding=pad, groups=groups, bias=bias,
+                                        grid=grid).to(dtype)
+                spatial.load_state_dict(twin.state_dict())
+                gen = torch.Generator().manual_seed(5)
+                X = torch.randn(2, 4, *shape, generator=gen, dtype=dtype)
+                X = X.contiguous(memory_format=fmt).requires_grad_()
+                Y = twin(X)
+                G = torch.randn(Y.shape, generator=gen, dtype=dtype)
+                (Y * G).sum().backward()
+                slc = spatial_slices(shape, grid)
+                x = X.detach()[slc].contiguous(memory_format=fmt).requires_grad_()
+                y = spatial(x)
+                oslc = spatial_slices(tuple(Y.shape[2:]), grid)
+                (y * G[oslc]).sum().backward()
+                tol = FP32_TOL if dtype == torch.float32 else FP64_TOL
+                what = f"fast path {grid.spatial_shape} k={k} p={pad} {shape} {fmt}"
+                assert rel_err(y.detach(), Y.detach()[oslc]) <= tol, what
+                assert rel_err(x.grad, X.grad[slc]) <= tol, what
+                from hpcpar.parallel.comm import allreduce_
+
+                for (name, p), (_, q) in zip(spatial.named_parameters(),
+                                             twin.named_parameters()):
+                    assert rel_err(allreduce_(p.grad.clone(), grid.spatial_comm), q.grad) \
+                        <= tol, f"{what}: {name}"
+                [entry] = spatial._spatial_plans.values()
+                took = entry.extra.boundary is not None and entry.extra.boundary.fast(2)
+                assert took == fast, what
         on_subgrid(comm, 1, dims, check)
 
 

@@ -1,0 +1,209 @@
+"""The fast path of SpatialConv3d: torch's own padded convolution of the local piece, plus thin
+corrections where a neighbour's faces enter.
+
+A "same" convolution (stride 1, dilation 1, kernel 2p+1, padding p) of the halo-extended
+piece is linear in it, and the extended piece is the local piece zero-padded plus the ghost
+faces: ``conv(x + ghosts) = conv_padded(x) + conv(ghosts)``. The second term is non-zero only
+on the p output planes next to each face a neighbour sent, and reaches them only through the
+p kernel taps that fall into the ghost region: a convolution of a slab of 2p - 1 planes. So
+the piece is never copied into an extended buffer (neither in forward nor backward), torch
+picks its fastest kernel for the padded convolution, and the faces travel while it runs
+(posted first, waited for after it: halo exchange overlapped with the interior computation).
+
+Used when at most one axis is split (no edge or corner ghosts; other grids take the general
+halo path) and every rank holds at least p planes (with nothing split it is torch's conv).
+The decision depends only on the global shape, the batch, the grid and the layer, so every
+rank of the spatial group takes the same path.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from hpcpar.parallel.counters import COUNTERS, profiled
+from hpcpar.parallel.partition import split_sizes
+
+__all__ = ["BoundarySpec", "boundary_spec", "boundary_conv"]
+
+_TAG_FWD = 0x4A30
+_TAG_BWD = 0x4A40
+
+
+class BoundarySpec:
+    """What the fast path needs: the split axis ``a``, the pads, the neighbours (spatial
+    ranks, None at the volume's edge) and the communicator."""
+
+    def __init__(self, axis: int, pads: tuple[int, int, int], lo, hi, comm, groups: int):
+        self.axis, self.pads, self.nbr, self.comm, self.groups = axis, pads, (lo, hi), comm, groups
+        self.p = pads[axis]
+        other = list(pads)
+        other[axis] = 0
+        self.slab_pads = tuple(other)  # the correction: valid along the axis, padded elsewhere
+
+    def fast(self, batch: int) -> bool:  # replaced by boundary_spec
+        return True
+
+    def face(self, t: torch.Tensor, side: int) -> tuple[slice, ...]:
+        """Slices of the p planes of ``t`` at ``side`` (0 lo, 1 hi) along the axis."""
+        n = t.shape[2 + self.axis]
+        sl = [slice(None)] * 5
+        sl[2 + self.axis] = slice(0, self.p) if side == 0 else slice(n - self.p, n)
+        return tuple(sl)
+
+    def taps(self, weight: torch.Tensor, side: int) -> tuple[slice, ...]:
+        """The kernel taps that reach into the ghosts of ``side``: the first p (lo) or the
+        last p (hi) along the axis."""
+        k = weight.shape[2 + self.axis]
+        sl = [slice(None)] * 5
+        sl[2 + self.axis] = slice(0, self.p) if side == 0 else slice(k - self.p, k)
+        return tuple(sl)
+
+    def slab(self, ghost: torch.Tensor, side: int) -> torch.Tensor:
+        """The ghost faces with the p - 1 zero planes (the local piece's share of the window,
+        zero in this term) on the side away from the ghosts."""
+        if self.p == 1:
+            return ghost
+        pad = [0] * 6
+        pad[2 * (2 - self.axis) + (1 if side == 0 else 0)] = self.p - 1
+        return F.pad(ghost, pad)
+
+    def ghost_of(self, g_slab: torch.Tensor, side: int) -> torch.Tensor:
+        """The ghost part of a slab-shaped gradient."""
+        n = g_slab.shape[2 + self.axis]
+        sl = [slice(None)] * 5
+        sl[2 + self.axis] = slice(0, self.p) if side == 0 else slice(n - self.p, n)
+        return g_slab[tuple(sl)]
+
+
+def boundary_spec(layer, global_shape, grid) -> BoundarySpec | None:
+    """The fast-path spec for ``layer`` (a SpatialConv3d) on ``global_shape``, or None when
+    the general halo path must run. Global facts only: the same answer on every rank."""
+    from hpcpar.nn.conv import _torch_picks_slow_conv
+
+    k, s, d, pad = layer.kernel_size, layer.stride, layer.dilation, layer.padding
+    if any(v != 1 for v in (*s, *d)):
+        return None
+    if isinstance(pad, str):  # "same" with odd kernels pads (k - 1) / 2; "valid" pads 0
+        pad = tuple((kk - 1) // 2 for kk in k) if pad == "same" else (0, 0, 0)
+    if any(kk != 2 * p + 1 for kk, p in zip(k, pad)):
+        return None
+    dims = grid.spatial_shape
+    split = [a for a in range(3) if dims[a] > 1]
+    if len(split) > 1:
+        return None
+    a = split[0] if split else 0  # nothing split: torch's padded conv, no messages
+    smallest = min(split_sizes(global_shape[a], dims[a]))
+    if split and smallest < max(pad[a], 1):
+        return None
+    local = list(global_shape)
+    local[a] = smallest
+    from mpi4py import MPI
+
+    lo, hi = grid.neighbors("xyz"[a])
+    spec = BoundarySpec(a, tuple(pad), None if lo == MPI.PROC_NULL else lo,
+                        None if hi == MPI.PROC_NULL else hi, grid.spatial_comm, layer.groups)
+    # torch's slow CPU kernel depends on the batch too (the same on every rank): decided per
+    # batch size at forward; the general path permutes the axes for that case
+    spec.fast = lambda batch: not _torch_picks_slow_conv((batch, layer.in_channels, *local),
+                                                         k, s, d, layer.groups)
+    return spec
+
+
+def _exchange(spec: BoundarySpec, sends, recvs, tag: int):
+    """Post the receives and sends (messages are dense contiguous tensors); returns the
+    handles and the bytes sent."""
+    from hpcpar.parallel.comm import irecv, isend
+
+    handles, nbytes = [], 0
+    for side in (0, 1):
+        if recvs[side] is not None:  # the neighbour sent it from its opposite side
+            handles.append(irecv(recvs[side], spec.nbr[side], spec.comm, tag + 1 - side))
+    for side in (0, 1):
+        if sends[side] is not None:
+            handles.append(isend(sends[side], spec.nbr[side], spec.comm, tag + side))
+            nbytes += sends[side].numel() * sends[side].element_size()
+    return handles, nbytes
+
+
+def _wait(handles) -> None:
+    t0 = time.perf_counter()
+    for h in handles:
+        h.wait()
+    COUNTERS.t_halo_wait += time.perf_counter() - t0
+
+
+class BoundaryConv(torch.autograd.Function):
+    """``conv_padded(x) + corrections(ghost faces)``; backward is the exact adjoint (the
+    ghost faces' gradients go back to their owners)."""
+
+    @staticmethod
+    @profiled("hpcpar.halo_exchange")
+    def forward(ctx, x, weight, bias, spec: BoundarySpec):
+        t0 = time.perf_counter()
+        x = x.detach()
+        sends = [x[spec.face(x, s)].contiguous() if spec.nbr[s] is not None else None
+                 for s in (0, 1)]
+        recvs = [torch.empty_like(sends[s]) if sends[s] is not None else None for s in (0, 1)]
+        handles, nbytes = _exchange(spec, sends, recvs, _TAG_FWD)
+        COUNTERS.t_halo += time.perf_counter() - t0
+        out = F.conv3d(x, weight, bias, 1, spec.pads, 1, spec.groups)  # faces in flight
+        t0 = time.perf_counter()
+        _wait(handles)
+        COUNTERS.t_halo += time.perf_counter() - t0
+        COUNTERS.bytes_halo += nbytes
+        for s in (0, 1):
+            if recvs[s] is not None:
+                out[spec.face(out, s)] += F.conv3d(spec.slab(recvs[s], s),
+                                                   weight[spec.taps(weight, s)], None, 1,
+                                                   spec.slab_pads, 1, spec.groups)
+        ctx.spec = spec
+        ctx.save_for_backward(x, weight, *(r for r in recvs if r is not None))
+        ctx.has = [r is not None for r in recvs]
+        ctx.has_bias = bias is not None
+        return out
+
+    @staticmethod
+    @profiled("hpcpar.halo_exchange.backward")
+    def backward(ctx, grad_out):
+        spec = ctx.spec
+        x, weight, *ghosts = ctx.saved_tensors
+        ctx.spec = None
+        recvs = [ghosts.pop(0) if has else None for has in ctx.has]
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        bwd = torch.ops.aten.convolution_backward
+        gx, gw, gb = bwd(grad_out, x, weight, [weight.shape[0]] if ctx.has_bias else None,
+                         [1, 1, 1], list(spec.pads), [1, 1, 1], False, [0, 0, 0], spec.groups,
+                         [need_x, need_w, need_b and ctx.has_bias])
+        back = [None, None]
+        for s in (0, 1):
+            if recvs[s] is None:
+                continue
+            g = grad_out[spec.face(grad_out, s)].contiguous()
+            taps = spec.taps(weight, s)
+            g_slab, g_taps, _ = bwd(g, spec.slab(recvs[s], s), weight[taps].contiguous(), None,
+                                    [1, 1, 1], list(spec.slab_pads), [1, 1, 1], False,
+                                    [0, 0, 0], spec.groups, [need_x, need_w, False])
+            if need_w:
+                gw[taps] += g_taps
+            if need_x:
+                back[s] = spec.ghost_of(g_slab, s).contiguous()
+        if need_x:  # the ghosts' gradients go to their owners, who add them to their faces
+            t0 = time.perf_counter()
+            mine = [torch.empty_like(back[s]) if back[s] is not None else None for s in (0, 1)]
+            handles, nbytes = _exchange(spec, back, mine, _TAG_BWD)
+            _wait(handles)
+            for s in (0, 1):
+                if mine[s] is not None:
+                    gx[spec.face(gx, s)] += mine[s]
+            COUNTERS.t_halo += time.perf_counter() - t0
+            COUNTERS.bytes_halo += nbytes
+        return gx, gw, gb, None
+
+
+def boundary_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  spec: BoundarySpec) -> torch.Tensor:
+    """SpatialConv3d's forward on the fast path (see the module docstring)."""
+    return BoundaryConv.apply(x, weight, bias, spec)
