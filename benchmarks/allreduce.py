@@ -1,6 +1,7 @@
 """Gradient synchronisation: hpcpar DDP vs raw MPI Allreduce vs torch DDP (gloo), one run.
 
-    mpiexec -n 2 python benchmarks/allreduce.py [--mb 16] [--rounds 4] [--steps 4]
+    mpiexec -n 2 python benchmarks/allreduce.py [--mb 16] [--rounds 6] [--steps 4]
+        [--compute-buckets 25,1]
 
 (a) raw mpi4py ``Allreduce`` of one flat float32 buffer of B bytes (our limit);
 (b) hpcpar gradient sync of a model whose gradients total B bytes;
@@ -8,18 +9,26 @@
     batch, optimizer and bucket sizes.
 
 Configurations: ``comm`` (wide MLP, batch of 4 per rank: communication-bound) and ``compute``
-(a small 3D CNN on 24^3 volumes: compute-bound). Printed per configuration:
+(a small 3D CNN on 24^3 volumes: compute-bound; by default both DDPs at torch DDP's default
+buckets, 25 MB with a first bucket of 1 MB, ``--compute-buckets`` to change). Printed per
+configuration:
 
 * sync bandwidth / raw bandwidth: B / (first bucket launch -> last bucket done) for a
   backward pass that produces every gradient at once, vs B / raw Allreduce time, with the
   default buckets (25 MB, first 1 MB: the target) and with the step's smaller buckets;
-* DDP(gloo) step time / hpcpar step time (step = zero_grad + forward + backward + SGD step);
+* DDP(gloo) step time / hpcpar step time (step = zero_grad + forward + backward + SGD step),
+  median and min-max over rounds of the per-round ratio, beside gloo / local (the same step
+  without any sync: no sync can beat it, so this is the ceiling of the ratio);
 * exposed vs total communication per hpcpar step (``hpcpar.parallel.counters.COUNTERS``): the
   part of the sync the step waited for vs first launch -> last completion (overlap proof).
 
-Times are the median over steps of the slowest rank; the implementations alternate in rounds
-so load drift on a shared machine hits all of them alike. Targets: sync/raw >= 0.9,
-gloo/hpcpar >= 1.25 (comm) and >= 1.0 (compute), exposed clearly below total.
+A step's time is its slowest rank's; a round runs ``--steps`` steps of every implementation
+interleaved step by step (local, hpcpar, gloo, local, ...; reversed every other round), so
+load drift on a shared machine hits all of them alike; its ratio compares the round's
+medians. Ranks wait for each other between steps without spinning (a spinning barrier would
+take the core from a rank that is still computing on an oversubscribed node and bill it to
+the next step). One torch thread per rank (``OMP_NUM_THREADS``). Targets: sync/raw >= 0.9,
+gloo/hpcpar >= 1.25 (comm) and >= 1.10 (compute), exposed clearly below total.
 """
 
 from __future__ import annotations
@@ -63,9 +72,30 @@ def configs(args):
     out = {
         "comm": (lambda: wide_mlp(args.mb * MB), (4, mlp_width), mlp_width,
                  (args.bucket_mb or max(1.0, args.mb / 4), 1.0)),
-        "compute": (small_cnn, (2, 1, args.cnn, args.cnn, args.cnn), 8, (0.25, 0.05)),
+        "compute": (small_cnn, (2, 1, args.cnn, args.cnn, args.cnn), 8, args.compute_buckets),
     }
     return {k: out[k] for k in args.configs.split(",")}
+
+
+def quiet_barrier(comm, nap: float = 20e-6) -> None:
+    """A barrier that sleeps between polls (MPI's spins: on an oversubscribed node the spin
+    takes the core from the rank still computing)."""
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(nap)
+
+
+def cores_here() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def spread(ratios) -> str:
+    """Median [min-max] of per-round ratios."""
+    return (f"{statistics.median(ratios):.3f} [{min(ratios):.3f}-{max(ratios):.3f}] over "
+            f"{len(ratios)} rounds")
 
 
 def slowest_median(comm, times) -> float:
@@ -144,8 +174,8 @@ def bench_config(name, factory, in_shape, out_features, caps, grid, args, dist):
     local, local_opt = make(lambda m: m)
     hp, hp_opt = make(lambda m: hpcpar.DDP(m, grid, bucket_cap_mb=cap, first_bucket_mb=first,
                                            compression=args.compression))
-    th, th_opt = make(lambda m: torch.nn.parallel.DistributedDataParallel(
-        m, bucket_cap_mb=cap))
+    th, th_opt = make(lambda m: torch.nn.parallel.DistributedDataParallel(  # None: defaults
+        m, bucket_cap_mb=None if (cap, first) == (25, 1) else cap))
     grad_bytes = sum(p.numel() * 4 for p in local.parameters())
 
     def step(model, opt):
@@ -153,35 +183,42 @@ def bench_config(name, factory, in_shape, out_features, caps, grid, args, dist):
         ((model(x) - y) ** 2).mean().backward()
         opt.step()
 
-    times = {"local": [], "hpcpar": [], "gloo": []}
+    impls = {"local": (local, local_opt), "hpcpar": (hp, hp_opt), "gloo": (th, th_opt)}
+    rounds = {k: [] for k in impls}  # per round: median step time (slowest rank per step)
     exposed, total = [], []
     for _ in range(args.warmup):
-        for model, opt in ((local, local_opt), (hp, hp_opt), (th, th_opt)):
+        for model, opt in impls.values():
             step(model, opt)
-    for _ in range(args.rounds):
-        for key, model, opt in (("local", local, local_opt), ("hpcpar", hp, hp_opt),
-                                ("gloo", th, th_opt)):
-            for _ in range(args.steps):
-                comm.Barrier()
+    for i in range(args.rounds):
+        order = list(impls) if i % 2 == 0 else list(reversed(impls))
+        times = {k: [] for k in impls}
+        for _ in range(args.steps):
+            for key in order:
+                quiet_barrier(comm)
                 before = COUNTERS.snapshot()
                 t0 = time.perf_counter()
-                step(model, opt)
+                step(*impls[key])
                 times[key].append(time.perf_counter() - t0)
                 if key == "hpcpar":
                     d = COUNTERS.since(before)
                     exposed.append(d["t_allreduce_exposed"])
                     total.append(d["t_allreduce_total"])
+        for key, ts in times.items():
+            slowest = [max(per_rank) for per_rank in zip(*comm.allgather(ts))]
+            rounds[key].append(statistics.median(slowest))
     raw, span = sync_vs_raw(hp, hp.module, grad_bytes, args.rounds * args.steps)
     if name == "comm":  # the same sync with the default buckets (25 MB, first 1 MB)
         torch.manual_seed(0)
         default = hpcpar.DDP(factory(), grid, compression=args.compression)
         raw_d, span_d = sync_vs_raw(default, default.module, grad_bytes,
                                     args.rounds * args.steps)
-    med = {k: slowest_median(comm, v) for k, v in times.items()}
+    med = {k: statistics.median(v) for k, v in rounds.items()}
+    vs_hp = [g / h for g, h in zip(rounds["gloo"], rounds["hpcpar"])]
+    vs_local = [g / x for g, x in zip(rounds["gloo"], rounds["local"])]
     exp, tot = slowest_median(comm, exposed), slowest_median(comm, total)
     if r == 0:
         bw_raw, bw_sync = grad_bytes / raw / 1e9, grad_bytes / span / 1e9
-        target = 1.25 if name == "comm" else 1.0
+        target = 1.25 if name == "comm" else 1.10
         print(f"[{name}] {comm.Get_size()} ranks, gradients {grad_bytes / MB:.2f} MB, buckets "
               f"{first:g}/{cap:g} MB, hierarchical={hp.hierarchical}, "
               f"compression={args.compression}")
@@ -197,13 +234,30 @@ def bench_config(name, factory, in_shape, out_features, caps, grid, args, dist):
              if name == "comm" else ": latency-bound, no target)")
         print(f"  hpcpar sync   {span * 1e3:8.2f} ms  {bw_sync:6.2f} GB/s   sync/raw bandwidth "
               f"= {bw_sync / bw_raw:.2f}  {note}")
+        print(f"  {comm.Get_size()} ranks on {cores_here()} cores "
+              f"({comm.Get_size() / cores_here():g} ranks per core), "
+              f"{torch.get_num_threads()} torch thread(s) per rank, {args.rounds} rounds x "
+              f"{args.steps} steps, torch DDP buckets {first:g}/{cap:g} MB"
+              f"{' (its defaults)' if (cap, first) == (25, 1) else ''}")
         print(f"  step: local (no sync) {med['local'] * 1e3:.1f} ms | hpcpar "
-              f"{med['hpcpar'] * 1e3:.1f} ms | torch DDP gloo {med['gloo'] * 1e3:.1f} ms   "
-              f"gloo/hpcpar = {med['gloo'] / med['hpcpar']:.2f}  (target >= {target})")
+              f"{med['hpcpar'] * 1e3:.1f} ms | torch DDP gloo {med['gloo'] * 1e3:.1f} ms "
+              f"(medians of round medians)")
+        print(f"  gloo/hpcpar = {spread(vs_hp)}  (target >= {target}) | ceiling "
+              f"gloo/local = {spread(vs_local)}")
+        cost = {k: statistics.median(a - b for a, b in zip(rounds[k], rounds["local"]))
+                for k in ("hpcpar", "gloo")}
+        print(f"  sync cost per step (step - local, median over rounds): hpcpar "
+              f"{cost['hpcpar'] * 1e3:.2f} ms, gloo {cost['gloo'] * 1e3:.2f} ms; compute is "
+              f"{med['local'] / med['gloo']:.0%} of the gloo step")
         print(f"  hpcpar comm per step: exposed {exp * 1e3:.2f} ms of total {tot * 1e3:.2f} ms "
               f"({exp / tot if tot else 0:.0%} exposed)", flush=True)
     del th
     dist.barrier()
+
+
+def _caps(text: str) -> tuple[float, float]:
+    cap, first = (float(v) for v in text.split(","))
+    return cap, first
 
 
 def main(argv=None):
@@ -214,7 +268,10 @@ def main(argv=None):
                          "overlap backward; DDP's 25 MB would make a 16 MB model one bucket)")
     ap.add_argument("--cnn", type=int, default=24, help="CNN input edge (voxels)")
     ap.add_argument("--configs", default="comm,compute")
-    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--compute-buckets", type=_caps, default=(25.0, 1.0),
+                    help="CAP,FIRST bucket MB of the CNN for both DDPs (default 25,1: torch "
+                         "DDP's defaults; e.g. 0.25,0.05 to split its 0.7 MB in 4 buckets)")
+    ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps", type=int, default=4, help="steps per round per implementation")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--compression", default=None, choices=[None, "fp16", "bf16"])

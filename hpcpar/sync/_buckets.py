@@ -31,6 +31,7 @@ bucket runs on its own duplicated communicators (see :meth:`ReduceGroup.channel`
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -41,6 +42,18 @@ from hpcpar.sync._compression import accumulation_dtype, fold
 MB = 1 << 20
 #: buckets whose other ranks' copies total at most this many bytes take the one-round path
 SMALL_BUCKET_BYTES = 256 * 1024
+#: a synchronising stage still unfinished after SPIN_S plus SPIN_S_PER_BYTE of its bucket
+#: (the time a peer takes to sum and copy its share) waits for a peer that is still computing
+SPIN_S = 100e-6
+SPIN_S_PER_BYTE = 1e-9
+#: ... and sleeps between polls: NAP_FRACTION of the time waited so far, within
+#: [NAP_S, MAX_NAP_S] (plus the kernel's timer slack), so it notices the peer at most ~5%
+#: late and a long wait costs almost no CPU
+NAP_S = 20e-6
+MAX_NAP_S = 500e-6
+NAP_FRACTION = 0.05
+#: plans whose stages only synchronise (no large message needs both ranks polling)
+NAPPING_PLANS = ("shared", "gather")
 
 
 def _one_shared_node(comm) -> bool:
@@ -295,12 +308,20 @@ class TorchGroup:
 
 
 class Pending:
-    """Drives a reduction generator: ``test()`` advances without blocking, ``wait()`` finishes."""
+    """Drives a reduction generator: ``test()`` advances without blocking, ``wait()`` finishes.
 
-    __slots__ = ("_gen", "_req")
+    ``spin_s``: set when the pipeline's stages only synchronise (barriers, small messages):
+    a rank still waiting on a stage after ``spin_s`` is waiting for a peer that is still
+    computing, so it sleeps between polls (:data:`NAP_FRACTION`) instead of burning the CPU
+    that peer, or anyone else on an oversubscribed node, needs to catch up. None: stages
+    that stream large messages keep polling, since MPI moves their data only while both
+    ranks are inside MPI calls."""
 
-    def __init__(self, gen):
+    __slots__ = ("_gen", "_req", "_spin_s")
+
+    def __init__(self, gen, spin_s: float | None = None):
         self._gen = gen
+        self._spin_s = spin_s
         self._req = next(gen, None)
 
     def test(self) -> bool:
@@ -311,15 +332,21 @@ class Pending:
     def wait(self) -> None:
         """Finish, yielding the core between polls: MPI's own Wait spins, which on a node
         with more ranks than cores steals the CPU from the ranks that are still computing
-        (the ones this rank is waiting for)."""
+        (the ones this rank is waiting for); past the spin window of a napping pipeline,
+        sleep instead (a yield still runs the poll loop whenever the core is free)."""
         while self._req is not None:
-            if getattr(self._req, "blocking_wait", False):
-                self._req.Wait()
-                self._req = next(self._gen, None)
-            elif self._req.Test():
-                self._req = next(self._gen, None)
+            req = self._req
+            if getattr(req, "blocking_wait", False):
+                req.Wait()
             else:
-                os.sched_yield()
+                started = time.perf_counter()
+                while not req.Test():
+                    waited = time.perf_counter() - started
+                    if self._spin_s is not None and waited > self._spin_s:
+                        time.sleep(min(MAX_NAP_S, max(NAP_S, NAP_FRACTION * waited)))
+                    else:
+                        os.sched_yield()
+            self._req = next(self._gen, None)
 
 
 class Bucket:
@@ -382,26 +409,34 @@ class Bucket:
         return self.missing == 0
 
     def adopt_grads(self) -> None:
-        """Make every ``.grad`` live in the flat buffer; None contributes zero; set flags."""
-        for i, (p, view) in enumerate(zip(self.params, self.views)):
+        """Make every ``.grad`` live in the flat buffer; None contributes zero; set flags
+        (in one write: a tensor item assignment costs ~5 us of dispatch each)."""
+        flags = []
+        for p, view in zip(self.params, self.views):
             g = p.grad
             if g is None:
                 view.zero_()
-                self.flags[i] = 0
+                flags.append(0)
                 continue
             if g.data_ptr() != view.data_ptr():
                 view.copy_(g)
                 p.grad = view
-            self.flags[i] = 1
+            flags.append(1)
+        self.flags.copy_(torch.tensor(flags, dtype=self.flags.dtype))
 
     def launch(self) -> None:
         self.adopt_grads()
-        self.pending = Pending(self.group.reduce(self))
+        spin = SPIN_S + SPIN_S_PER_BYTE * self.wire_bytes if self.plan in NAPPING_PLANS \
+            else None
+        self.pending = Pending(self.group.reduce(self), spin)
 
     def finalize(self) -> None:
         """After the reduction: grads of parameters with no gradient on any rank stay None."""
         for p, view, flag in zip(self.params, self.views, self.flags.tolist()):
-            p.grad = view if flag > 0 else None
+            if flag <= 0:
+                p.grad = None
+            elif p.grad is not view:
+                p.grad = view
 
 
 def assign_buckets(params, cap_bytes: int, first_cap_bytes: int):
