@@ -12,9 +12,31 @@ __all__ = ["CHUNK_OPTION", "data", "make", "LAUNCHER_VARS", "cosmoflow", "shard"
 
 CHUNK_OPTION = click.option(
     "--chunk", default="auto", show_default=True,
-    help="Chunk edge target along D, H, W, or D,H,W (0: whole axis; auto: min(32, axis/4)), "
-         "or grid:XxYxZ (one chunk per rank block of that spatial grid: each rank reads one "
-         "chunk per sample straight into place, the fastest read).")
+    help="Chunk edge target along D, H, W, or D,H,W (0: whole axis; auto: D min(32, D/4), "
+         "H half, W whole), or grid:XxYxZ (one chunk per rank block of that spatial grid: "
+         "each rank reads one chunk per sample straight into place).")
+GRID_OPTION = click.option(
+    "--grid", default=None, metavar="DxXxYxZ",
+    help="The process grid you will train on (or its spatial part XxYxZ): chunks become one "
+         "per rank block of it, as --chunk grid:XxYxZ; other grids still read the data.")
+
+
+def _chunking(chunk: str, grid: str | None):
+    """The writer's ``chunk`` from --chunk and --grid (a grid hint with an explicit --chunk
+    other than auto is a contradiction)."""
+    from hpcpar.data.format import parse_chunk
+    from hpcpar.errors import DataError
+
+    if grid is None:
+        return parse_chunk(chunk)
+    if str(chunk).strip().lower() != "auto":
+        raise DataError(f"--grid {grid} and --chunk {chunk}: give one of them (--grid chooses "
+                        "the chunks)")
+    try:
+        return parse_chunk(f"grid:{grid}")
+    except DataError:
+        raise DataError(f"--grid: expected DxXxYxZ or XxYxZ (positive integers), got "
+                        f"{grid!r}") from None
 
 
 @click.group()
@@ -55,20 +77,21 @@ def _comm():
 @click.option("--seed", default=0, show_default=True, help="Data seed (sample i depends on "
               "(seed, i) only).")
 @CHUNK_OPTION
+@GRID_OPTION
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def cosmoflow(out, samples, size, channels, shards, seed, chunk, force, quiet):
+def cosmoflow(out, samples, size, channels, shards, seed, chunk, grid, force, quiet):
     """CosmoFlow-like Gaussian random fields; targets: amplitude, slope, cutoff,
     nonlinearity (normalised to [-1, 1])."""
-    from hpcpar.data.format import parse_chunk
     from hpcpar.data.synthetic import CosmoflowSource, check_params
     from hpcpar.data.writer import shard_counts, write_dataset
 
     check_params(size, channels, seed, samples)
+    chunking = _chunking(chunk, grid)
     comm = _comm()
     counts = shard_counts(samples, shards=shards)
     m = write_dataset(out, CosmoflowSource(samples, size, channels, seed), counts, comm=comm,
-                      chunk=parse_chunk(chunk), force=force, progress=not quiet)
+                      chunk=chunking, force=force, progress=not quiet)
     if comm.Get_rank() == 0:
         click.echo(f"wrote {out}: {m.num_samples} samples in {len(m.shards)} shards "
                    f"(x {tuple(m.x.shape)} {m.x.dtype}, y {tuple(m.y.shape)}) "
@@ -84,6 +107,7 @@ def cosmoflow(out, samples, size, channels, shards, seed, chunk, force, quiet):
               help="Dataset with the targets, (N, K) or (N,).")
 @click.option("--samples-per-shard", type=int, required=True, help="Samples per shard.")
 @CHUNK_OPTION
+@GRID_OPTION
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.option("--allow-nonfinite", is_flag=True, help="Keep NaN/inf values (else an error "
@@ -93,18 +117,18 @@ def cosmoflow(out, samples, size, channels, shards, seed, chunk, force, quiet):
               help="Input transform training applies at run time, recorded in the manifest "
                    "(the stored values are copied unchanged); [data] transform = 'auto' "
                    "follows it.")
-def shard(in_file, out, x_key, y_key, samples_per_shard, chunk, force, quiet, allow_nonfinite,
-          transform):
+def shard(in_file, out, x_key, y_key, samples_per_shard, chunk, grid, force, quiet,
+          allow_nonfinite, transform):
     """Re-shard a single HDF5 file into an hpcpar dataset directory; values are copied as
     they are, and no input transform is applied at run time unless --transform asks."""
-    from hpcpar.data.format import parse_chunk
     from hpcpar.data.writer import H5Source, shard_counts, write_dataset
 
+    chunking = _chunking(chunk, grid)
     source = H5Source(in_file, x_key, y_key)
     try:
         comm = _comm()
         counts = shard_counts(len(source), samples_per_shard=samples_per_shard)
-        m = write_dataset(out, source, counts, comm=comm, chunk=parse_chunk(chunk), force=force,
+        m = write_dataset(out, source, counts, comm=comm, chunk=chunking, force=force,
                           progress=not quiet, allow_nonfinite=allow_nonfinite,
                           transform=transform)
     finally:

@@ -5,18 +5,27 @@ numpy + h5py only. Bytes read are counted as storage delivers them: every chunk 
 touches, whole (edge chunks are stored full size), plus the ``y`` rows.
 
 Fast path (unfiltered chunked ``x``, POSIX files): HDF5's chunk index, walked once per shard,
-gives each chunk's file offset. Chunks aligned with the rank's box and spanning its H and W
-are read with one ``preadv`` straight into the output; otherwise each row of touched chunks is
-read with one ``preadv`` per run of chunks adjacent in the file into a reused buffer, then
-placed into the output with one transposing copy while the kernel's readahead fetches the
-next rows. This avoids HDF5's per-chunk cache allocation and row-wise copies, which make
-warm reads several times slower than a plain read. Anything else (compressed chunks,
-contiguous datasets, the mpio driver) goes through ``read_direct`` with a chunk cache big
-enough to hold a chunk, so HDF5 fetches each chunk once instead of row by row.
+gives each chunk's file offset. When the rank's box covers whole chunks along W (the default
+chunks span the whole W axis), every chunk lands in the output as a few long contiguous
+pieces (one per channel and D plane, or one per channel when the chunk also spans the box's
+H), so each run of chunks adjacent in the file is read with one ``preadv`` straight into the
+output; the parts of a chunk outside the box (a box not aligned with chunk edges along D or
+H) go to a reused discard buffer, so whole chunks are still read in one sequential pass. The
+hundreds of buffer addresses per sample are computed with numpy and passed to libc's
+``preadv`` directly (building as many Python buffer objects costs a third of the read).
+Otherwise (boxes that cut chunks along W) each row of touched chunks is read with one
+``preadv`` per run of chunks adjacent in the file into a reused buffer, then placed into the
+output with one transposing copy while the kernel's readahead fetches the next rows: that
+copy costs about as much as the read itself from the page cache. Both avoid HDF5's per-chunk
+cache allocation and row-wise copies, which make warm reads several times slower than a
+plain read. Anything else (compressed chunks, contiguous datasets, the mpio driver) goes
+through ``read_direct`` with a chunk cache big enough to hold a chunk, so HDF5 fetches each
+chunk once instead of row by row.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -27,8 +36,8 @@ from hpcpar.data.format import open_h5
 from hpcpar.errors import DataError
 
 MAX_OPEN = 64  # shard files kept open at once
-MAX_IOVECS = 64  # channels beyond this: chunks go through the staging buffer
 IOV_PER_READ = 512  # buffers per preadv, well below IOV_MAX (1024 on Linux)
+MIN_PIECE = 1024  # bytes: smaller average pieces of a direct read go through the staging copy
 
 
 def touched_chunk_bytes(box, chunks, itemsize: int) -> int:
@@ -63,7 +72,7 @@ class OpenShard:
 
     def plan(self, box) -> list:
         if box not in self.plans:
-            self.plans[box] = chunk_plan(box, self.chunks)
+            self.plans[box] = chunk_plan(box, self.chunks, self.dtype.itemsize)
         return self.plans[box]
 
     def chunk_offsets(self, row: int, box) -> list:
@@ -131,14 +140,93 @@ class ShardFiles:
 @dataclass(frozen=True)
 class ChunkPlan:
     """How to read one box: the touched chunks' grid (nd, nh, nw), the box inside the
-    chunk-aligned super-box (None: aligned), whether chunks can be read straight into place
-    (aligned, spanning the block's H and W), and the touched chunks' (kd, kh, kw) indices in
-    row-major order, as 3 index arrays."""
+    chunk-aligned super-box (None: aligned), the touched chunks' (kd, kh, kw) indices in
+    row-major order, as 3 index arrays, and, when chunks can be read straight into place,
+    ``pieces``: for each touched chunk, its bytes in file order as an (n, 2) int64 array of
+    ``(nbytes, dest_offset)`` rows (``dest_offset`` -1: outside the box, read into the
+    discard buffer), with ``discard`` the longest such gap (else 0)."""
 
     grid: tuple
     crop: tuple | None
-    direct: bool
     coords: tuple
+    pieces: tuple | None = None
+    discard: int = 0
+    _runs: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def direct(self) -> bool:
+        return self.pieces is not None
+
+    def run(self, q: int, m: int) -> tuple:
+        """Chunks q..m-1 (adjacent in the file) as one read: the pieces' sizes, their output
+        offsets (-1: discard) and the running byte count, computed once per plan."""
+        if (q, m) not in self._runs:
+            table = np.concatenate(self.pieces[q:m])
+            self._runs[(q, m)] = (table[:, 0].astype(np.uint64), table[:, 1],
+                                  np.cumsum(table[:, 0]).tolist(), {})
+        return self._runs[(q, m)]
+
+
+def chunk_pieces(box, chunks, k, itemsize: int) -> list:
+    """Chunk ``k`` = (kd, kh, kw)'s bytes in file order as merged ``(nbytes, dest_offset)``
+    pairs, for a C-contiguous (C, d, h, w) output of ``box`` that holds the chunk's whole W
+    extent (-1: bytes outside the box)."""
+    c, cd, ch, cw = chunks[1:]
+    (d0, d1), (h0, h1), (w0, w1) = box
+    bd, bh, bw = d1 - d0, h1 - h0, w1 - w0
+    od, oh, ow = k[0] * cd, k[1] * ch, k[2] * cw  # the chunk's origin in the volume
+    da, db = max(d0 - od, 0), min(d1 - od, cd)
+    ha, hb = max(h0 - oh, 0), min(h1 - oh, ch)
+    row = cw * itemsize
+    out: list = []
+
+    def add(nbytes: int, dest: int) -> None:
+        if nbytes <= 0:
+            return
+        if out and (out[-1][1] < 0) == (dest < 0) and (
+                dest < 0 or out[-1][1] + out[-1][0] == dest):
+            out[-1] = (out[-1][0] + nbytes, out[-1][1])
+        else:
+            out.append((nbytes, dest))
+
+    for ci in range(c):
+        for d in range(cd):
+            if not da <= d < db:
+                add(ch * row, -1)
+                continue
+            add(ha * row, -1)
+            base = ((ci * bd + od + d - d0) * bh + oh - h0) * bw + ow - w0
+            if cw == bw:  # the chunk spans the box's W: its rows are one piece
+                add((hb - ha) * row, (base + ha * bw) * itemsize)
+            else:
+                for h in range(ha, hb):
+                    add(row, (base + h * bw) * itemsize)
+            add((ch - hb) * row, -1)
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def chunk_plan(box, chunks, itemsize: int = 4) -> ChunkPlan:
+    """The plan of reading ``box`` (a tuple of (start, stop) pairs) of a sample chunked
+    ``chunks`` (shared by every shard with those chunks)."""
+    sizes = chunks[2:]
+    ranges = [(a // c, (b - 1) // c + 1) for (a, b), c in zip(box, sizes)]
+    grid = tuple(k1 - k0 for k0, k1 in ranges)
+    coords = tuple(k.ravel() for k in np.meshgrid(*(np.arange(k0, k1) for k0, k1 in ranges),
+                                                  indexing="ij"))
+    crop = tuple(slice(a - k0 * c, b - k0 * c) for (a, b), (k0, _), c in zip(box, ranges, sizes))
+    aligned = all(s.start == 0 and s.stop == g * c for s, g, c in zip(crop, grid, sizes))
+    pieces, discard = None, 0
+    whole_w = crop[2].start == 0 and crop[2].stop == grid[2] * sizes[2]
+    if whole_w and (grid[2] == 1 or sizes[2] * itemsize >= MIN_PIECE):
+        pieces = tuple(np.array(chunk_pieces(box, chunks, k, itemsize), np.int64).reshape(-1, 2)
+                       for k in zip(*coords))
+        table = np.concatenate(pieces)
+        wanted = table[table[:, 1] >= 0, 0]
+        discard = int(table[table[:, 1] < 0, 0].max(initial=0))
+        if wanted.sum() < MIN_PIECE * len(wanted):  # tiny pieces: one staging copy is faster
+            pieces, discard = None, 0
+    return ChunkPlan(grid, None if aligned else crop, coords, pieces, discard)
 
 
 def chunk_offset_table(dx) -> np.ndarray:
@@ -158,18 +246,6 @@ def chunk_offset_table(dx) -> np.ndarray:
         for i in range(dx.id.get_num_chunks()):
             visit(dx.id.get_chunk_info(i))
     return table
-
-
-def chunk_plan(box, chunks) -> ChunkPlan:
-    sizes = chunks[2:]
-    ranges = [(a // c, (b - 1) // c + 1) for (a, b), c in zip(box, sizes)]
-    grid = tuple(k1 - k0 for k0, k1 in ranges)
-    coords = tuple(k.ravel() for k in np.meshgrid(*(np.arange(k0, k1) for k0, k1 in ranges),
-                                                  indexing="ij"))
-    crop = tuple(slice(a - k0 * c, b - k0 * c) for (a, b), (k0, _), c in zip(box, ranges, sizes))
-    aligned = all(s.start == 0 and s.stop == g * c for s, g, c in zip(crop, grid, sizes))
-    direct = aligned and grid[1] == grid[2] == 1 and chunks[1] <= MAX_IOVECS
-    return ChunkPlan(grid, None if aligned else crop, direct, coords)
 
 
 def _pread(fd: int, buffers, offset: int, expected: int) -> None:
@@ -205,6 +281,100 @@ def _read_run(sh: OpenShard, offsets, i: int, j: int, parts, nbytes: int) -> int
     return nread
 
 
+@functools.cache
+def _libc_preadv():
+    """libc's ``preadv`` taking an iovec array's address (None where it cannot be loaded)."""
+    import ctypes
+
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).preadv
+    except (OSError, AttributeError):  # pragma: no cover - not glibc/musl
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
+    fn.restype = ctypes.c_ssize_t
+    return fn
+
+
+def _iovecs(run: tuple, base: int, spare: int) -> np.ndarray:
+    """The run's ``struct iovec`` array for an output at address ``base`` and a discard buffer
+    at ``spare``, kept for the last few outputs (the prefetch slots and a caller's reused
+    buffer come back every step); a new array each time, never one changed in place."""
+    sizes, at, _, kept = run
+    key = (base, spare)
+    iov = kept.get(key)
+    if iov is None:
+        iov = np.empty((len(sizes), 2), np.uint64)  # {void *iov_base; size_t iov_len}
+        iov[:, 0] = np.where(at >= 0, base + at, spare)
+        iov[:, 1] = sizes
+        if len(kept) >= 64:
+            kept.pop(next(iter(kept)))
+        kept[key] = iov
+    return iov
+
+
+def _preadv_table(fd: int, run: tuple, base: int, spare: int, offset: int) -> None:
+    """Read a run's bytes from ``offset`` on into its pieces (``ChunkPlan.run``) of the buffer
+    at address ``base`` (discarded parts into the buffer at ``spare``), IOV_PER_READ pieces
+    per call."""
+    iov, ends = _iovecs(run, base, spare), run[2]
+    preadv = _libc_preadv()
+    address = iov.ctypes.data
+    for i in range(0, len(iov), IOV_PER_READ):
+        j = min(i + IOV_PER_READ, len(iov))
+        want = ends[j - 1] - (ends[i - 1] if i else 0)
+        got = preadv(fd, address + i * 16, j - i, offset)
+        if got < 0:
+            import ctypes
+
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+        if got != want:
+            raise OSError(f"short read at byte {offset}: {got} of {want}")
+        offset += want
+
+
+def _preadv_buffers(fd: int, run: tuple, raw: memoryview, trash: np.ndarray,
+                    offset: int) -> None:
+    """The same with Python buffer objects (where libc's preadv cannot be loaded)."""
+    spare = memoryview(trash).cast("B")
+    iov = [raw[at:at + size] if at >= 0 else spare[:size]
+           for size, at in zip(run[0].tolist(), run[1].tolist())]
+    for i in range(0, len(iov), IOV_PER_READ):
+        part = iov[i:i + IOV_PER_READ]
+        want = sum(len(b) for b in part)
+        _pread(fd, part, offset, want)
+        offset += want
+
+
+def _read_direct(sh: OpenShard, plan: ChunkPlan, offsets, dest: np.ndarray,
+                 scratch: dict, nbytes: int) -> int:
+    """Read the touched chunks straight into ``dest`` (C-contiguous) and the discard buffer,
+    one pass per run of chunks adjacent in the file; returns the bytes read."""
+    trash = _scratch(scratch, (max(plan.discard, 1),), np.uint8)
+    fast = _libc_preadv() is not None
+    base = dest.ctypes.data if fast else None
+    nread, q, n = 0, 0, len(offsets)
+    while q < n:
+        if offsets[q] is None:  # never written: HDF5's fill value
+            raw = memoryview(dest).cast("B")
+            for size, at in plan.pieces[q].tolist():
+                if at >= 0:
+                    np.frombuffer(raw[at:at + size], sh.dtype)[...] = sh.fill
+            q += 1
+            continue
+        m = q + 1
+        while m < n and offsets[m] is not None and offsets[m] == offsets[q] + (m - q) * nbytes:
+            m += 1
+        if fast:
+            _preadv_table(sh.fd, plan.run(q, m), base, trash.ctypes.data, offsets[q])
+        else:
+            _preadv_buffers(sh.fd, plan.run(q, m), memoryview(dest).cast("B"), trash,
+                            offsets[q])
+        nread += (m - q) * nbytes
+        q = m
+    return nread
+
+
 def _read_chunks(sh: OpenShard, row: int, box, dest: np.ndarray, scratch: dict) -> int:
     """Read the chunks of ``box`` of sample ``row`` into ``dest`` (C, d, h, w) with preadv:
     straight into place when the plan allows, else row of chunks by row of chunks into a
@@ -214,10 +384,8 @@ def _read_chunks(sh: OpenShard, row: int, box, dest: np.ndarray, scratch: dict) 
     c, cd, ch, cw = sh.chunks[1:]
     nbytes = c * cd * ch * cw * sh.dtype.itemsize
     offsets = sh.chunk_offsets(row, box)
-    if plan.direct:  # chunk k is dest[:, k*cd:(k+1)*cd], one contiguous block per channel
-        raw, (sc, sd) = memoryview(dest).cast("B"), dest.strides[:2]
-        return _read_run(sh, offsets, 0, len(offsets), lambda k: [
-            raw[i * sc + k * cd * sd:i * sc + (k + 1) * cd * sd] for i in range(c)], nbytes)
+    if plan.direct and dest.flags.c_contiguous:
+        return _read_direct(sh, plan, offsets, dest, scratch, nbytes)
     nd, nh, nw = plan.grid
     staging = _scratch(scratch, (len(offsets), c, cd, ch, cw), sh.dtype)
     aligned = plan.crop is None and dest.flags.c_contiguous

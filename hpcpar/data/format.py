@@ -8,14 +8,17 @@ A dataset is a directory::
 
 ``x`` is chunked ``(1, C, cd, ch, cw)``: one sample per chunk row and every channel in a chunk
 (a rank reads all channels of its sub-volume), so a rank's hyperslab of one sample touches only
-the chunks overlapping its box. Every check here raises :class:`DataError` with one line that
-names the file and the field. numpy + h5py only (the prefetch process imports this).
+the chunks overlapping its box. By default chunks span half of H and all of W (long contiguous
+pieces a rank reads straight into its output); ``grid:XxYxZ`` makes one chunk per rank block. Every
+check here raises :class:`DataError` with one line that names the file and the field. numpy +
+h5py only (the prefetch process imports this).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,17 +32,19 @@ if TYPE_CHECKING:
     import numpy as np
     from numpy.typing import ArrayLike
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "HDF5_SIGNATURE", "DEFAULT_CHUNK", "shard_name",
-           "chunk_edge", "PerRankChunks", "parse_chunk", "x_chunks", "Array", "Shard", "Manifest",
-           "read_manifest", "sha256_file", "check_file", "open_h5", "check_array", "check_shard",
-           "manifest_problems", "verify_dataset", "SCAN_BLOCK_BYTES", "value_stats", "merge_stats",
-           "dataset_stats", "expects_finite", "check_finite", "check_values"]
+__all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "HDF5_SIGNATURE", "DEFAULT_CHUNK",
+           "MAX_AUTO_CHUNK", "shard_name", "chunk_edge", "PerRankChunks", "parse_chunk",
+           "x_chunks", "Array", "Shard", "Manifest", "read_manifest", "sha256_file", "check_file",
+           "open_h5", "check_array", "check_shard", "manifest_problems", "verify_dataset",
+           "SCAN_BLOCK_BYTES", "value_stats", "merge_stats", "dataset_stats", "expects_finite",
+           "check_finite", "check_values"]
 
 FORMAT = "hpcpar-volume-shards"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
-DEFAULT_CHUNK = 32  # largest automatic chunk edge: 4 x 32^3 float32 = 512 KiB per chunk
+DEFAULT_CHUNK = 32  # largest automatic chunk edge along D (H: half the axis, W: all of it)
+MAX_AUTO_CHUNK = 1 << 22  # elements: automatic chunks are at most 16 MiB of float32
 
 
 def shard_name(index: int) -> str:
@@ -125,14 +130,29 @@ def x_chunks(sample_shape: Sequence[int],
 
     Args:
         sample_shape: Per-sample shape ``(C, D, H, W)``.
-        target: None (auto), one edge for D, H, W, a (D, H, W) triple (0 means the whole
-            axis) or ``PerRankChunks`` (the largest rank block of the balanced split on each
-            axis).
+        target: None (auto: the D edge as ``chunk_edge`` chooses, half of H, all of W,
+            halving the larger D/H edge while a chunk exceeds ``MAX_AUTO_CHUNK`` elements), one
+            edge for D, H, W, a (D, H, W) triple (0 means the whole axis) or
+            ``PerRankChunks`` (the largest rank block of the balanced split on each axis).
 
     Returns:
         ``(1, C, d, h, w)``: one sample and all channels per chunk.
+
+    Auto chunks span W because a grid that does not split W then reads each chunk as long
+    contiguous pieces straight into its output (as fast as a plain read): one piece per
+    channel and D plane, or per channel when the box spans the chunk's H (a grid splitting H
+    in two), so few pieces. Grids that split W read whole rows (W/z times their share), and
+    grids splitting H in more than 2 read whole half-planes, unless the data is chunked for
+    them (``PerRankChunks``).
     """
     c, *spatial = sample_shape
+    if target is None:
+        edges = [chunk_edge(spatial[0]), chunk_edge(spatial[1], -(-spatial[1] // 2)),
+                 spatial[2]]
+        while c * math.prod(edges) > MAX_AUTO_CHUNK and max(edges[:-1]) > 1:
+            i = edges.index(max(edges[:-1]))
+            edges[i] = chunk_edge(spatial[i], edges[i] // 2)
+        return (1, c, *edges)
     if isinstance(target, PerRankChunks):
         target = tuple(split_sizes(n, p)[0] for n, p in zip(spatial, target.parts))
     targets = target if isinstance(target, (tuple, list)) else (target,) * len(spatial)

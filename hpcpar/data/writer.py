@@ -22,7 +22,6 @@ from hpcpar.parallel.partition import part_range
 if TYPE_CHECKING:
     from mpi4py import MPI
 
-    from .format import PerRankChunks
     from .synthetic import CosmoflowSource
 from .format import (
     FORMAT,
@@ -30,6 +29,7 @@ from .format import (
     TRANSFORMS,
     Array,
     Manifest,
+    PerRankChunks,
     Shard,
     check_file,
     dataset_stats,
@@ -191,8 +191,11 @@ def write_dataset(out: str, source: CosmoflowSource | H5Source, counts: list[int
         source: Where the samples come from (synthetic, or an existing HDF5 file).
         counts: Samples per shard (see [shard_counts][hpcpar.data.writer.shard_counts]).
         comm: The communicator; ``MPI.COMM_WORLD`` when None.
-        chunk: Chunk edge target of x: None (auto), one edge for D, H, W, a (D, H, W)
-            triple (0: the whole axis) or ``PerRankChunks`` (one chunk per rank block).
+        chunk: Chunk edge target of x: None (auto: a D edge of at most 32, half of H, all
+            of W),
+            one edge for D, H, W, a (D, H, W) triple (0: the whole axis) or
+            ``PerRankChunks`` (one chunk per rank block; the manifest's ``source`` records
+            that grid as ``chunk_grid``).
         force: Replace an existing ``out`` (only after the new one is complete).
         progress: Show the progress bar.
         allow_nonfinite: Accept NaN/inf in the source (an error naming the sample otherwise).
@@ -262,12 +265,15 @@ def write_dataset(out: str, source: CosmoflowSource | H5Source, counts: list[int
     if rank == 0:
         pairs = sorted((e for part in gathered for e in part), key=lambda e: e[0].start)
         shards = [s for s, _ in pairs]
+        facts = dict(source.attrs)
+        if isinstance(chunk, PerRankChunks):
+            facts["chunk_grid"] = "x".join(str(p) for p in chunk.parts)
         manifest = Manifest(total,
                             Array("x", tuple(source.x_shape), str(np.dtype(source.x_dtype)),
                                   x_chunks(source.x_shape, chunk)),
                             Array("y", tuple(source.y_shape), str(np.dtype(source.y_dtype)),
                                   names=source.target_names),
-                            shards, dict(source.attrs),
+                            shards, facts,
                             stats=dataset_stats({s.file: st for s, st in pairs}),
                             transform=transform)
         try:

@@ -160,7 +160,7 @@ def test_chunk_options():
     assert parse_chunk("auto") is None and parse_chunk("16") == 16
     assert parse_chunk("16,0,0") == (16, 0, 0)
     assert parse_chunk("grid:1x2x1x1") == parse_chunk("grid:2x1x1") == PerRankChunks((2, 1, 1))
-    assert x_chunks((4, 64, 64, 64), None) == (1, 4, 16, 16, 16)
+    assert x_chunks((4, 64, 64, 64), None) == (1, 4, 16, 32, 64)  # H halved, W whole
     assert x_chunks((4, 64, 64, 64), (16, 0, 0)) == (1, 4, 16, 64, 64)
     assert x_chunks((4, 64, 64, 64), PerRankChunks((2, 1, 1))) == (1, 4, 32, 64, 64)
     assert x_chunks((2, 9, 31, 5), PerRankChunks((2, 3, 1))) == (1, 2, 5, 11, 5)
