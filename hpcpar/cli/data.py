@@ -6,7 +6,11 @@ and as one rank without it. torch/h5py/mpi4py load inside the commands, not at i
 
 from __future__ import annotations
 
+import json
+
 import click
+
+from hpcpar.cli._options import json_option
 
 __all__ = ["CHUNK_OPTION", "data", "make", "LAUNCHER_VARS", "cosmoflow", "shard", "info", "verify"]
 
@@ -140,12 +144,17 @@ def shard(in_file, out, x_key, y_key, samples_per_shard, chunk, grid, force, qui
 
 @data.command()
 @click.argument("directory", type=click.Path())
-def info(directory):
+@json_option("Print the manifest as one JSON object (with the dataset's total bytes).")
+def info(directory, as_json):
     """Format version, sample count, shapes, chunks and the shard table."""
     from hpcpar.data.format import read_manifest
 
     m = read_manifest(directory)
     total = sum(s.bytes for s in m.shards)
+    if as_json:
+        click.echo(json.dumps({"dataset": str(directory), "bytes": total, **m.to_json()},
+                              allow_nan=False, default=str))
+        return
     click.echo(f"dataset        {directory}")
     click.echo(f"format         {m.format} v{m.format_version}")
     click.echo(f"samples        {m.num_samples} in {len(m.shards)} shards, "
@@ -167,13 +176,23 @@ def info(directory):
 @click.argument("directory", type=click.Path())
 @click.option("--no-checksum", is_flag=True, help="Skip the sha256 check and the value scan "
               "(shapes only).")
-def verify(directory, no_checksum):
+@json_option("Print one JSON object: ok, the problems found, shards and samples checked.")
+def verify(directory, no_checksum, as_json):
     """Check every shard: present, HDF5, size, sha256, keys, shapes, dtypes, sample range,
     and every value finite (NaN/inf only where the manifest records them)."""
     from hpcpar.data.format import read_manifest, verify_dataset
     from hpcpar.errors import DataError
 
     problems = verify_dataset(directory, checksum=not no_checksum)
+    if as_json:  # the verdict is the document; the exit code still says it (2 when not ok)
+        m = read_manifest(directory) if not problems else None
+        click.echo(json.dumps({"dataset": str(directory), "ok": not problems,
+                               "problems": problems, "checksums": not no_checksum,
+                               "shards": len(m.shards) if m else None,
+                               "samples": m.num_samples if m else None}))
+        if problems:
+            raise SystemExit(DataError.exit_code)
+        return
     if problems:
         for p in problems[1:]:
             click.echo(f"hpcpar: error: {p}", err=True)

@@ -135,7 +135,8 @@ def test_one_meaning_per_flag():
     assert {path for *_, path in seen["--out"]} >= {"sweep", "submit", "report", "plan",
                                                     "schema"}
     assert {path for *_, path in seen["--json"]} >= {"run", "info", "plan", "sweep", "submit",
-                                                     "status", "report"}
+                                                     "status", "report", "data info",
+                                                     "data verify"}
 
 
 def test_ranks_parses_alike_and_single_run_commands_point_to_sweep(run_cli, tmp_path):
@@ -167,3 +168,21 @@ def test_report_json_is_the_scaling_table(run_cli, tmp_path):
     table = pd.read_csv(doc["files"]["scaling.csv"])
     assert list(table["ranks"]) == [1, 2]
     assert doc["points"][1]["speedup"] == pytest.approx(table["speedup"][1])
+
+
+def test_data_info_and_verify_json(run_cli, tmp_path):
+    out = tmp_path / "d"
+    rc, _, err = run_cli(["data", "make", "cosmoflow", str(out), "--samples", "3", "--size",
+                          "8", "--shards", "2", "--quiet"])
+    assert rc == 0, err
+    rc, text, _ = run_cli(["data", "info", str(out), "--json"])
+    doc = json.loads(text)
+    assert rc == 0 and doc["num_samples"] == 3 and len(doc["shards"]) == 2 and doc["bytes"] > 0
+    rc, text, _ = run_cli(["data", "verify", str(out), "--json"])
+    assert rc == 0 and json.loads(text) == {"dataset": str(out), "ok": True, "problems": [],
+                                            "checksums": True, "shards": 2, "samples": 3}
+    shard = sorted(out.glob("*.h5"))[0]
+    shard.write_bytes(shard.read_bytes()[:-10])
+    rc, text, _ = run_cli(["data", "verify", str(out), "--json"])
+    doc = json.loads(text)
+    assert rc == 2 and not doc["ok"] and shard.name in doc["problems"][0]
