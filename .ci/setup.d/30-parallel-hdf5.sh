@@ -5,6 +5,7 @@
 # interpreter's packages (--system-site-packages: numpy, torch, hpcpar, installed by .ci/run
 # later); its own mpi4py and h5py shadow the main ones. Quick when already done; a build
 # takes about 6 minutes on 2 cores.
+# ci: background
 set -euo pipefail
 venv="${MPIO_VENV:-/opt/hpcpar-mpio-venv}"
 python="${PYTHON:-python}"  # the interpreter .ci/run installs into
@@ -25,8 +26,9 @@ fi
 start=$SECONDS
 "$python" -m venv --clear --system-site-packages "$venv"
 pip=("$venv/bin/pip" install -q --no-cache-dir)
-# h5py's build needs these; numpy comes from the main environment where it has one already.
-"${pip[@]}" numpy "cython>=3" pkgconfig "setuptools>=77"
+# h5py's build needs these, in this environment (the main one may be installing meanwhile:
+# CI runs this script beside its pip installs).
+"${pip[@]}" --ignore-installed numpy "cython>=3" pkgconfig "setuptools>=77"
 export CC=mpicc.mpich MPICC=mpicc.mpich HDF5_MPI=ON HDF5_PKGCONFIG_NAME=hdf5-mpich
 # Python's default -O3 -g makes mpi4py's one big C file a 5-minute compile: -O1, no debug info.
 export CFLAGS="-O1 -g0"

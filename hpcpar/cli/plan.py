@@ -9,8 +9,8 @@ import click
 
 from hpcpar.cli._options import json_option, out_option, ranks_option, set_option
 
-__all__ = ["FIELDS", "row", "workload_from_job", "table", "largest_samples", "largest_table",
-           "write_csv", "plan"]
+__all__ = ["FIELDS", "row", "workload_from_job", "workload_of", "table", "largest_samples",
+           "largest_table", "write_csv", "plan"]
 
 
 def _sample_shape(job) -> tuple[tuple, int]:
@@ -42,35 +42,102 @@ def _model(job, sample_shape, n_targets):
     cls = get_workload(job.model.kind)
     if not hasattr(cls, "build_plain"):
         raise ConfigError(f"[model] kind {job.model.kind!r}: the planner models volume jobs "
-                          "(cosmoflow, unet3d)")
+                          "(cosmoflow, unet3d) and full-graph GNN jobs (gcn, sage)")
     with torch.device("meta"):
         model = cls.build_plain(job, sample_shape[0], sample_shape[1:], n_targets)
     return model, (sample_shape[0] - cls.label_channels, *sample_shape[1:])
 
 
+def _graph_parts(path: str, method: str, seed: int):
+    """``ranks -> [Part]``: the graph file partitioned as the run partitions it (the same
+    partitioner, seed and symmetry), then each part's owned vertices, in-edges, halo
+    vertices and neighbouring parts counted."""
+    import numpy as np
+
+    from hpcpar.graph.format import GraphFile
+    from hpcpar.graph.vertex_partition import partition_csr
+    from hpcpar.plan.gnn import Part
+
+    with GraphFile(path) as gf:
+        indptr, indices = gf.read_structure()
+        directed = gf.directed
+    n = indptr.shape[0] - 1
+    dest = np.repeat(np.arange(n), np.diff(indptr))
+
+    def parts(ranks: int) -> list:
+        owner = partition_csr(indptr, indices, ranks, method, seed, symmetric=not directed) \
+            if ranks > 1 else np.zeros(n, np.int64)
+        own_d, own_s = owner[dest], owner[indices]
+        cross = own_d != own_s
+        halo = np.bincount(np.unique(own_d[cross] * n + indices[cross]) // n, minlength=ranks)
+        peers = np.bincount(np.unique(own_d[cross] * ranks + own_s[cross]) // ranks,
+                            minlength=ranks)
+        owned = np.bincount(owner, minlength=ranks)
+        edges = np.bincount(own_d, minlength=ranks)
+        return [Part(int(owned[r]), int(edges[r]), int(halo[r]), int(peers[r]))
+                for r in range(ranks)]
+
+    return parts
+
+
+def _graph_workload(job, cls):
+    """The planner's view of a full-graph job: widths from the graph file and [model]."""
+    from hpcpar.errors import ConfigError
+    from hpcpar.graph.format import GraphFile
+    from hpcpar.plan.gnn import GraphJob
+    from hpcpar.plan.planner import Workload
+    from hpcpar.run.workloads.graph import make_graph_file
+
+    d, m = job.data.params, job.model.params
+    path = d["path"]
+    if not os.path.exists(path):
+        if not d["make"]:
+            raise ConfigError(f"[data] path: {path!r}: graph file not found")
+        make_graph_file(path, d)  # what the run makes first (Cora: a copy, synthetic: seconds)
+    with GraphFile(path) as gf:
+        features, classes, nodes = gf.num_features, gf.num_classes, gf.num_nodes
+    widths = (features, *[m["hidden"]] * (m["layers"] - 1), classes)
+    graph = GraphJob(widths, cls.conv, m["dropout"], m["precompute"],
+                     _graph_parts(path, d["partition"], d["partition_seed"]), nodes)
+    return Workload(job.name, [], (features,), 1, precision=job.train.precision,
+                    optimizer=job.train.optimizer, params=graph.params, graph=graph)
+
+
 def workload_from_job(path: str, overrides=(), size: int | None = None):
     """The planner's view of a job; ``size``: a cubic sample of that edge instead of the
-    dataset's (the job's channels)."""
-    from hpcpar.plan.planner import Workload, trace_layers
+    dataset's (the job's channels). Full-graph jobs (gcn, sage) read their graph file."""
     from hpcpar.run.jobspec import load_job
 
-    job = load_job(path, list(overrides))
+    return workload_of(load_job(path, list(overrides)), size)
+
+
+def workload_of(job, size: int | None = None):
+    """The planner's view of a validated job (``JobSpec``); see :func:`workload_from_job`."""
+    from hpcpar.plan.planner import Workload, mark_tensor_parallel, trace_layers
+    from hpcpar.run.workloads.base import get_workload
+
+    cls = get_workload(job.model.kind)
+    if hasattr(cls, "conv") and not hasattr(cls, "build_plain"):
+        return _graph_workload(job, cls)
     shape, n_targets = _sample_shape(job)
     if size is not None:
         shape = (shape[0], size, size, size)
     layers = trace_layers(*_model(job, shape, n_targets))
+    if job.model.params.get("tensor_parallel"):
+        mark_tensor_parallel(layers, job.model.params["tp_min_features"])
     return Workload(job.name, layers, shape, job.train.global_batch,
                     precision=job.train.precision, optimizer=job.train.optimizer)
 
 
 def table(preds, top: int) -> str:
     head = (f"{'rank':>4}  {'grid':<12} {'step s':>9} {'compute':>9} {'halo':>8} "
-            f"{'gather':>8} {'allred':>8} {'io':>8} {'mem GB':>7}")
+            f"{'gather':>8} {'tp':>8} {'allred':>8} {'io':>8} {'mem GB':>7}")
     lines = [head]
     feasible = [p for p in preds if p.feasible]
     for i, p in enumerate(feasible[:top], 1):
         lines.append(f"{i:>4}  {p.spec:<12} {p.t_step:>9.4f} {p.t_compute:>9.4f} "
-                     f"{p.t_halo:>8.4f} {p.t_gather:>8.4f} {p.t_allreduce_exposed:>8.4f} "
+                     f"{p.t_halo:>8.4f} {p.t_gather:>8.4f} {p.t_tp:>8.4f} "
+                     f"{p.t_allreduce_exposed:>8.4f} "
                      f"{p.extra.get('io_exposed', 0):>8.4f} {p.mem_bytes / 1e9:>7.2f}")
     bad = [p for p in preds if not p.feasible]
     if bad:
@@ -140,14 +207,14 @@ def largest_table(largest, work, budget: float, top: int) -> str:
 
 
 FIELDS = ("grid", "data", "x", "y", "z", "feasible", "reason", "t_step", "t_compute", "t_halo",
-          "t_gather", "t_allreduce", "t_allreduce_exposed", "t_io", "mem_bytes")
+          "t_gather", "t_allreduce", "t_allreduce_exposed", "t_io", "mem_bytes", "t_tp")
 
 
 def row(p) -> dict:
     """One prediction as a flat record (the CSV row and the --json item)."""
     return dict(zip(FIELDS, [p.spec, *p.grid, p.feasible, p.reason, p.t_step, p.t_compute,
                              p.t_halo, p.t_gather, p.t_allreduce, p.t_allreduce_exposed, p.t_io,
-                             p.mem_bytes]))
+                             p.mem_bytes, p.t_tp]))
 
 
 def write_csv(preds, path: str) -> None:
@@ -213,6 +280,8 @@ def plan(job, ranks, machine, top, csv_path, sets, calibrate, out, as_json, budg
 
         m = replace(m, mem_per_rank=float(parse_bytes(budget)))
     work = workload_from_job(job, sets)
+    if budget is not None and work.graph is not None:
+        raise click.UsageError("--memory-budget: the largest cubic sample is for volume jobs")
     preds = make_plan(work, ranks, m)
     largest = largest_samples(job, sets, work, preds, m) if budget is not None else None
     if csv_path:

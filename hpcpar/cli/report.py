@@ -50,7 +50,7 @@ def plan_predictor(machine_name: str):
     from hpcpar.cli import plan as planning
     from hpcpar.errors import ConfigError
     from hpcpar.plan.machine import load_machine
-    from hpcpar.plan.planner import Workload, predict, trace_layers
+    from hpcpar.plan.planner import predict
     from hpcpar.run.jobspec import build_job
 
     machine = load_machine(machine_name)
@@ -59,16 +59,13 @@ def plan_predictor(machine_name: str):
     def predict_point(job_dict: dict, grid: tuple) -> dict:
         key = json.dumps(job_dict, sort_keys=True, default=str)
         if key not in works:
-            job = build_job(job_dict, source="meta.json job")
-            shape, n_targets = planning._sample_shape(job)
-            layers = trace_layers(*planning._model(job, shape, n_targets))
-            works[key] = Workload(job.name, layers, shape, job.train.global_batch,
-                                  precision=job.train.precision, optimizer=job.train.optimizer)
+            works[key] = planning.workload_of(build_job(job_dict, source="meta.json job"))
         pred = predict(works[key], grid, machine)
         if not pred.feasible:
             raise ConfigError(f"grid {pred.spec}: {pred.reason}")
         return {"t_step": pred.t_step, "t_compute": pred.t_compute + pred.extra.get("t_opt", 0),
-                "t_halo": pred.t_halo + pred.t_gather, "t_comm_exposed": pred.t_allreduce_exposed,
+                "t_halo": pred.t_halo + pred.t_gather,
+                "t_comm_exposed": pred.t_allreduce_exposed + pred.t_tp,
                 "t_io": pred.extra.get("io_exposed", pred.t_io)}
 
     return predict_point

@@ -1,9 +1,12 @@
 """Measure this machine for the planner: message latency and bandwidth between two ranks of
 a node and, when the ranks span nodes, between two nodes; the sustained conv3d rate of one
 rank (one thread) per input-channel count, the cost of the memory-bound layers, and how much
-each slows down with every core busy. Layers are hpcpar's own spatial layers on a one-rank
-grid, so their halo buffers are in the numbers. Virtual nodes of one host (one kernel) are
-recognised, and the machine file says that they share its cores (``host_cores``).
+each slows down with every core busy; the GEMM rate of ``nn.Linear`` by its narrowest
+dimension (dense heads, tensor-parallel shards, GNN transforms) and the two GNN kernels (sparse
+aggregation per nonzero and column, vertex-hash dropout per element). Layers are hpcpar's own
+spatial layers on a one-rank grid, so their halo buffers are in the numbers. Virtual nodes of
+one host (one kernel) are recognised, and the machine file says that they share its cores
+(``host_cores``).
 
 Run by ``hpcpar plan --calibrate`` as ``mpiexec -n 2 python -m hpcpar.plan.calibrate OUT.toml``
 (in a Slurm allocation: ``srun`` over the allocation's tasks, e.g. 2 nodes x 2 ranks).
@@ -24,7 +27,8 @@ if TYPE_CHECKING:
     from hpcpar.plan.machine import Link
 
 __all__ = ["best_time", "pingpong", "measure_link", "placement", "conv_rate", "layer_costs",
-           "OVERSUB_WINDOWS", "oversubscription", "polite_barrier", "compute_rates", "main"]
+           "OVERSUB_WINDOWS", "oversubscription", "polite_barrier", "gemm_rates", "graph_costs",
+           "compute_rates", "main"]
 
 
 def best_time(fn: Callable[[], object], repeat: int = 5) -> float:
@@ -200,6 +204,60 @@ def layer_costs(cin: int = 8, size: int = 24, batch: int = 4, seconds: float = 0
     return tuple((k, _seconds_per_step(m, x, seconds) / nbytes) for k, m in mods.items())
 
 
+GEMM_WIDTHS = (4, 16, 64, 256, 1024)
+
+
+def gemm_rates(features: int = 1024, seconds: float = 0.2) -> tuple:
+    """``nn.Linear(features, features)`` forward + backward (input gradient included) on
+    ``m`` rows, one thread: a GEMM with one narrow side runs well below the conv rate.
+
+    Args:
+        features: Input and output features.
+        seconds: Length of each timing window.
+
+    Returns:
+        ``((m, FLOP/s), ...)`` for m in :data:`GEMM_WIDTHS`.
+    """
+    import torch
+
+    torch.set_num_threads(1)
+    lin = torch.nn.Linear(features, features)
+    out = []
+    for m in GEMM_WIDTHS:
+        x = torch.randn(m, features, requires_grad=True)
+        out.append((m, 6.0 * m * features * features / _seconds_per_step(lin, x, seconds)))
+    return tuple(out)
+
+
+def graph_costs(nodes: int = 20000, degree: int = 6, cols: int = 16,
+                seconds: float = 0.2) -> tuple:
+    """The GNN kernels as full-graph training runs them, one thread: hpcpar's sparse
+    operator ``A @ x`` forward + backward (its transposed CSR) on a random graph, per nonzero
+    and column; the vertex-hash dropout (the mask depends on global ids), per element.
+
+    Returns:
+        ``(("spmm", s), ("dropout", s))``.
+    """
+    import numpy as np
+    import torch
+
+    from hpcpar.graph._sparse import SparseOperator
+    from hpcpar.graph.dropout import vertex_dropout
+
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(0)
+    indptr = np.arange(0, nodes * degree + 1, degree, dtype=np.int64)
+    indices = np.sort(rng.integers(0, nodes, nodes * degree).reshape(nodes, degree), 1)
+    op = SparseOperator(indptr, indices.ravel(), rng.random(nodes * degree), nodes)
+    x = torch.randn(nodes, cols, requires_grad=True)
+    # twice: the first sparse product of a process pays one-time set-up costs
+    spmm = min(_seconds_per_step(op, x, seconds) for _ in range(2)) / (nodes * degree * cols)
+    ids = np.arange(nodes, dtype=np.int64)
+    wide = torch.randn(nodes, 4 * cols)
+    drop = best_time(lambda: vertex_dropout(wide, 0.5, ids, 0, 1, 0, True), 5) / wide.numel()
+    return (("spmm", spmm), ("dropout", drop))
+
+
 def _torch_conv_rate(seconds: float) -> float:
     """Steps per second of a plain torch conv3d (8 -> 16 channels, 24^3 x 4) forward +
     backward on one thread: needs no MPI, so a helper process can run it."""
@@ -272,7 +330,8 @@ def polite_barrier(comm: MPI.Comm) -> None:
 
 def compute_rates() -> tuple[float, float, tuple, tuple]:
     """(conv3d FLOP/s, memory bytes/s, per-channel-count conv rates, memory-bound layer
-    costs) of one thread, measured the way training uses the layers: forward + backward."""
+    costs) of one thread, measured the way training uses the layers: forward + backward.
+    (The GEMM and GNN kernels: :func:`gemm_rates`, :func:`graph_costs`.)"""
     import torch
 
     torch.set_num_threads(1)
@@ -310,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     intra = measure_link(comm, same[0]) if same else None
     inter = measure_link(comm, other[0]) if other else None
     flops, mem_bw, rates, costs = compute_rates() if rank == 0 else (0.0, 0.0, (), ())
+    gemms, gcosts = (gemm_rates(), graph_costs()) if rank == 0 else ((), ())
     polite_barrier(comm)
     # as many ranks at once as there are cores (memory bandwidth and caches are shared);
     # the others wait politely, so time slicing stays out of this number
@@ -337,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
                     else max(8, cores), cores=cores, conv_rates=rates,
                     contention=contention, mem_contention=mem_contention, layer_costs=costs,
                     oversubscription=over, host_cores=cores if shared else 0,
+                    gemm_rates=gemms, graph_costs=gcosts,
                     flops=flops, mem_bw=mem_bw,
                     mem_per_rank=_mem_per_rank(cores), io_bw=_io_bw(), intra=intra,
                     inter=inter,
@@ -354,7 +415,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{mem_bw / 1e9:.1f} GB/s, pool/pointwise/bn "
               f"{'/'.join(f'{v * 1e9:.2f}' for _, v in costs)} ns per input byte "
               f"(x{mem_contention:.2f} with all cores busy), x{over:.2f} per core with two "
-              f"ranks per core -> {out}")
+              f"ranks per core; GEMM {'/'.join(f'{r / 1e9:.0f}' for _, r in gemms)} GFLOP/s "
+              f"at {'/'.join(str(m) for m, _ in gemms)} rows; SpMM "
+              f"{dict(gcosts)['spmm'] * 1e9:.2f} ns per nonzero x column -> {out}")
     return 0
 
 

@@ -13,7 +13,9 @@ io_bw = 1.0e9                 # per-rank read bandwidth from the file system, by
 # optional, written by `hpcpar plan --calibrate`: conv_rates = [[in_channels, FLOP/s], ...],
 # contention / mem_contention (rate with every core busy / one busy), oversubscription
 # (compute per core with two ranks per core / one rank per core), and
-# layer_costs = {pool = s/B, pointwise = s/B, bn = s/B} (per input byte, forward + backward)
+# layer_costs = {pool = s/B, pointwise = s/B, bn = s/B} (per input byte, forward + backward),
+# gemm_rates = [[narrowest dimension, FLOP/s], ...] (nn.Linear forward + backward) and
+# graph_costs = {spmm = s per nonzero x column (forward + backward), dropout = s per element}
 [intra]                        # between ranks of one node
 alpha = 3e-6                  # latency per message, s
 beta = 80e9                   # bandwidth per direction, bytes/s
@@ -83,6 +85,12 @@ class Machine:
         oversubscription: Compute per core with more ranks than cores, relative to one.
         host_cores: Cores that every node shares (virtual nodes on one host, as
             ``hpcpar.testing.cluster`` makes); 0 when each node has its own ``cores``.
+        gemm_rates: ``((narrowest GEMM dimension, FLOP/s), ...)`` of ``nn.Linear`` forward +
+            backward: a GEMM with 16 rows (a small batch, a narrow GNN layer) runs far below
+            the conv rate.
+        graph_costs: ``((kind, seconds), ...)``: ``spmm`` per nonzero and column (forward +
+            backward, hpcpar's sparse operator), ``dropout`` per element (the vertex-hash
+            dropout of GNN layers, forward).
     """
 
     name: str
@@ -105,6 +113,8 @@ class Machine:
     #: slicing: context switches and caches refilled after each switch)
     oversubscription: float = 1.0
     host_cores: int = 0
+    gemm_rates: tuple = ()
+    graph_costs: tuple = ()
 
     def slowdown(self, ranks_on_node: int, contention: float | None = None,
                  ranks: int | None = None) -> float:
@@ -141,6 +151,25 @@ class Machine:
         """
         return dict(self.layer_costs).get(kind)
 
+    def gemm_rate(self, narrowest: int) -> float:
+        """Sustained rate of a dense layer's GEMMs (forward + backward).
+
+        Log-linear in the GEMM's narrowest dimension between the calibrated points, else
+        ``flops``.
+
+        Args:
+            narrowest: The smallest of rows, input and output features.
+
+        Returns:
+            FLOP/s.
+        """
+        return _log_interp(self.gemm_rates, narrowest, self.flops)
+
+    def graph_cost(self, kind: str) -> float | None:
+        """Calibrated cost of a GNN kernel: ``spmm`` (seconds per nonzero and column,
+        forward + backward) or ``dropout`` (seconds per element); None when not calibrated."""
+        return dict(self.graph_costs).get(kind)
+
     def conv_rate(self, in_channels: int) -> float:
         """Sustained convolution rate for a layer.
 
@@ -153,16 +182,7 @@ class Machine:
         Returns:
             FLOP/s.
         """
-        pts = sorted(self.conv_rates)
-        if not pts:
-            return self.flops
-        if in_channels <= pts[0][0]:
-            return pts[0][1]
-        for (c0, r0), (c1, r1) in zip(pts, pts[1:]):
-            if in_channels <= c1:
-                w = math.log(in_channels / c0) / math.log(c1 / c0)
-                return r0 + w * (r1 - r0)
-        return pts[-1][1]
+        return _log_interp(self.conv_rates, in_channels, self.flops)
 
     def compute_share(self, ranks_on_node: int, cores: int | None = None) -> float:
         """Fraction of a core each rank gets.
@@ -192,9 +212,30 @@ class Machine:
         if self.conv_rates:
             lines.append("conv_rates = [" + ", ".join(f"[{c}, {r!r}]" for c, r in
                                                      self.conv_rates) + "]")
+        if self.gemm_rates:
+            lines.append("gemm_rates = [" + ", ".join(f"[{c}, {r!r}]" for c, r in
+                                                     self.gemm_rates) + "]")
+        if self.graph_costs:
+            lines.append("graph_costs = {" + ", ".join(f"{k} = {v!r}" for k, v in
+                                                        self.graph_costs) + "}")
         for sec in ("intra", "inter"):
             lines += ["", f"[{sec}]", f"alpha = {d[sec]['alpha']!r}", f"beta = {d[sec]['beta']!r}"]
         return "\n".join(lines) + "\n"
+
+
+def _log_interp(points, x: float, default: float) -> float:
+    """Log-linear interpolation in ``x`` between sorted ``(x, rate)`` points, clamped at both
+    ends; ``default`` without points."""
+    pts = sorted(points)
+    if not pts:
+        return default
+    if x <= pts[0][0]:
+        return pts[0][1]
+    for (c0, r0), (c1, r1) in zip(pts, pts[1:]):
+        if x <= c1:
+            w = math.log(x / c0) / math.log(c1 / c0)
+            return r0 + w * (r1 - r0)
+    return pts[-1][1]
 
 
 REQUIRED = {"ranks_per_node": int, "flops": float, "mem_bw": float, "mem_per_rank": float,
@@ -258,4 +299,7 @@ def load_machine(name_or_path: str) -> Machine:
                    oversubscription=float(raw.get("oversubscription", 1.0)),
                    host_cores=int(raw.get("host_cores", 0)),
                    layer_costs=tuple((str(k), float(v)) for k, v in
-                                     dict(raw.get("layer_costs", {})).items()))
+                                     dict(raw.get("layer_costs", {})).items()),
+                   gemm_rates=tuple((int(c), float(r)) for c, r in raw.get("gemm_rates", ())),
+                   graph_costs=tuple((str(k), float(v)) for k, v in
+                                     dict(raw.get("graph_costs", {})).items()))

@@ -9,7 +9,7 @@ rule gives, so the rank that runs out first):
 * ``params``: weights, gradients, the gradient sync's flat buckets (a copy of the gradients),
   optimizer state (Adam 2 copies, SGD 1) and the optimizer step's temporaries (1 copy): a
   replicated dense head (CosmoFlow's first dense layer grows with the sample) weighs on every
-  rank alike;
+  rank alike, unless it is tensor-parallel (each rank then holds 1/spatial of it);
 * ``data``: the input batch in use and one prefetched, ``2 b C D H W / spatial``;
 * ``saved``: activations kept for backward, every layer's output (the spatial layers keep only
   their input and the received ghost faces: :func:`hpcpar.parallel.halo.halo_stencil`);
@@ -85,7 +85,8 @@ def estimate(work: Workload, grid: tuple[int, int, int, int], nbytes: int = 4) -
     b = max(1, work.global_batch // d)
     outs = [_local_out(layer, parts) * b * nbytes for layer in work.layers]
     opt = _OPT_STATE.get(work.optimizer, 2)
-    return MemoryEstimate(runtime=RUNTIME_BYTES, params=work.params * 4 * (4 + opt),
+    return MemoryEstimate(runtime=RUNTIME_BYTES,
+                          params=work.local_params(spatial) * 4 * (4 + opt),
                           data=2 * b * math.prod(work.sample_shape) * 4 / spatial,
                           saved=float(sum(outs)), transient=2.0 * max(outs, default=0))
 

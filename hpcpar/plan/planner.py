@@ -6,11 +6,15 @@ pools, pointwise layers and batch norms at their calibrated cost per input byte,
 memory bandwidth; each class slowed by its measured contention and by time slicing), halo
 exchange (face bytes per split axis, one message per side, forward and backward), gradient
 allreduce (ring cost per hierarchy level, overlapped with backward except the last bucket),
-the gather feeding a replicated head, I/O (overlapped by prefetch) and memory (runtime, activations
+the gather feeding a replicated head, tensor-parallel dense layers (their GEMM shard and the
+activation/weight collectives of :mod:`hpcpar.nn.tensor_parallel`; their gradients are reduced
+over the data axis only), I/O (overlapped by prefetch) and memory (runtime, activations
 kept for backward, the backward's transient, parameters, gradients, optimizer state).
 Grids that cannot run (too many ranks for a layer's extent, batch not divisible, out of
 memory: :mod:`hpcpar.plan.memory`'s estimate over the machine's ``mem_per_rank``) are marked
 infeasible with the reason and never recommended.
+
+Full-graph GNN jobs (``Workload.graph``) are modelled per layer by :mod:`hpcpar.plan.gnn`.
 
 The layer list comes from tracing the job's plain model on torch's ``meta`` device, so a
 512³ CosmoFlow costs no memory and plans in well under a second per grid.
@@ -26,7 +30,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from hpcpar.parallel.partition import conv_axis_halo, conv_pads, split_sizes, transposed_axis_halo
-from hpcpar.plan.machine import Machine
+from hpcpar.plan.machine import Link, Machine
 from hpcpar.plan.memory import HEADROOM
 from hpcpar.plan.memory import estimate as estimate_memory
 
@@ -34,7 +38,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["BYTES", "BUCKET_BYTES", "Layer", "trace_layers", "Workload", "Prediction", "grids",
-           "allreduce_time", "predict", "plan"]
+           "allreduce_time", "tp_linear_time", "mark_tensor_parallel", "predict", "plan"]
 
 BYTES = {"fp32": 4, "bf16": 2}
 BUCKET_BYTES = 25 * 2**20
@@ -52,6 +56,7 @@ class Layer:
         params: Parameter count.
         flops: Forward FLOPs per sample (dense layers).
         halo: Per spatial axis, ``(n_in, parts, index) -> AxisHalo``.
+        tp: A ``TensorParallelLinear`` over the grid's spatial group.
     """
 
     kind: str            # conv, convT, pool, bn, pointwise, linear, gather
@@ -61,6 +66,7 @@ class Layer:
     params: int
     flops: float = 0.0   # forward FLOPs per sample (dense layers)
     halo: tuple = ()     # per spatial axis: (n_in, parts, index) -> partition.AxisHalo
+    tp: bool = False     # a tensor-parallel Linear (weights split over the spatial group)
 
 
 def _stencil_halos(mod) -> tuple:
@@ -154,6 +160,16 @@ def trace_layers(model: torch.nn.Module, sample_shape: Sequence[int]) -> list[La
     return layers
 
 
+def mark_tensor_parallel(layers: list[Layer], min_features: int) -> list[Layer]:
+    """Mark the dense layers ``tensor_parallelize(model, grid, min_features)`` would split
+    (both sides at least ``min_features``); returns ``layers``."""
+    for layer in layers:
+        if layer.kind == "linear" and min(layer.in_shape[-1], layer.out_shape[-1]) >= \
+                min_features:
+            layer.tp = True
+    return layers
+
+
 @dataclass
 class Workload:
     """What the planner needs to know about a job.
@@ -166,6 +182,8 @@ class Workload:
         precision: ``"fp32"`` or ``"bf16"``.
         optimizer: The optimizer (its state counts in memory).
         params: Parameter count (summed from the layers).
+        graph: A full-graph GNN job (:class:`hpcpar.plan.gnn.GraphJob`); ``layers`` is then
+            empty.
     """
 
     name: str
@@ -175,9 +193,20 @@ class Workload:
     precision: str = "fp32"
     optimizer: str = "adam"
     params: int = 0
+    graph: object = None
 
     def __post_init__(self):
-        self.params = sum(layer.params for layer in self.layers)
+        if self.layers or not self.params:
+            self.params = sum(layer.params for layer in self.layers)
+
+    @property
+    def tp_params(self) -> int:
+        """Parameters of the tensor-parallel layers (split over the spatial group)."""
+        return sum(layer.params for layer in self.layers if layer.tp)
+
+    def local_params(self, spatial: int) -> int:
+        """Parameters one rank holds: tensor-parallel layers hold 1/spatial of theirs."""
+        return self.params - self.tp_params + math.ceil(self.tp_params / max(1, spatial))
 
 
 @dataclass
@@ -194,6 +223,8 @@ class Prediction:
         t_allreduce: Gradient allreduce time.
         t_allreduce_exposed: The part of it not hidden behind backward.
         t_io: Exposed I/O time.
+        t_tp: Collectives of tensor-parallel layers (GNN jobs: the halo exchange is
+            ``t_halo``).
         t_step: The whole step.
         mem_bytes: Peak memory per rank.
         extra: Further facts.
@@ -208,6 +239,7 @@ class Prediction:
     t_allreduce: float = 0.0
     t_allreduce_exposed: float = 0.0
     t_io: float = 0.0
+    t_tp: float = 0.0
     t_step: float = 0.0
     mem_bytes: float = 0.0
     extra: dict = field(default_factory=dict)
@@ -243,6 +275,48 @@ def _ring_allreduce(nbytes: float, p: int, link, messages_per_step: int = 1) -> 
     return 2 * (p - 1) * (messages_per_step * link.alpha + nbytes / p / link.beta)
 
 
+def _ring_gather(nbytes: float, p: int, link) -> float:
+    """Ring all-gather (or reduce-scatter) of ``nbytes`` in all: p-1 steps of nbytes/p."""
+    if p <= 1 or nbytes == 0:
+        return 0.0
+    return (p - 1) * (link.alpha + nbytes / p / link.beta)
+
+
+def tp_linear_time(layer: Layer, rows: int, grid: tuple, machine: Machine,
+                   link: Link) -> tuple[float, float]:
+    """(GEMM seconds, collective seconds) of one ``TensorParallelLinear`` step, forward +
+    backward, as :mod:`hpcpar.nn.tensor_parallel` runs it on a (data, X, Y, Z) grid.
+
+    The rank multiplies its batch rows over z by its in-feature block over x and out-feature
+    block over y (three GEMMs of that size: forward, input and weight gradients). Forward:
+    all-gather of the weight block over z, all-reduce of the partial output over x,
+    all-gather of output columns over y and of rows over z. Backward: all-reduce of the input
+    gradient over y, all-gather of its columns over x and rows over z, reduce-scatter of the
+    weight gradient over z, all-reduce of the bias gradient over z.
+
+    Args:
+        layer: A traced ``linear`` layer with ``tp`` set.
+        rows: Batch rows of the data replica.
+        grid: ``(data, x, y, z)``.
+        machine: The machine model.
+        link: The link between the spatial group's ranks.
+
+    Returns:
+        Compute and communication seconds.
+    """
+    _, X, Y, Z = grid
+    fin, fout = layer.in_shape[-1], layer.out_shape[-1]
+    rz, ix, oy = (max(split_sizes(n, p)) for n, p in ((rows, Z), (fin, X), (fout, Y)))
+    t_gemm = 3 * 2.0 * rz * ix * oy / machine.gemm_rate(min(rz, ix, oy))
+    f = 4  # fp32 activations and weights
+    comm = (_ring_gather(oy * ix * f, Z, link) + _ring_allreduce(rz * oy * f, X, link)
+            + _ring_gather(rz * fout * f, Y, link) + _ring_gather(rows * fout * f, Z, link)
+            + _ring_allreduce(rz * ix * f, Y, link) + _ring_gather(rz * fin * f, X, link)
+            + _ring_gather(rows * fin * f, Z, link) + _ring_gather(oy * ix * f, Z, link)
+            + _ring_allreduce(oy * f, Z, link))
+    return t_gemm, comm
+
+
 def allreduce_time(nbytes: float, ranks: int, machine: Machine) -> float:
     """Predicted time of one gradient allreduce.
 
@@ -276,6 +350,10 @@ def predict(work: Workload, grid: tuple, machine: Machine) -> Prediction:
     Returns:
         The prediction; infeasible with a reason when the grid cannot run.
     """
+    if work.graph is not None:
+        from hpcpar.plan.gnn import predict_graph
+
+        return predict_graph(work, grid, machine)
     d, X, Y, Z = grid
     pred = Prediction(grid, True)
     nbytes = BYTES.get(work.precision, 4)
@@ -318,6 +396,11 @@ def predict(work: Workload, grid: tuple, machine: Machine) -> Prediction:
                                                max(1, spatial - 1)) if spatial > 1 else 0
             flops = layer.flops * share * b
             mem = (in_elems + out_elems) * b * nbytes
+        elif layer.tp:
+            gemm, comm = tp_linear_time(layer, b, grid, machine, link)
+            t_dense += gemm
+            pred.t_tp += comm
+            continue
         else:
             flops = layer.flops * b
             mem = (math.prod(layer.in_shape) + math.prod(layer.out_shape)) * b * nbytes
@@ -326,6 +409,10 @@ def predict(work: Workload, grid: tuple, machine: Machine) -> Prediction:
         cost = machine.layer_cost(layer.kind)
         if layer.kind in ("conv", "convT"):
             t_dense += 3 * flops / machine.conv_rate(layer.in_shape[0])
+        elif layer.kind == "linear" and machine.gemm_rates:
+            t_dense += 3 * flops / machine.gemm_rate(min(b, *layer.in_shape[-1:],
+                                                         *layer.out_shape[-1:]))
+            t_mem += 3 * mem / machine.mem_bw
         elif cost is not None:
             t_mem += cost * (in_elems if layer.spatial else math.prod(layer.in_shape)) * b * \
                 nbytes
@@ -337,10 +424,14 @@ def predict(work: Workload, grid: tuple, machine: Machine) -> Prediction:
     on_node = min(d * spatial, machine.ranks_per_node)
     pred.t_compute = t_dense * machine.slowdown(on_node, ranks=d * spatial) + \
         t_mem * machine.slowdown(on_node, machine.mem_contention, ranks=d * spatial)
-    grad_bytes = work.params * 4
-    pred.t_allreduce = allreduce_time(grad_bytes, d * spatial, machine)
+    # tensor-parallel shards are complete per rank: the sync averages them over data only
+    grad_bytes = (work.params - work.tp_params) * 4
+    tp_bytes = (work.local_params(spatial) - work.params + work.tp_params) * 4
+    pred.t_allreduce = allreduce_time(grad_bytes, d * spatial, machine) + \
+        allreduce_time(tp_bytes, d, machine)
     t_bwd = pred.t_compute * 2 / 3
-    last_bucket = allreduce_time(min(grad_bytes, BUCKET_BYTES), d * spatial, machine)
+    last_bucket = allreduce_time(min(grad_bytes + tp_bytes, BUCKET_BYTES), d * spatial,
+                                 machine)
     pred.t_allreduce_exposed = max(last_bucket, pred.t_allreduce - t_bwd)
     sample_bytes = math.prod(work.sample_shape) * 4
     pred.t_io = b * sample_bytes / spatial / machine.io_bw
@@ -349,9 +440,9 @@ def predict(work: Workload, grid: tuple, machine: Machine) -> Prediction:
     pred.extra["memory"] = estimate_memory(work, grid, nbytes)   # the parts: plan.memory
     pred.mem_bytes = pred.extra["memory"].total
     # the optimizer streams parameters, gradients and its state: (3 + 2 x state) passes
-    t_opt = work.params * 4 * (3 + 2 * opt_state) / machine.mem_bw
+    t_opt = work.local_params(spatial) * 4 * (3 + 2 * opt_state) / machine.mem_bw
     pred.t_step = (pred.t_compute + pred.t_halo + pred.t_gather + pred.t_allreduce_exposed
-                   + io_exposed + t_opt)
+                   + io_exposed + t_opt + pred.t_tp)
     pred.extra["io_exposed"] = io_exposed
     pred.extra["t_opt"] = t_opt
     if pred.mem_bytes > HEADROOM * machine.mem_per_rank:

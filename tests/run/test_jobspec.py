@@ -107,7 +107,7 @@ BAD = [
     (GOOD, ["--set", "trainig.lr=0.1"], "unknown section [trainig] (did you mean 'train'?)"),
     (GOOD, ["--set", "train.lr=abc"], "[train] lr: expected a number, got 'abc'"),
     (GOOD, ["--grid", "2xq"], "expected integers such as 2x2x1x1"),
-    (GOOD, ["-n", "0"], "0 is not in the range x>=1"),
+    (GOOD, ["-n", "0"], "'0': expected positive counts such as 1,2,4"),
     (GOOD, ["--frobnicate"], "No such option '--frobnicate'"),
     (GOOD.replace("n_conv_blocks = 2", "n_conv_blocks = 5"), [],
      "5 pooling blocks need a volume of at least 32"),

@@ -8,6 +8,9 @@ Validation uses ``val_path`` or ``val_samples`` synthetic samples of another see
 
 * ``cosmoflow`` regresses the 4 targets (MSE); the dense head runs replicated after the
   gather point, so the per-rank loss is the replica's mean loss.
+  With ``[model] tensor_parallel = true`` the head's ``nn.Linear`` layers at least
+  ``tp_min_features`` wide on both sides become ``TensorParallelLinear`` over the grid's
+  spatial group (weights sharded, so each rank holds and updates 1/spatial of the head).
 * ``unet3d`` segments voxels: inputs are all channels but the last, the label is
   ``last channel > 0`` (a nonlinear function of the same field; learnable from the others).
   Each spatial rank's loss is its voxels' share of the global mean cross-entropy, so the
@@ -23,7 +26,7 @@ import os
 from hpcpar.errors import ConfigError, DataError
 from hpcpar.run.workloads.base import Param, StepResult, Workload, register_workload
 
-__all__ = ["VOLUME_DATA", "VolumeWorkload", "CosmoFlowWorkload", "UNet3DWorkload"]
+__all__ = ["VOLUME_DATA", "TP_PARAMS", "VolumeWorkload", "CosmoFlowWorkload", "UNet3DWorkload"]
 
 VOLUME_DATA = {
     "source": Param(str, "hdf5", choices=("hdf5", "synthetic"),
@@ -51,6 +54,14 @@ VOLUME_DATA = {
 
 
 DEFAULT_CHANNELS = 4
+
+TP_PARAMS = {
+    "tensor_parallel": Param(bool, False, help="split the dense head's Linear layers over the "
+                                               "grid's spatial ranks (AxoNN-style tensor "
+                                               "parallelism; same function, sharded weights)"),
+    "tp_min_features": Param(int, 256, min=1, help="tensor_parallel: only Linear layers at "
+                                                   "least this wide on both sides are split"),
+}
 
 
 def _channels(d: dict) -> int:
@@ -213,8 +224,14 @@ class VolumeWorkload(Workload):
         from hpcpar.data import CosmoflowSource, shard_counts, write_dataset
 
         src = CosmoflowSource(samples, self.d["size"], _channels(self.d), seed)
-        write_dataset(path, src, shard_counts(samples, shards=min(self.d["shards"], samples)),
-                      comm=self.grid.comm, progress=False)
+        try:
+            write_dataset(path, src, shard_counts(samples, shards=min(self.d["shards"], samples)),
+                          comm=self.grid.comm, progress=False)
+        except DataError:  # the same error on every rank
+            if not os.path.exists(path):
+                raise
+            # another job (a sweep's points start together) published it first: a dataset
+            # appears only complete, and the same seed makes the same data, so use that one
 
     @staticmethod
     def _sample_shape(ds) -> tuple:
@@ -276,8 +293,15 @@ class VolumeWorkload(Workload):
     def build_model(self):
         from hpcpar.nn.spatializer import spatialize
 
-        return spatialize(self.reference_model(), self.grid,
-                          **self.spatialize_kwargs()).to(self.device)
+        model = spatialize(self.reference_model(), self.grid, **self.spatialize_kwargs())
+        p = self.job.model.params
+        if p.get("tensor_parallel"):
+            from hpcpar.nn.tensor_parallel import tensor_parallelize
+
+            # after spatialize: the head's Linear layers are replicated there; the swap keeps
+            # their weights, so the model computes the same function
+            model = tensor_parallelize(model, self.grid, p["tp_min_features"])
+        return model.to(self.device)
 
     def spatialize_kwargs(self) -> dict:
         return {}
@@ -323,6 +347,7 @@ class CosmoFlowWorkload(VolumeWorkload):
         "dense": Param(list, [128, 64], help="widths of the dense layers"),
         "dropout": Param(float, 0.0, min=0.0, max=1.0),
         "negative_slope": Param(float, 0.3, min=0.0),
+        **TP_PARAMS,
     }
     metric_names = ("mae",)
 
@@ -347,7 +372,7 @@ class CosmoFlowWorkload(VolumeWorkload):
     def build_plain(cls, job, channels, size, n_targets):
         from hpcpar.models.cosmoflow import CosmoFlow
 
-        p = dict(job.model.params)
+        p = {k: v for k, v in job.model.params.items() if k not in TP_PARAMS}
         p["dense"] = tuple(p["dense"])
         return CosmoFlow(input_size=size[0], in_channels=channels, n_targets=n_targets, **p)
 
