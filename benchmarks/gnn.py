@@ -32,6 +32,7 @@ from hpcpar.graph import DistGraph, power_law_community_graph  # noqa: E402
 from hpcpar.graph._csr import csr_to_edges  # noqa: E402
 from hpcpar.graph.metrics import masked_loss  # noqa: E402
 from hpcpar.models import GCN  # noqa: E402
+from hpcpar.parallel.comm import sum_grads_  # noqa: E402
 
 
 def timed(fn, repeats: int) -> float:
@@ -63,13 +64,7 @@ def hpcpar_epoch(graph, hidden, classes, comm):
         model.train()
         opt.zero_grad()
         masked_loss(model(graph.x, graph), graph).backward()
-        if comm.Get_size() > 1:
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
-            comm.Allreduce(MPI.IN_PLACE, flat.numpy())
-            off = 0
-            for p in params:
-                p.grad.copy_(flat[off:off + p.numel()].view_as(p))
-                off += p.numel()
+        sum_grads_(params, comm)
         opt.step()
     return epoch
 

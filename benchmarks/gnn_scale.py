@@ -111,6 +111,7 @@ def hpcpar_worker(job: dict, epochs: int) -> None:
     from hpcpar.graph import DistGraph
     from hpcpar.graph.metrics import masked_loss
     from hpcpar.models import GCN
+    from hpcpar.parallel.comm import sum_grads_
 
     comm = MPI.COMM_WORLD
     d, m = job["data"], job["model"]
@@ -137,13 +138,7 @@ def hpcpar_worker(job: dict, epochs: int) -> None:
         model.train()
         opt.zero_grad()
         masked_loss(model(graph.x, graph), graph).backward()
-        if comm.Get_size() > 1:
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
-            comm.Allreduce(MPI.IN_PLACE, flat.numpy())
-            off = 0
-            for p in params:
-                p.grad.copy_(flat[off:off + p.numel()].view_as(p))
-                off += p.numel()
+        sum_grads_(params, comm)
         opt.step()
 
     times, halo = [], []

@@ -34,7 +34,14 @@ os.environ.setdefault("NUMBA_NUM_THREADS", "1")
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from spatial import PeakMemory, _malloc_returns_big_blocks, build_stack, polite_wait  # noqa: E402
+from spatial import (  # noqa: E402
+    PeakMemory,
+    _malloc_returns_big_blocks,
+    build_stack,
+    kept_bytes,
+    polite_wait,
+    step,
+)
 
 GRIDS = ((1, 1, 1), (2, 1, 1), (2, 2, 1))
 
@@ -62,16 +69,9 @@ def measure(model, x) -> tuple[float, float, float]:
 
     from hpcpar.parallel.halo import POOL
 
-    def step():
-        x.grad = None
-        model.zero_grad(set_to_none=True)
-        y = model(x)
-        y.backward(torch.ones_like(y))
-
     POOL.clear()
-    step()
-    kept = POOL.nbytes + sum(p.halo.message_nbytes for m in model.modules()
-                             for p in getattr(m, "_spatial_plans", {}).values())
+    step(model, x)
+    kept = kept_bytes(model)
     with PeakMemory() as mem:
         x.grad = None
         model.zero_grad(set_to_none=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -87,19 +88,12 @@ def main(argv=None) -> int:
             within += abs(ratio - 1) <= 0.25
             print(f"{p['ranks'] // args.per_node:>5} {p['ranks']:>5} {p['grid']:>9} "
                   f"{p['t_step_measured']:11.4f} {p['t_step_predicted']:12.4f} {ratio:10.2f}")
-        points = pred
-        print(f"{within}/{len(points)} within +-25% (calibrated on microbenchmarks only; "
+        print(f"{within}/{len(pred)} within +-25% (calibrated on microbenchmarks only; "
               f"{args.per_node} ranks per node, all nodes sharing this host's "
-              f"{cluster_cores()} cores)")
+              f"{os.cpu_count()} cores)")
         return 0
     finally:
         cluster.stop()
-
-
-def cluster_cores() -> int:
-    import os
-
-    return os.cpu_count() or 1
 
 
 if __name__ == "__main__":

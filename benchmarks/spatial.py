@@ -126,30 +126,39 @@ def build_stack(channels, layers, grid=None, seed=0, prepad=None):
     return nn.Sequential(*mods)
 
 
+def step(model, x) -> None:
+    """One forward + backward of the stack (gradients of the previous step dropped)."""
+    import torch
+
+    x.grad = None
+    model.zero_grad(set_to_none=True)
+    y = model(x)
+    y.backward(torch.ones_like(y))
+
+
+def kept_bytes(model) -> int:
+    """Halo buffers kept across steps: the pool and the plans' reused message buffers."""
+    from hpcpar.parallel.halo import POOL
+
+    return POOL.nbytes + sum(p.halo.message_nbytes for m in model.modules()
+                             for p in getattr(m, "_spatial_plans", {}).values())
+
+
 def time_steps(model, x, repeat):
     """Median seconds of forward + backward over ``repeat`` steps after one warm-up step, and
     the peak memory growth over all of them (halo buffer pool included)."""
-    import torch
-
     from hpcpar.parallel.counters import COUNTERS
     from hpcpar.parallel.halo import POOL
 
-    def step():
-        x.grad = None
-        model.zero_grad(set_to_none=True)
-        y = model(x)
-        y.backward(torch.ones_like(y))
-
     POOL.clear()
     times, halo, wait = [], [], []
-    step()  # warm-up: plans, oneDNN kernels/scratchpads (~100 MB once), MPI buffers, pool
-    pooled = POOL.nbytes + sum(p.halo.message_nbytes for m in model.modules()
-                               for p in getattr(m, "_spatial_plans", {}).values())
+    step(model, x)  # warm-up: plans, oneDNN kernels/scratchpads (~100 MB once), MPI buffers
+    pooled = kept_bytes(model)
     with PeakMemory() as mem:
         for _ in range(repeat):
             before = COUNTERS.snapshot()
             t0 = time.perf_counter()
-            step()
+            step(model, x)
             times.append(time.perf_counter() - t0)
             spent = COUNTERS.since(before)
             halo.append(spent["t_halo"])

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SOURCES = {"hpcpar": "hpcpar", "kernels": "hpcpar.kernels", "analysis": "hpcpar.analysis"}
 # top-level modules every layer may use: they import no hpcpar package themselves
 FOUNDATION = {"hpcpar.errors", "hpcpar._env", "hpcpar._lazy", "hpcpar._version",
-              "hpcpar._resources"}
+              "hpcpar._resources", "hpcpar._units"}
 
 
 def modules():

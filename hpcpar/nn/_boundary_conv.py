@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from hpcpar.parallel.counters import COUNTERS, profiled
-from hpcpar.parallel.partition import split_sizes
+from hpcpar.parallel.partition import conv_pads, split_sizes
 
 __all__ = ["BoundarySpec", "boundary_spec", "boundary_conv"]
 
@@ -33,32 +33,34 @@ _TAG_BWD = 0x4A40
 
 
 class BoundarySpec:
-    """What the fast path needs: the split axis ``a``, the pads, the neighbours (spatial
-    ranks, None at the volume's edge) and the communicator."""
+    """What the fast path needs: the split axis, the pads, the neighbours (spatial ranks, None
+    at the volume's edge), the communicator, and the layer's geometry on the thinnest piece
+    (for torch's kernel choice)."""
 
-    def __init__(self, axis: int, pads: tuple[int, int, int], lo, hi, comm, groups: int):
-        self.axis, self.pads, self.nbr, self.comm, self.groups = axis, pads, (lo, hi), comm, groups
+    def __init__(self, axis: int, pads: tuple[int, int, int], lo, hi, comm, layer, thinnest):
+        self.axis, self.pads, self.nbr, self.comm = axis, pads, (lo, hi), comm
+        self.groups = layer.groups
         self.p = pads[axis]
         other = list(pads)
         other[axis] = 0
         self.slab_pads = tuple(other)  # the correction: valid along the axis, padded elsewhere
+        self._geometry = (layer.in_channels, tuple(thinnest), layer.kernel_size, layer.stride,
+                          layer.dilation)
 
-    def fast(self, batch: int) -> bool:  # replaced by boundary_spec
-        return True
+    def fast(self, batch: int) -> bool:
+        """False where torch would pick its slow CPU kernel for the thinnest piece at this
+        batch (the same on every rank); the general path permutes the axes for that case."""
+        from hpcpar.nn.conv import _torch_picks_slow_conv
 
-    def face(self, t: torch.Tensor, side: int) -> tuple[slice, ...]:
-        """Slices of the p planes of ``t`` at ``side`` (0 lo, 1 hi) along the axis."""
+        channels, local, k, s, d = self._geometry
+        return not _torch_picks_slow_conv((batch, channels, *local), k, s, d, self.groups)
+
+    def edge(self, t: torch.Tensor, side: int) -> tuple[slice, ...]:
+        """Slices of the p planes of ``t`` at ``side`` (0 lo, 1 hi) along the axis: a face of
+        a piece, the ghost part of a slab, or the kernel taps that reach into the ghosts."""
         n = t.shape[2 + self.axis]
         sl = [slice(None)] * 5
         sl[2 + self.axis] = slice(0, self.p) if side == 0 else slice(n - self.p, n)
-        return tuple(sl)
-
-    def taps(self, weight: torch.Tensor, side: int) -> tuple[slice, ...]:
-        """The kernel taps that reach into the ghosts of ``side``: the first p (lo) or the
-        last p (hi) along the axis."""
-        k = weight.shape[2 + self.axis]
-        sl = [slice(None)] * 5
-        sl[2 + self.axis] = slice(0, self.p) if side == 0 else slice(k - self.p, k)
         return tuple(sl)
 
     def slab(self, ghost: torch.Tensor, side: int) -> torch.Tensor:
@@ -70,26 +72,18 @@ class BoundarySpec:
         pad[2 * (2 - self.axis) + (1 if side == 0 else 0)] = self.p - 1
         return F.pad(ghost, pad)
 
-    def ghost_of(self, g_slab: torch.Tensor, side: int) -> torch.Tensor:
-        """The ghost part of a slab-shaped gradient."""
-        n = g_slab.shape[2 + self.axis]
-        sl = [slice(None)] * 5
-        sl[2 + self.axis] = slice(0, self.p) if side == 0 else slice(n - self.p, n)
-        return g_slab[tuple(sl)]
-
 
 def boundary_spec(layer, global_shape, grid) -> BoundarySpec | None:
     """The fast-path spec for ``layer`` (a SpatialConv3d) on ``global_shape``, or None when
     the general halo path must run. Global facts only: the same answer on every rank."""
-    from hpcpar.nn.conv import _torch_picks_slow_conv
-
-    k, s, d, pad = layer.kernel_size, layer.stride, layer.dilation, layer.padding
-    if any(v != 1 for v in (*s, *d)):
+    k = layer.kernel_size
+    if any(v != 1 for v in (*layer.stride, *layer.dilation)):
         return None
-    if isinstance(pad, str):  # "same" with odd kernels pads (k - 1) / 2; "valid" pads 0
-        pad = tuple((kk - 1) // 2 for kk in k) if pad == "same" else (0, 0, 0)
-    if any(kk != 2 * p + 1 for kk, p in zip(k, pad)):
-        return None
+    pads = [conv_pads(layer.padding, a, k[a]) for a in range(3)]
+    if any((lo, hi) != ((kk - 1) // 2, (kk - 1) // 2) or kk % 2 == 0
+           for (lo, hi), kk in zip(pads, k)):
+        return None  # only "same" convolutions: kernel 2p + 1, padding p on both sides
+    pad = tuple(lo for lo, _ in pads)
     dims = grid.spatial_shape
     split = [a for a in range(3) if dims[a] > 1]
     if len(split) > 1:
@@ -103,13 +97,8 @@ def boundary_spec(layer, global_shape, grid) -> BoundarySpec | None:
     from mpi4py import MPI
 
     lo, hi = grid.neighbors("xyz"[a])
-    spec = BoundarySpec(a, tuple(pad), None if lo == MPI.PROC_NULL else lo,
-                        None if hi == MPI.PROC_NULL else hi, grid.spatial_comm, layer.groups)
-    # torch's slow CPU kernel depends on the batch too (the same on every rank): decided per
-    # batch size at forward; the general path permutes the axes for that case
-    spec.fast = lambda batch: not _torch_picks_slow_conv((batch, layer.in_channels, *local),
-                                                         k, s, d, layer.groups)
-    return spec
+    return BoundarySpec(a, pad, None if lo == MPI.PROC_NULL else lo,
+                        None if hi == MPI.PROC_NULL else hi, grid.spatial_comm, layer, local)
 
 
 def _exchange(spec: BoundarySpec, sends, recvs, tag: int):
@@ -144,7 +133,7 @@ class BoundaryConv(torch.autograd.Function):
     def forward(ctx, x, weight, bias, spec: BoundarySpec):
         t0 = time.perf_counter()
         x = x.detach()
-        sends = [x[spec.face(x, s)].contiguous() if spec.nbr[s] is not None else None
+        sends = [x[spec.edge(x, s)].contiguous() if spec.nbr[s] is not None else None
                  for s in (0, 1)]
         recvs = [torch.empty_like(sends[s]) if sends[s] is not None else None for s in (0, 1)]
         handles, nbytes = _exchange(spec, sends, recvs, _TAG_FWD)
@@ -156,8 +145,8 @@ class BoundaryConv(torch.autograd.Function):
         COUNTERS.bytes_halo += nbytes
         for s in (0, 1):
             if recvs[s] is not None:
-                out[spec.face(out, s)] += F.conv3d(spec.slab(recvs[s], s),
-                                                   weight[spec.taps(weight, s)], None, 1,
+                out[spec.edge(out, s)] += F.conv3d(spec.slab(recvs[s], s),
+                                                   weight[spec.edge(weight, s)], None, 1,
                                                    spec.slab_pads, 1, spec.groups)
         ctx.spec = spec
         ctx.save_for_backward(x, weight, *(r for r in recvs if r is not None))
@@ -181,15 +170,15 @@ class BoundaryConv(torch.autograd.Function):
         for s in (0, 1):
             if recvs[s] is None:
                 continue
-            g = grad_out[spec.face(grad_out, s)].contiguous()
-            taps = spec.taps(weight, s)
+            g = grad_out[spec.edge(grad_out, s)].contiguous()
+            taps = spec.edge(weight, s)
             g_slab, g_taps, _ = bwd(g, spec.slab(recvs[s], s), weight[taps].contiguous(), None,
                                     [1, 1, 1], list(spec.slab_pads), [1, 1, 1], False,
                                     [0, 0, 0], spec.groups, [need_x, need_w, False])
             if need_w:
                 gw[taps] += g_taps
             if need_x:
-                back[s] = spec.ghost_of(g_slab, s).contiguous()
+                back[s] = g_slab[spec.edge(g_slab, s)].contiguous()
         if need_x:  # the ghosts' gradients go to their owners, who add them to their faces
             t0 = time.perf_counter()
             mine = [torch.empty_like(back[s]) if back[s] is not None else None for s in (0, 1)]
@@ -197,7 +186,7 @@ class BoundaryConv(torch.autograd.Function):
             _wait(handles)
             for s in (0, 1):
                 if mine[s] is not None:
-                    gx[spec.face(gx, s)] += mine[s]
+                    gx[spec.edge(gx, s)] += mine[s]
             COUNTERS.t_halo += time.perf_counter() - t0
             COUNTERS.bytes_halo += nbytes
         return gx, gw, gb, None

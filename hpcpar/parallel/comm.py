@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -33,8 +33,8 @@ if TYPE_CHECKING:
 __all__ = ["SUPPORTED", "CudaAwareness", "detect_cuda_aware", "cuda_aware", "forced_cuda_path",
            "device_ready", "STAGING",
            "wire_dtype", "Buffer", "free_at_exit", "message_buffer", "as_buffer", "Handle",
-           "iallreduce", "allreduce_", "bcast_", "isend", "irecv", "sendrecv", "allgather",
-           "allgatherv", "reduce_scatter", "alltoallv", "check_same"]
+           "iallreduce", "allreduce_", "sum_grads_", "bcast_", "isend", "irecv", "sendrecv",
+           "allgather", "allgatherv", "reduce_scatter", "alltoallv", "check_same"]
 
 _HALF = (torch.float16, torch.bfloat16)
 _WIRE = {  # dtype -> dtype the bytes travel as
@@ -554,6 +554,24 @@ def allreduce_(t: torch.Tensor, comm: MPI.Comm, op: str | MPI.Op = "sum") -> tor
     if back is not None:
         back()
     return t
+
+
+def sum_grads_(params: Iterable[torch.nn.Parameter], comm: MPI.Comm) -> None:
+    """Sum the ``.grad`` of ``params`` over ``comm`` in place, in one message (replicated
+    weights whose ranks each hold a partial gradient, as in full-graph GNN training).
+
+    Args:
+        params: Parameters with gradients, the same list on every rank.
+        comm (mpi4py.MPI.Comm): The communicator (collective; a no-op on one rank).
+    """
+    params = list(params)
+    if comm.Get_size() == 1:
+        return
+    flat = allreduce_(torch.cat([p.grad.reshape(-1) for p in params]), comm)
+    off = 0
+    for p in params:
+        p.grad.copy_(flat[off:off + p.numel()].view_as(p))
+        off += p.numel()
 
 
 def bcast_(t: torch.Tensor, comm: MPI.Comm, root: int = 0) -> torch.Tensor:

@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from hpcpar._units import parse_bytes
+
 __all__ = ["ROOT", "available", "parse_size", "MemoryGroup", "run_limited", "mpiexec_wrapper",
            "main"]
 
@@ -58,18 +60,9 @@ def available() -> str | None:
     return None
 
 
-_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30,
-          "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
-
-
 def parse_size(text: str | int) -> int:
     """Bytes from ``"1.5GiB"``, ``"800M"``, ``"2GB"`` or an int (binary units for K/M/G)."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"not a memory size: {text!r} (e.g. 1.5GiB, 800MiB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    return text if isinstance(text, int) else parse_bytes(text, "--limit")
 
 
 class MemoryGroup:

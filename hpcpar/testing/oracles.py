@@ -159,9 +159,11 @@ def check_layer(grid, ref, sp, x, seed, what, whole_batch=False):
         close(g, pr.grad, f"{what}: grad of {name}")
 
 
-def compare_with_twin(grid, twin, spatial, shape, channels, dtype, seed=0, batch=2, what=""):
+def compare_with_twin(grid, twin, spatial, shape, channels, dtype, seed=0, batch=2, what="",
+                      memory_format=None):
     """Forward, input grad and summed parameter grads of ``spatial`` vs ``twin`` on a seeded
-    global batch of spatial ``shape`` (each data group its own batch)."""
+    global batch of spatial ``shape`` (each data group its own batch); with
+    ``memory_format``, both inputs in that memory format."""
     from hpcpar.parallel.comm import allreduce_
 
     tol_ = FP32_TOL if dtype == torch.float32 else FP64_TOL
@@ -169,12 +171,17 @@ def compare_with_twin(grid, twin, spatial, shape, channels, dtype, seed=0, batch
     spatial.load_state_dict(twin.state_dict())  # the twin's state_dict loads as is
     spatial = spatial.to(dtype)
     gen = torch.Generator().manual_seed(seed + 1000 * grid.coords[0])  # data groups differ
-    X = torch.randn(batch, channels, *shape, generator=gen, dtype=dtype, requires_grad=True)
+    X = torch.randn(batch, channels, *shape, generator=gen, dtype=dtype)
+    if memory_format is not None:
+        X = X.contiguous(memory_format=memory_format)
+    X.requires_grad_()
     Y = twin(X)
     G = torch.randn(Y.shape, generator=gen, dtype=dtype)
     (Y * G).sum().backward()
 
-    x = X.detach()[spatial_slices(shape, grid)].clone().requires_grad_()
+    x = X.detach()[spatial_slices(shape, grid)]
+    x = (x.clone() if memory_format is None else x.contiguous(memory_format=memory_format))
+    x.requires_grad_()
     y = spatial(x)
     oslc = spatial_slices(tuple(Y.shape[2:]), grid)
     ref = Y.detach()[oslc]
@@ -275,7 +282,7 @@ def train_cora(graph, seed: int, epochs: int = 200) -> dict:
     dropout 0.5, Adam lr 0.01, weight decay 5e-4 on layer 1); final val/test accuracy."""
     from hpcpar.graph.metrics import masked_loss, split_metrics
     from hpcpar.models import GCN
-    from hpcpar.parallel.comm import allreduce_
+    from hpcpar.parallel.comm import sum_grads_
 
     torch.manual_seed(seed)
     model = GCN(graph.num_features, 16, graph.num_classes, dropout=0.5, seed=seed)
@@ -286,13 +293,7 @@ def train_cora(graph, seed: int, epochs: int = 200) -> dict:
         model.train()
         opt.zero_grad()
         masked_loss(model(graph.x, graph), graph).backward()
-        if graph.comm.Get_size() > 1:  # the SUM over the graph's ranks, one message
-            flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-            allreduce_(flat, graph.comm)
-            off = 0
-            for p in model.parameters():
-                p.grad.copy_(flat[off:off + p.numel()].view_as(p))
-                off += p.numel()
+        sum_grads_(model.parameters(), graph.comm)  # the SUM over the graph's ranks
         opt.step()
     model.eval()
     with torch.no_grad():

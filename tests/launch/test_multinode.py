@@ -19,7 +19,13 @@ import pytest
 
 from hpcpar.launch.submit import plan_submit, submit
 from hpcpar.testing.cluster import VirtualCluster, _alive
-from hpcpar.testing.slurm import TINY_STEPS, start_or_skip, tiny_job, usr1_then_resume
+from hpcpar.testing.slurm import (
+    TINY_STEPS,
+    start_or_skip,
+    tiny_job,
+    usr1_then_resume,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slurm
 
@@ -463,10 +469,8 @@ def test_kill9_of_a_training_rank_keeps_the_checkpoint_and_resume_is_exact(virtu
                                sets=_spatial_tiny(d / "data"), python=sys.executable),
                    out, env=virtual_cluster.env())
     run = out / "ranks-4"
-    deadline = time.monotonic() + 180
-    while not any((run / "checkpoints").glob("step-*")):
-        assert time.monotonic() < deadline, virtual_cluster.log_tail()
-        time.sleep(0.2)
+    wait_for(lambda: any((run / "checkpoints").glob("step-*")), 180, "no checkpoint",
+             virtual_cluster)
     node = virtual_cluster.run("scontrol", "show", "hostnames",
                                virtual_cluster.job(rec["id"])["NodeList"]).stdout.split()[1]
     ranks = [p for p in virtual_cluster.node_pids(node)
@@ -530,10 +534,8 @@ def test_job_that_loses_a_node_resumes_on_the_rest_with_a_smaller_data_axis(tmp_
         [rec] = submit(plan_submit(DEMO, out, nodes=[2], ranks_per_node=2, sets=sets,
                                    python=sys.executable), out, env=cluster.env())
         run = out / "ranks-4"
-        deadline = time.monotonic() + 180
-        while not any((run / "checkpoints").glob("step-*")):
-            assert time.monotonic() < deadline, cluster.log_tail()
-            time.sleep(0.2)
+        wait_for(lambda: any((run / "checkpoints").glob("step-*")), 180, "no checkpoint",
+                 cluster)
         cluster.kill_node("node2")
         # Slurm ends the step, then requeues the batch job (it asked for --requeue): it waits
         # for two nodes that are not there; the user cancels it and resumes on what is left

@@ -270,31 +270,12 @@ def test_boundary_fast_path_matches_torch(comm):
                   fast=fast):
             for fmt in (torch.contiguous_format, CL):
                 torch.manual_seed(7)
-                twin = nn.Conv3d(4, 4, k, padding=pad, groups=groups, bias=bias).to(dtype)
+                twin = nn.Conv3d(4, 4, k, padding=pad, groups=groups, bias=bias)
                 spatial = SpatialConv3d(4, 4, k, padding=pad, groups=groups, bias=bias,
-                                        grid=grid).to(dtype)
-                spatial.load_state_dict(twin.state_dict())
-                gen = torch.Generator().manual_seed(5)
-                X = torch.randn(2, 4, *shape, generator=gen, dtype=dtype)
-                X = X.contiguous(memory_format=fmt).requires_grad_()
-                Y = twin(X)
-                G = torch.randn(Y.shape, generator=gen, dtype=dtype)
-                (Y * G).sum().backward()
-                slc = spatial_slices(shape, grid)
-                x = X.detach()[slc].contiguous(memory_format=fmt).requires_grad_()
-                y = spatial(x)
-                oslc = spatial_slices(tuple(Y.shape[2:]), grid)
-                (y * G[oslc]).sum().backward()
-                tol = FP32_TOL if dtype == torch.float32 else FP64_TOL
+                                        grid=grid)
                 what = f"fast path {grid.spatial_shape} k={k} p={pad} {shape} {fmt}"
-                assert rel_err(y.detach(), Y.detach()[oslc]) <= tol, what
-                assert rel_err(x.grad, X.grad[slc]) <= tol, what
-                from hpcpar.parallel.comm import allreduce_
-
-                for (name, p), (_, q) in zip(spatial.named_parameters(),
-                                             twin.named_parameters()):
-                    assert rel_err(allreduce_(p.grad.clone(), grid.spatial_comm), q.grad) \
-                        <= tol, f"{what}: {name}"
+                compare_with_twin(grid, twin, spatial, shape, 4, dtype, seed=5, what=what,
+                                  memory_format=fmt)
                 [entry] = spatial._spatial_plans.values()
                 took = entry.extra.boundary is not None and entry.extra.boundary.fast(2)
                 assert took == fast, what
