@@ -77,6 +77,7 @@ def measure(args) -> None:
 
 def drive(args) -> int:
     """Bring up the virtual cluster, run :func:`measure` under srun on it, tear it down."""
+    from hpcpar.launch.launcher import wheel_srun_export
     from hpcpar.testing.cluster import VirtualCluster
 
     root = Path(tempfile.mkdtemp(prefix="hpcpar-bench-cluster-"))
@@ -85,7 +86,8 @@ def drive(args) -> int:
         print(f"virtual cluster: {args.nodes} nodes, link {args.link or 'unshaped'}"
               + "".join(f"; {n}" for n in cluster.notes), flush=True)
         argv = ["srun", f"--nodes={args.nodes}", f"--ntasks-per-node={args.per_node}",
-                "--mpi=pmi2", sys.executable, __file__, "--measure",
+                "--mpi=pmi2", *wheel_srun_export(os.environ), sys.executable, __file__,
+                "--measure",
                 "--mb", ",".join(map(str, args.mb)), "--rounds", str(args.rounds),
                 "--reps", str(args.reps)]
         print("$ " + " ".join(argv), flush=True)

@@ -7,7 +7,8 @@ when already running under MPI.
   step with ``SLURM_NTASKS`` > 1): run in this process (``direct``);
 * inside an allocation (``SLURM_JOB_ID`` set) but not in a job step: ``srun`` with explicit
   ``--cpus-per-task`` (Slurm >= 22.05 no longer passes it on), ``--kill-on-bad-exit`` and
-  ``--mpi=pmi2`` for the pip ``mpich`` wheel; extra flags from ``HPCPAR_SRUN_FLAGS``;
+  ``--mpi=pmi2`` for the pip ``mpich`` wheel (with its OFI netmod: :data:`WHEEL_SRUN_ENV`);
+  extra flags from ``HPCPAR_SRUN_FLAGS``;
 * otherwise ``mpiexec -n N`` (:func:`hpcpar.launch.mpiexec.find_mpiexec`), or in-process for N = 1.
 
 ``HPCPAR_LAUNCH=direct|srun|mpiexec`` forces a mode. Ranks read their place from
@@ -20,16 +21,24 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from hpcpar import _env
 from hpcpar.errors import LaunchError
 from hpcpar.parallel.placement import env_int, in_slurm_step
 
-__all__ = ["MODES", "mpi_world_size", "default_ranks", "plan_launch", "launch_command",
-           "run_ranks", "rank_argv"]
+__all__ = ["MODES", "WHEEL_SRUN_ENV", "wheel_srun_export", "mpi_world_size", "default_ranks",
+           "plan_launch", "launch_command", "run_ranks", "rank_argv"]
 
 MODES = ("direct", "srun", "mpiexec")
+
+#: What ranks of the pip ``mpich`` wheel need under ``srun --mpi=pmi2``. Its default UCX
+#: netmod publishes a fixed 4 KiB address buffer (the real address plus whatever memory follows
+#: it) through Slurm's PMI-1 wire once the ranks span nodes; a segment of that buffer that does
+#: not compress overflows Slurm's 1 KiB request line ("mpi/pmi2: value not properly
+#: terminated") and the job hangs in ``MPI_Init``, depending on the process's memory layout.
+#: The OFI netmod publishes only its real (short) address. A value the user set wins.
+WHEEL_SRUN_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi"}
 
 
 def mpi_world_size(env: Mapping[str, str] | None = None) -> int:
@@ -103,6 +112,23 @@ def _uses_mpich_wheel() -> bool:
         return False
 
 
+def wheel_srun_export(env: Mapping[str, str], flags: Sequence[str] = ()) -> list[str]:
+    """``srun --export=ALL,...`` with :data:`WHEEL_SRUN_ENV` for what ``env`` does not set
+    (nothing when ``flags`` already choose an ``--export``).
+
+    Args:
+        env: The launcher's environment.
+        flags: The other ``srun`` flags.
+
+    Returns:
+        Zero or one ``srun`` flag.
+    """
+    add = [f"{k}={v}" for k, v in WHEEL_SRUN_ENV.items() if k not in env]
+    if not add or any(f.startswith("--export") for f in flags):
+        return []
+    return ["--export=" + ",".join(["ALL", *add])]
+
+
 def launch_command(mode: str, n: int, argv: list[str], *, cpus_per_task: int = 1,
                    gpus_per_node: int = 0, env: Mapping[str, str] | None = None) -> list[str]:
     """The full command line that starts a per-rank command on ``n`` ranks.
@@ -135,6 +161,8 @@ def launch_command(mode: str, n: int, argv: list[str], *, cpus_per_task: int = 1
         if mpi:
             cmd.append(f"--mpi={mpi}")
         flags = _env.get("HPCPAR_SRUN_FLAGS", env)
+        if mpi == "pmi2" and _uses_mpich_wheel():
+            cmd += wheel_srun_export(env, flags)
         if gpus_per_node and not any(f.startswith("--gpus") for f in flags):
             cmd.append("--gpus-per-task=1")
         cmd += flags

@@ -154,6 +154,18 @@ class SlurmCluster:
                                f"{proc.stderr.strip()}")
         return proc
 
+    def cancel_all(self, timeout: float = 60) -> list[str]:
+        """Cancel every job still queued or running and wait until none is left (so one
+        failed test does not leave a job behind for the next); returns their ids."""
+        def queued() -> list[str]:
+            return self.run("squeue", "-h", "-o", "%i", check=False).stdout.split()
+
+        ids = queued()
+        if ids:
+            self.run("scancel", *ids, check=False)
+            wait_for(lambda: not queued(), timeout, f"jobs {ids} not cancelled", self)
+        return ids
+
     def sbatch(self, *args: str) -> str:
         """Submit with ``sbatch --parsable``; return the job id."""
         return self.run("sbatch", "--parsable", *args).stdout.strip().split(";")[0]
@@ -405,9 +417,15 @@ def usr1_then_resume(cluster, rec: dict, out: Path, timeout: float, started) -> 
     and complete. Returns the job's log."""
     wait_for(started, timeout, "job never reached the point to interrupt", cluster)
     cluster.run("scancel", "--batch", "--signal=USR1", rec["id"])
-    requeue_now(cluster, rec["id"])
+    path = out / "slurm" / f"{rec['label']}-{rec['id']}.out"
+    try:
+        requeue_now(cluster, rec["id"])
+    except TimeoutError as exc:  # say what the job itself printed and where it is
+        log = path.read_text() if path.exists() else "(no job log)"
+        raise TimeoutError(f"{exc}\n--- job {cluster.job(rec['id'])}\n--- job log\n"
+                           f"{log[-6000:]}") from None
     info = cluster.wait(rec["id"], timeout)
-    log = (out / "slurm" / f"{rec['label']}-{rec['id']}.out").read_text()
+    log = path.read_text()
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", \
         (info, log, cluster.log_tail(40))
     return log

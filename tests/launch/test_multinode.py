@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from hpcpar.launch.launcher import wheel_srun_export
 from hpcpar.launch.submit import plan_submit, submit
 from hpcpar.testing.cluster import VirtualCluster, _alive
 from hpcpar.testing.slurm import (
@@ -30,6 +31,14 @@ from hpcpar.testing.slurm import (
 pytestmark = pytest.mark.slurm
 
 
+@pytest.fixture(autouse=True)
+def _no_job_outlives_its_test(request):
+    """A failed test's job is cancelled, so the next test starts on an empty cluster."""
+    yield
+    if "virtual_cluster" in request.fixturenames:
+        request.getfixturevalue("virtual_cluster").cancel_all()
+
+
 def srun(cluster, script: str, tmp_path: Path, nodes: int = 2, per_node: int = 2,
          env: dict | None = None, timeout: float = 120, wait: bool = True, args=(),
          python: str = sys.executable):
@@ -37,24 +46,16 @@ def srun(cluster, script: str, tmp_path: Path, nodes: int = 2, per_node: int = 2
     ``per_node`` ranks."""
     path = tmp_path / "job.py"
     path.write_text(textwrap.dedent(script))
+    # the wheel's ranks get what hpcpar's own srun launches give them (its OFI netmod)
+    wheel = wheel_srun_export({}) if python == sys.executable else []
     argv = ["srun", f"--nodes={nodes}", f"--ntasks-per-node={per_node}", "--mpi=pmi2",
-            "--kill-on-bad-exit=1", f"--chdir={tmp_path}", python, str(path),
+            *wheel, "--kill-on-bad-exit=1", f"--chdir={tmp_path}", python, str(path),
             *map(str, args)]
     full_env = {**cluster.env(), "OMP_NUM_THREADS": "1", **(env or {})}
     if not wait:
         return subprocess.Popen(argv, env=full_env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
-    for attempt in (1, 2):
-        try:
-            return subprocess.run(argv, env=full_env, capture_output=True, text=True,
-                                  timeout=timeout)
-        except subprocess.TimeoutExpired as exc:
-            err = exc.stderr.decode(errors="replace") if exc.stderr else ""
-            # Slurm 22.05's pmi2 plugin has been seen (once in CI) to garble a start-up
-            # message under load ("mpi/pmi2: value not properly terminated"); the ranks then
-            # wait in MPI_Init forever. That is Slurm's wire-up, not hpcpar: start once more.
-            if attempt == 2 or "mpi/pmi2:" not in err:
-                raise
+    return subprocess.run(argv, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
 def results(tmp_path: Path) -> list[dict]:
@@ -263,7 +264,8 @@ def test_kill9_of_a_rank_on_the_second_node_ends_the_job(virtual_cluster, tmp_pa
 
 
 def test_a_node_that_disappears_ends_the_job_without_a_hang(tmp_path):
-    """A node whose slurmd and ranks all die mid-job: srun ends with a message naming it."""
+    """A node whose slurmd and ranks all die mid-job: srun ends, naming the node's tasks or
+    with the surviving ranks' MPI error, within 90 s."""
     cluster = start_or_skip(VirtualCluster(tmp_path / "c", nodes=2,
                                            state_file=tmp_path / "state.json"),
                             "the virtual cluster")
@@ -279,7 +281,10 @@ def test_a_node_that_disappears_ends_the_job_without_a_hang(tmp_path):
         out, _ = job.communicate(timeout=90)
         assert job.returncode != 0
         assert time.monotonic() - start < 90
-        assert "node2" in out or "task 2" in out or "task 3" in out, out
+        # srun names the lost node's tasks, or a rank on the surviving node reports the
+        # broken connection first (the OFI netmod notices at once) and srun ends the step
+        assert ("node2" in out or "task 2" in out or "task 3" in out
+                or "Fatal error in internal_Allreduce" in out), out
     finally:
         cluster.stop()
 
