@@ -9,8 +9,9 @@ and, all through Slurm on it:
 1. ``hpcpar plan --calibrate -o MACHINE`` in a 2-node x PER_NODE allocation: intra- and
    inter-node latency and bandwidth (pingpongs), compute rates, contention; the nodes are
    recognised as sharing one host's cores (``host_cores``). No training step is run.
-2. ``hpcpar submit jobs/demo-cosmoflow.toml --nodes 1,2,4 --ranks-per-node PER_NODE``: the
-   demo (spatial x=2 inside each node, data parallel across nodes), STEPS steps per point.
+2. ``hpcpar submit jobs/demo-cosmoflow.toml --nodes N --ranks-per-node PER_NODE`` for each
+   node count in turn (one job at a time: the virtual nodes share the host's cores): the demo
+   (spatial x=2 inside each node, data parallel across nodes), STEPS steps per point.
 3. ``hpcpar report --plan MACHINE``: the predicted step time beside the measured median.
 
 Printed: per node count, measured and predicted seconds per step, predicted/measured, and how
@@ -66,9 +67,11 @@ def main(argv=None) -> int:
         out = work / "sweep"
         print(f"$ hpcpar submit {DEMO.name} -o {out} --nodes {args.nodes} --ranks-per-node "
               f"{args.per_node} " + " ".join(f"--set {s}" for s in sets), flush=True)
-        recs = submit(plan_submit(DEMO, out, nodes=nodes, ranks_per_node=args.per_node,
-                                  sets=sets, python=sys.executable), out, env=env)
-        for rec in recs:
+        # one point at a time: the virtual nodes share this host's cores, so points running
+        # side by side would slow each other down
+        for n in nodes:
+            [rec] = submit(plan_submit(DEMO, out, nodes=[n], ranks_per_node=args.per_node,
+                                       sets=sets, python=sys.executable), out, env=env)
             state = cluster.wait(rec["id"], 1800)["JobState"]
             print(f"  job {rec['id']} ({rec['label']}): {state}", flush=True)
         rep = subprocess.run([sys.executable, "-m", "hpcpar.cli", "report", str(out), "-o",
