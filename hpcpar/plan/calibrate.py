@@ -271,6 +271,11 @@ def _torch_conv_rate(seconds: float) -> float:
 OVERSUB_WINDOWS = 5
 
 
+#: seconds the helper processes keep computing after their windows, while the ranks time
+#: messages between them (``sync_wait``)
+SYNC_WINDOW = 2.0
+
+
 def _extra_rank(ready, go, out) -> None:
     """A helper process standing in for a second rank on this rank's core."""
     import torch
@@ -280,22 +285,27 @@ def _extra_rank(ready, go, out) -> None:
     ready.set()
     go.wait()
     out.put([_torch_conv_rate(0.5) for _ in range(OVERSUB_WINDOWS)])
+    _torch_conv_rate(SYNC_WINDOW)   # still busy while the ranks time their messages
 
 
-def oversubscription(comm: MPI.Comm) -> float:
-    """Compute per core with two ranks per core, relative to one rank per core (collective).
+def oversubscription(comm: MPI.Comm) -> tuple[float, float]:
+    """Compute per core with two ranks per core, relative to one rank per core, and what
+    time slicing adds to a message between two ranks (collective).
 
-    Every rank starts a helper process that computes beside it.
+    Every rank starts a helper process that computes beside it; while the helpers still
+    compute, ranks 0 and 1 pingpong small messages (the partner is often descheduled).
 
     Args:
         comm: The ranks of the calibration.
 
     Returns:
-        The ratio (1.0: time slicing costs nothing).
+        ``(ratio, sync_wait)``: the compute ratio (1.0: time slicing costs nothing) and the
+        extra one-way seconds of a message (rank 0's value on every rank).
     """
     import multiprocessing
 
     polite_barrier(comm)
+    idle = min(pingpong(comm, 8, 500) for _ in range(3))
     full = comm.allreduce(_torch_conv_rate(1.0)) / comm.Get_size()
     ctx = multiprocessing.get_context("spawn")
     ready, go, out = ctx.Event(), ctx.Event(), ctx.Queue()
@@ -310,11 +320,18 @@ def oversubscription(comm: MPI.Comm) -> float:
     go.set()
     mine = [_torch_conv_rate(0.5) for _ in range(OVERSUB_WINDOWS)]
     theirs = out.get(timeout=120)
+    t0 = time.perf_counter()
+    busy = pingpong(comm, 8, 50)   # the helpers still compute (SYNC_WINDOW)
+    # rank 0's count for every rank: a count of their own would leave a pingpong unmatched
+    iters = comm.bcast(max(10, int(50 * 0.25 * SYNC_WINDOW /
+                                   max(time.perf_counter() - t0, 1e-6))), root=0)
+    busy = min(busy, pingpong(comm, 8, iters))
+    sync_wait = comm.bcast(max(0.0, busy - idle), root=0)
     helper.join(30)
     # two processes on one core; the median window (the scheduler places 2 per core unevenly
     # at times, and a busy host steals whole windows)
     over = [comm.allreduce(m + t) / comm.Get_size() for m, t in zip(mine, theirs)]
-    return min(1.0, sorted(over)[len(over) // 2] / full)
+    return min(1.0, sorted(over)[len(over) // 2] / full), sync_wait
 
 
 def polite_barrier(comm: MPI.Comm) -> None:
@@ -380,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         together = conv_rate(8)
         mean_together = sub.allreduce(together) / sub.Get_size()
         mem_together = sub.allreduce(dict(layer_costs())["pointwise"]) / sub.Get_size()
-        over = oversubscription(sub) if sub.Get_size() >= cores else 1.0
+        over, sync_wait = oversubscription(sub) if sub.Get_size() >= cores else (1.0, 0.0)
         sub.Free()
     polite_barrier(comm)
     if rank == 0:
@@ -396,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
         m = Machine(name="local", ranks_per_node=hosts.count(hosts[0]) if nodes > 1
                     else max(8, cores), cores=cores, conv_rates=rates,
                     contention=contention, mem_contention=mem_contention, layer_costs=costs,
-                    oversubscription=over, host_cores=cores if shared else 0,
+                    oversubscription=over, sync_wait=sync_wait,
+                    host_cores=cores if shared else 0,
                     gemm_rates=gemms, graph_costs=gcosts,
                     flops=flops, mem_bw=mem_bw,
                     mem_per_rank=_mem_per_rank(cores), io_bw=_io_bw(), intra=intra,
@@ -414,7 +432,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{flops / 1e9:.1f} GFLOP/s (x{contention:.2f} with all cores busy), memory "
               f"{mem_bw / 1e9:.1f} GB/s, pool/pointwise/bn "
               f"{'/'.join(f'{v * 1e9:.2f}' for _, v in costs)} ns per input byte "
-              f"(x{mem_contention:.2f} with all cores busy), x{over:.2f} per core with two "
+              f"(x{mem_contention:.2f} with all cores busy), x{over:.2f} per core and "
+              f"+{sync_wait * 1e6:.0f} us per message with two "
               f"ranks per core; GEMM {'/'.join(f'{r / 1e9:.0f}' for _, r in gemms)} GFLOP/s "
               f"at {'/'.join(str(m) for m, _ in gemms)} rows; SpMM "
               f"{dict(gcosts)['spmm'] * 1e9:.2f} ns per nonzero x column -> {out}")

@@ -88,7 +88,8 @@ class GraphJob:
 
 
 def layer_times(job: GraphJob, part: Part, machine: Machine, link: Link, ranks: int) -> dict:
-    """Seconds of one rank's step by kind: ``dense``, ``sparse``, ``pointwise``, ``halo``.
+    """Seconds of one rank's step by kind: ``dense``, ``sparse``, ``pointwise``, ``halo``,
+    and the number of halo ``exchanges``.
 
     Args:
         job: The graph job.
@@ -112,7 +113,7 @@ def layer_times(job: GraphJob, part: Part, machine: Machine, link: Link, ranks: 
     if drop is None:
         drop = pw * 4
     mats = 2 if job.conv == "sage" else 1
-    out = {"dense": 0.0, "sparse": 0.0, "pointwise": 0.0, "halo": 0.0}
+    out = {"dense": 0.0, "sparse": 0.0, "pointwise": 0.0, "halo": 0.0, "exchanges": 0}
     for i, (fin, fout) in enumerate(zip(job.widths[:-1], job.widths[1:])):
         first = i == 0
         if job.dropout > 0:
@@ -131,6 +132,7 @@ def layer_times(job: GraphJob, part: Part, machine: Machine, link: Link, ranks: 
         out["sparse"] += passes * spmm * nnz * width
         if ranks > 1 and part.halo:
             out["halo"] += 2 * passes * link.time(part.halo * width * 4, max(1, part.peers))
+            out["exchanges"] += round(2 * passes)
     out["pointwise"] += pw * v * job.widths[-1] * 4   # loss
     return out
 
@@ -161,18 +163,21 @@ def predict_graph(work: Workload, grid: tuple, machine: Machine) -> Prediction:
     on_node = min(ranks, machine.ranks_per_node)
     slow, slow_mem = (machine.slowdown(on_node, ranks=ranks),
                       machine.slowdown(on_node, machine.mem_contention, ranks=ranks))
+    # on oversubscribed cores each exchange and collective waits for descheduled partners
+    wait = machine.sync_delay(on_node, ranks=ranks)
     worst = None
     for part in job.partition(ranks):
         t = layer_times(job, part, machine, link, ranks)
         compute = t["dense"] * slow + (t["sparse"] + t["pointwise"]) * slow_mem
-        if worst is None or compute + t["halo"] > worst[0] + worst[1]:
-            worst = (compute, t["halo"], part)
+        halo = t["halo"] + t["exchanges"] * wait
+        if worst is None or compute + halo > worst[0] + worst[1]:
+            worst = (compute, halo, part)
     pred.t_compute, pred.t_halo, part = worst
     grad_bytes = work.params * 4
     # the gradient sync and the loss's one-number allreduce
     pred.t_allreduce = allreduce_time(grad_bytes, ranks, machine) + allreduce_time(8, ranks,
                                                                                     machine)
-    pred.t_allreduce_exposed = pred.t_allreduce
+    pred.t_allreduce_exposed = pred.t_allreduce + (2 * wait if ranks > 1 else 0.0)
     opt = _OPT_STATE.get(work.optimizer, 2)
     t_opt = work.params * 4 * (3 + 2 * opt) / machine.mem_bw
     pred.t_step = pred.t_compute + pred.t_halo + pred.t_allreduce_exposed + t_opt

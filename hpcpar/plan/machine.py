@@ -14,8 +14,10 @@ io_bw = 1.0e9                 # per-rank read bandwidth from the file system, by
 # contention / mem_contention (rate with every core busy / one busy), oversubscription
 # (compute per core with two ranks per core / one rank per core), and
 # layer_costs = {pool = s/B, pointwise = s/B, bn = s/B} (per input byte, forward + backward),
-# gemm_rates = [[narrowest dimension, FLOP/s], ...] (nn.Linear forward + backward) and
+# gemm_rates = [[narrowest dimension, FLOP/s], ...] (nn.Linear forward + backward),
 # graph_costs = {spmm = s per nonzero x column (forward + backward), dropout = s per element}
+# and sync_wait (s a message between two ranks waits when each core also runs another busy
+# process: time slicing; charged per synchronisation on oversubscribed cores)
 [intra]                        # between ranks of one node
 alpha = 3e-6                  # latency per message, s
 beta = 80e9                   # bandwidth per direction, bytes/s
@@ -91,6 +93,9 @@ class Machine:
         graph_costs: ``((kind, seconds), ...)``: ``spmm`` per nonzero and column (forward +
             backward, hpcpar's sparse operator), ``dropout`` per element (the vertex-hash
             dropout of GNN layers, forward).
+        sync_wait: Extra one-way time of a message between two ranks when every core runs a
+            second busy process (the partner is often descheduled: time slicing); the
+            planner charges it per synchronisation and per extra rank on a core.
     """
 
     name: str
@@ -115,6 +120,7 @@ class Machine:
     host_cores: int = 0
     gemm_rates: tuple = ()
     graph_costs: tuple = ()
+    sync_wait: float = 0.0
 
     def slowdown(self, ranks_on_node: int, contention: float | None = None,
                  ranks: int | None = None) -> float:
@@ -139,6 +145,33 @@ class Machine:
         busy = min(max(ranks_on_node, 1), cores)
         frac = (busy - 1) / (cores - 1) if cores > 1 else 0.0
         return (1 + (1 / contention - 1) * frac) / self.compute_share(ranks_on_node, cores)
+
+    def ranks_per_core(self, ranks_on_node: int, ranks: int | None = None) -> float:
+        """Busy ranks per core (1 when the cores are not oversubscribed).
+
+        Args:
+            ranks_on_node: Busy ranks on the node.
+            ranks: Busy ranks of the whole job (they share ``host_cores`` when set).
+
+        Returns:
+            Ranks per core, at least 1.
+        """
+        if self.host_cores:
+            return max(1.0, max(ranks or ranks_on_node, ranks_on_node) / self.host_cores)
+        return max(1.0, ranks_on_node / (self.cores or self.ranks_per_node))
+
+    def sync_delay(self, ranks_on_node: int, ranks: int | None = None) -> float:
+        """Seconds each synchronisation (halo exchange, collective) waits for descheduled
+        partners: ``sync_wait`` per extra rank on a core (0 with a core per rank).
+
+        Args:
+            ranks_on_node: Busy ranks on the node.
+            ranks: Busy ranks of the whole job (they share ``host_cores`` when set).
+
+        Returns:
+            Seconds.
+        """
+        return self.sync_wait * (self.ranks_per_core(ranks_on_node, ranks) - 1)
 
     def layer_cost(self, kind: str) -> float | None:
         """Calibrated seconds per input byte (forward + backward) of a memory-bound layer.
@@ -204,7 +237,8 @@ class Machine:
         d = asdict(self)
         lines = [f'name = "{self.name}"', f'description = "{self.description}"']
         for k in ("ranks_per_node", "cores", "flops", "mem_bw", "mem_per_rank", "io_bw",
-                  "contention", "mem_contention", "oversubscription", "host_cores"):
+                  "contention", "mem_contention", "oversubscription", "host_cores",
+                  "sync_wait"):
             lines.append(f"{k} = {d[k]!r}")
         if self.layer_costs:
             lines.append("layer_costs = {" + ", ".join(f"{k} = {v!r}" for k, v in
@@ -298,6 +332,7 @@ def load_machine(name_or_path: str) -> Machine:
                    mem_contention=float(raw.get("mem_contention", 1.0)),
                    oversubscription=float(raw.get("oversubscription", 1.0)),
                    host_cores=int(raw.get("host_cores", 0)),
+                   sync_wait=float(raw.get("sync_wait", 0.0)),
                    layer_costs=tuple((str(k), float(v)) for k, v in
                                      dict(raw.get("layer_costs", {})).items()),
                    gemm_rates=tuple((int(c), float(r)) for c, r in raw.get("gemm_rates", ())),

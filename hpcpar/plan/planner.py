@@ -9,7 +9,9 @@ allreduce (ring cost per hierarchy level, overlapped with backward except the la
 the gather feeding a replicated head, tensor-parallel dense layers (their GEMM shard and the
 activation/weight collectives of :mod:`hpcpar.nn.tensor_parallel`; their gradients are reduced
 over the data axis only), I/O (overlapped by prefetch) and memory (runtime, activations
-kept for backward, the backward's transient, parameters, gradients, optimizer state).
+kept for backward, the backward's transient, parameters, gradients, optimizer state). On
+oversubscribed cores each synchronisation (halo exchange, gather, collective) also waits for
+descheduled partners: the machine's calibrated ``sync_wait`` per extra rank on a core.
 Grids that cannot run (too many ranks for a layer's extent, batch not divisible, out of
 memory: :mod:`hpcpar.plan.memory`'s estimate over the machine's ``mem_per_rank``) are marked
 infeasible with the reason and never recommended.
@@ -365,6 +367,7 @@ def predict(work: Workload, grid: tuple, machine: Machine) -> Prediction:
     spatial = X * Y * Z
     link = machine.intra if spatial <= machine.ranks_per_node else machine.inter
     t_dense = t_mem = 0.0
+    halo_syncs = gather_syncs = 0   # exchanges per step (forward + backward)
     for i, layer in enumerate(work.layers):
         if layer.spatial:
             vol_in, vol_out = layer.in_shape[1:], layer.out_shape[1:]
@@ -390,10 +393,12 @@ def predict(work: Workload, grid: tuple, machine: Machine) -> Prediction:
                         in_local[j] for j in range(3) if j != a)
                     # forward + backward, one message per side (sides overlap)
                     pred.t_halo += 2 * link.time(face * width * nbytes, 2)
+                    halo_syncs += 2
             if layer.kind == "gather":
                 full = math.prod(layer.in_shape) * b * nbytes
                 pred.t_gather += 2 * link.time(full * (spatial - 1) / spatial,
                                                max(1, spatial - 1)) if spatial > 1 else 0
+                gather_syncs += 2 if spatial > 1 else 0
             flops = layer.flops * share * b
             mem = (in_elems + out_elems) * b * nbytes
         elif layer.tp:
@@ -433,6 +438,15 @@ def predict(work: Workload, grid: tuple, machine: Machine) -> Prediction:
     last_bucket = allreduce_time(min(grad_bytes + tp_bytes, BUCKET_BYTES), d * spatial,
                                  machine)
     pred.t_allreduce_exposed = max(last_bucket, pred.t_allreduce - t_bwd)
+    # time slicing: on oversubscribed cores every synchronisation waits for descheduled
+    # partners, sync_wait (calibrated at two processes per core) per extra rank on a core;
+    # collectives per step: the gradient sync's last wait and the loss / stop-flag allreduce
+    wait = machine.sync_delay(on_node, ranks=d * spatial)
+    if wait > 0:
+        pred.t_halo += halo_syncs * wait
+        pred.t_gather += gather_syncs * wait
+        pred.t_allreduce_exposed += (2 if d * spatial > 1 else 0) * wait
+        pred.extra["sync_wait"] = wait
     sample_bytes = math.prod(work.sample_shape) * 4
     pred.t_io = b * sample_bytes / spatial / machine.io_bw
     io_exposed = max(0.0, pred.t_io - pred.t_compute)

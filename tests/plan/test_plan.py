@@ -85,6 +85,31 @@ def test_calibrated_layer_costs_contention_and_time_slicing(tmp_path):
     assert load_machine(str(path)) == m  # the new fields survive the file
 
 
+def test_time_slicing_charges_sync_wait_per_synchronisation(tmp_path):
+    """On oversubscribed (shared) cores each halo exchange and collective waits sync_wait per
+    extra rank on a core; with a core per rank nothing is added."""
+    from dataclasses import replace
+
+    work = Workload("t", [conv(4, 8, 32), conv(8, 8, 32)], (4, 32, 32, 32), global_batch=8)
+    m = replace(M, ranks_per_node=2, cores=2, host_cores=2)
+    w = replace(m, sync_wait=1e-3)
+    for grid in ((1, 2, 1, 1), (2, 1, 1, 1)):      # one rank per core: nothing added
+        a, b = predict(work, grid, m), predict(work, grid, w)
+        assert (a.t_halo, a.t_allreduce_exposed) == (b.t_halo, b.t_allreduce_exposed)
+    # 2 data x 2 x-split = 4 ranks on the host's 2 cores: one extra rank per core;
+    # two convs split along x: 2 exchanges each (forward + backward); 2 collectives
+    a, b = predict(work, (2, 2, 1, 1), m), predict(work, (2, 2, 1, 1), w)
+    assert b.t_halo - a.t_halo == pytest.approx(4 * 1e-3)
+    assert b.t_allreduce_exposed - a.t_allreduce_exposed == pytest.approx(2 * 1e-3)
+    # 8 ranks: three extra ranks per core
+    a, b = predict(work, (4, 2, 1, 1), m), predict(work, (4, 2, 1, 1), w)
+    assert b.t_halo - a.t_halo == pytest.approx(4 * 3e-3)
+    assert w.ranks_per_core(2, ranks=8) == 4 and replace(w, host_cores=0).ranks_per_core(2) == 1
+    path = tmp_path / "m.toml"
+    path.write_text(w.to_toml())
+    assert load_machine(str(path)) == w
+
+
 def test_infeasible_grids_are_marked():
     work = Workload("t", [conv(4, 8, 6)], (4, 6, 6, 6), global_batch=4)
     assert "not divisible" in predict(work, (3, 1, 1, 1), M).reason

@@ -93,6 +93,12 @@ def test_gnn_terms():
     assert two.extra["part"] == Part(50, 220, 12, 1)
     assert two.t_halo == pytest.approx(sum(2 * (1e-6 + 12 * f * 4 / 1e9) for f in (16, 4)))
     assert two.t_compute < one.t_compute
+    # 2 ranks on 1 shared core: 4 exchanges (2 layers, forward + backward) and 2 collectives
+    # each wait sync_wait for the descheduled partner
+    slow = replace(m, host_cores=1, sync_wait=1e-3)
+    shared = predict(work, (1, 2, 1, 1), slow)
+    assert shared.t_halo - two.t_halo == pytest.approx(4e-3)
+    assert shared.t_allreduce_exposed - two.t_allreduce_exposed == pytest.approx(2e-3)
 
 
 @mpi_case(nprocs=2, timeout=300)
