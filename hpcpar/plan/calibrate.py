@@ -276,10 +276,11 @@ OVERSUB_WINDOWS = 5
 SYNC_WINDOW = 2.0
 
 
-def _extra_rank(ready, go, out) -> None:
+def _extra_rank(ready, go, out, core: int) -> None:
     """A helper process standing in for a second rank on this rank's core."""
     import torch
 
+    os.sched_setaffinity(0, {core})
     torch.set_num_threads(1)
     _torch_conv_rate(0.05)  # warm up
     ready.set()
@@ -292,8 +293,10 @@ def oversubscription(comm: MPI.Comm) -> tuple[float, float]:
     """Compute per core with two ranks per core, relative to one rank per core, and what
     time slicing adds to a message between two ranks (collective).
 
-    Every rank starts a helper process that computes beside it; while the helpers still
-    compute, ranks 0 and 1 pingpong small messages (the partner is often descheduled).
+    Every rank starts a helper process that computes beside it, both pinned to one core per
+    rank (left to itself, the kernel at times puts both helpers on one core and the ranks
+    alone on the other, and measures something else); while the helpers still compute, ranks
+    0 and 1 pingpong small messages (the partner is often descheduled).
 
     Args:
         comm: The ranks of the calibration.
@@ -302,6 +305,17 @@ def oversubscription(comm: MPI.Comm) -> tuple[float, float]:
         ``(ratio, sync_wait)``: the compute ratio (1.0: time slicing costs nothing) and the
         extra one-way seconds of a message (rank 0's value on every rank).
     """
+    allowed = sorted(os.sched_getaffinity(0))
+    core = allowed[comm.Get_rank() % len(allowed)]
+    os.sched_setaffinity(0, {core})
+    try:
+        return _time_sliced(comm, core)
+    finally:
+        os.sched_setaffinity(0, allowed)
+
+
+def _time_sliced(comm: MPI.Comm, core: int) -> tuple[float, float]:
+    """:func:`oversubscription` with this rank pinned to ``core``."""
     import multiprocessing
 
     polite_barrier(comm)
@@ -311,7 +325,7 @@ def oversubscription(comm: MPI.Comm) -> tuple[float, float]:
     ready, go, out = ctx.Event(), ctx.Event(), ctx.Queue()
     env = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith(("PMI", "HYDRA"))}
     try:
-        helper = ctx.Process(target=_extra_rank, args=(ready, go, out), daemon=True)
+        helper = ctx.Process(target=_extra_rank, args=(ready, go, out, core), daemon=True)
         helper.start()
     finally:
         os.environ.update(env)
@@ -320,12 +334,13 @@ def oversubscription(comm: MPI.Comm) -> tuple[float, float]:
     go.set()
     mine = [_torch_conv_rate(0.5) for _ in range(OVERSUB_WINDOWS)]
     theirs = out.get(timeout=120)
+    # the helpers still compute (SYNC_WINDOW): three windows of about a quarter of it each
     t0 = time.perf_counter()
-    busy = pingpong(comm, 8, 50)   # the helpers still compute (SYNC_WINDOW)
+    pingpong(comm, 8, 20)
     # rank 0's count for every rank: a count of their own would leave a pingpong unmatched
-    iters = comm.bcast(max(10, int(50 * 0.25 * SYNC_WINDOW /
+    iters = comm.bcast(max(10, int(20 * 0.25 * SYNC_WINDOW /
                                    max(time.perf_counter() - t0, 1e-6))), root=0)
-    busy = min(busy, pingpong(comm, 8, iters))
+    busy = sorted(pingpong(comm, 8, iters) for _ in range(3))[1]
     sync_wait = comm.bcast(max(0.0, busy - idle), root=0)
     helper.join(30)
     # two processes on one core; the median window (the scheduler places 2 per core unevenly
