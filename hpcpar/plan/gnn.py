@@ -148,7 +148,7 @@ def predict_graph(work: Workload, grid: tuple, machine: Machine) -> Prediction:
     Returns:
         The prediction of the slowest part.
     """
-    from hpcpar.plan.planner import Prediction, allreduce_time
+    from hpcpar.plan.planner import STEP_COLLECTIVES, Prediction, allreduce_time
 
     d, X, Y, Z = grid
     job: GraphJob = work.graph
@@ -177,7 +177,8 @@ def predict_graph(work: Workload, grid: tuple, machine: Machine) -> Prediction:
     # the gradient sync and the loss's one-number allreduce
     pred.t_allreduce = allreduce_time(grad_bytes, ranks, machine) + allreduce_time(8, ranks,
                                                                                     machine)
-    pred.t_allreduce_exposed = pred.t_allreduce + (2 * wait if ranks > 1 else 0.0)
+    pred.t_allreduce_exposed = pred.t_allreduce + (STEP_COLLECTIVES * wait if ranks > 1
+                                                   else 0.0)
     opt = _OPT_STATE.get(work.optimizer, 2)
     t_opt = work.params * 4 * (3 + 2 * opt) / machine.mem_bw
     pred.t_step = pred.t_compute + pred.t_halo + pred.t_allreduce_exposed + t_opt

@@ -138,13 +138,17 @@ class Machine:
             The factor (1 for one rank).
         """
         contention = self.contention if contention is None else contention
-        if self.host_cores:  # every node's ranks run on the same cores
-            ranks_on_node, cores = max(ranks or ranks_on_node, ranks_on_node), self.host_cores
-        else:
-            cores = self.cores or self.ranks_per_node
+        ranks_on_node, cores = self._sharing(ranks_on_node, ranks)
         busy = min(max(ranks_on_node, 1), cores)
         frac = (busy - 1) / (cores - 1) if cores > 1 else 0.0
         return (1 + (1 / contention - 1) * frac) / self.compute_share(ranks_on_node, cores)
+
+    def _sharing(self, ranks_on_node: int, ranks: int | None) -> tuple[int, int]:
+        """``(busy ranks, cores they share)``: a node's ranks on its cores, or, with
+        ``host_cores``, every node's ranks on the host's cores."""
+        if self.host_cores:
+            return max(ranks or ranks_on_node, ranks_on_node), self.host_cores
+        return ranks_on_node, self.cores or self.ranks_per_node
 
     def ranks_per_core(self, ranks_on_node: int, ranks: int | None = None) -> float:
         """Busy ranks per core (1 when the cores are not oversubscribed).
@@ -156,9 +160,8 @@ class Machine:
         Returns:
             Ranks per core, at least 1.
         """
-        if self.host_cores:
-            return max(1.0, max(ranks or ranks_on_node, ranks_on_node) / self.host_cores)
-        return max(1.0, ranks_on_node / (self.cores or self.ranks_per_node))
+        busy, cores = self._sharing(ranks_on_node, ranks)
+        return max(1.0, busy / cores)
 
     def sync_delay(self, ranks_on_node: int, ranks: int | None = None) -> float:
         """Seconds each synchronisation (halo exchange, collective) waits for descheduled
@@ -240,18 +243,13 @@ class Machine:
                   "contention", "mem_contention", "oversubscription", "host_cores",
                   "sync_wait"):
             lines.append(f"{k} = {d[k]!r}")
-        if self.layer_costs:
-            lines.append("layer_costs = {" + ", ".join(f"{k} = {v!r}" for k, v in
-                                                        self.layer_costs) + "}")
-        if self.conv_rates:
-            lines.append("conv_rates = [" + ", ".join(f"[{c}, {r!r}]" for c, r in
-                                                     self.conv_rates) + "]")
-        if self.gemm_rates:
-            lines.append("gemm_rates = [" + ", ".join(f"[{c}, {r!r}]" for c, r in
-                                                     self.gemm_rates) + "]")
-        if self.graph_costs:
-            lines.append("graph_costs = {" + ", ".join(f"{k} = {v!r}" for k, v in
-                                                        self.graph_costs) + "}")
+        # calibrated tables: by name (inline TOML tables) or by number (arrays of pairs)
+        for key in ("layer_costs", "conv_rates", "gemm_rates", "graph_costs"):
+            rows = getattr(self, key)
+            if rows and isinstance(rows[0][0], str):
+                lines.append(f"{key} = {{" + ", ".join(f"{k} = {v!r}" for k, v in rows) + "}")
+            elif rows:
+                lines.append(f"{key} = [" + ", ".join(f"[{c}, {r!r}]" for c, r in rows) + "]")
         for sec in ("intra", "inter"):
             lines += ["", f"[{sec}]", f"alpha = {d[sec]['alpha']!r}", f"beta = {d[sec]['beta']!r}"]
         return "\n".join(lines) + "\n"

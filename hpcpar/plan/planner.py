@@ -44,6 +44,9 @@ __all__ = ["BYTES", "BUCKET_BYTES", "Layer", "trace_layers", "Workload", "Predic
 
 BYTES = {"fp32": 4, "bf16": 2}
 BUCKET_BYTES = 25 * 2**20
+#: collectives every multi-rank step waits in: the gradient sync's last wait and the loss /
+#: stop-flag allreduce (each waits ``Machine.sync_delay`` on oversubscribed cores)
+STEP_COLLECTIVES = 2
 
 
 @dataclass
@@ -439,13 +442,12 @@ def predict(work: Workload, grid: tuple, machine: Machine) -> Prediction:
                                  machine)
     pred.t_allreduce_exposed = max(last_bucket, pred.t_allreduce - t_bwd)
     # time slicing: on oversubscribed cores every synchronisation waits for descheduled
-    # partners, sync_wait (calibrated at two processes per core) per extra rank on a core;
-    # collectives per step: the gradient sync's last wait and the loss / stop-flag allreduce
+    # partners, sync_wait (calibrated at two processes per core) per extra rank on a core
     wait = machine.sync_delay(on_node, ranks=d * spatial)
     if wait > 0:
         pred.t_halo += halo_syncs * wait
         pred.t_gather += gather_syncs * wait
-        pred.t_allreduce_exposed += (2 if d * spatial > 1 else 0) * wait
+        pred.t_allreduce_exposed += (STEP_COLLECTIVES if d * spatial > 1 else 0) * wait
         pred.extra["sync_wait"] = wait
     sample_bytes = math.prod(work.sample_shape) * 4
     pred.t_io = b * sample_bytes / spatial / machine.io_bw

@@ -154,16 +154,17 @@ class SlurmCluster:
                                f"{proc.stderr.strip()}")
         return proc
 
+    def queued(self) -> list[str]:
+        """Ids of the jobs still queued or running."""
+        return self.run("squeue", "-h", "-o", "%i", check=False).stdout.split()
+
     def cancel_all(self, timeout: float = 60) -> list[str]:
         """Cancel every job still queued or running and wait until none is left (so one
         failed test does not leave a job behind for the next); returns their ids."""
-        def queued() -> list[str]:
-            return self.run("squeue", "-h", "-o", "%i", check=False).stdout.split()
-
-        ids = queued()
+        ids = self.queued()
         if ids:
             self.run("scancel", *ids, check=False)
-            wait_for(lambda: not queued(), timeout, f"jobs {ids} not cancelled", self)
+            wait_for(lambda: not self.queued(), timeout, f"jobs {ids} not cancelled", self)
         return ids
 
     def sbatch(self, *args: str) -> str:

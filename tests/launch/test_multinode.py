@@ -208,7 +208,7 @@ def _cmdline(pid: int) -> str:
 
 
 def _no_job_left(cluster) -> bool:
-    return not cluster.run("squeue", "-h", "-o", "%i", check=False).stdout.strip()
+    return not cluster.queued()
 
 
 CORA = """
