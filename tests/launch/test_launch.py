@@ -57,13 +57,18 @@ def test_commands():
                          env={**SLURM_ALLOC, "HPCPAR_SRUN_MPI": "pmi2",
                               "HPCPAR_SRUN_FLAGS": "--cpu-bind=cores"})
     assert cmd[:7] == ["srun", "--ntasks=8", "--cpus-per-task=4", "--kill-on-bad-exit=1",
-                       "--mpi=pmi2", "--export=ALL,MPIR_CVAR_CH4_NETMOD=ofi",  # the wheel's
+                       "--mpi=pmi2",   # the wheel's netmod and provider (WHEEL_SRUN_ENV)
+                       "--export=ALL,MPIR_CVAR_CH4_NETMOD=ofi,FI_PROVIDER=tcp",
                        "--gpus-per-task=1"]
     assert cmd[7] == "--cpu-bind=cores" and cmd[8:] == argv
-    # the user's netmod, or the user's own --export, wins
-    for extra in ({"MPIR_CVAR_CH4_NETMOD": "ucx"}, {"HPCPAR_SRUN_FLAGS": "--export=NONE"}):
-        cmd = launch_command("srun", 2, argv, env={**SLURM_ALLOC, **extra})
-        assert not any(a.startswith("--export=ALL") for a in cmd), cmd
+    # the user's netmod or provider, or the user's own --export, wins
+    cmd = launch_command("srun", 2, argv, env={**SLURM_ALLOC, "MPIR_CVAR_CH4_NETMOD": "ucx"})
+    assert "--export=ALL,FI_PROVIDER=tcp" in cmd, cmd
+    cmd = launch_command("srun", 2, argv, env={**SLURM_ALLOC, "FI_PROVIDER": "verbs",
+                                               "MPIR_CVAR_CH4_NETMOD": "ofi"})
+    assert not any(a.startswith("--export") for a in cmd), cmd
+    cmd = launch_command("srun", 2, argv, env={**SLURM_ALLOC, "HPCPAR_SRUN_FLAGS": "--export=NONE"})
+    assert not any(a.startswith("--export=ALL") for a in cmd), cmd
     cmd = launch_command("srun", 2, argv, cpus_per_task=3, env={"HPCPAR_SRUN_MPI": ""})
     assert cmd[:4] == ["srun", "--ntasks=2", "--cpus-per-task=3", "--kill-on-bad-exit=1"]
     assert "--gpus-per-task=1" not in cmd
