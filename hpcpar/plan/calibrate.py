@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = ["best_time", "pingpong", "measure_link", "placement", "conv_rate", "layer_costs",
            "OVERSUB_WINDOWS", "oversubscription", "polite_barrier", "gemm_rates", "graph_costs",
-           "compute_rates", "main"]
+           "thread_speedups", "opt_costs", "compute_rates", "main"]
 
 
 def best_time(fn: Callable[[], object], repeat: int = 5) -> float:
@@ -151,8 +151,9 @@ def _seconds_per_step(mod, x, seconds: float, windows: int = 3) -> float:
     return best
 
 
-def conv_rate(cin: int, size: int = 24, batch: int = 4, seconds: float = 0.6) -> float:
-    """Measure the convolution rate of one thread as training runs it.
+def conv_rate(cin: int, size: int = 24, batch: int = 4, seconds: float = 0.6,
+              threads: int = 1) -> float:
+    """Measure the convolution rate of one thread (or ``threads``) as training runs it.
 
     Forward + backward of hpcpar's SpatialConv3d (k=3, cin -> 2*cin, its halo buffers
     included), counted as 3x the forward FLOPs.
@@ -162,6 +163,7 @@ def conv_rate(cin: int, size: int = 24, batch: int = 4, seconds: float = 0.6) ->
         size: Volume edge.
         batch: Batch size.
         seconds: Length of each timing window.
+        threads: Torch threads.
 
     Returns:
         FLOP/s.
@@ -170,15 +172,16 @@ def conv_rate(cin: int, size: int = 24, batch: int = 4, seconds: float = 0.6) ->
 
     from hpcpar.nn import SpatialConv3d
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     x = torch.randn(batch, cin, size, size, size, requires_grad=True)
     conv = SpatialConv3d(cin, 2 * cin, 3, padding=1, grid=_one_rank_grid())
     t = _seconds_per_step(conv, x, seconds)
     return 3 * 2.0 * batch * cin * 2 * cin * 27 * size**3 / t
 
 
-def layer_costs(cin: int = 8, size: int = 24, batch: int = 4, seconds: float = 0.4) -> tuple:
-    """Measure the memory-bound layers as hpcpar runs them (one thread).
+def layer_costs(cin: int = 8, size: int = 24, batch: int = 4, seconds: float = 0.4,
+                threads: int = 1) -> tuple:
+    """Measure the memory-bound layers as hpcpar runs them (one thread, or ``threads``).
 
     Max-pool (halo buffers included), LeakyReLU and batch norm, forward + backward.
 
@@ -187,6 +190,7 @@ def layer_costs(cin: int = 8, size: int = 24, batch: int = 4, seconds: float = 0
         size: Volume edge.
         batch: Batch size.
         seconds: Length of each timing window.
+        threads: Torch threads.
 
     Returns:
         ``((kind, seconds per input byte), ...)`` for ``pool``, ``pointwise`` and ``bn``.
@@ -195,13 +199,65 @@ def layer_costs(cin: int = 8, size: int = 24, batch: int = 4, seconds: float = 0
 
     from hpcpar.nn import SpatialBatchNorm3d, SpatialMaxPool3d
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     grid = _one_rank_grid()
     x = torch.randn(batch, cin, size, size, size, requires_grad=True)
     mods = {"pool": SpatialMaxPool3d(2, grid=grid), "pointwise": torch.nn.LeakyReLU(),
             "bn": SpatialBatchNorm3d(cin, grid=grid)}
     nbytes = x.numel() * x.element_size()
     return tuple((k, _seconds_per_step(m, x, seconds) / nbytes) for k, m in mods.items())
+
+
+def thread_speedups(cores: int, rounds: int = 3) -> tuple[float, float]:
+    """How much faster one rank with ``cores`` threads runs than with one: the conv rate
+    (8 channels) and the memory-bound layers' summed cost. hpcpar gives a rank alone on a
+    node every core as a thread. Each round measures both thread counts back to back; the
+    median of the rounds' ratios counts (a spell of a slow host hits one round, not the
+    number)."""
+    import statistics
+
+    import torch
+
+    if cores <= 1:
+        return 1.0, 1.0
+    conv, mem = [], []
+    conv_rate(8, seconds=0.1, threads=cores)   # the thread pool's start is not the rate
+    for _ in range(rounds):
+        conv.append(conv_rate(8, seconds=0.3, threads=cores) / conv_rate(8, seconds=0.3))
+        one, many = layer_costs(seconds=0.2), layer_costs(seconds=0.2, threads=cores)
+        mem.append(sum(c for _, c in one) / sum(c for _, c in many))
+    torch.set_num_threads(1)
+    return max(1.0, statistics.median(conv)), max(1.0, statistics.median(mem))
+
+
+def opt_costs(params: int = 8_000_000, tensors: int = 4, repeat: int = 5) -> tuple:
+    """Seconds per parameter of one optimizer step, one thread, as training builds the
+    optimizers (torch's CPU path: a loop of kernels per tensor, well below memory bandwidth).
+    The tensors are larger than caches, as a dense head's weight is: small tensors that stay
+    in cache update twice as fast per parameter.
+
+    Args:
+        params: Parameters in all.
+        tensors: Tensors they are split into.
+        repeat: Timed steps (the best counts).
+
+    Returns:
+        ``((optimizer, seconds per parameter), ...)`` for ``sgd`` (momentum), ``adam`` and
+        ``adamw``.
+    """
+    import torch
+
+    torch.set_num_threads(1)
+    ps = [torch.nn.Parameter(torch.randn(params // tensors)) for _ in range(tensors)]
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    out = []
+    for name, opt in (("sgd", torch.optim.SGD(ps, lr=1e-3, momentum=0.9)),
+                      ("adam", torch.optim.Adam(ps, lr=1e-3)),
+                      ("adamw", torch.optim.AdamW(ps, lr=1e-3))):
+        opt.step()   # the state is created on the first step
+        out.append((name, best_time(opt.step, repeat) / params))
+    return tuple(out)
 
 
 GEMM_WIDTHS = (4, 16, 64, 256, 1024)
@@ -401,7 +457,10 @@ def main(argv: list[str] | None = None) -> int:
     intra = measure_link(comm, same[0]) if same else None
     inter = measure_link(comm, other[0]) if other else None
     flops, mem_bw, rates, costs = compute_rates() if rank == 0 else (0.0, 0.0, (), ())
-    gemms, gcosts = (gemm_rates(), graph_costs()) if rank == 0 else ((), ())
+    gemms, gcosts, ocosts = (gemm_rates(), graph_costs(), opt_costs()) if rank == 0 else \
+        ((), (), ())
+    # the others wait politely meanwhile, so rank 0's threads have the node's cores
+    threaded = thread_speedups(cores) if rank == 0 else (1.0, 1.0)
     polite_barrier(comm)
     # as many ranks at once as there are cores (memory bandwidth and caches are shared);
     # the others wait politely, so time slicing stays out of this number
@@ -430,7 +489,8 @@ def main(argv: list[str] | None = None) -> int:
                     contention=contention, mem_contention=mem_contention, layer_costs=costs,
                     oversubscription=over, sync_wait=sync_wait,
                     host_cores=cores if shared else 0,
-                    gemm_rates=gemms, graph_costs=gcosts,
+                    gemm_rates=gemms, graph_costs=gcosts, opt_costs=ocosts,
+                    thread_speedup=threaded[0], mem_thread_speedup=threaded[1],
                     flops=flops, mem_bw=mem_bw,
                     mem_per_rank=_mem_per_rank(cores), io_bw=_io_bw(), intra=intra,
                     inter=inter,
@@ -450,7 +510,9 @@ def main(argv: list[str] | None = None) -> int:
               f"(x{mem_contention:.2f} with all cores busy), x{over:.2f} per core and "
               f"+{sync_wait * 1e6:.0f} us per message with two "
               f"ranks per core; GEMM {'/'.join(f'{r / 1e9:.0f}' for _, r in gemms)} GFLOP/s "
-              f"at {'/'.join(str(m) for m, _ in gemms)} rows; SpMM "
+              f"at {'/'.join(str(m) for m, _ in gemms)} rows; x{threaded[0]:.2f} (dense) "
+              f"and x{threaded[1]:.2f} (memory-bound) with {cores} threads; Adam "
+              f"{dict(ocosts)['adam'] * 1e9:.2f} ns per parameter; SpMM "
               f"{dict(gcosts)['spmm'] * 1e9:.2f} ns per nonzero x column -> {out}")
     return 0
 

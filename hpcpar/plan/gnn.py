@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from hpcpar.plan.memory import HEADROOM, RUNTIME_BYTES, MemoryEstimate
+from hpcpar.plan.memory import _OPT_STATE, HEADROOM, RUNTIME_BYTES, MemoryEstimate
 
 if TYPE_CHECKING:
     from hpcpar.plan.machine import Link, Machine
@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Part", "GraphJob", "layer_times", "predict_graph"]
 
-_OPT_STATE = {"adam": 2, "adamw": 2, "sgd": 1}
 
 
 @dataclass(frozen=True)
@@ -161,8 +160,7 @@ def predict_graph(work: Workload, grid: tuple, machine: Machine) -> Prediction:
     pred = Prediction(grid, True)
     link = machine.intra if ranks <= machine.ranks_per_node else machine.inter
     on_node = min(ranks, machine.ranks_per_node)
-    slow, slow_mem = (machine.slowdown(on_node, ranks=ranks),
-                      machine.slowdown(on_node, machine.mem_contention, ranks=ranks))
+    slow, slow_mem = machine.compute_factors(on_node, ranks=ranks)
     # on oversubscribed cores each exchange and collective waits for descheduled partners
     wait = machine.sync_delay(on_node, ranks=ranks)
     worst = None
@@ -179,8 +177,7 @@ def predict_graph(work: Workload, grid: tuple, machine: Machine) -> Prediction:
                                                                                     machine)
     pred.t_allreduce_exposed = pred.t_allreduce + (STEP_COLLECTIVES * wait if ranks > 1
                                                    else 0.0)
-    opt = _OPT_STATE.get(work.optimizer, 2)
-    t_opt = work.params * 4 * (3 + 2 * opt) / machine.mem_bw
+    t_opt = machine.optimizer_time(work.optimizer, work.params, slow_mem)
     pred.t_step = pred.t_compute + pred.t_halo + pred.t_allreduce_exposed + t_opt
     pred.extra.update(t_opt=t_opt, io_exposed=0.0, part=part)
     rows = part.owned + part.halo
@@ -188,6 +185,7 @@ def predict_graph(work: Workload, grid: tuple, machine: Machine) -> Prediction:
     # features (and their dropout copy), every layer's input and output kept for backward,
     # the aggregation operator and its transpose (index + value per nonzero)
     saved = 4 * (2 * part.owned * job.widths[0] + 3 * rows * sum(job.widths[1:]))
+    opt = _OPT_STATE.get(work.optimizer, 2)
     mem = MemoryEstimate(runtime=RUNTIME_BYTES, params=work.params * 4 * (4 + opt),
                          data=2 * 16 * (part.edges + part.owned), saved=float(saved),
                          transient=2.0 * 4 * rows * widest)

@@ -96,6 +96,12 @@ class Machine:
         sync_wait: Extra one-way time of a message between two ranks when every core runs a
             second busy process (the partner is often descheduled: time slicing); the
             planner charges it per synchronisation and per extra rank on a core.
+        thread_speedup: Compute speedup of one rank running ``cores`` threads over one
+            thread. hpcpar gives each rank ``cores // ranks`` threads, so a rank alone on a
+            node computes this much faster than the one-thread rates above say.
+        mem_thread_speedup: The same for memory-bound layers and the optimizer.
+        opt_costs: ``((optimizer, seconds per parameter), ...)`` of one optimizer step on
+            one thread (torch's per-tensor CPU kernels run well below memory bandwidth).
     """
 
     name: str
@@ -121,6 +127,9 @@ class Machine:
     gemm_rates: tuple = ()
     graph_costs: tuple = ()
     sync_wait: float = 0.0
+    thread_speedup: float = 1.0
+    mem_thread_speedup: float = 1.0
+    opt_costs: tuple = ()
 
     def slowdown(self, ranks_on_node: int, contention: float | None = None,
                  ranks: int | None = None) -> float:
@@ -142,6 +151,51 @@ class Machine:
         busy = min(max(ranks_on_node, 1), cores)
         frac = (busy - 1) / (cores - 1) if cores > 1 else 0.0
         return (1 + (1 / contention - 1) * frac) / self.compute_share(ranks_on_node, cores)
+
+    def threads(self, ranks_on_node: int, ranks: int | None = None) -> int:
+        """Threads hpcpar gives each rank: the cores it shares divided by the busy ranks,
+        at least one."""
+        busy, cores = self._sharing(ranks_on_node, ranks)
+        return max(1, cores // max(1, busy))
+
+    def compute_factors(self, ranks_on_node: int, ranks: int | None = None) -> tuple:
+        """``(dense, memory-bound)`` factors on one-thread compute times: contention and
+        oversubscription (:meth:`slowdown`) over the speedup of the rank's threads, linear
+        between one thread and ``cores``.
+
+        Args:
+            ranks_on_node: Busy ranks on the node.
+            ranks: Busy ranks of the whole job (they share ``host_cores`` when set).
+
+        Returns:
+            Two factors.
+        """
+        _, cores = self._sharing(ranks_on_node, ranks)
+        frac = (self.threads(ranks_on_node, ranks) - 1) / (cores - 1) if cores > 1 else 0.0
+        return (self.slowdown(ranks_on_node, ranks=ranks)
+                / (1 + (self.thread_speedup - 1) * frac),
+                self.slowdown(ranks_on_node, self.mem_contention, ranks=ranks)
+                / (1 + (self.mem_thread_speedup - 1) * frac))
+
+    def optimizer_time(self, optimizer: str, params: int, mem_factor: float = 1.0) -> float:
+        """Seconds of one optimizer step over ``params`` parameters: the calibrated cost per
+        parameter, else streaming parameters, gradients and state through memory
+        (3 + 2 x state passes).
+
+        Args:
+            optimizer: ``"sgd"``, ``"adam"`` or ``"adamw"``.
+            params: Parameters the rank updates.
+            mem_factor: The memory-bound factor of :meth:`compute_factors`.
+
+        Returns:
+            Seconds.
+        """
+        costs = dict(self.opt_costs)
+        cost = costs.get(optimizer, costs.get("adam") if optimizer == "adamw" else None)
+        if cost is None:
+            state = {"sgd": 1}.get(optimizer, 2)
+            cost = 4 * (3 + 2 * state) / self.mem_bw
+        return params * cost * mem_factor
 
     def _sharing(self, ranks_on_node: int, ranks: int | None) -> tuple[int, int]:
         """``(busy ranks, cores they share)``: a node's ranks on its cores, or, with
@@ -241,10 +295,10 @@ class Machine:
         lines = [f'name = "{self.name}"', f'description = "{self.description}"']
         for k in ("ranks_per_node", "cores", "flops", "mem_bw", "mem_per_rank", "io_bw",
                   "contention", "mem_contention", "oversubscription", "host_cores",
-                  "sync_wait"):
+                  "sync_wait", "thread_speedup", "mem_thread_speedup"):
             lines.append(f"{k} = {d[k]!r}")
         # calibrated tables: by name (inline TOML tables) or by number (arrays of pairs)
-        for key in ("layer_costs", "conv_rates", "gemm_rates", "graph_costs"):
+        for key in ("layer_costs", "conv_rates", "gemm_rates", "graph_costs", "opt_costs"):
             rows = getattr(self, key)
             if rows and isinstance(rows[0][0], str):
                 lines.append(f"{key} = {{" + ", ".join(f"{k} = {v!r}" for k, v in rows) + "}")
@@ -331,6 +385,10 @@ def load_machine(name_or_path: str) -> Machine:
                    oversubscription=float(raw.get("oversubscription", 1.0)),
                    host_cores=int(raw.get("host_cores", 0)),
                    sync_wait=float(raw.get("sync_wait", 0.0)),
+                   thread_speedup=float(raw.get("thread_speedup", 1.0)),
+                   mem_thread_speedup=float(raw.get("mem_thread_speedup", 1.0)),
+                   opt_costs=tuple((str(k), float(v)) for k, v in
+                                   dict(raw.get("opt_costs", {})).items()),
                    layer_costs=tuple((str(k), float(v)) for k, v in
                                      dict(raw.get("layer_costs", {})).items()),
                    gemm_rates=tuple((int(c), float(r)) for c, r in raw.get("gemm_rates", ())),

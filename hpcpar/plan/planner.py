@@ -429,9 +429,10 @@ def predict(work: Workload, grid: tuple, machine: Machine) -> Prediction:
             t_mem += 3 * mem / machine.mem_bw
     # ranks sharing cores (oversubscribed test machines) compute proportionally slower, and
     # shared memory bandwidth slows memory-bound layers more than convolutions
+    # (and a rank alone on its cores runs that many threads: faster than the one-thread rates)
     on_node = min(d * spatial, machine.ranks_per_node)
-    pred.t_compute = t_dense * machine.slowdown(on_node, ranks=d * spatial) + \
-        t_mem * machine.slowdown(on_node, machine.mem_contention, ranks=d * spatial)
+    dense_factor, mem_factor = machine.compute_factors(on_node, ranks=d * spatial)
+    pred.t_compute = t_dense * dense_factor + t_mem * mem_factor
     # tensor-parallel shards are complete per rank: the sync averages them over data only
     grad_bytes = (work.params - work.tp_params) * 4
     tp_bytes = (work.local_params(spatial) - work.params + work.tp_params) * 4
@@ -452,11 +453,9 @@ def predict(work: Workload, grid: tuple, machine: Machine) -> Prediction:
     sample_bytes = math.prod(work.sample_shape) * 4
     pred.t_io = b * sample_bytes / spatial / machine.io_bw
     io_exposed = max(0.0, pred.t_io - pred.t_compute)
-    opt_state = {"adam": 2, "adamw": 2, "sgd": 1}.get(work.optimizer, 2)
     pred.extra["memory"] = estimate_memory(work, grid, nbytes)   # the parts: plan.memory
     pred.mem_bytes = pred.extra["memory"].total
-    # the optimizer streams parameters, gradients and its state: (3 + 2 x state) passes
-    t_opt = work.local_params(spatial) * 4 * (3 + 2 * opt_state) / machine.mem_bw
+    t_opt = machine.optimizer_time(work.optimizer, work.local_params(spatial), mem_factor)
     pred.t_step = (pred.t_compute + pred.t_halo + pred.t_gather + pred.t_allreduce_exposed
                    + io_exposed + t_opt + pred.t_tp)
     pred.extra["io_exposed"] = io_exposed

@@ -85,6 +85,34 @@ def test_calibrated_layer_costs_contention_and_time_slicing(tmp_path):
     assert load_machine(str(path)) == m  # the new fields survive the file
 
 
+def test_threads_per_rank_and_optimizer_costs(tmp_path):
+    """A rank alone on its node runs every core as a thread (hpcpar's policy): its compute is
+    thread_speedup faster than the one-thread rates; ranks with a core each get none of it.
+    The optimizer costs its calibrated seconds per parameter."""
+    from dataclasses import replace
+
+    work = Workload("t", [conv(4, 8, 32)], (4, 32, 32, 32), global_batch=4, optimizer="adam")
+    base = replace(M, cores=4, ranks_per_node=4)
+    m = replace(base, thread_speedup=3.0, mem_thread_speedup=2.0,
+                opt_costs=(("sgd", 1e-9), ("adam", 4e-9)))
+    assert [m.threads(n) for n in (1, 2, 3, 4, 8)] == [4, 2, 1, 1, 1]
+    assert m.compute_factors(1) == pytest.approx((1 / 3, 1 / 2))
+    assert m.compute_factors(2) == pytest.approx((1 / (1 + 2 / 3), 1 / (1 + 1 / 3)))
+    assert m.compute_factors(4) == (1.0, 1.0)
+    one, alone = predict(work, (1, 1, 1, 1), base), predict(work, (1, 1, 1, 1), m)
+    assert alone.t_compute == pytest.approx(one.t_compute / 3)
+    for grid in ((4, 1, 1, 1), (1, 4, 1, 1)):   # a core per rank: the one-thread rates
+        assert predict(work, grid, m).t_compute == predict(work, grid, base).t_compute
+    params = work.local_params(1)
+    assert alone.extra["t_opt"] == pytest.approx(params * 4e-9 / 2)
+    assert predict(work, (4, 1, 1, 1), m).extra["t_opt"] == pytest.approx(params * 4e-9)
+    assert m.optimizer_time("adamw", 10) == pytest.approx(4e-8)  # adamw: adam's when missing
+    assert base.optimizer_time("sgd", 10) == pytest.approx(10 * 4 * 5 / base.mem_bw)
+    path = tmp_path / "m.toml"
+    path.write_text(m.to_toml())
+    assert load_machine(str(path)) == m
+
+
 def test_time_slicing_charges_sync_wait_per_synchronisation(tmp_path):
     """On oversubscribed (shared) cores each halo exchange and collective waits sync_wait per
     extra rank on a core; with a core per rank nothing is added."""
