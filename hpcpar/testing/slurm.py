@@ -413,6 +413,16 @@ def requeue_now(cluster, job_id: str, timeout: float = 60) -> None:
     cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
 
 
+def _job_processes(out: Path) -> str:
+    """State and kernel wait channel of the job's processes (srun, slurmstepd, the ranks):
+    which one keeps a step from ending."""
+    ps = subprocess.run(["ps", "-eo", "pid,ppid,stat,wchan:28,etime,args"],
+                        capture_output=True, text=True).stdout.splitlines()
+    keep = [ps[0], *(line for line in ps[1:] if str(out) in line or "slurmstepd" in line
+                     or " srun " in f" {line} ")]
+    return "\n".join(line[:240] for line in keep)
+
+
 def usr1_then_resume(cluster, rec: dict, out: Path, timeout: float, started) -> str:
     """Once ``started()``, USR1 the batch shell; the job must requeue itself, restart once
     and complete. Returns the job's log."""
@@ -421,10 +431,10 @@ def usr1_then_resume(cluster, rec: dict, out: Path, timeout: float, started) -> 
     path = out / "slurm" / f"{rec['label']}-{rec['id']}.out"
     try:
         requeue_now(cluster, rec["id"])
-    except TimeoutError as exc:  # say what the job itself printed and where it is
+    except TimeoutError as exc:  # say what the job printed, where it is, what still runs
         log = path.read_text() if path.exists() else "(no job log)"
         raise TimeoutError(f"{exc}\n--- job {cluster.job(rec['id'])}\n--- job log\n"
-                           f"{log[-6000:]}") from None
+                           f"{log[-6000:]}\n--- processes\n{_job_processes(out)}") from None
     info = cluster.wait(rec["id"], timeout)
     log = path.read_text()
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", \
