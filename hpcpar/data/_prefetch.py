@@ -102,7 +102,8 @@ class Prefetcher:
 
     def result(self):
         line = self._proc.stdout.readline()
-        if not line:
+        if not line:   # the process is gone: nothing outstanding will ever be answered
+            self.outstanding = 0
             raise DataError(self._died())
         self.outstanding -= 1
         msg = json.loads(line)
@@ -114,7 +115,8 @@ class Prefetcher:
         return self.layout.views(self._buf, slot)
 
     def drain(self) -> None:
-        """Collect answers to requests nobody will consume (an iterator left early)."""
+        """Collect answers to requests nobody will consume (an iterator left early); a dead
+        process answers nothing (:meth:`result` then clears ``outstanding``)."""
         while self.outstanding:
             try:
                 self.result()
@@ -162,9 +164,16 @@ def _die_with_parent(parent: int) -> None:
 
 
 def main() -> None:
-    """Child side: serve read requests until stdin closes."""
+    """Child side: serve read requests until stdin closes. The training's stop signals are
+    the parent's to handle (it checkpoints, then closes our stdin): srun delivers them to
+    every process of the step, and dying on one would leave the parent's requests
+    unanswered."""
+    import signal
+
     from hpcpar.data._hyperslab import ShardFiles, read_samples
 
+    for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
     config = json.loads(sys.stdin.readline())
     _die_with_parent(config["parent"])
     layout = SlotLayout.from_json(config["layout"])

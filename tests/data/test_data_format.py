@@ -369,6 +369,43 @@ def test_prefetch_child_dies_with_parent_and_reads_right(tmp_path):
         pytest.fail(f"prefetch process {pid} outlived its parent")
 
 
+STOP_SIGNAL_SCRIPT = """
+import os, signal, sys, threading
+from hpcpar.data.format import read_manifest
+from hpcpar.data._prefetch import Prefetcher, SlotLayout
+out = sys.argv[1]
+m = read_manifest(out)
+lay = SlotLayout(2, 2, (2, 9, 7, 5), 'float32', (3,), 'float32')
+signal.signal(signal.SIGUSR1, lambda *a: None)   # the trainer catches its stop signals
+pf = Prefetcher([os.path.join(out, s.file) for s in m.shards], 'x', 'y',
+                [(0, 9), (0, 7), (0, 5)], lay, {})
+pf.submit(0, [(0, 1)])
+pf.result()
+os.killpg(0, signal.SIGUSR1)    # srun signals every process of the step, the child too
+pf.submit(0, [(1, 0)])
+print("after USR1:", pf.result()[1], flush=True)
+pf.submit(0, [(0, 0)])
+pf.submit(1, [(1, 1)])
+os.kill(pf._proc.pid, signal.SIGKILL)  # a child gone with requests outstanding
+threading.Timer(20, lambda: os._exit(9)).start()
+pf.drain()
+print("drained", pf.outstanding, flush=True)
+os._exit(0)
+"""
+
+
+def test_prefetch_child_survives_stop_signals_and_drain_never_waits_for_a_dead_one(tmp_path):
+    """The trainer's stop signals reach every process of a Slurm step: the prefetch child
+    ignores them (the parent checkpoints, then closes it); and a child that died with
+    requests outstanding must not keep the parent's clean-up waiting (it spun forever, and
+    the requeue of a preempted job never came)."""
+    out, _, _ = reshard(tmp_path)
+    r = subprocess.run([sys.executable, "-c", STOP_SIGNAL_SCRIPT, out], capture_output=True,
+                       text=True, timeout=60, start_new_session=True)
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr)
+    assert r.stdout.split() == ["after", "USR1:", "1", "drained", "0"], r.stdout
+
+
 def _proc_state(pid):
     try:
         with open(f"/proc/{pid}/stat") as fh:
