@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = ["best_time", "pingpong", "measure_link", "placement", "conv_rate", "layer_costs",
            "OVERSUB_WINDOWS", "oversubscription", "polite_barrier", "gemm_rates", "graph_costs",
-           "thread_speedups", "opt_costs", "compute_rates", "main"]
+           "thread_speedups", "opt_costs", "CONV_GRID", "conv_grid", "compute_rates", "main"]
 
 
 def best_time(fn: Callable[[], object], repeat: int = 5) -> float:
@@ -152,11 +152,11 @@ def _seconds_per_step(mod, x, seconds: float, windows: int = 3) -> float:
 
 
 def conv_rate(cin: int, size: int = 24, batch: int = 4, seconds: float = 0.6,
-              threads: int = 1) -> float:
+              threads: int = 1, cout: int | None = None) -> float:
     """Measure the convolution rate of one thread (or ``threads``) as training runs it.
 
-    Forward + backward of hpcpar's SpatialConv3d (k=3, cin -> 2*cin, its halo buffers
-    included), counted as 3x the forward FLOPs.
+    Forward + backward of hpcpar's SpatialConv3d (k=3, cin -> ``cout``, by default 2*cin,
+    its halo buffers included), counted as 3x the forward FLOPs.
 
     Args:
         cin: Input channels.
@@ -164,6 +164,7 @@ def conv_rate(cin: int, size: int = 24, batch: int = 4, seconds: float = 0.6,
         batch: Batch size.
         seconds: Length of each timing window.
         threads: Torch threads.
+        cout: Output channels (default ``2 * cin``).
 
     Returns:
         FLOP/s.
@@ -173,10 +174,30 @@ def conv_rate(cin: int, size: int = 24, batch: int = 4, seconds: float = 0.6,
     from hpcpar.nn import SpatialConv3d
 
     torch.set_num_threads(threads)
+    cout = 2 * cin if cout is None else cout
     x = torch.randn(batch, cin, size, size, size, requires_grad=True)
-    conv = SpatialConv3d(cin, 2 * cin, 3, padding=1, grid=_one_rank_grid())
+    conv = SpatialConv3d(cin, cout, 3, padding=1, grid=_one_rank_grid())
     t = _seconds_per_step(conv, x, seconds)
-    return 3 * 2.0 * batch * cin * 2 * cin * 27 * size**3 / t
+    return 3 * 2.0 * batch * cin * cout * 27 * size**3 / t
+
+
+CONV_GRID = (1, 2, 4, 8, 16, 32, 64)
+
+
+def conv_grid(channels: tuple = CONV_GRID, seconds: float = 0.1) -> tuple:
+    """The one-thread conv rate on a grid of input x output channels: it depends on both
+    (SIMD lanes fill along each; measured here 8 -> 4 channels ran at a quarter of
+    8 -> 16's rate), which a series over input channels alone cannot say.
+
+    Args:
+        channels: Channel counts for both axes.
+        seconds: Length of each timing window.
+
+    Returns:
+        ``((in_channels, out_channels, FLOP/s), ...)``.
+    """
+    return tuple((i, o, conv_rate(i, seconds=seconds, cout=o)) for i in channels
+                 for o in channels)
 
 
 def layer_costs(cin: int = 8, size: int = 24, batch: int = 4, seconds: float = 0.4,
@@ -457,8 +478,8 @@ def main(argv: list[str] | None = None) -> int:
     intra = measure_link(comm, same[0]) if same else None
     inter = measure_link(comm, other[0]) if other else None
     flops, mem_bw, rates, costs = compute_rates() if rank == 0 else (0.0, 0.0, (), ())
-    gemms, gcosts, ocosts = (gemm_rates(), graph_costs(), opt_costs()) if rank == 0 else \
-        ((), (), ())
+    gemms, gcosts, ocosts, cgrid = (gemm_rates(), graph_costs(), opt_costs(), conv_grid()) \
+        if rank == 0 else ((), (), (), ())
     # the others wait politely meanwhile, so rank 0's threads have the node's cores
     threaded = thread_speedups(cores) if rank == 0 else (1.0, 1.0)
     polite_barrier(comm)
@@ -489,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
                     contention=contention, mem_contention=mem_contention, layer_costs=costs,
                     oversubscription=over, sync_wait=sync_wait,
                     host_cores=cores if shared else 0,
-                    gemm_rates=gemms, graph_costs=gcosts, opt_costs=ocosts,
+                    gemm_rates=gemms, graph_costs=gcosts, opt_costs=ocosts, conv_grid=cgrid,
                     thread_speedup=threaded[0], mem_thread_speedup=threaded[1],
                     flops=flops, mem_bw=mem_bw,
                     mem_per_rank=_mem_per_rank(cores), io_bw=_io_bw(), intra=intra,

@@ -102,6 +102,9 @@ class Machine:
         mem_thread_speedup: The same for memory-bound layers and the optimizer.
         opt_costs: ``((optimizer, seconds per parameter), ...)`` of one optimizer step on
             one thread (torch's per-tensor CPU kernels run well below memory bandwidth).
+        conv_grid: ``((in_channels, out_channels, FLOP/s), ...)`` on a grid of both: the
+            rate depends on each (a layer that halves its channels runs at half the rate of
+            one that doubles them, the series ``conv_rates`` measures).
     """
 
     name: str
@@ -130,6 +133,7 @@ class Machine:
     thread_speedup: float = 1.0
     mem_thread_speedup: float = 1.0
     opt_costs: tuple = ()
+    conv_grid: tuple = ()
 
     def slowdown(self, ranks_on_node: int, contention: float | None = None,
                  ranks: int | None = None) -> float:
@@ -260,18 +264,28 @@ class Machine:
         forward + backward) or ``dropout`` (seconds per element); None when not calibrated."""
         return dict(self.graph_costs).get(kind)
 
-    def conv_rate(self, in_channels: int) -> float:
+    def conv_rate(self, in_channels: int, out_channels: int | None = None) -> float:
         """Sustained convolution rate for a layer.
 
-        Log-linear between the calibrated points (small channel counts run far below peak on
-        CPUs), else ``flops``.
+        With ``out_channels`` and a calibrated ``conv_grid``: the logarithm of the rate
+        bilinear in the logarithms of both channel counts, clamped at the grid's edges.
+        Else log-linear in the input channels between the ``conv_rates`` points (small
+        channel counts run far below peak on CPUs), else ``flops``.
 
         Args:
             in_channels: The layer's input channels.
+            out_channels: Its output channels.
 
         Returns:
             FLOP/s.
         """
+        if out_channels is not None and self.conv_grid:
+            rate = {(i, o): r for i, o, r in self.conv_grid}
+            (i0, i1, wi), (o0, o1, wo) = (_bracket(sorted({k[a] for k in rate}), c)
+                                          for a, c in ((0, in_channels), (1, out_channels)))
+            lg = {k: math.log(v) for k, v in rate.items()}   # rates grow geometrically
+            return math.exp((1 - wi) * ((1 - wo) * lg[i0, o0] + wo * lg[i0, o1])
+                            + wi * ((1 - wo) * lg[i1, o0] + wo * lg[i1, o1]))
         return _log_interp(self.conv_rates, in_channels, self.flops)
 
     def compute_share(self, ranks_on_node: int, cores: int | None = None) -> float:
@@ -298,30 +312,38 @@ class Machine:
                   "sync_wait", "thread_speedup", "mem_thread_speedup"):
             lines.append(f"{k} = {d[k]!r}")
         # calibrated tables: by name (inline TOML tables) or by number (arrays of pairs)
-        for key in ("layer_costs", "conv_rates", "gemm_rates", "graph_costs", "opt_costs"):
+        for key in ("layer_costs", "conv_rates", "gemm_rates", "graph_costs", "opt_costs",
+                    "conv_grid"):
             rows = getattr(self, key)
             if rows and isinstance(rows[0][0], str):
                 lines.append(f"{key} = {{" + ", ".join(f"{k} = {v!r}" for k, v in rows) + "}")
             elif rows:
-                lines.append(f"{key} = [" + ", ".join(f"[{c}, {r!r}]" for c, r in rows) + "]")
+                lines.append(f"{key} = [" + ", ".join(
+                    "[" + ", ".join(map(repr, row)) + "]" for row in rows) + "]")
         for sec in ("intra", "inter"):
             lines += ["", f"[{sec}]", f"alpha = {d[sec]['alpha']!r}", f"beta = {d[sec]['beta']!r}"]
         return "\n".join(lines) + "\n"
 
 
+def _bracket(xs: list, x: float) -> tuple:
+    """``(lower, upper, weight of upper)`` of ``x`` among sorted ``xs``, in log space,
+    clamped at both ends."""
+    if x <= xs[0]:
+        return xs[0], xs[0], 0.0
+    for a, b in zip(xs, xs[1:]):
+        if x <= b:
+            return a, b, math.log(x / a) / math.log(b / a)
+    return xs[-1], xs[-1], 0.0
+
+
 def _log_interp(points, x: float, default: float) -> float:
     """Log-linear interpolation in ``x`` between sorted ``(x, rate)`` points, clamped at both
     ends; ``default`` without points."""
-    pts = sorted(points)
-    if not pts:
+    if not points:
         return default
-    if x <= pts[0][0]:
-        return pts[0][1]
-    for (c0, r0), (c1, r1) in zip(pts, pts[1:]):
-        if x <= c1:
-            w = math.log(x / c0) / math.log(c1 / c0)
-            return r0 + w * (r1 - r0)
-    return pts[-1][1]
+    rate = dict(points)
+    a, b, w = _bracket(sorted(rate), x)
+    return rate[a] + w * (rate[b] - rate[a])
 
 
 REQUIRED = {"ranks_per_node": int, "flops": float, "mem_bw": float, "mem_per_rank": float,
@@ -380,6 +402,8 @@ def load_machine(name_or_path: str) -> Machine:
                    intra=links["intra"], inter=links["inter"],
                    description=str(raw.get("description", "")), cores=int(raw.get("cores", 0)),
                    conv_rates=tuple((int(c), float(r)) for c, r in raw.get("conv_rates", ())),
+                   conv_grid=tuple((int(i), int(o), float(r))
+                                   for i, o, r in raw.get("conv_grid", ())),
                    contention=float(raw.get("contention", 1.0)),
                    mem_contention=float(raw.get("mem_contention", 1.0)),
                    oversubscription=float(raw.get("oversubscription", 1.0)),

@@ -416,7 +416,7 @@ def predict(work: Workload, grid: tuple, machine: Machine) -> Prediction:
         # the machine file has a calibrated cost per input byte for the layer's kind
         cost = machine.layer_cost(layer.kind)
         if layer.kind in ("conv", "convT"):
-            t_dense += 3 * flops / machine.conv_rate(layer.in_shape[0])
+            t_dense += 3 * flops / machine.conv_rate(layer.in_shape[0], layer.out_shape[0])
         elif layer.kind == "linear" and machine.gemm_rates:
             t_dense += 3 * flops / machine.gemm_rate(min(b, *layer.in_shape[-1:],
                                                          *layer.out_shape[-1:]))

@@ -309,6 +309,9 @@ def test_plan_calibrate_measures_the_network_between_nodes(virtual_cluster, tmp_
     assert m.inter.beta < 0.5 * m.intra.beta and m.inter.alpha > m.intra.alpha, (m.intra,
                                                                                m.inter)
     assert m.inter.beta < 2e9 / 8 * 1.2, m.inter  # the 2 Gbit/s shaping, not shared memory
+    # the compute tables: (in, out) channel grid, optimizer per parameter, threads
+    assert len(m.conv_grid) == 49 and all(r > 0 for *_, r in m.conv_grid), m.conv_grid
+    assert {k for k, _ in m.opt_costs} == {"sgd", "adam", "adamw"} and m.thread_speedup >= 1
 
 
 def test_teardown_is_complete_and_a_second_up_is_refused(virtual_cluster, tmp_path):

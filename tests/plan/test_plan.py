@@ -63,6 +63,29 @@ def test_calibrated_conv_rates_and_oversubscription():
         3 * work.layers[0].flops * 4 / 1e9)
 
 
+def test_conv_grid_rates_by_input_and_output_channels(tmp_path):
+    """With a calibrated (in, out) grid a convolution runs at its own pair's rate: the log of
+    the rate bilinear in the logs of both channel counts, clamped at the edges; without an
+    output count (or a grid) the input-channel series answers."""
+    from dataclasses import replace
+
+    grid = ((1, 1, 1e9), (1, 4, 4e9), (4, 1, 2e9), (4, 4, 16e9))
+    m = replace(M, conv_rates=((2, 5e9),), conv_grid=grid)
+    assert m.conv_rate(4, 1) == pytest.approx(2e9) and m.conv_rate(1, 4) == pytest.approx(4e9)
+    assert m.conv_rate(2, 2) == pytest.approx((1e9 * 4e9 * 2e9 * 16e9) ** 0.25)  # the middle
+    assert m.conv_rate(2, 4) == pytest.approx((4e9 * 16e9) ** 0.5)
+    assert m.conv_rate(64, 64) == pytest.approx(16e9)   # clamped at the edges
+    assert m.conv_rate(1, 0.5) == pytest.approx(1e9)
+    assert m.conv_rate(4) == 5e9 and replace(m, conv_grid=()).conv_rate(4, 1) == 5e9
+    down, up = conv(4, 1, 16), conv(1, 4, 16)      # same FLOPs, rates 2e9 and 4e9
+    t = [predict(Workload("t", [c], (4, 16, 16, 16), global_batch=1), (1, 1, 1, 1), m)
+         for c in (down, up)]
+    assert t[0].t_compute == pytest.approx(2 * t[1].t_compute)
+    path = tmp_path / "m.toml"
+    path.write_text(m.to_toml())
+    assert load_machine(str(path)) == m
+
+
 def test_calibrated_layer_costs_contention_and_time_slicing(tmp_path):
     from dataclasses import replace
 
