@@ -25,14 +25,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from hpcpar.plan.memory import _OPT_STATE, HEADROOM, RUNTIME_BYTES, MemoryEstimate
+from hpcpar.plan.memory import HEADROOM, RUNTIME_BYTES, MemoryEstimate, optimizer_states
 
 if TYPE_CHECKING:
     from hpcpar.plan.machine import Link, Machine
     from hpcpar.plan.planner import Prediction, Workload
 
 __all__ = ["Part", "GraphJob", "layer_times", "predict_graph"]
-
 
 
 @dataclass(frozen=True)
@@ -185,7 +184,7 @@ def predict_graph(work: Workload, grid: tuple, machine: Machine) -> Prediction:
     # features (and their dropout copy), every layer's input and output kept for backward,
     # the aggregation operator and its transpose (index + value per nonzero)
     saved = 4 * (2 * part.owned * job.widths[0] + 3 * rows * sum(job.widths[1:]))
-    opt = _OPT_STATE.get(work.optimizer, 2)
+    opt = optimizer_states(work.optimizer)
     mem = MemoryEstimate(runtime=RUNTIME_BYTES, params=work.params * 4 * (4 + opt),
                          data=2 * 16 * (part.edges + part.owned), saved=float(saved),
                          transient=2.0 * 4 * rows * widest)

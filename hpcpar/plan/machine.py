@@ -32,10 +32,12 @@ from __future__ import annotations
 import math
 import tomllib
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 
 from hpcpar import _env
 from hpcpar.errors import ConfigError
+from hpcpar.plan.memory import optimizer_states
 
 __all__ = ["Link", "Machine", "REQUIRED", "machines_dir", "load_machine"]
 
@@ -197,8 +199,7 @@ class Machine:
         costs = dict(self.opt_costs)
         cost = costs.get(optimizer, costs.get("adam") if optimizer == "adamw" else None)
         if cost is None:
-            state = {"sgd": 1}.get(optimizer, 2)
-            cost = 4 * (3 + 2 * state) / self.mem_bw
+            cost = 4 * (3 + 2 * optimizer_states(optimizer)) / self.mem_bw
         return params * cost * mem_factor
 
     def _sharing(self, ranks_on_node: int, ranks: int | None) -> tuple[int, int]:
@@ -280,13 +281,18 @@ class Machine:
             FLOP/s.
         """
         if out_channels is not None and self.conv_grid:
-            rate = {(i, o): r for i, o, r in self.conv_grid}
-            (i0, i1, wi), (o0, o1, wo) = (_bracket(sorted({k[a] for k in rate}), c)
-                                          for a, c in ((0, in_channels), (1, out_channels)))
-            lg = {k: math.log(v) for k, v in rate.items()}   # rates grow geometrically
+            ins, outs, lg = self._conv_grid_logs
+            (i0, i1, wi), (o0, o1, wo) = _bracket(ins, in_channels), _bracket(outs, out_channels)
             return math.exp((1 - wi) * ((1 - wo) * lg[i0, o0] + wo * lg[i0, o1])
                             + wi * ((1 - wo) * lg[i1, o0] + wo * lg[i1, o1]))
         return _log_interp(self.conv_rates, in_channels, self.flops)
+
+    @cached_property
+    def _conv_grid_logs(self) -> tuple:
+        """``conv_grid`` as (sorted input counts, sorted output counts, {(in, out): log rate})
+        (rates grow geometrically), built once: the planner asks per layer and grid."""
+        lg = {(i, o): math.log(r) for i, o, r in self.conv_grid}
+        return sorted({i for i, _ in lg}), sorted({o for _, o in lg}), lg
 
     def compute_share(self, ranks_on_node: int, cores: int | None = None) -> float:
         """Fraction of a core each rank gets.

@@ -35,7 +35,8 @@ from hpcpar.parallel.partition import split_sizes
 if TYPE_CHECKING:
     from hpcpar.plan.planner import Workload
 
-__all__ = ["RUNTIME_BYTES", "HEADROOM", "MemoryEstimate", "estimate", "largest_edge", "parse_bytes"]
+__all__ = ["RUNTIME_BYTES", "HEADROOM", "MemoryEstimate", "optimizer_states", "estimate",
+           "largest_edge", "parse_bytes"]
 
 #: resident memory of one rank before any tensor: measured 0.25-0.29 GB per rank (cgroup
 #: charge, 8 ranks, CosmoFlow on 32³, CPU) on the 2-core test machine
@@ -44,6 +45,11 @@ RUNTIME_BYTES = 0.3e9
 HEADROOM = 0.9
 
 _OPT_STATE = {"adam": 2, "adamw": 2, "sgd": 1}
+
+
+def optimizer_states(optimizer: str) -> int:
+    """Tensors of state the optimizer keeps per parameter (momentum; Adam's two moments)."""
+    return _OPT_STATE.get(optimizer, 2)
 
 
 @dataclass(frozen=True)
@@ -85,7 +91,7 @@ def estimate(work: Workload, grid: tuple[int, int, int, int], nbytes: int = 4) -
     spatial = math.prod(parts)
     b = max(1, work.global_batch // d)
     outs = [_local_out(layer, parts) * b * nbytes for layer in work.layers]
-    opt = _OPT_STATE.get(work.optimizer, 2)
+    opt = optimizer_states(work.optimizer)
     return MemoryEstimate(runtime=RUNTIME_BYTES,
                           params=work.local_params(spatial) * 4 * (4 + opt),
                           data=2 * b * math.prod(work.sample_shape) * 4 / spatial,
