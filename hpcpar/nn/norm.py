@@ -37,6 +37,11 @@ def _acc_dtype(dtype):
 
 
 class _GlobalBatchNorm(torch.autograd.Function):
+    """The maths of the module docstring; every full-volume pass is one of torch's fused
+    batch-norm kernels fed the global statistics (eval-mode forward for the output, its
+    backward for Σdy and Σdy·x̂), so the only full-size temporaries are the output and dx:
+    the step's memory traffic, not the per-channel sums, is what costs on a CPU."""
+
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps, comm, name):
         acc = _acc_dtype(x.dtype)
@@ -54,46 +59,47 @@ class _GlobalBatchNorm(torch.autograd.Function):
             raise LayerError(f"{name}: expected more than 1 value per channel when training, "
                              f"got {count} over the whole group (input {tuple(x.shape)})")
         mean = (first[:C] / count).to(acc)
-        xc = xa - mean.view(view)
-        m2 = (xc * xc).sum(dims).double()
+        m2 = (xa - mean.view(view)).square_().sum(dims).double()   # two-pass: exact
         allreduce_(m2, comm)
         var = m2 / count
-        invstd = torch.rsqrt(var + eps).to(acc)
-        xhat = xc.mul_(invstd.view(view))
-        y = xhat
-        if weight is not None:
-            y = y * weight.detach().to(acc).view(view)
-        if bias is not None:
-            y = y + bias.detach().to(acc).view(view)
         if running_mean is not None:
             with torch.no_grad():
                 running_mean.mul_(1 - momentum).add_((mean * momentum).to(running_mean.dtype))
                 unbiased = var * (count / (count - 1))
                 running_var.mul_(1 - momentum).add_((unbiased * momentum).to(running_var.dtype))
-        ctx.save_for_backward(x, weight, mean, invstd)
-        ctx.count, ctx.comm = count, comm
+        var = var.to(acc)
+        w = weight.detach().to(acc) if weight is not None else None
+        b = bias.detach().to(acc) if bias is not None else None
+        y = F.batch_norm(xa, mean, var, w, b, False, 0.0, eps)   # (x - mean)/std * w + b
+        ctx.save_for_backward(x, weight, mean, var)
+        ctx.count, ctx.comm, ctx.eps = count, comm, eps
         ctx.has_bias = bias is not None
         return y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, mean, invstd = ctx.saved_tensors
+        x, weight, mean, var = ctx.saved_tensors
         acc = mean.dtype
         C = x.shape[1]
-        dims = [0] + list(range(2, x.dim()))
         view = (1, C) + (1,) * (x.dim() - 2)
-        dya = dy.to(acc)
-        xhat = (x.to(acc) - mean.view(view)).mul_(invstd.view(view))
-        sums = torch.stack([dya.sum(dims), (dya * xhat).sum(dims)])  # partial, this sub-volume
+        xa, dya = x.to(acc), dy.to(acc).contiguous()
+        w = weight.detach().to(acc) if weight is not None else torch.ones_like(mean)
+        # eval-mode backward with the global statistics: its weight and bias gradients are
+        # this sub-volume's Σ dy·x̂ and Σ dy, in one fused pass
+        _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+            dya, xa, w, mean, var, None, None, False, ctx.eps, [False, True, True])
+        sums = torch.stack([sum_dy, sum_dy_xhat])                  # partial, this sub-volume
         d_weight = sums[1].to(weight.dtype) if weight is not None else None
         d_bias = sums[0].to(weight.dtype) if ctx.has_bias else None
         dx = None
         if ctx.needs_input_grad[0]:
             total = allreduce_(sums.to(torch.float64, copy=True), ctx.comm)
             mean_dy, mean_dy_xhat = (total / ctx.count).to(acc)
-            scale = invstd if weight is None else invstd * weight.detach().to(acc)
-            dx = dya - mean_dy.view(view) - xhat * mean_dy_xhat.view(view)
-            dx = dx.mul_(scale.view(view)).to(x.dtype)
+            scale = torch.rsqrt(var + ctx.eps) * w
+            # dx = scale·(dy - mean_dy - x̂·mean_dy_xhat): the x̂ part is one eval-mode pass
+            dx = F.batch_norm(xa, mean, var, -scale * mean_dy_xhat, -scale * mean_dy, False,
+                              0.0, ctx.eps)
+            dx = dx.addcmul_(dya, scale.view(view)).to(x.dtype)
         return dx, d_weight, d_bias, None, None, None, None, None, None
 
 

@@ -446,7 +446,9 @@ class UNet3DWorkload(VolumeWorkload):
         voxels = n * int(torch.tensor(self.size).prod())
         # this rank's share of the global mean: the sync's spatial sum completes it
         loss = F.cross_entropy(logits.float(), labels, reduction="sum") / voxels
-        correct = float((logits.detach().argmax(1) == labels).sum()) / voxels
+        # max(1).indices, not argmax(1): the same first-maximum index, but torch's CPU
+        # argmax over a non-last dimension took 14-25 ms of a 200 ms UNet3D step
+        correct = float((logits.detach().max(1).indices == labels).sum()) / voxels
         both = np.array([float(loss.detach()), correct])
         if self.grid.spatial_size > 1:
             self.grid.spatial_comm.Allreduce(MPI.IN_PLACE, both, op=MPI.SUM)
