@@ -38,8 +38,8 @@ if TYPE_CHECKING:
 
     from hpcpar.run.jobspec import JobSpec
 
-__all__ = ["TrainResult", "Verdict", "RankLog", "seed_all", "peak_memory", "total_steps",
-           "Trainer", "train", "main"]
+__all__ = ["TrainResult", "Verdict", "RankLog", "grads_finite", "seed_all", "peak_memory",
+           "total_steps", "Trainer", "train", "main"]
 
 
 @dataclass
@@ -115,6 +115,19 @@ class RankLog:
         if self.bar is not None:
             self.bar.close()
         self.file.close()
+
+
+def grads_finite(params) -> bool:
+    """Whether every gradient of ``params`` is finite. A finite sum has no NaN or inf in it:
+    one read-only pass (``isfinite`` allocates masks and took 56 ms a step on an
+    11 M-parameter head, more than its optimizer); only a non-finite sum, which overflow can
+    also give, is confirmed element by element."""
+    import torch
+
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads or bool(torch.stack([g.sum() for g in grads]).isfinite().all()):
+        return True
+    return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
 
 
 def seed_all(seed: int) -> None:
@@ -317,18 +330,6 @@ class Trainer:
                        mean_loss=math.nan if n_bad else float(buf[1] / self.grid.size),
                        bad_loss=n_bad, bad_grad=int(buf[3]))
 
-    def _local_grads_finite(self) -> bool:
-        """Whether every gradient this rank holds is finite. A finite sum has no NaN or inf
-        in it: one read-only pass (``isfinite`` allocates masks and took 56 ms a step on an
-        11 M-parameter head, more than its optimizer); only a non-finite sum, which
-        overflow can also give, is confirmed element by element."""
-        import torch
-
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        if not grads or bool(torch.stack([g.sum() for g in grads]).isfinite().all()):
-            return True
-        return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
-
     def _describe_nonfinite(self, loss: float) -> str:
         """Collective (only called when some rank saw a non-finite value): which ranks and what,
         for the one-line message."""
@@ -367,7 +368,7 @@ class Trainer:
         self._sync()
         t3 = time.perf_counter()
         loss = res.loss_value if res.loss_value is not None else float(res.loss.detach())
-        self._grads_ok = self._local_grads_finite()
+        self._grads_ok = grads_finite(self.model.parameters())
         verdict = self._agree(self.stop.received, loss, not self._grads_ok)
         t4 = time.perf_counter()
         if verdict.finite:
