@@ -30,7 +30,7 @@ from torch import nn
 from hpcpar.parallel import comm as hc
 from hpcpar.parallel.grid import ProcessGrid
 from hpcpar.parallel.partition import part_range, split_sizes
-from hpcpar.sync.tags import tag_data_only
+from hpcpar.sync.tags import copy_tags, tag_data_only
 
 from ..errors import LayerError
 
@@ -224,7 +224,8 @@ def tensor_parallelize(model: nn.Module, grid: ProcessGrid, min_features: int = 
         The copy, every eligible ``nn.Linear`` replaced by a ``TensorParallelLinear`` holding
         the same weights (so it computes the same function).
     """
-    model = copy.deepcopy(model)
+    original, model = model, copy.deepcopy(model)
+    copy_tags(original, model)   # a spatialized head's replicated layers stay data-only
 
     def swap(parent):
         for name, child in parent.named_children():

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["REDUCE_ATTR", "SPATIAL_AND_DATA", "DATA_ONLY", "tag_data_only", "reduce_scope"]
+__all__ = ["REDUCE_ATTR", "SPATIAL_AND_DATA", "DATA_ONLY", "tag_data_only", "reduce_scope",
+           "copy_tags"]
 
 REDUCE_ATTR = "hpcpar_reduce"
 SPATIAL_AND_DATA = "spatial+data"
@@ -45,3 +46,22 @@ def reduce_scope(param: torch.nn.Parameter) -> str:
         ``"data"`` (average over the data axis only).
     """
     return getattr(param, REDUCE_ATTR, SPATIAL_AND_DATA)
+
+
+def copy_tags(src: torch.nn.Module, dst: torch.nn.Module) -> None:
+    """Give ``dst``'s parameters the tags of ``src``'s parameters of the same name.
+
+    torch's ``Parameter.__deepcopy__`` keeps data and ``requires_grad`` but not attributes,
+    so a deep copy of a spatialized model would silently lose the data-only tags of its
+    replicated layers, and the sync would then sum their full gradients over the spatial
+    group (``spatial`` times too large).
+
+    Args:
+        src: The original module.
+        dst: Its copy (or any module with the same parameter names).
+    """
+    tagged = {name: getattr(p, REDUCE_ATTR) for name, p in src.named_parameters()
+              if hasattr(p, REDUCE_ATTR)}
+    for name, p in dst.named_parameters():
+        if name in tagged:
+            setattr(p, REDUCE_ATTR, tagged[name])

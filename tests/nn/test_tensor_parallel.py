@@ -157,8 +157,9 @@ def test_tensor_parallel_cosmoflow_head_matches_replicated(comm):
     torch.manual_seed(0)
     plain = CosmoFlow.small(input_size=16, n_conv_blocks=2, base_filters=4, dense=(12, 6))
     grid = ProcessGrid(1, 2, 2, 1, comm=comm)
-    model = tensor_parallelize(spatialize(plain, grid), grid)
-    assert sum(isinstance(m, TensorParallelLinear) for m in model.modules()) == 3
+    # the 6 -> 4 output layer stays replicated: its data-only tag must survive the copy
+    model = tensor_parallelize(spatialize(plain, grid), grid, min_features=5)
+    assert sum(isinstance(m, TensorParallelLinear) for m in model.modules()) == 2
     ddp = hpcpar.DDP(model, grid)
     xg = torch.randn(2, 4, 16, 16, 16, generator=torch.Generator().manual_seed(1))
     y = ddp(xg[local_slices(xg.shape, grid)].contiguous())

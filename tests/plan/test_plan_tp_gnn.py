@@ -128,7 +128,10 @@ def job(grid, tp, steps=6):
            "model": {"kind": "cosmoflow", "n_conv_blocks": 2, "base_filters": 4,
                      "dense": [32, 16], "tensor_parallel": tp, "tp_min_features": 8},
            "data": {"source": "synthetic", "size": 16, "channels": 2, "samples": 32},
-           "train": {"steps": steps, "global_batch": 4, "lr": 0.003, "log_every": 1},
+           # SGD: Adam's per-element normalisation would hide a gradient off by a constant
+           # factor (a replicated layer summed over the spatial group)
+           "train": {"steps": steps, "global_batch": 4, "lr": 0.003, "log_every": 1,
+                     "optimizer": "sgd", "momentum": 0.9},
            "checkpoint": {"every": 0, "keep": 1}}
     return build_job(raw)
 
