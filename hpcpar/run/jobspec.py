@@ -70,7 +70,8 @@ SCHEMA: dict[str, dict[str, Param]] = {
         "min_lr": _p(float, 0.0, min=0.0, help="cosine schedule floor"),
         "seed": _p(int, 0, min=0),
         "precision": _p(str, "fp32", choices=("fp32", "bf16"), help="bf16 = autocast"),
-        "channels_last": _p(bool, False, help="volume models: channels_last_3d inputs"),
+        "channels_last": _p(bool, True, help="volume models: channels_last_3d inputs "
+                            "(oneDNN's native order: the demo jobs' steps 1.4-2.6x faster)"),
         "val_every": _p(int, 0, min=0, help="validate every N steps (0: only at the end)"),
         "log_every": _p(int, 10, min=1, help="rank-0 log line every N steps"),
         "on_nonfinite": _p(str, "stop", choices=("stop", "skip"),

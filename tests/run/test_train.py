@@ -96,8 +96,9 @@ def test_loop_equivalence_signal_resume_fallback(comm):
     assert all(torch.equal(a[k], b[k]) for k in a), "resume is not bit-identical"
     assert done.metrics["final_train_loss"] == ref.metrics["final_train_loss"]
 
-    # -- train.channels_last: the same training, in channels-last memory order ---------------
-    cl = train(job(spatial, train={"channels_last": True}), tmp / "cl", comm=comm)
+    # -- train.channels_last (the default): the same training in torch's default order -------
+    assert job(spatial).train.channels_last
+    cl = train(job(spatial, train={"channels_last": False}), tmp / "cl", comm=comm)
     a, b = final_model(tmp / "ref"), final_model(tmp / "cl")
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=2e-5, atol=2e-6, msg=k)
