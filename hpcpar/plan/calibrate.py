@@ -165,7 +165,7 @@ def _seconds_per_step(mod, x, seconds: float, windows: int = 3) -> float:
 
 
 def conv_rate(cin: int, size: int = 24, batch: int = 4, seconds: float = 0.6,
-              threads: int = 1, cout: int | None = None) -> float:
+              threads: int = 1, cout: int | None = None, call: float = 0.0) -> float:
     """Measure the convolution rate of one thread (or ``threads``) as training runs it.
 
     Forward + backward of hpcpar's SpatialConv3d (k=3, cin -> ``cout``, by default 2*cin,
@@ -178,6 +178,7 @@ def conv_rate(cin: int, size: int = 24, batch: int = 4, seconds: float = 0.6,
         seconds: Length of each timing window.
         threads: Torch threads.
         cout: Output channels (default ``2 * cin``).
+        call: The layer's fixed cost per call (:func:`call_costs`), not part of the rate.
 
     Returns:
         FLOP/s.
@@ -191,13 +192,13 @@ def conv_rate(cin: int, size: int = 24, batch: int = 4, seconds: float = 0.6,
     x = _volume(batch, cin, size)
     conv = SpatialConv3d(cin, cout, 3, padding=1, grid=_one_rank_grid())
     t = _seconds_per_step(conv, x, seconds)
-    return 3 * 2.0 * batch * cin * cout * 27 * size**3 / t
+    return 3 * 2.0 * batch * cin * cout * 27 * size**3 / max(t - call, t / 2)
 
 
 CONV_GRID = (1, 2, 4, 8, 16, 32, 64)
 
 
-def conv_grid(channels: tuple = CONV_GRID, seconds: float = 0.1) -> tuple:
+def conv_grid(channels: tuple = CONV_GRID, seconds: float = 0.1, call: float = 0.0) -> tuple:
     """The one-thread conv rate on a grid of input x output channels: it depends on both
     (SIMD lanes fill along each; measured here 8 -> 4 channels ran at a quarter of
     8 -> 16's rate), which a series over input channels alone cannot say.
@@ -205,16 +206,17 @@ def conv_grid(channels: tuple = CONV_GRID, seconds: float = 0.1) -> tuple:
     Args:
         channels: Channel counts for both axes.
         seconds: Length of each timing window.
+        call: A convolution's fixed cost per call, not part of the rate.
 
     Returns:
         ``((in_channels, out_channels, FLOP/s), ...)``.
     """
-    return tuple((i, o, conv_rate(i, seconds=seconds, cout=o)) for i in channels
+    return tuple((i, o, conv_rate(i, seconds=seconds, cout=o, call=call)) for i in channels
                  for o in channels)
 
 
 def layer_costs(cin: int = 8, size: int = 24, batch: int = 4, seconds: float = 0.4,
-                threads: int = 1) -> tuple:
+                threads: int = 1, calls: tuple = ()) -> tuple:
     """Measure the memory-bound layers as hpcpar runs them (one thread, or ``threads``).
 
     Max-pool (halo buffers included), LeakyReLU and batch norm, forward + backward.
@@ -225,6 +227,8 @@ def layer_costs(cin: int = 8, size: int = 24, batch: int = 4, seconds: float = 0
         batch: Batch size.
         seconds: Length of each timing window.
         threads: Torch threads.
+        calls: ``((kind, fixed seconds per call), ...)`` (:func:`call_costs`), not part of
+            the per-byte cost.
 
     Returns:
         ``((kind, seconds per input byte), ...)`` for ``pool``, ``pointwise`` and ``bn``.
@@ -239,7 +243,36 @@ def layer_costs(cin: int = 8, size: int = 24, batch: int = 4, seconds: float = 0
     mods = {"pool": SpatialMaxPool3d(2, grid=grid), "pointwise": torch.nn.LeakyReLU(),
             "bn": SpatialBatchNorm3d(cin, grid=grid)}
     nbytes = x.numel() * x.element_size()
-    return tuple((k, _seconds_per_step(m, x, seconds) / nbytes) for k, m in mods.items())
+    fixed = dict(calls)
+    out = []
+    for k, m in mods.items():
+        t = _seconds_per_step(m, x, seconds)
+        out.append((k, max(t - fixed.get(k, 0.0), t / 2) / nbytes))
+    return tuple(out)
+
+
+def call_costs(size: int = 2, seconds: float = 0.3) -> tuple:
+    """The fixed cost of one call of hpcpar's spatial layers (forward + backward, one
+    thread): each timed on a 4-channel ``size``-cubed volume, where the arithmetic is
+    negligible and what is left is Python, halo planning and kernel launches.
+
+    Args:
+        size: Volume edge.
+        seconds: Length of each timing window.
+
+    Returns:
+        ``((kind, seconds), ...)`` for ``conv``, ``pool`` and ``bn``.
+    """
+    import torch
+
+    from hpcpar.nn import SpatialBatchNorm3d, SpatialConv3d, SpatialMaxPool3d
+
+    torch.set_num_threads(1)
+    grid = _one_rank_grid()
+    x = _volume(1, 4, size)
+    mods = {"conv": SpatialConv3d(4, 4, 3, padding=1, grid=grid),
+            "pool": SpatialMaxPool3d(2, grid=grid), "bn": SpatialBatchNorm3d(4, grid=grid)}
+    return tuple((k, _seconds_per_step(m, x, seconds)) for k, m in mods.items())
 
 
 def thread_speedups(cores: int, rounds: int = 3) -> tuple[float, float]:
@@ -452,18 +485,20 @@ def polite_barrier(comm: MPI.Comm) -> None:
         time.sleep(0.001)
 
 
-def compute_rates() -> tuple[float, float, tuple, tuple]:
+def compute_rates(calls: tuple = ()) -> tuple[float, float, tuple, tuple]:
     """(conv3d FLOP/s, memory bytes/s, per-channel-count conv rates, memory-bound layer
-    costs) of one thread, measured the way training uses the layers: forward + backward.
+    costs) of one thread, measured the way training uses the layers: forward + backward,
+    less each layer's fixed cost per call (``calls``, :func:`call_costs`).
     (The GEMM and GNN kernels: :func:`gemm_rates`, :func:`graph_costs`.)"""
     import torch
 
     torch.set_num_threads(1)
-    rates = tuple((c, conv_rate(c)) for c in (2, 4, 8, 16, 32, 64))
+    call = dict(calls).get("conv", 0.0)
+    rates = tuple((c, conv_rate(c, call=call)) for c in (2, 4, 8, 16, 32, 64))
     a = torch.randn(8_000_000)
     b = torch.empty_like(a)
     tm = best_time(lambda: b.copy_(a), 5)
-    return max(r for _, r in rates), 2 * a.numel() * 4 / tm, rates, layer_costs()
+    return max(r for _, r in rates), 2 * a.numel() * 4 / tm, rates, layer_costs(calls=calls)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -492,19 +527,22 @@ def main(argv: list[str] | None = None) -> int:
     other = [r for r in range(1, size) if hosts[r] != hosts[0]]
     intra = measure_link(comm, same[0]) if same else None
     inter = measure_link(comm, other[0]) if other else None
-    flops, mem_bw, rates, costs = compute_rates() if rank == 0 else (0.0, 0.0, (), ())
-    gemms, gcosts, ocosts, cgrid = (gemm_rates(), graph_costs(), opt_costs(), conv_grid()) \
+    calls = call_costs() if rank == 0 else ()
+    flops, mem_bw, rates, costs = compute_rates(calls) if rank == 0 else (0.0, 0.0, (), ())
+    gemms, gcosts, ocosts, cgrid = (gemm_rates(), graph_costs(), opt_costs(),
+                                    conv_grid(call=dict(calls).get("conv", 0.0))) \
         if rank == 0 else ((), (), (), ())
     # the others wait politely meanwhile, so rank 0's threads have the node's cores
     threaded = thread_speedups(cores) if rank == 0 else (1.0, 1.0)
     polite_barrier(comm)
+    calls = comm.bcast(calls, root=0)   # the rates below are net of it, as rank 0's are
     # as many ranks at once as there are cores (memory bandwidth and caches are shared);
     # the others wait politely, so time slicing stays out of this number
     local = hosts[:rank].count(hosts[rank])
     busy = (rank if shared else local) < cores
     sub = comm.Split(0 if busy else MPI.UNDEFINED, rank)
     if busy:
-        together = conv_rate(8)
+        together = conv_rate(8, call=dict(calls).get("conv", 0.0))
         mean_together = sub.allreduce(together) / sub.Get_size()
         mem_together = sub.allreduce(dict(layer_costs())["pointwise"]) / sub.Get_size()
         over, sync_wait = oversubscription(sub) if sub.Get_size() >= cores else (1.0, 0.0)
@@ -526,6 +564,7 @@ def main(argv: list[str] | None = None) -> int:
                     oversubscription=over, sync_wait=sync_wait,
                     host_cores=cores if shared else 0,
                     gemm_rates=gemms, graph_costs=gcosts, opt_costs=ocosts, conv_grid=cgrid,
+                    call_costs=calls,
                     thread_speedup=threaded[0], mem_thread_speedup=threaded[1],
                     flops=flops, mem_bw=mem_bw,
                     mem_per_rank=_mem_per_rank(cores), io_bw=_io_bw(), intra=intra,
@@ -548,7 +587,8 @@ def main(argv: list[str] | None = None) -> int:
               f"ranks per core; GEMM {'/'.join(f'{r / 1e9:.0f}' for _, r in gemms)} GFLOP/s "
               f"at {'/'.join(str(m) for m, _ in gemms)} rows; x{threaded[0]:.2f} (dense) "
               f"and x{threaded[1]:.2f} (memory-bound) with {cores} threads; Adam "
-              f"{dict(ocosts)['adam'] * 1e9:.2f} ns per parameter; SpMM "
+              f"{dict(ocosts)['adam'] * 1e9:.2f} ns per parameter; a call of conv/pool/bn "
+              f"{'/'.join(f'{v * 1e3:.2f}' for _, v in calls)} ms; SpMM "
               f"{dict(gcosts)['spmm'] * 1e9:.2f} ns per nonzero x column -> {out}")
     return 0
 

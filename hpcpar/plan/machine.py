@@ -107,6 +107,10 @@ class Machine:
         conv_grid: ``((in_channels, out_channels, FLOP/s), ...)`` on a grid of both: the
             rate depends on each (a layer that halves its channels runs at half the rate of
             one that doubles them, the series ``conv_rates`` measures).
+        call_costs: ``((kind, seconds), ...)``: the fixed cost of one call of a spatial
+            layer (``conv``, ``pool``, ``bn``), forward + backward, on one thread: its
+            Python, halo planning and kernel launches, which no FLOP or byte count carries
+            (about 1 ms for a convolution on this VM, 6x torch's own conv3d call).
     """
 
     name: str
@@ -136,6 +140,7 @@ class Machine:
     mem_thread_speedup: float = 1.0
     opt_costs: tuple = ()
     conv_grid: tuple = ()
+    call_costs: tuple = ()
 
     def slowdown(self, ranks_on_node: int, contention: float | None = None,
                  ranks: int | None = None) -> float:
@@ -246,6 +251,12 @@ class Machine:
         """
         return dict(self.layer_costs).get(kind)
 
+    def call_cost(self, kind: str) -> float:
+        """Calibrated fixed seconds of one call of a layer of ``kind`` (forward + backward,
+        one thread); a transposed convolution costs as a convolution; 0 when not
+        calibrated."""
+        return dict(self.call_costs).get("conv" if kind == "convT" else kind, 0.0)
+
     def gemm_rate(self, narrowest: int) -> float:
         """Sustained rate of a dense layer's GEMMs (forward + backward).
 
@@ -319,7 +330,7 @@ class Machine:
             lines.append(f"{k} = {d[k]!r}")
         # calibrated tables: by name (inline TOML tables) or by number (arrays of pairs)
         for key in ("layer_costs", "conv_rates", "gemm_rates", "graph_costs", "opt_costs",
-                    "conv_grid"):
+                    "conv_grid", "call_costs"):
             rows = getattr(self, key)
             if rows and isinstance(rows[0][0], str):
                 lines.append(f"{key} = {{" + ", ".join(f"{k} = {v!r}" for k, v in rows) + "}")
@@ -421,6 +432,8 @@ def load_machine(name_or_path: str) -> Machine:
                                    dict(raw.get("opt_costs", {})).items()),
                    layer_costs=tuple((str(k), float(v)) for k, v in
                                      dict(raw.get("layer_costs", {})).items()),
+                   call_costs=tuple((str(k), float(v)) for k, v in
+                                    dict(raw.get("call_costs", {})).items()),
                    gemm_rates=tuple((int(c), float(r)) for c, r in raw.get("gemm_rates", ())),
                    graph_costs=tuple((str(k), float(v)) for k, v in
                                      dict(raw.get("graph_costs", {})).items()))

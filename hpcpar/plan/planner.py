@@ -3,7 +3,8 @@
 For a job and a rank count N it enumerates every grid (data, x, y, z) with product N and
 predicts, per rank: compute (FLOPs of each convolution and dense layer at the machine's rate;
 pools, pointwise layers and batch norms at their calibrated cost per input byte, else at the
-memory bandwidth; each class slowed by its measured contention and by time slicing), halo
+memory bandwidth; each class slowed by its measured contention and by time slicing; plus each
+spatial layer's calibrated fixed cost per call), halo
 exchange (face bytes per split axis, one message per side, forward and backward), gradient
 allreduce (ring cost per hierarchy level, overlapped with backward except the last bucket),
 the gather feeding a replicated head, tensor-parallel dense layers (their GEMM shard and the
@@ -369,9 +370,10 @@ def predict(work: Workload, grid: tuple, machine: Machine) -> Prediction:
     parts = (X, Y, Z)
     spatial = X * Y * Z
     link = machine.intra if spatial <= machine.ranks_per_node else machine.inter
-    t_dense = t_mem = 0.0
+    t_dense = t_mem = t_calls = 0.0
     halo_syncs = gather_syncs = 0   # exchanges per step (forward + backward)
     for i, layer in enumerate(work.layers):
+        t_calls += machine.call_cost(layer.kind)   # fixed per call: no FLOP or byte carries it
         if layer.spatial:
             vol_in, vol_out = layer.in_shape[1:], layer.out_shape[1:]
             for a in range(3):
@@ -432,7 +434,10 @@ def predict(work: Workload, grid: tuple, machine: Machine) -> Prediction:
     # (and a rank alone on its cores runs that many threads: faster than the one-thread rates)
     on_node = min(d * spatial, machine.ranks_per_node)
     dense_factor, mem_factor = machine.compute_factors(on_node, ranks=d * spatial)
-    pred.t_compute = t_dense * dense_factor + t_mem * mem_factor
+    # the calls' fixed cost is serial (threads do not share it) but time-sliced all the same
+    t_calls *= machine.slowdown(on_node, ranks=d * spatial)
+    pred.t_compute = t_dense * dense_factor + t_mem * mem_factor + t_calls
+    pred.extra["t_calls"] = t_calls
     # tensor-parallel shards are complete per rank: the sync averages them over data only
     grad_bytes = (work.params - work.tp_params) * 4
     tp_bytes = (work.local_params(spatial) - work.params + work.tp_params) * 4

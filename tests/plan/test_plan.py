@@ -210,3 +210,32 @@ def test_cli_plans_cosmoflow_512_on_1024_frontier_gpus(tmp_path):
                         "--set", "data.samples=8192", "--set", "data.val_samples=0"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "GB per rank, machine has 64.0 GB" in r.stdout
+
+
+def test_fixed_cost_per_layer_call(tmp_path):
+    """Each conv (transposed too), pool and batch norm adds its calibrated fixed cost per
+    call, unshared by threads but slowed by time slicing; other kinds add none; the table
+    round-trips through the machine file; calibration measures it on hpcpar's layers."""
+    from dataclasses import replace
+
+    from hpcpar.plan.calibrate import call_costs
+
+    pool = Layer("pool", True, (4, 8, 8, 8), (4, 4, 4, 4), 0)
+    bn = Layer("bn", True, (4, 4, 4, 4), (4, 4, 4, 4), 8)
+    relu = Layer("pointwise", True, (4, 4, 4, 4), (4, 4, 4, 4), 0)
+    layers = [conv(4, 4, 8), pool, bn, relu]
+    work = Workload("t", layers, (4, 8, 8, 8), global_batch=4)
+    base = replace(M, cores=2, ranks_per_node=8, thread_speedup=1.7, oversubscription=0.8)
+    m = replace(base, call_costs=(("conv", 1e-3), ("pool", 5e-4), ("bn", 2e-4)))
+    assert m.call_cost("convT") == m.call_cost("conv") == 1e-3 and m.call_cost("linear") == 0
+    for grid in ((1, 1, 1, 1), (2, 1, 1, 1), (4, 1, 1, 1)):
+        extra = predict(work, grid, m).t_compute - predict(work, grid, base).t_compute
+        slow = m.slowdown(min(math.prod(grid), 8), ranks=math.prod(grid))
+        assert extra == pytest.approx(1.7e-3 * slow)   # 1 rank: 2 threads do not share it
+    assert m.slowdown(4, ranks=4) > 2                   # two ranks per core: time-sliced
+    path = tmp_path / "m.toml"
+    path.write_text(m.to_toml())
+    assert load_machine(str(path)) == m
+    measured = dict(call_costs(seconds=0.05))
+    assert set(measured) == {"conv", "pool", "bn"}
+    assert all(0 < v < 0.1 for v in measured.values())
