@@ -138,13 +138,13 @@ def main() -> int:
         if fit.name in works:
             raise SystemExit(f"--fit-on {fit.name}: a validated job; fitting on it would not "
                              "be out of sample")
+        from hpcpar.plan import fit as fitting
+
         with open(args.results) as fh:
-            for line in fh:
-                r = json.loads(line)
-                if r["job"] == fit.name:
-                    p = predict(fit, parse_spec(r["grid"]), machine).t_step
-                    scale.setdefault(r["ranks"], []).append(r["t_step"] / p)
-        scale = {n: statistics.median(v) for n, v in scale.items()}
+            runs = [json.loads(line) for line in fh]
+        table = fitting.ratios([(fit, parse_spec(r["grid"]), r["t_step"]) for r in runs
+                                if r["job"] == fit.name], machine)
+        scale = {n: fitting.scale(table, n) for n in ranks}   # what hpcpar plan --fit-on does
         print(f"fitted on {fit.name}: measured/predicted per rank count "
               f"{ {n: round(v, 2) for n, v in sorted(scale.items())} }")
     rows = []

@@ -129,6 +129,28 @@ def workload_of(job, size: int | None = None):
                     precision=job.train.precision, optimizer=job.train.optimizer)
 
 
+def fit_points(run_dirs) -> list:
+    """``(workload, grid, measured step)`` of finished runs, for :mod:`hpcpar.plan.fit`; a
+    directory that is not a finished run is a one-line error."""
+    from hpcpar.analysis import load, scaling_table
+    from hpcpar.errors import ConfigError
+    from hpcpar.parallel.grid import resolve_shape
+    from hpcpar.run.jobspec import load_resolved
+
+    points = []
+    for rd in run_dirs:
+        if not (Path(rd) / "job.json").is_file():
+            raise ConfigError(f"--fit-on {rd}: no job.json there (not an hpcpar run directory)")
+        job = load_resolved(Path(rd) / "job.json")
+        runs, steps = load([str(rd)])
+        if steps.empty:
+            raise ConfigError(f"--fit-on {rd}: no step records (the run has not trained)")
+        scaled = scaling_table(runs, steps).iloc[0]
+        grid = resolve_shape(job.grid_shape, int(scaled["ranks"]))
+        points.append((workload_of(job), grid, float(scaled["t_step_median"])))
+    return points
+
+
 def table(preds, top: int) -> str:
     head = (f"{'rank':>4}  {'grid':<12} {'step s':>9} {'compute':>9} {'halo':>8} "
             f"{'gather':>8} {'tp':>8} {'allred':>8} {'io':>8} {'mem GB':>7}")
@@ -245,9 +267,15 @@ def write_csv(preds, path: str) -> None:
               help="Memory per rank (e.g. 1.5GiB, a Slurm --mem-per-cpu or cgroup limit) "
                    "instead of the machine file's; also print the largest cubic sample that "
                    "fits it on each grid.")
+@click.option("--fit-on", "fit_runs", multiple=True, metavar="RUN",
+              type=click.Path(file_okay=False),
+              help="Finished run directories (e.g. the demo job's, at the rank counts you "
+                   "plan for): scale every predicted step by their measured / predicted "
+                   "step (repeatable).")
 @json_option("Print one JSON object: the job, ranks, machine and every grid (fastest "
              "feasible first).")
-def plan(job, ranks, machine, top, csv_path, sets, calibrate, out, as_json, budget):
+def plan(job, ranks, machine, top, csv_path, sets, calibrate, out, as_json, budget,
+         fit_runs):
     """Predict one training step of JOB on every grid that factors --ranks, fastest first,
     with the compute / halo / gather / exposed-allreduce / I/O breakdown and memory per rank."""
     import subprocess
@@ -283,6 +311,13 @@ def plan(job, ranks, machine, top, csv_path, sets, calibrate, out, as_json, budg
     if budget is not None and work.graph is not None:
         raise click.UsageError("--memory-budget: the largest cubic sample is for volume jobs")
     preds = make_plan(work, ranks, m)
+    fit = None
+    if fit_runs:
+        from hpcpar.plan import fit as fitting
+
+        table_ = fitting.ratios(fit_points(fit_runs), m)
+        fit = fitting.scale(table_, ranks)
+        fitting.apply(preds, fit)
     largest = largest_samples(job, sets, work, preds, m) if budget is not None else None
     if csv_path:
         write_csv(preds, csv_path)
@@ -292,6 +327,8 @@ def plan(job, ranks, machine, top, csv_path, sets, calibrate, out, as_json, budg
         extra = {} if largest is None else {
             "memory_budget": m.mem_per_rank,
             "largest_samples": [{"grid": g, "edge": e, "mem_bytes": b} for g, e, b in largest]}
+        if fit is not None:
+            extra["fit_scale"] = fit
         click.echo(json.dumps({"job": work.name, "ranks": ranks, "machine": m.name,
                                "global_batch": work.global_batch, "params": work.params,
                                "grids": [row(p) for p in preds], **extra}))
@@ -299,6 +336,9 @@ def plan(job, ranks, machine, top, csv_path, sets, calibrate, out, as_json, budg
     click.echo(f"{work.name}: {ranks} ranks on {m.name} ({m.ranks_per_node} ranks/node), "
                f"sample {'x'.join(map(str, work.sample_shape))}, global batch "
                f"{work.global_batch}, {work.params / 1e6:.2f} M parameters")
+    if fit is not None:
+        click.echo(f"fitted on {len(fit_runs)} run(s): every step x{fit:.2f} "
+                   "(their measured / predicted step)")
     click.echo(table(preds, top))
     if largest is not None:
         click.echo(largest_table(largest, work, m.mem_per_rank, top))
