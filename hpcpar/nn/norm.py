@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from hpcpar.errors import LayerError
 from hpcpar.parallel.comm import allreduce_
 from hpcpar.parallel.grid import ProcessGrid
+from hpcpar.parallel.halo import input_layout, memory_format
 
 from ._base import SpatialModule
 
@@ -82,7 +83,9 @@ class _GlobalBatchNorm(torch.autograd.Function):
         acc = mean.dtype
         C = x.shape[1]
         view = (1, C) + (1,) * (x.dim() - 2)
-        xa, dya = x.to(acc), dy.to(acc).contiguous()
+        # dense in x's memory order (an expanded or differently laid out dy is copied once)
+        fmt = memory_format(input_layout(x))
+        xa, dya = x.to(acc), dy.to(acc).contiguous(memory_format=fmt)
         w = weight.detach().to(acc) if weight is not None else torch.ones_like(mean)
         # eval-mode backward with the global statistics: its weight and bias gradients are
         # this sub-volume's Σ dy·x̂ and Σ dy, in one fused pass

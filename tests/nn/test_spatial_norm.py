@@ -81,3 +81,38 @@ def test_batchnorm_state_dict_and_16bit():
     y = sp.to(torch.bfloat16)(x)
     assert y.dtype == torch.bfloat16
     assert (y.float() - y_ref.float()).abs().max() < 0.05
+
+
+def test_batchnorm_channels_last_and_any_gradient_layout():
+    """Channels-last inputs (the jobs' default) and gradients in either order, or expanded
+    from a sum, give torch's output and gradients (the fused kernels see dy in x's order)."""
+    from hpcpar.nn.norm import SpatialBatchNorm3d
+
+    grid = one_rank_grid()
+    for fmt in (torch.contiguous_format, torch.channels_last_3d):
+        for dy_kind in ("contiguous", "channels_last", "expanded"):
+            x = (randn((3, 5, 6, 7, 8), 3, torch.float32) * 3 + 1.5).contiguous(
+                memory_format=fmt).requires_grad_()
+            xr = x.detach().clone().requires_grad_()
+            ref = nn.BatchNorm3d(5)
+            with torch.no_grad():
+                ref.weight.uniform_(0.5, 1.5)
+                ref.bias.uniform_(-0.5, 0.5)
+            sp = SpatialBatchNorm3d(5, grid=grid)
+            sp.load_state_dict(ref.state_dict())
+            dy = randn((3, 5, 6, 7, 8), 4, torch.float32)
+            dy = {"contiguous": dy, "channels_last": dy.contiguous(
+                memory_format=torch.channels_last_3d), "expanded": dy[:1, :1, :1, :1, :1].expand(
+                3, 5, 6, 7, 8)}[dy_kind]
+            y, yr = sp(x), ref(xr)
+            y.backward(dy)
+            yr.backward(dy)
+            what = f"BN {fmt} dy {dy_kind}"
+            close(y, yr, what)
+            if dy_kind == "expanded":   # a constant dy: input and weight gradients are zero
+                n = x.numel() // 5
+                assert x.grad.abs().max() < 1e-5 and sp.weight.grad.abs().max() < 1e-6 * n, what
+            else:
+                close(x.grad, xr.grad, f"{what}: input grad")
+                close(sp.weight.grad, ref.weight.grad, f"{what}: weight grad")
+            close(sp.bias.grad, ref.bias.grad, f"{what}: bias grad")
