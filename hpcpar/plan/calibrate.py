@@ -275,6 +275,53 @@ def call_costs(size: int = 2, seconds: float = 0.3) -> tuple:
     return tuple((k, _seconds_per_step(m, x, seconds)) for k, m in mods.items())
 
 
+def graph_halo_call(comm: MPI.Comm, rows: int = 1000, halo: int = 100, cols: int = 16,
+                    iters: int = 30, rounds: int = 3) -> float:
+    """The fixed cost of one graph halo exchange, forward + backward, between pairs of the
+    ranks of ``comm`` (collective): a GNN layer's fetch of ``halo`` neighbour rows and the
+    return of their gradients, as :mod:`hpcpar.graph` runs it (index, all-to-all, scatter-add
+    and Python), which the link's latency alone does not carry. A fixed count of exchanges
+    per round (the partners must agree), the best round.
+
+    Args:
+        comm: The ranks; rank 2k pairs with 2k + 1 (an odd last rank measures nothing).
+        rows: Rows each rank owns.
+        halo: Rows it reads from its partner.
+        cols: Features per row.
+        iters: Exchanges per timed round.
+        rounds: Rounds.
+
+    Returns:
+        Seconds per exchange (forward + backward); 0 without a partner.
+    """
+    import numpy as np
+    import torch
+
+    from hpcpar.graph._vertex_halo import HaloPlan, with_halo
+
+    pair = comm.Split(comm.Get_rank() // 2, comm.Get_rank())
+    try:
+        if pair.Get_size() < 2:
+            return 0.0
+        me, other = pair.Get_rank(), 1 - pair.Get_rank()
+        owned = np.arange(me * rows, (me + 1) * rows, dtype=np.int64)
+        wanted = np.arange(other * rows, other * rows + halo, dtype=np.int64)
+        plan = HaloPlan.build(pair, owned, wanted, np.full(halo, other, dtype=np.int64))
+        x = torch.randn(rows, cols, requires_grad=True)
+        best = float("inf")
+        for r in range(rounds + 1):   # the first round warms up
+            pair.Barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                x.grad = None
+                with_halo(x, plan).sum().backward()
+            if r:
+                best = min(best, (time.perf_counter() - t0) / iters)
+        return best
+    finally:
+        pair.Free()
+
+
 def thread_speedups(cores: int, rounds: int = 3) -> tuple[float, float]:
     """How much faster one rank with ``cores`` threads runs than with one: the conv rate
     (8 channels) and the memory-bound layers' summed cost. hpcpar gives a rank alone on a
@@ -545,6 +592,7 @@ def main(argv: list[str] | None = None) -> int:
         together = conv_rate(8, call=dict(calls).get("conv", 0.0))
         mean_together = sub.allreduce(together) / sub.Get_size()
         mem_together = sub.allreduce(dict(layer_costs())["pointwise"]) / sub.Get_size()
+        graph_halo = graph_halo_call(sub)
         over, sync_wait = oversubscription(sub) if sub.Get_size() >= cores else (1.0, 0.0)
         sub.Free()
     polite_barrier(comm)
@@ -564,7 +612,7 @@ def main(argv: list[str] | None = None) -> int:
                     oversubscription=over, sync_wait=sync_wait,
                     host_cores=cores if shared else 0,
                     gemm_rates=gemms, graph_costs=gcosts, opt_costs=ocosts, conv_grid=cgrid,
-                    call_costs=calls,
+                    call_costs=calls + ((("graph_halo", graph_halo),) if graph_halo else ()),
                     thread_speedup=threaded[0], mem_thread_speedup=threaded[1],
                     flops=flops, mem_bw=mem_bw,
                     mem_per_rank=_mem_per_rank(cores), io_bw=_io_bw(), intra=intra,
@@ -588,7 +636,8 @@ def main(argv: list[str] | None = None) -> int:
               f"at {'/'.join(str(m) for m, _ in gemms)} rows; x{threaded[0]:.2f} (dense) "
               f"and x{threaded[1]:.2f} (memory-bound) with {cores} threads; Adam "
               f"{dict(ocosts)['adam'] * 1e9:.2f} ns per parameter; a call of conv/pool/bn "
-              f"{'/'.join(f'{v * 1e3:.2f}' for _, v in calls)} ms; SpMM "
+              f"{'/'.join(f'{v * 1e3:.2f}' for _, v in calls)} ms, a graph halo exchange "
+              f"{graph_halo * 1e3:.2f} ms; SpMM "
               f"{dict(gcosts)['spmm'] * 1e9:.2f} ns per nonzero x column -> {out}")
     return 0
 

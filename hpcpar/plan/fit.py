@@ -5,8 +5,9 @@ job run on the machine gives its absolute level: the host's speed that day and t
 time per step no microbenchmark carries. ``hpcpar plan JOB -n N --fit-on RUN ...`` scales
 every prediction at N ranks by the median measured / predicted step of the finished runs at
 N ranks (the nearest rank count when none ran at N). Measured on the 2-core VM: UNet3D, GCN
-and the TP job at 1, 2 and 4 ranks, fitted on the demo CosmoFlow job's runs, 8 of 9 within
-±25% of the measured step; unfitted 3 of 9 (``docs/guides/tensor-parallel.md``).
+and the TP job at 1, 2 and 4 ranks, fitted on the demo CosmoFlow job's runs, 8 and 6 of 9
+within ±25% of the measured step in two runs; unfitted 3 and 2 of 9
+(``docs/guides/tensor-parallel.md``).
 """
 
 from __future__ import annotations

@@ -130,6 +130,8 @@ def layer_times(job: GraphJob, part: Part, machine: Machine, link: Link, ranks: 
         out["sparse"] += passes * spmm * nnz * width
         if ranks > 1 and part.halo:
             out["halo"] += 2 * passes * link.time(part.halo * width * 4, max(1, part.peers))
+            # each exchange's fixed cost (index, all-to-all, scatter-add, Python)
+            out["halo"] += round(2 * passes) * machine.call_cost("graph_halo")
             out["exchanges"] += round(2 * passes)
     out["pointwise"] += pw * v * job.widths[-1] * 4   # loss
     return out

@@ -110,7 +110,8 @@ class Machine:
         call_costs: ``((kind, seconds), ...)``: the fixed cost of one call of a spatial
             layer (``conv``, ``pool``, ``bn``), forward + backward, on one thread: its
             Python, halo planning and kernel launches, which no FLOP or byte count carries
-            (about 1 ms for a convolution on this VM, 6x torch's own conv3d call).
+            (about 1 ms for a convolution on this VM, 6x torch's own conv3d call); and of one
+            graph halo exchange (``graph_halo``, measured between two ranks).
     """
 
     name: str

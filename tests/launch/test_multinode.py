@@ -312,6 +312,9 @@ def test_plan_calibrate_measures_the_network_between_nodes(virtual_cluster, tmp_
     # the compute tables: (in, out) channel grid, optimizer per parameter, threads
     assert len(m.conv_grid) == 49 and all(r > 0 for *_, r in m.conv_grid), m.conv_grid
     assert {k for k, _ in m.opt_costs} == {"sgd", "adam", "adamw"} and m.thread_speedup >= 1
+    # fixed costs per call: the spatial layers, and a graph halo exchange between two ranks
+    assert {k for k, _ in m.call_costs} == {"conv", "pool", "bn", "graph_halo"}, m.call_costs
+    assert all(v > 0 for _, v in m.call_costs), m.call_costs
 
 
 def test_teardown_is_complete_and_a_second_up_is_refused(virtual_cluster, tmp_path):

@@ -99,6 +99,21 @@ def test_gnn_terms():
     shared = predict(work, (1, 2, 1, 1), slow)
     assert shared.t_halo - two.t_halo == pytest.approx(4e-3)
     assert shared.t_allreduce_exposed - two.t_allreduce_exposed == pytest.approx(2e-3)
+    # each of the 4 exchanges also pays the calibrated fixed cost of a graph halo exchange
+    fixed = replace(m, call_costs=(("graph_halo", 1e-3),))
+    assert predict(work, (1, 2, 1, 1), fixed).t_halo - two.t_halo == pytest.approx(4e-3)
+    assert predict(work, (1, 1, 1, 1), fixed).t_halo == 0
+
+
+@mpi_case(nprocs=3, timeout=120)
+def test_graph_halo_call_is_measured_between_pairs(comm):
+    from hpcpar.plan.calibrate import graph_halo_call
+
+    t = graph_halo_call(comm, rows=200, halo=20, iters=5, rounds=2)
+    if comm.Get_rank() < 2:
+        assert 0 < t < 0.5
+    else:
+        assert t == 0.0   # the odd last rank has no partner
 
 
 @mpi_case(nprocs=2, timeout=300)
