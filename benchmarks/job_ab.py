@@ -19,8 +19,6 @@ import subprocess
 import sys
 import tempfile
 
-import pandas as pd
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOBS = ("jobs/demo-cosmoflow.toml", "jobs/demo-unet3d.toml", "jobs/demo-cosmoflow-tp.toml")
 PHASES = ("t_data", "t_fwd", "t_bwd", "t_opt")
@@ -28,10 +26,12 @@ PHASES = ("t_data", "t_fwd", "t_bwd", "t_opt")
 
 def phases(run_dir: str) -> dict:
     """Median over steps >= 3 of the slowest rank, per phase (seconds)."""
-    frames = [pd.read_csv(os.path.join(run_dir, "records", f))
-              for f in sorted(os.listdir(os.path.join(run_dir, "records")))]
-    steps = pd.concat(frames).query("step >= 3").groupby("step").max()
-    out = {k: float(steps[k].median()) for k in (*PHASES, "t_step")}
+    from hpcpar.analysis import load
+    from hpcpar.analysis.stats import drop_warmup
+
+    runs, steps = load([run_dir])
+    slowest = drop_warmup(steps, runs, warmup=3).groupby("step").max()
+    out = {k: float(slowest[k].median()) for k in (*PHASES, "t_step")}
     out["rest"] = out["t_step"] - sum(out[k] for k in PHASES)
     return out
 

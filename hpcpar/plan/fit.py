@@ -12,6 +12,7 @@ within ±25% of the measured step in two runs; unfitted 3 and 2 of 9
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Iterable
 
@@ -35,10 +36,7 @@ def ratios(points: Iterable[tuple[Workload, tuple, float]], machine: Machine) ->
     for work, grid, measured in points:
         pred = predict(work, tuple(grid), machine)
         if pred.feasible and pred.t_step > 0:
-            n = 1
-            for g in grid:
-                n *= g
-            out.setdefault(n, []).append(measured / pred.t_step)
+            out.setdefault(math.prod(grid), []).append(measured / pred.t_step)
     return out
 
 

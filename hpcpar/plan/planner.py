@@ -373,7 +373,8 @@ def predict(work: Workload, grid: tuple, machine: Machine) -> Prediction:
     t_dense = t_mem = t_calls = 0.0
     halo_syncs = gather_syncs = 0   # exchanges per step (forward + backward)
     for i, layer in enumerate(work.layers):
-        t_calls += machine.call_cost(layer.kind)   # fixed per call: no FLOP or byte carries it
+        if layer.spatial:   # hpcpar's own layer: a fixed cost per call no FLOP or byte carries
+            t_calls += machine.call_cost(layer.kind)
         if layer.spatial:
             vol_in, vol_out = layer.in_shape[1:], layer.out_shape[1:]
             for a in range(3):
