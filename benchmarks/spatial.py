@@ -16,7 +16,12 @@ allocator settings (torch on transparent huge pages, ``THP_MEM_ALLOC_ENABLE=1``,
 for all). One compute thread per rank (torch and numba), the one-rank-per-core convention: 1
 rank vs 2 ranks compares one core with two. Printed:
 
-* step time, speedup vs the 1-rank baseline, halo time as a fraction of the step, and the
+* the machine's limit for 2 ranks (``torch 2 slabs``): two ranks at once, each running the
+  baseline on its half of the volume with no halo. Two busy cores share caches, memory
+  bandwidth and the host, so a split cannot beat it; hpcpar's 2 ranks are judged against it
+  as well as against the single process;
+* step time, speedup vs the 1-rank baseline and vs the fastest single process of each round
+  (hpcpar's own 1 rank included), halo time as a fraction of the step, and the
   part of it spent waiting for the neighbours' messages (their lateness, not our copies);
 * pack / unpack / add-unpack GB/s of the halo faces (torch and Numba paths, packing into a
   reused message buffer as the exchange does) vs a numpy contiguous copy of the same bytes,
@@ -82,12 +87,18 @@ class PeakMemory:
         self.peak = (_rss_kib("VmHWM") - self.base) * 1024 if self.ok else float("nan")
 
 
+def _spread(ratios) -> str:
+    return f"{min(ratios):.2f}-{max(ratios):.2f}" if len(ratios) > 1 else "-"
+
+
 def polite_wait(comm):
     req = comm.Ibarrier()
     while not req.Test():
         time.sleep(0.002)
 
 
+#: The row of the 2-rank limit (:func:`bench_ceiling`).
+CEILING = "torch 2 slabs"
 GRIDS = ((1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 2, 2))
 
 
@@ -230,6 +241,34 @@ def bench_baseline(comm, args, prepad=False, channels_last=None):
     return comm.bcast(out, root=0)
 
 
+def bench_ceiling(comm, args, form, ranks=2):
+    """The machine's limit for ``ranks`` ranks: each of the first ``ranks`` ranks runs the
+    single-process torch ``form`` on its own slab of the volume (split on x, no halo, no
+    messages), all at once. Two busy cores share caches, memory bandwidth and the host, so this
+    is the fastest a ``ranks``-way split can go here; returns the slowest rank's step."""
+    import torch
+
+    from hpcpar.parallel.partition import split_sizes
+
+    _, prepad, cl = next(b for b in BASELINES if b[0] == form)
+    fmt = torch.channels_last_3d if cl else torch.contiguous_format
+    member = comm.Get_rank() < ranks
+    sub = comm.Split(0 if member else 1, comm.Get_rank())
+    out = None
+    if member:
+        n = args.size
+        nx = split_sizes(n, ranks)[comm.Get_rank()]
+        torch.manual_seed(1)
+        x = torch.randn(args.batch, args.channels, nx, n, n)
+        x = x.contiguous(memory_format=fmt).requires_grad_()
+        model = build_stack(args.channels, args.layers, prepad=fmt if prepad else None)
+        sub.Barrier()
+        out = sub.allreduce(time_steps(model, x, args.repeat)[0], op=_max())
+    sub.Free()
+    polite_wait(comm)
+    return comm.bcast(out, root=0)
+
+
 def lines_touched(view) -> int:
     """Bytes of the distinct 64-byte cache lines holding the elements of ``view``."""
     import numpy as np
@@ -337,24 +376,36 @@ def main(argv=None):
         res.update({n: bench_ranks(comm, d, args) for n, d in zip(names[len(BASELINES):],
                                                                    grids)})
         res["fastest"] = min((b for b in res if b.startswith("torch")), key=lambda b: res[b][0])
+        if size >= 2:
+            res[CEILING] = (bench_ceiling(comm, args, rounds[0]["fastest"] if rounds
+                                          else res["fastest"]), 0.0, float("nan"), 0.0)
         rounds.append(res)
     best = rounds[0]["fastest"]
     say(f"# {args.rounds} rounds; each: median of {args.repeat} steps after a warm-up. The "
         f"baseline is the fastest single-process torch form of round 1 ({best}), timed again "
         f"in every round; speedup = baseline / config per round: median (min-max)")
+    say("# vs 1 proc = the same, against the fastest single process of each round, hpcpar's "
+        "1 rank included;\n# ceiling = 2 ranks each running the baseline on its half slab at "
+        "once, no halo (the machine's limit for 2 ranks)")
     say(f"{'config':>16} {'ranks':>5} {'step s':>8} {'speedup':>8} {'spread':>11} "
-        f"{'halo %':>7} {'wait %':>7} {'peak MiB':>9} {'mem ratio':>9}")
+        f"{'vs 1 proc':>9} {'spread':>11} {'halo %':>7} {'wait %':>7} {'peak MiB':>9} "
+        f"{'mem ratio':>9}")
+    one = [n for n in names if n.startswith("torch") or n == "hpcpar 1x1x1"]
+    if size >= 2:
+        names.insert(len(BASELINES), CEILING)
     if comm.Get_rank() == 0:  # the other ranks hold no hpcpar results of the small grids
         base_peak = rounds[0][best][2]
         for name in names:
             runs = [rd[name] for rd in rounds if name in rd]
             ratios = [rd[best][0] / rd[name][0] for rd in rounds if name in rd]
+            vs_one = [min(rd[o][0] for o in one if o in rd) / rd[name][0]
+                      for rd in rounds if name in rd]
             step = statistics.median(v[0] for v in runs)
             halo, peak, wait = (statistics.median(v[i] for v in runs) for i in (1, 2, 3))
-            ranks = 1 if name.startswith("torch") else math.prod(
+            ranks = 2 if name == CEILING else 1 if name.startswith("torch") else math.prod(
                 int(v) for v in name.split()[1].split("x"))
-            spread = f"{min(ratios):.2f}-{max(ratios):.2f}" if len(ratios) > 1 else "-"
-            say(f"{name:>16} {ranks:>5} {step:8.3f} {statistics.median(ratios):8.2f} {spread:>11} "
+            say(f"{name:>16} {ranks:>5} {step:8.3f} {statistics.median(ratios):8.2f} "
+                f"{_spread(ratios):>11} {statistics.median(vs_one):9.2f} {_spread(vs_one):>11} "
                 f"{100 * halo / step:7.1f} {100 * wait / step:7.1f} {peak / 2**20:9.1f} "
                 f"{peak / base_peak:9.2f}")
     say(f"# target (issue 19): hpcpar 2 ranks >= 1.85x {best}; {size} ranks on "

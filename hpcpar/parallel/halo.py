@@ -27,6 +27,7 @@ rank derives every rank's needs, so size checks fail identically everywhere (no 
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ _TAG_BWD = 0x4A20
 # --------------------------------------------------------------------------------------------
 # global shape
 # --------------------------------------------------------------------------------------------
+@functools.cache
 def _dtype_code(dtype) -> int:
     """Same number for the same dtype on every rank (stable across processes)."""
     import zlib
@@ -69,7 +71,8 @@ def global_spatial_shape(x: torch.Tensor, grid: ProcessGrid,
     rank's local shape, so it also checks, identically on all ranks, that batch, channels,
     dtype and ``requires_grad`` agree and that the local extents follow the partition rule.
     No caching by local shape: two global sizes can give a rank the same local extent (9 or
-    10 over 2 ranks: rank 0 holds 5) and a stale plan on one rank would hang the others.
+    10 over 2 ranks: rank 0 holds 5) and a stale plan on one rank would hang the others. The
+    checks are memoized by the whole gathered table instead, which every rank holds alike.
 
     Args:
         x: This rank's piece.
@@ -93,13 +96,32 @@ def global_spatial_shape(x: torch.Tensor, grid: ProcessGrid,
                      int(input_layout(x) == CHANNELS_LAST)], dtype=np.int64)
     table = np.empty((comm.Get_size(), mine.size), dtype=np.int64)
     comm.Allgather(mine, table)
+    # every rank holds the same table, so every rank hits or misses this memo together;
+    # only tables that passed the checks are kept (a bad one raises again, on all ranks)
+    key = (grid.spatial_shape, table.tobytes())
+    shape = _CHECKED.get(key)
+    if shape is None:
+        shape = _check_table(table, grid.spatial_shape, what)
+        if len(_CHECKED) >= 1024:
+            _CHECKED.clear()
+        _CHECKED[key] = shape
+    return shape
+
+
+#: Global shapes of gathered shape tables already checked (``global_spatial_shape``).
+_CHECKED: dict = {}
+
+
+def _check_table(table, dims, what: str) -> tuple[int, int, int]:
+    """The global shape of every rank's local shape in ``table``, after checking that they
+    agree and follow the partition rule (the same verdict on every rank)."""
+    import numpy as np
     for col, name in ((0, "batch size"), (1, "channels"), (5, "dtype"), (6, "requires_grad"),
                       (7, "memory format (channels-last or not)")):
         bad = np.nonzero(table[:, col] != table[0, col])[0]
         if bad.size:
             raise LayerError(f"{what}: {name} differs across the spatial group (rank 0 and "
                              f"rank {bad[0]} disagree)")
-    dims = grid.spatial_shape
     coords = [_spatial_coords(r, dims) for r in range(len(table))]
     out = []
     for a in range(3):
@@ -226,6 +248,11 @@ class HaloPlan:
         grid: The process grid.
         axes: This rank's exchange along x, y and z.
         layer: The layer's name, for messages.
+
+    Attributes:
+        trims: True when the result is a strict sub-range of the buffer on some axis.
+        covers_owned: True when the buffer holds every owned item on every axis.
+        pad_regions: Slices of the buffer outside the global volume (padding).
     """
 
     def __init__(self, grid: ProcessGrid, axes: tuple[AxisPlan, AxisPlan, AxisPlan],
@@ -234,6 +261,16 @@ class HaloPlan:
         self.axes = axes
         self.layer = layer
         self._messages: dict = {}
+        # the geometry every exchange reads, made once (the axes never change)
+        self._owned = (slice(None), slice(None), *(slice(*ax.owned) for ax in axes))
+        self._owned_local = (slice(None), slice(None),
+                             *(slice(*ax.owned_local) for ax in axes))
+        self._result = (slice(None), slice(None), *(slice(*ax.result) for ax in axes))
+        self.trims = any(ax.result != (0, ax.size) for ax in axes)
+        self.covers_owned = all(ax.owned_local == (0, ax.length) for ax in axes)
+        self.pad_regions = tuple((slice(None),) * (2 + a) + (slice(*span),)
+                                 for a, ax in enumerate(axes) for span in ax.pads())
+        self._regions: dict = {}
 
     def message(self, key, shape, like: torch.Tensor, layout=None) -> torch.Tensor:
         """A message buffer kept with the plan and reused by every exchange that uses it.
@@ -336,39 +373,32 @@ class HaloPlan:
         """Shape of the extended tensor returned to the layer, for leading dims ``lead``."""
         return (*lead, *(ax.result[1] - ax.result[0] for ax in self.axes))
 
-    @property
-    def trims(self) -> bool:
-        """True when the result is a strict sub-range of the buffer on some axis."""
-        return any(ax.result != (0, ax.size) for ax in self.axes)
-
-    @property
-    def covers_owned(self) -> bool:
-        """True when the buffer holds every owned item on every axis."""
-        return all(ax.owned_local == (0, ax.length) for ax in self.axes)
-
     def region(self, a: int, span: tuple[int, int]) -> tuple[slice, ...]:
         """Slices of the buffer for axis ``a``'s message over ``span`` on that axis."""
-        sl = [slice(None), slice(None)]
-        for b, ax in enumerate(self.axes):
-            if b == a:
-                sl.append(slice(*span))
-            elif b < a:
-                sl.append(slice(None))
-            else:
-                sl.append(slice(*ax.owned))
-        return tuple(sl)
+        sl = self._regions.get((a, span))
+        if sl is None:
+            sl = [slice(None), slice(None)]
+            for b, ax in enumerate(self.axes):
+                if b == a:
+                    sl.append(slice(*span))
+                elif b < a:
+                    sl.append(slice(None))
+                else:
+                    sl.append(slice(*ax.owned))
+            sl = self._regions[a, span] = tuple(sl)
+        return sl
 
     def owned_region(self) -> tuple[slice, ...]:
         """Slices of the buffer holding the owned items."""
-        return (slice(None), slice(None), *(slice(*ax.owned) for ax in self.axes))
+        return self._owned
 
     def owned_local_region(self) -> tuple[slice, ...]:
         """Slices of the local input that the buffer holds."""
-        return (slice(None), slice(None), *(slice(*ax.owned_local) for ax in self.axes))
+        return self._owned_local
 
     def result_region(self) -> tuple[slice, ...]:
         """Slices of the buffer returned to the layer."""
-        return (slice(None), slice(None), *(slice(*ax.result) for ax in self.axes))
+        return self._result
 
     def check_input(self, x: torch.Tensor) -> None:
         """Raise ``LayerError`` unless ``x`` has the local shape the plan was made for."""
@@ -568,11 +598,8 @@ def _fill_start(x: torch.Tensor, plan: HaloPlan, pad_value, pool: BufferPool | N
     buf = pool.take(shape, x.dtype, x.device, perm) if pool is not None else \
         new_buffer(shape, x.dtype, x.device, perm)
     buf[plan.owned_region()].copy_(x[plan.owned_local_region()])
-    for a, ax in enumerate(plan.axes):
-        for span in ax.pads():
-            sl = [slice(None)] * 5
-            sl[2 + a] = slice(*span)
-            buf[tuple(sl)].fill_(pad_value)
+    for sl in plan.pad_regions:
+        buf[sl].fill_(pad_value)
     return buf
 
 
