@@ -6,6 +6,11 @@ both alike; prints per job the median step of each (with the spread over rounds)
     python benchmarks/job_ab.py --a train.channels_last=false --b train.channels_last=true \\
         [--jobs jobs/demo-cosmoflow.toml,jobs/demo-unet3d.toml,...] [-n 1] [--grid 1x1x1x1]
         [--rounds 3]
+    python benchmarks/job_ab.py --a-rev HEAD~1 --jobs jobs/demo-unet3d.toml -n 2  # two commits
+
+``--a-rev`` / ``--b-rev`` run that side on another commit of hpcpar (checked out in a
+temporary git worktree, put first on ``PYTHONPATH`` for every rank); the jobs and the data
+are the same files for both sides.
 
 A run's step = the median over steps 3+ of the slowest rank's ``t_step`` (its records).
 """
@@ -36,8 +41,16 @@ def phases(run_dir: str) -> dict:
     return out
 
 
+def worktree(rev: str, tmp: str) -> str:
+    """A detached checkout of ``rev`` under ``tmp`` (pruned when ``tmp`` is gone)."""
+    path = os.path.join(tmp, f"rev-{rev.replace('/', '_')}")
+    subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", "-q", path, rev],
+                   check=True)
+    return path
+
+
 def run(job: str, sets: list[str], ranks: int, grid: str | None, steps: int,
-        run_dir: str) -> dict | None:
+        run_dir: str, src: str | None = None) -> dict | None:
     cmd = [sys.executable, "-m", "hpcpar.cli", "run", job, "-n", str(ranks),
            *(["--grid", grid] if grid else []), "--run-dir",
            run_dir, "--no-resume", "--set", f"train.steps={steps}", "--set",
@@ -45,7 +58,12 @@ def run(job: str, sets: list[str], ranks: int, grid: str | None, steps: int,
            "train.val_every=100000"]
     for s in sets:
         cmd += ["--set", s]
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    env = dict(os.environ)
+    if src:  # this side's hpcpar before the installed one, in every rank (mpiexec passes
+        # env); PYTHONSAFEPATH keeps `python -m` from putting this tree's hpcpar (cwd) first
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (src, env.get("PYTHONPATH"))))
+        env["PYTHONSAFEPATH"] = "1"
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
     if r.returncode:
         print(f"{job} {sets}: failed: {r.stderr.strip()[-300:]}", flush=True)
         return None
@@ -59,24 +77,31 @@ def main() -> int:
     ap.add_argument("--jobs", default=",".join(JOBS))
     ap.add_argument("-n", "--ranks", type=int, default=1)
     ap.add_argument("--grid", help="DxXxYxZ (default: 1x1x1x1 on one rank, else the job's)")
+    ap.add_argument("--a-rev", help="git revision of hpcpar for side A (default: this tree)")
+    ap.add_argument("--b-rev", help="git revision of hpcpar for side B (default: this tree)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=15)
     args = ap.parse_args()
     grid = args.grid or ("1x1x1x1" if args.ranks == 1 else None)
     got: dict = {}
-    with tempfile.TemporaryDirectory(prefix="hpcpar-ab-") as tmp:
-        for r in range(args.rounds):
-            for job in args.jobs.split(","):
-                order = ("a", "b") if r % 2 == 0 else ("b", "a")
-                for side in order:
-                    sets = args.a if side == "a" else args.b
-                    out = run(job, sets, args.ranks, grid, args.steps,
-                              os.path.join(tmp, f"{len(got)}-{side}-{r}"))
-                    if out:
-                        got.setdefault((job, side), []).append(out)
-                        print(f"{os.path.basename(job)} {side}: {out['t_step'] * 1e3:.1f} ms",
-                              flush=True)
-    print(f"\nA = {' '.join(args.a) or 'defaults'}; B = {' '.join(args.b) or 'defaults'}; "
+    try:
+        with tempfile.TemporaryDirectory(prefix="hpcpar-ab-") as tmp:
+            src = {side: worktree(rev, tmp) if rev else None
+                   for side, rev in (("a", args.a_rev), ("b", args.b_rev))}
+            for r in range(args.rounds):
+                for i, job in enumerate(args.jobs.split(",")):
+                    for side in ("a", "b") if r % 2 == 0 else ("b", "a"):
+                        out = run(job, args.a if side == "a" else args.b, args.ranks, grid,
+                                  args.steps, os.path.join(tmp, f"{i}-{side}-{r}"), src[side])
+                        if out:
+                            got.setdefault((job, side), []).append(out)
+                            print(f"{os.path.basename(job)} {side}: "
+                                  f"{out['t_step'] * 1e3:.1f} ms", flush=True)
+    finally:  # the checkouts went with the temporary directory; forget them in git too
+        subprocess.run(["git", "-C", ROOT, "worktree", "prune"], check=False)
+    a, b = (" ".join(sets + ([f"rev {rev}"] if rev else [])) or "defaults"
+            for sets, rev in ((args.a, args.a_rev), (args.b, args.b_rev)))
+    print(f"\nA = {a}; B = {b}; "
           f"{args.ranks} rank(s) on {os.cpu_count()} cores, {args.rounds} rounds")
     print(f"{'job':<24} {'side':<4} {'step ms':>8} {'spread':>13}  "
           + " ".join(f"{k[2:]:>6}" for k in PHASES) + f" {'rest':>6}  B speedup")

@@ -16,8 +16,9 @@ allocator settings (torch on transparent huge pages, ``THP_MEM_ALLOC_ENABLE=1``,
 for all). One compute thread per rank (torch and numba), the one-rank-per-core convention: 1
 rank vs 2 ranks compares one core with two. Printed:
 
-* the machine's limit for 2 ranks (``torch 2 slabs``): two ranks at once, each running the
-  baseline on its half of the volume with no halo. Two busy cores share caches, memory
+* the machine's limit for 2 ranks (``limit 2 slabs``): two ranks at once, each running the
+  fastest single process of round 1 (hpcpar's 1 rank included) on its half of the volume
+  with no halo. Two busy cores share caches, memory
   bandwidth and the host, so a split cannot beat it; hpcpar's 2 ranks are judged against it
   as well as against the single process;
 * step time, speedup vs the 1-rank baseline and vs the fastest single process of each round
@@ -97,8 +98,9 @@ def polite_wait(comm):
         time.sleep(0.002)
 
 
-#: The row of the 2-rank limit (:func:`bench_ceiling`).
-CEILING = "torch 2 slabs"
+#: The row of the 2-rank limit (:func:`bench_ceiling`), and of hpcpar's own 1 rank.
+CEILING = "limit 2 slabs"
+HPCPAR_ONE = "hpcpar 1x1x1"
 GRIDS = ((1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 2, 2))
 
 
@@ -243,27 +245,35 @@ def bench_baseline(comm, args, prepad=False, channels_last=None):
 
 def bench_ceiling(comm, args, form, ranks=2):
     """The machine's limit for ``ranks`` ranks: each of the first ``ranks`` ranks runs the
-    single-process torch ``form`` on its own slab of the volume (split on x, no halo, no
-    messages), all at once. Two busy cores share caches, memory bandwidth and the host, so this
-    is the fastest a ``ranks``-way split can go here; returns the slowest rank's step."""
+    fastest single-process ``form`` (a torch form, or hpcpar's 1 rank) on its own slab of the
+    volume (split on x, no halo, no messages), all at once. Busy cores share caches, memory
+    bandwidth and the host, so this is the fastest a ``ranks``-way split can go here; returns
+    the slowest rank's step."""
     import torch
+    from mpi4py import MPI
 
+    from hpcpar import ProcessGrid
     from hpcpar.parallel.partition import split_sizes
 
-    _, prepad, cl = next(b for b in BASELINES if b[0] == form)
-    fmt = torch.channels_last_3d if cl else torch.contiguous_format
     member = comm.Get_rank() < ranks
     sub = comm.Split(0 if member else 1, comm.Get_rank())
     out = None
     if member:
+        grid, fmt, prepad = None, _fmt(args), None
+        if form.startswith("torch"):
+            _, prepad, cl = next(b for b in BASELINES if b[0] == form)
+            fmt = torch.channels_last_3d if cl else torch.contiguous_format
+        else:  # hpcpar's 1-rank path on a grid of this rank alone
+            grid = ProcessGrid(1, 1, 1, 1, comm=MPI.COMM_SELF)
         n = args.size
-        nx = split_sizes(n, ranks)[comm.Get_rank()]
         torch.manual_seed(1)
-        x = torch.randn(args.batch, args.channels, nx, n, n)
+        x = torch.randn(args.batch, args.channels, split_sizes(n, ranks)[comm.Get_rank()], n, n)
         x = x.contiguous(memory_format=fmt).requires_grad_()
-        model = build_stack(args.channels, args.layers, prepad=fmt if prepad else None)
+        model = build_stack(args.channels, args.layers, grid, prepad=fmt if prepad else None)
         sub.Barrier()
         out = sub.allreduce(time_steps(model, x, args.repeat)[0], op=_max())
+        if grid is not None:
+            grid.free()
     sub.Free()
     polite_wait(comm)
     return comm.bcast(out, root=0)
@@ -376,21 +386,25 @@ def main(argv=None):
         res.update({n: bench_ranks(comm, d, args) for n, d in zip(names[len(BASELINES):],
                                                                    grids)})
         res["fastest"] = min((b for b in res if b.startswith("torch")), key=lambda b: res[b][0])
-        if size >= 2:
-            res[CEILING] = (bench_ceiling(comm, args, rounds[0]["fastest"] if rounds
-                                          else res["fastest"]), 0.0, float("nan"), 0.0)
+        if size >= 2:  # the limit on the fastest single process of round 1, hpcpar's included
+            one = rounds[0]["one"] if rounds else comm.bcast(min(
+                (b for b in res if b.startswith("torch") or b == HPCPAR_ONE),
+                key=lambda b: res[b][0]) if comm.Get_rank() == 0 else None, root=0)
+            res["one"] = one
+            res[CEILING] = (bench_ceiling(comm, args, one), 0.0, float("nan"), 0.0)
         rounds.append(res)
     best = rounds[0]["fastest"]
     say(f"# {args.rounds} rounds; each: median of {args.repeat} steps after a warm-up. The "
         f"baseline is the fastest single-process torch form of round 1 ({best}), timed again "
         f"in every round; speedup = baseline / config per round: median (min-max)")
     say("# vs 1 proc = the same, against the fastest single process of each round, hpcpar's "
-        "1 rank included;\n# ceiling = 2 ranks each running the baseline on its half slab at "
-        "once, no halo (the machine's limit for 2 ranks)")
+        "1 rank included;\n# limit 2 slabs = 2 ranks each running the fastest single process "
+        f"of round 1 ({rounds[0].get('one')}) on its half slab at once, no halo: the machine's "
+        "limit for 2 ranks")
     say(f"{'config':>16} {'ranks':>5} {'step s':>8} {'speedup':>8} {'spread':>11} "
         f"{'vs 1 proc':>9} {'spread':>11} {'halo %':>7} {'wait %':>7} {'peak MiB':>9} "
         f"{'mem ratio':>9}")
-    one = [n for n in names if n.startswith("torch") or n == "hpcpar 1x1x1"]
+    one = [n for n in names if n.startswith("torch") or n == HPCPAR_ONE]
     if size >= 2:
         names.insert(len(BASELINES), CEILING)
     if comm.Get_rank() == 0:  # the other ranks hold no hpcpar results of the small grids
@@ -408,6 +422,11 @@ def main(argv=None):
                 f"{_spread(ratios):>11} {statistics.median(vs_one):9.2f} {_spread(vs_one):>11} "
                 f"{100 * halo / step:7.1f} {100 * wait / step:7.1f} {peak / 2**20:9.1f} "
                 f"{peak / base_peak:9.2f}")
+    two = [rd[CEILING][0] / rd["hpcpar 2x1x1"][0] for rd in rounds
+           if CEILING in rd and "hpcpar 2x1x1" in rd]
+    if two:
+        say(f"# hpcpar 2x1x1 runs at {statistics.median(two):.2f} ({_spread(two)}) of the "
+            "machine's 2-rank limit (limit step / hpcpar step, per round)")
     say(f"# target (issue 19): hpcpar 2 ranks >= 1.85x {best}; {size} ranks on "
         f"{os.cpu_count()} cores ({size / (os.cpu_count() or 1):.0f} per core)")
     if comm.Get_rank() == 0:
