@@ -100,7 +100,7 @@ def polite_wait(comm):
 
 #: The row of the 2-rank limit (:func:`bench_ceiling`), and of hpcpar's own 1 rank.
 CEILING = "limit 2 slabs"
-HPCPAR_ONE = "hpcpar 1x1x1"
+ONE_RANK = "hpcpar 1x1x1"
 GRIDS = ((1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 2, 2))
 
 
@@ -388,7 +388,7 @@ def main(argv=None):
         res["fastest"] = min((b for b in res if b.startswith("torch")), key=lambda b: res[b][0])
         if size >= 2:  # the limit on the fastest single process of round 1, hpcpar's included
             one = rounds[0]["one"] if rounds else comm.bcast(min(
-                (b for b in res if b.startswith("torch") or b == HPCPAR_ONE),
+                (b for b in res if b.startswith("torch") or b == ONE_RANK),
                 key=lambda b: res[b][0]) if comm.Get_rank() == 0 else None, root=0)
             res["one"] = one
             res[CEILING] = (bench_ceiling(comm, args, one), 0.0, float("nan"), 0.0)
@@ -404,7 +404,7 @@ def main(argv=None):
     say(f"{'config':>16} {'ranks':>5} {'step s':>8} {'speedup':>8} {'spread':>11} "
         f"{'vs 1 proc':>9} {'spread':>11} {'halo %':>7} {'wait %':>7} {'peak MiB':>9} "
         f"{'mem ratio':>9}")
-    one = [n for n in names if n.startswith("torch") or n == HPCPAR_ONE]
+    one = [n for n in names if n.startswith("torch") or n == ONE_RANK]
     if size >= 2:
         names.insert(len(BASELINES), CEILING)
     if comm.Get_rank() == 0:  # the other ranks hold no hpcpar results of the small grids
