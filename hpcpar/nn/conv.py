@@ -15,7 +15,7 @@ from torch import nn
 
 from hpcpar.errors import LayerError
 from hpcpar.parallel.grid import ProcessGrid
-from hpcpar.parallel.halo import StencilOp, halo_stencil
+from hpcpar.parallel.halo import StencilOp, halo_stencil, input_layout, memory_format
 from hpcpar.parallel.partition import conv_axis_halo, conv_pads, transposed_axis_halo
 
 from ._base import SpatialModule
@@ -44,6 +44,16 @@ def _torch_picks_slow_conv(shape, kernel, stride, dilation, groups) -> bool:
     return not (general and wide)
 
 
+def _onednn(ext, kernel, stride, dilation, groups) -> bool:
+    """Run this convolution on oneDNN (mkldnn) although torch would not: where torch's CPU rule
+    still picks 'slow_conv3d' (batch 1, small C*D*H), oneDNN runs the same float32 convolution
+    10-20x faster (24^3 x 16 channels: 15 ms -> 2.4 ms forward, 99 ms -> 7.5 ms backward,
+    measured). Deep layers of a batch-1 sample, and the pieces a split makes, are that case."""
+    return (ext.device.type == "cpu" and ext.dtype == torch.float32 and
+            torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled and
+            _torch_picks_slow_conv(ext.shape, kernel, stride, dilation, groups))
+
+
 def _perm(t, perm, base=2):
     return tuple(t[:base]) + tuple(t[base + p] for p in perm)
 
@@ -51,7 +61,8 @@ def _perm(t, perm, base=2):
 class ConvOp(StencilOp):
     """Valid (padding 0) convolution of the halo-extended tensor. Where torch would pick its
     slow CPU kernel for this sub-volume, the spatial dims are permuted (the halo buffer is
-    laid out that way, so it costs no copy) to put the shortest extent last."""
+    laid out that way, so it costs no copy) to put the shortest extent last; where that does
+    not escape the rule (a cube), oneDNN is called directly (:func:`_onednn`)."""
 
     autocast = True
 
@@ -89,7 +100,11 @@ class ConvOp(StencilOp):
         if 0 in self.out_shape:
             return _empty_out(ext, self.out_channels, self.out_shape)
         ext, weight, stride, dilation, inv = self._permuted(ext, weight)
-        out = F.conv3d(ext, weight, bias, stride, 0, dilation, self.groups)
+        if _onednn(ext, weight.shape[2:], stride, dilation, self.groups):
+            out = torch.mkldnn_convolution(ext, weight, bias, [0, 0, 0], stride, dilation,
+                                           self.groups)
+        else:
+            out = F.conv3d(ext, weight, bias, stride, 0, dilation, self.groups)
         return out if inv is None else out.permute(*inv).contiguous()
 
     def backward(self, holder, grad_out, params, needs):
@@ -111,7 +126,13 @@ class ConvOp(StencilOp):
                 [0, 0, 0], self.groups)
         aten_bwd = torch.ops.aten.convolution_backward
         mask = [needs[0], needs[1], bias is not None and needs[2]]
-        if ext.numel() * ext.element_size() <= SPLIT_BACKWARD_BYTES:
+        if _onednn(ext, w.shape[2:], stride, dilation, self.groups):
+            # oneDNN tensors in, so torch's backward takes oneDNN too (the weight stays dense)
+            gi, gw, gb = aten_bwd(grad_out.to_mkldnn(), ext.to_mkldnn(), w, *args, mask)
+            if gi is not None:  # back to a dense tensor in the input's memory order
+                gi = gi.to_dense().contiguous(memory_format=memory_format(input_layout(ext)))
+            mask[0] = False
+        elif ext.numel() * ext.element_size() <= SPLIT_BACKWARD_BYTES:
             gi, gw, gb = aten_bwd(grad_out, ext, w, *args, mask)
             mask[0] = False
         else:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
+from mpi4py import MPI
 from torch import nn
 
 from hpcpar.testing import mpi_case
@@ -77,7 +79,7 @@ def edge_cases():
                  dims=(1, 1, 3))]
 
 
-def _run_conv(comm, cases):
+def _run_conv(comm, cases, batch=2):
     from hpcpar.nn import SpatialConv3d
 
     for c in cases:
@@ -87,8 +89,8 @@ def _run_conv(comm, cases):
             torch.manual_seed(7)
             twin = nn.Conv3d(2, 4, **args)
             spatial = SpatialConv3d(2, 4, **args, grid=grid)
-            compare_with_twin(grid, twin, spatial, c["shape"], 2, c["dtype"],
-                              what=f"conv {c}")
+            compare_with_twin(grid, twin, spatial, c["shape"], 2, c["dtype"], batch=batch,
+                              what=f"conv {c} batch {batch}")
         on_subgrid(comm, c["data"], c["dims"], check)
 
 
@@ -121,6 +123,42 @@ def test_case_sampling_covers_every_value():
                (c["geom"] for c in transposed_cases(4)))  # k != s is present
 
 
+def test_batch_one_runs_on_onednn_and_matches_torch(monkeypatch):
+    """Where torch's own rule picks its slow im2col kernel (fp32, batch 1, small C*D*H), the
+    layer runs oneDNN instead, and still equals torch: output, input and parameter gradients,
+    in both memory formats (the input gradient in the input's)."""
+    from hpcpar import ProcessGrid
+    from hpcpar.nn import SpatialConv3d, conv
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch built without oneDNN")
+    calls = []
+    real = torch.mkldnn_convolution
+    monkeypatch.setattr(torch, "mkldnn_convolution",
+                        lambda *a: calls.append(a[0].shape) or real(*a))
+    grid = ProcessGrid(1, 1, 1, 1, comm=MPI.COMM_SELF)
+    for fmt in (torch.contiguous_format, torch.channels_last_3d):
+        torch.manual_seed(2)
+        twin = nn.Conv3d(16, 8, 3, padding=1)
+        spatial = SpatialConv3d(16, 8, 3, padding=1, grid=grid)
+        spatial.load_state_dict(twin.state_dict())
+        X = torch.randn(1, 16, 9, 10, 11).contiguous(memory_format=fmt).requires_grad_()
+        x = X.detach().clone().requires_grad_()
+        assert conv._torch_picks_slow_conv((1, 16, 11, 12, 13), (3, 3, 3), (1, 1, 1),
+                                           (1, 1, 1), 1)
+        Y, y = twin(X), spatial(x)
+        G = torch.randn(Y.shape)
+        (Y * G).sum().backward()
+        (y * G).sum().backward()
+        assert rel_err(y.detach(), Y.detach()) <= FP32_TOL
+        assert rel_err(x.grad, X.grad) <= FP32_TOL
+        assert x.grad.is_contiguous(memory_format=fmt)
+        for p, q in zip(spatial.parameters(), twin.parameters()):
+            assert rel_err(p.grad, q.grad) <= FP32_TOL
+    assert len(calls) == 2
+    grid.free()
+
+
 # ---- MPI ---------------------------------------------------------------------------------
 @mpi_case(nprocs=(4, 8), timeout=240)
 def test_conv_matches_torch(comm):
@@ -139,6 +177,7 @@ def test_conv_matches_torch(comm):
             _run_conv(comm, cases)
         finally:
             conv.SPLIT_BACKWARD_BYTES = saved
+        _run_conv(comm, cases, batch=1)  # fp32 pieces of batch 1 take the oneDNN route
 
 
 @mpi_case(nprocs=(4,), timeout=240)
