@@ -111,7 +111,8 @@ class ConvOp(StencilOp):
         """Weight/bias gradients first (they read the extended input), then free it and
         compute the input gradient (which reads only its shape): one volume less at peak.
         A small input takes one call for all three instead, as torch does: the volume saved
-        is then smaller than a call's fixed cost is worth (~0.1 ms, half a small layer)."""
+        is then smaller than a call's fixed cost is worth (~0.1 ms, half a small layer); so
+        does the oneDNN route (:func:`_onednn`), whose inputs are small by torch's rule."""
         weight, bias = params
         ext = holder.pop()
         if 0 in self.out_shape:
@@ -131,21 +132,19 @@ class ConvOp(StencilOp):
             gi, gw, gb = aten_bwd(grad_out.to_mkldnn(), ext.to_mkldnn(), w, *args, mask)
             if gi is not None:  # back to a dense tensor in the input's memory order
                 gi = gi.to_dense().contiguous(memory_format=memory_format(input_layout(ext)))
-            mask[0] = False
         elif ext.numel() * ext.element_size() <= SPLIT_BACKWARD_BYTES:
             gi, gw, gb = aten_bwd(grad_out, ext, w, *args, mask)
-            mask[0] = False
         else:
             _, gw, gb = aten_bwd(grad_out, ext, w, *args, [False, *mask[1:]])
             gi = None
-        if mask[0]:
-            # values of the input are not read for grad_input: an untouched empty tensor
-            # (no pages faulted in) stands in for it once the real one is released
-            shape, strides = ext.shape, ext.stride()
-            del ext
-            gi = aten_bwd(grad_out, torch.empty_strided(shape, strides, dtype=w.dtype,
-                                                        device=w.device),
-                          w, *args, [True, False, False])[0]
+            if needs[0]:
+                # values of the input are not read for grad_input: an untouched empty tensor
+                # (no pages faulted in) stands in for it once the real one is released
+                shape, strides = ext.shape, ext.stride()
+                del ext
+                gi = aten_bwd(grad_out, torch.empty_strided(shape, strides, dtype=w.dtype,
+                                                            device=w.device),
+                              w, *args, [True, False, False])[0]
         if inv is not None:
             gi = gi.permute(*inv) if gi is not None else None
             gw = gw.permute(*inv).contiguous() if gw is not None else None
