@@ -6,11 +6,15 @@ The public face: the names below are what a user's script imports (``hpcpar.Proc
 lazily so ``import hpcpar`` and ``hpcpar --help`` stay fast.
 """
 
-from hpcpar.parallel.grid import ProcessGrid
+from ._checkout import install as _install_checkout_finder
 
-from ._lazy import lazy_getattr
-from ._version import __version__
-from .errors import (
+_install_checkout_finder()  # hpcpar.kernels/analysis/slurm_files from THIS checkout (_checkout)
+
+from hpcpar.parallel.grid import ProcessGrid  # noqa: E402
+
+from ._lazy import lazy_getattr  # noqa: E402
+from ._version import __version__  # noqa: E402
+from .errors import (  # noqa: E402
     CommError,
     ConfigError,
     DataError,
