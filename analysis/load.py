@@ -5,7 +5,8 @@ depth (a sweep: ``DIR/ranks-N/``). A run whose meta.json is unreadable or foreig
 with a one-line reason (:func:`load`); a run that crashed, lost a rank, is still running or
 has damaged step records (missing or garbled rank files, a truncated steps.parquet) is loaded
 and marked ``partial`` with a ``note`` saying why, and only its steps that every rank recorded
-are kept (a step time is a maximum over ranks: a missing rank would make it wrong).
+are kept (a step time is a maximum over ranks: a missing rank would make it wrong). Steps with
+an impossible time (zero, negative, infinite) are left out the same way (``suspect``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from hpcpar.errors import RunDirError
 from hpcpar.run.records import COLUMN_NAMES, read_meta, read_steps
 
 from .settings import resolved_settings, settings_hash
+from .suspect import impossible_steps
 
 __all__ = ["RUN_COLUMNS", "find_runs", "load_run", "load"]
 
@@ -28,9 +30,9 @@ __all__ = ["RUN_COLUMNS", "find_runs", "load_run", "load"]
 RUN_COLUMNS = ("run", "name", "config", "job_name", "ranks", "nodes", "grid_spec",
                "spatial_size", "global_batch", "problem_size", "timing_warmup", "status",
                "start_time", "end_time", "segment_starts", "hostnames", "slurm_job_id",
-               "git_commit", "torch", "mpi_library", "steps_recorded", "steps_complete",
-               "partial", "note", "cores_per_node", "ranks_per_node", "threads_per_rank",
-               "oversubscribed", "settings_hash", "settings")
+               "git_commit", "hpcpar_version", "torch", "mpi_library", "steps_recorded",
+               "steps_complete", "partial", "note", "cores_per_node", "ranks_per_node",
+               "threads_per_rank", "oversubscribed", "settings_hash", "settings")
 
 
 def find_runs(paths: Sequence[str | os.PathLike] | str | os.PathLike) -> list[Path]:
@@ -148,6 +150,8 @@ def _load_run(run_dir: Path, meta: dict) -> tuple[dict, pd.DataFrame]:
     dropped = recorded - int(kept["step"].nunique())
     if recorded and dropped:
         notes.append(f"{dropped} step(s) not recorded by every rank ignored")
+    kept, more = impossible_steps(kept)
+    notes += more
     slurm = meta.get("slurm") or {}
     versions = meta.get("versions") or {}
     machine = meta.get("machine") or {}
@@ -163,7 +167,8 @@ def _load_run(run_dir: Path, meta: dict) -> tuple[dict, pd.DataFrame]:
         "segment_starts": [int(s["first_step"]) for s in meta.get("segments") or []
                            if s.get("first_step") is not None],
         "hostnames": ",".join(meta.get("hostnames") or []), "slurm_job_id": slurm.get("job_id"),
-        "git_commit": (meta.get("git") or {}).get("commit"), "torch": versions.get("torch"),
+        "git_commit": (meta.get("git") or {}).get("commit"),
+        "hpcpar_version": versions.get("hpcpar"), "torch": versions.get("torch"),
         "mpi_library": versions.get("mpi_library"), "steps_recorded": recorded,
         "steps_complete": int(kept["step"].nunique()), "partial": bool(notes),
         "note": "; ".join(notes),

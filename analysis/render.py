@@ -24,6 +24,7 @@ from . import plots, stats
 from .load import load
 from .scaling import scaling_table
 from .settings import split_unlike
+from .suspect import version_warning
 
 __all__ = ["HEADLINE", "BREAKDOWN", "SPREAD", "RESOURCES", "RUNS", "DEFINITIONS", "Section",
            "Report", "rows_of", "markdown_table", "headline_table", "verdict", "amdahl_lines",
@@ -130,6 +131,8 @@ class Report:
         headline: The headline table as text (what ``hpcpar report`` prints).
         skipped: The one-line reason of each run left out.
         verdict: The one-line verdict at the top of the report.
+        warnings: One line per fact that makes the report suspect as a whole (runs of
+            different hpcpar versions); shown under the verdict.
     """
 
     out: Path
@@ -139,6 +142,7 @@ class Report:
     headline: str
     skipped: list = field(default_factory=list)  # "reason" of each run left out
     verdict: str = ""
+    warnings: list = field(default_factory=list)
 
 
 def _cell(value, fmt: str) -> str:
@@ -324,7 +328,7 @@ def _write_plots(out: Path, table, runs, steps) -> dict:
 
 
 def _sections(table, runs, files, paths, mode, warmup, skipped=(),
-              threshold=0.7) -> list[Section]:
+              threshold=0.7, warnings=()) -> list[Section]:
     notes = [f"{r['config']} @ {r['ranks']} ranks: {r['note']}"
              for r in table.to_dict("records") if r["note"]]
     notes += [f"skipped (unreadable): {reason}" for reason in skipped]
@@ -344,7 +348,8 @@ def _sections(table, runs, files, paths, mode, warmup, skipped=(),
                      "node) time CPU sharing, not scaling: " + ", ".join(
                          f"{c} @ {p}" for c, p in zip(over["config"], over["ranks"])) + ".")
     shown = _display(table)
-    secs = [Section("Verdict", [verdict(table, threshold)]),
+    secs = [Section("Verdict", [verdict(table, threshold),
+                                *(f"Warning: {w}." for w in warnings)]),
             Section("Scaling", intro, rows_of(shown, HEADLINE))]
     if notes:
         secs.append(Section("Notes", notes, bullets=True))
@@ -458,7 +463,8 @@ def write_report(paths: Sequence[str | os.PathLike], out: str | os.PathLike,
         The report: tables, headline and the paths of the files written.
 
     Raises:
-        RunDirError: No readable run among ``paths``, or ``out`` cannot be written.
+        RunDirError: No readable run among ``paths``, no run with a step to report (each
+            one's notes say why), or ``out`` cannot be written.
         ConfigError: ``strict`` and runs of one config with different settings.
         ValueError: An unknown ``mode``.
 
@@ -482,14 +488,20 @@ def write_report(paths: Sequence[str | os.PathLike], out: str | os.PathLike,
 
 def _write(out: Path, paths, runs, steps, skipped, mode, warmup, title, threshold,
            predict_point=None, predicted_by="prediction") -> Report:
-    out.mkdir(parents=True, exist_ok=True)
     table = scaling_table(runs, steps, mode=mode, warmup=warmup)
+    if not table["t_step_median"].notna().any():  # nothing to plot or compare: say why
+        more = f" (and {len(table) - 1} more point(s))" if len(table) > 1 else ""
+        first = table.iloc[0]
+        raise RunDirError(f"no step to report: {first['config']} @ {first['ranks']} ranks: "
+                          f"{first['note'] or 'no usable steps'}{more}")
+    warnings = [w for w in (version_warning(runs),) if w]
+    out.mkdir(parents=True, exist_ok=True)
     kept = stats.drop_warmup(steps, runs, warmup) if len(steps) else steps
     files = {"scaling.csv": out / "scaling.csv", "runs.csv": out / "runs.csv"}
     table.to_csv(files["scaling.csv"], index=False)
     runs.drop(columns=["settings"]).to_csv(files["runs.csv"], index=False)
     images = _write_plots(out, table, runs, kept)
-    secs = _sections(table, runs, images, paths, mode, warmup, skipped, threshold)
+    secs = _sections(table, runs, images, paths, mode, warmup, skipped, threshold, warnings)
     if predict_point is not None:
         from .predicted import predicted_vs_measured
 
@@ -508,4 +520,4 @@ def _write(out: Path, paths, runs, steps, skipped, mode, warmup, title, threshol
     files["report.html"].write_text(render_html(secs, title))
     files.update(images)
     return Report(out, table, runs, files, headline_table(table), skipped,
-                  verdict(table, threshold))
+                  verdict(table, threshold), warnings)

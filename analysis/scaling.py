@@ -115,8 +115,11 @@ def _machine(runs: pd.DataFrame) -> dict:
 
 
 def _work(runs: pd.DataFrame, samples: float) -> float:
+    """Work per step; NaN (unknown: strong scaling assumed) unless a finite positive amount,
+    so a bad ``problem_size`` or batch in meta.json cannot turn a speedup negative."""
     size = pd.to_numeric(runs["problem_size"], errors="coerce").median()
-    return samples * (size if np.isfinite(size) else 1.0)
+    work = samples * (size if np.isfinite(size) else 1.0)
+    return work if np.isfinite(work) and work > 0 else math.nan
 
 
 def scaling_table(runs: pd.DataFrame, steps: pd.DataFrame, mode: str | None = None,

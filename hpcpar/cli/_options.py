@@ -56,10 +56,13 @@ def node_counts(ctx, param, value):
 
 
 def out_option(help: str, required: bool = False, default=None, file: bool = False):
-    """``-o/--out``: a directory (or, with ``file``, a file) the command writes."""
+    """``-o/--out``: a directory (or, with ``file``, a file) the command writes.
+
+    ``default`` reaches click only when given: click >= 8.3 takes an explicit ``default=None``
+    as a value, and ``required`` then never fires (the command ran on ``None``)."""
     kind = click.Path(dir_okay=False) if file else click.Path(file_okay=False)
-    return click.option("-o", "--out", "out", type=kind, required=required, default=default,
-                        show_default=default is not None, help=help)
+    given = {} if default is None else {"default": default, "show_default": True}
+    return click.option("-o", "--out", "out", type=kind, required=required, help=help, **given)
 
 
 def set_option(help: str = "Override a job field, e.g. --set train.lr=0.01 (repeatable)."):

@@ -40,10 +40,14 @@ def _split(ctx, param, value):
               metavar="TRAIN,VAL",
               help="Random train/val fractions (rest test) where the source has no masks.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of --split.")
-def import_(source, out, features, labels, split, seed):
+@click.option("--trust-pickle", is_flag=True,
+              help="PyG files: unpickle classes beyond PyG's graph classes (this can run the "
+                   "file's code: only for files you trust).")
+def import_(source, out, features, labels, split, seed, trust_pickle):
     """Convert a graph to OUT.h5: a Planetoid-style .npz (edge_index, CSR x, y,
     train/val/test_idx), a PyTorch Geometric Data saved with torch.save (.pt/.pth: edge_index,
-    x, y, *_mask; unpickled, so only files you trust), or an edge list (text, one `src dst`
+    x, y, *_mask; loaded with weights_only=True and PyG's graph classes only, so the file's
+    code never runs unless you pass --trust-pickle), or an edge list (text, one `src dst`
     per line) with --features.
 
     SOURCE may be a path or the name of a bundled dataset (``cora``).
@@ -56,7 +60,8 @@ def import_(source, out, features, labels, split, seed):
     if source.endswith(".npz"):
         s = import_npz(source, out)
     else:
-        s = import_graph(source, out, features=features, labels=labels, split=split, seed=seed)
+        s = import_graph(source, out, features=features, labels=labels, split=split, seed=seed,
+                         trust_pickle=trust_pickle)
     click.echo(f"wrote {out}: {s['nodes']} nodes, {s['edges']} edges, {s['features']} "
                f"features, {s['classes']} classes, {'directed' if s['directed'] else 'undirected'}"
                f"; train/val/test {s['train']}/{s['val']}/{s['test']}")

@@ -75,6 +75,10 @@ def facts() -> list[tuple[str, str]]:
     return rows
 
 
+#: the most ranks a rank table lists (a million lines; beyond, printing takes minutes)
+MAX_TABLE_RANKS = 1 << 20
+
+
 @click.command("info")
 @ranks_option(many=False, help="Print the rank table for this many ranks.")
 @click.option("--grid", "grid_spec", default=None,
@@ -111,6 +115,9 @@ def info(ranks, grid_spec, ranks_per_node, as_json):
         ranks = shape[0] * shape[1] * shape[2] * shape[3]
     if ranks < 1:
         raise GridError(f"--ranks must be positive, got {ranks}")
+    if ranks > MAX_TABLE_RANKS:
+        raise GridError(f"--ranks {ranks}: the rank table lists at most {MAX_TABLE_RANKS} "
+                        f"ranks")
     shape = resolve_shape(parse_spec(grid_spec) if grid_spec else (-1, 1, 1, 1), ranks)
     spec = "x".join(map(str, shape))
     if hosts and ranks_per_node is None and len(hosts) == ranks:  # the allocation's placement

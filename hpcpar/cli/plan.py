@@ -129,9 +129,11 @@ def workload_of(job, size: int | None = None):
                     precision=job.train.precision, optimizer=job.train.optimizer)
 
 
-def fit_points(run_dirs) -> list:
+def fit_points(run_dirs, trust_kind: bool = False) -> list:
     """``(workload, grid, measured step)`` of finished runs, for :mod:`hpcpar.plan.fit`; a
-    directory that is not a finished run is a one-line error."""
+    directory that is not a finished run is a one-line error. A run's ``[model] kind`` imports
+    no code unless it is built in, already loaded by the job being planned, or ``trust_kind``
+    (installed packages only)."""
     from hpcpar.analysis import load, scaling_table
     from hpcpar.errors import ConfigError
     from hpcpar.parallel.grid import resolve_shape
@@ -141,7 +143,7 @@ def fit_points(run_dirs) -> list:
     for rd in run_dirs:
         if not (Path(rd) / "job.json").is_file():
             raise ConfigError(f"--fit-on {rd}: no job.json there (not an hpcpar run directory)")
-        job = load_resolved(Path(rd) / "job.json")
+        job = load_resolved(Path(rd) / "job.json", untrusted=True, trust_kind=trust_kind)
         runs, steps = load([str(rd)])
         if steps.empty:
             raise ConfigError(f"--fit-on {rd}: no step records (the run has not trained)")
@@ -272,10 +274,13 @@ def write_csv(preds, path: str) -> None:
               help="Finished run directories (e.g. the demo job's, at the rank counts you "
                    "plan for): scale every predicted step by their measured / predicted "
                    "step (repeatable).")
+@click.option("--trust-kind", is_flag=True,
+              help="Let --fit-on runs whose [model] kind is neither built in nor JOB's load "
+                   "it from an installed package (never from the working directory).")
 @json_option("Print one JSON object: the job, ranks, machine and every grid (fastest "
              "feasible first).")
 def plan(job, ranks, machine, top, csv_path, sets, calibrate, out, as_json, budget,
-         fit_runs):
+         fit_runs, trust_kind):
     """Predict one training step of JOB on every grid that factors --ranks, fastest first,
     with the compute / halo / gather / exposed-allreduce / I/O breakdown and memory per rank."""
     import subprocess
@@ -315,7 +320,7 @@ def plan(job, ranks, machine, top, csv_path, sets, calibrate, out, as_json, budg
     if fit_runs:
         from hpcpar.plan import fit as fitting
 
-        table_ = fitting.ratios(fit_points(fit_runs), m)
+        table_ = fitting.ratios(fit_points(fit_runs, trust_kind), m)
         fit = fitting.scale(table_, ranks)
         fitting.apply(preds, fit)
     largest = largest_samples(job, sets, work, preds, m) if budget is not None else None

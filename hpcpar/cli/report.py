@@ -11,21 +11,24 @@ __all__ = ["plan_predictor", "print_report", "report", "report_json"]
 
 def report_json(rep) -> dict:
     """The report as one strict-JSON document: verdict, one object per (config, ranks) point
-    (the scaling.csv row), the files written and the runs left out."""
+    (the scaling.csv row), the files written, the runs left out and the warnings."""
     from hpcpar.run.records import strict_json
 
     return strict_json({"verdict": rep.verdict, "out": str(rep.out),
                         "points": rep.table.to_dict("records"),
                         "files": {k: str(v) for k, v in rep.files.items()},
-                        "skipped": list(rep.skipped)})
+                        "skipped": list(rep.skipped), "warnings": list(rep.warnings)})
 
 
 def print_report(rep, as_json: bool = False) -> None:
     """The headline table, the notes of partial rows, and where the report is; each run
-    left out (unreadable meta.json) is one warning line on stderr. With ``as_json``, one JSON
-    document instead (:func:`report_json`)."""
+    left out (unreadable meta.json) and each of the report's warnings (runs of different
+    hpcpar versions) is one warning line on stderr. With ``as_json``, one JSON document
+    instead (:func:`report_json`)."""
     for reason in rep.skipped:
         click.echo(f"hpcpar: warning: skipped run: {reason}", err=True)
+    for warning in rep.warnings:
+        click.echo(f"hpcpar: warning: {warning}", err=True)
     if as_json:
         import json
 
@@ -42,9 +45,11 @@ def print_report(rep, as_json: bool = False) -> None:
                f"{rep.out})")
 
 
-def plan_predictor(machine_name: str):
+def plan_predictor(machine_name: str, trust_kind: bool = False):
     """``(job dict, grid) -> predicted seconds per step`` from ``hpcpar plan``'s model of a
-    machine (``slurm/machines/NAME.toml`` or a path); the job's workload is traced once."""
+    machine (``slurm/machines/NAME.toml`` or a path); the job's workload is traced once. The
+    job comes from a run directory: its ``[model] kind`` imports no code unless it is built in
+    or ``trust_kind`` (installed packages only)."""
     import json
 
     from hpcpar.cli import plan as planning
@@ -59,7 +64,9 @@ def plan_predictor(machine_name: str):
     def predict_point(job_dict: dict, grid: tuple) -> dict:
         key = json.dumps(job_dict, sort_keys=True, default=str)
         if key not in works:
-            works[key] = planning.workload_of(build_job(job_dict, source="meta.json job"))
+            works[key] = planning.workload_of(build_job(job_dict, source="meta.json job",
+                                                        untrusted=True,
+                                                        trust_kind=trust_kind))
         pred = predict(works[key], grid, machine)
         if not pred.feasible:
             raise ConfigError(f"grid {pred.spec}: {pred.reason}")
@@ -91,12 +98,15 @@ def plan_predictor(machine_name: str):
 @click.option("--plan", "plan_machine", default=None, metavar="MACHINE",
               help="Put hpcpar plan's predicted step time and phases for MACHINE (a name in "
                    "slurm/machines or a machine TOML) beside the measured ones.")
+@click.option("--trust-kind", is_flag=True,
+              help="With --plan: load a run's [model] kind that is not built in from an "
+                   "installed package (never from the working directory).")
 @click.option("--compare", "compare", nargs=2, type=click.Path(), default=None,
               metavar="BEFORE AFTER", help="Compare two sweeps (before/after a change): "
               "compare.csv/.md/.html/.png in OUT with the step-time ratio per point.")
 @json_option("Print the report as one JSON document (verdict, one object per point, files).")
 def report(paths, out, mode, warmup, title, strict, threshold, expect, plan_machine, compare,
-           as_json):
+           as_json, trust_kind):
     """Scaling report of run or sweep directories (any depth below each path)."""
     from hpcpar.errors import ConfigError
 
@@ -131,7 +141,7 @@ def report(paths, out, mode, warmup, title, strict, threshold, expect, plan_mach
         raise ConfigError("report: give run or sweep directories (or --compare BEFORE AFTER)")
     from hpcpar.analysis.render import write_report
 
-    predictor = plan_predictor(plan_machine) if plan_machine else None
+    predictor = plan_predictor(plan_machine, trust_kind) if plan_machine else None
     rep = write_report(paths, out, mode=mode, warmup=warmup, title=title, strict=strict,
                        threshold=threshold, predict_point=predictor,
                        predicted_by=f"hpcpar plan ({plan_machine})")

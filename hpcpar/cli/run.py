@@ -56,9 +56,12 @@ def _decide(rd: Path, job, grid_spec: str, fresh: bool, new_settings: bool) -> t
 
     if rd.exists() and not rd.is_dir():
         raise RunDirError(f"--run-dir {rd}: exists and is not a directory")
+    if rd.is_symlink() and not rd.exists():
+        raise RunDirError(f"--run-dir {rd}: a symbolic link to nothing (dangling or a loop)")
     if not rd.is_dir():
         return "run", []
     rundir.RunLock(rd).check()
+    rundir.check_run_dir(rd)
     if fresh:
         return "run", []
     diff = rundir.check_settings(rd, job.to_dict())
@@ -85,7 +88,7 @@ def _prepare(rd: Path, job, job_file: str, diff: list, fresh: bool) -> Path:
     from hpcpar.run import rundir
 
     if fresh:
-        moved = rundir.move_aside(rd)
+        moved = rundir.move_aside(rd, keep=[job_file])
         if moved is not None:
             click.echo(f"hpcpar: --fresh: moved the previous run's files to {moved}", err=True)
     if diff:
@@ -148,8 +151,9 @@ def _settle_settings(rd: Path, job_path: Path, job_file: str, started: bool) -> 
                                               "runs/<job name>).")
 @set_option()
 @click.option("--fresh", "--no-resume", "fresh", is_flag=True,
-              help="Start over: move the run directory's files into previous-<time>/ (nothing "
-                   "is deleted). Default: continue from the newest valid checkpoint.")
+              help="Start over: move hpcpar's files of the run directory into previous-<time>/ "
+                   "(nothing is deleted, other files stay). Default: continue from the newest "
+                   "valid checkpoint.")
 @click.option("--resume", "_resume", is_flag=True,
               help="Continue from the newest valid checkpoint (the default; kept for scripts).")
 @click.option("--new-settings", is_flag=True,

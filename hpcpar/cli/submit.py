@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 
 import click
 
@@ -56,7 +57,8 @@ def submit(job_file, out, site, ranks, nodes, ranks_per_node, array, weak, after
             continue
         what = f"{rec['ranks']} ranks" if rec["kind"] == "run" else "report"
         click.echo(f"{rec['id']}\t{rec['label']}\t{what}\t{rec['run_dir']}")
-    click.echo(f"hpcpar: submitted; follow with `hpcpar status {out}`", err=True)
+    follow = shlex.join(["hpcpar", "status", str(out)])  # safe to copy into a shell
+    click.echo(f"hpcpar: submitted; follow with `{follow}`", err=True)
 
 
 @click.command()

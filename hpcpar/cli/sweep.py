@@ -21,7 +21,7 @@ import click
 
 from hpcpar.cli._options import json_option, out_option, ranks_option, set_option
 from hpcpar.errors import LaunchError
-from hpcpar.launch.sweep import plan
+from hpcpar.launch.sweep import plan, sweep_lock
 
 __all__ = ["run_command", "run_points", "submit_command", "sweep"]
 
@@ -106,22 +106,22 @@ def sweep(job, ranks, out, weak, submit, sets, warmup, resume, verbose, as_json)
         sys.exit(rc)
     points = plan(job, ranks, weak, sets)
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "sweep.json").write_text(json.dumps(
-        {"job": str(job), "ranks": ranks, "weak": weak, "sets": list(sets),
-         "points": [dict(p, command=run_command(job, p, out / f"ranks-{p['ranks']}", resume))
-                    for p in points]}, indent=1) + "\n")
-    failed = run_points(job, points, out, verbose, resume)
-    done = [out / f"ranks-{p['ranks']}" for p in points
-            if (out / f"ranks-{p['ranks']}" / "meta.json").exists()]
-    if not done:
-        raise LaunchError(f"{out}: no point of the sweep left run records; see the logs there")
-    from hpcpar.analysis.render import write_report
-    from hpcpar.cli.report import print_report
+    with sweep_lock(out, warn=lambda m: click.echo(m, err=True)):
+        (out / "sweep.json").write_text(json.dumps(
+            {"job": str(job), "ranks": ranks, "weak": weak, "sets": list(sets),
+             "points": [dict(p, command=run_command(job, p, out / f"ranks-{p['ranks']}", resume))
+                        for p in points]}, indent=1) + "\n")
+        failed = run_points(job, points, out, verbose, resume)
+        done = [out / f"ranks-{p['ranks']}" for p in points
+                if (out / f"ranks-{p['ranks']}" / "meta.json").exists()]
+        if not done:
+            raise LaunchError(f"{out}: no point of the sweep left run records; see the logs there")
+        from hpcpar.analysis.render import write_report
+        from hpcpar.cli.report import print_report
 
-    rep = write_report(done, out / "report", mode="weak" if weak else "strong", warmup=warmup,
-                       title=f"hpcpar {'weak' if weak else 'strong'} scaling: {Path(job).name}")
-    print_report(rep, as_json)
-    if failed:
-        raise LaunchError(f"sweep: point(s) {', '.join(map(str, failed))} failed; their rows "
-                          f"are partial or missing (logs in {out})")
+        rep = write_report(done, out / "report", mode="weak" if weak else "strong", warmup=warmup,
+                           title=f"hpcpar {'weak' if weak else 'strong'} scaling: {Path(job).name}")
+        print_report(rep, as_json)
+        if failed:
+            raise LaunchError(f"sweep: point(s) {', '.join(map(str, failed))} failed; their rows "
+                              f"are partial or missing (logs in {out})")

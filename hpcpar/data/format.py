@@ -34,7 +34,8 @@ if TYPE_CHECKING:
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "HDF5_SIGNATURE", "DEFAULT_CHUNK",
            "MAX_AUTO_CHUNK", "shard_name", "chunk_edge", "PerRankChunks", "parse_chunk",
-           "x_chunks", "Array", "Shard", "Manifest", "read_manifest", "sha256_file", "check_file",
+           "x_chunks", "Array", "Shard", "Manifest", "read_manifest", "member_path", "sha256_file",
+           "check_file",
            "open_h5", "check_array", "check_shard", "manifest_problems", "verify_dataset",
            "SCAN_BLOCK_BYTES", "value_stats", "merge_stats", "dataset_stats", "expects_finite",
            "check_finite", "check_values"]
@@ -294,6 +295,26 @@ def _transform_of(d: dict) -> str:
     return "log1p" if (d.get("source") or {}).get("generator") == "cosmoflow" else "none"
 
 
+def _check_numbers(path: str, m: Manifest) -> None:
+    """The manifest's shapes and sample ranges are whole numbers in range (a string shape or a
+    negative count is one line here, not a failure deep in a reader)."""
+    def whole(v, lo: int) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+    for a in (m.x, m.y):
+        if not all(whole(n, 1) for n in a.shape):
+            raise DataError(f"{path}: field '{a.key}.shape' is {list(a.shape)!r}, expected "
+                            "positive integers")
+    for i, s in enumerate(m.shards):
+        for name, lo in (("start", 0), ("count", 1), ("bytes", 0)):
+            if not whole(getattr(s, name), lo):
+                raise DataError(f"{path}: field 'shards[{i}].{name}' is "
+                                f"{getattr(s, name)!r}, expected an integer >= {lo}")
+        if not isinstance(s.sha256, str):
+            raise DataError(f"{path}: field 'shards[{i}].sha256' is {s.sha256!r}, expected a "
+                            "hex string")
+
+
 def read_manifest(directory: str | os.PathLike) -> Manifest:
     """Load and check a dataset's ``manifest.json``.
 
@@ -317,6 +338,8 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
             d = json.load(fh)
     except (OSError, json.JSONDecodeError) as exc:
         raise DataError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(d, dict):
+        raise DataError(f"{path}: expected a JSON object, got a {type(d).__name__}")
     if d.get("format") != FORMAT:
         raise DataError(f"{path}: field 'format' is {d.get('format')!r}, expected {FORMAT!r}")
     if d.get("format_version") != FORMAT_VERSION:
@@ -326,11 +349,14 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
         m = Manifest(int(d["num_samples"]), Array.from_json(d["x"]), Array.from_json(d["y"]),
                      [Shard(**s) for s in d["shards"]], d.get("source", {}),
                      stats=dict(d.get("stats") or {}), transform=_transform_of(d))
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise DataError(f"{path}: missing or malformed field {exc}") from None
+    _check_numbers(path, m)
     if m.transform not in TRANSFORMS:
         raise DataError(f"{path}: field 'transform' is {m.transform!r}, expected one of "
                         f"{', '.join(TRANSFORMS)}")
+    for i, s in enumerate(m.shards):
+        member_path(directory, s.file, f"{path}: field 'shards[{i}].file'")
     expect = 0
     for s in m.shards:
         if s.start != expect:
@@ -341,6 +367,35 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
         raise DataError(f"{path}: shards hold {expect} samples, field 'num_samples' says "
                         f"{m.num_samples}")
     return m
+
+
+def member_path(directory: str | os.PathLike, name: object, field: str) -> str:
+    """Join a path read from a manifest to its dataset directory, refusing any that leaves it,
+    so a manifest can neither read files from elsewhere nor make staging write elsewhere.
+
+    Args:
+        directory: The dataset directory.
+        name: The path as the manifest gives it (relative to ``directory``).
+        field: The manifest and field it came from, for the message.
+
+    Returns:
+        ``directory/name``.
+
+    Raises:
+        DataError: ``name`` is not a non-empty string, is absolute, or resolves (``..``,
+            symbolic links) outside ``directory``.
+    """
+    if not isinstance(name, str) or not name or "\0" in name:
+        raise DataError(f"{field} is {name!r}: expected a file name inside the dataset directory")
+    if os.path.isabs(name):
+        raise DataError(f"{field} is {name!r}: an absolute path; a manifest may name only "
+                        "files inside its dataset directory")
+    root = os.path.realpath(directory)
+    full = os.path.join(directory, name)
+    if os.path.commonpath([root, os.path.realpath(full)]) != root:
+        raise DataError(f"{field} is {name!r}: outside the dataset directory {directory}; a "
+                        "manifest may name only files inside it")
+    return full
 
 
 def sha256_file(path: str, block: int = 1 << 22) -> str:
@@ -424,6 +479,11 @@ def check_array(path: str, f: h5py.File, spec: Array, rows: int | None) -> None:
     if spec.key not in f:
         raise DataError(f"{path}: missing dataset '{spec.key}'")
     d = f[spec.key]
+    if d.is_virtual or d.external or d.file.filename != f.filename:
+        how = "a virtual dataset" if d.is_virtual else "external storage" if d.external else \
+            f"a link to {d.file.filename}"
+        raise DataError(f"{path}: dataset '{spec.key}' is {how}: its data live outside the "
+                        "shard file (and its checksum); a shard must hold its own data")
     want = ((rows,) if rows is not None else (d.shape[0],)) + tuple(spec.shape)
     if tuple(d.shape) != want:
         raise DataError(f"{path}: dataset '{spec.key}' has shape {tuple(d.shape)}, "
@@ -449,9 +509,13 @@ def check_shard(directory: str, m: Manifest, index: int, checksum: bool = False,
             dataset, wrong shape or dtype, or unexpected NaN/inf.
     """
     s = m.shards[index]
-    path = os.path.join(directory, s.file)
+    path = member_path(directory, s.file, f"{os.path.join(directory, MANIFEST)}: field "
+                                          f"'shards[{index}].file'")
     check_file(path, s.bytes)
-    if checksum and s.sha256:
+    if checksum and not s.sha256:
+        raise DataError(f"{os.path.join(directory, MANIFEST)}: field 'shards[{index}].sha256' "
+                        f"is missing: {s.file} cannot be verified")
+    if checksum:
         got = sha256_file(path)
         if got != s.sha256:
             raise DataError(f"{path}: sha256 mismatch (file {got[:12]}..., manifest "

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from hpcpar.errors import DataError
 
-from .format import MANIFEST, Manifest
+from .format import MANIFEST, Manifest, member_path
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -43,6 +43,7 @@ def staged_dir(stage_to: str, directory: str, manifest: Manifest) -> str:
 
 
 def _copy(src: str, dst: str) -> int:
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
     if os.path.exists(dst) and os.path.getsize(dst) == os.path.getsize(src):
         return 0
     tmp = f"{dst}.partial-{os.getpid()}"
@@ -75,13 +76,16 @@ def stage_shards(directory: str, manifest: Manifest, needed: Iterable[int], stag
         try:
             os.makedirs(dest, exist_ok=True)
             for i in sorted(set().union(*wanted)):
+                field = f"{os.path.join(directory, MANIFEST)}: field 'shards[{i}].file'"
                 f = manifest.shards[i].file
-                copied += _copy(os.path.join(directory, f), os.path.join(dest, f))
+                copied += _copy(member_path(directory, f, field), member_path(dest, f, field))
             src_manifest = os.path.join(directory, MANIFEST)
             if os.path.exists(src_manifest):
                 _copy(src_manifest, os.path.join(dest, MANIFEST))
         except OSError as exc:
             err = f"{stage_to}: staging {directory} failed ({exc})"
+        except DataError as exc:
+            err = str(exc)
     err = node_comm.bcast(err, root=0)
     if err:
         raise DataError(err)

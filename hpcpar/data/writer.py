@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 from .format import (
     FORMAT,
     FORMAT_VERSION,
+    MANIFEST,
     TRANSFORMS,
     Array,
     Manifest,
@@ -35,6 +36,7 @@ from .format import (
     dataset_stats,
     merge_stats,
     open_h5,
+    read_manifest,
     sha256_file,
     shard_name,
     value_stats,
@@ -147,10 +149,43 @@ def _write_shard(path: str, source, index: int, start: int, count: int, total: i
     return stats
 
 
+def _check_replaceable(out: str) -> None:
+    """``--force`` replaces only what hpcpar made: an empty directory, or a dataset directory
+    (its ``manifest.json`` says so) holding nothing but the manifest and its shards; never the
+    working directory, one of its parents, or the home directory."""
+    real = os.path.realpath(out)
+    for what, d in (("the working directory", os.getcwd()), ("the home directory",
+                                                             os.path.expanduser("~"))):
+        if os.path.commonpath([real, os.path.realpath(d)]) == real:
+            raise DataError(f"{out}: is {what} or contains it; --force replaces only a "
+                            f"dataset directory hpcpar made (choose a new OUT)")
+    if not os.path.isdir(out) or os.path.islink(out):
+        raise DataError(f"{out}: exists and is not a directory; --force replaces only a "
+                        f"dataset directory hpcpar made")
+    entries = set(os.listdir(out))
+    if not entries:
+        return
+    try:
+        manifest = read_manifest(out)
+    except DataError as exc:
+        raise DataError(f"{out}: not an hpcpar dataset ({exc}); --force replaces only a "
+                        f"dataset directory hpcpar made: remove it yourself or choose another "
+                        f"OUT") from None
+    own = {MANIFEST} | {os.path.normpath(s.file).split(os.sep)[0] for s in manifest.shards}
+    foreign = sorted(entries - own)
+    if foreign:
+        raise DataError(f"{out}: holds {foreign[0]!r}"
+                        + (f" and {len(foreign) - 1} more" if len(foreign) > 1 else "")
+                        + " besides the dataset's own files; --force would delete it: move it "
+                          "out first, or choose another OUT")
+
+
 def _make_temp_dir(out: str, force: bool) -> str:
     out = os.path.abspath(out)
-    if os.path.exists(out) and not force:
-        raise DataError(f"{out}: already exists (use --force to replace it)")
+    if os.path.lexists(out):
+        if not force:
+            raise DataError(f"{out}: already exists (use --force to replace it)")
+        _check_replaceable(out)
     parent = os.path.dirname(out)
     if not os.path.isdir(parent):
         raise DataError(f"{parent}: output's parent directory not found")
@@ -165,7 +200,8 @@ def _publish(tmp: str, out: str) -> None:
     """Rename ``tmp`` to ``out``, replacing an existing ``out`` only after tmp is complete."""
     out = os.path.abspath(out)
     old = None
-    if os.path.exists(out):
+    if os.path.lexists(out):
+        _check_replaceable(out)  # again: something may have moved in while the shards were written
         old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old-", dir=os.path.dirname(out))
         os.rename(out, os.path.join(old, "d"))
     os.rename(tmp, out)
@@ -279,9 +315,10 @@ def write_dataset(out: str, source: CosmoflowSource | H5Source, counts: list[int
         try:
             manifest.write(tmp)
             _publish(tmp, out)
-        except OSError as exc:
+        except (OSError, DataError) as exc:
             shutil.rmtree(tmp, ignore_errors=True)
-            err = f"{out}: cannot publish the dataset ({exc})"
+            err = str(exc) if isinstance(exc, DataError) else \
+                f"{out}: cannot publish the dataset ({exc})"
     err = comm.bcast(err if rank == 0 else None, root=0)
     if err:
         raise DataError(err)

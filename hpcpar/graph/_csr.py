@@ -30,6 +30,29 @@ def check_edges(edge_index, num_nodes: int, what: str = "edge_index") -> np.ndar
     return e
 
 
+def check_csr(indptr, indices, rows: int, cols: int, what: str) -> None:
+    """A one-line :class:`DataError` unless ``(indptr, indices)`` is a CSR of ``rows x cols``:
+    ``rows + 1`` offsets rising from 0 to ``len(indices)``, column ids in ``[0, cols)``."""
+    indptr, indices = np.asarray(indptr), np.asarray(indices)
+    if indptr.shape != (rows + 1,) or not np.issubdtype(indptr.dtype, np.integer):
+        raise DataError(f"{what}: indptr has shape {indptr.shape} ({indptr.dtype}), expected "
+                        f"({rows + 1},) integers")
+    if indptr[0] != 0 or indptr[-1] != indices.shape[0] or np.any(np.diff(indptr) < 0):
+        raise DataError(f"{what}: indptr must rise from 0 to {indices.shape[0]} (the number "
+                        f"of entries) and never decrease")
+    if indices.size and (indices.min() < 0 or indices.max() >= cols):
+        raise DataError(f"{what}: a column id is outside 0..{cols - 1}")
+
+
+def check_labels(y, num_classes: int, what: str) -> None:
+    """A one-line :class:`DataError` unless every label is a class id in
+    ``[0, num_classes)``: a label outside it would index past the model's outputs."""
+    y = np.asarray(y)
+    if y.size and (y.min() < 0 or y.max() >= num_classes):
+        bad = int(y.min() if y.min() < 0 else y.max())
+        raise DataError(f"{what}: label {bad} is outside the class ids 0..{num_classes - 1}")
+
+
 def sorted_unique(a: np.ndarray) -> np.ndarray:
     """``np.unique`` by sorting (numpy 2's hash-based unique is several times slower here)."""
     a = np.sort(a)

@@ -22,7 +22,7 @@ import os
 import numpy as np
 
 from hpcpar.errors import DataError
-from hpcpar.graph._csr import check_edges, edges_to_csr, is_symmetric
+from hpcpar.graph._csr import check_csr, check_edges, check_labels, edges_to_csr, is_symmetric
 
 __all__ = ["FORMAT", "VERSION", "MASKS", "write_graph", "GraphFile", "import_npz", "bundled"]
 
@@ -52,7 +52,8 @@ def write_graph(path: str | os.PathLike, num_nodes: int, x: np.ndarray | tuple,
         num_classes: Number of classes; ``max(y) + 1`` when None.
 
     Raises:
-        DataError: An edge out of range in ``edge_index``.
+        DataError: An edge out of range in ``edge_index``, CSR features that are not a CSR of
+            ``N`` rows, or a label outside ``[0, num_classes)``.
     """
     import h5py
 
@@ -61,6 +62,12 @@ def write_graph(path: str | os.PathLike, num_nodes: int, x: np.ndarray | tuple,
     else:
         indptr, indices = (np.asarray(a, dtype=np.int64) for a in csr)
     y = np.asarray(y, dtype=np.int64)
+    if num_classes is not None:
+        check_labels(y, num_classes, f"{path}: labels")
+    elif y.size and y.min() < 0:
+        check_labels(y, int(y.max()) + 1, f"{path}: labels")
+    if isinstance(x, tuple):
+        check_csr(x[0], x[1], num_nodes, int(x[3][1]), f"{path}: CSR features")
     with h5py.File(path, "w") as f:
         f.attrs.update(format=FORMAT, version=VERSION, num_nodes=num_nodes,
                        num_edges=int(indices.shape[0]), directed=bool(directed),
@@ -171,12 +178,13 @@ class GraphFile:
         if len(shape) != 2 or shape[0] != n:
             self._fail(f"field '/features' has shape {tuple(shape)}, expected ({n}, F)")
         self.num_features = int(shape[1])
-        self._need("labels", (n,))
+        labels = self._need("labels", (n,))[()]
         for m in MASKS:
             self._need(f"masks/{m}", (n,))
         labels_max = a.get("num_classes")
         self.num_classes = int(labels_max) if labels_max is not None else \
-            int(self.f["labels"][()].max()) + 1
+            int(labels.max()) + 1 if n else 1
+        check_labels(labels, self.num_classes, f"{self.path}: /labels")
 
     # ---- reading ------------------------------------------------------------------------
     def _csr_arrays(self):
@@ -235,6 +243,8 @@ class GraphFile:
         ip = np.asarray(fs["indptr"][start:stop + 1], np.int64)
         cols = np.asarray(fs["indices"][int(ip[0]):int(ip[-1])], np.int64)
         vals = np.asarray(fs["data"][int(ip[0]):int(ip[-1])], np.float32)
+        check_csr(ip - ip[0], cols, stop - start, self.num_features,
+                  f"{self.path}: /features rows {start}..{stop - 1}")
         dense = np.zeros((stop - start, self.num_features), np.float32)
         rows = np.repeat(np.arange(stop - start), np.diff(ip))
         dense[rows, cols] = vals
@@ -255,23 +265,36 @@ def import_npz(src: str | os.PathLike, out: str | os.PathLike) -> dict:
     Raises:
         DataError: A missing or unreadable file or field.
     """
-    try:
-        d = np.load(src)
-    except FileNotFoundError:
-        raise DataError(f"{src}: no such file") from None
+    import zipfile
+
     need = ("edge_index", "x_indptr", "x_indices", "x_data", "x_shape", "y",
             "train_idx", "val_idx", "test_idx")
-    missing = [k for k in need if k not in d.files]
-    if missing:
-        raise DataError(f"{src}: missing field(s) {', '.join(missing)} "
-                        f"(expected {', '.join(need)})")
+    try:
+        with np.load(src, allow_pickle=False) as npz:
+            missing = [k for k in need if k not in npz.files]
+            if missing:
+                raise DataError(f"{src}: missing field(s) {', '.join(missing)} "
+                                f"(expected {', '.join(need)})")
+            d = {k: npz[k] for k in need}
+    except FileNotFoundError:
+        raise DataError(f"{src}: no such file") from None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        raise DataError(f"{src}: not a readable .npz (truncated or damaged: "
+                        f"{type(exc).__name__})") from None
     y = d["y"]
     n = int(y.shape[0])
     e = check_edges(d["edge_index"], n, f"{src}: edge_index")
+    shape = d["x_shape"]
+    if shape.shape != (2,) or not np.issubdtype(shape.dtype, np.integer) or shape[0] != n:
+        raise DataError(f"{src}: x_shape is {shape.tolist()}, expected [{n}, features]")
     masks = {}
     for m in MASKS:
+        idx = d[f"{m}_idx"]
+        if not np.issubdtype(idx.dtype, np.integer) or (idx.size and (
+                idx.min() < 0 or idx.max() >= n)):
+            raise DataError(f"{src}: {m}_idx holds a vertex outside 0..{n - 1}")
         mask = np.zeros(n, bool)
-        mask[d[f"{m}_idx"]] = True
+        mask[idx] = True
         masks[m] = mask
     indptr, indices = edges_to_csr(e, n)
     directed = not is_symmetric(indptr, indices, n)

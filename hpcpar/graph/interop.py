@@ -75,29 +75,78 @@ def pyg_arrays(data: Any, where: str = "PyG Data") -> dict:
     return {"num_nodes": n, "edge_index": edges, "x": x, "y": y, "masks": masks}
 
 
-def load_pyg(path: str | os.PathLike) -> Any:
-    """A PyG ``Data`` saved with ``torch.save`` (unpickled: load only files you trust).
+def _pyg_safe_globals() -> list:
+    """The classes a ``torch.save(Data)`` file pickles (empty without PyG): only these may be
+    rebuilt by the ``weights_only`` unpickler, so loading runs no code from the file."""
+    try:
+        from torch_geometric.data import Data, HeteroData
+        from torch_geometric.data.data import DataEdgeAttr, DataTensorAttr
+        from torch_geometric.data.storage import EdgeStorage, GlobalStorage, NodeStorage
+    except ImportError:
+        return []
+    return [Data, HeteroData, DataEdgeAttr, DataTensorAttr, GlobalStorage, NodeStorage,
+            EdgeStorage]
+
+
+def _refusal(path, exc: Exception) -> DataError:
+    """The one-line refusal of a pickle that needs globals beyond PyG's graph classes."""
+    from torch.serialization import get_unsafe_globals_in_checkpoint
+
+    allowed = {f"{c.__module__}.{c.__qualname__}" for c in _pyg_safe_globals()}
+    try:
+        names = [n for n in get_unsafe_globals_in_checkpoint(path) if n not in allowed]
+    except Exception:  # noqa: BLE001 - a legacy (non-zip) file: name nothing
+        names = []
+    if any(n.startswith("torch_geometric.") for n in names) and not allowed:
+        return DataError(f"{path}: needs torch_geometric to load safely (pip install "
+                         f"torch_geometric, or 'hpcpar[gnn]')")
+    what = ", ".join(names[:3]) + (" ..." if len(names) > 3 else "") if names else \
+        str(exc).strip().splitlines()[-1][:120]
+    return DataError(f"{path}: refused to unpickle {what}: a .pt file can run code when "
+                     f"loaded, and only PyG's graph classes are loaded by default; pass "
+                     f"--trust-pickle if you trust this file")
+
+
+def load_pyg(path: str | os.PathLike, trust_pickle: bool = False) -> Any:
+    """A PyG ``Data`` saved with ``torch.save``.
+
+    The file is unpickled with ``weights_only=True`` and only PyG's graph classes allowed, so
+    a file whose pickle would call anything else is refused, not run.
 
     Args:
         path: The ``.pt`` file; a saved dataset's first graph is taken.
+        trust_pickle: Unpickle anything (``weights_only=False``): may run the file's code.
 
     Returns:
         The ``Data`` object.
 
     Raises:
-        DataError: A missing file, or one that holds no graph.
+        DataError: A missing file, one that holds no graph, or one that needs classes beyond
+            PyG's graph classes without ``trust_pickle``.
     """
+    import pickle
+
     import torch
 
     if not os.path.isfile(path):
         raise DataError(f"{path}: no such file")
     try:
-        obj = torch.load(path, weights_only=False, map_location="cpu")
+        if trust_pickle:
+            obj = torch.load(path, weights_only=False, map_location="cpu")
+        else:
+            with torch.serialization.safe_globals(_pyg_safe_globals()):
+                obj = torch.load(path, weights_only=True, map_location="cpu")
     except ModuleNotFoundError as exc:
         raise DataError(f"{path}: needs the module {exc.name!r} to load (pip install "
                         f"torch_geometric, or 'hpcpar[gnn]')") from None
+    except pickle.UnpicklingError as exc:
+        if trust_pickle:
+            raise DataError(f"{path}: not a torch.save file ({exc})") from None
+        raise _refusal(path, exc) from None
     except Exception as exc:  # noqa: BLE001 - any unreadable pickle: one line
-        raise DataError(f"{path}: not a torch.save file ({type(exc).__name__}: {exc})") from None
+        raise DataError(f"{path}: not a torch.save file ({type(exc).__name__}: "
+                        f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''})") \
+            from None
     if isinstance(obj, (tuple, list)) and obj and hasattr(obj[0], "edge_index"):
         obj = obj[0]
     if not hasattr(obj, "edge_index"):
@@ -178,7 +227,8 @@ def random_masks(n: int, split: tuple[float, float], seed: int = 0) -> dict:
 def import_graph(source: str | os.PathLike, out: str | os.PathLike,
                  features: str | os.PathLike | None = None,
                  labels: str | os.PathLike | None = None,
-                 split: tuple[float, float] = (0.6, 0.2), seed: int = 0) -> dict:
+                 split: tuple[float, float] = (0.6, 0.2), seed: int = 0,
+                 trust_pickle: bool = False) -> dict:
     """Convert a saved PyG ``Data`` (``.pt``/``.pth``) or an edge list (any other text file,
     with ``features``) to a graph file.
 
@@ -190,6 +240,8 @@ def import_graph(source: str | os.PathLike, out: str | os.PathLike,
         split: Masks the source lacks (edge lists; a PyG Data without masks): random
             ``(train, val)`` fractions, the rest test.
         seed: Seed of the random split.
+        trust_pickle: PyG files only: unpickle classes beyond PyG's graph classes (may run
+            the file's code; see :func:`load_pyg`).
 
     Returns:
         A summary: vertices, edges, features, classes, direction and split sizes.
@@ -199,7 +251,7 @@ def import_graph(source: str | os.PathLike, out: str | os.PathLike,
     """
     source = str(source)
     if source.endswith((".pt", ".pth")):
-        arrays = pyg_arrays(load_pyg(source), source)
+        arrays = pyg_arrays(load_pyg(source, trust_pickle), source)
         if not any(m.any() for m in arrays["masks"].values()):
             arrays["masks"] = random_masks(arrays["num_nodes"], split, seed)
     else:

@@ -9,7 +9,9 @@ when already running under MPI.
   ``--cpus-per-task`` (Slurm >= 22.05 no longer passes it on), ``--kill-on-bad-exit`` and
   ``--mpi=pmi2`` for the pip ``mpich`` wheel (with its OFI netmod: :data:`WHEEL_SRUN_ENV`);
   extra flags from ``HPCPAR_SRUN_FLAGS``;
-* otherwise ``mpiexec -n N`` (:func:`hpcpar.launch.mpiexec.find_mpiexec`), or in-process for N = 1.
+* otherwise ``mpiexec -n N`` (:func:`hpcpar.launch.mpiexec.find_mpiexec`), or in-process for N = 1;
+  the ``mpich`` wheel's ``mpiexec`` (hydra) keeps such a local run on the loopback interface
+  (:func:`loopback_flags`).
 
 ``HPCPAR_LAUNCH=direct|srun|mpiexec`` forces a mode. Ranks read their place from
 :func:`hpcpar.parallel.placement.rank_info` and take one GPU per local rank.
@@ -21,14 +23,16 @@ import os
 import signal
 import subprocess
 import sys
+import sysconfig
 from collections.abc import Mapping, Sequence
 
 from hpcpar import _env
 from hpcpar.errors import LaunchError
 from hpcpar.parallel.placement import env_int, in_slurm_step
 
-__all__ = ["MODES", "WHEEL_SRUN_ENV", "wheel_srun_export", "mpi_world_size", "default_ranks",
-           "plan_launch", "launch_command", "run_ranks", "rank_argv"]
+__all__ = ["MODES", "WHEEL_SRUN_ENV", "LOOPBACK_ENV", "wheel_srun_export", "loopback_flags",
+           "mpi_world_size", "default_ranks", "plan_launch", "launch_command", "run_ranks",
+           "rank_argv"]
 
 MODES = ("direct", "srun", "mpiexec")
 
@@ -41,6 +45,14 @@ MODES = ("direct", "srun", "mpiexec")
 #: ``sockets`` (deprecated in libfabric) hung in ``MPI_Init`` in about 1 of 20 starts of 8
 #: ranks on 4 nodes; ``tcp`` (with ``ofi_rxm``) in none of 60. A value the user set wins.
 WHEEL_SRUN_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
+
+#: What keeps the ranks of a local run of the ``mpich`` wheel listening on 127.0.0.1 only
+#: instead of every interface: its UCX netmod (the default) and OFI's ``tcp`` provider each take
+#: the interface from these. A value the user set wins.
+LOOPBACK_ENV = {"UCX_NET_DEVICES": "lo", "FI_TCP_IFACE": "lo"}
+
+#: Variables under which hydra starts ranks on other hosts (a host file, an allocation).
+_HYDRA_REMOTE = ("HYDRA_HOST_FILE", "SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID")
 
 
 def mpi_world_size(env: Mapping[str, str] | None = None) -> int:
@@ -131,6 +143,34 @@ def wheel_srun_export(env: Mapping[str, str], flags: Sequence[str] = ()) -> list
     return ["--export=" + ",".join(["ALL", *add])]
 
 
+def loopback_flags(mpiexec: str, env: Mapping[str, str]) -> list[str]:
+    """``mpiexec`` flags that keep a local run off the network, where the MPI allows it.
+
+    Only for the ``mpich`` wheel's hydra (the ``mpiexec`` beside this Python) and only when it
+    starts every rank on this host (no host file, not in a batch allocation): ``-iface lo``
+    (hydra's proxies reach ``mpiexec`` over loopback) and :data:`LOOPBACK_ENV` for the ranks
+    through ``-genv``. Hydra's own control port still listens on every interface: MPICH 5.0
+    has no option to bind it.
+
+    Args:
+        mpiexec: The ``mpiexec`` that will start the ranks.
+        env: The launcher's environment.
+
+    Returns:
+        The flags (none for any other MPI, or a run that may span hosts).
+    """
+    beside = {os.path.abspath(d) for d in (sysconfig.get_path("scripts"),
+                                           os.path.dirname(sys.executable))}
+    if os.path.dirname(os.path.abspath(mpiexec)) not in beside or not _uses_mpich_wheel() \
+            or any(env.get(k) for k in _HYDRA_REMOTE):
+        return []
+    flags = ["-iface", "lo"]
+    for name, value in LOOPBACK_ENV.items():
+        if name not in env:
+            flags += ["-genv", name, value]
+    return flags
+
+
 def launch_command(mode: str, n: int, argv: list[str], *, cpus_per_task: int = 1,
                    gpus_per_node: int = 0, env: Mapping[str, str] | None = None) -> list[str]:
     """The full command line that starts a per-rank command on ``n`` ranks.
@@ -153,7 +193,8 @@ def launch_command(mode: str, n: int, argv: list[str], *, cpus_per_task: int = 1
     if mode == "mpiexec":
         from hpcpar.launch.mpiexec import find_mpiexec
 
-        return [find_mpiexec(), "-n", str(n), *argv]
+        mpiexec = find_mpiexec()
+        return [mpiexec, *loopback_flags(mpiexec, env), "-n", str(n), *argv]
     if mode == "srun":
         cpt = env_int(env, ["SLURM_CPUS_PER_TASK"], cpus_per_task)
         cmd = ["srun", f"--ntasks={n}", f"--cpus-per-task={cpt}", "--kill-on-bad-exit=1"]

@@ -19,7 +19,6 @@ import os
 import re
 import shlex
 import shutil
-import subprocess
 import sys
 import tomllib
 from collections.abc import Iterable, Mapping, Sequence
@@ -29,6 +28,7 @@ from pathlib import Path
 from hpcpar.errors import LaunchError
 from hpcpar.launch.sbatch import Allocation, Point, report_script, run_script, sbatch_filename
 from hpcpar.launch.site import Site, load_site
+from hpcpar.launch.slurmcmd import run_slurm
 
 __all__ = ["RECORDS", "SCRIPTS", "RECORD_VERSION", "BatchJob", "parse_after", "plan_submit",
            "sbatch", "dry_run_text", "submit", "read_records", "parse_scontrol", "run_dir_state",
@@ -246,16 +246,6 @@ def plan_submit(job_file: str | os.PathLike, out: str | os.PathLike, *,
 
 
 # -- submitting -------------------------------------------------------------------------------
-def _slurm_cmd(argv: list[str], env=None, timeout: float = 60) -> subprocess.CompletedProcess:
-    try:
-        return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout)
-    except FileNotFoundError:
-        raise LaunchError(f"{argv[0]} not found: run this on a Slurm login node "
-                          "(or use --dry-run)") from None
-    except subprocess.TimeoutExpired:
-        raise LaunchError(f"{argv[0]} did not answer within {timeout:.0f} s") from None
-
-
 def sbatch(job: BatchJob, env: Mapping[str, str] | None = None) -> str:
     """Submit one script with ``sbatch --parsable``.
 
@@ -269,7 +259,7 @@ def sbatch(job: BatchJob, env: Mapping[str, str] | None = None) -> str:
     Raises:
         LaunchError: sbatch failed (its last error line).
     """
-    proc = _slurm_cmd(job.sbatch_argv(), env)
+    proc = run_slurm(job.sbatch_argv(), env)
     if proc.returncode != 0:
         msg = proc.stderr.strip().splitlines()
         raise LaunchError(f"sbatch {job.script} failed: {msg[-1] if msg else proc.returncode}")
@@ -410,7 +400,7 @@ def _task_ids(spec: str) -> set[str]:
 
 
 def _scontrol_states(env=None) -> dict[str, dict]:
-    proc = _slurm_cmd(["scontrol", "show", "job", "--oneliner"], env)
+    proc = run_slurm(["scontrol", "show", "job", "--oneliner"], env)
     if proc.returncode != 0:
         raise LaunchError(f"scontrol show job failed: {proc.stderr.strip()}")
     states = {}
@@ -435,7 +425,7 @@ def _sacct_states(ids: list[str], env=None) -> dict[str, dict]:
     if not ids or not shutil.which("sacct"):
         return {}
     try:
-        proc = _slurm_cmd(["sacct", "-n", "-P", "-X", "-j", ",".join(ids),
+        proc = run_slurm(["sacct", "-n", "-P", "-X", "-j", ",".join(ids),
                            "-o", "JobID,State,ExitCode,Elapsed,NodeList"], env)
     except LaunchError:
         return {}

@@ -4,15 +4,25 @@ Grid of a point (:func:`point_grid`): keep the job's spatial axes (x, y, z) when
 divides N; otherwise shrink the largest spatial axis (z first on ties) by its smallest prime
 factor until it does; the data axis takes the rest. Weak scaling grows the global batch with N:
 B(N) = B0 * N / N0 (N0 the smallest count of the sweep), so the work per rank stays constant.
+
+A sweep owns its output directory while it runs (:func:`sweep_lock`: ``OUT/hpcpar.lock``, the
+run directories' lock), so a second sweep into the same ``--out`` is refused at once instead of
+overwriting the first one's logs and moving its finished runs aside.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
 
-from hpcpar.errors import ConfigError, HpcparError
+from hpcpar.errors import ConfigError, HpcparError, LaunchError
 
-__all__ = ["parse_ranks", "point_grid", "plan"]
+__all__ = ["parse_ranks", "point_grid", "plan", "SWEEP_FILE", "check_sweep_dir", "sweep_lock"]
+
+SWEEP_FILE = "sweep.json"  # the sweep's plan, written into OUT when it starts
+SUBMIT_RECORDS = "jobs.json"  # hpcpar submit's records: a sweep submitted to Slurm
 
 
 def parse_ranks(text: str, flag: str = "--ranks") -> list[int]:
@@ -28,12 +38,13 @@ def parse_ranks(text: str, flag: str = "--ranks") -> list[int]:
     Raises:
         ConfigError: Not a list of positive integers.
     """
-    try:
-        ranks = sorted({int(t) for t in str(text).split(",") if t.strip()})
-    except ValueError:
+    items = [t.strip() for t in str(text).split(",") if t.strip()]
+    # ASCII digits only (int() also takes other scripts' digits), and a sane count
+    if not items or not all(t.isascii() and t.isdigit() and len(t) <= 9 for t in items):
         raise ConfigError(f"{flag} {text!r}: expected a count such as 4 or a comma-separated "
-                          f"list such as 1,2,4") from None
-    if not ranks or ranks[0] < 1:
+                          f"list such as 1,2,4")
+    ranks = sorted({int(t) for t in items})
+    if ranks[0] < 1:
         raise ConfigError(f"{flag} {text!r}: expected positive counts such as 1,2,4")
     return ranks
 
@@ -102,3 +113,59 @@ def plan(job_path: str, ranks: list[int], weak: bool, sets: Sequence[str]) -> li
             raise ConfigError(f"sweep point {n} ranks (grid {spec}): {exc}") from None
         points.append({"ranks": n, "grid": spec, "sets": point_sets})
     return points
+
+
+def check_sweep_dir(out: Path) -> None:
+    """Refuse (read-only) an ``--out`` that is neither new, empty, nor a sweep's directory, so
+    a sweep never writes its logs and runs among a user's files.
+
+    Args:
+        out: The sweep directory.
+
+    Raises:
+        LaunchError: ``out`` is a file, or a non-empty directory without a sweep's
+            ``sweep.json``, submit records or lock.
+    """
+    from hpcpar.run.rundir import LOCK_NAME
+
+    if not out.exists():
+        if out.is_symlink():
+            raise LaunchError(f"--out {out}: a symbolic link to nothing (dangling or a loop)")
+        return
+    if not out.is_dir():
+        raise LaunchError(f"--out {out}: exists and is not a directory")
+    names = sorted(p.name for p in out.iterdir())
+    if not names or {SUBMIT_RECORDS, LOCK_NAME} & set(names):
+        return
+    try:
+        plan_doc = json.loads((out / SWEEP_FILE).read_text())
+    except (OSError, ValueError):
+        plan_doc = None
+    if not (isinstance(plan_doc, dict) and "points" in plan_doc):
+        raise LaunchError(f"--out {out}: not a sweep directory (it holds {names[0]!r}"
+                          + (f" and {len(names) - 1} more" if len(names) > 1 else "")
+                          + f" and no hpcpar {SWEEP_FILE}); choose a new or empty directory")
+
+
+@contextmanager
+def sweep_lock(out: Path, warn: Callable[[str], object] = print) -> Iterator[None]:
+    """Hold ``OUT/hpcpar.lock`` while a sweep runs (a stale one is taken over with a warning).
+
+    Args:
+        out: The sweep directory (created when missing).
+        warn: Prints the warning about a stale lock taken over.
+
+    Raises:
+        RunDirError: Another live sweep (or run) holds ``out``: one line naming its pid, host
+            and start time.
+    """
+    from hpcpar.run.rundir import RunLock
+
+    check_sweep_dir(out)
+    out.mkdir(parents=True, exist_ok=True)
+    lock = RunLock(out, warn=warn, what="sweep", option="--out")
+    lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()

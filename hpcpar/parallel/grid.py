@@ -59,6 +59,10 @@ def rank_of(coords: tuple[int, int, int, int], shape: tuple[int, int, int, int])
     return i + x * (j + y * (k + z * d))
 
 
+#: digits of one grid axis: 7 allow more ranks than any machine has
+AXIS_DIGITS = 7
+
+
 def parse_spec(spec: str) -> tuple[int, int, int, int]:
     """Parse a grid string such as ``"2x2x1x1"``.
 
@@ -70,16 +74,16 @@ def parse_spec(spec: str) -> tuple[int, int, int, int]:
         ``(data, X, Y, Z)``, not yet checked against a rank count (see ``resolve_shape``).
 
     Raises:
-        GridError: Not 1 to 4 integers.
+        GridError: Not 1 to 4 integers of ASCII digits (at most ``AXIS_DIGITS`` each) or -1.
     """
     text = str(spec).strip().lower()
     parts = re.split(r"[x×,]", text) if text else []
     if not 1 <= len(parts) <= 4:
         raise GridError(f"grid spec {spec!r}: expected DATAxXxYxZ such as 2x2x1x1")
-    try:
-        vals = [int(p) for p in parts]
-    except ValueError:
-        raise GridError(f"grid spec {spec!r}: expected integers such as 2x2x1x1") from None
+    if not all(re.fullmatch(rf"\s*(-1|[0-9]{{1,{AXIS_DIGITS}}})\s*", p) for p in parts):
+        raise GridError(f"grid spec {str(spec)[:40]!r}: expected integers such as 2x2x1x1 "
+                        f"(ASCII digits, at most {AXIS_DIGITS} per axis, or -1)")
+    vals = [int(p) for p in parts]
     vals += [1] * (4 - len(vals))
     return tuple(vals)  # type: ignore[return-value]
 

@@ -38,9 +38,9 @@ from hpcpar.errors import RunDirError
 
 __all__ = ["MANIFEST", "FORMAT_VERSION", "PREFIX", "step_dir_name", "rank_file", "full_state_dict",
            "load_full_state_dict", "local_buffers", "rng_state", "set_rng_state", "sha256_file",
-           "list_checkpoints", "verify", "save", "find_resumable", "CORRUPT_SUFFIX", "set_aside",
-           "choose_resumable", "check_optimizer", "nonfinite_entries", "check_compatible",
-           "source_rank", "load"]
+           "checkpoint_step", "list_checkpoints", "check_step", "verify", "save",
+           "find_resumable", "CORRUPT_SUFFIX", "set_aside", "choose_resumable", "rotated",
+           "check_optimizer", "nonfinite_entries", "check_compatible", "source_rank", "load"]
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -228,6 +228,24 @@ def _save(obj, path: Path) -> dict:
     return {"sha256": sha256_file(path), "bytes": path.stat().st_size}
 
 
+def checkpoint_step(path: str | os.PathLike) -> int | None:
+    """The step a checkpoint directory's name states: ``step-`` and ASCII digits, named as
+    :func:`step_dir_name` names it; None for any other name (not a checkpoint of hpcpar's).
+
+    Args:
+        path: The directory.
+
+    Returns:
+        The step, or None.
+    """
+    name = Path(path).name
+    digits = name[len(PREFIX):]
+    if not name.startswith(PREFIX) or not digits.isascii() or not digits.isdigit():
+        return None
+    step = int(digits)
+    return step if step_dir_name(step) == name else None
+
+
 def list_checkpoints(ckpt_dir: str | os.PathLike) -> list[Path]:
     """List the finished checkpoint directories, newest (highest step) first.
 
@@ -240,13 +258,71 @@ def list_checkpoints(ckpt_dir: str | os.PathLike) -> list[Path]:
     d = Path(ckpt_dir)
     if not d.is_dir():
         return []
-    found = [p for p in d.iterdir() if p.is_dir() and p.name.startswith(PREFIX)
-             and p.name[len(PREFIX):].isdigit()]
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]), reverse=True)
+    found = [p for p in d.iterdir() if p.is_dir() and checkpoint_step(p) is not None]
+    return sorted(found, key=checkpoint_step, reverse=True)
+
+
+def _check_manifest(path: Path, manifest: Any) -> dict:
+    """The manifest's fields the resume trusts, checked against the directory: a JSON object
+    whose ``step`` is the step the directory's name states, plain file names, a grid."""
+    if not isinstance(manifest, dict):
+        raise RunDirError(f"{path}: unreadable manifest (a {type(manifest).__name__}, "
+                          f"expected a JSON object)")
+    step, named = manifest.get("step"), checkpoint_step(path)
+    if type(step) is not int or step != named:
+        raise RunDirError(f"{path}: manifest step {step!r} does not match the directory name "
+                          f"(step {named}): not resumed")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not all(
+            isinstance(n, str) and n == Path(n).name and n not in ("", ".", "..")
+            and isinstance(i, dict) and type(i.get("bytes")) is int
+            and isinstance(i.get("sha256"), str) for n, i in files.items()):
+        raise RunDirError(f"{path}: unreadable manifest ('files' must map plain file names to "
+                          f"their bytes and sha256)")
+    missing = [n for n in ("model.pt", "trainer.pt", rank_file(0)) if n not in files]
+    if missing:
+        raise RunDirError(f"{path}: manifest lists no {missing[0]}")
+    try:
+        shape = _grid_shape(manifest)
+    except ValueError:
+        shape = ()
+    if len(shape) != 4 or min(shape) < 1:
+        raise RunDirError(f"{path}: manifest grid {manifest.get('grid')!r} is not a grid "
+                          f"such as 1x2x1x1")
+    return manifest
+
+
+def check_step(path: str | os.PathLike, manifest: dict, trainer_state: dict) -> int:
+    """The step to resume at, cross-checked against the saved model state: the learning-rate
+    scheduler counts one step per training step, and the loss history never runs past it.
+
+    Args:
+        path: The checkpoint directory (for the message).
+        manifest: Its (verified) manifest.
+        trainer_state: Its ``trainer.pt``.
+
+    Returns:
+        The manifest's step.
+
+    Raises:
+        RunDirError: The saved state was taken at another step (one line naming the
+            checkpoint).
+    """
+    step = manifest["step"]
+    sched = trainer_state.get("scheduler") if isinstance(trainer_state, dict) else None
+    counted = sched.get("last_epoch") if isinstance(sched, dict) else None
+    history = trainer_state.get("history", []) if isinstance(trainer_state, dict) else []
+    logged = max((h[0] for h in history if isinstance(h, (list, tuple)) and h), default=0)
+    if counted is not None and counted != step or not isinstance(logged, int) or logged > step:
+        raise RunDirError(f"{path}: manifest step {step} does not match the saved training "
+                          f"state (scheduler at step {counted}, loss logged to step {logged}): "
+                          f"restore the checkpoint or start over with --fresh")
+    return step
 
 
 def verify(path: str | os.PathLike) -> dict:
-    """Check every file of a checkpoint against its manifest's size and sha256.
+    """Check every file of a checkpoint against its manifest's size and sha256, and the
+    manifest's step against the directory's name.
 
     Args:
         path: Checkpoint directory.
@@ -255,15 +331,15 @@ def verify(path: str | os.PathLike) -> dict:
         The checkpoint's manifest.
 
     Raises:
-        RunDirError: The manifest is unreadable, or a file is missing or corrupt (the first
-            problem is named).
+        RunDirError: The manifest is unreadable or does not match the directory, or a file
+            is missing or corrupt (the first problem is named).
     """
     path = Path(path)
     try:
         manifest = json.loads((path / MANIFEST).read_text())
-        files = manifest["files"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise RunDirError(f"{path}: unreadable manifest ({exc})") from None
+    files = _check_manifest(path, manifest)["files"]
     for name, info in files.items():
         f = path / name
         if not f.is_file():
@@ -339,7 +415,7 @@ def save(ckpt_dir: str | os.PathLike, step: int, *, comm: Any, model_state: dict
                 shutil.rmtree(final)
             os.rename(tmp, final)
             _fsync_path(ckpt_dir)
-            for old in list_checkpoints(ckpt_dir)[keep:]:
+            for old in rotated(ckpt_dir, step, keep):
                 shutil.rmtree(old, ignore_errors=True)
         except OSError as exc:
             err = f"checkpoint {final} failed: {exc}"
@@ -347,6 +423,23 @@ def save(ckpt_dir: str | os.PathLike, step: int, *, comm: Any, model_state: dict
     if err:
         raise RunDirError(err)
     return final
+
+
+def rotated(ckpt_dir: str | os.PathLike, step: int, keep: int) -> list[Path]:
+    """The checkpoints to delete after writing ``step``: those beyond the newest ``keep`` at
+    or below ``step``. The one just written is never among them, nor is a directory named
+    after a later step (not written by this run: resume set it aside or it is not hpcpar's).
+
+    Args:
+        ckpt_dir: Directory holding the checkpoints.
+        step: The step just written.
+        keep: How many to keep (at least the one just written).
+
+    Returns:
+        The checkpoint directories to delete.
+    """
+    mine = [p for p in list_checkpoints(ckpt_dir) if checkpoint_step(p) <= step]
+    return mine[max(keep, 1):]
 
 
 def find_resumable(ckpt_dir: str | os.PathLike, comm: Any,
@@ -407,8 +500,10 @@ def choose_resumable(ckpt_dir: str | os.PathLike, comm: Any,
     """Collective: choose the newest valid checkpoint to resume from.
 
     Rank 0 verifies newest first. Corrupt checkpoints newer than the chosen one are renamed
-    aside (:func:`set_aside`) with one warning each. When checkpoints exist but none verifies,
-    nothing is renamed: a silent restart from step 0 would throw the run away.
+    aside (:func:`set_aside`) with one warning each; a checkpoint whose manifest step is not the
+    step its directory is named after is invalid alike (never trusted). When checkpoints exist
+    but none verifies, nothing is renamed: a silent restart from step 0 would throw the run
+    away; when only set-aside ones are left, one warning says the run starts from step 0.
 
     Args:
         ckpt_dir: Directory holding the checkpoints.
@@ -432,6 +527,12 @@ def choose_resumable(ckpt_dir: str | os.PathLike, comm: Any,
                 continue
             choice = str(path)
             break
+        aside = sorted(p.name for p in Path(ckpt_dir).glob(f"{PREFIX}*{CORRUPT_SUFFIX}*")) \
+            if not bad and choice is None and Path(ckpt_dir).is_dir() else []
+        if aside:
+            log(f"warning: {ckpt_dir}: no valid checkpoint, only ones set aside as corrupt "
+                f"({', '.join(aside[:3])}{' ...' if len(aside) > 3 else ''}): training starts "
+                f"again from step 0")
         if bad and choice is None:
             names = "; ".join(f"{p.name} ({why})" for p, why in bad)
             error = (f"{ckpt_dir}: no valid checkpoint to resume from: {names}; they are left "
@@ -511,9 +612,13 @@ def check_compatible(path: str | os.PathLike, shape: Sequence[int]) -> dict:
 
     Raises:
         RunDirError: The checkpoint was written with another spatial split.
+        ValueError: An unreadable manifest (resume skips it: :func:`choose_resumable`).
     """
-    manifest = json.loads((Path(path) / MANIFEST).read_text())
-    old = _grid_shape(manifest)
+    try:
+        manifest = json.loads((Path(path) / MANIFEST).read_text())
+        old = _grid_shape(manifest)
+    except (RecursionError, AttributeError, ValueError) as exc:   # not a JSON object/grid
+        raise ValueError(f"{path}: unreadable manifest ({type(exc).__name__})") from None
     if tuple(old[1:]) != tuple(shape[1:]):
         spec = "x".join(map(str, shape))
         raise RunDirError(f"{path}: written by grid {manifest.get('grid')}, this run is grid "
@@ -554,6 +659,10 @@ def load(path: str | os.PathLike, rank: int) -> tuple[dict, dict, dict, dict]:
 
     Returns:
         (manifest, model_state, trainer_state, rank_state) of the checkpoint.
+
+    Raises:
+        RunDirError: The manifest's step does not match the saved training state
+            (:func:`check_step`), alike on every rank.
     """
     import torch
 
@@ -563,4 +672,10 @@ def load(path: str | os.PathLike, rank: int) -> tuple[dict, dict, dict, dict]:
     def rd(name):
         return torch.load(path / name, map_location="cpu", weights_only=True)
 
-    return manifest, rd("model.pt"), rd("trainer.pt"), rd(rank_file(rank))
+    trainer = rd("trainer.pt")
+    try:
+        check_step(path, manifest, trainer)
+    except RunDirError as exc:
+        exc.collective = True      # the same files on every rank: the same error
+        raise
+    return manifest, rd("model.pt"), trainer, rd(rank_file(rank))

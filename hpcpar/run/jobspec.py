@@ -23,7 +23,7 @@ from typing import Any
 
 from hpcpar.errors import ConfigError, HpcparError
 from hpcpar.parallel.grid import AXES, resolve_shape
-from hpcpar.run.workloads.base import REQUIRED, Param
+from hpcpar.run.workloads.base import REQUIRED, SEED_MAX, Param
 
 __all__ = ["TIME_RE", "NAME_RE", "SCHEMA", "TYPE_NAMES", "Section", "JobSpec", "check_value",
            "parse_override", "load_job", "build_job", "safe_name", "load_resolved", "grid_fix",
@@ -50,7 +50,9 @@ SCHEMA: dict[str, dict[str, Param]] = {
              for a in AXES},
     "model": {"kind": _p(str, help="cosmoflow, unet3d, gcn, sage, an installed package's kind "
                                    "(entry point group hpcpar.workloads), or "
-                                   "'package.module:Workload'")},
+                                   "'package.module:Workload'"),
+              "check": _p(bool, True, help="spatialized models: compare the first step with "
+                                           "the plain model on one rank (hpcpar.nn.check)")},
     "data": {},
     "train": {
         "steps": _p(int, None, min=1, help="optimizer steps (give steps or epochs)"),
@@ -68,7 +70,7 @@ SCHEMA: dict[str, dict[str, Param]] = {
         "lr_step_every": _p(int, 1000, min=1, help="step schedule: decay period in steps"),
         "lr_gamma": _p(float, 0.1, min=0.0, max=1.0, help="step schedule: decay factor"),
         "min_lr": _p(float, 0.0, min=0.0, help="cosine schedule floor"),
-        "seed": _p(int, 0, min=0),
+        "seed": _p(int, 0, min=0, max=SEED_MAX),
         "precision": _p(str, "fp32", choices=("fp32", "bf16"), help="bf16 = autocast"),
         "channels_last": _p(bool, True, help="volume models: channels_last_3d inputs "
                             "(oneDNN's native order: the demo jobs' steps 1.4-2.6x faster)"),
@@ -78,6 +80,8 @@ SCHEMA: dict[str, dict[str, Param]] = {
                            help="non-finite loss/gradient: stop the run (exit 4) or skip the step"),
         "grad_sync": _p(str, "mpi", choices=("mpi", "nccl"),
                         help="who reduces gradient buckets: MPI, or NCCL (CUDA models)"),
+        "check_replicas_every": _p(int, 100, min=0, help="compare every replicated "
+                                   "parameter's checksum across ranks every N steps (0: never)"),
     },
     "ddp": {
         "bucket_cap_mb": _p(float, 25.0, min=0.0),
@@ -115,6 +119,9 @@ SCHEMA: dict[str, dict[str, Param]] = {
         "memory": _p(bool, False, help="profile memory allocations"),
     },
 }
+
+#: every integer of a job must fit the int64 the ranks compute with
+INT_LIMIT = 2**63 - 1
 
 PROFILE_RE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
 
@@ -339,10 +346,14 @@ def check_value(where: str, key: str, value: Any, spec: Param) -> Any:
             if isinstance(value, str) else ""
         raise ConfigError(f"{where} {key}: {value!r} is not one of {opts}{hint}")
     if isinstance(value, (int, float)) and not isinstance(value, bool):
+        shown = str(value) if len(str(value)) <= 24 else f"{str(value)[:20]}..."
         if spec.min is not None and value < spec.min:
-            raise ConfigError(f"{where} {key}: {value} is out of range (must be >= {spec.min})")
+            raise ConfigError(f"{where} {key}: {shown} is out of range (must be >= {spec.min})")
         if spec.max is not None and value > spec.max:
-            raise ConfigError(f"{where} {key}: {value} is out of range (must be <= {spec.max})")
+            raise ConfigError(f"{where} {key}: {shown} is out of range (must be <= {spec.max})")
+        if isinstance(value, int) and abs(value) > INT_LIMIT:
+            raise ConfigError(f"{where} {key}: {shown} is out of range (must fit a 64-bit "
+                              f"integer: at most {INT_LIMIT})")
     return value
 
 
@@ -385,6 +396,11 @@ def parse_override(text: str) -> tuple[str, str, Any]:
         parsed = tomllib.loads(f"v = {value.strip()}")["v"]
     except tomllib.TOMLDecodeError:
         parsed = value.strip()
+    except RecursionError:
+        raise ConfigError(f"--set {path}: the value nests too deeply") from None
+    except ValueError:        # an integer of thousands of digits
+        raise ConfigError(f"--set {path}: the value is out of range (too many digits)") \
+            from None
     return section, key, parsed
 
 
@@ -412,6 +428,10 @@ def _read_toml(path: str) -> dict:
         raise ConfigError(f"{path}: not a text file") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: invalid TOML: {str(exc).splitlines()[0]}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: invalid TOML: arrays or tables nest too deeply") from None
+    except ValueError:        # an integer of thousands of digits
+        raise ConfigError(f"{path}: invalid TOML: a number with too many digits") from None
 
 
 def load_job(path: str | os.PathLike, overrides: Sequence[str] = (),
@@ -442,7 +462,8 @@ def load_job(path: str | os.PathLike, overrides: Sequence[str] = (),
 
 
 def build_job(raw: dict, overrides: Sequence[str] = (), source: str = "<job>",
-              default_name: str = "job") -> JobSpec:
+              default_name: str = "job", untrusted: bool = False,
+              trust_kind: bool = False) -> JobSpec:
     """Validate an already parsed job mapping (``load_job`` without the file).
 
     Args:
@@ -450,6 +471,10 @@ def build_job(raw: dict, overrides: Sequence[str] = (), source: str = "<job>",
         overrides: ``"section.key=value"`` strings applied first.
         source: Where the mapping came from, for messages.
         default_name: The job name when ``[job] name`` is not set.
+        untrusted: The mapping was read from a run directory, not given by the user: its
+            ``[model] kind`` may import no code unless ``trust_kind`` (see
+            :func:`hpcpar.run.workloads.base.get_workload`).
+        trust_kind: With ``untrusted``: load a non-built-in kind from an installed package.
 
     Returns:
         The validated job.
@@ -479,9 +504,9 @@ def build_job(raw: dict, overrides: Sequence[str] = (), source: str = "<job>",
     if not isinstance(kind, str):
         raise ConfigError(f"{source}: [model] kind: expected a string, got {kind!r}")
     try:
-        factory = get_workload(kind)
+        factory = get_workload(kind, source if untrusted else None, trust_kind)
     except HpcparError as exc:
-        raise ConfigError(f"{source}: {exc}") from None
+        raise ConfigError(f"{source}: {exc}" if not untrusted else str(exc)) from None
     schemas = {name: dict(s) for name, s in SCHEMA.items()}
     schemas["model"].update(getattr(factory, "model_params", {}))
     schemas["data"].update(getattr(factory, "data_params", {}))
@@ -563,14 +588,21 @@ def _cross_checks(job: JobSpec) -> None:
                           f"01:30:00 or 1-00:00:00")
 
 
-def load_resolved(path: str | os.PathLike) -> JobSpec:
+def load_resolved(path: str | os.PathLike, untrusted: bool = False,
+                  trust_kind: bool = False) -> JobSpec:
     """Reload the ``RUN/job.json`` written by ``hpcpar run`` (validated again).
 
     Args:
         path: The ``job.json`` file.
+        untrusted: Read by a tool other than the run that wrote it (``plan --fit-on``):
+            see :func:`build_job`.
+        trust_kind: With ``untrusted``: see :func:`build_job`.
 
     Returns:
         The job.
     """
     doc = json.loads(Path(path).read_text())
+    if untrusted:
+        return build_job(doc["job"], (), source=str(path), untrusted=True,
+                         trust_kind=trust_kind)
     return build_job(doc["job"], (), source=doc.get("source", str(path)))

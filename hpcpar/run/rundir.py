@@ -12,24 +12,31 @@ compared with ``RUN/job.json`` key by key, and a difference is refused naming th
 anything in the directory changes. Keys that do not change what is computed
 (:data:`RESUME_FREE`: logging, checkpoint cadence, resources) may differ. ``--new-settings``
 resumes with the new settings anyway (a new segment; the old job.json is kept beside it), and
-``--fresh`` moves every old file into ``previous-<time>/`` (nothing is deleted) and starts over.
-A rerun of a finished run (meta.json status "ok") with the same settings changes nothing.
+``--fresh`` moves hpcpar's own files (:data:`RUN_ENTRIES`) into ``previous-<time>/`` (nothing is
+deleted; anything else in the directory stays where it is) and starts over. A rerun of a finished
+run (meta.json status "ok") with the same settings changes nothing.
+
+Only hpcpar's own directories are used: a directory that is not empty must be a run directory
+(:func:`check_run_dir`), so ``--run-dir .`` in a project folder is refused before anything in it
+changes. Sweeps lock their output directory with the same :class:`RunLock`.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from hpcpar.errors import RunDirError
 
-__all__ = ["LOCK_NAME", "RESUME_FREE", "RunLock", "settings_diff", "describe_diff",
-           "check_settings", "finished_status", "move_aside", "keep_old_settings",
-           "mark_ended", "resumed_from"]
+__all__ = ["LOCK_NAME", "RESUME_FREE", "RUN_ENTRIES", "RunLock", "is_run_dir", "check_run_dir",
+           "settings_diff", "describe_diff", "check_settings", "finished_status", "move_aside",
+           "keep_old_settings", "mark_ended", "resumed_from"]
 
 LOCK_NAME = "hpcpar.lock"
 #: job keys that may change between the segments of one run: they do not change what is
@@ -38,6 +45,70 @@ LOCK_NAME = "hpcpar.lock"
 RESUME_FREE = ("job.description", "grid.data", "train.log_every", "train.val_every",
                "checkpoint.every", "checkpoint.keep", "checkpoint.at_end", "resources.*",
                "output.dir", "data.prefetch", "data.stage_to", "data.verify")
+
+
+#: what hpcpar itself writes into a run directory (names and patterns): ``--fresh`` moves these
+#: and nothing else (the lock and earlier ``previous-*`` folders stay)
+RUN_ENTRIES = ("job.json", "job.toml", "job.next.json", "job-*.json", "job-*.toml", "meta.json",
+               "metrics.json", "steps.parquet", "steps.csv", "records", "checkpoints", "logs",
+               "profile", "tensorboard", ".*.tmp*")
+
+
+def _own(name: str) -> bool:
+    return any(fnmatch.fnmatchcase(name, pat) for pat in RUN_ENTRIES)
+
+
+def _json_dict(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _empty(p: Path) -> bool:
+    try:
+        return not any(p.iterdir()) if p.is_dir() else p.lstat().st_size == 0
+    except OSError:
+        return False
+
+
+def is_run_dir(run_dir: str | os.PathLike) -> bool:
+    """Whether hpcpar may use a directory as a run directory: empty (or holding only empty
+    entries of hpcpar's own names, e.g. a ``records/`` mount point), or marked as one by what
+    only hpcpar writes there (meta.json of schema ``hpcpar.run``, job.json holding the resolved
+    job, or the lock).
+
+    Args:
+        run_dir: An existing directory.
+
+    Returns:
+        True for an empty directory or a run directory.
+    """
+    d = Path(run_dir)
+    from hpcpar.run.records import SCHEMA_NAME
+
+    return (all(_own(p.name) and _empty(p) for p in d.iterdir()) or (d / LOCK_NAME).exists()
+            or _json_dict(d / "meta.json").get("schema") == SCHEMA_NAME
+            or isinstance(_json_dict(d / "job.json").get("job"), dict))
+
+
+def check_run_dir(run_dir: str | os.PathLike) -> None:
+    """Refuse (read-only) a directory that hpcpar did not make as a run directory.
+
+    Args:
+        run_dir: An existing directory.
+
+    Raises:
+        RunDirError: The directory is not empty and not a run directory (named, with an
+            entry of it).
+    """
+    if is_run_dir(run_dir):
+        return
+    names = sorted(p.name for p in Path(run_dir).iterdir())
+    raise RunDirError(f"--run-dir {run_dir}: not a run directory (it holds {names[0]!r}"
+                      + (f" and {len(names) - 1} more" if len(names) > 1 else "")
+                      + " and no hpcpar meta.json or job.json); choose a new or empty directory")
 
 
 # -- the lock -------------------------------------------------------------------------------
@@ -68,12 +139,22 @@ def _slurm_incarnation() -> tuple[str | None, str]:
 
 
 class RunLock:
-    """``RUN/hpcpar.lock``: :meth:`acquire` or a :class:`RunDirError`; :meth:`release`."""
+    """``DIR/hpcpar.lock``: :meth:`acquire` or a :class:`RunDirError`; :meth:`release`.
 
-    def __init__(self, run_dir, warn=print):
+    Args:
+        run_dir: The directory to lock.
+        warn: Prints the warning about a stale lock taken over.
+        what: Who holds it, named to the next one refused: ``"run"`` (a run directory) or
+            ``"sweep"`` (a sweep's ``--out``).
+        option: The option that chooses another directory, named in the refusal.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, warn: Callable[[str], object] = print,
+                 what: str = "run", option: str = "--run-dir"):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / LOCK_NAME
         self.warn = warn
+        self.what, self.option = what, option
         self.held = False
 
     def holder(self) -> dict | None:
@@ -103,9 +184,11 @@ class RunLock:
         where = holder.get("host", "?")
         other = "" if where == socket.gethostname() else \
             f" (another host: if that run is gone, delete {self.path})"
-        return RunDirError(f"{self.run_dir}: in use by another hpcpar run (pid "
-                           f"{holder.get('pid', '?')} on {where} since {holder.get('since', '?')})"
-                           f"{other}; wait for it, or use another --run-dir")
+        what = holder.get("what") if holder.get("what") in ("run", "sweep") else "run"
+        return RunDirError(f"{self.run_dir}: in use by another hpcpar "
+                           f"{what} (pid {holder.get('pid', '?')} on {where} "
+                           f"since {holder.get('since', '?')}){other}; wait for it, or use "
+                           f"another {self.option}")
 
     def check(self) -> None:
         """Read-only: raise when a live run holds the lock (a stale lock is no obstacle)."""
@@ -117,7 +200,7 @@ class RunLock:
         job, restart = _slurm_incarnation()
         me = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": _pid_start(
             os.getpid()), "since": time.strftime("%Y-%m-%dT%H:%M:%S"), "argv": sys.argv,
-            "slurm_job": job, "slurm_restart": restart}
+            "slurm_job": job, "slurm_restart": restart, "what": self.what}
         for _ in range(3):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -236,7 +319,7 @@ def _with_new_defaults(old: dict) -> dict:
     from hpcpar.run.jobspec import build_job
 
     try:
-        return build_job(old).to_dict()
+        return build_job(old, untrusted=True).to_dict()  # never import its kind's module
     except (HpcparError, TypeError, AttributeError):
         return old
 
@@ -276,21 +359,24 @@ def resumed_from(run_dir: str | os.PathLike) -> tuple[str, int] | None:
 
 
 # -- changing the directory (only after the lock is held) -----------------------------------
-def move_aside(run_dir: str | os.PathLike) -> Path | None:
-    """``--fresh``: move the old contents of a run directory into ``previous-<time>/``.
+def move_aside(run_dir: str | os.PathLike, keep=()) -> Path | None:
+    """``--fresh``: move hpcpar's own files of a run directory into ``previous-<time>/``.
 
-    Every entry except the lock and earlier ``previous-*`` folders is moved. Call only while
-    holding the lock.
+    Only the entries hpcpar writes (:data:`RUN_ENTRIES`) are moved: the lock, earlier
+    ``previous-*`` folders and anything else (a user's notes or code) stay in place. Call only
+    while holding the lock.
 
     Args:
         run_dir: The run directory.
+        keep: Paths left in place although hpcpar's (the job file being run, when it is
+            ``RUN/job.toml``).
 
     Returns:
         The ``previous-*`` folder, or None when there was nothing to move.
     """
     run_dir = Path(run_dir)
-    old = [p for p in sorted(run_dir.iterdir())
-           if p.name != LOCK_NAME and not p.name.startswith("previous-")]
+    kept = {Path(k).resolve() for k in keep}
+    old = [p for p in sorted(run_dir.iterdir()) if _own(p.name) and p.resolve() not in kept]
     if not old:
         return None
     stamp = time.strftime("%Y%m%d-%H%M%S")

@@ -122,3 +122,11 @@ def test_real_sweep_end_to_end(tmp_path, run_cli):
     for name in ("speedup", "efficiency", "breakdown", "throughput", "imbalance"):
         assert (out / "report" / f"{name}.png").stat().st_size > 15_000
     assert (out / "report" / "report.html").stat().st_size > 100_000  # plots embedded
+
+
+@pytest.mark.parametrize("text", ["١,2", "99999999999", "0,2", "2,x", ""])
+def test_rank_lists_take_ascii_counts_only(text):
+    """int() takes other scripts' digits and any length; --ranks must not."""
+    with pytest.raises(ConfigError, match="--ranks"):
+        parse_ranks(text)
+    assert parse_ranks(" 4,1,2,2") == [1, 2, 4]

@@ -144,6 +144,7 @@ def test_resume_with_another_grid_is_refused(tmp_path, capsys):
     ck = tmp_path / "run" / "checkpoints" / "step-000002"
     ck.mkdir(parents=True)
     (ck / "manifest.json").write_text(json.dumps({"grid": "1x4x1x1", "files": {}}))
+    (tmp_path / "run" / "meta.json").write_text(json.dumps({"schema": "hpcpar.run"}))
     with pytest.raises(SystemExit) as exc:
         main(["run", path, "--dry-run", "--run-dir", str(tmp_path / "run")])
     assert exc.value.code == 2

@@ -69,6 +69,10 @@ as an import path, ``[model] kind = "my_pkg.my_module:MyWorkload"`` (any importa
 ``hpcpar.workloads`` group (``[project.entry-points."hpcpar.workloads"] mykind =
 "my_pkg.my_module:MyWorkload"``). The kind string is stored in ``RUN/job.json`` as written,
 so the ranks, resumed runs, sweeps, submitted jobs and reports all resolve it the same way.
+A kind read back from a run directory by a tool that only reads it (``report --plan``,
+``plan --fit-on``) is *untrusted*: only built-in kinds and kinds this process already loaded
+resolve; any other needs ``--trust-kind`` and a module installed outside the working directory
+(:func:`get_workload`'s ``untrusted``), so opening someone's run directory runs none of its code.
 
 Checkpoints store ``hpcpar.run.checkpoint.full_state_dict(model)``: the unpartitioned
 single-process ``state_dict`` (modules exposing ``full_state_dict()`` / ``load_full_state_dict()``
@@ -91,10 +95,15 @@ if TYPE_CHECKING:
     from hpcpar.parallel.grid import ProcessGrid
     from hpcpar.run.jobspec import JobSpec
 
-__all__ = ["REQUIRED", "ENTRY_POINT_GROUP", "Param", "StepResult", "Workload",
-           "register_workload", "known_kinds", "get_workload"]
+__all__ = ["REQUIRED", "SEED_MAX", "MAX_POOLINGS", "ENTRY_POINT_GROUP", "Param", "StepResult",
+           "Workload", "register_workload", "known_kinds", "get_workload"]
 
 REQUIRED = object()
+
+#: the largest seed a job accepts: NumPy's legacy generator (``np.random.seed``) takes 32 bits
+SEED_MAX = 2**32 - 1
+#: the most poolings a volume model may have: an edge of 2**20 voxels is beyond any sample
+MAX_POOLINGS = 20
 
 
 @dataclass(frozen=True)
@@ -342,9 +351,34 @@ def _check_factory(kind: str, factory: Any, origin: str) -> Callable[..., Worklo
     return factory
 
 
-def _import_path(kind: str) -> Callable[..., Workload]:
+def _is_cwd(entry: str) -> bool:
+    import os
+
+    return os.path.realpath(entry or ".") == os.path.realpath(os.getcwd())
+
+
+def _installed_module(kind: str, module: str, origin: str) -> None:
+    """Refuse a module an untrusted kind names unless it is installed: found on ``sys.path``
+    without the working directory (a module there is whatever that folder holds)."""
+    import importlib.util
+    import sys
+
+    saved = sys.path[:]
+    sys.path[:] = [p for p in saved if not _is_cwd(p)]
+    try:
+        spec = importlib.util.find_spec(module.split(".")[0])   # a top level runs no code
+    finally:
+        sys.path[:] = saved
+    if spec is None:
+        raise ConfigError(f"{origin}: [model] kind {kind!r}: module {module.split('.')[0]!r} "
+                          f"is not installed (a module in the working directory or the run "
+                          f"directory is never imported for a run directory's kind)")
+
+
+def _import_path(kind: str, installed_only: bool = False) -> Callable[..., Workload]:
     """``"package.module:Attr"`` (``Attr`` may be dotted): import the module (also from the
-    working directory, like ``python -m``) and return the attribute."""
+    working directory, like ``python -m``, unless ``installed_only``) and return the
+    attribute."""
     import importlib
     import os
     import sys
@@ -354,6 +388,19 @@ def _import_path(kind: str) -> Callable[..., Workload]:
     if not module or not attr or not all(p.isidentifier() for p in names):
         raise ConfigError(f"[model] kind {kind!r}: expected a kind name or "
                           f"'package.module:Callable'")
+    if installed_only:
+        saved = sys.path[:]
+        sys.path[:] = [p for p in saved if not _is_cwd(p)]
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if not (exc.name and module.startswith(exc.name)):
+                raise
+            raise ConfigError(f"[model] kind {kind!r}: no installed module {exc.name!r}") \
+                from None
+        finally:
+            sys.path[:] = saved
+        return _attribute(kind, mod, attr)
     cwd = os.getcwd()
     for attempt in (0, 1):
         try:
@@ -367,6 +414,12 @@ def _import_path(kind: str) -> Callable[..., Workload]:
                                   f"(install the package, add its folder to PYTHONPATH, or run "
                                   f"from the folder that holds it)") from None
             sys.path.append(cwd)   # a module next to the job, as `python -m` would find it
+    return _attribute(kind, mod, attr)
+
+
+def _attribute(kind: str, mod: Any, attr: str) -> Callable[..., Workload]:
+    """The (dotted) attribute ``attr`` of the imported module of ``kind``."""
+    module = mod.__name__
     obj: Any = mod
     for part in attr.split("."):
         if not hasattr(obj, part):
@@ -390,12 +443,18 @@ def _from_entry_point(kind: str, ep: Any) -> Callable[..., Workload]:
     return _check_factory(kind, factory, ep.value)
 
 
-def get_workload(kind: str) -> Callable[..., Workload]:
+def get_workload(kind: str, untrusted: str | None = None,
+                 trust_kind: bool = False) -> Callable[..., Workload]:
     """The factory of a kind: registered, built-in, an installed package's entry point in the
     ``hpcpar.workloads`` group, or an import path ``"package.module:Callable"``.
 
     Args:
         kind: The ``[model] kind`` value.
+        untrusted: Where the kind was read from when that is not the user's own job (a run
+            directory's ``job.json``): then only built-in and already loaded kinds resolve,
+            unless ``trust_kind``.
+        trust_kind: With ``untrusted``: also load the kind from an installed package (never
+            from the working directory).
 
     Returns:
         The factory (normally the Workload subclass); ``model_params``/``data_params``/
@@ -403,9 +462,18 @@ def get_workload(kind: str) -> Callable[..., Workload]:
 
     Raises:
         ConfigError: An unknown kind (with a "did you mean"), a module or attribute that
-            cannot be imported, a broken entry point, or a built-in kind whose module is
-            missing from this build.
+            cannot be imported, a broken entry point, a built-in kind whose module is
+            missing from this build, or an untrusted kind that would import code.
     """
+    if untrusted is not None and kind not in _REGISTRY and kind not in _BUILTIN:
+        if not trust_kind:
+            raise ConfigError(f"{untrusted}: [model] kind {kind!r} is not built in, and hpcpar "
+                              f"imports no code a run directory names: pass --trust-kind to "
+                              f"load it from an installed package (never the working "
+                              f"directory), or plan with the job file that names it")
+        if ":" in kind:
+            _installed_module(kind, kind.partition(":")[0], untrusted)
+            _REGISTRY[kind] = _import_path(kind, installed_only=True)
     if kind in _REGISTRY:
         return _REGISTRY[kind]
     if kind in _BUILTIN:

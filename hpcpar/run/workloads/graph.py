@@ -16,8 +16,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from hpcpar.errors import ConfigError
-from hpcpar.run.workloads.base import Param, StepResult, Workload, register_workload
+from hpcpar.errors import ConfigError, DataError
+from hpcpar.run.workloads.base import SEED_MAX, Param, StepResult, Workload, register_workload
 
 if TYPE_CHECKING:
     import torch
@@ -32,7 +32,7 @@ METHODS = ("metis", "block", "random")
 
 MODEL_PARAMS = {
     "hidden": Param(int, 16, min=1, help="hidden width"),
-    "layers": Param(int, 2, min=1, help="graph convolutions"),
+    "layers": Param(int, 2, min=1, max=4096, help="graph convolutions"),
     "dropout": Param(float, 0.5, min=0.0, max=1.0, help="on the input of every layer"),
     "precompute": Param(bool, False, help="compute the first layer's A·X once"),
     "decay": Param(str, "first", choices=("first", "all"),
@@ -44,7 +44,7 @@ DATA_PARAMS = {
     "make": Param(str, "", choices=("", "cora", "synthetic"),
                   help="create `path` first if it is missing"),
     "partition": Param(str, "metis", choices=METHODS, help="vertex partitioning"),
-    "partition_seed": Param(int, 0, min=0),
+    "partition_seed": Param(int, 0, min=0, max=SEED_MAX),
     "normalize": Param(bool, True, help="row-normalise features"),
     "backend": Param(str, "auto", choices=("auto", "numba", "torch"), help="SpMM backend"),
     "nodes": Param(int, 100000, min=2, help="make = synthetic"),
@@ -52,7 +52,7 @@ DATA_PARAMS = {
     "communities": Param(int, 64, min=1, help="make = synthetic"),
     "features": Param(int, 128, min=1, help="make = synthetic"),
     "classes": Param(int, 8, min=2, help="make = synthetic"),
-    "seed": Param(int, 0, min=0, help="make = synthetic"),
+    "seed": Param(int, 0, min=0, max=SEED_MAX, help="make = synthetic"),
 }
 
 
@@ -119,6 +119,12 @@ class GraphWorkload(Workload):
         self.graph = DistGraph.from_hdf5(path, grid, method=d["partition"],
                                          seed=d["partition_seed"], row_normalize=d["normalize"],
                                          backend=d["backend"]).to(device)
+        if self.graph.num_train == 0:       # a global count: every rank raises alike
+            exc = DataError(f"{path}: no training vertex (/masks/train is all false): the "
+                            f"loss would be 0 and nothing trained; give the graph training "
+                            f"vertices (train_idx or train_mask) and import it again")
+            exc.collective = True
+            raise exc
 
     def _make(self):
         from hpcpar.models.gcn import GCN

@@ -1,0 +1,276 @@
+"""Nothing read from a run directory is trusted: a checkpoint's step is cross-checked against
+its directory name and saved state (rotation never deletes the newest valid one), and a
+recorded ``[model] kind`` imports no code (``report --plan``, ``plan --fit-on``) unless it is
+built in or installed and trusted. Real runs (``hpcpar run`` subprocesses), real files."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from torch import nn
+
+from hpcpar.errors import RunDirError
+from hpcpar.run import checkpoint as ckpt
+
+CLI = [sys.executable, "-m", "hpcpar.cli"]
+JOB = """[job]
+name = "ck"
+[grid]
+data = 1
+[model]
+kind = "cosmoflow"
+n_conv_blocks = 1
+base_filters = 2
+dense = [8]
+[data]
+source = "synthetic"
+size = 8
+channels = 1
+samples = 8
+[train]
+steps = 6
+global_batch = 2
+[checkpoint]
+every = 3
+keep = 5
+"""
+
+
+def _hpcpar(args, cwd=None, env=None):
+    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, cwd=cwd,
+                          env=env, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A finished 6-step run with checkpoints at steps 3 and 6, and its job file."""
+    root = tmp_path_factory.mktemp("base")
+    (root / "j.toml").write_text(JOB)
+    r = _hpcpar(["run", root / "j.toml", "-n", "1", "--run-dir", root / "run"])
+    assert r.returncode == 0, r.stderr
+    return root
+
+
+def _copy(finished, tmp_path) -> Path:
+    run = tmp_path / "run"
+    shutil.copytree(finished / "run", run)
+    return run
+
+
+def _one_line_error(r) -> str:
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hpcpar: error: "), r.stderr
+    return lines[0]
+
+
+def _continue(finished, run, *sets):
+    """Rerun the job to 12 steps in ``run`` (resumes from its newest valid checkpoint)."""
+    args = ["run", finished / "j.toml", "-n", "1", "--run-dir", run, "--new-settings",
+            "--set", "train.steps=12"]
+    for s in sets:
+        args += ["--set", s]
+    return _hpcpar(args)
+
+
+def _log(run) -> str:
+    return (run / "logs" / "rank-00000.log").read_text()
+
+
+def _steps(run) -> list:
+    from hpcpar.analysis import load
+
+    return load([str(run)])[1]["step"].tolist()
+
+
+def _edit_manifest(path: Path, **changes) -> None:
+    m = json.loads((path / "manifest.json").read_text())
+    (path / "manifest.json").write_text(json.dumps({**m, **changes}))
+
+
+def test_manifest_step_is_not_trusted(finished, tmp_path):
+    run = _copy(finished, tmp_path)
+    _edit_manifest(run / "checkpoints" / "step-000006", step=999)   # "done" after 6 of 12
+    r = _continue(finished, run)
+    assert r.returncode == 0, r.stderr
+    out = _log(run)
+    assert "step-000006: manifest step 999 does not match the directory name" in out
+    assert "checkpoints/step-000003 at step 3" in out
+    assert _steps(run) == list(range(12))        # every step trained, none twice
+    assert (run / "checkpoints" / "step-000006.corrupt").is_dir()   # set aside, kept
+
+
+def test_directory_named_after_a_later_step_is_neither_resumed_nor_kept_over_valid(
+        finished, tmp_path):
+    run = _copy(finished, tmp_path)
+    ck = run / "checkpoints"
+    shutil.copytree(ck / "step-000003", ck / "step-99999999999")
+    r = _continue(finished, run, "checkpoint.keep=1")
+    assert r.returncode == 0, r.stderr
+    out = _log(run)
+    assert "checkpoints/step-000006 at step 6" in out, out
+    assert _steps(run) == list(range(12))
+    assert sorted(p.name for p in ck.iterdir()) == ["step-000012",
+                                                    "step-99999999999.corrupt"]
+
+
+def test_only_corrupt_checkpoints_left_warns_and_restarts_once(finished, tmp_path):
+    run = _copy(finished, tmp_path)
+    for p in list((run / "checkpoints").iterdir()):
+        p.rename(p.with_name(p.name + ".corrupt"))
+    r = _continue(finished, run)
+    assert r.returncode == 0, r.stderr
+    warned = [line for line in _log(run).splitlines() if "set aside" in line]
+    assert len(warned) == 1 and "starts again from step 0" in warned[0], _log(run)
+    assert _steps(run) == list(range(12))
+
+
+@pytest.fixture
+def comm():
+    from mpi4py import MPI
+
+    return MPI.COMM_SELF
+
+
+def _save(comm, d, step, keep=3, last_epoch=None):
+    sched = {"last_epoch": step if last_epoch is None else last_epoch}
+    return ckpt.save(d, step, comm=comm, model_state=nn.Linear(2, 2).state_dict(),
+                     trainer_state={"scheduler": sched, "history": [[step, 0.5]]},
+                     rank_state={}, info={"grid": "1x1x1x1"}, keep=keep)
+
+
+def test_step_cross_checked_against_saved_state(tmp_path, comm):
+    path = _save(comm, tmp_path, 6)
+    renamed = path.rename(tmp_path / "step-000005")   # name and manifest agree, state does not
+    _edit_manifest(renamed, step=5)
+    ckpt.verify(renamed)
+    with pytest.raises(RunDirError, match=r"step-000005: manifest step 5 does not match the "
+                       r"saved training state \(scheduler at step 6"):
+        ckpt.load(renamed, 0)
+
+
+@pytest.mark.parametrize("manifest", ["[1, 2]", '{"step": "6"}', '{"step": true}',
+                                      "[" * 3000 + "]" * 3000])
+def test_bad_manifest_is_one_line(tmp_path, comm, manifest):
+    path = _save(comm, tmp_path, 6)
+    (path / "manifest.json").write_text(manifest)
+    with pytest.raises(RunDirError) as exc:
+        ckpt.verify(path)
+    assert str(path) in str(exc.value) and "\n" not in str(exc.value)
+    with pytest.raises(RunDirError, match="no valid checkpoint"):
+        ckpt.choose_resumable(tmp_path, comm, log=lambda m: None)
+    with pytest.raises(ValueError, match="unreadable manifest"):   # `hpcpar run`'s pre-check
+        ckpt.check_compatible(path, (1, 1, 1, 1))                   # skips it
+
+
+def test_rotation_keeps_the_step_just_written(tmp_path, comm):
+    _save(comm, tmp_path, 2)
+    shutil.copytree(tmp_path / "step-000002", tmp_path / "step-99999999999")
+    (tmp_path / "step-\u0663").mkdir()       # non-ASCII digits: not a checkpoint name
+    _save(comm, tmp_path, 4, keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000004", "step-99999999999",
+                                                          "step-\u0663"]
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step-99999999999",
+                                                                 "step-000004"]
+    logged = []
+    assert ckpt.choose_resumable(tmp_path, comm, log=logged.append).name == "step-000004"
+    assert "step-99999999999: manifest step 2 does not match" in logged[0]
+
+
+# -- numbers from files and flags ----------------------------------------------------------------
+DEEP = "[" * 3000 + "]" * 3000
+
+
+def _bounded(args, cwd):
+    """``hpcpar ARGS`` under a 2 GiB address-space limit and a 90 s timeout."""
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True, cwd=cwd,
+                          timeout=90, preexec_fn=limit)
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--set", "model.n_conv_blocks=10000000000"], "n_conv_blocks: 10000000000 is out of range"),
+    (["--set", "model.n_conv_blocks=20000"], "n_conv_blocks: 20000 is out of range"),
+    (["--set", "train.seed=18446744073709551616"], "[train] seed: 18446744073709551616 is out"),
+    (["--set", "train.seed=4294967296"], "[train] seed: 4294967296 is out of range"),
+    (["--set", "data.seed=4294967296"], "[data] seed: 4294967296 is out of range"),
+    (["--set", "train.steps=" + "9" * 5000], "--set train.steps: the value is out of range"),
+    (["--set", f"model.dense={DEEP}"], "--set model.dense: the value nests too deeply"),
+    (["--grid", "1x99999999999999999999"], "expected integers such as 2x2x1x1"),
+    (["--grid", "\uff12x1"], "expected integers such as 2x2x1x1"),
+    ("deep", "invalid TOML: arrays or tables nest too deeply"),
+])
+def test_job_numbers_are_range_checked(tmp_path, args, expected):
+    job = tmp_path / "j.toml"
+    job.write_text(JOB + (f"[output]\ncallbacks = {DEEP}\n" if args == "deep" else ""))
+    args = [] if args == "deep" else args
+    line = _one_line_error(_bounded(["run", job, "-n", "1", "--run-dir", tmp_path / "r",
+                                     *args], tmp_path))
+    assert expected in line
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("args", [["--ranks", "99999999"], ["--grid", "9999999x9999999"],
+                                  ["--grid", "99999999999999999999"]])
+def test_info_rank_table_is_bounded(tmp_path, args):
+    line = _one_line_error(_bounded(["info", *args], tmp_path))
+    assert "at most" in line
+
+
+# -- a run directory's [model] kind ---------------------------------------------------------------
+EVIL = "import pathlib\npathlib.Path({marker!r}).write_text('ran')\n"
+
+
+@pytest.fixture
+def foreign_kind(finished, tmp_path):
+    """A copy of the finished run whose records name ``evilkind:W`` and, in the working
+    directory, the module ``evilkind`` that writes a marker file when imported."""
+    run = _copy(finished, tmp_path)
+    for name in ("job.json", "meta.json"):
+        doc = json.loads((run / name).read_text())
+        doc["job"]["model"]["kind"] = "evilkind:W"
+        (run / name).write_text(json.dumps(doc))
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    marker = tmp_path / "MARKER"
+    (cwd / "evilkind.py").write_text(EVIL.format(marker=str(marker)))
+    return run, cwd, marker
+
+
+def test_report_plan_imports_no_module_a_run_names(foreign_kind, tmp_path):
+    run, cwd, marker = foreign_kind
+    for extra in ([], ["--trust-kind"]):     # trusted or not: never from the working dir
+        r = _hpcpar(["report", run, "-o", tmp_path / "rep", "--plan", "local", *extra],
+                    cwd=cwd)
+        assert r.returncode == 0, r.stderr
+        assert not marker.exists(), "report --plan imported a module named by a run"
+    table = (tmp_path / "rep" / "predicted.csv")
+    text = table.read_text() if table.exists() else (tmp_path / "rep" / "report.md").read_text()
+    assert "is not installed" in text
+
+
+def test_plan_fit_on_imports_no_module_a_run_names(foreign_kind, finished):
+    run, cwd, marker = foreign_kind
+    plan = ["plan", finished / "j.toml", "-n", "1", "--fit-on", run]
+    line = _one_line_error(_hpcpar(plan, cwd=cwd))
+    assert "'evilkind:W' is not built in" in line and "--trust-kind" in line
+    line = _one_line_error(_hpcpar([*plan, "--trust-kind"], cwd=cwd))
+    assert "module 'evilkind' is not installed" in line
+    assert not marker.exists(), "plan --fit-on imported a module named by a run"
+    # an installed module named by import path loads once trusted
+    for name in ("job.json", "meta.json"):
+        doc = json.loads((run / name).read_text())
+        doc["job"]["model"]["kind"] = "hpcpar.run.workloads.volume:CosmoFlowWorkload"
+        (run / name).write_text(json.dumps(doc))
+    assert "is not built in" in _one_line_error(_hpcpar(plan, cwd=cwd))
+    r = _hpcpar([*plan, "--trust-kind"], cwd=cwd)
+    assert r.returncode == 0 and "fitted on 1 run" in r.stdout, r.stderr
