@@ -18,6 +18,12 @@ _LAZY = {
     "SpatialAdaptiveAvgPool3d": "hpcpar.nn.gather",
     "SpatialGather": "hpcpar.nn.gather",
     "spatialize": "hpcpar.nn.spatializer",
+    "SplitTensor": "hpcpar.nn.split",
+    "local": "hpcpar.nn.split",
+    "is_split": "hpcpar.nn.split",
+    "split_like": "hpcpar.nn.split",
+    "global_reduce": "hpcpar.nn.reduce",
+    "spatial_dropout": "hpcpar.nn.dropout",
     # tensor parallelism
     "TensorParallelLinear": "hpcpar.nn.tensor_parallel",
     "tensor_parallelize": "hpcpar.nn.tensor_parallel",

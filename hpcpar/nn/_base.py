@@ -46,6 +46,7 @@ class SpatialPlan:
     halos: tuple[AxisHalo, AxisHalo, AxisHalo]  # this rank's, x/y/z
     halo: HaloPlan
     extra: Any = None
+    out_shape: tuple[int, int, int] = ()  # the output's global spatial shape
 
 
 class SpatialModule:
@@ -73,9 +74,11 @@ class SpatialModule:
         return None
 
     # -- planning -------------------------------------------------------------------------
-    def spatial_plan(self, x) -> SpatialPlan:
-        """Plan for input ``x`` (collective over the spatial group; cached by global shape)."""
-        shape = global_spatial_shape(x, self.grid, what=self.layer_name)
+    def spatial_plan(self, x, gshape: tuple[int, int, int] | None = None) -> SpatialPlan:
+        """Plan for input ``x`` (cached by global shape). Collective over the spatial group
+        unless the caller knows the global shape (``gshape``: a split tensor carries it)."""
+        shape = global_spatial_shape(x, self.grid, what=self.layer_name) if gshape is None \
+            else tuple(gshape)
         entry = self._spatial_plans.get(shape)
         if entry is None:
             entry = self._spatial_plans[shape] = self._build_plan(shape)
@@ -89,7 +92,8 @@ class SpatialModule:
             per_axis.append(list(self.axis_halos(a, shape[a])))
         halo = HaloPlan.from_halos(self.grid, per_axis, self.layer_name)
         mine = tuple(per_axis[a][self.grid.spatial_coords[a]] for a in range(3))
-        return SpatialPlan(shape, mine, halo, self.make_extra(shape, mine))
+        out = tuple(per_axis[a][0].n_out for a in range(3))
+        return SpatialPlan(shape, mine, halo, self.make_extra(shape, mine), out)
 
     def __deepcopy__(self, memo):
         memo[id(self.grid)] = self.grid

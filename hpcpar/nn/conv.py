@@ -206,12 +206,16 @@ class SpatialConv3d(SpatialModule, nn.Conv3d):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Convolve this rank's piece ``(N, C, d, h, w)``; returns its piece of the output."""
-        entry = self.spatial_plan(x)
+        return self.spatial_forward(x, self.weight, self.bias)
+
+    def spatial_forward(self, x, weight, bias, gshape=None) -> torch.Tensor:
+        """The forward with given parameters (``F.conv3d`` on a split tensor comes here)."""
+        entry = self.spatial_plan(x, gshape)
         spec = entry.extra.boundary
         if spec is not None and not torch.is_autocast_enabled(x.device.type) and \
                 (x.device.type != "cpu" or spec.fast(x.shape[0])):
-            return boundary_conv(x, self.weight, self.bias, spec)
-        return halo_stencil(x, entry.halo, entry.extra, self.weight, self.bias)
+            return boundary_conv(x, weight, bias, spec)
+        return halo_stencil(x, entry.halo, entry.extra, weight, bias)
 
 
 class ConvTransposeOp(StencilOp):
@@ -315,5 +319,9 @@ class SpatialConvTranspose3d(SpatialModule, nn.ConvTranspose3d):
         if output_size is not None:
             raise LayerError(f"{self.layer_name}: output_size= is not supported; set "
                              f"output_padding in the constructor")
-        entry = self.spatial_plan(x)
-        return halo_stencil(x, entry.halo, entry.extra, self.weight, self.bias)
+        return self.spatial_forward(x, self.weight, self.bias)
+
+    def spatial_forward(self, x, weight, bias, gshape=None) -> torch.Tensor:
+        """The forward with given parameters (``F.conv_transpose3d`` on a split tensor)."""
+        entry = self.spatial_plan(x, gshape)
+        return halo_stencil(x, entry.halo, entry.extra, weight, bias)

@@ -14,12 +14,15 @@ over the spatial group. Random layers there must draw the same numbers on every 
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 
 from hpcpar.errors import LayerError
 from hpcpar.parallel.comm import allreduce_
 from hpcpar.parallel.grid import ProcessGrid
+from hpcpar.parallel.partition import box
 from hpcpar.parallel.spatial import allgather_volume
 
 from ._base import SpatialModule
@@ -86,6 +89,42 @@ class _GlobalMean(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return (grad / ctx.count).expand(ctx.shape).contiguous(), None
+
+
+class _GlobalMax(torch.autograd.Function):
+    """The max over the whole volume, replicated (allreduce max); backward: the replicated
+    gradient goes to ONE voxel, on its owner: the first maximum in global (d, h, w) order,
+    the one torch's ``adaptive_max_pool3d(x, 1)`` picks (a second allreduce, min of global
+    indices, settles ties between ranks)."""
+
+    @staticmethod
+    def forward(ctx, x, grid, gshape):
+        lead, local = x.shape[:-3], x.shape[-3:]
+        flat = x.detach().reshape(*lead, -1)
+        if flat.shape[-1]:
+            value, index = flat.max(dim=-1)            # this piece's first maximum
+        else:                                          # an empty piece holds no candidate
+            value = flat.new_full(lead, float("-inf"))
+            index = torch.zeros(lead, dtype=torch.long, device=x.device)
+        origin = box(gshape, grid.spatial_shape, grid.spatial_coords)
+        at = torch.zeros_like(index)
+        for a in range(3):  # this piece's flat index -> global (d, h, w) -> global flat index
+            step = math.prod(local[a + 1:])
+            at = at * gshape[a] + (index // step) % local[a] + origin[a][0]
+        best = allreduce_(value.clone(), grid.spatial_comm, "max")
+        first = torch.where(value == best, at, torch.full_like(at, math.prod(gshape)))
+        winner = allreduce_(first.clone(), grid.spatial_comm, "min")
+        ctx.save_for_backward(index, winner == first)
+        ctx.shape = x.shape
+        return best.view(*lead, 1, 1, 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        index, mine = ctx.saved_tensors
+        g = grad.reshape(index.shape) * mine
+        out = grad.new_zeros((*index.shape, math.prod(ctx.shape[-3:])))
+        out.scatter_(-1, index.unsqueeze(-1), g.unsqueeze(-1))
+        return out.view(ctx.shape), None, None
 
 
 class SpatialAdaptiveAvgPool3d(SpatialModule, nn.AdaptiveAvgPool3d):

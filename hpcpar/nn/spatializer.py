@@ -1,39 +1,46 @@
-"""``spatialize(model, grid)``: a copy of a plain torch model that runs spatially partitioned.
+"""``spatialize(model, grid)``: a copy of a plain torch model that runs spatially split, exactly.
 
-The copy's supported layers are replaced by their spatial twins, which take over the copy's
-own Parameter and buffer objects (so state_dict keys, tags and optimiser bindings carry
-over). The walk follows the modules in registration order and tracks whether the tensor is
-still *partitioned* or already *replicated* (after a global pool or a gather point):
+Conversion follows dataflow, not registration order. The copy keeps its own modules; what
+changes is what its ``forward`` sees: every 5D tensor argument is taken as this rank's piece
+of the global ``(N, C, D, H, W)`` volume and marked split
+(:class:`~hpcpar.nn.split.SplitTensor`), and while ``forward`` runs a ``TorchFunctionMode``
+sees every torch call. Each call on a split tensor — from a module's ``forward``, a functional
+call or a tensor method, in whatever order the user's code makes them — is run by its rule in
+:mod:`hpcpar.nn.optable`: locally, by an exact spatial twin (halo exchange, global statistics,
+global reductions), or refused with one line naming the op and the user's source line.
 
-* partitioned: Conv3d, ConvTranspose3d, MaxPool3d, AvgPool3d, BatchNorm3d, Upsample,
-  AdaptiveAvgPool3d(1) and modules with a ``spatial_twin(grid)`` method (``GatherPoint``,
-  ``MatchSize``) are swapped; pointwise layers stay; ``Dropout2d/3d`` get rank-consistent
-  channel masks; anything else (Flatten, Linear, ...) is an error naming the layer.
-* replicated: layers stay as they are, their parameters are tagged data-only (their
-  gradients are complete on every spatial rank) and dropout masks are made identical on
-  every spatial rank.
+Which parameters are replicated over the spatial group is learned from the same dataflow:
+after each ``forward``, a parameter used only on replicated tensors (a head after a global
+pool, a gate computed from a global mean) is tagged data-only (its gradient is complete on
+every rank); one used on split tensors keeps the default (partial gradients, summed by the
+sync). :class:`hpcpar.DDP` re-plans its buckets when the tags change. A parameter used both
+ways is refused.
 
-Containers (``nn.Sequential``, ``ModuleList``, custom modules) are walked recursively; a
-custom ``forward`` must call its children in registration order, or contain no state change
-at all (U-Net: every op is spatial, so every layer swaps).
+Modules that carry ``spatial_twin(grid)`` (``GatherPoint``, ``MatchSize``) are replaced by
+their twin; hpcpar's own spatial layers inside a model take this rank's piece as before.
 """
 
 from __future__ import annotations
 
 import copy
 
+import torch
 import torch.nn as nn
 
+from hpcpar.errors import LayerError
 from hpcpar.parallel.grid import ProcessGrid
-from hpcpar.sync.tags import tag_data_only
+from hpcpar.parallel.halo import global_spatial_shape
+from hpcpar.sync.tags import DATA_ONLY, REDUCE_ATTR, TAGS_VERSION, tag_data_only
 
-from ..errors import HpcparError, LayerError
-from .gather import GatherPoint, ReplicatedDropout
+from ._base import SpatialModule
+from .dispatch import SpatialMode
+from .split import Layout, SplitContext, SplitTensor, unwrap, wrap
 
-__all__ = ["spatialize", "POINTWISE"]
+__all__ = ["spatialize", "POINTWISE", "TAGS_VERSION"]
 
-PARTITIONED, REPLICATED = "partitioned", "replicated"
+_CTX = "_hpcpar_split"
 
+#: Pointwise modules (kept for callers that list them; the dispatch needs no list).
 POINTWISE = (
     nn.Identity, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.RReLU, nn.ELU, nn.CELU, nn.SELU,
     nn.GELU, nn.SiLU, nn.Mish, nn.Sigmoid, nn.Tanh, nn.Hardtanh, nn.Hardsigmoid, nn.Hardswish,
@@ -42,155 +49,164 @@ POINTWISE = (
 )
 
 
-def _attrs(*names):
-    return lambda m: {n: getattr(m, n) for n in names}
+class _Context(SplitContext):
+    """The model's split context; a deep copy of the model gets a fresh one (same grid)."""
+
+    def __init__(self, grid, bn_include_data, plain=None):
+        super().__init__(grid, bn_include_data)
+        self.plain = plain      # the plain model, kept until the first-step check ran
+        self.mode = None
+        self.depth = 0          # nesting of spatialized forwards (only the outermost acts)
+        self.suspended = 0      # inside hpcpar's own spatial layers: no dispatch
+
+    def __deepcopy__(self, memo):
+        new = memo[id(self)] = _Context(self.grid, self.bn_include_data)
+        return new
 
 
-def _twins():
-    """torch class -> (spatial class, constructor kwargs from an instance)."""
-    from .conv import SpatialConv3d, SpatialConvTranspose3d
-    from .norm import SpatialBatchNorm3d
-    from .pool import SpatialAvgPool3d, SpatialMaxPool3d
-    from .upsample import SpatialUpsample
-
-    conv = ("in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation",
-            "groups", "padding_mode")
-    return {
-        nn.Conv3d: (SpatialConv3d, lambda m: {**_attrs(*conv)(m), "bias": m.bias is not None}),
-        nn.ConvTranspose3d: (SpatialConvTranspose3d, lambda m: {
-            **_attrs(*conv, "output_padding")(m), "bias": m.bias is not None}),
-        nn.MaxPool3d: (SpatialMaxPool3d, _attrs("kernel_size", "stride", "padding", "dilation",
-                                                "return_indices", "ceil_mode")),
-        nn.AvgPool3d: (SpatialAvgPool3d, _attrs("kernel_size", "stride", "padding", "ceil_mode",
-                                                "count_include_pad", "divisor_override")),
-        nn.BatchNorm3d: (SpatialBatchNorm3d, _attrs("num_features", "eps", "momentum",
-                                                    "affine", "track_running_stats")),
-        nn.Upsample: (SpatialUpsample, _attrs("size", "scale_factor", "mode", "align_corners",
-                                              "recompute_scale_factor")),
-    }
+class _Mode(SpatialMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.ctx.suspended:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_function__(func, types, args, kwargs)
 
 
-def _adopt(twin: nn.Module, plain: nn.Module) -> nn.Module:
-    """Make ``twin`` use ``plain``'s Parameter/buffer objects and training mode."""
-    for name, p in plain._parameters.items():
-        twin._parameters[name] = p
-    for name, b in plain._buffers.items():
-        twin._buffers[name] = b
-    twin.train(plain.training)
-    return twin
+def _split_inputs(ctx, values):
+    """Every 5D floating tensor argument: this rank's piece, marked split (collective)."""
+    def one(v):
+        if isinstance(v, torch.Tensor) and not isinstance(v, SplitTensor) and v.dim() == 5 \
+                and v.is_floating_point():
+            gshape = global_spatial_shape(v, ctx.grid, "spatialized model input")
+            return wrap(v, Layout(ctx, (2, 3, 4), gshape))
+        return v
+    return [one(v) for v in values]
 
 
-def _is_spatial(m: nn.Module) -> bool:
-    from ._base import SpatialModule
+def _enter(module, args, kwargs):
+    ctx = getattr(module, _CTX)
+    ctx.depth += 1
+    if ctx.depth > 1:
+        return None
+    if ctx.plain is not None:
+        from .check import first_step_check
 
-    return isinstance(m, SpatialModule)
+        plain, ctx.plain = ctx.plain, None
+        try:
+            first_step_check(module, plain, args, ctx)
+        except BaseException:
+            ctx.depth -= 1
+            raise
+    ctx.spatial_params.clear()
+    ctx.replicated_params.clear()
+    args = tuple(_split_inputs(ctx, args))
+    kwargs = dict(zip(kwargs, _split_inputs(ctx, kwargs.values())))
+    ctx.mode = _Mode(ctx)
+    ctx.mode.__enter__()
+    return args, kwargs
 
 
-def _cannot(qual: str, m: nn.Module, why: str) -> LayerError:
-    return LayerError(
-        f"spatialize: layer '{qual or '<model>'}' ({type(m).__name__}) {why}; its input is "
-        "still split over the spatial grid: put a global pool (nn.AdaptiveAvgPool3d(1)) or a "
-        "gather point (hpcpar.nn.gather.GatherPoint in the plain model, or "
-        "hpcpar.nn.SpatialGather) before it")
+def _leave(module, args, kwargs, output):
+    ctx = getattr(module, _CTX)
+    ctx.depth -= 1
+    if ctx.depth > 0:
+        return None
+    mode, ctx.mode = ctx.mode, None
+    if mode is not None:
+        mode.__exit__(None, None, None)
+    if output is not None:
+        _retag(module, ctx)
+    return None
 
 
-class _Walker:
-    def __init__(self, grid, bn_include_data: bool):
-        self.grid = grid
-        self.bn_include_data = bn_include_data
-        self.twins = _twins()
-
-    def children(self, module: nn.Module, state: str, prefix: str) -> str:
-        for name, child in list(module.named_children()):
-            qual = f"{prefix}.{name}" if prefix else name
-            new, state = self.one(child, state, qual)
-            if new is not child:
-                module._modules[name] = new
-        return state
-
-    def one(self, m: nn.Module, state: str, qual: str):
-        if state == REPLICATED:
-            return self.replicated(m), REPLICATED
-        if _is_spatial(m):
-            return m, REPLICATED if getattr(m, "replicates", False) else state
-        if hasattr(m, "spatial_twin"):
-            twin = _adopt(m.spatial_twin(self.grid), m)
-            return twin, REPLICATED if getattr(twin, "replicates", False) else state
-        for base, (cls, kwargs) in self.twins.items():
-            if isinstance(m, base):
-                if type(m).forward is not base.forward:
-                    raise _cannot(qual, m, f"is a {base.__name__} with its own forward")
-                extra = {"include_data": self.bn_include_data} if base is nn.BatchNorm3d else {}
-                try:
-                    twin = cls(**kwargs(m), grid=self.grid, **extra)
-                except HpcparError as exc:
-                    raise LayerError(
-                        f"spatialize: layer '{qual or '<model>'}': {exc}") from exc
-                return _adopt(twin, m), state
-        if isinstance(m, nn.AdaptiveAvgPool3d):
-            return self.global_pool(m, qual), REPLICATED
-        if isinstance(m, (nn.Dropout2d, nn.Dropout3d)):
-            return ReplicatedDropout(m.p, grid=self.grid, feature=True, inplace=m.inplace), state
-        if isinstance(m, (nn.Softmax, nn.LogSoftmax, nn.Softmin)) and m.dim in (1, -4):
-            return m, state
-        if isinstance(m, POINTWISE):
-            return m, state
-        if len(m._modules):
-            if m._parameters and any(p is not None for p in m._parameters.values()):
-                raise _cannot(qual, m, "has parameters of its own next to its sub-layers")
-            return m, self.children(m, state, qual)
-        raise _cannot(qual, m, "needs the whole volume")
-
-    def global_pool(self, m: nn.AdaptiveAvgPool3d, qual: str):
-        from .gather import SpatialAdaptiveAvgPool3d
-
-        size = m.output_size
-        sizes = tuple(size) if isinstance(size, (tuple, list)) else (size,) * 3
-        if sizes != (1, 1, 1):
-            raise _cannot(qual, m, f"has output size {size!r} (only 1, a global pool, is "
-                                   "spatial)")
-        return _adopt(SpatialAdaptiveAvgPool3d(1, grid=self.grid), m)
-
-    def replicated(self, m: nn.Module) -> nn.Module:
-        """Layers after the gather: same data on every spatial rank, data-only gradients."""
-        if isinstance(m, GatherPoint):
-            return nn.Identity()
-        if isinstance(m, (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)):
-            feature = not isinstance(m, nn.Dropout)
-            return ReplicatedDropout(m.p, grid=self.grid, feature=feature, inplace=m.inplace)
-        for p in m.parameters(recurse=False):
+def _retag(model: nn.Module, ctx) -> None:
+    """Tags from what this forward did (module docstring); bump the version on a change."""
+    changed = False
+    for name, p in model.named_parameters():
+        spatial, replicated = id(p) in ctx.spatial_params, id(p) in ctx.replicated_params
+        if spatial and replicated:
+            raise LayerError(f"spatialize: parameter '{name}' is used both on split tensors "
+                             "and on replicated ones; its gradient would mix partial and "
+                             "complete parts: use separate parameters")
+        was = getattr(p, REDUCE_ATTR, None) == DATA_ONLY
+        if replicated and not was:
             tag_data_only(p)
-        for name, child in list(m.named_children()):
-            new = self.replicated(child)
-            if new is not child:
-                m._modules[name] = new
-        return m
+            changed = True
+        elif spatial and was:
+            delattr(p, REDUCE_ATTR)
+            changed = True
+    if changed:
+        setattr(model, TAGS_VERSION, getattr(model, TAGS_VERSION, 0) + 1)
+
+
+def _layer_enter(module, args, kwargs):
+    """hpcpar's own spatial layers take plain pieces: unwrap, and run them undispatched."""
+    root = getattr(module, "_hpcpar_root_ctx", None)
+    if root is None or root.depth == 0:
+        return None
+    root.suspended += 1
+    for p in module.parameters(recurse=False):
+        root.spatial_params.add(id(p))
+    return tuple(unwrap(a) for a in args), {k: unwrap(v) for k, v in kwargs.items()}
+
+
+def _layer_leave(module, args, kwargs, output):
+    root = getattr(module, "_hpcpar_root_ctx", None)
+    if root is None or root.depth == 0 or root.suspended == 0:
+        return None
+    root.suspended -= 1
+    if output is None or getattr(module, "replicates", False) or root.suspended:
+        return None
+    if isinstance(output, torch.Tensor) and output.dim() == 5:
+        gshape = global_spatial_shape(output, root.grid, module.layer_name)
+        return wrap(output, Layout(root, (2, 3, 4), gshape))
+    return None
+
+
+def _swap_twins(module: nn.Module, grid) -> nn.Module:
+    """Replace modules that name their spatial twin (``spatial_twin(grid)``)."""
+    if hasattr(module, "spatial_twin") and not isinstance(module, SpatialModule):
+        twin = module.spatial_twin(grid)
+        for name, p in module._parameters.items():
+            twin._parameters[name] = p
+        for name, b in module._buffers.items():
+            twin._buffers[name] = b
+        twin.train(module.training)
+        return twin
+    for name, child in list(module.named_children()):
+        new = _swap_twins(child, grid)
+        if new is not child:
+            module._modules[name] = new
+    return module
 
 
 def spatialize(model: nn.Module, grid: ProcessGrid, *,
-               bn_include_data: bool = False) -> nn.Module:
+               bn_include_data: bool = False, check: bool = False) -> nn.Module:
     """Make a copy of a plain torch model that runs on each rank's piece of the volume.
 
-    Walks the model in registration order: ``Conv3d``, ``ConvTranspose3d``, ``MaxPool3d``,
-    ``AvgPool3d``, ``BatchNorm3d``, ``Upsample`` and ``AdaptiveAvgPool3d(1)`` become their
-    spatial twins (sharing the copy's parameters); pointwise layers stay; a module with a
-    ``spatial_twin(grid)`` method is replaced by what it returns. Layers after a gather point
-    or a global pool run replicated and their parameters are tagged data-only. The result
-    equals the plain model on the whole volume (outputs, and gradients once summed over the
-    spatial group).
+    The copy's ``forward`` takes every 5D tensor argument as this rank's piece of the global
+    ``(N, C, D, H, W)`` tensor; each torch call its code makes on split data (modules,
+    functional calls, tensor methods, in dataflow order) runs exactly or is refused with one
+    line naming the op and your source line (module docstring). Outputs that are still split
+    come back as :class:`~hpcpar.nn.split.SplitTensor`: ``.shape`` is the global shape, and a
+    mean or sum loss on them (``F.mse_loss``, ``F.cross_entropy``, ...) is the single-process
+    loss on every rank. ``hpcpar.nn.local(t)`` gives this rank's piece as a plain tensor.
 
     Args:
         model: The plain model; it is deep-copied, not modified.
         grid: The process grid whose x, y, z axes split every sample's volume.
         bn_include_data: Batch-norm statistics also cover the data group (what one
             BatchNorm on the whole global batch computes).
+        check: On the first forward, compare a probe (the first sample) module by module
+            and gradient by gradient with the plain model on one rank
+            (:mod:`hpcpar.nn.check`): catches whatever escapes the dispatch.
 
     Returns:
-        The spatialized copy.
+        The spatialized copy (same modules, parameters and ``state_dict`` keys).
 
     Raises:
-        LayerError: A layer needs the whole volume while its input is still split (the
-            message names it and says where to put a gather point or global pool).
+        LayerError: At forward, an op with no exact split form (the message names it, your
+            source line and what to do); with ``check``, the first module whose output or
+            gradient differs from the plain model's.
 
     Example:
         ```python
@@ -198,7 +214,15 @@ def spatialize(model: nn.Module, grid: ProcessGrid, *,
         y = model(spatial.scatter(cube, grid))
         ```
     """
-    model = copy.deepcopy(model)
-    walker = _Walker(grid, bn_include_data)
-    new, _ = walker.one(model, PARTITIONED, "")
-    return new
+    plain = copy.deepcopy(model) if check else None
+    model = _swap_twins(copy.deepcopy(model), grid)
+    ctx = _Context(grid, bn_include_data, plain)
+    setattr(model, _CTX, ctx)
+    model.register_forward_pre_hook(_enter, with_kwargs=True)
+    model.register_forward_hook(_leave, with_kwargs=True, always_call=True)
+    for m in model.modules():
+        if isinstance(m, SpatialModule):
+            m._hpcpar_root_ctx = ctx
+            m.register_forward_pre_hook(_layer_enter, with_kwargs=True)
+            m.register_forward_hook(_layer_leave, with_kwargs=True, always_call=True)
+    return model

@@ -3,14 +3,11 @@ pad-or-crop used to line up U-Net skips (``MatchSize`` / ``SpatialMatchSize``).
 
 Both work per axis in global coordinates. The global output length M is split with the
 partition rule; the output items a rank owns read a contiguous global input range, which the
-halo exchange brings in (negative halo = trim). Which input an output reads is asked from
-torch itself (a 1D interpolation of ``arange(N)`` in float64), so index rounding, scale
-handling and ``recompute_scale_factor`` are torch's own, exactly.
+halo exchange brings in (negative halo = trim). ``SpatialUpsample`` is the module form of
+:func:`hpcpar.nn.resample.interpolate` (the geometry, plan and local op live there).
 """
 
 from __future__ import annotations
-
-from functools import lru_cache
 
 import torch
 import torch.nn as nn
@@ -21,40 +18,9 @@ from hpcpar.parallel.grid import ProcessGrid
 from hpcpar.parallel.partition import axis_halo
 
 from ._base import SpatialModule
+from .resample import Interpolation, per_axis, resample_piece
 
 __all__ = ["SpatialUpsample", "MatchSize", "SpatialMatchSize"]
-
-_MODES = ("nearest", "trilinear")
-
-
-def _per_axis(value, what):
-    if value is None:
-        return (None,) * 3
-    if isinstance(value, (tuple, list)):
-        if len(value) != 3:
-            raise LayerError(f"SpatialUpsample: {what} {value!r} must have 3 entries")
-        return tuple(value)
-    return (value,) * 3
-
-
-@lru_cache(maxsize=256)
-def _axis_map(n: int, size, scale, mode: str, align_corners, recompute):
-    """(M, i0, i1, w1) for one axis of input length n: output o = (1-w1)·x[i0] + w1·x[i1]
-    (nearest: w1 = 0, i1 = i0)."""
-    probe = torch.arange(n, dtype=torch.float64).view(1, 1, n)
-    linear = mode != "nearest"
-    src = F.interpolate(probe, size=size, scale_factor=scale,
-                        mode="linear" if linear else "nearest",
-                        align_corners=align_corners if linear else None,
-                        recompute_scale_factor=recompute).view(-1)
-    if not linear:
-        i0 = src.round().long()
-        return src.numel(), i0, i0, None
-    i0 = src.floor().long().clamp_(0, n - 1)
-    w1 = (src - i0).clamp_(0.0, 1.0)
-    i1 = (i0 + 1).clamp_(max=n - 1)
-    return src.numel(), i0, i1, w1
-
 
 def _exchange(x, plan):
     from hpcpar.parallel.halo import halo_exchange
@@ -62,15 +28,19 @@ def _exchange(x, plan):
     return halo_exchange(x, plan.grid, plan)
 
 
+_MODES = ("nearest", "nearest-exact", "trilinear")
+
+
 class SpatialUpsample(SpatialModule, nn.Upsample):
-    """``nn.Upsample`` on a volume partitioned over the grid: nearest, or trilinear with
-    ``align_corners`` True or False, by ``size`` (global) or ``scale_factor``. Exact vs torch
-    on the whole volume; the output is split with the partition rule of its global length.
+    """``nn.Upsample`` on a volume partitioned over the grid: nearest, nearest-exact, or
+    trilinear with ``align_corners`` True or False, by ``size`` (global) or ``scale_factor``
+    (non-integer too). Exact vs torch on the whole volume; the output is split with the
+    partition rule of its global length.
 
     Args:
         size: Global output size (int or 3 ints), as ``nn.Upsample``.
         scale_factor: As ``nn.Upsample``.
-        mode: ``"nearest"`` or ``"trilinear"``.
+        mode: ``"nearest"``, ``"nearest-exact"`` or ``"trilinear"``.
         align_corners: As ``nn.Upsample`` (trilinear only).
         recompute_scale_factor: As ``nn.Upsample``.
         grid: The process grid whose x, y, z axes split the volume.
@@ -87,51 +57,28 @@ class SpatialUpsample(SpatialModule, nn.Upsample):
                              recompute_scale_factor)
         if mode not in _MODES:
             raise LayerError(f"SpatialUpsample: mode {mode!r} is not supported "
-                             "(nearest or trilinear)")
+                             f"({', '.join(_MODES)})")
+        for what, value in (("size", size), ("scale_factor", scale_factor)):
+            if isinstance(value, (tuple, list)) and len(value) != 3:
+                raise LayerError(f"SpatialUpsample: {what} {value!r} must have 3 entries")
         self.init_spatial(grid)
 
-    def _map(self, axis, n):
-        size = _per_axis(self.size, "size")[axis]
-        scale = _per_axis(self.scale_factor, "scale_factor")[axis]
-        return _axis_map(n, size, scale, self.mode, self.align_corners,
-                         self.recompute_scale_factor)
+    def _geometry(self) -> Interpolation:
+        return Interpolation(per_axis(self.size), per_axis(self.scale_factor), self.mode,
+                             self.align_corners, self.recompute_scale_factor)
 
     def axis_halos(self, axis, n):
-        m, i0, i1, _ = self._map(axis, n)
-
-        def needed(s, e):
-            return (s, s) if e <= s else (int(i0[s:e].min()), int(i1[s:e].max()) + 1)
-
-        parts = self.grid.spatial_shape[axis]
-        return [axis_halo(n, m, parts, i, needed) for i in range(parts)]
+        return self._geometry().axis_halos(axis, n, self.grid.spatial_shape[axis])
 
     def make_extra(self, global_shape, halos):
         """Per axis (i0, i1, w1) in the exchanged tensor's local indices."""
-        local = []
-        for a, h in enumerate(halos):
-            _, i0, i1, w1 = self._map(a, global_shape[a])
-            (s, e), lo = h.out, h.needed[0]
-            local.append((i0[s:e] - lo, i1[s:e] - lo, None if w1 is None else w1[s:e]))
-        return local
+        geometry = self._geometry()
+        return tuple(geometry.local(a, h) for a, h in enumerate(halos))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gshape=None) -> torch.Tensor:
         """Upsample this rank's piece; returns its piece of the global output."""
-        entry = self.spatial_plan(x)
-        dtype = x.dtype
-        x = _exchange(x, entry.halo)
-        if entry.extra[0][2] is not None and dtype in (torch.float16, torch.bfloat16):
-            x = x.float()  # blend 16-bit inputs in float32, as torch does
-        for dim, (i0, i1, w1) in zip((2, 3, 4), entry.extra):
-            i0 = i0.to(x.device)
-            if w1 is None:
-                x = x.index_select(dim, i0)
-                continue
-            shape = [1] * 5
-            shape[dim] = -1
-            w = w1.to(device=x.device, dtype=x.dtype).view(shape)
-            a, b = x.index_select(dim, i0), x.index_select(dim, i1.to(x.device))
-            x = a + (b - a) * w
-        return x.to(dtype)
+        entry = self.spatial_plan(x, gshape)
+        return resample_piece(x, entry.halo, entry.extra)
 
 
 def _offsets(source, target):

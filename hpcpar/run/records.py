@@ -90,12 +90,16 @@ COLUMNS: tuple[Column, ...] = (
                                         "neighbours' messages (spatial) and the graph "
                                         "all-to-all; t_halo - t_halo_wait is local copies and "
                                         "padding"),
+    Column("t_check", "float", "s", "the replica check ([train] check_replicas_every; 0 on "
+                                    "other steps)"),
 )
 COLUMN_NAMES = tuple(c.name for c in COLUMNS)
 #: Columns added to schema v1 after its first release, always at the end: files written
 #: without them are read with the columns empty (NaN), so older runs stay readable.
-OPTIONAL_COLUMNS = ("t_halo_wait",)
-_BASE_NAMES = COLUMN_NAMES[: len(COLUMN_NAMES) - len(OPTIONAL_COLUMNS)]
+OPTIONAL_COLUMNS = ("t_halo_wait", "t_check")
+#: The column lists files may have: the full one, or without the newest optional columns.
+_ACCEPTED_NAMES = tuple(COLUMN_NAMES[: len(COLUMN_NAMES) - i]
+                        for i in range(len(OPTIONAL_COLUMNS) + 1))
 _KIND = {c.name: c.kind for c in COLUMNS}
 
 #: meta.json keys written by the recorder (callers may add their own keys through ``meta``).
@@ -385,7 +389,7 @@ def _file_columns(path: Path) -> tuple:
         if line.startswith(_HEADER_TAG.encode()):  # a file written before 0.2: a tag line
             line = f.readline()
     names = tuple(line.decode(errors="replace").strip().split(","))
-    return names if names == _BASE_NAMES else COLUMN_NAMES
+    return names if names in _ACCEPTED_NAMES else COLUMN_NAMES
 
 
 def _header() -> str:
@@ -800,7 +804,7 @@ def read_rank_file(path: str | os.PathLike, notes: list | None = None) -> pd.Dat
         data = data[: data.rfind(b"\n") + 1]
     header, _, body = data.partition(b"\n")
     names = tuple(header.decode(errors="replace").split(","))
-    if names not in (COLUMN_NAMES, _BASE_NAMES):
+    if names not in _ACCEPTED_NAMES:
         raise RunDirError(f"{path}: not an hpcpar step record (first line "
                           f"{header[:60].decode(errors='replace')!r})")
     name = path.name

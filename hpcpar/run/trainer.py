@@ -378,6 +378,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self._sync()
         t5 = time.perf_counter()
+        t_check = self._maybe_check_replicas()
         from hpcpar.run.records import row_from_counters
 
         row = row_from_counters(COUNTERS.since(before))
@@ -385,9 +386,25 @@ class Trainer:
         # t_bwd excludes the exposed gradient-sync waiting the wrapper measured
         bwd = (t3 - t2) - exposed
         row.update(step=self.step, loss=loss, t_data=t1 - t0, t_fwd=t2 - t1,
-                   t_bwd=max(0.0, bwd), t_opt=t5 - t4, t_step=t5 - t0,
+                   t_bwd=max(0.0, bwd), t_opt=t5 - t4, t_step=t5 - t0, t_check=t_check,
                    samples=int(res.samples), peak_mem=peak_memory(self.device))
         return row, loss, verdict
+
+    def _maybe_check_replicas(self) -> float:
+        """Every ``check_replicas_every`` steps: the replica check (hpcpar.sync.replicas);
+        returns its cost."""
+        every = self.job.train.check_replicas_every
+        if not every or (self.step + 1) % every:
+            return 0.0
+        from hpcpar.nn.tensor_parallel import TensorParallelLinear
+        from hpcpar.sync.replicas import check_replicas
+
+        t0 = time.perf_counter()
+        shards = frozenset(f"{m}.{n}".lstrip(".") for m, mod in self.model.named_modules()
+                           if isinstance(mod, TensorParallelLinear)
+                           for n, _ in mod.named_parameters(recurse=False))
+        check_replicas(self.model, self.grid, shards)
+        return time.perf_counter() - t0
 
     def evaluate(self, final: bool = False) -> dict:
         import torch

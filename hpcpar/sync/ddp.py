@@ -41,7 +41,7 @@ from hpcpar.sync._buckets import MB, Bucket, ReduceGroup, TorchGroup, assign_buc
 from hpcpar.sync._compression import wire_dtype_for
 from hpcpar.sync._stall import StallMonitor
 from hpcpar.sync._torchdist import check_grad_sync
-from hpcpar.sync.tags import DATA_ONLY, reduce_scope
+from hpcpar.sync.tags import DATA_ONLY, TAGS_VERSION, reduce_scope
 
 __all__ = ["DistributedDataParallel", "DDP"]
 
@@ -105,15 +105,33 @@ class DistributedDataParallel(nn.Module):
         self.compression = compression
         self._check_same_model()
         self._broadcast_state()
-        self._groups = self._make_groups(hierarchical)
-        self.hierarchical = self._groups["world"].hierarchical
-        self._buckets = self._make_buckets(bucket_cap_mb * MB, first_bucket_mb * MB, wire)
+        self._plan_args = (hierarchical, bucket_cap_mb * MB, first_bucket_mb * MB, wire)
         self._stall = StallMonitor(self.grid.comm)
         self._require_sync = True
         self._reset_pass()
         self._step = 0
+        self._plan()
+        self._tags_seen = getattr(module, TAGS_VERSION, 0)
+        # a spatialized model learns which parameters are replicated from its forward's
+        # dataflow (hpcpar.nn.spatializer): re-plan the buckets when it changes its tags
+        self._forward_hook = module.register_forward_hook(self._after_forward)
+
+    def _plan(self) -> None:
+        """Reduction groups, buckets and gradient hooks from the parameters' current tags."""
+        hierarchical, cap, first_cap, wire = self._plan_args
+        self._groups = self._make_groups(hierarchical)
+        self.hierarchical = self._groups["world"].hierarchical
+        self._buckets = self._make_buckets(cap, first_cap, wire)
         self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(b, i))
                          for b in self._buckets for i, p in enumerate(b.params)]
+
+    def _after_forward(self, module, args, output) -> None:
+        version = getattr(module, TAGS_VERSION, 0)
+        if version != self._tags_seen:  # every rank ran the same forward: all re-plan here
+            self._tags_seen = version
+            self._unhook_grads()
+            self._check_same_model()
+            self._plan()
 
     # -- public API --------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -186,6 +204,10 @@ class DistributedDataParallel(nn.Module):
 
     def remove_hooks(self) -> None:
         """Detach from the module (it then trains without synchronisation)."""
+        self._unhook_grads()
+        self._forward_hook.remove()
+
+    def _unhook_grads(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []

@@ -14,10 +14,13 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["REDUCE_ATTR", "SPATIAL_AND_DATA", "DATA_ONLY", "tag_data_only", "reduce_scope",
-           "copy_tags"]
+__all__ = ["REDUCE_ATTR", "TAGS_VERSION", "SPATIAL_AND_DATA", "DATA_ONLY", "tag_data_only",
+           "reduce_scope", "copy_tags"]
 
 REDUCE_ATTR = "hpcpar_reduce"
+#: A model attribute bumped whenever its parameters' tags change (a spatialized model learns
+#: them from its forward's dataflow); the gradient sync re-plans its buckets then.
+TAGS_VERSION = "_hpcpar_tags_version"
 SPATIAL_AND_DATA = "spatial+data"
 DATA_ONLY = "data"
 

@@ -1,10 +1,12 @@
 """Real multi-rank tests under pytest: mark a function with :func:`mpi_case` and it runs under
 ``mpiexec -n N`` for each N, all cases of one module and rank count in one launch.
 :mod:`~hpcpar.testing.oracles` holds the oracles the test modules share,
+:mod:`~hpcpar.testing.zoo` the models written in other people's style that they convert,
 :mod:`~hpcpar.testing.slurm` a private single-node Slurm for the tests.
 
 May import: hpcpar.errors, hpcpar.parallel, hpcpar.launch, hpcpar.run (the sbatch tests' job
-kind), hpcpar.graph, hpcpar.models (the GNN oracles: dropout masks, the Cora training recipe).
+kind), hpcpar.graph, hpcpar.models (the GNN oracles: dropout masks, the Cora training recipe),
+hpcpar.nn (oracles compare a split output by this rank's piece).
 """
 
 from .mpi import CaseResult, ModuleRun, mpi_case, run_module

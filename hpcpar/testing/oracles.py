@@ -103,7 +103,11 @@ def tol(dtype):
 
 
 def close(got, want, what, slack=1.0):
-    """max |got - want| <= slack * tol * max |want| (relative to the output scale)."""
+    """max |got - want| <= slack * tol * max |want| (relative to the output scale); a split
+    ``got`` is compared by this rank's piece."""
+    from hpcpar.nn.split import local
+
+    got = local(got)
     assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
     scale = want.abs().max().item() if want.numel() else 0.0
     err = (got - want).abs().max().item() if want.numel() else 0.0
@@ -112,6 +116,10 @@ def close(got, want, what, slack=1.0):
 
 
 def rel_err(a, b):
+    """max |a - b| / max |b|; a split ``a`` by this rank's piece."""
+    from hpcpar.nn.split import local
+
+    a = local(a)
     scale = b.abs().max().item() if b.numel() else 0.0
     return (a - b).abs().max().item() / max(scale, 1e-30) if a.numel() else 0.0
 

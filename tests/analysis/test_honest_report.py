@@ -71,20 +71,24 @@ def test_unmeasured_phase_is_named_not_folded(tmp_path):
 
 
 def test_records_without_the_new_column_still_read(tmp_path):
-    """A rank file written before t_halo_wait existed: read with the column empty, and a
-    resume appends rows in the file's own columns."""
-    rec = records.RunRecorder(tmp_path / "old", None, {"job_name": "old"})
-    rec.step(step=0, t_step=1.0, t_halo=0.2, t_halo_wait=0.1)
-    rec.close()
-    f = tmp_path / "old/records/rank-00000.csv"
-    lines = f.read_text().splitlines()
-    f.write_text("\n".join(ln.rsplit(",", 1)[0] for ln in lines) + "\n")  # header too
-    rec = records.RunRecorder(tmp_path / "old", None, {"job_name": "old"}, resume=True)
-    rec.step(step=1, t_step=1.0, t_halo=0.2, t_halo_wait=0.1)
-    rec.close()
-    df = records.read_rank_file(f, notes := [])
-    assert not notes and list(df["step"]) == [0, 1] and df["t_halo_wait"].isna().all()
-    assert list(df["t_halo"]) == [0.2, 0.2]
+    """A rank file written before t_halo_wait (or only before t_check) existed: read with the
+    missing columns empty, and a resume appends rows in the file's own columns."""
+    for missing in (("t_check",), ("t_halo_wait", "t_check")):
+        run = tmp_path / "-".join(missing)
+        rec = records.RunRecorder(run, None, {"job_name": "old"})
+        rec.step(step=0, t_step=1.0, t_halo=0.2, t_halo_wait=0.1, t_check=0.5)
+        rec.close()
+        f = run / "records/rank-00000.csv"
+        lines = f.read_text().splitlines()
+        cut = len(missing)
+        f.write_text("\n".join(ln.rsplit(",", cut)[0] for ln in lines) + "\n")  # header too
+        rec = records.RunRecorder(run, None, {"job_name": "old"}, resume=True)
+        rec.step(step=1, t_step=1.0, t_halo=0.2, t_halo_wait=0.1, t_check=0.5)
+        rec.close()
+        df = records.read_rank_file(f, notes := [])
+        assert not notes and list(df["step"]) == [0, 1]
+        assert all(df[c].isna().all() for c in missing), missing
+        assert list(df["t_halo"]) == [0.2, 0.2]
 
 
 @mpi_case(nprocs=(1, 2), timeout=120)

@@ -21,7 +21,7 @@ def exact_math():
 def spatial_model_matches(grid, model, x, device, what, replicated_output=False, slack=10.0):
     """``spatialize(model)`` on ``grid`` vs ``model`` itself, both on ``device``: output and
     every parameter gradient (summed over the spatial group)."""
-    from hpcpar.nn import spatialize
+    from hpcpar.nn import local, spatialize
     from hpcpar.parallel.comm import allreduce_
     from hpcpar.parallel.spatial import local_slices
     from hpcpar.sync.tags import reduce_scope
@@ -33,7 +33,7 @@ def spatial_model_matches(grid, model, x, device, what, replicated_output=False,
     yr = model(xr)
     w = randn(yr.shape, 7, x.dtype).to(device)
     (yr * w).sum().backward()
-    yl = sp(xr[local_slices(xr.shape, grid)])
+    yl = local(sp(xr[local_slices(xr.shape, grid)]))  # this rank's piece, old-style
     assert yl.device.type == torch.device(device).type, what
     ys = (slice(None),) * yr.dim() if replicated_output else local_slices(yr.shape, grid)
     close(yl.cpu(), yr[ys].detach().cpu(), f"{what}: output", slack)

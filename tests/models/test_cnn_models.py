@@ -14,7 +14,7 @@ from hpcpar.testing.oracles import batch_slice, close, on_grids, randn
 def check_model(grid, model, x, seed, what, replicated_output=False):
     """fp32 gradients of whole models are sums over every voxel of several layers: allow
     10x the single-layer tolerance there (fp64 keeps the tight one)."""
-    from hpcpar.nn import spatialize
+    from hpcpar.nn import local, spatialize
     from hpcpar.parallel.comm import allreduce_
     from hpcpar.parallel.spatial import local_slices
     from hpcpar.sync.tags import reduce_scope
@@ -25,7 +25,7 @@ def check_model(grid, model, x, seed, what, replicated_output=False):
     yr = model(xr)
     w = randn(yr.shape, seed, x.dtype)
     (yr * w).sum().backward()
-    yl = sp(xr[local_slices(xr.shape, grid)])
+    yl = local(sp(xr[local_slices(xr.shape, grid)]))  # this rank's piece, old-style
     ys = (slice(None),) * yr.dim() if replicated_output else local_slices(yr.shape, grid)
     close(yl, yr[ys].detach(), f"{what}: output", slack)
     (yl * w[ys]).sum().backward()

@@ -1,12 +1,14 @@
-"""spatialize(): which layers are swapped, weights shared with the copy, data-only tags after
-the gather / global pool, rank-consistent dropout, and errors naming the layer. Multi-rank
-equality of whole models is in tests/models/test_cnn_models.py."""
+"""spatialize() on one rank: the copy keeps its modules, parameters and keys; tags come from
+the forward's dataflow (not registration order); split tensors answer with global shapes;
+refusals are one line naming the op and the user's source line. Multi-rank exactness of whole
+models is in tests/nn/test_model_zoo.py and tests/models/test_cnn_models.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from hpcpar.sync.tags import reduce_scope
 from hpcpar.testing.oracles import one_rank_grid
@@ -17,99 +19,111 @@ def grid():
     return one_rank_grid()
 
 
-def test_cosmoflow_swaps_and_tags(grid):
+def test_cosmoflow_copy_tags_and_output(grid):
     import hpcpar.nn
     from hpcpar.models import CosmoFlow
-    from hpcpar.nn import SpatialConv3d, SpatialGather, SpatialMaxPool3d
 
     plain = CosmoFlow.small(input_size=16, n_conv_blocks=2, base_filters=2, dense=(8,))
     sp = hpcpar.nn.spatialize(plain, grid)
-    assert isinstance(sp.features[0], SpatialConv3d)
-    assert isinstance(sp.features[2], SpatialMaxPool3d)
-    assert isinstance(sp.gather, SpatialGather)
-    assert isinstance(plain.features[0], nn.Conv3d) and not hasattr(plain.features[0], "grid")
     assert sp.state_dict().keys() == plain.state_dict().keys()
     for name, p in sp.named_parameters():
-        want = "data" if name.startswith("head.") else "spatial+data"
-        assert reduce_scope(p) == want, name
         assert p is not dict(plain.named_parameters())[name]  # a copy, not the original
     x = torch.randn(2, 4, 16, 16, 16)
-    assert torch.allclose(sp(x), plain(x), atol=1e-6)
-    # the twin really uses the copy's Parameter objects (optimisers bound to them work)
-    with torch.no_grad():
-        sp.features[0].weight.zero_()
-    assert sp.features[0].weight.abs().sum() == 0
+    y = sp(x)
+    assert not hpcpar.nn.is_split(y)  # after the global pool: replicated
+    assert torch.allclose(y, plain(x), atol=1e-6)
+    for name, p in sp.named_parameters():  # learned from the forward
+        want = "data" if name.startswith("head.") else "spatial+data"
+        assert reduce_scope(p) == want, name
 
 
-def test_global_pool_route_and_dropout(grid):
-    from hpcpar.nn import SpatialAdaptiveAvgPool3d, SpatialBatchNorm3d, spatialize
-    from hpcpar.nn.gather import ReplicatedDropout
-
-    model = nn.Sequential(
-        nn.Conv3d(2, 4, 3, padding=1), nn.BatchNorm3d(4), nn.Dropout3d(0.2), nn.ReLU(),
-        nn.Sequential(nn.AdaptiveAvgPool3d(1), nn.Flatten()),
-        nn.Linear(4, 3), nn.Dropout(0.5), nn.Softmax(dim=1))
-    sp = spatialize(model, grid, bn_include_data=True)
-    assert isinstance(sp[1], SpatialBatchNorm3d) and sp[1].include_data
-    assert isinstance(sp[2], ReplicatedDropout) and sp[2].feature
-    assert isinstance(sp[4][0], SpatialAdaptiveAvgPool3d)
-    assert isinstance(sp[6], ReplicatedDropout) and not sp[6].feature
-    assert reduce_scope(sp[5].weight) == "data" and reduce_scope(sp[0].weight) == "spatial+data"
-    model.eval()
-    sp.eval()
-    x = torch.randn(3, 2, 5, 6, 7)
-    assert torch.allclose(sp(x), model(x), atol=1e-6)
-
-
-def test_unet_all_layers_swap(grid):
-    from hpcpar.models import UNet3D
-    from hpcpar.nn import spatialize
-    from hpcpar.nn._base import SpatialModule
-
-    plain = UNet3D(in_channels=1, out_channels=2, base_filters=2, depth=2)
-    sp = spatialize(plain, grid)
-    kinds = (nn.Conv3d, nn.ConvTranspose3d, nn.MaxPool3d, nn.BatchNorm3d)
-    for name, m in sp.named_modules():
-        if isinstance(m, kinds) or type(m).__name__ == "MatchSize":
-            assert isinstance(m, SpatialModule), name
-    assert all(reduce_scope(p) == "spatial+data" for p in sp.parameters())
-    x = torch.randn(2, 1, 9, 7, 5)
-    assert torch.allclose(sp(x), plain(x), atol=1e-5)
-
-
-class _Custom(nn.Module):
-    """Custom forward calling its children in registration order."""
+class _HeadFirst(nn.Module):
+    """Registers the head before the convolutions."""
 
     def __init__(self):
         super().__init__()
-        self.conv = nn.Conv3d(1, 2, 3)
-        self.flat = nn.Flatten()
+        self.pool = nn.AdaptiveAvgPool3d(1)
+        self.fc = nn.Linear(4, 3)
+        self.conv = nn.Conv3d(2, 4, 3, padding=1)
 
     def forward(self, x):
-        return self.flat(self.conv(x))
+        return self.fc(self.pool(F.relu(self.conv(x))).flatten(1))
 
 
-class _OwnConv(nn.Conv3d):
+def test_tags_follow_dataflow_not_registration(grid):
+    from hpcpar.nn import spatialize
+    from hpcpar.sync.tags import TAGS_VERSION
+
+    sp = spatialize(_HeadFirst(), grid)
+    assert getattr(sp, TAGS_VERSION, 0) == 0
+    sp(torch.randn(1, 2, 5, 6, 7))
+    assert getattr(sp, TAGS_VERSION) == 1
+    assert reduce_scope(sp.fc.weight) == "data" and reduce_scope(sp.conv.weight) == "spatial+data"
+    sp(torch.randn(1, 2, 5, 6, 7))
+    assert getattr(sp, TAGS_VERSION) == 1  # unchanged dataflow: no new version
+
+
+def test_split_tensors_answer_with_global_shapes(grid):
+    from hpcpar.errors import LayerError
+    from hpcpar.nn import is_split, local, spatialize, split_like
+
+    seen = {}
+
+    class Probe(nn.Module):
+        def forward(self, x):
+            seen["shape"], seen["numel"] = tuple(x.shape), x.numel()
+            return x * 2
+
+    y = spatialize(Probe(), grid)(torch.ones(2, 3, 4, 5, 6))
+    assert is_split(y) and seen == {"shape": (2, 3, 4, 5, 6), "numel": 720}
+    assert not is_split(local(y)) and local(y).shape == (2, 3, 4, 5, 6)
+    t = split_like(torch.zeros(2, 4, 5, 6), y)
+    assert is_split(t) and t.shape == (2, 4, 5, 6)
+    with pytest.raises(LayerError, match="last three lengths"):
+        split_like(torch.zeros(2, 4, 5, 7), y)
+    with pytest.raises(LayerError, match="would read only this rank's piece"):
+        y.tolist()
+    assert float(y.sum()) == 2 * 720  # a full reduction is the global value
+
+
+class _Flat(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv3d(1, 2, 3, padding=1)
+        self.fc = nn.Linear(2 * 4 * 4 * 4, 1)
+
     def forward(self, x):
-        return super().forward(x) * 2
+        return self.fc(self.conv(x).flatten(1))
 
 
-@pytest.mark.parametrize("model, name, why", [
-    (nn.Sequential(nn.Conv3d(1, 2, 3), nn.Flatten(), nn.Linear(8, 1)), "'1' (Flatten)",
-     "needs the whole volume"),
-    (nn.Sequential(nn.ReLU(), _Custom()), "'1.flat' (Flatten)", "needs the whole volume"),
-    (nn.Sequential(nn.Conv3d(1, 2, 3), nn.AdaptiveAvgPool3d(2)), "'1' (AdaptiveAvgPool3d)",
-     "output size 2"),
-    (nn.Sequential(nn.GroupNorm(1, 1)), "'0' (GroupNorm)", "needs the whole volume"),
-    (nn.Sequential(_OwnConv(1, 1, 3)), "'0' (_OwnConv)", "its own forward"),
-    (nn.Linear(3, 3), "'<model>' (Linear)", "needs the whole volume"),
+class _Rolled(nn.Module):
+    def forward(self, x):
+        return torch.roll(x, 1, dims=3)
+
+
+class _Mixed(nn.Module):
+    """One parameter used on the split volume and on a replicated tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return (x * self.scale).mean(dim=(2, 3, 4)) * self.scale
+
+
+@pytest.mark.parametrize("model, op, why", [
+    (_Flat(), "flatten", "merges a split dim"),
+    (_Rolled(), "roll", "has no exact spatial form"),
+    (_Mixed(), "parameter 'scale'", "used both on split tensors and on replicated ones"),
 ])
-def test_errors_name_the_layer_and_the_fix(grid, model, name, why):
-    from hpcpar.errors import HpcparError
+def test_refusals_name_the_op_and_the_source_line(grid, model, op, why):
+    from hpcpar.errors import LayerError
     from hpcpar.nn import spatialize
 
-    with pytest.raises(HpcparError) as info:
-        spatialize(model, grid)
+    with pytest.raises(LayerError) as info:
+        spatialize(model, grid)(torch.randn(1, 1, 4, 4, 4))
     msg = str(info.value)
-    assert name in msg and why in msg
-    assert "GatherPoint" in msg and "AdaptiveAvgPool3d(1)" in msg and "\n" not in msg
+    assert op in msg and why in msg and "\n" not in msg
+    if "parameter" not in op:
+        assert f"{__file__}:" in msg  # the user's own line

@@ -13,8 +13,8 @@ Validation uses ``val_path`` or ``val_samples`` synthetic samples of another see
   spatial group (weights sharded, so each rank holds and updates 1/spatial of the head).
 * ``unet3d`` segments voxels: inputs are all channels but the last, the label is
   ``last channel > 0`` (a nonlinear function of the same field; learnable from the others).
-  Each spatial rank's loss is its voxels' share of the global mean cross-entropy, so the
-  gradient sync's spatial sum gives the exact gradient; the logged loss is the group's sum.
+  The loss is torch's plain mean cross-entropy on the split output: the spatialized model's
+  dispatch makes it the global mean on every rank, and each rank's gradient its exact piece.
 
 No torch import at module import (job validation runs in the launcher).
 """
@@ -24,7 +24,14 @@ from __future__ import annotations
 import os
 
 from hpcpar.errors import ConfigError, DataError
-from hpcpar.run.workloads.base import Param, StepResult, Workload, register_workload
+from hpcpar.run.workloads.base import (
+    MAX_POOLINGS,
+    SEED_MAX,
+    Param,
+    StepResult,
+    Workload,
+    register_workload,
+)
 
 __all__ = ["VOLUME_DATA", "TP_PARAMS", "VolumeWorkload", "CosmoFlowWorkload", "UNet3DWorkload"]
 
@@ -39,7 +46,8 @@ VOLUME_DATA = {
                                              "checked against the dataset when given"),
     "samples": Param(int, 64, min=1, help="synthetic/generate: training samples"),
     "shards": Param(int, 4, min=1, help="generate: shard files"),
-    "seed": Param(int, 0, min=0, help="data seed (sample i depends on (seed, i) only)"),
+    "seed": Param(int, 0, min=0, max=SEED_MAX,
+                  help="data seed (sample i depends on (seed, i) only)"),
     "shuffle": Param(bool, True),
     "prefetch": Param(int, 2, min=0, help="HDF5: batches read ahead"),
     "stage_to": Param(str, None, help="HDF5: copy shards to node-local storage first"),
@@ -95,6 +103,10 @@ def _check_volume_job(job) -> None:
             raise ConfigError("[data] path: required (or set source = 'synthetic')")
         if d["generate"] and d["size"] is None:
             raise ConfigError("[data] size: required with generate = true")
+    for key in ("path", "val_path"):
+        if d[key] is not None and not str(d[key]).strip():
+            raise ConfigError(f"[data] {key}: empty; give the dataset directory (or a .h5 "
+                              f"file)")
     if d["val_path"] and d["val_samples"]:
         raise ConfigError("[data] give val_path or val_samples, not both")
     if d["val_samples"] and d["val_samples"] < job.train.global_batch:
@@ -293,7 +305,8 @@ class VolumeWorkload(Workload):
     def build_model(self):
         from hpcpar.nn.spatializer import spatialize
 
-        model = spatialize(self.reference_model(), self.grid, **self.spatialize_kwargs())
+        model = spatialize(self.reference_model(), self.grid, check=self.job.model.check,
+                           **self.spatialize_kwargs())
         p = self.job.model.params
         if p.get("tensor_parallel"):
             from hpcpar.nn.tensor_parallel import tensor_parallelize
@@ -341,7 +354,7 @@ class CosmoFlowWorkload(VolumeWorkload):
 
     kind = "cosmoflow"
     model_params = {
-        "n_conv_blocks": Param(int, 5, min=1, help="conv + pool blocks"),
+        "n_conv_blocks": Param(int, 5, min=1, max=MAX_POOLINGS, help="conv + pool blocks"),
         "base_filters": Param(int, 16, min=1, help="filters of block 0 (doubling)"),
         "kernel_size": Param(int, 3, min=1),
         "dense": Param(list, [128, 64], help="widths of the dense layers"),
@@ -396,7 +409,7 @@ class UNet3DWorkload(VolumeWorkload):
     kind = "unet3d"
     model_params = {
         "base_filters": Param(int, 16, min=1),
-        "depth": Param(int, 3, min=1, help="poolings"),
+        "depth": Param(int, 3, min=1, max=MAX_POOLINGS, help="poolings"),
         "batch_norm": Param(bool, True),
         "kernel_size": Param(int, 3, min=1),
         "bn_include_data": Param(bool, True, help="batch-norm statistics over the whole "
@@ -433,24 +446,19 @@ class UNet3DWorkload(VolumeWorkload):
         return {"bn_include_data": self.job.model.params["bn_include_data"]}
 
     def forward_loss(self, model, batch) -> StepResult:
-        import numpy as np
-        import torch
         import torch.nn.functional as F
-        from mpi4py import MPI
+
+        from hpcpar.nn import split_like
 
         x, _ = batch
         x = self._inputs(x)
-        labels = (x[:, -1] > 0).long()
         logits = model(x[:, :-1])
-        n = x.shape[0]
-        voxels = n * int(torch.tensor(self.size).prod())
-        # this rank's share of the global mean: the sync's spatial sum completes it
-        loss = F.cross_entropy(logits.float(), labels, reduction="sum") / voxels
+        # this rank's piece of the labels, marked split like the output: the plain mean loss
+        # and accuracy below are then the global ones (hpcpar.nn dispatch), on every rank
+        labels = split_like((x[:, -1] > 0).long(), logits)
+        loss = F.cross_entropy(logits.float(), labels)
         # max(1).indices, not argmax(1): the same first-maximum index, but torch's CPU
         # argmax over a non-last dimension took 14-25 ms of a 200 ms UNet3D step
-        correct = float((logits.detach().max(1).indices == labels).sum()) / voxels
-        both = np.array([float(loss.detach()), correct])
-        if self.grid.spatial_size > 1:
-            self.grid.spatial_comm.Allreduce(MPI.IN_PLACE, both, op=MPI.SUM)
-        return StepResult(loss=loss, samples=int(n), loss_value=float(both[0]),
-                          extra={"metrics": [float(both[1])]})
+        accuracy = (logits.detach().max(1).indices == labels).float().mean()
+        return StepResult(loss=loss, samples=int(x.shape[0]), loss_value=float(loss.detach()),
+                          extra={"metrics": [float(accuracy)]})

@@ -1,0 +1,88 @@
+"""Checks shared by the spatial functional ops (``hpcpar.nn.padding``, ``hpcpar.nn.resample``).
+
+A functional op receives this rank's piece and the global spatial shape ``gshape``. Its
+arguments are validated by torch itself, on a ``meta`` tensor of the GLOBAL shape: the same
+accepted combinations, the same errors (as one-line ``LayerError``), and torch's own output
+shape, with no data touched. The piece is checked against the partition rule of ``gshape``,
+so a wrong ``gshape`` fails with a clear line instead of a mismatched message size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from hpcpar.errors import LayerError
+from hpcpar.parallel.grid import ProcessGrid
+from hpcpar.parallel.halo import AXIS_NAMES, input_layout, memory_format
+from hpcpar.parallel.partition import box
+
+__all__ = ["check_piece", "torch_output_shape", "same_format"]
+
+
+def check_piece(op: str, x: torch.Tensor, grid: ProcessGrid, gshape: Sequence[int]) -> None:
+    """Raise ``LayerError`` unless ``x`` is this rank's ``(N, C, d, h, w)`` piece of ``gshape``.
+
+    Args:
+        op: The op's name, for the message.
+        x: This rank's piece.
+        grid: The process grid.
+        gshape: The global spatial shape ``(D, H, W)``.
+
+    Raises:
+        LayerError: ``x`` is not 5D, or its extents are not the partition rule's for ``gshape``.
+    """
+    if x.dim() != 5:
+        raise LayerError(f"{op}: expected this rank's (N, C, d, h, w) piece, got shape "
+                         f"{tuple(x.shape)}")
+    if len(gshape) != 3:
+        raise LayerError(f"{op}: gshape {tuple(gshape)} must be the 3 global spatial lengths")
+    for a, (start, stop) in enumerate(box(gshape, grid.spatial_shape, grid.spatial_coords)):
+        if x.shape[2 + a] != stop - start:
+            raise LayerError(f"{op}: this rank holds {x.shape[2 + a]} items on axis "
+                             f"{AXIS_NAMES[a]}, but the partition rule gives {stop - start} for "
+                             f"the global shape {tuple(gshape)} over grid {grid.spec()}")
+
+
+#: Output shapes of calls torch accepted, by (op, key, shape, dtype): a layer calls the same
+#: op with the same arguments every step (the meta call costs ~50 us).
+_ACCEPTED: dict = {}
+
+
+def torch_output_shape(op: str, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+                       gshape: Sequence[int], key: str) -> tuple[int, ...]:
+    """Run ``fn`` on a ``meta`` tensor of the global shape: torch's checks and output shape.
+
+    Args:
+        op: The op's name, for the message.
+        fn: The single-process torch call, e.g. ``lambda t: F.pad(t, pad, mode)``.
+        x: This rank's piece (gives batch, channels and dtype).
+        gshape: The global spatial shape.
+        key: ``fn``'s arguments (their ``repr``): accepted calls are remembered by it.
+
+    Returns:
+        The global output shape ``(N, C, D', H', W')``.
+
+    Raises:
+        LayerError: torch refuses the call on the whole volume (its message, one line).
+    """
+    shape = (*x.shape[:2], *gshape)
+    memo = (op, key, shape, x.dtype)
+    out = _ACCEPTED.get(memo)
+    if out is not None:
+        return out
+    try:
+        out = tuple(fn(torch.empty(shape, dtype=x.dtype, device="meta")).shape)
+    except (RuntimeError, ValueError, TypeError, NotImplementedError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise LayerError(f"{op} on the global volume {shape}: {first}") from None
+    if len(_ACCEPTED) >= 1024:
+        _ACCEPTED.clear()
+    _ACCEPTED[memo] = out
+    return out
+
+
+def same_format(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``y`` in ``like``'s memory format (channels-last or contiguous)."""
+    return y.contiguous(memory_format=memory_format(input_layout(like)))

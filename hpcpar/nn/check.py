@@ -1,0 +1,179 @@
+"""The first-step check: whatever escapes the dispatch (an op run with torch-function handling
+disabled, a C++ extension reading the raw piece) is caught before it trains.
+
+On the first forward of a model spatialized with ``check=True``, each data group takes the
+first sample of its input, the spatial root gathers it whole, runs the plain model on it and
+records every module's output, then every rank runs a copy of the spatialized model on its
+piece and the outputs are gathered and compared module by module in call order, followed by
+the parameter gradients of ``sum(output * w)``. Dropout is off in both (masks are random)
+and batch-norm statistics cover the probe only. A mismatch raises one line on every rank
+naming the first module that differs. Copies are used, so the model's state does not change.
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from hpcpar.errors import LayerError
+from hpcpar.parallel.comm import allreduce_
+from hpcpar.parallel.spatial import gather, local_slices
+
+from .split import SplitTensor, local, split_like, unwrap
+
+__all__ = ["first_step_check", "PROBE_LIMIT_BYTES"]
+
+#: A probe sample larger than this is not gathered (the check is skipped with a warning):
+#: the plain model's activations for the whole sample must fit on the spatial root, and a
+#: sample that is split because it does not fit on one rank never would.
+PROBE_LIMIT_BYTES = 8 << 20
+
+_DROPOUTS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
+             F.feature_alpha_dropout}
+
+
+class _NoDropout(TorchFunctionMode):
+    """Dropout is the identity (the probe compares deterministic maths)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _DROPOUTS:
+            return args[0] if args else kwargs["input"]
+        return func(*args, **(kwargs or {}))
+
+
+def _tol(dtype) -> float:
+    return 1e-9 if dtype == torch.float64 else 1e-3
+
+
+def _rel(a, b, floor: float = 1e-12) -> float:
+    """max |a - b| relative to max |b| (at least ``floor``: a gradient that is zero in exact
+    arithmetic, as a conv bias before a norm, is judged against the others' scale)."""
+    scale = max(float(b.abs().max()) if b.numel() else 0.0, floor)
+    return float((a - b).abs().max()) / scale if b.numel() else 0.0
+
+
+@contextmanager
+def _recording(model: nn.Module, grid, gathered: bool):
+    """Record (name, type, output) of every module call, in call order; split outputs are
+    gathered whole to the spatial root (collective, the same order on every rank)."""
+    calls = []
+
+    def hook(module, args, out):
+        t = out[0] if isinstance(out, (tuple, list)) and out else out
+        if not isinstance(t, torch.Tensor):
+            return
+        if gathered and isinstance(t, SplitTensor):
+            whole = gather(local(t).detach(), grid) if t._hp.standard else None
+        else:
+            whole = unwrap(t).detach().clone()  # a later in-place op must not change it
+        calls.append((names.get(id(module), "?"), type(module).__name__, whole))
+
+    names = {id(m): n or "<model>" for n, m in model.named_modules()}
+    handles = [m.register_forward_hook(hook) for m in model.modules()]
+    try:
+        yield calls
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _probe(x, grid):
+    """The first sample of this data group's piece, and the whole of it on the spatial root."""
+    piece = x[:1]
+    return piece, gather(piece.detach(), grid)
+
+
+def first_step_check(spatial_model: nn.Module, plain: nn.Module, args: tuple, ctx) -> None:
+    """Run the check (module docstring) for the first call's positional ``args``."""
+    grid = ctx.grid
+    xs = [a for a in args if isinstance(a, torch.Tensor) and a.dim() == 5]
+    if len(xs) != 1 or len(args) != 1:
+        return  # one volume argument: the common case; others are not probed
+    x = unwrap(xs[0])
+    nbytes = x[:1].numel() * x.element_size() * grid.spatial_size
+    if nbytes > PROBE_LIMIT_BYTES:
+        if grid.rank == 0:
+            import warnings
+
+            warnings.warn(f"spatialize check skipped: the probe sample ({nbytes / 2**20:.0f} MiB)"
+                          f" is larger than {PROBE_LIMIT_BYTES >> 20} MiB, too large to run "
+                          "whole on one rank", stacklevel=2)
+        return
+    root = grid.spatial_comm.Get_rank() == 0
+    piece, whole = _probe(x, grid)
+    verdict = None
+    ref_calls, ref_grads, w = [], {}, None
+    if root:
+        try:
+            ref = copy.deepcopy(plain)
+            ref.load_state_dict(spatial_model.state_dict())  # the weights it trains from
+            with _recording(ref, grid, False) as ref_calls, _NoDropout():
+                out = ref(whole)
+            g = torch.Generator().manual_seed(1234)
+            w = torch.randn(out.shape, generator=g, dtype=out.dtype)
+            (out * w).sum().backward()
+            ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+        except Exception as exc:  # noqa: BLE001 (the plain model cannot run the probe)
+            w = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    w = grid.spatial_comm.bcast(w, root=0)
+    if isinstance(w, str):
+        if grid.rank == 0:
+            import warnings
+
+            warnings.warn(f"spatialize check skipped: the plain model failed on the probe "
+                          f"sample ({w})", stacklevel=2)
+        return
+    from .spatializer import spatialize
+
+    # a fresh spatialization (the live model carries hooks of its gradient sync), with the
+    # weights it trains from; batch-norm statistics of the probe alone, as the plain model
+    sp = spatialize(plain, grid)
+    sp.load_state_dict(spatial_model.state_dict())
+    sp._hpcpar_split.dropout = False
+    with _recording(sp, grid, True) as calls, _NoDropout():
+        out = sp(piece)
+    weight = w
+    if isinstance(out, SplitTensor):
+        weight = split_like(w[local_slices(w.shape, grid)], out)
+    (out * weight).sum().backward()
+    grads = {}
+    for n, p in sp.named_parameters():
+        gr = p.grad if p.grad is not None else torch.zeros_like(p)
+        grads[n] = gr if getattr(p, "hpcpar_reduce", None) == "data" else allreduce_(
+            gr.clone(), grid.spatial_comm)
+    if root:
+        verdict = _compare(ref_calls, calls, ref_grads, grads)
+    verdicts = grid.comm.allgather(verdict)
+    bad = next((v for v in verdicts if v), None)
+    if bad:
+        raise LayerError(f"spatialize check: {bad}; the spatial run would be wrong there "
+                         "(an op that escaped the dispatch?): fix that module or spatialize "
+                         "with check=False to train anyway")
+
+
+def _compare(ref_calls, calls, ref_grads, grads) -> str | None:
+    for (name, kind, want), (_, _, got) in zip(ref_calls, calls):
+        if got is None or want is None:
+            continue
+        if got.shape != want.shape:
+            return (f"module '{name}' ({kind}) gives shape {tuple(got.shape)} where the plain "
+                    f"model gives {tuple(want.shape)} on the first forward")
+        err = _rel(got, want)
+        if err > _tol(want.dtype):
+            return (f"module '{name}' ({kind}) differs from the plain model on the first "
+                    f"forward (relative error {err:.2g})")
+    scales = [float(g.abs().max()) for g in ref_grads.values() if g is not None and g.numel()]
+    floor = 1e-3 * max(scales, default=0.0)
+    for name, want in ref_grads.items():
+        if want is None or name not in grads:
+            continue
+        err = _rel(grads[name], want, floor)
+        if err > _tol(want.dtype):
+            return (f"the gradient of '{name}' differs from the plain model's on the first "
+                    f"step (relative error {err:.2g})")
+    return None

@@ -1,0 +1,174 @@
+"""The one table that decides what every torch call on a split tensor does.
+
+Each op is in exactly one class (the spatial guide prints this table):
+
+=============  ==============================================================================
+class          meaning
+=============  ==============================================================================
+local          per voxel or per channel: runs on this rank's piece (pointwise math,
+               activations, casts, ``cat`` along channels, 1x1x1 convs go through ``conv``)
+stencil        needs neighbours: convolutions, pools, interpolation, padding (halo exchange)
+norm           statistics of the whole sample: batch/group/instance/layer norm (allreduce)
+reduction      over every split dim: the global value, replicated (allreduce)
+loss           mean/sum losses: the global mean/sum (the single-process value)
+dropout        masks from the seed and the GLOBAL voxel: independent of the split
+shape          views, permutes, indexing: allowed while every split dim stays whole
+metadata       ``.shape``/``.size()``/``.numel()`` answer with the GLOBAL shape
+refused        anything else: one line naming the op and the user's source line
+=============  ==============================================================================
+
+Ops not listed by name are classified by torch's own tags: an aten op tagged ``pointwise``
+is local; everything else is refused. Nothing is guessed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import dispatch as d
+from . import spatial_ops as s
+
+__all__ = ["rule_for", "table", "REPLICATED_RULES"]
+
+_T, _TORCH = torch.Tensor, torch
+
+
+def _get(ns, name):
+    return getattr(ns, name, None)
+
+
+def _names(kind, rule, names, spaces=(_T, _TORCH, F)):
+    return [(kind, rule, obj) for n in names for ns in spaces
+            if (obj := _get(ns, n)) is not None]
+
+
+_LOCAL_EXTRA = (
+    "to", "type", "type_as", "float", "double", "half", "bfloat16", "int", "long", "bool",
+    "byte", "char", "short", "cpu", "cuda", "contiguous", "clone", "detach", "detach_",
+    "requires_grad_", "retain_grad", "zero_", "fill_", "copy_", "hardswish", "hardsigmoid",
+    "relu6", "celu", "selu", "rrelu", "softsign", "tanhshrink", "hardtanh", "elu",
+    "logsigmoid", "mish", "silu", "threshold", "float_power", "clamp_min", "clamp_max",
+    "nan_to_num", "pin_memory", "register_hook", "masked_fill", "where",
+)
+
+_ENTRIES = [
+    *_names("local", d.pointwise, _LOCAL_EXTRA),
+    *_names("local", d.channelwise, ("prelu",)),
+    *_names("local", d.like_factory, ("zeros_like", "ones_like", "empty_like", "full_like")),
+    *_names("refused", d.refuse_random, ("rand_like", "randn_like", "randint_like",
+                                         "bernoulli", "bernoulli_", "normal_", "uniform_",
+                                         "random_", "exponential_", "multinomial")),
+    *_names("local", d.dim_local, ("softmax", "log_softmax", "softmin", "cumsum", "cumprod",
+                                   "cummax", "cummin", "sort", "argsort", "topk", "glu",
+                                   "normalize", "logcumsumexp", "diff")),
+    *_names("local", d.linear, ("linear", "matmul", "mm", "__matmul__")),
+    *_names("shape", d.permute, ("permute", "transpose", "transpose_", "swapaxes",
+                                 "swapdims", "movedim", "moveaxis")),
+    *_names("shape", d.reshape, ("view", "reshape", "view_as", "reshape_as")),
+    *_names("shape", d.flatten, ("flatten",)),
+    *_names("shape", d.unsqueeze, ("unsqueeze",)),
+    *_names("shape", d.squeeze, ("squeeze",)),
+    *_names("shape", d.expand, ("expand", "expand_as")),
+    *_names("shape", d.repeat, ("repeat",), (_T,)),
+    *_names("shape", d.cat, ("cat", "concat", "concatenate", "stack", "hstack", "vstack",
+                             "dstack")),
+    *_names("shape", d.split_like, ("chunk", "split", "tensor_split", "unbind", "narrow",
+                                    "select")),
+    *_names("shape", d.getitem, ("__getitem__",)),
+    *_names("shape", d.setitem, ("__setitem__",)),
+    *_names("metadata", d.global_size, ("size",), (_T,)),
+    *_names("metadata", d.global_numel, ("numel", "nelement"), (_T, _TORCH)),
+    *_names("metadata", d.global_len, ("__len__",), (_T,)),
+    *_names("metadata", d.as_plain, ("dim", "ndimension", "__repr__", "__format__",
+                                     "__reduce_ex__", "__deepcopy__", "__hash__",
+                                     "is_contiguous", "stride", "data_ptr", "element_size",
+                                     "storage_offset", "is_floating_point", "is_complex",
+                                     "get_device", "untyped_storage", "__dlpack__",
+                                     "backward"), (_T,)),
+    *_names("refused", d.refuse_local_values, ("numpy", "tolist", "item", "__array__",
+                                               "__float__", "__int__", "__bool__",
+                                               "__index__", "__iter__"), (_T,)),
+    *_names("stencil", s.conv3d, ("conv3d",), (F,)),
+    *_names("stencil", s.conv_transpose3d, ("conv_transpose3d",), (F,)),
+    *_names("stencil", s.max_pool3d, ("max_pool3d",), (F,)),
+    *_names("stencil", s.avg_pool3d, ("avg_pool3d",), (F,)),
+    *_names("stencil", s.adaptive_pool, ("adaptive_avg_pool3d", "adaptive_max_pool3d"),
+            (F,)),
+    *_names("stencil", s.interpolate, ("interpolate", "upsample", "upsample_nearest",
+                                       "upsample_bilinear"), (F,)),
+    *_names("stencil", s.pad, ("pad",), (F,)),
+    *_names("norm", s.batch_norm, ("batch_norm",), (F,)),
+    *_names("norm", s.group_norm, ("group_norm",), (F,)),
+    *_names("norm", s.instance_norm, ("instance_norm",), (F,)),
+    *_names("norm", s.layer_norm, ("layer_norm",), (F,)),
+    *_names("reduction", s.reduction, tuple(s._REDUCE_NAMES), (_T, _TORCH)),
+    *_names("dropout", s.dropout, ("dropout", "dropout2d", "dropout3d", "dropout1d",
+                                   "alpha_dropout", "feature_alpha_dropout"), (F,)),
+    *_names("loss", s.loss, tuple(s._LOSS_NAMES), (F,)),
+]
+
+_RULES: dict = {}
+_KIND: dict = {}
+for _kind, _rule, _obj in _ENTRIES:
+    _RULES.setdefault(_obj, _rule)
+    _KIND.setdefault(_obj, _kind)
+
+#: Calls with no split argument that still need care under a spatialized forward.
+REPLICATED_RULES = {getattr(F, n): s.replicated_dropout for n in ("dropout", "dropout2d",
+                                                                 "dropout3d", "dropout1d")}
+
+
+def _aten_pointwise(name: str) -> bool:
+    """torch's own classification: an aten op whose tensor overload is tagged pointwise."""
+    base = name.strip("_") if name.startswith("__") else name
+    base = {"radd": "add", "rsub": "rsub", "rmul": "mul", "truediv": "div", "rtruediv": "div",
+            "floordiv": "floor_divide", "rfloordiv": "floor_divide", "rpow": "pow",
+            "and": "bitwise_and", "or": "bitwise_or", "xor": "bitwise_xor",
+            "invert": "bitwise_not", "iadd": "add_", "isub": "sub_", "imul": "mul_",
+            "itruediv": "div_", "mod": "remainder", "lshift": "bitwise_left_shift",
+            "rshift": "bitwise_right_shift", "ne": "ne", "abs": "abs"}.get(base, base)
+    op = getattr(torch.ops.aten, base, None)
+    if op is None:
+        return False
+    tensor_forms = [getattr(op, o) for o in op.overloads() if o in _TENSOR_OVERLOADS]
+    return any(torch.Tag.pointwise in o.tags for o in tensor_forms)
+
+
+#: The overloads that take tensors (the others are TorchScript's int/float/str forms).
+_TENSOR_OVERLOADS = ("default", "Tensor", "Scalar", "self", "Tensor_Scalar", "Tensor_Tensor")
+
+
+def rule_for(func):
+    """The rule of ``func`` (see the module docstring); cached per function object."""
+    rule = _RULES.get(func)
+    if rule is not None:
+        return rule
+    name = getattr(func, "__name__", "")
+    if name == "__get__" and hasattr(func, "__self__"):
+        rule = _property_rule(func.__self__.__name__)
+    elif name == "__set__":
+        rule = d.as_plain
+    elif _aten_pointwise(name):
+        rule = d.pointwise
+    else:
+        rule = d.refuse_unknown
+    try:
+        _RULES[func] = rule
+    except TypeError:  # unhashable callables are classified every time
+        pass
+    return rule
+
+
+def _property_rule(name: str):
+    if name == "shape":
+        return d.global_size
+    if name in ("T", "mT", "H", "mH"):
+        return d.refuse_unknown
+    return d.attribute
+
+
+def table() -> list[tuple[str, str]]:
+    """(op, class) for every op named here, for the docs."""
+    rows = {(getattr(o, "__name__", repr(o)), _KIND[o]) for o in _KIND}
+    return sorted(rows, key=lambda r: (r[1], r[0]))

@@ -1,0 +1,430 @@
+"""The rules of split ops that need their neighbours or the whole sample: convolutions,
+pools, resampling, padding, norms, reductions, dropout and losses.
+
+Each rule takes a :class:`~hpcpar.nn.dispatch.Call`, runs the exact spatial implementation
+on this rank's piece and returns the result split (or replicated, for a reduction over every
+split dim). Module and functional forms arrive here alike: ``nn.Conv3d.forward`` calls
+``F.conv3d``, so the rule for ``F.conv3d`` serves both. Stencils reuse the spatial layers'
+cached halo plans through a twin per op signature (built once, on the meta device: it holds
+the geometry, the caller's tensors are the parameters).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ._base import triple
+from .dispatch import Call, _dims_arg, channelwise, localize, pointwise, wrap_like
+from .split import Layout, unwrap, wrap
+
+__all__ = ["conv3d", "conv_transpose3d", "max_pool3d", "avg_pool3d", "adaptive_pool",
+           "interpolate", "pad", "batch_norm", "group_norm", "instance_norm", "layer_norm",
+           "reduction", "dropout", "loss"]
+
+
+def _standard(call: Call, x) -> Layout:
+    lay = x._hp
+    if x.dim() != 5 or not lay.standard:
+        raise call.refuse(f"needs an (N, C, D, H, W) tensor split on dims 2-4 (got {x.dim()} "
+                          f"dims, split dims {lay.sdims})", "keep the volume layout for 3D "
+                          "layers")
+    if any(isinstance(a, type(x)) for a in call.args[1:]):
+        raise call.refuse("takes a split tensor as a parameter", "pass replicated weights")
+    return lay
+
+
+def _twin(call: Call, key, make):
+    twin = call.ctx.twins.get(key)
+    if twin is None:
+        twin = call.ctx.twins[key] = make()
+    return twin
+
+
+def _run_twin(call: Call, twin, x, *params):
+    """The twin's forward on this rank's piece (``params`` for the convolutions)."""
+    lay = _standard(call, x)
+    xl = unwrap(x)
+    entry = twin.spatial_plan(xl, lay.gshape)
+    out = twin.spatial_forward(xl, *params, lay.gshape) if params else twin(xl, lay.gshape)
+    return wrap(out, lay.with_(gshape=entry.out_shape))
+
+
+# -- convolutions ----------------------------------------------------------------------------
+def conv3d(call: Call):
+    from .conv import SpatialConv3d
+
+    b = call.bind(("input", "weight", "bias", "stride", "padding", "dilation", "groups"),
+                  (None, 1, 0, 1, 1))
+    w, bias = call.replicated(b["weight"]), call.replicated(b["bias"])
+    padding = b["padding"] if isinstance(b["padding"], str) else triple(b["padding"],
+                                                                         "padding", "conv3d")
+    key = ("conv3d", tuple(w.shape), triple(b["stride"], "stride", "conv3d"), padding,
+           triple(b["dilation"], "dilation", "conv3d"), b["groups"], bias is not None)
+    twin = _twin(call, key, lambda: SpatialConv3d(
+        w.shape[1] * b["groups"], w.shape[0], tuple(w.shape[2:]), key[2], padding, key[4],
+        b["groups"], bias is not None, device="meta", grid=call.ctx.grid))
+    return _run_twin(call, twin, b["input"], w, bias)
+
+
+def conv_transpose3d(call: Call):
+    from .conv import SpatialConvTranspose3d
+
+    b = call.bind(("input", "weight", "bias", "stride", "padding", "output_padding", "groups",
+                   "dilation"), (None, 1, 0, 0, 1, 1))
+    w, bias = call.replicated(b["weight"]), call.replicated(b["bias"])
+    geo = tuple(triple(b[k], k, "conv_transpose3d") for k in
+                ("stride", "padding", "output_padding", "dilation"))
+    key = ("conv_transpose3d", tuple(w.shape), geo, b["groups"], bias is not None)
+    twin = _twin(call, key, lambda: SpatialConvTranspose3d(
+        w.shape[0], w.shape[1] * b["groups"], tuple(w.shape[2:]), geo[0], geo[1], geo[2],
+        b["groups"], bias is not None, geo[3], device="meta", grid=call.ctx.grid))
+    return _run_twin(call, twin, b["input"], w, bias)
+
+
+# -- pools -------------------------------------------------------------------------------------
+def _pool(call: Call, cls, names, defaults):
+    b = call.bind(names, defaults)
+    if b.get("return_indices"):
+        raise call.refuse("returns indices into the local piece", "use return_indices=False")
+    kw = {k: b[k] for k in names[1:] if k != "return_indices"}
+    key = (cls.__name__,) + tuple(
+        tuple(v) if isinstance(v, list) else v for v in kw.values())
+    twin = _twin(call, key, lambda: cls(**kw, grid=call.ctx.grid))
+    return _run_twin(call, twin, b["input"])
+
+
+def max_pool3d(call: Call):
+    from .pool import SpatialMaxPool3d
+
+    return _pool(call, SpatialMaxPool3d, ("input", "kernel_size", "stride", "padding",
+                                          "dilation", "ceil_mode", "return_indices"),
+                 (None, 0, 1, False, False))
+
+
+def avg_pool3d(call: Call):
+    from .pool import SpatialAvgPool3d
+
+    return _pool(call, SpatialAvgPool3d, ("input", "kernel_size", "stride", "padding",
+                                          "ceil_mode", "count_include_pad",
+                                          "divisor_override"),
+                 (None, 0, False, True, None))
+
+
+def adaptive_pool(call: Call):
+    """Adaptive pools: output size 1 on every axis is a global reduction (replicated);
+    other sizes pool the owned output cells' input windows (hpcpar.nn.resample)."""
+    b = call.bind(("input", "output_size", "return_indices"), (False,))
+    x = b["input"]
+    lay = _standard(call, x)
+    size = b["output_size"]
+    sizes = tuple(size) if isinstance(size, (tuple, list)) else (size,) * 3
+    if b.get("return_indices"):
+        raise call.refuse("returns indices into the local piece", "use return_indices=False")
+    op = "mean" if "avg" in call.name else "amax"
+    if all(s == 1 for s in sizes):
+        from .reduce import global_reduce
+
+        return global_reduce(unwrap(x), op, (2, 3, 4), True, grid=call.ctx.grid,
+                             gshape=lay.gshape)
+    from . import resample
+
+    fn = resample.adaptive_avg_pool3d if op == "mean" else resample.adaptive_max_pool3d
+    out, gshape = fn(unwrap(x), sizes, grid=call.ctx.grid, gshape=lay.gshape)
+    return wrap(out, lay.with_(gshape=gshape))
+
+
+# -- resampling and padding ---------------------------------------------------------------------
+def interpolate(call: Call):
+    from . import resample
+
+    b = call.bind(("input", "size", "scale_factor", "mode", "align_corners",
+                   "recompute_scale_factor", "antialias"), (None, None, "nearest", None, None,
+                                                            False))
+    x = b["input"]
+    lay = _standard(call, x)
+    if b["antialias"]:
+        raise call.refuse("antialias is for 2D inputs", "use antialias=False")
+    out, gshape = resample.interpolate(
+        unwrap(x), b["size"], b["scale_factor"], b["mode"], b["align_corners"],
+        b["recompute_scale_factor"], grid=call.ctx.grid, gshape=lay.gshape)
+    return wrap(out, lay.with_(gshape=gshape))
+
+
+def pad(call: Call):
+    from . import padding
+
+    b = call.bind(("input", "pad", "mode", "value"), ("constant", None))
+    x = b["input"]
+    lay = _standard(call, x)
+    out, gshape = padding.pad(unwrap(x), tuple(b["pad"]), b["mode"], b["value"],
+                               grid=call.ctx.grid, gshape=lay.gshape)
+    return wrap(out, lay.with_(gshape=gshape))
+
+
+# -- norms -------------------------------------------------------------------------------------
+def batch_norm(call: Call):
+    """Training (or no running statistics): statistics of the whole volume (and the whole
+    global batch with ``bn_include_data``); eval with running statistics: per channel, local."""
+    from .norm import _GlobalBatchNorm
+
+    b = call.bind(("input", "running_mean", "running_var", "weight", "bias", "training",
+                   "momentum", "eps"), (None, None, False, 0.1, 1e-5))
+    x = b["input"]
+    if not b["training"] and b["running_mean"] is not None:
+        return channelwise(call)  # per channel with the running statistics
+    lay = _standard(call, x)
+    grid = call.ctx.grid
+    comm = grid.comm if call.ctx.bn_include_data else grid.spatial_comm
+    out = _GlobalBatchNorm.apply(unwrap(x), call.replicated(b["weight"]),
+                                 call.replicated(b["bias"]), b["running_mean"],
+                                 b["running_var"], b["momentum"], b["eps"], comm, "batch_norm")
+    return wrap(out, lay)
+
+
+def group_norm(call: Call):
+    from .global_norm import group_norm as gn
+
+    b = call.bind(("input", "num_groups", "weight", "bias", "eps"), (None, None, 1e-5))
+    lay = _standard(call, b["input"])
+    out = gn(unwrap(b["input"]), b["num_groups"], call.replicated(b["weight"]),
+             call.replicated(b["bias"]), b["eps"], grid=call.ctx.grid, gshape=lay.gshape)
+    return wrap(out, lay)
+
+
+def instance_norm(call: Call):
+    from .global_norm import instance_norm as inorm
+
+    b = call.bind(("input", "running_mean", "running_var", "weight", "bias",
+                   "use_input_stats", "momentum", "eps"), (None, None, None, None, True, 0.1,
+                                                           1e-5))
+    lay = _standard(call, b["input"])
+    out = inorm(unwrap(b["input"]), b["running_mean"], b["running_var"],
+                call.replicated(b["weight"]), call.replicated(b["bias"]),
+                b["use_input_stats"], b["momentum"], b["eps"], grid=call.ctx.grid,
+                gshape=lay.gshape)
+    return wrap(out, lay)
+
+
+def layer_norm(call: Call):
+    """Over trailing dims: local when none of them is split, else global per-sample."""
+    from .global_norm import layer_norm as ln
+
+    b = call.bind(("input", "normalized_shape", "weight", "bias", "eps"), (None, None, 1e-5))
+    x = b["input"]
+    shape = b["normalized_shape"]
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    lay = x._hp
+    if all(d < x.dim() - len(shape) for d in lay.sdims):
+        return pointwise(call) if b["weight"] is None else _local_layer_norm(call, b, shape)
+    lay = _standard(call, x)
+    out = ln(unwrap(x), shape, call.replicated(b["weight"]), call.replicated(b["bias"]),
+             b["eps"], grid=call.ctx.grid, gshape=lay.gshape)
+    return wrap(out, lay)
+
+
+def _local_layer_norm(call: Call, b, shape):
+    args, kwargs = call.plain()  # weights over non-split dims: used whole
+    return wrap(call.func(*args, **kwargs), b["input"]._hp)
+
+
+# -- reductions --------------------------------------------------------------------------------
+_REDUCE_NAMES = {"sum": "sum", "mean": "mean", "amax": "amax", "amin": "amin", "var": "var",
+                 "std": "std", "max": "amax", "min": "amin", "nansum": None, "nanmean": None,
+                 "prod": None, "logsumexp": None, "norm": None, "all": None, "any": None,
+                 "count_nonzero": None, "argmax": None, "argmin": None, "median": None,
+                 "quantile": None, "nanquantile": None, "var_mean": None, "std_mean": None}
+
+
+def reduction(call: Call):
+    """Over dims none of which is split: local. Over every split dim: the global value,
+    replicated (``hpcpar.nn.reduce``). Over some split dims only: refused."""
+    x = call.splits[0]
+    lay = x._hp
+    n = x.dim()
+    name = call.name
+    b = call.bind(("input", "dim"), (None,))
+    if name in ("max", "min") and b.get("dim") is not None and not isinstance(b["dim"],
+                                                                                torch.Tensor):
+        dims = _dims_arg(b["dim"], n)
+    elif name in ("max", "min") and len(call.args) > 1 and isinstance(call.args[1],
+                                                                      torch.Tensor):
+        return pointwise(call)  # torch.max(a, b): elementwise
+    else:
+        dims = _dims_arg(b.get("dim"), n)
+    split = [d for a, d in enumerate(lay.sdims) if call.ctx.grid.spatial_shape[a] > 1]
+    spatial = [d for d in lay.sdims if d in dims]
+    keepdim = bool(call.kwargs.get("keepdim", _positional_keepdim(call)))
+    if len(spatial) < 3 and not any(d in dims for d in split):
+        if spatial and not keepdim:
+            raise call.refuse("removes a spatial dim", "use keepdim=True, or reduce all of "
+                              "dims (2, 3, 4)")
+        out = call.run_plain()
+        gshape = [1 if d in dims else g for d, g in zip(lay.sdims, lay.gshape)]
+        keep = lay.with_(gshape=gshape) if keepdim else lay.with_(
+            sdims=[d - sum(1 for r in dims if r < d) for d in lay.sdims])
+        return wrap_like(out, keep, n if keepdim else n - len(dims))
+    op = _REDUCE_NAMES.get(name)
+    if op is None or (name in ("max", "min") and b.get("dim") is not None):
+        raise call.refuse("reduces over a split dim and has no global form in hpcpar",
+                          "use sum/mean/amax/amin/var/std over all of dims (2, 3, 4)")
+    from .reduce import global_reduce
+
+    extra = {}
+    if op in ("var", "std"):
+        extra["correction"] = _correction(call)
+    xl = unwrap(x)
+    if call.kwargs.get("dtype") is not None:
+        xl = xl.to(call.kwargs["dtype"])
+    dim = None if b.get("dim") is None else tuple(dims)
+    return global_reduce(xl, op, dim, keepdim, grid=call.ctx.grid, gshape=lay.gshape, **extra)
+
+
+def _positional_keepdim(call: Call) -> bool:
+    """keepdim given positionally: (input, dim, keepdim) or var/std's (input, dim, unbiased,
+    keepdim)."""
+    pos = 3 if call.name in ("var", "std") and len(call.args) > 3 else 2
+    return bool(call.args[pos]) if len(call.args) > pos and isinstance(call.args[pos],
+                                                                        bool) else False
+
+
+def _correction(call: Call) -> float:
+    if "correction" in call.kwargs and call.kwargs["correction"] is not None:
+        return call.kwargs["correction"]
+    unbiased = call.kwargs.get("unbiased")
+    if unbiased is None and len(call.args) > 2 and isinstance(call.args[2], bool):
+        unbiased = call.args[2]
+    if unbiased is None and len(call.args) == 2 and isinstance(call.args[1], bool):
+        unbiased = call.args[1]  # x.var(False)
+    return 1 if unbiased is None or unbiased else 0
+
+
+# -- dropout -----------------------------------------------------------------------------------
+def dropout(call: Call):
+    """Split-independent masks: they depend on the seed and the GLOBAL sample, channel and
+    voxel (hpcpar.nn.dropout), so any grid gives the one-rank result."""
+    from .dropout import spatial_dropout
+
+    name = call.name
+    if name in ("alpha_dropout", "feature_alpha_dropout", "dropout1d"):
+        raise call.refuse("has no split-independent form", "use nn.Dropout or nn.Dropout3d")
+    b = call.bind(("input", "p", "training", "inplace"), (0.5, True, False))
+    x = b["input"]
+    if not call.ctx.dropout:
+        return x
+    lay = _standard(call, x)
+    out = spatial_dropout(unwrap(x), b["p"], b["training"], b["inplace"], grid=call.ctx.grid,
+                          gshape=lay.gshape, feature=name != "dropout",
+                          seed=forward_seed(call.ctx))
+    return x if b["inplace"] else wrap(out, lay)
+
+
+def forward_seed(ctx) -> int:
+    """One seed per dropout call: drawn from torch's generator on every rank (keeping their
+    streams in step) and the spatial root's value taken, so the group agrees."""
+    drawn = int(torch.randint(0, 2**62, (1,)).item())
+    grid = ctx.grid
+    return grid.spatial_comm.bcast(drawn, root=0) if grid.spatial_size > 1 else drawn
+
+
+def replicated_dropout(func, args, kwargs, ctx):
+    """Dropout on a replicated tensor: the same mask on every rank of the spatial group."""
+    names = ("input", "p", "training", "inplace")
+    b = dict(zip(names[1:], (0.5, True, False)))
+    b.update(zip(names, args))
+    b.update(kwargs)
+    x = b["input"]
+    if not b["training"] or b["p"] == 0.0 or not ctx.dropout:
+        return x
+    g = torch.Generator(device=x.device)
+    g.manual_seed(forward_seed(ctx))
+    feature = getattr(func, "__name__", "") != "dropout"
+    shape = (*x.shape[:2], *([1] * (x.dim() - 2))) if feature else tuple(x.shape)
+    # drawn for the GLOBAL batch and cut to this data group's rows: the masks depend on the
+    # sample, not on how the batch is split (as hpcpar.nn.dropout does for split tensors)
+    grid, n = ctx.grid, x.shape[0]
+    keep = torch.empty((n * grid.data, *shape[1:]), dtype=x.dtype, device=x.device)
+    keep = keep.bernoulli_(1.0 - b["p"], generator=g)[grid.coords[0] * n:][:n]
+    keep = keep.div_(1.0 - b["p"]) if b["p"] < 1.0 else keep
+    return x.mul_(keep) if b["inplace"] else x * keep
+
+
+# -- losses ------------------------------------------------------------------------------------
+_CLASS_LOSSES = ("cross_entropy", "nll_loss")
+_LOSS_NAMES = {
+    "mse_loss": ("input", "target", "size_average", "reduce", "reduction"),
+    "l1_loss": ("input", "target", "size_average", "reduce", "reduction"),
+    "smooth_l1_loss": ("input", "target", "size_average", "reduce", "reduction", "beta"),
+    "huber_loss": ("input", "target", "reduction", "delta"),
+    "binary_cross_entropy": ("input", "target", "weight", "size_average", "reduce",
+                             "reduction"),
+    "binary_cross_entropy_with_logits": ("input", "target", "weight", "size_average", "reduce",
+                                         "reduction", "pos_weight"),
+    "cross_entropy": ("input", "target", "weight", "size_average", "ignore_index", "reduce",
+                      "reduction", "label_smoothing"),
+    "nll_loss": ("input", "target", "weight", "size_average", "ignore_index", "reduce",
+                 "reduction"),
+    "kl_div": ("input", "target", "size_average", "reduce", "reduction", "log_target"),
+}
+
+
+def loss(call: Call):
+    """Mean and sum reductions of a loss on split tensors are the GLOBAL mean and sum, with
+    torch's semantics (class weights and ignore_index for cross entropy / NLL): the value is
+    the single-process loss on every rank, and its gradient each rank's exact piece."""
+    from .reduce import global_reduce
+
+    names = _LOSS_NAMES[call.name]
+    b = call.bind(names)
+    if b.get("size_average") is not None or b.get("reduce") is not None:
+        raise call.refuse("uses the deprecated size_average/reduce", "pass reduction=")
+    reduction_ = b.get("reduction", "mean")
+    x = b["input"]
+    if not isinstance(x, type(call.splits[0])):
+        raise call.refuse("has a replicated input and a split target", "split both or neither")
+    lay = x._hp
+    target = b["target"]
+    out_lay = lay
+    if call.name in _CLASS_LOSSES:
+        out_lay = lay.with_(sdims=[d - 1 for d in lay.sdims])  # the class dim 1 goes
+    kwargs = {k: v for k, v in b.items() if k not in ("input", "target", "size_average",
+                                                       "reduce", "reduction")}
+    for k in ("weight", "pos_weight"):
+        if isinstance(kwargs.get(k), torch.Tensor):
+            kwargs[k] = _localized(call, kwargs[k], lay, x.dim())
+    if isinstance(target, type(x)):
+        tl = unwrap(target)
+    else:
+        tl = localize(call.replicated(target), out_lay if target.dim() < x.dim() else lay,
+                      target.dim(), call.name)
+    func = getattr(F, call.name)
+    per = func(unwrap(x), tl, reduction="none", **kwargs)
+    if reduction_ == "none":
+        return wrap(per, out_lay)
+    grid, gshape = call.ctx.grid, lay.gshape
+    total = global_reduce(per, "sum", None, False, grid=grid, gshape=gshape)
+    if reduction_ == "sum":
+        return total
+    if reduction_ == "batchmean":
+        return total / x.shape[0]
+    if call.name in _CLASS_LOSSES and not tl.is_floating_point():
+        count = _class_count(tl, kwargs.get("weight"), kwargs.get("ignore_index", -100))
+        return total / global_reduce(count.to(per.dtype), "sum", None, False, grid=grid,
+                                     gshape=gshape)
+    return total / math.prod(out_lay.global_shape(per.shape))
+
+
+def _localized(call, t, lay, ndim):
+    t = call.replicated(t)
+    return t if t.dim() < 3 else localize(t, lay, ndim, call.name)
+
+
+def _class_count(target, weight, ignore_index):
+    """The denominator of torch's mean for class-index targets: Σ weight[target] over the
+    voxels that are not ignored (their count without weights)."""
+    valid = target != ignore_index
+    if weight is None:
+        return valid.to(torch.float64)
+    return torch.where(valid, weight.detach()[target.clamp(min=0) * valid], 0.0)

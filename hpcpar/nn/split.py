@@ -1,0 +1,162 @@
+"""Split tensors: a rank's piece of a tensor whose spatial dims are split over the grid.
+
+A :class:`SplitTensor` holds this rank's piece ``(N, C, d, h, w)`` of a global tensor
+``(N, C, D, H, W)`` and knows where its spatial dims are (``sdims``) and their global lengths
+(``gshape``). It answers shape questions (``.shape``, ``.size()``, ``.numel()``) with the GLOBAL
+shape, as sharded-tensor libraries do, so a user's ``forward`` that reasons about sizes
+(``F.interpolate(x, size=skip.shape[2:])``, centre crops, ``F.pad`` by a size difference) means
+the same thing split or whole. Every torch call that sees one is routed by
+:mod:`hpcpar.nn.dispatch`: run locally, run an exact spatial twin, or refused with the user's
+source line. :func:`local` is the explicit way out (this rank's piece as a plain tensor).
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+
+from hpcpar.errors import LayerError
+
+__all__ = ["SplitTensor", "Layout", "SplitContext", "local", "is_split", "split_like",
+           "layout_of", "user_frame"]
+
+
+@dataclass
+class SplitContext:
+    """What every split tensor of one spatialized model shares: the grid, the options, the
+    caches of spatial twins and what the last forward learned about each parameter."""
+
+    grid: object
+    bn_include_data: bool = False
+    twins: dict = field(default_factory=dict)       # op signature -> cached spatial twin
+    spatial_params: set = field(default_factory=set)     # ids used directly by split ops
+    replicated_params: set = field(default_factory=set)  # ids used by replicated ops
+    dropout: bool = True    # False: dropout is the identity (the first-step check's probe)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the split dims of a tensor are and how long they are globally."""
+
+    ctx: SplitContext
+    sdims: tuple[int, int, int]   # positions of the x, y, z axes in the tensor
+    gshape: tuple[int, int, int]  # their global lengths
+
+    def with_(self, sdims=None, gshape=None) -> Layout:
+        return Layout(self.ctx, self.sdims if sdims is None else tuple(sdims),
+                      self.gshape if gshape is None else tuple(gshape))
+
+    def global_shape(self, local_shape) -> torch.Size:
+        shape = list(local_shape)
+        for d, n in zip(self.sdims, self.gshape):
+            shape[d] = n
+        return torch.Size(shape)
+
+    @property
+    def standard(self) -> bool:
+        """Laid out as (N, C, D, H, W): what the stencil twins take."""
+        return self.sdims == (2, 3, 4)
+
+
+class SplitTensor(torch.Tensor):
+    """This rank's piece of a spatially split tensor (see the module docstring)."""
+
+    _hp: Layout
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        from .dispatch import handle
+
+        return handle(func, args, kwargs or {})
+
+    def __repr__(self, **kwargs) -> str:  # noqa: D105 (the piece, labelled)
+        with torch._C.DisableTorchFunction():
+            body = torch.Tensor.__repr__(self)
+        return f"SplitTensor(global shape {tuple(self._hp.global_shape(self.shape_local))}, " \
+               f"this rank's piece:\n{body})"
+
+    @property
+    def shape_local(self) -> torch.Size:
+        """The local piece's shape."""
+        with torch._C.DisableTorchFunction():
+            return torch.Tensor.size(self)
+
+
+def wrap(t: torch.Tensor, layout: Layout) -> SplitTensor:
+    """``t`` (a plain local piece) as a split tensor with ``layout`` (autograd-transparent)."""
+    with torch._C.DisableTorchFunction():
+        s = t.as_subclass(SplitTensor)
+    s._hp = layout
+    return s
+
+
+def unwrap(t):
+    """The plain tensor under a split tensor (anything else unchanged)."""
+    if isinstance(t, SplitTensor):
+        with torch._C.DisableTorchFunction():
+            return t.as_subclass(torch.Tensor)
+    return t
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a split tensor as a plain tensor (gradients flow through it).
+
+    The explicit way out of the split world: what you compute from it is this rank's share,
+    and you are responsible for combining shares (a plain tensor is returned unchanged).
+    """
+    return unwrap(t)
+
+
+def split_like(piece: torch.Tensor, like: SplitTensor) -> torch.Tensor:
+    """Mark ``piece`` — this rank's piece of a tensor split like ``like`` on its LAST three
+    dims (a per-voxel target ``(N, d, h, w)``, a mask ``(N, C, d, h, w)``) — as split, so what
+    is computed from it (a Dice loss's sums) is global too. A plain tensor is returned
+    unchanged when ``like`` is not split.
+
+    Raises:
+        LayerError: The piece's last three lengths are not this rank's local lengths of
+            ``like``.
+    """
+    if not isinstance(like, SplitTensor) or isinstance(piece, SplitTensor):
+        return piece
+    lay = like._hp
+    mine = tuple(piece.shape[-3:])
+    want = tuple(like.shape_local[d] for d in lay.sdims)
+    if piece.dim() < 3 or mine != want:
+        raise LayerError(f"split_like: the piece's last three lengths {mine} are not this "
+                         f"rank's local lengths {want}")
+    n = piece.dim()
+    return wrap(piece, lay.with_(sdims=(n - 3, n - 2, n - 1)))
+
+
+def is_split(t) -> bool:
+    """Whether ``t`` is a rank's piece of a spatially split tensor."""
+    return isinstance(t, SplitTensor)
+
+
+def layout_of(t: SplitTensor) -> Layout:
+    return t._hp
+
+
+_OWN = (os.path.dirname(os.path.abspath(__file__)),   # hpcpar/nn: the layers, the dispatch
+        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "parallel"),
+        os.path.dirname(os.path.abspath(torch.__file__)))
+
+
+def user_frame() -> str:
+    """``file:line`` of the innermost caller outside torch and hpcpar's own layers (where the
+    user's ``forward`` applied the op)."""
+    for frame in reversed(traceback.extract_stack()[:-1]):
+        path = os.path.abspath(frame.filename)
+        if not path.startswith(_OWN) and "<frozen" not in path:
+            return f"{frame.filename}:{frame.lineno}"
+    return "<unknown>"
+
+
+def refuse(op: str, why: str, todo: str) -> LayerError:
+    """The one-line refusal: the op, the user's line, why, and what to do."""
+    return LayerError(f"spatialize: {op} at {user_frame()} {why} on a tensor split over the "
+                      f"spatial grid; {todo}")

@@ -1,0 +1,486 @@
+"""A zoo of 3D models written the way other people write them (not hpcpar's own): both
+registration orders, functional ops, every norm, residual and concatenating skips, gates,
+global means, interpolation, padding modes, dropout, mean losses, classification heads.
+
+Each entry: name -> (factory, input channels, global spatial size, loss, expected outcome).
+``loss(out, target)`` is the user's plain loss; ``target`` is the whole target (the test
+hands the spatial run this rank's piece where the output is split, as a data loader does).
+Used by tests/nn/test_model_zoo.py and benchmarks/spatialize_cost.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def mse(out, target):
+    return F.mse_loss(out, target)
+
+
+def ce(out, target):
+    return F.cross_entropy(out, target)
+
+
+def bce(out, target):
+    return F.binary_cross_entropy_with_logits(out, target)
+
+
+def dice(out, target):
+    p = torch.sigmoid(out)
+    inter = (p * target).sum(dim=(2, 3, 4))
+    den = p.sum(dim=(2, 3, 4)) + target.sum(dim=(2, 3, 4))
+    return 1 - (2 * inter + 1) / (den + 1)
+
+
+def dice_mean(out, target):
+    return dice(out, target).mean()
+
+
+class PoolFirstClassifier(nn.Module):
+    """Registers the head before the convolutions (the registration-order trap)."""
+
+    def __init__(self, c=2, k=3):
+        super().__init__()
+        self.pool = nn.AdaptiveAvgPool3d(1)
+        self.fc = nn.Linear(8, k)
+        self.conv2 = nn.Conv3d(6, 8, 3, padding=1)
+        self.conv1 = nn.Conv3d(c, 6, 3, padding=1)
+
+    def forward(self, x):
+        x = F.relu(self.conv1(x))
+        x = F.relu(self.conv2(x))
+        return self.fc(torch.flatten(self.pool(x), 1))
+
+
+class FunctionalPools(nn.Module):
+    def __init__(self, c=2):
+        super().__init__()
+        self.conv = nn.Conv3d(c, 4, 3, padding=1)
+        self.out = nn.Conv3d(4, 2, 1)
+
+    def forward(self, x):
+        h = F.max_pool3d(F.leaky_relu(self.conv(x), 0.1), 3, stride=1, padding=1)
+        h = F.avg_pool3d(h, 2, stride=2, ceil_mode=True, count_include_pad=False)
+        return self.out(h)
+
+
+class MeanHead(nn.Module):
+    def __init__(self, c=2):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv3d(c, 6, 3, padding=1), nn.GELU(),
+                                  nn.Conv3d(6, 6, 3, stride=2, padding=1), nn.SiLU())
+        self.head = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
+
+    def forward(self, x):
+        return self.head(self.body(x).mean(dim=(2, 3, 4)))
+
+
+class SqueezeExcite(nn.Module):
+    def __init__(self, c=2, ch=8, r=2):
+        super().__init__()
+        self.conv = nn.Conv3d(c, ch, 3, padding=1)
+        self.squeeze = nn.AdaptiveAvgPool3d(1)
+        self.fc1 = nn.Linear(ch, ch // r)
+        self.fc2 = nn.Linear(ch // r, ch)
+        self.out = nn.Conv3d(ch, 1, 3, padding=1)
+
+    def forward(self, x):
+        h = F.relu(self.conv(x))
+        b, c = h.shape[:2]
+        s = self.squeeze(h).view(b, c)
+        s = torch.sigmoid(self.fc2(F.relu(self.fc1(s)))).view(b, c, 1, 1, 1)
+        return self.out(h * s)
+
+
+class ResBlock(nn.Module):
+    def __init__(self, ch):
+        super().__init__()
+        self.conv1 = nn.Conv3d(ch, ch, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm3d(ch)
+        self.conv2 = nn.Conv3d(ch, ch, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm3d(ch)
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + x)
+
+
+class ResNet(nn.Module):
+    def __init__(self, c=2, k=3):
+        super().__init__()
+        self.stem = nn.Conv3d(c, 6, 3, stride=2, padding=1)
+        self.layers = nn.Sequential(ResBlock(6), ResBlock(6))
+        self.fc = nn.Linear(6, k)
+
+    def forward(self, x):
+        x = self.layers(F.relu(self.stem(x)))
+        x = F.adaptive_avg_pool3d(x, 1)
+        return self.fc(x.flatten(1))
+
+
+def _block(cin, cout, norm):
+    return nn.Sequential(nn.Conv3d(cin, cout, 3, padding=1), norm(cout), nn.LeakyReLU(0.01),
+                         nn.Conv3d(cout, cout, 3, padding=1), norm(cout), nn.LeakyReLU(0.01))
+
+
+class UNetInstance(nn.Module):
+    """nnU-Net style: instance norm, strided-conv down, transposed-conv up, cat skip."""
+
+    def __init__(self, c=1, k=2):
+        super().__init__()
+
+        def norm(ch):
+            return nn.InstanceNorm3d(ch, affine=True)
+
+        self.enc1 = _block(c, 4, norm)
+        self.down = nn.Conv3d(4, 8, 3, stride=2, padding=1)
+        self.enc2 = _block(8, 8, norm)
+        self.up = nn.ConvTranspose3d(8, 4, 2, stride=2)
+        self.dec = _block(8, 4, norm)
+        self.head = nn.Conv3d(4, k, 1)
+
+    def forward(self, x):
+        s = self.enc1(x)
+        h = self.enc2(self.down(s))
+        h = torch.cat([self.up(h), s], dim=1)
+        return self.head(self.dec(h))
+
+
+class UNetGroupTrilinear(nn.Module):
+    """GroupNorm, max-pool down, trilinear upsampling to the skip's size, cat skip."""
+
+    def __init__(self, c=1, k=2):
+        super().__init__()
+
+        def norm(ch):
+            return nn.GroupNorm(2, ch)
+
+        self.enc1 = _block(c, 4, norm)
+        self.enc2 = _block(4, 8, norm)
+        self.dec = _block(12, 4, norm)
+        self.head = nn.Conv3d(4, k, 1)
+
+    def forward(self, x):
+        s = self.enc1(x)
+        h = self.enc2(F.max_pool3d(s, 2))
+        h = F.interpolate(h, size=s.shape[2:], mode="trilinear", align_corners=False)
+        return self.head(self.dec(torch.cat((h, s), 1)))
+
+
+class UNetNearestAlign(nn.Module):
+    """nn.Upsample (nearest) and align_corners=True trilinear, residual add skip."""
+
+    def __init__(self, c=1, k=1):
+        super().__init__()
+        self.inc = nn.Conv3d(c, 4, 3, padding=1)
+        self.down = nn.MaxPool3d(2)
+        self.mid = nn.Conv3d(4, 4, 3, padding=1)
+        self.up = nn.Upsample(scale_factor=2, mode="nearest")
+        self.out = nn.Conv3d(4, k, 3, padding=1)
+
+    def forward(self, x):
+        s = F.relu(self.inc(x))
+        h = self.up(F.relu(self.mid(self.down(s))))
+        g = F.interpolate(s, scale_factor=0.5, mode="trilinear", align_corners=True)
+        g = F.interpolate(g, size=s.shape[-3:], mode="trilinear", align_corners=True)
+        return self.out(h + s + g)
+
+
+class LayerNormVolume(nn.Module):
+    """LayerNorm over (C, D, H, W) of a fixed-size input."""
+
+    def __init__(self, c=2, size=(8, 9, 7)):
+        super().__init__()
+        self.conv = nn.Conv3d(c, 3, 3, padding=1)
+        self.ln = nn.LayerNorm([3, *size])
+        self.out = nn.Conv3d(3, 1, 1)
+
+    def forward(self, x):
+        return self.out(F.gelu(self.ln(self.conv(x))))
+
+
+class DenseNet(nn.Module):
+    def __init__(self, c=2, growth=3, k=3):
+        super().__init__()
+        self.layers = nn.ModuleList()
+        ch = c
+        for _ in range(3):
+            self.layers.append(nn.Sequential(nn.BatchNorm3d(ch), nn.ReLU(inplace=True),
+                                             nn.Conv3d(ch, growth, 3, padding=1)))
+            ch += growth
+        self.classifier = nn.Linear(ch, k)
+
+    def forward(self, x):
+        feats = [x]
+        for layer in self.layers:
+            feats.append(layer(torch.cat(feats, 1)))
+        h = torch.cat(feats, 1)
+        return self.classifier(F.adaptive_avg_pool3d(F.relu(h), (1, 1, 1)).view(h.size(0), -1))
+
+
+class VNet(nn.Module):
+    """V-Net style: PReLU, 5^3 convs, residual adds, stride-2 down and transposed up."""
+
+    def __init__(self, c=1, k=2):
+        super().__init__()
+        self.inc = nn.Conv3d(c, 4, 5, padding=2)
+        self.act = nn.PReLU(4)
+        self.down = nn.Conv3d(4, 8, 2, stride=2)
+        self.mid = nn.Sequential(nn.Conv3d(8, 8, 5, padding=2), nn.PReLU(8))
+        self.up = nn.ConvTranspose3d(8, 4, 2, stride=2)
+        self.out = nn.Conv3d(8, k, 1)
+
+    def forward(self, x):
+        s = self.act(self.inc(x) + x.repeat(1, 4, 1, 1, 1))
+        d = self.down(s)
+        h = self.mid(d) + d
+        return self.out(torch.cat([self.up(h), s], 1))
+
+
+class PadModes(nn.Module):
+    def __init__(self, c=2):
+        super().__init__()
+        self.c1 = nn.Conv3d(c, 3, 3)
+        self.c2 = nn.Conv3d(3, 3, 3)
+        self.c3 = nn.Conv3d(3, 3, 3, padding=1, padding_mode="circular")
+        self.c4 = nn.Conv3d(3, 1, 3, padding=1, padding_mode="reflect")
+
+    def forward(self, x):
+        h = self.c1(F.pad(x, (1, 1, 1, 1, 1, 1), mode="replicate"))
+        h = self.c2(F.pad(torch.tanh(h), (2, 0, 1, 1, 0, 2), mode="constant", value=0.5))
+        return self.c4(self.c3(h))
+
+
+class ConvNeXtBlock(nn.Module):
+    """Depthwise 7^3 conv, channels-last LayerNorm and MLP, layer scale, residual."""
+
+    def __init__(self, c=2, dim=4):
+        super().__init__()
+        self.stem = nn.Conv3d(c, dim, 1)
+        self.dw = nn.Conv3d(dim, dim, 7, padding=3, groups=dim)
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.pw1 = nn.Linear(dim, 4 * dim)
+        self.pw2 = nn.Linear(4 * dim, dim)
+        self.gamma = nn.Parameter(torch.full((dim,), 0.5))
+
+    def forward(self, x):
+        x = self.stem(x)
+        h = self.dw(x).permute(0, 2, 3, 4, 1)
+        h = self.gamma * self.pw2(F.gelu(self.pw1(self.norm(h))))
+        return x + h.permute(0, 4, 1, 2, 3)
+
+
+class AttentionGate(nn.Module):
+    def __init__(self, c=2):
+        super().__init__()
+        self.feat = nn.Conv3d(c, 4, 3, padding=2, dilation=2)
+        self.gate = nn.Conv3d(4, 1, 1)
+        self.out = nn.Conv3d(4, 3, 3, padding=1)
+
+    def forward(self, x):
+        h = F.elu(self.feat(x))
+        a = torch.sigmoid(self.gate(h))
+        return torch.log_softmax(self.out(h * a), dim=1)
+
+
+class GlobalStats(nn.Module):
+    """Normalises by global statistics written by hand (mean, std, amax) and keeps going."""
+
+    def __init__(self, c=2):
+        super().__init__()
+        self.conv = nn.Conv3d(c, 3, 3, padding=1)
+        self.out = nn.Conv3d(3, 1, 1)
+
+    def forward(self, x):
+        h = self.conv(x)
+        m = h.mean(dim=(2, 3, 4), keepdim=True)
+        s = h.std(dim=(2, 3, 4), keepdim=True)
+        h = (h - m) / (s + 1e-5)
+        return self.out(h / h.abs().amax(dim=(1, 2, 3, 4), keepdim=True))
+
+
+class CosmoFlowLike(nn.Module):
+    def __init__(self, c=2):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv3d(c, 4, 3, padding=1), nn.LeakyReLU(0.3), nn.MaxPool3d(2),
+            nn.Conv3d(4, 8, 3, padding=1), nn.LeakyReLU(0.3), nn.AdaptiveAvgPool3d(1))
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(8, 8), nn.LeakyReLU(0.3),
+                                  nn.Linear(8, 4), nn.Tanh())
+
+    def forward(self, x):
+        return self.head(self.features(x))
+
+
+class InstanceNoAffine(nn.Module):
+    """InstanceNorm without affine but with running statistics, and BatchNorm at the end."""
+
+    def __init__(self, c=2):
+        super().__init__()
+        self.conv = nn.Conv3d(c, 4, 3, padding=1)
+        self.inorm = nn.InstanceNorm3d(4, track_running_stats=True)
+        self.bn = nn.BatchNorm3d(4)
+        self.out = nn.Conv3d(4, 2, 1)
+
+    def forward(self, x):
+        return self.out(self.bn(F.relu(self.inorm(self.conv(x)))))
+
+
+class ChannelPad(nn.Module):
+    """Channel padding (a ResNet shortcut) and channel slicing."""
+
+    def __init__(self, c=2):
+        super().__init__()
+        self.conv = nn.Conv3d(c, 4, 3, stride=2, padding=1)
+
+    def forward(self, x):
+        short = F.pad(F.avg_pool3d(x, 2, ceil_mode=True), (0, 0, 0, 0, 0, 0, 1, 1))
+        h = self.conv(x) + short
+        return h[:, :3] * h[:, 3:]
+
+
+class UNetValidCrop(nn.Module):
+    """The original U-Net: unpadded convs, and the skip centre-cropped by slicing with
+    sizes read from ``.shape``."""
+
+    def __init__(self, c=1, k=2):
+        super().__init__()
+        self.enc = nn.Sequential(nn.Conv3d(c, 4, 3), nn.ReLU(), nn.Conv3d(4, 4, 3), nn.ReLU())
+        self.mid = nn.Sequential(nn.Conv3d(4, 8, 3), nn.ReLU())
+        self.up = nn.ConvTranspose3d(8, 4, 2, stride=2)
+        self.out = nn.Conv3d(8, k, 1)
+
+    def forward(self, x):
+        s = self.enc(x)
+        h = self.up(self.mid(F.max_pool3d(s, 2)))
+        d, hh, w = (a - b for a, b in zip(s.shape[2:], h.shape[2:]))
+        s = s[:, :, d // 2:d // 2 + h.shape[2], hh // 2:hh // 2 + h.shape[3],
+              w // 2:w // 2 + h.shape[4]]
+        return self.out(torch.cat([s, h], dim=1))
+
+
+class AdaptiveGrid(nn.Module):
+    """Adaptive pools to sizes other than 1 (a coarse grid of cells), kept split."""
+
+    def __init__(self, c=2):
+        super().__init__()
+        self.conv = nn.Conv3d(c, 3, 3, padding=1)
+        self.out = nn.Conv3d(3, 1, 1)
+
+    def forward(self, x):
+        h = F.relu(self.conv(x))
+        return self.out(F.adaptive_avg_pool3d(h, (4, 3, None)) +
+                        F.adaptive_max_pool3d(h, (4, 3, None)))
+
+
+class FlattenHead(nn.Module):
+    """A dense layer on the flattened split volume with no global reduction: refused."""
+
+    def __init__(self, c=2, size=(8, 9, 7)):
+        super().__init__()
+        self.conv = nn.Conv3d(c, 2, 3, padding=1)
+        self.fc = nn.Linear(2 * size[0] * size[1] * size[2], 3)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(F.relu(self.conv(x)), 1))
+
+
+class Rolled(nn.Module):
+    """torch.roll along a spatial dim: mixes voxels across ranks; refused."""
+
+    def __init__(self, c=2):
+        super().__init__()
+        self.conv = nn.Conv3d(c, 1, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(torch.roll(x, 1, dims=2))
+
+
+class ViewMerge(nn.Module):
+    """Squeeze-excitation written with view(b, c, -1).mean(-1): merges split dims; refused."""
+
+    def __init__(self, c=2):
+        super().__init__()
+        self.conv = nn.Conv3d(c, 4, 3, padding=1)
+
+    def forward(self, x):
+        h = self.conv(x)
+        b, c = h.shape[:2]
+        return h * h.view(b, c, -1).mean(-1).view(b, c, 1, 1, 1)
+
+
+class DropoutNet(nn.Module):
+    def __init__(self, c=2):
+        super().__init__()
+        self.conv = nn.Conv3d(c, 4, 3, padding=1)
+        self.drop3 = nn.Dropout3d(0.3)
+        self.drop = nn.Dropout(0.4)
+        self.out = nn.Conv3d(4, 1, 3, padding=1)
+        self.fc = nn.Linear(4, 2)
+        self.hdrop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        h = self.drop(self.drop3(F.relu(self.conv(x))))
+        g = self.fc(self.hdrop(h.mean(dim=(2, 3, 4))))
+        return self.out(h) * g[:, :1, None, None, None]
+
+
+# name -> (factory, channels, size, loss, target kind, expected)
+#   target kind: "like" (same shape as the output), "class" (class indices per voxel or per
+#   sample), "binary" (0/1 like the output)
+ZOO = {
+    "pool_first_classifier": (PoolFirstClassifier, 2, (7, 9, 5), ce, "class", "exact"),
+    "functional_pools": (FunctionalPools, 2, (9, 7, 6), mse, "like", "exact"),
+    "mean_head": (MeanHead, 2, (8, 9, 7), mse, "like", "exact"),
+    "squeeze_excite": (SqueezeExcite, 2, (7, 6, 9), mse, "like", "exact"),
+    "resnet": (ResNet, 2, (9, 8, 7), ce, "class", "exact"),
+    "unet_instance": (UNetInstance, 1, (8, 10, 6), ce, "class", "exact"),
+    "unet_group_trilinear": (UNetGroupTrilinear, 1, (9, 7, 8), ce, "class", "exact"),
+    "unet_nearest_align": (UNetNearestAlign, 1, (8, 10, 6), dice_mean, "binary", "exact"),
+    "layernorm_volume": (LayerNormVolume, 2, (8, 9, 7), mse, "like", "exact"),
+    "densenet": (DenseNet, 2, (7, 8, 9), ce, "class", "exact"),
+    "vnet": (VNet, 1, (8, 6, 10), ce, "class", "exact"),
+    "pad_modes": (PadModes, 2, (9, 8, 7), mse, "like", "exact"),
+    "convnext_block": (ConvNeXtBlock, 2, (9, 8, 10), mse, "like", "exact"),
+    "attention_gate": (AttentionGate, 2, (8, 7, 9), mse, "like", "exact"),
+    "global_stats": (GlobalStats, 2, (9, 7, 8), mse, "like", "exact"),
+    "cosmoflow_like": (CosmoFlowLike, 2, (8, 10, 6), mse, "like", "exact"),
+    "instance_no_affine": (InstanceNoAffine, 2, (7, 8, 9), bce, "binary", "exact"),
+    "channel_pad": (ChannelPad, 2, (9, 7, 8), mse, "like", "exact"),
+    "unet_valid_crop": (UNetValidCrop, 1, (16, 14, 15), ce, "class", "exact"),
+    "adaptive_grid": (AdaptiveGrid, 2, (9, 8, 7), mse, "like", "exact"),
+    "flatten_head": (FlattenHead, 2, (8, 9, 7), ce, "class", "refused"),
+    "rolled": (Rolled, 2, (8, 9, 7), mse, "like", "refused"),
+    "view_merge": (ViewMerge, 2, (8, 9, 7), mse, "like", "refused"),
+    "dropout_net": (DropoutNet, 2, (8, 9, 7), mse, "like", "exact"),
+}
+
+
+class _RawFlip(torch.autograd.Function):
+    """Flips along D with torch-function handling switched off: escapes the dispatch."""
+
+    @staticmethod
+    def forward(ctx, x):
+        with torch._C.DisableTorchFunction():
+            return x.flip(2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        with torch._C.DisableTorchFunction():
+            return grad.flip(2)
+
+
+class Escaping(nn.Module):
+    """Deliberately escapes the conversion: only the first-step check can catch it."""
+
+    def __init__(self, c=2):
+        super().__init__()
+        self.conv1 = nn.Conv3d(c, 3, 3, padding=1)
+        self.conv2 = nn.Conv3d(3, 1, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv2(_RawFlip.apply(self.conv1(x)))
+

@@ -1,0 +1,129 @@
+"""The zoo (hpcpar/testing/zoo.py): every model written in ordinary torch style is, on
+every grid, either exact against single-process torch (output, loss value and every parameter
+gradient after hpcpar.DDP, float64) or refused on every rank with one line naming the op and
+the source line. The outcome of each model is declared; none may be silently wrong."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from hpcpar.testing import mpi_case
+from hpcpar.testing.oracles import batch_slice, on_grids, one_rank_grid, randn, spatial_slices
+from hpcpar.testing.zoo import ZOO
+
+GRIDS = [(1, 2, 1, 1), (1, 2, 2, 1), (1, 2, 2, 2), (2, 2, 1, 1)]
+RTOL = 1e-9
+
+
+def _close(got, want, what):
+    scale = max(float(want.abs().max()), 1e-3)
+    err = float((got - want).abs().max()) if got.numel() else 0.0
+    assert err <= RTOL * scale, f"{what}: max |diff| {err:.3e} (scale {scale:.3e})"
+
+
+def _target(out, kind, seed):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "like":
+        return torch.randn(out.shape, generator=g, dtype=out.dtype)
+    if kind == "binary":
+        return (torch.rand(out.shape, generator=g) < 0.5).to(out.dtype)
+    shape = (out.shape[0], *out.shape[2:])
+    return torch.randint(0, out.shape[1], shape, generator=g)
+
+
+def _piece(t, grid, split):
+    """The rank's share of a whole tensor: its samples, and its voxels where ``split``."""
+    t = t[batch_slice(t.shape[0], grid)]
+    if not split:
+        return t
+    spatial = t.shape[-3:]
+    return t[(slice(None),) * (t.dim() - 3) + spatial_slices(spatial, grid)[2:]]
+
+
+def _run(grid, name, seed=0):
+    """('exact' or 'refused', the refusal's line), asserting exactness / a one-line refusal
+    on the way."""
+    import hpcpar
+    from hpcpar.errors import LayerError
+    from hpcpar.nn import local, spatialize, split_like
+    from hpcpar.nn.split import is_split
+    from hpcpar.parallel.comm import allreduce_
+
+    factory, c, size, loss_fn, kind, _ = ZOO[name]
+    torch.manual_seed(seed)
+    pristine = factory(c=c).double()
+    plain = copy.deepcopy(pristine)
+    x = randn((2 * grid.data, c, *size), seed + 1, torch.float64)
+    dropout = any(isinstance(m, torch.nn.modules.dropout._DropoutNd) for m in plain.modules())
+    if dropout:  # reference: the same hpcpar model on one rank (split-independent masks)
+        plain = spatialize(plain, one_rank_grid())
+    torch.manual_seed(99)
+    ref_out = plain(x)
+    target = _target(ref_out, kind, seed + 2)
+    ref_loss = loss_fn(ref_out, target)
+    ref_loss.backward()
+    ref_out = local(ref_out).detach()
+    try:
+        model = hpcpar.DDP(spatialize(pristine, grid, bn_include_data=True, check=True), grid)
+        xl = _piece(x, grid, True).clone()
+        torch.manual_seed(99)
+        out = model(xl)
+        # this rank's piece of the target, as a data loader gives it, marked split
+        loss = loss_fn(out, split_like(_piece(target, grid, is_split(out)), out))
+        loss.backward()
+    except LayerError as exc:
+        msg = str(exc)
+        assert "\n" not in msg and ".py:" in msg, f"{name}: refusal not one line: {msg!r}"
+        return "refused", msg
+    what = f"{name} on {grid.spec()}"
+    split = is_split(out)
+    _close(local(out).detach(), _piece(ref_out, grid, split), f"{what}: output")
+    value = allreduce_(loss.detach().reshape(1).clone(), grid.data_comm) / grid.data
+    _close(value, ref_loss.detach().reshape(1), f"{what}: loss")
+    ref_params = dict(plain.named_parameters())
+    for pname, p in model.module.named_parameters():
+        want = ref_params[pname].grad
+        got = p.grad if p.grad is not None else torch.zeros_like(p)
+        _close(got, want if want is not None else torch.zeros_like(p), f"{what}: grad {pname}")
+    return "exact", ""
+
+
+@mpi_case(nprocs=(8,), timeout=900)
+def test_zoo_is_exact_or_refused(comm):
+    outcomes, counts = {}, {"exact": 0, "refused": 0}
+
+    def each(grid):
+        for name in ZOO:
+            got, msg = _run(grid, name)
+            outcomes.setdefault(name, set()).add(got)
+            counts[got] += 1
+            if msg and grid.rank == 0:
+                print(f"{name} on {grid.spec()}: {msg}")
+
+    on_grids(comm, GRIDS, each)
+    on_grids(comm, [(1, 2, 1, 1), (1, 1, 2, 2)], _escape_is_caught)
+    if comm.rank == 0:
+        print(f"zoo: {len(outcomes)} models on {len(GRIDS)} grids: {counts['exact']} exact, "
+              f"{counts['refused']} refused, 0 silently wrong")
+        wrong = {n: g for n, g in outcomes.items() if g != {ZOO[n][-1]}}
+        assert not wrong, f"unexpected outcomes: {wrong}"
+
+
+def _escape_is_caught(grid):
+    """A model that escapes the dispatch is stopped by the first-step check, on every rank,
+    naming the first module that differs."""
+    import pytest
+
+    from hpcpar.errors import LayerError
+    from hpcpar.nn import spatialize
+    from hpcpar.parallel.spatial import local_slices
+    from hpcpar.testing.zoo import Escaping
+
+    torch.manual_seed(0)
+    model = spatialize(Escaping().double(), grid, check=True)
+    x = randn((1, 2, 6, 7, 8), 5, torch.float64)
+    with pytest.raises(LayerError, match="spatialize check: module 'conv2'"):
+        model(x[local_slices(x.shape, grid)])
+
