@@ -101,6 +101,24 @@ def _optional_int(value):
     return None if value is None else int(value)
 
 
+#: meta.json fields the run table takes as they are, and the JSON types they may hold
+META_TYPES = {"config": str, "job_name": str, "nodes": int, "grid_spec": str,
+              "global_batch": (int, float), "problem_size": (int, float), "status": str,
+              "start_time": str, "end_time": str, "hostnames": list, "slurm": dict,
+              "versions": dict, "machine": dict, "git": dict, "grid": dict, "segments": list}
+JSON_NAMES = {str: "string", int: "integer", (int, float): "number", list: "array",
+              dict: "object"}
+
+
+def _check_types(meta: dict, path: Path) -> None:
+    """A field of another JSON type is one line here, not a failure deep in pandas."""
+    for key, types in META_TYPES.items():
+        value = meta.get(key)
+        if value is not None and (not isinstance(value, types) or isinstance(value, bool)):
+            raise RunDirError(f"{path}: field {key!r} is {str(value)[:40]!r}, expected a JSON "
+                              f"{JSON_NAMES[types]}")
+
+
 def load_run(run_dir: str | os.PathLike) -> tuple[dict, pd.DataFrame]:
     """Load one run directory.
 
@@ -127,6 +145,7 @@ def load_run(run_dir: str | os.PathLike) -> tuple[dict, pd.DataFrame]:
 
 def _load_run(run_dir: Path, meta: dict) -> tuple[dict, pd.DataFrame]:
     ranks = _ranks(meta, run_dir / "meta.json")
+    _check_types(meta, run_dir / "meta.json")
     notes = []
     status = meta.get("status", "?")
     if status != "ok":

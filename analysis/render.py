@@ -478,12 +478,32 @@ def write_report(paths: Sequence[str | os.PathLike], out: str | os.PathLike,
     skipped: list = []
     runs, steps = load(paths, skipped)
     runs = split_unlike(runs, strict)
+    before = set(out.iterdir()) if out.is_dir() else None
     try:
         return _write(out, paths, runs, steps, skipped, mode, warmup, title, threshold,
                       predict_point, predicted_by)
     except OSError as exc:  # disk full, permissions, OUT is a file: one line naming it
         where = exc.filename or out
-        raise RunDirError(f"{where}: cannot write the report ({exc.strerror or exc})") from None
+        tail = "; the files it had written are removed" if _remove_new(out, before) else ""
+        raise RunDirError(f"{where}: cannot write the report ({exc.strerror or exc}){tail}") \
+            from None
+
+
+def _remove_new(out: Path, before: set | None) -> bool:
+    """Take back what a failed report wrote, so no half report is left looking complete:
+    the files that were not in ``out`` before (and ``out`` itself when it was made). Returns
+    whether there was any."""
+    removed = False
+    try:
+        for path in set(out.iterdir()) - (before or set()):
+            if path.is_file() and not path.is_symlink():
+                path.unlink()
+                removed = True
+        if before is None:
+            out.rmdir()
+    except OSError:
+        pass    # a directory that cannot be listed or emptied: nothing more to do
+    return removed
 
 
 def _write(out: Path, paths, runs, steps, skipped, mode, warmup, title, threshold,

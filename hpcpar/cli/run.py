@@ -321,6 +321,8 @@ def _report(rd: Path, rc: int, lock, started: bool, oom: str | None = None) -> N
         click.echo(f"hpcpar: done: {rd} (metrics.json, steps records){tail}", err=True)
         return
     if rc == EXIT_REQUEUE:
+        if started:
+            rundir.mark_ended(rd, "stopped by a signal (exit code 3)", status="preempted")
         click.echo(f"hpcpar: stopped by signal after checkpointing in {rd / 'checkpoints'}; "
                    f"run the same command again (or requeue) to resume", err=True)
     elif rc == EXIT_ABORTED:
@@ -340,5 +342,8 @@ def _report(rd: Path, rc: int, lock, started: bool, oom: str | None = None) -> N
         click.echo(f"hpcpar: error: the ranks failed (launcher exit code {rc}); logs in "
                    f"{rd / 'logs'}", err=True)
         rc = EXIT_FAILED
+    elif started:   # the ranks record their error; a rank killed meanwhile may not have
+        rundir.mark_ended(rd, f"the ranks exited with code {rc}; see their error line in "
+                              f"{rd / 'logs'}")
     lock.release()
     sys.exit(rc)

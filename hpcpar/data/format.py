@@ -301,10 +301,30 @@ def _check_numbers(path: str, m: Manifest) -> None:
     def whole(v, lo: int) -> bool:
         return isinstance(v, int) and not isinstance(v, bool) and v >= lo
 
-    for a in (m.x, m.y):
+    if not whole(m.num_samples, 0):
+        raise DataError(f"{path}: field 'num_samples' is {m.num_samples!r}, expected an "
+                        "integer >= 0")
+    for name, a in (("x", m.x), ("y", m.y)):
+        if not isinstance(a.key, str) or not a.key:
+            raise DataError(f"{path}: field '{name}.key' is {a.key!r}, expected a dataset name")
+        if not isinstance(a.dtype, str):
+            raise DataError(f"{path}: field '{name}.dtype' is {a.dtype!r}, expected a numpy "
+                            "dtype name such as 'float32'")
         if not all(whole(n, 1) for n in a.shape):
             raise DataError(f"{path}: field '{a.key}.shape' is {list(a.shape)!r}, expected "
                             "positive integers")
+        if a.chunks is not None and not all(whole(n, 1) for n in a.chunks):
+            raise DataError(f"{path}: field '{name}.chunks' is {list(a.chunks)!r}, expected "
+                            "positive integers")
+        if a.names is not None and not (isinstance(a.names, list)
+                                        and all(isinstance(n, str) for n in a.names)):
+            raise DataError(f"{path}: field '{name}.names' is {a.names!r}, expected a list of "
+                            "names")
+        if not isinstance(m.stats.get(name) or {}, dict):
+            raise DataError(f"{path}: field 'stats.{name}' is {m.stats.get(name)!r}, expected "
+                            "a JSON object")
+    if not isinstance(m.source, dict):
+        raise DataError(f"{path}: field 'source' is {m.source!r}, expected a JSON object")
     for i, s in enumerate(m.shards):
         for name, lo in (("start", 0), ("count", 1), ("bytes", 0)):
             if not whole(getattr(s, name), lo):
@@ -313,6 +333,11 @@ def _check_numbers(path: str, m: Manifest) -> None:
         if not isinstance(s.sha256, str):
             raise DataError(f"{path}: field 'shards[{i}].sha256' is {s.sha256!r}, expected a "
                             "hex string")
+
+
+def _no_constant(name: str):
+    """json's hook for NaN/Infinity: a manifest is strict JSON (hpcpar never writes them)."""
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def read_manifest(directory: str | os.PathLike) -> Manifest:
@@ -335,9 +360,11 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
         raise DataError(f"{path}: manifest not found (is {directory} an hpcpar dataset?)")
     try:
         with open(path) as fh:
-            d = json.load(fh)
-    except (OSError, json.JSONDecodeError) as exc:
+            d = json.load(fh, parse_constant=_no_constant)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:   # invalid JSON, NaN, 5000 digits
         raise DataError(f"{path}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise DataError(f"{path}: not valid JSON (arrays or objects nest too deeply)") from None
     if not isinstance(d, dict):
         raise DataError(f"{path}: expected a JSON object, got a {type(d).__name__}")
     if d.get("format") != FORMAT:
@@ -346,7 +373,7 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
         raise DataError(f"{path}: field 'format_version' is {d.get('format_version')!r}, "
                         f"this hpcpar reads version {FORMAT_VERSION}")
     try:
-        m = Manifest(int(d["num_samples"]), Array.from_json(d["x"]), Array.from_json(d["y"]),
+        m = Manifest(d["num_samples"], Array.from_json(d["x"]), Array.from_json(d["y"]),
                      [Shard(**s) for s in d["shards"]], d.get("source", {}),
                      stats=dict(d.get("stats") or {}), transform=_transform_of(d))
     except (KeyError, TypeError, ValueError, AttributeError) as exc:

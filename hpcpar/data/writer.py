@@ -43,7 +43,8 @@ from .format import (
     x_chunks,
 )
 
-__all__ = ["BLOCK_BYTES", "SerialComm", "shard_counts", "write_dataset", "H5Source"]
+__all__ = ["BLOCK_BYTES", "SerialComm", "shard_counts", "dataset_bytes", "write_dataset",
+           "H5Source"]
 
 BLOCK_BYTES = 64 << 20  # samples are read from the source in blocks of about this size
 
@@ -149,6 +150,52 @@ def _write_shard(path: str, source, index: int, start: int, count: int, total: i
     return stats
 
 
+def _oserror_line(exc: OSError) -> str:
+    """One line for an OSError: h5py's carry a multi-line HDF5 driver message, so the errno's
+    own text is preferred ("No space left on device", "Read-only file system")."""
+    if exc.errno:
+        return os.strerror(exc.errno)
+    return (str(exc).splitlines() or [type(exc).__name__])[0]
+
+
+def _write_error(out: str, path: str, exc: BaseException) -> Exception:
+    """The one-line error of a failed shard or directory write (disk full, read-only...);
+    other errors (a DataError about the values) pass unchanged."""
+    if not isinstance(exc, OSError):
+        return exc
+    return DataError(f"{out}: cannot write {os.path.basename(path)} ({_oserror_line(exc)}); "
+                     f"nothing was published, the partial files are removed")
+
+
+def dataset_bytes(source, counts: list[int], chunk=None) -> int:
+    """An upper bound of the shard files' total size: x in whole chunks (edge chunks are
+    stored full), y, and per shard 64 KiB plus 1% for HDF5's own metadata."""
+    cshape = x_chunks(source.x_shape, chunk)[1:]
+    padded = [-(-n // c) * c for n, c in zip(source.x_shape, cshape)]
+    per_sample = (int(np.prod(padded)) * np.dtype(source.x_dtype).itemsize
+                  + int(np.prod(source.y_shape)) * np.dtype(source.y_dtype).itemsize)
+    raw = sum(counts) * per_sample
+    return raw + raw // 100 + len(counts) * (64 << 10)
+
+
+def _reserve_space(out: str, tmp: str, need: int) -> None:
+    """Allocate ``need`` bytes in ``tmp`` and free them again, before any HDF5 write: HDF5
+    cannot recover from a failed write (a full disk or quota makes the later close fail and
+    the process crash), so the space is claimed first, the way the disk and quota count it."""
+    reserve = os.path.join(tmp, ".space-check")
+    try:
+        fd = os.open(reserve, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, max(need, 1))
+        finally:
+            os.close(fd)
+            os.unlink(reserve)
+    except OSError as exc:
+        raise DataError(f"{out}: not enough space for the dataset (about "
+                        f"{need / 2**20:.1f} MiB needed: {_oserror_line(exc)}); nothing was "
+                        f"written") from None
+
+
 def _check_replaceable(out: str) -> None:
     """``--force`` replaces only what hpcpar made: an empty directory, or a dataset directory
     (its ``manifest.json`` says so) holding nothing but the manifest and its shards; never the
@@ -189,7 +236,11 @@ def _make_temp_dir(out: str, force: bool) -> str:
     parent = os.path.dirname(out)
     if not os.path.isdir(parent):
         raise DataError(f"{parent}: output's parent directory not found")
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.partial-", dir=parent)
+    try:
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.partial-", dir=parent)
+    except OSError as exc:
+        raise DataError(f"{out}: cannot create the dataset in {parent} "
+                        f"({_oserror_line(exc)})") from None
     umask = os.umask(0o22)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the dataset is not
@@ -258,7 +309,10 @@ def write_dataset(out: str, source: CosmoflowSource | H5Source, counts: list[int
     if rank == 0:
         try:
             tmp = _make_temp_dir(out, force)
+            _reserve_space(out, tmp, dataset_bytes(source, counts, chunk))
         except DataError as exc:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
             err = str(exc)
     tmp, err = comm.bcast((tmp, err), root=0)
     if err:
@@ -267,7 +321,7 @@ def write_dataset(out: str, source: CosmoflowSource | H5Source, counts: list[int
     total = starts[-1]
     lo, hi = part_range(len(counts), size, rank)
     entries, error = [], None
-    bar = None
+    bar, path = None, tmp
     try:
         if progress and rank == 0:
             from tqdm import tqdm
@@ -282,7 +336,7 @@ def write_dataset(out: str, source: CosmoflowSource | H5Source, counts: list[int
             entries.append((Shard(shard_name(i), starts[i], counts[i], os.path.getsize(path),
                                   sha256_file(path)), st))
     except Exception as exc:  # noqa: BLE001 - every rank must learn of the failure
-        error = exc
+        error = _write_error(out, path, exc)
     finally:
         if bar is not None:
             bar.close()
@@ -293,7 +347,7 @@ def write_dataset(out: str, source: CosmoflowSource | H5Source, counts: list[int
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         if error is not None:
-            raise error
+            raise error from None
         r, e = failed[0]
         raise DataError(f"writing {out} failed on rank {r}: {e}")
     gathered = comm.gather(entries, root=0)
@@ -318,7 +372,7 @@ def write_dataset(out: str, source: CosmoflowSource | H5Source, counts: list[int
         except (OSError, DataError) as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             err = str(exc) if isinstance(exc, DataError) else \
-                f"{out}: cannot publish the dataset ({exc})"
+                f"{out}: cannot publish the dataset ({_oserror_line(exc)})"
     err = comm.bcast(err if rank == 0 else None, root=0)
     if err:
         raise DataError(err)

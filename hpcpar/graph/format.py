@@ -136,24 +136,36 @@ class GraphFile:
     def _fail(self, msg: str):
         raise DataError(f"{self.path}: {msg} (hpcpar graph format v{VERSION})")
 
+    def _int_attr(self, name: str, low: int) -> int:
+        """A root attribute that must be an integer >= ``low`` (absent: ``low``)."""
+        v = self.f.attrs.get(name, low)
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < low:
+            self._fail(f"attribute {name}={v!r}, expected an integer >= {low}")
+        return int(v)
+
     def _need(self, name: str, shape=None):
         if name not in self.f:
             self._fail(f"missing field '/{name}'")
         ds = self.f[name]
+        if getattr(ds, "ndim", None) != 1:       # every field read by rows is a 1-D array
+            self._fail(f"field '/{name}' is not a 1-D array")
         if shape is not None and tuple(ds.shape) != tuple(shape):
             self._fail(f"field '/{name}' has shape {tuple(ds.shape)}, expected {tuple(shape)}")
         return ds
 
     def _validate(self) -> None:
         a = self.f.attrs
-        if a.get("format") != FORMAT:
+        if not isinstance(a.get("format"), str) or a.get("format") != FORMAT:
             self._fail(f"attribute format={a.get('format')!r}, expected {FORMAT!r}")
-        if int(a.get("version", 0)) > VERSION:
+        if self._int_attr("version", 0) > VERSION:
             self._fail(f"file version {a.get('version')} is newer than this reader")
         if "num_nodes" not in a:
             self._fail("missing attribute 'num_nodes'")
-        n = self.num_nodes = int(a["num_nodes"])
-        self.directed = bool(a.get("directed", False))
+        n = self.num_nodes = self._int_attr("num_nodes", 0)
+        self.directed = a.get("directed", False)
+        if not isinstance(self.directed, (bool, np.bool_)):
+            self._fail(f"attribute directed={self.directed!r}, expected a boolean")
+        self.directed = bool(self.directed)
         self.name = str(a.get("name", ""))
         if "csr" in self.f:
             self._need("csr/indptr", (n + 1,))
@@ -171,7 +183,11 @@ class GraphFile:
                 self._need(f"features/{k}")
             if "shape" not in self.f["features"].attrs:
                 self._fail("field '/features' (CSR) has no 'shape' attribute")
-            shape = tuple(int(s) for s in self.f["features"].attrs["shape"])
+            shape = np.asarray(self.f["features"].attrs["shape"])
+            if shape.shape != (2,) or shape.dtype.kind not in "iu" or shape.min() < 0:
+                self._fail(f"field '/features' (CSR) has shape attribute {shape.tolist()!r}, "
+                           "expected two non-negative integers (N, F)")
+            shape = tuple(int(s) for s in shape)
             self._need("features/indptr", (shape[0] + 1,))
         else:
             shape = self.f["features"].shape
@@ -181,8 +197,7 @@ class GraphFile:
         labels = self._need("labels", (n,))[()]
         for m in MASKS:
             self._need(f"masks/{m}", (n,))
-        labels_max = a.get("num_classes")
-        self.num_classes = int(labels_max) if labels_max is not None else \
+        self.num_classes = self._int_attr("num_classes", 1) if "num_classes" in a else \
             int(labels.max()) + 1 if n else 1
         check_labels(labels, self.num_classes, f"{self.path}: /labels")
 

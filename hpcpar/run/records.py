@@ -114,8 +114,10 @@ META_KEYS = {
     "nodes": "number of nodes", "hostnames": "sorted distinct host names",
     "rank_hosts": "host of each rank", "slurm": "Slurm job facts or null",
     "start_time": "ISO 8601 UTC of the first start", "end_time": "ISO 8601 UTC of finish or null",
-    "status": "running | ok | preempted | failed | diverged (running after the end = "
-              "crashed; diverged: non-finite loss/gradient, see 'diverged')",
+    "status": "running | ok | preempted | failed | diverged (diverged: non-finite "
+              "loss/gradient, see 'diverged'; every way a run ends replaces running)",
+    "end_reason": "one line: why the run ended, when it did not end ok (the error, the "
+                  "signal, the launcher's exit code)",
     "segments": "one entry per start/resume: start time and first step recorded",
     "diverged": "{step, reason} when status is 'diverged' (written by the training loop)",
     "versions": "python, hpcpar, torch, mpi4py, mpi_library, numba, h5py, ...",
@@ -488,6 +490,9 @@ def read_meta(run_dir: str | os.PathLike) -> dict:
         raise RunDirError(f"{path}: missing (not an hpcpar run directory)") from None
     except (OSError, ValueError) as exc:
         raise RunDirError(f"{path}: unreadable JSON ({exc})") from None
+    except RecursionError:
+        raise RunDirError(f"{path}: unreadable JSON (arrays or objects nest too deeply)") \
+            from None
     if not isinstance(meta, dict) or meta.get("schema") != SCHEMA_NAME:
         raise RunDirError(f"{path}: not an hpcpar run record (schema {SCHEMA_NAME!r} expected)")
     if meta.get("schema_version") != SCHEMA_VERSION:
@@ -586,6 +591,7 @@ class RunRecorder:
         previous = read_meta(self.run_dir) if resume and path.exists() else None
         start = now_iso()
         meta = dict(previous or {})
+        meta.pop("end_reason", None)        # a new segment: the last one's ending is history
         meta.update(user)
         meta.update(_grid_facts(self.grid))
         meta.update({
@@ -641,12 +647,13 @@ class RunRecorder:
                 pass
             os.close(fd)
 
-    def finish(self, status: str = "ok") -> Path | None:
+    def finish(self, status: str = "ok", reason: str | None = None) -> Path | None:
         """Close every rank's file, merge them, and record the end time and status (collective).
 
         Args:
             status: The run's final status for meta.json (``"ok"``, ``"stopped"``,
                 ``"failed"``...).
+            reason: Why the run ended, stored as ``end_reason`` (None removes an earlier one).
 
         Returns:
             The merged ``steps.parquet`` on rank 0; None on
@@ -661,7 +668,7 @@ class RunRecorder:
             try:
                 out = merge_records(self.run_dir)
                 self.update_meta(lambda m: m.update(end_time=now_iso(), status=status,
-                                                    steps_file=out.name))
+                                                    end_reason=reason, steps_file=out.name))
             except RunDirError as exc:
                 error = f"{self.run_dir}: cannot merge run records: {exc}"
             except OSError as exc:  # disk full while writing steps.parquet: rank files stay

@@ -36,7 +36,7 @@ from hpcpar.errors import RunDirError
 
 __all__ = ["LOCK_NAME", "RESUME_FREE", "RUN_ENTRIES", "RunLock", "is_run_dir", "check_run_dir",
            "settings_diff", "describe_diff", "check_settings", "finished_status", "move_aside",
-           "keep_old_settings", "mark_ended", "resumed_from"]
+           "keep_old_settings", "ended", "mark_ended", "resumed_from"]
 
 LOCK_NAME = "hpcpar.lock"
 #: job keys that may change between the segments of one run: they do not change what is
@@ -407,24 +407,47 @@ def keep_old_settings(run_dir: str | os.PathLike) -> Path | None:
     return dest
 
 
-def mark_ended(run_dir: str | os.PathLike, reason: str) -> None:
-    """Mark a run whose ranks are gone as failed, since a killed rank or launcher cannot.
+def ended(meta: dict) -> bool:
+    """Whether meta.json records how the run ended: not "running", and not a stop a signal
+    asked for that the ranks have not completed yet (status "preempted" without an end time,
+    written the moment the signal arrived, see :mod:`hpcpar.run.trainer`)."""
+    status = meta.get("status")
+    return status != "running" and not (status == "preempted" and meta.get("end_time") is None)
 
-    A meta.json still saying "running" becomes "failed" with ``end_reason`` and an end time;
-    any other (or unreadable) meta.json is left as it is.
+
+def mark_ended(run_dir: str | os.PathLike, reason: str, status: str = "failed",
+               job: dict | None = None, final: bool = True) -> None:
+    """Record how a run ended when its ranks could not (killed, crashed, stopped by a signal).
+
+    A meta.json that has not recorded an ending (:func:`ended`) gets ``status``, ``end_reason``
+    and an end time; one that has is left as it is. A missing meta.json is written (a run that
+    failed before its records started) only when ``job`` is given; an unreadable one is left.
 
     Args:
         run_dir: The run directory.
-        reason: Why the run ended, stored as ``end_reason``.
+        reason: Why the run ended, stored as ``end_reason`` (one line).
+        status: ``"failed"``, or ``"preempted"`` for a stop a signal asked for.
+        job: The resolved job (dict), to start a meta.json where there is none.
+        final: False for a stop that is under way (no end time: the ranks' own ending, or a
+            later failure, still replaces it).
     """
+    from hpcpar.run.records import SCHEMA_NAME, SCHEMA_VERSION, now_iso, write_json_atomic
+
     path = Path(run_dir) / "meta.json"
     try:
         meta = json.loads(path.read_text())
+    except FileNotFoundError:
+        if job is None or not Path(run_dir).is_dir():
+            return
+        meta = {"schema": SCHEMA_NAME, "schema_version": SCHEMA_VERSION,
+                "job_name": job.get("name"), "job": job, "start_time": now_iso(),
+                "segments": [], "status": "running"}
     except (OSError, ValueError):
         return
-    if not isinstance(meta, dict) or meta.get("status") != "running":
+    if not isinstance(meta, dict) or ended(meta):
         return
-    from hpcpar.run.records import now_iso, write_json_atomic
-
-    meta.update(status="failed", end_reason=reason, end_time=now_iso())
-    write_json_atomic(path, meta)
+    meta.update(status=status, end_reason=reason, end_time=now_iso() if final else None)
+    try:
+        write_json_atomic(path, meta)
+    except RunDirError:
+        pass        # the disk that failed the run may refuse this too: the old file stays

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -26,8 +28,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hpcpar import _env
-from hpcpar.errors import EXIT_FAILED, EXIT_OK, EXIT_REQUEUE, EXIT_USAGE, DivergedError, HpcparError
+from hpcpar.errors import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_REQUEUE,
+    EXIT_USAGE,
+    DataError,
+    DivergedError,
+    HpcparError,
+)
 from hpcpar.run import checkpoint as ckpt
+from hpcpar.run import rundir
 from hpcpar.run.signals import StopRequest
 
 if TYPE_CHECKING:
@@ -39,7 +50,7 @@ if TYPE_CHECKING:
     from hpcpar.run.jobspec import JobSpec
 
 __all__ = ["TrainResult", "Verdict", "RankLog", "grads_finite", "seed_all", "peak_memory",
-           "total_steps", "Trainer", "train", "main"]
+           "total_steps", "Trainer", "StopMarker", "failure_reason", "train", "main"]
 
 
 @dataclass
@@ -432,12 +443,14 @@ class Trainer:
         loop.bar = self._progress_bar()
         self.model.train()
         self.stop.on_abort = lambda: self._mark_aborted(recorder)
+        marker = StopMarker(self.run_dir, lambda: self.step)
         self._hook("on_train_start")
         result = None
         try:
             try:
                 self._loop(recorder, loop)
                 if not loop.stopped:
+                    self._check_trained(loop)
                     self._final_checkpoint(loop)
             except DivergedError as exc:
                 loop.diverged = str(exc)
@@ -454,7 +467,23 @@ class Trainer:
             result = self._finish_ok(recorder, loop)
             return result
         finally:
+            marker.close()
             self._hook("on_train_end", result.metrics if result is not None else {})
+
+    def _check_trained(self, loop: _LoopState) -> None:
+        """Collective: a run that trained on nothing never ends "ok". Every step skipped for
+        non-finite values is a divergence; steps that used no sample (or vertex) are an error
+        naming the count."""
+        if not loop.steps_done:
+            return
+        if self.skipped >= self.step:
+            raise _collective(DivergedError(
+                f"diverged: all {self.step} optimizer steps were skipped for non-finite values "
+                f"([train] on_nonfinite = \"skip\"): nothing was trained"))
+        if not self.comm.allreduce(loop.samples_done):
+            raise _collective(DataError(
+                f"{self.job.model.kind}: {loop.steps_done} steps used no training sample or "
+                f"vertex: nothing was trained (check [data] and the training mask)"))
 
     def _hook(self, name: str, *args) -> None:
         """Call ``name`` on every callback (hpcpar.run.callbacks.Callback)."""
@@ -581,7 +610,9 @@ class Trainer:
             loop.last_ckpt = self.save_checkpoint()
 
     def _finish_stopped(self, recorder) -> TrainResult:
-        recorder.finish("preempted")
+        why = StopRequest.name(self.stop.received) if self.stop.received else "another rank"
+        recorder.finish("preempted", f"stopped by a signal ({why}) after checkpointing step "
+                                     f"{self.step}")
         self.log.close()
         return TrainResult(self.step, stopped=True, skipped_steps=self.skipped)
 
@@ -592,7 +623,7 @@ class Trainer:
         kept = (f"; last finite checkpoint {newest[0].name} kept" if newest
                 else "; no checkpoint had been written yet")
         reason = loop.diverged + kept
-        recorder.finish("diverged")
+        recorder.finish("diverged", reason)
         if self.rank == 0:
             recorder.update_meta(lambda m: m.update(
                 diverged={"step": self.step, "reason": reason}, skipped_steps=self.skipped))
@@ -637,6 +668,50 @@ class Trainer:
         self.workload.close()
 
 
+class StopMarker:
+    """Records in meta.json, the moment a stop signal arrives, that the run is stopping
+    (status "preempted", no end time yet; the loop's own ending replaces it). A thread does it,
+    woken through ``signal.set_wakeup_fd``: a rank blocked in MPI (a node lost, a peer gone)
+    runs no Python signal handler, and Slurm's SIGKILL follows its SIGTERM. Every rank marks,
+    since the signalled ranks may not include rank 0."""
+
+    SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, run_dir: Path, step: Callable[[], int]):
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)
+        self._previous = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        self._thread = threading.Thread(target=self._watch, args=(Path(run_dir), step),
+                                        name="hpcpar-stop-marker", daemon=True)
+        self._thread.start()
+
+    def _watch(self, run_dir: Path, step: Callable[[], int]) -> None:
+        while data := os.read(self._read, 64):
+            sig = next((s for s in data if s in self.SIGNALS), None)
+            if sig is not None:
+                rundir.mark_ended(run_dir, f"{StopRequest.name(sig)} received during step "
+                                           f"{step() + 1}: stopping after it with a checkpoint",
+                                  status="preempted", final=False)
+                return
+
+    def close(self) -> None:
+        signal.set_wakeup_fd(self._previous)
+        os.close(self._write)           # the watcher reads end-of-file and returns
+        self._thread.join(timeout=5)
+        os.close(self._read)
+
+
+def failure_reason(exc: BaseException, rank: int) -> str:
+    """The one-line ``end_reason`` of a run ended by ``exc``: an error every rank raised alike
+    names no rank."""
+    if isinstance(exc, HpcparError):
+        text = str(exc)
+    else:
+        text = f"crash: {type(exc).__name__}: {str(exc).strip()}"
+    text = (text.splitlines() or [""])[0]
+    return text if getattr(exc, "collective", False) else f"[rank {rank}] {text}"
+
+
 def train(job: JobSpec, run_dir: str | os.PathLike, *, resume: bool = True,
           comm: MPI.Comm | None = None, device: torch.device | str | None = None,
           callbacks: list | None = None) -> TrainResult:
@@ -679,8 +754,24 @@ def train(job: JobSpec, run_dir: str | os.PathLike, *, resume: bool = True,
             return trainer.run()
         finally:
             trainer.close()
+    except BaseException as exc:
+        _record_failure(job, run_dir, exc, comm)
+        raise
     finally:
         stop.uninstall()
+
+
+def _record_failure(job: JobSpec, run_dir, exc: BaseException, comm) -> None:
+    """meta.json says "failed" with the reason after any error (rank 0 writes an error all
+    ranks raised; a rank failing alone writes its own, as the others may never learn of it).
+    A run that failed before its records started (making its dataset on a full disk, say) gets
+    a meta.json too. A diverged run has recorded its status already."""
+    from mpi4py import MPI
+
+    rank = (comm or MPI.COMM_WORLD).Get_rank()
+    if getattr(exc, "collective", False) and rank != 0:
+        return
+    rundir.mark_ended(run_dir, failure_reason(exc, rank), job=job.to_dict())
 
 
 def _collective(exc: Exception) -> Exception:
