@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_map
 from hpcpar.parallel.comm import allreduce_
 from hpcpar.parallel.partition import part_range
 
-from .split import Layout, SplitTensor, refuse, unwrap, wrap
+from .split import Layout, SplitTensor, adopt, raw, refuse, wrap
 
 __all__ = ["handle", "SpatialMode", "Call"]
 
@@ -57,7 +57,11 @@ def handle(func, args, kwargs, ctx=None):
         return _replicated_call(func, args, kwargs, flat, ctx)
     from .optable import rule_for
 
-    return rule_for(func)(Call(func, args, kwargs, splits))
+    rule = rule_for(func)
+    # rules run with torch-function handling off: there a split tensor is its plain piece
+    # (raw), and what ops return is plain until a rule adopts it
+    with torch._C.DisableTorchFunction():
+        return rule(Call(func, args, kwargs, splits))
 
 
 def leaves(args, kwargs) -> list:
@@ -112,7 +116,7 @@ class Call:
         (and, given ``localize_to``, cut to this rank's piece of that layout)."""
         def one(t):
             if isinstance(t, SplitTensor):
-                return unwrap(t)
+                return raw(t)
             if isinstance(t, torch.Tensor):
                 t = self.replicated(t)
                 if localize_to is not None:
@@ -206,11 +210,13 @@ def _replicated_call(func, args, kwargs, flat, ctx):
 
 
 # -- results ----------------------------------------------------------------------------------
-def wrap_like(out, layout: Layout, ndim: int):
-    """Wrap every tensor of ``out`` that has ``ndim`` dims as split with ``layout``."""
+def wrap_like(out, layout: Layout, ndim: int, inputs=()):
+    """Every tensor of ``out`` that has ``ndim`` dims, split with ``layout``; one of the
+    call's ``inputs`` returned as it is (``type_as`` of the same type) is aliased, never
+    changed in place."""
     def one(t):
         if isinstance(t, torch.Tensor) and not isinstance(t, SplitTensor) and t.dim() == ndim:
-            return wrap(t, layout)
+            return wrap(t, layout) if any(t is a for a in inputs) else adopt(t, layout)
         return t
     return tree_map(one, out)
 
@@ -241,7 +247,7 @@ def pointwise(call: Call):
     first = call.args[0] if call.args else None
     if isinstance(first, SplitTensor) and args and out is args[0]:
         return first  # in place: the caller's own object
-    return wrap_like(out, layout, ndim)
+    return wrap_like(out, layout, ndim, leaves(args, kwargs))
 
 
 def channelwise(call: Call):
@@ -281,7 +287,7 @@ def attribute(call: Call):
     out = call.run_plain()
     t = call.splits[0]
     if isinstance(out, torch.Tensor) and out.shape == t.shape_local:
-        return wrap(out, t._hp)
+        return adopt(out, t._hp)
     return out
 
 
@@ -361,7 +367,7 @@ def permute(call: Call):
         order = [o if o is not None else next(it) for o in order]
     out = call.run_plain()
     sdims = [order.index(d) for d in t._hp.sdims]
-    return wrap(out, t._hp.with_(sdims=sdims))
+    return adopt(out, t._hp.with_(sdims=sdims))
 
 
 def _groups(old, new):
@@ -433,8 +439,8 @@ def reshape(call: Call):
     for d_old, d_new in mapping.items():
         local_new[d_new] = t.shape_local[d_old]
     fn = torch.Tensor.reshape if call.name in ("reshape", "reshape_as") else torch.Tensor.view
-    out = fn(unwrap(t), local_new)
-    return wrap(out, lay.with_(sdims=new_sdims))
+    out = fn(raw(t), local_new)
+    return adopt(out, lay.with_(sdims=new_sdims))
 
 
 def flatten(call: Call):
@@ -447,7 +453,7 @@ def flatten(call: Call):
                           "(x.mean(dim=(2, 3, 4)) or nn.AdaptiveAvgPool3d(1)), or gather")
     out = call.run_plain()
     shift = max(e - s, 0)
-    return wrap(out, t._hp.with_(sdims=[d - shift if d > e else d for d in t._hp.sdims]))
+    return adopt(out, t._hp.with_(sdims=[d - shift if d > e else d for d in t._hp.sdims]))
 
 
 def unsqueeze(call: Call):
@@ -455,7 +461,7 @@ def unsqueeze(call: Call):
     dim = call.bind(("input", "dim"))["dim"]
     dim = dim + t.dim() + 1 if dim < 0 else dim
     out = call.run_plain()
-    return wrap(out, t._hp.with_(sdims=[d + 1 if d >= dim else d for d in t._hp.sdims]))
+    return adopt(out, t._hp.with_(sdims=[d + 1 if d >= dim else d for d in t._hp.sdims]))
 
 
 def squeeze(call: Call):
@@ -468,8 +474,8 @@ def squeeze(call: Call):
     dims = [d for d in _dims_arg(dim, n) if gshape[d] == 1]
     if any(d in lay.sdims for d in dims):
         raise call.refuse("removes a split dim", "keep the spatial dims")
-    out = torch.Tensor.squeeze(unwrap(t), tuple(dims)) if dims else unwrap(t).view_as(unwrap(t))
-    return wrap(out, lay.with_(sdims=[d - sum(1 for r in dims if r < d) for d in lay.sdims]))
+    out = torch.Tensor.squeeze(raw(t), tuple(dims)) if dims else raw(t).view_as(raw(t))
+    return adopt(out, lay.with_(sdims=[d - sum(1 for r in dims if r < d) for d in lay.sdims]))
 
 
 def expand(call: Call):
@@ -489,8 +495,8 @@ def expand(call: Call):
         if sizes[d + lead] not in (-1, lay.gshape[a]):
             raise call.refuse("expands a split dim", "expand only batch and channel dims")
         sizes[d + lead] = t.shape_local[d]
-    out = unwrap(t).expand(*sizes)
-    return wrap(out, lay.with_(sdims=[d + lead for d in lay.sdims]))
+    out = raw(t).expand(*sizes)
+    return adopt(out, lay.with_(sdims=[d + lead for d in lay.sdims]))
 
 
 def repeat(call: Call):
@@ -502,8 +508,8 @@ def repeat(call: Call):
     lead = len(reps) - t.dim()
     if any(reps[d + lead] != 1 for d in t._hp.sdims):
         raise call.refuse("repeats along a split dim", "repeat batch or channel dims only")
-    out = unwrap(t).repeat(*reps)
-    return wrap(out, t._hp.with_(sdims=[d + lead for d in t._hp.sdims]))
+    out = raw(t).repeat(*reps)
+    return adopt(out, t._hp.with_(sdims=[d + lead for d in t._hp.sdims]))
 
 
 def cat(call: Call):
@@ -518,13 +524,13 @@ def cat(call: Call):
     if (not stack and d in sdims) or call.name in ("hstack", "vstack", "dstack"):
         raise call.refuse("joins along a split dim", "join along the channel dim (dim=1)")
     layout = call.layout.with_(sdims=sdims, gshape=gshape)
-    pieces = [unwrap(t) if isinstance(t, SplitTensor) else
+    pieces = [raw(t) if isinstance(t, SplitTensor) else
               localize(call.replicated(t), layout, ndim, call.name) for t in tensors]
     kwargs = {k: v for k, v in call.kwargs.items() if k not in ("tensors", "dim")}
     out = call.func(pieces, d, **kwargs)
     if stack:
         sdims = [s + 1 if s >= d else s for s in sdims]
-    return wrap(out, layout.with_(sdims=sdims))
+    return adopt(out, layout.with_(sdims=sdims))
 
 
 def split_like(call: Call):
@@ -573,8 +579,8 @@ def getitem(call: Call):
         raise call.refuse("crops a split dim while dropping or adding dims", "crop first, "
                           "then index the other dims")
     pads = [p for a in (2, 1, 0) for p in crops.get(a, (0, 0))]
-    piece, gshape = pad(unwrap(out), pads, grid=lay.ctx.grid, gshape=lay.gshape)
-    return wrap(piece, lay.with_(gshape=gshape))
+    piece, gshape = pad(raw(out), pads, grid=lay.ctx.grid, gshape=lay.gshape)
+    return adopt(piece, lay.with_(gshape=gshape))
 
 
 def _index_dims(index, n):
@@ -615,8 +621,8 @@ def _getitem_whole(call: Call, t, index):
         dim += 1
     for d in range(dim, n):
         sdims[d] = out_dim + d - dim
-    out = unwrap(t)[index]
-    return wrap(out, t._hp.with_(sdims=[sdims[d] for d in t._hp.sdims]))
+    out = raw(t)[index]
+    return adopt(out, t._hp.with_(sdims=[sdims[d] for d in t._hp.sdims]))
 
 
 def setitem(call: Call):
@@ -632,10 +638,10 @@ def setitem(call: Call):
             raise call.refuse("assigns into part of a split dim", "assign whole spatial dims")
     value = call.args[2]
     if isinstance(value, SplitTensor):
-        value = unwrap(value)
+        value = raw(value)
     elif isinstance(value, torch.Tensor):
         value = localize(call.replicated(value), t._hp, t.dim(), call.name)
-    unwrap(t)[call.args[1]] = value
+    raw(t)[call.args[1]] = value
     return None
 
 
@@ -655,4 +661,4 @@ def linear(call: Call):
         raise call.refuse("is a batched matrix product over a split tensor", "use F.linear or "
                           "a 2D matrix on the channel dim")
     args, kwargs = call.plain()  # parameters as they are: no alignment with the split dims
-    return wrap(call.func(*args, **kwargs), t._hp)
+    return adopt(call.func(*args, **kwargs), t._hp)

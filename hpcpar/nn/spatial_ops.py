@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ._base import triple
 from .dispatch import Call, _dims_arg, channelwise, localize, pointwise, wrap_like
-from .split import Layout, unwrap, wrap
+from .split import Layout, adopt, raw
 
 __all__ = ["conv3d", "conv_transpose3d", "max_pool3d", "avg_pool3d", "adaptive_pool",
            "interpolate", "pad", "batch_norm", "group_norm", "instance_norm", "layer_norm",
@@ -46,10 +46,10 @@ def _twin(call: Call, key, make):
 def _run_twin(call: Call, twin, x, *params):
     """The twin's forward on this rank's piece (``params`` for the convolutions)."""
     lay = _standard(call, x)
-    xl = unwrap(x)
+    xl = raw(x)
     entry = twin.spatial_plan(xl, lay.gshape)
     out = twin.spatial_forward(xl, *params, lay.gshape) if params else twin(xl, lay.gshape)
-    return wrap(out, lay.with_(gshape=entry.out_shape))
+    return adopt(out, lay.with_(gshape=entry.out_shape))
 
 
 # -- convolutions ----------------------------------------------------------------------------
@@ -127,13 +127,13 @@ def adaptive_pool(call: Call):
     if all(s == 1 for s in sizes):
         from .reduce import global_reduce
 
-        return global_reduce(unwrap(x), op, (2, 3, 4), True, grid=call.ctx.grid,
+        return global_reduce(raw(x), op, (2, 3, 4), True, grid=call.ctx.grid,
                              gshape=lay.gshape)
     from . import resample
 
     fn = resample.adaptive_avg_pool3d if op == "mean" else resample.adaptive_max_pool3d
-    out, gshape = fn(unwrap(x), sizes, grid=call.ctx.grid, gshape=lay.gshape)
-    return wrap(out, lay.with_(gshape=gshape))
+    out, gshape = fn(raw(x), sizes, grid=call.ctx.grid, gshape=lay.gshape)
+    return adopt(out, lay.with_(gshape=gshape))
 
 
 # -- resampling and padding ---------------------------------------------------------------------
@@ -148,9 +148,9 @@ def interpolate(call: Call):
     if b["antialias"]:
         raise call.refuse("antialias is for 2D inputs", "use antialias=False")
     out, gshape = resample.interpolate(
-        unwrap(x), b["size"], b["scale_factor"], b["mode"], b["align_corners"],
+        raw(x), b["size"], b["scale_factor"], b["mode"], b["align_corners"],
         b["recompute_scale_factor"], grid=call.ctx.grid, gshape=lay.gshape)
-    return wrap(out, lay.with_(gshape=gshape))
+    return adopt(out, lay.with_(gshape=gshape))
 
 
 def pad(call: Call):
@@ -159,9 +159,9 @@ def pad(call: Call):
     b = call.bind(("input", "pad", "mode", "value"), ("constant", None))
     x = b["input"]
     lay = _standard(call, x)
-    out, gshape = padding.pad(unwrap(x), tuple(b["pad"]), b["mode"], b["value"],
+    out, gshape = padding.pad(raw(x), tuple(b["pad"]), b["mode"], b["value"],
                                grid=call.ctx.grid, gshape=lay.gshape)
-    return wrap(out, lay.with_(gshape=gshape))
+    return adopt(out, lay.with_(gshape=gshape))
 
 
 # -- norms -------------------------------------------------------------------------------------
@@ -178,10 +178,10 @@ def batch_norm(call: Call):
     lay = _standard(call, x)
     grid = call.ctx.grid
     comm = grid.comm if call.ctx.bn_include_data else grid.spatial_comm
-    out = _GlobalBatchNorm.apply(unwrap(x), call.replicated(b["weight"]),
+    out = _GlobalBatchNorm.apply(raw(x), call.replicated(b["weight"]),
                                  call.replicated(b["bias"]), b["running_mean"],
                                  b["running_var"], b["momentum"], b["eps"], comm, "batch_norm")
-    return wrap(out, lay)
+    return adopt(out, lay)
 
 
 def group_norm(call: Call):
@@ -189,9 +189,9 @@ def group_norm(call: Call):
 
     b = call.bind(("input", "num_groups", "weight", "bias", "eps"), (None, None, 1e-5))
     lay = _standard(call, b["input"])
-    out = gn(unwrap(b["input"]), b["num_groups"], call.replicated(b["weight"]),
+    out = gn(raw(b["input"]), b["num_groups"], call.replicated(b["weight"]),
              call.replicated(b["bias"]), b["eps"], grid=call.ctx.grid, gshape=lay.gshape)
-    return wrap(out, lay)
+    return adopt(out, lay)
 
 
 def instance_norm(call: Call):
@@ -201,11 +201,11 @@ def instance_norm(call: Call):
                    "use_input_stats", "momentum", "eps"), (None, None, None, None, True, 0.1,
                                                            1e-5))
     lay = _standard(call, b["input"])
-    out = inorm(unwrap(b["input"]), b["running_mean"], b["running_var"],
+    out = inorm(raw(b["input"]), b["running_mean"], b["running_var"],
                 call.replicated(b["weight"]), call.replicated(b["bias"]),
                 b["use_input_stats"], b["momentum"], b["eps"], grid=call.ctx.grid,
                 gshape=lay.gshape)
-    return wrap(out, lay)
+    return adopt(out, lay)
 
 
 def layer_norm(call: Call):
@@ -220,14 +220,14 @@ def layer_norm(call: Call):
     if all(d < x.dim() - len(shape) for d in lay.sdims):
         return pointwise(call) if b["weight"] is None else _local_layer_norm(call, b, shape)
     lay = _standard(call, x)
-    out = ln(unwrap(x), shape, call.replicated(b["weight"]), call.replicated(b["bias"]),
+    out = ln(raw(x), shape, call.replicated(b["weight"]), call.replicated(b["bias"]),
              b["eps"], grid=call.ctx.grid, gshape=lay.gshape)
-    return wrap(out, lay)
+    return adopt(out, lay)
 
 
 def _local_layer_norm(call: Call, b, shape):
     args, kwargs = call.plain()  # weights over non-split dims: used whole
-    return wrap(call.func(*args, **kwargs), b["input"]._hp)
+    return adopt(call.func(*args, **kwargs), b["input"]._hp)
 
 
 # -- reductions --------------------------------------------------------------------------------
@@ -275,7 +275,7 @@ def reduction(call: Call):
     extra = {}
     if op in ("var", "std"):
         extra["correction"] = _correction(call)
-    xl = unwrap(x)
+    xl = raw(x)
     if call.kwargs.get("dtype") is not None:
         xl = xl.to(call.kwargs["dtype"])
     dim = None if b.get("dim") is None else tuple(dims)
@@ -315,10 +315,10 @@ def dropout(call: Call):
     if not call.ctx.dropout:
         return x
     lay = _standard(call, x)
-    out = spatial_dropout(unwrap(x), b["p"], b["training"], b["inplace"], grid=call.ctx.grid,
+    out = spatial_dropout(raw(x), b["p"], b["training"], b["inplace"], grid=call.ctx.grid,
                           gshape=lay.gshape, feature=name != "dropout",
                           seed=forward_seed(call.ctx))
-    return x if b["inplace"] else wrap(out, lay)
+    return x if b["inplace"] else adopt(out, lay)
 
 
 def forward_seed(ctx) -> int:
@@ -374,7 +374,7 @@ def loss(call: Call):
     """Mean and sum reductions of a loss on split tensors are the GLOBAL mean and sum, with
     torch's semantics (class weights and ignore_index for cross entropy / NLL): the value is
     the single-process loss on every rank, and its gradient each rank's exact piece."""
-    from .reduce import global_reduce
+    from .reduce import _ReplicatedSum, global_reduce
 
     names = _LOSS_NAMES[call.name]
     b = call.bind(names)
@@ -395,24 +395,27 @@ def loss(call: Call):
         if isinstance(kwargs.get(k), torch.Tensor):
             kwargs[k] = _localized(call, kwargs[k], lay, x.dim())
     if isinstance(target, type(x)):
-        tl = unwrap(target)
+        tl = raw(target)
     else:
         tl = localize(call.replicated(target), out_lay if target.dim() < x.dim() else lay,
                       target.dim(), call.name)
     func = getattr(F, call.name)
-    per = func(unwrap(x), tl, reduction="none", **kwargs)
+    per = func(raw(x), tl, reduction="none", **kwargs)
     if reduction_ == "none":
-        return wrap(per, out_lay)
+        return adopt(per, out_lay)
     grid, gshape = call.ctx.grid, lay.gshape
+    if reduction_ == "mean" and call.name in _CLASS_LOSSES and not tl.is_floating_point():
+        # torch's denominator (class weights, ignore_index) summed in the same message
+        count = _class_count(tl, kwargs.get("weight"), kwargs.get("ignore_index", -100))
+        both = torch.stack([per.sum(), count.sum().to(per.dtype)])
+        total, den = _ReplicatedSum.apply(both, grid.spatial_comm) if grid.spatial_size > 1 \
+            else both
+        return total / den
     total = global_reduce(per, "sum", None, False, grid=grid, gshape=gshape)
     if reduction_ == "sum":
         return total
     if reduction_ == "batchmean":
         return total / x.shape[0]
-    if call.name in _CLASS_LOSSES and not tl.is_floating_point():
-        count = _class_count(tl, kwargs.get("weight"), kwargs.get("ignore_index", -100))
-        return total / global_reduce(count.to(per.dtype), "sum", None, False, grid=grid,
-                                     gshape=gshape)
     return total / math.prod(out_lay.global_shape(per.shape))
 
 
