@@ -75,7 +75,7 @@ def _completeness(steps: pd.DataFrame, ranks: int) -> tuple[pd.DataFrame, list[s
     """Keep steps recorded by all ``ranks``; say which ranks are missing or stopped early."""
     notes = []
     present = set(steps["rank"].unique())
-    missing = sorted(set(range(ranks)) - present)
+    missing = [r for r in range(ranks) if r not in present]
     if missing:
         shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
         notes.append(f"no records from rank(s) {shown}")
@@ -89,11 +89,17 @@ def _completeness(steps: pd.DataFrame, ranks: int) -> tuple[pd.DataFrame, list[s
     return kept, notes
 
 
+#: The most ranks a run record may claim: every rank's records are checked, so a number
+#: from a damaged meta.json must not make the report allocate or loop over billions of ranks.
+MAX_RANKS = 1 << 20
+
+
 def _ranks(meta: dict, path: Path) -> int:
     ranks = meta.get("ranks")
     if isinstance(ranks, bool) or not isinstance(ranks, (int, float)) or ranks < 1 \
-            or int(ranks) != ranks:
-        raise RunDirError(f"{path}: field 'ranks' is {ranks!r}, expected a positive integer")
+            or ranks > MAX_RANKS or int(ranks) != ranks:
+        raise RunDirError(f"{path}: field 'ranks' is {ranks!r}, expected a positive integer "
+                          f"up to {MAX_RANKS}")
     return int(ranks)
 
 

@@ -16,7 +16,6 @@ import json
 import shutil
 import tomllib
 from collections import Counter
-from datetime import timedelta
 from pathlib import Path
 
 import h5py
@@ -53,7 +52,10 @@ from hpcpar.testing.fuzz import (
 ROOT = Path(__file__).resolve().parents[2]
 JOBS = ["demo-cosmoflow", "demo-unet3d", "demo-gcn-cora", "gcn-synthetic", "demo-cosmoflow-tp"]
 #: a case's time bound: the slowest readers (a run's records through pandas) take ~0.1 s
-DEADLINE = timedelta(seconds=3)
+#: No hypothesis deadline: it measures wall time, so a loaded CI machine would turn a slow
+#: but correct case into a red run. Hangs are caught by the hard alarm of
+#: hpcpar.testing.fuzz.time_limit (10 s a case) instead.
+DEADLINE = None
 #: how far any case may grow the process's address space
 MEMORY_HEADROOM = 3 << 30
 CASES: Counter = Counter()
@@ -62,7 +64,7 @@ MIN_CASES = 2000     # per run of the module (issue 35: >= 2,000 cases within 3 
 
 
 def fuzz(n: int):
-    """Hypothesis settings of one target: ``n`` cases, fixed seed, per-case deadline."""
+    """Hypothesis settings of one target: ``n`` cases, fixed seed, no database."""
     return settings(max_examples=n, derandomize=True, deadline=DEADLINE, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                            HealthCheck.function_scoped_fixture])
@@ -365,6 +367,8 @@ RECORD_FILES = ["meta.json", "records/rank-00000.csv", "records/rank-00001.csv",
 @example(target="meta.json", data=None).via("issue 35: a meta.json that is a list")
 @example(target="meta.json", data={("job_name",): DEEP}).via("found: RecursionError")
 @example(target="meta.json", data={("grid_spec",): ["2x1x1x1"]}).via("found: unhashable list")
+@example(target="meta.json", data={("ranks",): 38758058}).via("found: MemoryError, set(range)")
+@example(target="meta.json", data={("ranks",): 29061226.0}).via("found: deadline, set(range)")
 def test_run_records(work, records, target, data):
     rd = work / "records-case"
     shutil.rmtree(rd, ignore_errors=True)
