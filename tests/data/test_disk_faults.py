@@ -6,23 +6,15 @@ nothing half-written left that looks valid, and for `run` a meta.json saying how
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from hpcpar.testing.faults import can_mount
 
-def _can_mount() -> bool:
-    if os.geteuid() != 0 or not shutil.which("unshare"):
-        return False
-    p = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
-                        "mount -t tmpfs -o size=4k hpcpar-probe /mnt"], capture_output=True)
-    return p.returncode == 0
-
-
-pytestmark = pytest.mark.skipif(not _can_mount(), reason="needs root and mount namespaces")
+pytestmark = pytest.mark.skipif(not can_mount(), reason="needs root and mount namespaces")
 
 FULL = "mkdir -p small && mount -t tmpfs -o size=64k hpcpar-full small"
 READ_ONLY = "mkdir -p ro && mount -t tmpfs -o ro,size=64k hpcpar-ro ro"

@@ -16,6 +16,7 @@ import pytest
 from hpcpar.errors import RunDirError
 from hpcpar.run import records
 from hpcpar.run.jobspec import load_job
+from hpcpar.testing.faults import can_mount
 
 JOB = """[job]
 name = {name}
@@ -189,15 +190,9 @@ def test_records_write_failure_leaves_whole_lines(tmp_path, monkeypatch):
     assert list(df["step"]) == [0, 1] and list(df["t_step"]) == [1.0, 2.0] and notes == []
 
 
-def _can_mount() -> bool:
-    if os.geteuid() != 0 or not shutil.which("unshare"):
-        return False
-    p = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
-                        "mount -t tmpfs -o size=4k hpcpar-probe /mnt"], capture_output=True)
-    return p.returncode == 0
 
 
-@pytest.mark.skipif(not _can_mount(), reason="needs root and mount namespaces (unshare -m)")
+@pytest.mark.skipif(not can_mount(), reason="needs root and mount namespaces (unshare -m)")
 def test_full_disk_during_a_run(tmp_path):
     """`hpcpar run` whose records directory is a 4 KiB tmpfs (in a private mount namespace,
     gone with the process): the run stops with one line naming the file, exit 2, and the

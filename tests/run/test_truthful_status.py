@@ -7,7 +7,6 @@ steps that used no sample."""
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from hpcpar.testing.cli_run import CliRun, rank_pids
+from hpcpar.testing.faults import can_mount
 
 JOB = """[job]
 name = "tiny"
@@ -96,12 +96,6 @@ def hpcpar(cwd: Path, *args, mounts: str = "", env=None, timeout=180) -> tuple[i
     return p.returncode, p.stderr
 
 
-def can_mount() -> bool:
-    if os.geteuid() != 0 or not shutil.which("unshare"):
-        return False
-    p = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
-                        "mount -t tmpfs -o size=4k hpcpar-probe /mnt"], capture_output=True)
-    return p.returncode == 0
 
 
 needs_mount = pytest.mark.skipif(not can_mount(), reason="needs root and mount namespaces")
