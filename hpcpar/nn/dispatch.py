@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_map
 from hpcpar.parallel.comm import allreduce_
 from hpcpar.parallel.partition import part_range
 
+from . import padding
 from .split import Layout, SplitTensor, adopt, raw, refuse, wrap
 
 __all__ = ["handle", "SpatialMode", "Call"]
@@ -55,7 +56,7 @@ def handle(func, args, kwargs, ctx=None):
     splits = [t for t in flat if isinstance(t, SplitTensor)]
     if not splits:
         return _replicated_call(func, args, kwargs, flat, ctx)
-    from .optable import rule_for
+    from .optable import rule_for  # optable imports this module: a cycle, resolved here
 
     rule = rule_for(func)
     # rules run with torch-function handling off: there a split tensor is its plain piece
@@ -572,14 +573,12 @@ def getitem(call: Call):
     out = _getitem_whole(call, t, tuple(index))
     if not crops:
         return out
-    from .padding import pad
-
     lay = out._hp
     if out.dim() != 5 or not lay.standard:
         raise call.refuse("crops a split dim while dropping or adding dims", "crop first, "
                           "then index the other dims")
     pads = [p for a in (2, 1, 0) for p in crops.get(a, (0, 0))]
-    piece, gshape = pad(raw(out), pads, grid=lay.ctx.grid, gshape=lay.gshape)
+    piece, gshape = padding.pad(raw(out), pads, grid=lay.ctx.grid, gshape=lay.gshape)
     return adopt(piece, lay.with_(gshape=gshape))
 
 

@@ -16,8 +16,14 @@ import math
 import torch
 import torch.nn.functional as F
 
+from . import global_norm, padding, resample
 from ._base import triple
+from .conv import SpatialConv3d, SpatialConvTranspose3d
 from .dispatch import Call, _dims_arg, channelwise, localize, pointwise, wrap_like
+from .dropout import spatial_dropout
+from .norm import _GlobalBatchNorm
+from .pool import SpatialAvgPool3d, SpatialMaxPool3d
+from .reduce import _ReplicatedSum, global_reduce
 from .split import Layout, adopt, raw
 
 __all__ = ["conv3d", "conv_transpose3d", "max_pool3d", "avg_pool3d", "adaptive_pool",
@@ -54,8 +60,6 @@ def _run_twin(call: Call, twin, x, *params):
 
 # -- convolutions ----------------------------------------------------------------------------
 def conv3d(call: Call):
-    from .conv import SpatialConv3d
-
     b = call.bind(("input", "weight", "bias", "stride", "padding", "dilation", "groups"),
                   (None, 1, 0, 1, 1))
     w, bias = call.replicated(b["weight"]), call.replicated(b["bias"])
@@ -70,8 +74,6 @@ def conv3d(call: Call):
 
 
 def conv_transpose3d(call: Call):
-    from .conv import SpatialConvTranspose3d
-
     b = call.bind(("input", "weight", "bias", "stride", "padding", "output_padding", "groups",
                    "dilation"), (None, 1, 0, 0, 1, 1))
     w, bias = call.replicated(b["weight"]), call.replicated(b["bias"])
@@ -97,16 +99,12 @@ def _pool(call: Call, cls, names, defaults):
 
 
 def max_pool3d(call: Call):
-    from .pool import SpatialMaxPool3d
-
     return _pool(call, SpatialMaxPool3d, ("input", "kernel_size", "stride", "padding",
                                           "dilation", "ceil_mode", "return_indices"),
                  (None, 0, 1, False, False))
 
 
 def avg_pool3d(call: Call):
-    from .pool import SpatialAvgPool3d
-
     return _pool(call, SpatialAvgPool3d, ("input", "kernel_size", "stride", "padding",
                                           "ceil_mode", "count_include_pad",
                                           "divisor_override"),
@@ -125,12 +123,8 @@ def adaptive_pool(call: Call):
         raise call.refuse("returns indices into the local piece", "use return_indices=False")
     op = "mean" if "avg" in call.name else "amax"
     if all(s == 1 for s in sizes):
-        from .reduce import global_reduce
-
-        return global_reduce(raw(x), op, (2, 3, 4), True, grid=call.ctx.grid,
+            return global_reduce(raw(x), op, (2, 3, 4), True, grid=call.ctx.grid,
                              gshape=lay.gshape)
-    from . import resample
-
     fn = resample.adaptive_avg_pool3d if op == "mean" else resample.adaptive_max_pool3d
     out, gshape = fn(raw(x), sizes, grid=call.ctx.grid, gshape=lay.gshape)
     return adopt(out, lay.with_(gshape=gshape))
@@ -138,8 +132,6 @@ def adaptive_pool(call: Call):
 
 # -- resampling and padding ---------------------------------------------------------------------
 def interpolate(call: Call):
-    from . import resample
-
     b = call.bind(("input", "size", "scale_factor", "mode", "align_corners",
                    "recompute_scale_factor", "antialias"), (None, None, "nearest", None, None,
                                                             False))
@@ -154,8 +146,6 @@ def interpolate(call: Call):
 
 
 def pad(call: Call):
-    from . import padding
-
     b = call.bind(("input", "pad", "mode", "value"), ("constant", None))
     x = b["input"]
     lay = _standard(call, x)
@@ -168,8 +158,6 @@ def pad(call: Call):
 def batch_norm(call: Call):
     """Training (or no running statistics): statistics of the whole volume (and the whole
     global batch with ``bn_include_data``); eval with running statistics: per channel, local."""
-    from .norm import _GlobalBatchNorm
-
     b = call.bind(("input", "running_mean", "running_var", "weight", "bias", "training",
                    "momentum", "eps"), (None, None, False, 0.1, 1e-5))
     x = b["input"]
@@ -185,33 +173,28 @@ def batch_norm(call: Call):
 
 
 def group_norm(call: Call):
-    from .global_norm import group_norm as gn
-
     b = call.bind(("input", "num_groups", "weight", "bias", "eps"), (None, None, 1e-5))
     lay = _standard(call, b["input"])
-    out = gn(raw(b["input"]), b["num_groups"], call.replicated(b["weight"]),
-             call.replicated(b["bias"]), b["eps"], grid=call.ctx.grid, gshape=lay.gshape)
+    out = global_norm.group_norm(raw(b["input"]), b["num_groups"], call.replicated(b["weight"]),
+                                 call.replicated(b["bias"]), b["eps"], grid=call.ctx.grid,
+                                 gshape=lay.gshape)
     return adopt(out, lay)
 
 
 def instance_norm(call: Call):
-    from .global_norm import instance_norm as inorm
-
     b = call.bind(("input", "running_mean", "running_var", "weight", "bias",
                    "use_input_stats", "momentum", "eps"), (None, None, None, None, True, 0.1,
                                                            1e-5))
     lay = _standard(call, b["input"])
-    out = inorm(raw(b["input"]), b["running_mean"], b["running_var"],
-                call.replicated(b["weight"]), call.replicated(b["bias"]),
-                b["use_input_stats"], b["momentum"], b["eps"], grid=call.ctx.grid,
-                gshape=lay.gshape)
+    out = global_norm.instance_norm(raw(b["input"]), b["running_mean"], b["running_var"],
+                                    call.replicated(b["weight"]), call.replicated(b["bias"]),
+                                    b["use_input_stats"], b["momentum"], b["eps"],
+                                    grid=call.ctx.grid, gshape=lay.gshape)
     return adopt(out, lay)
 
 
 def layer_norm(call: Call):
     """Over trailing dims: local when none of them is split, else global per-sample."""
-    from .global_norm import layer_norm as ln
-
     b = call.bind(("input", "normalized_shape", "weight", "bias", "eps"), (None, None, 1e-5))
     x = b["input"]
     shape = b["normalized_shape"]
@@ -220,8 +203,9 @@ def layer_norm(call: Call):
     if all(d < x.dim() - len(shape) for d in lay.sdims):
         return pointwise(call) if b["weight"] is None else _local_layer_norm(call, b, shape)
     lay = _standard(call, x)
-    out = ln(raw(x), shape, call.replicated(b["weight"]), call.replicated(b["bias"]),
-             b["eps"], grid=call.ctx.grid, gshape=lay.gshape)
+    out = global_norm.layer_norm(raw(x), shape, call.replicated(b["weight"]),
+                                 call.replicated(b["bias"]), b["eps"], grid=call.ctx.grid,
+                                 gshape=lay.gshape)
     return adopt(out, lay)
 
 
@@ -270,8 +254,6 @@ def reduction(call: Call):
     if op is None or (name in ("max", "min") and b.get("dim") is not None):
         raise call.refuse("reduces over a split dim and has no global form in hpcpar",
                           "use sum/mean/amax/amin/var/std over all of dims (2, 3, 4)")
-    from .reduce import global_reduce
-
     extra = {}
     if op in ("var", "std"):
         extra["correction"] = _correction(call)
@@ -305,8 +287,6 @@ def _correction(call: Call) -> float:
 def dropout(call: Call):
     """Split-independent masks: they depend on the seed and the GLOBAL sample, channel and
     voxel (hpcpar.nn.dropout), so any grid gives the one-rank result."""
-    from .dropout import spatial_dropout
-
     name = call.name
     if name in ("alpha_dropout", "feature_alpha_dropout", "dropout1d"):
         raise call.refuse("has no split-independent form", "use nn.Dropout or nn.Dropout3d")
@@ -374,8 +354,6 @@ def loss(call: Call):
     """Mean and sum reductions of a loss on split tensors are the GLOBAL mean and sum, with
     torch's semantics (class weights and ignore_index for cross entropy / NLL): the value is
     the single-process loss on every rank, and its gradient each rank's exact piece."""
-    from .reduce import _ReplicatedSum, global_reduce
-
     names = _LOSS_NAMES[call.name]
     b = call.bind(names)
     if b.get("size_average") is not None or b.get("reduce") is not None:

@@ -36,18 +36,9 @@ from ._base import SpatialModule
 from .dispatch import SpatialMode
 from .split import Layout, SplitContext, SplitTensor, unwrap, wrap
 
-__all__ = ["spatialize", "POINTWISE", "TAGS_VERSION"]
+__all__ = ["spatialize"]
 
 _CTX = "_hpcpar_split"
-
-#: Pointwise modules (kept for callers that list them; the dispatch needs no list).
-POINTWISE = (
-    nn.Identity, nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.RReLU, nn.ELU, nn.CELU, nn.SELU,
-    nn.GELU, nn.SiLU, nn.Mish, nn.Sigmoid, nn.Tanh, nn.Hardtanh, nn.Hardsigmoid, nn.Hardswish,
-    nn.Softplus, nn.Softsign, nn.Softshrink, nn.Hardshrink, nn.Tanhshrink, nn.LogSigmoid,
-    nn.Threshold, nn.Dropout, nn.AlphaDropout,
-)
-
 
 class _Context(SplitContext):
     """The model's split context; a deep copy of the model gets a fresh one (same grid)."""

@@ -21,7 +21,7 @@ import torch
 from hpcpar.errors import LayerError
 
 __all__ = ["SplitTensor", "Layout", "SplitContext", "local", "is_split", "split_like",
-           "layout_of", "user_frame"]
+           "user_frame"]
 
 
 @dataclass
@@ -159,10 +159,6 @@ def split_like(piece: torch.Tensor, like: SplitTensor) -> torch.Tensor:
 def is_split(t) -> bool:
     """Whether ``t`` is a rank's piece of a spatially split tensor."""
     return isinstance(t, SplitTensor)
-
-
-def layout_of(t: SplitTensor) -> Layout:
-    return t._hp
 
 
 _OWN = (os.path.dirname(os.path.abspath(__file__)),   # hpcpar/nn: the layers, the dispatch
