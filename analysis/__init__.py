@@ -3,7 +3,7 @@
 >>> runs, steps = load(["sweep/"])            # run or sweep directories
 >>> table = scaling_table(runs, steps)         # one row per (config, ranks)
 
-May import: hpcpar.errors, hpcpar.run (the record format).
+May import: hpcpar.errors, hpcpar.formats (the record format and the job spec).
 """
 
 from .expect import check_expectations, read_expectations

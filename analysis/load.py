@@ -19,7 +19,7 @@ from pathlib import Path
 import pandas as pd
 
 from hpcpar.errors import RunDirError
-from hpcpar.run.records import COLUMN_NAMES, read_meta, read_steps
+from hpcpar.formats.records import COLUMN_NAMES, read_meta, read_steps
 
 from .settings import resolved_settings, settings_hash
 from .suspect import impossible_steps
@@ -220,7 +220,7 @@ def load(paths: Sequence[str | os.PathLike] | str | os.PathLike,
 
     Returns:
         ``(runs, steps)``: one row per run (``RUN_COLUMNS``), and the step records of every
-        run (the schema columns of ``hpcpar.run.records`` plus ``run``, ``config``,
+        run (the schema columns of ``hpcpar.formats.records`` plus ``run``, ``config``,
         ``ranks``).
 
     Raises:

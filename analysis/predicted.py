@@ -18,7 +18,7 @@ from collections.abc import Callable
 import pandas as pd
 
 from hpcpar.errors import HpcparError
-from hpcpar.run.records import read_meta
+from hpcpar.formats.records import read_meta
 
 __all__ = ["PHASES", "PREDICTED_COLUMNS", "predicted_vs_measured"]
 

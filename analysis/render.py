@@ -18,7 +18,7 @@ from pathlib import Path
 import pandas as pd
 
 from hpcpar.errors import RunDirError
-from hpcpar.run.records import SCHEMA_VERSION
+from hpcpar.formats.records import SCHEMA_VERSION
 
 from . import plots, stats
 from .load import load

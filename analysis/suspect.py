@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from hpcpar.run.records import COLUMNS
+from hpcpar.formats.records import COLUMNS
 
 __all__ = ["MEASURED", "impossible_steps", "version_warning"]
 

@@ -10,7 +10,7 @@ import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from hpcpar.run.records import LocalGrid, RunRecorder, machine_facts
+from hpcpar.formats.records import LocalGrid, RunRecorder, machine_facts
 
 __all__ = ["PHASE_SHARES", "synthetic_run"]
 

@@ -12,8 +12,8 @@ from torch import nn
 
 import hpcpar
 from hpcpar.data import ShardedVolumeDataset
+from hpcpar.formats.records import RunRecorder
 from hpcpar.nn import spatialize
-from hpcpar.run.records import RunRecorder
 
 data_dir, run_dir = sys.argv[1], sys.argv[2]
 grid = hpcpar.ProcessGrid(data=1, x=-1)           # every rank holds a slab of each volume

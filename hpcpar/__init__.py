@@ -32,10 +32,10 @@ _LAZY = {
     "spatialize": ("hpcpar.nn.spatializer", "spatialize"),
     "ShardedVolumeDataset": ("hpcpar.data.reader", "ShardedVolumeDataset"),
     "DistGraph": ("hpcpar.graph.distgraph", "DistGraph"),
-    "RunRecorder": ("hpcpar.run.records", "RunRecorder"),
+    "RunRecorder": ("hpcpar.formats.records", "RunRecorder"),
     "Workload": ("hpcpar.run.workloads.base", "Workload"),
     "register_workload": ("hpcpar.run.workloads.base", "register_workload"),
-    "load_job": ("hpcpar.run.jobspec", "load_job"),
+    "load_job": ("hpcpar.formats.jobspec", "load_job"),
     "train": ("hpcpar.run.trainer", "train"),
 }
 

@@ -37,7 +37,7 @@ def _model(job, sample_shape, n_targets):
     import torch
 
     from hpcpar.errors import ConfigError
-    from hpcpar.run.workloads.base import get_workload
+    from hpcpar.formats.kinds import get_workload
 
     cls = get_workload(job.model.kind)
     if not hasattr(cls, "build_plain"):
@@ -106,15 +106,15 @@ def _graph_workload(job, cls):
 def workload_from_job(path: str, overrides=(), size: int | None = None):
     """The planner's view of a job; ``size``: a cubic sample of that edge instead of the
     dataset's (the job's channels). Full-graph jobs (gcn, sage) read their graph file."""
-    from hpcpar.run.jobspec import load_job
+    from hpcpar.formats.jobspec import load_job
 
     return workload_of(load_job(path, list(overrides)), size)
 
 
 def workload_of(job, size: int | None = None):
     """The planner's view of a validated job (``JobSpec``); see :func:`workload_from_job`."""
+    from hpcpar.formats.kinds import get_workload
     from hpcpar.plan.planner import Workload, mark_tensor_parallel, trace_layers
-    from hpcpar.run.workloads.base import get_workload
 
     cls = get_workload(job.model.kind)
     if hasattr(cls, "conv") and not hasattr(cls, "build_plain"):
@@ -136,8 +136,8 @@ def fit_points(run_dirs, trust_kind: bool = False) -> list:
     (installed packages only)."""
     from hpcpar.analysis import load, scaling_table
     from hpcpar.errors import ConfigError
+    from hpcpar.formats.jobspec import load_resolved
     from hpcpar.parallel.grid import resolve_shape
-    from hpcpar.run.jobspec import load_resolved
 
     points = []
     for rd in run_dirs:

@@ -12,7 +12,7 @@ __all__ = ["plan_predictor", "print_report", "report", "report_json"]
 def report_json(rep) -> dict:
     """The report as one strict-JSON document: verdict, one object per (config, ranks) point
     (the scaling.csv row), the files written, the runs left out and the warnings."""
-    from hpcpar.run.records import strict_json
+    from hpcpar.formats.records import strict_json
 
     return strict_json({"verdict": rep.verdict, "out": str(rep.out),
                         "points": rep.table.to_dict("records"),
@@ -54,9 +54,9 @@ def plan_predictor(machine_name: str, trust_kind: bool = False):
 
     from hpcpar.cli import plan as planning
     from hpcpar.errors import ConfigError
+    from hpcpar.formats.jobspec import build_job
     from hpcpar.plan.machine import load_machine
     from hpcpar.plan.planner import predict
-    from hpcpar.run.jobspec import build_job
 
     machine = load_machine(machine_name)
     works: dict = {}
@@ -126,7 +126,7 @@ def report(paths, out, mode, warmup, title, strict, threshold, expect, plan_mach
         if as_json:
             import json
 
-            from hpcpar.run.records import strict_json
+            from hpcpar.formats.records import strict_json
 
             click.echo(json.dumps(strict_json({
                 "verdict": cmp.attrs["verdict"], "points": cmp.to_dict("records"),

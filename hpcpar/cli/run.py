@@ -173,6 +173,7 @@ def run(job_file, ranks, grid_spec, run_dir, sets, fresh, _resume, new_settings,
     130 interrupted twice. The run directory is
     printed on stdout (`RUN=$(hpcpar run job.toml)`), progress on stderr."""
     from hpcpar.errors import EXIT_OK, EXIT_REQUEUE
+    from hpcpar.formats.jobspec import load_job
     from hpcpar.launch.launcher import (
         default_ranks,
         launch_command,
@@ -180,7 +181,6 @@ def run(job_file, ranks, grid_spec, run_dir, sets, fresh, _resume, new_settings,
         plan_launch,
         rank_argv,
     )
-    from hpcpar.run.jobspec import load_job
 
     overrides = list(sets)
     if grid_spec is not None:
@@ -191,7 +191,7 @@ def run(job_file, ranks, grid_spec, run_dir, sets, fresh, _resume, new_settings,
     overrides += [f"grid.{a}={v}" for a, v in zip(("data", "x", "y", "z"), shape)]
     job = load_job(job_file, overrides)
     if print_config:
-        from hpcpar.run.jobschema import job_to_toml
+        from hpcpar.formats.jobschema import job_to_toml
 
         click.echo(json.dumps(job.to_dict(), indent=1) if as_json else job_to_toml(job),
                    nl=as_json)

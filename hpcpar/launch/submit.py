@@ -74,7 +74,7 @@ class BatchJob:
 # -- planning ---------------------------------------------------------------------------------
 def _explicit_resources(job_path: Path, sets) -> set[str]:
     """The [resources] keys the user wrote (job file or --set), as opposed to defaults."""
-    from hpcpar.run.jobspec import parse_override
+    from hpcpar.formats.jobspec import parse_override
 
     try:
         raw = tomllib.loads(job_path.read_text()).get("resources", {})
@@ -183,7 +183,7 @@ def plan_submit(job_file: str | os.PathLike, out: str | os.PathLike, *,
         LaunchError: A bad option (time, dependency, output directory...).
         ConfigError: A point whose job does not validate.
     """
-    from hpcpar.run.jobspec import TIME_RE, load_job
+    from hpcpar.formats.jobspec import TIME_RE, load_job
 
     job_path = Path(job_file).expanduser().absolute()
     out = Path(out).expanduser().absolute()

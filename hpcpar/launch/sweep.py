@@ -91,7 +91,7 @@ def plan(job_path: str, ranks: list[int], weak: bool, sets: Sequence[str]) -> li
         ConfigError: A point whose job does not validate (named), or a weak-scaling batch
             that is not an integer.
     """
-    from hpcpar.run.jobspec import load_job
+    from hpcpar.formats.jobspec import load_job
 
     job = load_job(job_path, list(sets))
     base_batch = job.train.global_batch

@@ -137,7 +137,7 @@ def _volume(batch: int, channels: int, size: int):
     (``[train] channels_last``): oneDNN's rates differ 1.4-2.6x between the two orders."""
     import torch
 
-    from hpcpar.run.jobspec import SCHEMA
+    from hpcpar.formats.jobspec import SCHEMA
 
     x = torch.randn(batch, channels, size, size, size)
     if SCHEMA["train"]["channels_last"].default:

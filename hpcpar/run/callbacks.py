@@ -15,9 +15,10 @@ import importlib.util
 from typing import TYPE_CHECKING, Any
 
 from hpcpar.errors import ConfigError
+from hpcpar.formats.jobspec import check_tensorboard
 
 if TYPE_CHECKING:
-    from hpcpar.run.jobspec import JobSpec
+    from hpcpar.formats.jobspec import JobSpec
 
 __all__ = ["Callback", "TensorBoardCallback", "STEP_SCALARS", "job_callbacks",
            "check_tensorboard"]
@@ -42,7 +43,7 @@ class Callback:
 
         Args:
             trainer: The trainer.
-            row: This rank's step record (``hpcpar.run.records.COLUMNS``: ``t_step``,
+            row: This rank's step record (``hpcpar.formats.records.COLUMNS``: ``t_step``,
                 ``samples``, ``peak_mem``, ...).
             mean_loss: The step's loss averaged over all ranks (NaN for a skipped step).
         """
@@ -62,17 +63,6 @@ class Callback:
             trainer: The trainer.
             metrics: The final metrics when finished, else ``{}``.
         """
-
-
-def check_tensorboard() -> None:
-    """ConfigError unless the ``tensorboard`` package is installed (the launcher checks it).
-
-    Raises:
-        ConfigError: ``tensorboard`` is missing.
-    """
-    if importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError("[output] tensorboard = true needs the tensorboard package: "
-                          "pip install 'hpcpar[tensorboard]'")
 
 
 class TensorBoardCallback(Callback):

@@ -86,7 +86,7 @@ def is_run_dir(run_dir: str | os.PathLike) -> bool:
         True for an empty directory or a run directory.
     """
     d = Path(run_dir)
-    from hpcpar.run.records import SCHEMA_NAME
+    from hpcpar.formats.records import SCHEMA_NAME
 
     return (all(_own(p.name) and _empty(p) for p in d.iterdir()) or (d / LOCK_NAME).exists()
             or _json_dict(d / "meta.json").get("schema") == SCHEMA_NAME
@@ -316,7 +316,7 @@ def _with_new_defaults(old: dict) -> dict:
     """A job.json written before keys were added gets their defaults (a key this hpcpar
     added is not a changed setting); left as it is when it no longer validates."""
     from hpcpar.errors import HpcparError
-    from hpcpar.run.jobspec import build_job
+    from hpcpar.formats.jobspec import build_job
 
     try:
         return build_job(old, untrusted=True).to_dict()  # never import its kind's module
@@ -431,7 +431,7 @@ def mark_ended(run_dir: str | os.PathLike, reason: str, status: str = "failed",
         final: False for a stop that is under way (no end time: the ranks' own ending, or a
             later failure, still replaces it).
     """
-    from hpcpar.run.records import SCHEMA_NAME, SCHEMA_VERSION, now_iso, write_json_atomic
+    from hpcpar.formats.records import SCHEMA_NAME, SCHEMA_VERSION, now_iso, write_json_atomic
 
     path = Path(run_dir) / "meta.json"
     try:

@@ -4,7 +4,8 @@ sync -> timed steps, with records, validation, checkpoints and the stop-signal c
 Run by ``hpcpar run`` as ``python -m hpcpar.run.trainer RUN/job.json --run-dir RUN [--resume]`` on
 every rank, or in-process with :func:`train`. Each step is timed per phase (data wait, forward,
 backward, exposed allreduce, optimizer; halo and allreduce totals come from
-``hpcpar.parallel.counters.COUNTERS``) and recorded through :class:`hpcpar.run.records.RunRecorder`.
+``hpcpar.parallel.counters.COUNTERS``) and recorded through
+:class:`hpcpar.formats.records.RunRecorder`.
 Between the gradient sync and the optimizer step, one small allreduce gives all ranks the mean
 loss, whether any rank got SIGUSR1/SIGTERM/SIGINT (all ranks stop, checkpoint and exit 3 after the
 same step) and whether any rank saw a non-finite loss or gradient (the divergence guard:
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
     import torch
     from mpi4py import MPI
 
-    from hpcpar.run.jobspec import JobSpec
+    from hpcpar.formats.jobspec import JobSpec
 
 __all__ = ["TrainResult", "Verdict", "RankLog", "grads_finite", "seed_all", "peak_memory",
            "total_steps", "Trainer", "StopMarker", "failure_reason", "train", "main"]
@@ -227,8 +228,8 @@ class Trainer:
         self._grads_ok = True              # this rank's gradients of the current step
         if resume:
             self._resume()
+        from hpcpar.formats.jobspec import profile_window
         from hpcpar.run.callbacks import job_callbacks
-        from hpcpar.run.jobspec import profile_window
         from hpcpar.run.profiling import ProfileWindow
 
         self.callbacks = job_callbacks(job) + list(callbacks or [])
@@ -390,7 +391,7 @@ class Trainer:
         self._sync()
         t5 = time.perf_counter()
         t_check = self._maybe_check_replicas()
-        from hpcpar.run.records import row_from_counters
+        from hpcpar.formats.records import row_from_counters
 
         row = row_from_counters(COUNTERS.since(before))
         exposed = row.get("t_allreduce_exposed", 0.0)
@@ -491,7 +492,7 @@ class Trainer:
             getattr(cb, name)(self, *args)
 
     def _open_recorder(self):
-        from hpcpar.run.records import RunRecorder
+        from hpcpar.formats.records import RunRecorder
 
         job = self.job
         resume = self.step > 0 or (self.run_dir / "meta.json").exists()
@@ -638,7 +639,7 @@ class Trainer:
                                      if k.startswith(("val_", "test_")) and isinstance(v, float)})
         recorder.finish("ok")
         if self.rank == 0:
-            from hpcpar.run.records import write_json_atomic
+            from hpcpar.formats.records import write_json_atomic
 
             if self.skipped:
                 recorder.update_meta(lambda m: m.update(skipped_steps=self.skipped))
@@ -724,7 +725,7 @@ def train(job: JobSpec, run_dir: str | os.PathLike, *, resume: bool = True,
     checkpoints; a second SIGINT exits at once (code 130).
 
     Args:
-        job: A validated job (``hpcpar.run.jobspec.load_job``).
+        job: A validated job (``hpcpar.formats.jobspec.load_job``).
         run_dir: The run directory (records, checkpoints, logs).
         resume: Continue from the run directory's last checkpoint when there is one.
         comm: The communicator to train on; ``MPI.COMM_WORLD`` when None.
@@ -821,7 +822,7 @@ def main(argv: Sequence[str] | None = None,
 
     rank = rank_info().rank
     try:
-        from hpcpar.run.jobspec import load_resolved
+        from hpcpar.formats.jobspec import load_resolved
 
         job = load_resolved(args.job_json)
         result = train(job, args.run_dir, resume=args.resume)

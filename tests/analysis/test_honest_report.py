@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from hpcpar.analysis import load, scaling_table, synthetic_run
-from hpcpar.run import records
+from hpcpar.formats import records
 from hpcpar.testing import mpi_case
 
 
@@ -291,9 +291,9 @@ def test_verdict_line_heads_the_report(tmp_path):
 # -- 8. predicted vs measured --------------------------------------------------------------
 def test_plan_puts_prediction_beside_measurement(tmp_path, run_cli):
     from hpcpar.cli.plan import workload_from_job
+    from hpcpar.formats.jobspec import load_job
     from hpcpar.plan.machine import load_machine
     from hpcpar.plan.planner import predict
-    from hpcpar.run.jobspec import load_job
 
     job_file = __import__("pathlib").Path(__file__).resolve().parents[2] / \
         "jobs/demo-cosmoflow.toml"

@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from hpcpar.analysis import synthetic_run
-from hpcpar.run.records import LocalGrid, RunRecorder, write_json_atomic
+from hpcpar.formats.records import LocalGrid, RunRecorder, write_json_atomic
 
 
 def snapshot(root) -> dict:

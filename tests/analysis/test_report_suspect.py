@@ -13,7 +13,7 @@ import sys
 import pandas as pd
 import pytest
 
-from hpcpar.run.records import merge_records
+from hpcpar.formats.records import merge_records
 from hpcpar.testing.cli_run import tiny_job_toml
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from hpcpar.analysis import drop_warmup, load, scaling_table, synthetic_run
 from hpcpar.errors import RunDirError
-from hpcpar.run.records import LocalGrid, RunRecorder
+from hpcpar.formats.records import LocalGrid, RunRecorder
 
 T_STRONG = {1: 8.0, 2: 4.4, 4: 2.5}
 

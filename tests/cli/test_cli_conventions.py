@@ -13,7 +13,7 @@ import pytest
 
 from hpcpar.cli.examples import EXAMPLES
 from hpcpar.cli.main import cli
-from hpcpar.run.jobspec import load_job
+from hpcpar.formats.jobspec import load_job
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = str(ROOT / "jobs" / "demo-cosmoflow.toml")

@@ -31,12 +31,12 @@ from hpcpar.data.format import read_manifest, verify_dataset
 from hpcpar.data.synthetic import CosmoflowSource
 from hpcpar.data.writer import SerialComm, write_dataset
 from hpcpar.errors import EXIT_USAGE, HpcparError
+from hpcpar.formats.jobspec import SCHEMA, load_job
+from hpcpar.formats.records import LocalComm
 from hpcpar.graph.format import GraphFile, write_graph
 from hpcpar.launch.sweep import parse_ranks, point_grid
 from hpcpar.parallel.grid import layout, parse_spec, resolve_shape
 from hpcpar.run.checkpoint import check_compatible, choose_resumable, step_dir_name, verify
-from hpcpar.run.jobspec import SCHEMA, load_job
-from hpcpar.run.records import LocalComm
 from hpcpar.testing.fuzz import (
     DEEP,
     memory_cap,

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from hpcpar.formats.jobspec import build_job
 from hpcpar.plan.gnn import GraphJob, Part
 from hpcpar.plan.machine import Link, Machine, load_machine
 from hpcpar.plan.planner import Layer, Workload, mark_tensor_parallel, predict, tp_linear_time
-from hpcpar.run.jobspec import build_job
 from hpcpar.testing import mpi_case
 
 M = Machine("test", ranks_per_node=4, flops=1e9, mem_bw=1e10, mem_per_rank=1e9, io_bw=1e9,

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from hpcpar.errors import ConfigError
-from hpcpar.run.jobspec import build_job
-from hpcpar.run.workloads import base
+from hpcpar.formats.jobspec import build_job
+from hpcpar.formats import kinds as base
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "segment3d"
 IMPORT_KIND = "seg3d.workload:Seg3DWorkload"

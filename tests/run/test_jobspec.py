@@ -12,7 +12,7 @@ import pytest
 
 from hpcpar.cli import main
 from hpcpar.errors import ConfigError
-from hpcpar.run.jobspec import load_job, parse_override
+from hpcpar.formats.jobspec import load_job, parse_override
 
 GOOD = """
 [job]
@@ -51,7 +51,7 @@ def test_good_job_defaults_and_ranks(tmp_path):
     assert job.checkpoint.keep == 3 and job.ddp.as_kwargs()["compression"] is None
     assert job.fixed_ranks() == 4 and job.check_ranks(4) == (2, 2, 1, 1)
     # the resolved JSON round-trips through the rank-side loader
-    from hpcpar.run.jobspec import load_resolved
+    from hpcpar.formats.jobspec import load_resolved
 
     (tmp_path / "job.json").write_text(job.to_json())
     again = load_resolved(str(tmp_path / "job.json"))
@@ -165,7 +165,7 @@ def test_real_process_no_traceback_and_no_torch(tmp_path):
     assert proc.stderr.strip() == (f"hpcpar: error: {bad}: [train] steps: -1 is out of range "
                                    "(must be >= 1)")
     good = write(tmp_path, GOOD, "good.toml")
-    code = ("import sys; from hpcpar.run.jobspec import load_job; "
+    code = ("import sys; from hpcpar.formats.jobspec import load_job; "
             f"load_job({good!r}); import hpcpar.cli.run; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
@@ -178,7 +178,7 @@ def test_jobspec_error_is_hpcpar_error():
 
 
 def test_jobs_guide_documents_every_key():
-    from hpcpar.run.jobspec import SCHEMA
+    from hpcpar.formats.jobspec import SCHEMA
     from hpcpar.run.workloads.volume import VOLUME_DATA, CosmoFlowWorkload, UNet3DWorkload
 
     text = (Path(__file__).resolve().parents[2] / "docs" / "guides" / "jobs.md").read_text()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hpcpar.errors import ConfigError
-from hpcpar.run.jobspec import build_job
+from hpcpar.formats.jobspec import build_job
 from hpcpar.testing import mpi_case
 
 pytest.importorskip("tensorboard")

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from hpcpar.errors import RunDirError
-from hpcpar.run import records
-from hpcpar.run.records import COLUMN_NAMES, RunRecorder, read_meta, read_steps
+from hpcpar.formats import records
+from hpcpar.formats.records import COLUMN_NAMES, RunRecorder, read_meta, read_steps
 from hpcpar.testing import mpi_case
 
 

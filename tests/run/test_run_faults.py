@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from hpcpar.errors import RunDirError
-from hpcpar.run import records
-from hpcpar.run.jobspec import load_job
+from hpcpar.formats import records
+from hpcpar.formats.jobspec import load_job
 from hpcpar.testing.faults import can_mount
 
 JOB = """[job]

@@ -59,7 +59,7 @@ def test_sigusr1_requeue_resume_bit_identical(tmp_path):
 
     meta = json.loads((cut.dir / "meta.json").read_text())
     assert meta["status"] == "ok" and len(meta["segments"]) == 2
-    from hpcpar.run.records import read_steps
+    from hpcpar.formats.records import read_steps
 
     steps = read_steps(cut.dir)
     assert sorted(set(steps["step"])) == list(range(24)) and len(steps) == 48

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from hpcpar.run.jobspec import build_job
+from hpcpar.formats.jobspec import build_job
 from hpcpar.run.workloads.base import register_workload
 from hpcpar.run.workloads.volume import CosmoFlowWorkload
 from hpcpar.testing import mpi_case
@@ -148,7 +148,7 @@ def test_demo_job_through_the_training_loop(tmp_path, monkeypatch):
 
     from mpi4py import MPI
 
-    from hpcpar.run.jobspec import load_job
+    from hpcpar.formats.jobspec import load_job
     from hpcpar.run.trainer import train
 
     monkeypatch.chdir(tmp_path)

@@ -26,8 +26,8 @@ checkpoints, signals, records and logs. ``[model] kind`` in a job file picks the
 Lifecycle, per rank (every call is made on every rank in the same order; methods marked
 *collective* may communicate):
 
-1. ``W(job, grid, device)`` — ``job`` is a :class:`hpcpar.run.jobspec.JobSpec` (``job.model.params``
-   and ``job.data.params`` hold this kind's keys, already validated against ``model_params`` /
+1. ``W(job, grid, device)`` — ``job`` is a :class:`hpcpar.formats.jobspec.JobSpec`
+   (``job.model.params`` and ``job.data.params`` hold this kind's keys, already validated against ``model_params`` /
    ``data_params``, defaults filled; ``job.train.seed``, ``job.train.global_batch`` ...).
 2. ``build_model()`` -> ``nn.Module`` on ``self.device``; every rank must build identical
    initial replicated parameters (seed with ``job.train.seed`` before creating layers).
@@ -82,54 +82,31 @@ plain single-process twin so tests can ``load_state_dict`` a checkpoint into it.
 
 from __future__ import annotations
 
-import difflib
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from hpcpar.errors import ConfigError
+from hpcpar.formats.kinds import (  # re-exported: a kind's module imports them from here
+    ENTRY_POINT_GROUP,
+    REQUIRED,
+    SEED_MAX,
+    Param,
+    get_workload,
+    known_kinds,
+    register_workload,
+)
 
 if TYPE_CHECKING:
     import torch
 
+    from hpcpar.formats.jobspec import JobSpec
     from hpcpar.parallel.grid import ProcessGrid
-    from hpcpar.run.jobspec import JobSpec
 
 __all__ = ["REQUIRED", "SEED_MAX", "MAX_POOLINGS", "ENTRY_POINT_GROUP", "Param", "StepResult",
            "Workload", "register_workload", "known_kinds", "get_workload"]
 
-REQUIRED = object()
-
-#: the largest seed a job accepts: NumPy's legacy generator (``np.random.seed``) takes 32 bits
-SEED_MAX = 2**32 - 1
 #: the most poolings a volume model may have: an edge of 2**20 voxels is beyond any sample
 MAX_POOLINGS = 20
-
-
-@dataclass(frozen=True)
-class Param:
-    """One kind-specific job key: type(s), default (``REQUIRED`` if none), range, choices.
-
-    Attributes:
-        type: Accepted Python type, or a tuple of them.
-        default: The default value; ``REQUIRED`` when the key must be given.
-        min: Smallest accepted value (numbers).
-        max: Largest accepted value (numbers).
-        choices: The accepted values, when they are a closed set.
-        help: One line for the documentation and error messages.
-    """
-
-    type: type | tuple = float
-    default: Any = REQUIRED
-    min: float | None = None
-    max: float | None = None
-    choices: tuple | None = None
-    help: str = ""
-
-    @property
-    def required(self) -> bool:
-        """True when the key has no default."""
-        return self.default is REQUIRED
 
 
 @dataclass
@@ -286,216 +263,3 @@ class Workload:
 
     def close(self) -> None:
         """Stop prefetchers and close files."""
-
-
-# -- registry ---------------------------------------------------------------------------------
-_REGISTRY: dict[str, Callable[..., Workload]] = {}
-
-# kinds whose module registers them on import (so a job file can name them without the
-# user importing anything); a module registering a kind listed here must live at that path.
-_BUILTIN = {
-    "cosmoflow": "hpcpar.run.workloads.volume",
-    "unet3d": "hpcpar.run.workloads.volume",
-    "gcn": "hpcpar.run.workloads.graph",
-    "sage": "hpcpar.run.workloads.graph",
-}
-
-
-def register_workload(kind: str, factory: Callable[..., Workload] | None = None) -> Any:
-    """Register a model kind for ``[model] kind`` in job files; usable as a decorator.
-
-    Args:
-        kind: The kind's name.
-        factory: ``factory(job, grid, device) -> Workload``, normally the Workload subclass
-            itself; its ``model_params``/``data_params`` are read for job validation (a
-            factory function may carry them as attributes too). None: return a decorator.
-
-    Returns:
-        ``factory``, or a decorator that registers what it decorates.
-    """
-
-    def deco(f):
-        _REGISTRY[kind] = f
-        return f
-
-    return deco(factory) if factory is not None else deco
-
-
-#: The entry-point group through which an installed package adds kinds by name
-#: (``[project.entry-points."hpcpar.workloads"]`` in its pyproject.toml).
-ENTRY_POINT_GROUP = "hpcpar.workloads"
-
-
-def _entry_points() -> dict:
-    """Name -> entry point of the ``hpcpar.workloads`` group of every installed package."""
-    from importlib.metadata import entry_points
-
-    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
-
-
-def known_kinds() -> list[str]:
-    """Every registered, built-in and installed (entry point) kind, sorted."""
-    return sorted(set(_REGISTRY) | set(_BUILTIN) | set(_entry_points()))
-
-
-def _check_factory(kind: str, factory: Any, origin: str) -> Callable[..., Workload]:
-    if not callable(factory):
-        raise ConfigError(f"[model] kind {kind!r}: {origin} is {type(factory).__name__}, not a "
-                          f"Workload subclass or factory")
-    for attr in ("model_params", "data_params", "train_params"):
-        params = getattr(factory, attr, {})
-        if not isinstance(params, dict) or not all(isinstance(v, Param)
-                                                   for v in params.values()):
-            raise ConfigError(f"[model] kind {kind!r}: {origin}.{attr} must be a dict of "
-                              f"hpcpar.run.workloads.base.Param")
-    return factory
-
-
-def _is_cwd(entry: str) -> bool:
-    import os
-
-    return os.path.realpath(entry or ".") == os.path.realpath(os.getcwd())
-
-
-def _installed_module(kind: str, module: str, origin: str) -> None:
-    """Refuse a module an untrusted kind names unless it is installed: found on ``sys.path``
-    without the working directory (a module there is whatever that folder holds)."""
-    import importlib.util
-    import sys
-
-    saved = sys.path[:]
-    sys.path[:] = [p for p in saved if not _is_cwd(p)]
-    try:
-        spec = importlib.util.find_spec(module.split(".")[0])   # a top level runs no code
-    finally:
-        sys.path[:] = saved
-    if spec is None:
-        raise ConfigError(f"{origin}: [model] kind {kind!r}: module {module.split('.')[0]!r} "
-                          f"is not installed (a module in the working directory or the run "
-                          f"directory is never imported for a run directory's kind)")
-
-
-def _import_path(kind: str, installed_only: bool = False) -> Callable[..., Workload]:
-    """``"package.module:Attr"`` (``Attr`` may be dotted): import the module (also from the
-    working directory, like ``python -m``, unless ``installed_only``) and return the
-    attribute."""
-    import importlib
-    import os
-    import sys
-
-    module, _, attr = kind.partition(":")
-    names = module.split(".") + attr.split(".")
-    if not module or not attr or not all(p.isidentifier() for p in names):
-        raise ConfigError(f"[model] kind {kind!r}: expected a kind name or "
-                          f"'package.module:Callable'")
-    if installed_only:
-        saved = sys.path[:]
-        sys.path[:] = [p for p in saved if not _is_cwd(p)]
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if not (exc.name and module.startswith(exc.name)):
-                raise
-            raise ConfigError(f"[model] kind {kind!r}: no installed module {exc.name!r}") \
-                from None
-        finally:
-            sys.path[:] = saved
-        return _attribute(kind, mod, attr)
-    cwd = os.getcwd()
-    for attempt in (0, 1):
-        try:
-            mod = importlib.import_module(module)
-            break
-        except ModuleNotFoundError as exc:
-            if not (exc.name and module.startswith(exc.name)):
-                raise          # the user's module imports something missing: show it
-            if attempt or cwd in sys.path:
-                raise ConfigError(f"[model] kind {kind!r}: cannot import module {exc.name!r} "
-                                  f"(install the package, add its folder to PYTHONPATH, or run "
-                                  f"from the folder that holds it)") from None
-            sys.path.append(cwd)   # a module next to the job, as `python -m` would find it
-    return _attribute(kind, mod, attr)
-
-
-def _attribute(kind: str, mod: Any, attr: str) -> Callable[..., Workload]:
-    """The (dotted) attribute ``attr`` of the imported module of ``kind``."""
-    module = mod.__name__
-    obj: Any = mod
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            names = [n for n in dir(obj) if not n.startswith("_")]
-            hint = difflib.get_close_matches(part, names, n=1)
-            more = f" (did you mean {hint[0]!r}?)" if hint else ""
-            raise ConfigError(f"[model] kind {kind!r}: module {module!r} has no attribute "
-                              f"{attr!r}{more}")
-        obj = getattr(obj, part)
-    return _check_factory(kind, obj, attr)
-
-
-def _from_entry_point(kind: str, ep: Any) -> Callable[..., Workload]:
-    try:
-        factory = ep.load()
-    except Exception as exc:  # noqa: BLE001 - a broken plugin: name it, keep the cause
-        dist = getattr(getattr(ep, "dist", None), "name", None) or "an installed package"
-        raise ConfigError(f"[model] kind {kind!r}: the entry point {ep.value!r} of {dist} "
-                          f"(group {ENTRY_POINT_GROUP!r}) failed to load: "
-                          f"{type(exc).__name__}: {exc}") from None
-    return _check_factory(kind, factory, ep.value)
-
-
-def get_workload(kind: str, untrusted: str | None = None,
-                 trust_kind: bool = False) -> Callable[..., Workload]:
-    """The factory of a kind: registered, built-in, an installed package's entry point in the
-    ``hpcpar.workloads`` group, or an import path ``"package.module:Callable"``.
-
-    Args:
-        kind: The ``[model] kind`` value.
-        untrusted: Where the kind was read from when that is not the user's own job (a run
-            directory's ``job.json``): then only built-in and already loaded kinds resolve,
-            unless ``trust_kind``.
-        trust_kind: With ``untrusted``: also load the kind from an installed package (never
-            from the working directory).
-
-    Returns:
-        The factory (normally the Workload subclass); ``model_params``/``data_params``/
-        ``train_params`` on it declare the kind's job keys.
-
-    Raises:
-        ConfigError: An unknown kind (with a "did you mean"), a module or attribute that
-            cannot be imported, a broken entry point, a built-in kind whose module is
-            missing from this build, or an untrusted kind that would import code.
-    """
-    if untrusted is not None and kind not in _REGISTRY and kind not in _BUILTIN:
-        if not trust_kind:
-            raise ConfigError(f"{untrusted}: [model] kind {kind!r} is not built in, and hpcpar "
-                              f"imports no code a run directory names: pass --trust-kind to "
-                              f"load it from an installed package (never the working "
-                              f"directory), or plan with the job file that names it")
-        if ":" in kind:
-            _installed_module(kind, kind.partition(":")[0], untrusted)
-            _REGISTRY[kind] = _import_path(kind, installed_only=True)
-    if kind in _REGISTRY:
-        return _REGISTRY[kind]
-    if kind in _BUILTIN:
-        import importlib
-
-        try:
-            importlib.import_module(_BUILTIN[kind])
-        except ModuleNotFoundError as exc:
-            if exc.name and _BUILTIN[kind].startswith(exc.name):
-                raise ConfigError(f"[model] kind {kind!r} is not available in this build "
-                                  f"({_BUILTIN[kind]} is missing)") from None
-            raise
-    elif ":" in kind:
-        _REGISTRY[kind] = _import_path(kind)
-    else:
-        eps = _entry_points()
-        if kind in eps:
-            _REGISTRY[kind] = _from_entry_point(kind, eps[kind])
-    if kind not in _REGISTRY:
-        hint = difflib.get_close_matches(kind, known_kinds(), n=1)
-        more = f" (did you mean {hint[0]!r}?)" if hint else ""
-        raise ConfigError(f"[model] kind: unknown kind {kind!r}{more}; known: "
-                          f"{', '.join(known_kinds())}, or 'package.module:Workload' for your "
-                          f"own")
-    return _REGISTRY[kind]

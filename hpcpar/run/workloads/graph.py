@@ -22,8 +22,8 @@ from hpcpar.run.workloads.base import SEED_MAX, Param, StepResult, Workload, reg
 if TYPE_CHECKING:
     import torch
 
+    from hpcpar.formats.jobspec import JobSpec
     from hpcpar.parallel.grid import ProcessGrid
-    from hpcpar.run.jobspec import JobSpec
 
 __all__ = ["METHODS", "MODEL_PARAMS", "DATA_PARAMS", "make_graph_file", "GraphWorkload",
            "GCNWorkload", "SAGEWorkload"]

@@ -11,8 +11,8 @@ import json
 import math
 from typing import Any
 
-from hpcpar.run.jobspec import SCHEMA, JobSpec
-from hpcpar.run.workloads.base import REQUIRED, Param
+from hpcpar.formats.jobspec import SCHEMA, JobSpec
+from hpcpar.formats.kinds import REQUIRED, Param
 
 __all__ = ["JSON_SCHEMA_DIALECT", "param_schema", "json_schema", "toml_value", "job_to_toml"]
 
@@ -72,7 +72,7 @@ def json_schema(kind: str | None = None) -> dict:
     Raises:
         ConfigError: ``kind`` cannot be resolved.
     """
-    from hpcpar.run.workloads.base import get_workload, known_kinds
+    from hpcpar.formats.kinds import get_workload, known_kinds
 
     sections = {name: dict(params) for name, params in SCHEMA.items()}
     title = "hpcpar job file"

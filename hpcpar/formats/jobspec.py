@@ -11,6 +11,7 @@ for ``[model] kind`` (``hpcpar.run.workloads.base``). This module does not impor
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import json
 import math
 import os
@@ -22,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from hpcpar.errors import ConfigError, HpcparError
+from hpcpar.formats.kinds import REQUIRED, SEED_MAX, Param
 from hpcpar.parallel.grid import AXES, resolve_shape
-from hpcpar.run.workloads.base import REQUIRED, SEED_MAX, Param
 
 __all__ = ["TIME_RE", "NAME_RE", "SCHEMA", "TYPE_NAMES", "Section", "JobSpec", "check_value",
            "parse_override", "load_job", "build_job", "safe_name", "load_resolved", "grid_fix",
@@ -185,8 +186,8 @@ class Section:
 class JobSpec:
     """A validated job: sections as attributes (``job.train.lr``, ``job.model.params``).
 
-    Made by [load_job][hpcpar.run.jobspec.load_job] or
-    [build_job][hpcpar.run.jobspec.build_job].
+    Made by [load_job][hpcpar.formats.jobspec.load_job] or
+    [build_job][hpcpar.formats.jobspec.build_job].
 
     Attributes:
         source: Where the job came from (the file path), for messages.
@@ -239,7 +240,7 @@ class JobSpec:
         except HpcparError as exc:
             raise ConfigError(f"{self.source}: [grid] {exc}; {grid_fix(self.grid_shape, n)}") \
                 from None
-        from hpcpar.run.workloads.base import get_workload
+        from hpcpar.formats.kinds import get_workload
 
         batch = self.train.global_batch
         if getattr(get_workload(self.model.kind), "splits_global_batch", True) and batch % shape[0]:
@@ -482,7 +483,7 @@ def build_job(raw: dict, overrides: Sequence[str] = (), source: str = "<job>",
     Raises:
         ConfigError: An unknown section or key, a bad value, or an unknown model kind.
     """
-    from hpcpar.run.workloads.base import get_workload
+    from hpcpar.formats.kinds import get_workload
 
     raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
     for text in overrides:
@@ -576,8 +577,6 @@ def _cross_checks(job: JobSpec) -> None:
         raise ConfigError(f"{src}: [output] callbacks: expected a list of "
                           f"'package.module:factory' strings")
     if job.output.tensorboard:
-        from hpcpar.run.callbacks import check_tensorboard
-
         try:
             check_tensorboard()
         except HpcparError as exc:
@@ -586,6 +585,17 @@ def _cross_checks(job: JobSpec) -> None:
     if r.time is not None and not TIME_RE.match(r.time):
         raise ConfigError(f"{src}: [resources] time: {r.time!r} is not a Slurm time such as "
                           f"01:30:00 or 1-00:00:00")
+
+
+def check_tensorboard() -> None:
+    """ConfigError unless the ``tensorboard`` package is installed (the launcher checks it).
+
+    Raises:
+        ConfigError: ``tensorboard`` is missing.
+    """
+    if importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("[output] tensorboard = true needs the tensorboard package: "
+                          "pip install 'hpcpar[tensorboard]'")
 
 
 def load_resolved(path: str | os.PathLike, untrusted: bool = False,

@@ -1,0 +1,278 @@
+"""The writer: ``RunRecorder`` appends one CSV row per rank per step and merges the ranks at
+finish; ``LocalGrid``/``LocalComm`` let it record without MPI (synthetic and example runs)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hpcpar.errors import RunDirError
+from hpcpar.formats.records.facts import (
+    git_facts,
+    machine_facts,
+    package_versions,
+    rank_machine_facts,
+    slurm_facts,
+)
+from hpcpar.formats.records.reader import merge_records
+from hpcpar.formats.records.schema import (
+    COLUMN_NAMES,
+    KINDS,
+    SCHEMA_NAME,
+    SCHEMA_VERSION,
+    STATUSES,
+    drop_torn_tail,
+    encode_row,
+    file_columns,
+    header_line,
+    now_iso,
+    oserror_text,
+    read_meta,
+    write_json_atomic,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    from hpcpar.parallel.grid import ProcessGrid
+
+
+def _grid_facts(grid) -> dict:
+    shape = tuple(int(s) for s in grid.shape)
+    return {"grid": dict(zip(("data", "x", "y", "z"), shape)),
+            "grid_spec": "x".join(str(s) for s in shape), "ranks": int(grid.size),
+            "nodes": int(getattr(grid, "num_nodes", 1))}
+
+
+class LocalComm:
+    """Stand-in communicator for recording without MPI: rank ``rank`` of ``size`` processes
+    that never talk (``grid=None`` uses one rank; synthetic runs write each rank in turn)."""
+
+    def __init__(self, rank: int = 0, size: int = 1):
+        self.rank, self.size = rank, size
+
+    def Get_rank(self):
+        return self.rank
+
+    def Get_size(self):
+        return self.size
+
+    def allgather(self, x):
+        return [x] * self.size
+
+    def bcast(self, x, root=0):
+        return x
+
+    def Barrier(self):
+        pass
+
+
+class LocalGrid:
+    """Grid facts for a recorder without MPI.
+
+    Args:
+        shape: ``(data, x, y, z)``.
+        rank: The rank this process records as.
+        nodes: Number of nodes to record.
+    """
+
+    def __init__(self, shape: Sequence[int] = (1, 1, 1, 1), rank: int = 0, nodes: int = 1):
+        self.shape = tuple(shape)
+        self.size = self.shape[0] * self.shape[1] * self.shape[2] * self.shape[3]
+        self.rank, self.num_nodes = rank, nodes
+        self.comm = LocalComm(rank, self.size)
+
+
+def row_from_counters(delta: dict) -> dict:
+    """Map counter differences onto step columns (graph halos count as halo time).
+
+    Args:
+        delta: What ``hpcpar.parallel.counters.Counters.since`` returned.
+
+    Returns:
+        The step columns among them.
+    """
+    row = {k: v for k, v in delta.items() if k in KINDS}
+    if "t_graph_halo" in delta:
+        row["t_halo"] = row.get("t_halo", 0.0) + delta["t_graph_halo"]
+    return row
+
+
+# -- the writer ------------------------------------------------------------------------------
+class RunRecorder:
+    """Writes one run's records: ``meta.json`` and one CSV row per rank per step, merged into
+    ``steps.parquet`` at the end (format: ``docs/guides/analysis.md``).
+
+    Construction and [finish][hpcpar.formats.records.RunRecorder.finish] are collective over
+    ``grid.comm``; [step][hpcpar.formats.records.RunRecorder.step] is local (every rank records
+    its own row every step).
+
+    Args:
+        run_dir: The run directory; records go to ``run_dir/records``.
+        grid: The process grid; None records a single process without MPI.
+        meta: Caller facts stored in meta.json (``job_name``, ``job`` dict, ``job_file``,
+            ``global_batch``, ``config``, anything else JSON-able).
+        resume: Keep the rows and start time already there; rows of steps redone after the
+            checkpoint replace the old ones when the records are merged.
+
+    Raises:
+        RunDirError: Rank 0 cannot create the records or read the existing meta.json (the
+            same error on every rank).
+
+    Example:
+        ```python
+        rec = RunRecorder("runs/a", grid, meta={"job_name": "demo", "global_batch": 16})
+        rec.step(step=0, t_step=0.41, samples=16)
+        rec.finish()
+        ```
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, grid: ProcessGrid | LocalGrid | None = None,
+                 meta: dict | None = None, resume: bool = False):
+        self.grid = grid if grid is not None else LocalGrid()
+        self.comm = self.grid.comm
+        self.rank = int(self.comm.Get_rank())
+        self.size = int(self.comm.Get_size())
+        self.run_dir = Path(run_dir)
+        self.records_dir = self.run_dir / "records"
+        self._first_step_seen = False
+        facts = self.comm.allgather(rank_machine_facts())
+        hosts = [f["host"] for f in facts]
+        error = None
+        if self.rank == 0:
+            try:
+                self.records_dir.mkdir(parents=True, exist_ok=True)
+                self._start_meta(dict(meta or {}), hosts, resume, machine_facts(facts))
+            except RunDirError as exc:
+                error = f"{self.run_dir}: cannot start run records: {exc}"
+            except OSError as exc:
+                error = (f"{exc.filename or self.run_dir}: cannot start run records "
+                         f"({oserror_text(exc)})")
+        error = self.comm.bcast(error, root=0)
+        if error:
+            raise RunDirError(error)
+        self.path = self.records_dir / f"rank-{self.rank:05d}.csv"
+        if resume and self.path.exists():
+            drop_torn_tail(self.path)
+        fresh = not (resume and self.path.exists() and self.path.stat().st_size > 0)
+        self._names = COLUMN_NAMES if fresh else file_columns(self.path)
+        try:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND
+                               | (os.O_TRUNC if fresh else 0), 0o666)
+        except OSError as exc:
+            raise RunDirError(f"{self.path}: cannot open step records ({oserror_text(exc)})") \
+                from None
+        self._complete = os.lseek(self._fd, 0, os.SEEK_END)  # bytes in whole lines
+        if fresh:
+            self._write(header_line())
+
+    def _write(self, text: str) -> None:
+        """Append whole lines: one ``write`` (retried on short writes). On any OSError (disk
+        full, quota, I/O error) the file is cut back to its last complete line and one
+        :class:`RunDirError` names it: a torn line is never left behind."""
+        data = memoryview(text.encode())
+        try:
+            while data:
+                data = data[os.write(self._fd, data):]
+        except OSError as exc:
+            try:
+                os.ftruncate(self._fd, self._complete)
+            except OSError:
+                pass
+            raise RunDirError(f"{self.path}: cannot write step records ({oserror_text(exc)}); "
+                              f"the records up to the last complete step are kept") from None
+        self._complete += len(text.encode())
+
+    def _start_meta(self, user: dict, hosts: list, resume: bool, machine: dict) -> None:
+        path = self.run_dir / "meta.json"
+        previous = read_meta(self.run_dir) if resume and path.exists() else None
+        start = now_iso()
+        meta = dict(previous or {})
+        meta.pop("end_reason", None)        # a new segment: the last one's ending is history
+        meta.update(user)
+        meta.update(_grid_facts(self.grid))
+        meta.update({
+            "schema": SCHEMA_NAME, "schema_version": SCHEMA_VERSION,
+            "hostnames": sorted(set(hosts)), "rank_hosts": hosts, "slurm": slurm_facts(),
+            "start_time": (previous or {}).get("start_time", start), "end_time": None,
+            "status": "running", "versions": package_versions(),
+            "git": git_facts(user.get("job_file")), "machine": user.get("machine", machine),
+        })
+        job = user.get("job")
+        meta.setdefault("job_name", job.get("name") if isinstance(job, dict) else job)
+        meta["segments"] = list((previous or {}).get("segments", [])) + [
+            {"start_time": start, "first_step": None}]
+        write_json_atomic(path, meta)
+
+    def step(self, **row: Any) -> None:
+        """Append this rank's row of one step and flush it to the OS (it survives a crash).
+
+        Args:
+            **row: Values of the step columns (``COLUMNS``; ``rank`` is filled in, missing
+                columns are left empty).
+
+        Raises:
+            RunDirError: The row cannot be written (disk full...); no torn line is left.
+        """
+        row.setdefault("rank", self.rank)
+        if "step" not in row or row["step"] is None:
+            raise KeyError("step record: 'step' is required")
+        self._write(encode_row({k: v for k, v in row.items() if k in self._names}
+                               | {k: v for k, v in row.items() if k not in COLUMN_NAMES},
+                               self._names))
+        if self.rank == 0 and not self._first_step_seen:
+            self._first_step_seen = True
+            self.update_meta(lambda m: m["segments"][-1].update(first_step=int(row["step"])))
+
+    def update_meta(self, change: Callable[[dict], None]) -> None:
+        """Apply ``change(meta_dict)`` to meta.json atomically (rank 0 only).
+
+        Args:
+            change: Called with the meta dict; modifies it in place.
+        """
+        meta = read_meta(self.run_dir)
+        change(meta)
+        write_json_atomic(self.run_dir / "meta.json", meta)
+
+    def close(self) -> None:
+        """Local: sync and close this rank's file (error paths too; no collective)."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                os.fsync(fd)
+            except OSError:  # the rows are in the page cache already; nothing to add
+                pass
+            os.close(fd)
+
+    def finish(self, status: str = "ok", reason: str | None = None) -> Path | None:
+        """Close every rank's file, merge them, and record the end time and status (collective).
+
+        Args:
+            status: The run's final status for meta.json (``"ok"``, ``"stopped"``,
+                ``"failed"``...).
+            reason: Why the run ended, stored as ``end_reason`` (None removes an earlier one).
+
+        Returns:
+            The merged ``steps.parquet`` on rank 0; None on
+            the other ranks.
+        """
+        if status not in STATUSES[1:]:
+            raise ValueError(f"finish status must be one of {STATUSES[1:]}, got {status!r}")
+        self.close()
+        self.comm.Barrier()
+        out, error = None, None
+        if self.rank == 0:
+            try:
+                out = merge_records(self.run_dir)
+                self.update_meta(lambda m: m.update(end_time=now_iso(), status=status,
+                                                    end_reason=reason, steps_file=out.name))
+            except RunDirError as exc:
+                error = f"{self.run_dir}: cannot merge run records: {exc}"
+            except OSError as exc:  # disk full while writing steps.parquet: rank files stay
+                error = (f"{exc.filename or self.run_dir}: cannot merge run records "
+                         f"({oserror_text(exc)}); records/rank-*.csv are kept")
+        error = self.comm.bcast(error, root=0)
+        if error:
+            raise RunDirError(error)
+        return out
