@@ -79,8 +79,8 @@ def main() -> int:
                          "never a validated job): the issue's 'calibrate on the demo job only'")
     ap.add_argument("--calibrate", action="store_true", help="measure this machine first")
     args = ap.parse_args()
-    from hpcpar.cli.plan import workload_from_job
     from hpcpar.parallel.grid import parse_spec
+    from hpcpar.plan.job import workload_from_job
     from hpcpar.plan.machine import load_machine, machines_dir
     from hpcpar.plan.planner import predict
 

@@ -52,9 +52,9 @@ def plan_predictor(machine_name: str, trust_kind: bool = False):
     or ``trust_kind`` (installed packages only)."""
     import json
 
-    from hpcpar.cli import plan as planning
     from hpcpar.errors import ConfigError
     from hpcpar.formats.jobspec import build_job
+    from hpcpar.plan.job import workload_of
     from hpcpar.plan.machine import load_machine
     from hpcpar.plan.planner import predict
 
@@ -64,7 +64,7 @@ def plan_predictor(machine_name: str, trust_kind: bool = False):
     def predict_point(job_dict: dict, grid: tuple) -> dict:
         key = json.dumps(job_dict, sort_keys=True, default=str)
         if key not in works:
-            works[key] = planning.workload_of(build_job(job_dict, source="meta.json job",
+            works[key] = workload_of(build_job(job_dict, source="meta.json job",
                                                         untrusted=True,
                                                         trust_kind=trust_kind))
         pred = predict(works[key], grid, machine)

@@ -8,137 +8,20 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import shutil
 import sys
-import time
 from pathlib import Path
 
 import click
 
 from hpcpar.cli._options import json_option, ranks_option, set_option
 
-__all__ = ["default_run_dir", "run"]
+__all__ = ["run"]
 
 
 def _grid_overrides(spec: str) -> list[str]:
     from hpcpar.parallel.grid import AXES, parse_spec
 
     return [f"grid.{a}={v}" for a, v in zip(AXES, parse_spec(spec))]
-
-
-def default_run_dir(job) -> str:
-    """``[output] dir``, else ``runs/<job name>``: stable, so running the same command again
-    resumes."""
-    if job.output.dir:
-        return job.output.dir
-    return os.path.join("runs", job.name)
-
-
-def _check_grid(run_dir: Path, grid_spec: str) -> None:
-    """Fail early (one line) when the newest readable checkpoint cannot resume on this grid
-    (the rule is :func:`hpcpar.run.checkpoint.check_compatible`'s)."""
-    from hpcpar.run.checkpoint import check_compatible, list_checkpoints
-
-    shape = tuple(int(v) for v in grid_spec.split("x"))
-    for path in list_checkpoints(run_dir / "checkpoints"):
-        try:
-            check_compatible(path, shape)
-        except (OSError, ValueError):
-            continue   # an unreadable manifest: the ranks check it
-        return
-
-
-def _decide(rd: Path, job, grid_spec: str, fresh: bool, new_settings: bool) -> tuple:
-    """Read-only: what to do with run directory ``rd``: ("run", diff), ("finished", message);
-    raises a one-line error (nothing in ``rd`` changed) when the rerun is refused."""
-    from hpcpar.errors import RunDirError
-    from hpcpar.run import rundir
-
-    if rd.exists() and not rd.is_dir():
-        raise RunDirError(f"--run-dir {rd}: exists and is not a directory")
-    if rd.is_symlink() and not rd.exists():
-        raise RunDirError(f"--run-dir {rd}: a symbolic link to nothing (dangling or a loop)")
-    if not rd.is_dir():
-        return "run", []
-    rundir.RunLock(rd).check()
-    rundir.check_run_dir(rd)
-    if fresh:
-        return "run", []
-    diff = rundir.check_settings(rd, job.to_dict())
-    if diff and not new_settings:
-        raise RunDirError(f"{rd}: settings differ from the run in this directory (job.json): "
-                          f"{rundir.describe_diff(diff)}; run with the same settings to resume, "
-                          f"--new-settings to continue with these, --fresh to start over (old "
-                          f"files moved aside), or another --run-dir")
-    if not any(k.startswith("grid.") for k, _, _ in diff):
-        _check_grid(rd, grid_spec)
-    meta = rundir.finished_status(rd)
-    if meta is not None and not diff:
-        steps = (meta.get("job") or {}).get("train", {}).get("steps")
-        return "finished", (f"hpcpar: {rd}: already finished (status ok"
-                            + (f", {steps} steps" if steps else "") + "); nothing to do "
-                            "(--fresh starts over)")
-    return "run", diff
-
-
-def _prepare(rd: Path, job, job_file: str, diff: list, fresh: bool) -> Path:
-    """With the lock held: move old files aside (--fresh) and write the job the ranks read,
-    returned. With changed settings (--new-settings) that is ``job.next.json``: it replaces
-    job.json only once the ranks have started (:func:`_settle_settings`)."""
-    from hpcpar.run import rundir
-
-    if fresh:
-        moved = rundir.move_aside(rd, keep=[job_file])
-        if moved is not None:
-            click.echo(f"hpcpar: --fresh: moved the previous run's files to {moved}", err=True)
-    if diff:
-        click.echo(f"hpcpar: --new-settings: continuing with {rundir.describe_diff(diff)}",
-                   err=True)
-        path = rd / "job.next.json"
-        path.write_text(job.to_json())
-        return path
-    path = rd / "job.json"
-    text = job.to_json()
-    if not path.exists() or path.read_text() != text:
-        path.write_text(text)
-    _copy_job_file(rd, job_file)
-    return path
-
-
-def _copy_job_file(rd: Path, job_file: str) -> None:
-    """RUN/job.toml: the job file as given (a different earlier copy is kept, renamed)."""
-    src, copy = Path(job_file), rd / "job.toml"
-    if src.resolve() == copy.resolve() or (copy.exists()
-                                           and copy.read_bytes() == src.read_bytes()):
-        return
-    if copy.exists():
-        copy.replace(rd / f"job-{time.strftime('%Y%m%d-%H%M%S')}.toml")
-    shutil.copyfile(src, copy)
-
-
-def _segments(rd: Path) -> int:
-    try:
-        return len(json.loads((rd / "meta.json").read_text()).get("segments", []))
-    except (OSError, ValueError, AttributeError):
-        return 0
-
-
-def _settle_settings(rd: Path, job_path: Path, job_file: str, started: bool) -> None:
-    """After the ranks of a --new-settings run: if they started a segment, the new settings
-    become job.json (the old one kept as job-<time>.json); if they refused to start, the
-    directory is left as it was."""
-    from hpcpar.run import rundir
-
-    if job_path.name != "job.next.json" or not job_path.exists():
-        return
-    if started:
-        kept = rundir.keep_old_settings(rd)
-        os.replace(job_path, rd / "job.json")
-        _copy_job_file(rd, job_file)
-        if kept is not None:
-            click.echo(f"hpcpar: previous settings kept in {kept}", err=True)
-    else:
-        job_path.unlink()
 
 
 @click.command()
@@ -181,6 +64,7 @@ def run(job_file, ranks, grid_spec, run_dir, sets, fresh, _resume, new_settings,
         plan_launch,
         rank_argv,
     )
+    from hpcpar.run import rerun
 
     overrides = list(sets)
     if grid_spec is not None:
@@ -200,19 +84,22 @@ def run(job_file, ranks, grid_spec, run_dir, sets, fresh, _resume, new_settings,
     mode = plan_launch(n)
     world = mpi_world_size()
     comm = None
-    rd = Path(run_dir or default_run_dir(job))
+    rd = Path(run_dir or rerun.default_run_dir(job))
     if mode == "direct" and world > 1:    # every rank runs this command: rank 0 decides
         from mpi4py import MPI
 
         comm = MPI.COMM_WORLD
     lead = comm is None or comm.Get_rank() == 0
 
+    def say(line: str) -> None:
+        click.echo(line, err=True)
+
     def command(job_path: Path):
         argv = rank_argv(str(job_path), str(rd), resume=not fresh)
         return argv, launch_command(mode, n, argv, cpus_per_task=job.resources.cpus_per_task,
                                     gpus_per_node=job.resources.gpus_per_node)
 
-    what, detail = _agreed(comm, lambda: _decide(rd, job, spec, fresh, new_settings))
+    what, detail = rerun.agreed(comm, lambda: rerun.decide(rd, job, spec, fresh, new_settings))
     if dry_run:
         cmd = command(rd / "job.json")[1]
         if as_json:
@@ -233,44 +120,27 @@ def run(job_file, ranks, grid_spec, run_dir, sets, fresh, _resume, new_settings,
     try:
         if lead:
             rd.mkdir(parents=True, exist_ok=True)
-        job_path = _agreed(comm, lambda: (lock.acquire(),
-                                          _prepare(rd, job, job_file, detail, fresh))[1])
+        job_path = rerun.agreed(comm, lambda: (
+            lock.acquire(), rerun.prepare(rd, job, job_file, detail, fresh, say))[1])
         if lead:
             click.echo(f"hpcpar: {job.name}: {n} rank(s), grid {spec}, run dir {rd}", err=True)
         argv, cmd = command(job_path)
-        before = _segments(rd)
+        before = rerun.segments(rd)
         from hpcpar.launch.oom import OomWatch
 
         watch = OomWatch()
         rc = _launch(mode, cmd, argv, job, lock, world)
-        started = _segments(rd) > before
+        started = rerun.segments(rd) > before
         if lead:
-            _settle_settings(rd, job_path, job_file, started)
+            rerun.settle_settings(rd, job_path, job_file, started, say)
             if rc in (None, EXIT_OK, EXIT_REQUEUE):    # a run to read or to resume
                 click.echo(str(rd))
         if rc is not None:
-            _report(rd, rc, lock, started, watch.message(n, spec))
+            rc = rerun.outcome(rd, rc, started, watch.message(n, spec), say)
+            lock.release()
+            sys.exit(rc)
     finally:
         lock.release()
-
-
-def _agreed(comm, action):
-    """Run ``action`` on rank 0 only (all ranks when not under MPI) and give every rank its
-    result, or raise its error on every rank alike."""
-    from hpcpar.errors import HpcparError
-
-    if comm is None:
-        return action()
-    out = None
-    if comm.Get_rank() == 0:
-        try:
-            out = ("ok", action())
-        except HpcparError as exc:
-            out = ("error", exc)
-    out = comm.bcast(out, root=0)
-    if out[0] == "error":
-        raise out[1]
-    return out[1]
 
 
 def _launch(mode, cmd, argv, job, lock, world=1) -> int | None:
@@ -293,57 +163,3 @@ def _launch(mode, cmd, argv, job, lock, world=1) -> int | None:
     return run_ranks(cmd, rank_env(extra))
 
 
-def _report(rd: Path, rc: int, lock, started: bool, oom: str | None = None) -> None:
-    """One closing line per outcome; the exit code of ``hpcpar run`` (documented codes only:
-    a rank killed by a signal is 1, like any crash, unless its memory cgroup counted an
-    out-of-memory kill: ``oom`` is then the line to print, exit code 6). ``started``: the ranks
-    began a segment (else meta.json is a previous run's and is left alone)."""
-    from hpcpar.errors import (
-        EXIT_ABORTED,
-        EXIT_DIVERGED,
-        EXIT_FAILED,
-        EXIT_OK,
-        EXIT_OUT_OF_MEMORY,
-        EXIT_REQUEUE,
-        EXIT_USAGE,
-    )
-    from hpcpar.run import rundir
-
-    resumed = rundir.resumed_from(rd) if started else None
-    if resumed is not None:
-        click.echo(f"hpcpar: the ranks resumed from {resumed[0]} (step {resumed[1]})", err=True)
-    if rc == EXIT_OK:
-        try:
-            loss = json.loads((rd / "metrics.json").read_text()).get("final_train_loss")
-        except (OSError, ValueError):
-            loss = None
-        tail = f", final train loss {loss:.5g}" if isinstance(loss, float) else ""
-        click.echo(f"hpcpar: done: {rd} (metrics.json, steps records){tail}", err=True)
-        return
-    if rc == EXIT_REQUEUE:
-        if started:
-            rundir.mark_ended(rd, "stopped by a signal (exit code 3)", status="preempted")
-        click.echo(f"hpcpar: stopped by signal after checkpointing in {rd / 'checkpoints'}; "
-                   f"run the same command again (or requeue) to resume", err=True)
-    elif rc == EXIT_ABORTED:
-        if started:
-            rundir.mark_ended(rd, "interrupted")
-        click.echo(f"hpcpar: interrupted twice: the ranks were stopped without a checkpoint; "
-                   f"run the same command again to resume from the newest one in "
-                   f"{rd / 'checkpoints'}", err=True)
-    elif oom is not None and rc not in (EXIT_USAGE, EXIT_DIVERGED):
-        if started:
-            rundir.mark_ended(rd, "out of memory")
-        click.echo(f"hpcpar: error: {oom}; logs in {rd / 'logs'}", err=True)
-        rc = EXIT_OUT_OF_MEMORY
-    elif rc not in (EXIT_USAGE, EXIT_DIVERGED):
-        if started:
-            rundir.mark_ended(rd, f"ranks failed (launcher exit code {rc})")
-        click.echo(f"hpcpar: error: the ranks failed (launcher exit code {rc}); logs in "
-                   f"{rd / 'logs'}", err=True)
-        rc = EXIT_FAILED
-    elif started:   # the ranks record their error; a rank killed meanwhile may not have
-        rundir.mark_ended(rd, f"the ranks exited with code {rc}; see their error line in "
-                              f"{rd / 'logs'}")
-    lock.release()
-    sys.exit(rc)

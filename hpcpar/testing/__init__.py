@@ -4,9 +4,9 @@
 :mod:`~hpcpar.testing.zoo` the models written in other people's style that they convert,
 :mod:`~hpcpar.testing.slurm` a private single-node Slurm for the tests.
 
-May import: hpcpar.errors, hpcpar.parallel, hpcpar.formats, hpcpar.launch, hpcpar.run (the sbatch tests' job
-kind), hpcpar.graph, hpcpar.models (the GNN oracles: dropout masks, the Cora training recipe),
-hpcpar.nn (oracles compare a split output by this rank's piece).
+May import: hpcpar.errors, hpcpar.parallel, hpcpar.formats, hpcpar.launch, hpcpar.run (the
+sbatch tests' job kind), hpcpar.graph, hpcpar.models (the GNN oracles: dropout masks, the Cora
+training recipe), hpcpar.nn (oracles compare a split output by this rank's piece).
 """
 
 from .mpi import CaseResult, ModuleRun, mpi_case, run_module

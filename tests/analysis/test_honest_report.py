@@ -290,8 +290,8 @@ def test_verdict_line_heads_the_report(tmp_path):
 
 # -- 8. predicted vs measured --------------------------------------------------------------
 def test_plan_puts_prediction_beside_measurement(tmp_path, run_cli):
-    from hpcpar.cli.plan import workload_from_job
     from hpcpar.formats.jobspec import load_job
+    from hpcpar.plan.job import workload_from_job
     from hpcpar.plan.machine import load_machine
     from hpcpar.plan.planner import predict
 

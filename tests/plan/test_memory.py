@@ -56,7 +56,8 @@ def test_cli_prints_the_largest_sample_per_grid(tmp_path):
     largest edge is the one whose estimate fits while edge + 1 does not."""
     from click.testing import CliRunner
 
-    from hpcpar.cli.plan import plan, workload_from_job
+    from hpcpar.cli.plan import plan
+    from hpcpar.plan.job import workload_from_job
     from hpcpar.plan.memory import HEADROOM, estimate
 
     sets = ["--set", "data.path=" + str(tmp_path / "none"), "--set", "data.size=64"]

@@ -120,8 +120,8 @@ def test_graph_halo_call_is_measured_between_pairs(comm):
 def test_graph_partition_counts_match_the_run(comm):
     """The planner's parts for 2 ranks (owned, in-edges, halo) are what DistGraph builds."""
     from hpcpar import ProcessGrid
-    from hpcpar.cli.plan import workload_from_job
     from hpcpar.graph.distgraph import DistGraph
+    from hpcpar.plan.job import workload_from_job
     from hpcpar.run.workloads.graph import make_graph_file
 
     tmp = Path(comm.bcast(tempfile.mkdtemp(prefix="hpcpar-plan-gnn-")

@@ -27,8 +27,9 @@ Lifecycle, per rank (every call is made on every rank in the same order; methods
 *collective* may communicate):
 
 1. ``W(job, grid, device)`` — ``job`` is a :class:`hpcpar.formats.jobspec.JobSpec`
-   (``job.model.params`` and ``job.data.params`` hold this kind's keys, already validated against ``model_params`` /
-   ``data_params``, defaults filled; ``job.train.seed``, ``job.train.global_batch`` ...).
+   (``job.model.params`` and ``job.data.params`` hold this kind's keys, already validated
+   against ``model_params`` / ``data_params``, defaults filled; ``job.train.seed``,
+   ``job.train.global_batch`` ...).
 2. ``build_model()`` -> ``nn.Module`` on ``self.device``; every rank must build identical
    initial replicated parameters (seed with ``job.train.seed`` before creating layers).
 3. ``param_groups(model)`` -> what the optimizer gets (default: all parameters in one group;

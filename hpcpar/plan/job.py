@@ -1,0 +1,189 @@
+"""A job as the planner sees it: the job spec's model built on the meta device and traced into
+per-layer costs (volume jobs), or its graph file partitioned as the run would (full-graph
+jobs); finished runs as measured points to fit the machine model on; the largest sample that
+fits a memory budget per grid. The adapter between the job format and :mod:`.planner`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["workload_from_job", "workload_of", "fit_points", "largest_samples"]
+
+
+def _sample_shape(job) -> tuple[tuple, int]:
+    """(per-sample x shape (C, D, H, W), number of targets) from the dataset's manifest, else
+    from the job's synthetic [data] size/channels."""
+    from hpcpar.data import read_manifest
+    from hpcpar.data.synthetic import TARGETS
+    from hpcpar.errors import ConfigError
+
+    d = job.data.params
+    path = d.get("path")
+    if path and (Path(path) / "manifest.json").is_file():
+        m = read_manifest(path)
+        return tuple(m.x.shape), int(m.y.shape[0])
+    if d.get("size"):
+        return (d.get("channels") or 4,) + (d["size"],) * 3, len(TARGETS)
+    raise ConfigError(f"{job.name}: [data] size is not set and no dataset manifest to read it "
+                      "from; add --set data.size=N")
+
+
+def _model(job, sample_shape, n_targets):
+    """The job's plain model on the meta device, built by its workload (no data, no memory),
+    and the shape of its input (the sample without label channels)."""
+    import torch
+
+    from hpcpar.errors import ConfigError
+    from hpcpar.formats.kinds import get_workload
+
+    cls = get_workload(job.model.kind)
+    if not hasattr(cls, "build_plain"):
+        raise ConfigError(f"[model] kind {job.model.kind!r}: the planner models volume jobs "
+                          "(cosmoflow, unet3d) and full-graph GNN jobs (gcn, sage)")
+    with torch.device("meta"):
+        model = cls.build_plain(job, sample_shape[0], sample_shape[1:], n_targets)
+    return model, (sample_shape[0] - cls.label_channels, *sample_shape[1:])
+
+
+def _graph_parts(path: str, method: str, seed: int):
+    """``ranks -> [Part]``: the graph file partitioned as the run partitions it (the same
+    partitioner, seed and symmetry), then each part's owned vertices, in-edges, halo
+    vertices and neighbouring parts counted."""
+    import numpy as np
+
+    from hpcpar.graph.format import GraphFile
+    from hpcpar.graph.vertex_partition import partition_csr
+    from hpcpar.plan.gnn import Part
+
+    with GraphFile(path) as gf:
+        indptr, indices = gf.read_structure()
+        directed = gf.directed
+    n = indptr.shape[0] - 1
+    dest = np.repeat(np.arange(n), np.diff(indptr))
+
+    def parts(ranks: int) -> list:
+        owner = partition_csr(indptr, indices, ranks, method, seed, symmetric=not directed) \
+            if ranks > 1 else np.zeros(n, np.int64)
+        own_d, own_s = owner[dest], owner[indices]
+        cross = own_d != own_s
+        halo = np.bincount(np.unique(own_d[cross] * n + indices[cross]) // n, minlength=ranks)
+        peers = np.bincount(np.unique(own_d[cross] * ranks + own_s[cross]) // ranks,
+                            minlength=ranks)
+        owned = np.bincount(owner, minlength=ranks)
+        edges = np.bincount(own_d, minlength=ranks)
+        return [Part(int(owned[r]), int(edges[r]), int(halo[r]), int(peers[r]))
+                for r in range(ranks)]
+
+    return parts
+
+
+def _graph_workload(job, cls):
+    """The planner's view of a full-graph job: widths from the graph file and [model]."""
+    from hpcpar.errors import ConfigError
+    from hpcpar.graph.format import GraphFile
+    from hpcpar.plan.gnn import GraphJob
+    from hpcpar.plan.planner import Workload
+    from hpcpar.run.workloads.graph import make_graph_file
+
+    d, m = job.data.params, job.model.params
+    path = d["path"]
+    if not os.path.exists(path):
+        if not d["make"]:
+            raise ConfigError(f"[data] path: {path!r}: graph file not found")
+        make_graph_file(path, d)  # what the run makes first (Cora: a copy, synthetic: seconds)
+    with GraphFile(path) as gf:
+        features, classes, nodes = gf.num_features, gf.num_classes, gf.num_nodes
+    widths = (features, *[m["hidden"]] * (m["layers"] - 1), classes)
+    graph = GraphJob(widths, cls.conv, m["dropout"], m["precompute"],
+                     _graph_parts(path, d["partition"], d["partition_seed"]), nodes)
+    return Workload(job.name, [], (features,), 1, precision=job.train.precision,
+                    optimizer=job.train.optimizer, params=graph.params, graph=graph)
+
+
+def workload_from_job(path: str, overrides=(), size: int | None = None):
+    """The planner's view of a job; ``size``: a cubic sample of that edge instead of the
+    dataset's (the job's channels). Full-graph jobs (gcn, sage) read their graph file."""
+    from hpcpar.formats.jobspec import load_job
+
+    return workload_of(load_job(path, list(overrides)), size)
+
+
+def workload_of(job, size: int | None = None):
+    """The planner's view of a validated job (``JobSpec``); see :func:`workload_from_job`."""
+    from hpcpar.formats.kinds import get_workload
+    from hpcpar.plan.planner import Workload, mark_tensor_parallel, trace_layers
+
+    cls = get_workload(job.model.kind)
+    if hasattr(cls, "conv") and not hasattr(cls, "build_plain"):
+        return _graph_workload(job, cls)
+    shape, n_targets = _sample_shape(job)
+    if size is not None:
+        shape = (shape[0], size, size, size)
+    layers = trace_layers(*_model(job, shape, n_targets))
+    if job.model.params.get("tensor_parallel"):
+        mark_tensor_parallel(layers, job.model.params["tp_min_features"])
+    return Workload(job.name, layers, shape, job.train.global_batch,
+                    precision=job.train.precision, optimizer=job.train.optimizer)
+
+
+def fit_points(run_dirs, trust_kind: bool = False) -> list:
+    """``(workload, grid, measured step)`` of finished runs, for :mod:`hpcpar.plan.fit`; a
+    directory that is not a finished run is a one-line error. A run's ``[model] kind`` imports
+    no code unless it is built in, already loaded by the job being planned, or ``trust_kind``
+    (installed packages only)."""
+    from hpcpar.analysis import load, scaling_table
+    from hpcpar.errors import ConfigError
+    from hpcpar.formats.jobspec import load_resolved
+    from hpcpar.parallel.grid import resolve_shape
+
+    points = []
+    for rd in run_dirs:
+        if not (Path(rd) / "job.json").is_file():
+            raise ConfigError(f"--fit-on {rd}: no job.json there (not an hpcpar run directory)")
+        job = load_resolved(Path(rd) / "job.json", untrusted=True, trust_kind=trust_kind)
+        runs, steps = load([str(rd)])
+        if steps.empty:
+            raise ConfigError(f"--fit-on {rd}: no step records (the run has not trained)")
+        scaled = scaling_table(runs, steps).iloc[0]
+        grid = resolve_shape(job.grid_shape, int(scaled["ranks"]))
+        points.append((workload_of(job), grid, float(scaled["t_step_median"])))
+    return points
+
+
+def largest_samples(job_file, sets, work, preds, machine) -> list[tuple]:
+    """Per grid ``(grid, edge, peak bytes)``: the largest cubic sample edge (the job's channels
+    and batch) whose predicted peak memory per rank fits the machine's ``mem_per_rank``;
+    edge and peak None: no sample the model takes fits. Largest first."""
+    from hpcpar.errors import HpcparError
+    from hpcpar.plan.memory import HEADROOM, estimate, largest_edge
+    from hpcpar.plan.planner import BYTES, predict
+
+    works = {work.sample_shape[1]: work}
+
+    def at(size):
+        if size not in works:
+            try:
+                works[size] = workload_from_job(job_file, sets, size=size)
+            except HpcparError:   # smaller than the model takes
+                works[size] = None
+        return works[size]
+
+    smallest = next(s for s in range(1, 1 << 14) if at(s) is not None)
+    out = []
+    for p in preds:
+        if "not divisible" in p.reason:
+            continue
+
+        def fits(size, grid=p.grid):
+            total = estimate(at(size), grid, BYTES.get(work.precision, 4)).total
+            return total <= HEADROOM * machine.mem_per_rank
+
+        edge = largest_edge(fits, smallest)
+        best = predict(at(edge), p.grid, machine) if edge else None
+        if best is None or not best.feasible:   # too small for this many ranks on an axis
+            out.append((p.spec, None, None))
+        else:
+            out.append((p.spec, edge, best.mem_bytes))
+    return sorted(out, key=lambda r: (-(r[1] or 0), r[0]))
