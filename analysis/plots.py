@@ -9,8 +9,12 @@ from __future__ import annotations
 import os
 import textwrap
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import matplotlib
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 __all__ = ["PHASE_COLORS", "PHASE_LABELS", "speedup_plot", "efficiency_plot", "throughput_plot",
            "breakdown_plot", "imbalance_heatmap", "step_times_plot", "resources_plot",
@@ -82,7 +86,7 @@ def _errorbars(ax, t, column, color) -> None:
 
 def _dedupe_legend(ax, **kw) -> None:
     handles, labels = ax.get_legend_handles_labels()
-    seen = {}
+    seen: dict = {}
     for h, lab in zip(handles, labels):
         seen.setdefault(lab, h)
     ax.legend(list(seen.values()), list(seen), **kw)
@@ -129,7 +133,7 @@ def speedup_plot(table: pd.DataFrame, path: str | os.PathLike) -> Path:
     return _save(fig, path)
 
 
-def _by_ranks(table, column, ylabel, title, path, ideal=None) -> Path:
+def _by_ranks(table, column, ylabel, title, path, ideal=None) -> tuple[Path, Axes]:
     fig, ax = plt.subplots(figsize=(6.5, 4.8))
     for config, t in table.groupby("config"):
         line, = ax.plot(t["ranks"], t[column], "o-", label=str(config))
@@ -297,7 +301,7 @@ def step_times_plot(table: pd.DataFrame, steps: pd.DataFrame, runs: pd.DataFrame
                        m, marker="D", s=22, color="black", zorder=5,
                        label="median of one run")
     over = table.get("oversubscribed", pd.Series([None] * len(x))).to_numpy()
-    for i in x:
+    for i in range(len(x)):  # x is arange: its values are the indices
         if _flag(over[i]) and len(data[i]):
             ax.annotate("oversubscribed", (x[i], np.nanmax(data[i])), ha="center",
                         va="bottom", color="#d35400", fontsize=7)

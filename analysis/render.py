@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import datetime as _dt
-import html
 import math
 import os
 import re
@@ -15,8 +14,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import jinja2
 import pandas as pd
+from markupsafe import Markup
 
+from hpcpar._tables import text_table
 from hpcpar.errors import RunDirError
 from hpcpar.formats.records import SCHEMA_VERSION
 
@@ -24,11 +26,11 @@ from . import plots, stats
 from .load import load
 from .scaling import scaling_table
 from .settings import split_unlike
-from .suspect import version_warning
+from .suspect import superlinear_warnings, version_warning
 
 __all__ = ["HEADLINE", "BREAKDOWN", "SPREAD", "RESOURCES", "RUNS", "DEFINITIONS", "Section",
            "Report", "rows_of", "markdown_table", "headline_table", "verdict", "amdahl_lines",
-           "render_markdown", "CSS", "render_html", "write_report"]
+           "render_markdown", "CSS", "HTML_TEMPLATE", "render_html", "write_report"]
 
 PREDICTED = (("config", "config", "{}"), ("ranks", "ranks", "{}"), ("grid", "grid", "{}"),
              *((f"t_{p}_{w}", f"{p} {w[:4]}.", "{:.4g}") for p in ("step", "compute", "halo",
@@ -131,8 +133,8 @@ class Report:
         headline: The headline table as text (what ``hpcpar report`` prints).
         skipped: The one-line reason of each run left out.
         verdict: The one-line verdict at the top of the report.
-        warnings: One line per fact that makes the report suspect as a whole (runs of
-            different hpcpar versions); shown under the verdict.
+        warnings: One line per fact that makes the report suspect (runs of different
+            hpcpar versions, a point that beats the cores it used); shown under the verdict.
     """
 
     out: Path
@@ -181,10 +183,7 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     Returns:
         The table as text.
     """
-    def line(cells):
-        return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
-
-    return "\n".join([line(header), line(["---"] * len(header)), *map(line, rows)])
+    return text_table(header, rows)
 
 
 def _num(v) -> bool:
@@ -264,7 +263,7 @@ def verdict(table: pd.DataFrame, threshold: float = 0.7) -> str:
         if not _num(last["frac_halo_comm"]) and _num(last["frac_halo"]):
             shares["halo"] = last["frac_halo"]
         if shares:
-            top = max(shares, key=shares.get)
+            top = max(shares, key=lambda p: shares[p])
             text += (f"; largest phase at {last['ranks']} ranks: {plots.PHASE_LABELS[top]} "
                      f"({shares[top]:.0%})")
         over = t[t["oversubscribed"] == True]["ranks"].tolist()  # noqa: E712 - None = unknown
@@ -399,6 +398,49 @@ CSS = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1
        "background:#eef4ff;border-left:4px solid #4c72b0}")
 
 
+#: The page, one Jinja template: autoescaping on, so every text from the runs (a config or
+#: job name like ``<script>``, a hostname, a note) is shown as text, never read as markup.
+HTML_TEMPLATE = """\
+<!DOCTYPE html><html><head><meta charset='utf-8'><title>{{ title }}</title>
+<style>{{ css }}</style></head><body><h1>{{ title }}</h1>
+{% for s in secs %}
+<h2>{{ s.title }}</h2>
+  {% if s.bullets %}
+<ul>{% for t in s.text %}<li>{{ t }}</li>{% endfor %}</ul>
+  {% else %}
+    {% for t in s.text %}
+<p{{ " class='verdict'"|safe if s.title == "Verdict" }}>{{ t }}</p>
+    {% endfor %}
+  {% endif %}
+  {% if s.table %}
+<table><tr>{% for h in s.table[0] %}<th>{{ h }}</th>{% endfor %}</tr>
+    {% for row in s.table[1] %}
+<tr{{ row_class(row) }}>{% for c in row %}<td>{{ c }}</td>{% endfor %}</tr>
+    {% endfor %}
+</table>
+  {% endif %}
+  {% for alt, path in s.images %}
+<img alt='{{ alt }}' src='data:image/png;base64,{{ png(path) }}'>
+  {% endfor %}
+{% endfor %}
+</body></html>
+"""
+
+
+def _row_class(row: Sequence[str]) -> Markup:
+    """The highlight of a table row: incomplete runs, then oversubscribed points."""
+    return Markup(" class='partial'" if "PARTIAL" in row else
+                  " class='oversub'" if "OVERSUBSCRIBED" in row else "")
+
+
+def _png(path: str | os.PathLike) -> str:
+    return base64.b64encode(Path(path).read_bytes()).decode()
+
+
+_PAGE = jinja2.Environment(autoescape=True, trim_blocks=True, lstrip_blocks=True,
+                           keep_trailing_newline=True).from_string(HTML_TEMPLATE)
+
+
 def render_html(secs: Sequence[Section], title: str) -> str:
     """Render report sections as a self-contained HTML page (images inlined as base64).
 
@@ -409,29 +451,8 @@ def render_html(secs: Sequence[Section], title: str) -> str:
     Returns:
         The HTML text.
     """
-    esc = html.escape
-    parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{esc(title)}</title>"
-             f"<style>{CSS}</style></head><body><h1>{esc(title)}</h1>"]
-    for s in secs:
-        parts.append(f"<h2>{esc(s.title)}</h2>")
-        if s.bullets:
-            parts.append("<ul>" + "".join(f"<li>{esc(t)}</li>" for t in s.text) + "</ul>")
-        else:
-            cls = " class='verdict'" if s.title == "Verdict" else ""
-            parts += [f"<p{cls}>{esc(t)}</p>" for t in s.text]
-        if s.table:
-            header, rows = s.table
-            parts.append("<table><tr>" + "".join(f"<th>{esc(h)}</th>" for h in header) + "</tr>")
-            for row in rows:
-                cls = " class='partial'" if "PARTIAL" in row else \
-                    " class='oversub'" if "OVERSUBSCRIBED" in row else ""
-                parts.append(f"<tr{cls}>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>")
-            parts.append("</table>")
-        for alt, path in s.images:
-            data = base64.b64encode(Path(path).read_bytes()).decode()
-            parts.append(f"<img alt='{esc(alt)}' src='data:image/png;base64,{data}'>")
-    parts.append("</body></html>")
-    return "\n".join(parts) + "\n"
+    return _PAGE.render(secs=secs, title=title, css=Markup(CSS), row_class=_row_class,
+                        png=_png)
 
 
 def write_report(paths: Sequence[str | os.PathLike], out: str | os.PathLike,
@@ -514,7 +535,7 @@ def _write(out: Path, paths, runs, steps, skipped, mode, warmup, title, threshol
         first = table.iloc[0]
         raise RunDirError(f"no step to report: {first['config']} @ {first['ranks']} ranks: "
                           f"{first['note'] or 'no usable steps'}{more}")
-    warnings = [w for w in (version_warning(runs),) if w]
+    warnings = [w for w in (version_warning(runs), *superlinear_warnings(table)) if w]
     out.mkdir(parents=True, exist_ok=True)
     kept = stats.drop_warmup(steps, runs, warmup) if len(steps) else steps
     files = {"scaling.csv": out / "scaling.csv", "runs.csv": out / "runs.csv"}

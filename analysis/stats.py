@@ -395,15 +395,15 @@ def fit_r2(S: ArrayLike, S_fit: ArrayLike) -> float:
     Returns:
         R^2 (1 = perfect; NaN with fewer than 3 points or no spread in S).
     """
-    S, S_fit = np.asarray(S, float), np.asarray(S_fit, float)
-    ok = np.isfinite(S) & np.isfinite(S_fit)
-    S, S_fit = S[ok], S_fit[ok]
-    if len(S) < 3:
+    s, s_fit = np.asarray(S, float), np.asarray(S_fit, float)
+    ok = np.isfinite(s) & np.isfinite(s_fit)
+    s, s_fit = s[ok], s_fit[ok]
+    if len(s) < 3:
         return math.nan
-    ss_tot = float(((S - S.mean()) ** 2).sum())
+    ss_tot = float(((s - s.mean()) ** 2).sum())
     if ss_tot == 0:
         return math.nan
-    return 1.0 - float(((S - S_fit) ** 2).sum()) / ss_tot
+    return 1.0 - float(((s - s_fit) ** 2).sum()) / ss_tot
 
 
 def fit_verdict(q: ArrayLike, S: ArrayLike, f: float, r2: float, min_r2: float = 0.9) -> str:
@@ -421,12 +421,11 @@ def fit_verdict(q: ArrayLike, S: ArrayLike, f: float, r2: float, min_r2: float =
     Returns:
         ``""`` or the reason (one phrase).
     """
-    q, S = np.asarray(q, float), np.asarray(S, float)
-    order = np.argsort(q)
-    S = S[order][np.isfinite(S[order])]
-    if len(S) < 3:
+    s = np.asarray(S, float)[np.argsort(np.asarray(q, float))]
+    s = s[np.isfinite(s)]
+    if len(s) < 3:
         return "fewer than 3 rank counts"
-    if np.any(np.diff(S) < 0):
+    if np.any(np.diff(s) < 0):
         return "speedup falls as ranks grow (non-monotonic)"
     if not (0 <= f <= 1):
         return f"fitted serial fraction {f:.3g} outside [0, 1]"

@@ -113,7 +113,7 @@ def sync_vs_raw(ddp, model, nbytes: int, reps: int) -> tuple[float, float]:
     sync is all it does (the counters' ``t_allreduce_total``)."""
     from mpi4py import MPI
 
-    from hpcpar.parallel.comm import message_buffer
+    from hpcpar.parallel.buffers import message_buffer
 
     comm = ddp.grid.comm
     buf = message_buffer((nbytes // 4,), torch.float32).numpy()  # huge pages, as the buckets

@@ -115,7 +115,7 @@ def grad_sync(comm, sizes_mb, reps: int, device) -> list:
     """One bucket of each size reduced by the MPI path and the NCCL path."""
     import torch
 
-    from hpcpar.parallel.comm import cuda_aware
+    from hpcpar.parallel.cuda_aware import cuda_aware
     from hpcpar.sync._buckets import Bucket, Pending, ReduceGroup, TorchGroup
 
     size = comm.Get_size()

@@ -70,6 +70,9 @@ class HpcparError(Exception):
     """
 
     exit_code = EXIT_USAGE
+    #: Set on an error every rank raises alike (the same check on the same data), so that
+    #: rank 0 alone reports it.
+    collective: bool = False
 
 
 class ConfigError(HpcparError, ValueError):

@@ -73,8 +73,9 @@ def cpu_threads() -> int:
         import numba
 
         want = os.environ.get("NUMBA_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS")
-        _THREADS = max(1, min(int(want), numba.config.NUMBA_NUM_THREADS)) if want else \
-            numba.config.NUMBA_NUM_THREADS
+        # numba.config sets its variables at import time, from the environment
+        most = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]
+        _THREADS = max(1, min(int(want), most)) if want else most
         if _THREADS > 1:
             numba.set_num_threads(_THREADS)
     return _THREADS

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SOURCES = {"hpcpar": "hpcpar", "kernels": "hpcpar.kernels", "analysis": "hpcpar.analysis"}
 # top-level modules every layer may use: they import no hpcpar package themselves
 FOUNDATION = {"hpcpar.errors", "hpcpar._env", "hpcpar._lazy", "hpcpar._version",
-              "hpcpar._resources", "hpcpar._units"}
+              "hpcpar._resources", "hpcpar._units", "hpcpar._digest", "hpcpar._tables"}
 
 
 def modules():
@@ -28,9 +28,9 @@ def modules():
             yield mod, is_pkg, path
 
 
-def imports(mod, is_pkg, path):
-    """Absolute names of every hpcpar module or attribute the file imports."""
-    for node in ast.walk(ast.parse(path.read_text())):
+def _imports_in(tree, mod, is_pkg):
+    """(line, absolute hpcpar name) of every import in ``tree``, module ``mod``'s."""
+    for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = mod.split(".") if is_pkg else mod.split(".")[:-1]
@@ -46,6 +46,11 @@ def imports(mod, is_pkg, path):
         for name in names:
             if name.startswith("hpcpar."):
                 yield node.lineno, name
+
+
+def imports(mod, is_pkg, path):
+    """Absolute names of every hpcpar module or attribute the file imports."""
+    yield from _imports_in(ast.parse(path.read_text()), mod, is_pkg)
 
 
 def layer(mod):
@@ -125,3 +130,118 @@ def test_no_test_module_imports_another():
     assert not bad, ("test modules import each other (shared code belongs in "
                      "hpcpar.testing.oracles, shared fixtures in tests/conftest.py):\n"
                      + "\n".join(bad))
+
+
+def test_formats_sit_below_the_runtime():
+    """The job spec and run-record formats import nothing but errors and the grid rule, so that
+    tools which only read files (launch, plan, analysis, the CLI) never load the runtime."""
+    allowed = allowed_imports()["hpcpar.formats"]
+    assert allowed <= {"hpcpar.errors", "hpcpar.parallel"}, allowed
+    readers = ("hpcpar.launch", "hpcpar.plan", "hpcpar.analysis")
+    bad = [f"{path.relative_to(ROOT)}:{line} imports {name}"
+           for mod, is_pkg, path in modules() if layer(mod) in readers
+           for line, name in imports(mod, is_pkg, path)
+           if name.startswith(("hpcpar.run.jobspec", "hpcpar.run.jobschema", "hpcpar.run.records"))]
+    assert not bad, bad
+
+
+def test_tests_and_benchmarks_reach_the_cli_only_through_one_door():
+    """The CLI is a leaf for tests, benchmarks and examples too: they run commands by name (the
+    ``run_cli``/``cli_main``/``cli_group`` fixtures of tests/conftest.py, or ``python -m
+    hpcpar.cli``), never import what a command module holds; conftest.py is the one door."""
+    door = ROOT / "tests" / "conftest.py"
+    bad = []
+    for folder in ("tests", "benchmarks", "examples"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path == door:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and not node.level:
+                    names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+                elif isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                else:
+                    continue
+                if any(n == "hpcpar.cli" or n.startswith("hpcpar.cli.") for n in names):
+                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not bad, "imports of hpcpar.cli outside the CLI and tests/conftest.py:\n" + \
+        "\n".join(bad)
+
+
+def _runtime_imports(mod, is_pkg, path):
+    """hpcpar names the module imports when it runs, at import time or inside a function (a
+    deferred import still makes a circle), but not those only for type checking."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            node.body = []
+    yield from (name for _, name in _imports_in(tree, mod, is_pkg))
+
+
+def test_no_import_circles():
+    """No two modules import each other, directly or around a loop (a circle, even through an
+    import deferred into a function, makes the import order matter and hides which module is
+    the lower one). A package's ``__init__`` re-exporting its modules is not an edge back."""
+    mods = {mod: (is_pkg, path) for mod, is_pkg, path in modules()}
+    graph = {}
+    for mod, (is_pkg, path) in mods.items():
+        deps = set()
+        for name in _runtime_imports(mod, is_pkg, path):
+            while name and name not in mods:
+                name = name.rpartition(".")[0]
+            if name and name != mod and not mod.startswith(name + "."):
+                deps.add(name)
+        graph[mod] = deps
+    cycles, state = [], {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        stack.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == "open":
+                cycles.append(" -> ".join(stack[stack.index(dep):] + [dep]))
+            elif dep not in state:
+                visit(dep, stack)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+    assert not cycles, "import circles:\n" + "\n".join(cycles)
+
+
+def architecture_mermaid(rules) -> str:
+    """The layer diagram of docs/DEV.md, drawn from the ``May import:`` lines: a node per
+    package, an edge ``package --> package it may import`` per listed package (the foundation
+    modules, which every layer may use, left out). Node ids carry a ``p_`` prefix: ``graph``
+    is a Mermaid keyword."""
+    short = {pkg: pkg.split(".", 1)[1] for pkg in rules}
+    nodes = [f'    p_{name}["{name}"]' for name in sorted(short.values())]
+    edges = sorted(f"    p_{short[pkg]} --> p_{dep.split('.', 1)[1]}"
+                   for pkg, allowed in rules.items() if allowed
+                   for dep in allowed if dep in rules)
+    return "```mermaid\ngraph TD\n" + "\n".join(nodes + edges) + "\n```"
+
+
+def test_dev_guide_diagram_is_the_may_import_lines():
+    """docs/DEV.md draws the architecture; it must say what the layout test enforces (on a
+    change of a ``May import:`` line, paste the block this failure prints)."""
+    want = architecture_mermaid(allowed_imports())
+    have = re.search(r"```mermaid\n.*?```", (ROOT / "docs" / "DEV.md").read_text(), re.S)
+    assert have is not None and have.group(0) == want, (
+        "docs/DEV.md's architecture diagram differs from the 'May import:' lines; "
+        "replace it with:\n" + want)
+
+
+def test_every_package_is_installed():
+    """setup.cfg lists every package folder: a folder left out installs nowhere except in an
+    editable checkout (found by the second pass's move into hpcpar.formats)."""
+    import configparser
+
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    listed = set(cfg["options"]["packages"].split())
+    found = {".".join(p.parent.relative_to(ROOT).parts)
+             for p in (ROOT / "hpcpar").rglob("__init__.py")}
+    assert found <= listed, f"packages missing from setup.cfg [options] packages: {found - listed}"

@@ -68,15 +68,6 @@ def readme_section(name):
 
 
 @mpi_case(nprocs=(4,), timeout=120)
-def test_readme_tour_runs_on_four_ranks():
-    blocks = re.findall(r"```python\n(.*?)```", readme_section("tour"), re.S)
-    scope = {}
-    exec(compile("\n".join(blocks[:3]), "README.md (tour, steps 1-3)", "exec"), scope)
-    assert scope["grid"].shape == (2, 2, 1, 1)
-    assert tuple(scope["x"].shape) == (2, 4, 16, 32, 32) and tuple(scope["y"].shape) == (2, 4)
-    assert all(p.grad is not None for p in scope["ddp"].parameters())
-
-
 def test_api_reference_names_existing_modules():
     mods = {m for p in (DOCS / "api").glob("*.md")
             for m in re.findall(r"^::: (\S+)", p.read_text(), re.M)}

@@ -25,24 +25,6 @@ GRID_OPTION = click.option(
          "per rank block of it, as --chunk grid:XxYxZ; other grids still read the data.")
 
 
-def _chunking(chunk: str, grid: str | None):
-    """The writer's ``chunk`` from --chunk and --grid (a grid hint with an explicit --chunk
-    other than auto is a contradiction)."""
-    from hpcpar.data.format import parse_chunk
-    from hpcpar.errors import DataError
-
-    if grid is None:
-        return parse_chunk(chunk)
-    if str(chunk).strip().lower() != "auto":
-        raise DataError(f"--grid {grid} and --chunk {chunk}: give one of them (--grid chooses "
-                        "the chunks)")
-    try:
-        return parse_chunk(f"grid:{grid}")
-    except DataError:
-        raise DataError(f"--grid: expected DxXxYxZ or XxYxZ (positive integers), got "
-                        f"{grid!r}") from None
-
-
 @click.group()
 def data():
     """Make, inspect, verify and re-shard sharded HDF5 volume datasets."""
@@ -87,11 +69,12 @@ def _comm():
 def cosmoflow(out, samples, size, channels, shards, seed, chunk, grid, force, quiet):
     """CosmoFlow-like Gaussian random fields; targets: amplitude, slope, cutoff,
     nonlinearity (normalised to [-1, 1])."""
+    from hpcpar.data.format import chunk_from_options
     from hpcpar.data.synthetic import CosmoflowSource, check_params
     from hpcpar.data.writer import shard_counts, write_dataset
 
     check_params(size, channels, seed, samples)
-    chunking = _chunking(chunk, grid)
+    chunking = chunk_from_options(chunk, grid)
     comm = _comm()
     counts = shard_counts(samples, shards=shards)
     m = write_dataset(out, CosmoflowSource(samples, size, channels, seed), counts, comm=comm,
@@ -125,9 +108,10 @@ def shard(in_file, out, x_key, y_key, samples_per_shard, chunk, grid, force, qui
           allow_nonfinite, transform):
     """Re-shard a single HDF5 file into an hpcpar dataset directory; values are copied as
     they are, and no input transform is applied at run time unless --transform asks."""
+    from hpcpar.data.format import chunk_from_options
     from hpcpar.data.writer import H5Source, shard_counts, write_dataset
 
-    chunking = _chunking(chunk, grid)
+    chunking = chunk_from_options(chunk, grid)
     source = H5Source(in_file, x_key, y_key)
     try:
         comm = _comm()

@@ -9,6 +9,7 @@ import platform
 
 import click
 
+from hpcpar._tables import text_table
 from hpcpar.cli._options import json_option, ranks_option
 
 __all__ = ["slurm_context", "facts", "info"]
@@ -59,7 +60,7 @@ def facts() -> list[tuple[str, str]]:
     except Exception:  # noqa: BLE001
         rows.append(("CUDA available", "unknown (torch missing)"))
     try:
-        from hpcpar.parallel.comm import cuda_aware
+        from hpcpar.parallel.cuda_aware import cuda_aware
 
         aware = cuda_aware()
         rows.append(("CUDA-aware MPI", f"{'yes' if aware else 'no'} ({aware.reason})"))
@@ -75,10 +76,6 @@ def facts() -> list[tuple[str, str]]:
     return rows
 
 
-#: the most ranks a rank table lists (a million lines; beyond, printing takes minutes)
-MAX_TABLE_RANKS = 1 << 20
-
-
 @click.command("info")
 @ranks_option(many=False, help="Print the rank table for this many ranks.")
 @click.option("--grid", "grid_spec", default=None,
@@ -91,7 +88,7 @@ def info(ranks, grid_spec, ranks_per_node, as_json):
     node table of a grid, computed without launching anything."""
     from hpcpar.errors import GridError
     from hpcpar.launch.allocation import rank_hosts
-    from hpcpar.parallel.grid import layout, parse_spec, resolve_shape
+    from hpcpar.parallel.grid import MAX_TABLE_RANKS, layout, parse_spec, resolve_shape
 
     hosts = rank_hosts()
     if ranks is None and grid_spec is None:
@@ -135,7 +132,6 @@ def info(ranks, grid_spec, ranks_per_node, as_json):
             for e, node in table]}))
         return
     click.echo(title)
-    click.echo(f"{'rank':>5} {'data':>5} {'x':>4} {'y':>4} {'z':>4} {'node':>5}")
-    for e, node in table:
-        d, i, j, k = e.coords
-        click.echo(f"{e.rank:>5} {d:>5} {i:>4} {j:>4} {k:>4} {node:>5}")
+    click.echo(text_table(("rank", "data", "x", "y", "z", "node"),
+                          [(e.rank, *e.coords, node) for e, node in table], markdown=False,
+                          align=("right",) * 6))

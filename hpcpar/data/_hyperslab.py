@@ -29,6 +29,7 @@ import functools
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -59,18 +60,18 @@ class OpenShard:
     file offset of every chunk (read once: a lookup per chunk per read costs as much as
     copying the chunk from the page cache)."""
 
-    file: object
-    x: object
+    file: Any  # h5py.File (h5py ships no types)
+    x: Any  # its h5py.Dataset
     y: np.ndarray
     fd: int | None
     chunks: tuple | None
-    dtype: np.dtype = None  # h5py's properties cost ~30 us a call: read once
+    dtype: np.dtype  # h5py's properties cost ~30 us a call: read once
     fill: object = 0
     plans: dict = field(default_factory=dict)
     _offsets: np.ndarray | None = None
     _row_offsets: dict = field(default_factory=dict)
 
-    def plan(self, box) -> list:
+    def plan(self, box) -> ChunkPlan:
         if box not in self.plans:
             self.plans[box] = chunk_plan(box, self.chunks, self.dtype.itemsize)
         return self.plans[box]
@@ -161,6 +162,7 @@ class ChunkPlan:
         """Chunks q..m-1 (adjacent in the file) as one read: the pieces' sizes, their output
         offsets (-1: discard) and the running byte count, computed once per plan."""
         if (q, m) not in self._runs:
+            assert self.pieces is not None, "run() of a plan that cannot read in place"
             table = np.concatenate(self.pieces[q:m])
             self._runs[(q, m)] = (table[:, 0].astype(np.uint64), table[:, 1],
                                   np.cumsum(table[:, 0]).tolist(), {})
@@ -264,6 +266,8 @@ def _scratch(scratch: dict, shape, dtype) -> np.ndarray:
 def _read_run(sh: OpenShard, offsets, i: int, j: int, parts, nbytes: int) -> int:
     """Read chunks i..j-1, chunk q into the byte buffers ``parts(q)`` (filled in order), one
     ``preadv`` per stretch of chunks adjacent in the file; returns the bytes read."""
+    fd = sh.fd
+    assert fd is not None, "chunks are read with preadv only through a raw descriptor"
     nread = 0
     while i < j:
         if offsets[i] is None:  # never written: HDF5's fill value
@@ -271,11 +275,12 @@ def _read_run(sh: OpenShard, offsets, i: int, j: int, parts, nbytes: int) -> int
                 np.frombuffer(part, sh.dtype)[...] = sh.fill
             i += 1
             continue
-        iov, m = [], i
+        iov: list = []
+        m = i
         while m < j and len(iov) < IOV_PER_READ and offsets[m] == offsets[i] + (m - i) * nbytes:
             iov += parts(m)
             m += 1
-        _pread(sh.fd, iov, offsets[i], (m - i) * nbytes)
+        _pread(fd, iov, offsets[i], (m - i) * nbytes)
         nread += (m - i) * nbytes
         i = m
     return nread
@@ -336,7 +341,7 @@ def _preadv_table(fd: int, run: tuple, base: int, spare: int, offset: int) -> No
 def _preadv_buffers(fd: int, run: tuple, raw: memoryview, trash: np.ndarray,
                     offset: int) -> None:
     """The same with Python buffer objects (where libc's preadv cannot be loaded)."""
-    spare = memoryview(trash).cast("B")
+    spare = trash.data.cast("B")
     iov = [raw[at:at + size] if at >= 0 else spare[:size]
            for size, at in zip(run[0].tolist(), run[1].tolist())]
     for i in range(0, len(iov), IOV_PER_READ):
@@ -350,14 +355,16 @@ def _read_direct(sh: OpenShard, plan: ChunkPlan, offsets, dest: np.ndarray,
                  scratch: dict, nbytes: int) -> int:
     """Read the touched chunks straight into ``dest`` (C-contiguous) and the discard buffer,
     one pass per run of chunks adjacent in the file; returns the bytes read."""
+    fd, pieces = sh.fd, plan.pieces
+    assert fd is not None and pieces is not None, "a direct read needs a descriptor and pieces"
     trash = _scratch(scratch, (max(plan.discard, 1),), np.uint8)
     fast = _libc_preadv() is not None
-    base = dest.ctypes.data if fast else None
+    base = dest.ctypes.data if fast else 0  # libc's preadv writes at this address
     nread, q, n = 0, 0, len(offsets)
     while q < n:
         if offsets[q] is None:  # never written: HDF5's fill value
-            raw = memoryview(dest).cast("B")
-            for size, at in plan.pieces[q].tolist():
+            raw = dest.data.cast("B")
+            for size, at in pieces[q].tolist():
                 if at >= 0:
                     np.frombuffer(raw[at:at + size], sh.dtype)[...] = sh.fill
             q += 1
@@ -366,10 +373,9 @@ def _read_direct(sh: OpenShard, plan: ChunkPlan, offsets, dest: np.ndarray,
         while m < n and offsets[m] is not None and offsets[m] == offsets[q] + (m - q) * nbytes:
             m += 1
         if fast:
-            _preadv_table(sh.fd, plan.run(q, m), base, trash.ctypes.data, offsets[q])
+            _preadv_table(fd, plan.run(q, m), base, trash.ctypes.data, offsets[q])
         else:
-            _preadv_buffers(sh.fd, plan.run(q, m), memoryview(dest).cast("B"), trash,
-                            offsets[q])
+            _preadv_buffers(fd, plan.run(q, m), dest.data.cast("B"), trash, offsets[q])
         nread += (m - q) * nbytes
         q = m
     return nread
@@ -381,6 +387,7 @@ def _read_chunks(sh: OpenShard, row: int, box, dest: np.ndarray, scratch: dict) 
     reused buffer, each row then placed into ``dest`` by one transposing copy. Returns the
     bytes read from the file."""
     plan = sh.plan(box)
+    assert sh.chunks is not None, "a raw descriptor is only opened for a chunked layout"
     c, cd, ch, cw = sh.chunks[1:]
     nbytes = c * cd * ch * cw * sh.dtype.itemsize
     offsets = sh.chunk_offsets(row, box)
@@ -394,8 +401,7 @@ def _read_chunks(sh: OpenShard, row: int, box, dest: np.ndarray, scratch: dict) 
     nread = 0
     for r in range(nd * nh):  # read a row of chunks, place it while the kernel reads ahead
         i, j = r * nw, (r + 1) * nw
-        nread += _read_run(sh, offsets, i, j, lambda q: [memoryview(staging[q]).cast("B")],
-                           nbytes)
+        nread += _read_run(sh, offsets, i, j, lambda q: [staging[q].data.cast("B")], nbytes)
         rows[:, r // nh, :, r % nh] = staging[i:j].transpose(1, 2, 3, 0, 4)
     if not aligned:
         dest[...] = target[(slice(None), *(plan.crop or ()))]

@@ -82,9 +82,11 @@ class Prefetcher:
         self.outstanding = 0
 
     def _send(self, obj) -> None:
+        stdin = self._proc.stdin
+        assert stdin is not None  # opened with stdin=PIPE
         try:
-            self._proc.stdin.write(json.dumps(obj) + "\n")
-            self._proc.stdin.flush()
+            stdin.write(json.dumps(obj) + "\n")
+            stdin.flush()
         except (BrokenPipeError, OSError):
             raise DataError(self._died()) from None
 
@@ -101,7 +103,9 @@ class Prefetcher:
         self.outstanding += 1
 
     def result(self):
-        line = self._proc.stdout.readline()
+        stdout = self._proc.stdout
+        assert stdout is not None  # opened with stdout=PIPE
+        line = stdout.readline()
         if not line:   # the process is gone: nothing outstanding will ever be answered
             self.outstanding = 0
             raise DataError(self._died())
@@ -137,7 +141,7 @@ class Prefetcher:
             proc.kill()
             proc.wait()
         proc.stdout.close()
-        self._proc = None
+        del self._proc  # closed: a second close() finds no process
         try:
             self._buf.close()
         except BufferError:  # a view is still alive somewhere; the mapping dies with it

@@ -16,7 +16,6 @@ h5py only (the prefetch process imports this).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -24,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from hpcpar._digest import sha256_file
 from hpcpar.errors import DataError
 from hpcpar.parallel.partition import split_sizes
 
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "HDF5_SIGNATURE", "DEFAULT_CHUNK",
            "MAX_AUTO_CHUNK", "shard_name", "chunk_edge", "PerRankChunks", "parse_chunk",
+           "chunk_from_options",
            "x_chunks", "Array", "Shard", "Manifest", "read_manifest", "member_path", "sha256_file",
            "check_file",
            "open_h5", "check_array", "check_shard", "manifest_problems", "verify_dataset",
@@ -114,15 +115,34 @@ def parse_chunk(text: str | None) -> int | tuple | PerRankChunks | None:
             raise DataError(f"--chunk: expected grid:XxYxZ or grid:DxXxYxZ (positive "
                             f"integers), got {text!r}")
         return PerRankChunks(parts[-3:])
-    parts = [p for p in text.replace("x", ",").split(",") if p.strip()]
+    pieces = [p for p in text.replace("x", ",").split(",") if p.strip()]
     try:
-        vals = tuple(int(p) for p in parts)
+        vals = tuple(int(p) for p in pieces)
     except ValueError:
         vals = ()
     if len(vals) not in (1, 3) or any(v < 0 for v in vals):
         raise DataError(f"--chunk: expected EDGE, D,H,W (non-negative integers) or "
                         f"grid:XxYxZ, got {text!r}")
     return vals[0] if len(vals) == 1 else vals
+
+
+def chunk_from_options(chunk: str, grid: str | None) -> int | tuple | PerRankChunks | None:
+    """The writer's ``chunk`` from ``--chunk`` and ``--grid`` of ``hpcpar data make/shard`` (a
+    grid hint with an explicit ``--chunk`` other than auto is a contradiction).
+
+    Raises:
+        DataError: Both given, or a grid that is not DxXxYxZ / XxYxZ.
+    """
+    if grid is None:
+        return parse_chunk(chunk)
+    if str(chunk).strip().lower() != "auto":
+        raise DataError(f"--grid {grid} and --chunk {chunk}: give one of them (--grid chooses "
+                        "the chunks)")
+    try:
+        return parse_chunk(f"grid:{grid}")
+    except DataError:
+        raise DataError(f"--grid: expected DxXxYxZ or XxYxZ (positive integers), got "
+                        f"{grid!r}") from None
 
 
 def x_chunks(sample_shape: Sequence[int],
@@ -425,23 +445,6 @@ def member_path(directory: str | os.PathLike, name: object, field: str) -> str:
     return full
 
 
-def sha256_file(path: str, block: int = 1 << 22) -> str:
-    """Hash a file in blocks, so shards far larger than memory can be checksummed.
-
-    Args:
-        path: The file to hash.
-        block: Bytes read per call.
-
-    Returns:
-        The file's sha256 digest, hex.
-    """
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(block):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def check_file(path: str, expected_bytes: int | None = None) -> None:
     """Check a shard file exists, is HDF5, and is not truncated, before h5py opens it.
 
@@ -520,7 +523,7 @@ def check_array(path: str, f: h5py.File, spec: Array, rows: int | None) -> None:
                         f"manifest says {spec.dtype}")
 
 
-def check_shard(directory: str, m: Manifest, index: int, checksum: bool = False,
+def check_shard(directory: str | os.PathLike, m: Manifest, index: int, checksum: bool = False,
                 values: bool = False) -> None:
     """Check one shard against the manifest.
 
@@ -550,15 +553,15 @@ def check_shard(directory: str, m: Manifest, index: int, checksum: bool = False,
     with open_h5(path) as f:
         check_array(path, f, m.x, s.count)
         check_array(path, f, m.y, s.count)
-        got = (f.attrs.get("sample_start"), f.attrs.get("sample_stop"))
-        if got[0] is not None and (int(got[0]), int(got[1])) != (s.start, s.stop):
-            raise DataError(f"{path}: attrs sample_start/sample_stop are {got[0]}/{got[1]}, "
+        bounds = (f.attrs.get("sample_start"), f.attrs.get("sample_stop"))
+        if bounds[0] is not None and (int(bounds[0]), int(bounds[1])) != (s.start, s.stop):
+            raise DataError(f"{path}: attrs sample_start/sample_stop are {bounds[0]}/{bounds[1]}, "
                             f"manifest says {s.start}/{s.stop}")
         if values:
             check_values(path, f, m, s)
 
 
-def manifest_problems(directory: str, m: Manifest) -> list[str]:
+def manifest_problems(directory: str | os.PathLike, m: Manifest) -> list[str]:
     """Find what the manifest's own stats say is wrong, without reading any shard.
 
     Flags NaN/inf recorded in a dataset that claims to be finite (a dataset made with NaN on

@@ -50,7 +50,7 @@ class SyntheticVolumeDataset(VolumeDatasetBase):
                          name=f"synthetic cosmoflow ({samples} samples of {size}^3)")
         self.size, self.channels, self.seed = size, channels, seed
         per_sample = channels * int(np.prod(self.local_shape)) * 4
-        self._cache = {} if per_sample * samples <= cache_bytes else None
+        self._cache: dict | None = {} if per_sample * samples <= cache_bytes else None
         self.bytes_read = 0  # nothing comes from storage
 
     def sample(self, index: int) -> tuple[np.ndarray, np.ndarray]:

@@ -14,6 +14,7 @@ Two ways to open files:
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import numpy as np
 
@@ -131,7 +132,7 @@ class ShardedVolumeDataset(VolumeDatasetBase):
             self._open_kwargs = {"rdcc_nbytes": cache_bytes(m.x.chunks,
                                                             np.dtype(m.x.dtype).itemsize),
                                  "rdcc_w0": 1.0}
-        self._files = None
+        self._files: ShardFiles | None = None
         self._prefetcher = None
 
     # -- setup ------------------------------------------------------------------------------
@@ -168,7 +169,7 @@ class ShardedVolumeDataset(VolumeDatasetBase):
     # -- reading ----------------------------------------------------------------------------
     def _open_files(self) -> ShardFiles:
         if self._files is None:
-            kwargs = dict(self._open_kwargs)
+            kwargs: dict[str, Any] = dict(self._open_kwargs)
             if self.driver == "mpio":
                 import h5py
 

@@ -75,6 +75,7 @@ def stage_shards(directory: str, manifest: Manifest, needed: Iterable[int], stag
     if node_comm.Get_rank() == 0:
         try:
             os.makedirs(dest, exist_ok=True)
+            assert wanted is not None  # gather's result on its root
             for i in sorted(set().union(*wanted)):
                 field = f"{os.path.join(directory, MANIFEST)}: field 'shards[{i}].file'"
                 f = manifest.shards[i].file

@@ -158,7 +158,7 @@ def _oserror_line(exc: OSError) -> str:
     return (str(exc).splitlines() or [type(exc).__name__])[0]
 
 
-def _write_error(out: str, path: str, exc: BaseException) -> Exception:
+def _write_error(out: str, path: str, exc: Exception) -> Exception:
     """The one-line error of a failed shard or directory write (disk full, read-only...);
     other errors (a DataError about the values) pass unchanged."""
     if not isinstance(exc, OSError):
@@ -353,6 +353,7 @@ def write_dataset(out: str, source: CosmoflowSource | H5Source, counts: list[int
     gathered = comm.gather(entries, root=0)
     manifest = None
     if rank == 0:
+        assert gathered is not None  # gather's result on its root
         pairs = sorted((e for part in gathered for e in part), key=lambda e: e[0].start)
         shards = [s for s, _ in pairs]
         facts = dict(source.attrs)

@@ -7,14 +7,14 @@ job, every default filled in, which ``hpcpar run`` accepts back as a job file. N
 
 from __future__ import annotations
 
-import json
-import math
 from typing import Any
+
+import tomlkit
 
 from hpcpar.formats.jobspec import SCHEMA, JobSpec
 from hpcpar.formats.kinds import REQUIRED, Param
 
-__all__ = ["JSON_SCHEMA_DIALECT", "param_schema", "json_schema", "toml_value", "job_to_toml"]
+__all__ = ["JSON_SCHEMA_DIALECT", "param_schema", "json_schema", "job_to_toml"]
 
 JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 _JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array",
@@ -92,34 +92,24 @@ def json_schema(kind: str | None = None) -> dict:
             "properties": props, "required": ["model"], "additionalProperties": False}
 
 
-def toml_value(value: Any) -> str:
-    """A TOML literal for a job value (strings, numbers, booleans, lists, tables).
-
-    Args:
-        value: The value; not None (TOML has no null).
-
-    Returns:
-        The literal, e.g. ``'"adam"'``, ``'1e-3'``, ``'[64, 32]'``.
-    """
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        if isinstance(value, float) and not math.isfinite(value):
-            return ("-" if value < 0 else "") + ("nan" if math.isnan(value) else "inf")
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False)
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+def _toml_item(value: Any) -> Any:
+    """A job value as a tomlkit item: tables inline (a key stays on its line, under its
+    section, as users read and diff it), tuples as arrays."""
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{json.dumps(str(k))} = {toml_value(v)}"
-                               for k, v in value.items()) + "}"
-    raise TypeError(f"no TOML form for {type(value).__name__}")
+        table = tomlkit.inline_table()
+        table.update({str(k): _toml_item(v) for k, v in value.items()})
+        return table
+    if isinstance(value, (list, tuple)):
+        return [_toml_item(v) for v in value]
+    return value
 
 
 def job_to_toml(job: JobSpec) -> str:
     """The resolved job as a TOML job file: every section and key, defaults included; keys
     without a value (TOML has no null) are shown commented out.
+
+    Written with ``tomlkit``, which quotes and escapes every string and key the TOML way and,
+    unlike ``tomli-w``, writes comments: the header naming the source and the unset keys.
 
     Args:
         job: A validated job.
@@ -127,10 +117,14 @@ def job_to_toml(job: JobSpec) -> str:
     Returns:
         TOML text that ``load_job`` reads back into the same job.
     """
-    lines = [f"# resolved from {job.source} by hpcpar"]
+    doc = tomlkit.document()
+    doc.add(tomlkit.comment(f"resolved from {job.source} by hpcpar"))
     for name, values in job.to_dict().items():
-        lines.append(f"\n[{name}]")
+        section = tomlkit.table()
         for key, value in values.items():
-            lines.append(f"# {key} = (unset)" if value is None
-                         else f"{key} = {toml_value(value)}")
-    return "\n".join(lines) + "\n"
+            if value is None:
+                section.add(tomlkit.comment(f"{key} = (unset)"))
+            else:
+                section.add(key, _toml_item(value))
+        doc.add(name, section)
+    return tomlkit.dumps(doc)

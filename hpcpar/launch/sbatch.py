@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -230,7 +231,7 @@ def _python_words(site: Site, python: str) -> str:
 
 
 def run_script(site: Site, alloc: Allocation, points: list[Point], *, job: Path, out: Path,
-               python: str, sets: list[str] = (), grace: int | None = None,
+               python: str, sets: Sequence[str] = (), grace: int | None = None,
                max_requeues: int | None = None, array: bool = False) -> str:
     """The batch script for one sweep point, or for all points as one job array.
 

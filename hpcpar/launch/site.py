@@ -108,7 +108,7 @@ def available(sub: str = "sites", suffix: str = ".toml",
     Returns:
         The names, sorted.
     """
-    names = set()
+    names: set[str] = set()
     for d in _search_path(env_var, sub):
         if d.is_dir():
             names.update(p.name[: -len(suffix)] for p in d.glob(f"*{suffix}"))

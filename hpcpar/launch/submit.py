@@ -24,7 +24,9 @@ import tomllib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from hpcpar._tables import text_table
 from hpcpar.errors import LaunchError
 from hpcpar.launch.sbatch import Allocation, Point, report_script, run_script, sbatch_filename
 from hpcpar.launch.site import Site, load_site
@@ -220,8 +222,8 @@ def plan_submit(job_file: str | os.PathLike, out: str | os.PathLike, *,
         base.update(kw)
         return Allocation(**base)
 
-    common = dict(job=job_path, out=out, python=python, sets=sets, grace=grace,
-                  max_requeues=max_requeues)
+    common: dict[str, Any] = dict(job=job_path, out=out, python=python, sets=sets,
+                                  grace=grace, max_requeues=max_requeues)
     jobs = []
     if array:
         a = alloc(f"{job.name}-sweep", "array-%A_%a.out")
@@ -298,7 +300,8 @@ def _records(j: BatchJob, out: Path, now: str) -> list[dict]:
 
 def _append_records(out: Path, records: list[dict]) -> None:
     path = out / RECORDS
-    doc = read_records(out) if path.exists() else {"version": RECORD_VERSION, "jobs": []}
+    doc: dict[str, Any] = read_records(out) if path.exists() else {"version": RECORD_VERSION,
+                                                                   "jobs": []}
     doc["jobs"].extend(records)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(doc, indent=1) + "\n")
@@ -324,7 +327,8 @@ def submit(jobs: list[BatchJob], out: str | os.PathLike,
     """
     out = Path(out).expanduser().absolute()
     (out / SCRIPTS).mkdir(parents=True, exist_ok=True)
-    records, run_ids = [], []
+    records: list[dict] = []
+    run_ids: list[str] = []
     now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     for j in jobs:
         j.script.write_text(j.text)
@@ -391,7 +395,7 @@ def parse_scontrol(line: str) -> dict:
 
 def _task_ids(spec: str) -> set[str]:
     """``ArrayTaskId`` of a pending array record: ``0-3``, ``1,3-4`` or ``0-7%2``."""
-    ids = set()
+    ids: set[str] = set()
     for part in spec.split("%")[0].split(","):
         lo, _, hi = part.partition("-")
         if lo.isdigit():
@@ -502,7 +506,5 @@ def format_status(rows: list[dict]) -> str:
     cols = [("JOBID", "id"), ("LABEL", "label"), ("RANKS", "ranks"), ("STATE", "state"),
             ("EXIT", "exit"), ("RESTARTS", "restarts"), ("ELAPSED", "elapsed"),
             ("RUN", "run"), ("REASON", "reason")]
-    table = [[h for h, _ in cols]] + [[str(r.get(k, "") or "") for _, k in cols] for r in rows]
-    widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
-                     for row in table)
+    return text_table([h for h, _ in cols],
+                      [[r.get(k, "") or "" for _, k in cols] for r in rows], markdown=False)

@@ -57,7 +57,8 @@ class CosmoFlow(nn.Module):
             channels = out
         self.features = nn.Sequential(*layers)
         self.gather = GatherPoint()
-        head, width = [nn.Flatten()], channels * final ** 3
+        head: list[nn.Module] = [nn.Flatten()]
+        width = channels * final ** 3
         for w in dense:
             head += [nn.Linear(width, w), nn.LeakyReLU(negative_slope)]
             if dropout:

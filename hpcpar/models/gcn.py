@@ -58,7 +58,7 @@ class GCN(nn.Module):
         self.dropout, self.conv, self.precompute, self.seed = dropout, conv, precompute, seed
         self.aggr = aggr
         self.calls = 0  # training forward passes so far (drives the dropout masks)
-        self._agg = None
+        self._agg: tuple[tuple, torch.Tensor] | None = None
 
     def first_aggregate(self, x: torch.Tensor, graph: DistGraph) -> torch.Tensor:
         """The constant ``A·X`` of the first layer (cached per graph and input).

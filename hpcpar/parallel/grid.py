@@ -20,13 +20,13 @@ if TYPE_CHECKING:
     from mpi4py import MPI
 
 __all__ = ["AXES", "SPATIAL_AXES", "coords_of", "rank_of", "parse_spec", "resolve_shape",
-           "fake_nodes", "node_of", "Layout", "layout", "ProcessGrid"]
+           "fake_nodes", "node_of", "Layout", "layout", "MAX_TABLE_RANKS", "ProcessGrid"]
 
 AXES = ("data", "x", "y", "z")
 SPATIAL_AXES = ("x", "y", "z")
 
 
-def coords_of(rank: int, shape: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
+def coords_of(rank: int, shape: Sequence[int]) -> tuple[int, int, int, int]:
     """The coordinates of a rank; x varies fastest, data slowest.
 
     Args:
@@ -160,6 +160,10 @@ class Layout:
     node: int
 
 
+#: the most ranks a printed rank table lists (a million lines; beyond, printing takes minutes)
+MAX_TABLE_RANKS = 1 << 20
+
+
 def layout(shape: Sequence[int], ranks_per_node: int) -> list[Layout]:
     """The rank -> coordinates -> node table of a grid, block-placed on nodes (no MPI).
 
@@ -282,7 +286,7 @@ class ProcessGrid:
             return spec
         if isinstance(spec, str):
             return cls.parse(spec, comm=comm)
-        if isinstance(spec, dict):
+        if isinstance(spec, Mapping):
             unknown = set(spec) - set(AXES)
             if unknown:
                 raise GridError(f"grid: unknown axis {sorted(unknown)[0]!r}, expected data/x/y/z")
@@ -316,12 +320,12 @@ class ProcessGrid:
     @property
     def spatial_shape(self) -> tuple[int, int, int]:
         """(X, Y, Z): how each sample's volume is split."""
-        return self.shape[1:]  # type: ignore[return-value]
+        return self.shape[1:]
 
     @property
     def spatial_coords(self) -> tuple[int, int, int]:
         """This rank's ``(i, j, k)`` in its spatial group."""
-        return self.coords[1:]  # type: ignore[return-value]
+        return self.coords[1:]
 
     @property
     def spatial_size(self) -> int:

@@ -10,15 +10,29 @@ contiguous and in order. Every rank can derive every other rank's extent.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
+
+T = TypeVar("T")
 
 __all__ = [
     "split_sizes", "part_range", "part_ranges", "box", "owner", "stencil_output_length",
     "stencil_input_range", "transposed_output_length", "transposed_input_range", "AxisHalo",
     "axis_halo", "conv_axis_halo", "transposed_axis_halo", "same_padding", "conv_pads",
-    "ceil_div",
+    "ceil_div", "xyz",
 ]
+
+
+def xyz(values: Iterable[T]) -> tuple[T, T, T]:
+    """The (x, y, z) values of the three spatial axes as a 3-tuple: ``tuple(values)``, which
+    the type checker cannot know has length three.
+
+    Raises:
+        ValueError: Not exactly three values.
+    """
+    x, y, z = values
+    return x, y, z
 
 
 def _check_parts(n: int, parts: int) -> None:
@@ -366,10 +380,8 @@ def conv_pads(padding: str | int | Sequence[int], axis: int, kernel: int,
     Returns:
         ``(low, high)`` padding.
     """
-    if padding == "same":
-        return same_padding(kernel, dilation)
-    if padding == "valid":
-        return 0, 0
+    if isinstance(padding, str):  # torch's modules accept only "same" and "valid"
+        return same_padding(kernel, dilation) if padding == "same" else (0, 0)
     p = padding if isinstance(padding, int) else padding[axis]
     return p, p
 

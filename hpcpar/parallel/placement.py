@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, overload
 
 if TYPE_CHECKING:
     import torch
@@ -30,6 +30,15 @@ class RankInfo(NamedTuple):
     local_rank: int
     size: int
     local_size: int
+
+
+@overload
+def env_int(env: Mapping[str, str], names: Sequence[str], default: int) -> int: ...
+
+
+@overload
+def env_int(env: Mapping[str, str], names: Sequence[str],
+            default: int | None = None) -> int | None: ...
 
 
 def env_int(env: Mapping[str, str], names: Sequence[str],

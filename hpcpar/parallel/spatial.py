@@ -102,10 +102,14 @@ def scatter(volume: torch.Tensor | None, grid: ProcessGrid, root: int = 0,
     """
     comm = grid.spatial_comm
     me = comm.Get_rank()
-    meta = (tuple(volume.shape), volume.dtype) if me == root else None
+    meta = None
+    if me == root:
+        assert volume is not None, "scatter: the root rank passes the volume"
+        meta = (tuple(volume.shape), volume.dtype)
     shape, dtype = comm.bcast(meta, root=root)
     shape = _check_shape(shape, grid)
     if me == root:
+        assert volume is not None
         handles = []
         for r in range(comm.Get_size()):
             piece = volume[local_slices(shape, grid, r)]
@@ -166,6 +170,7 @@ def gather(local: torch.Tensor, grid: ProcessGrid, root: int = 0) -> torch.Tenso
     if me != root:
         isend(local.contiguous(), root, comm, _TAG).wait()
         return None
+    assert shapes is not None  # gather's result on its root
     global_shape, slices = _layout(shapes, grid)
     full = torch.empty(global_shape, dtype=local.dtype, device=local.device)
     for r, sl in enumerate(slices):

@@ -601,6 +601,7 @@ def main(argv: list[str] | None = None) -> int:
         mem_contention = min(1.0, dict(costs)["pointwise"] / mem_together)
         nodes = len(set(hosts))
         if inter is None:  # one node: the network is not measured; a typical NIC assumed
+            assert intra is not None  # 2+ ranks on one node: a peer on it was measured
             inter = Link(max(intra.alpha, 2e-6), min(intra.beta, 12.5e9))
             where = "inter-node link assumed"
         else:

@@ -23,13 +23,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from hpcpar.plan.collectives import STEP_COLLECTIVES, allreduce_time
 from hpcpar.plan.memory import HEADROOM, RUNTIME_BYTES, MemoryEstimate, optimizer_states
+from hpcpar.plan.types import Prediction
 
 if TYPE_CHECKING:
     from hpcpar.plan.machine import Link, Machine
-    from hpcpar.plan.planner import Prediction, Workload
+    from hpcpar.plan.types import Workload
 
 __all__ = ["Part", "GraphJob", "layer_times", "predict_graph"]
 
@@ -148,10 +150,9 @@ def predict_graph(work: Workload, grid: tuple, machine: Machine) -> Prediction:
     Returns:
         The prediction of the slowest part.
     """
-    from hpcpar.plan.planner import STEP_COLLECTIVES, Prediction, allreduce_time
-
     d, X, Y, Z = grid
-    job: GraphJob = work.graph
+    job = work.graph
+    assert isinstance(job, GraphJob), "predict_graph needs work.graph"
     if d != 1:
         return Prediction(grid, False, f"data={d}: a graph is one sample (full-graph training "
                                        "needs data = 1)")
@@ -164,13 +165,14 @@ def predict_graph(work: Workload, grid: tuple, machine: Machine) -> Prediction:
     slow, slow_mem = machine.compute_factors(on_node, ranks=ranks)
     # on oversubscribed cores each exchange and collective waits for descheduled partners
     wait = machine.sync_delay(on_node, ranks=ranks)
-    worst = None
+    worst: tuple[float, float, Any] | None = None
     for part in job.partition(ranks):
         t = layer_times(job, part, machine, link, ranks)
         compute = t["dense"] * slow + (t["sparse"] + t["pointwise"]) * slow_mem
         halo = t["halo"] + t["exchanges"] * wait
         if worst is None or compute + halo > worst[0] + worst[1]:
             worst = (compute, halo, part)
+    assert worst is not None, "a partition has at least one part"
     pred.t_compute, pred.t_halo, part = worst
     grad_bytes = work.params * 4
     # the gradient sync and the loss's one-number allreduce

@@ -35,6 +35,8 @@ from dataclasses import asdict, dataclass
 from functools import cached_property
 from pathlib import Path
 
+import tomlkit
+
 from hpcpar import _env
 from hpcpar.errors import ConfigError
 from hpcpar.plan.memory import optimizer_states
@@ -322,25 +324,31 @@ class Machine:
         return cores / ranks_on_node * self.oversubscription
 
     def to_toml(self) -> str:
-        """The machine as a machine file (what ``load_machine`` reads)."""
+        """The machine as a machine file (what ``load_machine`` reads).
+
+        Written with ``tomlkit`` (as ``hpcpar run --print-config`` is), so a ``name`` or
+        ``description`` with quotes, backslashes or newlines reads back unchanged.
+        """
         d = asdict(self)
-        lines = [f'name = "{self.name}"', f'description = "{self.description}"']
-        for k in ("ranks_per_node", "cores", "flops", "mem_bw", "mem_per_rank", "io_bw",
-                  "contention", "mem_contention", "oversubscription", "host_cores",
-                  "sync_wait", "thread_speedup", "mem_thread_speedup"):
-            lines.append(f"{k} = {d[k]!r}")
-        # calibrated tables: by name (inline TOML tables) or by number (arrays of pairs)
+        doc = tomlkit.document()
+        for key in ("name", "description", "ranks_per_node", "cores", "flops", "mem_bw",
+                    "mem_per_rank", "io_bw", "contention", "mem_contention", "oversubscription",
+                    "host_cores", "sync_wait", "thread_speedup", "mem_thread_speedup"):
+            doc.add(key, d[key])
+        # calibrated tables: by name (inline TOML tables) or by number (arrays of rows)
         for key in ("layer_costs", "conv_rates", "gemm_rates", "graph_costs", "opt_costs",
                     "conv_grid", "call_costs"):
             rows = getattr(self, key)
             if rows and isinstance(rows[0][0], str):
-                lines.append(f"{key} = {{" + ", ".join(f"{k} = {v!r}" for k, v in rows) + "}")
+                named = tomlkit.inline_table()
+                named.update(dict(rows))
+                doc.add(key, named)
             elif rows:
-                lines.append(f"{key} = [" + ", ".join(
-                    "[" + ", ".join(map(repr, row)) + "]" for row in rows) + "]")
+                doc.add(key, [list(row) for row in rows])
         for sec in ("intra", "inter"):
-            lines += ["", f"[{sec}]", f"alpha = {d[sec]['alpha']!r}", f"beta = {d[sec]['beta']!r}"]
-        return "\n".join(lines) + "\n"
+            doc.add(sec, tomlkit.table().add("alpha", d[sec]["alpha"]).add("beta",
+                                                                          d[sec]["beta"]))
+        return tomlkit.dumps(doc)
 
 
 def _bracket(xs: list, x: float) -> tuple:

@@ -33,7 +33,7 @@ from hpcpar import _units
 from hpcpar.parallel.partition import split_sizes
 
 if TYPE_CHECKING:
-    from hpcpar.plan.planner import Workload
+    from hpcpar.plan.types import Workload
 
 __all__ = ["RUNTIME_BYTES", "HEADROOM", "MemoryEstimate", "optimizer_states", "estimate",
            "largest_edge", "parse_bytes"]

@@ -28,51 +28,29 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
 from hpcpar.parallel.partition import conv_axis_halo, conv_pads, split_sizes, transposed_axis_halo
+from hpcpar.plan.collectives import (
+    BUCKET_BYTES,
+    STEP_COLLECTIVES,
+    allreduce_time,
+    ring_allreduce,
+    ring_gather,
+)
 from hpcpar.plan.machine import Link, Machine
 from hpcpar.plan.memory import HEADROOM
 from hpcpar.plan.memory import estimate as estimate_memory
+from hpcpar.plan.types import BYTES, Layer, Prediction, Workload
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["BYTES", "BUCKET_BYTES", "Layer", "trace_layers", "Workload", "Prediction", "grids",
-           "allreduce_time", "tp_linear_time", "mark_tensor_parallel", "predict", "plan"]
-
-BYTES = {"fp32": 4, "bf16": 2}
-BUCKET_BYTES = 25 * 2**20
-#: collectives every multi-rank step waits in: the gradient sync's last wait and the loss /
-#: stop-flag allreduce (each waits ``Machine.sync_delay`` on oversubscribed cores)
-STEP_COLLECTIVES = 2
-
-
-@dataclass
-class Layer:
-    """One traced leaf layer.
-
-    Attributes:
-        kind: ``conv``, ``convT``, ``pool``, ``bn``, ``pointwise``, ``linear`` or ``gather``.
-        spatial: Runs on partitioned volumes (before the gather point).
-        in_shape: Input shape per sample, ``(C, D, H, W)`` or ``(F,)``.
-        out_shape: Output shape per sample.
-        params: Parameter count.
-        flops: Forward FLOPs per sample (dense layers).
-        halo: Per spatial axis, ``(n_in, parts, index) -> AxisHalo``.
-        tp: A ``TensorParallelLinear`` over the grid's spatial group.
-    """
-
-    kind: str            # conv, convT, pool, bn, pointwise, linear, gather
-    spatial: bool        # runs on partitioned volumes (before the gather point)
-    in_shape: tuple      # per sample (C, D, H, W) or (F,)
-    out_shape: tuple
-    params: int
-    flops: float = 0.0   # forward FLOPs per sample (dense layers)
-    halo: tuple = ()     # per spatial axis: (n_in, parts, index) -> partition.AxisHalo
-    tp: bool = False     # a tensor-parallel Linear (weights split over the spatial group)
+           "allreduce_time", "tp_linear_time", "mark_tensor_parallel", "LayerCost", "layer_cost",
+           "predict", "plan"]
 
 
 def _stencil_halos(mod) -> tuple:
@@ -176,86 +154,6 @@ def mark_tensor_parallel(layers: list[Layer], min_features: int) -> list[Layer]:
     return layers
 
 
-@dataclass
-class Workload:
-    """What the planner needs to know about a job.
-
-    Attributes:
-        name: The job's name.
-        layers: The traced layers (``trace_layers``).
-        sample_shape: Shape of one sample.
-        global_batch: Samples per step.
-        precision: ``"fp32"`` or ``"bf16"``.
-        optimizer: The optimizer (its state counts in memory).
-        params: Parameter count (summed from the layers).
-        graph: A full-graph GNN job (:class:`hpcpar.plan.gnn.GraphJob`); ``layers`` is then
-            empty.
-    """
-
-    name: str
-    layers: list
-    sample_shape: tuple
-    global_batch: int
-    precision: str = "fp32"
-    optimizer: str = "adam"
-    params: int = 0
-    graph: object = None
-
-    def __post_init__(self):
-        if self.layers or not self.params:
-            self.params = sum(layer.params for layer in self.layers)
-
-    @property
-    def tp_params(self) -> int:
-        """Parameters of the tensor-parallel layers (split over the spatial group)."""
-        return sum(layer.params for layer in self.layers if layer.tp)
-
-    def local_params(self, spatial: int) -> int:
-        """Parameters one rank holds: tensor-parallel layers hold 1/spatial of theirs."""
-        return self.params - self.tp_params + math.ceil(self.tp_params / max(1, spatial))
-
-
-@dataclass
-class Prediction:
-    """The predicted step of one grid; times are seconds per step, per rank.
-
-    Attributes:
-        grid: ``(data, x, y, z)``.
-        feasible: False when the grid cannot run.
-        reason: Why not (a layer's extent, the batch, memory).
-        t_compute: Compute time.
-        t_halo: Halo exchange time.
-        t_gather: Time of the gather feeding a replicated head.
-        t_allreduce: Gradient allreduce time.
-        t_allreduce_exposed: The part of it not hidden behind backward.
-        t_io: Exposed I/O time.
-        t_tp: Collectives of tensor-parallel layers (GNN jobs: the halo exchange is
-            ``t_halo``).
-        t_step: The whole step.
-        mem_bytes: Peak memory per rank.
-        extra: Further facts.
-    """
-
-    grid: tuple
-    feasible: bool
-    reason: str = ""
-    t_compute: float = 0.0
-    t_halo: float = 0.0
-    t_gather: float = 0.0
-    t_allreduce: float = 0.0
-    t_allreduce_exposed: float = 0.0
-    t_io: float = 0.0
-    t_tp: float = 0.0
-    t_step: float = 0.0
-    mem_bytes: float = 0.0
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def spec(self) -> str:
-        """The grid as ``"DxXxYxZ"``."""
-        return "x".join(map(str, self.grid))
-
-
 def grids(n: int) -> Iterator[tuple[int, int, int, int]]:
     """Every grid of ``n`` ranks.
 
@@ -272,20 +170,6 @@ def grids(n: int) -> Iterator[tuple[int, int, int, int]]:
         for x, y in itertools.product(range(1, rest + 1), repeat=2):
             if rest % (x * y) == 0:
                 yield (d, x, y, rest // (x * y))
-
-
-def _ring_allreduce(nbytes: float, p: int, link, messages_per_step: int = 1) -> float:
-    """Ring allreduce: 2(p-1) steps, each moving nbytes/p over ``link``."""
-    if p <= 1 or nbytes == 0:
-        return 0.0
-    return 2 * (p - 1) * (messages_per_step * link.alpha + nbytes / p / link.beta)
-
-
-def _ring_gather(nbytes: float, p: int, link) -> float:
-    """Ring all-gather (or reduce-scatter) of ``nbytes`` in all: p-1 steps of nbytes/p."""
-    if p <= 1 or nbytes == 0:
-        return 0.0
-    return (p - 1) * (link.alpha + nbytes / p / link.beta)
 
 
 def tp_linear_time(layer: Layer, rows: int, grid: tuple, machine: Machine,
@@ -315,34 +199,94 @@ def tp_linear_time(layer: Layer, rows: int, grid: tuple, machine: Machine,
     rz, ix, oy = (max(split_sizes(n, p)) for n, p in ((rows, Z), (fin, X), (fout, Y)))
     t_gemm = 3 * 2.0 * rz * ix * oy / machine.gemm_rate(min(rz, ix, oy))
     f = 4  # fp32 activations and weights
-    comm = (_ring_gather(oy * ix * f, Z, link) + _ring_allreduce(rz * oy * f, X, link)
-            + _ring_gather(rz * fout * f, Y, link) + _ring_gather(rows * fout * f, Z, link)
-            + _ring_allreduce(rz * ix * f, Y, link) + _ring_gather(rz * fin * f, X, link)
-            + _ring_gather(rows * fin * f, Z, link) + _ring_gather(oy * ix * f, Z, link)
-            + _ring_allreduce(oy * f, Z, link))
+    comm = (ring_gather(oy * ix * f, Z, link) + ring_allreduce(rz * oy * f, X, link)
+            + ring_gather(rz * fout * f, Y, link) + ring_gather(rows * fout * f, Z, link)
+            + ring_allreduce(rz * ix * f, Y, link) + ring_gather(rz * fin * f, X, link)
+            + ring_gather(rows * fin * f, Z, link) + ring_gather(oy * ix * f, Z, link)
+            + ring_allreduce(oy * f, Z, link))
     return t_gemm, comm
 
 
-def allreduce_time(nbytes: float, ranks: int, machine: Machine) -> float:
-    """Predicted time of one gradient allreduce.
+@dataclass
+class LayerCost:
+    """One layer's share of a step on one grid, forward + backward, per rank: seconds of
+    FLOP-bound compute (``dense``), of memory-bound compute (``mem``), of hpcpar's fixed cost
+    per call (``calls``), of halo exchange, of the gather feeding a replicated head and of
+    tensor-parallel collectives; and how many exchanges each waits in (``*_syncs``)."""
 
-    Hierarchical: intra-node reduce, inter-node ring between node peers, intra-node
-    broadcast.
+    dense: float = 0.0
+    mem: float = 0.0
+    calls: float = 0.0
+    halo: float = 0.0
+    gather: float = 0.0
+    tp: float = 0.0
+    halo_syncs: int = 0
+    gather_syncs: int = 0
 
-    Args:
-        nbytes: Bytes reduced.
-        ranks: Ranks taking part.
-        machine: The machine model.
 
-    Returns:
-        Seconds.
+def layer_cost(layer: Layer, b: int, grid: tuple, machine: Machine, link: Link,
+               nbytes: int) -> LayerCost | str:
+    """The cost of one traced layer for ``b`` samples per data replica on ``grid``; a string
+    (why) when the grid cannot run it (more ranks on an axis than the layer has voxels).
+
+    Spatial layers run on this rank's largest piece and exchange faces along split axes (widths
+    from the layer's own halo geometry, one message per side, forward and backward);
+    tensor-parallel dense layers cost their GEMM shard and collectives
+    (:func:`tp_linear_time`); any other layer runs whole on every rank. Convolutions run at
+    the machine's conv rate, dense layers at its GEMM rate, layers with a calibrated cost per
+    input byte at that cost, the rest at FLOP rate and memory bandwidth (backward ~2x forward).
     """
-    per_node = min(ranks, machine.ranks_per_node)
-    nodes = math.ceil(ranks / per_node)
-    buckets = max(1, math.ceil(nbytes / BUCKET_BYTES))
-    intra = _ring_allreduce(nbytes, per_node, machine.intra, buckets)
-    inter = _ring_allreduce(nbytes / per_node, nodes, machine.inter, buckets) if nodes > 1 else 0
-    return intra + inter
+    _, X, Y, Z = grid
+    parts, spatial = (X, Y, Z), X * Y * Z
+    cost = LayerCost()
+    if layer.tp and not layer.spatial:
+        cost.dense, cost.tp = tp_linear_time(layer, b, grid, machine, link)
+        return cost
+    in_elems = math.prod(layer.in_shape)
+    if layer.spatial:   # hpcpar's own layer: a fixed cost per call no FLOP or byte carries
+        cost.calls = machine.call_cost(layer.kind)
+        vol_in, vol_out = layer.in_shape[1:], layer.out_shape[1:]
+        for a in range(3):
+            if len(vol_in) == 3 and parts[a] > vol_in[a]:
+                return f"axis {'xyz'[a]} has {vol_in[a]} voxels for {parts[a]} ranks"
+        out_local = [max(split_sizes(n, p)) for n, p in zip(vol_out, parts)] \
+            if len(vol_out) == 3 else []
+        in_local = [max(split_sizes(n, p)) for n, p in zip(vol_in, parts)] \
+            if len(vol_in) == 3 else []
+        share = math.prod(out_local) / max(1, math.prod(vol_out)) if out_local else 1
+        out_elems = layer.out_shape[0] * math.prod(out_local) if out_local else 0
+        in_elems = layer.in_shape[0] * math.prod(in_local) if in_local else 0
+        if layer.halo and len(vol_in) == 3:
+            for a in range(3):
+                width = _halo_width(layer.halo[a], vol_in[a], parts[a]) if parts[a] > 1 else 0
+                if width <= 0:
+                    continue
+                face = layer.in_shape[0] * b * math.prod(
+                    in_local[j] for j in range(3) if j != a)
+                cost.halo += 2 * link.time(face * width * nbytes, 2)   # sides overlap
+                cost.halo_syncs += 2
+        if layer.kind == "gather" and spatial > 1:
+            full = math.prod(layer.in_shape) * b * nbytes
+            cost.gather = 2 * link.time(full * (spatial - 1) / spatial, spatial - 1)
+            cost.gather_syncs = 2
+        flops = layer.flops * share * b
+        mem = (in_elems + out_elems) * b * nbytes
+    else:
+        flops = layer.flops * b
+        mem = (in_elems + math.prod(layer.out_shape)) * b * nbytes
+    per_byte = machine.layer_cost(layer.kind)
+    if layer.kind in ("conv", "convT"):
+        cost.dense = 3 * flops / machine.conv_rate(layer.in_shape[0], layer.out_shape[0])
+    elif layer.kind == "linear" and machine.gemm_rates:
+        cost.dense = 3 * flops / machine.gemm_rate(min(b, *layer.in_shape[-1:],
+                                                       *layer.out_shape[-1:]))
+        cost.mem = 3 * mem / machine.mem_bw
+    elif per_byte is not None:
+        cost.mem = per_byte * in_elems * b * nbytes
+    else:
+        cost.dense = 3 * flops / machine.flops
+        cost.mem = 3 * mem / machine.mem_bw
+    return cost
 
 
 def predict(work: Workload, grid: tuple, machine: Machine) -> Prediction:
@@ -367,69 +311,22 @@ def predict(work: Workload, grid: tuple, machine: Machine) -> Prediction:
         return Prediction(grid, False, f"global batch {work.global_batch} not divisible by "
                                        f"data={d}")
     b = work.global_batch // d
-    parts = (X, Y, Z)
     spatial = X * Y * Z
     link = machine.intra if spatial <= machine.ranks_per_node else machine.inter
     t_dense = t_mem = t_calls = 0.0
     halo_syncs = gather_syncs = 0   # exchanges per step (forward + backward)
     for i, layer in enumerate(work.layers):
-        if layer.spatial:   # hpcpar's own layer: a fixed cost per call no FLOP or byte carries
-            t_calls += machine.call_cost(layer.kind)
-        if layer.spatial:
-            vol_in, vol_out = layer.in_shape[1:], layer.out_shape[1:]
-            for a in range(3):
-                if len(vol_in) == 3 and parts[a] > vol_in[a]:
-                    return Prediction(grid, False, f"layer {i} ({layer.kind}): axis "
-                                      f"{'xyz'[a]} has {vol_in[a]} voxels for {parts[a]} ranks")
-            out_local = [max(split_sizes(n, p)) for n, p in zip(vol_out, parts)] \
-                if len(vol_out) == 3 else []
-            in_local = [max(split_sizes(n, p)) for n, p in zip(vol_in, parts)] \
-                if len(vol_in) == 3 else []
-            share = math.prod(out_local) / max(1, math.prod(vol_out)) if out_local else 1
-            out_elems = layer.out_shape[0] * math.prod(out_local) if out_local else 0
-            in_elems = layer.in_shape[0] * math.prod(in_local) if in_local else 0
-            # halo: faces along split axes, widths from the layer's own halo plan geometry
-            if layer.halo and len(vol_in) == 3:
-                for a in range(3):
-                    width = _halo_width(layer.halo[a], vol_in[a], parts[a]) \
-                        if parts[a] > 1 else 0
-                    if width <= 0:
-                        continue
-                    face = layer.in_shape[0] * b * math.prod(
-                        in_local[j] for j in range(3) if j != a)
-                    # forward + backward, one message per side (sides overlap)
-                    pred.t_halo += 2 * link.time(face * width * nbytes, 2)
-                    halo_syncs += 2
-            if layer.kind == "gather":
-                full = math.prod(layer.in_shape) * b * nbytes
-                pred.t_gather += 2 * link.time(full * (spatial - 1) / spatial,
-                                               max(1, spatial - 1)) if spatial > 1 else 0
-                gather_syncs += 2 if spatial > 1 else 0
-            flops = layer.flops * share * b
-            mem = (in_elems + out_elems) * b * nbytes
-        elif layer.tp:
-            gemm, comm = tp_linear_time(layer, b, grid, machine, link)
-            t_dense += gemm
-            pred.t_tp += comm
-            continue
-        else:
-            flops = layer.flops * b
-            mem = (math.prod(layer.in_shape) + math.prod(layer.out_shape)) * b * nbytes
-        # forward + backward ~ 3x forward for dense layers; pointwise moves bytes 3x, unless
-        # the machine file has a calibrated cost per input byte for the layer's kind
-        cost = machine.layer_cost(layer.kind)
-        if layer.kind in ("conv", "convT"):
-            t_dense += 3 * flops / machine.conv_rate(layer.in_shape[0], layer.out_shape[0])
-        elif layer.kind == "linear" and machine.gemm_rates:
-            t_dense += 3 * flops / machine.gemm_rate(min(b, *layer.in_shape[-1:],
-                                                         *layer.out_shape[-1:]))
-            t_mem += 3 * mem / machine.mem_bw
-        elif cost is not None:
-            t_mem += cost * (in_elems if layer.spatial else math.prod(layer.in_shape)) * b * \
-                nbytes
-        else:
-            t_dense += 3 * flops / machine.flops
-            t_mem += 3 * mem / machine.mem_bw
+        cost = layer_cost(layer, b, grid, machine, link, nbytes)
+        if isinstance(cost, str):
+            return Prediction(grid, False, f"layer {i} ({layer.kind}): {cost}")
+        t_dense += cost.dense
+        t_mem += cost.mem
+        t_calls += cost.calls
+        pred.t_halo += cost.halo
+        pred.t_gather += cost.gather
+        pred.t_tp += cost.tp
+        halo_syncs += cost.halo_syncs
+        gather_syncs += cost.gather_syncs
     # ranks sharing cores (oversubscribed test machines) compute proportionally slower, and
     # shared memory bandwidth slows memory-bound layers more than convolutions
     # (and a rank alone on its cores runs that many threads: faster than the one-thread rates)

@@ -18,6 +18,8 @@ from hpcpar.errors import ConfigError
 from hpcpar.formats.jobspec import check_tensorboard
 
 if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
+
     from hpcpar.formats.jobspec import JobSpec
 
 __all__ = ["Callback", "TensorBoardCallback", "STEP_SCALARS", "job_callbacks",
@@ -76,7 +78,7 @@ class TensorBoardCallback(Callback):
 
     def __init__(self, log_dir: str | None = None):
         self.log_dir = log_dir
-        self.writer = None
+        self.writer: SummaryWriter | None = None
 
     def on_train_start(self, trainer: Any) -> None:
         if trainer.rank != 0:

@@ -14,6 +14,10 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["ProfileWindow", "named_range"]
 
@@ -58,7 +62,7 @@ class ProfileWindow:
                  device_type: str = "cpu", record_shapes: bool = False, memory: bool = False):
         self.window, self.out_dir, self.rank = window, Path(out_dir), rank
         self.device_type, self.record_shapes, self.memory = device_type, record_shapes, memory
-        self.prof = None
+        self.prof: torch.profiler.profile | None = None
         self.trace: Path | None = None
 
     def before_step(self, step: int) -> None:
@@ -85,7 +89,7 @@ class ProfileWindow:
         Args:
             step: The step just completed, 1-based.
         """
-        if self.prof is not None and step >= self.window[1]:
+        if self.prof is not None and self.window is not None and step >= self.window[1]:
             self.close()
 
     def close(self) -> None:

@@ -23,6 +23,7 @@ changes. Sweeps lock their output directory with the same :class:`RunLock`.
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import json
 import os
@@ -31,6 +32,8 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+import filelock
 
 from hpcpar.errors import RunDirError
 
@@ -43,7 +46,8 @@ LOCK_NAME = "hpcpar.lock"
 #: trained (the data width changes only the rounding, e.g. a job that lost a node resumes on
 #: fewer; checkpoints are independent of it)
 RESUME_FREE = ("job.description", "grid.data", "train.log_every", "train.val_every",
-               "checkpoint.every", "checkpoint.keep", "checkpoint.at_end", "resources.*",
+               "checkpoint.every", "checkpoint.keep", "checkpoint.at_end",
+               "checkpoint.async", "resources.*",
                "output.dir", "data.prefetch", "data.stage_to", "data.verify")
 
 
@@ -133,6 +137,10 @@ def _pid_running(pid: int, start: str | None) -> bool:
     return True
 
 
+#: errors of ``flock`` on a file system that has no such lock (some network mounts)
+_NO_FLOCK = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP)
+
+
 def _slurm_incarnation() -> tuple[str | None, str]:
     """(SLURM_JOB_ID, SLURM_RESTART_COUNT): a requeued job keeps its id, counts up restarts."""
     return os.environ.get("SLURM_JOB_ID") or None, os.environ.get("SLURM_RESTART_COUNT", "0")
@@ -156,6 +164,7 @@ class RunLock:
         self.warn = warn
         self.what, self.option = what, option
         self.held = False
+        self._flock: filelock.FileLock | None = None
 
     def holder(self) -> dict | None:
         """The lock's contents; ``{}`` for an unreadable lock, None when there is none."""
@@ -197,44 +206,62 @@ class RunLock:
             raise self._busy(holder)
 
     def acquire(self) -> None:
+        """Take the lock, or raise :class:`RunDirError` naming who holds it.
+
+        ``filelock`` holds a kernel lock on the file for as long as the run lasts, so two
+        claims on this host never both win (a stale lock is taken over by one of them) and a
+        holder that dies releases it; the JSON inside names the holder, and decides for a
+        holder the kernel lock cannot see (another host, an earlier Slurm incarnation).
+        """
+        self._flock = filelock.FileLock(self.path, timeout=0, thread_local=False,
+                                        fallback_to_soft=False, on_acquired=self._claim)
+        try:
+            self._flock.acquire()
+        except filelock.Timeout:
+            raise self._busy(self.holder() or {}) from None
+        except OSError as exc:
+            if exc.errno not in _NO_FLOCK:
+                raise RunDirError(f"{self.path}: cannot lock ({exc.strerror or exc})") from None
+            self._flock = None      # a file system without flock: the JSON alone decides
+            fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
+            try:
+                self._claim(fd)
+            finally:
+                os.close(fd)
+        self.held = True
+
+    def _claim(self, fd: int) -> None:
+        """Under the kernel lock: refuse a live holder the JSON names, else write ours."""
+        try:
+            holder = json.loads(os.pread(fd, 1 << 16, 0) or b"null")
+        except ValueError:
+            holder = {}
+        if holder is not None:
+            holder = holder if isinstance(holder, dict) else {}
+            if not self._stale(holder):
+                raise self._busy(holder)
+            self.warn(f"hpcpar: warning: {self.path}: taking over a stale lock (pid "
+                      f"{holder.get('pid', '?')} on {holder.get('host', '?')} is not running)")
         job, restart = _slurm_incarnation()
         me = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": _pid_start(
             os.getpid()), "since": time.strftime("%Y-%m-%dT%H:%M:%S"), "argv": sys.argv,
             "slurm_job": job, "slurm_restart": restart, "what": self.what}
-        for _ in range(3):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                holder = self.holder()
-                if holder is None:
-                    continue
-                if not self._stale(holder):
-                    raise self._busy(holder) from None
-                self.warn(f"hpcpar: warning: {self.path}: taking over a stale lock (pid "
-                          f"{holder.get('pid', '?')} on {holder.get('host', '?')} is not "
-                          f"running)")
-                try:
-                    os.unlink(self.path)
-                except FileNotFoundError:
-                    pass
-                continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
-                f.flush()
-                os.fsync(f.fileno())
-            self.held = True
-            return
-        raise self._busy(self.holder() or {})
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(me).encode(), 0)
+        os.fsync(fd)
 
     def release(self) -> None:
+        """Remove the lock file (when it is still this process's) and drop the kernel lock."""
         if self.held:
             self.held = False
             holder = self.holder()
             if holder and holder.get("pid") == os.getpid():
                 try:
-                    os.unlink(self.path)
+                    os.unlink(self.path)    # before unlocking: nobody else holds it meanwhile
                 except FileNotFoundError:
                     pass
+            if self._flock is not None:
+                self._flock.release()
 
 
 # -- settings -------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 
 from hpcpar.errors import EXIT_ABORTED
 
@@ -37,7 +38,7 @@ class StopRequest:
     def __init__(self, signals=STOP_SIGNALS, interrupt: bool = True):
         self.signals = tuple(signals) + ((signal.SIGINT,) if interrupt else ())
         self.received: int = 0          # number of the last stop signal seen by this rank
-        self.on_abort = None            # called before exiting on a second SIGINT
+        self.on_abort: Callable[[], None] | None = None  # before exiting on a second SIGINT
         self._first_interrupt: float | None = None
         self._previous: dict = {}
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from hpcpar import _env
 from hpcpar.errors import EXIT_FAILED
-from hpcpar.parallel.comm import free_at_exit
+from hpcpar.parallel.buffers import free_at_exit
 
 READ_DEADLINE = 5.0  # seconds to wait for the counters of the other ranks
 ABORT_GRACE = 1.0  # seconds between printing the stall line and MPI_Abort
@@ -64,14 +64,16 @@ class StallMonitor:
         self.timeout = stall_timeout() if timeout is None else float(timeout)
         self.what = what
         self.step = 0
-        self.win = None
+        self.win: MPI.Win | None = None
         if self.timeout > 0 and self.size > 1:
             self.win = MPI.Win.Allocate(8, 8, comm=comm)
             self.win.Lock_all(MPI.MODE_NOCHECK)
             # unified memory model: a plain store + Win_sync publishes (~0.3 us, vs ~5 us for
             # an accumulate to self); otherwise an atomic accumulate
-            self._local = np.frombuffer(self.win.tomemory(), dtype=np.int64) \
-                if self.win.Get_attr(MPI.WIN_MODEL) == MPI.WIN_UNIFIED else None
+            self._local: np.ndarray | None = None
+            if self.win.Get_attr(MPI.WIN_MODEL) == MPI.WIN_UNIFIED:
+                memory = self.win.tomemory()  # the buffer protocol, typed for Python 3.12+ only
+                self._local = np.frombuffer(memory, dtype=np.int64)  # type: ignore[call-overload]
             self._post(0)
             free_at_exit(self.close)  # strong: an unreferenced window must still be freed
         self._armed_at: float | None = None
@@ -81,12 +83,14 @@ class StallMonitor:
     def _post(self, step: int) -> None:
         from mpi4py import MPI
 
+        win = self.win
+        assert win is not None  # posted only while the window is open
         if self._local is not None:
             self._local[0] = step
-            self.win.Sync()
+            win.Sync()
         else:
-            self.win.Accumulate(np.array([step], dtype=np.int64), self.rank, op=MPI.REPLACE)
-            self.win.Flush(self.rank)
+            win.Accumulate(np.array([step], dtype=np.int64), self.rank, op=MPI.REPLACE)
+            win.Flush(self.rank)
 
     def reached(self, step: int) -> None:
         """This rank has reached sync ``step`` (cheap; call once per step)."""
@@ -98,9 +102,11 @@ class StallMonitor:
         """Every rank's last reached step (None for a rank that did not answer in time)."""
         from mpi4py import MPI
 
+        win = self.win
+        assert win is not None  # read only while the window is open
         zeros = np.zeros(1, dtype=np.int64)
         bufs = [np.full(1, -1, dtype=np.int64) for _ in range(self.size)]
-        reqs = [self.win.Rget_accumulate(zeros, bufs[r], r, op=MPI.NO_OP)
+        reqs = [win.Rget_accumulate(zeros, bufs[r], r, op=MPI.NO_OP)
                 for r in range(self.size)]
         done = [False] * self.size
         end = time.monotonic() + deadline

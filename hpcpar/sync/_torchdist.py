@@ -22,7 +22,7 @@ import socket
 import torch
 
 from hpcpar.errors import CommError, ConfigError
-from hpcpar.parallel.comm import free_at_exit
+from hpcpar.parallel.buffers import free_at_exit
 
 __all__ = ["GRAD_SYNC", "check_grad_sync", "shared_devices", "rendezvous_host",
            "process_group", "TorchWork"]
@@ -102,7 +102,7 @@ def rendezvous_host(hostnames: list[str]) -> str:
     except OSError:
         return hostnames[0]
     for info in infos:
-        address = info[4][0]
+        address = str(info[4][0])  # AF_INET: (host, port)
         if not address.startswith("127."):
             return address
     return hostnames[0]
@@ -133,6 +133,7 @@ def process_group(comm, backend: str, device: torch.device | None = None,
 
     rank, size = comm.Get_rank(), comm.Get_size()
     if backend == "nccl":
+        assert device is not None, "grad_sync='nccl' needs this rank's CUDA device"
         pair = shared_devices(comm.allgather(_device_ident(device)))
         if pair is not None:
             raise CommError(f"grad_sync='nccl': ranks {pair[0]} and {pair[1]} share one GPU "
@@ -140,7 +141,8 @@ def process_group(comm, backend: str, device: torch.device | None = None,
                             f"or fewer ranks per GPU)")
     host = rendezvous_host(comm.allgather(socket.gethostname()))
     wait = datetime.timedelta(seconds=timeout)
-    store, where = None, None
+    store: dist.TCPStore | None = None
+    where: tuple[str, int, str | None] | None = None
     if rank == 0:
         try:
             store = dist.TCPStore(host, 0, size, is_master=True, timeout=wait,
@@ -163,8 +165,11 @@ def process_group(comm, backend: str, device: torch.device | None = None,
     if bad:
         raise CommError(f"grad_sync={backend!r}: rank(s) {bad} could not reach rank 0's "
                         f"rendezvous store at {host}:{port}: {failures[bad[0]]}")
+    assert store is not None  # opened on every rank, or CommError above
+    pg: dist.ProcessGroupNCCL | dist.ProcessGroupGloo
     if backend == "nccl":
-        pg = dist.ProcessGroupNCCL(store, rank, size)
+        # torch's stub lists `options` as required; the binding defaults it
+        pg = dist.ProcessGroupNCCL(store, rank, size)  # type: ignore[call-arg]
     else:
         pg = dist.ProcessGroupGloo(store, rank, size, wait)
     shutdown = getattr(pg, "shutdown", None) or getattr(pg, "_shutdown", None)

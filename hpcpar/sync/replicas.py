@@ -40,7 +40,8 @@ def check_replicas(model, grid, shards: frozenset[str] = frozenset()) -> None:
         CommError: Naming the first differing parameter and the ranks that disagree with
             the lowest rank of its group.
     """
-    everywhere, per_data = [], []
+    everywhere: list[tuple[str, int]] = []
+    per_data: list[tuple[str, int]] = []
     for name, p in model.named_parameters():
         (per_data if name in shards else everywhere).append((name, _digest(p)))
     problem = _first_drift(everywhere, grid.comm)

@@ -118,7 +118,7 @@ class VirtualCluster(SlurmCluster):
         self.state_file = Path(state_file)
         self.id = f"{random.randrange(16 ** 4):04x}"
         self.bridge = f"hpcb{self.id}"
-        self.net = None
+        self.net: int | None = None
         self.netns = {n: f"hpc{self.id}{n}" for n in self.nodes}
         self.veth = {n: f"hpc{self.id}v{i}" for i, n in enumerate(self.nodes, 1)}
         self.notes: list[str] = []

@@ -59,7 +59,8 @@ def on_grids(comm, specs, fn) -> None:
             continue
         sub = comm.Split(0 if comm.Get_rank() < n else MPI.UNDEFINED, comm.Get_rank())
         if sub != MPI.COMM_NULL:
-            grid = ProcessGrid(*spec, comm=sub)
+            d, x, y, z = spec
+            grid = ProcessGrid(d, x, y, z, comm=sub)
             fn(grid)
             grid.free()
             sub.Free()
@@ -76,7 +77,7 @@ def on_subgrid(comm, data, dims, fn) -> None:
     member = comm.Get_rank() < need
     sub = comm.Split(0 if member else 1, comm.Get_rank())
     if member:
-        grid = ProcessGrid(data, *dims, comm=sub)
+        grid = ProcessGrid(data, dims[0], dims[1], dims[2], comm=sub)
         try:
             fn(grid)
         finally:

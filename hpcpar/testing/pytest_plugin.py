@@ -32,7 +32,7 @@ class MPIItem(pytest.Item):
         self.case_timeout = fn._hpcpar_mpi["timeout"]
         self.add_marker(pytest.mark.mpi)
         for mark in getattr(fn, "pytestmark", []):
-            self.add_marker(mark)
+            self.own_markers.append(mark)   # a Mark (add_marker takes decorators)
 
     @property
     def key(self):

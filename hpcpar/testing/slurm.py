@@ -30,6 +30,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Self, TypeVar
 
 import pytest
 
@@ -66,6 +67,13 @@ def _free_ports(n: int) -> list[int]:
 
 def _find(name: str) -> str | None:
     return shutil.which(name, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin")
+
+
+def _tool(name: str) -> str:
+    """The path of a program :meth:`SlurmCluster.start` has checked is installed."""
+    path = _find(name)
+    assert path is not None, f"{name} is not installed"
+    return path
 
 
 def slurm_conf(root: Path, node: str, ports: list[int], munge_socket: Path,
@@ -203,7 +211,7 @@ class SlurmCluster:
         return "\n".join(parts)
 
     # -- life cycle ------------------------------------------------------------------------
-    def start(self, timeout: float = 60) -> SlurmCluster:
+    def start(self, timeout: float = 60) -> Self:
         missing = [d for d in DAEMONS + CLIENTS if not _find(d)]
         if missing:
             raise SlurmUnavailable(f"Slurm/munge not installed (missing {', '.join(missing)}; "
@@ -218,7 +226,7 @@ class SlurmCluster:
             self.conf.write_text(slurm_conf(self.root, self.node, _free_ports(2), sock,
                                             random.randrange(10_000, 60_000_000)))
             self._start_slurmctld(timeout)
-            self._spawn("slurmd", [_find("slurmd"), "-D", "-N", self.node, "-f", str(self.conf)])
+            self._spawn("slurmd", [_tool("slurmd"), "-D", "-N", self.node, "-f", str(self.conf)])
             self._until(self._node_ready, timeout, f"node {self.node} to become idle")
         except BaseException:
             self.stop()  # a half-started cluster leaves nothing running
@@ -234,7 +242,7 @@ class SlurmCluster:
         key.write_bytes(os.urandom(128))
         key.chmod(0o400)
         sock = munge_dir / "munge.socket"
-        self._spawn("munged", [_find("munged"), "-F", "-f", f"--socket={sock}",
+        self._spawn("munged", [_tool("munged"), "-F", "-f", f"--socket={sock}",
                                f"--key-file={key}", f"--log-file={munge_dir}/munged.log",
                                f"--pid-file={munge_dir}/munged.pid",
                                f"--seed-file={munge_dir}/munged.seed"])
@@ -242,7 +250,7 @@ class SlurmCluster:
         return sock
 
     def _start_slurmctld(self, timeout: float) -> None:
-        self._spawn("slurmctld", [_find("slurmctld"), "-D", "-i", "-f", str(self.conf)])
+        self._spawn("slurmctld", [_tool("slurmctld"), "-D", "-i", "-f", str(self.conf)])
         self._until(lambda: self.run("scontrol", "ping", check=False).returncode == 0,
                     timeout, "slurmctld to answer")
 
@@ -494,7 +502,10 @@ def shipped_profiles_only(tmp_path, monkeypatch):
 _CLUSTER: SlurmCluster | None = None
 
 
-def start_or_skip(cluster: SlurmCluster, what: str) -> SlurmCluster:
+_Cluster = TypeVar("_Cluster", bound=SlurmCluster)
+
+
+def start_or_skip(cluster: _Cluster, what: str) -> _Cluster:
     """Start ``cluster`` for a test. Where it cannot start here (not root, packages missing)
     the test skips with the reason; under ``CI=true`` it fails, because CI installs them.
 

@@ -22,6 +22,7 @@ def _load(path: str):
         sys.path.insert(0, folder)
     name = "hpcpar_mpitest_" + os.path.splitext(os.path.basename(path))[0]
     spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None, f"{path}: not a Python module"
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)

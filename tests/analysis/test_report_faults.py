@@ -57,10 +57,8 @@ def _damage(sweep: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
+def report(tmp_path_factory, cli_main):
     """(exit code, stdout, stderr, sweep, out, files before, files after) of one report."""
-    from hpcpar.cli import main
-
     root = tmp_path_factory.mktemp("faults")
     sweep, out = root / "sweep", root / "out"
     _damage(sweep)
@@ -71,7 +69,7 @@ def report(tmp_path_factory):
     stdout, stderr = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
         try:
-            main(["report", str(sweep), "-o", str(out)])
+            cli_main(["report", str(sweep), "-o", str(out)])
             code = 0
         except SystemExit as exc:
             code = exc.code or 0

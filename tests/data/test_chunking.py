@@ -152,7 +152,7 @@ def test_cli_grid_hint_chooses_chunks_and_is_recorded(tmp_path, run_cli):
 
 
 def test_grid_hint_errors_name_the_option():
-    from hpcpar.cli.data import _chunking
+    from hpcpar.data.format import chunk_from_options as _chunking
 
     assert _chunking("auto", None) is None and _chunking("16", None) == 16
     assert _chunking("auto", "1x2x2x1") == PerRankChunks((2, 2, 1))

@@ -32,13 +32,11 @@ def one_error(err: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def good(tmp_path_factory):
+def good(tmp_path_factory, cli_main):
     """A small dataset made by the CLI (2 shards of 3 samples of 4 x 6^3)."""
-    from hpcpar.cli import main
-
     out = tmp_path_factory.mktemp("good") / "ds"
     with pytest.raises(SystemExit) as exc:
-        main(["data", "make", "cosmoflow", str(out), "--samples", "6", "--size", "6",
+        cli_main(["data", "make", "cosmoflow", str(out), "--samples", "6", "--size", "6",
               "--shards", "2", "--quiet"])
         raise SystemExit(0)
     assert not exc.value.code

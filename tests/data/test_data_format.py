@@ -12,7 +12,6 @@ import h5py
 import numpy as np
 import pytest
 
-from hpcpar.cli import main as cli_main
 from hpcpar.data._hyperslab import ShardFiles, read_samples, touched_chunk_bytes
 from hpcpar.data._schedule import EpochSchedule, local_box
 from hpcpar.data.format import (
@@ -45,16 +44,6 @@ def reshard(tmp_path, spp=3, chunk=3, name="ds"):
                   chunk=chunk, progress=False)
     src.close()
     return out, x, y
-
-
-def run_cli(args, capsys):
-    code = 0
-    try:
-        cli_main(args)
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 # ---- format and writer -----------------------------------------------------------------------
@@ -288,39 +277,38 @@ def test_shard_input_messages(tmp_path):
 
 
 # ---- CLI --------------------------------------------------------------------------------------
-def test_cli_make_info_verify_shard(tmp_path, capsys):
+def test_cli_make_info_verify_shard(tmp_path, run_cli):
     out = str(tmp_path / "cf")
     code, o, err = run_cli(["data", "make", "cosmoflow", out, "--samples", "5", "--size", "8",
-                            "--channels", "2", "--shards", "2", "--seed", "3", "--quiet"],
-                           capsys)
+                            "--channels", "2", "--shards", "2", "--seed", "3", "--quiet"])
     assert code == 0, err
     assert f"wrote {out}: 5 samples in 2 shards" in o
     x0, y0 = cosmoflow_sample(3, 4, 8, 2)
     with h5py.File(os.path.join(out, "shard-00001.h5")) as f:
         np.testing.assert_array_equal(f["x"][1], x0)
         np.testing.assert_array_equal(f["y"][1], y0)
-    code, o, _ = run_cli(["data", "info", out], capsys)
+    code, o, _ = run_cli(["data", "info", out])
     assert "hpcpar-volume-shards v1" in o and "5 in 2 shards" in o and "slope" in o
-    code, o, _ = run_cli(["data", "verify", out], capsys)
+    code, o, _ = run_cli(["data", "verify", out])
     assert o.strip() == f"ok: {out}: 2 shards, 5 samples verified, values finite"
     code, _, err = run_cli(["data", "make", "cosmoflow", out, "--samples", "5", "--size", "8",
-                            "--shards", "1", "--quiet"], capsys)
+                            "--shards", "1", "--quiet"])
     assert code == 2 and err.strip() == (f"hpcpar: error: {out}: already exists (use --force "
                                           "to replace it)")
     p = os.path.join(out, "shard-00000.h5")
     os.remove(p)
-    code, _, err = run_cli(["data", "verify", out], capsys)
+    code, _, err = run_cli(["data", "verify", out])
     assert code == 2 and err.strip() == f"hpcpar: error: {p}: shard file not found"
-    code, _, err = run_cli(["data", "info", str(tmp_path / "none")], capsys)
+    code, _, err = run_cli(["data", "info", str(tmp_path / "none")])
     assert err.strip() == f"hpcpar: error: {tmp_path / 'none'}: dataset directory not found"
     inp = str(tmp_path / "in.h5")
     x, _ = make_input(inp)
     code, o, err = run_cli(["data", "shard", inp, str(tmp_path / "rs"), "--x-key", "vol",
-                            "--y-key", "tgt", "--samples-per-shard", "4", "--quiet"], capsys)
+                            "--y-key", "tgt", "--samples-per-shard", "4", "--quiet"])
     assert "7 samples in 2 shards" in o
     assert verify_dataset(str(tmp_path / "rs")) == []
     code, _, err = run_cli(["data", "shard", inp, str(tmp_path / "rs2"), "--x-key", "x",
-                            "--samples-per-shard", "4"], capsys)
+                            "--samples-per-shard", "4"])
     assert err.strip() == f"hpcpar: error: {inp}: missing dataset 'x'"
     assert not os.path.exists(tmp_path / "rs2")
 

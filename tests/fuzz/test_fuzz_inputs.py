@@ -25,8 +25,6 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from hpcpar.analysis import drop_warmup, load, scaling_table, synthetic_run
-from hpcpar.cli import main
-from hpcpar.cli.info import MAX_TABLE_RANKS
 from hpcpar.data.format import read_manifest, verify_dataset
 from hpcpar.data.synthetic import CosmoflowSource
 from hpcpar.data.writer import SerialComm, write_dataset
@@ -35,7 +33,7 @@ from hpcpar.formats.jobspec import SCHEMA, load_job
 from hpcpar.formats.records import LocalComm
 from hpcpar.graph.format import GraphFile, write_graph
 from hpcpar.launch.sweep import parse_ranks, point_grid
-from hpcpar.parallel.grid import layout, parse_spec, resolve_shape
+from hpcpar.parallel.grid import MAX_TABLE_RANKS, layout, parse_spec, resolve_shape
 from hpcpar.run.checkpoint import check_compatible, choose_resumable, step_dir_name, verify
 from hpcpar.testing.fuzz import (
     DEEP,
@@ -92,12 +90,21 @@ def work(tmp_path_factory):
     return tmp_path_factory.mktemp("fuzz")
 
 
+HPCPAR: dict = {}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _hpcpar_main(cli_main):
+    """The CLI's entry (conftest's one door into hpcpar.cli), for :func:`cli`."""
+    HPCPAR["main"] = cli_main
+
+
 def cli(argv) -> tuple[int, str]:
     """``hpcpar ARGV`` in this process: (exit code, stderr), the one-line error rule checked."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), time_limit():
         try:
-            main([str(a) for a in argv])
+            HPCPAR["main"]([str(a) for a in argv])
             code = 0
         except SystemExit as exc:
             code = exc.code or 0

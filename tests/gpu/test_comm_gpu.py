@@ -76,7 +76,7 @@ def test_staged_path_every_dtype(comm):
 
 @mpi_case(nprocs=(1, 2), timeout=180)
 def test_cuda_aware_path_every_dtype(comm):
-    from hpcpar.parallel.comm import detect_cuda_aware
+    from hpcpar.parallel.cuda_aware import detect_cuda_aware
 
     skip_without_gpu()
     found = detect_cuda_aware({})  # the library itself, not HPCPAR_CUDA_AWARE

@@ -8,16 +8,15 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from hpcpar.cli.graph import graph
 from hpcpar.errors import DataError
 from hpcpar.graph import GraphFile, partition, power_law_community_graph
 from hpcpar.graph._csr import csr_to_edges, edges_to_csr
 from hpcpar.graph.format import bundled, write_graph
 
 
-def test_cli_import_cora_and_read_blocks(tmp_path):
+def test_cli_import_cora_and_read_blocks(tmp_path, cli_group):
     out = tmp_path / "cora.h5"
-    res = CliRunner().invoke(graph, ["import", "cora", str(out)])
+    res = CliRunner().invoke(cli_group, ["data", "graph", "import", "cora", str(out)])
     assert res.exit_code == 0, res.output
     assert "2708 nodes, 10556 edges, 1433 features, 7 classes, undirected" in res.output
     d = np.load(bundled("cora"))
@@ -37,12 +36,12 @@ def test_cli_import_cora_and_read_blocks(tmp_path):
         assert full["train"].sum() == 140 and full["test"][d["test_idx"]].all()
 
 
-def test_cli_make_is_seeded_power_law_and_learnable(tmp_path):
+def test_cli_make_is_seeded_power_law_and_learnable(tmp_path, cli_group):
     a, b = tmp_path / "a.h5", tmp_path / "b.h5"
     args = ["--nodes", "3000", "--avg-degree", "8", "--communities", "12", "--features", "16",
             "--classes", "4", "--seed", "5"]
     for p in (a, b):
-        res = CliRunner().invoke(graph, ["make", str(p), *args])
+        res = CliRunner().invoke(cli_group, ["data", "graph", "make", str(p), *args])
         assert res.exit_code == 0, res.output
     with h5py.File(a) as fa, h5py.File(b) as fb:
         for k in ("csr/indices", "features", "labels", "masks/train"):
@@ -62,7 +61,7 @@ def test_generator_speed_shape_is_vectorised():
         power_law_community_graph(100, 4, 4, 8, 9)
 
 
-def test_missing_field_and_bad_edges_are_one_line_errors(tmp_path):
+def test_missing_field_and_bad_edges_are_one_line_errors(tmp_path, cli_group):
     n = 10
     e = np.array([[0, 1, 2], [1, 2, 3]])
     masks = {m: np.ones(n, bool) for m in ("train", "val", "test")}
@@ -76,7 +75,7 @@ def test_missing_field_and_bad_edges_are_one_line_errors(tmp_path):
         GraphFile(tmp_path / "nope.h5")
     with pytest.raises(DataError, match="edge points to vertex 10, outside 0..9"):
         write_graph(p, n, np.ones((n, 2)), np.zeros(n), masks, edge_index=[[0, 10], [1, 2]])
-    res = CliRunner().invoke(graph, ["import", str(tmp_path / "missing.npz"),
+    res = CliRunner().invoke(cli_group, ["data", "graph", "import", str(tmp_path / "missing.npz"),
                                      str(tmp_path / "o.h5")])
     assert res.exit_code != 0 and "no such file" in str(res.exception)
 

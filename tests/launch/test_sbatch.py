@@ -189,16 +189,14 @@ def test_sites_and_errors(tmp_path, job, monkeypatch):
         parse_after(["12; rm -rf /"])
 
 
-def test_cli_dry_run(tmp_path, job, capsys):
-    from hpcpar.cli import main
-
-    main(["submit", str(job), "--out", str(tmp_path / "o"), "--site", "frontier",
+def test_cli_dry_run(tmp_path, job, capsys, cli_main):
+    cli_main(["submit", str(job), "--out", str(tmp_path / "o"), "--site", "frontier",
           "--nodes", "1,2", "--report", "--dry-run"])
     text = capsys.readouterr().out
     assert text.count("#!/bin/bash") == 3 and "--dependency=afterany:" in text
     assert not (tmp_path / "o").exists()
     with pytest.raises(SystemExit) as exc:
-        main(["submit", str(job), "--out", str(tmp_path / "o"), "--site", "nowhere",
+        cli_main(["submit", str(job), "--out", str(tmp_path / "o"), "--site", "nowhere",
               "--dry-run"])
     assert exc.value.code == 2
     assert "unknown site 'nowhere'" in capsys.readouterr().err

@@ -58,7 +58,7 @@ def test_quoting_on_slurm(slurm_cluster, sandbox):
         assert not (where / "PWNED").exists() and not (where / "PWNED2").exists()
 
 
-def test_array_of_three_with_report(slurm_cluster, sandbox, monkeypatch, capsys):
+def test_array_of_three_with_report(slurm_cluster, sandbox, monkeypatch, capsys, cli_main):
     out = sandbox["dir"] / "array"
     recs = submit_job(slurm_cluster, sandbox, out, ranks=[1, 2, 4], array=True, report=True)
     runs, report = recs[:3], recs[3]
@@ -79,10 +79,8 @@ def test_array_of_three_with_report(slurm_cluster, sandbox, monkeypatch, capsys)
     assert argv[2:] == ["report", *(str(out / f"ranks-{n}") for n in (1, 2, 4)),
                         "-o", str(out / "report")]
     assert (out / "jobs.json").is_file() and (out / "slurm" / "array.sbatch").is_file()
-    from hpcpar.cli import main
-
     monkeypatch.setenv("SLURM_CONF", str(slurm_cluster.conf))
-    main(["status", str(out)])
+    cli_main(["status", str(out)])
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[:4] == ["JOBID", "LABEL", "RANKS", "STATE"] and len(lines) == 5
     assert all(" COMPLETED " in line for line in lines[1:]), lines

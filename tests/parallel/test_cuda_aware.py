@@ -103,7 +103,9 @@ def test_device_memory_waits_for_its_producer_before_mpi(monkeypatch):
 def test_staged_copy_happens_after_the_sync(monkeypatch):
     """On the staged path the host copy reads the tensor: the sync must come first."""
     log = []
-    monkeypatch.setattr(hc, "device_ready", lambda tensor, stream=None: log.append("ready"))
+    from hpcpar.parallel import buffers
+
+    monkeypatch.setattr(buffers, "device_ready", lambda tensor, stream=None: log.append("ready"))
     real_take = hc.STAGING.take
 
     def take(nbytes):

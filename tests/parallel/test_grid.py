@@ -1,6 +1,7 @@
 """ProcessGrid: factorisations, inferred axes, rank order, sub-communicators, neighbours."""
 
 import itertools
+from types import MappingProxyType
 
 import pytest
 
@@ -93,6 +94,9 @@ def test_inferred_axes_and_parse(comm):
     assert ProcessGrid(data=1, x=-1, comm=comm).shape == (1, n, 1, 1)
     assert ProcessGrid.parse(f"1x1x1x{n}", comm=comm).shape == (1, 1, 1, n)
     assert ProcessGrid.from_spec({"data": -1, "x": 2}, comm=comm).shape == (n // 2, 2, 1, 1)
+    # any mapping, not only a dict (it read a read-only mapping's keys as the axes)
+    read_only = MappingProxyType({"data": -1, "x": 2})
+    assert ProcessGrid.from_spec(read_only, comm=comm).shape == (n // 2, 2, 1, 1)
     with pytest.raises(GridError, match=f"needs {n + 1} ranks, the job has {n}"):
         ProcessGrid(n + 1, 1, 1, 1, comm=comm)
 

@@ -51,18 +51,17 @@ def test_parse_bytes():
         memory.parse_bytes("0")
 
 
-def test_cli_prints_the_largest_sample_per_grid(tmp_path):
+def test_cli_prints_the_largest_sample_per_grid(tmp_path, cli_group):
     """``hpcpar plan --memory-budget``: the budget decides feasibility, and per grid the
     largest edge is the one whose estimate fits while edge + 1 does not."""
     from click.testing import CliRunner
 
-    from hpcpar.cli.plan import plan
     from hpcpar.plan.job import workload_from_job
     from hpcpar.plan.memory import HEADROOM, estimate
 
     sets = ["--set", "data.path=" + str(tmp_path / "none"), "--set", "data.size=64"]
-    r = CliRunner().invoke(plan, ["jobs/demo-cosmoflow.toml", "-n", "4", "--memory-budget",
-                                  "0.6GiB", "--top", "20", *sets])
+    r = CliRunner().invoke(cli_group, ["plan", "jobs/demo-cosmoflow.toml", "-n", "4",
+                                       "--memory-budget", "0.6GiB", "--top", "20", *sets])
     assert r.exit_code == 0, r.output
     head, table = r.output.split("largest cubic sample per grid within 0.6 GiB per rank")
     assert "this job's edge is 64" in table
@@ -76,7 +75,7 @@ def test_cli_prints_the_largest_sample_per_grid(tmp_path):
         fits = [estimate(workload_from_job("jobs/demo-cosmoflow.toml", overrides, size=s),
                          g).total <= HEADROOM * 0.6 * 2**30 for s in (e, e + 1)]
         assert fits == [True, False], (grid, e)
-    r = CliRunner().invoke(plan, ["jobs/demo-cosmoflow.toml", "-n", "4", "--memory-budget",
-                                  "lots", *sets])
+    r = CliRunner().invoke(cli_group, ["plan", "jobs/demo-cosmoflow.toml", "-n", "4",
+                                       "--memory-budget", "lots", *sets])
     assert isinstance(r.exception, ConfigError), r.output      # the CLI's one-line error
     assert str(r.exception).startswith("--memory-budget: 'lots' is not a memory size")

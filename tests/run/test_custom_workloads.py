@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from hpcpar.errors import ConfigError
-from hpcpar.formats.jobspec import build_job
 from hpcpar.formats import kinds as base
+from hpcpar.formats.jobspec import build_job
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "segment3d"
 IMPORT_KIND = "seg3d.workload:Seg3DWorkload"
@@ -122,3 +122,35 @@ def test_example_package_end_to_end(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     table = (work / "sw" / "report" / "scaling.csv").read_text()
     assert table.count("\n") >= 3, table
+
+
+def test_validation_of_a_workload_that_leaves_loss_value_unset():
+    """``StepResult.loss_value`` is optional (``loss.item()`` when None): a user's volume kind
+    whose ``forward_loss`` leaves it unset validates to the built-in kind's val_loss (it
+    raised TypeError: None * int)."""
+    import torch
+    from mpi4py import MPI
+
+    from hpcpar.parallel.grid import ProcessGrid
+    from hpcpar.run.workloads.base import StepResult
+    from hpcpar.run.workloads.volume import CosmoFlowWorkload
+
+    class BareLoss(CosmoFlowWorkload):
+        def forward_loss(self, model, batch):
+            res = super().forward_loss(model, batch)
+            return StepResult(loss=res.loss, samples=res.samples, extra=res.extra)
+
+    job = build_job({
+        "job": {"name": "bare"}, "grid": {"data": 1, "x": 1},
+        "model": {"kind": "cosmoflow", "n_conv_blocks": 2, "base_filters": 4, "dense": [8]},
+        "data": {"source": "synthetic", "size": 8, "channels": 1, "samples": 4,
+                 "val_samples": 4},
+        "train": {"steps": 1, "global_batch": 2}})
+    losses = []
+    for kind in (CosmoFlowWorkload, BareLoss):
+        torch.manual_seed(0)
+        w = kind(job, ProcessGrid(1, 1, 1, 1, comm=MPI.COMM_SELF), torch.device("cpu"))
+        losses.append(w.evaluate(w.build_model()))
+        w.close()
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+    assert set(losses[0]) == {"val_loss", "val_mae"}

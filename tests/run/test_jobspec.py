@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from hpcpar.cli import main
 from hpcpar.errors import ConfigError
 from hpcpar.formats.jobspec import load_job, parse_override
 
@@ -115,10 +114,10 @@ BAD = [
 
 
 @pytest.mark.parametrize("text,args,expected", BAD, ids=[f"bad{i:02d}" for i in range(len(BAD))])
-def test_malformed_job_or_cli_is_one_line_exit_2(tmp_path, capsys, text, args, expected):
+def test_malformed_job_or_cli_is_one_line_exit_2(tmp_path, capsys, text, args, expected, cli_main):
     path = write(tmp_path, text)
     with pytest.raises(SystemExit) as exc:
-        main(["run", path, "--dry-run", *args])
+        cli_main(["run", path, "--dry-run", *args])
     assert exc.value.code == 2
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.strip()]
@@ -128,28 +127,31 @@ def test_malformed_job_or_cli_is_one_line_exit_2(tmp_path, capsys, text, args, e
     assert "Traceback" not in err
 
 
-def test_cli_misuse_missing_and_dir(tmp_path, capsys):
+def test_cli_misuse_missing_and_dir(tmp_path, capsys, cli_main):
     for argv, expected in ((["run"], "Missing argument 'JOB.toml'"),
                            (["run", str(tmp_path / "nope.toml")], "job file not found"),
                            (["run", str(tmp_path)], "is a directory")):
         with pytest.raises(SystemExit) as exc:
-            main(argv)
+            cli_main(argv)
         assert exc.value.code == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and expected in err, err
 
 
-def test_resume_with_another_grid_is_refused(tmp_path, capsys):
+def test_resume_on_another_grid_is_planned_not_refused(tmp_path, capsys, cli_main):
+    """A checkpoint of another grid resumes on this one (issue 31): the dry run plans it and
+    changes nothing in the run directory."""
     path = write(tmp_path, GOOD)
     ck = tmp_path / "run" / "checkpoints" / "step-000002"
     ck.mkdir(parents=True)
     (ck / "manifest.json").write_text(json.dumps({"grid": "1x4x1x1", "files": {}}))
     (tmp_path / "run" / "meta.json").write_text(json.dumps({"schema": "hpcpar.run"}))
-    with pytest.raises(SystemExit) as exc:
-        main(["run", path, "--dry-run", "--run-dir", str(tmp_path / "run")])
-    assert exc.value.code == 2
-    assert "written by grid 1x4x1x1, this run is grid 2x2x1x1" in capsys.readouterr().err
-    main(["run", path, "--dry-run", "--run-dir", str(tmp_path / "run"), "--no-resume"])
+    before = sorted(p.name for p in (tmp_path / "run").rglob("*"))
+    cli_main(["run", path, "--dry-run", "--run-dir", str(tmp_path / "run")])
+    out = capsys.readouterr().out
+    assert "ranks: 4 (grid 2x2x1x1" in out and "--no-resume" not in out
+    assert sorted(p.name for p in (tmp_path / "run").rglob("*")) == before
+    cli_main(["run", path, "--dry-run", "--run-dir", str(tmp_path / "run"), "--no-resume"])
     out = capsys.readouterr().out
     assert "ranks: 4 (grid 2x2x1x1" in out and "--no-resume" in out
 

@@ -104,13 +104,11 @@ def test_default_name_from_file_is_made_safe(tmp_path):
 
 # -- the dataset against the job (hpcpar run, 1 rank) ---------------------------------------
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
+def data_dir(tmp_path_factory, cli_main):
     """A directory holding dataset ``ds`` (8 samples of 4 x 8^3) made by the CLI."""
-    from hpcpar.cli import main
-
     root = tmp_path_factory.mktemp("data")
     with pytest.raises(SystemExit) as exc:
-        main(["data", "make", "cosmoflow", str(root / "ds"), "--samples", "8", "--size", "8",
+        cli_main(["data", "make", "cosmoflow", str(root / "ds"), "--samples", "8", "--size", "8",
               "--shards", "2", "--quiet"])
         raise SystemExit(0)
     assert not exc.value.code

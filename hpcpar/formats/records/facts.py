@@ -18,7 +18,7 @@ def package_versions() -> dict:
     """Versions of the stack, read from package metadata (nothing heavy is imported)."""
     from importlib import metadata
 
-    out = {"python": platform.python_version()}
+    out: dict[str, str | None] = {"python": platform.python_version()}
     for name in ("hpcpar", "torch", "mpi4py", "numpy", "numba", "h5py", "mpich"):
         try:
             out[name] = metadata.version(name)
@@ -138,6 +138,19 @@ def machine_facts(per_rank: Sequence[dict]) -> dict:
             "ranks_per_node": w["ranks"], "threads_per_rank": w["threads"],
             "oversubscribed": any(over) if len(over) == len(out_hosts) or any(over) else None,
             "hosts": out_hosts}
+
+
+def host_load() -> list | None:
+    """The host's 1, 5 and 15-minute load averages (runnable processes, ``os.getloadavg``):
+    a busy host makes every step time, and so every speedup, suspect.
+
+    Returns:
+        ``[load1, load5, load15]`` rounded to 0.01, or None where the OS has none.
+    """
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
 
 
 def git_facts(path: str | os.PathLike | None) -> dict | None:

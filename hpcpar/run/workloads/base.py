@@ -189,9 +189,9 @@ class Workload:
         from hpcpar.sync.ddp import DistributedDataParallel
 
         opts = self.job.ddp.as_kwargs() if hasattr(self.job, "ddp") else {}
-        train = getattr(self.job, "train", None)
-        if getattr(train, "grad_sync", None):
-            opts.setdefault("grad_sync", train.grad_sync)
+        grad_sync = getattr(getattr(self.job, "train", None), "grad_sync", None)
+        if grad_sync:
+            opts.setdefault("grad_sync", grad_sync)
         return DistributedDataParallel(model, self.grid, **opts)
 
     # -- data --------------------------------------------------------------------------------

@@ -1,0 +1,197 @@
+"""A tensor as an MPI message buffer: CPU tensors zero-copy, CUDA tensors directly (CUDA-aware
+MPI) or through reusable pinned host buffers; 16-bit floats travel as 16-bit integers and
+booleans as bytes (MPI has no portable type for them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from hpcpar.errors import CommError
+from hpcpar.parallel.cuda_aware import Synchronizable, cuda_aware, device_ready, force_staging
+
+if TYPE_CHECKING:
+    pass
+
+_WIRE = {  # dtype -> dtype the bytes travel as
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+    torch.bool: torch.uint8,
+}
+SUPPORTED = (torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8, torch.bool,
+             torch.float16, torch.bfloat16, torch.int16, torch.int8)
+
+
+class _StagingPool:
+    """Reusable (pinned, when CUDA exists) host buffers, one per byte size in flight."""
+
+    def __init__(self):
+        self._free: dict[int, list[torch.Tensor]] = {}
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        bucket = self._free.get(nbytes)
+        if bucket:
+            return bucket.pop()
+        pin = torch.cuda.is_available()
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+
+    def give(self, buf: torch.Tensor) -> None:
+        self._free.setdefault(buf.numel(), []).append(buf)
+
+
+STAGING = _StagingPool()
+
+
+def wire_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a tensor's bytes travel as (16-bit floats as int16).
+
+    Args:
+        dtype: The tensor's dtype.
+
+    Returns:
+        The wire dtype.
+
+    Raises:
+        CommError: A dtype MPI cannot carry.
+    """
+    if dtype not in SUPPORTED:
+        raise CommError(f"dtype {dtype} cannot be sent through MPI (supported: "
+                        f"{', '.join(str(d).replace('torch.', '') for d in SUPPORTED)})")
+    return _WIRE.get(dtype, dtype)
+
+
+class Buffer:
+    """An MPI buffer view of a tensor; ``finish()`` copies staged data back into the tensor.
+
+    Made by [as_buffer][hpcpar.parallel.buffers.as_buffer]; pass ``.mpi`` to mpi4py.
+
+    Args:
+        tensor: A contiguous tensor.
+        copy_back: Whether ``finish()`` copies received bytes back (False for send buffers).
+        stream: The stream that produced ``tensor``; None: the whole device is synchronised
+            (see [device_ready][hpcpar.parallel.cuda_aware.device_ready]).
+        copy_in: Whether the staged path copies the tensor's bytes to the host first (False
+            for receive-only buffers).
+
+    Raises:
+        CommError: ``tensor`` is not contiguous.
+    """
+
+    __slots__ = ("tensor", "host", "staged", "mpi", "_copy_back")
+
+    def __init__(self, tensor: torch.Tensor, copy_back: bool, stream: Synchronizable | None = None,
+                 copy_in: bool = True):
+        if not tensor.is_contiguous():
+            raise CommError("MPI buffers must be contiguous tensors (call .contiguous())")
+        self.tensor = tensor
+        wire = tensor.view(wire_dtype(tensor.dtype)) if tensor.dtype in _WIRE else tensor
+        self.staged = (tensor.device.type != "cpu" and not cuda_aware()) or (
+            tensor.device.type == "cpu" and force_staging())
+        self._copy_back = copy_back
+        device_ready(tensor, stream)  # before MPI or the staging copy reads/writes it
+        if tensor.device.type != "cpu" and not self.staged:
+            self.host = None
+            self.mpi: torch.Tensor | np.ndarray = wire
+            return
+        if self.staged:
+            nbytes = tensor.numel() * tensor.element_size()
+            raw = STAGING.take(nbytes)
+            self.host = raw
+            host = raw.view(wire.dtype).view(wire.shape)
+            if copy_in:
+                host.copy_(wire, non_blocking=False)  # synchronous: the host holds the bytes
+            self.mpi = host.numpy()
+        else:
+            self.host = None
+            self.mpi = wire.detach().numpy()
+
+    def finish(self) -> torch.Tensor:
+        """Copy received bytes back to the tensor (staged path) and release the host buffer."""
+        if self.staged and self.host is not None:
+            if self._copy_back:
+                wire_view = self.tensor.view(wire_dtype(self.tensor.dtype)) \
+                    if self.tensor.dtype in _WIRE else self.tensor
+                src = torch.from_numpy(self.mpi)
+                wire_view.copy_(src.view(wire_view.shape))
+            STAGING.give(self.host)
+            self.host = None
+        return self.tensor
+
+
+_AT_EXIT: list = []
+
+
+def free_at_exit(free: Callable[[], None]) -> None:
+    """Run a collective release at interpreter exit, before mpi4py finalizes MPI.
+
+    Releases run in registration order, which is the same on every rank when the objects
+    were created collectively.
+
+    Args:
+        free: A collective release such as a window's ``Free``.
+    """
+    if not _AT_EXIT:
+        import atexit
+
+        atexit.register(_free_all)  # registered after MPI's own hook: runs before it
+    _AT_EXIT.append(free)
+
+
+def _free_all() -> None:
+    from mpi4py import MPI
+
+    if not MPI.Is_finalized():
+        for free in _AT_EXIT:
+            free()
+    _AT_EXIT.clear()
+
+
+def message_buffer(shape: Sequence[int], dtype: torch.dtype,
+                   device: torch.device | str = "cpu", zero: bool = False) -> torch.Tensor:
+    """Allocate a tensor that lives long and travels through MPI often (gradient buckets).
+
+    On CPU it is allocated by numpy, which asks the kernel for transparent huge pages for
+    big arrays, so MPI's shared-memory and CMA copies walk 512x fewer pages (measured: a
+    16 MB reduce-scatter + allgather between two ranks 1.7x faster than on torch's
+    allocation).
+
+    Args:
+        shape: The tensor's shape.
+        dtype: The tensor's dtype.
+        device: Where to allocate it.
+        zero: Fill it with zeros.
+
+    Returns:
+        The tensor.
+    """
+    if torch.device(device).type != "cpu":
+        return (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
+    numel = int(np.prod(shape))
+    raw = (np.zeros if zero else np.empty)(numel * dtype.itemsize,
+                                           np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)
+
+
+def as_buffer(tensor: torch.Tensor, copy_back: bool = True,
+              stream: Synchronizable | None = None) -> Buffer:
+    """Wrap ``tensor`` as an MPI buffer.
+
+    Zero-copy on CPU and with a CUDA-aware MPI; otherwise staged through a reusable pinned
+    host buffer. Device tensors wait for their producer first (every stream of the device,
+    or ``stream``): see [device_ready][hpcpar.parallel.cuda_aware.device_ready]. 16-bit dtypes
+    travel as int16.
+
+    Args:
+        tensor: A contiguous tensor.
+        copy_back: Whether ``finish()`` copies received bytes back (False for send buffers).
+        stream: The stream that produced ``tensor`` (None: synchronise the whole device).
+
+    Returns:
+        A [Buffer][hpcpar.parallel.buffers.Buffer]; pass ``.mpi`` to mpi4py, call ``finish()``
+        after.
+    """
+    return Buffer(tensor, copy_back, stream)

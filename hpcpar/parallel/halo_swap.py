@@ -1,0 +1,205 @@
+"""The halo exchange itself, without autograd: pack the faces a neighbour needs, swap them
+axis by axis (x, y, z; each message spans the ghosts of the axes before it, so edges and
+corners arrive with two messages per axis), unpack into the extended buffer, write the global
+boundary padding; and its exact adjoint (ghost gradients sent back and added by their owner).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from hpcpar.parallel.counters import COUNTERS, profiled
+from hpcpar.parallel.halo_buffers import BufferPool, new_buffer, new_message
+from hpcpar.parallel.halo_plan import HaloPlan
+
+if TYPE_CHECKING:
+    pass
+
+__all__ = ["exchange_forward", "rebuild", "exchange_adjoint"]
+
+_TAG_FWD = 0x4A10
+_TAG_BWD = 0x4A20
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """The dense memory of a message as a contiguous tensor, for MPI."""
+    return t if t.is_contiguous() else t.permute(0, 2, 3, 4, 1)
+
+
+def _pack(plan: HaloPlan, key, view: torch.Tensor, layout) -> torch.Tensor:
+    """Pack ``view`` into the plan's reused message buffer ``key``."""
+    from hpcpar.kernels.halo_pack import pack
+
+    return pack(view, plan.message(key, view.shape, view, layout))
+
+
+def _unpack(view: torch.Tensor, buf: torch.Tensor, add: bool = False) -> None:
+    from hpcpar.kernels.halo_pack import unpack
+
+    unpack(view, buf, add)
+
+
+def _swap(plan: HaloPlan, a: int, sends, recvs, tag: int) -> int:
+    """Post the receives and sends of axis ``a`` and wait for them; returns the bytes sent.
+
+    ``sends[side]``: the message for neighbour ``side`` (0 lo, 1 hi) or None; ``recvs[side]``:
+    the message to receive from it or None (messages are dense: see :func:`_wire`).
+    """
+    from hpcpar.parallel.comm import irecv, isend
+
+    ax = plan.axes[a]
+    comm = plan.grid.spatial_comm
+    nbr = (ax.lo, ax.hi)
+    handles, nbytes = [], 0
+    for side in (0, 1):
+        peer = nbr[side]
+        if recvs[side] is not None:
+            assert peer is not None  # a message is exchanged with a neighbour only
+            # the neighbour sent it from its opposite side
+            handles.append(irecv(_wire(recvs[side]), peer, comm, tag + 2 * a + (1 - side)))
+    for side in (0, 1):
+        peer = nbr[side]
+        if sends[side] is not None:
+            assert peer is not None
+            handles.append(isend(_wire(sends[side]), peer, comm, tag + 2 * a + side))
+            nbytes += sends[side].numel() * sends[side].element_size()
+    t0 = time.perf_counter()
+    for h in handles:
+        h.wait()
+    COUNTERS.t_halo_wait += time.perf_counter() - t0
+    return nbytes
+
+
+def _fill_start(x: torch.Tensor, plan: HaloPlan, pad_value, pool: BufferPool | None = None,
+                perm=None) -> torch.Tensor:
+    """Get a buffer, copy the owned items it holds, write global-boundary padding."""
+    shape = plan.buffer_shape(x.shape[:2])
+    buf = pool.take(shape, x.dtype, x.device, perm) if pool is not None else \
+        new_buffer(shape, x.dtype, x.device, perm)
+    buf[plan.owned_region()].copy_(x[plan.owned_local_region()])
+    for sl in plan.pad_regions:
+        buf[sl].fill_(pad_value)
+    return buf
+
+
+@profiled("hpcpar.halo_exchange")
+def exchange_forward(x: torch.Tensor, plan: HaloPlan, pad_value: float = 0.0,
+                     pool: BufferPool | None = None,
+                     perm: tuple[int, int, int] | str | None = None) -> tuple[torch.Tensor, list]:
+    """Build the halo-extended buffer for ``x``, swapping faces with the neighbouring ranks.
+
+    Collective with the neighbours along each split axis. The received faces are kept so the
+    backward pass can :func:`rebuild` the buffer without messages.
+
+    Args:
+        x: This rank's local (N, C, D, H, W) input.
+        plan: The halo plan made for ``x``'s local shape.
+        pad_value: Value written where the buffer lies outside the global volume.
+        pool: Buffer pool to take the buffer from (give it back when done); None: allocate.
+        perm: Memory order of the buffer's spatial dims, as in :func:`new_buffer`.
+
+    Returns:
+        The buffer, and the faces received, per axis a ``(low, high)`` pair (None where
+        nothing was received).
+
+    Raises:
+        LayerError: ``x`` does not have the local shape the plan was made for.
+    """
+    t0 = time.perf_counter()
+    plan.check_input(x)
+    x = x.detach()
+    buf = _fill_start(x, plan, pad_value, pool, perm)
+    received: list[tuple[torch.Tensor | None, ...]] = []
+    nbytes = 0
+    for a, ax in enumerate(plan.axes):
+        if ax.lo is None and ax.hi is None:
+            received.append((None, None))
+            continue
+        sends = [_pack(plan, ("fwd", a, s), buf[plan.region(a, ax.sent(s))], perm)
+                 if (ax.send_lo, ax.send_hi)[s] else None for s in (0, 1)]
+        # fresh: kept for the backward rebuild (unlike the reused send buffers)
+        recvs = [new_message(buf[plan.region(a, ax.ghost(s))].shape, buf, perm)
+                 if (ax.recv_lo, ax.recv_hi)[s] else None for s in (0, 1)]
+        nbytes += _swap(plan, a, sends, recvs, _TAG_FWD)
+        for side, msg in enumerate(recvs):
+            if msg is not None:
+                _unpack(buf[plan.region(a, ax.ghost(side))], msg)
+        received.append(tuple(recvs))
+    COUNTERS.t_halo += time.perf_counter() - t0
+    COUNTERS.bytes_halo += nbytes
+    return buf, received
+
+
+def rebuild(x: torch.Tensor, plan: HaloPlan, received: list, pad_value: float = 0.0,
+            pool: BufferPool | None = None,
+            perm: tuple[int, int, int] | str | None = None) -> torch.Tensor:
+    """Rebuild the forward halo buffer from ``x`` and the faces received then, with no messages.
+
+    Lets the backward pass recompute the buffer instead of keeping it alive.
+
+    Args:
+        x: This rank's local (N, C, D, H, W) input, as in the forward pass.
+        plan: The halo plan used in the forward pass.
+        received: The faces :func:`exchange_forward` returned.
+        pad_value: Value written where the buffer lies outside the global volume.
+        pool: Buffer pool to take the buffer from (give it back when done); None: allocate.
+        perm: Memory order of the buffer's spatial dims, as in :func:`new_buffer`.
+
+    Returns:
+        The buffer, equal to the one :func:`exchange_forward` built.
+    """
+    t0 = time.perf_counter()
+    with torch._C.DisableTorchFunction():   # a saved tensor subclass: its plain data, no dispatch
+        x = x.detach()
+    buf = _fill_start(x, plan, pad_value, pool, perm)
+    for a, faces in enumerate(received):
+        for side, face in enumerate(faces):
+            if face is not None:
+                _unpack(buf[plan.region(a, plan.axes[a].ghost(side))], face)
+    COUNTERS.t_halo += time.perf_counter() - t0
+    return buf
+
+
+@profiled("hpcpar.halo_exchange.backward")
+def exchange_adjoint(gbuf: torch.Tensor, plan: HaloPlan, like: torch.Tensor,
+                     layout: str | None = None) -> torch.Tensor:
+    """Apply the adjoint of :func:`exchange_forward`, turning a buffer gradient into the input's.
+
+    Ghost gradients are sent back to their owners and added in. Collective with the
+    neighbours along each split axis.
+
+    Args:
+        gbuf: Gradient with respect to the buffer (buffer-shaped; modified in place).
+        plan: The halo plan used in the forward pass.
+        like: The forward input, giving the gradient's shape, dtype and device.
+        layout: The forward buffer's layout (messages travel in its memory order).
+
+    Returns:
+        The gradient with respect to the local input.
+    """
+    t0 = time.perf_counter()
+    nbytes = 0
+    for a in reversed(range(3)):
+        ax = plan.axes[a]
+        if ax.lo is None and ax.hi is None:
+            continue
+        sends = [_pack(plan, ("bwd", a, s), gbuf[plan.region(a, ax.ghost(s))], layout)
+                 if (ax.recv_lo, ax.recv_hi)[s] else None for s in (0, 1)]
+        recvs = [plan.message(("bwd-recv", a, s), gbuf[plan.region(a, ax.sent(s))].shape, gbuf,
+                              layout)
+                 if (ax.send_lo, ax.send_hi)[s] else None for s in (0, 1)]
+        nbytes += _swap(plan, a, sends, recvs, _TAG_BWD)
+        for side, msg in enumerate(recvs):
+            if msg is not None:
+                _unpack(gbuf[plan.region(a, ax.sent(side))], msg, add=True)
+    if plan.covers_owned:
+        grad = gbuf[plan.owned_region()]
+    else:
+        grad = torch.zeros_like(like)
+        grad[plan.owned_local_region()] = gbuf[plan.owned_region()]
+    COUNTERS.t_halo += time.perf_counter() - t0
+    COUNTERS.bytes_halo += nbytes
+    return grad

@@ -1,0 +1,120 @@
+"""What the planner reasons about: a job's traced layers (:class:`Layer`), the job itself
+(:class:`Workload`) and one grid's predicted step (:class:`Prediction`). Shared by the volume
+model (:mod:`.planner`), the graph model (:mod:`.gnn`), the memory model (:mod:`.memory`) and
+the fit (:mod:`.fit`), so none of them imports another for its types.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+__all__ = ["BYTES", "Layer", "Workload", "Prediction"]
+
+#: bytes per element of each training precision
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass
+class Layer:
+    """One traced leaf layer.
+
+    Attributes:
+        kind: ``conv``, ``convT``, ``pool``, ``bn``, ``pointwise``, ``linear`` or ``gather``.
+        spatial: Runs on partitioned volumes (before the gather point).
+        in_shape: Input shape per sample, ``(C, D, H, W)`` or ``(F,)``.
+        out_shape: Output shape per sample.
+        params: Parameter count.
+        flops: Forward FLOPs per sample (dense layers).
+        halo: Per spatial axis, ``(n_in, parts, index) -> AxisHalo``.
+        tp: A ``TensorParallelLinear`` over the grid's spatial group.
+    """
+
+    kind: str            # conv, convT, pool, bn, pointwise, linear, gather
+    spatial: bool        # runs on partitioned volumes (before the gather point)
+    in_shape: tuple      # per sample (C, D, H, W) or (F,)
+    out_shape: tuple
+    params: int
+    flops: float = 0.0   # forward FLOPs per sample (dense layers)
+    halo: tuple = ()     # per spatial axis: (n_in, parts, index) -> partition.AxisHalo
+    tp: bool = False     # a tensor-parallel Linear (weights split over the spatial group)
+
+
+@dataclass
+class Workload:
+    """What the planner needs to know about a job.
+
+    Attributes:
+        name: The job's name.
+        layers: The traced layers (``trace_layers``).
+        sample_shape: Shape of one sample.
+        global_batch: Samples per step.
+        precision: ``"fp32"`` or ``"bf16"``.
+        optimizer: The optimizer (its state counts in memory).
+        params: Parameter count (summed from the layers).
+        graph: A full-graph GNN job (:class:`hpcpar.plan.gnn.GraphJob`); ``layers`` is then
+            empty.
+    """
+
+    name: str
+    layers: list
+    sample_shape: tuple
+    global_batch: int
+    precision: str = "fp32"
+    optimizer: str = "adam"
+    params: int = 0
+    graph: object = None
+
+    def __post_init__(self):
+        if self.layers or not self.params:
+            self.params = sum(layer.params for layer in self.layers)
+
+    @property
+    def tp_params(self) -> int:
+        """Parameters of the tensor-parallel layers (split over the spatial group)."""
+        return sum(layer.params for layer in self.layers if layer.tp)
+
+    def local_params(self, spatial: int) -> int:
+        """Parameters one rank holds: tensor-parallel layers hold 1/spatial of theirs."""
+        return self.params - self.tp_params + math.ceil(self.tp_params / max(1, spatial))
+
+
+@dataclass
+class Prediction:
+    """The predicted step of one grid; times are seconds per step, per rank.
+
+    Attributes:
+        grid: ``(data, x, y, z)``.
+        feasible: False when the grid cannot run.
+        reason: Why not (a layer's extent, the batch, memory).
+        t_compute: Compute time.
+        t_halo: Halo exchange time.
+        t_gather: Time of the gather feeding a replicated head.
+        t_allreduce: Gradient allreduce time.
+        t_allreduce_exposed: The part of it not hidden behind backward.
+        t_io: Exposed I/O time.
+        t_tp: Collectives of tensor-parallel layers (GNN jobs: the halo exchange is
+            ``t_halo``).
+        t_step: The whole step.
+        mem_bytes: Peak memory per rank.
+        extra: Further facts.
+    """
+
+    grid: tuple
+    feasible: bool
+    reason: str = ""
+    t_compute: float = 0.0
+    t_halo: float = 0.0
+    t_gather: float = 0.0
+    t_allreduce: float = 0.0
+    t_allreduce_exposed: float = 0.0
+    t_io: float = 0.0
+    t_tp: float = 0.0
+    t_step: float = 0.0
+    mem_bytes: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def spec(self) -> str:
+        """The grid as ``"DxXxYxZ"``."""
+        return "x".join(map(str, self.grid))
