@@ -3,8 +3,9 @@
 
 Down: MaxPool3d(2) floors odd sizes; up: ConvTranspose3d(2, stride 2) doubles, so an odd
 level comes back one short. :class:`~hpcpar.nn.upsample.MatchSize` zero-pads (or crops) the
-up-sampled tensor to the skip's size, a rule stated in global sizes, so the spatial twin
-(:class:`~hpcpar.nn.upsample.SpatialMatchSize`) does exactly the same.
+up-sampled tensor to the skip's size, a rule stated in global sizes (the skip's ``shape``),
+so under ``spatialize`` (where a split tensor's ``shape`` is global) its plain forward is
+exact as it is.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def conv_block(cin: int, cout: int, batch_norm: bool, kernel_size: int = 3) -> n
     Returns:
         The block.
     """
-    layers = []
+    layers: list[nn.Module] = []
     for c in (cin, cout):
         layers.append(nn.Conv3d(c, cout, kernel_size, padding="same", bias=not batch_norm))
         if batch_norm:

@@ -31,11 +31,14 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpcpar.errors import LayerError
 from hpcpar.parallel.halo import AXIS_NAMES, HaloPlan, global_spatial_shape
-from hpcpar.parallel.partition import AxisHalo
+from hpcpar.parallel.partition import AxisHalo, xyz
+
+if TYPE_CHECKING:
+    from hpcpar.parallel.grid import ProcessGrid
 
 __all__ = ["SpatialModule", "SpatialPlan", "check_axis_length", "triple"]
 
@@ -46,13 +49,16 @@ class SpatialPlan:
     halos: tuple[AxisHalo, AxisHalo, AxisHalo]  # this rank's, x/y/z
     halo: HaloPlan
     extra: Any = None
-    out_shape: tuple[int, int, int] = ()  # the output's global spatial shape
+    out_shape: tuple[int, ...] = ()  # the output's global spatial shape
 
 
 class SpatialModule:
     """Mixin for spatial layers; see the module docstring for the recipe."""
 
-    grid = None
+    if TYPE_CHECKING:
+        grid: ProcessGrid  # set by init_spatial
+    else:
+        grid = None
 
     def init_spatial(self, grid) -> None:
         if grid is None or not hasattr(grid, "spatial_comm"):
@@ -91,8 +97,8 @@ class SpatialModule:
             check_axis_length(self.layer_name, a, shape[a], dims[a])
             per_axis.append(list(self.axis_halos(a, shape[a])))
         halo = HaloPlan.from_halos(self.grid, per_axis, self.layer_name)
-        mine = tuple(per_axis[a][self.grid.spatial_coords[a]] for a in range(3))
-        out = tuple(per_axis[a][0].n_out for a in range(3))
+        mine = xyz(per_axis[a][self.grid.spatial_coords[a]] for a in range(3))
+        out = xyz(per_axis[a][0].n_out for a in range(3))
         return SpatialPlan(shape, mine, halo, self.make_extra(shape, mine), out)
 
     def __deepcopy__(self, memo):
@@ -120,4 +126,4 @@ def triple(v, what: str, layer: str) -> tuple[int, int, int]:
     v = tuple(v)
     if len(v) != 3:
         raise LayerError(f"{layer}: {what} must be an int or 3 ints, got {v}")
-    return tuple(int(i) for i in v)
+    return xyz(int(i) for i in v)

@@ -24,7 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from hpcpar.parallel.counters import COUNTERS, profiled
-from hpcpar.parallel.partition import conv_pads, split_sizes
+from hpcpar.parallel.partition import conv_pads, split_sizes, xyz
+
+from ._conv_route import torch_picks_slow_conv
 
 __all__ = ["BoundarySpec", "boundary_spec", "boundary_conv"]
 
@@ -50,10 +52,8 @@ class BoundarySpec:
     def fast(self, batch: int) -> bool:
         """False where torch would pick its slow CPU kernel for the thinnest piece at this
         batch (the same on every rank); the general path permutes the axes for that case."""
-        from hpcpar.nn.conv import _torch_picks_slow_conv
-
         channels, local, k, s, d = self._geometry
-        return not _torch_picks_slow_conv((batch, channels, *local), k, s, d, self.groups)
+        return not torch_picks_slow_conv((batch, channels, *local), k, s, d, self.groups)
 
     def edge(self, t: torch.Tensor, side: int) -> tuple[slice, ...]:
         """Slices of the p planes of ``t`` at ``side`` (0 lo, 1 hi) along the axis: a face of
@@ -83,7 +83,7 @@ def boundary_spec(layer, global_shape, grid) -> BoundarySpec | None:
     if any((lo, hi) != ((kk - 1) // 2, (kk - 1) // 2) or kk % 2 == 0
            for (lo, hi), kk in zip(pads, k)):
         return None  # only "same" convolutions: kernel 2p + 1, padding p on both sides
-    pad = tuple(lo for lo, _ in pads)
+    pad = xyz(lo for lo, _ in pads)
     dims = grid.spatial_shape
     split = [a for a in range(3) if dims[a] > 1]
     if len(split) > 1:
@@ -135,7 +135,7 @@ class BoundaryConv(torch.autograd.Function):
         x = x.detach()
         sends = [x[spec.edge(x, s)].contiguous() if spec.nbr[s] is not None else None
                  for s in (0, 1)]
-        recvs = [torch.empty_like(sends[s]) if sends[s] is not None else None for s in (0, 1)]
+        recvs = [None if send is None else torch.empty_like(send) for send in sends]
         handles, nbytes = _exchange(spec, sends, recvs, _TAG_FWD)
         COUNTERS.t_halo += time.perf_counter() - t0
         out = F.conv3d(x, weight, bias, 1, spec.pads, 1, spec.groups)  # faces in flight
@@ -143,9 +143,9 @@ class BoundaryConv(torch.autograd.Function):
         _wait(handles)
         COUNTERS.t_halo += time.perf_counter() - t0
         COUNTERS.bytes_halo += nbytes
-        for s in (0, 1):
-            if recvs[s] is not None:
-                out[spec.edge(out, s)] += F.conv3d(spec.slab(recvs[s], s),
+        for s, recv in enumerate(recvs):
+            if recv is not None:
+                out[spec.edge(out, s)] += F.conv3d(spec.slab(recv, s),
                                                    weight[spec.edge(weight, s)], None, 1,
                                                    spec.slab_pads, 1, spec.groups)
         ctx.spec = spec

@@ -13,6 +13,7 @@ naming the first module that differs. Copies are used, so the model's state does
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
@@ -88,8 +89,11 @@ def _probe(x, grid):
     return piece, gather(piece.detach(), grid)
 
 
-def first_step_check(spatial_model: nn.Module, plain: nn.Module, args: tuple, ctx) -> None:
-    """Run the check (module docstring) for the first call's positional ``args``."""
+def first_step_check(spatial_model: nn.Module, plain: nn.Module, args: tuple, ctx,
+                     spatialize: Callable[..., nn.Module]) -> None:
+    """Run the check (module docstring) for the first call's positional ``args``;
+    ``spatialize`` makes the fresh spatial copy it compares (passed in by the spatializer,
+    the module that defines it)."""
     grid = ctx.grid
     xs = [a for a in args if isinstance(a, torch.Tensor) and a.dim() == 5]
     if len(xs) != 1 or len(args) != 1:
@@ -107,7 +111,8 @@ def first_step_check(spatial_model: nn.Module, plain: nn.Module, args: tuple, ct
     root = grid.spatial_comm.Get_rank() == 0
     piece, whole = _probe(x, grid)
     verdict = None
-    ref_calls, ref_grads, w = [], {}, None
+    ref_calls, ref_grads = [], {}
+    w: torch.Tensor | str | None = None  # the probe's output weights, or why it failed
     if root:
         try:
             ref = copy.deepcopy(plain)
@@ -128,13 +133,11 @@ def first_step_check(spatial_model: nn.Module, plain: nn.Module, args: tuple, ct
             warnings.warn(f"spatialize check skipped: the plain model failed on the probe "
                           f"sample ({w})", stacklevel=2)
         return
-    from .spatializer import spatialize
-
     # a fresh spatialization (the live model carries hooks of its gradient sync), with the
     # weights it trains from; batch-norm statistics of the probe alone, as the plain model
     sp = spatialize(plain, grid)
     sp.load_state_dict(spatial_model.state_dict())
-    sp._hpcpar_split.dropout = False
+    sp._hpcpar_split.dropout = False  # type: ignore[union-attr]  # set by spatialize
     with _recording(sp, grid, True) as calls, _NoDropout():
         out = sp(piece)
     weight = w

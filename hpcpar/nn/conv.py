@@ -9,6 +9,8 @@ sync sums them over the spatial group.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,8 +22,13 @@ from hpcpar.parallel.partition import conv_axis_halo, conv_pads, transposed_axis
 
 from ._base import SpatialModule
 from ._boundary_conv import boundary_conv, boundary_spec
+from ._conv_route import onednn as _onednn
+from ._conv_route import torch_picks_slow_conv as _torch_picks_slow_conv
 
 __all__ = ["SpatialConv3d", "SpatialConvTranspose3d", "ConvOp", "ConvTransposeOp"]
+
+#: torch's ``padding_mode`` values (only ``"zeros"`` is accepted on a split volume)
+PaddingMode = Literal["zeros", "reflect", "replicate", "circular"]
 
 
 #: Extended inputs up to this size get their three conv gradients from one call (see
@@ -31,27 +38,6 @@ SPLIT_BACKWARD_BYTES = 4 << 20
 
 def _empty_out(ext, channels, lengths):
     return ext.new_zeros((ext.shape[0], channels, *lengths))
-
-
-def _torch_picks_slow_conv(shape, kernel, stride, dilation, groups) -> bool:
-    """torch's CPU rule (aten Convolution.cpp, use_mkldnn) for float32: with batch 1 and small
-    kernels it falls back to the im2col 'slow_conv3d' unless N*C*D*H > 20480; the W extent
-    is not counted. Sub-volumes split on x or y fall under it (measured ~7x slower)."""
-    n, c, d, h, _ = shape
-    general = (any(s != 1 for s in stride) or any(v != 1 for v in dilation) or n >= 16 or
-               kernel[2] != 1 or kernel[1] != 1 or torch.get_num_threads() > 1)
-    wide = groups > 1 or (kernel[2] > 3 and kernel[1] > 3) or n > 1 or n * c * d * h > 20480
-    return not (general and wide)
-
-
-def _onednn(ext, kernel, stride, dilation, groups) -> bool:
-    """Run this convolution on oneDNN (mkldnn) although torch would not: where torch's CPU rule
-    still picks 'slow_conv3d' (batch 1, small C*D*H), oneDNN runs the same float32 convolution
-    10-20x faster (24^3 x 16 channels: 15 ms -> 2.4 ms forward, 99 ms -> 7.5 ms backward,
-    measured). Deep layers of a batch-1 sample, and the pieces a split makes, are that case."""
-    return (ext.device.type == "cpu" and ext.dtype == torch.float32 and
-            torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled and
-            _torch_picks_slow_conv(ext.shape, kernel, stride, dilation, groups))
 
 
 def _perm(t, perm, base=2):
@@ -183,7 +169,7 @@ class SpatialConv3d(SpatialModule, nn.Conv3d):
                  kernel_size: int | tuple[int, int, int], stride: int | tuple[int, int, int] = 1,
                  padding: str | int | tuple[int, int, int] = 0,
                  dilation: int | tuple[int, int, int] = 1, groups: int = 1, bias: bool = True,
-                 padding_mode: str = "zeros", device: torch.device | str | None = None,
+                 padding_mode: PaddingMode = "zeros", device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None, *, grid: ProcessGrid):
         nn.Conv3d.__init__(self, in_channels, out_channels, kernel_size, stride, padding,
                            dilation, groups, bias, padding_mode, device, dtype)
@@ -287,7 +273,7 @@ class SpatialConvTranspose3d(SpatialModule, nn.ConvTranspose3d):
                  padding: int | tuple[int, int, int] = 0,
                  output_padding: int | tuple[int, int, int] = 0, groups: int = 1,
                  bias: bool = True, dilation: int | tuple[int, int, int] = 1,
-                 padding_mode: str = "zeros", device: torch.device | str | None = None,
+                 padding_mode: PaddingMode = "zeros", device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None, *, grid: ProcessGrid):
         nn.ConvTranspose3d.__init__(self, in_channels, out_channels, kernel_size, stride,
                                     padding, output_padding, groups, bias, dilation,

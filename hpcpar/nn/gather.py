@@ -174,7 +174,7 @@ class ReplicatedDropout(nn.Module):
         self.p, self.feature, self.inplace = p, feature, inplace
         seed = int(torch.randint(0, 2**62, (1,)).item())
         self.seed = grid.spatial_comm.bcast(seed, root=0) + 1_000_003 * grid.coords[0]
-        self._generators = {}
+        self._generators: dict = {}
 
     def _generator(self, device):
         key = str(device)

@@ -132,7 +132,9 @@ class _GlobalNorm(torch.autograd.Function):
             y.mul_(weight.detach().to(acc))
         if bias is not None:
             y.add_(bias.detach().to(acc))
-        ctx.save_for_backward(x, weight, mean, rstd)
+        # x as a plain alias: a split tensor's piece (hpcpar.nn.split) would send every op
+        # of the backward through its __torch_function__
+        ctx.save_for_backward(x.detach(), weight, mean, rstd)
         ctx.rows, ctx.fmt = rows, fmt
         ctx.bias = None if bias is None else (bias.shape, bias.dtype)
         return y.reshape(x.shape).to(x.dtype).contiguous(memory_format=fmt)

@@ -9,11 +9,15 @@ No tags are needed.
 Both layers aggregate whichever side is narrower: when ``in > out`` they transform first and
 exchange/aggregate ``out`` columns (A(XW) = (AX)W), else the other way round. ``agg=`` passes
 a precomputed aggregate (e.g. the constant A·X of the first layer).
+
+Any other PyG message-passing layer runs through :func:`distributed` (or
+``graph.apply(conv, x)``): the halo rows are exchanged, the layer runs on this rank's local
+view of the graph, and the owned rows are kept.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -23,7 +27,7 @@ from hpcpar.errors import LayerError
 if TYPE_CHECKING:
     from hpcpar.graph.distgraph import DistGraph
 
-__all__ = ["DistGCNConv", "DistSAGEConv"]
+__all__ = ["DistConv", "DistGCNConv", "DistSAGEConv", "distributed"]
 
 
 class DistGCNConv(nn.Module):
@@ -100,7 +104,7 @@ class DistSAGEConv(nn.Module):
         self.lin_l = nn.Linear(in_channels, out_channels, bias=bias)
         self.lin_r = nn.Linear(in_channels, out_channels, bias=False)
 
-    def forward(self, x: torch.Tensor | None, graph: DistGraph,
+    def forward(self, x: torch.Tensor, graph: DistGraph,
                 agg: torch.Tensor | None = None) -> torch.Tensor:
         """One GraphSAGE layer on the owned vertices.
 
@@ -124,3 +128,50 @@ class DistSAGEConv(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.in_channels}, {self.out_channels}, aggr={self.aggr!r}"
+
+
+class DistConv(nn.Module):
+    """A PyG message-passing layer on a distributed graph: ``DistConv(conv)(x, graph)`` is
+    ``graph.apply(conv, x)`` (see [DistGraph.apply][hpcpar.graph.distgraph.DistGraph.apply]).
+
+    The wrapped layer is ``self.conv`` (state-dict keys ``conv.*``); its parameters are
+    replicated, and their gradients are SUMMED over the graph's ranks by the default
+    gradient sync.
+
+    Args:
+        conv: The layer, called as ``conv(x, edge_index, ...)``.
+        sparse: Pass the graph's sparse ``adj_t`` instead of its local ``edge_index``.
+    """
+
+    def __init__(self, conv: nn.Module, sparse: bool = False):
+        super().__init__()
+        self.conv, self.sparse = conv, sparse
+
+    def forward(self, x: torch.Tensor, graph: DistGraph, *args: Any,
+                **kwargs: Any) -> torch.Tensor:
+        """The layer's output rows of the owned vertices; ``x``: the owned rows."""
+        return graph.apply(self.conv, x, *args, sparse=self.sparse, **kwargs)
+
+    def extra_repr(self) -> str:
+        return f"sparse={self.sparse}"
+
+
+def distributed(conv: nn.Module, sparse: bool = False) -> DistConv:
+    """Wrap a PyG message-passing layer (``GATConv``, ``GINConv``, your own ...) so that it
+    runs on a :class:`~hpcpar.graph.DistGraph` with its full-graph result.
+
+    Args:
+        conv: The layer.
+        sparse: Use the sparse ``adj_t`` form of the local graph.
+
+    Returns:
+        The wrapped layer, called as ``layer(x_owned, graph)``.
+
+    Example:
+        ```python
+        from torch_geometric.nn import GATConv
+        layer = distributed(GATConv(graph.num_features, 8, heads=8))
+        out = layer(graph.x, graph)          # rows of this rank's owned vertices
+        ```
+    """
+    return DistConv(conv, sparse)

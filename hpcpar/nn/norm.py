@@ -72,7 +72,9 @@ class _GlobalBatchNorm(torch.autograd.Function):
         w = weight.detach().to(acc) if weight is not None else None
         b = bias.detach().to(acc) if bias is not None else None
         y = F.batch_norm(xa, mean, var, w, b, False, 0.0, eps)   # (x - mean)/std * w + b
-        ctx.save_for_backward(x, weight, mean, var)
+        # x as a plain alias: a split tensor's piece (hpcpar.nn.split) would send every op
+        # of the backward through its __torch_function__ (~2 us each, ten per call)
+        ctx.save_for_backward(x.detach(), weight, mean, var)
         ctx.count, ctx.comm, ctx.eps = count, comm, eps
         ctx.has_bias = bias is not None
         return y.to(x.dtype)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import dispatch as d
+from . import rules as d
 from . import spatial_ops as s
 
 __all__ = ["rule_for", "table", "REPLICATED_RULES"]

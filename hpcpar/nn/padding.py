@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from hpcpar.parallel.comm import alltoallv
 from hpcpar.parallel.grid import ProcessGrid
 from hpcpar.parallel.halo import AXIS_NAMES
-from hpcpar.parallel.partition import part_range, part_ranges
+from hpcpar.parallel.partition import part_range, part_ranges, xyz
 
 from ._functional import check_piece, same_format, torch_output_shape
 
@@ -164,4 +164,4 @@ def pad(x: torch.Tensor, pad: Sequence[int], mode: str = "constant", value: floa
         y = AxisGather.apply(y, route, 2 + a, comm, 0.0 if value is None else value)
     if len(pad) > 6:
         y = F.pad(y, (0,) * 6 + pad[6:], value=0.0 if value is None else value)
-    return same_format(y, x), out[2:]
+    return same_format(y, x), xyz(out[2:])

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from hpcpar.errors import LayerError
 from hpcpar.parallel.grid import ProcessGrid
 from hpcpar.parallel.halo import HaloPlan, StencilOp, halo_exchange, halo_stencil
-from hpcpar.parallel.partition import AxisHalo, axis_halo, ceil_div
+from hpcpar.parallel.partition import AxisHalo, axis_halo, ceil_div, xyz
 
 from ._functional import check_piece, same_format, torch_output_shape
 from .gather import _GlobalMax, _GlobalMean
@@ -186,7 +186,8 @@ def interpolate(x: torch.Tensor, size: int | Sequence[int] | None = None,
                          f"{', '.join(INTERPOLATE_MODES)})")
     geometry = Interpolation(per_axis(size), per_axis(scale_factor), mode, align_corners,
                              recompute_scale_factor)
-    return resample_piece(x, *_interpolation_plan(grid, tuple(gshape), geometry, layer)), out
+    return resample_piece(x, *_interpolation_plan(grid, tuple(gshape), geometry, layer)), \
+        xyz(out)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The rules of split ops that need their neighbours or the whole sample: convolutions,
 pools, resampling, padding, norms, reductions, dropout and losses.
 
-Each rule takes a :class:`~hpcpar.nn.dispatch.Call`, runs the exact spatial implementation
+Each rule takes a :class:`~hpcpar.nn.rules.Call`, runs the exact spatial implementation
 on this rank's piece and returns the result split (or replicated, for a reduction over every
 split dim). Module and functional forms arrive here alike: ``nn.Conv3d.forward`` calls
 ``F.conv3d``, so the rule for ``F.conv3d`` serves both. Stencils reuse the spatial layers'
@@ -19,11 +19,11 @@ import torch.nn.functional as F
 from . import global_norm, padding, resample
 from ._base import triple
 from .conv import SpatialConv3d, SpatialConvTranspose3d
-from .dispatch import Call, _dims_arg, channelwise, localize, pointwise, wrap_like
 from .dropout import spatial_dropout
 from .norm import _GlobalBatchNorm
 from .pool import SpatialAvgPool3d, SpatialMaxPool3d
 from .reduce import _ReplicatedSum, global_reduce
+from .rules import Call, _dims_arg, channelwise, localize, pointwise, wrap_like
 from .split import Layout, adopt, raw
 
 __all__ = ["conv3d", "conv_transpose3d", "max_pool3d", "avg_pool3d", "adaptive_pool",
@@ -37,9 +37,16 @@ def _standard(call: Call, x) -> Layout:
         raise call.refuse(f"needs an (N, C, D, H, W) tensor split on dims 2-4 (got {x.dim()} "
                           f"dims, split dims {lay.sdims})", "keep the volume layout for 3D "
                           "layers")
-    if any(isinstance(a, type(x)) for a in call.args[1:]):
+    if len(call.splits) > 1 or call.splits[0] is not x:
         raise call.refuse("takes a split tensor as a parameter", "pass replicated weights")
     return lay
+
+
+def _hashable(v):
+    """A call's argument as part of a twin's key: lists as tuples. Keys use the arguments as
+    given (normalised only when a twin is made): ``padding=1`` and ``(1, 1, 1)`` may get two
+    equal twins, and no call pays for normalising."""
+    return tuple(v) if isinstance(v, list) else v
 
 
 def _twin(call: Call, key, make):
@@ -50,11 +57,13 @@ def _twin(call: Call, key, make):
 
 
 def _run_twin(call: Call, twin, x, *params):
-    """The twin's forward on this rank's piece (``params`` for the convolutions)."""
+    """The twin's forward on this rank's piece (``params`` for the convolutions; called
+    directly, not through ``nn.Module.__call__``: a twin has no hooks)."""
     lay = _standard(call, x)
     xl = raw(x)
     entry = twin.spatial_plan(xl, lay.gshape)
-    out = twin.spatial_forward(xl, *params, lay.gshape) if params else twin(xl, lay.gshape)
+    out = twin.spatial_forward(xl, *params, lay.gshape) if params else \
+        twin.forward(xl, lay.gshape)
     return adopt(out, lay.with_(gshape=entry.out_shape))
 
 
@@ -63,27 +72,35 @@ def conv3d(call: Call):
     b = call.bind(("input", "weight", "bias", "stride", "padding", "dilation", "groups"),
                   (None, 1, 0, 1, 1))
     w, bias = call.replicated(b["weight"]), call.replicated(b["bias"])
+    key = ("conv3d", w.shape, *(_hashable(b[k]) for k in ("stride", "padding", "dilation")),
+           b["groups"], bias is not None)
+    twin = _twin(call, key, lambda: _conv_twin(call, b, w, bias))
+    return _run_twin(call, twin, b["input"], w, bias)
+
+
+def _conv_twin(call: Call, b, w, bias) -> SpatialConv3d:
     padding = b["padding"] if isinstance(b["padding"], str) else triple(b["padding"],
                                                                          "padding", "conv3d")
-    key = ("conv3d", tuple(w.shape), triple(b["stride"], "stride", "conv3d"), padding,
-           triple(b["dilation"], "dilation", "conv3d"), b["groups"], bias is not None)
-    twin = _twin(call, key, lambda: SpatialConv3d(
-        w.shape[1] * b["groups"], w.shape[0], tuple(w.shape[2:]), key[2], padding, key[4],
-        b["groups"], bias is not None, device="meta", grid=call.ctx.grid))
-    return _run_twin(call, twin, b["input"], w, bias)
+    return SpatialConv3d(w.shape[1] * b["groups"], w.shape[0], tuple(w.shape[2:]),
+                         triple(b["stride"], "stride", "conv3d"), padding,
+                         triple(b["dilation"], "dilation", "conv3d"), b["groups"],
+                         bias is not None, device="meta", grid=call.ctx.grid)
 
 
 def conv_transpose3d(call: Call):
     b = call.bind(("input", "weight", "bias", "stride", "padding", "output_padding", "groups",
                    "dilation"), (None, 1, 0, 0, 1, 1))
     w, bias = call.replicated(b["weight"]), call.replicated(b["bias"])
-    geo = tuple(triple(b[k], k, "conv_transpose3d") for k in
-                ("stride", "padding", "output_padding", "dilation"))
-    key = ("conv_transpose3d", tuple(w.shape), geo, b["groups"], bias is not None)
-    twin = _twin(call, key, lambda: SpatialConvTranspose3d(
-        w.shape[0], w.shape[1] * b["groups"], tuple(w.shape[2:]), geo[0], geo[1], geo[2],
-        b["groups"], bias is not None, geo[3], device="meta", grid=call.ctx.grid))
-    return _run_twin(call, twin, b["input"], w, bias)
+    names = ("stride", "padding", "output_padding", "dilation")
+    key = ("conv_transpose3d", w.shape, *(_hashable(b[k]) for k in names), b["groups"],
+           bias is not None)
+
+    def make():
+        geo = tuple(triple(b[k], k, "conv_transpose3d") for k in names)
+        return SpatialConvTranspose3d(w.shape[0], w.shape[1] * b["groups"], tuple(w.shape[2:]),
+                                      geo[0], geo[1], geo[2], b["groups"], bias is not None,
+                                      geo[3], device="meta", grid=call.ctx.grid)
+    return _run_twin(call, _twin(call, key, make), b["input"], w, bias)
 
 
 # -- pools -------------------------------------------------------------------------------------
@@ -378,23 +395,33 @@ def loss(call: Call):
         tl = localize(call.replicated(target), out_lay if target.dim() < x.dim() else lay,
                       target.dim(), call.name)
     func = getattr(F, call.name)
-    per = func(raw(x), tl, reduction="none", **kwargs)
     if reduction_ == "none":
-        return adopt(per, out_lay)
-    grid, gshape = call.ctx.grid, lay.gshape
+        return adopt(func(raw(x), tl, reduction="none", **kwargs), out_lay)
+    # this piece's sum by torch's own fused reduction (a per-voxel loss tensor summed
+    # afterwards costs a third more), then the sum over the spatial group
+    part = func(raw(x), tl, reduction="sum", **kwargs)
+    grid = call.ctx.grid
     if reduction_ == "mean" and call.name in _CLASS_LOSSES and not tl.is_floating_point():
         # torch's denominator (class weights, ignore_index) summed in the same message
         count = _class_count(tl, kwargs.get("weight"), kwargs.get("ignore_index", -100))
-        both = torch.stack([per.sum(), count.sum().to(per.dtype)])
-        total, den = _ReplicatedSum.apply(both, grid.spatial_comm) if grid.spatial_size > 1 \
-            else both
+        total, den = _spatial_sum(torch.stack([part, count.to(part.dtype)]), grid)
         return total / den
-    total = global_reduce(per, "sum", None, False, grid=grid, gshape=gshape)
+    total = _spatial_sum(part.double(), grid).to(part.dtype)
     if reduction_ == "sum":
         return total
     if reduction_ == "batchmean":
         return total / x.shape[0]
-    return total / math.prod(out_lay.global_shape(per.shape))
+    if call.name in _CLASS_LOSSES:  # one loss per sample and voxel: the class dim goes
+        per_voxel = (raw(x).shape[0], *raw(x).shape[2:])
+    else:
+        per_voxel = torch.broadcast_shapes(raw(x).shape, tl.shape)
+    return total / math.prod(out_lay.global_shape(per_voxel))
+
+
+def _spatial_sum(t: torch.Tensor, grid) -> torch.Tensor:
+    """Every spatial rank's partial ``t`` summed, replicated (allreduce forward, identity
+    backward: hpcpar.nn.reduce's convention)."""
+    return _ReplicatedSum.apply(t, grid.spatial_comm) if grid.spatial_size > 1 else t
 
 
 def _localized(call, t, lay, ndim):
@@ -407,5 +434,5 @@ def _class_count(target, weight, ignore_index):
     voxels that are not ignored (their count without weights)."""
     valid = target != ignore_index
     if weight is None:
-        return valid.to(torch.float64)
-    return torch.where(valid, weight.detach()[target.clamp(min=0) * valid], 0.0)
+        return valid.sum()
+    return torch.where(valid, weight.detach()[target.clamp(min=0) * valid], 0.0).sum()

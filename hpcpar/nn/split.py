@@ -15,10 +15,14 @@ from __future__ import annotations
 import os
 import traceback
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from hpcpar.errors import LayerError
+
+if TYPE_CHECKING:
+    from hpcpar.parallel.grid import ProcessGrid
 
 __all__ = ["SplitTensor", "Layout", "SplitContext", "local", "is_split", "split_like",
            "user_frame"]
@@ -29,7 +33,7 @@ class SplitContext:
     """What every split tensor of one spatialized model shares: the grid, the options, the
     caches of spatial twins and what the last forward learned about each parameter."""
 
-    grid: object
+    grid: ProcessGrid
     bn_include_data: bool = False
     twins: dict = field(default_factory=dict)       # op signature -> cached spatial twin
     spatial_params: set = field(default_factory=set)     # ids used directly by split ops
@@ -46,8 +50,13 @@ class Layout:
     gshape: tuple[int, int, int]  # their global lengths
 
     def with_(self, sdims=None, gshape=None) -> Layout:
-        return Layout(self.ctx, self.sdims if sdims is None else tuple(sdims),
-                      self.gshape if gshape is None else tuple(gshape))
+        """This layout with other split dims or global lengths (itself when they are equal:
+        most ops keep both, and a layout is made per op)."""
+        sdims = self.sdims if sdims is None else tuple(sdims)
+        gshape = self.gshape if gshape is None else tuple(gshape)
+        if sdims == self.sdims and gshape == self.gshape:
+            return self
+        return Layout(self.ctx, sdims, gshape)
 
     def global_shape(self, local_shape) -> torch.Size:
         shape = list(local_shape)
@@ -72,11 +81,10 @@ class SplitTensor(torch.Tensor):
             # inside a backward pass: the rules' own adjoints hold the pieces they saved
             with torch._C.DisableTorchFunction():
                 return func(*args, **(kwargs or {}))
-        from .dispatch import handle
+        return _HANDLE(func, args, kwargs or {})
 
-        return handle(func, args, kwargs or {})
-
-    def __repr__(self, **kwargs) -> str:  # noqa: D105 (the piece, labelled)
+    # takes torch's keyword (tensor_contents) and ignores it: the piece is labelled instead
+    def __repr__(self, **kwargs) -> str:  # type: ignore[override]
         with torch._C.DisableTorchFunction():
             body = torch.Tensor.__repr__(self)
         return f"SplitTensor(global shape {tuple(self._hp.global_shape(self.shape_local))}, " \
@@ -87,6 +95,20 @@ class SplitTensor(torch.Tensor):
         """The local piece's shape."""
         with torch._C.DisableTorchFunction():
             return torch.Tensor.size(self)
+
+
+def set_handler(handle) -> None:
+    """Where calls on split tensors go: :func:`hpcpar.nn.dispatch.handle`, set when that module
+    is imported (it imports this one; ``hpcpar.nn`` imports both)."""
+    global _HANDLE
+    _HANDLE = handle
+
+
+def _unset(func, args, kwargs):
+    raise RuntimeError("hpcpar.nn.dispatch was not imported: import hpcpar.nn")
+
+
+_HANDLE = _unset
 
 
 def wrap(t: torch.Tensor, layout: Layout) -> SplitTensor:
@@ -102,9 +124,9 @@ def adopt(t: torch.Tensor, layout: Layout) -> SplitTensor:
     switched, so autograd gets no extra alias node (an ``as_subclass`` per op cost ~15% of a
     small model's step). Anything else gets :func:`wrap`'s alias."""
     if type(t) is torch.Tensor:
-        t.__class__ = SplitTensor
-        t._hp = layout
-        return t
+        t.__class__ = SplitTensor  # the checker cannot follow a class switch: t is split now
+        t._hp = layout  # type: ignore[attr-defined]
+        return t  # type: ignore[return-value]
     if type(t) is SplitTensor and t._hp == layout:
         return t
     return wrap(t, layout)

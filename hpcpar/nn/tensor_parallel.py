@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -132,7 +133,7 @@ class TensorParallelLinear(nn.Module):
         rows = self.out_range[1] - self.out_range[0]
         self.block_rows = split_sizes(rows, self.Z)
         self.shard_rows = part_range(rows, self.Z, self.kz)
-        factory = {"device": device, "dtype": dtype}
+        factory: dict[str, Any] = {"device": device, "dtype": dtype}
         full = nn.Linear(in_features, out_features, bias, **factory)  # torch's init, then shard
         self.weight = nn.Parameter(torch.empty(self.block_rows[self.kz],
                                                self.in_range[1] - self.in_range[0], **factory))
@@ -193,7 +194,7 @@ class TensorParallelLinear(nn.Module):
 
     def full_state_dict(self) -> dict:
         """A plain ``nn.Linear`` state dict (collective over the spatial group)."""
-        sd = {"weight": self.full_weight()}
+        sd: dict = {"weight": self.full_weight()}
         if self.bias is not None:
             sd["bias"] = self.full_bias()
         return sd

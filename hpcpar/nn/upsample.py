@@ -88,8 +88,10 @@ def _offsets(source, target):
 
 class MatchSize(nn.Module):
     """Pad with zeros or crop ``x`` so its spatial size equals ``like``'s, centred (an odd
-    difference puts the extra item on the high side). Used at U-Net skips; ``spatialize``
-    turns it into :class:`SpatialMatchSize`, which does the same in global coordinates."""
+    difference puts the extra item on the high side). Used at U-Net skips. ``spatialize``
+    keeps it: on split tensors ``.shape`` is global and ``F.pad`` pads at the global
+    boundary, so it is exact as it is, and costs nothing when the sizes match (no message).
+    :class:`SpatialMatchSize` is the same rule for hand-written spatial models."""
 
     def forward(self, x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """Zero-pad or crop ``x`` (centred) to the spatial size of ``like``."""
@@ -100,10 +102,6 @@ class MatchSize(nn.Module):
         for s, t, lo in reversed(list(zip(src, dst, _offsets(src, dst)))):
             pads += [lo, t - s - lo]
         return F.pad(x, pads)
-
-    def spatial_twin(self, grid: ProcessGrid) -> nn.Module:
-        """The ``SpatialMatchSize`` that ``spatialize`` puts in its place."""
-        return SpatialMatchSize(grid)
 
 
 class SpatialMatchSize(SpatialModule, nn.Module):
@@ -128,8 +126,11 @@ class SpatialMatchSize(SpatialModule, nn.Module):
             per_axis = []
             for a, (n, t, lo) in enumerate(zip(src, dst, _offsets(src, dst))):
                 parts = self.grid.spatial_shape[a]
-                per_axis.append([axis_halo(n, t, parts, i, lambda s, e, lo=lo: (s - lo, e - lo))
-                                 for i in range(parts)])
+
+                def shifted(s: int, e: int, lo: int = lo) -> tuple[int, int]:
+                    return s - lo, e - lo
+
+                per_axis.append([axis_halo(n, t, parts, i, shifted) for i in range(parts)])
             plan = self._spatial_plans[(src, dst)] = HaloPlan.from_halos(self.grid, per_axis,
                                                                          name)
         return _exchange(x, plan)

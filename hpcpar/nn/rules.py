@@ -1,0 +1,645 @@
+"""The generic rules of the dispatch (:mod:`.dispatch`): how a call on split tensors is run for
+shapes, pointwise and channel ops, indexing, reshapes, concatenation and replicated operands,
+and :class:`Call`, what a rule is given. The op table (:mod:`.optable`) maps each torch op to
+one of these or to a spatial twin (:mod:`.spatial_ops`).
+
+Replicated operands of a split op (conventions of DESIGN §2, the conjugate pair):
+
+* a parameter is used as it is: its gradient is this rank's partial one and the gradient sync
+  sums it over the spatial group (it is recorded as *spatial*);
+* any other replicated tensor that needs a gradient passes through :class:`_SumGrad`
+  (identity forward, allreduce of the gradient backward), so whatever made it — a squeeze-
+  excitation gate, a global mean — gets its full gradient on every rank; parameters used only
+  on replicated tensors are therefore complete on every rank (recorded as *replicated*, tagged
+  data-only);
+* a replicated tensor whose spatial dims have the GLOBAL lengths is sliced to this rank's
+  piece; length 1 broadcasts; this rank's local lengths mean it is already this rank's piece.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from hpcpar.parallel.comm import allreduce_
+from hpcpar.parallel.partition import part_range
+
+from . import padding
+from .split import Layout, SplitTensor, adopt, raw, refuse, wrap
+
+__all__ = ["Call", "FAST", "leaves", "localize", "wrap_like", "pointwise", "channelwise"]
+
+
+def leaves(args, kwargs) -> list:
+    """The arguments, with lists and tuples opened one level (``cat``'s tensors): torch ops
+    take no deeper nesting of tensors, and a pytree walk costs ~50 us a call."""
+    out = []
+    for a in (*args, *kwargs.values()):
+        if type(a) in (list, tuple):
+            out.extend(a)
+        else:
+            out.append(a)
+    return out
+
+
+def map_args(fn, args, kwargs):
+    """``fn`` over every argument (lists and tuples opened one level, as :func:`leaves`)."""
+    def one(a):
+        if type(a) in (list, tuple):
+            return type(a)(fn(v) for v in a)
+        return fn(a)
+    return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
+
+
+class Call:
+    """One call of ``func`` with at least one split argument, with the helpers rules share."""
+
+    def __init__(self, func, args, kwargs, splits):
+        self.func, self.args, self.kwargs, self.splits = func, args, kwargs, splits
+        self.layout: Layout = splits[0]._hp
+        self.ctx = self.layout.ctx
+
+    @property
+    def name(self) -> str:
+        return op_name(self.func)
+
+    def refuse(self, why: str, todo: str):
+        return refuse(self.name, why, todo)
+
+    def bind(self, names, defaults=()) -> dict:
+        """Positional and keyword arguments by name (``names`` in the op's order)."""
+        out = dict(zip(names[len(names) - len(defaults):], defaults))
+        out.update(zip(names, self.args))
+        out.update(self.kwargs)
+        return out
+
+    def replicated(self, t):
+        """A replicated operand, made ready for a split op (module docstring)."""
+        return prepare_replicated(t, self.ctx)
+
+    def plain(self, localize_to: Layout | None = None, ndim: int | None = None):
+        """``(args, kwargs)`` with split tensors unwrapped and replicated tensors prepared
+        (and, given ``localize_to``, cut to this rank's piece of that layout)."""
+        def one(t):
+            if isinstance(t, SplitTensor):
+                return raw(t)
+            if isinstance(t, torch.Tensor):
+                t = self.replicated(t)
+                if localize_to is not None:
+                    t = localize(t, localize_to, ndim, self.name)
+            return t
+        return map_args(one, self.args, self.kwargs)
+
+    def run_plain(self, **plain_kw):
+        args, kwargs = self.plain(**plain_kw)
+        return self.func(*args, **kwargs)
+
+
+def op_name(func) -> str:
+    name = getattr(func, "__name__", None) or repr(func)
+    if name == "__get__" and hasattr(func, "__self__"):
+        return f"Tensor.{func.__self__.__name__}"
+    return name
+
+
+# -- replicated operands ---------------------------------------------------------------------
+class _SumGrad(torch.autograd.Function):
+    """Identity forward; the gradient summed over the spatial group backward (a replicated
+    tensor's partial gradients from every rank's piece)."""
+
+    @staticmethod
+    def forward(ctx, t, comm):
+        ctx.comm = comm
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return allreduce_(grad.contiguous().clone(), ctx.comm), None
+
+
+def prepare_replicated(t, ctx):
+    if not isinstance(t, torch.Tensor):
+        return t
+    if isinstance(t, nn.Parameter):
+        ctx.spatial_params.add(id(t))
+        return t
+    if t.requires_grad and torch.is_grad_enabled() and ctx.grid.spatial_size > 1:
+        return _SumGrad.apply(t, ctx.grid.spatial_comm)
+    return t
+
+
+def local_ranges(layout: Layout) -> list[tuple[int, int]]:
+    grid = layout.ctx.grid
+    return [part_range(n, p, c) for n, p, c in
+            zip(layout.gshape, grid.spatial_shape, grid.spatial_coords)]
+
+
+def localize(t: torch.Tensor, layout: Layout, ndim: int | None, op: str) -> torch.Tensor:
+    """A replicated operand broadcast against a split result of ``ndim`` dims with ``layout``:
+    global lengths are cut to this rank's piece and 1 broadcasts. A plain tensor with this
+    rank's LOCAL lengths is refused: it is someone's piece that the split world cannot see
+    (a reduction of it alone would silently be this rank's share); mark it with
+    :func:`hpcpar.nn.split_like` instead."""
+    ndim = ndim if ndim is not None else max(layout.sdims) + 1
+    for a, ((start, stop), n) in enumerate(zip(local_ranges(layout), layout.gshape)):
+        d = layout.sdims[a] - ndim + t.dim()  # the operand's dim aligned with the split dim
+        if d < 0:
+            continue
+        size = t.shape[d]
+        if size == 1 or size == n == stop - start:
+            continue
+        if size == n:
+            t = t.narrow(d, start, stop - start)
+            continue
+        if size == stop - start:
+            raise refuse(op, f"combines a plain tensor of this rank's local length {size} "
+                             f"(dim {d}) with a split one", "mark this rank's piece with "
+                             "hpcpar.nn.split_like(piece, split_tensor), or pass the whole "
+                             "tensor")
+        raise refuse(op, f"combines a tensor of length {size} on dim {d} with a split dim of "
+                         f"global length {n}", "make it the global length or 1")
+    return t
+
+
+# -- results ----------------------------------------------------------------------------------
+def wrap_like(out, layout: Layout, ndim: int, inputs=()):
+    """Every tensor of ``out`` that has ``ndim`` dims, split with ``layout``; one of the
+    call's ``inputs`` returned as it is (``type_as`` of the same type) is aliased, never
+    changed in place."""
+    def one(t):
+        if isinstance(t, torch.Tensor) and not isinstance(t, SplitTensor) and t.dim() == ndim:
+            return wrap(t, layout) if any(t is a for a in inputs) else adopt(t, layout)
+        return t
+    return tree_map(one, out)
+
+
+def same_split(call: Call, what: str = "its operands"):
+    """The split operands' common layout relative to the last dim; refuse if they differ."""
+    rel = None
+    for t in call.splits:
+        lay = t._hp
+        mine = (tuple(d - t.dim() for d in lay.sdims), lay.gshape)
+        if rel is None:
+            rel = mine
+        elif mine != rel:
+            raise call.refuse(f"gets {what} split differently (global spatial shapes "
+                              f"{rel[1]} and {mine[1]})", "crop, pad or resample them to one "
+                              "size first")
+    return rel
+
+
+# -- pointwise -------------------------------------------------------------------------------
+def pointwise(call: Call):
+    """Elementwise with broadcasting: each voxel's result needs only that voxel."""
+    rel, gshape = same_split(call)
+    ndim = max(t.dim() for t in leaves(call.args, call.kwargs) if isinstance(t, torch.Tensor))
+    layout = call.layout.with_(sdims=[ndim + r for r in rel], gshape=gshape)
+    args, kwargs = call.plain(localize_to=layout, ndim=ndim)
+    out = call.func(*args, **kwargs)
+    first = call.args[0] if call.args else None
+    if isinstance(first, SplitTensor) and args and out is args[0]:
+        return first  # in place: the caller's own object
+    return wrap_like(out, layout, ndim, leaves(args, kwargs))
+
+
+def _pointwise_alike(func, args, kwargs, flat, splits):
+    """:func:`pointwise` when every tensor operand is split with one layout and has the same
+    dims (``x + skip``, ``relu(x)``, ``x * 0.5``): nothing to align or prepare."""
+    first = splits[0]
+    lay, n = first._hp, first.dim()
+    for t in flat:
+        if t is not first and isinstance(t, torch.Tensor) and (
+                type(t) is not SplitTensor or t.dim() != n or (t._hp is not lay and
+                                                                t._hp != lay)):
+            return NotImplemented
+    out = func(*args, **kwargs)
+    if type(out) is torch.Tensor:
+        return adopt(out, lay) if out.dim() == n else out
+    if type(out) is SplitTensor:
+        return out  # in place, or an operand returned as it is (``x.float()`` of a float)
+    return wrap_like(out, lay, n, flat)
+
+
+def channelwise(call: Call):
+    """Ops whose replicated operands act per channel (``prelu``'s weight): no alignment."""
+    args, kwargs = call.plain()
+    return wrap_like(call.func(*args, **kwargs), call.layout, call.splits[0].dim())
+
+
+def like_factory(call: Call):
+    """``zeros_like`` and friends: a new split tensor of the same layout."""
+    out = call.run_plain()
+    return wrap_like(out, call.layout, call.splits[0].dim())
+
+
+# -- metadata -----------------------------------------------------------------------------------
+def global_size(call: Call):
+    """``.shape`` / ``.size()``: the GLOBAL shape (module docstring of hpcpar.nn.split)."""
+    t = call.splits[0]
+    shape = t._hp.global_shape(t.shape_local)
+    b = call.bind(("self", "dim"), (None,))
+    return shape if b["dim"] is None else shape[b["dim"]]
+
+
+def global_numel(call: Call):
+    t = call.splits[0]
+    return math.prod(t._hp.global_shape(t.shape_local))
+
+
+def global_len(call: Call):
+    t = call.splits[0]
+    return t._hp.global_shape(t.shape_local)[0]
+
+
+def attribute(call: Call):
+    """Getters (dtype, device, grad, data, ...): the piece's own; a tensor of the piece's
+    shape stays split."""
+    out = call.run_plain()
+    t = call.splits[0]
+    if isinstance(out, torch.Tensor) and out.shape == t.shape_local:
+        return adopt(out, t._hp)
+    return out
+
+
+def as_plain(call: Call):
+    """Calls that only look at the piece and return no tensor (printing, copying for
+    pickling, hooks)."""
+    return call.run_plain()
+
+
+def _plain_alike(func, args, kwargs, flat, splits):
+    """:func:`as_plain` without a :class:`Call`."""
+    return func(*args, **kwargs)
+
+
+def refuse_local_values(call: Call):
+    raise call.refuse("would read only this rank's piece", "reduce it first (x.sum(), "
+                      "x.mean(...)) or take this rank's piece explicitly with "
+                      "hpcpar.nn.local(x)")
+
+
+def refuse_unknown(call: Call):
+    raise call.refuse("has no exact spatial form in hpcpar", "apply it after a global "
+                      "reduction or hpcpar.nn.SpatialGather, or see the supported-op table "
+                      "in the spatial guide")
+
+
+def refuse_random(call: Call):
+    raise call.refuse("draws random numbers that would depend on the split", "use dropout "
+                      "(split-independent in hpcpar) or draw the noise before splitting")
+
+
+# -- shapes -------------------------------------------------------------------------------------
+def _norm_dim(d: int, ndim: int) -> int:
+    return d + ndim if d < 0 else d
+
+
+def _dims_arg(dims, ndim) -> list[int]:
+    if dims is None:
+        return list(range(ndim))
+    if isinstance(dims, int):
+        dims = [dims]
+    return [_norm_dim(int(d), ndim) for d in dims]
+
+
+def dim_local(call: Call):
+    """Ops that mix values along one dim (softmax, cumsum, sort, ...): local unless that dim
+    is split."""
+    t = call.splits[0]
+    b = call.bind(("input", "dim"), (None,))
+    dim = b.get("dim")
+    if dim is None and call.name in ("softmax", "log_softmax", "softmin"):
+        dim = 1  # torch's legacy implicit dim for 5D inputs
+    if dim is None or _norm_dim(dim, t.dim()) in t._hp.sdims:
+        raise call.refuse("mixes values along a split dim", "apply it along a channel dim, or "
+                          "after a global reduction")
+    return pointwise(call)
+
+
+def permute(call: Call):
+    """permute / transpose / movedim / swapaxes: the split dims move with the data."""
+    t = call.splits[0]
+    n = t.dim()
+    order = list(range(n))
+    name = call.name
+    rest = call.args[1:] if call.args and call.args[0] is t else call.args
+    if name == "permute":
+        dims = call.kwargs.get("dims", rest[0] if len(rest) == 1 and not isinstance(
+            rest[0], int) else rest)
+        order = [_norm_dim(int(d), n) for d in dims]
+    elif name in ("transpose", "swapaxes", "swapdims", "transpose_"):
+        a, b = (call.kwargs.get(k, v) for k, v in zip(("dim0", "dim1"), rest))
+        a, b = _norm_dim(a, n), _norm_dim(b, n)
+        order[a], order[b] = order[b], order[a]
+    else:  # movedim / moveaxis
+        src, dst = (call.kwargs.get(k, v) for k, v in zip(("source", "destination"), rest))
+        src, dst = _dims_arg(src, n), _dims_arg(dst, n)
+        rest_dims = [d for d in range(n) if d not in src]
+        placed: list[int | None] = [None] * n
+        for s, d in zip(src, dst):
+            placed[d] = s
+        it = iter(rest_dims)
+        order = [o if o is not None else next(it) for o in placed]
+    out = call.run_plain()
+    sdims = [order.index(d) for d in t._hp.sdims]
+    return adopt(out, t._hp.with_(sdims=sdims))
+
+
+def _groups(old, new):
+    """Pairs (old dims, new dims) whose sizes multiply to the same number, in order: how a
+    view maps dims (size-1 dims stand alone)."""
+    groups, i, j = [], 0, 0
+    while i < len(old) or j < len(new):
+        if i < len(old) and old[i] == 1 and (j == len(new) or new[j] != 1):
+            groups.append(([i], []))
+            i += 1
+            continue
+        if j < len(new) and new[j] == 1 and (i == len(old) or old[i] != 1):
+            groups.append(([], [j]))
+            j += 1
+            continue
+        gi, gj, po, pn = [i], [j], old[i], new[j]
+        i, j = i + 1, j + 1
+        while po != pn:
+            if po < pn:
+                po *= old[i]
+                gi.append(i)
+                i += 1
+            else:
+                pn *= new[j]
+                gj.append(j)
+                j += 1
+        groups.append((gi, gj))
+    return groups
+
+
+def _resolve(shape, total):
+    shape = [int(s) for s in shape]
+    if -1 in shape:
+        known = math.prod(s for s in shape if s != -1)
+        shape[shape.index(-1)] = total // known if known else 0
+    return shape
+
+
+def reshape(call: Call):
+    """view / reshape with a GLOBAL target shape: allowed where every split dim stays a dim
+    of its own (batch and channel dims may merge or split freely)."""
+    t = call.splits[0]
+    lay = t._hp
+    gold = list(lay.global_shape(t.shape_local))
+    rest = call.args[1:]
+    shape = call.kwargs.get("shape", call.kwargs.get("size"))
+    if shape is None:
+        shape = rest[0] if len(rest) == 1 and not isinstance(rest[0], int) else rest
+    if call.name in ("view_as", "reshape_as"):
+        other = rest[0] if rest else call.kwargs["other"]
+        shape = other.shape
+    if isinstance(shape, torch.dtype):
+        raise call.refuse("reinterprets the dtype", "convert with .to(dtype) instead")
+    gnew = _resolve(shape, math.prod(gold))
+    if math.prod(gnew) != math.prod(gold):
+        raise call.refuse(f"cannot view global shape {tuple(gold)} as {tuple(gnew)}",
+                          "check the sizes")
+    new_sdims = []
+    mapping = {}
+    for gi, gj in _groups(gold, gnew):
+        for d in lay.sdims:
+            if d in gi:
+                if len(gi) != 1 or len(gj) != 1:
+                    raise call.refuse("merges or splits a split dim", "keep the spatial dims "
+                                      "whole (reduce them first, e.g. x.mean(dim=(2, 3, 4)))")
+                mapping[d] = gj[0]
+    new_sdims = [mapping[d] for d in lay.sdims]
+    local_new = list(gnew)
+    for d_old, d_new in mapping.items():
+        local_new[d_new] = t.shape_local[d_old]
+    fn = torch.Tensor.reshape if call.name in ("reshape", "reshape_as") else torch.Tensor.view
+    out = fn(raw(t), local_new)
+    return adopt(out, lay.with_(sdims=new_sdims))
+
+
+def flatten(call: Call):
+    t = call.splits[0]
+    b = call.bind(("input", "start_dim", "end_dim"), (0, -1))
+    n = t.dim()
+    s, e = _norm_dim(b["start_dim"], n), _norm_dim(b["end_dim"], n)
+    if e > s and any(s <= d <= e for d in t._hp.sdims):
+        raise call.refuse("merges a split dim with others", "reduce the spatial dims first "
+                          "(x.mean(dim=(2, 3, 4)) or nn.AdaptiveAvgPool3d(1)), or gather")
+    out = call.run_plain()
+    shift = max(e - s, 0)
+    return adopt(out, t._hp.with_(sdims=[d - shift if d > e else d for d in t._hp.sdims]))
+
+
+def unsqueeze(call: Call):
+    t = call.splits[0]
+    dim = call.bind(("input", "dim"))["dim"]
+    dim = dim + t.dim() + 1 if dim < 0 else dim
+    out = call.run_plain()
+    return adopt(out, t._hp.with_(sdims=[d + 1 if d >= dim else d for d in t._hp.sdims]))
+
+
+def squeeze(call: Call):
+    """squeeze by the GLOBAL shape (a piece of length 1 on one rank is not squeezed)."""
+    t = call.splits[0]
+    lay = t._hp
+    n = t.dim()
+    gshape = lay.global_shape(t.shape_local)
+    dim = call.bind(("input", "dim"), (None,))["dim"]
+    dims = [d for d in _dims_arg(dim, n) if gshape[d] == 1]
+    if any(d in lay.sdims for d in dims):
+        raise call.refuse("removes a split dim", "keep the spatial dims")
+    out = torch.Tensor.squeeze(raw(t), tuple(dims)) if dims else raw(t).view_as(raw(t))
+    return adopt(out, lay.with_(sdims=[d - sum(1 for r in dims if r < d) for d in lay.sdims]))
+
+
+def expand(call: Call):
+    """expand / expand_as with GLOBAL sizes: the split dims keep their pieces."""
+    t = call.splits[0]
+    lay = t._hp
+    rest = call.args[1:]
+    if call.name == "expand_as":
+        other = rest[0] if rest else call.kwargs["other"]
+        sizes = list(other.shape)
+    else:
+        sizes = call.kwargs.get("size", rest[0] if len(rest) == 1 and not isinstance(
+            rest[0], int) else rest)
+        sizes = list(sizes)
+    lead = len(sizes) - t.dim()
+    for a, d in enumerate(lay.sdims):
+        if sizes[d + lead] not in (-1, lay.gshape[a]):
+            raise call.refuse("expands a split dim", "expand only batch and channel dims")
+        sizes[d + lead] = t.shape_local[d]
+    out = raw(t).expand(*sizes)
+    return adopt(out, lay.with_(sdims=[d + lead for d in lay.sdims]))
+
+
+def repeat(call: Call):
+    """repeat: copies along batch/channel dims only (a split dim: 1)."""
+    t = call.splits[0]
+    rest = call.args[1:]
+    reps = call.kwargs.get("repeats", rest[0] if len(rest) == 1 and not isinstance(
+        rest[0], int) else rest)
+    lead = len(reps) - t.dim()
+    if any(reps[d + lead] != 1 for d in t._hp.sdims):
+        raise call.refuse("repeats along a split dim", "repeat batch or channel dims only")
+    out = raw(t).repeat(*reps)
+    return adopt(out, t._hp.with_(sdims=[d + lead for d in t._hp.sdims]))
+
+
+def cat(call: Call):
+    """cat / stack along a dim that is not split: local."""
+    rel, gshape = same_split(call, "tensors to join")
+    tensors = call.args[0] if call.args else call.kwargs["tensors"]
+    dim = call.bind(("tensors", "dim"), (0,))["dim"]
+    ndim = call.splits[0].dim()
+    stack = call.name in ("stack", "hstack", "vstack", "dstack")
+    sdims = [ndim + r for r in rel]
+    d = _norm_dim(dim, ndim + 1 if stack else ndim)
+    if (not stack and d in sdims) or call.name in ("hstack", "vstack", "dstack"):
+        raise call.refuse("joins along a split dim", "join along the channel dim (dim=1)")
+    layout = call.layout.with_(sdims=sdims, gshape=gshape)
+    pieces = [raw(t) if isinstance(t, SplitTensor) else
+              localize(call.replicated(t), layout, ndim, call.name) for t in tensors]
+    kwargs = {k: v for k, v in call.kwargs.items() if k not in ("tensors", "dim")}
+    out = call.func(pieces, d, **kwargs)
+    if stack:
+        sdims = [s + 1 if s >= d else s for s in sdims]
+    return adopt(out, layout.with_(sdims=sdims))
+
+
+def split_like(call: Call):
+    """chunk / split / unbind / narrow / select along a dim that is not split."""
+    t = call.splits[0]
+    names = {"chunk": ("input", "chunks", "dim"), "split": ("tensor", "split_size_or_sections",
+             "dim"), "tensor_split": ("input", "indices_or_sections", "dim"),
+             "unbind": ("input", "dim"), "narrow": ("input", "dim", "start", "length"),
+             "select": ("input", "dim", "index")}[call.name]
+    defaults = {"chunk": (0,), "split": (0,), "tensor_split": (0,), "unbind": (0,)}
+    b = call.bind(names, defaults.get(call.name, ()))
+    dim = _norm_dim(b["dim"], t.dim())
+    if dim in t._hp.sdims:
+        raise call.refuse("cuts along a split dim", "cut along batch or channel dims")
+    out = call.run_plain()
+    drop = call.name in ("unbind", "select")
+    sdims = [d - 1 if drop and d > dim else d for d in t._hp.sdims]
+    return wrap_like(out, t._hp.with_(sdims=sdims), t.dim() - (1 if drop else 0))
+
+
+def getitem(call: Call):
+    """Indexing: ints, slices, None and ... on batch and channel dims; a split dim takes
+    ``:`` or a step-1 slice in GLOBAL coordinates (a crop: ``F.pad`` with negative pads)."""
+    t = call.splits[0]
+    index = call.args[1]
+    index = list(index) if isinstance(index, tuple) else [index]
+    n = t.dim()
+    crops = {}
+    for pos, d in _index_dims(index, n):
+        i = index[pos]
+        if d in t._hp.sdims and isinstance(i, slice) and i != slice(None):
+            length = t._hp.gshape[t._hp.sdims.index(d)]
+            start, stop, step = i.indices(length)
+            if step != 1:
+                raise call.refuse("slices a split dim with a step", "use a pool or "
+                                  "interpolation to subsample")
+            crops[t._hp.sdims.index(d)] = (-start, -(length - max(stop, start)))
+            index[pos] = slice(None)
+    out = _getitem_whole(call, t, tuple(index))
+    if not crops:
+        return out
+    lay = out._hp
+    if out.dim() != 5 or not lay.standard:
+        raise call.refuse("crops a split dim while dropping or adding dims", "crop first, "
+                          "then index the other dims")
+    pads = [p for a in (2, 1, 0) for p in crops.get(a, (0, 0))]
+    piece, gshape = padding.pad(raw(out), pads, grid=lay.ctx.grid, gshape=lay.gshape)
+    return adopt(piece, lay.with_(gshape=gshape))
+
+
+def _index_dims(index, n):
+    """(position in the index, tensor dim) of each entry that consumes a dim."""
+    consumed = sum(1 for i in index if i is not None and i is not Ellipsis)
+    dim = 0
+    for pos, i in enumerate(index):
+        if i is Ellipsis:
+            dim += n - consumed
+        elif i is not None:
+            yield pos, dim
+            dim += 1
+
+
+def _getitem_whole(call: Call, t, index):
+    n = t.dim()
+    consumed = sum(1 for i in index if i is not None and i is not Ellipsis)
+    dim, out_dim, sdims = 0, 0, {}
+    for i in index:
+        if i is Ellipsis:
+            skip = n - consumed
+            for d in range(dim, dim + skip):
+                sdims[d] = out_dim + d - dim
+            dim, out_dim = dim + skip, out_dim + skip
+            continue
+        if i is None:
+            out_dim += 1
+            continue
+        if isinstance(i, torch.Tensor) or not isinstance(i, (int, slice)):
+            raise call.refuse("indexes with a tensor or list", "index batch/channel dims with "
+                              "ints and slices, or use hpcpar.nn.local")
+        if dim in t._hp.sdims and i != slice(None):
+            raise call.refuse("slices a split dim", "crop with F.pad and negative pads, or "
+                              "keep ':' on dims 2-4")
+        if isinstance(i, slice):
+            sdims[dim] = out_dim
+            out_dim += 1
+        dim += 1
+    for d in range(dim, n):
+        sdims[d] = out_dim + d - dim
+    out = raw(t)[index]
+    return adopt(out, t._hp.with_(sdims=[sdims[d] for d in t._hp.sdims]))
+
+
+def setitem(call: Call):
+    """In-place assignment on batch/channel dims (a split dim: ``:`` only)."""
+    t = call.args[0]
+    if not isinstance(t, SplitTensor):
+        raise call.refuse("writes a split tensor into a replicated one", "keep both split")
+    index = call.args[1] if isinstance(call.args[1], tuple) else (call.args[1],)
+    if any(isinstance(i, torch.Tensor) for i in index) or Ellipsis in index:
+        raise call.refuse("assigns through a tensor index or ...", "index with ints and slices")
+    for d, i in enumerate(index):
+        if d in t._hp.sdims and i != slice(None):
+            raise call.refuse("assigns into part of a split dim", "assign whole spatial dims")
+    value = call.args[2]
+    if isinstance(value, SplitTensor):
+        value = raw(value)
+    elif isinstance(value, torch.Tensor):
+        value = localize(call.replicated(value), t._hp, t.dim(), call.name)
+    raw(t)[call.args[1]] = value
+    return None
+
+
+def linear(call: Call):
+    """F.linear / matmul on a split tensor: exact only when the contracted last dim is not
+    split (a per-voxel MLP on channels-last data)."""
+    t = call.args[0]
+    if not isinstance(t, SplitTensor) or any(isinstance(a, SplitTensor) for a in call.args[1:]):
+        raise call.refuse("contracts over a split tensor's dims", "apply it per voxel on "
+                          "channels, after a global reduction, or after a gather")
+    if t.dim() - 1 in t._hp.sdims:
+        raise call.refuse("contracts along a split dim", "move the channels last first "
+                          "(x.permute(0, 2, 3, 4, 1)) or reduce the spatial dims")
+    other = call.args[1] if len(call.args) > 1 else call.kwargs.get("weight",
+                                                                     call.kwargs.get("other"))
+    if call.name != "linear" and (other is None or other.dim() != 2):
+        raise call.refuse("is a batched matrix product over a split tensor", "use F.linear or "
+                          "a 2D matrix on the channel dim")
+    args, kwargs = call.plain()  # parameters as they are: no alignment with the split dims
+    return adopt(call.func(*args, **kwargs), t._hp)
+
+
+#: Rules' fast forms: ``(func, args, kwargs, leaves, splits)`` -> the result, or
+#: ``NotImplemented`` where the rule itself must look (see :func:`handle`).
+FAST = {pointwise: _pointwise_alike, as_plain: _plain_alike}
