@@ -6,7 +6,6 @@ No torch import here: validation errors come back in well under a second.
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import sys
 from pathlib import Path
@@ -39,15 +38,20 @@ def _grid_overrides(spec: str) -> list[str]:
                    "valid checkpoint.")
 @click.option("--resume", "_resume", is_flag=True,
               help="Continue from the newest valid checkpoint (the default; kept for scripts).")
+@click.option("--from", "start_from", metavar="CHECKPOINT_DIR", default=None,
+              help="Continue from this checkpoint (a step-N directory of this run or another) "
+                   "instead of the newest; this run's later checkpoints are kept aside as "
+                   "step-N.superseded.")
 @click.option("--new-settings", is_flag=True,
               help="Continue the run in the directory with settings that differ from its "
                    "job.json (a new segment; the old job.json is kept).")
-@click.option("--dry-run", is_flag=True, help="Validate and print the launch command only.")
+@click.option("--dry-run", is_flag=True,
+              help="Validate and print the launch command and the threads per rank only.")
 @click.option("--print-config", is_flag=True,
               help="Print the fully resolved job (every default filled in, the grid resolved "
                    "for the rank count) as TOML, a job file `hpcpar run` accepts; run nothing.")
 @json_option("With --print-config or --dry-run: print JSON instead.")
-def run(job_file, ranks, grid_spec, run_dir, sets, fresh, _resume, new_settings,
+def run(job_file, ranks, grid_spec, run_dir, sets, fresh, _resume, start_from, new_settings,
         dry_run, print_config, as_json):
     """Run a training job: mpiexec locally, srun inside a Slurm allocation, in-process when
     already under MPI. Exit codes: 0 done (or already finished), 1 failed (crash or a rank
@@ -64,6 +68,7 @@ def run(job_file, ranks, grid_spec, run_dir, sets, fresh, _resume, new_settings,
         plan_launch,
         rank_argv,
     )
+    from hpcpar.launch.threads import threads_per_rank
     from hpcpar.run import rerun
 
     overrides = list(sets)
@@ -82,6 +87,7 @@ def run(job_file, ranks, grid_spec, run_dir, sets, fresh, _resume, new_settings,
         return
     spec = "x".join(map(str, shape))
     mode = plan_launch(n)
+    threads = threads_per_rank(job.resources.cpus_per_task)
     world = mpi_world_size()
     comm = None
     rd = Path(run_dir or rerun.default_run_dir(job))
@@ -90,23 +96,27 @@ def run(job_file, ranks, grid_spec, run_dir, sets, fresh, _resume, new_settings,
 
         comm = MPI.COMM_WORLD
     lead = comm is None or comm.Get_rank() == 0
+    start_from = Path(start_from).absolute() if start_from else None
 
     def say(line: str) -> None:
         click.echo(line, err=True)
 
     def command(job_path: Path):
         argv = rank_argv(str(job_path), str(rd), resume=not fresh)
+        argv += ["--from", str(start_from)] if start_from is not None else []
         return argv, launch_command(mode, n, argv, cpus_per_task=job.resources.cpus_per_task,
                                     gpus_per_node=job.resources.gpus_per_node)
 
-    what, detail = rerun.agreed(comm, lambda: rerun.decide(rd, job, spec, fresh, new_settings))
+    what, detail = rerun.agreed(comm, lambda: rerun.decide(rd, job, spec, fresh, new_settings,
+                                                           start_from))
     if dry_run:
         cmd = command(rd / "job.json")[1]
         if as_json:
             click.echo(json.dumps({"run_dir": str(rd), "ranks": n, "grid": spec, "mode": mode,
-                                   "command": cmd}))
+                                   "threads_per_rank": threads, "command": cmd}))
         else:
             click.echo(f"run dir: {rd}\nranks: {n} (grid {spec}, {mode})\n"
+                       f"threads per rank: {threads} (OMP_NUM_THREADS, torch)\n"
                        f"command: {shlex.join(cmd)}")
         return
     if what == "finished":
@@ -121,7 +131,8 @@ def run(job_file, ranks, grid_spec, run_dir, sets, fresh, _resume, new_settings,
         if lead:
             rd.mkdir(parents=True, exist_ok=True)
         job_path = rerun.agreed(comm, lambda: (
-            lock.acquire(), rerun.prepare(rd, job, job_file, detail, fresh, say))[1])
+            lock.acquire(), rerun.prepare(rd, job, job_file, detail, fresh, say,
+                                          start_from))[1])
         if lead:
             click.echo(f"hpcpar: {job.name}: {n} rank(s), grid {spec}, run dir {rd}", err=True)
         argv, cmd = command(job_path)
@@ -129,7 +140,7 @@ def run(job_file, ranks, grid_spec, run_dir, sets, fresh, _resume, new_settings,
         from hpcpar.launch.oom import OomWatch
 
         watch = OomWatch()
-        rc = _launch(mode, cmd, argv, job, lock, world)
+        rc = _launch(mode, cmd, argv, threads, lock, world)
         started = rerun.segments(rd) > before
         if lead:
             rerun.settle_settings(rd, job_path, job_file, started, say)
@@ -143,21 +154,23 @@ def run(job_file, ranks, grid_spec, run_dir, sets, fresh, _resume, new_settings,
         lock.release()
 
 
-def _launch(mode, cmd, argv, job, lock, world=1) -> int | None:
-    """Start the ranks; the launcher's exit code (None: ran in-process and finished). A
-    single rank under a memory limit (a cgroup's) runs as a child process, so that a kill by
-    the limit can be reported instead of killing this command too."""
+def _launch(mode, cmd, argv, threads, lock, world=1) -> int | None:
+    """Start the ranks, each with ``threads`` compute threads, in this process or launched
+    alike; the launcher's exit code (None: ran in-process and finished). A single rank under
+    a memory limit (a cgroup's) runs as a child process, so that a kill by the limit can be
+    reported instead of killing this command too."""
     from hpcpar.launch.launcher import run_ranks
     from hpcpar.launch.mpiexec import rank_env
     from hpcpar.launch.oom import memory_limit
+    from hpcpar.launch.threads import thread_env, use_threads
 
     if mode == "direct" and (world > 1 or memory_limit() is None):
         from hpcpar.run.trainer import main as rank_main
 
+        use_threads(threads)
         rank_main(argv[3:], on_exit=lock.release)
         return None
-    extra = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS",
-                                               str(job.resources.cpus_per_task))}
+    extra = thread_env(threads)
     if sys.stderr.isatty():
         extra["HPCPAR_PROGRESS"] = "1"
     return run_ranks(cmd, rank_env(extra))

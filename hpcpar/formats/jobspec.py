@@ -20,7 +20,7 @@ import tomllib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpcpar.errors import ConfigError, HpcparError
 from hpcpar.formats.kinds import REQUIRED, SEED_MAX, Param
@@ -49,7 +49,7 @@ SCHEMA: dict[str, dict[str, Param]] = {
     "grid": {a: _p(int, -1 if a == "data" else 1, min=-1,
                    help="ranks along this axis (-1: inferred from the rank count)")
              for a in AXES},
-    "model": {"kind": _p(str, help="cosmoflow, unet3d, gcn, sage, an installed package's kind "
+    "model": {"kind": _p(str, help="cosmoflow, unet3d, gcn, sage, gat, an installed package's kind "
                                    "(entry point group hpcpar.workloads), or "
                                    "'package.module:Workload'"),
               "check": _p(bool, True, help="spatialized models: compare the first step with "
@@ -72,7 +72,8 @@ SCHEMA: dict[str, dict[str, Param]] = {
         "lr_gamma": _p(float, 0.1, min=0.0, max=1.0, help="step schedule: decay factor"),
         "min_lr": _p(float, 0.0, min=0.0, help="cosine schedule floor"),
         "seed": _p(int, 0, min=0, max=SEED_MAX),
-        "precision": _p(str, "fp32", choices=("fp32", "bf16"), help="bf16 = autocast"),
+        "precision": _p(str, "fp32", choices=("fp32", "bf16", "fp16"),
+                        help="bf16/fp16 = autocast; fp16 adds dynamic loss scaling"),
         "channels_last": _p(bool, True, help="volume models: channels_last_3d inputs "
                             "(oneDNN's native order: the demo jobs' steps 1.4-2.6x faster)"),
         "val_every": _p(int, 0, min=0, help="validate every N steps (0: only at the end)"),
@@ -83,6 +84,17 @@ SCHEMA: dict[str, dict[str, Param]] = {
                         help="who reduces gradient buckets: MPI, or NCCL (CUDA models)"),
         "check_replicas_every": _p(int, 100, min=0, help="compare every replicated "
                                    "parameter's checksum across ranks every N steps (0: never)"),
+        "accumulate": _p(int, 1, min=1, help="micro-batches (each of global_batch samples) "
+                         "per optimizer step; the gradient sync runs on the last only"),
+        "clip_grad_norm": _p(float, 0.0, min=0.0, help="clip the global gradient 2-norm (of "
+                             "the single-process model) to this value after the sync (0: off)"),
+        "shard_optimizer": _p(bool, False, help="split the optimizer state and the reduced "
+                              "gradients over the ranks that replicate each parameter "
+                              "(ZeRO-1/2 style; exact, checkpoints unchanged)"),
+        "init_from": _p(str, None, help="a new run starts from these weights: a torch.save'd "
+                        "state_dict of the plain single-process model (loaded weights_only)"),
+        "init_strict": _p(bool, True, help="init_from: every key must match (false: load the "
+                          "matching keys, warn about the others)"),
     },
     "ddp": {
         "bucket_cap_mb": _p(float, 25.0, min=0.0),
@@ -94,6 +106,8 @@ SCHEMA: dict[str, dict[str, Param]] = {
         "every": _p(int, 0, min=0, help="checkpoint every N steps (0: only at end/signal)"),
         "keep": _p(int, 3, min=1, help="keep the newest K checkpoints"),
         "at_end": _p(bool, True, help="checkpoint after the last step"),
+        "async": _p(bool, True, help="copy the state to memory at the step boundary and "
+                    "write it in a background thread (false: training waits for the write)"),
     },
     "resources": {
         "nodes": _p(int, 1, min=1),
@@ -165,6 +179,9 @@ class Section:
         self.__dict__.update(values)
         self.params = dict(params or {})
 
+    if TYPE_CHECKING:  # the section's keys are set as attributes: tell the type checker
+        def __getattr__(self, name: str) -> Any: ...
+
     def as_dict(self) -> dict:
         """Every key of the section, the kind-specific ones included."""
         out = {k: v for k, v in self.__dict__.items() if not k.startswith("_") and k != "params"}
@@ -212,7 +229,7 @@ class JobSpec:
     def grid_shape(self) -> tuple[int, int, int, int]:
         """``[grid]`` as ``(data, x, y, z)``; one axis may still be -1."""
         g = self.sections["grid"]
-        return tuple(getattr(g, a) for a in AXES)  # type: ignore[return-value]
+        return tuple(getattr(g, a) for a in AXES)
 
     def to_dict(self) -> dict:
         """Section name -> every key of the section (what ``RUN/job.json`` stores)."""
@@ -417,7 +434,7 @@ def _coerce_override(value, spec: Param | None):
     return value
 
 
-def _read_toml(path: str) -> dict:
+def _read_toml(path: str | os.PathLike) -> dict:
     p = Path(path)
     if not p.exists():
         raise ConfigError(f"{path}: job file not found")

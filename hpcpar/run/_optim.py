@@ -41,6 +41,16 @@ def build_optimizer(train, param_groups):
                           **common)
 
 
+def build_training_optimizer(train, param_groups, wrapped):
+    """:func:`build_optimizer`, or with ``[train] shard_optimizer`` the same optimizer sharded
+    over each parameter's replicas by the gradient sync ``wrapped`` (hpcpar.sync.sharded)."""
+    if not getattr(train, "shard_optimizer", False):
+        return build_optimizer(train, param_groups)
+    from hpcpar.sync.sharded import ShardedOptimizer
+
+    return ShardedOptimizer(wrapped, lambda groups: build_optimizer(train, groups), param_groups)
+
+
 class LRFactor:
     """Multiplier of the peak lr at optimizer step ``s`` (0-based): linear warmup over
     ``warmup_steps``, then constant ('constant'/'warmup'), cosine down to ``min_lr``, or step
@@ -70,4 +80,5 @@ class LRFactor:
 def build_scheduler(optimizer, train, total_steps: int):
     import torch
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, LRFactor(train, total_steps))
+    inner = getattr(optimizer, "optimizer", optimizer)   # a ShardedOptimizer's torch one
+    return torch.optim.lr_scheduler.LambdaLR(inner, LRFactor(train, total_steps))

@@ -5,9 +5,19 @@ Layout (one directory per checkpoint, ``N`` = steps completed)::
     RUN/checkpoints/step-000100/
         model.pt           FULL unpartitioned model state_dict (plain torch, weights_only-safe):
                            loads into the single-process model with torch.load(weights_only=True)
-        trainer.pt         optimizer + lr-scheduler state (identical on every rank: replicated)
+        trainer.pt         optimizer + lr-scheduler state, global like model.pt: the state of a
+                           sharded (tensor-parallel) parameter is gathered to its full shape
         rank-00000.pt ...  per rank: RNG states, data-loader position, local buffers
         manifest.json      step, epoch, grid, world size, sha256 + size of every file
+
+Nothing in a checkpoint depends on the grid it was written on, so it resumes on any grid that
+fits the job (another spatial split, data width or node count): the model and optimizer state
+are global and re-sharded on load; the loader position counts global batches (the sample order
+does not depend on the grid, :mod:`hpcpar.data._schedule`); dropout masks hash global
+coordinates (:mod:`hpcpar.nn.dropout`), and every rank draws its seeds from the same
+generator state. What a rank file holds is therefore the same on every rank of a data group
+(buffers may differ between data groups when batch norm does not reduce over them), and a rank
+of the new grid takes the file of :func:`source_rank`.
 
 Writing is collective: every rank writes its file into ``.tmp-step-000100/`` and fsyncs it,
 rank 0 adds the shared files and the manifest, fsyncs, renames the directory to its final name
@@ -24,7 +34,6 @@ methods: ``module.full_state_dict()`` returns the gathered single-process entrie
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -34,13 +43,18 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from hpcpar._digest import sha256_file
 from hpcpar.errors import RunDirError
 
 __all__ = ["MANIFEST", "FORMAT_VERSION", "PREFIX", "step_dir_name", "rank_file", "full_state_dict",
            "load_full_state_dict", "local_buffers", "rng_state", "set_rng_state", "sha256_file",
            "checkpoint_step", "list_checkpoints", "check_step", "verify", "save",
+           "in_memory", "temp_dir", "prepare", "write_part", "commit", "finish",
            "find_resumable", "CORRUPT_SUFFIX", "set_aside", "choose_resumable", "rotated",
-           "check_optimizer", "nonfinite_entries", "check_compatible", "source_rank", "load"]
+           "check_optimizer", "nonfinite_entries", "check_compatible", "grid_change",
+           "source_rank", "full_optimizer_state", "load_full_optimizer_state", "restore_buffers",
+           "load",
+           "check_chosen"]
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -74,7 +88,7 @@ def rank_file(rank: int) -> str:
 # -- full (unpartitioned) model state ------------------------------------------------------------
 def _hooked_modules(model, attr: str):
     """(prefix, module) of the outermost submodules defining ``attr`` (deterministic order)."""
-    found = []
+    found: list = []
     for name, mod in model.named_modules():
         if callable(getattr(mod, attr, None)) and not any(
                 name == p or name.startswith(p + ".") if p else True for p, _ in found):
@@ -164,6 +178,7 @@ def rng_state() -> dict:
     import torch
 
     np_state = np.random.get_state()
+    assert isinstance(np_state, tuple)  # the legacy form, which get_state returns by default
     pyver, pystate, pygauss = random.getstate()
     out = {"python": [pyver, list(pystate), pygauss],
            "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)),
@@ -194,22 +209,6 @@ def set_rng_state(state: dict) -> None:
 
 
 # -- files -----------------------------------------------------------------------------------------
-def sha256_file(path: str | os.PathLike) -> str:
-    """Checksum a file, to detect corrupt checkpoint files.
-
-    Args:
-        path: File to read.
-
-    Returns:
-        The hex SHA-256 digest of the file's contents.
-    """
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _fsync_path(path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -226,6 +225,19 @@ def _save(obj, path: Path) -> dict:
         f.flush()
         os.fsync(f.fileno())
     return {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+
+
+def _remove(path: Path) -> None:
+    """Delete a checkpoint so that a kill midway never leaves a part of it under its name:
+    renamed out of the ``step-N`` names first (atomic), then removed; best effort, as
+    rotation always was (a checkpoint that cannot be renamed stays whole)."""
+    doomed = path.with_name(f".old-{path.name}")
+    shutil.rmtree(doomed, ignore_errors=True)     # left by a kill during an earlier removal
+    try:
+        os.rename(path, doomed)
+    except OSError:
+        return
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def checkpoint_step(path: str | os.PathLike) -> int | None:
@@ -259,7 +271,7 @@ def list_checkpoints(ckpt_dir: str | os.PathLike) -> list[Path]:
     if not d.is_dir():
         return []
     found = [p for p in d.iterdir() if p.is_dir() and checkpoint_step(p) is not None]
-    return sorted(found, key=checkpoint_step, reverse=True)
+    return sorted(found, key=lambda p: checkpoint_step(p) or 0, reverse=True)
 
 
 def _check_manifest(path: Path, manifest: Any) -> dict:
@@ -350,9 +362,168 @@ def verify(path: str | os.PathLike) -> dict:
 
 
 # -- collective save / load -----------------------------------------------------------------------
+def in_memory(obj: Any) -> Any:
+    """A copy of ``obj`` that training can no longer change: every tensor copied to CPU memory,
+    containers rebuilt, anything else deep-copied. What an asynchronous checkpoint writes
+    while the next steps run (the optimizer's ``state_dict()`` holds its live tensors).
+
+    Args:
+        obj: Nested dicts, lists and tuples of tensors and plain values.
+
+    Returns:
+        The copy.
+    """
+    import copy
+
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: in_memory(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(in_memory(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+def temp_dir(ckpt_dir: str | os.PathLike, step: int) -> Path:
+    """Where the files of checkpoint ``step`` are written before :func:`commit` names it."""
+    return Path(ckpt_dir) / f".tmp-{step_dir_name(step)}"
+
+
+def prepare(ckpt_dir: str | os.PathLike, step: int, comm: Any) -> Path:
+    """Collective: rank 0 makes the empty temporary directory of checkpoint ``step``.
+
+    Args:
+        ckpt_dir: Directory holding the checkpoints; created when missing.
+        step: Training step the checkpoint is written at.
+        comm: MPI communicator of all ranks.
+
+    Returns:
+        The temporary directory (:func:`temp_dir`).
+
+    Raises:
+        RunDirError: On every rank, when it cannot be made.
+    """
+    tmp, err = temp_dir(ckpt_dir, step), None
+    if comm.Get_rank() == 0:
+        try:
+            Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+        except OSError as exc:
+            err = f"cannot create {tmp}: {exc}"
+    err = comm.bcast(err, root=0)
+    if err:
+        raise RunDirError(err)
+    return tmp
+
+
+def write_part(tmp: Path, rank: int, *, model_state: dict | None, trainer_state: dict,
+               rank_state: dict) -> dict:
+    """This rank's files of a checkpoint, each fsynced; calls no MPI, so a background
+    thread may run it.
+
+    Args:
+        tmp: The temporary directory (:func:`prepare`).
+        rank: This rank: rank 0 also writes the model and trainer state.
+        model_state: Full state_dict (used on rank 0 only).
+        trainer_state: Trainer state (used on rank 0 only).
+        rank_state: This rank's own state.
+
+    Returns:
+        File name to its ``bytes`` and ``sha256``, or ``{"error": one line}`` when a file
+        could not be written.
+    """
+    mine: dict[str, Any] = {}
+    try:
+        mine[rank_file(rank)] = _save(rank_state, tmp / rank_file(rank))
+        if rank == 0:
+            mine["model.pt"] = _save(model_state, tmp / "model.pt")
+            mine["trainer.pt"] = _save(trainer_state, tmp / "trainer.pt")
+    except OSError as exc:
+        mine = {"error": f"rank {rank}: {exc}"}
+    return mine
+
+
+def commit(ckpt_dir: str | os.PathLike, step: int, *, comm: Any, mine: dict, info: dict,
+           keep: int) -> Path:
+    """Collective, once every rank wrote its part (:func:`write_part`): rank 0 finishes the
+    checkpoint (:func:`finish`).
+
+    Args:
+        ckpt_dir: Directory holding the checkpoints.
+        step: Training step the checkpoint was taken at.
+        comm: MPI communicator of all ranks.
+        mine: What :func:`write_part` returned on this rank.
+        info: Extra entries for the manifest.
+        keep: How many of the newest checkpoints to keep.
+
+    Returns:
+        The final path of the checkpoint directory.
+
+    Raises:
+        RunDirError: On every rank, when any rank could not write its part or the checkpoint
+            could not be finished.
+    """
+    parts = comm.gather(mine, root=0)
+    err = finish(ckpt_dir, step, parts=parts, world_size=comm.Get_size(), info=info,
+                 keep=keep) if comm.Get_rank() == 0 else None
+    err = comm.bcast(err, root=0)
+    if err:
+        raise RunDirError(err)
+    return Path(ckpt_dir) / step_dir_name(step)
+
+
+def finish(ckpt_dir: str | os.PathLike, step: int, *, parts: list[dict], world_size: int,
+           info: dict, keep: int) -> str | None:
+    """Rank 0's end of a checkpoint, given every rank's part: writes the manifest, fsyncs,
+    renames the temporary directory to ``step-N`` (the checkpoint exists from this moment),
+    fsyncs the parent and drops the oldest beyond ``keep``. Calls no MPI, so the background
+    writer runs it in a thread.
+
+    Args:
+        ckpt_dir: Directory holding the checkpoints.
+        step: Training step the checkpoint was taken at.
+        parts: What :func:`write_part` returned on each rank.
+        world_size: Number of ranks.
+        info: Extra entries for the manifest.
+        keep: How many of the newest checkpoints to keep.
+
+    Returns:
+        None, or one line saying why the checkpoint could not be finished.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    final, tmp = ckpt_dir / step_dir_name(step), temp_dir(ckpt_dir, step)
+    try:
+        errors = [g["error"] for g in parts if "error" in g]
+        if errors:
+            raise OSError(errors[0])
+        files = {k: v for g in parts for k, v in g.items()}
+        manifest = {"format": FORMAT_VERSION, "step": step, "world_size": world_size,
+                    "files": files, **info}
+        with open(tmp / MANIFEST, "w") as f:
+            json.dump(manifest, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_path(tmp)
+        if final.exists():          # same step written before (e.g. redone after resume)
+            _remove(final)
+        os.rename(tmp, final)
+        _fsync_path(ckpt_dir)
+        for old in rotated(ckpt_dir, step, keep):
+            _remove(old)
+    except OSError as exc:
+        return f"checkpoint {final} failed: {exc}"
+    return None
+
+
 def save(ckpt_dir: str | os.PathLike, step: int, *, comm: Any, model_state: dict | None,
          trainer_state: dict, rank_state: dict, info: dict, keep: int) -> Path:
-    """Collective: write checkpoint ``step`` atomically, then drop the oldest beyond ``keep``.
+    """Collective: write checkpoint ``step`` atomically, then drop the oldest beyond ``keep``
+    (:func:`prepare`, :func:`write_part`, :func:`commit` in a row; the background writer,
+    :mod:`hpcpar.run.checkpoint_writer`, runs the middle one in a thread).
 
     Args:
         ckpt_dir: Directory holding the checkpoints; created when missing.
@@ -372,57 +543,10 @@ def save(ckpt_dir: str | os.PathLike, step: int, *, comm: Any, model_state: dict
         RunDirError: On every rank, when any rank could not write its part or the checkpoint
             could not be finished.
     """
-    rank, size = comm.Get_rank(), comm.Get_size()
-    ckpt_dir = Path(ckpt_dir)
-    final = ckpt_dir / step_dir_name(step)
-    tmp = ckpt_dir / f".tmp-{step_dir_name(step)}"
-    err = None
-    if rank == 0:
-        try:
-            ckpt_dir.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir()
-        except OSError as exc:
-            err = f"cannot create {tmp}: {exc}"
-    err = comm.bcast(err, root=0)
-    if err:
-        raise RunDirError(err)
-    mine = {}
-    try:
-        mine[rank_file(rank)] = _save(rank_state, tmp / rank_file(rank))
-        if rank == 0:
-            mine["model.pt"] = _save(model_state, tmp / "model.pt")
-            mine["trainer.pt"] = _save(trainer_state, tmp / "trainer.pt")
-    except OSError as exc:
-        mine = {"error": f"rank {rank}: {exc}"}
-    gathered = comm.gather(mine, root=0)
-    err = None
-    if rank == 0:
-        errors = [g["error"] for g in gathered if "error" in g]
-        try:
-            if errors:
-                raise OSError(errors[0])
-            files = {k: v for g in gathered for k, v in g.items()}
-            manifest = {"format": FORMAT_VERSION, "step": step, "world_size": size,
-                        "files": files, **info}
-            with open(tmp / MANIFEST, "w") as f:
-                json.dump(manifest, f, indent=1, sort_keys=True)
-                f.flush()
-                os.fsync(f.fileno())
-            _fsync_path(tmp)
-            if final.exists():          # same step written before (e.g. redone after resume)
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            _fsync_path(ckpt_dir)
-            for old in rotated(ckpt_dir, step, keep):
-                shutil.rmtree(old, ignore_errors=True)
-        except OSError as exc:
-            err = f"checkpoint {final} failed: {exc}"
-    err = comm.bcast(err, root=0)
-    if err:
-        raise RunDirError(err)
-    return final
+    tmp = prepare(ckpt_dir, step, comm)
+    mine = write_part(tmp, comm.Get_rank(), model_state=model_state,
+                      trainer_state=trainer_state, rank_state=rank_state)
+    return commit(ckpt_dir, step, comm=comm, mine=mine, info=info, keep=keep)
 
 
 def rotated(ckpt_dir: str | os.PathLike, step: int, keep: int) -> list[Path]:
@@ -438,7 +562,7 @@ def rotated(ckpt_dir: str | os.PathLike, step: int, keep: int) -> list[Path]:
     Returns:
         The checkpoint directories to delete.
     """
-    mine = [p for p in list_checkpoints(ckpt_dir) if checkpoint_step(p) <= step]
+    mine = [p for p in list_checkpoints(ckpt_dir) if (checkpoint_step(p) or 0) <= step]
     return mine[max(keep, 1):]
 
 
@@ -475,22 +599,23 @@ def find_resumable(ckpt_dir: str | os.PathLike, comm: Any,
 CORRUPT_SUFFIX = ".corrupt"
 
 
-def set_aside(path: str | os.PathLike) -> Path:
+def set_aside(path: str | os.PathLike, suffix: str = CORRUPT_SUFFIX) -> Path:
     """Rename a corrupt checkpoint aside: kept for the user, never resumed from nor rotated away.
 
     The new name is ``step-N.corrupt`` (``.corrupt-2``, ... if taken).
 
     Args:
         path: The corrupt checkpoint directory.
+        suffix: What the name gets (another reason to keep a checkpoint aside).
 
     Returns:
         The checkpoint's new path.
     """
     path = Path(path)
-    dest, n = path.with_name(path.name + CORRUPT_SUFFIX), 1
+    dest, n = path.with_name(path.name + suffix), 1
     while dest.exists():
         n += 1
-        dest = path.with_name(f"{path.name}{CORRUPT_SUFFIX}-{n}")
+        dest = path.with_name(f"{path.name}{suffix}-{n}")
     os.rename(path, dest)
     return dest
 
@@ -545,9 +670,9 @@ def choose_resumable(ckpt_dir: str | os.PathLike, comm: Any,
             log(f"warning: skipping corrupt checkpoint: {path}: {why}; kept as {kept}")
     choice, error = comm.bcast((choice, error), root=0)
     if error:
-        exc = RunDirError(error)
-        exc.collective = True
-        raise exc
+        failure = RunDirError(error)
+        failure.collective = True
+        raise failure
     return Path(choice) if choice else None
 
 
@@ -598,10 +723,11 @@ def nonfinite_entries(state: dict) -> list[str]:
 
 
 def check_compatible(path: str | os.PathLike, shape: Sequence[int]) -> dict:
-    """Check that this grid can resume a checkpoint: same spatial split, any data width.
+    """Read the manifest of a checkpoint to resume on grid ``shape``.
 
-    A job that lost nodes resumes on a smaller data width. Every rank calls this with the same
-    arguments, so all raise together.
+    Any grid resumes any checkpoint (module docstring): whether the grid fits the job (its
+    split of the sample, the data width of the global batch) is the job's and the model's
+    check, made before any checkpoint is read. Every rank calls this with the same arguments.
 
     Args:
         path: Checkpoint directory.
@@ -611,7 +737,6 @@ def check_compatible(path: str | os.PathLike, shape: Sequence[int]) -> dict:
         The checkpoint's manifest.
 
     Raises:
-        RunDirError: The checkpoint was written with another spatial split.
         ValueError: An unreadable manifest (resume skips it: :func:`choose_resumable`).
     """
     try:
@@ -619,13 +744,24 @@ def check_compatible(path: str | os.PathLike, shape: Sequence[int]) -> dict:
         old = _grid_shape(manifest)
     except (RecursionError, AttributeError, ValueError) as exc:   # not a JSON object/grid
         raise ValueError(f"{path}: unreadable manifest ({type(exc).__name__})") from None
-    if tuple(old[1:]) != tuple(shape[1:]):
-        spec = "x".join(map(str, shape))
-        raise RunDirError(f"{path}: written by grid {manifest.get('grid')}, this run is grid "
-                          f"{spec}: a checkpoint resumes on another data width but not on "
-                          f"another spatial split; use --grid DATAx{'x'.join(map(str, old[1:]))}"
-                          f" or --fresh")
+    if len(old) != 4 or min(old) < 1 or len(shape) != 4:
+        raise ValueError(f"{path}: unreadable manifest (grid {manifest.get('grid')!r})")
     return manifest
+
+
+def grid_change(manifest: dict, shape: Sequence[int]) -> str | None:
+    """The one line saying a checkpoint resumes on another grid, or None on the same grid.
+
+    Args:
+        manifest: The checkpoint's manifest.
+        shape: This run's grid shape, (data, X, Y, Z).
+
+    Returns:
+        ``resuming step N of grid A on grid B``, or None when A is B.
+    """
+    old, new = "x".join(map(str, _grid_shape(manifest))), "x".join(map(str, shape))
+    return None if old == new else f"resuming step {manifest.get('step')} of grid {old} on " \
+                                   f"grid {new}"
 
 
 def _grid_shape(manifest: dict) -> tuple[int, ...]:
@@ -635,8 +771,10 @@ def _grid_shape(manifest: dict) -> tuple[int, ...]:
 def source_rank(manifest: dict, coords: Sequence[int]) -> int:
     """Pick the checkpoint rank whose per-rank file (RNG, loader position, buffers) a rank takes.
 
-    That is the rank at the same spatial place, with data index ``d`` modulo the old data
-    width (identical to this rank when the grid is unchanged).
+    Data index ``d`` modulo the old data width (buffers may differ between data groups);
+    within it, the rank at the same spatial place when the spatial split is unchanged (so an
+    unchanged grid reads its own files), else the group's first rank: the files of a data
+    group are alike (module docstring).
 
     Args:
         manifest: The checkpoint's manifest (it names the old grid).
@@ -647,7 +785,115 @@ def source_rank(manifest: dict, coords: Sequence[int]) -> int:
     """
     old_d, x, y, z = _grid_shape(manifest)
     d, i, j, k = coords
+    fits = i < x and j < y and k < z
+    i, j, k = (i, j, k) if fits else (0, 0, 0)
     return i + x * (j + y * (k + z * (d % old_d)))
+
+
+def restore_buffers(model: Any, saved: dict) -> None:
+    """Copy a rank file's buffers into the model: those it has, of the same shape (a buffer
+    whose shape depends on the split is no state of the model and is left as built).
+
+    Args:
+        model: The model, possibly wrapped (its ``module`` is used).
+        saved: Buffer name to tensor, as :func:`local_buffers` returned.
+    """
+    import torch
+
+    model = getattr(model, "module", model)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            value = saved.get(name)
+            if value is not None and tuple(value.shape) == tuple(buf.shape):
+                buf.copy_(value)
+
+
+# -- global optimizer state -----------------------------------------------------------------------
+def _sharded_state(model: Any, optimizer: Any):
+    """(module, [(parameter name, index in the optimizer's state_dict, parameter)], state
+    keys) of each sharded module (one with ``full_state_dict``), in the same order on every
+    rank; the keys are those of its parameters' state tensors with the parameter's number of
+    dimensions (its shard's shape, or the full shape once a saved state is loaded)."""
+    model = getattr(model, "module", model)
+    index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups
+                                            for p in g["params"])}
+    for _, mod in _hooked_modules(model, "full_state_dict"):
+        params = [(n, index[id(p)], p) for n, p in mod.named_parameters() if id(p) in index]
+        keys = sorted({k for _, _, p in params for k, v in optimizer.state.get(p, {}).items()
+                       if hasattr(v, "dim") and v.dim() == p.dim() > 0})
+        if params and keys:
+            yield mod, params, keys
+
+
+def _swapped(params, tensors: dict, fn, *args):
+    """Call ``fn(*args)`` with each parameter's data replaced by ``tensors[name]`` (restored
+    after): the module's own gather and scatter then move optimizer state like weights."""
+    kept = [p.data for _, _, p in params]
+    try:
+        for name, _, p in params:
+            p.data = tensors[name]
+        return fn(*args)
+    finally:
+        for (_, _, p), data in zip(params, kept):
+            p.data = data
+
+
+def full_optimizer_state(model: Any, optimizer: Any) -> dict:
+    """The optimizer's state_dict with every sharded parameter's state gathered to its full
+    shape (collective when the model has sharded modules), so it loads on any grid.
+
+    Args:
+        model: The model the optimizer trains, possibly wrapped or partitioned.
+        optimizer: The optimizer.
+
+    Returns:
+        ``optimizer.state_dict()``, sharded state replaced by full tensors (the optimizer's
+        own state is not modified).
+    """
+    if hasattr(optimizer, "consolidated"):   # [train] shard_optimizer: the plain optimizer
+        optimizer = optimizer.consolidated()
+    sd = optimizer.state_dict()
+    state = dict(sd["state"])
+    for mod, params, keys in _sharded_state(model, optimizer):
+        for key in keys:
+            have = {n: optimizer.state[p][key] if key in optimizer.state.get(p, {})
+                    else p.data for n, _, p in params}
+            full = _swapped(params, have, mod.full_state_dict)
+            for name, i, p in params:
+                if key in optimizer.state.get(p, {}):
+                    state[i] = dict(state[i], **{key: full[name].detach().cpu().clone()})
+    return dict(sd, state=state)
+
+
+def load_full_optimizer_state(model: Any, optimizer: Any, saved: dict) -> None:
+    """Load what :func:`full_optimizer_state` saved, re-sharding each sharded parameter's state
+    for this grid (collective when the model has sharded modules); state saved at the shard's
+    own shape (a checkpoint of an older hpcpar) loads unchanged.
+
+    Args:
+        model: The model the optimizer trains, possibly wrapped or partitioned.
+        optimizer: The optimizer.
+        saved: The saved optimizer state_dict.
+    """
+    import torch
+
+    if hasattr(optimizer, "load_consolidated"):   # [train] shard_optimizer: slice a plain one
+        plain = optimizer.twin()
+        load_full_optimizer_state(model, plain, saved)
+        optimizer.load_consolidated(plain)
+        return
+    optimizer.load_state_dict(saved)
+    for mod, params, keys in _sharded_state(model, optimizer):
+        full = mod.full_state_dict()                  # full shapes, and entries to keep
+        for key in keys:
+            given = {n: optimizer.state[p][key] for n, _, p in params
+                     if key in optimizer.state.get(p, {})
+                     and optimizer.state[p][key].shape == full[n].shape}
+            scratch = {n: torch.empty_like(p.data) for n, _, p in params}
+            _swapped(params, scratch, mod.load_full_state_dict, dict(full, **given))
+            for name, _, p in params:
+                if name in given:
+                    optimizer.state[p][key] = scratch[name]
 
 
 def load(path: str | os.PathLike, rank: int) -> tuple[dict, dict, dict, dict]:
@@ -679,3 +925,56 @@ def load(path: str | os.PathLike, rank: int) -> tuple[dict, dict, dict, dict]:
         exc.collective = True      # the same files on every rank: the same error
         raise
     return manifest, rd("model.pt"), trainer, rd(rank_file(rank))
+
+
+def check_chosen(path: str | os.PathLike, shape: Sequence[int], kind: str,
+                 comm: Any = None) -> dict:
+    """Check a checkpoint chosen by the user (``hpcpar run --from``): it exists, verifies
+    (:func:`verify`), was written by the same ``[model] kind`` and resumes on this grid
+    (:func:`check_compatible`). Rank 0 checks; every rank gets its result or its error.
+
+    Args:
+        path: The checkpoint directory, of this run directory or another.
+        shape: This run's grid shape, (data, X, Y, Z).
+        kind: This job's ``[model] kind``.
+        comm: MPI communicator of all ranks; None checks in this process alone.
+
+    Returns:
+        The checkpoint's manifest.
+
+    Raises:
+        RunDirError: One line naming the checkpoint: missing, damaged or written by an
+            incompatible job.
+    """
+    out: tuple[str, Any] | None = None
+    if comm is None or comm.Get_rank() == 0:
+        try:
+            out = ("ok", _check_chosen(Path(path), shape, kind))
+        except RunDirError as exc:
+            out = ("error", str(exc))
+    if comm is not None:
+        out = comm.bcast(out, root=0)
+    assert out is not None  # rank 0's verdict
+    if out[0] == "error":
+        raise RunDirError(out[1])
+    return out[1]
+
+
+def _check_chosen(path: Path, shape: Sequence[int], kind: str) -> dict:
+    if not path.is_dir():
+        raise RunDirError(f"--from {path}: no such checkpoint directory")
+    if checkpoint_step(path) is None:
+        raise RunDirError(f"--from {path}: not a checkpoint directory (expected a "
+                          f"{PREFIX}NNNNNN directory of a run's checkpoints/)")
+    try:
+        manifest = verify(path)
+    except RunDirError as exc:
+        raise RunDirError(f"--from {exc}: choose another checkpoint") from None
+    if manifest.get("kind") not in (None, kind):
+        raise RunDirError(f"--from {path}: written by a job of [model] kind "
+                          f"{manifest.get('kind')!r}, this job's is {kind!r}")
+    try:
+        check_compatible(path, shape)
+    except (ValueError, RunDirError) as exc:
+        raise RunDirError(f"--from {exc}") from None
+    return manifest

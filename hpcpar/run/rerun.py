@@ -27,10 +27,21 @@ from hpcpar.errors import (
     RunDirError,
 )
 from hpcpar.run import rundir
-from hpcpar.run.checkpoint import check_compatible, list_checkpoints
+from hpcpar.run.checkpoint import (
+    check_chosen,
+    check_compatible,
+    checkpoint_step,
+    grid_change,
+    list_checkpoints,
+    set_aside,
+)
 
-__all__ = ["default_run_dir", "check_grid", "decide", "prepare", "copy_job_file", "segments",
-           "settle_settings", "agreed", "outcome"]
+__all__ = ["default_run_dir", "grid_report", "check_from", "decide", "prepare", "supersede",
+           "SUPERSEDED_SUFFIX", "copy_job_file", "segments", "settle_settings", "agreed",
+           "outcome"]
+
+#: suffix of the checkpoints newer than the one ``--from`` resumed: kept, never resumed
+SUPERSEDED_SUFFIX = ".superseded"
 
 Say = Callable[[str], None]
 
@@ -47,21 +58,48 @@ def default_run_dir(job) -> str:
     return os.path.join("runs", job.name)
 
 
-def check_grid(run_dir: Path, grid_spec: str) -> None:
-    """Fail early (one line) when the newest readable checkpoint cannot resume on this grid
-    (the rule is :func:`hpcpar.run.checkpoint.check_compatible`'s)."""
-    shape = tuple(int(v) for v in grid_spec.split("x"))
-    for path in list_checkpoints(run_dir / "checkpoints"):
+def _is_grid(change: tuple) -> bool:
+    """A ``[grid]`` setting: free to change between segments (a checkpoint resumes on any
+    grid, :mod:`hpcpar.run.checkpoint`)."""
+    return change[0].startswith("grid.")
+
+
+def grid_report(run_dir: Path, shape, start_from: Path | None = None) -> str | None:
+    """The one line a rerun on another grid prints: ``resuming step N of grid A on grid B``
+    from ``start_from`` or the newest readable checkpoint (the ranks skip a corrupt one and
+    the closing line names the one they took); None when it was written on this grid."""
+    paths = [start_from] if start_from is not None else \
+        list_checkpoints(run_dir / "checkpoints")
+    for path in paths:
         try:
-            check_compatible(path, shape)
+            change = grid_change(check_compatible(path, shape), shape)
         except (OSError, ValueError):
             continue   # an unreadable manifest: the ranks check it
+        return None if change is None else f"hpcpar: {change}"
+    return (f"hpcpar: grid {'x'.join(map(str, shape))}: no checkpoint in {run_dir} to resume, "
+            f"starting at step 0")
+
+
+def check_from(rd: Path, job, grid_spec: str, start_from: Path | None, fresh: bool) -> None:
+    """``--from CHECKPOINT``: it must verify and fit the job and grid
+    (:func:`hpcpar.run.checkpoint.check_chosen`), and ``--fresh`` would move it aside when it
+    is one of the run directory's own."""
+    if start_from is None:
         return
+    shape = tuple(int(v) for v in grid_spec.split("x"))
+    check_chosen(start_from, shape, job.model.kind)
+    if fresh and start_from.resolve().is_relative_to(rd.resolve()):
+        raise RunDirError(f"--from {start_from} with --fresh: --fresh moves the run "
+                          f"directory's checkpoints aside, this one included; copy it out "
+                          f"first, or drop --fresh")
 
 
-def decide(rd: Path, job, grid_spec: str, fresh: bool, new_settings: bool) -> tuple:
+def decide(rd: Path, job, grid_spec: str, fresh: bool, new_settings: bool,
+           start_from: Path | None = None) -> tuple:
     """Read-only: what to do with run directory ``rd``: ("run", diff), ("finished", message);
-    raises a one-line error (nothing in ``rd`` changed) when the rerun is refused."""
+    raises a one-line error (nothing in ``rd`` changed) when the rerun is refused. With
+    ``start_from`` (``--from``) a finished run runs again from that checkpoint."""
+    check_from(rd, job, grid_spec, start_from, fresh)
     if rd.exists() and not rd.is_dir():
         raise RunDirError(f"--run-dir {rd}: exists and is not a directory")
     if rd.is_symlink() and not rd.exists():
@@ -73,15 +111,16 @@ def decide(rd: Path, job, grid_spec: str, fresh: bool, new_settings: bool) -> tu
     if fresh:
         return "run", []
     diff = rundir.check_settings(rd, job.to_dict())
-    if diff and not new_settings:
+    settings = [c for c in diff if not _is_grid(c)]
+    if settings and not new_settings:
         raise RunDirError(f"{rd}: settings differ from the run in this directory (job.json): "
-                          f"{rundir.describe_diff(diff)}; run with the same settings to resume, "
-                          f"--new-settings to continue with these, --fresh to start over (old "
-                          f"files moved aside), or another --run-dir")
-    if not any(k.startswith("grid.") for k, _, _ in diff):
-        check_grid(rd, grid_spec)
+                          f"{rundir.describe_diff(settings)}; run with the same settings to "
+                          f"resume (--grid may change), --new-settings to continue with these, "
+                          f"--fresh to start over (old files moved aside), or another --run-dir")
+    if start_from is not None:
+        return "run", diff
     meta = rundir.finished_status(rd)
-    if meta is not None and not diff:
+    if meta is not None and not settings:
         steps = (meta.get("job") or {}).get("train", {}).get("steps")
         return "finished", (f"hpcpar: {rd}: already finished (status ok"
                             + (f", {steps} steps" if steps else "") + "); nothing to do "
@@ -89,16 +128,28 @@ def decide(rd: Path, job, grid_spec: str, fresh: bool, new_settings: bool) -> tu
     return "run", diff
 
 
-def prepare(rd: Path, job, job_file: str, diff: list, fresh: bool, say: Say = _stderr) -> Path:
-    """With the lock held: move old files aside (--fresh) and write the job the ranks read,
-    returned. With changed settings (--new-settings) that is ``job.next.json``: it replaces
-    job.json only once the ranks have started (:func:`settle_settings`)."""
+def prepare(rd: Path, job, job_file: str, diff: list, fresh: bool, say: Say = _stderr,
+            start_from: Path | None = None) -> Path:
+    """With the lock held: move old files aside (--fresh), set aside the checkpoints a
+    ``--from`` run supersedes, and write the job the ranks read, returned. With changed
+    settings (--new-settings) that is ``job.next.json``: it replaces job.json only once the
+    ranks have started (:func:`settle_settings`)."""
     if fresh:
         moved = rundir.move_aside(rd, keep=[job_file])
         if moved is not None:
             say(f"hpcpar: --fresh: moved the previous run's files to {moved}")
-    if diff:
-        say(f"hpcpar: --new-settings: continuing with {rundir.describe_diff(diff)}")
+    if start_from is not None:
+        kept = supersede(rd / "checkpoints", start_from)
+        if kept:
+            say(f"hpcpar: --from {start_from}: the run's later checkpoints are kept as "
+                f"{', '.join(kept)} (never resumed)")
+    if any(_is_grid(c) for c in diff):
+        line = grid_report(rd, tuple(job.grid_shape), start_from)
+        if line is not None:
+            say(line)
+    settings = [c for c in diff if not _is_grid(c)]
+    if settings:   # a grid change alone is the new job.json at once: nothing to keep
+        say(f"hpcpar: --new-settings: continuing with {rundir.describe_diff(settings)}")
         path = rd / "job.next.json"
         path.write_text(job.to_json())
         return path
@@ -108,6 +159,27 @@ def prepare(rd: Path, job, job_file: str, diff: list, fresh: bool, say: Say = _s
         path.write_text(text)
     copy_job_file(rd, job_file)
     return path
+
+
+def supersede(ckpt_dir: Path, start_from: Path) -> list[str]:
+    """Rename aside (``step-N.superseded``) the checkpoints of ``ckpt_dir`` at or after the
+    step of ``start_from`` (other than itself): a run continued from an older checkpoint makes
+    them another history, which a later plain resume must not pick up as the newest.
+
+    Args:
+        ckpt_dir: The run directory's checkpoints.
+        start_from: The checkpoint ``--from`` names.
+
+    Returns:
+        The new names.
+    """
+    step = checkpoint_step(start_from)
+    assert step is not None, f"{start_from}: not a checkpoint directory"
+    kept = []
+    for path in list_checkpoints(ckpt_dir):  # each has a step
+        if (checkpoint_step(path) or 0) >= step and path.resolve() != start_from.resolve():
+            kept.append(set_aside(path, SUPERSEDED_SUFFIX).name)
+    return kept
 
 
 def copy_job_file(rd: Path, job_file: str) -> None:

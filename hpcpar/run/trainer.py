@@ -12,7 +12,10 @@ same step) and whether any rank saw a non-finite loss or gradient (the divergenc
 ``[train] on_nonfinite = "stop"`` ends the run at that step with exit 4 and status "diverged",
 keeping the last finite checkpoint; ``"skip"`` skips that optimizer step and counts it). Checking
 the gradients costs one read-only pass per step (a sum per gradient; ``isfinite`` only where a
-sum is not finite), less than the fused optimizer step.
+sum is not finite), less than the fused optimizer step. Under ``precision = "fp16"`` the loss is
+scaled (:mod:`hpcpar.run.loss_scale`) and the gradients unscaled before that check; a
+non-finite gradient with every loss finite is an overflow: the step is skipped on every rank,
+the scale backs off alike everywhere, and the run goes on.
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hpcpar import _env
 from hpcpar.errors import (
@@ -34,6 +38,7 @@ from hpcpar.errors import (
     EXIT_OK,
     EXIT_REQUEUE,
     EXIT_USAGE,
+    ConfigError,
     DataError,
     DivergedError,
     HpcparError,
@@ -64,12 +69,15 @@ class TrainResult:
         metrics: The final evaluation metrics.
         skipped_steps: Optimizer steps skipped for a non-finite loss
             (``on_nonfinite = "skip"``).
+        overflow_steps: Optimizer steps skipped for an fp16 gradient overflow
+            (``precision = "fp16"``; not a divergence: the loss scale backs off).
     """
 
     step: int                       # steps completed
     stopped: bool = False           # True: stopped by a signal after checkpointing
     metrics: dict = field(default_factory=dict)
     skipped_steps: int = 0          # optimizer steps skipped (non-finite, on_nonfinite="skip")
+    overflow_steps: int = 0         # optimizer steps skipped for fp16 gradient overflow
 
 
 @dataclass
@@ -80,6 +88,8 @@ class Verdict:
     mean_loss: float = float("nan")
     bad_loss: int = 0               # ranks whose loss is non-finite
     bad_grad: int = 0               # ranks holding a non-finite gradient
+    overflow: bool = False          # fp16: only gradients non-finite (the scale backs off)
+    grad_norm: float = float("nan")  # global gradient 2-norm (only with clip_grad_norm)
 
     @property
     def finite(self) -> bool:
@@ -97,10 +107,11 @@ class _LoopState:
     stopped: bool = False
     last_ckpt: Path | None = None
     epoch: int | None = None
-    it: object = None
-    bar: object = None
+    it: Iterator | None = None
+    bar: Any = None  # a tqdm bar (tqdm ships no types)
     window: list = field(default_factory=list)   # mean losses since the last log line
     diverged: str | None = None     # the one-line reason, when the run diverged
+    grad_norm: float = float("nan")  # the last step's global gradient norm before clipping
 
 
 class RankLog:
@@ -181,30 +192,41 @@ def total_steps(job: JobSpec, steps_per_epoch: int) -> int:
 
     Args:
         job: The job; ``[train] steps`` wins over ``[train] epochs``.
-        steps_per_epoch: Steps in one epoch of the workload.
+        steps_per_epoch: Batches in one epoch of the workload; with ``[train] accumulate = K``
+            an optimizer step takes K of them (a remainder below K is not trained).
 
     Returns:
-        The total number of steps.
+        The total number of optimizer steps.
+
+    Raises:
+        ConfigError: The epochs hold fewer than ``accumulate`` batches.
     """
     t = job.train
-    return int(t.steps) if t.steps is not None else int(t.epochs) * int(steps_per_epoch)
+    if t.steps is not None:
+        return int(t.steps)
+    batches = int(t.epochs) * int(steps_per_epoch)
+    if batches < t.accumulate:
+        raise ConfigError(f"{job.source}: [train] accumulate: {t.accumulate} micro-batches per "
+                          f"step, but [train] epochs = {t.epochs} hold only {batches} batches")
+    return batches // int(t.accumulate)
 
 
 class Trainer:
     """One rank's training run; construction is collective (grid, model, resume)."""
 
     def __init__(self, job, run_dir, *, resume: bool = True, comm=None, device=None,
-                 stop: StopRequest | None = None, callbacks=None):
+                 stop: StopRequest | None = None, callbacks=None,
+                 start_from: str | os.PathLike | None = None):
         import torch
 
         from hpcpar.parallel.grid import ProcessGrid
         from hpcpar.parallel.placement import select_device
-        from hpcpar.run._optim import build_optimizer, build_scheduler
+        from hpcpar.run._optim import build_scheduler, build_training_optimizer
         from hpcpar.run.workloads.base import get_workload
 
         self.job = job
         self.run_dir = Path(run_dir)
-        self.grid = ProcessGrid(*job.grid_shape, comm=comm)
+        self.grid = ProcessGrid.from_spec(job.grid_shape, comm=comm)
         self.comm = self.grid.comm
         self.rank = self.grid.rank
         self.stop = stop if stop is not None else StopRequest()
@@ -214,20 +236,40 @@ class Trainer:
         self.workload = get_workload(job.model.kind)(job, self.grid, self.device)
         self.model = self.workload.build_model()
         self.spe = int(self.workload.steps_per_epoch())
+        self.accumulate = int(job.train.accumulate)
         self.total = total_steps(job, self.spe)
-        self.optimizer = build_optimizer(job.train, self.workload.param_groups(self.model))
-        self.scheduler = build_scheduler(self.optimizer, job.train, self.total)
         self.wrapped = self.workload.wrap(self.model)
-        self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16)
-                         if job.train.precision == "bf16" else None)
+        self.optimizer = build_training_optimizer(
+            job.train, self.workload.param_groups(self.model), self.wrapped)
+        self.scheduler = build_scheduler(self.optimizer, job.train, self.total)
+        self._check_accumulate()
+        half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(job.train.precision)
+        self.autocast = torch.autocast(self.device.type, dtype=half) if half else None
+        self.scaler = None                 # [train] precision = "fp16": the agreed loss scale
+        if job.train.precision == "fp16":
+            from hpcpar.run.loss_scale import LossScaler
+
+            self.scaler = LossScaler()
         self.step = 0
         self.history: list[list] = []      # [step, mean loss] at log points
         self.val_history: list[dict] = []
         self.skipped = 0                   # optimizer steps skipped for non-finite values
+        self.overflows = 0                 # optimizer steps skipped for fp16 overflow
         self.resumed_from: Path | None = None
         self._grads_ok = True              # this rank's gradients of the current step
-        if resume:
+        self._norm_share = None            # [train] clip_grad_norm: this rank's share
+        self._sharded = hasattr(self.optimizer, "norm_params")  # [train] shard_optimizer
+        if job.train.clip_grad_norm:
+            from hpcpar.run.grad_clip import norm_share, spatial_share
+
+            self._norm_share = (norm_share(self.model, self.grid) if not self._sharded
+                                else spatial_share(self.model, self.grid))
+        if start_from is not None:
+            self._resume(Path(start_from))
+        elif resume:
             self._resume()
+        if self.resumed_from is None and job.train.init_from:
+            self._init_weights(job.train.init_from)
         from hpcpar.formats.jobspec import profile_window
         from hpcpar.run.callbacks import job_callbacks
         from hpcpar.run.profiling import ProfileWindow
@@ -237,73 +279,128 @@ class Trainer:
                                       self.run_dir / "profile", self.rank,
                                       torch.device(self.device).type,
                                       job.profile.record_shapes, job.profile.memory)
+        from hpcpar.run.checkpoint_writer import CheckpointWriter
+
+        self.writer = CheckpointWriter(self.ckpt_dir, self.comm, job.checkpoint.keep,
+                                       background=getattr(job.checkpoint, "async"))
         if self.rank == 0:
             self.log(f"{job.name}: {job.model.kind} on grid {self.grid.spec()} "
-                     f"({self.grid.size} ranks, {self.device}), steps {self.step}->{self.total}")
+                     f"({self.grid.size} ranks, {self.device}), steps {self.step}->{self.total}"
+                     + (", optimizer state sharded" if self._sharded else ""))
 
     # -- checkpoint/restart ----------------------------------------------------------------------
     @property
     def ckpt_dir(self) -> Path:
         return self.run_dir / "checkpoints"
 
-    def _resume(self) -> None:
-        path = ckpt.choose_resumable(self.ckpt_dir, self.comm, log=self.log)
-        if path is None:
-            return
-        try:
-            manifest = ckpt.check_compatible(path, self.grid.shape)
-        except HpcparError as exc:
-            raise _collective(exc) from None
+    def _resume(self, chosen: Path | None = None) -> None:
+        """Continue from ``chosen`` (``hpcpar run --from``), else from the newest valid
+        checkpoint of the run directory."""
+        if chosen is not None:
+            path = chosen
+            try:
+                manifest = ckpt.check_chosen(path, self.grid.shape, self.job.model.kind,
+                                             self.comm)
+            except HpcparError as exc:
+                raise _collective(exc) from None
+        else:
+            resumable = ckpt.choose_resumable(self.ckpt_dir, self.comm, log=self.log)
+            if resumable is None:
+                return
+            path = resumable
+            try:
+                manifest = ckpt.check_compatible(path, self.grid.shape)
+            except HpcparError as exc:
+                raise _collective(exc) from None
         manifest, model_sd, trainer_sd, rank_sd = ckpt.load(
             path, ckpt.source_rank(manifest, self.grid.coords))
-        if manifest.get("grid") != self.grid.spec():
-            self.log(f"checkpoint of grid {manifest.get('grid')} resumes on grid "
-                     f"{self.grid.spec()} (data width {manifest['grid'].split('x')[0]} -> "
-                     f"{self.grid.shape[0]})")
+        change = ckpt.grid_change(manifest, self.grid.shape)
+        if change is not None:      # `hpcpar run` said it already, before the ranks started
+            self.log(change, echo=False)
         try:
             ckpt.load_full_state_dict(self.model, model_sd)
         except HpcparError as exc:
             raise _collective(exc) from None
         ckpt.check_optimizer(path, self.optimizer, self.job.train.optimizer,
                              trainer_sd["optimizer"])
-        import torch
-
-        with torch.no_grad():
-            for name, buf in self.model.named_buffers():
-                if name in rank_sd["buffers"]:
-                    buf.copy_(rank_sd["buffers"][name])
-        self.optimizer.load_state_dict(trainer_sd["optimizer"])
+        ckpt.restore_buffers(self.model, rank_sd["buffers"])
+        ckpt.load_full_optimizer_state(self.model, self.optimizer, trainer_sd["optimizer"])
         self.scheduler.load_state_dict(trainer_sd["scheduler"])
         self.history = [list(h) for h in trainer_sd.get("history", [])]
         self.val_history = list(trainer_sd.get("val_history", []))
         self.skipped = int(trainer_sd.get("skipped_steps", 0))
+        self.overflows = int(trainer_sd.get("overflow_steps", 0))
+        if self.scaler is not None and "loss_scale" in trainer_sd:
+            self.scaler.load_state_dict(trainer_sd["loss_scale"])
         self.workload.load_state_dict(rank_sd["data"])
         ckpt.set_rng_state(rank_sd["rng"])
         self.step = int(manifest["step"])
         self.resumed_from = path
         self.log(f"resumed from {path} at step {self.step}")
 
+    def _init_weights(self, path: str) -> None:
+        """Collective: start this new run from plain single-process weights
+        (``[train] init_from``, :mod:`hpcpar.run.init_weights`); every rank reads the file and
+        all raise the first rank's error alike."""
+        from hpcpar.run import init_weights
+
+        expected = ckpt.full_state_dict(self.model)
+        fitted, error = None, None
+        try:
+            fitted = init_weights.fit_state_dict(init_weights.read_state_dict(path), expected,
+                                                 self.job.train.init_strict, path)
+        except HpcparError as exc:
+            error = exc
+        errors = self.comm.allgather(None if error is None else (type(error), str(error)))
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise _collective(first[0](first[1]))
+        assert fitted is not None  # no rank failed
+        merged, missing, unexpected = fitted
+        try:
+            ckpt.load_full_state_dict(self.model, merged)
+        except HpcparError as exc:
+            raise _collective(exc) from None
+        if missing or unexpected:
+            self.log(f"warning: [train] init_from {path!r}: "
+                     f"{init_weights.describe_keys(missing, unexpected)}: loaded the "
+                     f"{len(expected) - len(missing)} matching keys")
+        self.log(f"initial weights from {path}")
+
     def save_checkpoint(self) -> Path:
-        """Collective: checkpoint ``self.step``; raises :class:`DivergedError` (and writes
+        """Collective: checkpoint ``self.step`` (``[checkpoint] async``: a copy in memory that
+        background threads write and finish, the previous one's parts written first;
+        :mod:`hpcpar.run.checkpoint_writer`); raises :class:`DivergedError` (and writes
         nothing) when any rank's weights or buffers hold NaN/inf."""
         t0 = time.perf_counter()
         model_state = ckpt.full_state_dict(self.model)
         buffers = ckpt.local_buffers(self.model)
         self._check_finite_state(model_state, buffers)
-        trainer = {"optimizer": self.optimizer.state_dict(),
+        trainer = {"optimizer": ckpt.full_optimizer_state(self.model, self.optimizer),
                    "scheduler": self.scheduler.state_dict(),
                    "history": self.history, "val_history": self.val_history,
-                   "skipped_steps": self.skipped}
+                   "skipped_steps": self.skipped, "overflow_steps": self.overflows}
+        if self.scaler is not None:
+            trainer["loss_scale"] = self.scaler.state_dict()
         rank_state = {"rng": ckpt.rng_state(), "data": self.workload.state_dict(),
                       "buffers": buffers}
-        info = {"grid": self.grid.spec(), "epoch": self.step // self.spe,
+        info = {"grid": self.grid.spec(), "epoch": self.step * self.accumulate // self.spe,
                 "job": self.job.name, "kind": self.job.model.kind,
                 "optimizer": self.job.train.optimizer, "time": time.time()}
-        path = ckpt.save(self.ckpt_dir, self.step, comm=self.comm,
-                         model_state=model_state, trainer_state=trainer,
-                         rank_state=rank_state, info=info, keep=self.job.checkpoint.keep)
-        self.log(f"checkpoint {path.name} ({time.perf_counter() - t0:.2f}s)")
+        path = self.writer.save(self.step, model_state=model_state, trainer_state=trainer,
+                                rank_state=rank_state, info=info)
+        how = "writing in the background" if self.writer.pending is not None else "written"
+        self.log(f"checkpoint {path.name} ({how}, step blocked {time.perf_counter() - t0:.2f}s)")
         return path
+
+    def _check_accumulate(self) -> None:
+        """``[train] accumulate > 1`` needs a gradient sync that can wait (``no_sync()``):
+        syncing every micro-batch would reduce the already reduced sum again."""
+        if self.accumulate > 1 and not callable(getattr(self.wrapped, "no_sync", None)):
+            raise _collective(ConfigError(
+                f"{self.job.source}: [train] accumulate = {self.accumulate}: the model kind "
+                f"{self.job.model.kind!r} wraps its model in {type(self.wrapped).__name__}, "
+                f"which has no no_sync(); use accumulate = 1"))
 
     def _check_finite_state(self, model_state: dict, buffers: dict) -> None:
         """Collective: never checkpoint non-finite weights (e.g. batch-norm statistics of a NaN
@@ -325,22 +422,27 @@ class Trainer:
             torch.cuda.synchronize(self.device)
 
     def _agree(self, stop_flag: int, loss: float, bad_grad: bool) -> Verdict:
-        """The one allreduce per step: any rank asked to stop, the mean loss over ranks, and
-        how many ranks saw a non-finite loss or gradient (so all ranks act alike: a NaN on one
-        rank never leaves the others waiting)."""
+        """The one allreduce per step: any rank asked to stop, the mean loss over ranks, how
+        many ranks saw a non-finite loss or gradient (so all ranks act alike: a NaN on one
+        rank never leaves the others waiting) and, with ``clip_grad_norm``, the squared
+        global gradient norm (each rank adds its share: :mod:`hpcpar.run.grad_clip`)."""
         import math
 
         import numpy as np
         from mpi4py import MPI
 
+        from hpcpar.run.grad_clip import squared_norm
+
         bad_loss = not math.isfinite(loss)
+        counted = self._norm_params()
+        share = squared_norm(counted) if counted is not None and not bad_grad else 0.0
         buf = np.array([1.0 if stop_flag else 0.0, 0.0 if bad_loss else loss,
-                        float(bad_loss), float(bad_grad)], dtype=np.float64)
+                        float(bad_loss), float(bad_grad), share], dtype=np.float64)
         self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
         n_bad = int(buf[2])
         return Verdict(stop=bool(buf[0] > 0),
                        mean_loss=math.nan if n_bad else float(buf[1] / self.grid.size),
-                       bad_loss=n_bad, bad_grad=int(buf[3]))
+                       bad_loss=n_bad, bad_grad=int(buf[3]), grad_norm=math.sqrt(buf[4]))
 
     def _describe_nonfinite(self, loss: float) -> str:
         """Collective (only called when some rank saw a non-finite value): which ranks and what,
@@ -359,34 +461,50 @@ class Trainer:
         return " and ".join(what)
 
     def train_step(self, it) -> tuple[dict, float, Verdict]:
-        """One step: forward, backward, gradient sync, the agreement allreduce, then the
-        optimizer step unless some rank saw a non-finite value. Returns (record row, local
-        loss, verdict)."""
+        """One optimizer step: forward and backward of each of the ``[train] accumulate``
+        micro-batches of ``it`` (each loss scaled by 1/K; the gradient sync runs in the last
+        backward only), the agreement allreduce, gradient clipping, then the optimizer step
+        unless some rank saw a non-finite value (under fp16, the loss scale's update with
+        that agreed flag). Returns (record row: phases summed over the
+        micro-batches, local loss: their mean, verdict)."""
         from hpcpar.parallel.counters import COUNTERS
 
-        t0 = time.perf_counter()
+        t_start = t0 = time.perf_counter()
         before = COUNTERS.snapshot()
-        batch = next(it)
-        self._sync()
-        t1 = time.perf_counter()
-        if self.autocast is not None:
-            with self.autocast:
-                res = self.workload.forward_loss(self.wrapped, batch)
-        else:
-            res = self.workload.forward_loss(self.wrapped, batch)
-        self._sync()
-        t2 = time.perf_counter()
-        res.loss.backward()
-        self._sync()
-        t3 = time.perf_counter()
-        loss = res.loss_value if res.loss_value is not None else float(res.loss.detach())
-        self._grads_ok = grads_finite(self.model.parameters())
+        t_data = t_fwd = t_bwd = 0.0
+        losses, samples = [], 0
+        for micro, batch in enumerate(it):
+            self._sync()
+            t1 = time.perf_counter()
+            with self._micro_context(micro):
+                if self.autocast is not None:
+                    with self.autocast:
+                        res = self.workload.forward_loss(self.wrapped, batch)
+                else:
+                    res = self.workload.forward_loss(self.wrapped, batch)
+                self._sync()
+                t2 = time.perf_counter()
+                self._backward(res.loss)
+                self._sync()
+            t3 = time.perf_counter()
+            t_data, t_fwd, t_bwd = t_data + t1 - t0, t_fwd + t2 - t1, t_bwd + t3 - t2
+            t0 = t3
+            losses.append(res.loss_value if res.loss_value is not None
+                          else float(res.loss.detach()))
+            samples += int(res.samples)
+        loss = sum(losses) / len(losses)
+        self._grads_ok = self._unscaled_grads_ok()
         verdict = self._agree(self.stop.received, loss, not self._grads_ok)
         t4 = time.perf_counter()
+        scale = self.scaler.scale if self.scaler is not None else None
         if verdict.finite:
+            self._clip(verdict)
             self.optimizer.step()
-        if verdict.finite or self.job.train.on_nonfinite == "skip":
-            self.scheduler.step()
+        if self.scaler is not None:     # the same flag on every rank: the same next scale
+            verdict.overflow = not verdict.bad_loss and bool(verdict.bad_grad)
+            self.scaler.update(not verdict.finite)
+        if verdict.finite or verdict.overflow or self.job.train.on_nonfinite == "skip":
+            self._schedule_step()
         self.optimizer.zero_grad(set_to_none=True)
         self._sync()
         t5 = time.perf_counter()
@@ -396,11 +514,66 @@ class Trainer:
         row = row_from_counters(COUNTERS.since(before))
         exposed = row.get("t_allreduce_exposed", 0.0)
         # t_bwd excludes the exposed gradient-sync waiting the wrapper measured
-        bwd = (t3 - t2) - exposed
-        row.update(step=self.step, loss=loss, t_data=t1 - t0, t_fwd=t2 - t1,
-                   t_bwd=max(0.0, bwd), t_opt=t5 - t4, t_step=t5 - t0, t_check=t_check,
-                   samples=int(res.samples), peak_mem=peak_memory(self.device))
+        bwd = t_bwd - exposed
+        row.update(step=self.step, loss=loss, t_data=t_data, t_fwd=t_fwd,
+                   t_bwd=max(0.0, bwd), t_opt=t5 - t4, t_step=t5 - t_start, t_check=t_check,
+                   samples=samples, peak_mem=peak_memory(self.device),
+                   skipped=int(not verdict.finite), loss_scale=scale)
         return row, loss, verdict
+
+    def _schedule_step(self) -> None:
+        """Advance the lr schedule: it follows the step index, skipped steps included, as in
+        torch's AMP recipe (the scheduler steps whether or not the scaler stepped the
+        optimizer). torch warns when a first step skipped ``optimizer.step()``: that is this
+        choice, not a bug, so the warning is silenced."""
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)` before",
+                                    UserWarning)
+            self.scheduler.step()
+
+    def _backward(self, loss) -> None:
+        """Backward of one micro-batch's loss: scaled by 1/K with ``[train] accumulate = K``,
+        and by the loss scale under fp16."""
+        if self.accumulate > 1:
+            loss = loss / self.accumulate
+        (self.scaler.scaled(loss) if self.scaler is not None else loss).backward()
+
+    def _unscaled_grads_ok(self) -> bool:
+        """Whether this rank's synced gradients are finite, after dividing them by the fp16
+        loss scale (so that clipping and the optimizer see true gradients)."""
+        if self.scaler is not None:
+            self.scaler.unscale_(self._grad_params())
+        return grads_finite(self._grad_params())
+
+    def _micro_context(self, micro: int):
+        """No gradient sync before the last micro-batch of an optimizer step."""
+        from contextlib import nullcontext
+
+        return self.wrapped.no_sync() if micro < self.accumulate - 1 else nullcontext()
+
+    def _clip(self, verdict: Verdict) -> None:
+        """``[train] clip_grad_norm``: scale the synced gradients to the global norm's bound
+        (``verdict.grad_norm``, summed in the agreement allreduce)."""
+        limit = self.job.train.clip_grad_norm
+        if limit:
+            from hpcpar.run.grad_clip import clip_
+
+            clip_(self._grad_params(), limit, verdict.grad_norm)
+
+    def _grad_params(self) -> list:
+        """The tensors holding this rank's synced gradients: the model's parameters, or with
+        ``[train] shard_optimizer`` this rank's shard of them."""
+        return self.optimizer.params if self._sharded else list(self.model.parameters())
+
+    def _norm_params(self) -> list | None:
+        """This rank's share of the global gradient norm (hpcpar.run.grad_clip); sharded: the
+        pieces it holds (the sync may re-plan its buckets after the first forward); None when
+        clipping is off."""
+        if self._sharded and self._norm_share is not None:
+            return self.optimizer.norm_params(self._norm_share)
+        return self._norm_share
 
     def _maybe_check_replicas(self) -> float:
         """Every ``check_replicas_every`` steps: the replica check (hpcpar.sync.replicas);
@@ -453,8 +626,10 @@ class Trainer:
                 if not loop.stopped:
                     self._check_trained(loop)
                     self._final_checkpoint(loop)
+                self.writer.flush()
             except DivergedError as exc:
                 loop.diverged = str(exc)
+                self.writer.flush()     # the last finite checkpoint, if still being written
             except BaseException:
                 recorder.close()
                 raise
@@ -477,10 +652,12 @@ class Trainer:
         naming the count."""
         if not loop.steps_done:
             return
-        if self.skipped >= self.step:
+        if self.skipped + self.overflows >= self.step:
+            why = (f"{self.overflows} for fp16 gradient overflow" if self.overflows
+                   else '[train] on_nonfinite = "skip"')
             raise _collective(DivergedError(
                 f"diverged: all {self.step} optimizer steps were skipped for non-finite values "
-                f"([train] on_nonfinite = \"skip\"): nothing was trained"))
+                f"({why}): nothing was trained"))
         if not self.comm.allreduce(loop.samples_done):
             raise _collective(DataError(
                 f"{self.job.model.kind}: {loop.steps_done} steps used no training sample or "
@@ -530,20 +707,25 @@ class Trainer:
             it = self._batches(loop)
             self.profiler.before_step(self.step + 1)
             row, loss, verdict = self.train_step(it)
-            recorder.step(**row)
             self.step += 1
             self.profiler.after_step(self.step)
             loop.steps_done += 1
             loop.samples_done += row["samples"]
             loop.mean_loss = verdict.mean_loss
-            if not verdict.finite:
-                self._on_nonfinite(verdict, loss)
-            loop.stopped = verdict.stop and self.step < self.total   # done anyway: finish
-            self._show_progress(loop)
-            self._log_step(row, loop)
-            self._hook("on_step_end", row, verdict.mean_loss)
-            self._maybe_validate()
-            self._maybe_checkpoint(loop)
+            loop.grad_norm = verdict.grad_norm
+            try:        # the row is recorded with its checkpoint cost, whatever happens
+                if verdict.overflow:
+                    self._on_overflow(loss)
+                elif not verdict.finite:
+                    self._on_nonfinite(verdict, loss)
+                loop.stopped = verdict.stop and self.step < self.total   # done anyway: finish
+                self._show_progress(loop)
+                self._log_step(row, loop)
+                self._hook("on_step_end", row, verdict.mean_loss)
+                self._maybe_validate()
+                row["t_ckpt"] = self._maybe_checkpoint(loop)
+            finally:
+                recorder.step(**row)
             if loop.stopped:
                 why = (StopRequest.name(self.stop.received) if self.stop.received
                        else "another rank")
@@ -561,13 +743,32 @@ class Trainer:
             return
         raise _collective(DivergedError(f"diverged at step {self.step}/{self.total}: {what}"))
 
+    def _on_overflow(self, loss: float) -> None:
+        """Collective: fp16 gradients overflowed on some rank (every loss finite): the step
+        was skipped everywhere and the scale backed off; log it, or raise
+        :class:`DivergedError` once the scale no longer explains it
+        (:data:`hpcpar.run.loss_scale.MIN_SCALE`)."""
+        what = self._describe_nonfinite(loss)
+        assert self.scaler is not None  # only fp16 runs overflow
+        self.overflows += 1
+        used = self.scaler.scale / self.scaler.backoff_factor
+        if self.scaler.exhausted:
+            raise _collective(DivergedError(
+                f"diverged at step {self.step}/{self.total}: {what} even at fp16 loss scale "
+                f"{used:g} ({self.overflows} overflows)"))
+        self.log(f"step {self.step}/{self.total}: {what}: fp16 overflow at loss scale "
+                 f"{used:g}: optimizer step skipped, scale now {self.scaler.scale:g}")
+
     def _batches(self, loop: _LoopState):
-        """The batch iterator of the current epoch (a new one at each epoch start)."""
-        epoch = self.step // self.spe
-        if epoch != loop.epoch or loop.it is None:
-            loop.epoch = epoch
-            loop.it = iter(self.workload.batches(epoch))
-        return loop.it
+        """The ``[train] accumulate`` batches of the next optimizer step, each from its
+        epoch's iterator (a new one at each epoch start: an epoch may end inside a step)."""
+        first = self.step * self.accumulate
+        for micro in range(first, first + self.accumulate):
+            epoch = micro // self.spe
+            if epoch != loop.epoch or loop.it is None:
+                loop.epoch = epoch
+                loop.it = iter(self.workload.batches(epoch))
+            yield next(loop.it)
 
     def _show_progress(self, loop: _LoopState) -> None:
         if loop.bar is not None:
@@ -586,7 +787,8 @@ class Trainer:
         loop.window.clear()
         self.history.append([self.step, smooth])
         rate = row["samples"] / max(row["t_step"], 1e-12)
-        self.log(f"step {self.step}/{self.total} loss {smooth:.5g} "
+        norm = (f"grad norm {loop.grad_norm:.4g} " if self.job.train.clip_grad_norm else "")
+        self.log(f"step {self.step}/{self.total} loss {smooth:.5g} {norm}"
                  f"lr {self.scheduler.get_last_lr()[0]:.3g} "
                  f"step {row['t_step'] * 1e3:.1f}ms ({rate:.1f} samples/s/replica)")
 
@@ -600,10 +802,19 @@ class Trainer:
         self.log(f"validation at step {self.step}: " + ", ".join(
             f"{k} {v:.5g}" for k, v in metrics.items()))
 
-    def _maybe_checkpoint(self, loop: _LoopState) -> None:
+    def _maybe_checkpoint(self, loop: _LoopState) -> float:
+        """Collective, at every step boundary: checkpoint when due; commit a background write
+        once every rank finished it; before a stop or after the last step, wait for it.
+        Returns the seconds the step blocked (the ``t_ckpt`` record)."""
+        t0 = time.perf_counter()
         every = self.job.checkpoint.every
         if loop.stopped or (every and self.step % every == 0):
             loop.last_ckpt = self.save_checkpoint()
+        if loop.stopped or self.step >= self.total:
+            self.writer.flush()
+        else:
+            self.writer.poll()
+        return time.perf_counter() - t0
 
     def _final_checkpoint(self, loop: _LoopState) -> None:
         if self.job.checkpoint.at_end and loop.steps_done and (
@@ -615,7 +826,8 @@ class Trainer:
         recorder.finish("preempted", f"stopped by a signal ({why}) after checkpointing step "
                                      f"{self.step}")
         self.log.close()
-        return TrainResult(self.step, stopped=True, skipped_steps=self.skipped)
+        return TrainResult(self.step, stopped=True, skipped_steps=self.skipped,
+                           overflow_steps=self.overflows)
 
     def _finish_diverged(self, recorder, loop: _LoopState):
         """Collective: records merged, meta.json status "diverged" with the reason, no new
@@ -623,7 +835,7 @@ class Trainer:
         newest = ckpt.list_checkpoints(self.ckpt_dir)
         kept = (f"; last finite checkpoint {newest[0].name} kept" if newest
                 else "; no checkpoint had been written yet")
-        reason = loop.diverged + kept
+        reason = (loop.diverged or "") + kept
         recorder.finish("diverged", reason)
         if self.rank == 0:
             recorder.update_meta(lambda m: m.update(
@@ -648,7 +860,8 @@ class Trainer:
             self.log("done: " + ", ".join(f"{k} {v:.5g}" for k, v in out.items()
                                           if isinstance(v, float)))
         self.log.close()
-        return TrainResult(self.step, metrics=out, skipped_steps=self.skipped)
+        return TrainResult(self.step, metrics=out, skipped_steps=self.skipped,
+                           overflow_steps=self.overflows)
 
     def _final_metrics(self, loop: _LoopState) -> dict:
         """Collective: the metrics.json contents (final evaluation included)."""
@@ -660,10 +873,11 @@ class Trainer:
         return {"final_train_loss": self.history[-1][1] if self.history else None,
                 "last_step_loss": loop.mean_loss if loop.steps_done
                 and math.isfinite(loop.mean_loss) else None,
-                "steps": self.step, "epochs": self.step / self.spe,
+                "steps": self.step, "epochs": self.step * self.accumulate / self.spe,
                 "wall_time_s": wall, "samples_per_s": total_samples / wall if wall > 0 else None,
                 "train_loss_history": self.history, "validation_history": self.val_history,
-                "skipped_steps": self.skipped, **metrics}
+                "skipped_steps": self.skipped, "overflow_steps": self.overflows, **metrics}
+
 
     def close(self) -> None:
         self.workload.close()
@@ -715,7 +929,8 @@ def failure_reason(exc: BaseException, rank: int) -> str:
 
 def train(job: JobSpec, run_dir: str | os.PathLike, *, resume: bool = True,
           comm: MPI.Comm | None = None, device: torch.device | str | None = None,
-          callbacks: list | None = None) -> TrainResult:
+          callbacks: list | None = None,
+          start_from: str | os.PathLike | None = None) -> TrainResult:
     """Train ``job`` into ``run_dir`` on every rank of ``comm`` (collective).
 
     Builds the grid, the workload's model and data, the optimizer and schedule; trains with
@@ -732,6 +947,8 @@ def train(job: JobSpec, run_dir: str | os.PathLike, *, resume: bool = True,
         device: Where to train; chosen from the job and the machine when None.
         callbacks: ``hpcpar.run.callbacks.Callback`` instances, after the job's own
             (``[output] tensorboard``/``callbacks``).
+        start_from: Continue from this checkpoint directory (of this run or another; it
+            must verify and fit the job and grid) instead of the run directory's newest.
 
     Returns:
         The steps completed, whether a signal stopped the run, and the final metrics.
@@ -750,7 +967,7 @@ def train(job: JobSpec, run_dir: str | os.PathLike, *, resume: bool = True,
     stop = StopRequest().install()
     try:
         trainer = Trainer(job, run_dir, resume=resume, comm=comm, device=device, stop=stop,
-                          callbacks=callbacks)
+                          callbacks=callbacks, start_from=start_from)
         try:
             return trainer.run()
         finally:
@@ -777,12 +994,31 @@ def _record_failure(job: JobSpec, run_dir, exc: BaseException, comm) -> None:
 
 def _collective(exc: Exception) -> Exception:
     """Mark an error raised alike on every rank: the ranks print it once, not once each."""
-    exc.collective = True
+    exc.collective = True  # type: ignore[attr-defined]  # any exception may carry the mark
     return exc
 
 
 def _plural(ranks: list[int]) -> str:
     return f" {ranks[0]}" if len(ranks) == 1 else f"s {', '.join(map(str, ranks))}"
+
+
+def _printed_by_root(msg: str, timeout: float = 10.0) -> None:
+    """An error every rank raised alike: rank 0 prints it, then all ranks leave together. A
+    rank that exited first would let the launcher kill rank 0 before its line is out (the
+    run then ends with the error's exit code and no message). Bounded: a rank that is not
+    there after ``timeout`` seconds is not waited for."""
+    import time
+
+    from mpi4py import MPI
+
+    if msg:
+        print(msg, file=sys.stderr, flush=True)
+    if not MPI.Is_initialized() or MPI.Is_finalized():
+        return
+    req = MPI.COMM_WORLD.Ibarrier()
+    end = time.monotonic() + timeout
+    while not req.Test() and time.monotonic() < end:
+        time.sleep(0.005)
 
 
 def _die(code: int, msg: str, on_exit=None) -> None:
@@ -805,7 +1041,8 @@ def main(argv: Sequence[str] | None = None,
     stopped by a signal exits with ``EXIT_REQUEUE``.
 
     Args:
-        argv: Command-line arguments (job JSON, ``--run-dir``, ``--[no-]resume``); None reads
+        argv: Command-line arguments (job JSON, ``--run-dir``, ``--[no-]resume``,
+            ``--from CHECKPOINT``); None reads
             ``sys.argv``.
         on_exit: Called before the process exits on an error or stop.
 
@@ -817,6 +1054,7 @@ def main(argv: Sequence[str] | None = None,
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--resume", dest="resume", action="store_true", default=True)
     ap.add_argument("--no-resume", dest="resume", action="store_false")
+    ap.add_argument("--from", dest="start_from", default=None)
     args = ap.parse_args(argv)
     from hpcpar.parallel.placement import rank_info
 
@@ -825,12 +1063,15 @@ def main(argv: Sequence[str] | None = None,
         from hpcpar.formats.jobspec import load_resolved
 
         job = load_resolved(args.job_json)
-        result = train(job, args.run_dir, resume=args.resume)
+        result = train(job, args.run_dir, resume=args.resume, start_from=args.start_from)
     except HpcparError as exc:
         # an error every rank raised alike is printed once (rank 0), naming no rank
         collective = getattr(exc, "collective", False)
         msg = (f"hpcpar: error: {exc}" if rank == 0 else "") if collective else \
             f"hpcpar: error: [rank {rank}] {exc}"
+        if collective:
+            _printed_by_root(msg)
+            msg = ""
         _die(getattr(exc, "exit_code", EXIT_USAGE), msg, on_exit)
     except BaseException:  # noqa: BLE001 - any crash: report with the rank, stop everyone
         _die(EXIT_FAILED, "".join(f"[rank {rank}] {line}\n" for line in

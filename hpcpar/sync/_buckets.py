@@ -36,7 +36,7 @@ import time
 import torch
 
 from hpcpar import _env
-from hpcpar.parallel.comm import as_buffer, free_at_exit, message_buffer
+from hpcpar.parallel.buffers import as_buffer, free_at_exit, message_buffer
 from hpcpar.sync._compression import accumulation_dtype, fold
 
 MB = 1 << 20
@@ -128,7 +128,11 @@ class ReduceGroup:
 
         win = MPI.Win.Allocate_shared(numel * dtype.itemsize, dtype.itemsize, comm=self.comm)
         win.Lock_all(MPI.MODE_NOCHECK)
-        free_at_exit(lambda: (win.Unlock_all(), win.Free()))
+        def free() -> None:
+            win.Unlock_all()
+            win.Free()
+
+        free_at_exit(free)
         segs = [torch.frombuffer(win.Shared_query(r)[0], dtype=dtype, count=numel)
                 for r in range(self.size)]
         segs[self.rank].zero_()
@@ -201,7 +205,7 @@ class ReduceGroup:
         win.Sync()
         yield comm.Ibarrier()  # every chunk is reduced
         win.Sync()
-        for q in range(size):
+        for q in range(0 if bucket.scatter_only else size):
             if q != r:
                 bucket.flat[q * chunk:(q + 1) * chunk].copy_(segs[q][q * chunk:(q + 1) * chunk])
         win.Sync()
@@ -210,7 +214,8 @@ class ReduceGroup:
     def _flat(self, bucket):
         (comm,) = bucket.channel
         yield from _reduce_scatter(comm, bucket.wire, self.groups, self.divisor, bucket, "flat")
-        yield from _allgather_in_place(comm, bucket.wire)
+        if not bucket.scatter_only:
+            yield from _allgather_in_place(comm, bucket.wire)
 
     def _hierarchical(self, bucket):
         node_comm, peer_comm = bucket.channel
@@ -384,6 +389,10 @@ class Bucket:
         self.pending: Pending | None = None
         self.arrived = [False] * len(self.params)
         self.missing = len(self.params)
+        #: sharded optimizer (hpcpar.sync.sharded): the reduction may stop after its
+        #: reduce-scatter, only this rank's chunk (``group.rank``) must hold the result
+        self.scatter_only = False
+        self.local_flags: list[int] = []   # this rank's "has a gradient" flags of the pass
 
     def scratch(self, key: str, shape, dtype) -> torch.Tensor:
         """A temporary kept between steps (large allocations are not free on every step)."""
@@ -422,6 +431,7 @@ class Bucket:
                 view.copy_(g)
                 p.grad = view
             flags.append(1)
+        self.local_flags = flags
         self.flags.copy_(torch.tensor(flags, dtype=self.flags.dtype))
 
     def launch(self) -> None:
@@ -431,7 +441,12 @@ class Bucket:
         self.pending = Pending(self.group.reduce(self), spin)
 
     def finalize(self) -> None:
-        """After the reduction: grads of parameters with no gradient on any rank stay None."""
+        """After the reduction: grads of parameters with no gradient on any rank stay None;
+        with ``scatter_only`` every ``.grad`` is None (only this rank's chunk is reduced)."""
+        if self.scatter_only:
+            for p in self.params:
+                p.grad = None
+            return
         for p, view, flag in zip(self.params, self.views, self.flags.tolist()):
             if flag <= 0:
                 p.grad = None
@@ -447,7 +462,9 @@ def assign_buckets(params, cap_bytes: int, first_cap_bytes: int):
     ``cap_bytes``, the parameter that reaches it included (torch DDP's rule: a small bias
     rides with the weight after it instead of travelling as a message of its own).
     """
-    out, current, size = [], [], 0
+    out: list[list[torch.nn.Parameter]] = []
+    current: list[torch.nn.Parameter] = []
+    size = 0
     for p in params:
         nbytes = p.numel() * p.element_size()
         if not out and current and size + nbytes > first_cap_bytes:

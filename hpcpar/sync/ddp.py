@@ -108,6 +108,7 @@ class DistributedDataParallel(nn.Module):
         self._plan_args = (hierarchical, bucket_cap_mb * MB, first_bucket_mb * MB, wire)
         self._stall = StallMonitor(self.grid.comm)
         self._require_sync = True
+        self._on_scattered = None   # set by hpcpar.sync.sharded.ShardedOptimizer
         self._reset_pass()
         self._step = 0
         self._plan()
@@ -122,6 +123,8 @@ class DistributedDataParallel(nn.Module):
         self._groups = self._make_groups(hierarchical)
         self.hierarchical = self._groups["world"].hierarchical
         self._buckets = self._make_buckets(cap, first_cap, wire)
+        for b in self._buckets:
+            b.scatter_only = self._on_scattered is not None
         self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(b, i))
                          for b in self._buckets for i, p in enumerate(b.params)]
 
@@ -173,7 +176,8 @@ class DistributedDataParallel(nn.Module):
         """Number of gradient synchronisations so far (the step the stall detector reports)."""
         return self._step
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    # forwards every form of torch's overloaded state_dict, which one signature cannot spell
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         """The wrapped module's state dict (no ``module.`` prefix).
 
         Args:
@@ -202,6 +206,13 @@ class DistributedDataParallel(nn.Module):
             state_dict = {k[len("module."):]: v for k, v in state_dict.items()}
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
+    def _shard_gradients(self, on_scattered) -> None:
+        """Stop each bucket's reduction after its reduce-scatter and call ``on_scattered()``
+        once every bucket is done (the sharded optimizer's hook: hpcpar.sync.sharded)."""
+        self._on_scattered = on_scattered
+        for b in self._buckets:
+            b.scatter_only = True
+
     def remove_hooks(self) -> None:
         """Detach from the module (it then trains without synchronisation)."""
         self._unhook_grads()
@@ -216,7 +227,8 @@ class DistributedDataParallel(nn.Module):
     def _check_same_model(self) -> None:
         """Same names/dtypes everywhere, same shapes where replicated; one error on all ranks."""
         grid = self.grid
-        world, data = [], []
+        world: list[tuple] = []
+        data: list[tuple] = []
         for name, p in self.module.named_parameters():
             scope = reduce_scope(p)
             shared = scope == DATA_ONLY and grid.spatial_size > 1
@@ -240,7 +252,8 @@ class DistributedDataParallel(nn.Module):
         """Rank 0's parameters and buffers everywhere (data-only parameters: over the data
         axis, since tensor-parallel shards differ along the spatial axes)."""
         grid = self.grid
-        world, data = [], []
+        world: list[torch.Tensor] = []
+        data: list[torch.Tensor] = []
         for p in self.module.parameters():
             (data if reduce_scope(p) == DATA_ONLY and grid.spatial_size > 1 else world).append(p)
         world += list(self.module.buffers())
@@ -287,7 +300,7 @@ class DistributedDataParallel(nn.Module):
         self._pass_sync = False
         self._next = 0      # next bucket to launch
         self._done = 0      # first bucket not known to be complete
-        self._t_first = None
+        self._t_first: float | None = None
         self._t_hooks = 0.0
 
     def _make_hook(self, bucket: Bucket, slot: int):
@@ -326,6 +339,7 @@ class DistributedDataParallel(nn.Module):
         """Advance in-flight reductions (MPI progresses only inside MPI calls)."""
         prefix = True
         for b in self._buckets[self._done:self._next]:
+            assert b.pending is not None  # launched
             finished = b.pending.test()  # every in-flight bucket moves to its next stage
             prefix = prefix and finished
             if prefix:
@@ -346,14 +360,18 @@ class DistributedDataParallel(nn.Module):
         self._stall.arm()
         try:
             for b in self._buckets[self._done:]:
+                assert b.pending is not None  # every bucket was launched above
                 b.pending.wait()
         finally:
             self._stall.disarm()
         for b in self._buckets:
             b.finalize()
             b.reset()
+        if self._on_scattered is not None:
+            self._on_scattered()
         t_end = time.perf_counter()
         if self.grid.size > 1:  # one rank sends nothing: its bucket copies are local work
+            assert self._t_first is not None  # set by the first launch
             COUNTERS.t_allreduce_total += t_end - self._t_first
             COUNTERS.t_allreduce_exposed += self._t_hooks + t_end - t0
             COUNTERS.bytes_allreduce += sum(b.wire_bytes for b in self._buckets)

@@ -70,20 +70,22 @@ def test_corrupt_newest_falls_back_with_warning(tmp_path, comm):
     assert ckpt.find_resumable(tmp_path / "missing", comm) is None
 
 
-def test_another_data_width_resumes_another_spatial_split_is_a_user_error(tmp_path, comm):
+def test_any_grid_resumes_and_takes_the_rank_files_of_its_data_group(tmp_path, comm):
     path = _save(comm, tmp_path, 1, nn.Linear(2, 2))
-    manifest = ckpt.check_compatible(path, (2, 1, 1, 1))  # a data width of 1 -> 2: fine
-    assert manifest["grid"] == "1x1x1x1"
-    with pytest.raises(RunDirError, match="written by grid 1x1x1x1, this run is grid "
-                       "1x2x1x1: a checkpoint resumes on another data width but not on "
-                       "another spatial split; use --grid DATAx1x1x1 or --fresh"):
-        ckpt.check_compatible(path, (1, 2, 1, 1))
-    # the per-rank file a rank takes: same spatial place, data index modulo the old width
+    for shape in ((2, 1, 1, 1), (1, 2, 1, 1), (2, 1, 2, 2)):   # data width, spatial split
+        assert ckpt.check_compatible(path, shape)["grid"] == "1x1x1x1"
+        assert ckpt.grid_change(ckpt.check_compatible(path, shape), shape) == \
+            f"resuming step 1 of grid 1x1x1x1 on grid {'x'.join(map(str, shape))}"
+    assert ckpt.grid_change({"grid": "1x1x1x1", "step": 1}, (1, 1, 1, 1)) is None
+    # the same spatial split: the same spatial place, data index modulo the old width
     old = {"grid": "4x2x1x1"}
     assert [ckpt.source_rank(old, (d, i, 0, 0)) for d in range(2) for i in range(2)] == \
         [0, 1, 2, 3]
     assert ckpt.source_rank({"grid": "1x2x1x1"}, (1, 1, 0, 0)) == 1
     assert ckpt.source_rank({"grid": "2x2x1x1"}, (3, 0, 0, 0)) == 2
+    # another split: the first rank of data group d modulo the old width
+    assert ckpt.source_rank({"grid": "2x2x1x1"}, (3, 0, 2, 0)) == 2
+    assert ckpt.source_rank({"grid": "1x1x2x1"}, (0, 1, 0, 0)) == 0
 
 
 class Sharded(nn.Module):

@@ -258,6 +258,7 @@ def test_checkpoint_faults(tmp_path, fault_env):
     rc, log = run(tmp_path, job, "--run-dir", "c", "--new-settings",
                   "--set", "model.base_filters=8", env=fault_env)
     assert rc == 2, log
+    assert len(error_lines(log)) == 1, log
     (line,) = error_lines(log)
     assert "checkpoint model state does not fit this model" in line, line
     assert tree_hashes(d) == before

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hpcpar._tables import text_table
 from hpcpar.errors import RunDirError
 
 if TYPE_CHECKING:
@@ -68,11 +69,18 @@ COLUMNS: tuple[Column, ...] = (
                                         "padding"),
     Column("t_check", "float", "s", "the replica check ([train] check_replicas_every; 0 on "
                                     "other steps)"),
+    Column("t_ckpt", "float", "s", "the step blocked on checkpointing: the copy to memory "
+                                   "and waiting for the previous write ([checkpoint] async), "
+                                   "or the whole write; 0 on other steps"),
+    Column("skipped", "int", "-", "1 when the optimizer step was skipped on every rank (fp16 "
+                                  "gradient overflow, or on_nonfinite = \"skip\"), else 0"),
+    Column("loss_scale", "float", "-", "fp16 loss scale the step used, agreed by all ranks "
+                                       "(empty without fp16)"),
 )
 COLUMN_NAMES = tuple(c.name for c in COLUMNS)
 #: Columns added to schema v1 after its first release, always at the end: files written
 #: without them are read with the columns empty (NaN), so older runs stay readable.
-OPTIONAL_COLUMNS = ("t_halo_wait", "t_check")
+OPTIONAL_COLUMNS = ("t_halo_wait", "t_check", "t_ckpt", "skipped", "loss_scale")
 #: The column lists files may have: the full one, or without the newest optional columns.
 ACCEPTED_NAMES = tuple(COLUMN_NAMES[: len(COLUMN_NAMES) - i]
                         for i in range(len(OPTIONAL_COLUMNS) + 1))
@@ -100,6 +108,9 @@ META_KEYS = {
     "git": "{commit, dirty, root} of the job file's repository, or null",
     "machine": "{cores_per_node, cores_source, ranks_per_node, threads_per_rank, "
                "oversubscribed, hosts: {host: {ranks, cores, threads}}} (machine_facts)",
+    "host_load": "{before, after}: rank 0's host's [1, 5, 15]-minute load averages when the "
+                 "records start (before the first step of this segment; the ranks' own start "
+                 "barely counts) and when they finish (the run's own ranks count), or null",
 }
 
 STATUSES = ("running", "ok", "preempted", "failed", "diverged")
@@ -263,7 +274,6 @@ def read_meta(run_dir: str | os.PathLike) -> dict:
 
 def schema_markdown() -> str:
     """The step schema as a Markdown table (README and report)."""
-    lines = [f"Step records, schema version {SCHEMA_VERSION}:", "",
-             "| column | type | unit | meaning |", "|---|---|---|---|"]
-    lines += [f"| `{c.name}` | {c.kind} | {c.unit} | {c.doc} |" for c in COLUMNS]
-    return "\n".join(lines) + "\n"
+    rows = [(f"`{c.name}`", c.kind, c.unit, c.doc) for c in COLUMNS]
+    return (f"Step records, schema version {SCHEMA_VERSION}:\n\n"
+            + text_table(("column", "type", "unit", "meaning"), rows) + "\n")

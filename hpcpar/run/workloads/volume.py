@@ -112,6 +112,18 @@ def _check_volume_job(job) -> None:
     if d["val_samples"] and d["val_samples"] < job.train.global_batch:
         raise ConfigError(f"[data] val_samples: {d['val_samples']} is out of range (must be "
                           f">= [train] global_batch = {job.train.global_batch})")
+    _check_split_fits(job)
+
+
+def _check_split_fits(job) -> None:
+    """The grid's spatial split against a known sample size, before any rank starts: the
+    ranks would each refuse it (:func:`hpcpar.data._schedule.local_box`), after a rerun on
+    another grid had already been announced."""
+    size = job.data.params["size"]
+    for axis, parts in zip("xyz", job.grid_shape[1:]):
+        if size is not None and parts > size:
+            raise ConfigError(f"[grid] {axis} = {parts}: more parts than the sample has voxels "
+                              f"on that axis ([data] size = {size}); use {axis} <= {size}")
 
 
 def _check_model_fits(cls, job) -> None:
@@ -334,7 +346,8 @@ class VolumeWorkload(Workload):
         for x, y in self.val_set:
             res = self.forward_loss(model, (x, y))
             n = res.samples
-            sums[0] += res.loss_value * n
+            value = res.loss.item() if res.loss_value is None else res.loss_value
+            sums[0] += value * n
             sums[1:] += np.asarray(res.extra.get("metrics", []), dtype=np.float64) * n
             count += n
         # one replica per data group: sum over the data axis only

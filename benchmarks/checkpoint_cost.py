@@ -1,0 +1,86 @@
+"""What a checkpoint every step costs (issue 31, item 2): the demo job with no checkpoints,
+with an asynchronous checkpoint after every step and with a synchronous one, in alternating
+rounds (the order rotates each round, so a slow spell of the host hits every side alike);
+prints per side the median step (with the spread over rounds) and its ratio to no
+checkpoints. The target: async every step <= 1.10x; the synchronous ratio beside it.
+
+    python benchmarks/checkpoint_cost.py [--job jobs/demo-cosmoflow.toml] [-n 2]
+        [--grid 1x2x1x1] [--rounds 3] [--steps 15]
+
+A run's step = the median over steps 3+ of the slowest rank's ``t_step + t_ckpt`` (its
+records): the step's work plus what it blocked on checkpointing (copy to memory, waiting for
+the previous write, or the whole write). Runs go through ``hpcpar run`` (benchmarks/job_ab.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+
+from job_ab import run  # noqa: E402 - the sibling benchmark: `hpcpar run` one job, timed
+
+SIDES = {
+    "none": ["checkpoint.every=0"],
+    "async": ["checkpoint.every=1", "checkpoint.async=true", "checkpoint.keep=2"],
+    "sync": ["checkpoint.every=1", "checkpoint.async=false", "checkpoint.keep=2"],
+}
+LABELS = {"none": "none", "async": "async every step", "sync": "sync every step"}
+
+
+def step_cost(run_dir: str) -> dict:
+    """Medians over steps >= 3 of the slowest rank's ``t_step + t_ckpt`` (``step``) and of
+    each part alone (seconds)."""
+    from hpcpar.analysis import load
+    from hpcpar.analysis.stats import drop_warmup
+
+    runs, steps = load([run_dir])
+    steps = drop_warmup(steps, runs, warmup=3).assign(t_ckpt=lambda s: s["t_ckpt"].fillna(0.0))
+    slowest = steps.assign(cost=steps["t_step"] + steps["t_ckpt"]).groupby("step").max()
+    return {"step": float(slowest["cost"].median()),
+            **{k: float(slowest[k].median()) for k in ("t_step", "t_ckpt")}}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--job", default="jobs/demo-cosmoflow.toml")
+    ap.add_argument("-n", "--ranks", type=int, default=2)
+    ap.add_argument("--grid", default="1x2x1x1", help="DxXxYxZ fitting --ranks")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=15)
+    args = ap.parse_args()
+    names = list(SIDES)
+    got: dict[str, list[dict]] = {}
+    with tempfile.TemporaryDirectory(prefix="hpcpar-ckpt-cost-") as tmp:
+        for r in range(args.rounds):
+            for side in names[r % len(names):] + names[:r % len(names)]:
+                run_dir = os.path.join(tmp, f"{side}-{r}")
+                if run(args.job, SIDES[side], args.ranks, args.grid, args.steps, run_dir):
+                    got.setdefault(side, []).append(step_cost(run_dir))
+                    print(f"round {r} {side}: {got[side][-1]['step'] * 1e3:.1f} ms", flush=True)
+    print(f"\n{os.path.basename(args.job)}, {args.ranks} rank(s) as {args.grid} on "
+          f"{os.cpu_count()} cores, {args.rounds} rounds of {args.steps} steps")
+    print(f"{'checkpoints':<18} {'step ms':>8} {'spread':>13} {'t_step':>7} {'t_ckpt':>7}"
+          "  vs none")
+    med = {side: {k: statistics.median(x[k] for x in got[side]) for k in got[side][0]}
+           for side in names if got.get(side)}
+    base = med.get("none", {}).get("step")
+    for side in names:
+        if side not in med:
+            print(f"{side:<18} failed")
+            continue
+        spread = [x["step"] * 1e3 for x in got[side]]
+        print(f"{LABELS[side]:<18} {med[side]['step'] * 1e3:>8.1f} {min(spread):>6.1f}-"
+              f"{max(spread):<6.1f} {med[side]['t_step'] * 1e3:>7.1f} "
+              f"{med[side]['t_ckpt'] * 1e3:>7.1f}  "
+              + (f"{med[side]['step'] / base:.2f}x" if base else "-"))
+    if base and "async" in med:
+        ok = med["async"]["step"] / base <= 1.10
+        print(f"target async <= 1.10x of none: {'met' if ok else 'NOT met'}")
+    return 0 if len(got) == len(SIDES) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

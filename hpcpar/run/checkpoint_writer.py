@@ -1,0 +1,176 @@
+"""Checkpoints written while training goes on (``[checkpoint] async = true``).
+
+At the step boundary the state is copied to CPU memory (:func:`hpcpar.run.checkpoint.in_memory`)
+and a background thread writes this rank's files into the checkpoint's temporary directory
+(:func:`hpcpar.run.checkpoint.write_part`: fsynced, checksummed). Threads call no MPI: at a
+later step boundary, once a small allreduce says every rank has written its part, the main
+thread gathers the parts' checksums and rank 0 finishes the checkpoint in another thread
+(:func:`hpcpar.run.checkpoint.finish`: manifest, fsyncs, rename, rotation), so no fsync ever
+blocks a step. A checkpoint exists only once renamed, so a kill at any moment leaves the
+previous set or the complete new one, as with synchronous writes. The next checkpoint waits
+for the previous one's parts and starts its finish; a stop signal and the end of training
+wait for everything (:meth:`CheckpointWriter.flush`). An error of a part or of a finish is
+raised on every rank at the next of these waits.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hpcpar.errors import RunDirError
+from hpcpar.run import checkpoint as ckpt
+
+__all__ = ["CheckpointWriter"]
+
+
+@dataclass
+class _Pending:
+    """One checkpoint written in the background, not committed yet."""
+
+    step: int
+    info: dict
+    thread: threading.Thread | None = None
+    mine: dict = field(default_factory=dict)   # write_part's result, set by the thread
+    error: str | None = None                   # finish's result (rank 0), set by the thread
+
+
+class CheckpointWriter:
+    """One rank's checkpoint writer; every method is collective (same calls on every rank).
+
+    A background checkpoint goes through two stages: every rank writes its part (a thread per
+    rank), then rank 0 finishes it (:func:`hpcpar.run.checkpoint.finish`: manifest, fsyncs,
+    rename, rotation; a thread on rank 0) once a gather says every part is written. The
+    next checkpoint's parts may be written while the previous one is finished; the finish
+    of one waits for the finish of the one before, so checkpoints appear in step order.
+
+    Args:
+        ckpt_dir: Directory holding the checkpoints.
+        comm: MPI communicator of all ranks.
+        keep: How many of the newest checkpoints to keep.
+        background: Write in a thread (else :meth:`save` writes and commits before it returns).
+    """
+
+    def __init__(self, ckpt_dir: str | os.PathLike, comm: Any, keep: int, background: bool):
+        self.ckpt_dir = Path(ckpt_dir)
+        self.comm = comm
+        self.keep = keep
+        self.background = background
+        self._pending: _Pending | None = None      # its parts are being written
+        self._finishing: _Pending | None = None    # rank 0 is finishing it
+
+    def save(self, step: int, *, model_state: dict, trainer_state: dict, rank_state: dict,
+             info: dict) -> Path:
+        """Write checkpoint ``step``: in the background (the states are copied to memory
+        first; a pending one's parts are waited for and handed to its finish), else at once.
+
+        Returns:
+            The checkpoint's final path (it exists once committed).
+        """
+        if not self.background:
+            self.flush()
+            return ckpt.save(self.ckpt_dir, step, comm=self.comm, model_state=model_state,
+                             trainer_state=trainer_state, rank_state=rank_state, info=info,
+                             keep=self.keep)
+        self._hand_over()
+        tmp = ckpt.prepare(self.ckpt_dir, step, self.comm)
+        states = {"model_state": model_state, "trainer_state": ckpt.in_memory(trainer_state),
+                  "rank_state": ckpt.in_memory(rank_state)}
+        pending = _Pending(step, info)
+        pending.thread = self._start(self._write, tmp, states, pending)
+        self._pending = pending
+        return self.ckpt_dir / ckpt.step_dir_name(step)
+
+    @staticmethod
+    def _start(target, *args) -> threading.Thread:
+        thread = threading.Thread(target=target, args=args, daemon=True,
+                                  name=f"hpcpar-checkpoint-{args[-1].step}")
+        thread.start()
+        return thread
+
+    def _write(self, tmp: Path, states: dict, pending: _Pending) -> None:
+        """The part's thread: this rank's files; any failure becomes the part's error line."""
+        rank = self.comm.Get_rank()   # a local query, not communication
+        try:
+            mine = ckpt.write_part(tmp, rank, **states)
+        except Exception as exc:  # noqa: BLE001 - reported on every rank at the commit
+            mine = {"error": f"rank {rank}: {type(exc).__name__}: {exc}"}
+        pending.mine = mine
+
+    def _finish(self, parts: list[dict], pending: _Pending) -> None:
+        """Rank 0's finishing thread (no MPI); its error line is reported at the next commit."""
+        try:
+            pending.error = ckpt.finish(self.ckpt_dir, pending.step, parts=parts,
+                                        world_size=self.comm.Get_size(), info=pending.info,
+                                        keep=self.keep)
+        except Exception as exc:  # noqa: BLE001 - reported on every rank at the commit
+            pending.error = f"checkpoint {self.ckpt_dir / ckpt.step_dir_name(pending.step)} " \
+                            f"failed: {type(exc).__name__}: {exc}"
+
+    def _finished(self) -> Path | None:
+        """Wait for the checkpoint being finished; its path, or None when none was.
+
+        Raises:
+            RunDirError: On every rank, when it could not be written or finished.
+        """
+        done, self._finishing = self._finishing, None
+        if done is None:
+            return None
+        if done.thread is not None:
+            done.thread.join()
+        err = self.comm.bcast(done.error, root=0)
+        if err:
+            raise RunDirError(err)
+        return self.ckpt_dir / ckpt.step_dir_name(done.step)
+
+    def _hand_over(self) -> Path | None:
+        """Wait for the pending checkpoint's parts and for the finish of the one before it,
+        then start its finish. Returns the checkpoint finished meanwhile, or None."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        assert pending.thread is not None  # a pending checkpoint's parts are being written
+        pending.thread.join()
+        parts = self.comm.gather(pending.mine, root=0)
+        done = self._finished()
+        pending.thread = (self._start(self._finish, parts, pending)
+                          if self.comm.Get_rank() == 0 else None)
+        self._finishing = pending
+        return done
+
+    def poll(self) -> Path | None:
+        """Start the pending checkpoint's finish if every rank has written its part (one
+        small allreduce, only while one is pending); never waits for the writes.
+
+        Returns:
+            The checkpoint finished before it, or None.
+        """
+        if self._pending is None:
+            return None
+        from mpi4py import MPI
+
+        writer = self._pending.thread
+        busy = self.comm.allreduce(int(writer is not None and writer.is_alive()), op=MPI.SUM)
+        return None if busy else self._hand_over()
+
+    def flush(self) -> Path | None:
+        """Wait for the pending checkpoint: its parts, then its finish.
+
+        Returns:
+            The newest committed checkpoint, or None when none was pending.
+
+        Raises:
+            RunDirError: On every rank, when some rank could not write its part or the
+                checkpoint could not be finished.
+        """
+        done = self._hand_over()
+        return self._finished() or done
+
+    @property
+    def pending(self) -> int | None:
+        """The step of the newest checkpoint not committed yet, or None."""
+        newest = self._pending or self._finishing
+        return None if newest is None else newest.step
