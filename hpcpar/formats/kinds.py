@@ -59,6 +59,7 @@ _BUILTIN = {
     "unet3d": "hpcpar.run.workloads.volume",
     "gcn": "hpcpar.run.workloads.graph",
     "sage": "hpcpar.run.workloads.graph",
+    "gat": "hpcpar.run.workloads.graph",
 }
 
 

@@ -3,7 +3,8 @@
 ``partition`` and the format/generator helpers need only numpy; ``DistGraph`` (torch) loads
 lazily.
 
-May import: hpcpar.errors, hpcpar.parallel, hpcpar.kernels.
+May import: hpcpar.errors, hpcpar.parallel, hpcpar.sync (the stall detector around halo
+exchanges), hpcpar.kernels.
 """
 
 from hpcpar.graph.vertex_partition import partition, partition_csr  # numpy only

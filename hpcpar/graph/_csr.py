@@ -59,7 +59,7 @@ def sorted_unique(a: np.ndarray) -> np.ndarray:
     return a[np.concatenate([[True], a[1:] != a[:-1]])] if a.size else a
 
 
-def edges_to_csr(edge_index, num_nodes: int):
+def edges_to_csr(edge_index, num_nodes: int) -> tuple[np.ndarray, np.ndarray]:
     """In-edge CSR ``(indptr, indices)`` of ``src -> dst`` edges; duplicates removed."""
     e = check_edges(edge_index, num_nodes)
     key = sorted_unique(e[1] * np.int64(num_nodes) + e[0])  # sorted by (dst, src)

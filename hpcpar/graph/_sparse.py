@@ -33,8 +33,8 @@ class SparseOperator:
         self.fwd = tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in (indptr, indices,
                                                                                 data))
         self.bwd = tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in t)
-        self._torch = {}
-        self._dtype_cache = {}
+        self._torch: dict = {}
+        self._dtype_cache: dict = {}
 
     @property
     def nnz(self) -> int:

@@ -5,6 +5,10 @@ the halo vertices grouped by owner rank (ascending), sorted by global id inside 
 single Alltoallv therefore lands received rows exactly in place (``x_full = [x; halo]``), and
 in backward the gradient rows of the halo go back to their owners as one contiguous block per
 owner, where they are scatter-ADDED (``index_add_``) into the owned rows they came from.
+
+Every exchange (forward and backward) runs under the stall detector
+(:mod:`hpcpar.sync._stall`, ``HPCPAR_STALL_TIMEOUT``): a rank that never reaches an exchange
+the others wait in (one more layer, one fewer epoch) is named in one line and the job aborts.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 
 from hpcpar.parallel.comm import alltoallv
 from hpcpar.parallel.counters import COUNTERS, profiled
+from hpcpar.sync._stall import StallMonitor
 
 
 class HaloPlan:
@@ -35,16 +40,18 @@ class HaloPlan:
         self.recv_rows = [int(r) for r in recv_rows]
         self.n_halo = sum(self.recv_rows)
         self.bytes_sent = 0  # running total of bytes this rank sent (forward + backward)
+        self.stall = StallMonitor(comm, what="graph halo exchange")  # collective
+        self.exchanges = 0  # exchanges so far (the stall detector's step)
 
     @classmethod
     def build(cls, comm, owned_ids: np.ndarray, halo_ids: np.ndarray, halo_owner: np.ndarray):
         """``halo_ids`` must already be grouped by ``halo_owner`` (ascending)."""
         size = comm.Get_size()
         recv_rows = np.bincount(halo_owner, minlength=size).astype(np.int64)
-        wanted = alltoallv(torch.from_numpy(np.ascontiguousarray(halo_ids, np.int64)),
-                           recv_rows.tolist(), comm)
+        asked = alltoallv(torch.from_numpy(np.ascontiguousarray(halo_ids, np.int64)),
+                          recv_rows.tolist(), comm)
         send_rows = comm.alltoall(recv_rows.tolist())
-        wanted = wanted.numpy()
+        wanted = asked.numpy()
         send_index = np.searchsorted(owned_ids, wanted)
         if wanted.size and not np.array_equal(owned_ids[np.minimum(send_index,
                                                                    owned_ids.size - 1)],
@@ -67,7 +74,7 @@ class HaloPlan:
         send = x.index_select(0, self.send_index) if self.send_index.numel() else \
             x.new_empty((0, *x.shape[1:]))
         t1 = time.perf_counter()
-        halo = alltoallv(send, self.send_rows, self.comm, self.recv_rows)
+        halo = self._alltoallv(send, self.send_rows, self.recv_rows)
         COUNTERS.t_halo_wait += time.perf_counter() - t1  # the communication part
         self._count(send, t0)
         return halo
@@ -75,13 +82,23 @@ class HaloPlan:
     def give_back(self, g_halo: torch.Tensor) -> torch.Tensor:
         """Adjoint of :meth:`fetch`: halo gradient rows -> (n_owned, ...) sums at the owners."""
         t0 = time.perf_counter()
-        g_send = alltoallv(g_halo.contiguous(), self.recv_rows, self.comm, self.send_rows)
+        g_send = self._alltoallv(g_halo.contiguous(), self.recv_rows, self.send_rows)
         COUNTERS.t_halo_wait += time.perf_counter() - t0  # the communication part
         out = g_halo.new_zeros((self.n_owned, *g_halo.shape[1:]))
         if g_send.shape[0]:
             out.index_add_(0, self.send_index, g_send)
         self._count(g_halo, t0)
         return out
+
+    def _alltoallv(self, send: torch.Tensor, send_rows, recv_rows) -> torch.Tensor:
+        """One exchange, timed by the stall detector."""
+        self.exchanges += 1
+        self.stall.reached(self.exchanges)
+        self.stall.arm()
+        try:
+            return alltoallv(send, send_rows, self.comm, recv_rows)
+        finally:
+            self.stall.disarm()
 
     def _count(self, sent: torch.Tensor, t0: float) -> None:
         nbytes = sent.numel() * sent.element_size()

@@ -20,6 +20,7 @@ A graph is one sample: build it over a grid with ``data == 1``; it is split over
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -29,12 +30,13 @@ import torch
 from hpcpar.graph._csr import edges_to_csr, is_symmetric, sorted_unique
 from hpcpar.graph._sparse import SparseOperator
 from hpcpar.graph._vertex_halo import HaloPlan, with_halo
+from hpcpar.graph.agreement import check_agree, digest
 from hpcpar.graph.vertex_partition import partition_csr
 from hpcpar.parallel.comm import allgatherv, alltoallv
 from hpcpar.parallel.grid import ProcessGrid
 from hpcpar.parallel.partition import part_range
 
-from ..errors import DataError, HpcparError
+from ..errors import DataError, HpcparError, LayerError
 from .format import MASKS, GraphFile
 
 __all__ = ["DistGraph", "graph_comm", "collective"]
@@ -130,6 +132,11 @@ class DistGraph:
         plan: The halo plan (which rows go to which rank).
     """
 
+    # received in _receive_rows (declared here: __init__ reads them first)
+    x: torch.Tensor
+    y: torch.Tensor
+    masks: dict[str, torch.Tensor]
+
     def __init__(self, comm, num_nodes: int, owner: np.ndarray, block: dict, start: int,
                  num_classes: int | None = None, directed: bool | None = None,
                  row_normalize: bool = False, backend: str = "auto"):
@@ -153,6 +160,7 @@ class DistGraph:
             s = self.x.sum(1, keepdim=True)
             self.x = torch.where(s != 0, self.x / torch.where(s != 0, s, 1), self.x)
         self._ops: dict = {}
+        self._views: dict = {}  # local edge_index / adj_t, built on first use
 
     # ---- construction -------------------------------------------------------------------
     def _receive_rows(self, owner: np.ndarray, block: dict, start: int) -> None:
@@ -163,9 +171,9 @@ class DistGraph:
         order = np.argsort(dest, kind="stable")
         rows = np.bincount(dest, minlength=self.size).tolist()
         deg = np.diff(ip)
-        meta = np.stack([np.arange(start, start + n_blk, dtype=np.int64), deg, block["y"],
+        mine = np.stack([np.arange(start, start + n_blk, dtype=np.int64), deg, block["y"],
                          *(block[m].astype(np.int64) for m in MASKS)], axis=1)[order]
-        meta = alltoallv(torch.from_numpy(np.ascontiguousarray(meta)), rows, self.comm)
+        received = alltoallv(torch.from_numpy(np.ascontiguousarray(mine)), rows, self.comm)
         self.x = alltoallv(torch.from_numpy(np.ascontiguousarray(block["x"][order],
                                                                   np.float32)),
                            rows, self.comm)
@@ -173,12 +181,12 @@ class DistGraph:
         src = block["indices"][_row_positions(ip, order)]
         self.src_ids = alltoallv(torch.from_numpy(np.ascontiguousarray(src, np.int64)),
                                  edge_rows.tolist(), self.comm).numpy()
-        meta = meta.numpy()
+        meta = received.numpy()
         self.global_ids = meta[:, 0].copy()
         self.in_degree = meta[:, 1].copy()
         self.y = torch.from_numpy(meta[:, 2].copy())
-        self.masks = {m: torch.from_numpy(meta[:, 3 + k].astype(bool)) for k, m in
-                      enumerate(MASKS)}
+        self.masks = {
+            m: torch.from_numpy(meta[:, 3 + k].astype(bool)) for k, m in enumerate(MASKS)}
         self.num_owned = self.global_ids.shape[0]
         self.indptr = np.zeros(self.num_owned + 1, np.int64)
         np.cumsum(self.in_degree, out=self.indptr[1:])
@@ -291,6 +299,96 @@ class DistGraph:
         """
         return self.operator(kind)(with_halo(x, self.plan))
 
+    # ---- local view: any PyG message-passing layer -----------------------------------------
+    @property
+    def num_local(self) -> int:
+        """Owned + halo vertices: the rows of :meth:`exchange`'s result."""
+        return self.num_owned + self.num_halo
+
+    def exchange(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's rows followed by its halo rows, ``[x_owned; x_halo]`` (collective).
+
+        Backward is the exact adjoint: each halo row's gradient is sent back to its owner
+        and added to the owned row's gradient. Identity on one rank.
+
+        Args:
+            x: Rows of the owned vertices ``(num_owned, ...)``.
+
+        Returns:
+            ``(num_local, ...)`` rows in the local numbering of
+            [local_edge_index][hpcpar.graph.distgraph.DistGraph.local_edge_index].
+
+        Raises:
+            LayerError: ``x`` does not have one row per owned vertex.
+        """
+        if x.dim() == 0 or x.shape[0] != self.num_owned:
+            raise LayerError(f"DistGraph.exchange: x has shape {tuple(x.shape)}, expected "
+                             f"one row per owned vertex ({self.num_owned}, ...) on rank "
+                             f"{self.rank}")
+        return with_halo(x, self.plan)
+
+    def local_edge_index(self) -> torch.Tensor:
+        """Every in-edge of the owned vertices as a PyG ``edge_index`` in local numbering.
+
+        ``[0]``: sources, local ids ``[0, num_local)`` (owned, then halo: the rows of
+        :meth:`exchange`); ``[1]``: destinations, owned ids ``[0, num_owned)``. Sorted by
+        destination, then by global source id; duplicate edges were dropped at the build.
+        Since every in-edge of an owned vertex is here, a message-passing layer's outputs on
+        the owned rows are its full-graph outputs (per-destination softmax included).
+        """
+        if "edge_index" not in self._views:
+            dst = np.repeat(np.arange(self.num_owned, dtype=np.int64), self.in_degree)
+            self._views["edge_index"] = torch.from_numpy(
+                np.stack([self.cols, dst])).to(self.x.device)
+        return self._views["edge_index"]
+
+    def adj_t(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """:meth:`local_edge_index` as a square ``torch.sparse_csr`` ``adj_t`` (PyG's
+        transposed adjacency: row = destination, column = source), ``(num_local, num_local)``
+        with empty halo rows, values 1 in ``dtype`` (default: the features' dtype).
+
+        Args:
+            dtype: Dtype of the values (the input's dtype for PyG's SpMM path).
+
+        Returns:
+            The sparse tensor (cached per dtype).
+        """
+        dtype = self.x.dtype if dtype is None else dtype
+        if ("adj_t", dtype) not in self._views:
+            crow = np.concatenate([self.indptr, np.full(self.num_halo, self.indptr[-1])])
+            with warnings.catch_warnings():  # "sparse CSR support is in beta"
+                warnings.simplefilter("ignore", UserWarning)
+                self._views["adj_t", dtype] = torch.sparse_csr_tensor(
+                    torch.from_numpy(crow), torch.from_numpy(self.cols),
+                    torch.ones(self.cols.shape[0], dtype=dtype),
+                    (self.num_local, self.num_local)).to(self.x.device)
+        return self._views["adj_t", dtype]
+
+    def apply(self, conv: Callable[..., Any], x: torch.Tensor, *args: Any,
+              sparse: bool = False, **kwargs: Any) -> torch.Tensor:
+        """Run a PyG message-passing layer (or any ``conv(x, edge_index, ...)``) on the
+        distributed graph: ``conv(self.exchange(x), self.local_edge_index(), ...)[:num_owned]``.
+
+        Exact for layers whose output at a vertex depends only on its own row and its
+        in-neighbours' rows (``GATConv``, ``GINConv``, ``GraphConv``, ``TransformerConv``,
+        ``SAGEConv``, a custom ``MessagePassing``); not for layers that need the degrees of
+        source vertices (``GCNConv``'s normalisation: use ``hpcpar.nn.graph.DistGCNConv``).
+        Parameters are replicated: SUM their gradients over the graph's ranks (the default
+        gradient sync).
+
+        Args:
+            conv: The layer.
+            x: Rows of the owned vertices.
+            *args: Further positional arguments of ``conv``.
+            sparse: Pass :meth:`adj_t` instead of :meth:`local_edge_index`.
+            **kwargs: Keyword arguments of ``conv``.
+
+        Returns:
+            The layer's output rows of the owned vertices.
+        """
+        edges = self.adj_t(x.dtype) if sparse else self.local_edge_index()
+        return conv(self.exchange(x), edges, *args, **kwargs)[:self.num_owned]
+
     # ---- utilities --------------------------------------------------------------------------
     def to(self, device: torch.device | str) -> DistGraph:
         """Move features, labels, masks, the halo plan and cached operators to ``device``."""
@@ -300,6 +398,7 @@ class DistGraph:
         self.plan.to(device)
         for op in self._ops.values():
             op.to(device)
+        self._views = {k: v.to(device) for k, v in self._views.items()}
         return self
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
@@ -358,6 +457,11 @@ class DistGraph:
         masks = {m: np.asarray(masks[m].cpu() if hasattr(masks.get(m), "cpu") else masks[m],
                                bool) if m in masks else np.zeros(num_nodes, bool)
                  for m in MASKS}
+        check_agree(comm, "DistGraph", {
+            "vertices": int(num_nodes), "edges": int(np.shape(edge_index)[1]),
+            "feature width": tuple(x.shape[1:]),
+            "structure checksum": digest(indptr, indices),
+            "features/labels/masks checksum": digest(x, y, *masks.values())})
         kw.setdefault("directed", not is_symmetric(indptr, indices, num_nodes))
         if owner is None:
             owner = _owner(comm, lambda: (indptr, indices), num_nodes, method, seed,
@@ -399,7 +503,7 @@ class DistGraph:
         """
         from hpcpar.graph.interop import pyg_arrays
 
-        a = pyg_arrays(data)
+        a = collective(graph_comm(grid), pyg_arrays, data)
         return cls.from_global(a["edge_index"], a["num_nodes"], a["x"], grid, y=a["y"],
                                masks=a["masks"], method=method, seed=seed, **kw)
 
@@ -429,6 +533,10 @@ class DistGraph:
         gf = collective(comm, GraphFile, path)
         try:
             n = gf.num_nodes
+            check_agree(comm, "DistGraph.from_hdf5", {
+                "vertices": n, "edges": int(gf.f.attrs.get("num_edges", -1)),
+                "feature width": gf.num_features, "classes": gf.num_classes,
+                "directed": gf.directed})
             owner = _owner(comm, gf.read_structure, n, method, seed,
                            symmetric=not gf.directed)
             start, stop = part_range(n, comm.Get_size(), comm.Get_rank())

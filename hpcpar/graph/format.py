@@ -183,11 +183,11 @@ class GraphFile:
                 self._need(f"features/{k}")
             if "shape" not in self.f["features"].attrs:
                 self._fail("field '/features' (CSR) has no 'shape' attribute")
-            shape = np.asarray(self.f["features"].attrs["shape"])
-            if shape.shape != (2,) or shape.dtype.kind not in "iu" or shape.min() < 0:
-                self._fail(f"field '/features' (CSR) has shape attribute {shape.tolist()!r}, "
+            attr = np.asarray(self.f["features"].attrs["shape"])
+            if attr.shape != (2,) or attr.dtype.kind not in "iu" or attr.min() < 0:
+                self._fail(f"field '/features' (CSR) has shape attribute {attr.tolist()!r}, "
                            "expected two non-negative integers (N, F)")
-            shape = tuple(int(s) for s in shape)
+            shape = tuple(int(s) for s in attr)
             self._need("features/indptr", (shape[0] + 1,))
         else:
             shape = self.f["features"].shape

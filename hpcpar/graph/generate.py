@@ -54,10 +54,10 @@ def power_law_community_graph(nodes: int, avg_degree: float = 10.0, communities:
         DataError: A parameter out of range (``nodes < 2``, more classes than
             communities, ...).
     """
-    for name, v, lo in (("nodes", nodes, 2), ("communities", communities, 1),
+    for name, v, least in (("nodes", nodes, 2), ("communities", communities, 1),
                         ("features", features, 1), ("classes", classes, 2)):
-        if v < lo:
-            raise DataError(f"make graph: --{name} must be >= {lo}, got {v}")
+        if v < least:
+            raise DataError(f"make graph: --{name} must be >= {least}, got {v}")
     if classes > communities:
         raise DataError(f"make graph: --classes {classes} exceeds --communities {communities}"
                         " (labels are community % classes)")

@@ -7,6 +7,8 @@ vertex weights = in-degree + 1 so the aggregation work (one multiply-add per edg
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from hpcpar.errors import DataError
@@ -127,6 +129,7 @@ def _metis(indptr, indices, parts: int, seed: int, symmetric: bool = False) -> n
     xadj, b = _metis_graph(indptr, indices, symmetric)
     weights = (np.diff(indptr) + 1).astype(np.int64)
     opts = pymetis.Options(seed=int(seed))
+    graph: dict[str, Any]
     if hasattr(pymetis, "CSRAdjacency"):  # pymetis >= 2025.2
         graph = {"adjacency": pymetis.CSRAdjacency(xadj, b)}
     else:

@@ -9,25 +9,58 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["workload_from_job", "workload_of", "fit_points", "largest_samples"]
+__all__ = ["workload_from_job", "workload_of", "fit_points", "largest_samples", "dataset_note"]
 
 
 def _sample_shape(job) -> tuple[tuple, int]:
-    """(per-sample x shape (C, D, H, W), number of targets) from the dataset's manifest, else
-    from the job's synthetic [data] size/channels."""
-    from hpcpar.data import read_manifest
+    """(per-sample x shape (C, D, H, W), number of targets): the job's [data] size and
+    channels win (``--set data.size=`` plans that size even where a dataset of another size
+    sits at ``data.path``: :func:`dataset_note` says so), the rest from the dataset's
+    manifest, else the synthetic generator's defaults."""
     from hpcpar.data.synthetic import TARGETS
     from hpcpar.errors import ConfigError
 
     d = job.data.params
-    path = d.get("path")
-    if path and (Path(path) / "manifest.json").is_file():
-        m = read_manifest(path)
-        return tuple(m.x.shape), int(m.y.shape[0])
+    m = _manifest(job)
+    channels = d.get("channels") or (m.x.shape[0] if m else 4)
+    targets = int(m.y.shape[0]) if m else len(TARGETS)
     if d.get("size"):
-        return (d.get("channels") or 4,) + (d["size"],) * 3, len(TARGETS)
+        return (channels,) + (d["size"],) * 3, targets
+    if m:
+        return (channels, *m.x.shape[1:]), targets
     raise ConfigError(f"{job.name}: [data] size is not set and no dataset manifest to read it "
                       "from; add --set data.size=N")
+
+
+def _manifest(job):
+    """The manifest of the dataset at [data] path, or None (no path, no dataset yet)."""
+    from hpcpar.data import read_manifest
+
+    path = job.data.params.get("path")
+    return read_manifest(path) if path and (Path(path) / "manifest.json").is_file() else None
+
+
+def dataset_note(path: str, overrides=()) -> str | None:
+    """Why a run of the job as planned would not start as it is: the dataset at [data] path
+    holds samples of another size than the [data] size planned for.
+
+    Args:
+        path: The job file.
+        overrides: ``--set`` overrides.
+
+    Returns:
+        One line, or None when the dataset fits (or there is none yet).
+    """
+    from hpcpar.formats.jobspec import load_job
+
+    job = load_job(path, list(overrides))
+    m, size = _manifest(job), job.data.params.get("size")
+    if m is None or not size or tuple(m.x.shape[1:]) == (size,) * 3:
+        return None
+    have = "x".join(map(str, m.x.shape[1:]))
+    return (f"planned for [data] size = {size}; the dataset at [data] path "
+            f"{job.data.params['path']} holds {have} samples, so a run needs another "
+            f"--set data.path=DIR (generated there) or that dataset's size")
 
 
 def _model(job, sample_shape, n_targets):
@@ -87,6 +120,10 @@ def _graph_workload(job, cls):
     from hpcpar.plan.planner import Workload
     from hpcpar.run.workloads.graph import make_graph_file
 
+    if cls.conv not in ("gcn", "sage"):
+        raise ConfigError(f"[model] kind {job.model.kind!r}: the planner models full-graph "
+                          f"gcn and sage jobs, not {cls.conv}; plan a gcn job of the same "
+                          f"widths for an estimate")
     d, m = job.data.params, job.model.params
     path = d["path"]
     if not os.path.exists(path):
@@ -171,7 +208,7 @@ def largest_samples(job_file, sets, work, preds, machine) -> list[tuple]:
         return works[size]
 
     smallest = next(s for s in range(1, 1 << 14) if at(s) is not None)
-    out = []
+    out: list[tuple] = []
     for p in preds:
         if "not divisible" in p.reason:
             continue

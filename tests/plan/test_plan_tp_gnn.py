@@ -184,3 +184,11 @@ def test_tensor_parallel_from_a_job_file_trains_like_the_plain_model(comm):
              if isinstance(m, (torch.nn.Linear, TensorParallelLinear))]
     assert kinds == ["TensorParallelLinear", "TensorParallelLinear", "Linear"]
     w.close()
+
+
+def test_a_gat_job_is_refused_in_one_line_not_planned_as_gcn(run_cli):
+    """The graph cost model is GCN/SAGE's: a GAT job is refused rather than planned wrongly."""
+    rc, _, err = run_cli(["plan", "jobs/demo-gat-cora.toml", "-n", "2"])
+    assert rc == 2 and err.strip().splitlines() == [
+        "hpcpar: error: [model] kind 'gat': the planner models full-graph gcn and sage jobs, "
+        "not gat; plan a gcn job of the same widths for an estimate"]

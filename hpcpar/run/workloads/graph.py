@@ -1,4 +1,5 @@
-"""``[model] kind = "gcn" | "sage"``: full-graph node classification through ``hpcpar run``.
+"""``[model] kind = "gcn" | "sage" | "gat"``: full-graph node classification through
+``hpcpar run``.
 
 One step = one epoch = one forward/backward over the whole graph, split over the grid's
 spatial ranks (``[grid] data = 1``, ``x = -1``). The loss on each rank is the sum over its
@@ -9,10 +10,15 @@ single-process gradient; no parameter tags are needed.
 ``[data] path`` is a graph file (hpcpar graph format); ``make = "cora"`` imports the bundled
 Cora there if it is missing, ``make = "synthetic"`` generates a power-law community graph from
 the ``nodes``/``avg_degree``/``communities``/``features``/``classes``/``seed`` keys.
+
+``gat`` is Velickovic et al.'s GAT built from PyG's ``GATConv`` run on the distributed graph
+(:func:`hpcpar.nn.graph.distributed`): exact, since each owned vertex's attention softmax runs
+over its in-edges, which are all local. It needs ``torch_geometric`` (``hpcpar[gnn]``).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import TYPE_CHECKING
 
@@ -26,7 +32,7 @@ if TYPE_CHECKING:
     from hpcpar.parallel.grid import ProcessGrid
 
 __all__ = ["METHODS", "MODEL_PARAMS", "DATA_PARAMS", "make_graph_file", "GraphWorkload",
-           "GCNWorkload", "SAGEWorkload"]
+           "GCNWorkload", "SAGEWorkload", "GAT_PARAMS", "GATWorkload"]
 
 METHODS = ("metis", "block", "random")
 
@@ -201,3 +207,84 @@ class SAGEWorkload(GraphWorkload):
         device: The device to train on.
     """
     conv = "sage"
+
+
+GAT_PARAMS = {
+    "hidden": Param(int, 8, min=1, help="hidden width per attention head"),
+    "heads": Param(int, 8, min=1, max=1024, help="attention heads of the hidden layers"),
+    "layers": Param(int, 2, min=1, max=4096, help="attention layers"),
+    "dropout": Param(float, 0.6, min=0.0, max=1.0,
+                     help="on the input of every layer (same masks at every rank count)"),
+    "attention_dropout": Param(float, 0.0, min=0.0, max=1.0,
+                               help="on the attention weights (per edge, drawn per rank)"),
+    "decay": Param(str, "all", choices=("first", "all"),
+                   help="layers that get [train] weight_decay (Velickovic et al.: all)"),
+}
+
+
+def _check_gat_job(job) -> None:
+    _check_job(job)
+    if importlib.util.find_spec("torch_geometric") is None:
+        raise ConfigError("[model] kind = \"gat\" needs torch_geometric (pip install "
+                          "'hpcpar[gnn]')")
+
+
+def _gat(in_channels: int, hidden: int, out_channels: int, heads: int, layers: int,
+         dropout: float, attention_dropout: float, seed: int):
+    """Velickovic et al.'s GAT: ``layers`` GATConv, ``heads`` concatenated heads of ``hidden``
+    in the hidden layers, one averaged head out, ELU between, dropout on every input."""
+    from torch import nn
+    from torch_geometric.nn import GATConv
+
+    from hpcpar.graph.dropout import vertex_dropout
+    from hpcpar.nn.graph import distributed
+
+    class GAT(nn.Module):  # defined here: only GAT jobs import torch_geometric
+        def __init__(self):
+            super().__init__()
+            widths = [in_channels] + [hidden * heads] * (layers - 1)
+            self.convs = nn.ModuleList(
+                distributed(GATConv(w, hidden, heads=heads, dropout=attention_dropout))
+                for w in widths[:-1])
+            self.convs.append(distributed(GATConv(widths[-1], out_channels, heads=1,
+                                                  concat=False, dropout=attention_dropout)))
+            self.calls = 0  # training forward passes so far (drives the dropout masks)
+
+        def forward(self, x, graph):
+            call = self.calls
+            self.calls += int(self.training)
+            for layer, conv in enumerate(self.convs):
+                x = vertex_dropout(x, dropout, graph.global_ids, seed, call, layer,
+                                   self.training)
+                x = conv(x, graph)
+                if layer < len(self.convs) - 1:
+                    x = nn.functional.elu(x)
+            return x
+
+        def get_extra_state(self) -> dict:
+            return {"calls": self.calls}
+
+        def set_extra_state(self, state: dict) -> None:
+            self.calls = int(state.get("calls", 0))
+
+    return GAT()
+
+
+@register_workload("gat")
+class GATWorkload(GraphWorkload):
+    """Graph workload with graph attention (model kind "gat", PyG's ``GATConv``).
+
+    Args:
+        job: The resolved job; its grid must have data = 1.
+        grid: The process grid.
+        device: The device to train on.
+    """
+    conv = "gat"
+    model_params = GAT_PARAMS
+    check_job = staticmethod(_check_gat_job)
+
+    def _make(self):
+        m = self.job.model.params
+        g = self.graph
+        return _gat(g.num_features, m["hidden"], g.num_classes, m["heads"], m["layers"],
+                    m["dropout"], m["attention_dropout"], self.job.train.seed)
