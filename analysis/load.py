@@ -32,7 +32,8 @@ RUN_COLUMNS = ("run", "name", "config", "job_name", "ranks", "nodes", "grid_spec
                "start_time", "end_time", "segment_starts", "hostnames", "slurm_job_id",
                "git_commit", "hpcpar_version", "torch", "mpi_library", "steps_recorded",
                "steps_complete", "partial", "note", "cores_per_node", "ranks_per_node",
-               "threads_per_rank", "oversubscribed", "settings_hash", "settings")
+               "threads_per_rank", "oversubscribed", "settings_hash", "settings", "load_before",
+               "load_after")
 
 
 def find_runs(paths: Sequence[str | os.PathLike] | str | os.PathLike) -> list[Path]:
@@ -47,7 +48,7 @@ def find_runs(paths: Sequence[str | os.PathLike] | str | os.PathLike) -> list[Pa
     Raises:
         RunDirError: A path does not exist, or no run is found.
     """
-    if isinstance(paths, (str, Path)):
+    if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     runs: list[Path] = []
     for p in map(Path, paths):
@@ -108,12 +109,24 @@ def _optional_int(value):
 
 
 #: meta.json fields the run table takes as they are, and the JSON types they may hold
-META_TYPES = {"config": str, "job_name": str, "nodes": int, "grid_spec": str,
-              "global_batch": (int, float), "problem_size": (int, float), "status": str,
-              "start_time": str, "end_time": str, "hostnames": list, "slurm": dict,
-              "versions": dict, "machine": dict, "git": dict, "grid": dict, "segments": list}
-JSON_NAMES = {str: "string", int: "integer", (int, float): "number", list: "array",
-              dict: "object"}
+META_TYPES: dict[str, type | tuple[type, ...]] = {
+    "config": str, "job_name": str, "nodes": int, "grid_spec": str,
+    "global_batch": (int, float), "problem_size": (int, float), "status": str,
+    "start_time": str, "end_time": str, "hostnames": list, "slurm": dict,
+    "versions": dict, "machine": dict, "git": dict, "grid": dict, "segments": list,
+    "host_load": dict}
+JSON_NAMES: dict[type | tuple[type, ...], str] = {
+    str: "string", int: "integer", (int, float): "number", list: "array", dict: "object"}
+
+
+def _load1(meta: dict, when: str) -> float | None:
+    """The host's 1-minute load average ``when`` ("before"/"after") the run; None unless
+    recorded as a finite number >= 0."""
+    values = (meta.get("host_load") or {}).get(when)
+    v = values[0] if isinstance(values, list) and values else None
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < float("inf"):
+        return float(v)
+    return None
 
 
 def _check_types(meta: dict, path: Path) -> None:
@@ -201,6 +214,7 @@ def _load_run(run_dir: Path, meta: dict) -> tuple[dict, pd.DataFrame]:
                                                       "threads_per_rank")},
         "oversubscribed": machine.get("oversubscribed"),
         "settings_hash": settings_hash(settings) if settings else None, "settings": settings,
+        "load_before": _load1(meta, "before"), "load_after": _load1(meta, "after"),
     }
     kept = kept.assign(run=facts["run"], config=facts["config"], ranks=ranks)
     return facts, kept.reset_index(drop=True)

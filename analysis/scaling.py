@@ -18,6 +18,7 @@ from hpcpar.errors import ConfigError
 
 from . import stats
 from .settings import split_unlike
+from .suspect import superlinear
 
 __all__ = ["MODES", "TABLE_COLUMNS", "detect_mode", "scaling_table"]
 
@@ -42,6 +43,8 @@ TABLE_COLUMNS = (
     "fit_shown", "fit_note",
     "cores_per_node", "ranks_per_node", "threads_per_rank", "oversubscribed",
     "settings_hash",
+    # issue 32: a point that beats the cores it used, with its likely cause (suspect.py)
+    "suspect",
 )
 
 
@@ -138,7 +141,8 @@ def scaling_table(runs: pd.DataFrame, steps: pd.DataFrame, mode: str | None = No
 
     Returns:
         Median/std/CV of step time, speedup, efficiency, Karp-Flatt serial fraction,
-        throughput, time breakdown and load imbalance per (config, ranks).
+        throughput, time breakdown and load imbalance per (config, ranks); ``suspect``
+        flags a point that beats the cores it used (see ``suspect.superlinear``).
 
     Raises:
         ConfigError: An unknown ``mode``; ``strict`` and runs with different settings.
@@ -161,6 +165,7 @@ def scaling_table(runs: pd.DataFrame, steps: pd.DataFrame, mode: str | None = No
     for col in TABLE_COLUMNS:
         if col not in table:
             table[col] = np.nan
+    table["suspect"] = superlinear(table, runs)
     return table[list(TABLE_COLUMNS)].reset_index(drop=True)
 
 
@@ -204,7 +209,8 @@ def _relative(points: dict, mode: str | None) -> list[dict]:
     f = stats.amdahl_fit(qs, Ss)
     law, fit, law_speedup = stats.LAWS.get(chosen, (None, None, None))
     fl = fit(qs, Ss) if fit else math.nan
-    r2 = stats.fit_r2(Ss, law_speedup(fl, qs)) if fit and np.isfinite(fl) else math.nan
+    r2 = stats.fit_r2(Ss, law_speedup(fl, qs)) \
+        if law_speedup is not None and np.isfinite(fl) else math.nan
     why = stats.fit_verdict(qs, Ss, fl, r2) if fit else \
         f"{chosen} scaling: no scaling law to fit"
     for p, r in points.items():

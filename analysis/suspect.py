@@ -5,16 +5,25 @@ clock that jumped, a hand-edited or corrupted file) would become a negative or i
 speedup, and runs of different hpcpar versions may not time the same work. Impossible steps
 are left out with a note (the run then shows as partial); mixed versions are a warning line
 the report prints and shows (they are not refused: comparing versions is a legitimate use).
+
+A point that beats the cores it used (efficiency above 1, or a speedup above the ratio of
+cores used, ranks x threads per rank) is flagged after the statistics, with its likely cause
+(:func:`superlinear`): a baseline that ran other threads per rank, was oversubscribed or shared
+a busy host usually explains it before any cache effect does.
 """
 
 from __future__ import annotations
+
+import math
+from typing import TypeGuard
 
 import numpy as np
 import pandas as pd
 
 from hpcpar.formats.records import COLUMNS
 
-__all__ = ["MEASURED", "impossible_steps", "version_warning"]
+__all__ = ["MEASURED", "impossible_steps", "version_warning", "superlinear",
+           "superlinear_warnings"]
 
 #: Step columns that are amounts (seconds, bytes, samples), ``t_step`` first: each must be
 #: finite and >= 0 where recorded (an empty cell is a phase the run did not measure);
@@ -72,3 +81,86 @@ def version_warning(runs: pd.DataFrame) -> str | None:
         parts.append(f"{version} ({len(names)} run(s): {shown})")
     return ("runs recorded by different hpcpar versions: " + "; ".join(parts)
             + "; their step times may not time the same work")
+
+
+#: 1-minute load average above which the host counts as busy when a baseline ran
+BUSY_LOAD = 0.5
+
+
+def _known(v) -> TypeGuard[float]:
+    return v is not None and not (isinstance(v, float) and math.isnan(v))
+
+
+def _cause(row: dict, base: dict, load: dict) -> str:
+    """The likely cause of one point beating its cores, most telling first."""
+    p0, t0, t = base["ranks"], base["threads_per_rank"], row["threads_per_rank"]
+    if _known(t0) and _known(t) and t0 != t:
+        return (f"the baseline ({p0} ranks) ran {t0:.0f} thread(s) per rank, this point "
+                f"{t:.0f}: not like for like (hpcpar sweep --threads N runs every point alike)")
+    if base["oversubscribed"] is True:
+        return (f"the baseline ({p0} ranks) was oversubscribed (ranks x threads > cores): it "
+                f"timed CPU sharing")
+    before = load.get(p0)
+    if _known(before) and before > BUSY_LOAD:
+        cores = base["cores_per_node"]
+        on = f" on {cores:.0f} cores" if _known(cores) else ""
+        return (f"the host was busy when the baseline ran (load {before:.1f}{on} before it): "
+                f"other processes took CPU from it; rerun on a quiet host")
+    lo, hi = row["efficiency_lo"], row["efficiency_hi"]
+    if _known(lo) and lo <= 1:
+        return f"timing noise: the efficiency's 95% interval [{lo:.2f}, {hi:.2f}] includes 1"
+    return ("a superlinear effect (each rank's share of the data fits a faster cache) or a "
+            "baseline slowed by something the records do not show; rerun the baseline")
+
+
+def superlinear(table: pd.DataFrame, runs: pd.DataFrame) -> list[str]:
+    """Flag each point whose speedup beats the cores it used, naming the likely cause.
+
+    A point beats its cores when its efficiency E = S / q is above 1, or its speedup S is
+    above the ratio of cores used, (p x threads per rank) / (p0 x the baseline's threads).
+
+    Args:
+        table: The scaling table (speedup, efficiency and its interval, baseline_ranks,
+            threads_per_rank, cores_per_node, oversubscribed per point).
+        runs: The run table (``load_before``: the host's 1-minute load when each run began).
+
+    Returns:
+        One text per row of ``table``: ``""``, or ``"SUSPECT: ..."`` with the cause.
+    """
+    load = {}
+    if "load_before" in runs:
+        before = pd.to_numeric(runs["load_before"], errors="coerce")
+        load = {(c, int(p)): v for (c, p), v in before.groupby([runs["config"],
+                                                                runs["ranks"]]).max().items()}
+    rows = table.to_dict("records")
+    base_of = {(r["config"], r["ranks"]): r for r in rows}
+    out = []
+    for r in rows:
+        S, E = r["speedup"], r["efficiency"]
+        base = base_of.get((r["config"], r["baseline_ranks"]))
+        if base is None or base is r or not (_known(S) and _known(E)):
+            out.append("")
+            continue
+        t0, t = base["threads_per_rank"], r["threads_per_rank"]
+        cores = r["ideal_speedup"] * (t / t0 if _known(t0) and _known(t) and t0 else 1.0)
+        if not (E > 1 or S > cores):
+            out.append("")
+            continue
+        loads = {p: v for (c, p), v in load.items() if c == r["config"]}
+        out.append(f"SUSPECT: speedup {S:.2f}x (efficiency {E:.2f}) on {cores:.3g}x the "
+                   f"baseline's cores; likely cause: {_cause(r, base, loads)}")
+    return out
+
+
+def superlinear_warnings(table: pd.DataFrame) -> list[str]:
+    """The report's warning line of each point flagged in the table's ``suspect`` column.
+
+    Args:
+        table: The scaling table.
+
+    Returns:
+        ``"CONFIG @ P ranks: SUSPECT: ..."`` per flagged point.
+    """
+    flagged = table[table["suspect"].fillna("").astype(str) != ""]
+    return [f"{c} @ {p} ranks: {s}" for c, p, s in
+            zip(flagged["config"], flagged["ranks"], flagged["suspect"])]

@@ -7,32 +7,35 @@ from pathlib import Path
 
 import click
 
+from hpcpar._tables import text_table
 from hpcpar.cli._options import json_option, out_option, ranks_option, set_option
 
 __all__ = ["FIELDS", "row", "table", "largest_table", "write_csv", "plan"]
 
 
 def table(preds, top: int) -> str:
-    head = (f"{'rank':>4}  {'grid':<12} {'step s':>9} {'compute':>9} {'halo':>8} "
-            f"{'gather':>8} {'tp':>8} {'allred':>8} {'io':>8} {'mem GB':>7}")
-    lines = [head]
     feasible = [p for p in preds if p.feasible]
-    for i, p in enumerate(feasible[:top], 1):
-        lines.append(f"{i:>4}  {p.spec:<12} {p.t_step:>9.4f} {p.t_compute:>9.4f} "
-                     f"{p.t_halo:>8.4f} {p.t_gather:>8.4f} {p.t_tp:>8.4f} "
-                     f"{p.t_allreduce_exposed:>8.4f} "
-                     f"{p.extra.get('io_exposed', 0):>8.4f} {p.mem_bytes / 1e9:>7.2f}")
+    rows = [(i, p.spec, f"{p.t_step:.4f}", f"{p.t_compute:.4f}", f"{p.t_halo:.4f}",
+             f"{p.t_gather:.4f}", f"{p.t_tp:.4f}", f"{p.t_allreduce_exposed:.4f}",
+             f"{p.extra.get('io_exposed', 0):.4f}", f"{p.mem_bytes / 1e9:.2f}")
+            for i, p in enumerate(feasible[:top], 1)]
+    lines = [text_table(("#", "grid", "step s", "compute", "halo", "gather", "tp", "allred",
+                         "io", "mem GB"), rows, markdown=False,
+                        align=("right", "left", *["right"] * 8))]
     bad = [p for p in preds if not p.feasible]
     if bad:
         lines.append(f"infeasible ({len(bad)} grids, not recommended), e.g.:")
-        for p in _examples(bad, max(3, min(top, 5))):
-            lines.append(f"     {p.spec:<12} {p.reason}")
+        lines.append(text_table(("grid", "why"), [(p.spec, p.reason) for p in
+                                                  _examples(bad, max(3, min(top, 5)))],
+                                markdown=False))
     return "\n".join(lines)
 
 
 def _examples(bad, k: int):
     """Up to ``k`` infeasible grids, one per kind of reason first (memory, batch, extent)."""
-    seen, first, rest = set(), [], []
+    seen: set[str] = set()
+    first: list = []
+    rest: list = []
     for p in bad:
         kind = ("memory" if "GB per rank" in p.reason else
                 "batch" if "not divisible" in p.reason else "extent")
@@ -43,13 +46,30 @@ def _examples(bad, k: int):
 
 def largest_table(largest, work, budget: float, top: int) -> str:
     c = work.sample_shape[0]
-    lines = [f"largest cubic sample per grid within {budget / 2**30:.3g} GiB per rank "
-             f"({c} channels, global batch {work.global_batch}; this job's edge is "
-             f"{work.sample_shape[1]}):", f"      {'grid':<12} {'edge':>6} {'mem GB':>7}"]
-    for spec, edge, mem in largest[:top]:
-        lines.append(f"      {spec:<12} {edge:>6} {mem / 1e9:>7.2f}" if edge else
-                     f"      {spec:<12} {'none':>6} {'':>7}")
-    return "\n".join(lines)
+    rows = [(spec, edge, f"{mem / 1e9:.2f}") if edge else (spec, "none", "")
+            for spec, edge, mem in largest[:top]]
+    return (f"largest cubic sample per grid within {budget / 2**30:.3g} GiB per rank "
+            f"({c} channels, global batch {work.global_batch}; this job's edge is "
+            f"{work.sample_shape[1]}):\n"
+            + text_table(("grid", "edge", "mem GB"), rows, markdown=False,
+                         align=("left", "right", "right")))
+
+
+def _on_this_host(m, name: str):
+    """The ``local`` machine with this host's cores (its file may come from another host);
+    any other machine as its file says."""
+    from dataclasses import replace
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return replace(m, cores=cores) if name == "local" and cores else m
+
+
+def _where(m, name: str) -> str:
+    """The machine line's cores: this host's for ``local`` (one node holds every rank),
+    else cores and ranks per node from the machine file."""
+    if name == "local":
+        return f"this host, {m.cores} cores"
+    return f"{m.cores or m.ranks_per_node} cores, {m.ranks_per_node} ranks/node"
 
 
 FIELDS = ("grid", "data", "x", "y", "z", "feasible", "reason", "t_step", "t_compute", "t_halo",
@@ -110,7 +130,7 @@ def plan(job, ranks, machine, top, csv_path, sets, calibrate, out, as_json, budg
 
     from hpcpar.errors import LaunchError
     from hpcpar.launch.mpiexec import rank_env
-    from hpcpar.plan.job import fit_points, largest_samples, workload_from_job
+    from hpcpar.plan.job import dataset_note, fit_points, largest_samples, workload_from_job
     from hpcpar.plan.machine import load_machine, machines_dir
     from hpcpar.plan.planner import plan as make_plan
 
@@ -128,7 +148,7 @@ def plan(job, ranks, machine, top, csv_path, sets, calibrate, out, as_json, budg
         return
     if not job or not ranks:
         raise click.UsageError("give JOB.toml and --ranks N (or --calibrate)")
-    m = load_machine(machine)
+    m = _on_this_host(load_machine(machine), machine)
     if budget is not None:
         from dataclasses import replace
 
@@ -136,6 +156,9 @@ def plan(job, ranks, machine, top, csv_path, sets, calibrate, out, as_json, budg
 
         m = replace(m, mem_per_rank=float(parse_bytes(budget)))
     work = workload_from_job(job, sets)
+    note = dataset_note(job, sets)
+    if note:
+        click.echo(f"hpcpar: note: {note}", err=True)
     if budget is not None and work.graph is not None:
         raise click.UsageError("--memory-budget: the largest cubic sample is for volume jobs")
     preds = make_plan(work, ranks, m)
@@ -161,7 +184,7 @@ def plan(job, ranks, machine, top, csv_path, sets, calibrate, out, as_json, budg
                                "global_batch": work.global_batch, "params": work.params,
                                "grids": [row(p) for p in preds], **extra}))
         return
-    click.echo(f"{work.name}: {ranks} ranks on {m.name} ({m.ranks_per_node} ranks/node), "
+    click.echo(f"{work.name}: {ranks} ranks on {m.name} ({_where(m, machine)}), "
                f"sample {'x'.join(map(str, work.sample_shape))}, global batch "
                f"{work.global_batch}, {work.params / 1e6:.2f} M parameters")
     if fit is not None:

@@ -5,8 +5,9 @@ Each rank count N runs ``hpcpar run JOB -n N --grid G --run-dir DIR/ranks-N`` in
 spatial axes (x, y, z) when their product divides N; otherwise shrink the largest spatial axis
 (z first on ties) by its smallest prime factor until it does; the data axis takes the rest.
 ``--weak`` scales the global batch with N: B(N) = B0 * N / N0 (N0 the smallest count of the
-sweep), so the work per rank stays constant. ``--submit`` hands the whole sweep to
-``hpcpar submit`` (Slurm).
+sweep), so the work per rank stays constant. Every point runs with the same threads per rank
+(``--threads``, else one rule for the whole sweep: see :mod:`hpcpar.launch.sweep`).
+``--submit`` hands the whole sweep to ``hpcpar submit`` (Slurm).
 """
 
 from __future__ import annotations
@@ -14,72 +15,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import click
 
 from hpcpar.cli._options import json_option, out_option, ranks_option, set_option
 from hpcpar.errors import LaunchError
-from hpcpar.launch.sweep import plan, sweep_lock
+from hpcpar.launch.sweep import plan, run_command, run_points, submit_command, sweep_lock
 
-__all__ = ["run_command", "run_points", "submit_command", "sweep"]
-
-
-def run_command(job_path: str, point: dict, run_dir: Path, resume: bool = False) -> list[str]:
-    """``hpcpar run`` of one point (fresh unless ``resume``: old files are set aside)."""
-    cmd = [sys.executable, "-m", "hpcpar.cli", "run", str(job_path), "-n", str(point["ranks"]),
-           "--grid", point["grid"], "--run-dir", str(run_dir),
-           "--resume" if resume else "--no-resume"]
-    for s in point["sets"]:
-        cmd += ["--set", s]
-    return cmd
-
-
-def _tail(path: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
-
-
-def run_points(job_path, points, out: Path, verbose: bool, resume: bool = False) -> list[int]:
-    """Run the points one after the other; returns the rank counts that failed."""
-    failed = []
-    for point in points:
-        run_dir = out / f"ranks-{point['ranks']}"
-        log = out / f"ranks-{point['ranks']}.log"
-        cmd = run_command(job_path, point, run_dir, resume)
-        click.echo(f"sweep: {point['ranks']} rank(s), grid {point['grid']} -> {run_dir}")
-        t0 = time.monotonic()
-        with open(log, "w") as fh:
-            if verbose:
-                proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True, errors="replace")
-                for line in proc.stdout:
-                    fh.write(line)
-                    click.echo(f"  {line}", nl=False)
-                rc = proc.wait()
-            else:
-                rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT).returncode
-        took = time.monotonic() - t0
-        if rc == 0:
-            click.echo(f"sweep: {point['ranks']} rank(s) done in {took:.1f} s (log {log})")
-        else:
-            failed.append(point["ranks"])
-            click.echo(f"sweep: {point['ranks']} rank(s) FAILED with exit code {rc} after "
-                       f"{took:.1f} s; last lines of {log}:\n{_tail(log)}", err=True)
-    return failed
-
-
-def submit_command(job_path, out, ranks, weak, sets) -> list[str]:
-    cmd = [sys.executable, "-m", "hpcpar.cli", "submit", str(job_path), "--out", str(out),
-           "--ranks", ",".join(map(str, ranks)), "--report"]
-    if weak:
-        cmd.append("--weak")
-    for s in sets:
-        cmd += ["--set", s]
-    return cmd
+__all__ = ["sweep"]
 
 
 @click.command("sweep")
@@ -88,6 +32,10 @@ def submit_command(job_path, out, ranks, weak, sets) -> list[str]:
 @out_option("Sweep directory: OUT/ranks-N/ per point, OUT/report/ at the end.",
             required=True)
 @click.option("--weak", is_flag=True, help="Weak scaling: global batch grows with the ranks.")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="Threads per rank at every point (also [resources] cpus_per_task) "
+                   "[default: OMP_NUM_THREADS, else the job's cpus_per_task; the same at "
+                   "every point].")
 @click.option("--submit", is_flag=True, help="Submit the points and the report to Slurm "
               "(hpcpar submit) instead of running here.")
 @set_option("Override a job field at every point (repeatable).")
@@ -98,20 +46,23 @@ def submit_command(job_path, out, ranks, weak, sets) -> list[str]:
 @click.option("-v", "--verbose", is_flag=True, help="Stream each run's output.")
 @json_option("Print the report's summary as JSON (verdict, points, files) on stdout; "
              "progress goes to stderr.")
-def sweep(job, ranks, out, weak, submit, sets, warmup, resume, verbose, as_json):
+def sweep(job, ranks, out, weak, threads, submit, sets, warmup, resume, verbose, as_json):
     """Run JOB at each rank count, then write the scaling report into OUT/report/."""
     ranks = sorted(ranks)
+    if threads is not None:
+        sets = (*sets, f"resources.cpus_per_task={threads}")
     if submit:
         rc = subprocess.run(submit_command(job, out, ranks, weak, sets)).returncode
         sys.exit(rc)
-    points = plan(job, ranks, weak, sets)
+    points = plan(job, ranks, weak, sets, threads)
     out = Path(out)
     with sweep_lock(out, warn=lambda m: click.echo(m, err=True)):
         (out / "sweep.json").write_text(json.dumps(
             {"job": str(job), "ranks": ranks, "weak": weak, "sets": list(sets),
              "points": [dict(p, command=run_command(job, p, out / f"ranks-{p['ranks']}", resume))
                         for p in points]}, indent=1) + "\n")
-        failed = run_points(job, points, out, verbose, resume)
+        failed = run_points(job, points, out, verbose, resume, say=click.echo,
+                            warn=lambda m: click.echo(m, err=True))
         done = [out / f"ranks-{p['ranks']}" for p in points
                 if (out / f"ranks-{p['ranks']}" / "meta.json").exists()]
         if not done:

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import sysconfig
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from hpcpar import _env
 from hpcpar.errors import LaunchError
@@ -246,7 +247,7 @@ def run_ranks(cmd: list[str], env: dict) -> int:
     """
     from hpcpar.errors import EXIT_ABORTED
 
-    state = {"proc": None, "interrupted": False, "aborted": False}
+    state: dict[str, Any] = {"proc": None, "interrupted": False, "aborted": False}
     as_term = os.path.basename(cmd[0]) == "srun"
 
     def forward(signum, frame):

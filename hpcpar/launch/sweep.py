@@ -5,6 +5,10 @@ divides N; otherwise shrink the largest spatial axis (z first on ties) by its sm
 factor until it does; the data axis takes the rest. Weak scaling grows the global batch with N:
 B(N) = B0 * N / N0 (N0 the smallest count of the sweep), so the work per rank stays constant.
 
+Like for like: every point runs with the same threads per rank (``--threads``, else the rule of
+:func:`hpcpar.launch.threads.threads_per_rank` decided once for the whole sweep), so the
+1-rank baseline computes exactly as each rank of the other points does.
+
 A sweep owns its output directory while it runs (:func:`sweep_lock`: ``OUT/hpcpar.lock``, the
 run directories' lock), so a second sweep into the same ``--out`` is refused at once instead of
 overwriting the first one's logs and moving its finished runs aside.
@@ -13,13 +17,18 @@ overwriting the first one's logs and moving its finished runs aside.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
 from hpcpar.errors import ConfigError, HpcparError, LaunchError
 
-__all__ = ["parse_ranks", "point_grid", "plan", "SWEEP_FILE", "check_sweep_dir", "sweep_lock"]
+__all__ = ["parse_ranks", "point_grid", "plan", "SWEEP_FILE", "check_sweep_dir", "sweep_lock",
+           "run_command", "run_points", "submit_command"]
 
 SWEEP_FILE = "sweep.json"  # the sweep's plan, written into OUT when it starts
 SUBMIT_RECORDS = "jobs.json"  # hpcpar submit's records: a sweep submitted to Slurm
@@ -75,7 +84,8 @@ def point_grid(job_shape: Sequence[int], n: int) -> tuple[int, int, int, int]:
     return (n // (x * y * z), x, y, z)
 
 
-def plan(job_path: str, ranks: list[int], weak: bool, sets: Sequence[str]) -> list[dict]:
+def plan(job_path: str, ranks: list[int], weak: bool, sets: Sequence[str],
+         threads: int | None = None) -> list[dict]:
     """Plan a scaling sweep; every point is validated before any runs.
 
     Args:
@@ -83,18 +93,22 @@ def plan(job_path: str, ranks: list[int], weak: bool, sets: Sequence[str]) -> li
         ranks: Rank counts of the points.
         weak: Weak scaling: the global batch grows as ``B0 * N / N0``.
         sets: ``--set`` overrides for every point.
+        threads: Threads per rank of every point; None: ``OMP_NUM_THREADS``, else the job's
+            ``[resources] cpus_per_task``.
 
     Returns:
-        One ``{"ranks", "grid", "sets"}`` dict per point.
+        One ``{"ranks", "grid", "sets", "threads"}`` dict per point.
 
     Raises:
         ConfigError: A point whose job does not validate (named), or a weak-scaling batch
             that is not an integer.
     """
     from hpcpar.formats.jobspec import load_job
+    from hpcpar.launch.threads import threads_per_rank
 
     job = load_job(job_path, list(sets))
     base_batch = job.train.global_batch
+    threads = threads or threads_per_rank(job.resources.cpus_per_task)
     points = []
     for n in ranks:
         grid = point_grid(job.grid_shape, n)
@@ -111,7 +125,7 @@ def plan(job_path: str, ranks: list[int], weak: bool, sets: Sequence[str]) -> li
             load_job(job_path, point_sets + grid_sets).check_ranks(n)
         except HpcparError as exc:
             raise ConfigError(f"sweep point {n} ranks (grid {spec}): {exc}") from None
-        points.append({"ranks": n, "grid": spec, "sets": point_sets})
+        points.append({"ranks": n, "grid": spec, "sets": point_sets, "threads": threads})
     return points
 
 
@@ -169,3 +183,74 @@ def sweep_lock(out: Path, warn: Callable[[str], object] = print) -> Iterator[Non
         yield
     finally:
         lock.release()
+
+
+# -- running the points, one after the other -----------------------------------------------
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def run_command(job_path: str, point: dict, run_dir: Path, resume: bool = False) -> list[str]:
+    """``hpcpar run`` of one point (fresh unless ``resume``: old files are set aside)."""
+    cmd = [sys.executable, "-m", "hpcpar.cli", "run", str(job_path), "-n", str(point["ranks"]),
+           "--grid", point["grid"], "--run-dir", str(run_dir),
+           "--resume" if resume else "--no-resume"]
+    for s in point["sets"]:
+        cmd += ["--set", s]
+    return cmd
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def run_points(job_path, points, out: Path, verbose: bool, resume: bool = False,
+               say: Callable[[str], object] = print,
+               warn: Callable[[str], object] = _stderr) -> list[int]:
+    """Run the points one after the other, each with its threads per rank; returns the rank
+    counts that failed."""
+    from hpcpar.launch.threads import thread_env
+
+    failed = []
+    for point in points:
+        run_dir = out / f"ranks-{point['ranks']}"
+        log = out / f"ranks-{point['ranks']}.log"
+        cmd = run_command(job_path, point, run_dir, resume)
+        env = dict(os.environ, **thread_env(point["threads"]))
+        say(f"sweep: {point['ranks']} rank(s), grid {point['grid']}, "
+                   f"{point['threads']} thread(s) per rank -> {run_dir}")
+        t0 = time.monotonic()
+        with open(log, "w") as fh:
+            if verbose:
+                proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True, errors="replace", env=env)
+                assert proc.stdout is not None  # stdout=PIPE
+                for line in proc.stdout:
+                    fh.write(line)
+                    say(f"  {line.rstrip(chr(10))}")
+                rc = proc.wait()
+            else:
+                rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT,
+                                    env=env).returncode
+        took = time.monotonic() - t0
+        if rc == 0:
+            say(f"sweep: {point['ranks']} rank(s) done in {took:.1f} s (log {log})")
+        else:
+            failed.append(point["ranks"])
+            warn(f"sweep: {point['ranks']} rank(s) FAILED with exit code {rc} after "
+                 f"{took:.1f} s; last lines of {log}:\n{_tail(log)}")
+    return failed
+
+
+def submit_command(job_path, out, ranks, weak, sets) -> list[str]:
+    """``hpcpar submit`` of the whole sweep (``sweep --submit``), the report included."""
+    cmd = [sys.executable, "-m", "hpcpar.cli", "submit", str(job_path), "--out", str(out),
+           "--ranks", ",".join(map(str, ranks)), "--report"]
+    if weak:
+        cmd.append("--weak")
+    for s in sets:
+        cmd += ["--set", s]
+    return cmd

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from hpcpar.errors import RunDirError
 from hpcpar.formats.records.facts import (
     git_facts,
+    host_load,
     machine_facts,
     package_versions,
     rank_machine_facts,
@@ -99,6 +100,14 @@ def row_from_counters(delta: dict) -> dict:
     return row
 
 
+def _with_load_after(meta: dict) -> dict:
+    """meta.json ``host_load`` with the load at finish added (``before`` as the start wrote
+    it; None for records begun before the key existed)."""
+    before = meta.get("host_load")
+    return {"before": before.get("before") if isinstance(before, dict) else None,
+            "after": host_load()}
+
+
 # -- the writer ------------------------------------------------------------------------------
 class RunRecorder:
     """Writes one run's records: ``meta.json`` and one CSV row per rank per step, merged into
@@ -158,7 +167,7 @@ class RunRecorder:
         fresh = not (resume and self.path.exists() and self.path.stat().st_size > 0)
         self._names = COLUMN_NAMES if fresh else file_columns(self.path)
         try:
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND
+            self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND
                                | (os.O_TRUNC if fresh else 0), 0o666)
         except OSError as exc:
             raise RunDirError(f"{self.path}: cannot open step records ({oserror_text(exc)})") \
@@ -171,13 +180,15 @@ class RunRecorder:
         """Append whole lines: one ``write`` (retried on short writes). On any OSError (disk
         full, quota, I/O error) the file is cut back to its last complete line and one
         :class:`RunDirError` names it: a torn line is never left behind."""
+        fd = self._fd
+        assert fd is not None, f"{self.path}: step records written after close()"
         data = memoryview(text.encode())
         try:
             while data:
-                data = data[os.write(self._fd, data):]
+                data = data[os.write(fd, data):]
         except OSError as exc:
             try:
-                os.ftruncate(self._fd, self._complete)
+                os.ftruncate(fd, self._complete)
             except OSError:
                 pass
             raise RunDirError(f"{self.path}: cannot write step records ({oserror_text(exc)}); "
@@ -198,6 +209,7 @@ class RunRecorder:
             "start_time": (previous or {}).get("start_time", start), "end_time": None,
             "status": "running", "versions": package_versions(),
             "git": git_facts(user.get("job_file")), "machine": user.get("machine", machine),
+            "host_load": user.get("host_load", {"before": host_load(), "after": None}),
         })
         job = user.get("job")
         meta.setdefault("job_name", job.get("name") if isinstance(job, dict) else job)
@@ -266,7 +278,8 @@ class RunRecorder:
             try:
                 out = merge_records(self.run_dir)
                 self.update_meta(lambda m: m.update(end_time=now_iso(), status=status,
-                                                    end_reason=reason, steps_file=out.name))
+                                                    end_reason=reason, steps_file=out.name,
+                                                    host_load=_with_load_after(m)))
             except RunDirError as exc:
                 error = f"{self.run_dir}: cannot merge run records: {exc}"
             except OSError as exc:  # disk full while writing steps.parquet: rank files stay
