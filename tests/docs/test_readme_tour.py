@@ -76,10 +76,13 @@ def test_readme_blocks_run_as_written(tmp_path):
     assert (tmp_path / "runs" / "b" / "meta.json").is_file()
 
 
-@pytest.mark.parametrize("page", sorted(p.name for p in (ROOT / "docs" / "guides").glob("*.md")))
+MARKED = sorted(p.name for p in (ROOT / "docs" / "guides").glob("*.md")
+                if blocks(p.read_text(), default_run=False))
+
+
+@pytest.mark.parametrize("page", MARKED or [pytest.param(
+    None, marks=pytest.mark.skip(reason="no guide block is marked <!-- run --> yet"))])
 def test_guide_blocks_marked_run_run_as_written(page, tmp_path):
     text = (ROOT / "docs" / "guides" / page).read_text()
-    if not blocks(text, default_run=False):
-        pytest.skip(f"{page}: no block marked <!-- run -->")
     (tmp_path / "jobs").symlink_to(ROOT / "jobs")
-    run_blocks(text, tmp_path, default_run=False)
+    assert run_blocks(text, tmp_path, default_run=False) > 0
