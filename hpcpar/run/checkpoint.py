@@ -218,13 +218,21 @@ def _fsync_path(path) -> None:
 
 
 def _save(obj, path: Path) -> dict:
+    """Write ``obj`` to ``path`` durably; its checksum is taken from the bytes written (no
+    second read of the file: a checkpoint every step pays for every pass over its bytes)."""
+    import hashlib
+    import io
+
     import torch
 
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    data = buf.getbuffer()
     with open(path, "wb") as f:
-        torch.save(obj, f)
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    return {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+    return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
 
 
 def _remove(path: Path) -> None:
