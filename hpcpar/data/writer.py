@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from typing import TYPE_CHECKING
 
@@ -178,6 +179,10 @@ def dataset_bytes(source, counts: list[int], chunk=None) -> int:
     return raw + raw // 100 + len(counts) * (64 << 10)
 
 
+#: a dataset larger than this is announced (its size, on stderr) before it is written
+ANNOUNCE_BYTES = 1 << 30
+
+
 def _reserve_space(out: str, tmp: str, need: int) -> None:
     """Allocate ``need`` bytes in ``tmp`` and free them again, before any HDF5 write: HDF5
     cannot recover from a failed write (a full disk or quota makes the later close fail and
@@ -309,7 +314,11 @@ def write_dataset(out: str, source: CosmoflowSource | H5Source, counts: list[int
     if rank == 0:
         try:
             tmp = _make_temp_dir(out, force)
-            _reserve_space(out, tmp, dataset_bytes(source, counts, chunk))
+            need = dataset_bytes(source, counts, chunk)
+            _reserve_space(out, tmp, need)
+            if need > ANNOUNCE_BYTES:   # say it before the disk fills, not after
+                print(f"hpcpar: writing {out}: {sum(counts)} samples, about "
+                      f"{need / 1e9:.1f} GB", file=sys.stderr, flush=True)
         except DataError as exc:
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -327,6 +336,7 @@ def write_dataset(out: str, source: CosmoflowSource | H5Source, counts: list[int
             from tqdm import tqdm
 
             bar = tqdm(total=sum(counts[lo:hi]), unit="sample", dynamic_ncols=True,
+                       disable=not sys.stderr.isatty(),   # no bar lines in logs and pipes
                        desc=f"writing {os.path.basename(os.path.abspath(out))}"
                             + (f" (rank 0 of {size})" if size > 1 else ""))
         for i in range(lo, hi):

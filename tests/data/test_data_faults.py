@@ -213,3 +213,21 @@ def test_reader_refuses_a_corrupt_shard_before_training(good, tmp_path):
                                   "`hpcpar data verify`)")
     assert snapshot(ds) == before
     grid.free()
+
+
+def test_a_large_dataset_is_announced_before_it_is_written(tmp_path, monkeypatch, capsys):
+    """Issue 32: above ANNOUNCE_BYTES (1 GB) the size is said on stderr before writing, and
+    no progress bar is drawn when stderr is not a terminal (logs, pipes)."""
+    from hpcpar.data import writer
+    from hpcpar.data.synthetic import CosmoflowSource
+
+    monkeypatch.setattr(writer, "ANNOUNCE_BYTES", 0)
+    out = str(tmp_path / "ds")
+    writer.write_dataset(out, CosmoflowSource(3, 6, 1, 0), [3], comm=writer.SerialComm())
+    err = capsys.readouterr().err
+    assert err.startswith(f"hpcpar: writing {out}: 3 samples, about 0.0 GB"), err
+    assert "sample/s" not in err and "it/s" not in err, err     # no tqdm bar off a terminal
+    monkeypatch.setattr(writer, "ANNOUNCE_BYTES", 1 << 30)
+    writer.write_dataset(str(tmp_path / "small"), CosmoflowSource(3, 6, 1, 0), [3],
+                         comm=writer.SerialComm())
+    assert capsys.readouterr().err == ""
