@@ -182,12 +182,18 @@ class TensorParallelLinear(nn.Module):
         return hc.allreduce_(full, self.grid.spatial_comm) if self.grid.spatial_size > 1 \
             else full
 
+    def owns_piece(self, param: nn.Parameter) -> bool:
+        """Whether this rank's piece of ``param`` is one no other rank of the spatial group
+        holds: every weight block is, the bias (split over y only, repeated over x and z) on
+        the ranks where x = z = 0. What counts each piece once: the full bias, the norm."""
+        return param is not self.bias or (self.kx == 0 and self.kz == 0)
+
     def full_bias(self) -> torch.Tensor | None:
         """The whole bias on every rank (collective over the spatial group); None without bias."""
         if self.bias is None:
             return None
         full = torch.zeros(self.out_features, dtype=self.bias.dtype, device=self.bias.device)
-        if self.kx == 0 and self.kz == 0:
+        if self.owns_piece(self.bias):
             full[self.out_range[0]:self.out_range[1]] = self.bias.detach()
         return hc.allreduce_(full, self.grid.spatial_comm) if self.grid.spatial_size > 1 \
             else full

@@ -29,8 +29,8 @@ def norm_share(model: torch.nn.Module, grid: ProcessGrid) -> list[torch.nn.Param
 
     Data replicas hold equal gradients after the sync, so only data index 0 counts. Inside it
     a replicated parameter counts on spatial rank 0; a ``TensorParallelLinear`` weight shard
-    counts on every rank (each holds another piece) and its bias, split over y only, where
-    x = z = 0 (the ranks its ``full_bias`` takes it from).
+    counts where the layer says its piece is this rank's own
+    (``TensorParallelLinear.owns_piece``).
 
     Args:
         model: The model (a wrapper's ``module`` is used).
@@ -61,12 +61,8 @@ def spatial_share(model: torch.nn.Module, grid: ProcessGrid):
     from hpcpar.nn.tensor_parallel import TensorParallelLinear
 
     model = getattr(model, "module", model)
-    pieces = {}
-    for mod in model.modules():
-        if isinstance(mod, TensorParallelLinear):
-            pieces[id(mod.weight)] = True
-            if mod.bias is not None:
-                pieces[id(mod.bias)] = mod.kx == 0 and mod.kz == 0
+    pieces = {id(p): mod.owns_piece(p) for mod in model.modules()
+              if isinstance(mod, TensorParallelLinear) for p in mod.parameters(recurse=False)}
     first = not any(grid.spatial_coords)
     return lambda p: pieces.get(id(p), first)
 

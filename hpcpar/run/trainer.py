@@ -504,7 +504,7 @@ class Trainer:
             verdict.overflow = not verdict.bad_loss and bool(verdict.bad_grad)
             self.scaler.update(not verdict.finite)
         if verdict.finite or verdict.overflow or self.job.train.on_nonfinite == "skip":
-            self._schedule_step()
+            self._schedule_step(stepped=verdict.finite)
         self.optimizer.zero_grad(set_to_none=True)
         self._sync()
         t5 = time.perf_counter()
@@ -521,11 +521,14 @@ class Trainer:
                    skipped=int(not verdict.finite), loss_scale=scale)
         return row, loss, verdict
 
-    def _schedule_step(self) -> None:
+    def _schedule_step(self, stepped: bool) -> None:
         """Advance the lr schedule: it follows the step index, skipped steps included, as in
         torch's AMP recipe (the scheduler steps whether or not the scaler stepped the
         optimizer). torch warns when a first step skipped ``optimizer.step()``: that is this
-        choice, not a bug, so the warning is silenced."""
+        choice, not a bug, so on a skipped step the warning is silenced."""
+        if stepped:
+            self.scheduler.step()
+            return
         import warnings
 
         with warnings.catch_warnings():
@@ -543,9 +546,10 @@ class Trainer:
     def _unscaled_grads_ok(self) -> bool:
         """Whether this rank's synced gradients are finite, after dividing them by the fp16
         loss scale (so that clipping and the optimizer see true gradients)."""
+        params = self._grad_params()
         if self.scaler is not None:
-            self.scaler.unscale_(self._grad_params())
-        return grads_finite(self._grad_params())
+            self.scaler.unscale_(params)
+        return grads_finite(params)
 
     def _micro_context(self, micro: int):
         """No gradient sync before the last micro-batch of an optimizer step."""
