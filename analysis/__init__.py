@@ -21,11 +21,11 @@ __all__ = ["load", "load_run", "find_runs", "scaling_table", "detect_mode", "dro
 
 def __getattr__(name):
     if name == "write_report":  # matplotlib loads only when a report is written
-        from .render import write_report
+        from .render import write_report  # deferred: loads matplotlib, jinja2
 
         return write_report
     if name == "write_comparison":
-        from .compare import write_comparison
+        from .compare import write_comparison  # deferred: loads matplotlib, jinja2
 
         return write_comparison
     raise AttributeError(f"module 'hpcpar.analysis' has no attribute {name!r}")

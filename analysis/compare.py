@@ -85,7 +85,8 @@ def write_comparison(before: Sequence[str | os.PathLike], after: Sequence[str | 
                      out: str | os.PathLike, mode: str | None = None, warmup: int | None = None,
                      strict: bool = False,
                      labels: tuple | None = None) -> tuple[pd.DataFrame, dict]:
-    """Write ``compare.csv``, ``compare.png``, ``compare.md`` and ``compare.html`` into out.
+    """Write ``compare.csv``, ``compare.png`` (step times), ``compare-ratio.png``, ``compare.md``
+    and ``compare.html`` into out.
 
     Args:
         before: Run or sweep directories of the "before" side.
@@ -111,6 +112,8 @@ def write_comparison(before: Sequence[str | os.PathLike], after: Sequence[str | 
         files = {"compare.csv": out / "compare.csv"}
         cmp.to_csv(files["compare.csv"], index=False)
         files["compare.png"] = plots.compare_plot(cmp, labels, out / "compare.png")
+        files["compare-ratio.png"] = plots.compare_ratio_plot(cmp, labels,
+                                                              out / "compare-ratio.png")
         both = cmp[np.isfinite(cmp["ratio"])]
         if len(both):
             faster = int((both["ratio"] < 1).sum())
@@ -126,7 +129,8 @@ def write_comparison(before: Sequence[str | os.PathLike], after: Sequence[str | 
                     f"Before: {', '.join(map(str, before))}. After: "
                     f"{', '.join(map(str, after))}. Ratio = after / before of the median step "
                     "time (< 1: faster)."], rows_of(cmp, SHOWN)),
-                Section("Plot", images=[("compare", files["compare.png"])])]
+                Section("Plots", images=[("compare", files["compare.png"]),
+                                         ("compare ratio", files["compare-ratio.png"])])]
         title = f"hpcpar comparison: {labels[1]} vs {labels[0]}"
         stamp = _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
         files["compare.md"] = out / "compare.md"

@@ -16,24 +16,36 @@ import matplotlib
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-__all__ = ["PHASE_COLORS", "PHASE_LABELS", "speedup_plot", "efficiency_plot", "throughput_plot",
-           "breakdown_plot", "imbalance_heatmap", "step_times_plot", "resources_plot",
-           "compare_plot", "predicted_plot"]
+__all__ = ["PHASE_COLORS", "PHASE_LABELS", "FIGSIZE", "speedup_plot", "efficiency_plot",
+           "throughput_plot", "breakdown_plot", "imbalance_heatmap", "step_times_plot",
+           "bytes_plot", "memory_plot", "compare_plot", "compare_ratio_plot", "predicted_plot",
+           "predicted_ratio_plot"]
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from hpcpar._units import bytes_unit, format_bytes  # noqa: E402
+
 from . import stats  # noqa: E402
+
+#: One panel per figure, at a size whose text reads at 100% on a page and two of which fit
+#: side by side in a 1400 px window (inches at 110 dpi: 660 x 462 px); a figure with more
+#: points grows wider, never smaller.
+FIGSIZE = (6.0, 4.2)
 
 PHASE_COLORS = {"compute": "#4c72b0", "halo": "#dd8452", "comm_exposed": "#c44e52",
                 "io": "#55a868", "other": "#8c8c8c", "halo_comm": "#e07b39",
                 "halo_local": "#f2c094"}
-PHASE_LABELS = {"compute": "compute", "halo": "halo exchange", "comm_exposed":
-                "exposed allreduce", "io": "I/O wait", "other": "other (untimed)",
-                "halo_comm": "halo communication (wait)",
-                "halo_local": "halo local copies/padding"}
+#: halo_local is the halo layers' local work (copying each input into a padded buffer,
+#: writing the zero boundary, unpacking): it is there on one rank too, where no message moves,
+#: so it is named for what it does, not "halo exchange".
+PHASE_LABELS = {"compute": "compute", "halo": "halo layers (exchange + padding)",
+                "comm_exposed": "exposed allreduce", "io": "I/O wait",
+                "other": "other (untimed)",
+                "halo_comm": "halo exchange (waiting for messages)",
+                "halo_local": "padding & buffer copies (local)"}
 OVERSUB_LABEL = "oversubscribed (ranks x threads > cores)"
 
 
@@ -104,7 +116,7 @@ def speedup_plot(table: pd.DataFrame, path: str | os.PathLike) -> Path:
     Returns:
         The PNG's path.
     """
-    fig, ax = plt.subplots(figsize=(6.5, 4.8))
+    fig, ax = plt.subplots(figsize=FIGSIZE)
     for config, t in table.groupby("config"):
         line, = ax.plot(t["ranks"], t["speedup"], "o-", label=f"{config} ({t['mode'].iloc[0]})")
         _errorbars(ax, t, "speedup", line.get_color())
@@ -126,6 +138,12 @@ def speedup_plot(table: pd.DataFrame, path: str | os.PathLike) -> Path:
             _mark_oversubscribed(ax, t["ranks"], t["speedup"], t["oversubscribed"])
     ax.plot([], [], ":", color="black", label="ideal")
     ax.set_yscale("log", base=2)
+    v = table[["speedup", "ideal_speedup"]].to_numpy(float)
+    v = v[np.isfinite(v) & (v > 0)]
+    if len(v):  # a tick at every power of two the points span, written 0.5, 1, 2 (not 2^-1)
+        ticks = 2.0 ** np.arange(np.floor(np.log2(v.min())), np.ceil(np.log2(v.max())) + 1)
+        ax.set_yticks(ticks)
+        ax.set_yticklabels([f"{t:g}" for t in ticks])
     _rank_axis(ax, table["ranks"])
     ax.set_ylabel("speedup over the baseline (95% bootstrap interval)")
     ax.set_title("Speedup")
@@ -134,7 +152,7 @@ def speedup_plot(table: pd.DataFrame, path: str | os.PathLike) -> Path:
 
 
 def _by_ranks(table, column, ylabel, title, path, ideal=None) -> tuple[Path, Axes]:
-    fig, ax = plt.subplots(figsize=(6.5, 4.8))
+    fig, ax = plt.subplots(figsize=FIGSIZE)
     for config, t in table.groupby("config"):
         line, = ax.plot(t["ranks"], t[column], "o-", label=str(config))
         _errorbars(ax, t, column, line.get_color())
@@ -146,6 +164,7 @@ def _by_ranks(table, column, ylabel, title, path, ideal=None) -> tuple[Path, Axe
     if ideal is not None:
         ax.plot([], [], ":", color="black", label="ideal")
     _rank_axis(ax, table["ranks"])
+    ax.set_ylim(bottom=0)  # a ratio (efficiency) or a rate compared across points: from zero
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     _dedupe_legend(ax, fontsize=8)
@@ -187,11 +206,14 @@ def throughput_plot(table: pd.DataFrame, path: str | os.PathLike) -> Path:
 
 
 def _maybe_log(ax, values) -> None:
-    """Log y axis when the values span more than 8x (else linear: readable ticks)."""
+    """Log y axis when the values span more than 8x (else linear from zero: readable ticks,
+    and heights that compare as ratios)."""
     v = np.asarray(values, float)
     v = v[np.isfinite(v) & (v > 0)]
     if len(v) and v.max() > 8 * v.min():
         ax.set_yscale("log")
+    else:
+        ax.set_ylim(bottom=0)
 
 
 def _flag(value) -> bool:
@@ -211,10 +233,10 @@ def _point_labels(table) -> list[str]:
 def breakdown_plot(table: pd.DataFrame, path: str | os.PathLike) -> Path:
     """Stacked bars: mean seconds per step of each phase (rank average), per config and p.
 
-    The halo exchange is split into communication (waiting for messages) and local copies /
-    padding; where the records do not split it, the whole halo is one hatched bar labelled
-    so. Unmeasured phases are named above their bar (their time is in "other"); the labels
-    of oversubscribed points say so.
+    The halo layers' time is split into the exchange (waiting for messages) and local
+    padding & buffer copies (there on one rank too, with no message); where the records do
+    not split it, it is one hatched bar labelled so. Unmeasured phases are named above
+    their bar (their time is in "other"); the labels of oversubscribed points say so.
 
     Args:
         table: The scaling table.
@@ -224,7 +246,7 @@ def breakdown_plot(table: pd.DataFrame, path: str | os.PathLike) -> Path:
         The PNG's path.
     """
     x = np.arange(len(table))
-    fig, ax = plt.subplots(figsize=(max(6.5, 0.9 * len(table) + 4.5), 4.8))
+    fig, ax = plt.subplots(figsize=(max(FIGSIZE[0], 0.9 * len(table) + 4.5), FIGSIZE[1]))
     bottom = np.zeros(len(table))
     split = table["t_halo_comm"].notna().to_numpy() if "t_halo_comm" in table else \
         np.zeros(len(table), bool)
@@ -232,7 +254,7 @@ def breakdown_plot(table: pd.DataFrame, path: str | os.PathLike) -> Path:
         if phase == "halo_comm" and (~split).any():  # unsplit halo: one hatched bar
             h = np.where(split, 0.0, table["t_halo"].fillna(0).clip(lower=0).to_numpy())
             ax.bar(x, h, bottom=bottom, color=PHASE_COLORS["halo"], hatch="//",
-                   edgecolor="white", label="halo (comm/local split not recorded)")
+                   edgecolor="white", label="halo layers (exchange/padding split not recorded)")
             bottom += h
         col = f"t_{phase}"
         if col not in table:
@@ -290,7 +312,7 @@ def step_times_plot(table: pd.DataFrame, steps: pd.DataFrame, runs: pd.DataFrame
         data.append(sel.to_numpy(float))
         medians.append(sel.groupby(level="run").median().to_numpy(float) if len(sel) else [])
     x = np.arange(len(table))
-    fig, ax = plt.subplots(figsize=(max(6.5, 0.9 * len(table) + 3.5), 4.8))
+    fig, ax = plt.subplots(figsize=(max(FIGSIZE[0], 0.9 * len(table) + 3.5), FIGSIZE[1]))
     ok = [i for i, d in enumerate(data) if len(d)]
     if ok:
         ax.boxplot([data[i] for i in ok], positions=x[ok], widths=0.5, showfliers=True,
@@ -320,9 +342,25 @@ def step_times_plot(table: pd.DataFrame, steps: pd.DataFrame, runs: pd.DataFrame
     return _save(fig, path)
 
 
-def resources_plot(table: pd.DataFrame, path: str | os.PathLike) -> Path:
-    """Bytes moved per step (halo, allreduce, read; sum over ranks, median over steps) and
-    peak memory of the largest rank, vs ranks.
+#: The bytes of a step, each kind its own bar: (column, name, colour).
+BYTE_KINDS = (("bytes_halo_per_step", "halo exchange", PHASE_COLORS["halo_comm"]),
+              ("bytes_allreduce_per_step", "gradient allreduce", PHASE_COLORS["comm_exposed"]),
+              ("bytes_read_per_step", "dataset reads", PHASE_COLORS["io"]))
+
+
+def _label_bars(ax, bars, values) -> None:
+    """Each bar's value as human-readable bytes above it: a small bar beside a large one
+    still says what it is."""
+    for bar, v in zip(bars, values):
+        if np.isfinite(v):
+            ax.annotate(format_bytes(v), (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        textcoords="offset points", xytext=(0, 2), ha="center", va="bottom",
+                        fontsize=7, rotation=90 if len(bars) > 6 else 0)
+
+
+def bytes_plot(table: pd.DataFrame, path: str | os.PathLike) -> Path:
+    """Bytes moved per step (sum over ranks, median over steps) per (config, p): one bar per
+    kind (halo exchange, allreduce, reads) from zero, in one binary unit, each labelled.
 
     Args:
         table: The scaling table.
@@ -331,26 +369,61 @@ def resources_plot(table: pd.DataFrame, path: str | os.PathLike) -> Path:
     Returns:
         The PNG's path.
     """
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
-    styles = {"bytes_halo_per_step": ("halo", "o-"), "bytes_allreduce_per_step":
-              ("allreduce", "s--"), "bytes_read_per_step": ("read", "^:")}
-    many = table["config"].nunique() > 1
+    kinds = [k for k in BYTE_KINDS if k[0] in table and np.isfinite(table[k[0]].to_numpy(
+        float)).any()]
+    x = np.arange(len(table))
+    fig, ax = plt.subplots(figsize=(max(FIGSIZE[0], 1.1 * len(table) + 3.5), FIGSIZE[1]))
+    top = max([np.nanmax(table[c].to_numpy(float)) for c, _, _ in kinds] or [0.0])
+    unit, scale = bytes_unit(top)
+    width = 0.8 / max(len(kinds), 1)
+    for i, (col, name, color) in enumerate(kinds):
+        v = table[col].to_numpy(float)
+        bars = ax.bar(x + (i - (len(kinds) - 1) / 2) * width, np.nan_to_num(v) / scale, width,
+                      color=color, label=name)
+        _label_bars(ax, bars, v)
+    ax.set_xticks(x)
+    ax.set_xticklabels(_point_labels(table))
+    ax.set_xlabel("ranks")
+    ax.set_ylabel(f"{unit} per step (sum over ranks)")
+    ax.set_ylim(0, max(top / scale, 1.0) * 1.2)
+    ax.set_title("Bytes moved per step")
+    ax.grid(True, axis="y", alpha=0.3)
+    if kinds:
+        ax.legend(fontsize=8, loc="best")
+    return _save(fig, path)
+
+
+def memory_plot(table: pd.DataFrame, path: str | os.PathLike) -> Path:
+    """Peak memory of the largest rank vs ranks, from zero (what fraction each scale saves is
+    read off the heights), each point labelled in human-readable bytes.
+
+    Args:
+        table: The scaling table.
+        path: The PNG to write.
+
+    Returns:
+        The PNG's path.
+    """
+    fig, ax = plt.subplots(figsize=FIGSIZE)
+    peak = table["peak_mem_max"].to_numpy(float)
+    unit, scale = bytes_unit(np.nanmax(peak) if np.isfinite(peak).any() else 0.0)
     for config, t in table.groupby("config"):
-        for col, (name, style) in styles.items():
-            y = t[col].to_numpy(float)
-            if np.isfinite(y).any():
-                ax1.plot(t["ranks"], np.where(y > 0, y, np.nan), style,
-                         label=f"{config}: {name}" if many else name)
-        ax2.plot(t["ranks"], t["peak_mem_max"] / 2**20, "o-", label=str(config))
+        y = t["peak_mem_max"].to_numpy(float)
+        ax.plot(t["ranks"], y / scale, "o-", label=str(config))
+        for p, v in zip(t["ranks"], y):
+            if np.isfinite(v):
+                ax.annotate(format_bytes(v), (p, v / scale), textcoords="offset points",
+                            xytext=(0, 6), ha="center", fontsize=8)
         if "oversubscribed" in t:
-            _mark_oversubscribed(ax2, t["ranks"], t["peak_mem_max"] / 2**20,
-                                 t["oversubscribed"])
-    ax1.set_yscale("log")
-    ax1.set_ylabel("bytes per step (all ranks; 0 not drawn)")
-    ax1.set_title("Bytes moved per step")
-    ax2.set_ylabel("MiB")
-    ax2.set_title("Peak memory of the largest rank")
-    return _finish_pair(fig, (ax1, ax2), table["ranks"], path)
+            _mark_oversubscribed(ax, t["ranks"], y / scale, t["oversubscribed"])
+    _rank_axis(ax, table["ranks"])
+    ax.set_ylim(bottom=0, top=max(np.nanmax(peak / scale) if np.isfinite(peak).any() else 0,
+                                   1.0) * 1.2)
+    ax.set_ylabel(f"peak memory of the largest rank ({unit})")
+    ax.set_title("Peak memory per rank")
+    if ax.get_legend_handles_labels()[0]:
+        _dedupe_legend(ax, fontsize=8)
+    return _save(fig, path)
 
 
 def _ratio_line(ax, ranks, ratio, label, color=None) -> None:
@@ -363,17 +436,31 @@ def _ratio_line(ax, ranks, ratio, label, color=None) -> None:
     ax.axhline(1.0, color="black", ls=":", alpha=0.6)
 
 
-def _finish_pair(fig, axes, ranks, path) -> Path:
-    for ax in axes:
-        _rank_axis(ax, ranks)
-        if ax.get_legend_handles_labels()[0]:
-            _dedupe_legend(ax, fontsize=8)
+def _finish(fig, ax, ranks, path) -> Path:
+    _rank_axis(ax, ranks)
+    if ax.get_legend_handles_labels()[0]:
+        _dedupe_legend(ax, fontsize=8)
     return _save(fig, path)
 
 
+def _ratio_plot(t: pd.DataFrame, ylabel: str, title: str, path, flags=None) -> Path:
+    """One ratio per (config, p) vs ranks, from zero (a ratio's size is its height), the
+    line at 1, each point labelled; ``flags(t)``: the points to mark oversubscribed."""
+    fig, ax = plt.subplots(figsize=FIGSIZE)
+    for config, c in t.groupby("config"):
+        _ratio_line(ax, c["ranks"], c["ratio"], str(config))
+        if flags is not None:
+            _mark_oversubscribed(ax, c["ranks"], c["ratio"], flags(c))
+    r = t["ratio"].to_numpy(float)
+    ax.set_ylim(0, max(np.nanmax(r) if np.isfinite(r).any() else 0.0, 1.0) * 1.2)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    return _finish(fig, ax, t["ranks"], path)
+
+
 def compare_plot(cmp: pd.DataFrame, labels: tuple, path: str | os.PathLike) -> Path:
-    """Before/after: median step time of both sweeps vs ranks (left, with the run-to-run
-    range) and the ratio after/before per point (right; below 1 = faster).
+    """Before/after: median step time of both sweeps vs ranks, with the run-to-run range
+    (the ratio per point is :func:`compare_ratio_plot`).
 
     Args:
         cmp: The comparison table (``compare_tables``).
@@ -383,23 +470,34 @@ def compare_plot(cmp: pd.DataFrame, labels: tuple, path: str | os.PathLike) -> P
     Returns:
         The PNG's path.
     """
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
+    fig, ax = plt.subplots(figsize=FIGSIZE)
     for config, t in cmp.groupby("config"):
         for side, style, lab in (("a", "o-", labels[0]), ("b", "s--", labels[1])):
             y = t[f"t_step_median_{side}"].to_numpy(float)
             err = np.vstack([y - t[f"t_step_run_min_{side}"], t[f"t_step_run_max_{side}"] - y])
-            ax1.errorbar(t["ranks"], y, yerr=np.nan_to_num(np.clip(err, 0, None)), fmt=style,
-                         capsize=3, label=f"{config}: {lab}")
-        _ratio_line(ax2, t["ranks"], t["ratio"], str(config))
-        _mark_oversubscribed(ax2, t["ranks"], t["ratio"],
-                             [_flag(a) or _flag(b) for a, b in zip(t["oversubscribed_a"],
-                                                                   t["oversubscribed_b"])])
-    _maybe_log(ax1, cmp[["t_step_median_a", "t_step_median_b"]].to_numpy(float).ravel())
-    ax1.set_ylabel("median step time (s); bars: run-to-run range")
-    ax1.set_title("Step time")
-    ax2.set_ylabel(f"step time ratio {labels[1]} / {labels[0]}")
-    ax2.set_title("Ratio per point (< 1: faster)")
-    return _finish_pair(fig, (ax1, ax2), cmp["ranks"], path)
+            ax.errorbar(t["ranks"], y, yerr=np.nan_to_num(np.clip(err, 0, None)), fmt=style,
+                        capsize=3, label=f"{config}: {lab}")
+    _maybe_log(ax, cmp[["t_step_median_a", "t_step_median_b"]].to_numpy(float).ravel())
+    ax.set_ylabel("median step time (s); bars: run-to-run range")
+    ax.set_title("Step time, before and after")
+    return _finish(fig, ax, cmp["ranks"], path)
+
+
+def compare_ratio_plot(cmp: pd.DataFrame, labels: tuple, path: str | os.PathLike) -> Path:
+    """The ratio after / before of the median step time per point (below 1 = faster).
+
+    Args:
+        cmp: The comparison table (``compare_tables``).
+        labels: Names of the two sweeps (before, after).
+        path: The PNG to write.
+
+    Returns:
+        The PNG's path.
+    """
+    return _ratio_plot(cmp, f"step time ratio {labels[1]} / {labels[0]}",
+                       "Ratio per point (< 1: faster)", path,
+                       lambda c: [_flag(a) or _flag(b) for a, b in
+                                  zip(c["oversubscribed_a"], c["oversubscribed_b"])])
 
 
 def imbalance_heatmap(steps: pd.DataFrame, title: str, path: str | os.PathLike) -> Path:
@@ -443,8 +541,8 @@ def imbalance_heatmap(steps: pd.DataFrame, title: str, path: str | os.PathLike) 
 
 
 def predicted_plot(pred: pd.DataFrame, title: str, path: str | os.PathLike) -> Path:
-    """Measured vs predicted step time per config (left; phases as thin lines) and the
-    ratio measured / predicted per point (right; 1 = the model is right).
+    """Measured vs predicted step time per config (the ratio per point is
+    :func:`predicted_ratio_plot`).
 
     Args:
         pred: The table of ``predicted_vs_measured``.
@@ -454,15 +552,26 @@ def predicted_plot(pred: pd.DataFrame, title: str, path: str | os.PathLike) -> P
     Returns:
         The PNG's path.
     """
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
+    fig, ax = plt.subplots(figsize=FIGSIZE)
     for config, t in pred.groupby("config"):
-        line, = ax1.plot(t["ranks"], t["t_step_measured"], "o-", label=f"{config}: measured")
-        ax1.plot(t["ranks"], t["t_step_predicted"], "s--", color=line.get_color(),
-                 label=f"{config}: predicted")
-        _ratio_line(ax2, t["ranks"], t["ratio"], str(config), line.get_color())
-    _maybe_log(ax1, pred[["t_step_measured", "t_step_predicted"]].to_numpy(float).ravel())
-    ax1.set_ylabel("seconds per step")
-    ax1.set_title(f"Step time: measured vs {title}")
-    ax2.set_ylabel("measured / predicted")
-    ax2.set_title("Ratio per point (1: the model is right)")
-    return _finish_pair(fig, (ax1, ax2), pred["ranks"], path)
+        line, = ax.plot(t["ranks"], t["t_step_measured"], "o-", label=f"{config}: measured")
+        ax.plot(t["ranks"], t["t_step_predicted"], "s--", color=line.get_color(),
+                label=f"{config}: predicted")
+    _maybe_log(ax, pred[["t_step_measured", "t_step_predicted"]].to_numpy(float).ravel())
+    ax.set_ylabel("seconds per step")
+    ax.set_title(f"Step time: measured vs {title}")
+    return _finish(fig, ax, pred["ranks"], path)
+
+
+def predicted_ratio_plot(pred: pd.DataFrame, path: str | os.PathLike) -> Path:
+    """The ratio measured / predicted step time per point (1 = the model is right).
+
+    Args:
+        pred: The table of ``predicted_vs_measured``.
+        path: The PNG to write.
+
+    Returns:
+        The PNG's path.
+    """
+    return _ratio_plot(pred, "measured / predicted", "Ratio per point (1: the model is right)",
+                       path)

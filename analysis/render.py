@@ -19,16 +19,19 @@ import pandas as pd
 from markupsafe import Markup
 
 from hpcpar._tables import text_table
+from hpcpar._units import format_bytes
 from hpcpar.errors import RunDirError
 from hpcpar.formats.records import SCHEMA_VERSION
 
 from . import plots, stats
 from .load import load
+from .predicted import predicted_vs_measured
 from .scaling import scaling_table
 from .settings import split_unlike
 from .suspect import superlinear_warnings, version_warning
 
-__all__ = ["HEADLINE", "BREAKDOWN", "SPREAD", "RESOURCES", "RUNS", "DEFINITIONS", "Section",
+__all__ = ["HEADLINE", "BREAKDOWN", "SPREAD", "RESOURCES", "RUNS", "ENVIRONMENT", "DEFINITIONS",
+           "Section",
            "Report", "rows_of", "markdown_table", "headline_table", "verdict", "amdahl_lines",
            "render_markdown", "CSS", "HTML_TEMPLATE", "render_html", "write_report"]
 
@@ -58,20 +61,23 @@ SPREAD = (("config", "config", "{}"), ("ranks", "ranks", "{}"), ("runs", "runs",
           ("run_range", "run medians min..max (s)", "{}"),
           ("speedup_ci", "speedup 95% CI", "{}"), ("efficiency_ci", "efficiency 95% CI", "{}"))
 RESOURCES = (("config", "config", "{}"), ("ranks", "ranks", "{}"),
-             ("bytes_halo_per_step", "halo B/step", "{:.4g}"),
-             ("bytes_allreduce_per_step", "allreduce B/step", "{:.4g}"),
-             ("bytes_read_per_step", "read B/step", "{:.4g}"),
-             ("peak_mem_mib", "peak memory/rank (MiB)", "{:.4g}"),
+             ("bytes_halo_per_step", "halo exchange per step", format_bytes),
+             ("bytes_allreduce_per_step", "allreduce per step", format_bytes),
+             ("bytes_read_per_step", "reads per step", format_bytes),
+             ("peak_mem_max", "peak memory of the largest rank", format_bytes),
              ("placement", "ranks/node x threads : cores", "{}"),
              ("oversub", "oversubscribed", "{}"))
+#: The runs, in two tables that each fit a page: what ran and where (RUNS), and with what
+#: software (ENVIRONMENT); the run's name joins them.
 RUNS = (("name", "run", "{}"), ("config", "config", "{}"), ("ranks", "ranks", "{}"),
         ("grid_spec", "grid", "{}"), ("settings_hash", "settings", "{}"),
         ("cores_per_node", "cores/node", "{:.0f}"), ("ranks_per_node", "ranks/node", "{:.0f}"),
         ("threads_per_rank", "threads/rank", "{:.0f}"),
-        ("status", "status", "{}"), ("steps_complete", "steps", "{}"),
-        ("start_time", "start", "{}"), ("hostnames", "hosts", "{}"),
-        ("slurm_job_id", "Slurm job", "{}"), ("git_commit", "commit", "{:.10}"),
-        ("torch", "torch", "{}"), ("mpi_library", "MPI", "{}"))
+        ("status", "status", "{}"), ("steps_complete", "steps", "{}"))
+ENVIRONMENT = (("name", "run", "{}"), ("start_time", "start", "{}"),
+               ("hostnames", "hosts", "{}"), ("slurm_job_id", "Slurm job", "{}"),
+               ("git_commit", "commit", "{:.10}"), ("torch", "torch", "{}"),
+               ("mpi_library", "MPI", "{}"))
 
 DEFINITIONS = [
     "Step time of a step T_s = max over ranks of t_step; warm-up steps dropped "
@@ -83,10 +89,12 @@ DEFINITIONS = [
     "Karp-Flatt serial fraction e = (1/S - 1/q) / (1 - 1/q). Amdahl fit: least squares f in "
     "S(q) = 1 / (f + (1 - f)/q).",
     "Fractions: sum over ranks and steps of each phase / sum of t_step; compute = t_fwd + "
-    "t_bwd + t_opt - t_halo; halo = t_halo = halo communication (t_halo_wait: waiting for "
-    "neighbours' messages, the graph all-to-all) + halo local copies/padding (t_halo - "
-    "t_halo_wait); other = t_step minus the measured phases (untimed loop overhead, and the "
-    "time of any phase marked 'unmeasured'). Imbalance = max_r / mean_r of compute time.",
+    "t_bwd + t_opt - t_halo; halo layers = t_halo = halo exchange (t_halo_wait: waiting for "
+    "neighbours' messages, the graph all-to-all) + padding & buffer copies (t_halo - "
+    "t_halo_wait: copying each input into a padded buffer, writing the zero boundary, "
+    "unpacking; local work, present on one rank too); other = t_step minus the measured "
+    "phases (untimed loop overhead, and the time of any phase marked 'unmeasured'). "
+    "Imbalance = max_r / mean_r of compute time.",
     "Intervals: 95% percentile bootstrap (1000 replicates) of the median step time, drawing "
     "runs with replacement and then steps within each run; speedup and efficiency are "
     "computed per replicate (baseline and point drawn independently).",
@@ -147,23 +155,25 @@ class Report:
     warnings: list = field(default_factory=list)
 
 
-def _cell(value, fmt: str) -> str:
+def _cell(value, fmt: str | Callable) -> str:
     if isinstance(value, bool):
         return "PARTIAL" if value else ""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
     try:
-        return fmt.format(value)
+        return fmt(value) if callable(fmt) else fmt.format(value)
     except (ValueError, TypeError):
         return str(value)
 
 
-def rows_of(df: pd.DataFrame, spec: Sequence[tuple[str, str, str]]) -> tuple[list, list]:
+def rows_of(df: pd.DataFrame,
+            spec: Sequence[tuple[str, str, str | Callable]]) -> tuple[list, list]:
     """Format a table's columns as text cells for a report table.
 
     Args:
         df: The table to show.
-        spec: ``(column, header, format)`` of each column shown, e.g. :data:`HEADLINE`.
+        spec: ``(column, header, format)`` of each column shown, e.g. :data:`HEADLINE`; the
+            format a ``str.format`` pattern or a function of the value (``format_bytes``).
 
     Returns:
         ``(header, rows)``: the headers and one list of text cells per row of ``df``.
@@ -211,10 +221,11 @@ def _display(table: pd.DataFrame) -> pd.DataFrame:
                       zip(t["ranks_per_node"], t["threads_per_rank"], t["cores_per_node"])]
     t["oversub"] = ["OVERSUBSCRIBED" if o is True else ("" if o is False else "unknown")
                     for o in t["oversubscribed"]]
-    t["peak_mem_mib"] = t["peak_mem_max"] / 2**20
     for p in ("compute", "halo_comm", "halo_local", "halo", "comm_exposed", "io", "other"):
         t[f"show_{p}"] = [f"{v:.1%}" if _num(v) else "unmeasured" if n else "-"
                           for v, n in zip(t[f"frac_{p}"], t["steps"])]
+    # no byte left the rank for a halo: there was no neighbour, so no exchange to show as 0%
+    t.loc[t["bytes_halo_per_step"] == 0, "show_halo_comm"] = "none (no neighbour)"
     return t
 
 
@@ -310,7 +321,8 @@ def _write_plots(out: Path, table, runs, steps) -> dict:
              "breakdown": plots.breakdown_plot(table, out / "breakdown.png"),
              "step_times": plots.step_times_plot(table, steps, runs, out / "step_times.png"),
              "throughput": plots.throughput_plot(table, out / "throughput.png"),
-             "resources": plots.resources_plot(table, out / "resources.png")}
+             "bytes": plots.bytes_plot(table, out / "bytes.png"),
+             "memory": plots.memory_plot(table, out / "memory.png")}
     configs = sorted(runs["config"].unique())
     for config in configs:
         cruns = runs[runs["config"] == config].sort_values(["partial", "ranks"],
@@ -358,12 +370,17 @@ def _sections(table, runs, files, paths, mode, warmup, skipped=(),
                                    *amdahl_lines(table)], rows_of(shown, SPREAD)))
     secs.append(Section("Where the time goes", [
         "Share of rank time per phase. 'unmeasured': the records hold no such timing (its "
-        "time is inside 'other'); halo total = communication + local copies/padding."],
+        "time is inside 'other'). Halo layers = halo exchange (waiting for neighbours' "
+        "messages) + padding & buffer copies (local work: each input copied into a padded "
+        "buffer and the zero boundary written, so it is there with no neighbour too; a point "
+        "that sent no halo byte shows its exchange as 'none')."],
         rows_of(shown, BREAKDOWN)))
     secs.append(Section("Bytes, memory and placement", [
         "Bytes per step: sum over ranks, median over steps. Peak memory: the largest "
         "rank's."], rows_of(shown, RESOURCES)))
-    secs.append(Section("Runs", [], rows_of(runs.sort_values(["config", "ranks"]), RUNS)))
+    ordered = runs.sort_values(["config", "ranks"])
+    secs.append(Section("Runs", [], rows_of(ordered, RUNS)))
+    secs.append(Section("Run environment", [], rows_of(ordered, ENVIRONMENT)))
     secs.append(Section("Definitions", DEFINITIONS, bullets=True))
     return secs
 
@@ -390,9 +407,17 @@ def render_markdown(secs: Sequence[Section], title: str) -> str:
     return "\n".join(parts).rstrip() + "\n"
 
 
-CSS = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}"
+#: The page's style. Plots are shown at their own pixel size (the figures are made to read at
+#: 100%: two side by side from a 1400 px window, one a row below), never wider than the
+#: page; a table wraps its headers and long cells, and a table still too wide scrolls inside
+#: its own box: the page itself never scrolls sideways.
+CSS = ("body{font-family:sans-serif;max-width:1380px;margin:2em auto;padding:0 1em}"
+       ".box{max-width:100%;overflow-x:auto;margin:.5em 0}"
        "table{border-collapse:collapse;font-size:90%}td,th{border:1px solid #ccc;"
-       "padding:3px 7px;text-align:right}th{background:#f0f0f0}img{max-width:48%;margin:4px}"
+       "padding:3px 7px;text-align:right;overflow-wrap:anywhere}"
+       "th{background:#f0f0f0;vertical-align:bottom;max-width:11em}"
+       ".plots{display:flex;flex-wrap:wrap;gap:12px}figure{margin:0;max-width:100%}"
+       "img{display:block;max-width:100%;height:auto}"
        "td:first-child,th:first-child{text-align:left}.partial{background:#ffe0e0}"
        ".oversub{background:#ffe8cc}.verdict{font-size:110%;font-weight:bold;padding:.6em;"
        "background:#eef4ff;border-left:4px solid #4c72b0}")
@@ -413,15 +438,19 @@ HTML_TEMPLATE = """\
     {% endfor %}
   {% endif %}
   {% if s.table %}
-<table><tr>{% for h in s.table[0] %}<th>{{ h }}</th>{% endfor %}</tr>
+<div class='box'><table><tr>{% for h in s.table[0] %}<th>{{ h }}</th>{% endfor %}</tr>
     {% for row in s.table[1] %}
 <tr{{ row_class(row) }}>{% for c in row %}<td>{{ c }}</td>{% endfor %}</tr>
     {% endfor %}
-</table>
+</table></div>
   {% endif %}
-  {% for alt, path in s.images %}
-<img alt='{{ alt }}' src='data:image/png;base64,{{ png(path) }}'>
-  {% endfor %}
+  {% if s.images %}
+<div class='plots'>
+    {% for alt, path in s.images %}
+<figure><img alt='{{ alt }}' src='data:image/png;base64,{{ png(path) }}'></figure>
+    {% endfor %}
+</div>
+  {% endif %}
 {% endfor %}
 </body></html>
 """
@@ -544,16 +573,16 @@ def _write(out: Path, paths, runs, steps, skipped, mode, warmup, title, threshol
     images = _write_plots(out, table, runs, kept)
     secs = _sections(table, runs, images, paths, mode, warmup, skipped, threshold, warnings)
     if predict_point is not None:
-        from .predicted import predicted_vs_measured
-
         pred = predicted_vs_measured(table, runs, predict_point)
         files["predicted.csv"] = out / "predicted.csv"
         pred.to_csv(files["predicted.csv"], index=False)
         images["predicted"] = plots.predicted_plot(pred, predicted_by, out / "predicted.png")
-        secs.insert(-2, Section("Predicted vs measured", [
+        images["predicted ratio"] = plots.predicted_ratio_plot(pred,
+                                                               out / "predicted-ratio.png")
+        secs.insert(-3, Section("Predicted vs measured", [
             f"Seconds per step: measured (median step time; phases: mean over ranks) beside "
             f"{predicted_by}; ratio = measured / predicted."], rows_of(pred, PREDICTED),
-            images=[("predicted", images["predicted"])]))
+            images=[(k, images[k]) for k in ("predicted", "predicted ratio")]))
     stamp = _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     files["report.md"] = out / "report.md"
     files["report.md"].write_text(render_markdown(secs, title) + f"\n_Generated {stamp}._\n")

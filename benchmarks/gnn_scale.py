@@ -2,6 +2,7 @@
 
     python benchmarks/gnn_scale.py                       # jobs/gcn-synthetic.toml, 1,2,4 ranks
     python benchmarks/gnn_scale.py --ranks 1,2 --epochs 5
+    python benchmarks/gnn_scale.py --ranks 2 --rounds 5 --no-pyg   # issue 34: 2-rank limit
 
 Run it as a plain process (not under mpiexec): it makes the job's graph file if missing, then
 launches ``mpiexec -n K`` per rank count and one PyG process, each a fresh process so its
@@ -18,7 +19,17 @@ Per rank count it prints:
   (target at 4 ranks: <= 0.35). The training-only peak (high-water mark reset after the build)
   is printed too, since the build peak of rank 0 is METIS on the whole graph;
 * halo bytes per epoch: what each rank sends (forward + backward exchanges of one epoch),
-  largest and mean over ranks.
+  largest and mean over ranks;
+* at more than one rank, the machine's limit (``limit K``): the same K processes at once,
+  each training the job's model on its own partition alone (the local subgraph: its owned
+  vertices and the edges among them, a graph of one rank, so no halo, no messages and no
+  gradient Allreduce) with hpcpar's 1-rank path, the fastest single process here. It runs
+  in the same processes, alternating with hpcpar's epochs for ``--rounds`` rounds of
+  ``--epochs`` epochs, and hpcpar's K ranks are printed as a fraction of it (limit epoch /
+  hpcpar epoch per round: median and min-max; benchmarks/limits.py). Its graph is built
+  after hpcpar's first round, so the memory columns are hpcpar's alone.
+
+It prints the command that reproduces it; ``--json PATH`` writes every launch's results.
 
 PyG's ``GCNConv`` (cached normalisation, the in-edge CSR passed as a ``torch.sparse`` adjacency,
 which is PyG's memory-lean SpMM path; an ``edge_index`` would materialise ``E x 128`` messages)
@@ -37,6 +48,8 @@ import subprocess
 import sys
 import time
 import tomllib
+
+from limits import command, fraction, quiet_barrier, verdict, write_json
 
 HERE = os.path.abspath(__file__)
 TAG = "GNN-SCALE "
@@ -96,25 +109,80 @@ def summary(ts: list[float]) -> dict:
 
 
 # ---- hpcpar worker (under mpiexec) --------------------------------------------------------
-def quiet_barrier(comm) -> None:
-    """A barrier that sleeps while waiting, so it leaves the cores to ranks still working."""
-    req = comm.Ibarrier()
-    while not req.Test():
-        time.sleep(0.002)
+#: Issue 34: hpcpar's fraction of its K-partition limit (the median over rounds) at K ranks.
+TARGETS = {2: 0.90}
 
 
-def hpcpar_worker(job: dict, epochs: int) -> None:
-    import numpy as np
+def trainer(graph, job: dict, comm=None):
+    """One training epoch of the job's model on ``graph``, as a function (gradients summed
+    over ``comm`` when given)."""
     import torch
-    from mpi4py import MPI
 
-    from hpcpar.graph import DistGraph
     from hpcpar.graph.metrics import masked_loss
     from hpcpar.models import GCN
     from hpcpar.parallel.comm import sum_grads_
 
+    m = job["model"]
+    torch.manual_seed(0)
+    model = GCN(graph.num_features, m["hidden"], graph.num_classes, num_layers=m["layers"],
+                dropout=m["dropout"], conv="gcn")
+    first = list(model.convs[0].parameters())
+    rest = [p for c in model.convs[1:] for p in c.parameters()]
+    opt = adam(first, rest, job["train"])
+
+    def epoch():
+        model.train()
+        opt.zero_grad()
+        masked_loss(model(graph.x, graph), graph).backward()
+        if comm is not None:
+            sum_grads_(first + rest, comm)
+        opt.step()
+
+    return epoch
+
+
+def timed_epochs(epoch, n: int, comm) -> list[float]:
+    """Seconds of ``n`` epochs started together on every rank, each the slowest rank's."""
+    from mpi4py import MPI
+
+    times = []
+    for _ in range(n):
+        quiet_barrier(comm)
+        t0 = time.perf_counter()
+        epoch()
+        times.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+    return times
+
+
+def local_subgraph(graph):
+    """This rank's partition alone, as a graph of one rank (``COMM_SELF``): its owned
+    vertices with their features, labels and masks, and the in-edges among them (those from
+    halo vertices dropped). Training on it is the rank's share of the work with no halo."""
+    import numpy as np
+    from mpi4py import MPI
+
+    from hpcpar.graph import DistGraph
+    from hpcpar.graph.format import MASKS
+
+    n = graph.num_owned
+    own = graph.cols < n  # local columns: owned vertices first, then the halo
+    indptr = np.zeros(n + 1, np.int64)
+    np.cumsum(np.bincount(np.repeat(np.arange(n), graph.in_degree)[own], minlength=n),
+              out=indptr[1:])
+    block = {"indptr": indptr, "indices": graph.cols[own], "x": graph.x.numpy(),
+             "y": graph.y.numpy(), **{k: graph.masks[k].numpy() for k in MASKS}}
+    return DistGraph(MPI.COMM_SELF, n, np.zeros(n, np.int64), block, 0,
+                     num_classes=graph.num_classes, directed=graph.directed,
+                     backend=graph.backend)
+
+
+def hpcpar_worker(job: dict, epochs: int, rounds: int) -> None:
+    from mpi4py import MPI
+
+    from hpcpar.graph import DistGraph
+
     comm = MPI.COMM_WORLD
-    d, m = job["data"], job["model"]
+    d = job["data"]
     base = rss_mb()
     reset_peak()
     t0 = time.perf_counter()
@@ -126,38 +194,30 @@ def hpcpar_worker(job: dict, epochs: int) -> None:
     build_peak = peak_mb()
     reset_peak()
 
-    torch.manual_seed(0)
-    model = GCN(graph.num_features, m["hidden"], graph.num_classes, num_layers=m["layers"],
-                dropout=m["dropout"], conv="gcn")
-    first = list(model.convs[0].parameters())
-    rest = [p for c in model.convs[1:] for p in c.parameters()]
-    opt = adam(first, rest, job["train"])
-    params = first + rest
-
-    def epoch():
-        model.train()
-        opt.zero_grad()
-        masked_loss(model(graph.x, graph), graph).backward()
-        sum_grads_(params, comm)
-        opt.step()
-
-    times, halo = [], []
-    for i in range(epochs + 1):  # the first epoch is the warm-up (it builds the operator)
-        quiet_barrier(comm)
-        sent0 = graph.plan.bytes_sent
-        t0 = time.perf_counter()
-        epoch()
-        t = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
-        if i:
-            times.append(t)
-            halo.append(graph.plan.bytes_sent - sent0)
-    rank = {"base": base, "build_peak": build_peak, "train_peak": peak_mb(),
-            "owned": graph.num_owned, "halo_vertices": graph.num_halo,
-            "halo_bytes": int(np.median(halo))}
+    epoch = trainer(graph, job, comm)
+    timed_epochs(epoch, 1, comm)  # the warm-up (it builds the operator)
+    sent0 = graph.plan.bytes_sent
+    times: list[list[float]] = []
+    limits: list[list[float]] = []
+    for r in range(rounds):  # hpcpar's epochs, then the limit's, in turn
+        times.append(timed_epochs(epoch, epochs, comm))
+        if r == 0:  # hpcpar's own memory and halo, before the limit's graph exists
+            train_peak, halo = peak_mb(), (graph.plan.bytes_sent - sent0) // epochs
+            alone = trainer(local_subgraph(graph), job) if comm.Get_size() > 1 else None
+            if alone:
+                timed_epochs(alone, 1, comm)  # its warm-up
+        limits.append(timed_epochs(alone, epochs, comm) if alone else [])
+    rank = {"base": base, "build_peak": build_peak, "train_peak": train_peak,
+            "owned": graph.num_owned, "halo_vertices": graph.num_halo, "halo_bytes": halo}
     ranks = comm.gather(rank, root=0)
     if comm.Get_rank() == 0:
-        print(TAG + json.dumps({"who": "hpcpar", "ranks": comm.Get_size(), "build_s": t_build,
-                                "epoch": summary(times), "per_rank": ranks}), flush=True)
+        print(TAG + json.dumps({
+            "who": "hpcpar", "ranks": comm.Get_size(), "build_s": t_build,
+            "epoch": summary([t for ts in times for t in ts]), "per_rank": ranks,
+            "limit": summary([t for ts in limits for t in ts]) if alone else None,
+            "rounds": [{"hpcpar": statistics.median(h),
+                        "limit": statistics.median(lim) if lim else None}
+                       for h, lim in zip(times, limits)]}), flush=True)
 
 
 # ---- PyG worker (one process) -------------------------------------------------------------
@@ -260,6 +320,8 @@ def report(job: dict, runs: list[dict], pyg: dict | None, cores: int) -> None:
     one = next((r for r in runs if r["ranks"] == 1), None)
     m1 = memory(one) if one else None
     e = lambda r: r["epoch"]["median"]  # noqa: E731
+    vs = lambda base, t: f"{e(base) / t:.2f}x" if base else "-"  # noqa: E731
+    cell = lambda ep: f"{ep['median']:7.2f} ({ep['min']:.2f}..{ep['max']:.2f}){'':>6}"  # noqa: E731
     print(f"{'ranks':>5} {'epoch s (min..max)':>22} {'vs 1 rank':>9} {'vs PyG':>7} "
           f"{'peak MB':>8} {'ratio':>6} {'above-base MB':>13} {'ratio':>6} "
           f"{'train-peak MB':>13} {'halo MB/epoch/rank max (mean)':>30} {'build s':>7}")
@@ -267,17 +329,26 @@ def report(job: dict, runs: list[dict], pyg: dict | None, cores: int) -> None:
         mem = memory(r)
         hb = [p["halo_bytes"] / 1e6 for p in r["per_rank"]]
         name = "PyG 1" if r["who"] == "pyg" else str(r["ranks"])
-        vs1 = f"{e(one) / e(r):.2f}x" if one and r["who"] == "hpcpar" else "-"
-        vsp = f"{e(pyg) / e(r):.2f}x" if pyg else "-"
+        vs1 = vs(one, e(r)) if r["who"] == "hpcpar" else "-"
         rp = f"{mem['peak'] / m1['peak']:.2f}" if m1 and r["who"] == "hpcpar" else "-"
         ra = f"{mem['above'] / m1['above']:.2f}" if m1 and r["who"] == "hpcpar" else "-"
-        ep = r["epoch"]
-        print(f"{name:>5} {ep['median']:7.2f} ({ep['min']:.2f}..{ep['max']:.2f}){'':>6} "
-              f"{vs1:>9} {vsp:>7} {mem['peak']:8.0f} {rp:>6} {mem['above']:13.0f} {ra:>6} "
+        if r.get("limit"):  # the limit of this rank count, in the row before it
+            lim = r["limit"]["median"]
+            print(f"{'lim ' + name:>5} {cell(r['limit'])} {vs(one, lim):>9} "
+                  f"{vs(pyg, lim):>7}  (limit: each rank trains its own partition alone)")
+        print(f"{name:>5} {cell(r['epoch'])} {vs1:>9} {vs(pyg, e(r)):>7} {mem['peak']:8.0f} "
+              f"{rp:>6} {mem['above']:13.0f} {ra:>6} "
               f"{mem['train']:13.0f} {max(hb):17.1f} ({statistics.mean(hb):.1f}){'':>6} "
               f"{r['build_s']:7.1f}")
     top = max((r["ranks"] for r in runs), default=1)
-    print(f"epochs: median of {runs[0]['epoch']['n'] if runs else 0} after 1 warm-up; "
+    for r in (r for r in runs if r.get("limit")):
+        limit, ours = ([rd[k] for rd in r["rounds"]] for k in ("limit", "hpcpar"))
+        print(f"hpcpar {r['ranks']} ranks run at {fraction(limit, ours)} of their "
+              f"{r['ranks']}-partition limit (limit epoch / hpcpar epoch per round, "
+              f"{len(ours)} rounds){verdict(limit, ours, TARGETS.get(r['ranks']))}")
+    n = len(runs[0]["rounds"]) if runs else 0
+    print(f"epochs: median of {runs[0]['epoch']['n'] if runs else 0} ({n} round(s)) after 1 "
+          "warm-up; "
           f"{top} rank(s) shared {cores} core(s)"
           + (" (oversubscribed)" if top > cores else "")
           + "; vs = speed-up (time ratio); memory = largest over ranks; peak includes the "
@@ -295,15 +366,21 @@ def main() -> None:
     ap.add_argument("--job", default="jobs/gcn-synthetic.toml")
     ap.add_argument("--ranks", default="1,2,4", help="rank counts, comma-separated")
     ap.add_argument("--epochs", type=int, default=3, help="timed epochs after one warm-up")
+    ap.add_argument("--rounds", type=int, default=1, help="alternating rounds of --epochs "
+                    "epochs, hpcpar's and its limit's (issue 34: 5)")
+    ap.add_argument("--json", metavar="PATH", help="also write the command and every "
+                    "launch's results to PATH")
     ap.add_argument("--no-pyg", action="store_true")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per launch")
     ap.add_argument("--lock", help="flock file held during each launch (shared machines: "
                     "each launch is one short locked measurement)")
     ap.add_argument("--worker", choices=("hpcpar", "pyg"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.rounds < 1 or args.epochs < 1:
+        ap.error("--rounds and --epochs: expected at least 1")
     job = load_job(args.job)
     if args.worker == "hpcpar":
-        return hpcpar_worker(job, args.epochs)
+        return hpcpar_worker(job, args.epochs, args.rounds)
     if args.worker == "pyg":
         return pyg_worker(job, args.epochs)
 
@@ -320,9 +397,10 @@ def main() -> None:
     print(f"job {args.job}: {d['nodes']} vertices, avg degree {d['avg_degree']}, "
           f"{d['features']} features, {d['classes']} classes; GCN {m['layers']} layers x "
           f"{m['hidden']} hidden, dropout {m['dropout']}; partition {d['partition']}; "
-          f"{cores} core(s), one thread per process", flush=True)
+          f"{cores} core(s), one thread per process\ncommand: {command()}", flush=True)
     env = rank_env()
-    common = [HERE, "--job", args.job, "--epochs", str(args.epochs)]
+    common = [HERE, "--job", args.job, "--epochs", str(args.epochs), "--rounds",
+              str(args.rounds)]
     pyg = None if args.no_pyg else launch([sys.executable, *common, "--worker", "pyg"], env,
                                           args.timeout, args.lock)
     if pyg:
@@ -340,6 +418,7 @@ def main() -> None:
               + ", ".join(f"{p['base']:.0f}+build {p['build_peak']:.0f}/train "
                           f"{p['train_peak']:.0f}" for p in r["per_rank"]), flush=True)
     report(job, runs, pyg, cores)
+    write_json(args.json, {"command": command(), "job": job, "pyg": pyg, "runs": runs})
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@
         --grids 1x1x1,2x1x1,2x2x1 --rounds 5 --repeat 3     # the issue's 128^3 x 16 case
     mpiexec -n 2 python benchmarks/spatial.py                 # small default (48^3)
 
+It prints the command that reproduces it; ``--json PATH`` writes every round's times too.
+
 Everything is measured in the same run, in alternating rounds: each round times every
 configuration once (the median of --repeat steps after a warm-up). The baseline is the
 fastest single-process torch form of the same stack with the same weights: ``padding=1`` or
@@ -16,11 +18,14 @@ allocator settings (torch on transparent huge pages, ``THP_MEM_ALLOC_ENABLE=1``,
 for all). One compute thread per rank (torch and numba), the one-rank-per-core convention: 1
 rank vs 2 ranks compares one core with two. Printed:
 
-* the machine's limit for 2 ranks (``limit 2 slabs``): two ranks at once, each running the
-  fastest single process of round 1 (hpcpar's 1 rank included) on its half of the volume
-  with no halo. Two busy cores share caches, memory
-  bandwidth and the host, so a split cannot beat it; hpcpar's 2 ranks are judged against it
-  as well as against the single process;
+* the machine's limit of each split grid (``limit 2x1x1``, ``limit 2x2x1``...): as many
+  ranks at once, each running a single process on its own piece of the volume (the piece
+  hpcpar's rank holds) with no halo and no messages, in every round with both the fastest
+  torch form of round 1 (pre-padded, usually) and hpcpar's own 1 rank (a grid of its own),
+  the faster of the two taken per round. Busy cores share caches, memory bandwidth and the
+  host, so a split cannot beat it; with more ranks than cores the limit runs at the same
+  oversubscription. hpcpar's grid is printed as a fraction of it (limit / hpcpar per round:
+  median and min-max), next to the issue's target (benchmarks/limits.py);
 * step time, speedup vs the 1-rank baseline and vs the fastest single process of each round
   (hpcpar's own 1 rank included), halo time as a fraction of the step, and the
   part of it spent waiting for the neighbours' messages (their lateness, not our copies);
@@ -43,6 +48,8 @@ import math
 import os
 import statistics
 import time
+
+from limits import command, fraction, quiet_barrier, spread, verdict, write_json
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("NUMBA_NUM_THREADS", "1")
@@ -88,20 +95,15 @@ class PeakMemory:
         self.peak = (_rss_kib("VmHWM") - self.base) * 1024 if self.ok else float("nan")
 
 
-def _spread(ratios) -> str:
-    return f"{min(ratios):.2f}-{max(ratios):.2f}" if len(ratios) > 1 else "-"
-
-
-def polite_wait(comm):
-    req = comm.Ibarrier()
-    while not req.Test():
-        time.sleep(0.002)
-
-
-#: The row of the 2-rank limit (:func:`bench_ceiling`), and of hpcpar's own 1 rank.
-CEILING = "limit 2 slabs"
+#: The row of hpcpar's own 1 rank (also a form of the limits, :func:`bench_limit`).
 ONE_RANK = "hpcpar 1x1x1"
 GRIDS = ((1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 2, 2))
+#: Issue 34: hpcpar's fraction of its limit (the median over rounds) on these grids.
+TARGETS = {(2, 1, 1): 0.95, (2, 2, 1): 0.90}
+
+
+def grid_name(dims) -> str:
+    return "x".join(map(str, dims))
 
 
 class PrePadded:
@@ -181,30 +183,49 @@ def time_steps(model, x, repeat):
             statistics.median(wait))
 
 
-def bench_ranks(comm, dims, args):
-    """Time the spatial stack on the first r = prod(dims) ranks; returns (step, halo, peak,
-    halo wait) maxima."""
+def on_first(comm, ranks, args, build):
+    """Time a stack on the first ``ranks`` ranks at once while the others wait without
+    spinning. ``build(sub)`` (``sub``: the members' communicator) returns the model, this
+    rank's input and the grids to free after. Returns (step, halo, peak, halo wait), each the
+    largest over the ranks, on every rank."""
+    member = comm.Get_rank() < ranks
+    sub = comm.Split(0 if member else 1, comm.Get_rank())
+    out = None
+    if member:
+        model, x, grids = build(sub)
+        sub.Barrier()
+        out = tuple(sub.allreduce(v, op=_max()) for v in time_steps(model, x, args.repeat))
+        for grid in grids:
+            grid.free()
+    sub.Free()
+    quiet_barrier(comm)
+    return comm.bcast(out, root=0)
+
+
+def volume(args, fmt, grid=None):
+    """The input (the same for every configuration), or the piece of it this rank of
+    ``grid`` holds, in memory format ``fmt``, requiring its gradient."""
     import torch
 
-    from hpcpar import ProcessGrid
     from hpcpar.parallel.spatial import local_slices
 
-    member = comm.Get_rank() < dims[0] * dims[1] * dims[2]
-    sub = comm.Split(0 if member else 1, comm.Get_rank())
-    result = None
-    if member:
+    n = args.size
+    torch.manual_seed(1)
+    x = torch.randn(args.batch, args.channels, n, n, n)
+    x = x if grid is None else x[local_slices(x.shape, grid)]
+    return x.contiguous(memory_format=fmt).requires_grad_()
+
+
+def bench_ranks(comm, dims, args):
+    """hpcpar's spatial stack on the grid ``dims`` (the first prod(dims) ranks)."""
+    from hpcpar import ProcessGrid
+
+    def build(sub):
         grid = ProcessGrid(1, *dims, comm=sub)
-        n = args.size
-        torch.manual_seed(1)
-        x = torch.randn(args.batch, args.channels, n, n, n)
-        x = x[local_slices(x.shape, grid)].contiguous(memory_format=_fmt(args)).requires_grad_()
         model = build_stack(args.channels, args.layers, grid)
-        sub.Barrier()
-        result = tuple(sub.allreduce(v, op=_max()) for v in time_steps(model, x, args.repeat))
-        grid.free()
-    sub.Free()
-    polite_wait(comm)
-    return result
+        return model, volume(args, _fmt(args), grid), [grid]
+
+    return on_first(comm, math.prod(dims), args, build)
 
 
 def _fmt(args):
@@ -225,58 +246,43 @@ BASELINES = (("torch p1", False, False), ("torch p1 cl", False, True),
              ("torch pad", True, False), ("torch pad cl", True, True))
 
 
-def bench_baseline(comm, args, prepad=False, channels_last=None):
-    """Plain torch on the whole volume, rank 0 only (the others wait without spinning)."""
+def torch_form(args, form):
+    """The stack of the BASELINES ``form`` and its memory format."""
     import torch
 
-    out = None
-    cl = args.channels_last if channels_last is None else channels_last
+    _, prepad, cl = next(b for b in BASELINES if b[0] == form)
     fmt = torch.channels_last_3d if cl else torch.contiguous_format
-    if comm.Get_rank() == 0:
-        n = args.size
-        torch.manual_seed(1)
-        x = torch.randn(args.batch, args.channels, n, n, n)
-        x = x.contiguous(memory_format=fmt).requires_grad_()
-        out = time_steps(build_stack(args.channels, args.layers, prepad=fmt if prepad else None),
-                         x, args.repeat)
-    polite_wait(comm)
-    return comm.bcast(out, root=0)
+    return build_stack(args.channels, args.layers, prepad=fmt if prepad else None), fmt
 
 
-def bench_ceiling(comm, args, form, ranks=2):
-    """The machine's limit for ``ranks`` ranks: each of the first ``ranks`` ranks runs the
-    fastest single-process ``form`` (a torch form, or hpcpar's 1 rank) on its own slab of the
-    volume (split on x, no halo, no messages), all at once. Busy cores share caches, memory
-    bandwidth and the host, so this is the fastest a ``ranks``-way split can go here; returns
-    the slowest rank's step."""
-    import torch
+def bench_baseline(comm, args, form):
+    """The torch ``form`` on the whole volume, rank 0 only."""
+    def build(sub):
+        model, fmt = torch_form(args, form)
+        return model, volume(args, fmt), []
+
+    return on_first(comm, 1, args, build)
+
+
+def bench_limit(comm, dims, args, form):
+    """The machine's limit of the grid ``dims``: each of its ranks runs the single-process
+    ``form`` (a BASELINES name, or ONE_RANK: hpcpar's 1-rank path on a grid of this rank
+    alone) on the piece of the volume it holds in that grid, with no halo and no messages, all
+    at once (so at the same oversubscription as hpcpar's grid)."""
     from mpi4py import MPI
 
     from hpcpar import ProcessGrid
-    from hpcpar.parallel.partition import split_sizes
 
-    member = comm.Get_rank() < ranks
-    sub = comm.Split(0 if member else 1, comm.Get_rank())
-    out = None
-    if member:
-        grid, fmt, prepad = None, _fmt(args), None
-        if form.startswith("torch"):
-            _, prepad, cl = next(b for b in BASELINES if b[0] == form)
-            fmt = torch.channels_last_3d if cl else torch.contiguous_format
-        else:  # hpcpar's 1-rank path on a grid of this rank alone
+    def build(sub):
+        split = ProcessGrid(1, *dims, comm=sub)  # only where this rank's piece lies
+        if form == ONE_RANK:
             grid = ProcessGrid(1, 1, 1, 1, comm=MPI.COMM_SELF)
-        n = args.size
-        torch.manual_seed(1)
-        x = torch.randn(args.batch, args.channels, split_sizes(n, ranks)[comm.Get_rank()], n, n)
-        x = x.contiguous(memory_format=fmt).requires_grad_()
-        model = build_stack(args.channels, args.layers, grid, prepad=fmt if prepad else None)
-        sub.Barrier()
-        out = sub.allreduce(time_steps(model, x, args.repeat)[0], op=_max())
-        if grid is not None:
-            grid.free()
-    sub.Free()
-    polite_wait(comm)
-    return comm.bcast(out, root=0)
+            return (build_stack(args.channels, args.layers, grid),
+                    volume(args, _fmt(args), split), [split, grid])
+        model, fmt = torch_form(args, form)
+        return model, volume(args, fmt, split), [split]
+
+    return on_first(comm, math.prod(dims), args, build)
 
 
 def lines_touched(view) -> int:
@@ -357,6 +363,8 @@ def main(argv=None):
     parser.add_argument("--channels-last", action="store_true",
                         help="run hpcpar's stack on channels_last_3d tensors (the torch "
                         "baselines run in both memory formats)")
+    parser.add_argument("--json", metavar="PATH", help="also write the command, the settings "
+                        "and every round's times to PATH")
     args = parser.parse_args(argv)
     _malloc_returns_big_blocks()
     import torch
@@ -377,37 +385,40 @@ def main(argv=None):
         f"{' channels-last' if args.channels_last else ''}, forward+backward; "
         f"{size} MPI ranks launched on {os.cpu_count()} cores, 1 thread each; "
         f"THP_MEM_ALLOC_ENABLE={os.environ['THP_MEM_ALLOC_ENABLE']}")
-    grids = [d for d in args.grids if d[0] * d[1] * d[2] <= size]
-    names = [b[0] for b in BASELINES] + [f"hpcpar {'x'.join(map(str, d))}" for d in grids]
+    say(f"# command: {command(size)}")
+    grids = [d for d in args.grids if math.prod(d) <= size]
+    names = [b[0] for b in BASELINES]
+    for d in grids:  # each split grid after its limit
+        if math.prod(d) > 1:
+            names.append(f"limit {grid_name(d)}")
+        names.append(f"hpcpar {grid_name(d)}")
     rounds: list[dict] = []
     for r in range(args.rounds):  # every configuration once per round, in turn
-        res = {b[0]: bench_baseline(comm, args, b[1], b[2]) for b in BASELINES
+        res = {b[0]: bench_baseline(comm, args, b[0]) for b in BASELINES
                if r == 0 or b[0] == rounds[0]["fastest"]}
-        res.update({n: bench_ranks(comm, d, args) for n, d in zip(names[len(BASELINES):],
-                                                                   grids)})
         res["fastest"] = min((b for b in res if b.startswith("torch")), key=lambda b: res[b][0])
-        if size >= 2:  # the limit on the fastest single process of round 1, hpcpar's included
-            one = rounds[0]["one"] if rounds else comm.bcast(min(
-                (b for b in res if b.startswith("torch") or b == ONE_RANK),
-                key=lambda b: res[b][0]) if comm.Get_rank() == 0 else None, root=0)
-            res["one"] = one
-            res[CEILING] = (bench_ceiling(comm, args, one), 0.0, float("nan"), 0.0)
+        res["limit forms"] = {}
+        torch_best = (rounds[0] if rounds else res)["fastest"]
+        for d in grids:
+            res[f"hpcpar {grid_name(d)}"] = bench_ranks(comm, d, args)
+            if math.prod(d) > 1:  # the limit in both fastest forms, the faster one taken
+                forms = {f: bench_limit(comm, d, args, f) for f in (torch_best, ONE_RANK)}
+                res["limit forms"][grid_name(d)] = {f: v[0] for f, v in forms.items()}
+                res[f"limit {grid_name(d)}"] = min(forms.values(), key=lambda v: v[0])
         rounds.append(res)
     best = rounds[0]["fastest"]
     say(f"# {args.rounds} rounds; each: median of {args.repeat} steps after a warm-up. The "
         f"baseline is the fastest single-process torch form of round 1 ({best}), timed again "
         f"in every round; speedup = baseline / config per round: median (min-max)")
     say("# vs 1 proc = the same, against the fastest single process of each round, hpcpar's "
-        "1 rank included;\n# limit 2 slabs = 2 ranks each running the fastest single process "
-        f"of round 1 ({rounds[0].get('one')}) on its half slab at once, no halo: the machine's "
-        "limit for 2 ranks")
+        "1 rank included;\n# limit XxYxZ = as many ranks at once, each running one process "
+        "on the piece it holds in that grid, no halo, no messages; per round the faster of "
+        f"{best} and hpcpar's 1 rank: the machine's limit for that split")
     say(f"{'config':>16} {'ranks':>5} {'step s':>8} {'speedup':>8} {'spread':>11} "
         f"{'vs 1 proc':>9} {'spread':>11} {'halo %':>7} {'wait %':>7} {'peak MiB':>9} "
         f"{'mem ratio':>9}")
     one = [n for n in names if n.startswith("torch") or n == ONE_RANK]
-    if size >= 2:
-        names.insert(len(BASELINES), CEILING)
-    if comm.Get_rank() == 0:  # the other ranks hold no hpcpar results of the small grids
+    if comm.Get_rank() == 0:
         base_peak = rounds[0][best][2]
         for name in names:
             runs = [rd[name] for rd in rounds if name in rd]
@@ -416,19 +427,24 @@ def main(argv=None):
                       for rd in rounds if name in rd]
             step = statistics.median(v[0] for v in runs)
             halo, peak, wait = (statistics.median(v[i] for v in runs) for i in (1, 2, 3))
-            ranks = 2 if name == CEILING else 1 if name.startswith("torch") else math.prod(
+            ranks = 1 if name.startswith("torch") else math.prod(
                 int(v) for v in name.split()[1].split("x"))
             say(f"{name:>16} {ranks:>5} {step:8.3f} {statistics.median(ratios):8.2f} "
-                f"{_spread(ratios):>11} {statistics.median(vs_one):9.2f} {_spread(vs_one):>11} "
+                f"{spread(ratios):>11} {statistics.median(vs_one):9.2f} {spread(vs_one):>11} "
                 f"{100 * halo / step:7.1f} {100 * wait / step:7.1f} {peak / 2**20:9.1f} "
                 f"{peak / base_peak:9.2f}")
-    two = [rd[CEILING][0] / rd["hpcpar 2x1x1"][0] for rd in rounds
-           if CEILING in rd and "hpcpar 2x1x1" in rd]
-    if two:
-        say(f"# hpcpar 2x1x1 runs at {statistics.median(two):.2f} ({_spread(two)}) of the "
-            "machine's 2-rank limit (limit step / hpcpar step, per round)")
-    say(f"# target (issue 19): hpcpar 2 ranks >= 1.85x {best}; {size} ranks on "
-        f"{os.cpu_count()} cores ({size / (os.cpu_count() or 1):.0f} per core)")
+    for d in (d for d in grids if math.prod(d) > 1):
+        g = grid_name(d)
+        limit, ours = ([rd[f"{kind} {g}"][0] for rd in rounds] for kind in ("limit", "hpcpar"))
+        won = [min(forms, key=forms.get) for forms in (rd["limit forms"][g] for rd in rounds)]
+        say(f"# hpcpar {g} runs at {fraction(limit, ours)} of its {math.prod(d)}-slab limit "
+            "(limit step / hpcpar step per round; the limit's form: "
+            + ", ".join(f"{f} in {won.count(f)}" for f in sorted(set(won)))
+            + f" of {len(won)} rounds){verdict(limit, ours, TARGETS.get(d))}")
+    say(f"# {size} ranks on {os.cpu_count()} cores ({size / (os.cpu_count() or 1):g} per "
+        "core); a limit runs its ranks at the same oversubscription as its grid")
+    if comm.Get_rank() == 0:
+        write_json(args.json, {"command": command(size), "args": vars(args), "rounds": rounds})
     if comm.Get_rank() == 0:
         say("\n# halo faces of a half volume (GB/s); ratio = pack / numpy contiguous copy of "
             "the same bytes;\n# limit = numpy copy time of (lines + KiB) / 2, the same cache "
@@ -439,7 +455,7 @@ def main(argv=None):
             say(f"{name:>4} {layout:>6} {mode:>6} {nbytes / 1024:6.0f} {lines / 1024:6.0f} "
                 f"{ref:7.2f} "
                 f"{p:7.2f} {u:7.2f} {a:7.2f} {p / ref:6.2f} {lim:6.2f}")
-    polite_wait(comm)
+    quiet_barrier(comm)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ package data, or the source checkout's ``slurm/`` folder when running from a che
 
 from __future__ import annotations
 
+from importlib.resources import files
 from pathlib import Path
 
 PACKAGE_DATA = "hpcpar.slurm_files"   # setup.cfg maps the repository's slurm/ folder here
@@ -13,8 +14,6 @@ def data_dirs() -> list[Path]:
     else the source checkout's ``slurm/``)."""
     dirs = []
     try:
-        from importlib.resources import files
-
         dirs.append(Path(str(files(PACKAGE_DATA))))
     except (ModuleNotFoundError, TypeError):
         pass

@@ -39,7 +39,7 @@ def launch(dst, src, add: bool = False, stream=0):
         add: Add ``src`` into ``dst`` instead of copying.
         stream: Numba CUDA stream to launch on (0: the default stream).
     """
-    from .halo_pack_cuda import copy_face
+    from .halo_pack_cuda import copy_face  # deferred: loads numba
 
     n = int(np.prod(dst.shape))
     if n:
@@ -48,7 +48,7 @@ def launch(dst, src, add: bool = False, stream=0):
 
 def _torch_stream(t: torch.Tensor):
     """Numba view of torch's current stream, so kernels order with torch's work."""
-    from numba import cuda
+    from numba import cuda  # deferred: numba.cuda is slow to import
 
     return cuda.external_stream(torch.cuda.current_stream(t.device).cuda_stream)
 
@@ -78,7 +78,7 @@ def _path(view: torch.Tensor, add: bool) -> str:
 @functools.cache
 def _cuda_available() -> bool:
     try:
-        from numba import cuda
+        from numba import cuda  # deferred: numba.cuda is slow to import
 
         return cuda.is_available()
     except Exception:  # pragma: no cover - numba-cuda missing
@@ -94,7 +94,7 @@ def _as4d(t: torch.Tensor) -> torch.Tensor:
 
 def cpu_kernels():
     """(pack, unpack, add_unpack) Numba CPU twins (kernels/halo_pack_cpu.py)."""
-    from . import halo_pack_cpu as kc
+    from . import halo_pack_cpu as kc  # deferred: loads numba
 
     return kc.pack_cpu, kc.unpack_cpu, kc.add_unpack_cpu
 
@@ -117,7 +117,7 @@ def pack(view: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     if path == "numba":
         cpu_kernels()[0](_as4d(view).numpy(), _as4d(out).numpy())
     elif path == "cuda":
-        from numba import cuda
+        from numba import cuda  # deferred: numba.cuda is slow to import
 
         launch(cuda.as_cuda_array(_as4d(out)), cuda.as_cuda_array(_as4d(view)),
                stream=_torch_stream(view))
@@ -140,7 +140,7 @@ def unpack(view: torch.Tensor, buf: torch.Tensor, add: bool = False) -> None:
     if path == "numba":
         cpu_kernels()[2 if add else 1](_as4d(view).numpy(), _as4d(buf).numpy())
     elif path == "cuda":
-        from numba import cuda
+        from numba import cuda  # deferred: numba.cuda is slow to import
 
         launch(cuda.as_cuda_array(_as4d(view)), cuda.as_cuda_array(_as4d(buf)), add,
                _torch_stream(view))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 
+import numba
 import numpy as np
 from numba import njit, prange
 
@@ -70,8 +71,6 @@ def cpu_threads() -> int:
     uses), else Numba's default. With 1 the serial twins run (no thread pool at all)."""
     global _THREADS
     if _THREADS is None:
-        import numba
-
         want = os.environ.get("NUMBA_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS")
         # numba.config sets its variables at import time, from the environment
         most = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]
@@ -127,7 +126,7 @@ def _cuda_kernel(dtype):
     global cuda  # the kernel must see numba.cuda as a module global (the simulator patches it)
     key = np.dtype(dtype).name
     if key not in _CUDA_KERNELS:
-        from numba import config, cuda
+        from numba import config, cuda  # deferred: numba.cuda is slow to import
 
         zero = np.dtype(dtype).type(0)
         mul = _mul_simulated if config.ENABLE_CUDASIM else _mul_rounded(key)
@@ -156,14 +155,14 @@ def _mul_rounded(dtype_name: str):
     contracted (CUDA C's ``__fmul_rn``)."""
     if dtype_name not in ("float32", "float64"):
         return _mul_simulated_device()
-    from numba.cuda import libdevice
+    from numba.cuda import libdevice  # deferred: numba.cuda is slow to import
 
     return libdevice.fmul_rn if dtype_name == "float32" else libdevice.dmul_rn
 
 
 def _mul_simulated_device():
     """Plain product as a device function (integer types: exact anyway)."""
-    from numba import cuda
+    from numba import cuda  # deferred: numba.cuda is slow to import
 
     return cuda.jit(device=True)(_mul_simulated)
 
@@ -171,7 +170,7 @@ def _mul_simulated_device():
 def cuda_kernel_available() -> bool:
     """True when a CUDA device (or the simulator) can run the kernel."""
     try:
-        from numba import cuda
+        from numba import cuda  # deferred: numba.cuda is slow to import
 
         return bool(cuda.is_available()) or os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
     except Exception:  # pragma: no cover - numba-cuda missing or broken driver
@@ -196,7 +195,7 @@ def spmm_cuda(indptr, indices, data, x, out=None, block=(32, 8)):
     Raises:
         ValueError: The shapes of the arrays do not match.
     """
-    from numba import cuda
+    from numba import cuda  # deferred: numba.cuda is slow to import
 
     n = indptr.shape[0] - 1
     f = x.shape[1]

@@ -245,3 +245,71 @@ def test_every_package_is_installed():
     found = {".".join(p.parent.relative_to(ROOT).parts)
              for p in (ROOT / "hpcpar").rglob("__init__.py")}
     assert found <= listed, f"packages missing from setup.cfg [options] packages: {found - listed}"
+
+
+# Third-party packages that a function may import where it is used without saying why: each is
+# slow to import (a tenth of a second to seconds) or optional, and deferring it keeps ``import
+# hpcpar`` and ``hpcpar --help`` fast. Any other import inside a function (stdlib, hpcpar, or one of
+# these already imported at the module's top) carries ``# deferred: <why>`` on its first line.
+DEFERRABLE = {"torch", "torch_geometric", "numpy", "numba", "scipy", "pandas", "pyarrow",
+              "matplotlib", "h5py", "mpi4py", "jsonschema", "jinja2", "tqdm", "tensorboard",
+              "pymetis", "pytest"}
+DEFERRED = re.compile(r"#\s*deferred:\s*\S")
+
+
+def unjustified_function_imports(source: str) -> list[tuple[int, str]]:
+    """(line, statement) of every import inside a function of ``source`` that neither defers a
+    :data:`DEFERRABLE` package the module does not import at its top nor carries the marker."""
+    tree, lines = ast.parse(source), source.splitlines()
+    top, inner = set(), []
+
+    def walk(node, in_function):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue  # loads nothing at run time
+            if isinstance(child, ast.Import | ast.ImportFrom):
+                if in_function:
+                    inner.append(child)
+                elif isinstance(child, ast.Import):
+                    top.update(a.name.split(".")[0] for a in child.names)
+                elif not child.level:
+                    top.add((child.module or "").split(".")[0])
+            walk(child, in_function or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef))
+
+    walk(tree, False)
+    bad = []
+    for node in inner:
+        if DEFERRED.search(lines[node.lineno - 1]):
+            continue
+        if isinstance(node, ast.Import):
+            packages = {a.name.split(".")[0] for a in node.names}
+        else:
+            packages = {"." if node.level else (node.module or "").split(".")[0]}
+        if not packages <= DEFERRABLE - top:
+            bad.append((node.lineno, lines[node.lineno - 1].strip()))
+    return bad
+
+
+def test_imports_inside_functions_only_defer_something():
+    """An import inside a function hides a dependency from the reader and runs again on every
+    call; it belongs there only to defer a slow or optional package (the list above) or, with a
+    ``# deferred: <why>`` comment, for another reason (e.g. an hpcpar module that loads torch,
+    kept off ``hpcpar <command> --help``). Everything else goes to the module's top."""
+    bad = [f"{path.relative_to(ROOT)}:{line}: {text}"
+           for _, _, path in modules()
+           for line, text in unjustified_function_imports(path.read_text())]
+    assert not bad, ("imports inside functions without a reason (move them to the module's top, "
+                     "or add '# deferred: <why>'):\n" + "\n".join(bad))
+
+
+def test_the_function_import_rule_can_fail():
+    source = ("import numpy as np\n"
+              "def f():\n"
+              "    import json\n"                                  # stdlib: move it up
+              "    from hpcpar.errors import ConfigError\n"         # hpcpar, no reason
+              "    from . import sibling\n"                         # relative, no reason
+              "    import numpy\n"                                  # already at the top
+              "    import torch\n"                                  # deferrable: fine
+              "    from hpcpar.nn import spatialize  # deferred: loads torch\n"
+              "    return json, ConfigError, sibling, numpy, torch, spatialize\n")
+    assert [line for line, _ in unjustified_function_imports(source)] == [3, 4, 5, 6]

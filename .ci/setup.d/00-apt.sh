@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Debian packages used by the tests: HDF5 command-line tools (h5dump in the format tests).
+# Debian packages used by the tests: HDF5 command-line tools (h5dump in the format tests) and
+# Chromium (the report screenshot test, tests/analysis/test_report_browser.py).
 set -euo pipefail
 if command -v apt-get >/dev/null; then
     apt-get update -qq
-    apt-get install -y -qq --no-install-recommends hdf5-tools >/dev/null
+    apt-get install -y -qq --no-install-recommends hdf5-tools chromium >/dev/null
 fi

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import click
 
+from hpcpar.errors import ConfigError
+
 __all__ = ["RANKS_HELP", "json_option", "node_counts", "out_option", "ranks_option",
            "set_option"]
 
@@ -21,8 +23,7 @@ RANKS_HELP = "Rank count(s): 4, or a list such as 1,2,4 where the command runs s
 def _parse_counts(text: str, flag: str) -> list[int]:
     """``"4,1,2"`` -> ``[1, 2, 4]`` by the sweep's own parser; a usage error (click names the
     flag)."""
-    from hpcpar.errors import ConfigError
-    from hpcpar.launch.sweep import parse_ranks
+    from hpcpar.launch.sweep import parse_ranks  # deferred: keeps --help fast
 
     try:
         return parse_ranks(text, flag)

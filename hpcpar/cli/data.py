@@ -7,10 +7,13 @@ and as one rank without it. torch/h5py/mpi4py load inside the commands, not at i
 from __future__ import annotations
 
 import json
+import os
+import sys
 
 import click
 
 from hpcpar.cli._options import json_option
+from hpcpar.errors import DataError
 
 __all__ = ["CHUNK_OPTION", "data", "make", "LAUNCHER_VARS", "cosmoflow", "shard", "info", "verify"]
 
@@ -42,14 +45,11 @@ LAUNCHER_VARS = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE",
 def _comm():
     """MPI.COMM_WORLD under a launcher (or once MPI is loaded), else a one-rank stand-in so
     the command needs no MPI initialisation when run directly."""
-    import os
-    import sys
-
     if "mpi4py.MPI" in sys.modules or any(v in os.environ for v in LAUNCHER_VARS):
         from mpi4py import MPI
 
         return MPI.COMM_WORLD
-    from hpcpar.data.writer import SerialComm
+    from hpcpar.data.writer import SerialComm  # deferred: keeps --help fast
 
     return SerialComm()
 
@@ -69,9 +69,9 @@ def _comm():
 def cosmoflow(out, samples, size, channels, shards, seed, chunk, grid, force, quiet):
     """CosmoFlow-like Gaussian random fields; targets: amplitude, slope, cutoff,
     nonlinearity (normalised to [-1, 1])."""
-    from hpcpar.data.format import chunk_from_options
-    from hpcpar.data.synthetic import CosmoflowSource, check_params
-    from hpcpar.data.writer import shard_counts, write_dataset
+    from hpcpar.data.format import chunk_from_options  # deferred: keeps --help fast
+    from hpcpar.data.synthetic import CosmoflowSource, check_params  # deferred: keeps --help fast
+    from hpcpar.data.writer import shard_counts, write_dataset  # deferred: keeps --help fast
 
     check_params(size, channels, seed, samples)
     chunking = chunk_from_options(chunk, grid)
@@ -108,8 +108,12 @@ def shard(in_file, out, x_key, y_key, samples_per_shard, chunk, grid, force, qui
           allow_nonfinite, transform):
     """Re-shard a single HDF5 file into an hpcpar dataset directory; values are copied as
     they are, and no input transform is applied at run time unless --transform asks."""
-    from hpcpar.data.format import chunk_from_options
-    from hpcpar.data.writer import H5Source, shard_counts, write_dataset
+    from hpcpar.data.format import chunk_from_options  # deferred: keeps --help fast
+    from hpcpar.data.writer import (  # deferred: keeps --help fast
+        H5Source,
+        shard_counts,
+        write_dataset,
+    )
 
     chunking = chunk_from_options(chunk, grid)
     source = H5Source(in_file, x_key, y_key)
@@ -131,7 +135,7 @@ def shard(in_file, out, x_key, y_key, samples_per_shard, chunk, grid, force, qui
 @json_option("Print the manifest as one JSON object (with the dataset's total bytes).")
 def info(directory, as_json):
     """Format version, sample count, shapes, chunks and the shard table."""
-    from hpcpar.data.format import read_manifest
+    from hpcpar.data.format import read_manifest  # deferred: keeps --help fast
 
     m = read_manifest(directory)
     total = sum(s.bytes for s in m.shards)
@@ -163,31 +167,66 @@ def info(directory, as_json):
 @json_option("Print one JSON object: ok, the problems found, shards and samples checked.")
 def verify(directory, no_checksum, as_json):
     """Check every shard: present, HDF5, size, sha256, keys, shapes, dtypes, sample range,
-    and every value finite (NaN/inf only where the manifest records them)."""
-    from hpcpar.data.format import read_manifest, verify_dataset
-    from hpcpar.errors import DataError
+    and every value finite (NaN/inf only where the manifest records them). A sharded graph
+    (hpcpar data graph partition): every part file's size, sha256, datasets and ranges."""
+    from hpcpar.data.format import read_manifest, verify_dataset  # deferred: keeps --help fast
 
+    if _is_graph(directory):
+        return _verify_graph(directory, no_checksum, as_json)
     problems = verify_dataset(directory, checksum=not no_checksum)
-    if as_json:  # the verdict is the document; the exit code still says it (2 when not ok)
-        m = read_manifest(directory) if not problems else None
-        click.echo(json.dumps({"dataset": str(directory), "ok": not problems,
-                               "problems": problems, "checksums": not no_checksum,
-                               "shards": len(m.shards) if m else None,
-                               "samples": m.num_samples if m else None}))
-        if problems:
-            raise SystemExit(DataError.exit_code)
+    m = read_manifest(directory) if not problems else None
+    if _verdict(directory, problems, no_checksum, as_json,
+                {"shards": len(m.shards) if m else None,
+                 "samples": m.num_samples if m else None}):
         return
-    if problems:
-        for p in problems[1:]:
-            click.echo(f"hpcpar: error: {p}", err=True)
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise DataError(problems[0] + more)
-    m = read_manifest(directory)
+    assert m is not None
     scanned = "" if no_checksum else ", values finite" if all(
         (m.stats.get(k) or {}).get("finite", True) for k in ("x", "y")) else \
         ", NaN/inf present as the manifest records"
     click.echo(f"ok: {directory}: {len(m.shards)} shards, {m.num_samples} samples verified"
                f"{scanned}")
+
+
+def _is_graph(directory) -> bool:
+    try:
+        from hpcpar.graph.shards import is_sharded_graph  # deferred: keeps --help fast
+    except ModuleNotFoundError:
+        return False
+    return is_sharded_graph(directory)
+
+
+def _verdict(directory, problems, no_checksum, as_json, counts: dict) -> bool:
+    """Report ``verify``'s problems (one line each, exit 2) or its JSON verdict; True when
+    the JSON was printed (nothing more to say)."""
+    if as_json:  # the verdict is the document; the exit code still says it (2 when not ok)
+        click.echo(json.dumps({"dataset": str(directory), "ok": not problems,
+                               "problems": problems, "checksums": not no_checksum, **counts}))
+        if problems:
+            raise SystemExit(DataError.exit_code)
+        return True
+    if problems:
+        for p in problems[1:]:
+            click.echo(f"hpcpar: error: {p}", err=True)
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise DataError(problems[0] + more)
+    return False
+
+
+def _verify_graph(directory, no_checksum, as_json):
+    """``data verify`` of a sharded graph: the same report and exit codes as for volumes."""
+    from hpcpar.graph.shards import (  # deferred: keeps --help fast
+        read_graph_manifest,
+        verify_graph_shards,
+    )
+
+    problems = verify_graph_shards(directory, checksum=not no_checksum)
+    m = read_graph_manifest(directory) if not problems else None
+    if _verdict(directory, problems, no_checksum, as_json,
+                {"parts": m["parts"] if m else None, "nodes": m["num_nodes"] if m else None}):
+        return
+    assert m is not None
+    click.echo(f"ok: {directory}: sharded graph, {m['parts']} parts, {m['num_nodes']} nodes, "
+               f"{m['num_edges']} edges verified")
 
 
 try:  # `hpcpar data graph ...` lives in the GNN's module when that is installed

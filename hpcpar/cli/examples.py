@@ -55,6 +55,9 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
                           "hpcpar data graph import edges.txt data/g.h5 --features x.npy "
                           "--labels y.npy --split 0.6,0.2"),
     "data graph make": ("hpcpar data graph make data/g.npz --nodes 100000 --avg-degree 10",),
+    "data graph partition": ("hpcpar data graph partition data/cora.h5 data/cora-4 --parts 4",
+                             "hpcpar data graph partition edges.txt data/g-64 --parts 64 "
+                             "--method stream --features x.npy"),
 }
 
 

@@ -1,4 +1,4 @@
-"""``hpcpar data graph``: import and generate graph files (HDF5, hpcpar graph format v1).
+"""``hpcpar data graph``: import, generate and partition graph files (HDF5).
 
 Mounted under ``hpcpar data`` by hpcpar/commands/data.py. No numpy-heavy/torch/h5py imports at
 module import time (``--help`` stays fast).
@@ -10,9 +10,9 @@ import os
 
 import click
 
-from hpcpar.graph.format import bundled
+from hpcpar.graph.format import bundled, import_npz, write_graph
 
-__all__ = ["graph", "import_", "make"]
+__all__ = ["graph", "import_", "make", "partition"]
 
 
 @click.group()
@@ -52,8 +52,7 @@ def import_(source, out, features, labels, split, seed, trust_pickle):
 
     SOURCE may be a path or the name of a bundled dataset (``cora``).
     """
-    from hpcpar.graph.format import import_npz
-    from hpcpar.graph.interop import import_graph
+    from hpcpar.graph.interop import import_graph  # deferred: keeps --help fast
 
     if not os.path.exists(source) and os.path.exists(bundled(source.removesuffix(".npz"))):
         source = bundled(source.removesuffix(".npz"))
@@ -82,8 +81,7 @@ def import_(source, out, features, labels, split, seed, trust_pickle):
               help="fraction of edges inside a community")
 def make(out, nodes, avg_degree, communities, features, classes, seed, directed, p_in):
     """Write a seeded power-law community graph with learnable labels to OUT.h5."""
-    from hpcpar.graph.format import write_graph
-    from hpcpar.graph.generate import power_law_community_graph
+    from hpcpar.graph.generate import power_law_community_graph  # deferred: keeps --help fast
 
     g = power_law_community_graph(nodes, avg_degree, communities, features, classes, seed,
                                   directed=directed, p_in=p_in)
@@ -95,3 +93,48 @@ def make(out, nodes, avg_degree, communities, features, classes, seed, directed,
                 num_classes=classes)
     click.echo(f"wrote {out}: {nodes} nodes, {g['indices'].shape[0]} edges, {features} "
                f"features, {classes} classes")
+
+
+@graph.command("partition")
+@click.argument("source")
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option("--parts", type=int, required=True, help="Number of parts (the ranks to train on).")
+@click.option("--method", type=click.Choice(["auto", "metis", "stream"]), default="auto",
+              show_default=True,
+              help="metis: whole structure in memory; stream: restreaming LDG over row blocks "
+                   "(O(N) memory); auto: metis when its estimated memory fits half of "
+                   "--memory-limit.")
+@click.option("--memory-limit", default=None, metavar="BYTES",
+              help="Memory auto may plan for (e.g. 8GiB; default: the available memory).")
+@click.option("--passes", type=int, default=3, show_default=True,
+              help="Streaming passes (stream).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of METIS.")
+@click.option("--features", type=click.Path(dir_okay=False), default=None,
+              help="Edge lists: the (N, F) features, .npy (read by rows) or text.")
+@click.option("--labels", type=click.Path(dir_okay=False), default=None,
+              help="Edge lists: the (N,) class ids, .npy or text (default: zeros).")
+@click.option("--split", default="0.6,0.2", show_default=True, callback=_split,
+              metavar="TRAIN,VAL", help="Edge lists: random train/val fractions (rest test).")
+@click.option("--trust-pickle", is_flag=True, help="PyG files: as for `import`.")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+def partition(source, out, parts, method, memory_limit, passes, seed, features, labels, split,
+              trust_pickle, force):
+    """Partition a graph into the sharded graph format OUT/ (one HDF5 file per part and a
+    manifest with counts and sha256): SOURCE is an hpcpar graph file (.h5), a .npz, a PyG
+    .pt or a text edge list (with --features). Prints the edge cut and the measured peak
+    memory (ru_maxrss)."""
+    from hpcpar._units import parse_bytes  # deferred: keeps --help fast
+    from hpcpar.graph.stream_partition import partition_graph  # deferred: keeps --help fast
+
+    if not os.path.exists(source) and os.path.exists(bundled(source.removesuffix(".npz"))):
+        source = bundled(source.removesuffix(".npz"))
+    limit = parse_bytes(memory_limit, "--memory-limit") if memory_limit else None
+    m = partition_graph(source, out, parts, method, seed=seed, passes=passes,
+                        memory_limit=limit, force=force, features=features, labels=labels,
+                        split=split, trust_pickle=trust_pickle)
+    p = m["partition"]
+    click.echo(f"wrote {out}: {m['num_nodes']} nodes, {m['num_edges']} edges in {parts} parts "
+               f"({p['method']}); edge cut {p['edge_cut']} ({100 * p['cut_fraction']:.1f}%), "
+               f"load balance {p['balance']:.3f}; {p['seconds']:.1f} s, peak memory "
+               f"{p['peak_rss_bytes'] / 2**20:.0f} MiB (ru_maxrss; METIS estimate "
+               f"{p['metis_estimate_bytes'] / 2**20:.0f} MiB)")

@@ -11,6 +11,8 @@ import click
 
 from hpcpar._tables import text_table
 from hpcpar.cli._options import json_option, ranks_option
+from hpcpar.errors import GridError
+from hpcpar.parallel.grid import MAX_TABLE_RANKS, layout, parse_spec, resolve_shape
 
 __all__ = ["slurm_context", "facts", "info"]
 
@@ -60,7 +62,7 @@ def facts() -> list[tuple[str, str]]:
     except Exception:  # noqa: BLE001
         rows.append(("CUDA available", "unknown (torch missing)"))
     try:
-        from hpcpar.parallel.cuda_aware import cuda_aware
+        from hpcpar.parallel.cuda_aware import cuda_aware  # deferred: loads torch
 
         aware = cuda_aware()
         rows.append(("CUDA-aware MPI", f"{'yes' if aware else 'no'} ({aware.reason})"))
@@ -68,7 +70,7 @@ def facts() -> list[tuple[str, str]]:
         rows.append(("CUDA-aware MPI", f"unknown ({exc})"))
     rows.append(("inside Slurm", slurm_context()))
     try:
-        from hpcpar.launch.mpiexec import find_mpiexec
+        from hpcpar.launch.mpiexec import find_mpiexec  # deferred: keeps --help fast
 
         rows.append(("mpiexec", find_mpiexec()))
     except Exception as exc:  # noqa: BLE001
@@ -86,9 +88,7 @@ def facts() -> list[tuple[str, str]]:
 def info(ranks, grid_spec, ranks_per_node, as_json):
     """Versions, MPI/CUDA facts, Slurm context; with --ranks, the rank -> (data, x, y, z) ->
     node table of a grid, computed without launching anything."""
-    from hpcpar.errors import GridError
-    from hpcpar.launch.allocation import rank_hosts
-    from hpcpar.parallel.grid import MAX_TABLE_RANKS, layout, parse_spec, resolve_shape
+    from hpcpar.launch.allocation import rank_hosts  # deferred: keeps --help fast
 
     hosts = rank_hosts()
     if ranks is None and grid_spec is None:

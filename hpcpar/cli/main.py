@@ -13,7 +13,7 @@ import sys
 import click
 
 from hpcpar._version import __version__
-from hpcpar.cli.examples import epilog
+from hpcpar.cli.examples import attach, epilog
 from hpcpar.errors import EXIT_ABORTED, EXIT_USAGE, HpcparError
 
 __all__ = ["COMMANDS", "LazyGroup", "cli", "main"]
@@ -47,7 +47,6 @@ class LazyGroup(click.Group):
                 raise click.UsageError(f"command {name!r} is not available in this build") \
                     from None
             raise
-        from hpcpar.cli.examples import attach
 
         return attach(getattr(mod, attr), name)
 

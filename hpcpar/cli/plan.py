@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import csv
+import json
 import os
+import subprocess
+import sys
+from dataclasses import replace
 from pathlib import Path
 
 import click
 
 from hpcpar._tables import text_table
 from hpcpar.cli._options import json_option, out_option, ranks_option, set_option
+from hpcpar.errors import LaunchError
 
 __all__ = ["FIELDS", "row", "table", "largest_table", "write_csv", "plan"]
 
@@ -58,8 +64,6 @@ def largest_table(largest, work, budget: float, top: int) -> str:
 def _on_this_host(m, name: str):
     """The ``local`` machine with this host's cores (its file may come from another host);
     any other machine as its file says."""
-    from dataclasses import replace
-
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return replace(m, cores=cores) if name == "local" and cores else m
 
@@ -84,8 +88,6 @@ def row(p) -> dict:
 
 
 def write_csv(preds, path: str) -> None:
-    import csv
-
     tmp = path + ".tmp"
     with open(tmp, "w", newline="") as fh:
         w = csv.DictWriter(fh, FIELDS)
@@ -125,17 +127,22 @@ def plan(job, ranks, machine, top, csv_path, sets, calibrate, out, as_json, budg
          fit_runs, trust_kind):
     """Predict one training step of JOB on every grid that factors --ranks, fastest first,
     with the compute / halo / gather / exposed-allreduce / I/O breakdown and memory per rank."""
-    import subprocess
-    import sys
-
-    from hpcpar.errors import LaunchError
-    from hpcpar.launch.mpiexec import rank_env
-    from hpcpar.plan.job import dataset_note, fit_points, largest_samples, workload_from_job
-    from hpcpar.plan.machine import load_machine, machines_dir
-    from hpcpar.plan.planner import plan as make_plan
+    from hpcpar.launch.mpiexec import rank_env  # deferred: keeps --help fast
+    from hpcpar.plan.job import (  # deferred: keeps --help fast
+        dataset_note,
+        fit_points,
+        largest_samples,
+        workload_from_job,
+    )
+    from hpcpar.plan.machine import load_machine, machines_dir  # deferred: keeps --help fast
+    from hpcpar.plan.planner import plan as make_plan  # deferred: keeps --help fast
 
     if calibrate:
-        from hpcpar.launch.launcher import default_ranks, launch_command, plan_launch
+        from hpcpar.launch.launcher import (  # deferred: keeps --help fast
+            default_ranks,
+            launch_command,
+            plan_launch,
+        )
 
         out = out or str(machines_dir() / "local.toml")
         n = ranks or default_ranks() or 2  # inside an allocation: all its tasks (srun)
@@ -150,9 +157,7 @@ def plan(job, ranks, machine, top, csv_path, sets, calibrate, out, as_json, budg
         raise click.UsageError("give JOB.toml and --ranks N (or --calibrate)")
     m = _on_this_host(load_machine(machine), machine)
     if budget is not None:
-        from dataclasses import replace
-
-        from hpcpar.plan.memory import parse_bytes
+        from hpcpar.plan.memory import parse_bytes  # deferred: keeps --help fast
 
         m = replace(m, mem_per_rank=float(parse_bytes(budget)))
     work = workload_from_job(job, sets)
@@ -164,7 +169,7 @@ def plan(job, ranks, machine, top, csv_path, sets, calibrate, out, as_json, budg
     preds = make_plan(work, ranks, m)
     fit = None
     if fit_runs:
-        from hpcpar.plan import fit as fitting
+        from hpcpar.plan import fit as fitting  # deferred: keeps --help fast
 
         table_ = fitting.ratios(fit_points(fit_runs, trust_kind), m)
         fit = fitting.scale(table_, ranks)
@@ -173,8 +178,6 @@ def plan(job, ranks, machine, top, csv_path, sets, calibrate, out, as_json, budg
     if csv_path:
         write_csv(preds, csv_path)
     if as_json:
-        import json
-
         extra = {} if largest is None else {
             "memory_budget": m.mem_per_rank,
             "largest_samples": [{"grid": g, "edge": e, "mem_bytes": b} for g, e, b in largest]}

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import click
 
 from hpcpar.cli._options import json_option, out_option
+from hpcpar.errors import EXIT_BELOW_REFERENCE, ConfigError
 
 __all__ = ["plan_predictor", "print_report", "report", "report_json"]
 
@@ -12,7 +15,7 @@ __all__ = ["plan_predictor", "print_report", "report", "report_json"]
 def report_json(rep) -> dict:
     """The report as one strict-JSON document: verdict, one object per (config, ranks) point
     (the scaling.csv row), the files written, the runs left out and the warnings."""
-    from hpcpar.formats.records import strict_json
+    from hpcpar.formats.records import strict_json  # deferred: keeps --help fast
 
     return strict_json({"verdict": rep.verdict, "out": str(rep.out),
                         "points": rep.table.to_dict("records"),
@@ -30,8 +33,6 @@ def print_report(rep, as_json: bool = False) -> None:
     for warning in rep.warnings:
         click.echo(f"hpcpar: warning: {warning}", err=True)
     if as_json:
-        import json
-
         click.echo(json.dumps(report_json(rep), allow_nan=False))
         return
     click.echo(rep.verdict)
@@ -50,13 +51,10 @@ def plan_predictor(machine_name: str, trust_kind: bool = False):
     machine (``slurm/machines/NAME.toml`` or a path); the job's workload is traced once. The
     job comes from a run directory: its ``[model] kind`` imports no code unless it is built in
     or ``trust_kind`` (installed packages only)."""
-    import json
-
-    from hpcpar.errors import ConfigError
-    from hpcpar.formats.jobspec import build_job
-    from hpcpar.plan.job import workload_of
-    from hpcpar.plan.machine import load_machine
-    from hpcpar.plan.planner import predict
+    from hpcpar.formats.jobspec import build_job  # deferred: keeps --help fast
+    from hpcpar.plan.job import workload_of  # deferred: keeps --help fast
+    from hpcpar.plan.machine import load_machine  # deferred: keeps --help fast
+    from hpcpar.plan.planner import predict  # deferred: keeps --help fast
 
     machine = load_machine(machine_name)
     works: dict = {}
@@ -108,25 +106,21 @@ def plan_predictor(machine_name: str, trust_kind: bool = False):
 def report(paths, out, mode, warmup, title, strict, threshold, expect, plan_machine, compare,
            as_json, trust_kind):
     """Scaling report of run or sweep directories (any depth below each path)."""
-    from hpcpar.errors import ConfigError
-
     mode = None if mode == "auto" else mode
     refs = None
     if expect:
-        from hpcpar.analysis.expect import read_expectations
+        from hpcpar.analysis.expect import read_expectations  # deferred: loads pandas, numpy
 
         refs = read_expectations(expect)  # a bad file fails before any work
     if compare:
         if paths:
             raise ConfigError("report --compare BEFORE AFTER takes no other paths")
-        from hpcpar.analysis.compare import write_comparison
+        from hpcpar.analysis.compare import write_comparison  # deferred: loads pandas, matplotlib
 
         cmp, files = write_comparison(compare[0], compare[1], out, mode=mode, warmup=warmup,
                                       strict=strict)
         if as_json:
-            import json
-
-            from hpcpar.formats.records import strict_json
+            from hpcpar.formats.records import strict_json  # deferred: keeps --help fast
 
             click.echo(json.dumps(strict_json({
                 "verdict": cmp.attrs["verdict"], "points": cmp.to_dict("records"),
@@ -139,7 +133,7 @@ def report(paths, out, mode, warmup, title, strict, threshold, expect, plan_mach
         return
     if not paths:
         raise ConfigError("report: give run or sweep directories (or --compare BEFORE AFTER)")
-    from hpcpar.analysis.render import write_report
+    from hpcpar.analysis.render import write_report  # deferred: loads pandas, matplotlib
 
     predictor = plan_predictor(plan_machine, trust_kind) if plan_machine else None
     rep = write_report(paths, out, mode=mode, warmup=warmup, title=title, strict=strict,
@@ -147,7 +141,7 @@ def report(paths, out, mode, warmup, title, strict, threshold, expect, plan_mach
                        predicted_by=f"hpcpar plan ({plan_machine})")
     print_report(rep, as_json)
     if refs is not None:
-        from hpcpar.analysis.expect import check_expectations
+        from hpcpar.analysis.expect import check_expectations  # deferred: loads pandas, numpy
 
         short = check_expectations(rep.table, refs)
         for line in short:
@@ -155,7 +149,6 @@ def report(paths, out, mode, warmup, title, strict, threshold, expect, plan_mach
         if short:
             click.echo(f"hpcpar: error: {len(short)} point(s) below the references in "
                        f"{expect}", err=True)
-            from hpcpar.errors import EXIT_BELOW_REFERENCE
 
             raise SystemExit(EXIT_BELOW_REFERENCE)
         click.echo(f"references met: {expect}", err=as_json)

@@ -13,13 +13,13 @@ from pathlib import Path
 import click
 
 from hpcpar.cli._options import json_option, ranks_option, set_option
+from hpcpar.errors import EXIT_OK, EXIT_REQUEUE
+from hpcpar.parallel.grid import AXES, parse_spec
 
 __all__ = ["run"]
 
 
 def _grid_overrides(spec: str) -> list[str]:
-    from hpcpar.parallel.grid import AXES, parse_spec
-
     return [f"grid.{a}={v}" for a, v in zip(AXES, parse_spec(spec))]
 
 
@@ -59,17 +59,16 @@ def run(job_file, ranks, grid_spec, run_dir, sets, fresh, _resume, start_from, n
     4 diverged (non-finite loss or gradient), 6 a rank was killed by the memory limit,
     130 interrupted twice. The run directory is
     printed on stdout (`RUN=$(hpcpar run job.toml)`), progress on stderr."""
-    from hpcpar.errors import EXIT_OK, EXIT_REQUEUE
-    from hpcpar.formats.jobspec import load_job
-    from hpcpar.launch.launcher import (
+    from hpcpar.formats.jobspec import load_job  # deferred: keeps --help fast
+    from hpcpar.launch.launcher import (  # deferred: keeps --help fast
         default_ranks,
         launch_command,
         mpi_world_size,
         plan_launch,
         rank_argv,
     )
-    from hpcpar.launch.threads import threads_per_rank
-    from hpcpar.run import rerun
+    from hpcpar.launch.threads import threads_per_rank  # deferred: keeps --help fast
+    from hpcpar.run import rerun  # deferred: keeps --help fast
 
     overrides = list(sets)
     if grid_spec is not None:
@@ -80,7 +79,7 @@ def run(job_file, ranks, grid_spec, run_dir, sets, fresh, _resume, start_from, n
     overrides += [f"grid.{a}={v}" for a, v in zip(("data", "x", "y", "z"), shape)]
     job = load_job(job_file, overrides)
     if print_config:
-        from hpcpar.formats.jobschema import job_to_toml
+        from hpcpar.formats.jobschema import job_to_toml  # deferred: keeps --help fast
 
         click.echo(json.dumps(job.to_dict(), indent=1) if as_json else job_to_toml(job),
                    nl=as_json)
@@ -124,7 +123,7 @@ def run(job_file, ranks, grid_spec, run_dir, sets, fresh, _resume, start_from, n
             click.echo(detail, err=True)
             click.echo(str(rd))
         return
-    from hpcpar.run.rundir import RunLock
+    from hpcpar.run.rundir import RunLock  # deferred: keeps --help fast
 
     lock = RunLock(rd, warn=lambda m: click.echo(m, err=True))
     try:
@@ -137,7 +136,7 @@ def run(job_file, ranks, grid_spec, run_dir, sets, fresh, _resume, start_from, n
             click.echo(f"hpcpar: {job.name}: {n} rank(s), grid {spec}, run dir {rd}", err=True)
         argv, cmd = command(job_path)
         before = rerun.segments(rd)
-        from hpcpar.launch.oom import OomWatch
+        from hpcpar.launch.oom import OomWatch  # deferred: keeps --help fast
 
         watch = OomWatch()
         rc = _launch(mode, cmd, argv, threads, lock, world)
@@ -159,13 +158,13 @@ def _launch(mode, cmd, argv, threads, lock, world=1) -> int | None:
     alike; the launcher's exit code (None: ran in-process and finished). A single rank under
     a memory limit (a cgroup's) runs as a child process, so that a kill by the limit can be
     reported instead of killing this command too."""
-    from hpcpar.launch.launcher import run_ranks
-    from hpcpar.launch.mpiexec import rank_env
-    from hpcpar.launch.oom import memory_limit
-    from hpcpar.launch.threads import thread_env, use_threads
+    from hpcpar.launch.launcher import run_ranks  # deferred: keeps --help fast
+    from hpcpar.launch.mpiexec import rank_env  # deferred: keeps --help fast
+    from hpcpar.launch.oom import memory_limit  # deferred: keeps --help fast
+    from hpcpar.launch.threads import thread_env, use_threads  # deferred: keeps --help fast
 
     if mode == "direct" and (world > 1 or memory_limit() is None):
-        from hpcpar.run.trainer import main as rank_main
+        from hpcpar.run.trainer import main as rank_main  # deferred: keeps --help fast
 
         use_threads(threads)
         rank_main(argv[3:], on_exit=lock.release)

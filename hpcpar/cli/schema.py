@@ -18,7 +18,7 @@ __all__ = ["schema"]
 def schema(kind, out_path):
     """Print the job file schema as JSON Schema (draft 2020-12): every section and key, its
     type, range, choices, default and meaning."""
-    from hpcpar.formats.jobschema import json_schema
+    from hpcpar.formats.jobschema import json_schema  # deferred: keeps --help fast
 
     text = json.dumps(json_schema(kind), indent=2) + "\n"
     if out_path:

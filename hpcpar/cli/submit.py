@@ -42,8 +42,8 @@ __all__ = ["submit", "status"]
 def submit(job_file, out, site, ranks, nodes, ranks_per_node, array, weak, after, report, dry_run,
            time_, grace, max_requeues, sets, as_json):
     """Render sbatch scripts for JOB_FILE from a site profile and submit them."""
-    from hpcpar.launch.submit import dry_run_text, plan_submit
-    from hpcpar.launch.submit import submit as do_submit
+    from hpcpar.launch.submit import dry_run_text, plan_submit  # deferred: keeps --help fast
+    from hpcpar.launch.submit import submit as do_submit  # deferred: keeps --help fast
 
     jobs = plan_submit(job_file, out, site=site, ranks=ranks, nodes=nodes, array=array,
                        after=after, report=report, time=time_, sets=sets, grace=grace,
@@ -66,7 +66,7 @@ def submit(job_file, out, site, ranks, nodes, ranks_per_node, array, weak, after
 @json_option("One JSON object per job.")
 def status(sweep_dir, as_json):
     """State of each Slurm job recorded in SWEEP_DIR (by `hpcpar submit`)."""
-    from hpcpar.launch.submit import format_status, sweep_status
+    from hpcpar.launch.submit import format_status, sweep_status  # deferred: keeps --help fast
 
     rows = sweep_status(sweep_dir)
     if as_json:

@@ -67,8 +67,8 @@ def sweep(job, ranks, out, weak, threads, submit, sets, warmup, resume, verbose,
                 if (out / f"ranks-{p['ranks']}" / "meta.json").exists()]
         if not done:
             raise LaunchError(f"{out}: no point of the sweep left run records; see the logs there")
-        from hpcpar.analysis.render import write_report
-        from hpcpar.cli.report import print_report
+        from hpcpar.analysis.render import write_report  # deferred: loads pandas, matplotlib
+        from hpcpar.cli.report import print_report  # deferred: keeps --help fast
 
         rep = write_report(done, out / "report", mode="weak" if weak else "strong", warmup=warmup,
                            title=f"hpcpar {'weak' if weak else 'strong'} scaling: {Path(job).name}")

@@ -25,6 +25,7 @@ chunk once instead of row by row.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 from collections import OrderedDict
@@ -289,8 +290,6 @@ def _read_run(sh: OpenShard, offsets, i: int, j: int, parts, nbytes: int) -> int
 @functools.cache
 def _libc_preadv():
     """libc's ``preadv`` taking an iovec array's address (None where it cannot be loaded)."""
-    import ctypes
-
     try:
         fn = ctypes.CDLL(None, use_errno=True).preadv
     except (OSError, AttributeError):  # pragma: no cover - not glibc/musl
@@ -329,8 +328,6 @@ def _preadv_table(fd: int, run: tuple, base: int, spare: int, offset: int) -> No
         want = ends[j - 1] - (ends[i - 1] if i else 0)
         got = preadv(fd, address + i * 16, j - i, offset)
         if got < 0:
-            import ctypes
-
             err = ctypes.get_errno()
             raise OSError(err, os.strerror(err))
         if got != want:

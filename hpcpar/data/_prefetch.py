@@ -16,14 +16,18 @@ kill it if the parent dies (PR_SET_PDEATHSIG), so no orphan survives the parent.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import mmap
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 
+from hpcpar.data._hyperslab import ShardFiles, read_samples
 from hpcpar.errors import DataError
 
 
@@ -64,7 +68,6 @@ class Prefetcher:
         self.layout = layout
         fd = os.memfd_create("hpcpar-prefetch") if hasattr(os, "memfd_create") else None
         if fd is None:  # non-Linux: an unlinked temporary file
-            import tempfile
 
             fd, tmp = tempfile.mkstemp(prefix="hpcpar-prefetch-")
             os.unlink(tmp)
@@ -157,9 +160,6 @@ class Prefetcher:
 def _die_with_parent(parent: int) -> None:
     """Linux: SIGKILL this process when the parent dies; then re-check the parent."""
     try:
-        import ctypes
-        import signal
-
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
@@ -172,10 +172,6 @@ def main() -> None:
     the parent's to handle (it checkpoints, then closes our stdin): srun delivers them to
     every process of the step, and dying on one would leave the parent's requests
     unanswered."""
-    import signal
-
-    from hpcpar.data._hyperslab import ShardFiles, read_samples
-
     for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
     config = json.loads(sys.stdin.readline())

@@ -16,6 +16,7 @@ h5py only (the prefetch process imports this).
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import os
@@ -297,8 +298,6 @@ class Manifest:
         Returns:
             ``(shard index, row in that shard)``.
         """
-        import bisect
-
         s = bisect.bisect_right(self.offsets, sample) - 1
         return s, sample - self.shards[s].start
 

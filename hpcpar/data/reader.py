@@ -19,12 +19,23 @@ from typing import Any
 import numpy as np
 
 from hpcpar.data._hyperslab import ShardFiles, cache_bytes, read_samples
+from hpcpar.data._prefetch import Prefetcher, SlotLayout
 from hpcpar.data._schedule import VolumeDatasetBase
 from hpcpar.errors import DataError
 from hpcpar.parallel.counters import COUNTERS
 from hpcpar.parallel.grid import ProcessGrid
 
-from .format import Array, Manifest, Shard, check_finite, check_shard, open_h5, read_manifest
+from .format import (
+    Array,
+    Manifest,
+    Shard,
+    check_file,
+    check_finite,
+    check_shard,
+    open_h5,
+    read_manifest,
+)
+from .staging import stage_shards
 
 __all__ = ["single_file_manifest", "ShardedVolumeDataset"]
 
@@ -44,8 +55,6 @@ def single_file_manifest(path: str, x_key: str = "x", y_key: str = "y") -> Manif
         DataError: The file is missing, not HDF5, lacks either dataset, or their shapes do not
             match (N, C, D, H, W) and (N, K).
     """
-    from .format import check_file
-
     check_file(path)
     with open_h5(path) as f:
         for key in (x_key, y_key):
@@ -120,8 +129,6 @@ class ShardedVolumeDataset(VolumeDatasetBase):
         self.staged_dir = None
         paths = [os.path.join(self.directory, s.file) for s in m.shards]
         if stage_to is not None:
-            from .staging import stage_shards
-
             staged, self.bytes_staged = stage_shards(self.directory, m, self._needed_shards(),
                                                      os.fspath(stage_to), grid.node_comm)
             paths = [os.path.join(staged, s.file) for s in m.shards]
@@ -209,8 +216,6 @@ class ShardedVolumeDataset(VolumeDatasetBase):
             yield torch.from_numpy(x), torch.from_numpy(y)
 
     def _start_prefetcher(self):
-        from hpcpar.data._prefetch import Prefetcher, SlotLayout
-
         if self._prefetcher is not None and self._prefetcher.alive:
             return self._prefetcher
         xs, xd, ys, yd = self._sample_shapes()

@@ -21,6 +21,8 @@ from functools import lru_cache
 
 import numpy as np
 
+from hpcpar.errors import DataError
+
 __all__ = ["TARGETS", "MIN_SIZE", "check_params", "cosmoflow_params", "cosmoflow_sample",
            "CosmoflowSource"]
 
@@ -43,8 +45,6 @@ def check_params(size: int, channels: int, seed: int, samples: int | None = None
     Raises:
         DataError: One line naming the option the generator cannot work with.
     """
-    from hpcpar.errors import DataError
-
     checks = [("--size", size, MIN_SIZE, "a 1-voxel field has no fluctuation modes"),
               ("--channels", channels, 1, None), ("--seed", seed, 0, "a numpy seed")]
     if samples is not None:

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from mpi4py import MPI
 
     from .synthetic import CosmoflowSource
+from hpcpar.parallel.partition import split_sizes
+
 from .format import (
     FORMAT,
     FORMAT_VERSION,
@@ -88,8 +90,6 @@ def shard_counts(samples: int, shards: int | None = None,
     Raises:
         DataError: No samples, or a shard count or size out of range.
     """
-    from hpcpar.parallel.partition import split_sizes
-
     if samples < 1:
         raise DataError(f"--samples: need at least 1 sample, got {samples}")
     if samples_per_shard is not None:

@@ -12,7 +12,7 @@ from typing import Any
 import tomlkit
 
 from hpcpar.formats.jobspec import SCHEMA, JobSpec
-from hpcpar.formats.kinds import REQUIRED, Param
+from hpcpar.formats.kinds import REQUIRED, Param, get_workload, known_kinds
 
 __all__ = ["JSON_SCHEMA_DIALECT", "param_schema", "json_schema", "job_to_toml"]
 
@@ -72,8 +72,6 @@ def json_schema(kind: str | None = None) -> dict:
     Raises:
         ConfigError: ``kind`` cannot be resolved.
     """
-    from hpcpar.formats.kinds import get_workload, known_kinds
-
     sections = {name: dict(params) for name, params in SCHEMA.items()}
     title = "hpcpar job file"
     if kind is not None:

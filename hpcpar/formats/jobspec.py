@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpcpar.errors import ConfigError, HpcparError
-from hpcpar.formats.kinds import REQUIRED, SEED_MAX, Param
+from hpcpar.formats.kinds import REQUIRED, SEED_MAX, Param, get_workload
 from hpcpar.parallel.grid import AXES, resolve_shape
 
 __all__ = ["TIME_RE", "NAME_RE", "SCHEMA", "TYPE_NAMES", "Section", "JobSpec", "check_value",
@@ -91,6 +91,9 @@ SCHEMA: dict[str, dict[str, Param]] = {
         "shard_optimizer": _p(bool, False, help="split the optimizer state and the reduced "
                               "gradients over the ranks that replicate each parameter "
                               "(ZeRO-1/2 style; exact, checkpoints unchanged)"),
+        "activation_checkpointing": _p((bool, int, str), False, help="recompute activations "
+                                       "in backward: N segments per chain (nn.Sequential), "
+                                       "\"auto\" or false; reuses the forward's halo faces"),
         "init_from": _p(str, None, help="a new run starts from these weights: a torch.save'd "
                         "state_dict of the plain single-process model (loaded weights_only)"),
         "init_strict": _p(bool, True, help="init_from: every key must match (false: load the "
@@ -257,7 +260,6 @@ class JobSpec:
         except HpcparError as exc:
             raise ConfigError(f"{self.source}: [grid] {exc}; {grid_fix(self.grid_shape, n)}") \
                 from None
-        from hpcpar.formats.kinds import get_workload
 
         batch = self.train.global_batch
         if getattr(get_workload(self.model.kind), "splits_global_batch", True) and batch % shape[0]:
@@ -500,8 +502,6 @@ def build_job(raw: dict, overrides: Sequence[str] = (), source: str = "<job>",
     Raises:
         ConfigError: An unknown section or key, a bad value, or an unknown model kind.
     """
-    from hpcpar.formats.kinds import get_workload
-
     raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
     for text in overrides:
         section, key, value = parse_override(text)
@@ -576,6 +576,11 @@ def _cross_checks(job: JobSpec) -> None:
         raise ConfigError(f"{src}: [train] warmup_steps: {t.warmup_steps} is out of range "
                           f"(must be <= steps = {t.steps}); use --set train.warmup_steps="
                           f"{min(t.warmup_steps, t.steps // 10)} (or more steps)")
+    ckpt = t.activation_checkpointing
+    if not (ckpt is False or ckpt == "auto" or (type(ckpt) is int and ckpt >= 1)):
+        raise ConfigError(f"{src}: [train] activation_checkpointing: expected false, \"auto\" "
+                          f"or a number of segments per chain >= 1, got "
+                          f"{str(ckpt).lower() if isinstance(ckpt, bool) else repr(ckpt)}")
     for axis in AXES:
         v = getattr(job.grid, axis)
         if v == 0:

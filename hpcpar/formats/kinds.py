@@ -10,8 +10,13 @@ kind declares but none of the training loop: the registry stores factories and r
 from __future__ import annotations
 
 import difflib
+import importlib
+import importlib.util
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib.metadata import entry_points
 from typing import Any
 
 from hpcpar.errors import ConfigError
@@ -90,8 +95,6 @@ ENTRY_POINT_GROUP = "hpcpar.workloads"
 
 def _entry_points() -> dict:
     """Name -> entry point of the ``hpcpar.workloads`` group of every installed package."""
-    from importlib.metadata import entry_points
-
     return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
 
@@ -114,17 +117,12 @@ def _check_factory(kind: str, factory: Any, origin: str) -> Callable[..., Any]:
 
 
 def _is_cwd(entry: str) -> bool:
-    import os
-
     return os.path.realpath(entry or ".") == os.path.realpath(os.getcwd())
 
 
 def _installed_module(kind: str, module: str, origin: str) -> None:
     """Refuse a module an untrusted kind names unless it is installed: found on ``sys.path``
     without the working directory (a module there is whatever that folder holds)."""
-    import importlib.util
-    import sys
-
     saved = sys.path[:]
     sys.path[:] = [p for p in saved if not _is_cwd(p)]
     try:
@@ -141,10 +139,6 @@ def _import_path(kind: str, installed_only: bool = False) -> Callable[..., Any]:
     """``"package.module:Attr"`` (``Attr`` may be dotted): import the module (also from the
     working directory, like ``python -m``, unless ``installed_only``) and return the
     attribute."""
-    import importlib
-    import os
-    import sys
-
     module, _, attr = kind.partition(":")
     names = module.split(".") + attr.split(".")
     if not module or not attr or not all(p.isidentifier() for p in names):
@@ -239,8 +233,6 @@ def get_workload(kind: str, untrusted: str | None = None,
     if kind in _REGISTRY:
         return _REGISTRY[kind]
     if kind in _BUILTIN:
-        import importlib
-
         try:
             importlib.import_module(_BUILTIN[kind])
         except ModuleNotFoundError as exc:

@@ -4,7 +4,8 @@
 lazily.
 
 May import: hpcpar.errors, hpcpar.parallel, hpcpar.sync (the stall detector around halo
-exchanges), hpcpar.kernels.
+exchanges), hpcpar.kernels, hpcpar.data (the sharded graph format checks its files with the
+volume format's helpers).
 """
 
 from hpcpar.graph.vertex_partition import partition, partition_csr  # numpy only

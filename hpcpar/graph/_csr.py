@@ -69,6 +69,13 @@ def edges_to_csr(edge_index, num_nodes: int) -> tuple[np.ndarray, np.ndarray]:
     return indptr, src.astype(np.int64)
 
 
+def row_positions(indptr: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Positions in ``indices`` of the entries of ``rows`` (in that order)."""
+    lengths = indptr[rows + 1] - indptr[rows]
+    starts = np.repeat(indptr[rows] - np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths)
+    return starts + np.arange(int(lengths.sum()), dtype=np.int64)
+
+
 def csr_to_edges(indptr, indices) -> np.ndarray:
     """(2, E) ``src -> dst`` edge list of an in-edge CSR."""
     indptr = np.asarray(indptr, dtype=np.int64)

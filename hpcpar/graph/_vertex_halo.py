@@ -9,6 +9,10 @@ owner, where they are scatter-ADDED (``index_add_``) into the owned rows they ca
 Every exchange (forward and backward) runs under the stall detector
 (:mod:`hpcpar.sync._stall`, ``HPCPAR_STALL_TIMEOUT``): a rank that never reaches an exchange
 the others wait in (one more layer, one fewer epoch) is named in one line and the job aborts.
+
+:class:`SampledHaloPlan` is one training step's BNS-GCN boundary sample of a plan: a seeded
+fraction of each owner's boundary rows travels, chosen per (step, sender, receiver) so both
+sides know the sample without exchanging it.
 """
 
 from __future__ import annotations
@@ -110,13 +114,135 @@ class HaloPlan:
         """Bytes this rank sends in one forward exchange of ``features`` columns."""
         return int(self.send_index_np.shape[0]) * features * itemsize
 
+    @property
+    def exact(self) -> HaloPlan:
+        """The full plan (for one-off exchanges that must not be sampled, e.g. degrees)."""
+        return self
+
+
+#: tag of the boundary-sampling random stream (keeps it apart from any other seeded stream)
+_BNS_STREAM = 0x424E53
+
+
+def sample_size(n: int, p: float) -> int:
+    """Rows kept out of a boundary block of ``n``: ``round(p * n)``, at least one (so no
+    neighbour rank drops out of an epoch entirely), all of them at ``p = 1``."""
+    return min(n, max(1, int(round(p * n)))) if n else 0
+
+
+def sample_positions(n: int, p: float, seed: int, call: int, sender: int,
+                     receiver: int) -> np.ndarray:
+    """Which of the ``n`` boundary rows ``sender`` owes ``receiver`` travel in step ``call``.
+
+    A pure function of its arguments, so sender and receiver draw the same sample with no
+    message about it. Returns ``sample_size(n, p)`` ascending positions in ``[0, n)``.
+    """
+    k = sample_size(n, p)
+    if k == n:
+        return np.arange(n, dtype=np.int64)
+    rng = np.random.default_rng([_BNS_STREAM, seed, call, sender, receiver])
+    return np.sort(rng.choice(n, k, replace=False)).astype(np.int64)
+
+
+class SampledHaloPlan:
+    """One training step's boundary sample of a :class:`HaloPlan` (BNS-GCN).
+
+    For every (sender, receiver) pair only ``sample_size(n, p)`` of the ``n`` boundary rows
+    travel, drawn by :func:`sample_positions`. The receiver scales them by ``n / k`` (BNS-GCN's
+    ``1 / ratio``: an unbiased estimate of the full aggregation) and leaves the unsampled halo
+    rows zero, so the unchanged aggregation operator drops exactly the edges to unsampled
+    vertices. ``give_back`` is the exact adjoint: the sampled rows' gradients, scaled by the
+    same ``n / k``, go back to their owners. Exchanges count on the full plan's stall detector.
+
+    Args:
+        plan: The full plan.
+        p: Fraction of the boundary rows to send, ``0 < p <= 1``.
+        seed: Seed of the sample.
+        call: Index of the training step (a fresh sample per step).
+    """
+
+    def __init__(self, plan: HaloPlan, p: float, seed: int, call: int):
+        self.base = plan
+        self.n_owned, self.n_halo = plan.n_owned, plan.n_halo
+        rank = plan.comm.Get_rank()
+        send, self.send_rows = self._pick(plan.send_rows, p, seed, call, rank, True)
+        recv, self.recv_rows = self._pick(plan.recv_rows, p, seed, call, rank, False)
+        self.send_index_np = plan.send_index_np[send]
+        device = plan.send_index.device
+        self.send_index = torch.from_numpy(self.send_index_np).to(device)
+        self.recv_index = torch.from_numpy(recv).to(device)
+        scale = np.repeat([n / k if k else 0.0 for n, k in zip(plan.recv_rows,
+                                                               self.recv_rows)],
+                          self.recv_rows)
+        self._scale = torch.from_numpy(scale)
+        self.halo_scale = np.zeros(plan.n_halo)  # per halo row: n / k if sampled, else 0
+        self.halo_scale[recv] = scale
+
+    @staticmethod
+    def _pick(rows, p, seed, call, rank, sending):
+        """Positions (in the full plan's row order) of the sampled rows, and rows per peer."""
+        picked, counts, offset = [], [], 0
+        for peer, n in enumerate(rows):
+            pos = sample_positions(n, p, seed, call, *((rank, peer) if sending else
+                                                       (peer, rank)))
+            picked.append(offset + pos)
+            counts.append(int(pos.shape[0]))
+            offset += n
+        return np.concatenate(picked) if picked else np.zeros(0, np.int64), counts
+
+    @property
+    def distributed(self) -> bool:
+        return self.base.distributed
+
+    @property
+    def exact(self) -> HaloPlan:
+        """The full plan."""
+        return self.base
+
+    def to(self, device) -> SampledHaloPlan:
+        self.send_index = self.send_index.to(device)
+        self.recv_index = self.recv_index.to(device)
+        return self
+
+    def _scaled(self, rows: torch.Tensor) -> torch.Tensor:
+        scale = self._scale.to(rows.device, rows.dtype)
+        return rows * scale.reshape(-1, *([1] * (rows.dim() - 1)))
+
+    def fetch(self, x: torch.Tensor) -> torch.Tensor:
+        """``(n_halo, ...)``: the sampled halo rows scaled by ``n / k``, zeros elsewhere."""
+        t0 = time.perf_counter()
+        send = x.index_select(0, self.send_index)
+        t1 = time.perf_counter()
+        got = self.base._alltoallv(send, self.send_rows, self.recv_rows)
+        COUNTERS.t_halo_wait += time.perf_counter() - t1
+        halo = x.new_zeros((self.n_halo, *x.shape[1:]))
+        halo[self.recv_index] = self._scaled(got)
+        self.base._count(send, t0)
+        return halo
+
+    def give_back(self, g_halo: torch.Tensor) -> torch.Tensor:
+        """Adjoint of :meth:`fetch`: the sampled rows' gradients, scaled, summed at owners."""
+        t0 = time.perf_counter()
+        g = self._scaled(g_halo.index_select(0, self.recv_index)).contiguous()
+        g_send = self.base._alltoallv(g, self.recv_rows, self.send_rows)
+        COUNTERS.t_halo_wait += time.perf_counter() - t0
+        out = g_halo.new_zeros((self.n_owned, *g_halo.shape[1:]))
+        if g_send.shape[0]:
+            out.index_add_(0, self.send_index, g_send)
+        self.base._count(g, t0)
+        return out
+
+    def bytes_per_exchange(self, features: int, itemsize: int = 4) -> int:
+        """Bytes this rank sends in one forward exchange of ``features`` columns."""
+        return int(self.send_index_np.shape[0]) * features * itemsize
+
 
 class GraphHaloExchange(torch.autograd.Function):
     """``x_owned -> [x_owned; halo]``; backward scatter-adds halo gradients to the owners."""
 
     @staticmethod
     @profiled("hpcpar.graph_halo")
-    def forward(ctx, x, plan: HaloPlan):
+    def forward(ctx, x, plan: HaloPlan | SampledHaloPlan):
         ctx.plan = plan
         return torch.cat([x, plan.fetch(x.contiguous())], dim=0)
 
@@ -128,7 +254,7 @@ class GraphHaloExchange(torch.autograd.Function):
         return g_owned + plan.give_back(g[plan.n_owned:]), None
 
 
-def with_halo(x: torch.Tensor, plan: HaloPlan) -> torch.Tensor:
+def with_halo(x: torch.Tensor, plan: HaloPlan | SampledHaloPlan) -> torch.Tensor:
     """Owned rows followed by halo rows (identity on a single rank)."""
     if not plan.distributed:
         return x

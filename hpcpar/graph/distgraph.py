@@ -19,6 +19,7 @@ A graph is one sample: build it over a grid with ``data == 1``; it is split over
 
 from __future__ import annotations
 
+import copy
 import os
 import warnings
 from collections.abc import Callable
@@ -28,11 +29,14 @@ import numpy as np
 import torch
 
 from hpcpar.graph._csr import edges_to_csr, is_symmetric, sorted_unique
+from hpcpar.graph._csr import row_positions as _row_positions
 from hpcpar.graph._sparse import SparseOperator
-from hpcpar.graph._vertex_halo import HaloPlan, with_halo
+from hpcpar.graph._vertex_halo import HaloPlan, SampledHaloPlan, with_halo
 from hpcpar.graph.agreement import check_agree, digest
+from hpcpar.graph.interop import pyg_arrays
+from hpcpar.graph.shards import RangeOwner, read_graph_manifest, read_part
 from hpcpar.graph.vertex_partition import partition_csr
-from hpcpar.parallel.comm import allgatherv, alltoallv
+from hpcpar.parallel.comm import allgatherv, allreduce_, alltoallv
 from hpcpar.parallel.grid import ProcessGrid
 from hpcpar.parallel.partition import part_range
 
@@ -99,13 +103,6 @@ def collective(comm: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> 
     return result
 
 
-def _row_positions(indptr: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """Positions in ``indices`` of the entries of ``rows`` (in that order)."""
-    lengths = indptr[rows + 1] - indptr[rows]
-    starts = np.repeat(indptr[rows] - np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths)
-    return starts + np.arange(int(lengths.sum()), dtype=np.int64)
-
-
 class DistGraph:
     """This rank's part of a graph: its owned vertices, their rows, features, labels and masks,
     and the halo plan that brings the boundary neighbours' rows in every layer.
@@ -132,12 +129,16 @@ class DistGraph:
         plan: The halo plan (which rows go to which rank).
     """
 
+    #: Source-graph ids of the owned vertices (from_shards only: the format renumbers them)
+    original_ids: np.ndarray | None = None
+    #: The halo plan (a step's boundary sample in a view from ``boundary_sample``)
+    plan: HaloPlan | SampledHaloPlan
     # received in _receive_rows (declared here: __init__ reads them first)
     x: torch.Tensor
     y: torch.Tensor
     masks: dict[str, torch.Tensor]
 
-    def __init__(self, comm, num_nodes: int, owner: np.ndarray, block: dict, start: int,
+    def __init__(self, comm, num_nodes: int, owner: Any, block: dict, start: int,
                  num_classes: int | None = None, directed: bool | None = None,
                  row_normalize: bool = False, backend: str = "auto"):
         self.comm = comm
@@ -148,7 +149,6 @@ class DistGraph:
         self._receive_rows(owner, block, start)
         self._build_halo(owner)
         counts = torch.tensor([int(m.sum()) for m in self.masks.values()], dtype=torch.int64)
-        from hpcpar.parallel.comm import allreduce_
 
         allreduce_(counts, comm)
         self.num_train, self.num_val, self.num_test = (int(c) for c in counts)
@@ -271,7 +271,8 @@ class DistGraph:
         has_loop = np.zeros(n, bool)
         has_loop[rows[self.src_ids == self.global_ids[rows]]] = True
         deg = (self.in_degree + ~has_loop).astype(np.float64)
-        halo_deg = self.plan.fetch(torch.from_numpy(deg)).numpy() if self.plan.distributed \
+        halo_deg = self.plan.exact.fetch(torch.from_numpy(deg)).numpy() \
+            if self.plan.distributed \
             else np.zeros(0)
         full = np.concatenate([deg, halo_deg])
         dinv = np.where(full > 0, 1.0 / np.sqrt(np.maximum(full, 1e-300)), 0.0)
@@ -298,6 +299,37 @@ class DistGraph:
             adds the halo gradients into their owners).
         """
         return self.operator(kind)(with_halo(x, self.plan))
+
+    def boundary_sample(self, p: float, seed: int, call: int) -> DistGraph:
+        """This graph as one training step sees it under BNS-GCN boundary sampling.
+
+        Each rank sends only a fraction ``p`` of the boundary rows each neighbour rank needs
+        (a fresh seeded sample per ``call``, the same on sender and receiver, so no extra
+        message); the receiver scales them by ``n / k`` (the inverse of the sampled fraction,
+        as BNS-GCN) and the edges to unsampled halo vertices drop out for the step. Degrees
+        and normalisation stay the full graph's. The backward is the exact adjoint of this
+        sampled operator. Only linear aggregations (:meth:`propagate`) are unbiased under
+        it; evaluate on the graph itself (exact).
+
+        Args:
+            p: Fraction of boundary rows sent, ``0 < p <= 1`` (1: this graph itself).
+            seed: Seed of the sample.
+            call: Index of the training step.
+
+        Returns:
+            A view sharing everything with this graph but the halo plan.
+
+        Raises:
+            LayerError: ``p`` outside ``(0, 1]``.
+        """
+        if not 0.0 < p <= 1.0:
+            raise LayerError(f"boundary_sample: p = {p}, expected a fraction 0 < p <= 1 "
+                             "(1 = exact)")
+        if p == 1.0 or not self.plan.distributed:
+            return self
+        view = copy.copy(self)
+        view.plan = SampledHaloPlan(self.plan.exact, p, seed, call)
+        return view
 
     # ---- local view: any PyG message-passing layer -----------------------------------------
     @property
@@ -501,8 +533,6 @@ class DistGraph:
             graph = DistGraph.from_pyg(Planetoid(root, "Cora")[0], grid)
             ```
         """
-        from hpcpar.graph.interop import pyg_arrays
-
         a = collective(graph_comm(grid), pyg_arrays, data)
         return cls.from_global(a["edge_index"], a["num_nodes"], a["x"], grid, y=a["y"],
                                masks=a["masks"], method=method, seed=seed, **kw)
@@ -546,6 +576,50 @@ class DistGraph:
         finally:
             gf.close()
         return cls(comm, n, owner, block, start, **kw)
+
+    @classmethod
+    def from_shards(cls, path: str | os.PathLike, grid: ProcessGrid, **kw: Any) -> DistGraph:
+        """Build from a sharded graph (``hpcpar data graph partition``): rank ``r`` reads
+        part ``r`` only, and finds its halo from its own rows.
+
+        Vertices carry the format's renumbered ids (part ``p`` owns the range
+        ``[offsets[p], offsets[p+1])``), so the owner of an id is a binary search over the
+        ``P + 1`` offsets: no rank holds anything N-long. ``original_ids`` maps the owned
+        rows back to the source graph's ids. Bit-identical to
+        [from_global][hpcpar.graph.distgraph.DistGraph.from_global] on the renumbered graph
+        with the same owners.
+
+        Args:
+            path: The sharded graph directory.
+            grid: The process grid; its spatial ranks must equal the parts.
+            **kw: Passed to the constructor (``row_normalize``, ``backend``...).
+
+        Returns:
+            This rank's part.
+
+        Raises:
+            DataError: A missing or damaged manifest or part file, a part count other than
+                the ranks, or a grid with ``data > 1``.
+        """
+        comm = graph_comm(grid)
+        m = collective(comm, read_graph_manifest, path)
+        if m["parts"] != comm.Get_size():
+            exc = DataError(f"{path}: partitioned into {m['parts']} parts, but the graph is "
+                            f"split over {comm.Get_size()} ranks (run on {m['parts']} ranks, "
+                            f"or partition again with --parts {comm.Get_size()})")
+            exc.collective = True
+            raise exc
+        check_agree(comm, "DistGraph.from_shards", {
+            k: m[k] for k in ("num_nodes", "num_edges", "num_features", "num_classes",
+                              "directed")} | {"offsets": tuple(m["offsets"])})
+        rank = comm.Get_rank()
+        block = collective(comm, read_part, path, m, rank)
+        kw.setdefault("num_classes", m["num_classes"])
+        kw.setdefault("directed", m["directed"])
+        g = cls(comm, m["num_nodes"], RangeOwner(m["offsets"]), block, m["offsets"][rank],
+                **kw)
+        g.original_ids = block["original_ids"]
+        return g
 
 
 def _owner(comm, structure, num_nodes: int, method: str, seed: int,

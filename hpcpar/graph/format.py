@@ -18,6 +18,7 @@ Readers read row blocks (``[start, stop)`` hyperslabs), so each rank only touche
 from __future__ import annotations
 
 import os
+import zipfile
 
 import numpy as np
 
@@ -229,6 +230,15 @@ class GraphFile:
             self._fail("/csr/indptr is not non-decreasing")
         return indptr, indices
 
+    def read_structure_rows(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """The in-edge CSR of rows ``[start, stop)`` only (``indptr`` from 0, global source
+        ids): what a streaming partitioner reads, without the features."""
+        indptr_ds, indices_ds = self._csr_arrays()
+        ip = np.asarray(indptr_ds[start:stop + 1], np.int64)
+        idx = np.asarray(indices_ds[int(ip[0]):int(ip[-1])], np.int64) if stop > start \
+            else np.zeros(0, np.int64)
+        return self._checked(ip - ip[0], idx)
+
     def read_rows(self, start: int, stop: int) -> dict:
         """Read a contiguous block of vertex rows (hyperslabs).
 
@@ -240,11 +250,7 @@ class GraphFile:
             ``indptr`` (from 0), ``indices`` (global source ids), ``x`` (dense float32),
             ``y``, and the ``train``/``val``/``test`` masks of the block.
         """
-        indptr_ds, indices_ds = self._csr_arrays()
-        ip = np.asarray(indptr_ds[start:stop + 1], np.int64)
-        idx = np.asarray(indices_ds[int(ip[0]):int(ip[-1])], np.int64) if stop > start \
-            else np.zeros(0, np.int64)
-        ip, idx = self._checked(ip - ip[0], idx)
+        ip, idx = self.read_structure_rows(start, stop)
         out = {"indptr": ip, "indices": idx, "x": self._read_features(start, stop),
                "y": np.asarray(self.f["labels"][start:stop], np.int64)}
         for m in MASKS:
@@ -280,8 +286,6 @@ def import_npz(src: str | os.PathLike, out: str | os.PathLike) -> dict:
     Raises:
         DataError: A missing or unreadable file or field.
     """
-    import zipfile
-
     need = ("edge_index", "x_indptr", "x_indices", "x_data", "x_shape", "y",
             "train_idx", "val_idx", "test_idx")
     try:

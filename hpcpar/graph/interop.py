@@ -12,6 +12,8 @@ repeated edges are merged (with a warning), where PyG's layers would count each 
 from __future__ import annotations
 
 import os
+import pickle
+import warnings
 from typing import Any
 
 import numpy as np
@@ -20,7 +22,8 @@ from hpcpar.errors import DataError
 from hpcpar.graph._csr import check_edges, edges_to_csr, is_symmetric
 from hpcpar.graph.format import MASKS, write_graph
 
-__all__ = ["pyg_arrays", "load_pyg", "read_edge_list", "random_masks", "import_graph"]
+__all__ = ["pyg_arrays", "load_pyg", "read_edge_list", "edge_list_chunks", "random_masks",
+           "import_graph"]
 
 
 def _np(value, dtype=None):
@@ -55,8 +58,6 @@ def pyg_arrays(data: Any, where: str = "PyG Data") -> dict:
     edges = check_edges(_np(data.edge_index, np.int64), n, f"{where}: edge_index")
     repeats = edges.shape[1] - np.unique(edges[0] * n + edges[1]).shape[0]
     if repeats:
-        import warnings
-
         warnings.warn(f"{where}: {repeats} repeated edge(s) merged: hpcpar graphs are simple "
                       f"graphs, while PyG's layers count a repeated edge once per copy "
                       f"(torch_geometric.utils.coalesce(edge_index) gives PyG the same graph)",
@@ -124,8 +125,6 @@ def load_pyg(path: str | os.PathLike, trust_pickle: bool = False) -> Any:
         DataError: A missing file, one that holds no graph, or one that needs classes beyond
             PyG's graph classes without ``trust_pickle``.
     """
-    import pickle
-
     import torch
 
     if not os.path.isfile(path):
@@ -155,6 +154,42 @@ def load_pyg(path: str | os.PathLike, trust_pickle: bool = False) -> Any:
     return obj
 
 
+def edge_list_chunks(path: str | os.PathLike, lines: int = 1 << 20):
+    """Read a text edge list in blocks of about ``lines`` lines, so a partitioner streams a
+    file larger than memory; the rules of :func:`read_edge_list`.
+
+    Yields:
+        ``(2, k)`` int64 edges ``src -> dst`` of each block.
+
+    Raises:
+        DataError: A missing file or a line that is not two integers.
+    """
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: no such file")
+    pairs, header, seen, number = [], False, False, 0
+    with open(path) as fh:
+        for line in fh:
+            number += 1
+            words = line.split("#")[0].replace(",", " ").split()
+            if not words:
+                continue
+            try:
+                if len(words) < 2:
+                    raise ValueError
+                pairs.append((int(words[0]), int(words[1])))
+                seen = True
+            except ValueError:
+                if not seen and not header:
+                    header = True
+                    continue     # a header line before the first edge
+                raise DataError(f"{path}:{number}: expected 'src dst' (two integers), got "
+                                f"{line.strip()!r}") from None
+            if len(pairs) >= lines:
+                yield np.asarray(pairs, np.int64).T.copy()
+                pairs = []
+    yield np.asarray(pairs, np.int64).reshape(-1, 2).T.copy()
+
+
 def read_edge_list(path: str | os.PathLike) -> np.ndarray:
     """A text edge list: one ``src dst`` pair per line (spaces, tabs or commas; ``#``
     comments and blank lines skipped; a non-numeric header line is skipped).
@@ -168,25 +203,7 @@ def read_edge_list(path: str | os.PathLike) -> np.ndarray:
     Raises:
         DataError: A missing file or a line that is not two integers.
     """
-    if not os.path.isfile(path):
-        raise DataError(f"{path}: no such file")
-    pairs, header = [], False
-    with open(path) as fh:
-        for number, line in enumerate(fh, 1):
-            words = line.split("#")[0].replace(",", " ").split()
-            if not words:
-                continue
-            try:
-                if len(words) < 2:
-                    raise ValueError
-                pairs.append((int(words[0]), int(words[1])))
-            except ValueError:
-                if not pairs and not header:
-                    header = True
-                    continue     # a header line before the first edge
-                raise DataError(f"{path}:{number}: expected 'src dst' (two integers), got "
-                                f"{line.strip()!r}") from None
-    return np.asarray(pairs, np.int64).reshape(-1, 2).T.copy()
+    return np.concatenate(list(edge_list_chunks(path)), axis=1)
 
 
 def _read_array(path: str | os.PathLike, what: str) -> np.ndarray:

@@ -19,16 +19,19 @@ when already running under MPI.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
 import sys
 import sysconfig
 from collections.abc import Mapping, Sequence
+from importlib import metadata
 from typing import Any
 
 from hpcpar import _env
-from hpcpar.errors import LaunchError
+from hpcpar.errors import EXIT_ABORTED, LaunchError
+from hpcpar.launch.mpiexec import find_mpiexec
 from hpcpar.parallel.placement import env_int, in_slurm_step
 
 __all__ = ["MODES", "WHEEL_SRUN_ENV", "LOOPBACK_ENV", "wheel_srun_export", "loopback_flags",
@@ -118,8 +121,6 @@ def plan_launch(n: int, env: Mapping[str, str] | None = None) -> str:
 
 
 def _uses_mpich_wheel() -> bool:
-    from importlib import metadata
-
     try:
         metadata.version("mpich")
         return True
@@ -192,8 +193,6 @@ def launch_command(mode: str, n: int, argv: list[str], *, cpus_per_task: int = 1
     """
     env = os.environ if env is None else env
     if mode == "mpiexec":
-        from hpcpar.launch.mpiexec import find_mpiexec
-
         mpiexec = find_mpiexec()
         return [mpiexec, *loopback_flags(mpiexec, env), "-n", str(n), *argv]
     if mode == "srun":
@@ -220,8 +219,6 @@ def _child_setup() -> None:  # pragma: no cover - runs in the child between fork
     ``PR_SET_PDEATHSIG``), taking its ranks along, so nothing outlives a killed CLI."""
     os.setpgid(0, 0)
     try:
-        import ctypes
-
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))   # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
@@ -245,8 +242,6 @@ def run_ranks(cmd: list[str], env: dict) -> int:
     Raises:
         LaunchError: The command cannot be started.
     """
-    from hpcpar.errors import EXIT_ABORTED
-
     state: dict[str, Any] = {"proc": None, "interrupted": False, "aborted": False}
     as_term = os.path.basename(cmd[0]) == "srun"
 

@@ -8,6 +8,7 @@ import sys
 import sysconfig
 
 from hpcpar import _env
+from hpcpar.errors import LaunchError
 
 __all__ = ["find_mpiexec", "rank_env"]
 
@@ -34,7 +35,6 @@ def find_mpiexec() -> str:
         found = shutil.which(name)
         if found:
             return found
-    from hpcpar.errors import LaunchError
 
     raise LaunchError("no mpiexec found: pip install 'hpcpar[mpich]' or load your site's MPI "
                       "module, or set HPCPAR_MPIEXEC")

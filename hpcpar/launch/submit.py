@@ -28,9 +28,11 @@ from typing import Any
 
 from hpcpar._tables import text_table
 from hpcpar.errors import LaunchError
+from hpcpar.formats.jobspec import TIME_RE, load_job, parse_override
 from hpcpar.launch.sbatch import Allocation, Point, report_script, run_script, sbatch_filename
 from hpcpar.launch.site import Site, load_site
 from hpcpar.launch.slurmcmd import run_slurm
+from hpcpar.launch.sweep import plan as sweep_plan
 
 __all__ = ["RECORDS", "SCRIPTS", "RECORD_VERSION", "BatchJob", "parse_after", "plan_submit",
            "sbatch", "dry_run_text", "submit", "read_records", "parse_scontrol", "run_dir_state",
@@ -76,8 +78,6 @@ class BatchJob:
 # -- planning ---------------------------------------------------------------------------------
 def _explicit_resources(job_path: Path, sets) -> set[str]:
     """The [resources] keys the user wrote (job file or --set), as opposed to defaults."""
-    from hpcpar.formats.jobspec import parse_override
-
     try:
         raw = tomllib.loads(job_path.read_text()).get("resources", {})
     except (OSError, tomllib.TOMLDecodeError):
@@ -118,8 +118,6 @@ def parse_after(values: Iterable[str | int]) -> str:
 def _points(job, job_path: Path, out: Path, site: Site, ranks, nodes, tpn: int | None,
             explicit: set, weak: bool, sets: list[str]) -> list[Point]:
     """Sweep points; grids and weak-scaling batches as ``hpcpar sweep`` chooses them."""
-    from hpcpar.launch.sweep import plan as sweep_plan
-
     r = job.resources
     if ranks and nodes:
         raise LaunchError("give --ranks or --nodes, not both")
@@ -185,8 +183,6 @@ def plan_submit(job_file: str | os.PathLike, out: str | os.PathLike, *,
         LaunchError: A bad option (time, dependency, output directory...).
         ConfigError: A point whose job does not validate.
     """
-    from hpcpar.formats.jobspec import TIME_RE, load_job
-
     job_path = Path(job_file).expanduser().absolute()
     out = Path(out).expanduser().absolute()
     if "\\" in str(out):

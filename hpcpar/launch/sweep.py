@@ -26,6 +26,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from hpcpar.errors import ConfigError, HpcparError, LaunchError
+from hpcpar.formats.jobspec import load_job
+from hpcpar.launch.threads import thread_env, threads_per_rank
 
 __all__ = ["parse_ranks", "point_grid", "plan", "SWEEP_FILE", "check_sweep_dir", "sweep_lock",
            "run_command", "run_points", "submit_command"]
@@ -103,9 +105,6 @@ def plan(job_path: str, ranks: list[int], weak: bool, sets: Sequence[str],
         ConfigError: A point whose job does not validate (named), or a weak-scaling batch
             that is not an integer.
     """
-    from hpcpar.formats.jobspec import load_job
-    from hpcpar.launch.threads import threads_per_rank
-
     job = load_job(job_path, list(sets))
     base_batch = job.train.global_batch
     threads = threads or threads_per_rank(job.resources.cpus_per_task)
@@ -140,7 +139,7 @@ def check_sweep_dir(out: Path) -> None:
         LaunchError: ``out`` is a file, or a non-empty directory without a sweep's
             ``sweep.json``, submit records or lock.
     """
-    from hpcpar.run.rundir import LOCK_NAME
+    from hpcpar.run.rundir import LOCK_NAME  # deferred: loads filelock (CLI --help)
 
     if not out.exists():
         if out.is_symlink():
@@ -173,7 +172,7 @@ def sweep_lock(out: Path, warn: Callable[[str], object] = print) -> Iterator[Non
         RunDirError: Another live sweep (or run) holds ``out``: one line naming its pid, host
             and start time.
     """
-    from hpcpar.run.rundir import RunLock
+    from hpcpar.run.rundir import RunLock  # deferred: loads filelock (CLI --help)
 
     check_sweep_dir(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -212,8 +211,6 @@ def run_points(job_path, points, out: Path, verbose: bool, resume: bool = False,
                warn: Callable[[str], object] = _stderr) -> list[int]:
     """Run the points one after the other, each with its threads per rank; returns the rank
     counts that failed."""
-    from hpcpar.launch.threads import thread_env
-
     failed = []
     for point in points:
         run_dir = out / f"ranks-{point['ranks']}"

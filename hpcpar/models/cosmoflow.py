@@ -1,6 +1,10 @@
 """CosmoFlow (MLPerf HPC): regress 4 cosmological parameters from a 4-channel dark-matter
 density cube. Plain torch; ``hpcpar.nn.spatialize(CosmoFlow(), grid)`` runs it spatially
-partitioned, with the small final tensor gathered and the dense head run replicated.
+partitioned: the first dense layer takes the flattened volume split as it is (each rank holds
+the weight columns of its own voxels, :mod:`hpcpar.nn.split_head`), so nothing is gathered
+and that layer's weights, gradients and optimizer state divide by the spatial ranks; the rest
+of the head runs replicated. ``gather=True`` gathers the final volume first instead (the whole
+first dense layer on every rank: what ``TensorParallelLinear`` needs).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ __all__ = ["CosmoFlow"]
 
 class CosmoFlow(nn.Module):
     """``n_conv_blocks`` x [Conv3d(k, 'same') + LeakyReLU + MaxPool3d(2)] with
-    ``base_filters * 2**i`` filters, a gather point, then Flatten + dense layers
+    ``base_filters * 2**i`` filters, then Flatten + dense layers
     (``dense`` widths, LeakyReLU, optional dropout) to ``n_targets`` outputs.
 
     Defaults follow the MLPerf reference on 128³ x 4 cubes; ``CosmoFlow.small()`` is a
@@ -35,6 +39,8 @@ class CosmoFlow(nn.Module):
         n_targets: Regression outputs.
         dropout: Dropout probability after each hidden dense layer (0: none).
         negative_slope: LeakyReLU slope.
+        gather: Put a gather point before the head (spatialized: the whole volume gathered
+            and the first dense layer replicated) instead of the split head.
 
     Raises:
         LayerError: ``input_size`` is smaller than ``2**n_conv_blocks``.
@@ -43,7 +49,8 @@ class CosmoFlow(nn.Module):
     def __init__(self, input_size: int = 128, in_channels: int = 4, n_conv_blocks: int = 5,
                  base_filters: int = 16, kernel_size: int = 3,
                  dense: Sequence[int] = (128, 64),
-                 n_targets: int = 4, dropout: float = 0.0, negative_slope: float = 0.3):
+                 n_targets: int = 4, dropout: float = 0.0, negative_slope: float = 0.3,
+                 gather: bool = False):
         super().__init__()
         final = input_size // 2 ** n_conv_blocks
         if final < 1:
@@ -56,7 +63,7 @@ class CosmoFlow(nn.Module):
                        nn.LeakyReLU(negative_slope), nn.MaxPool3d(2)]
             channels = out
         self.features = nn.Sequential(*layers)
-        self.gather = GatherPoint()
+        self.gather = GatherPoint() if gather else None
         head: list[nn.Module] = [nn.Flatten()]
         width = channels * final ** 3
         for w in dense:
@@ -83,4 +90,5 @@ class CosmoFlow(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(N, C, D, H, W)`` -> ``(N, n_targets)``."""
-        return self.head(self.gather(self.features(x)))
+        x = self.features(x)
+        return self.head(x if self.gather is None else self.gather(x))

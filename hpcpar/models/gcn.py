@@ -8,6 +8,10 @@ column) (:mod:`hpcpar.graph.dropout`), so a seed gives the same training at ever
 ``precompute=True`` computes the constant ``A·X`` of the first layer once (no halo exchange of
 the widest tensor per epoch). Input dropout then acts on ``A·X`` instead of ``X`` (a slightly
 different model); for the GCN first layer with ``dropout=0`` it is exact.
+
+``boundary_sample=p < 1`` trains with BNS-GCN boundary sampling: each training forward sees
+the graph through :meth:`~hpcpar.graph.DistGraph.boundary_sample` (a fresh seeded sample of
+the halo per call, shared by all layers of that call); evaluation stays exact.
 """
 
 from __future__ import annotations
@@ -40,17 +44,24 @@ class GCN(nn.Module):
         precompute: Compute the constant ``A·X`` of the first layer once.
         seed: Seed of the dropout masks (the same training at every rank count).
         aggr: GraphSAGE aggregation, ``"mean"`` or ``"sum"``.
+        boundary_sample: Fraction of boundary rows each rank sends per training step
+            (BNS-GCN); 1 is exact.
 
     Raises:
-        LayerError: An unknown ``conv``.
+        LayerError: An unknown ``conv``, or ``boundary_sample`` outside ``(0, 1]``.
     """
 
     def __init__(self, in_channels: int, hidden_channels: int, out_channels: int,
                  num_layers: int = 2, dropout: float = 0.5, conv: str = "gcn",
-                 precompute: bool = False, seed: int = 0, aggr: str = "mean"):
+                 precompute: bool = False, seed: int = 0, aggr: str = "mean",
+                 boundary_sample: float = 1.0):
         super().__init__()
         if conv not in ("gcn", "sage"):
             raise LayerError(f"GCN: conv={conv!r}, expected 'gcn' or 'sage'")
+        if not 0.0 < boundary_sample <= 1.0:
+            raise LayerError(f"GCN: boundary_sample={boundary_sample}, expected a fraction "
+                             "0 < p <= 1 (1 = exact)")
+        self.boundary_sample = float(boundary_sample)
         widths = [in_channels] + [hidden_channels] * (num_layers - 1) + [out_channels]
         make = (lambda i, o: DistGCNConv(i, o)) if conv == "gcn" else \
             (lambda i, o: DistSAGEConv(i, o, aggr=aggr))
@@ -80,8 +91,11 @@ class GCN(nn.Module):
     def forward(self, x: torch.Tensor, graph: DistGraph) -> torch.Tensor:
         """Features of the owned vertices -> logits of the owned vertices."""
         call = self.calls
+        full = graph  # the constant first aggregate is exact and cached on the full graph
         if self.training:
             self.calls += 1
+            if self.boundary_sample < 1.0:
+                graph = graph.boundary_sample(self.boundary_sample, self.seed, call)
 
         def drop(t, stream):
             return vertex_dropout(t, self.dropout, graph.global_ids, self.seed, call, stream,
@@ -91,7 +105,7 @@ class GCN(nn.Module):
             if layer:
                 x = conv(drop(torch.relu(x), layer), graph)
             elif self.precompute:
-                agg = drop(self.first_aggregate(x, graph), len(self.convs))
+                agg = drop(self.first_aggregate(x, full), len(self.convs))
                 x = conv(drop(x, 0) if self.conv == "sage" else None, graph, agg=agg)
             else:
                 x = conv(drop(x, 0), graph)

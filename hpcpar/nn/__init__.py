@@ -18,6 +18,7 @@ _LAZY = {
     "SpatialAdaptiveAvgPool3d": "hpcpar.nn.gather",
     "SpatialGather": "hpcpar.nn.gather",
     "spatialize": "hpcpar.nn.spatializer",
+    "settle": "hpcpar.nn.spatializer",
     "SplitTensor": "hpcpar.nn.split",
     "local": "hpcpar.nn.split",
     "is_split": "hpcpar.nn.split",

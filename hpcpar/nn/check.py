@@ -13,6 +13,7 @@ naming the first module that differs. Copies are used, so the model's state does
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 from contextlib import contextmanager
 
@@ -26,6 +27,7 @@ from hpcpar.parallel.comm import allreduce_
 from hpcpar.parallel.spatial import gather, local_slices
 
 from .split import SplitTensor, local, split_like, unwrap
+from .split_head import column_split
 
 __all__ = ["first_step_check", "PROBE_LIMIT_BYTES"]
 
@@ -85,8 +87,8 @@ def _recording(model: nn.Module, grid, gathered: bool):
 
 def _probe(x, grid):
     """The first sample of this data group's piece, and the whole of it on the spatial root."""
-    piece = x[:1]
-    return piece, gather(piece.detach(), grid)
+    piece = x[:1].detach()   # the probe's backward must not reach the caller's input
+    return piece, gather(piece, grid)
 
 
 def first_step_check(spatial_model: nn.Module, plain: nn.Module, args: tuple, ctx,
@@ -102,8 +104,6 @@ def first_step_check(spatial_model: nn.Module, plain: nn.Module, args: tuple, ct
     nbytes = x[:1].numel() * x.element_size() * grid.spatial_size
     if nbytes > PROBE_LIMIT_BYTES:
         if grid.rank == 0:
-            import warnings
-
             warnings.warn(f"spatialize check skipped: the probe sample ({nbytes / 2**20:.0f} MiB)"
                           f" is larger than {PROBE_LIMIT_BYTES >> 20} MiB, too large to run "
                           "whole on one rank", stacklevel=2)
@@ -113,10 +113,11 @@ def first_step_check(spatial_model: nn.Module, plain: nn.Module, args: tuple, ct
     verdict = None
     ref_calls, ref_grads = [], {}
     w: torch.Tensor | str | None = None  # the probe's output weights, or why it failed
+    state = spatial_model.state_dict()   # collective once a split head is cut (split_head)
     if root:
         try:
             ref = copy.deepcopy(plain)
-            ref.load_state_dict(spatial_model.state_dict())  # the weights it trains from
+            ref.load_state_dict(state)  # the weights it trains from
             with _recording(ref, grid, False) as ref_calls, _NoDropout():
                 out = ref(whole)
             g = torch.Generator().manual_seed(1234)
@@ -128,15 +129,13 @@ def first_step_check(spatial_model: nn.Module, plain: nn.Module, args: tuple, ct
     w = grid.spatial_comm.bcast(w, root=0)
     if isinstance(w, str):
         if grid.rank == 0:
-            import warnings
-
             warnings.warn(f"spatialize check skipped: the plain model failed on the probe "
                           f"sample ({w})", stacklevel=2)
         return
     # a fresh spatialization (the live model carries hooks of its gradient sync), with the
     # weights it trains from; batch-norm statistics of the probe alone, as the plain model
     sp = spatialize(plain, grid)
-    sp.load_state_dict(spatial_model.state_dict())
+    sp.load_state_dict(state)
     sp._hpcpar_split.dropout = False  # type: ignore[union-attr]  # set by spatialize
     with _recording(sp, grid, True) as calls, _NoDropout():
         out = sp(piece)
@@ -151,6 +150,10 @@ def first_step_check(spatial_model: nn.Module, plain: nn.Module, args: tuple, ct
         (out * weight).sum().backward()
         for n, p in sp.named_parameters():
             gr = p.grad if p.grad is not None else torch.zeros_like(p)
+            cut = column_split(p)
+            if cut is not None:
+                grads[n] = cut.gather(gr)
+                continue
             grads[n] = gr if getattr(p, "hpcpar_reduce", None) == "data" else allreduce_(
                 gr.clone(), grid.spatial_comm)
     if root:

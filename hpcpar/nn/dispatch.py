@@ -18,7 +18,8 @@ from torch.overrides import TorchFunctionMode
 
 from . import optable
 from .rules import FAST, Call, leaves
-from .split import SplitTensor, set_handler
+from .split import FlatLayout, SplitTensor, set_handler
+from .split_head import flat_rule
 
 __all__ = ["handle", "mode_call", "SpatialMode"]
 
@@ -61,7 +62,10 @@ def handle(func, args, kwargs, ctx=None):
             out = fast(func, args, kwargs, flat, splits)
             if out is not NotImplemented:
                 return out
-        return rule(Call(func, args, kwargs, splits))
+        call = Call(func, args, kwargs, splits)
+        if any(type(t._hp) is FlatLayout for t in splits):
+            return flat_rule(rule, call)   # a flattened volume: hpcpar.nn.split_head
+        return rule(call)
 
 
 #: func -> (its rule, the rule's fast form or None): one lookup per op.

@@ -63,10 +63,41 @@ class MaxPoolOp(StencilOp):
         self.kernel, self.stride, self.dilation, self.out_shape = kernel, stride, dilation, \
             out_shape
 
+    #: backward scatters into the argmax cells, which the indices name: no input values
+    needs_input = False
+
     def forward(self, ext):
         if 0 in self.out_shape:
             return ext.new_zeros((*ext.shape[:2], *self.out_shape))
         return F.max_pool3d(ext, self.kernel, self.stride, 0, self.dilation)
+
+    def forward_saving(self, ext):
+        """The pooled piece and its argmax indices into ``ext`` (what torch's max pooling
+        keeps too; a quarter of a 2x2x2 pool's fp32 input, instead of the input and a
+        rebuilt extended copy at backward)."""
+        if 0 in self.out_shape:
+            return self.forward(ext), ()
+        out, idx = F.max_pool3d(ext, self.kernel, self.stride, 0, self.dilation,
+                                return_indices=True)
+        return out, (idx,)
+
+    def backward_saved(self, grad_ext, grad_out, saved, params, needs):
+        if grad_ext is None:
+            return ()
+        if not saved:  # an empty output
+            grad_ext.zero_()
+            return ()
+        args = (list(self.kernel), list(self.stride), [0, 0, 0], list(self.dilation), False,
+                saved[0])
+        bwd = torch.ops.aten.max_pool3d_with_indices_backward
+        if grad_ext.is_contiguous() or \
+                grad_ext.is_contiguous(memory_format=torch.channels_last_3d):
+            # torch's kernel reads only the shape and layout of its input: grad_ext stands in
+            # for it, and the kernel writes into it (a dense one: it restrides any other)
+            bwd.grad_input(grad_out, grad_ext, *args, grad_input=grad_ext)
+        else:  # a trimmed region of the buffer
+            grad_ext.copy_(bwd(grad_out, grad_ext, *args))
+        return ()
 
 
 class SpatialMaxPool3d(_PoolMixin, nn.MaxPool3d):

@@ -28,7 +28,7 @@ from hpcpar.parallel.comm import allreduce_
 from hpcpar.parallel.partition import part_range
 
 from . import padding
-from .split import Layout, SplitTensor, adopt, raw, refuse, wrap
+from .split import FlatLayout, Layout, SplitTensor, adopt, raw, refuse, wrap
 
 __all__ = ["Call", "FAST", "leaves", "localize", "wrap_like", "pointwise", "channelwise"]
 
@@ -403,22 +403,36 @@ def reshape(call: Call):
     if math.prod(gnew) != math.prod(gold):
         raise call.refuse(f"cannot view global shape {tuple(gold)} as {tuple(gnew)}",
                           "check the sizes")
+    fn = torch.Tensor.reshape if call.name in ("reshape", "reshape_as") else torch.Tensor.view
+    if lay.standard and len(gold) == 5 and gnew == [gold[0], math.prod(gold[1:])]:
+        return adopt(fn(raw(t), [t.shape_local[0], -1]), flat_layout(t))  # x.view(N, -1)
     new_sdims = []
     mapping = {}
     for gi, gj in _groups(gold, gnew):
         for d in lay.sdims:
             if d in gi:
                 if len(gi) != 1 or len(gj) != 1:
-                    raise call.refuse("merges or splits a split dim", "keep the spatial dims "
-                                      "whole (reduce them first, e.g. x.mean(dim=(2, 3, 4)))")
+                    raise call.refuse("merges or splits a split dim", _MERGE_TODO)
                 mapping[d] = gj[0]
     new_sdims = [mapping[d] for d in lay.sdims]
     local_new = list(gnew)
     for d_old, d_new in mapping.items():
         local_new[d_new] = t.shape_local[d_old]
-    fn = torch.Tensor.reshape if call.name in ("reshape", "reshape_as") else torch.Tensor.view
     out = fn(raw(t), local_new)
     return adopt(out, lay.with_(sdims=new_sdims))
+
+
+_MERGE_TODO = ("flatten all of (C, D, H, W) at once (x.flatten(1), x.view(x.size(0), -1): "
+               "the next F.linear takes the features split), or reduce the spatial dims "
+               "first (x.mean(dim=(2, 3, 4)), nn.AdaptiveAvgPool3d(1))")
+
+
+def flat_layout(t) -> FlatLayout:
+    """The layout of a standard split ``(N, C, D, H, W)`` tensor flattened to ``(N, C*D*H*W)``
+    (:class:`~hpcpar.nn.split.FlatLayout`)."""
+    lay = t._hp
+    volume = (t.shape_local[1], *lay.gshape)
+    return FlatLayout(lay.ctx, (1,), (math.prod(volume),), volume)
 
 
 def flatten(call: Call):
@@ -427,8 +441,9 @@ def flatten(call: Call):
     n = t.dim()
     s, e = _norm_dim(b["start_dim"], n), _norm_dim(b["end_dim"], n)
     if e > s and any(s <= d <= e for d in t._hp.sdims):
-        raise call.refuse("merges a split dim with others", "reduce the spatial dims first "
-                          "(x.mean(dim=(2, 3, 4)) or nn.AdaptiveAvgPool3d(1)), or gather")
+        if (s, e) == (1, 4) and n == 5 and t._hp.standard:
+            return adopt(call.run_plain(), flat_layout(t))   # nn.Flatten(): the split head
+        raise call.refuse("merges a split dim with others", _MERGE_TODO)
     out = call.run_plain()
     shift = max(e - s, 0)
     return adopt(out, t._hp.with_(sdims=[d - shift if d > e else d for d in t._hp.sdims]))

@@ -23,6 +23,7 @@ hpcpar's own spatial layers inside a model take this rank's piece as before.
 from __future__ import annotations
 
 import copy
+import weakref
 
 import torch
 import torch.nn as nn
@@ -37,7 +38,7 @@ from .check import first_step_check
 from .dispatch import SpatialMode, mode_call
 from .split import Layout, SplitContext, SplitTensor, unwrap, wrap
 
-__all__ = ["spatialize"]
+__all__ = ["spatialize", "settle"]
 
 _CTX = "_hpcpar_split"
 
@@ -51,6 +52,7 @@ class _Context(SplitContext):
         self.depth = 0          # nesting of spatialized forwards (only the outermost acts)
         self.suspended = 0      # inside hpcpar's own spatial layers: no dispatch
         self.tagged = None      # the parameter use the tags were last derived from
+        self.settling = False   # inside settle(): no first-step check yet
 
     def __deepcopy__(self, memo):
         new = memo[id(self)] = _Context(self.grid, self.bn_include_data)
@@ -80,7 +82,9 @@ def _enter(module, args, kwargs):
     ctx.depth += 1
     if ctx.depth > 1:
         return None
-    if ctx.plain is not None:
+    if ctx.root is None:
+        ctx.root = weakref.ref(module)   # a split head finds the Linear of its weight
+    if ctx.plain is not None and not ctx.settling:
         plain, ctx.plain = ctx.plain, None
         try:
             first_step_check(module, plain, args, ctx, spatialize)
@@ -221,3 +225,33 @@ def spatialize(model: nn.Module, grid: ProcessGrid, *,
             m.register_forward_pre_hook(_layer_enter, with_kwargs=True)
             m.register_forward_hook(_layer_leave, with_kwargs=True, always_call=True)
     return model
+
+
+def settle(model: nn.Module, *args, **kwargs) -> None:
+    """Run one forward of a spatialized model on ``args`` (zeros of this rank's piece will
+    do) so its dataflow fixes its layout before anything holds state for its parameters.
+
+    The first forward decides which parameters are replicated (their tags) and cuts a dense
+    layer after a flatten of the split volume to this rank's columns
+    (:mod:`hpcpar.nn.split_head`); an optimizer that already holds state, or a loaded
+    checkpoint's optimizer state, would not match the cut. Call this before building the
+    gradient sync and the optimizer (``hpcpar run`` does). It runs in eval mode without
+    gradients, leaves torch's random stream and batch-norm statistics as they were, and
+    leaves the ``check=True`` comparison to the first real forward. Collective.
+
+    Args:
+        model: A model returned by :func:`spatialize`.
+        *args: Its forward's positional arguments.
+        **kwargs: Its forward's keyword arguments.
+    """
+    ctx = getattr(model, _CTX)
+    training, rng = model.training, torch.get_rng_state()
+    ctx.settling = True
+    try:
+        model.eval()
+        with torch.no_grad():
+            model(*args, **kwargs)
+    finally:
+        ctx.settling = False
+        model.train(training)
+        torch.set_rng_state(rng)

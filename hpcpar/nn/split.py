@@ -15,16 +15,17 @@ from __future__ import annotations
 import os
 import traceback
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hpcpar.errors import LayerError
+from hpcpar.parallel.partition import box as part_box
 
 if TYPE_CHECKING:
     from hpcpar.parallel.grid import ProcessGrid
 
-__all__ = ["SplitTensor", "Layout", "SplitContext", "local", "is_split", "split_like",
+__all__ = ["SplitTensor", "Layout", "FlatLayout", "SplitContext", "local", "is_split", "split_like",
            "user_frame"]
 
 
@@ -39,6 +40,7 @@ class SplitContext:
     spatial_params: set = field(default_factory=set)     # ids used directly by split ops
     replicated_params: set = field(default_factory=set)  # ids used by replicated ops
     dropout: bool = True    # False: dropout is the identity (the first-step check's probe)
+    root: Any = None        # weakref to the spatialized model (a split head finds its Linear)
 
 
 @dataclass(frozen=True)
@@ -46,8 +48,8 @@ class Layout:
     """Where the split dims of a tensor are and how long they are globally."""
 
     ctx: SplitContext
-    sdims: tuple[int, int, int]   # positions of the x, y, z axes in the tensor
-    gshape: tuple[int, int, int]  # their global lengths
+    sdims: tuple[int, ...]   # positions of the x, y, z axes in the tensor (FlatLayout: one)
+    gshape: tuple[int, ...]  # their global lengths
 
     def with_(self, sdims=None, gshape=None) -> Layout:
         """This layout with other split dims or global lengths (itself when they are equal:
@@ -68,6 +70,21 @@ class Layout:
     def standard(self) -> bool:
         """Laid out as (N, C, D, H, W): what the stencil twins take."""
         return self.sdims == (2, 3, 4)
+
+
+@dataclass(frozen=True)
+class FlatLayout(Layout):
+    """A split ``(N, C, D, H, W)`` volume flattened to ``(N, C*D*H*W)`` (``sdims`` ``(1,)``,
+    ``gshape`` the feature count): this rank holds the features of its own sub-box, ``C x
+    (d, h, w)`` in its piece's row-major order, a known subset of the global indices. Only
+    elementwise ops, dropout and ``F.linear`` take it (:mod:`hpcpar.nn.split_head`)."""
+
+    volume: tuple[int, int, int, int] = (0, 0, 0, 0)   # the global (C, D, H, W)
+
+    def box(self) -> tuple[tuple[int, int], ...]:
+        """This rank's ``(start, stop)`` on each spatial axis of :attr:`volume`."""
+        grid = self.ctx.grid
+        return part_box(self.volume[1:], grid.spatial_shape, grid.spatial_coords)
 
 
 class SplitTensor(torch.Tensor):

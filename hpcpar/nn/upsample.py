@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from hpcpar.errors import LayerError
 from hpcpar.parallel.grid import ProcessGrid
+from hpcpar.parallel.halo import HaloPlan, global_spatial_shape, halo_exchange
 from hpcpar.parallel.partition import axis_halo
 
 from ._base import SpatialModule
@@ -23,8 +24,6 @@ from .resample import Interpolation, per_axis, resample_piece
 __all__ = ["SpatialUpsample", "MatchSize", "SpatialMatchSize"]
 
 def _exchange(x, plan):
-    from hpcpar.parallel.halo import halo_exchange
-
     return halo_exchange(x, plan.grid, plan)
 
 
@@ -114,8 +113,6 @@ class SpatialMatchSize(SpatialModule, nn.Module):
 
     def forward(self, x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """Pad or crop this rank's piece of ``x`` to its piece of ``like``'s global size."""
-        from hpcpar.parallel.halo import HaloPlan, global_spatial_shape
-
         name = self.layer_name
         src = global_spatial_shape(x, self.grid, name)
         dst = global_spatial_shape(like, self.grid, name + " (reference)")

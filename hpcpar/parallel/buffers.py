@@ -5,6 +5,7 @@ booleans as bytes (MPI has no portable type for them).
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -135,8 +136,6 @@ def free_at_exit(free: Callable[[], None]) -> None:
         free: A collective release such as a window's ``Free``.
     """
     if not _AT_EXIT:
-        import atexit
-
         atexit.register(_free_all)  # registered after MPI's own hook: runs before it
     _AT_EXIT.append(free)
 

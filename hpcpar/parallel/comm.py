@@ -38,6 +38,7 @@ from hpcpar.parallel.cuda_aware import (
     device_ready,
     forced_cuda_path,
 )
+from hpcpar.parallel.replay import count_sent, taped
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -160,6 +161,7 @@ def iallreduce(t: torch.Tensor, comm: MPI.Comm, op: str | MPI.Op = "sum") -> Han
     return Handle(req, [buf], after=back, result=t)
 
 
+@taped("allreduce_", in_place=True)
 def allreduce_(t: torch.Tensor, comm: MPI.Comm, op: str | MPI.Op = "sum") -> torch.Tensor:
     """Allreduce ``t`` over ``comm`` in place.
 
@@ -236,6 +238,7 @@ def isend(t: torch.Tensor, dest: int, comm: MPI.Comm, tag: int = 0) -> Handle:
         A [Handle][hpcpar.parallel.comm.Handle] whose ``wait()`` returns ``t``.
     """
     buf = as_buffer(t, copy_back=False)
+    count_sent(t.numel() * t.element_size())
     return Handle(comm.Isend(buf.mpi, dest=dest, tag=tag), [buf], result=t)
 
 
@@ -280,6 +283,7 @@ def sendrecv(send: torch.Tensor, dest: int, recv: torch.Tensor, source: int, com
     return recv
 
 
+@taped("allgather")
 def allgather(t: torch.Tensor, comm: MPI.Comm) -> torch.Tensor:
     """Gather one equal-shaped tensor from every rank onto every rank.
 
@@ -300,6 +304,7 @@ def allgather(t: torch.Tensor, comm: MPI.Comm) -> torch.Tensor:
     return out
 
 
+@taped("allgatherv")
 def allgatherv(t: torch.Tensor, comm: MPI.Comm) -> torch.Tensor:
     """Gather tensors whose first dimension differs between ranks, concatenated.
 
@@ -354,6 +359,7 @@ def reduce_scatter(t: torch.Tensor, rows: Sequence[int], comm: MPI.Comm,
     return out.to(t.dtype)
 
 
+@taped("alltoallv")
 def alltoallv(send: torch.Tensor, send_rows: Sequence[int], comm: MPI.Comm,
               recv_rows: Sequence[int] | None = None) -> torch.Tensor:
     """Exchange row blocks: this rank sends ``send[off_r : off_r + send_rows[r]]`` to rank r.

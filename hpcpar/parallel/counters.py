@@ -46,6 +46,9 @@ class Counters:
         bytes_allreduce: Gradient bytes reduced (as sent on the wire).
         t_graph_halo: Seconds in graph (GNN) halo exchanges.
         bytes_read: Bytes read from storage by this rank's reader.
+        recompute_msgs: Messages sent while recomputing checkpointed segments
+            (:mod:`hpcpar.parallel.replay`; 0 when the forward's faces were reused).
+        recompute_bytes: Bytes of those messages.
     """
 
     t_halo: float = 0.0            # seconds spent in halo exchanges (forward + backward)
@@ -56,6 +59,8 @@ class Counters:
     bytes_allreduce: int = 0       # gradient bytes reduced (as sent on the wire)
     t_graph_halo: float = 0.0      # seconds in graph (GNN) halo exchanges
     bytes_read: int = 0            # bytes read from storage by this rank's reader
+    recompute_msgs: int = 0        # messages sent while recomputing checkpointed segments
+    recompute_bytes: int = 0       # their bytes
 
     def snapshot(self) -> Counters:
         """A copy of the current totals."""

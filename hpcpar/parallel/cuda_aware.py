@@ -8,9 +8,11 @@ staged through host memory (:mod:`.buffers`).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -46,8 +48,6 @@ def _query_cuda_support() -> int | None:
     """``MPIX_Query_cuda_support()`` of the MPI library loaded in this process (MPICH >= 4,
     Open MPI >= 4.1 export it): 1 or 0, or None when the library lacks it (mpi4py does not
     wrap it, so it is looked up in the loaded ``libmpi`` with ctypes)."""
-    import ctypes
-
     from mpi4py import MPI  # noqa: F401 - loads (and initialises) the MPI library
 
     try:
@@ -67,8 +67,6 @@ def _query_cuda_support() -> int | None:
 
 def _ompi_info() -> str | None:
     """``ompi_info --parsable --all`` (the one beside python first: the pip wheel's), or None."""
-    import sys
-
     beside = os.path.join(os.path.dirname(sys.executable), "ompi_info")
     exe = beside if os.access(beside, os.X_OK) else shutil.which("ompi_info")
     if exe is None:

@@ -123,6 +123,23 @@ class StencilOp:
     #: forward and backward see the same dtypes.
     autocast = False
 
+    #: False for an op whose backward reads only what :meth:`forward_saving` keeps and the
+    #: extended tensor's shape (max pooling keeps its argmax indices, as torch does): the
+    #: fused path then keeps neither the input nor the ghost faces and rebuilds no buffer,
+    #: so its backward holds one volume (the gradient), as torch's does.
+    needs_input = True
+
+    def forward_saving(self, ext, *params):
+        """``(out, tensors backward needs)``; called instead of ``forward`` when
+        ``needs_input`` is False."""
+        raise NotImplementedError
+
+    def backward_saved(self, grad_ext, grad_out, saved, params, needs):
+        """Write the gradient of the extended tensor into ``grad_ext`` (uninitialised, its
+        shape and layout; None when not needed) from ``forward_saving``'s tensors; return the
+        parameters' gradients. Writing in place keeps it one buffer, as torch's kernel."""
+        raise NotImplementedError
+
     def layout(self, ext_shape, dtype, device):
         """Memory order of the spatial dims of the extended buffer (a permutation of
         (0, 1, 2)) when the op runs faster on it, else None (contiguous). Not asked for a
@@ -145,49 +162,96 @@ class StencilOp:
                      for t, n in zip([ext, *ps], needs))
 
 
+def _local_only(plan: HaloPlan, x: torch.Tensor, perm) -> bool:
+    """True when the extended tensor would equal ``x``: no ghost, padding, trim or message on
+    any axis (a 1x1x1 convolution; a 2x2x2 pooling of even pieces; anything on one rank that
+    pads nothing) and ``x`` already in the buffer's memory layout."""
+    return not isinstance(perm, tuple) and \
+        x.is_contiguous(memory_format=memory_format(perm)) and \
+        all(ax.hull == (0, ax.length) and ax.result == (0, ax.length) and
+            not (ax.pad_lo or ax.pad_hi or ax.send_lo or ax.send_hi) for ax in plan.axes)
+
+
+def _plain(x: torch.Tensor) -> torch.Tensor:
+    """``x`` detached, as a plain tensor (a saved split tensor is not dispatched again)."""
+    with torch._C.DisableTorchFunction():
+        return x.detach()
+
+
 class HaloStencil(torch.autograd.Function):
     """Halo exchange fused with a local op; saves the input and ghost faces, not the extended
-    copy (rebuilt in backward without messages)."""
+    copy (rebuilt in backward without messages), or only what the op keeps where its backward
+    needs no input values (``StencilOp.needs_input``)."""
 
     @staticmethod
     def forward(ctx, x, plan: HaloPlan, pad_value, op: StencilOp, *params):
         perm = input_layout(x) or op.layout(plan.result_shape(x.shape[:2]), x.dtype, x.device)
-        buf, received = exchange_forward(x, plan, pad_value, POOL, perm)
+        ctx.local = _local_only(plan, x, perm)
+        if ctx.local:  # the extended tensor is x itself: no copy, none rebuilt in backward
+            plan.check_input(x)
+            buf, received = _plain(x), None
+        else:
+            buf, received = exchange_forward(x, plan, pad_value, POOL, perm)
         ext = buf[plan.result_region()] if plan.trims else buf
         with torch.no_grad():
-            out = op.forward(ext, *params)
+            if op.needs_input:
+                out, kept = op.forward(ext, *params), (x,)
+            else:
+                (out, kept), received = op.forward_saving(ext, *params), None
         del ext
-        POOL.give(buf, perm)
+        if not ctx.local:
+            POOL.give(buf, perm)
         ctx.plan, ctx.pad_value, ctx.op, ctx.received = plan, pad_value, op, received
-        ctx.perm = perm
-        ctx.save_for_backward(x, *params)
+        ctx.perm, ctx.x_shape, ctx.n_kept = perm, x.shape, len(kept)
+        # the gradient in the output's layout: the buffer's, unless torch's kernel chose
+        # another (a 1x1x1 conv of a channels-last input gives a contiguous output; making
+        # its gradient channels-last would be one more copy than torch makes)
+        fmt = memory_format(perm)
+        ctx.grad_format = fmt if out.is_contiguous(memory_format=fmt) else \
+            torch.contiguous_format
+        ctx.save_for_backward(*kept, *params)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, *params = ctx.saved_tensors
+        saved = ctx.saved_tensors  # read once: a checkpointed segment unpacks only once
+        kept, params = saved[:ctx.n_kept], saved[ctx.n_kept:]
         plan = ctx.plan
-        # the rebuilt buffer is taken from the pool and NOT given back: the op frees it as
-        # soon as it can, so the backward peak does not hold it next to grad_ext
-        buf = rebuild(x, plan, ctx.received, ctx.pad_value, POOL, ctx.perm)
-        ctx.received = None
-        shape = buf.shape
-        holder = [buf[plan.result_region()] if plan.trims else buf]
-        del buf
-        needs = ctx.needs_input_grad[4:]
-        grad_out = grad_out.contiguous(memory_format=memory_format(ctx.perm))
-        grads = ctx.op.backward(holder, grad_out, params,
-                                (ctx.needs_input_grad[0], *needs))
+        needs = (ctx.needs_input_grad[0], *ctx.needs_input_grad[4:])
+        grad_out = grad_out.contiguous(memory_format=ctx.grad_format)
+        if ctx.op.needs_input:
+            # the rebuilt buffer is taken from the pool and NOT given back: the op frees it
+            # as soon as it can, so the backward peak does not hold it next to grad_ext
+            buf = _plain(kept[0]) if ctx.local else \
+                rebuild(kept[0], plan, ctx.received, ctx.pad_value, POOL, ctx.perm)
+            ctx.received = None
+            shape = buf.shape
+            holder = [buf[plan.result_region()] if plan.trims else buf]
+            del buf
+            grads = ctx.op.backward(holder, grad_out, params, needs)
+            gbuf = None
+        else:  # the op writes grad_ext straight into the buffer-shaped gradient
+            gbuf = None
+            if needs[0]:
+                gbuf = new_buffer(plan.buffer_shape(ctx.x_shape[:2]), grad_out.dtype,
+                                  grad_out.device, ctx.perm)
+                if plan.trims:
+                    gbuf.zero_()
+            grads = (None, *ctx.op.backward_saved(
+                gbuf[plan.result_region()] if gbuf is not None and plan.trims else gbuf,
+                grad_out, kept, params, needs))
         gx = None
         if ctx.needs_input_grad[0]:
-            gext = grads[0]
-            if plan.trims:
-                gbuf = torch.empty(shape, dtype=gext.dtype, device=gext.device,
-                                   memory_format=memory_format(ctx.perm)).zero_()
-                gbuf[plan.result_region()] = gext
-            else:
-                gbuf = gext
-            gx = exchange_adjoint(gbuf, plan, x, ctx.perm)
+            if gbuf is None:
+                gext = grads[0]
+                if plan.trims:
+                    gbuf = torch.empty(shape, dtype=gext.dtype, device=gext.device,
+                                       memory_format=memory_format(ctx.perm)).zero_()
+                    gbuf[plan.result_region()] = gext
+                else:
+                    gbuf = gext
+            like = grad_out.new_empty(ctx.x_shape) if not plan.covers_owned else None
+            gx = exchange_adjoint(gbuf, plan, like, ctx.perm)
         return (gx, None, None, None, *grads[1:])
 
 

@@ -7,6 +7,7 @@ Every rank derives every rank's needs from the partition rule.
 from __future__ import annotations
 
 import functools
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -16,6 +17,7 @@ import torch
 from hpcpar.errors import LayerError
 from hpcpar.parallel.halo_buffers import CHANNELS_LAST, input_layout, new_message
 from hpcpar.parallel.partition import AxisHalo, split_sizes, xyz
+from hpcpar.parallel.replay import count_sent, received
 
 if TYPE_CHECKING:
     from hpcpar.parallel.grid import ProcessGrid
@@ -28,8 +30,6 @@ AXIS_NAMES = ("x", "y", "z")
 @functools.cache
 def _dtype_code(dtype) -> int:
     """Same number for the same dtype on every rank (stable across processes)."""
-    import zlib
-
     return zlib.crc32(str(dtype).encode())
 
 
@@ -64,8 +64,15 @@ def global_spatial_shape(x: torch.Tensor, grid: ProcessGrid,
     comm = grid.spatial_comm
     mine = np.array([*x.shape, _dtype_code(x.dtype), int(x.requires_grad),
                      int(input_layout(x) == CHANNELS_LAST)], dtype=np.int64)
-    table = np.empty((comm.Get_size(), mine.size), dtype=np.int64)
-    comm.Allgather(mine, table)
+
+    def gather():
+        if comm.Get_size() > 1:
+            count_sent(mine.nbytes)
+        table = np.empty((comm.Get_size(), mine.size), dtype=np.int64)
+        comm.Allgather(mine, table)
+        return table
+
+    table = received(("shape table", what, tuple(x.shape)), gather)  # a recomputation: no message
     # every rank holds the same table, so every rank hits or misses this memo together;
     # only tables that passed the checks are kept (a bad one raises again, on all ranks)
     key = (grid.spatial_shape, table.tobytes())

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hpcpar.parallel import replay
 from hpcpar.parallel.counters import COUNTERS, profiled
 from hpcpar.parallel.halo_buffers import BufferPool, new_buffer, new_message
 from hpcpar.parallel.halo_plan import HaloPlan
@@ -31,13 +32,13 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
 
 def _pack(plan: HaloPlan, key, view: torch.Tensor, layout) -> torch.Tensor:
     """Pack ``view`` into the plan's reused message buffer ``key``."""
-    from hpcpar.kernels.halo_pack import pack
+    from hpcpar.kernels.halo_pack import pack  # deferred: loads numpy
 
     return pack(view, plan.message(key, view.shape, view, layout))
 
 
 def _unpack(view: torch.Tensor, buf: torch.Tensor, add: bool = False) -> None:
-    from hpcpar.kernels.halo_pack import unpack
+    from hpcpar.kernels.halo_pack import unpack  # deferred: loads numpy
 
     unpack(view, buf, add)
 
@@ -48,7 +49,7 @@ def _swap(plan: HaloPlan, a: int, sends, recvs, tag: int) -> int:
     ``sends[side]``: the message for neighbour ``side`` (0 lo, 1 hi) or None; ``recvs[side]``:
     the message to receive from it or None (messages are dense: see :func:`_wire`).
     """
-    from hpcpar.parallel.comm import irecv, isend
+    from hpcpar.parallel.comm import irecv, isend  # deferred: loads numpy
 
     ax = plan.axes[a]
     comm = plan.grid.spatial_comm
@@ -112,25 +113,41 @@ def exchange_forward(x: torch.Tensor, plan: HaloPlan, pad_value: float = 0.0,
     plan.check_input(x)
     x = x.detach()
     buf = _fill_start(x, plan, pad_value, pool, perm)
-    received: list[tuple[torch.Tensor | None, ...]] = []
-    nbytes = 0
-    for a, ax in enumerate(plan.axes):
-        if ax.lo is None and ax.hi is None:
-            received.append((None, None))
-            continue
-        sends = [_pack(plan, ("fwd", a, s), buf[plan.region(a, ax.sent(s))], perm)
-                 if (ax.send_lo, ax.send_hi)[s] else None for s in (0, 1)]
-        # fresh: kept for the backward rebuild (unlike the reused send buffers)
-        recvs = [new_message(buf[plan.region(a, ax.ghost(s))].shape, buf, perm)
-                 if (ax.recv_lo, ax.recv_hi)[s] else None for s in (0, 1)]
-        nbytes += _swap(plan, a, sends, recvs, _TAG_FWD)
-        for side, msg in enumerate(recvs):
-            if msg is not None:
-                _unpack(buf[plan.region(a, ax.ghost(side))], msg)
-        received.append(tuple(recvs))
+    sent = [0]
+
+    def swap() -> list:
+        received: list[tuple[torch.Tensor | None, ...]] = []
+        for a, ax in enumerate(plan.axes):
+            if ax.lo is None and ax.hi is None:
+                received.append((None, None))
+                continue
+            sends = [_pack(plan, ("fwd", a, s), buf[plan.region(a, ax.sent(s))], perm)
+                     if (ax.send_lo, ax.send_hi)[s] else None for s in (0, 1)]
+            # fresh: kept for the backward rebuild (unlike the reused send buffers)
+            recvs = [new_message(buf[plan.region(a, ax.ghost(s))].shape, buf, perm)
+                     if (ax.recv_lo, ax.recv_hi)[s] else None for s in (0, 1)]
+            sent[0] += _swap(plan, a, sends, recvs, _TAG_FWD)
+            for side, msg in enumerate(recvs):
+                if msg is not None:
+                    _unpack(buf[plan.region(a, ax.ghost(side))], msg)
+            received.append(tuple(recvs))
+        return received
+
+    # a recomputed (checkpointed) segment gets the faces this exchange received then
+    received = replay.received(("halo exchange", tuple(x.shape), plan.buffer_shape(x.shape[:2])),
+                               swap, restore=lambda faces: _unpack_all(buf, plan, faces))
     COUNTERS.t_halo += time.perf_counter() - t0
-    COUNTERS.bytes_halo += nbytes
+    COUNTERS.bytes_halo += sent[0]
     return buf, received
+
+
+def _unpack_all(buf: torch.Tensor, plan: HaloPlan, received: list) -> list:
+    """Write the received faces into their ghost regions of ``buf``; returns them."""
+    for a, faces in enumerate(received):
+        for side, face in enumerate(faces):
+            if face is not None:
+                _unpack(buf[plan.region(a, plan.axes[a].ghost(side))], face)
+    return received
 
 
 def rebuild(x: torch.Tensor, plan: HaloPlan, received: list, pad_value: float = 0.0,
@@ -155,10 +172,7 @@ def rebuild(x: torch.Tensor, plan: HaloPlan, received: list, pad_value: float = 
     with torch._C.DisableTorchFunction():   # a saved tensor subclass: its plain data, no dispatch
         x = x.detach()
     buf = _fill_start(x, plan, pad_value, pool, perm)
-    for a, faces in enumerate(received):
-        for side, face in enumerate(faces):
-            if face is not None:
-                _unpack(buf[plan.region(a, plan.axes[a].ghost(side))], face)
+    _unpack_all(buf, plan, received)
     COUNTERS.t_halo += time.perf_counter() - t0
     return buf
 

@@ -14,12 +14,22 @@ Run by ``hpcpar plan --calibrate`` as ``mpiexec -n 2 python -m hpcpar.plan.calib
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import socket
+import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from hpcpar.formats.jobspec import SCHEMA
+from hpcpar.nn import SpatialBatchNorm3d, SpatialConv3d, SpatialMaxPool3d
+from hpcpar.parallel.grid import ProcessGrid
+from hpcpar.plan.machine import Link, Machine
+from hpcpar.run._optim import make_optimizer
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -92,8 +102,6 @@ def measure_link(comm: MPI.Comm, peer: int) -> Link:
     Returns:
         The link (the same on every rank).
     """
-    from hpcpar.plan.machine import Link
-
     small = min(pingpong(comm, 8, 2000, peer) for _ in range(3))
     big_bytes = 16 * 2**20
     big = min(pingpong(comm, big_bytes, 10, peer) for _ in range(3))
@@ -110,8 +118,6 @@ def placement(comm: MPI.Comm) -> tuple[list[str], bool]:
     Returns:
         ``(hosts, shared)``: the host name of every rank, and whether they share one host.
     """
-    import socket
-
     hosts = comm.allgather(socket.gethostname())
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
@@ -127,8 +133,6 @@ def _one_rank_grid():
     included) that training runs, without messages."""
     from mpi4py import MPI
 
-    from hpcpar.parallel.grid import ProcessGrid
-
     return ProcessGrid(comm=MPI.COMM_SELF)
 
 
@@ -136,8 +140,6 @@ def _volume(batch: int, channels: int, size: int):
     """A random input volume, requiring grad, in the memory order training uses by default
     (``[train] channels_last``): oneDNN's rates differ 1.4-2.6x between the two orders."""
     import torch
-
-    from hpcpar.formats.jobspec import SCHEMA
 
     x = torch.randn(batch, channels, size, size, size)
     if SCHEMA["train"]["channels_last"].default:
@@ -184,8 +186,6 @@ def conv_rate(cin: int, size: int = 24, batch: int = 4, seconds: float = 0.6,
         FLOP/s.
     """
     import torch
-
-    from hpcpar.nn import SpatialConv3d
 
     torch.set_num_threads(threads)
     cout = 2 * cin if cout is None else cout
@@ -235,8 +235,6 @@ def layer_costs(cin: int = 8, size: int = 24, batch: int = 4, seconds: float = 0
     """
     import torch
 
-    from hpcpar.nn import SpatialBatchNorm3d, SpatialMaxPool3d
-
     torch.set_num_threads(threads)
     grid = _one_rank_grid()
     x = _volume(batch, cin, size)
@@ -264,8 +262,6 @@ def call_costs(size: int = 2, seconds: float = 0.3) -> tuple:
         ``((kind, seconds), ...)`` for ``conv``, ``pool`` and ``bn``.
     """
     import torch
-
-    from hpcpar.nn import SpatialBatchNorm3d, SpatialConv3d, SpatialMaxPool3d
 
     torch.set_num_threads(1)
     grid = _one_rank_grid()
@@ -297,7 +293,7 @@ def graph_halo_call(comm: MPI.Comm, rows: int = 1000, halo: int = 100, cols: int
     import numpy as np
     import torch
 
-    from hpcpar.graph._vertex_halo import HaloPlan, with_halo
+    from hpcpar.graph._vertex_halo import HaloPlan, with_halo  # deferred: loads torch, numpy
 
     pair = comm.Split(comm.Get_rank() // 2, comm.Get_rank())
     try:
@@ -328,8 +324,6 @@ def thread_speedups(cores: int, rounds: int = 3) -> tuple[float, float]:
     node every core as a thread. Each round measures both thread counts back to back; the
     median of the rounds' ratios counts (a spell of a slow host hits one round, not the
     number)."""
-    import statistics
-
     import torch
 
     if cores <= 1:
@@ -360,8 +354,6 @@ def opt_costs(params: int = 8_000_000, tensors: int = 4, repeat: int = 5) -> tup
         ``adamw``.
     """
     import torch
-
-    from hpcpar.run._optim import make_optimizer
 
     torch.set_num_threads(1)
     ps = [torch.nn.Parameter(torch.randn(params // tensors)) for _ in range(tensors)]
@@ -413,8 +405,8 @@ def graph_costs(nodes: int = 20000, degree: int = 6, cols: int = 16,
     import numpy as np
     import torch
 
-    from hpcpar.graph._sparse import SparseOperator
-    from hpcpar.graph.dropout import vertex_dropout
+    from hpcpar.graph._sparse import SparseOperator  # deferred: loads torch, numba
+    from hpcpar.graph.dropout import vertex_dropout  # deferred: loads torch, numba
 
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
@@ -488,8 +480,6 @@ def oversubscription(comm: MPI.Comm) -> tuple[float, float]:
 
 def _time_sliced(comm: MPI.Comm, core: int) -> tuple[float, float]:
     """:func:`oversubscription` with this rank pinned to ``core``."""
-    import multiprocessing
-
     polite_barrier(comm)
     idle = min(pingpong(comm, 8, 500) for _ in range(3))
     full = comm.allreduce(_torch_conv_rate(1.0)) / comm.Get_size()
@@ -558,8 +548,6 @@ def main(argv: list[str] | None = None) -> int:
         The exit code.
     """
     from mpi4py import MPI
-
-    from hpcpar.plan.machine import Link, Machine
 
     argv = sys.argv[1:] if argv is None else argv
     out = argv[0]
@@ -653,8 +641,6 @@ def _mem_per_rank(cores: int) -> float:
 
 def _io_bw() -> float:
     """Read bandwidth of a freshly written 64 MB file (page cache: an upper bound)."""
-    import tempfile
-
     data = os.urandom(64 * 2**20)
     with tempfile.NamedTemporaryFile() as fh:
         fh.write(data)

@@ -15,7 +15,8 @@ A step is one forward and backward over the whole graph, split over the grid's s
   forward, and the same back in backward.
 
 ``V`` (owned vertices), the in-edges and the halo of every part come from the graph file
-partitioned exactly as the run partitions it (:class:`GraphJob` ``parts``). The step is the
+partitioned exactly as the run partitions it, or from a sharded graph's own parts, counted part
+by part (:class:`GraphJob` ``parts``). The step is the
 slowest part's; the gradient allreduce (tiny) and the optimizer follow the volume model.
 """
 
@@ -64,6 +65,8 @@ class GraphJob:
         precompute: The first layer's ``A X`` is computed once (no first-layer aggregation).
         parts: ``ranks -> [Part per rank]`` (the job's partitioner on its graph file).
         num_nodes: Vertices of the graph.
+        sharded: Parts of a sharded graph (partitioned ahead: a run needs exactly that many
+            ranks, the parts are the file's), or None (the run partitions the graph file).
     """
 
     widths: tuple
@@ -72,6 +75,7 @@ class GraphJob:
     precompute: bool
     parts: Callable[[int], list]
     num_nodes: int
+    sharded: int | None = None
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -159,6 +163,10 @@ def predict_graph(work: Workload, grid: tuple, machine: Machine) -> Prediction:
     ranks = X * Y * Z
     if ranks > job.num_nodes:
         return Prediction(grid, False, f"{ranks} ranks for a graph of {job.num_nodes} vertices")
+    if job.sharded is not None and ranks != job.sharded:
+        return Prediction(grid, False, f"the sharded graph has {job.sharded} parts, a run "
+                                       f"needs {job.sharded} ranks (or partition it again "
+                                       f"with --parts {ranks})")
     pred = Prediction(grid, True)
     link = machine.intra if ranks <= machine.ranks_per_node else machine.inter
     on_node = min(ranks, machine.ranks_per_node)

@@ -7,7 +7,18 @@ fits a memory budget per grid. The adapter between the job format and :mod:`.pla
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
+
+from hpcpar.data import read_manifest
+from hpcpar.errors import ConfigError, HpcparError
+from hpcpar.formats.jobspec import load_job, load_resolved
+from hpcpar.formats.kinds import get_workload
+from hpcpar.parallel.grid import resolve_shape
+from hpcpar.plan.gnn import GraphJob, Part
+from hpcpar.plan.memory import HEADROOM, estimate, largest_edge
+from hpcpar.plan.planner import BYTES, Workload, mark_tensor_parallel, predict, trace_layers
+from hpcpar.run.workloads.graph import make_graph_file
 
 __all__ = ["workload_from_job", "workload_of", "fit_points", "largest_samples", "dataset_note"]
 
@@ -17,8 +28,7 @@ def _sample_shape(job) -> tuple[tuple, int]:
     channels win (``--set data.size=`` plans that size even where a dataset of another size
     sits at ``data.path``: :func:`dataset_note` says so), the rest from the dataset's
     manifest, else the synthetic generator's defaults."""
-    from hpcpar.data.synthetic import TARGETS
-    from hpcpar.errors import ConfigError
+    from hpcpar.data.synthetic import TARGETS  # deferred: loads numpy
 
     d = job.data.params
     m = _manifest(job)
@@ -33,11 +43,14 @@ def _sample_shape(job) -> tuple[tuple, int]:
 
 
 def _manifest(job):
-    """The manifest of the dataset at [data] path, or None (no path, no dataset yet)."""
-    from hpcpar.data import read_manifest
+    """The manifest of the volume dataset at [data] path, or None (no path, no dataset yet,
+    or a sharded graph: its manifest is read by :func:`_graph_workload`)."""
+    from hpcpar.graph.shards import is_sharded_graph  # deferred: loads numpy
 
     path = job.data.params.get("path")
-    return read_manifest(path) if path and (Path(path) / "manifest.json").is_file() else None
+    if not path or not (Path(path) / "manifest.json").is_file() or is_sharded_graph(path):
+        return None
+    return read_manifest(path)
 
 
 def dataset_note(path: str, overrides=()) -> str | None:
@@ -51,8 +64,6 @@ def dataset_note(path: str, overrides=()) -> str | None:
     Returns:
         One line, or None when the dataset fits (or there is none yet).
     """
-    from hpcpar.formats.jobspec import load_job
-
     job = load_job(path, list(overrides))
     m, size = _manifest(job), job.data.params.get("size")
     if m is None or not size or tuple(m.x.shape[1:]) == (size,) * 3:
@@ -67,9 +78,6 @@ def _model(job, sample_shape, n_targets):
     """The job's plain model on the meta device, built by its workload (no data, no memory),
     and the shape of its input (the sample without label channels)."""
     import torch
-
-    from hpcpar.errors import ConfigError
-    from hpcpar.formats.kinds import get_workload
 
     cls = get_workload(job.model.kind)
     if not hasattr(cls, "build_plain"):
@@ -86,9 +94,8 @@ def _graph_parts(path: str, method: str, seed: int):
     vertices and neighbouring parts counted."""
     import numpy as np
 
-    from hpcpar.graph.format import GraphFile
-    from hpcpar.graph.vertex_partition import partition_csr
-    from hpcpar.plan.gnn import Part
+    from hpcpar.graph.format import GraphFile  # deferred: loads numpy
+    from hpcpar.graph.vertex_partition import partition_csr  # deferred: loads numpy
 
     with GraphFile(path) as gf:
         indptr, indices = gf.read_structure()
@@ -112,13 +119,32 @@ def _graph_parts(path: str, method: str, seed: int):
     return parts
 
 
+def _shard_parts(path: str, m) -> Callable[[int], list]:
+    """``ranks -> [Part]`` of a sharded graph: its own parts (the run needs as many ranks),
+    counted one part at a time from ``/indices`` read in chunks, so planning a graph larger
+    than this machine holds needs only the largest halo in memory."""
+    import numpy as np
+
+    from hpcpar.graph.shards import RangeOwner, part_halo  # deferred: loads numpy
+
+    owner = RangeOwner(m["offsets"])
+
+    def parts(ranks: int) -> list:
+        out = []
+        for p in range(m["parts"]):
+            edges, halo = part_halo(path, m, p)
+            peers = len(np.unique(owner[halo]))
+            out.append(Part(m["shards"][p]["count"], edges, int(halo.shape[0]), peers))
+        return out
+
+    return parts
+
+
 def _graph_workload(job, cls):
-    """The planner's view of a full-graph job: widths from the graph file and [model]."""
-    from hpcpar.errors import ConfigError
-    from hpcpar.graph.format import GraphFile
-    from hpcpar.plan.gnn import GraphJob
-    from hpcpar.plan.planner import Workload
-    from hpcpar.run.workloads.graph import make_graph_file
+    """The planner's view of a full-graph job: widths from the graph file (or a sharded
+    graph's manifest) and [model]."""
+    from hpcpar.graph.format import GraphFile  # deferred: loads numpy
+    from hpcpar.graph.shards import is_sharded_graph, read_graph_manifest  # deferred: numpy
 
     if cls.conv not in ("gcn", "sage"):
         raise ConfigError(f"[model] kind {job.model.kind!r}: the planner models full-graph "
@@ -130,11 +156,17 @@ def _graph_workload(job, cls):
         if not d["make"]:
             raise ConfigError(f"[data] path: {path!r}: graph file not found")
         make_graph_file(path, d)  # what the run makes first (Cora: a copy, synthetic: seconds)
-    with GraphFile(path) as gf:
-        features, classes, nodes = gf.num_features, gf.num_classes, gf.num_nodes
+    sharded = None
+    if is_sharded_graph(path):   # partitioned ahead: [data] partition does not apply
+        man = read_graph_manifest(path)
+        features, classes, nodes = man["num_features"], man["num_classes"], man["num_nodes"]
+        parts, sharded = _shard_parts(path, man), man["parts"]
+    else:
+        with GraphFile(path) as gf:
+            features, classes, nodes = gf.num_features, gf.num_classes, gf.num_nodes
+        parts = _graph_parts(path, d["partition"], d["partition_seed"])
     widths = (features, *[m["hidden"]] * (m["layers"] - 1), classes)
-    graph = GraphJob(widths, cls.conv, m["dropout"], m["precompute"],
-                     _graph_parts(path, d["partition"], d["partition_seed"]), nodes)
+    graph = GraphJob(widths, cls.conv, m["dropout"], m["precompute"], parts, nodes, sharded)
     return Workload(job.name, [], (features,), 1, precision=job.train.precision,
                     optimizer=job.train.optimizer, params=graph.params, graph=graph)
 
@@ -142,23 +174,19 @@ def _graph_workload(job, cls):
 def workload_from_job(path: str, overrides=(), size: int | None = None):
     """The planner's view of a job; ``size``: a cubic sample of that edge instead of the
     dataset's (the job's channels). Full-graph jobs (gcn, sage) read their graph file."""
-    from hpcpar.formats.jobspec import load_job
-
     return workload_of(load_job(path, list(overrides)), size)
 
 
 def workload_of(job, size: int | None = None):
     """The planner's view of a validated job (``JobSpec``); see :func:`workload_from_job`."""
-    from hpcpar.formats.kinds import get_workload
-    from hpcpar.plan.planner import Workload, mark_tensor_parallel, trace_layers
-
     cls = get_workload(job.model.kind)
     if hasattr(cls, "conv") and not hasattr(cls, "build_plain"):
         return _graph_workload(job, cls)
     shape, n_targets = _sample_shape(job)
     if size is not None:
         shape = (shape[0], size, size, size)
-    layers = trace_layers(*_model(job, shape, n_targets))
+    model, in_shape = _model(job, shape, n_targets)
+    layers = trace_layers(model, in_shape, job.train.activation_checkpointing)
     if job.model.params.get("tensor_parallel"):
         mark_tensor_parallel(layers, job.model.params["tp_min_features"])
     return Workload(job.name, layers, shape, job.train.global_batch,
@@ -170,10 +198,7 @@ def fit_points(run_dirs, trust_kind: bool = False) -> list:
     directory that is not a finished run is a one-line error. A run's ``[model] kind`` imports
     no code unless it is built in, already loaded by the job being planned, or ``trust_kind``
     (installed packages only)."""
-    from hpcpar.analysis import load, scaling_table
-    from hpcpar.errors import ConfigError
-    from hpcpar.formats.jobspec import load_resolved
-    from hpcpar.parallel.grid import resolve_shape
+    from hpcpar.analysis import load, scaling_table  # deferred: loads pandas, numpy
 
     points = []
     for rd in run_dirs:
@@ -193,10 +218,6 @@ def largest_samples(job_file, sets, work, preds, machine) -> list[tuple]:
     """Per grid ``(grid, edge, peak bytes)``: the largest cubic sample edge (the job's channels
     and batch) whose predicted peak memory per rank fits the machine's ``mem_per_rank``;
     edge and peak None: no sample the model takes fits. Largest first."""
-    from hpcpar.errors import HpcparError
-    from hpcpar.plan.memory import HEADROOM, estimate, largest_edge
-    from hpcpar.plan.planner import BYTES, predict
-
     works = {work.sample_shape[1]: work}
 
     def at(size):

@@ -38,6 +38,7 @@ from pathlib import Path
 import tomlkit
 
 from hpcpar import _env
+from hpcpar._resources import data_dirs
 from hpcpar.errors import ConfigError
 from hpcpar.plan.memory import optimizer_states
 
@@ -382,7 +383,6 @@ def machines_dir() -> Path:
     folder = _env.get("HPCPAR_MACHINES")
     if folder:
         return Path(folder)
-    from hpcpar._resources import data_dirs
 
     dirs = [d / "machines" for d in data_dirs()]
     return next((d for d in dirs if d.is_dir()), dirs[-1] if dirs else Path("slurm/machines"))

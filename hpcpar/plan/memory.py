@@ -8,11 +8,15 @@ rule gives, so the rank that runs out first):
 * ``runtime``: the process itself (Python, torch, MPI, HDF5, Numba): :data:`RUNTIME_BYTES`;
 * ``params``: weights, gradients, the gradient sync's flat buckets (a copy of the gradients),
   optimizer state (Adam 2 copies, SGD 1) and the optimizer step's temporaries (1 copy): a
-  replicated dense head (CosmoFlow's first dense layer grows with the sample) weighs on every
-  rank alike, unless it is tensor-parallel (each rank then holds 1/spatial of it);
+  dense layer after a gather (CosmoFlow's first dense layer grows with the sample) weighs on
+  every rank alike; a split head (the same layer taking the flattened volume split,
+  :mod:`hpcpar.nn.split_head`) holds only the columns of this rank's voxels, and a
+  tensor-parallel one 1/spatial of it;
 * ``data``: the input batch in use and one prefetched, ``2 b C D H W / spatial``;
 * ``saved``: activations kept for backward, every layer's output (the spatial layers keep only
-  their input and the received ghost faces: :func:`hpcpar.parallel.halo.halo_stencil`);
+  their input and the received ghost faces: :func:`hpcpar.parallel.halo.halo_stencil`); with
+  ``[train] activation_checkpointing`` only each checkpointed segment's output, and the
+  transient adds the largest segment's outputs (recomputed in its backward);
 * ``transient``: backward holds a layer's output gradient next to its input gradient, twice
   the largest layer output.
 
@@ -25,7 +29,7 @@ killed, 8 ranks train, and this model says the same).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -90,12 +94,28 @@ def estimate(work: Workload, grid: tuple[int, int, int, int], nbytes: int = 4) -
     d, *parts = grid
     spatial = math.prod(parts)
     b = max(1, work.global_batch // d)
-    outs = [_local_out(layer, parts) * b * nbytes for layer in work.layers]
+    layers = [layer for layer in work.layers if layer.kind != "flatten"]  # a view: not kept
+    outs = [_local_out(layer, parts) * b * nbytes for layer in layers]
+    saved, recompute = _checkpointed([layer.segment for layer in layers], outs)
     opt = optimizer_states(work.optimizer)
     return MemoryEstimate(runtime=RUNTIME_BYTES,
-                          params=work.local_params(spatial) * 4 * (4 + opt),
+                          params=work.local_params(spatial, tuple(parts)) * 4 * (4 + opt),
                           data=2 * b * math.prod(work.sample_shape) * 4 / spatial,
-                          saved=float(sum(outs)), transient=2.0 * max(outs, default=0))
+                          saved=saved, transient=2.0 * max(outs, default=0) + recompute)
+
+
+def _checkpointed(segments: list[int], outs: Sequence[float]) -> tuple[float, float]:
+    """(kept, recomputed) bytes with activation checkpointing: a layer in a segment
+    (``segment >= 0``) keeps its output only when it ends the segment (the next one's
+    input); the largest segment's outputs exist again while its backward runs."""
+    kept = 0.0
+    per: dict[int, float] = {}
+    for i, (seg, size) in enumerate(zip(segments, outs)):
+        if seg < 0 or i + 1 == len(outs) or segments[i + 1] != seg:
+            kept += size
+        if seg >= 0:
+            per[seg] = per.get(seg, 0.0) + size
+    return float(kept), max(per.values(), default=0.0)
 
 
 def largest_edge(fits: Callable[[int], bool], smallest: int, limit: int = 1 << 14) -> int | None:

@@ -7,7 +7,9 @@ memory bandwidth; each class slowed by its measured contention and by time slici
 spatial layer's calibrated fixed cost per call), halo
 exchange (face bytes per split axis, one message per side, forward and backward), gradient
 allreduce (ring cost per hierarchy level, overlapped with backward except the last bucket),
-the gather feeding a replicated head, tensor-parallel dense layers (their GEMM shard and the
+the gather feeding a replicated head (or a split head's allreduce of its partial products:
+each rank multiplies its own voxels' weight columns, :mod:`hpcpar.nn.split_head`, and holds
+only those), tensor-parallel dense layers (their GEMM shard and the
 activation/weight collectives of :mod:`hpcpar.nn.tensor_parallel`; their gradients are reduced
 over the data axis only), I/O (overlapped by prefetch) and memory (runtime, activations
 kept for backward, the backward's transient, parameters, gradients, optimizer state). On
@@ -40,6 +42,7 @@ from hpcpar.plan.collectives import (
     ring_allreduce,
     ring_gather,
 )
+from hpcpar.plan.gnn import predict_graph
 from hpcpar.plan.machine import Link, Machine
 from hpcpar.plan.memory import HEADROOM
 from hpcpar.plan.memory import estimate as estimate_memory
@@ -82,12 +85,15 @@ def _halo_width(axis_halo, n: int, parts: int) -> int:
     return max(widths)
 
 
-def trace_layers(model: torch.nn.Module, sample_shape: Sequence[int]) -> list[Layer]:
+def trace_layers(model: torch.nn.Module, sample_shape: Sequence[int],
+                 checkpointing=False) -> list[Layer]:
     """The leaf layers of a plain model in call order, traced on torch's ``meta`` device.
 
     Args:
         model: The plain (not spatialized) model.
         sample_shape: Shape of one sample, e.g. ``(C, D, H, W)``.
+        checkpointing: ``[train] activation_checkpointing``: the layers of each segment
+            (:func:`hpcpar.nn.checkpointing.plan_segments`) get its index.
 
     Returns:
         The layers with per-sample shapes, parameters, FLOPs and halo functions.
@@ -121,7 +127,12 @@ def trace_layers(model: torch.nn.Module, sample_shape: Sequence[int]) -> list[La
         elif isinstance(mod, nn.Linear):
             state["spatial"] = False
             layers.append(Layer("linear", False, ins, outs, params,
-                                flops=2.0 * mod.in_features * mod.out_features))
+                                flops=2.0 * mod.in_features * mod.out_features,
+                                split=state.pop("flat", ())))
+        elif name == "Flatten" and state["spatial"] and len(ins) == 4:
+            # the next dense layer takes the volume split (hpcpar.nn.split_head)
+            layers.append(Layer("flatten", True, ins, outs, 0))
+            state["spatial"], state["flat"] = False, ins
         elif name in ("GatherPoint", "AdaptiveAvgPool3d", "Flatten"):
             if state["spatial"]:
                 layers.append(Layer("gather", True, ins, outs, 0))
@@ -131,9 +142,17 @@ def trace_layers(model: torch.nn.Module, sample_shape: Sequence[int]) -> list[La
         else:
             layers.append(Layer("pointwise", state["spatial"], ins, outs, params))
 
+    segment_of = _segment_index(model, checkpointing)
+
+    def tagged(mod, inputs, output):
+        n = len(layers)
+        hook(mod, inputs, output)
+        if len(layers) > n:
+            layers[-1].segment = segment_of.get(id(mod), -1)
+
     for mod in model.modules():
         if not list(mod.children()):
-            hooks.append(mod.register_forward_hook(hook))
+            hooks.append(mod.register_forward_hook(tagged))
     try:
         model = model.to("meta")
         with torch.no_grad():
@@ -142,6 +161,24 @@ def trace_layers(model: torch.nn.Module, sample_shape: Sequence[int]) -> list[La
         for h in hooks:
             h.remove()
     return layers
+
+
+def _segment_index(model, checkpointing) -> dict[int, int]:
+    """id(leaf module) -> index of the checkpointed segment holding it."""
+    if checkpointing is False or checkpointing is None:
+        return {}
+    from hpcpar.nn.checkpointing import plan_segments  # deferred: imports torch
+
+    out: dict[int, int] = {}
+    k = 0
+    for chain, sizes in plan_segments(model, checkpointing):
+        layers = list(chain)
+        start = 0
+        for n in sizes:
+            for layer in layers[start:start + n]:
+                out.update((id(m), k) for m in layer.modules())
+            start, k = start + n, k + 1
+    return out
 
 
 def mark_tensor_parallel(layers: list[Layer], min_features: int) -> list[Layer]:
@@ -242,6 +279,18 @@ def layer_cost(layer: Layer, b: int, grid: tuple, machine: Machine, link: Link,
     if layer.tp and not layer.spatial:
         cost.dense, cost.tp = tp_linear_time(layer, b, grid, machine, link)
         return cost
+    if layer.kind == "flatten":   # a view; every rank must hold some of the volume
+        for a, n in enumerate(layer.in_shape[1:]):
+            if parts[a] > n:
+                return f"axis {'xyz'[a]} has {n} voxels for {parts[a]} ranks"
+        return cost
+    if layer.split and spatial > 1:   # a split head: its columns, one allreduce of the output
+        share = layer.head_share(parts) / (math.prod(layer.split) * layer.out_shape[-1])
+        out = layer.out_shape[-1]
+        cost.dense = 3 * layer.flops * share * b / machine.gemm_rate(min(b, out))
+        cost.gather = ring_allreduce(b * out * nbytes, spatial, link)
+        cost.gather_syncs = 1
+        return cost
     in_elems = math.prod(layer.in_shape)
     if layer.spatial:   # hpcpar's own layer: a fixed cost per call no FLOP or byte carries
         cost.calls = machine.call_cost(layer.kind)
@@ -301,8 +350,6 @@ def predict(work: Workload, grid: tuple, machine: Machine) -> Prediction:
         The prediction; infeasible with a reason when the grid cannot run.
     """
     if work.graph is not None:
-        from hpcpar.plan.gnn import predict_graph
-
         return predict_graph(work, grid, machine)
     d, X, Y, Z = grid
     pred = Prediction(grid, True)
@@ -336,9 +383,11 @@ def predict(work: Workload, grid: tuple, machine: Machine) -> Prediction:
     t_calls *= machine.slowdown(on_node, ranks=d * spatial)
     pred.t_compute = t_dense * dense_factor + t_mem * mem_factor + t_calls
     pred.extra["t_calls"] = t_calls
-    # tensor-parallel shards are complete per rank: the sync averages them over data only
-    grad_bytes = (work.params - work.tp_params) * 4
-    tp_bytes = (work.local_params(spatial) - work.params + work.tp_params) * 4
+    # tensor-parallel shards and split heads' columns are complete per rank: the sync
+    # averages them over data only
+    local = work.local_params(spatial, (X, Y, Z))
+    grad_bytes = (work.params - work.tp_params - work.head_params) * 4
+    tp_bytes = (local - work.params + work.tp_params + work.head_params) * 4
     pred.t_allreduce = allreduce_time(grad_bytes, d * spatial, machine) + \
         allreduce_time(tp_bytes, d, machine)
     t_bwd = pred.t_compute * 2 / 3
@@ -358,7 +407,7 @@ def predict(work: Workload, grid: tuple, machine: Machine) -> Prediction:
     io_exposed = max(0.0, pred.t_io - pred.t_compute)
     pred.extra["memory"] = estimate_memory(work, grid, nbytes)   # the parts: plan.memory
     pred.mem_bytes = pred.extra["memory"].total
-    t_opt = machine.optimizer_time(work.optimizer, work.local_params(spatial), mem_factor)
+    t_opt = machine.optimizer_time(work.optimizer, local, mem_factor)
     pred.t_step = (pred.t_compute + pred.t_halo + pred.t_gather + pred.t_allreduce_exposed
                    + io_exposed + t_opt + pred.t_tp)
     pred.extra["io_exposed"] = io_exposed

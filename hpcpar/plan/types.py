@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from hpcpar.parallel.partition import split_sizes
+
 __all__ = ["BYTES", "Layer", "Workload", "Prediction"]
 
 #: bytes per element of each training precision
@@ -28,6 +30,10 @@ class Layer:
         flops: Forward FLOPs per sample (dense layers).
         halo: Per spatial axis, ``(n_in, parts, index) -> AxisHalo``.
         tp: A ``TensorParallelLinear`` over the grid's spatial group.
+        split: A split head (:mod:`hpcpar.nn.split_head`): the ``(C, D, H, W)`` of the
+            flattened split volume it takes, whose voxels' weight columns each rank holds.
+        segment: The checkpointed segment ([train] activation_checkpointing) the layer is
+            in, -1 for none: its output is recomputed in backward, not kept.
     """
 
     kind: str            # conv, convT, pool, bn, pointwise, linear, gather
@@ -38,6 +44,17 @@ class Layer:
     flops: float = 0.0   # forward FLOPs per sample (dense layers)
     halo: tuple = ()     # per spatial axis: (n_in, parts, index) -> partition.AxisHalo
     tp: bool = False     # a tensor-parallel Linear (weights split over the spatial group)
+    split: tuple = ()    # a split head: the (C, D, H, W) whose voxels' columns a rank holds
+    segment: int = -1    # checkpointed segment (activation_checkpointing), -1: none
+
+    def head_share(self, parts) -> int:
+        """Weights one rank holds of a split head (the largest piece of ``parts`` = (x, y,
+        z)); 0 for any other layer."""
+        if not self.split:
+            return 0
+        c, *vol = self.split
+        cols = c * math.prod(max(split_sizes(n, p)) for n, p in zip(vol, parts))
+        return self.out_shape[-1] * cols
 
 
 @dataclass
@@ -74,9 +91,20 @@ class Workload:
         """Parameters of the tensor-parallel layers (split over the spatial group)."""
         return sum(layer.params for layer in self.layers if layer.tp)
 
-    def local_params(self, spatial: int) -> int:
-        """Parameters one rank holds: tensor-parallel layers hold 1/spatial of theirs."""
-        return self.params - self.tp_params + math.ceil(self.tp_params / max(1, spatial))
+    @property
+    def head_params(self) -> int:
+        """Weights of the split heads (their columns split over the spatial group)."""
+        return sum(math.prod(layer.split) * layer.out_shape[-1] for layer in self.layers
+                   if layer.split)
+
+    def local_params(self, spatial: int, parts: tuple | None = None) -> int:
+        """Parameters one rank holds: tensor-parallel layers hold 1/spatial of theirs, a
+        split head the columns of the largest piece of ``parts`` (x, y, z; default: an even
+        1/spatial)."""
+        heads = (sum(layer.head_share(parts) for layer in self.layers) if parts is not None
+                 else math.ceil(self.head_params / max(1, spatial)))
+        return (self.params - self.tp_params - self.head_params
+                + math.ceil(self.tp_params / max(1, spatial)) + heads)
 
 
 @dataclass

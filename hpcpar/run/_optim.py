@@ -46,7 +46,7 @@ def build_training_optimizer(train, param_groups, wrapped):
     over each parameter's replicas by the gradient sync ``wrapped`` (hpcpar.sync.sharded)."""
     if not getattr(train, "shard_optimizer", False):
         return build_optimizer(train, param_groups)
-    from hpcpar.sync.sharded import ShardedOptimizer
+    from hpcpar.sync.sharded import ShardedOptimizer  # deferred: loads torch, numpy
 
     return ShardedOptimizer(wrapped, lambda groups: build_optimizer(train, groups), param_groups)
 

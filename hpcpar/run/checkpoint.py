@@ -34,6 +34,9 @@ methods: ``module.full_state_dict()`` returns the gathered single-process entrie
 
 from __future__ import annotations
 
+import copy
+import hashlib
+import io
 import json
 import os
 import random
@@ -220,9 +223,6 @@ def _fsync_path(path) -> None:
 def _save(obj, path: Path) -> dict:
     """Write ``obj`` to ``path`` durably; its checksum is taken from the bytes written (no
     second read of the file: a checkpoint every step pays for every pass over its bytes)."""
-    import hashlib
-    import io
-
     import torch
 
     buf = io.BytesIO()
@@ -381,8 +381,6 @@ def in_memory(obj: Any) -> Any:
     Returns:
         The copy.
     """
-    import copy
-
     import torch
 
     if isinstance(obj, torch.Tensor):
@@ -870,7 +868,25 @@ def full_optimizer_state(model: Any, optimizer: Any) -> dict:
             for name, i, p in params:
                 if key in optimizer.state.get(p, {}):
                     state[i] = dict(state[i], **{key: full[name].detach().cpu().clone()})
+    for i, _, info, keys in _column_state(optimizer):
+        state[i] = dict(state[i], **{k: info.gather(state[i][k]).cpu() for k in keys})
     return dict(sd, state=state)
+
+
+def _column_state(optimizer: Any):
+    """(index in the optimizer's state_dict, parameter, its column split, state keys) of each
+    split head's weight (:mod:`hpcpar.nn.split_head`: cut to this rank's columns), in the same
+    order on every rank; the keys are those of its per-element state."""
+    from hpcpar.nn.split_head import column_split  # deferred: loads torch, numpy
+
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for i, p in enumerate(params):
+        info = column_split(p)
+        st = optimizer.state.get(p, {})
+        if info is not None and st:
+            yield i, p, info, sorted(k for k, v in st.items()
+                                     if hasattr(v, "dim") and v.dim() == 2 and v.shape[0] ==
+                                     p.shape[0])
 
 
 def load_full_optimizer_state(model: Any, optimizer: Any, saved: dict) -> None:
@@ -902,6 +918,11 @@ def load_full_optimizer_state(model: Any, optimizer: Any, saved: dict) -> None:
             for name, _, p in params:
                 if name in given:
                     optimizer.state[p][key] = scratch[name]
+    for _, p, info, keys in _column_state(optimizer):
+        st = optimizer.state[p]
+        for k in keys:
+            if st[k].shape[-1] == info.features:   # saved whole: this rank's columns
+                st[k] = info.take(st[k]).contiguous()
 
 
 def load(path: str | os.PathLike, rank: int) -> tuple[dict, dict, dict, dict]:

@@ -30,7 +30,8 @@ def norm_share(model: torch.nn.Module, grid: ProcessGrid) -> list[torch.nn.Param
     Data replicas hold equal gradients after the sync, so only data index 0 counts. Inside it
     a replicated parameter counts on spatial rank 0; a ``TensorParallelLinear`` weight shard
     counts where the layer says its piece is this rank's own
-    (``TensorParallelLinear.owns_piece``).
+    (``TensorParallelLinear.owns_piece``); a split head's weight (cut to this rank's columns,
+    :mod:`hpcpar.nn.split_head`) counts on every spatial rank.
 
     Args:
         model: The model (a wrapper's ``module`` is used).
@@ -58,11 +59,13 @@ def spatial_share(model: torch.nn.Module, grid: ProcessGrid):
     Returns:
         A predicate on parameters.
     """
-    from hpcpar.nn.tensor_parallel import TensorParallelLinear
+    from hpcpar.nn.split_head import column_split  # deferred: loads torch, numpy
+    from hpcpar.nn.tensor_parallel import TensorParallelLinear  # deferred: loads torch, numpy
 
     model = getattr(model, "module", model)
     pieces = {id(p): mod.owns_piece(p) for mod in model.modules()
               if isinstance(mod, TensorParallelLinear) for p in mod.parameters(recurse=False)}
+    pieces.update((id(p), True) for p in model.parameters() if column_split(p) is not None)
     first = not any(grid.spatial_coords)
     return lambda p: pieces.get(id(p), first)
 

@@ -12,6 +12,7 @@ matching keys load, the others are one warning line. A shape mismatch is always 
 from __future__ import annotations
 
 import os
+import pickle
 from typing import Any
 
 from hpcpar.errors import ConfigError
@@ -34,8 +35,6 @@ def read_state_dict(path: str | os.PathLike) -> dict:
         ConfigError: Missing, unreadable, refused by ``weights_only`` or not a mapping of
             names to tensors (one line naming the file).
     """
-    import pickle
-
     import torch
 
     where = f"[train] init_from {os.fspath(path)!r}"

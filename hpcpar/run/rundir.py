@@ -35,7 +35,9 @@ from pathlib import Path
 
 import filelock
 
-from hpcpar.errors import RunDirError
+from hpcpar.errors import HpcparError, RunDirError
+from hpcpar.formats.jobspec import build_job
+from hpcpar.formats.records import SCHEMA_NAME, SCHEMA_VERSION, now_iso, write_json_atomic
 
 __all__ = ["LOCK_NAME", "RESUME_FREE", "RUN_ENTRIES", "RunLock", "is_run_dir", "check_run_dir",
            "settings_diff", "describe_diff", "check_settings", "finished_status", "move_aside",
@@ -90,7 +92,6 @@ def is_run_dir(run_dir: str | os.PathLike) -> bool:
         True for an empty directory or a run directory.
     """
     d = Path(run_dir)
-    from hpcpar.formats.records import SCHEMA_NAME
 
     return (all(_own(p.name) and _empty(p) for p in d.iterdir()) or (d / LOCK_NAME).exists()
             or _json_dict(d / "meta.json").get("schema") == SCHEMA_NAME
@@ -342,9 +343,6 @@ def check_settings(run_dir: str | os.PathLike, job: dict) -> list:
 def _with_new_defaults(old: dict) -> dict:
     """A job.json written before keys were added gets their defaults (a key this hpcpar
     added is not a changed setting); left as it is when it no longer validates."""
-    from hpcpar.errors import HpcparError
-    from hpcpar.formats.jobspec import build_job
-
     try:
         return build_job(old, untrusted=True).to_dict()  # never import its kind's module
     except (HpcparError, TypeError, AttributeError):
@@ -458,8 +456,6 @@ def mark_ended(run_dir: str | os.PathLike, reason: str, status: str = "failed",
         final: False for a stop that is under way (no end time: the ranks' own ending, or a
             later failure, still replaces it).
     """
-    from hpcpar.formats.records import SCHEMA_NAME, SCHEMA_VERSION, now_iso, write_json_atomic
-
     path = Path(run_dir) / "meta.json"
     try:
         meta = json.loads(path.read_text())

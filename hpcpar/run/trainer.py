@@ -21,13 +21,18 @@ the scale backs off alike everywhere, and the run goes on.
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import random
+import resource
 import signal
 import sys
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,9 +48,22 @@ from hpcpar.errors import (
     DivergedError,
     HpcparError,
 )
+from hpcpar.formats.jobspec import load_resolved, profile_window
+from hpcpar.formats.records import RunRecorder, row_from_counters, write_json_atomic
+from hpcpar.parallel.counters import COUNTERS
+from hpcpar.parallel.grid import ProcessGrid
+from hpcpar.parallel.placement import rank_info, select_device
 from hpcpar.run import checkpoint as ckpt
-from hpcpar.run import rundir
+from hpcpar.run import init_weights, rundir
+from hpcpar.run._optim import build_scheduler, build_training_optimizer
+from hpcpar.run.callbacks import job_callbacks
+from hpcpar.run.checkpoint_writer import CheckpointWriter
+from hpcpar.run.grad_clip import clip_, norm_share, spatial_share, squared_norm
+from hpcpar.run.loss_scale import LossScaler
+from hpcpar.run.profiling import ProfileWindow
 from hpcpar.run.signals import StopRequest
+from hpcpar.run.workloads.base import get_workload
+from hpcpar.sync.replicas import check_replicas
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -159,8 +177,6 @@ def seed_all(seed: int) -> None:
     Args:
         seed: The seed (taken modulo 2**32 for NumPy).
     """
-    import random
-
     import numpy as np
     import torch
 
@@ -182,7 +198,6 @@ def peak_memory(device: torch.device) -> float:
 
     if device.type == "cuda":
         return float(torch.cuda.max_memory_allocated(device))
-    import resource
 
     return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024.0
 
@@ -219,11 +234,6 @@ class Trainer:
                  start_from: str | os.PathLike | None = None):
         import torch
 
-        from hpcpar.parallel.grid import ProcessGrid
-        from hpcpar.parallel.placement import select_device
-        from hpcpar.run._optim import build_scheduler, build_training_optimizer
-        from hpcpar.run.workloads.base import get_workload
-
         self.job = job
         self.run_dir = Path(run_dir)
         self.grid = ProcessGrid.from_spec(job.grid_shape, comm=comm)
@@ -235,6 +245,10 @@ class Trainer:
         seed_all(job.train.seed)
         self.workload = get_workload(job.model.kind)(job, self.grid, self.device)
         self.model = self.workload.build_model()
+        if job.train.activation_checkpointing is not False:
+            from hpcpar.nn.checkpointing import checkpoint_activations  # deferred: loads torch
+
+            checkpoint_activations(self.model, job.train.activation_checkpointing)
         self.spe = int(self.workload.steps_per_epoch())
         self.accumulate = int(job.train.accumulate)
         self.total = total_steps(job, self.spe)
@@ -247,8 +261,6 @@ class Trainer:
         self.autocast = torch.autocast(self.device.type, dtype=half) if half else None
         self.scaler = None                 # [train] precision = "fp16": the agreed loss scale
         if job.train.precision == "fp16":
-            from hpcpar.run.loss_scale import LossScaler
-
             self.scaler = LossScaler()
         self.step = 0
         self.history: list[list] = []      # [step, mean loss] at log points
@@ -260,8 +272,6 @@ class Trainer:
         self._norm_share = None            # [train] clip_grad_norm: this rank's share
         self._sharded = hasattr(self.optimizer, "norm_params")  # [train] shard_optimizer
         if job.train.clip_grad_norm:
-            from hpcpar.run.grad_clip import norm_share, spatial_share
-
             self._norm_share = (norm_share(self.model, self.grid) if not self._sharded
                                 else spatial_share(self.model, self.grid))
         if start_from is not None:
@@ -270,16 +280,12 @@ class Trainer:
             self._resume()
         if self.resumed_from is None and job.train.init_from:
             self._init_weights(job.train.init_from)
-        from hpcpar.formats.jobspec import profile_window
-        from hpcpar.run.callbacks import job_callbacks
-        from hpcpar.run.profiling import ProfileWindow
 
         self.callbacks = job_callbacks(job) + list(callbacks or [])
         self.profiler = ProfileWindow(profile_window(job.profile.steps),
                                       self.run_dir / "profile", self.rank,
                                       torch.device(self.device).type,
                                       job.profile.record_shapes, job.profile.memory)
-        from hpcpar.run.checkpoint_writer import CheckpointWriter
 
         self.writer = CheckpointWriter(self.ckpt_dir, self.comm, job.checkpoint.keep,
                                        background=getattr(job.checkpoint, "async"))
@@ -342,8 +348,6 @@ class Trainer:
         """Collective: start this new run from plain single-process weights
         (``[train] init_from``, :mod:`hpcpar.run.init_weights`); every rank reads the file and
         all raise the first rank's error alike."""
-        from hpcpar.run import init_weights
-
         expected = ckpt.full_state_dict(self.model)
         fitted, error = None, None
         try:
@@ -426,12 +430,8 @@ class Trainer:
         many ranks saw a non-finite loss or gradient (so all ranks act alike: a NaN on one
         rank never leaves the others waiting) and, with ``clip_grad_norm``, the squared
         global gradient norm (each rank adds its share: :mod:`hpcpar.run.grad_clip`)."""
-        import math
-
         import numpy as np
         from mpi4py import MPI
-
-        from hpcpar.run.grad_clip import squared_norm
 
         bad_loss = not math.isfinite(loss)
         counted = self._norm_params()
@@ -447,8 +447,6 @@ class Trainer:
     def _describe_nonfinite(self, loss: float) -> str:
         """Collective (only called when some rank saw a non-finite value): which ranks and what,
         for the one-line message."""
-        import math
-
         mine = (not math.isfinite(loss), not self._grads_ok)
         seen = self.comm.allgather(mine)
         what = []
@@ -467,8 +465,6 @@ class Trainer:
         unless some rank saw a non-finite value (under fp16, the loss scale's update with
         that agreed flag). Returns (record row: phases summed over the
         micro-batches, local loss: their mean, verdict)."""
-        from hpcpar.parallel.counters import COUNTERS
-
         t_start = t0 = time.perf_counter()
         before = COUNTERS.snapshot()
         t_data = t_fwd = t_bwd = 0.0
@@ -509,7 +505,6 @@ class Trainer:
         self._sync()
         t5 = time.perf_counter()
         t_check = self._maybe_check_replicas()
-        from hpcpar.formats.records import row_from_counters
 
         row = row_from_counters(COUNTERS.since(before))
         exposed = row.get("t_allreduce_exposed", 0.0)
@@ -529,7 +524,6 @@ class Trainer:
         if stepped:
             self.scheduler.step()
             return
-        import warnings
 
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)` before",
@@ -553,8 +547,6 @@ class Trainer:
 
     def _micro_context(self, micro: int):
         """No gradient sync before the last micro-batch of an optimizer step."""
-        from contextlib import nullcontext
-
         return self.wrapped.no_sync() if micro < self.accumulate - 1 else nullcontext()
 
     def _clip(self, verdict: Verdict) -> None:
@@ -562,8 +554,6 @@ class Trainer:
         (``verdict.grad_norm``, summed in the agreement allreduce)."""
         limit = self.job.train.clip_grad_norm
         if limit:
-            from hpcpar.run.grad_clip import clip_
-
             clip_(self._grad_params(), limit, verdict.grad_norm)
 
     def _grad_params(self) -> list:
@@ -585,13 +575,14 @@ class Trainer:
         every = self.job.train.check_replicas_every
         if not every or (self.step + 1) % every:
             return 0.0
-        from hpcpar.nn.tensor_parallel import TensorParallelLinear
-        from hpcpar.sync.replicas import check_replicas
+        from hpcpar.nn.split_head import column_split  # deferred: loads torch, numpy
+        from hpcpar.nn.tensor_parallel import TensorParallelLinear  # deferred: loads torch, numpy
 
         t0 = time.perf_counter()
         shards = frozenset(f"{m}.{n}".lstrip(".") for m, mod in self.model.named_modules()
                            if isinstance(mod, TensorParallelLinear)
                            for n, _ in mod.named_parameters(recurse=False))
+        shards |= {n for n, p in self.model.named_parameters() if column_split(p) is not None}
         check_replicas(self.model, self.grid, shards)
         return time.perf_counter() - t0
 
@@ -673,8 +664,6 @@ class Trainer:
             getattr(cb, name)(self, *args)
 
     def _open_recorder(self):
-        from hpcpar.formats.records import RunRecorder
-
         job = self.job
         resume = self.step > 0 or (self.run_dir / "meta.json").exists()
         recorder = RunRecorder(self.run_dir, self.grid, resume=resume, meta={
@@ -855,8 +844,6 @@ class Trainer:
                                      if k.startswith(("val_", "test_")) and isinstance(v, float)})
         recorder.finish("ok")
         if self.rank == 0:
-            from hpcpar.formats.records import write_json_atomic
-
             if self.skipped:
                 recorder.update_meta(lambda m: m.update(skipped_steps=self.skipped))
 
@@ -869,8 +856,6 @@ class Trainer:
 
     def _final_metrics(self, loop: _LoopState) -> dict:
         """Collective: the metrics.json contents (final evaluation included)."""
-        import math
-
         metrics = self.evaluate(final=True)
         wall = time.perf_counter() - loop.t_start
         total_samples = self.comm.allreduce(loop.samples_done) / max(1, self.grid.spatial_size)
@@ -1011,8 +996,6 @@ def _printed_by_root(msg: str, timeout: float = 10.0) -> None:
     rank that exited first would let the launcher kill rank 0 before its line is out (the
     run then ends with the error's exit code and no message). Bounded: a rank that is not
     there after ``timeout`` seconds is not waited for."""
-    import time
-
     from mpi4py import MPI
 
     if msg:
@@ -1060,12 +1043,9 @@ def main(argv: Sequence[str] | None = None,
     ap.add_argument("--no-resume", dest="resume", action="store_false")
     ap.add_argument("--from", dest="start_from", default=None)
     args = ap.parse_args(argv)
-    from hpcpar.parallel.placement import rank_info
 
     rank = rank_info().rank
     try:
-        from hpcpar.formats.jobspec import load_resolved
-
         job = load_resolved(args.job_json)
         result = train(job, args.run_dir, resume=args.resume, start_from=args.start_from)
     except HpcparError as exc:

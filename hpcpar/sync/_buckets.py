@@ -38,6 +38,7 @@ import torch
 from hpcpar import _env
 from hpcpar.parallel.buffers import as_buffer, free_at_exit, message_buffer
 from hpcpar.sync._compression import accumulation_dtype, fold
+from hpcpar.sync._torchdist import TorchWork, process_group
 
 MB = 1 << 20
 #: buckets whose other ranks' copies total at most this many bytes take the one-round path
@@ -281,8 +282,6 @@ class TorchGroup:
     shared = False
 
     def __init__(self, comm, divisor: int, backend: str, device=None):
-        from hpcpar.sync._torchdist import process_group
-
         self.comm = comm
         self.size = comm.Get_size()
         self.rank = comm.Get_rank()
@@ -300,8 +299,6 @@ class TorchGroup:
 
     def reduce(self, bucket: Bucket):
         """Generator: yields one work item; when exhausted, ``bucket.flat`` holds the result."""
-        from hpcpar.sync._torchdist import TorchWork
-
         wire = bucket.wire
         if wire is not bucket.flat:
             wire.copy_(bucket.flat)

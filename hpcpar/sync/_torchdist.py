@@ -20,6 +20,7 @@ import datetime
 import socket
 
 import torch
+import torch.distributed as dist
 
 from hpcpar.errors import CommError, ConfigError
 from hpcpar.parallel.buffers import free_at_exit
@@ -55,7 +56,6 @@ def check_grad_sync(grad_sync: str, devices: set) -> str | None:
             raise ConfigError(f"DistributedDataParallel: grad_sync='nccl' needs the model on a "
                               f"CUDA device (its parameters are on {where}); use "
                               f"grad_sync='mpi'")
-        import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_nccl_available()):
             raise ConfigError("DistributedDataParallel: grad_sync='nccl' but this torch "
@@ -129,8 +129,6 @@ def process_group(comm, backend: str, device: torch.device | None = None,
         CommError: The store could not be opened or reached, or two ranks share one GPU
             under NCCL.
     """
-    import torch.distributed as dist
-
     rank, size = comm.Get_rank(), comm.Get_size()
     if backend == "nccl":
         assert device is not None, "grad_sync='nccl' needs this rank's CUDA device"

@@ -20,12 +20,14 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from hpcpar._units import parse_bytes
+from hpcpar.launch.mpiexec import find_mpiexec
 
 __all__ = ["ROOT", "available", "parse_size", "MemoryGroup", "run_limited", "mpiexec_wrapper",
            "main"]
@@ -172,10 +174,6 @@ def mpiexec_wrapper(path: Path, limit: int, report: Path | None = None) -> Path:
     Returns:
         ``path``.
     """
-    import shlex
-
-    from hpcpar.launch.mpiexec import find_mpiexec
-
     real = find_mpiexec()
     tail = ["--report", str(report)] if report else []
     wrap = shlex.join([sys.executable, "-m", "hpcpar.testing.memlimit", "--limit", str(limit),

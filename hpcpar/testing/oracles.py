@@ -22,6 +22,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from hpcpar.graph.metrics import masked_loss, split_metrics
+from hpcpar.models import GCN
+from hpcpar.nn.split import local
+from hpcpar.parallel.comm import allreduce_, sum_grads_
+from hpcpar.parallel.grid import ProcessGrid
+from hpcpar.parallel.partition import part_range
+from hpcpar.parallel.spatial import local_slices
+
 __all__ = ["PROCESS_GRIDS", "SPATIAL_GRIDS", "idle_barrier", "on_grids", "on_subgrid",
            "one_rank_grid", "randn", "tol", "close", "rel_err", "batch_slice", "spatial_slices",
            "check_layer", "compare_with_twin", "cover", "CORA_NPZ", "load_cora", "dense_operators",
@@ -51,8 +59,6 @@ def on_grids(comm, specs, fn) -> None:
     """Run ``fn(grid)`` for each (data, x, y, z) spec on the first prod(spec) ranks."""
     from mpi4py import MPI
 
-    from hpcpar.parallel.grid import ProcessGrid
-
     for spec in specs:
         n = math.prod(spec)
         if n > comm.Get_size():
@@ -69,8 +75,6 @@ def on_grids(comm, specs, fn) -> None:
 
 def on_subgrid(comm, data, dims, fn) -> None:
     """Run ``fn(grid)`` on the first data*X*Y*Z ranks of ``comm``; the others wait politely."""
-    from hpcpar.parallel.grid import ProcessGrid
-
     need = data * dims[0] * dims[1] * dims[2]
     if need > comm.Get_size():
         return
@@ -89,8 +93,6 @@ def on_subgrid(comm, data, dims, fn) -> None:
 def one_rank_grid():
     from mpi4py import MPI
 
-    from hpcpar.parallel.grid import ProcessGrid
-
     return ProcessGrid(1, 1, 1, 1, comm=MPI.COMM_SELF)
 
 
@@ -106,8 +108,6 @@ def tol(dtype):
 def close(got, want, what, slack=1.0):
     """max |got - want| <= slack * tol * max |want| (relative to the output scale); a split
     ``got`` is compared by this rank's piece."""
-    from hpcpar.nn.split import local
-
     got = local(got)
     assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
     scale = want.abs().max().item() if want.numel() else 0.0
@@ -118,8 +118,6 @@ def close(got, want, what, slack=1.0):
 
 def rel_err(a, b):
     """max |a - b| / max |b|; a split ``a`` by this rank's piece."""
-    from hpcpar.nn.split import local
-
     a = local(a)
     scale = b.abs().max().item() if b.numel() else 0.0
     return (a - b).abs().max().item() / max(scale, 1e-30) if a.numel() else 0.0
@@ -134,8 +132,6 @@ def batch_slice(n_global, grid):
 def spatial_slices(spatial_shape, grid):
     """This rank's piece of an (N, C, *spatial_shape) tensor, from the partition rule itself
     (independent of hpcpar.parallel.spatial.local_slices)."""
-    from hpcpar.parallel.partition import part_range
-
     return (slice(None), slice(None), *(
         slice(*part_range(n, p, i))
         for n, p, i in zip(spatial_shape, grid.spatial_shape, grid.spatial_coords)))
@@ -145,9 +141,6 @@ def check_layer(grid, ref, sp, x, seed, what, whole_batch=False):
     """Forward, input gradient and summed parameter gradients of spatial layer ``sp`` vs
     torch layer ``ref`` (same weights) on the global batch ``x``. Each data group takes its
     share of the batch; ``whole_batch``: the reference sees all of it (statistics over data)."""
-    from hpcpar.parallel.comm import allreduce_
-    from hpcpar.parallel.spatial import local_slices
-
     bs = batch_slice(x.shape[0], grid)
     xr = (x if whole_batch else x[bs]).clone().requires_grad_()
     yr = ref(xr)
@@ -173,8 +166,6 @@ def compare_with_twin(grid, twin, spatial, shape, channels, dtype, seed=0, batch
     """Forward, input grad and summed parameter grads of ``spatial`` vs ``twin`` on a seeded
     global batch of spatial ``shape`` (each data group its own batch); with
     ``memory_format``, both inputs in that memory format."""
-    from hpcpar.parallel.comm import allreduce_
-
     tol_ = FP32_TOL if dtype == torch.float32 else FP64_TOL
     twin = twin.to(dtype)
     spatial.load_state_dict(twin.state_dict())  # the twin's state_dict loads as is
@@ -259,7 +250,7 @@ def dense_operators(edge_index, n, dtype=torch.float64):
 
 def reference_dropout(t, p, seed, call, layer):
     """Dropout with the masks of global vertex ids (hpcpar.graph.dropout.keep_mask)."""
-    from hpcpar.graph.dropout import keep_mask
+    from hpcpar.graph.dropout import keep_mask  # deferred: loads numba
 
     if p == 0:
         return t
@@ -289,10 +280,6 @@ def gnn_loss(logits, y, train_mask):
 def train_cora(graph, seed: int, epochs: int = 200) -> dict:
     """Train the Kipf & Welling GCN on ``graph`` (row-normalised Cora; 2 layers, 16 hidden,
     dropout 0.5, Adam lr 0.01, weight decay 5e-4 on layer 1); final val/test accuracy."""
-    from hpcpar.graph.metrics import masked_loss, split_metrics
-    from hpcpar.models import GCN
-    from hpcpar.parallel.comm import sum_grads_
-
     torch.manual_seed(seed)
     model = GCN(graph.num_features, 16, graph.num_classes, dropout=0.5, seed=seed)
     opt = torch.optim.Adam([{"params": model.convs[0].parameters(), "weight_decay": 5e-4},

@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -35,6 +36,7 @@ from typing import Self, TypeVar
 import pytest
 
 from hpcpar.launch.submit import parse_scontrol, plan_submit, submit
+from hpcpar.run.workloads.base import register_workload
 
 __all__ = ["DAEMONS", "CLIENTS", "NODE_CPUS", "PARTITION", "TERMINAL", "SlurmUnavailable",
            "slurm_conf", "SlurmCluster", "TEST_KIND", "TEST_JOB", "STUB_PYTHON",
@@ -322,7 +324,6 @@ class SlurmCluster:
         comp = self.root / "jobcomp.txt"
         if not comp.exists():
             return
-        import re
 
         for job_id in set(re.findall(r"JobId=(\d+)", comp.read_text(errors="replace"))):
             for step in range(steps):
@@ -466,8 +467,6 @@ def tiny_job(data_dir: Path) -> list[str]:
 
 def register_test_kind() -> None:
     """A model kind without parameters, so job validation does not depend on real models."""
-    from hpcpar.run.workloads.base import register_workload
-
     class SbatchTestKind:
         model_params: dict = {}
         data_params: dict = {}

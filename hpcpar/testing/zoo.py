@@ -377,7 +377,8 @@ class AdaptiveGrid(nn.Module):
 
 
 class FlattenHead(nn.Module):
-    """A dense layer on the flattened split volume with no global reduction: refused."""
+    """A dense layer on the flattened split volume with no global reduction: the split head
+    (each rank multiplies its voxels' weight columns; hpcpar.nn.split_head)."""
 
     def __init__(self, c=2, size=(8, 9, 7)):
         super().__init__()
@@ -452,7 +453,7 @@ ZOO = {
     "channel_pad": (ChannelPad, 2, (9, 7, 8), mse, "like", "exact"),
     "unet_valid_crop": (UNetValidCrop, 1, (16, 14, 15), ce, "class", "exact"),
     "adaptive_grid": (AdaptiveGrid, 2, (9, 8, 7), mse, "like", "exact"),
-    "flatten_head": (FlattenHead, 2, (8, 9, 7), ce, "class", "refused"),
+    "flatten_head": (FlattenHead, 2, (8, 9, 7), ce, "class", "exact"),
     "rolled": (Rolled, 2, (8, 9, 7), mse, "like", "refused"),
     "view_merge": (ViewMerge, 2, (8, 9, 7), mse, "like", "refused"),
     "dropout_net": (DropoutNet, 2, (8, 9, 7), mse, "like", "exact"),

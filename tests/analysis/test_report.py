@@ -16,7 +16,7 @@ from hpcpar import _env
 from hpcpar.analysis import synthetic_run
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "report" / "headline.md"
-PLOTS = ("speedup", "efficiency", "breakdown", "step_times", "throughput", "resources",
+PLOTS = ("speedup", "efficiency", "breakdown", "step_times", "throughput", "bytes", "memory",
          "imbalance")
 
 

@@ -533,9 +533,10 @@ def test_spatial_and_data_parallel_over_nodes_equals_one_process(node_sweep, tmp
 
 
 def test_job_that_loses_a_node_resumes_on_the_rest_with_a_smaller_data_axis(tmp_path):
-    """A 2-node training job whose second node dies mid-run ends (no hang) with a message;
-    `hpcpar run` on the remaining node resumes from its last checkpoint on grid 1x2x1x1
-    (checkpoints do not depend on the data width) and finishes."""
+    """A 2-node training job (grid 2x2x1x1) whose second node dies mid-run ends (no hang)
+    with a message; `hpcpar run` on the remaining node resumes from its last checkpoint on
+    grid 1x1x2x1 (checkpoints depend on neither the data width nor the spatial split: the
+    volume is now split along y, not x) and finishes."""
     cluster = start_or_skip(VirtualCluster(tmp_path / "c", nodes=2,
                                            state_file=tmp_path / "state.json"),
                             "the virtual cluster")
@@ -563,14 +564,14 @@ def test_job_that_loses_a_node_resumes_on_the_rest_with_a_smaller_data_axis(tmp_
         assert last < TINY_STEPS and done["status"] != "ok"
         again = tmp_path / "again.out"
         cmd = " ".join([sys.executable, "-m", "hpcpar.cli", "run", str(DEMO), "--run-dir",
-                        str(run), "--grid", "1x2x1x1", *[f"--set {s}" for s in sets]])
+                        str(run), "--grid", "1x1x2x1", *[f"--set {s}" for s in sets]])
         job = cluster.sbatch("--nodes=1", "--ntasks-per-node=2", "--nodelist=node1",
                              f"--output={again}", f"--chdir={tmp_path}", "--wrap", cmd)
         info = cluster.wait(job, 240)
         text = again.read_text()
         assert info["JobState"] == "COMPLETED", text
         meta = json.loads((run / "meta.json").read_text())
-        assert meta["status"] == "ok" and meta["grid_spec"] == "1x2x1x1", text
+        assert meta["status"] == "ok" and meta["grid_spec"] == "1x1x2x1", text
         assert meta["segments"][-1]["first_step"] == last, (meta["segments"], text)
         assert f"resumed from step-{last:06d}" in text, text
         assert (run / "checkpoints" / f"step-{TINY_STEPS:06d}").is_dir()

@@ -15,6 +15,7 @@ def check_model(grid, model, x, seed, what, replicated_output=False):
     """fp32 gradients of whole models are sums over every voxel of several layers: allow
     10x the single-layer tolerance there (fp64 keeps the tight one)."""
     from hpcpar.nn import local, spatialize
+    from hpcpar.nn.split_head import column_split
     from hpcpar.parallel.comm import allreduce_
     from hpcpar.parallel.spatial import local_slices
     from hpcpar.sync.tags import reduce_scope
@@ -34,7 +35,10 @@ def check_model(grid, model, x, seed, what, replicated_output=False):
     assert names == list(ref), f"{what}: parameter names differ"
     for name, p in sp.named_parameters():
         g = p.grad.clone()
-        if reduce_scope(p) == "spatial+data":
+        cut = column_split(p)   # a split head's weight: this rank's columns
+        if cut is not None:
+            g = cut.gather(g)
+        elif reduce_scope(p) == "spatial+data":
             allreduce_(g, grid.spatial_comm)
         close(g, ref[name].grad, f"{what}: grad of {name} ({reduce_scope(p)})", slack)
     # the buffers (BN running statistics) follow the whole-volume model too

@@ -49,6 +49,7 @@ def _run(grid, name, seed=0):
     from hpcpar.errors import LayerError
     from hpcpar.nn import local, spatialize, split_like
     from hpcpar.nn.split import is_split
+    from hpcpar.nn.split_head import column_split
     from hpcpar.parallel.comm import allreduce_
 
     factory, c, size, loss_fn, kind, _ = ZOO[name]
@@ -86,6 +87,8 @@ def _run(grid, name, seed=0):
     for pname, p in model.module.named_parameters():
         want = ref_params[pname].grad
         got = p.grad if p.grad is not None else torch.zeros_like(p)
+        cut = column_split(p)   # a split head's weight: this rank's columns
+        got = cut.gather(got) if cut is not None else got
         _close(got, want if want is not None else torch.zeros_like(p), f"{what}: grad {pname}")
     return "exact", ""
 

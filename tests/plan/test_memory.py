@@ -1,5 +1,6 @@
-"""``hpcpar.plan.memory``: the per-rank memory estimate splits activations over the spatial
-ranks but not the replicated parts, and the largest-edge search finds the boundary."""
+"""``hpcpar.plan.memory``: the per-rank memory estimate splits activations and the split
+head's weight over the spatial ranks but not the replicated parts, and the largest-edge search
+finds the boundary."""
 
 import pytest
 
@@ -9,21 +10,28 @@ from hpcpar.plan import memory
 from hpcpar.plan.planner import Workload, trace_layers
 
 
-def work(edge=64, batch=1):
-    layers = trace_layers(CosmoFlow.small(input_size=edge), (4, edge, edge, edge))
+def work(edge=64, batch=1, gather=False):
+    layers = trace_layers(CosmoFlow.small(input_size=edge, gather=gather),
+                          (4, edge, edge, edge))
     return Workload("cf", layers, (4, edge, edge, edge), batch, optimizer="adam")
 
 
-def test_activations_split_over_spatial_ranks_params_do_not():
-    w = work()
+@pytest.mark.parametrize("gather", [False, True])
+def test_activations_split_over_spatial_ranks_params_do_not(gather):
+    w = work(gather=gather)
     one, eight = memory.estimate(w, (1, 1, 1, 1)), memory.estimate(w, (1, 2, 2, 2))
     assert eight.saved == pytest.approx(one.saved / 8, rel=0.02)
     assert eight.transient == pytest.approx(one.transient / 8)
     assert eight.data == pytest.approx(one.data / 8)
-    assert eight.params == one.params == w.params * 4 * 6     # adam: w, g, bucket, 2 state, tmp
+    assert one.params == w.params * 4 * 6     # adam: w, g, bucket, 2 state, tmp
+    # the split head holds the columns of its voxels (8^3 of 32 channels, 64 outputs)
+    head = 0 if gather else 32 * 8 ** 3 * 64
+    assert w.head_params == head
+    assert eight.params == (w.params - head + head // 8) * 4 * 6
     assert eight.runtime == one.runtime == memory.RUNTIME_BYTES
     # data parallel: each replica holds the whole sample of its share of the batch
-    assert memory.estimate(work(batch=2), (2, 1, 1, 1)).total == pytest.approx(one.total)
+    assert memory.estimate(work(batch=2, gather=gather), (2, 1, 1, 1)).total == \
+        pytest.approx(one.total)
 
 
 def test_uneven_split_counts_the_largest_piece():
@@ -79,3 +87,35 @@ def test_cli_prints_the_largest_sample_per_grid(tmp_path, cli_group):
                                        "--memory-budget", "lots", *sets])
     assert isinstance(r.exception, ConfigError), r.output      # the CLI's one-line error
     assert str(r.exception).startswith("--memory-budget: 'lots' is not a memory size")
+
+
+def test_format_bytes_reads_as_a_person_writes():
+    """Three significant digits in binary units, rounding up into the next unit, never an
+    exponent; parse_bytes reads back what format_bytes writes."""
+    from hpcpar._units import bytes_unit, format_bytes, parse_bytes
+
+    cases = {0: "0 B", 1023: "1023 B", 1024: "1 KiB", 1_311_000: "1.25 MiB", 41_056: "40.1 KiB",
+             2**20 - 1: "1 MiB", 1.5 * 2**30: "1.5 GiB", 1_024_000: "1000 KiB"}
+    for n, text in cases.items():
+        assert format_bytes(n) == text
+    assert format_bytes(float("nan")) == "-"
+    assert bytes_unit(3 * 2**30) == ("GiB", 2**30) and bytes_unit(0) == ("B", 1)
+    assert parse_bytes(format_bytes(1.5 * 2**30).replace(" ", "")) == 1.5 * 2**30
+
+
+def test_activation_checkpointing_keeps_segment_outputs_and_one_recomputation():
+    """A stack of equal conv layers, 2 segments: kept = the two segments' last outputs (not
+    every layer's), transient += the larger segment's outputs; off: every output kept."""
+    from torch import nn
+
+    def stack():
+        return nn.Sequential(*[nn.Conv3d(2, 2, 3, padding=1) for _ in range(6)])
+
+    one = 2 * 8 ** 3 * 4  # one layer's output, bytes
+    off = memory.estimate(Workload("s", trace_layers(stack(), (2, 8, 8, 8)), (2, 8, 8, 8), 1),
+                          (1, 1, 1, 1))
+    on = memory.estimate(Workload("s", trace_layers(stack(), (2, 8, 8, 8), 2), (2, 8, 8, 8), 1),
+                         (1, 1, 1, 1))
+    assert off.saved == 6 * one and on.saved == 2 * one
+    assert on.transient == off.transient + 3 * one
+    assert on.total < off.total

@@ -110,6 +110,13 @@ BAD = [
     (GOOD, ["--frobnicate"], "No such option '--frobnicate'"),
     (GOOD.replace("n_conv_blocks = 2", "n_conv_blocks = 5"), [],
      "5 pooling blocks need a volume of at least 32"),
+    (GOOD + "activation_checkpointing = 'all'\n", [],
+     "[train] activation_checkpointing: expected false, \"auto\" or a number of segments per "
+     "chain >= 1, got 'all'"),
+    (GOOD, ["--set", "train.activation_checkpointing=0"],
+     "activation_checkpointing: expected false, \"auto\" or a number of segments per chain "
+     ">= 1, got 0"),
+    (GOOD + "activation_checkpointing = true\n", [], "chain >= 1, got true"),
 ]
 
 

@@ -7,6 +7,8 @@ import os
 import platform
 import socket
 import subprocess
+import sys
+from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -16,8 +18,6 @@ if TYPE_CHECKING:
 
 def package_versions() -> dict:
     """Versions of the stack, read from package metadata (nothing heavy is imported)."""
-    from importlib import metadata
-
     out: dict[str, str | None] = {"python": platform.python_version()}
     for name in ("hpcpar", "torch", "mpi4py", "numpy", "numba", "h5py", "mpich"):
         try:
@@ -79,8 +79,6 @@ def rank_machine_facts(env: Mapping[str, str] | None = None) -> dict:
     Returns:
         ``{host, cpus (list), cpu_count, slurm_cpus, threads}``.
     """
-    import sys
-
     env = os.environ if env is None else env
     try:
         cpus = sorted(os.sched_getaffinity(0))

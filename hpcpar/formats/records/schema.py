@@ -76,11 +76,15 @@ COLUMNS: tuple[Column, ...] = (
                                   "gradient overflow, or on_nonfinite = \"skip\"), else 0"),
     Column("loss_scale", "float", "-", "fp16 loss scale the step used, agreed by all ranks "
                                        "(empty without fp16)"),
+    Column("recompute_msgs", "int", "-", "messages sent while recomputing checkpointed "
+                                         "segments ([train] activation_checkpointing): 0, "
+                                         "the forward's halo faces and collectives are reused"),
 )
 COLUMN_NAMES = tuple(c.name for c in COLUMNS)
 #: Columns added to schema v1 after its first release, always at the end: files written
 #: without them are read with the columns empty (NaN), so older runs stay readable.
-OPTIONAL_COLUMNS = ("t_halo_wait", "t_check", "t_ckpt", "skipped", "loss_scale")
+OPTIONAL_COLUMNS = ("t_halo_wait", "t_check", "t_ckpt", "skipped", "loss_scale",
+                    "recompute_msgs")
 #: The column lists files may have: the full one, or without the newest optional columns.
 ACCEPTED_NAMES = tuple(COLUMN_NAMES[: len(COLUMN_NAMES) - i]
                         for i in range(len(OPTIONAL_COLUMNS) + 1))

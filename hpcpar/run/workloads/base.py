@@ -186,7 +186,7 @@ class Workload:
         Returns:
             The wrapped model whose backward synchronises gradients.
         """
-        from hpcpar.sync.ddp import DistributedDataParallel
+        from hpcpar.sync.ddp import DistributedDataParallel  # deferred: loads torch, numpy
 
         opts = self.job.ddp.as_kwargs() if hasattr(self.job, "ddp") else {}
         grad_sync = getattr(getattr(self.job, "train", None), "grad_sync", None)

@@ -7,7 +7,8 @@ owned training vertices divided by the GLOBAL number of training vertices, so th
 gradient sync (SUM over the spatial group, average over ``data == 1``) gives exactly the
 single-process gradient; no parameter tags are needed.
 
-``[data] path`` is a graph file (hpcpar graph format); ``make = "cora"`` imports the bundled
+``[data] path`` is a graph file (hpcpar graph format) or a sharded graph directory (each
+rank reads its own part; ``hpcpar data graph partition``); ``make = "cora"`` imports the bundled
 Cora there if it is missing, ``make = "synthetic"`` generates a power-law community graph from
 the ``nodes``/``avg_degree``/``communities``/``features``/``classes``/``seed`` keys.
 
@@ -43,10 +44,14 @@ MODEL_PARAMS = {
     "precompute": Param(bool, False, help="compute the first layer's A·X once"),
     "decay": Param(str, "first", choices=("first", "all"),
                    help="layers that get [train] weight_decay (Kipf & Welling: first)"),
+    "boundary_sample": Param(float, 1.0, min=0.0, max=1.0,
+                             help="fraction 0 < p <= 1 of the halo rows sent per training "
+                                  "step (BNS-GCN boundary sampling); 1 = exact"),
 }
 
 DATA_PARAMS = {
-    "path": Param(str, help="graph file (.h5, hpcpar graph format)"),
+    "path": Param(str, help="graph file (.h5, hpcpar graph format), or a sharded graph "
+                            "directory (hpcpar data graph partition: partition is ignored)"),
     "make": Param(str, "", choices=("", "cora", "synthetic"),
                   help="create `path` first if it is missing"),
     "partition": Param(str, "metis", choices=METHODS, help="vertex partitioning"),
@@ -67,6 +72,9 @@ def _check_job(job) -> None:
     if data != 1:
         raise ConfigError(f"[grid] data = {data}: a graph is one sample, full-graph "
                           f"training ({job.model.kind}) needs data = 1 and x = -1")
+    if job.model.params.get("boundary_sample", 1.0) <= 0.0:
+        raise ConfigError("[model] boundary_sample: 0 is out of range (must be > 0 and <= 1; "
+                          "1 = exact)")
 
 
 def make_graph_file(path: str, d: dict) -> None:
@@ -81,12 +89,12 @@ def make_graph_file(path: str, d: dict) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     if d["make"] == "cora":
-        from hpcpar.graph.format import bundled, import_npz
+        from hpcpar.graph.format import bundled, import_npz  # deferred: loads numpy
 
         import_npz(bundled("cora"), path)
     else:
-        from hpcpar.graph.format import write_graph
-        from hpcpar.graph.generate import power_law_community_graph
+        from hpcpar.graph.format import write_graph  # deferred: loads numpy
+        from hpcpar.graph.generate import power_law_community_graph  # deferred: loads numpy
 
         g = power_law_community_graph(d["nodes"], d["avg_degree"], d["communities"],
                                       d["features"], d["classes"], d["seed"])
@@ -114,7 +122,7 @@ class GraphWorkload(Workload):
 
     def __init__(self, job: JobSpec, grid: ProcessGrid, device: torch.device):
         super().__init__(job, grid, device)
-        from hpcpar.graph.distgraph import DistGraph, graph_comm
+        from hpcpar.graph.distgraph import DistGraph, graph_comm  # deferred: loads torch, numba
 
         d = job.data.params
         comm = graph_comm(grid)
@@ -122,9 +130,16 @@ class GraphWorkload(Workload):
         if d["make"] and comm.Get_rank() == 0 and not os.path.exists(path):
             make_graph_file(path, d)
         comm.Barrier()
-        self.graph = DistGraph.from_hdf5(path, grid, method=d["partition"],
-                                         seed=d["partition_seed"], row_normalize=d["normalize"],
-                                         backend=d["backend"]).to(device)
+        from hpcpar.graph.shards import is_sharded_graph  # deferred: loads numpy
+
+        if is_sharded_graph(path):  # partitioned ahead: each rank reads its own part
+            self.graph = DistGraph.from_shards(path, grid, row_normalize=d["normalize"],
+                                               backend=d["backend"]).to(device)
+        else:
+            self.graph = DistGraph.from_hdf5(path, grid, method=d["partition"],
+                                             seed=d["partition_seed"],
+                                             row_normalize=d["normalize"],
+                                             backend=d["backend"]).to(device)
         if self.graph.num_train == 0:       # a global count: every rank raises alike
             exc = DataError(f"{path}: no training vertex (/masks/train is all false): the "
                             f"loss would be 0 and nothing trained; give the graph training "
@@ -133,13 +148,13 @@ class GraphWorkload(Workload):
             raise exc
 
     def _make(self):
-        from hpcpar.models.gcn import GCN
+        from hpcpar.models.gcn import GCN  # deferred: loads torch, numba
 
         m = self.job.model.params
         g = self.graph
         return GCN(g.num_features, m["hidden"], g.num_classes, num_layers=m["layers"],
                    dropout=m["dropout"], conv=self.conv, precompute=m["precompute"],
-                   seed=self.job.train.seed)
+                   seed=self.job.train.seed, boundary_sample=m["boundary_sample"])
 
     def build_model(self):
         return self._make().to(self.device)
@@ -161,8 +176,8 @@ class GraphWorkload(Workload):
         yield self.graph
 
     def forward_loss(self, model, batch) -> StepResult:
-        from hpcpar.graph.metrics import masked_loss
-        from hpcpar.parallel.comm import allreduce_
+        from hpcpar.graph.metrics import masked_loss  # deferred: loads torch, numpy
+        from hpcpar.parallel.comm import allreduce_  # deferred: loads torch, numpy
 
         loss = masked_loss(model(batch.x, batch), batch)
         total = loss.detach().double().reshape(1).cpu()
@@ -170,7 +185,7 @@ class GraphWorkload(Workload):
         return StepResult(loss=loss, samples=batch.num_nodes, loss_value=float(total[0]))
 
     def _metrics(self, model, splits) -> dict:
-        from hpcpar.graph.metrics import split_metrics
+        from hpcpar.graph.metrics import split_metrics  # deferred: loads torch, numpy
 
         out = model(self.graph.x, self.graph)
         res = {}
@@ -236,8 +251,8 @@ def _gat(in_channels: int, hidden: int, out_channels: int, heads: int, layers: i
     from torch import nn
     from torch_geometric.nn import GATConv
 
-    from hpcpar.graph.dropout import vertex_dropout
-    from hpcpar.nn.graph import distributed
+    from hpcpar.graph.dropout import vertex_dropout  # deferred: loads torch, numba
+    from hpcpar.nn.graph import distributed  # deferred: loads torch
 
     class GAT(nn.Module):  # defined here: only GAT jobs import torch_geometric
         def __init__(self):

@@ -6,11 +6,13 @@ Data (``[data]``): an HDF5 dataset directory (``path``; made on first use with
 (``source = "synthetic"``), both yielding this rank's sub-volume of its data group's samples.
 Validation uses ``val_path`` or ``val_samples`` synthetic samples of another seed.
 
-* ``cosmoflow`` regresses the 4 targets (MSE); the dense head runs replicated after the
-  gather point, so the per-rank loss is the replica's mean loss.
-  With ``[model] tensor_parallel = true`` the head's ``nn.Linear`` layers at least
-  ``tp_min_features`` wide on both sides become ``TensorParallelLinear`` over the grid's
-  spatial group (weights sharded, so each rank holds and updates 1/spatial of the head).
+* ``cosmoflow`` regresses the 4 targets (MSE); the first dense layer takes the flattened
+  volume split (each rank holds its voxels' weight columns: :mod:`hpcpar.nn.split_head`) and
+  the rest of the head runs replicated, so the per-rank loss is the replica's mean loss.
+  With ``[model] tensor_parallel = true`` the volume is gathered instead and the head's
+  ``nn.Linear`` layers at least ``tp_min_features`` wide on both sides become
+  ``TensorParallelLinear`` over the grid's spatial group (weights sharded, so each rank holds
+  and updates 1/spatial of the head).
 * ``unet3d`` segments voxels: inputs are all channels but the last, the label is
   ``last channel > 0`` (a nonlinear function of the same field; learnable from the others).
   The loss is torch's plain mean cross-entropy on the split output: the spatialized model's
@@ -24,6 +26,7 @@ from __future__ import annotations
 import os
 
 from hpcpar.errors import ConfigError, DataError
+from hpcpar.parallel.partition import box
 from hpcpar.run.workloads.base import (
     MAX_POOLINGS,
     SEED_MAX,
@@ -154,7 +157,7 @@ class VolumeWorkload(Workload):
         else:
             if d["generate"]:
                 self._generate(d["path"], d["samples"], d["seed"])
-            from hpcpar.data import ShardedVolumeDataset
+            from hpcpar.data import ShardedVolumeDataset  # deferred: loads torch
 
             self.train_set = ShardedVolumeDataset(_dataset_dir(d["path"], "path"), grid, batch,
                                                   shuffle=d["shuffle"], seed=d["seed"],
@@ -230,7 +233,7 @@ class VolumeWorkload(Workload):
         dataset's manifest when it is opened."""
 
     def _synthetic(self, samples, seed, shuffle):
-        from hpcpar.data import SyntheticVolumeDataset
+        from hpcpar.data import SyntheticVolumeDataset  # deferred: loads torch
 
         return SyntheticVolumeDataset(self.grid, self.job.train.global_batch,
                                       size=self.d["size"], channels=_channels(self.d),
@@ -245,7 +248,12 @@ class VolumeWorkload(Workload):
                 os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         if self.grid.comm.bcast(exists):
             return
-        from hpcpar.data import CosmoflowSource, shard_counts, write_dataset
+
+        from hpcpar.data import (  # deferred: loads torch, numpy
+            CosmoflowSource,
+            shard_counts,
+            write_dataset,
+        )
 
         src = CosmoflowSource(samples, self.d["size"], _channels(self.d), seed)
         try:
@@ -315,18 +323,37 @@ class VolumeWorkload(Workload):
         return self.plain_model()
 
     def build_model(self):
-        from hpcpar.nn.spatializer import spatialize
+        from torch import nn
+
+        from hpcpar.nn.spatializer import spatialize  # deferred: loads torch, numpy
 
         model = spatialize(self.reference_model(), self.grid, check=self.job.model.check,
                            **self.spatialize_kwargs())
         p = self.job.model.params
         if p.get("tensor_parallel"):
-            from hpcpar.nn.tensor_parallel import tensor_parallelize
+            from hpcpar.nn.tensor_parallel import tensor_parallelize  # deferred: loads torch, numpy
 
             # after spatialize: the head's Linear layers are replicated there; the swap keeps
             # their weights, so the model computes the same function
             model = tensor_parallelize(model, self.grid, p["tp_min_features"])
-        return model.to(self.device)
+            return model.to(self.device)
+        model = model.to(self.device)
+        if any(isinstance(m, nn.Linear) for m in model.modules()):
+            self._settle(model)
+        return model
+
+    def _settle(self, model) -> None:
+        """One forward of zeros of this rank's piece (:func:`hpcpar.nn.spatializer.settle`): a
+        split head is cut to this rank's columns before the gradient sync, the optimizer or a
+        resumed checkpoint's state see its weight."""
+        import torch
+
+        from hpcpar.nn.spatializer import settle  # deferred: loads torch, numpy
+
+        piece = [b - a for a, b in box(self.size, self.grid.spatial_shape,
+                                       self.grid.spatial_coords)]
+        x = torch.zeros(1, self.channels, *piece)
+        settle(model, self._inputs(x)[:, :self.channels - self.label_channels])
 
     def spatialize_kwargs(self) -> dict:
         return {}
@@ -396,11 +423,13 @@ class CosmoFlowWorkload(VolumeWorkload):
 
     @classmethod
     def build_plain(cls, job, channels, size, n_targets):
-        from hpcpar.models.cosmoflow import CosmoFlow
+        from hpcpar.models.cosmoflow import CosmoFlow  # deferred: loads torch, numpy
 
         p = {k: v for k, v in job.model.params.items() if k not in TP_PARAMS}
         p["dense"] = tuple(p["dense"])
-        return CosmoFlow(input_size=size[0], in_channels=channels, n_targets=n_targets, **p)
+        # tensor-parallel dense layers take a replicated input: the volume is gathered first
+        return CosmoFlow(input_size=size[0], in_channels=channels, n_targets=n_targets,
+                         gather=bool(job.model.params.get("tensor_parallel")), **p)
 
     def forward_loss(self, model, batch) -> StepResult:
         import torch.nn.functional as F
@@ -450,7 +479,7 @@ class UNet3DWorkload(VolumeWorkload):
 
     @classmethod
     def build_plain(cls, job, channels, size, n_targets):
-        from hpcpar.models.unet3d import UNet3D
+        from hpcpar.models.unet3d import UNet3D  # deferred: loads torch, numpy
 
         p = {k: v for k, v in job.model.params.items() if k != "bn_include_data"}
         return UNet3D(in_channels=channels - cls.label_channels, out_channels=2, **p)
@@ -461,13 +490,13 @@ class UNet3DWorkload(VolumeWorkload):
     def forward_loss(self, model, batch) -> StepResult:
         import torch.nn.functional as F
 
-        from hpcpar.nn import split_like
-
         x, _ = batch
         x = self._inputs(x)
         logits = model(x[:, :-1])
         # this rank's piece of the labels, marked split like the output: the plain mean loss
         # and accuracy below are then the global ones (hpcpar.nn dispatch), on every rank
+        from hpcpar.nn import split_like  # deferred: loads torch
+
         labels = split_like((x[:, -1] > 0).long(), logits)
         loss = F.cross_entropy(logits.float(), labels)
         # max(1).indices, not argmax(1): the same first-maximum index, but torch's CPU

@@ -1,0 +1,375 @@
+"""Partition a graph into the sharded format (:mod:`hpcpar.graph.shards`) in bounded memory.
+
+What ``hpcpar data graph partition`` runs. Two assignment methods:
+
+* ``metis``: pymetis over the whole structure, read at once. Its memory grows with the edges
+  (:func:`metis_memory_estimate`, fitted to measured peaks), so ``auto`` picks it only when
+  that estimate fits in half the available memory;
+* ``stream``: restreaming LDG (linear deterministic greedy, Stanton & Kliot 2012; Nishimura &
+  Ugander 2013): vertices arrive in row blocks, each goes to the part holding most of its
+  already-placed neighbours, scaled by ``1 - load/capacity`` (load = in-degree + 1, the
+  aggregation work METIS balances too); ties go to the least loaded part. Small batches keep
+  the loads current; later passes see the previous pass's placement of every neighbour. It
+  holds O(N) integers plus one block of rows, never the edges.
+
+Writing streams the source once more in row blocks, renumbers vertices so each part is a
+contiguous id range (source order kept inside a part) and appends each row to its part
+file: O(N) memory plus a block, whatever the method. Sources: an hpcpar graph file (read by
+rows), a text edge list (bucket-sorted on disk, see :class:`EdgeListSource`), or a ``.npz`` /
+PyG ``.pt`` file, which are not row-addressable and are imported whole first.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import tempfile
+import time
+
+import numpy as np
+
+from hpcpar.errors import DataError
+from hpcpar.graph._csr import check_edges, row_positions, sorted_unique
+from hpcpar.graph.format import MASKS, GraphFile, import_npz
+from hpcpar.graph.interop import _read_array, edge_list_chunks, import_graph, random_masks
+from hpcpar.graph.shards import MANIFEST, PartWriter, write_graph_manifest
+from hpcpar.graph.vertex_partition import partition_csr
+
+__all__ = ["METHODS", "ROW_BLOCK", "peak_rss_bytes", "available_memory",
+           "metis_memory_estimate", "ldg_partition", "EdgeListSource", "open_source",
+           "partition_graph"]
+
+METHODS = ("auto", "metis", "stream")
+ROW_BLOCK = 1 << 16      # rows read per block
+# The partitioning process's peak with METIS (ru_maxrss), fitted to the 1M-vertex / 14.5M-edge
+# synthetic graph (1738 MiB measured; docs/guides/gnn.md):
+# bytes = EDGE * stored in-edges + NODE * vertices.
+METIS_BYTES_PER_EDGE = 100
+METIS_BYTES_PER_NODE = 400
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (``ru_maxrss``, kilobytes on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def available_memory() -> int:
+    """Memory the kernel says a new allocation can get (``MemAvailable``), in bytes."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def metis_memory_estimate(num_nodes: int, num_edges: int) -> int:
+    """Predicted peak bytes of partitioning with METIS (structure read whole + METIS)."""
+    return METIS_BYTES_PER_EDGE * int(num_edges) + METIS_BYTES_PER_NODE * int(num_nodes)
+
+
+def ldg_partition(structure_rows, num_nodes: int, num_edges: int, parts: int,
+                  passes: int = 3, slack: float = 0.05, block: int = ROW_BLOCK) -> np.ndarray:
+    """Restreaming LDG over row blocks: the owner part of every vertex.
+
+    Args:
+        structure_rows: ``(start, stop) -> (indptr, indices)`` of rows ``[start, stop)``.
+        num_nodes: Vertices.
+        num_edges: Stored in-edges (for the capacity).
+        parts: Number of parts.
+        passes: Streaming passes (the first places, later ones refine).
+        slack: Allowed imbalance of the load (in-degree + 1) over the mean.
+        block: Rows read at once.
+
+    Returns:
+        int64 ``(num_nodes,)`` owners; every part non-empty.
+    """
+    owner = np.full(num_nodes, -1, np.int32)
+    cap = (1.0 + slack) * (num_nodes + num_edges) / parts
+    batch = int(min(4096, max(32, num_nodes // (parts * 64))))
+    for _ in range(max(1, passes)):
+        load = np.zeros(parts)
+        for start in range(0, num_nodes, block):
+            ip, idx = structure_rows(start, min(start + block, num_nodes))
+            deg = np.diff(ip)
+            for b0 in range(0, deg.shape[0], batch):
+                b1 = min(b0 + batch, deg.shape[0])
+                nb = owner[idx[ip[b0]:ip[b1]]]
+                rows = np.repeat(np.arange(b1 - b0), deg[b0:b1])
+                ok = nb >= 0
+                near = np.bincount(rows[ok] * parts + nb[ok],
+                                   minlength=(b1 - b0) * parts).reshape(-1, parts)
+                room = np.maximum(1.0 - load / cap, 0.0)
+                score = (near + 1e-3) * room
+                choice = np.where(score.max(1) > 0, score.argmax(1), np.argmin(load))
+                owner[start + b0:start + b1] = choice
+                load += np.bincount(choice, weights=deg[b0:b1] + 1, minlength=parts)
+    sizes = np.bincount(owner, minlength=parts)
+    for p in np.flatnonzero(sizes == 0):   # a part left empty: give it one vertex
+        big = int(np.argmax(sizes))
+        owner[np.flatnonzero(owner == big)[-1]] = p
+        sizes[big] -= 1
+        sizes[p] += 1
+    return owner.astype(np.int64)
+
+
+class EdgeListSource:
+    """A text edge list as rows of an in-edge CSR, built on disk in bounded memory.
+
+    One pass over the text appends each block's edges, keyed ``dst * N + src``, to bucket
+    files by destination range (and the reversed keys by source range, to tell whether the
+    graph is symmetric); each bucket is then sorted and deduplicated alone and kept as a CSR
+    piece. Memory: one bucket (about ``bucket_edges`` keys) plus O(N).
+
+    Args:
+        path: The edge list (``src dst`` per line, as ``hpcpar data graph import``).
+        features: ``(N, F)`` features, ``.npy`` (memory-mapped, read by rows) or text.
+        labels: ``(N,)`` class ids (``.npy`` or text), zeros when None.
+        split: Random ``(train, val)`` fractions; the rest test.
+        seed: Seed of the split.
+        workdir: Folder for the bucket files.
+        bucket_edges: Target keys per bucket.
+    """
+
+    def __init__(self, path, features, labels=None, split=(0.6, 0.2), seed=0, workdir=".",
+                 bucket_edges: int = 1 << 23):
+        if features is None:
+            raise DataError(f"{path}: an edge list needs --features (N x F, .npy or text)")
+        self.x = np.load(features, mmap_mode="r") if str(features).endswith(".npy") and \
+            os.path.isfile(features) else _read_array(features, "features")
+        if self.x.ndim == 1:
+            self.x = self.x.reshape(-1, 1)
+        n = self.num_nodes = int(self.x.shape[0])
+        self.num_features = int(self.x.shape[1])
+        self.y = np.zeros(n, np.int64) if labels is None else \
+            _read_array(labels, "labels").astype(np.int64).reshape(-1)
+        if self.y.shape[0] != n:
+            raise DataError(f"{labels}: {self.y.shape[0]} labels for {n} vertices (rows of "
+                            f"{features})")
+        self.num_classes = int(self.y.max()) + 1 if n else 1
+        self.masks = random_masks(n, split, seed)
+        self.name = os.path.splitext(os.path.basename(str(path)))[0]
+        nb = max(1, -(-os.path.getsize(path) // (8 * bucket_edges)))
+        self.width = -(-n // nb)
+        names = {k: [os.path.join(workdir, f"{k}-{b}.bin") for b in range(nb)]
+                 for k in ("fwd", "rev")}
+        handles = {k: [open(p, "wb") for p in v] for k, v in names.items()}
+        try:
+            for e in edge_list_chunks(path):
+                e = check_edges(e, n, str(path))
+                for kind, key_row, other in (("fwd", 1, 0), ("rev", 0, 1)):
+                    keys = e[key_row] * np.int64(n) + e[other]
+                    bucket = e[key_row] // self.width
+                    order = np.argsort(bucket, kind="stable")
+                    cuts = np.cumsum(np.bincount(bucket, minlength=nb))[:-1]
+                    for b, piece in enumerate(np.split(keys[order], cuts)):
+                        piece.tofile(handles[kind][b])
+        finally:
+            for hs in handles.values():
+                for h in hs:
+                    h.close()
+        self.pieces, self.directed, self.num_edges = [], False, 0
+        for b in range(nb):
+            fwd = sorted_unique(np.fromfile(names["fwd"][b], np.int64))
+            rev = sorted_unique(np.fromfile(names["rev"][b], np.int64))
+            self.directed |= not np.array_equal(fwd, rev)
+            del rev
+            lo, hi = b * self.width, min((b + 1) * self.width, n)
+            dst, src = np.divmod(fwd, np.int64(n))
+            ip = np.zeros(hi - lo + 1, np.int64)
+            np.cumsum(np.bincount(dst - lo, minlength=hi - lo), out=ip[1:])
+            stem = os.path.join(workdir, f"csr-{b}")
+            np.save(stem + "-indptr.npy", ip)
+            np.save(stem + "-indices.npy", src)
+            self.pieces.append(stem)
+            self.num_edges += int(src.shape[0])
+            for k in names:
+                os.remove(names[k][b])
+
+    def read_structure_rows(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """In-edge CSR of rows ``[start, stop)`` (``indptr`` from 0, global sources)."""
+        ips, idxs = [np.zeros(1, np.int64)], []
+        for b in range(start // self.width, -(-stop // self.width)):
+            lo = b * self.width
+            a, z = max(start, lo) - lo, min(stop, lo + self.width) - lo
+            if z <= a:
+                continue
+            ip = np.load(self.pieces[b] + "-indptr.npy", mmap_mode="r")
+            idx = np.load(self.pieces[b] + "-indices.npy", mmap_mode="r")
+            seg = np.asarray(ip[a:z + 1])
+            idxs.append(np.asarray(idx[seg[0]:seg[-1]]))
+            ips.append(seg[1:] - seg[0] + ips[-1][-1])
+        return np.concatenate(ips), np.concatenate(idxs) if idxs else np.zeros(0, np.int64)
+
+    def read_structure(self) -> tuple[np.ndarray, np.ndarray]:
+        """The whole in-edge CSR (METIS)."""
+        return self.read_structure_rows(0, self.num_nodes)
+
+    def read_rows(self, start: int, stop: int) -> dict:
+        """Rows ``[start, stop)`` with features, labels and masks (as ``GraphFile``)."""
+        ip, idx = self.read_structure_rows(start, stop)
+        return {"indptr": ip, "indices": idx,
+                "x": np.asarray(self.x[start:stop], np.float32), "y": self.y[start:stop],
+                **{m: self.masks[m][start:stop] for m in MASKS}}
+
+    def close(self) -> None:
+        """Nothing to close (the bucket files go with the work folder)."""
+
+
+class _FileSource:
+    """A graph file read by rows, with ``num_edges`` (what the partitioner reads)."""
+
+    def __init__(self, path):
+        self.gf = GraphFile(path)
+        for k in ("num_nodes", "num_features", "num_classes", "directed", "name"):
+            setattr(self, k, getattr(self.gf, k))
+        self.num_edges = int(self.gf.f.attrs.get("num_edges", 0)) or int(
+            self.gf.read_structure_rows(self.num_nodes, self.num_nodes)[0][-1])
+        self.read_structure_rows = self.gf.read_structure_rows
+        self.read_structure = self.gf.read_structure
+        self.read_rows = self.gf.read_rows
+
+    def close(self) -> None:
+        self.gf.close()
+
+
+def open_source(src: str, workdir: str, features=None, labels=None, split=(0.6, 0.2),
+                seed: int = 0, trust_pickle: bool = False):
+    """Open a graph for partitioning: an hpcpar graph file (``.h5``/``.hdf5``), an ``.npz``,
+    a PyG ``.pt``/``.pth`` (both imported whole to ``workdir`` first) or a text edge list.
+
+    Raises:
+        DataError: A missing or unreadable source.
+    """
+    src = str(src)
+    if not os.path.exists(src):
+        raise DataError(f"{src}: no such file")
+    if src.endswith((".h5", ".hdf5")):
+        return _FileSource(src)
+    if src.endswith((".npz", ".pt", ".pth")):
+        tmp = os.path.join(workdir, "imported.h5")
+        if src.endswith(".npz"):
+            import_npz(src, tmp)
+        else:
+            import_graph(src, tmp, split=split, seed=seed, trust_pickle=trust_pickle)
+        return _FileSource(tmp)
+    return EdgeListSource(src, features, labels, split, seed, workdir)
+
+
+def _renumber(owner: np.ndarray, parts: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(offsets, new_id)``: part ``p`` gets ids ``[offsets[p], offsets[p+1])`` in source order."""
+    offsets = np.zeros(parts + 1, np.int64)
+    np.cumsum(np.bincount(owner, minlength=parts), out=offsets[1:])
+    new_id = np.empty(owner.shape[0], np.int64)
+    new_id[np.argsort(owner, kind="stable")] = np.arange(owner.shape[0], dtype=np.int64)
+    return offsets, new_id
+
+
+def _write_parts(source, out: str, owner: np.ndarray, parts: int, force: bool,
+                 block: int) -> tuple[np.ndarray, list, int]:
+    """Stream the rows into their parts, renumbered; ``(offsets, shard entries, cut edges)``."""
+    offsets, new_id = _renumber(owner, parts)
+    writer = PartWriter(out, parts, source.num_features, force)
+    cut, n = 0, source.num_nodes
+    for start in range(0, n, block):
+        stop = min(start + block, n)
+        blk = source.read_rows(start, stop)
+        ip, deg = blk["indptr"], np.diff(blk["indptr"])
+        dst = np.repeat(np.arange(stop - start), deg)
+        cut += int(np.count_nonzero(owner[blk["indices"]] != owner[start + dst]))
+        src = new_id[blk["indices"]]
+        src = src[np.lexsort((src, dst))]          # each row sorted by its NEW source ids
+        own = owner[start:stop]
+        for p in np.unique(own):
+            rows = np.flatnonzero(own == p)
+            rip = np.zeros(rows.shape[0] + 1, np.int64)
+            np.cumsum(deg[rows], out=rip[1:])
+            writer.append(int(p), rip, src[row_positions(ip, rows)], blk["x"][rows],
+                          blk["y"][rows], {m: blk[m][rows] for m in MASKS}, start + rows)
+    return offsets, writer.close(offsets), cut
+
+
+def partition_graph(src: str, out: str, parts: int, method: str = "auto", seed: int = 0,
+                    passes: int = 3, memory_limit: int | None = None, force: bool = False,
+                    features=None, labels=None, split=(0.6, 0.2), trust_pickle: bool = False,
+                    block: int = ROW_BLOCK) -> dict:
+    """Partition a graph into ``parts`` parts and write the sharded graph format.
+
+    Args:
+        src: The graph: an hpcpar graph file, ``.npz``, PyG ``.pt`` or a text edge list.
+        out: The output directory.
+        parts: Number of parts (the ranks that will train on it).
+        method: ``"metis"``, ``"stream"`` or ``"auto"`` (METIS when
+            :func:`metis_memory_estimate` is at most half of ``memory_limit``).
+        seed: Seed of METIS (and of the random split of an edge list's masks).
+        passes: Streaming passes.
+        memory_limit: Bytes ``auto`` may plan for; the available memory when None.
+        force: Replace an existing output.
+        features: Edge lists: the features file.
+        labels: Edge lists: the labels file.
+        split: Edge lists: random ``(train, val)`` fractions.
+        trust_pickle: PyG files: unpickle beyond PyG's classes.
+        block: Rows read at once.
+
+    Returns:
+        The manifest (with ``partition``: method, edge cut, balance, seconds, peak memory).
+
+    Raises:
+        DataError: An unreadable source, ``parts`` out of range, an unknown method, an
+            existing output without ``force``, or METIS missing.
+    """
+    if method not in METHODS:
+        raise DataError(f"--method {method!r}: expected one of {', '.join(METHODS)}")
+
+    if os.path.exists(os.path.join(out, MANIFEST)) and not force:
+        raise DataError(f"{out}: already holds a dataset (pass --force to replace it)")
+    t0 = time.perf_counter()
+    parent = os.path.dirname(os.path.abspath(out))
+    os.makedirs(parent, exist_ok=True)
+    work = tempfile.mkdtemp(prefix=".partition-", dir=parent)
+    try:
+        source = open_source(src, work, features, labels, split, seed, trust_pickle)
+        try:
+            n, e = source.num_nodes, source.num_edges
+            if not 1 <= parts <= n:
+                raise DataError(f"--parts {parts}: expected 1..{n} (at least one vertex per "
+                                "part)")
+            estimate = metis_memory_estimate(n, e)
+            budget = memory_limit or available_memory()
+            if method == "auto":
+                method = "metis" if estimate <= budget // 2 else "stream"
+            if method == "metis":
+                indptr, indices = source.read_structure()
+                owner = partition_csr(indptr, indices, parts, "metis", seed,
+                                      symmetric=not source.directed)
+                del indptr, indices
+            else:
+                owner = ldg_partition(source.read_structure_rows, n, e, parts, passes,
+                                      block=block)
+            t_assign = time.perf_counter() - t0
+            offsets, shards, cut = _write_parts(source, out, owner, parts, force, block)
+            load = np.zeros(parts)
+            for s in range(0, n, block):   # per-part load, as the partitioner balances it
+                ip, _ = source.read_structure_rows(s, min(s + block, n))
+                load += np.bincount(owner[s:s + ip.shape[0] - 1], weights=np.diff(ip) + 1,
+                                    minlength=parts)
+            fields = {"name": source.name, "source": str(src), "num_nodes": n,
+                      "num_edges": e, "num_features": source.num_features,
+                      "num_classes": source.num_classes, "directed": bool(source.directed),
+                      "parts": parts, "offsets": offsets.tolist()}
+        finally:
+            source.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    fields["partition"] = {
+        "method": method, "seed": seed, "passes": passes if method == "stream" else None,
+        "edge_cut": cut, "cut_fraction": cut / e if e else 0.0,
+        "balance": float(load.max() / load.mean()),
+        "metis_estimate_bytes": estimate, "memory_budget_bytes": int(budget),
+        "assign_seconds": round(t_assign, 3),
+        "seconds": round(time.perf_counter() - t0, 3), "peak_rss_bytes": peak_rss_bytes()}
+    fields["shards"] = shards
+    return write_graph_manifest(out, fields)

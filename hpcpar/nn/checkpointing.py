@@ -1,0 +1,215 @@
+"""Activation checkpointing that reuses the halo faces: ``[train] activation_checkpointing``.
+
+A checkpointed segment keeps only its input for backward; its inner activations are
+recomputed when backward reaches it (``torch.utils.checkpoint``, non-reentrant). Memory per
+rank then holds the segments' inputs plus one segment's activations at a time, for one more
+forward of the segment.
+
+What is cut into segments: the model's *chains*, its outermost ``nn.Sequential`` modules (the
+model itself when it is one; else, searched through its other modules, e.g. every conv block
+of :class:`~hpcpar.models.UNet3D`, CosmoFlow's conv trunk and its dense head). A chain of L
+layers is cut into ``min(N, L)`` contiguous segments of sizes given by the partition rule.
+``"auto"`` picks N so that the whole model has about sqrt(total layers in chains) segments
+(Chen et al.'s rule: stored segment inputs and one segment's recomputation then weigh about
+the same), at least one per chain: one segment per conv block for UNet3D, sqrt(L) for a
+model that is one long chain. The module tree and ``state_dict`` keys do not change.
+
+Spatialized models: the recomputation runs in backward, after the model's dispatch mode has
+exited, so each segment re-enters it. Every halo exchange and collective the segment made in
+its forward is recorded on a :class:`~hpcpar.parallel.replay.Tape` and replayed in the
+recomputation: it sends no message (``recompute_msgs`` in the step records proves it) and
+the faces it uses are the ones the forward received. Batch-norm running statistics are
+restored after the recomputation, so a step updates them once, as without checkpointing.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import types
+from collections.abc import Iterator
+from contextlib import ExitStack
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from hpcpar.errors import ConfigError
+from hpcpar.parallel.partition import split_sizes
+from hpcpar.parallel.replay import Tape
+
+__all__ = ["chains", "segment_sizes", "plan_segments", "checkpoint_activations",
+           "check_setting"]
+
+_SEGMENTS = "_hpcpar_segments"
+_ROOT = "_hpcpar_root_split"
+
+
+def check_setting(value, where: str = "[train] activation_checkpointing") -> int | str | None:
+    """The setting as N, ``"auto"`` or None (off).
+
+    Args:
+        value: ``false``, ``"auto"`` or a number of segments per chain >= 1.
+        where: The field, for the message.
+
+    Returns:
+        None (off), ``"auto"`` or N.
+
+    Raises:
+        ConfigError: Any other value.
+    """
+    if value is False or value is None:
+        return None
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return value
+    raise ConfigError(f"{where}: expected false, \"auto\" or a number of segments per chain "
+                      f">= 1, got {value!r}")
+
+
+def chains(model: nn.Module) -> list[nn.Sequential]:
+    """The model's outermost ``nn.Sequential`` modules of at least two layers, in registration
+    order (the model itself when it is one)."""
+    def walk(m: nn.Module) -> Iterator[nn.Sequential]:
+        if isinstance(m, nn.Sequential) and type(m).forward is nn.Sequential.forward:
+            if len(m) >= 2:
+                yield m
+            return
+        for child in m.children():
+            yield from walk(child)
+    return list(walk(model))
+
+
+def segment_sizes(lengths: list[int], setting) -> list[list[int]]:
+    """Per chain of ``lengths[i]`` layers, the sizes of its segments (module docstring).
+
+    Args:
+        lengths: Layers per chain.
+        setting: N or ``"auto"`` (see :func:`check_setting`).
+
+    Returns:
+        For each chain, its segments' layer counts (they sum to the chain's length).
+    """
+    if setting == "auto":
+        n = max(1, round(math.sqrt(sum(lengths)) / max(1, len(lengths))))
+    else:
+        n = int(setting)
+    return [split_sizes(L, min(n, L)) for L in lengths]
+
+
+def plan_segments(model: nn.Module, setting) -> list[tuple[nn.Sequential, list[int]]]:
+    """The chains of ``model`` and their segments' layer counts for ``setting``.
+
+    A segment never starts with an in-place layer (``ReLU(inplace=True)``): it would
+    overwrite the input the segment keeps for its recomputation, so such a boundary moves
+    one layer on.
+
+    Args:
+        model: The model.
+        setting: N or ``"auto"`` (see :func:`check_setting`).
+
+    Returns:
+        ``(chain, sizes)`` per chain.
+    """
+    found = chains(model)
+    out = []
+    for chain, sizes in zip(found, segment_sizes([len(c) for c in found], setting)):
+        layers, fixed, start = list(chain), [], 0
+        for n in sizes:
+            end = max(start + n, start + 1)
+            while end < len(layers) and getattr(layers[end], "inplace", False):
+                end += 1
+            if start < len(layers):
+                fixed.append(min(end, len(layers)) - start)
+            start = end
+        out.append((chain, fixed))
+    return out
+
+
+class _Replay:
+    """The recomputation's context: the dispatch mode of a spatialized model re-entered (as
+    in its forward), the tape replaying, buffers (batch-norm running statistics) restored
+    after. Re-enterable: a graph kept by ``retain_graph`` is recomputed per backward."""
+
+    def __init__(self, tape: Tape, root, layers):
+        self.tape, self.root, self.layers = tape, root, layers
+        self._stack: ExitStack | None = None
+
+    def __enter__(self):
+        stack = ExitStack()
+        stack.enter_context(self.tape.replaying())
+        kept = [(b, b.clone()) for m in self.layers for b in m.buffers()]
+        stack.callback(lambda: [b.copy_(v) for b, v in kept])
+        root = self.root
+        if root is not None and root.depth == 0:   # backward: the forward's mode has exited
+            root.depth += 1
+            stack.callback(_leave_depth, root)
+            stack.enter_context(root.mode)
+        self._stack = stack
+        return self
+
+    def __exit__(self, *exc):
+        stack, self._stack = self._stack, None
+        assert stack is not None
+        with torch.no_grad():
+            return stack.__exit__(*exc)
+
+
+def _leave_depth(root) -> None:
+    root.depth -= 1
+
+
+def _run(x, *layers):
+    for layer in layers:
+        x = layer(x)
+    return x
+
+
+def _contexts(tape: Tape, root, seg) -> tuple:
+    """The segment's forward context (the tape records) and recomputation context."""
+    return tape.recording(), _Replay(tape, root, seg)
+
+
+def _segmented_forward(self: nn.Sequential, x):
+    """``nn.Sequential.forward``, each segment under ``torch.utils.checkpoint``."""
+    layers = list(self)
+    if not torch.is_grad_enabled():
+        return _run(x, *layers)
+    root = getattr(self, _ROOT, None)
+    off = 0
+    for n in getattr(self, _SEGMENTS):
+        seg = layers[off:off + n]
+        off += n
+        tape = Tape()
+        contexts = functools.partial(_contexts, tape, root, seg)
+        x = checkpoint(_run, x, *seg, use_reentrant=False, preserve_rng_state=True,
+                       context_fn=contexts)
+    return x
+
+
+def checkpoint_activations(model: nn.Module, setting) -> list[list[int]]:
+    """Recompute the activations of ``model``'s segments in backward (module docstring).
+
+    In place: each chain's ``forward`` is replaced (an instance attribute), so parameters,
+    ``state_dict`` keys and the module tree stay as they are. Works on plain and
+    :func:`~hpcpar.nn.spatialize`'d models (apply it to the spatialized copy).
+
+    Args:
+        model: The model.
+        setting: N segments per chain, ``"auto"``, or False/None (nothing is done).
+
+    Returns:
+        Per chain, its segments' layer counts (empty when off).
+
+    Raises:
+        ConfigError: A setting other than those.
+    """
+    setting = check_setting(setting)
+    if setting is None:
+        return []
+    planned = plan_segments(model, setting)
+    root = getattr(model, "_hpcpar_split", None)   # spatializer's context, if spatialized
+    for chain, sizes in planned:
+        setattr(chain, _SEGMENTS, tuple(sizes))
+        setattr(chain, _ROOT, root)
+        chain.forward = types.MethodType(_segmented_forward, chain)  # type: ignore[method-assign]
+    return [sizes for _, sizes in planned]

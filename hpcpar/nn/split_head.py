@@ -1,0 +1,271 @@
+"""A dense layer after a flatten of a split volume: split, not gathered.
+
+``nn.Flatten()`` (``x.flatten(1)``, ``x.view(x.size(0), -1)``) of a split ``(N, C, D, H, W)``
+tensor gives a *flattened split* tensor (:class:`~hpcpar.nn.split.FlatLayout`): this rank holds
+the features of its own sub-box, ``C x (d, h, w)`` in its piece's row-major order. The first
+``F.linear`` / ``nn.Linear`` on it needs no gather: each rank multiplies its features by the
+matching columns of the weight and the partial products are summed over the spatial group::
+
+    forward    y = allreduce(x_local · W_localᵀ) + b        (replicated, as a gathered head's)
+    backward   dx_local = dy · W_local;  dW_local = dyᵀ · x_local;  db = Σ dy   (no message)
+
+(allreduce forward, identity backward: the conjugate pair of DESIGN §2; ``dy`` is the same on
+every spatial rank, since the loss after the head is computed redundantly and counts once).
+
+Memory divides by the spatial ranks: on its first use the weight Parameter is cut in place
+(``p.data``) to this rank's columns, so the optimizer and ``hpcpar.DDP`` keep the same object.
+Neither may hold state for it yet: :func:`hpcpar.nn.spatializer.settle` runs that first use
+before they are built (the trainer does). The cut weight's gradient is complete for its
+columns, so it is tagged data-only, like the replicated bias. ``state_dict()`` shows the full
+weight (gathered over the spatial group: a collective) and ``load_state_dict`` of a full weight
+takes this rank's columns, so state dicts and checkpoints keep the single-process format;
+:func:`column_split` tells the checkpoint, the gradient norm and the tests which parameters
+are cut. A weight that is not the model's own Parameter (or already has a gradient) is used
+whole: its columns are sliced per call and its gradient summed like any replicated operand's.
+
+Other ops on a flattened split tensor: elementwise ones among tensors of that layout and
+scalars run locally, dropout keeps its split-independent masks, shape questions answer with
+the global shape; anything else is refused in one line.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hpcpar.parallel.comm import allreduce_
+from hpcpar.parallel.grid import ProcessGrid
+
+from . import rules
+from . import spatial_ops as sops
+from .dropout import spatial_dropout
+from .reduce import _ReplicatedSum
+from .split import FlatLayout, SplitTensor, adopt, raw
+
+__all__ = ["ColumnSplit", "column_split", "flat_rule"]
+
+#: The attribute a cut weight Parameter carries (its :class:`ColumnSplit`).
+COLUMNS_ATTR = "_hpcpar_columns"
+
+
+@dataclass(frozen=True, eq=False)
+class ColumnSplit:
+    """Which columns of an ``(out, C*D*H*W)`` weight this rank holds: those of its sub-box
+    ``box`` of the global ``volume`` ``(C, D, H, W)``, in its piece's row-major order."""
+
+    grid: ProcessGrid
+    volume: tuple[int, int, int, int]
+    box: tuple[tuple[int, int], ...]
+
+    def __deepcopy__(self, memo):
+        return self   # immutable; a grid is never copied
+
+    @property
+    def features(self) -> int:
+        """The global input features, ``C*D*H*W``."""
+        return math.prod(self.volume)
+
+    @property
+    def _index(self) -> tuple[Any, ...]:
+        """This rank's sub-box of a ``(..., C, D, H, W)`` tensor (leading dims whole)."""
+        return (Ellipsis, slice(None), *(slice(a, b) for a, b in self.box))
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's columns of a full ``(..., C*D*H*W)`` tensor.
+
+        Args:
+            full: The whole tensor (a weight, its optimizer state, a gradient).
+
+        Returns:
+            ``(..., C*d*h*w)``, autograd-transparent; a copy unless the box is the whole
+            volume.
+        """
+        lead = full.shape[:-1]
+        cut = full.reshape(*lead, *self.volume)[self._index]
+        return cut.reshape(*lead, -1)
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """The full tensor from every rank's columns (collective over the spatial group).
+
+        Args:
+            local: This rank's ``(..., C*d*h*w)`` columns.
+
+        Returns:
+            The whole ``(..., C*D*H*W)`` tensor, on every rank.
+        """
+        lead = local.shape[:-1]
+        sub = tuple(b - a for a, b in self.box)
+        full = local.new_zeros(*lead, *self.volume)
+        full[self._index] = local.detach().reshape(*lead, self.volume[0], *sub)
+        if self.grid.spatial_size > 1:
+            allreduce_(full, self.grid.spatial_comm)
+        return full.reshape(*lead, -1)
+
+
+def column_split(p) -> ColumnSplit | None:
+    """Which columns a split head's weight holds.
+
+    Args:
+        p: A parameter (or anything).
+
+    Returns:
+        Its :class:`ColumnSplit` when it was cut to this rank's columns, else None.
+    """
+    return getattr(p, COLUMNS_ATTR, None)
+
+
+# -- state dicts in the single-process format ---------------------------------------------------
+def _state_dict_hook(module, state_dict, prefix, local_metadata) -> None:
+    for name, p in module._parameters.items():
+        info = column_split(p)
+        if info is not None and prefix + name in state_dict:
+            state_dict[prefix + name] = info.gather(state_dict[prefix + name])
+
+
+def _load_hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected,
+               errors) -> None:
+    for name, p in module._parameters.items():
+        info = column_split(p)
+        value = state_dict.get(prefix + name)
+        if info is not None and isinstance(value, torch.Tensor) and value.dim() == 2 \
+                and value.shape[-1] == info.features:
+            state_dict[prefix + name] = info.take(value)
+
+
+def _install_hooks(module: nn.Module) -> None:
+    if not getattr(module, "_hpcpar_column_hooks", False):
+        module.register_state_dict_post_hook(_state_dict_hook)
+        module.register_load_state_dict_pre_hook(_load_hook)
+        module._hpcpar_column_hooks = True  # type: ignore[assignment]  # a plain attribute
+
+
+def _owner(ctx, param) -> nn.Module | None:
+    """The module of the spatialized model that registers ``param``."""
+    root = ctx.root() if isinstance(ctx.root, weakref.ref) else None
+    if root is None:
+        return None
+    for mod in root.modules():
+        if any(p is param for p in mod._parameters.values()):
+            return mod
+    return None
+
+
+def _cut(weight, lay: FlatLayout, call):
+    """This rank's columns of ``weight`` for the flattened layout ``lay``: the Parameter itself
+    once cut (cut now on its first use), else sliced per call."""
+    ctx = call.ctx
+    info = column_split(weight)
+    if info is not None:
+        if info.volume != lay.volume or info.grid is not ctx.grid:
+            raise call.refuse(f"uses a weight cut for a flattened volume {info.volume} on one "
+                              f"of {lay.volume}", "use a separate nn.Linear per input shape")
+        ctx.replicated_params.add(id(weight))   # complete for its columns: data-only
+        return weight
+    info = ColumnSplit(ctx.grid, lay.volume, lay.box())
+    owner = _owner(ctx, weight) if isinstance(weight, nn.Parameter) else None
+    if owner is None or weight.grad is not None:
+        return info.take(call.replicated(weight))   # used whole: partial gradient, summed
+    with torch.no_grad():
+        weight.data = info.take(weight.data).contiguous()
+    setattr(weight, COLUMNS_ATTR, info)
+    _install_hooks(owner)
+    ctx.replicated_params.add(id(weight))
+    return weight
+
+
+# -- the rules ------------------------------------------------------------------------------------
+def _linear(call):
+    if call.name != "linear":
+        raise call.refuse("is a matrix product over a flattened split tensor", "use "
+                          "F.linear or nn.Linear, which take its features split")
+    b = call.bind(("input", "weight", "bias"), (None,))
+    x, weight, bias = b["input"], b["weight"], b.get("bias")
+    if not isinstance(x, SplitTensor) or any(isinstance(t, SplitTensor) for t in (weight, bias)):
+        raise call.refuse("contracts a flattened split tensor with another split one",
+                          "use a replicated weight")
+    lay = x._hp
+    if weight.dim() != 2 or weight.shape[-1] not in (lay.gshape[0], raw(x).shape[-1]):
+        raise call.refuse(f"has a weight of shape {tuple(weight.shape)} for "
+                          f"{lay.gshape[0]} input features", "give the layer in_features = "
+                          "C*D*H*W of the flattened volume")
+    y = F.linear(raw(x), _cut(weight, lay, call))
+    comm = call.ctx.grid.spatial_comm
+    if call.ctx.grid.spatial_size > 1:
+        y = _ReplicatedSum.apply(y, comm)
+    if bias is not None:
+        if isinstance(bias, nn.Parameter):
+            call.ctx.replicated_params.add(id(bias))
+        y = y + bias
+    return y
+
+
+def _pointwise(call):
+    """Elementwise among tensors of this one flattened layout and scalars."""
+    lay = call.layout
+    flat = rules.leaves(call.args, call.kwargs)
+    for t in flat:
+        if isinstance(t, SplitTensor) and t._hp != lay or \
+                isinstance(t, torch.Tensor) and not isinstance(t, SplitTensor) and t.dim() > 0:
+            raise call.refuse("combines a flattened split tensor with a tensor of another "
+                              "layout", "combine it with scalars or tensors flattened alike")
+    out = call.func(*call.args, **call.kwargs)
+    if call.args and out is call.args[0]:
+        return out   # in place: the caller's own object
+    return rules.wrap_like(out, lay, 2, flat)
+
+
+def _dropout(call):
+    """Element dropout with the split-independent masks of the volume it was flattened from."""
+    if call.name != "dropout":
+        raise call.refuse("drops features of a flattened split tensor by channel",
+                          "use nn.Dropout")
+    b = call.bind(("input", "p", "training", "inplace"), (0.5, True, False))
+    x = b["input"]
+    if not call.ctx.dropout or not b["training"]:
+        return x
+    lay: FlatLayout = x._hp
+    piece = raw(x).reshape(raw(x).shape[0], lay.volume[0], *(b - a for a, b in lay.box()))
+    out = spatial_dropout(piece, b["p"], True, False, grid=call.ctx.grid,
+                          gshape=lay.volume[1:], feature=False,
+                          seed=sops.forward_seed(call.ctx)).reshape(raw(x).shape)
+    if b["inplace"]:
+        raw(x).copy_(out)
+        return x
+    return adopt(out, lay)
+
+
+_AS_IS = {rules.global_size, rules.global_numel, rules.global_len, rules.attribute,
+          rules.as_plain, rules.like_factory, rules.refuse_local_values, rules.refuse_random}
+_RULES = {rules.pointwise: _pointwise, rules.linear: _linear, sops.dropout: _dropout}
+
+
+def flat_rule(rule, call):
+    """Run a call on a flattened split tensor by the flattened form of its rule.
+
+    Args:
+        rule: The op table's rule for the call's function (:mod:`hpcpar.nn.optable`).
+        call: The call (:class:`hpcpar.nn.rules.Call`), one of its split arguments flattened.
+
+    Returns:
+        The call's result.
+
+    Raises:
+        LayerError: The op has no flattened form (module docstring), in one line.
+    """
+    if any(type(t._hp) is not FlatLayout for t in call.splits):
+        raise call.refuse("combines a flattened split tensor with an unflattened one",
+                          "flatten both alike")
+    if rule in _AS_IS:
+        return rule(call)
+    mine = _RULES.get(rule)
+    if mine is None:
+        raise call.refuse("has no form on a flattened split tensor (only elementwise ops, "
+                          "dropout and F.linear take it)", "apply the nn.Linear right after "
+                          "the flatten, or reduce the spatial dims before flattening")
+    return mine(call)

@@ -1,0 +1,147 @@
+"""Activation checkpointing (``[train] activation_checkpointing``): exact against single-process
+torch and against the same model without it, on split grids with uneven sizes; the
+recomputation reuses the forward's halo faces and collectives (no message, counted), and the
+count sees the messages when the reuse is switched off."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from hpcpar.testing import mpi_case
+from hpcpar.testing.oracles import batch_slice, close, on_grids, randn
+
+GRIDS = [(1, 1, 1, 1), (1, 2, 1, 1), (1, 2, 2, 1), (2, 2, 1, 1)]
+
+
+def conv_stack() -> nn.Sequential:
+    """A user's plain conv stack: in-place ReLUs, a pool, odd sizes."""
+    return nn.Sequential(nn.Conv3d(2, 3, 3, padding=1), nn.ReLU(inplace=True),
+                         nn.Conv3d(3, 3, 3, padding=1, bias=False), nn.BatchNorm3d(3),
+                         nn.ReLU(inplace=True),
+                         nn.MaxPool3d(2), nn.Conv3d(3, 4, 3, padding=1), nn.ReLU(),
+                         nn.Conv3d(4, 2, 1))
+
+
+def unet():
+    from hpcpar.models import UNet3D
+
+    return UNet3D(in_channels=1, out_channels=2, base_filters=2, depth=2)
+
+
+def _step(grid, model, x, w, setting):
+    """Spatialize, checkpoint, one forward + backward of sum(y * w); returns the spatialized
+    model, this rank's output piece, input gradient and the counter differences."""
+    from hpcpar.nn import local, spatialize
+    from hpcpar.nn.checkpointing import checkpoint_activations
+    from hpcpar.parallel.counters import COUNTERS
+    from hpcpar.parallel.spatial import local_slices
+
+    sp = spatialize(model, grid)
+    checkpoint_activations(sp, setting)
+    xl = x[local_slices(x.shape, grid)].clone().requires_grad_()
+    before = COUNTERS.snapshot()
+    y = local(sp(xl))
+    (y * w[local_slices(w.shape, grid)]).sum().backward()
+    return sp, y.detach(), xl.grad, COUNTERS.since(before)
+
+
+def check(grid, make, shape, seed, what, settings, reuse_off=False):
+    """fp64: the checkpointed model against torch on one process and against itself without
+    checkpointing, for each setting; messages during recomputation: none. ``reuse_off``:
+    also with the reuse switched off, where the count must see the messages."""
+    from hpcpar.parallel import replay
+    from hpcpar.parallel.comm import allreduce_
+    from hpcpar.parallel.spatial import local_slices
+    from hpcpar.sync.tags import reduce_scope
+
+    torch.manual_seed(seed)
+    model = make().double()
+    x = randn((2 * grid.data, *shape), seed, torch.float64)[batch_slice(2 * grid.data, grid)]
+    ref = copy.deepcopy(model)
+    xr = x.clone().requires_grad_()
+    yr = ref(xr)
+    w = randn(yr.shape, seed + 1, torch.float64)
+    (yr * w).sum().backward()
+    base, y0, gx0, _ = _step(grid, model, x, w, False)
+    split = grid.spatial_size > 1
+    for setting in settings:
+        tag = f"{what} on {grid.spec()}, activation_checkpointing = {setting!r}"
+        sp, y, gx, counts = _step(grid, model, x, w, setting)
+        close(y, yr[local_slices(yr.shape, grid)].detach(), f"{tag}: output")
+        close(gx, xr.grad[local_slices(xr.shape, grid)], f"{tag}: input grad")
+        assert torch.equal(y, y0), f"{tag}: output differs from the run without it"
+        close(gx, gx0, f"{tag}: input grad vs no checkpointing")
+        grads = dict(ref.named_parameters())
+        for (name, p), q in zip(sp.named_parameters(), base.parameters()):
+            close(p.grad, q.grad, f"{tag}: local grad of {name} vs no checkpointing")
+            g = p.grad.clone()
+            if reduce_scope(p) == "spatial+data":
+                allreduce_(g, grid.spatial_comm)
+            close(g, grads[name].grad, f"{tag}: grad of {name}")
+        for (name, b), rb in zip(sp.named_buffers(), ref.buffers()):  # updated once, not twice
+            close(b.double(), rb.double(), f"{tag}: buffer {name}")
+        assert counts["recompute_msgs"] == 0 and counts["recompute_bytes"] == 0, \
+            f"{tag}: the recomputation sent {counts['recompute_msgs']} messages"
+        assert (counts["bytes_halo"] > 0) == split, tag
+    if not reuse_off:
+        return
+    # the reuse switched off: the same gradients, but the recomputation communicates again
+    # and the count sees it (so the zeros above are measured, not assumed)
+    replay.REUSE = False
+    try:
+        sp, y, gx, counts = _step(grid, model, x, w, 1)
+    finally:
+        replay.REUSE = True
+    close(gx, gx0, f"{what} on {grid.spec()} without reuse: input grad")
+    assert (counts["recompute_msgs"] > 0) == split, counts
+    assert (counts["recompute_bytes"] > 0) == split, counts
+
+
+@mpi_case(nprocs=(4,), timeout=300)
+def test_checkpointed_models_match(comm):
+    # UNet3D: "auto" is 1 (one segment per conv block); the stack: 5 moves a boundary off
+    # an in-place ReLU, "auto" is 3
+    on_grids(comm, GRIDS, lambda g: check(g, unet, (1, 17, 13, 11), 5, "UNet3D", (1, 2),
+                                          reuse_off=True))
+    on_grids(comm, GRIDS, lambda g: check(g, conv_stack, (2, 9, 7, 10), 6, "conv stack",
+                                          (5, "auto")))
+
+
+def test_segments_keys_and_setting():
+    from hpcpar.errors import ConfigError
+    from hpcpar.nn.checkpointing import chains, checkpoint_activations, plan_segments
+
+    model = unet()
+    keys = list(model.state_dict())
+    assert len(chains(model)) == 5  # every conv block of a depth-2 UNet3D
+    assert checkpoint_activations(model, "auto") == [[6]] * 5  # sqrt(30) / 5 -> 1 each
+    assert list(model.state_dict()) == keys
+    twin = copy.deepcopy(model)   # the patched forward follows the copy
+    x = torch.randn(1, 1, 8, 8, 8)
+    assert torch.allclose(twin(x), model(x))
+    stack = conv_stack()
+    # a segment never starts with an in-place ReLU (it would overwrite the kept input)
+    assert [s for _, s in plan_segments(stack, 4)] == [[3, 2, 2, 2]]
+    assert [s for _, s in plan_segments(stack, 5)] == [[2, 3, 2, 2]]  # not 2+2+2+2+1
+    assert [s for _, s in plan_segments(stack, "auto")] == [[3, 3, 3]]  # sqrt(9) = 3
+    for bad in (True, 0, -1, "all", 1.5):
+        with pytest.raises(ConfigError, match=r"activation_checkpointing: expected false, "
+                                              r"\"auto\" or a number"):
+            checkpoint_activations(stack, bad)
+    assert checkpoint_activations(stack, False) == []
+
+
+def test_replay_mismatch_is_one_line():
+    from hpcpar.errors import LayerError
+    from hpcpar.parallel.replay import Tape, received
+
+    tape = Tape()
+    with tape.recording():
+        received(("halo exchange", (1, 2)), lambda: 1)
+    with tape.replaying(), pytest.raises(LayerError, match=r"communication #1 is \('halo "
+                                                           r"exchange', \(1, 3\)\)"):
+        received(("halo exchange", (1, 3)), lambda: 2)

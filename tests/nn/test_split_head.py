@@ -1,0 +1,250 @@
+"""The split head (hpcpar/nn/split_head.py): a dense layer after a flatten of the split volume
+takes the features split, on every grid exactly as single-process torch (output, input and
+every parameter gradient, after hpcpar.DDP, and parameters after SGD and Adam steps), with the
+weight cut to this rank's columns; state dicts and checkpoints keep the plain format."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from hpcpar.testing import mpi_case
+from hpcpar.testing.oracles import batch_slice, on_grids, one_rank_grid, randn, spatial_slices
+
+GRIDS = [(1, 1, 1, 1), (1, 2, 1, 1), (1, 2, 2, 1), (2, 2, 1, 1)]
+SIZE = (7, 5, 6)          # odd edges: uneven pieces on every split axis
+RTOL = 1e-10
+
+
+def _sequential(c=2, size=SIZE):
+    return nn.Sequential(nn.Conv3d(c, 3, 3, padding=1), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(3 * math.prod(size), 5), nn.LeakyReLU(0.3), nn.Linear(5, 2))
+
+
+class _FlattenMethod(nn.Module):
+    """``x.flatten(1)`` with elementwise ops between the flatten and the dense layer."""
+
+    def __init__(self, c=2, size=SIZE):
+        super().__init__()
+        self.conv = nn.Conv3d(c, 2, 3, padding=1)
+        self.fc = nn.Linear(2 * math.prod(size), 3)
+
+    def forward(self, x):
+        h = self.conv(x).flatten(1)
+        return self.fc(F.relu(h) * 0.5 + h.sigmoid())
+
+
+class _ViewHead(nn.Module):
+    """``x.view(x.size(0), -1)`` after a pool (the volume shrinks unevenly) into F.linear."""
+
+    def __init__(self, c=2, size=SIZE):
+        super().__init__()
+        self.conv = nn.Conv3d(c, 4, 3, padding=1)
+        self.fc = nn.Linear(4 * math.prod(s // 2 for s in size), 3)
+        self.out = nn.Linear(3, 2)
+
+    def forward(self, x):
+        h = F.max_pool3d(F.relu(self.conv(x)), 2)
+        return self.out(F.linear(h.view(h.size(0), -1), self.fc.weight, self.fc.bias).tanh())
+
+
+MODELS = [_sequential, _FlattenMethod, _ViewHead]
+
+
+def _piece(x, grid):
+    return x[batch_slice(x.shape[0], grid)][spatial_slices(x.shape[2:], grid)].clone()
+
+
+def _full_grad(p):
+    from hpcpar.nn.split_head import column_split
+
+    info = column_split(p)
+    g = p.grad if p.grad is not None else torch.zeros_like(p)
+    return info.gather(g) if info is not None else g
+
+
+def _close(got, want, what, rtol=RTOL):
+    scale = max(float(want.abs().max()), 1e-6)
+    err = float((got - want).abs().max())
+    assert got.shape == want.shape and err <= rtol * scale, \
+        f"{what}: shape {tuple(got.shape)} vs {tuple(want.shape)}, max |diff| {err:.3e}"
+
+
+def _exact(grid):
+    import hpcpar
+    from hpcpar.nn import spatialize
+    from hpcpar.nn.split_head import column_split
+    from hpcpar.parallel.partition import box
+    from hpcpar.sync.tags import reduce_scope
+
+    for i, factory in enumerate(MODELS):
+        what = f"{factory.__name__} on {grid.spec()}"
+        torch.manual_seed(i)
+        plain = factory().double()
+        x = randn((2 * grid.data, 2, *SIZE), i + 1, torch.float64).requires_grad_()
+        ref = plain(x)
+        w = randn(ref.shape, i + 2, torch.float64)
+        (ref * w).sum().backward()
+        # the mean over data replicas, as hpcpar.DDP reduces, equals this weighting / data
+        model = hpcpar.DDP(spatialize(plain, grid, check=True), grid)
+        xl = _piece(x.detach(), grid).requires_grad_()
+        out = model(xl)
+        bs = batch_slice(ref.shape[0], grid)
+        _close(out.detach(), ref.detach()[bs], f"{what}: output")
+        (out * w[bs]).sum().backward()
+        _close(xl.grad, _piece(x.grad, grid), f"{what}: input grad")
+        ref_params = dict(plain.named_parameters())
+        for name, p in model.module.named_parameters():
+            _close(_full_grad(p) * grid.data, ref_params[name].grad, f"{what}: grad {name}")
+        head = next(p for p in model.module.parameters() if p.dim() == 2)
+        cut = column_split(head)
+        assert cut is not None and reduce_scope(head) == "data", what
+        chans = cut.volume[0]
+        local = math.prod(b - a for a, b in box(cut.volume[1:], grid.spatial_shape,
+                                                grid.spatial_coords))
+        assert head.numel() == head.shape[0] * chans * local, what  # only its own columns
+        sd = model.state_dict()   # the full weight again (collective)
+        assert sd.keys() == plain.state_dict().keys()
+        for k, v in plain.state_dict().items():
+            assert torch.equal(sd[k], v), f"{what}: state_dict {k}"
+
+
+@mpi_case(nprocs=(4,), timeout=300)
+def test_outputs_and_every_gradient_match_torch(comm):
+    on_grids(comm, GRIDS, _exact)
+
+
+def _train(grid, opt_name, steps=3, model=None, opt_state=None):
+    """``steps`` steps of the split-head model on ``grid`` (from ``model``'s weights and
+    ``opt_state`` when given); returns (plain state dict, plain optimizer state dict)."""
+    import hpcpar
+    from hpcpar.nn import settle, spatialize
+    from hpcpar.run import checkpoint as ckpt
+
+    torch.manual_seed(0)
+    plain = _sequential().double() if model is None else model
+    sp = spatialize(plain, grid)
+    settle(sp, torch.zeros(1, 2, *SIZE, dtype=torch.float64)[spatial_slices(SIZE, grid)])
+    ddp = hpcpar.DDP(sp, grid)
+    opt = (torch.optim.Adam(sp.parameters(), lr=0.01) if opt_name == "adam"
+           else torch.optim.SGD(sp.parameters(), lr=0.05, momentum=0.9))
+    if opt_state is not None:
+        ckpt.load_full_optimizer_state(sp, opt, opt_state)
+    for step in range(steps):
+        x = randn((2 * grid.data, 2, *SIZE), 10 + step, torch.float64)
+        y = randn((2 * grid.data, 2), 20 + step, torch.float64)
+        bs = batch_slice(x.shape[0], grid)
+        opt.zero_grad()
+        F.mse_loss(ddp(_piece(x, grid)), y[bs]).backward()
+        opt.step()
+    return ckpt.full_state_dict(sp), ckpt.full_optimizer_state(sp, opt)
+
+
+def _reference(opt_name, steps, data):
+    """The same steps in single-process torch on the global batches."""
+    torch.manual_seed(0)
+    plain = _sequential().double()
+    opt = (torch.optim.Adam(plain.parameters(), lr=0.01) if opt_name == "adam"
+           else torch.optim.SGD(plain.parameters(), lr=0.05, momentum=0.9))
+    for step in range(steps):
+        x = randn((2 * data, 2, *SIZE), 10 + step, torch.float64)
+        y = randn((2 * data, 2), 20 + step, torch.float64)
+        opt.zero_grad()
+        F.mse_loss(plain(x), y).backward()
+        opt.step()
+    return plain.state_dict(), opt.state_dict()
+
+
+def _steps_and_resume(grid):
+    for opt_name in ("sgd", "adam"):
+        what = f"{opt_name} on {grid.spec()}"
+        want, want_opt = _reference(opt_name, 4, grid.data)
+        got, _ = _train(grid, opt_name, steps=4)
+        for k, v in want.items():
+            _close(got[k], v, f"{what}: {k} after 4 steps", 1e-9)
+        # a checkpoint after 2 steps on this grid, resumed on one rank: the plain format
+        half, half_opt = _train(grid, opt_name, steps=2)
+        assert {k: tuple(v.shape) for k, v in half.items()} == \
+            {k: tuple(v.shape) for k, v in want.items()}
+        plain = _sequential().double()
+        plain.load_state_dict(half)
+        resumed, resumed_opt = _train(one_rank_grid(), opt_name, steps=0, model=plain,
+                                      opt_state=half_opt)
+        for k, v in half.items():
+            assert torch.equal(resumed[k], v), f"{what}: resumed {k}"
+        for i, st in half_opt["state"].items():
+            for key, v in st.items():
+                assert torch.equal(resumed_opt["state"][i][key], v), f"{what}: state {key}"
+        for i, st in want_opt["state"].items():   # the state's shapes are the plain model's
+            for key, v in st.items():
+                assert tuple(half_opt["state"][i][key].shape) == tuple(v.shape), what
+
+
+@mpi_case(nprocs=(4,), timeout=300)
+def test_training_steps_and_checkpoint_match_torch(comm):
+    on_grids(comm, GRIDS[1:], _steps_and_resume)
+
+
+@mpi_case(nprocs=(2,), timeout=120)
+def test_checkpoint_resumes_on_another_grid(comm):
+    """Saved on 1x2x1x1 after 2 steps, resumed on 1x1x2x1 (other columns per rank) for 2
+    more: the same parameters as 4 uninterrupted steps."""
+    from hpcpar.parallel.grid import ProcessGrid
+
+    for opt_name in ("adam",):
+        grid = ProcessGrid(1, 2, 1, 1, comm=comm)
+        half, half_opt = _train(grid, opt_name, steps=2)
+        grid.free()
+        plain = _sequential().double()
+        plain.load_state_dict(half)
+        grid = ProcessGrid(1, 1, 2, 1, comm=comm)
+        got, _ = _train(grid, opt_name, steps=4, model=plain,
+                        opt_state=copy.deepcopy(half_opt))   # the steps update it in place
+        grid.free()
+        want, _ = _reference_from(half, half_opt, opt_name)
+        for k, v in want.items():
+            _close(got[k], v, f"{opt_name}: resumed on another grid: {k}", 1e-9)
+
+
+def _reference_from(state, opt_state, opt_name):
+    plain = _sequential().double()
+    plain.load_state_dict(state)
+    opt = (torch.optim.Adam(plain.parameters(), lr=0.01) if opt_name == "adam"
+           else torch.optim.SGD(plain.parameters(), lr=0.05, momentum=0.9))
+    opt.load_state_dict(copy.deepcopy(opt_state))
+    for step in range(4):
+        x = randn((2, 2, *SIZE), 10 + step, torch.float64)
+        y = randn((2, 2), 20 + step, torch.float64)
+        opt.zero_grad()
+        F.mse_loss(plain(x), y).backward()
+        opt.step()
+    return plain.state_dict(), opt.state_dict()
+
+
+class _SumAfterFlatten(nn.Module):
+    def forward(self, x):
+        return x.flatten(1).sum(1)
+
+
+class _PartialFlatten(nn.Module):
+    def forward(self, x):
+        return x.flatten(2)
+
+
+@pytest.mark.parametrize("model, op, why", [
+    (_SumAfterFlatten(), "sum", "no form on a flattened split tensor"),
+    (_PartialFlatten(), "flatten", "merges a split dim"),
+])
+def test_other_ops_on_a_flattened_volume_are_refused(model, op, why):
+    from hpcpar.errors import LayerError
+    from hpcpar.nn import spatialize
+
+    with pytest.raises(LayerError) as info:
+        spatialize(model, one_rank_grid())(torch.randn(1, 1, 4, 4, 4))
+    msg = str(info.value)
+    assert op in msg and why in msg and "\n" not in msg and f"{__file__}:" in msg
