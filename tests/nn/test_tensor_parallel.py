@@ -155,7 +155,10 @@ def test_tensor_parallel_cosmoflow_head_matches_replicated(comm):
     from hpcpar.parallel.spatial import local_slices
 
     torch.manual_seed(0)
-    plain = CosmoFlow.small(input_size=16, n_conv_blocks=2, base_filters=4, dense=(12, 6))
+    # gather=True: a tensor-parallel head takes the gathered volume (the default split head
+    # takes it split; tensor_parallelize on that is refused in one line)
+    plain = CosmoFlow.small(input_size=16, n_conv_blocks=2, base_filters=4, dense=(12, 6),
+                            gather=True)
     grid = ProcessGrid(1, 2, 2, 1, comm=comm)
     # the 6 -> 4 output layer stays replicated: its data-only tag must survive the copy
     model = tensor_parallelize(spatialize(plain, grid), grid, min_features=5)
