@@ -21,6 +21,7 @@ import torch
 
 from hpcpar.formats.jobspec import build_job
 from hpcpar.formats.records import read_steps
+from hpcpar.nn.split_head import COLUMNS_ATTR
 from hpcpar.run.callbacks import Callback
 from hpcpar.run.loss_scale import LossScaler
 from hpcpar.run.trainer import Trainer
@@ -51,7 +52,8 @@ class OverflowOnLastRank(Trainer):
 
 
 class ParamDigests(Callback):
-    """A digest of this rank's parameters after every step."""
+    """A digest of the model's parameters after every step, as this rank sees them: a split
+    head's weight (each rank holds its columns) gathered whole first (collective)."""
 
     def __init__(self):
         self.digests = []
@@ -59,7 +61,8 @@ class ParamDigests(Callback):
     def on_step_end(self, trainer, row, mean_loss):
         h = hashlib.sha256()
         for p in trainer.model.parameters():
-            h.update(p.detach().numpy().tobytes())
+            columns = getattr(p, COLUMNS_ATTR, None)
+            h.update((columns.gather(p) if columns else p).detach().numpy().tobytes())
         self.digests.append(h.hexdigest())
 
 
