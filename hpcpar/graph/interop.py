@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import pickle
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -154,7 +155,7 @@ def load_pyg(path: str | os.PathLike, trust_pickle: bool = False) -> Any:
     return obj
 
 
-def edge_list_chunks(path: str | os.PathLike, lines: int = 1 << 20):
+def edge_list_chunks(path: str | os.PathLike, lines: int = 1 << 20) -> Iterator[np.ndarray]:
     """Read a text edge list in blocks of about ``lines`` lines, so a partitioner streams a
     file larger than memory; the rules of :func:`read_edge_list`.
 

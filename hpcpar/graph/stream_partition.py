@@ -26,6 +26,7 @@ import resource
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -71,8 +72,8 @@ def metis_memory_estimate(num_nodes: int, num_edges: int) -> int:
     return METIS_BYTES_PER_EDGE * int(num_edges) + METIS_BYTES_PER_NODE * int(num_nodes)
 
 
-def ldg_partition(structure_rows, num_nodes: int, num_edges: int, parts: int,
-                  passes: int = 3, slack: float = 0.05, block: int = ROW_BLOCK) -> np.ndarray:
+def ldg_partition(structure_rows: Callable[[int, int], tuple], num_nodes: int,
+                  num_edges: int, parts: int, passes: int = 3, slack: float = 0.05, block: int = ROW_BLOCK) -> np.ndarray:
     """Restreaming LDG over row blocks: the owner part of every vertex.
 
     Args:
@@ -134,7 +135,8 @@ class EdgeListSource:
         bucket_edges: Target keys per bucket.
     """
 
-    def __init__(self, path, features, labels=None, split=(0.6, 0.2), seed=0, workdir=".",
+    def __init__(self, path: str, features: str | None, labels: str | None = None,
+                 split: tuple = (0.6, 0.2), seed: int = 0, workdir: str = ".",
                  bucket_edges: int = 1 << 23):
         if features is None:
             raise DataError(f"{path}: an edge list needs --features (N x F, .npy or text)")
@@ -294,7 +296,8 @@ def _write_parts(source, out: str, owner: np.ndarray, parts: int, force: bool,
 
 def partition_graph(src: str, out: str, parts: int, method: str = "auto", seed: int = 0,
                     passes: int = 3, memory_limit: int | None = None, force: bool = False,
-                    features=None, labels=None, split=(0.6, 0.2), trust_pickle: bool = False,
+                    features: str | None = None, labels: str | None = None,
+                    split: tuple = (0.6, 0.2), trust_pickle: bool = False,
                     block: int = ROW_BLOCK) -> dict:
     """Partition a graph into ``parts`` parts and write the sharded graph format.
 

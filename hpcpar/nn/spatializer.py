@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import weakref
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -227,7 +228,7 @@ def spatialize(model: nn.Module, grid: ProcessGrid, *,
     return model
 
 
-def settle(model: nn.Module, *args, **kwargs) -> None:
+def settle(model: nn.Module, *args: Any, **kwargs: Any) -> None:
     """Run one forward of a spatialized model on ``args`` (zeros of this rank's piece will
     do) so its dataflow fixes its layout before anything holds state for its parameters.
 

@@ -108,7 +108,7 @@ class ColumnSplit:
         return full.reshape(*lead, -1)
 
 
-def column_split(p) -> ColumnSplit | None:
+def column_split(p: Any) -> ColumnSplit | None:
     """Which columns a split head's weight holds.
 
     Args:
@@ -245,7 +245,7 @@ _AS_IS = {rules.global_size, rules.global_numel, rules.global_len, rules.attribu
 _RULES = {rules.pointwise: _pointwise, rules.linear: _linear, sops.dropout: _dropout}
 
 
-def flat_rule(rule, call):
+def flat_rule(rule: Any, call: Any) -> Any:
     """Run a call on a flattened split tensor by the flattened form of its rule.
 
     Args:

@@ -86,7 +86,7 @@ def _halo_width(axis_halo, n: int, parts: int) -> int:
 
 
 def trace_layers(model: torch.nn.Module, sample_shape: Sequence[int],
-                 checkpointing=False) -> list[Layer]:
+                 checkpointing: bool | int | str = False) -> list[Layer]:
     """The leaf layers of a plain model in call order, traced on torch's ``meta`` device.
 
     Args:
