@@ -73,7 +73,8 @@ def metis_memory_estimate(num_nodes: int, num_edges: int) -> int:
 
 
 def ldg_partition(structure_rows: Callable[[int, int], tuple], num_nodes: int,
-                  num_edges: int, parts: int, passes: int = 3, slack: float = 0.05, block: int = ROW_BLOCK) -> np.ndarray:
+                  num_edges: int, parts: int, passes: int = 3, slack: float = 0.05,
+                  block: int = ROW_BLOCK) -> np.ndarray:
     """Restreaming LDG over row blocks: the owner part of every vertex.
 
     Args:
