@@ -166,9 +166,15 @@ class PartWriter:
         import h5py
 
         self.directory = str(directory)
-        if os.path.exists(os.path.join(self.directory, MANIFEST)) and not force:
+        ours = os.path.exists(os.path.join(self.directory, MANIFEST))
+        if ours and not force:
             raise DataError(f"{self.directory}: already holds a dataset (pass --force to "
                             "replace it)")
+        clash = [part_name(p) for p in range(parts)
+                 if os.path.exists(os.path.join(self.directory, part_name(p)))]
+        if clash and not ours:   # never overwrite a file hpcpar did not write
+            raise DataError(f"{self.directory}: {clash[0]} exists and is not part of an "
+                            "hpcpar graph (no manifest.json there); choose another OUT")
         os.makedirs(self.directory, exist_ok=True)
         self.files = []
         for p in range(parts):
