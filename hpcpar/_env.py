@@ -156,10 +156,22 @@ VARS: dict[str, Var] = {v.name: v for v in [
 ]}
 
 
+#: (name, raw text) -> its parsed value, for immutable values only: some variables are read
+#: on every halo message (``HPCPAR_FORCE_STAGING``), and the text is still read each time.
+_PARSED: dict[tuple[str, str | None], Any] = {}
+
+
 def get(name: str, env: Mapping[str, str] | None = None):
     """Typed value of ``name`` from ``env`` (default: ``os.environ``), read now."""
-    var = VARS[name]
-    return var.parse(name, (os.environ if env is None else env).get(name))
+    raw = (os.environ if env is None else env).get(name)
+    try:
+        return _PARSED[name, raw]
+    except KeyError:
+        pass
+    value = VARS[name].parse(name, raw)
+    if value is None or isinstance(value, (bool, int, float, str, tuple)):
+        _PARSED[name, raw] = value
+    return value
 
 
 def names() -> list[str]:
