@@ -8,6 +8,8 @@ piece and the outputs are gathered and compared module by module in call order, 
 the parameter gradients of ``sum(output * w)``. Dropout is off in both (masks are random)
 and batch-norm statistics cover the probe only. A mismatch raises one line on every rank
 naming the first module that differs. Copies are used, so the model's state does not change.
+The plain model is kept as a :func:`skeleton` (its code, no weights) until then: the check
+loads the weights the spatial model trains from anyway.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import copy
 import warnings
 from collections.abc import Callable
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +32,7 @@ from hpcpar.parallel.spatial import gather, local_slices
 from .split import SplitTensor, local, split_like, unwrap
 from .split_head import column_split
 
-__all__ = ["first_step_check", "PROBE_LIMIT_BYTES"]
+__all__ = ["first_step_check", "skeleton", "materialize", "PROBE_LIMIT_BYTES"]
 
 #: A probe sample larger than this is not gathered (the check is skipped with a warning):
 #: the plain model's activations for the whole sample must fit on the spatial root, and a
@@ -85,6 +88,40 @@ def _recording(model: nn.Module, grid, gathered: bool):
             h.remove()
 
 
+def skeleton(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters hold no memory (meta tensors; buffers are copied):
+    the first-step check needs the plain model's code, not its weights, which it loads from
+    the spatial model it checks (:func:`materialize`). Keeping a real copy until the first
+    forward would hold a second full-size dense head on every rank through the start-up.
+
+    Args:
+        model: The plain model (not modified).
+
+    Returns:
+        The copy (tied parameters stay tied).
+    """
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+    return copy.deepcopy(model, memo)
+
+
+def materialize(model: nn.Module, state: dict) -> nn.Module:
+    """Give a :func:`skeleton`'s parameters memory on the device of ``state`` and load
+    ``state`` into it (strict); returns ``model``."""
+    device = next((v.device for v in state.values() if isinstance(v, torch.Tensor)), None)
+    made: dict[int, nn.Parameter] = {}
+    for mod in model.modules():
+        for name, p in mod._parameters.items():
+            if p is not None and p.is_meta:
+                if id(p) not in made:
+                    made[id(p)] = nn.Parameter(torch.empty_like(p, device=device),
+                                               p.requires_grad)
+                mod._parameters[name] = made[id(p)]
+    model.load_state_dict(state)
+    return model
+
+
 def _probe(x, grid):
     """The first sample of this data group's piece, and the whole of it on the spatial root."""
     piece = x[:1].detach()   # the probe's backward must not reach the caller's input
@@ -93,9 +130,9 @@ def _probe(x, grid):
 
 def first_step_check(spatial_model: nn.Module, plain: nn.Module, args: tuple, ctx,
                      spatialize: Callable[..., nn.Module]) -> None:
-    """Run the check (module docstring) for the first call's positional ``args``;
-    ``spatialize`` makes the fresh spatial copy it compares (passed in by the spatializer,
-    the module that defines it)."""
+    """Run the check (module docstring) for the first call's positional ``args``; ``plain``
+    is the plain model's :func:`skeleton`; ``spatialize`` makes the fresh spatial copy it
+    compares (passed in by the spatializer, the module that defines it)."""
     grid = ctx.grid
     xs = [a for a in args if isinstance(a, torch.Tensor) and a.dim() == 5]
     if len(xs) != 1 or len(args) != 1:
@@ -116,8 +153,7 @@ def first_step_check(spatial_model: nn.Module, plain: nn.Module, args: tuple, ct
     state = spatial_model.state_dict()   # collective once a split head is cut (split_head)
     if root:
         try:
-            ref = copy.deepcopy(plain)
-            ref.load_state_dict(state)  # the weights it trains from
+            ref = materialize(copy.deepcopy(plain), state)  # the weights it trains from
             with _recording(ref, grid, False) as ref_calls, _NoDropout():
                 out = ref(whole)
             g = torch.Generator().manual_seed(1234)
@@ -134,8 +170,7 @@ def first_step_check(spatial_model: nn.Module, plain: nn.Module, args: tuple, ct
         return
     # a fresh spatialization (the live model carries hooks of its gradient sync), with the
     # weights it trains from; batch-norm statistics of the probe alone, as the plain model
-    sp = spatialize(plain, grid)
-    sp.load_state_dict(state)
+    sp = materialize(spatialize(plain, grid), state)
     sp._hpcpar_split.dropout = False  # type: ignore[union-attr]  # set by spatialize
     with _recording(sp, grid, True) as calls, _NoDropout():
         out = sp(piece)

@@ -35,7 +35,7 @@ from hpcpar.parallel.halo import global_spatial_shape
 from hpcpar.sync.tags import DATA_ONLY, REDUCE_ATTR, TAGS_VERSION, tag_data_only
 
 from ._base import SpatialModule
-from .check import first_step_check
+from .check import first_step_check, skeleton
 from .dispatch import SpatialMode, mode_call
 from .split import Layout, SplitContext, SplitTensor, unwrap, wrap
 
@@ -48,7 +48,7 @@ class _Context(SplitContext):
 
     def __init__(self, grid, bn_include_data, plain=None):
         super().__init__(grid, bn_include_data)
-        self.plain = plain      # the plain model, kept until the first-step check ran
+        self.plain = plain      # the plain model's skeleton, kept until the first-step check ran
         self.mode = _Mode(self)  # entered for the outermost forward
         self.depth = 0          # nesting of spatialized forwards (only the outermost acts)
         self.suspended = 0      # inside hpcpar's own spatial layers: no dispatch
@@ -179,8 +179,8 @@ def _swap_twins(module: nn.Module, grid) -> nn.Module:
     return module
 
 
-def spatialize(model: nn.Module, grid: ProcessGrid, *,
-               bn_include_data: bool = False, check: bool = False) -> nn.Module:
+def spatialize(model: nn.Module, grid: ProcessGrid, *, bn_include_data: bool = False,
+               check: bool = False, inplace: bool = False) -> nn.Module:
     """Make a copy of a plain torch model that runs on each rank's piece of the volume.
 
     The copy's ``forward`` takes every 5D tensor argument as this rank's piece of the global
@@ -192,13 +192,17 @@ def spatialize(model: nn.Module, grid: ProcessGrid, *,
     loss on every rank. ``hpcpar.nn.local(t)`` gives this rank's piece as a plain tensor.
 
     Args:
-        model: The plain model; it is deep-copied, not modified.
+        model: The plain model; it is deep-copied, not modified (unless ``inplace``).
         grid: The process grid whose x, y, z axes split every sample's volume.
         bn_include_data: Batch-norm statistics also cover the data group (what one
             BatchNorm on the whole global batch computes).
         check: On the first forward, compare a probe (the first sample) module by module
             and gradient by gradient with the plain model on one rank
-            (:mod:`hpcpar.nn.check`): catches whatever escapes the dispatch.
+            (:mod:`hpcpar.nn.check`): catches whatever escapes the dispatch. Only the plain
+            model's code is kept for it (:func:`skeleton`), not a second copy of its weights.
+        inplace: Convert ``model`` itself (modified and returned) instead of a copy, for a
+            caller that no longer needs the plain model: its weights then exist once, not
+            twice, until a split head is cut (:func:`settle`).
 
     Returns:
         The spatialized copy (same modules, parameters and ``state_dict`` keys).
@@ -214,8 +218,8 @@ def spatialize(model: nn.Module, grid: ProcessGrid, *,
         y = model(spatial.scatter(cube, grid))
         ```
     """
-    plain = copy.deepcopy(model) if check else None
-    model = _swap_twins(copy.deepcopy(model), grid)
+    plain = skeleton(model) if check else None
+    model = _swap_twins(model if inplace else copy.deepcopy(model), grid)
     ctx = _Context(grid, bn_include_data, plain)
     setattr(model, _CTX, ctx)
     model.register_forward_pre_hook(_enter, with_kwargs=True)

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,8 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpcpar.parallel.comm import allreduce_
-from hpcpar.parallel.grid import ProcessGrid
+from hpcpar.parallel.comm import allreduce_, irecv, isend
+from hpcpar.parallel.grid import ProcessGrid, coords_of, rank_of
 
 from . import rules
 from . import spatial_ops as sops
@@ -48,7 +50,7 @@ from .dropout import spatial_dropout
 from .reduce import _ReplicatedSum
 from .split import FlatLayout, SplitTensor, adopt, raw
 
-__all__ = ["ColumnSplit", "column_split", "flat_rule"]
+__all__ = ["ColumnSplit", "column_split", "flat_rule", "gathered_to"]
 
 #: The attribute a cut weight Parameter carries (its :class:`ColumnSplit`).
 COLUMNS_ATTR = "_hpcpar_columns"
@@ -74,7 +76,7 @@ class ColumnSplit:
     @property
     def _index(self) -> tuple[Any, ...]:
         """This rank's sub-box of a ``(..., C, D, H, W)`` tensor (leading dims whole)."""
-        return (Ellipsis, slice(None), *(slice(a, b) for a, b in self.box))
+        return _box_index(self.box)
 
     def take(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's columns of a full ``(..., C*D*H*W)`` tensor.
@@ -90,15 +92,23 @@ class ColumnSplit:
         cut = full.reshape(*lead, *self.volume)[self._index]
         return cut.reshape(*lead, -1)
 
-    def gather(self, local: torch.Tensor) -> torch.Tensor:
+    def gather(self, local: torch.Tensor, root: int | None = None) -> torch.Tensor:
         """The full tensor from every rank's columns (collective over the spatial group).
 
         Args:
             local: This rank's ``(..., C*d*h*w)`` columns.
+            root: The rank (of the grid's communicator) that needs the whole tensor, or None
+                for every rank. With a root, the ranks of its spatial group send it their
+                columns and no other rank holds more than its own (a checkpoint's writer:
+                a full-size head on every rank would not divide by the spatial ranks);
+                ranks of other spatial groups do nothing.
 
         Returns:
-            The whole ``(..., C*D*H*W)`` tensor, on every rank.
+            The whole ``(..., C*D*H*W)`` tensor on every rank (on ``root`` only, when given;
+            the others get ``local`` back).
         """
+        if root is not None:
+            return self._gather_to(local, root)
         lead = local.shape[:-1]
         sub = tuple(b - a for a, b in self.box)
         full = local.new_zeros(*lead, *self.volume)
@@ -106,6 +116,35 @@ class ColumnSplit:
         if self.grid.spatial_size > 1:
             allreduce_(full, self.grid.spatial_comm)
         return full.reshape(*lead, -1)
+
+    def _gather_to(self, local: torch.Tensor, root: int) -> torch.Tensor:
+        """:meth:`gather` to ``root`` alone, point to point: the root holds the whole tensor
+        and one piece at a time, every other rank nothing more than ``local``."""
+        grid, comm = self.grid, self.grid.spatial_comm
+        d, i, j, k = coords_of(root, grid.shape)
+        if d != grid.coords[0]:
+            return local
+        dest = rank_of((0, i, j, k), grid.shape)   # its rank in the spatial communicator
+        boxes = comm.gather(self.box, root=dest)
+        local = local.detach().contiguous()
+        if boxes is None:   # not the root: send it this rank's columns
+            isend(local, dest, comm).wait()
+            return local
+        lead = local.shape[:-1]
+        full = local.new_zeros(*lead, *self.volume)
+        for src, b in enumerate(boxes):
+            sub = [hi - lo for lo, hi in b]
+            piece = local
+            if src != dest:
+                piece = local.new_empty(*lead, self.volume[0] * math.prod(sub))
+                irecv(piece, src, comm).wait()
+            full[_box_index(b)] = piece.reshape(*lead, self.volume[0], *sub)
+        return full.reshape(*lead, -1)
+
+
+def _box_index(box) -> tuple[Any, ...]:
+    """A sub-box of a ``(..., C, D, H, W)`` tensor (leading dims and channels whole)."""
+    return (Ellipsis, slice(None), *(slice(a, b) for a, b in box))
 
 
 def column_split(p: Any) -> ColumnSplit | None:
@@ -121,11 +160,30 @@ def column_split(p: Any) -> ColumnSplit | None:
 
 
 # -- state dicts in the single-process format ---------------------------------------------------
+_ROOT: list[int | None] = [None]   # where state dicts gather a cut weight (gathered_to)
+
+
+@contextmanager
+def gathered_to(root: int | None) -> Iterator[None]:
+    """Inside, ``state_dict()`` gathers a cut weight to rank ``root`` of the grid's
+    communicator only (:meth:`ColumnSplit.gather`): the other ranks' state dicts hold their
+    own columns. A checkpoint's writer needs the full weight; no other rank should hold it.
+
+    Args:
+        root: The rank; None: every rank (the default outside).
+    """
+    before, _ROOT[0] = _ROOT[0], root
+    try:
+        yield
+    finally:
+        _ROOT[0] = before
+
+
 def _state_dict_hook(module, state_dict, prefix, local_metadata) -> None:
     for name, p in module._parameters.items():
         info = column_split(p)
         if info is not None and prefix + name in state_dict:
-            state_dict[prefix + name] = info.gather(state_dict[prefix + name])
+            state_dict[prefix + name] = info.gather(state_dict[prefix + name], _ROOT[0])
 
 
 def _load_hook(module, state_dict, prefix, local_metadata, strict, missing, unexpected,

@@ -189,8 +189,10 @@ def workload_of(job, size: int | None = None):
     layers = trace_layers(model, in_shape, job.train.activation_checkpointing)
     if job.model.params.get("tensor_parallel"):
         mark_tensor_parallel(layers, job.model.params["tp_min_features"])
+    ck = job.checkpoint
     return Workload(job.name, layers, shape, job.train.global_batch,
-                    precision=job.train.precision, optimizer=job.train.optimizer)
+                    precision=job.train.precision, optimizer=job.train.optimizer,
+                    checkpoints=bool(ck.every or ck.at_end))
 
 
 def fit_points(run_dirs, trust_kind: bool = False) -> list:

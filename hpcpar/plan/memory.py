@@ -20,6 +20,18 @@ rule gives, so the rank that runs out first):
 * ``transient``: backward holds a layer's output gradient next to its input gradient, twice
   the largest layer output.
 
+Two moments outside the step can peak higher, so the total is the largest of the three:
+
+* ``startup``: the model is built whole (seeded, as one process would) and a split head is cut
+  to this rank's columns only by the first forward (:func:`hpcpar.nn.spatializer.settle`, one
+  sample of zeros, no gradients): the full parameters plus that forward's input and its two
+  largest layer outputs, once (the plain model is not copied: ``spatialize(inplace=True)``);
+* ``checkpoint``: the rank writing ``trainer.pt`` holds the optimizer state of the full model
+  (a split head's gathered to it alone, :func:`hpcpar.nn.split_head.ColumnSplit.gather`) on
+  top of the step's peak: the memory the step's activations freed stays in the process's
+  heap (glibc keeps it), and the gathered tensors are fresh large allocations beside it.
+  ``model.pt``'s writer holds one full copy of the weights, less.
+
 A grid fits a budget when the total is at most :data:`HEADROOM` of it (allocator
 fragmentation, page cache, kernel). Checked against a kernel-enforced limit:
 ``tests/run/test_memory_limit.py`` (CosmoFlow 192³ x 4 under 1.5 GiB per rank: 1 rank is
@@ -28,6 +40,7 @@ killed, 8 ranks train, and this model says the same).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -65,11 +78,18 @@ class MemoryEstimate:
     data: float
     saved: float
     transient: float
+    startup: float = 0.0      # peak while the model is built and settled (a whole total)
+    checkpoint: float = 0.0   # peak of a checkpoint's optimizer-state writer (a whole total)
+
+    @property
+    def step(self) -> float:
+        """The training step's peak, bytes (the sum of the parts)."""
+        return self.runtime + self.params + self.data + self.saved + self.transient
 
     @property
     def total(self) -> float:
-        """The predicted peak, bytes."""
-        return self.runtime + self.params + self.data + self.saved + self.transient
+        """The predicted peak, bytes: the step's, the start-up's or a checkpoint's."""
+        return max(self.step, self.startup, self.checkpoint)
 
 
 def _local_out(layer, parts) -> int:
@@ -98,10 +118,16 @@ def estimate(work: Workload, grid: tuple[int, int, int, int], nbytes: int = 4) -
     outs = [_local_out(layer, parts) * b * nbytes for layer in layers]
     saved, recompute = _checkpointed([layer.segment for layer in layers], outs)
     opt = optimizer_states(work.optimizer)
-    return MemoryEstimate(runtime=RUNTIME_BYTES,
-                          params=work.local_params(spatial, tuple(parts)) * 4 * (4 + opt),
-                          data=2 * b * math.prod(work.sample_shape) * 4 / spatial,
-                          saved=saved, transient=2.0 * max(outs, default=0) + recompute)
+    params = work.local_params(spatial, tuple(parts)) * 4 * (4 + opt)
+    data = 2 * b * math.prod(work.sample_shape) * 4 / spatial
+    startup = RUNTIME_BYTES + work.params * 4
+    if any(layer.kind == "linear" for layer in layers):   # settled: one fp32 sample, no grad
+        startup += data / b + 2.0 * max(outs, default=0) / (b * nbytes) * 4
+    est = MemoryEstimate(runtime=RUNTIME_BYTES, params=params, data=data, saved=saved,
+                         transient=2.0 * max(outs, default=0) + recompute, startup=startup)
+    if not work.checkpoints:
+        return est
+    return dataclasses.replace(est, checkpoint=est.step + opt * work.params * 4)
 
 
 def _checkpointed(segments: list[int], outs: Sequence[float]) -> tuple[float, float]:

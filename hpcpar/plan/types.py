@@ -71,6 +71,7 @@ class Workload:
         params: Parameter count (summed from the layers).
         graph: A full-graph GNN job (:class:`hpcpar.plan.gnn.GraphJob`); ``layers`` is then
             empty.
+        checkpoints: The run writes checkpoints (their writer's memory counts).
     """
 
     name: str
@@ -81,6 +82,7 @@ class Workload:
     optimizer: str = "adam"
     params: int = 0
     graph: object = None
+    checkpoints: bool = True
 
     def __post_init__(self):
         if self.layers or not self.params:

@@ -20,9 +20,10 @@ generator state. What a rank file holds is therefore the same on every rank of a
 of the new grid takes the file of :func:`source_rank`.
 
 Writing is collective: every rank writes its file into ``.tmp-step-000100/`` and fsyncs it,
-rank 0 adds the shared files and the manifest, fsyncs, renames the directory to its final name
-(atomic on POSIX) and fsyncs the parent, then prunes to the newest ``keep``. A crash at any
-moment leaves either the previous set or the complete new one. On resume rank 0 verifies the
+rank 0 and the last rank add the shared files (:func:`writes`), rank 0 the manifest, fsyncs,
+renames the directory to its final name (atomic on POSIX) and fsyncs the parent, then prunes
+to the newest ``keep``. A crash at any moment leaves either the previous set or the complete
+new one. On resume rank 0 verifies the
 manifest's checksums newest first, warns once about a corrupt one and renames it aside
 (``step-N.corrupt``: kept, never rotated away), and broadcasts the choice; when checkpoints
 exist but none verifies, resume is an error naming them (never a silent restart).
@@ -36,12 +37,12 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import io
 import json
 import os
 import random
 import shutil
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -52,7 +53,7 @@ from hpcpar.errors import RunDirError
 __all__ = ["MANIFEST", "FORMAT_VERSION", "PREFIX", "step_dir_name", "rank_file", "full_state_dict",
            "load_full_state_dict", "local_buffers", "rng_state", "set_rng_state", "sha256_file",
            "checkpoint_step", "list_checkpoints", "check_step", "verify", "save",
-           "in_memory", "temp_dir", "prepare", "write_part", "commit", "finish",
+           "in_memory", "temp_dir", "prepare", "writer", "writes", "write_part", "commit", "finish",
            "find_resumable", "CORRUPT_SUFFIX", "set_aside", "choose_resumable", "rotated",
            "check_optimizer", "nonfinite_entries", "check_compatible", "grid_change",
            "source_rank", "full_optimizer_state", "load_full_optimizer_state", "restore_buffers",
@@ -99,30 +100,44 @@ def _hooked_modules(model, attr: str):
     return found
 
 
-def full_state_dict(model: Any) -> dict:
+def full_state_dict(model: Any, root: int | None = None) -> dict:
     """Gather the single-process state_dict of a (possibly partitioned) model, on CPU.
 
-    Collective when a module has ``full_state_dict()``; spatial layers' parameters are
-    replicated already.
+    Collective when a module has ``full_state_dict()`` or a split head is cut; spatial
+    layers' parameters are replicated already.
 
     Args:
         model: The model, possibly wrapped (its ``module`` is used) or partitioned.
+        root: The only rank that needs a split head's full weight (the writer of
+            ``model.pt``): the others keep their own columns in its place
+            (:func:`hpcpar.nn.split_head.gathered_to`); None: every rank.
 
     Returns:
-        The full state_dict, every tensor detached and copied to CPU.
+        The full state_dict, every tensor detached and on CPU, none sharing memory with the
+        model (a tensor gathered for it is not copied again).
     """
+    from hpcpar.nn.split_head import gathered_to  # deferred: loads torch, numpy
+
     model = getattr(model, "module", model) if not callable(
         getattr(model, "full_state_dict", None)) else model
     hooked = _hooked_modules(model, "full_state_dict")
-    if hooked and hooked[0][0] == "":
-        sd = dict(hooked[0][1].full_state_dict())
-    else:
-        sd = dict(model.state_dict())
-        for prefix, mod in hooked:
-            for k in [k for k in sd if k.startswith(prefix + ".")]:
-                del sd[k]
-            sd.update({f"{prefix}.{k}": v for k, v in mod.full_state_dict().items()})
-    return {k: v.detach().cpu().clone() if hasattr(v, "detach") else v for k, v in sd.items()}
+    with gathered_to(root):
+        if hooked and hooked[0][0] == "":
+            sd = dict(hooked[0][1].full_state_dict())
+        else:
+            sd = dict(model.state_dict())
+            for prefix, mod in hooked:
+                for k in [k for k in sd if k.startswith(prefix + ".")]:
+                    del sd[k]
+                sd.update({f"{prefix}.{k}": v for k, v in mod.full_state_dict().items()})
+    live = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    return {k: _private(v.detach().cpu(), live) if hasattr(v, "detach") else v
+            for k, v in sd.items()}
+
+
+def _private(t, live: set) -> Any:
+    """``t``, copied when it shares memory with a live tensor (``live``: storage pointers)."""
+    return t.clone() if t.untyped_storage().data_ptr() in live else t
 
 
 def load_full_state_dict(model: Any, sd: dict) -> None:
@@ -225,14 +240,29 @@ def _save(obj, path: Path) -> dict:
     second read of the file: a checkpoint every step pays for every pass over its bytes)."""
     import torch
 
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    data = buf.getbuffer()
     with open(path, "wb") as f:
-        f.write(data)
+        out = _Hashing(f)
+        torch.save(obj, out)  # type: ignore[arg-type]  # a file: no full copy in memory
         f.flush()
         os.fsync(f.fileno())
-    return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+        if hasattr(os, "posix_fadvise"):   # its cached pages would count against the rank's
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)   # memory limit
+    return {"sha256": out.sha.hexdigest(), "bytes": out.size}
+
+
+class _Hashing:
+    """A file that hashes what is written to it (what :func:`_save` gives ``torch.save``)."""
+
+    def __init__(self, f):
+        self.f, self.sha, self.size = f, hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        self.size += len(memoryview(data).cast("B"))
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
 
 
 def _remove(path: Path) -> None:
@@ -384,7 +414,7 @@ def in_memory(obj: Any) -> Any:
     import torch
 
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+        return obj if _FRESH.get(id(obj)) is obj else obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
         return {k: in_memory(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -426,17 +456,31 @@ def prepare(ckpt_dir: str | os.PathLike, step: int, comm: Any) -> Path:
     return tmp
 
 
-def write_part(tmp: Path, rank: int, *, model_state: dict | None, trainer_state: dict,
-               rank_state: dict) -> dict:
+def writer(name: str, size: int) -> int:
+    """The rank of ``size`` that writes the shared file ``name`` (:func:`writes`)."""
+    return next(r for r in (0, size - 1) if writes(name, r, size))
+
+
+def writes(name: str, rank: int, size: int) -> bool:
+    """Whether ``rank`` of ``size`` writes the shared file ``name``: rank 0 the model, the
+    last rank the trainer state (its optimizer state is twice the model's), so with a
+    checkpoint every step no one rank does all the serialising (every rank holds both states;
+    on several nodes the two files go from different nodes)."""
+    return rank == (size - 1 if name == "trainer.pt" else 0)
+
+
+def write_part(tmp: Path, rank: int, *, model_state: dict | None, trainer_state: dict | None,
+               rank_state: dict, size: int = 1) -> dict:
     """This rank's files of a checkpoint, each fsynced; calls no MPI, so a background
     thread may run it.
 
     Args:
         tmp: The temporary directory (:func:`prepare`).
-        rank: This rank: rank 0 also writes the model and trainer state.
-        model_state: Full state_dict (used on rank 0 only).
-        trainer_state: Trainer state (used on rank 0 only).
+        rank: This rank: it also writes the shared files :func:`writes` gives it.
+        model_state: Full state_dict (used by the rank that writes ``model.pt``).
+        trainer_state: Trainer state (used by the rank that writes ``trainer.pt``).
         rank_state: This rank's own state.
+        size: The number of ranks.
 
     Returns:
         File name to its ``bytes`` and ``sha256``, or ``{"error": one line}`` when a file
@@ -445,9 +489,9 @@ def write_part(tmp: Path, rank: int, *, model_state: dict | None, trainer_state:
     mine: dict[str, Any] = {}
     try:
         mine[rank_file(rank)] = _save(rank_state, tmp / rank_file(rank))
-        if rank == 0:
-            mine["model.pt"] = _save(model_state, tmp / "model.pt")
-            mine["trainer.pt"] = _save(trainer_state, tmp / "trainer.pt")
+        for name, state in (("model.pt", model_state), ("trainer.pt", trainer_state)):
+            if writes(name, rank, size):
+                mine[name] = _save(state, tmp / name)
     except OSError as exc:
         mine = {"error": f"rank {rank}: {exc}"}
     return mine
@@ -537,7 +581,7 @@ def save(ckpt_dir: str | os.PathLike, step: int, *, comm: Any, model_state: dict
         comm: MPI communicator of all ranks.
         model_state: Full state_dict, written by rank 0 (pass it on every rank; other ranks'
             copies are ignored).
-        trainer_state: Trainer state, written by rank 0 like ``model_state``.
+        trainer_state: Trainer state, written by the last rank (:func:`writes`).
         rank_state: This rank's own state, written by each rank.
         info: Extra entries for the manifest.
         keep: How many of the newest checkpoints to keep.
@@ -551,7 +595,7 @@ def save(ckpt_dir: str | os.PathLike, step: int, *, comm: Any, model_state: dict
     """
     tmp = prepare(ckpt_dir, step, comm)
     mine = write_part(tmp, comm.Get_rank(), model_state=model_state,
-                      trainer_state=trainer_state, rank_state=rank_state)
+                      trainer_state=trainer_state, rank_state=rank_state, size=comm.Get_size())
     return commit(ckpt_dir, step, comm=comm, mine=mine, info=info, keep=keep)
 
 
@@ -724,8 +768,11 @@ def nonfinite_entries(state: dict) -> list[str]:
     """
     import torch
 
+    def finite(v) -> bool:   # in chunks: isfinite's temporaries of a full-size head are large
+        return all(bool(torch.isfinite(c).all()) for c in v.detach().reshape(-1).split(1 << 20))
+
     return [k for k, v in state.items() if isinstance(v, torch.Tensor)
-            and v.is_floating_point() and not bool(torch.isfinite(v).all())]
+            and v.is_floating_point() and not finite(v)]
 
 
 def check_compatible(path: str | os.PathLike, shape: Sequence[int]) -> dict:
@@ -844,13 +891,15 @@ def _swapped(params, tensors: dict, fn, *args):
             p.data = data
 
 
-def full_optimizer_state(model: Any, optimizer: Any) -> dict:
+def full_optimizer_state(model: Any, optimizer: Any, root: int | None = None) -> dict:
     """The optimizer's state_dict with every sharded parameter's state gathered to its full
     shape (collective when the model has sharded modules), so it loads on any grid.
 
     Args:
         model: The model the optimizer trains, possibly wrapped or partitioned.
         optimizer: The optimizer.
+        root: The only rank that needs a split head's full state (the writer of
+            ``trainer.pt``): the others keep their own columns; None: every rank.
 
     Returns:
         ``optimizer.state_dict()``, sharded state replaced by full tensors (the optimizer's
@@ -869,8 +918,20 @@ def full_optimizer_state(model: Any, optimizer: Any) -> dict:
                 if key in optimizer.state.get(p, {}):
                     state[i] = dict(state[i], **{key: full[name].detach().cpu().clone()})
     for i, _, info, keys in _column_state(optimizer):
-        state[i] = dict(state[i], **{k: info.gather(state[i][k]).cpu() for k in keys})
+        state[i] = dict(state[i], **{k: _gathered(info.gather(state[i][k], root).cpu(),
+                                                  state[i][k]) for k in keys})
     return dict(sd, state=state)
+
+
+#: tensors made for a checkpoint (gathered, so no live state shares them), by id: in_memory
+#: takes them as they are, instead of a second full-size copy on the writer
+_FRESH: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _gathered(full, local) -> Any:
+    if full is not local:
+        _FRESH[id(full)] = full
+    return full
 
 
 def _column_state(optimizer: Any):

@@ -77,8 +77,12 @@ class CheckpointWriter:
                              keep=self.keep)
         self._hand_over()
         tmp = ckpt.prepare(self.ckpt_dir, step, self.comm)
-        states = {"model_state": model_state, "trainer_state": ckpt.in_memory(trainer_state),
-                  "rank_state": ckpt.in_memory(rank_state)}
+        rank, size = self.comm.Get_rank(), self.comm.Get_size()
+        # only the rank that writes the trainer state pays for its copy
+        states = {"model_state": model_state if ckpt.writes("model.pt", rank, size) else None,
+                  "trainer_state": ckpt.in_memory(trainer_state)
+                  if ckpt.writes("trainer.pt", rank, size) else None,
+                  "rank_state": ckpt.in_memory(rank_state), "size": size}
         pending = _Pending(step, info)
         pending.thread = self._start(self._write, tmp, states, pending)
         self._pending = pending

@@ -377,10 +377,14 @@ class Trainer:
         :mod:`hpcpar.run.checkpoint_writer`); raises :class:`DivergedError` (and writes
         nothing) when any rank's weights or buffers hold NaN/inf."""
         t0 = time.perf_counter()
-        model_state = ckpt.full_state_dict(self.model)
+        # a split head's full weight and state only on the rank writing each file: on every
+        # rank they would not divide by the spatial ranks (the others check their own columns)
+        size = self.comm.Get_size()
+        model_state = ckpt.full_state_dict(self.model, ckpt.writer("model.pt", size))
         buffers = ckpt.local_buffers(self.model)
         self._check_finite_state(model_state, buffers)
-        trainer = {"optimizer": ckpt.full_optimizer_state(self.model, self.optimizer),
+        trainer = {"optimizer": ckpt.full_optimizer_state(self.model, self.optimizer,
+                                                          ckpt.writer("trainer.pt", size)),
                    "scheduler": self.scheduler.state_dict(),
                    "history": self.history, "val_history": self.val_history,
                    "skipped_steps": self.skipped, "overflow_steps": self.overflows}

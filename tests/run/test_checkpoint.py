@@ -133,3 +133,19 @@ def test_manifest_is_json_with_checksums(tmp_path, comm):
     manifest = json.loads((path / "manifest.json").read_text())
     assert all(len(v["sha256"]) == 64 and v["bytes"] > 0 for v in manifest["files"].values())
     assert manifest["grid"] == "1x1x1x1" and manifest["format"] == ckpt.FORMAT_VERSION
+
+
+def test_the_two_shared_files_are_written_by_different_ranks(tmp_path):
+    """Rank 0 serialises the model, the last rank the trainer state (a checkpoint every step
+    must not load all of it on one rank); one rank writes both, and every file once."""
+    assert [ckpt.writes(n, 0, 1) for n in ("model.pt", "trainer.pt")] == [True, True]
+    size, files = 3, {}
+    for rank in range(size):
+        part = ckpt.write_part(tmp_path, rank, model_state={"w": torch.ones(2)},
+                               trainer_state={"step": 1}, rank_state={}, size=size)
+        assert not files.keys() & part.keys()
+        files.update(part)
+    assert sorted(files) == ["model.pt", "rank-00000.pt", "rank-00001.pt", "rank-00002.pt",
+                             "trainer.pt"]
+    assert "trainer.pt" in ckpt.write_part(tmp_path, 2, model_state=None, trainer_state={},
+                                           rank_state={}, size=size)

@@ -327,8 +327,10 @@ class VolumeWorkload(Workload):
 
         from hpcpar.nn.spatializer import spatialize  # deferred: loads torch, numpy
 
+        # inplace: the reference model is not needed after, so its weights (a full-size dense
+        # head on every rank until settle cuts it) are not copied
         model = spatialize(self.reference_model(), self.grid, check=self.job.model.check,
-                           **self.spatialize_kwargs())
+                           inplace=True, **self.spatialize_kwargs())
         p = self.job.model.params
         if p.get("tensor_parallel"):
             from hpcpar.nn.tensor_parallel import tensor_parallelize  # deferred: loads torch, numpy

@@ -1,0 +1,177 @@
+"""Memory of a split head that divides by the spatial ranks beyond the step (issue 29): the
+full weight built at start-up is gone once ``settle`` cut it (no copy kept by ``spatialize``,
+the first-step check, the settle forward, the gradient sync or the optimizer), and a
+checkpoint gathers the full weight and optimizer state on the rank writing each file only,
+with the same values as gathering everywhere."""
+
+from __future__ import annotations
+
+import gc
+import math
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from hpcpar.testing import mpi_case
+from hpcpar.testing.oracles import batch_slice, on_grids, randn, spatial_slices
+
+GRIDS = [(1, 2, 1, 1), (1, 2, 2, 1), (2, 2, 1, 1)]
+SIZE = (7, 5, 6)          # odd edges: uneven pieces on every split axis
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv3d(2, 3, 3, padding=1), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(3 * math.prod(SIZE), 5), nn.Tanh(), nn.Linear(5, 2)).double()
+
+
+def _watched(model):
+    """Put the head's weight in memory owned by a numpy array (same values) and return a
+    weak reference to the array: it dies when no tensor holds that memory any more."""
+    head = model[3]
+    arr = head.weight.detach().numpy().copy()
+    head.weight = nn.Parameter(torch.from_numpy(arr))
+    return weakref.ref(arr)
+
+
+def _full_size(weight) -> list:
+    """Live tensors (but ``weight`` itself) of ``weight``'s shape: copies of it."""
+    return [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)
+            and o is not weight and not o.is_meta and o.shape == weight.shape]
+
+
+def _piece(x, grid):
+    return x[batch_slice(x.shape[0], grid)][spatial_slices(x.shape[2:], grid)].clone()
+
+
+def _full_weight_freed(grid):
+    import hpcpar
+    from hpcpar.nn import settle, spatialize
+    from hpcpar.nn.split_head import column_split
+
+    for check in (False, True):
+        what = f"check={check} on {grid.spec()}"
+        plain = _model()
+        want = plain[3].weight.detach().clone()
+        full = _watched(plain)
+        sp = spatialize(plain, grid, check=check, inplace=True)
+        del plain
+        gc.collect()
+        assert full() is not None, what      # the model holds it until the cut
+        settle(sp, torch.zeros(1, 2, *SIZE, dtype=torch.float64)[spatial_slices(SIZE, grid)])
+        gc.collect()
+        assert full() is None, f"{what}: the full head weight survived settle"
+        assert not _full_size(want), f"{what}: a full-size copy survived settle"
+        head = sp[3].weight
+        info = column_split(head)
+        assert info is not None and torch.equal(head.detach(), info.take(want)), what
+        ddp = hpcpar.DDP(sp, grid)
+        opt = torch.optim.Adam(sp.parameters(), lr=0.01)
+        x = randn((2 * grid.data, 2, *SIZE), 1, torch.float64)
+        y = randn((2 * grid.data, 2), 2, torch.float64)
+        F.mse_loss(ddp(_piece(x, grid)), y[batch_slice(x.shape[0], grid)]).backward()
+        opt.step()   # the first forward ran the check (a small probe) with check=True
+        assert all(not p.is_meta for p in sp.parameters()), what
+        gc.collect()
+        assert full() is None and not _full_size(want), f"{what}: after the first step"
+
+
+@mpi_case(nprocs=(4,), timeout=300)
+def test_the_full_head_weight_is_freed_by_settle(comm):
+    on_grids(comm, GRIDS, _full_weight_freed)
+
+
+def test_spatialize_copies_unless_inplace_and_check_keeps_no_weights():
+    """The plain model is the caller's (untouched) without ``inplace``; the check keeps only
+    a skeleton of it, whose parameters hold no memory."""
+    from hpcpar.nn import spatialize
+    from hpcpar.testing.oracles import one_rank_grid
+
+    plain = _model()
+    before = {k: v.clone() for k, v in plain.state_dict().items()}
+    sp = spatialize(plain, one_rank_grid(), check=True)
+    assert sp is not plain and all(a is not b for a, b in zip(sp.parameters(),
+                                                               plain.parameters()))
+    skel = sp._hpcpar_split.plain
+    assert all(p.is_meta for p in skel.parameters())
+    sp(torch.randn(1, 2, *SIZE, dtype=torch.float64))   # the check runs, and passes
+    assert sp._hpcpar_split.plain is None
+    assert all(torch.equal(v, before[k]) for k, v in plain.state_dict().items())
+    same = spatialize(plain, one_rank_grid(), inplace=True)
+    assert same is plain
+
+
+def _rooted_checkpoint_state(grid):
+    from hpcpar.nn import settle, spatialize
+    from hpcpar.nn.split_head import column_split
+    from hpcpar.run import checkpoint as ckpt
+
+    sp = spatialize(_model(), grid, inplace=True)
+    settle(sp, torch.zeros(1, 2, *SIZE, dtype=torch.float64)[spatial_slices(SIZE, grid)])
+    opt = torch.optim.Adam(sp.parameters(), lr=0.01)
+    x = randn((2 * grid.data, 2, *SIZE), 3, torch.float64)
+    F.mse_loss(sp(_piece(x, grid)), torch.zeros(2, 2, dtype=torch.float64)).backward()
+    opt.step()
+    head = sp[3].weight
+    info = column_split(head)
+    want_sd, want_opt = ckpt.full_state_dict(sp), ckpt.full_optimizer_state(sp, opt)
+    index = [i for i, p in enumerate(sp.parameters()) if p is head][0]
+    for root in range(grid.size):
+        what = f"root {root} on {grid.spec()}"
+        sd, st = ckpt.full_state_dict(sp, root), ckpt.full_optimizer_state(sp, opt, root)
+        mine = grid.rank == root
+        for k, v in want_sd.items():
+            expect = v if mine or k != "3.weight" else head.detach()
+            assert torch.equal(sd[k], expect), f"{what}: {k}"
+        for key in ("exp_avg", "exp_avg_sq"):
+            got, full = st["state"][index][key], want_opt["state"][index][key]
+            expect = full if mine else opt.state[head][key]
+            assert torch.equal(got, expect), f"{what}: {key}"
+            assert mine or torch.equal(info.take(full), got), what
+        assert sd["3.weight"].untyped_storage().data_ptr() != \
+            head.untyped_storage().data_ptr(), f"{what}: shares the live weight"
+
+
+@mpi_case(nprocs=(4,), timeout=300)
+def test_a_checkpoint_gathers_the_head_on_its_writer_only(comm):
+    on_grids(comm, GRIDS, _rooted_checkpoint_state)
+
+
+def test_the_planner_counts_start_up_and_the_checkpoint_writer():
+    """Start-up holds the full parameters once (plus one settled sample); the writer of the
+    optimizer state holds it whole on top of the step; the total is the largest of them."""
+    from hpcpar.plan.job import workload_from_job
+    from hpcpar.plan.memory import RUNTIME_BYTES, estimate, optimizer_states
+
+    job = "jobs/demo-cosmoflow.toml"
+    for sets in ([], ["checkpoint.at_end=false", "checkpoint.every=0"]):
+        work = workload_from_job(job, ["train.global_batch=1", *sets], size=192)
+        est = estimate(work, (1, 2, 2, 2))
+        full = work.params * 4   # the whole model, on every rank alike
+        assert work.local_params(8, (2, 2, 2)) * 4 < full / 4
+        # batch 1, fp32: the settle forward's sample and outputs are the step's data and
+        # transient parts
+        assert est.startup == pytest.approx(RUNTIME_BYTES + full + est.data + est.transient)
+        if sets:
+            assert est.checkpoint == 0 and est.total == max(est.step, est.startup)
+        else:
+            assert est.checkpoint == est.step + optimizer_states(work.optimizer) * full
+            assert est.total == est.checkpoint > max(est.step, est.startup)
+
+
+def test_a_state_is_written_without_a_copy_in_memory(tmp_path):
+    """``_save`` streams to the file and hashes what it writes: the manifest's checksum and
+    size are the file's."""
+    import hashlib
+
+    from hpcpar.run.checkpoint import _save
+
+    state = {"w": torch.randn(300, 200), "n": 3}
+    got = _save(state, tmp_path / "s.pt")
+    data = (tmp_path / "s.pt").read_bytes()
+    assert got == {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    back = torch.load(tmp_path / "s.pt", weights_only=True)
+    assert torch.equal(back["w"], state["w"]) and back["n"] == 3
