@@ -456,17 +456,19 @@ def prepare(ckpt_dir: str | os.PathLike, step: int, comm: Any) -> Path:
     return tmp
 
 
+
+
 def writer(name: str, size: int) -> int:
-    """The rank of ``size`` that writes the shared file ``name`` (:func:`writes`)."""
-    return next(r for r in (0, size - 1) if writes(name, r, size))
+    """The rank of ``size`` that writes the shared file ``name``: rank 0 the model, the last
+    rank the trainer state (its optimizer state is twice the model's), so with a checkpoint
+    every step no one rank does all the serialising (every rank holds both states; on several
+    nodes the two files go from different nodes)."""
+    return size - 1 if name == "trainer.pt" else 0
 
 
 def writes(name: str, rank: int, size: int) -> bool:
-    """Whether ``rank`` of ``size`` writes the shared file ``name``: rank 0 the model, the
-    last rank the trainer state (its optimizer state is twice the model's), so with a
-    checkpoint every step no one rank does all the serialising (every rank holds both states;
-    on several nodes the two files go from different nodes)."""
-    return rank == (size - 1 if name == "trainer.pt" else 0)
+    """Whether ``rank`` of ``size`` writes the shared file ``name`` (:func:`writer`)."""
+    return rank == writer(name, size)
 
 
 def write_part(tmp: Path, rank: int, *, model_state: dict | None, trainer_state: dict | None,
