@@ -10,7 +10,8 @@ naming the variable and what was expected.
 docs/reference/environment.md lists the same names (a test checks it), and a test checks that
 no other module reads an ``HPCPAR_*`` variable itself.
 
-This module imports nothing from hpcpar but :mod:`hpcpar.errors`: every layer may use it.
+This module imports nothing from hpcpar but :mod:`hpcpar.errors` and :mod:`hpcpar._units`
+(both leaves): every layer may use it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from hpcpar._units import parse_bytes
 from hpcpar.errors import ConfigError
 
 
@@ -84,6 +86,12 @@ def _seconds(name, text):
     return seconds
 
 
+def _size_or_off(name, text):
+    if text.lower() in ("off", "none", "no"):
+        return None
+    return parse_bytes(text, name)
+
+
 def _text(name, text):
     """The raw text, ``None`` when unset (empty stays empty: it can mean "none")."""
     return text
@@ -127,6 +135,11 @@ VARS: dict[str, Var] = {v.name: v for v in [
         "`torch` or `numba`: force the CPU halo pack/unpack path (`auto` picks torch on the "
         "CPU and the CUDA kernels on GPUs).",
         _unless_blank(_one_of("auto", "torch", "numba"), "auto")),
+    Var("HPCPAR_CHECKPOINT_SPILL", "16MiB",
+        "Smallest split-head tensor (weight, optimizer moment) that the rank writing a "
+        "checkpoint gathers into a file in the checkpoint directory instead of memory "
+        "(page cache the kernel can write out and drop); `off`: always memory.",
+        _unless_blank(_size_or_off, 16 << 20)),
     Var("HPCPAR_PROGRESS", "0",
         "`1`: rank 0 shows a progress bar over the steps (`hpcpar run` sets it when stderr "
         "is a terminal).", _unless_blank(_bool, False)),

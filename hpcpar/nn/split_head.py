@@ -44,7 +44,7 @@ from torch import nn
 from hpcpar.parallel.comm import allreduce_, irecv, isend
 from hpcpar.parallel.grid import ProcessGrid, coords_of, rank_of
 
-from . import rules
+from . import rules, spill
 from . import spatial_ops as sops
 from .dropout import spatial_dropout
 from .reduce import _ReplicatedSum
@@ -131,7 +131,8 @@ class ColumnSplit:
             isend(local, dest, comm).wait()
             return local
         lead = local.shape[:-1]
-        full = local.new_zeros(*lead, *self.volume)
+        full = spill.zeros((*lead, *self.volume), local.dtype, _SPILL[0]) \
+            if local.device.type == "cpu" else local.new_zeros(*lead, *self.volume)
         for src, b in enumerate(boxes):
             sub = [hi - lo for lo, hi in b]
             piece = local
@@ -161,22 +162,27 @@ def column_split(p: Any) -> ColumnSplit | None:
 
 # -- state dicts in the single-process format ---------------------------------------------------
 _ROOT: list[int | None] = [None]   # where state dicts gather a cut weight (gathered_to)
+_SPILL: list[Any] = [None]         # the directory backing what a root gathers (gathered_to)
 
 
 @contextmanager
-def gathered_to(root: int | None) -> Iterator[None]:
+def gathered_to(root: int | None, spill_dir: Any = None) -> Iterator[None]:
     """Inside, ``state_dict()`` gathers a cut weight to rank ``root`` of the grid's
     communicator only (:meth:`ColumnSplit.gather`): the other ranks' state dicts hold their
     own columns. A checkpoint's writer needs the full weight; no other rank should hold it.
 
     Args:
         root: The rank; None: every rank (the default outside).
+        spill_dir: A directory where what ``root`` gathers (on the CPU) is file-backed
+            (:mod:`hpcpar.nn.spill`: the checkpoint's, which those bytes are bound for);
+            None: memory.
     """
-    before, _ROOT[0] = _ROOT[0], root
+    before = _ROOT[0], _SPILL[0]
+    _ROOT[0], _SPILL[0] = root, spill_dir
     try:
         yield
     finally:
-        _ROOT[0] = before
+        _ROOT[0], _SPILL[0] = before
 
 
 def _state_dict_hook(module, state_dict, prefix, local_metadata) -> None:

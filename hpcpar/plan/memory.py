@@ -27,10 +27,13 @@ Two moments outside the step can peak higher, so the total is the largest of the
   sample of zeros, no gradients): the full parameters plus that forward's input and its two
   largest layer outputs, once (the plain model is not copied: ``spatialize(inplace=True)``);
 * ``checkpoint``: the rank writing ``trainer.pt`` holds the optimizer state of the full model
-  (a split head's gathered to it alone, :func:`hpcpar.nn.split_head.ColumnSplit.gather`) on
-  top of the step's peak: the memory the step's activations freed stays in the process's
+  on top of the step's peak: the memory the step's activations freed stays in the process's
   heap (glibc keeps it), and the gathered tensors are fresh large allocations beside it.
-  ``model.pt``'s writer holds one full copy of the weights, less.
+  A split head's state is gathered to it alone
+  (:func:`hpcpar.nn.split_head.ColumnSplit.gather`) into a file in the checkpoint directory,
+  not into memory (:mod:`hpcpar.nn.spill`, from ``HPCPAR_CHECKPOINT_SPILL`` bytes a tensor):
+  page cache, which the kernel writes out and drops under a limit. ``model.pt``'s writer
+  holds one full copy of the weights, less.
 
 A grid fits a budget when the total is at most :data:`HEADROOM` of it (allocator
 fragmentation, page cache, kernel). Checked against a kernel-enforced limit:
@@ -46,7 +49,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hpcpar import _units
+from hpcpar import _env, _units
 from hpcpar.parallel.partition import split_sizes
 
 if TYPE_CHECKING:
@@ -127,7 +130,18 @@ def estimate(work: Workload, grid: tuple[int, int, int, int], nbytes: int = 4) -
                          transient=2.0 * max(outs, default=0) + recompute, startup=startup)
     if not work.checkpoints:
         return est
-    return dataclasses.replace(est, checkpoint=est.step + opt * work.params * 4)
+    return dataclasses.replace(est, checkpoint=est.step + opt * _held_whole(work, spatial) * 4)
+
+
+def _held_whole(work: Workload, spatial: int) -> int:
+    """Parameters whose optimizer state the ``trainer.pt`` writer holds whole in memory:
+    all but a split head's that it gathers into a file (:mod:`hpcpar.nn.spill`)."""
+    least = _env.get("HPCPAR_CHECKPOINT_SPILL")
+    if spatial == 1 or least is None:
+        return work.params
+    return work.params - sum(math.prod(layer.split) * layer.out_shape[-1] for layer in
+                             work.layers if layer.split
+                             and math.prod(layer.split) * layer.out_shape[-1] * 4 >= least)
 
 
 def _checkpointed(segments: list[int], outs: Sequence[float]) -> tuple[float, float]:

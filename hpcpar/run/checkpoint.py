@@ -100,7 +100,7 @@ def _hooked_modules(model, attr: str):
     return found
 
 
-def full_state_dict(model: Any, root: int | None = None) -> dict:
+def full_state_dict(model: Any, root: int | None = None, spill_dir: Any = None) -> dict:
     """Gather the single-process state_dict of a (possibly partitioned) model, on CPU.
 
     Collective when a module has ``full_state_dict()`` or a split head is cut; spatial
@@ -111,6 +111,8 @@ def full_state_dict(model: Any, root: int | None = None) -> dict:
         root: The only rank that needs a split head's full weight (the writer of
             ``model.pt``): the others keep their own columns in its place
             (:func:`hpcpar.nn.split_head.gathered_to`); None: every rank.
+        spill_dir: Where ``root`` backs that full weight by a file instead of memory
+            (:mod:`hpcpar.nn.spill`); None: memory.
 
     Returns:
         The full state_dict, every tensor detached and on CPU, none sharing memory with the
@@ -121,7 +123,7 @@ def full_state_dict(model: Any, root: int | None = None) -> dict:
     model = getattr(model, "module", model) if not callable(
         getattr(model, "full_state_dict", None)) else model
     hooked = _hooked_modules(model, "full_state_dict")
-    with gathered_to(root):
+    with gathered_to(root, spill_dir):
         if hooked and hooked[0][0] == "":
             sd = dict(hooked[0][1].full_state_dict())
         else:
@@ -893,7 +895,8 @@ def _swapped(params, tensors: dict, fn, *args):
             p.data = data
 
 
-def full_optimizer_state(model: Any, optimizer: Any, root: int | None = None) -> dict:
+def full_optimizer_state(model: Any, optimizer: Any, root: int | None = None,
+                         spill_dir: Any = None) -> dict:
     """The optimizer's state_dict with every sharded parameter's state gathered to its full
     shape (collective when the model has sharded modules), so it loads on any grid.
 
@@ -902,6 +905,8 @@ def full_optimizer_state(model: Any, optimizer: Any, root: int | None = None) ->
         optimizer: The optimizer.
         root: The only rank that needs a split head's full state (the writer of
             ``trainer.pt``): the others keep their own columns; None: every rank.
+        spill_dir: Where ``root`` backs that full state by a file instead of memory
+            (:mod:`hpcpar.nn.spill`); None: memory.
 
     Returns:
         ``optimizer.state_dict()``, sharded state replaced by full tensors (the optimizer's
@@ -919,9 +924,12 @@ def full_optimizer_state(model: Any, optimizer: Any, root: int | None = None) ->
             for name, i, p in params:
                 if key in optimizer.state.get(p, {}):
                     state[i] = dict(state[i], **{key: full[name].detach().cpu().clone()})
-    for i, _, info, keys in _column_state(optimizer):
-        state[i] = dict(state[i], **{k: _gathered(info.gather(state[i][k], root).cpu(),
-                                                  state[i][k]) for k in keys})
+    from hpcpar.nn.split_head import gathered_to  # deferred: loads torch, numpy
+
+    with gathered_to(root, spill_dir):
+        for i, _, info, keys in _column_state(optimizer):
+            state[i] = dict(state[i], **{k: _gathered(info.gather(state[i][k], root).cpu(),
+                                                      state[i][k]) for k in keys})
     return dict(sd, state=state)
 
 

@@ -378,13 +378,14 @@ class Trainer:
         nothing) when any rank's weights or buffers hold NaN/inf."""
         t0 = time.perf_counter()
         # a split head's full weight and state only on the rank writing each file: on every
-        # rank they would not divide by the spatial ranks (the others check their own columns)
-        size = self.comm.Get_size()
-        model_state = ckpt.full_state_dict(self.model, ckpt.writer("model.pt", size))
+        # rank they would not divide by the spatial ranks (the others check their own
+        # columns); there, backed by a file in the checkpoint directory, not by memory
+        size, spill = self.comm.Get_size(), self.writer.ckpt_dir
+        model_state = ckpt.full_state_dict(self.model, ckpt.writer("model.pt", size), spill)
         buffers = ckpt.local_buffers(self.model)
         self._check_finite_state(model_state, buffers)
         trainer = {"optimizer": ckpt.full_optimizer_state(self.model, self.optimizer,
-                                                          ckpt.writer("trainer.pt", size)),
+                                                          ckpt.writer("trainer.pt", size), spill),
                    "scheduler": self.scheduler.state_dict(),
                    "history": self.history, "val_history": self.val_history,
                    "skipped_steps": self.skipped, "overflow_steps": self.overflows}

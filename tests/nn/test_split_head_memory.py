@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 import weakref
 
 import pytest
@@ -133,6 +134,39 @@ def _rooted_checkpoint_state(grid):
             assert mine or torch.equal(info.take(full), got), what
         assert sd["3.weight"].untyped_storage().data_ptr() != \
             head.untyped_storage().data_ptr(), f"{what}: shares the live weight"
+    _spilled_on_the_root(grid, sp, opt, want_sd["3.weight"], want_opt["state"][index])
+
+
+def _spilled_on_the_root(grid, sp, opt, weight, moments):
+    """With a spill directory, what the root gathers is backed by an (unlinked) file there,
+    with the same values; the other ranks' state is as without one."""
+    import os
+    import tempfile
+
+    from hpcpar.run import checkpoint as ckpt
+
+    index = [i for i, p in enumerate(sp.parameters()) if p is sp[3].weight][0]
+    before = os.environ.get("HPCPAR_CHECKPOINT_SPILL")
+    os.environ["HPCPAR_CHECKPOINT_SPILL"] = "1"   # any size
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            root = grid.size - 1
+            sd = ckpt.full_state_dict(sp, root, spill_dir=tmp)
+            st = ckpt.full_optimizer_state(sp, opt, root, spill_dir=tmp)["state"][index]
+            got = [sd["3.weight"], st["exp_avg"], st["exp_avg_sq"]]
+            want = [weight, moments["exp_avg"], moments["exp_avg_sq"]]
+            files = [t.untyped_storage().filename for t in got]
+            if grid.rank == root:
+                assert all(torch.equal(a, b) for a, b in zip(got, want)), grid.spec()
+                assert all(f and os.path.dirname(f) == tmp for f in files), files
+            else:
+                assert files == [None] * 3 and got[0].shape != weight.shape, grid.spec()
+            assert os.listdir(tmp) == [], "a spill file was left behind"
+    finally:
+        if before is None:
+            del os.environ["HPCPAR_CHECKPOINT_SPILL"]
+        else:
+            os.environ["HPCPAR_CHECKPOINT_SPILL"] = before
 
 
 @mpi_case(nprocs=(4,), timeout=300)
@@ -140,12 +174,15 @@ def test_a_checkpoint_gathers_the_head_on_its_writer_only(comm):
     on_grids(comm, GRIDS, _rooted_checkpoint_state)
 
 
-def test_the_planner_counts_start_up_and_the_checkpoint_writer():
+@pytest.mark.parametrize("spill", ["off", "16MiB"])
+def test_the_planner_counts_start_up_and_the_checkpoint_writer(spill, monkeypatch):
     """Start-up holds the full parameters once (plus one settled sample); the writer of the
-    optimizer state holds it whole on top of the step; the total is the largest of them."""
+    optimizer state holds it whole on top of the step, but for a split head's, which it
+    gathers into a file (HPCPAR_CHECKPOINT_SPILL); the total is the largest of them."""
     from hpcpar.plan.job import workload_from_job
     from hpcpar.plan.memory import RUNTIME_BYTES, estimate, optimizer_states
 
+    monkeypatch.setenv("HPCPAR_CHECKPOINT_SPILL", spill)
     job = "jobs/demo-cosmoflow.toml"
     for sets in ([], ["checkpoint.at_end=false", "checkpoint.every=0"]):
         work = workload_from_job(job, ["train.global_batch=1", *sets], size=192)
@@ -155,11 +192,36 @@ def test_the_planner_counts_start_up_and_the_checkpoint_writer():
         # batch 1, fp32: the settle forward's sample and outputs are the step's data and
         # transient parts
         assert est.startup == pytest.approx(RUNTIME_BYTES + full + est.data + est.transient)
+        whole = full if spill == "off" else full - work.head_params * 4
+        assert work.head_params * 4 > 16 << 20      # the head is large enough to spill
         if sets:
             assert est.checkpoint == 0 and est.total == max(est.step, est.startup)
         else:
-            assert est.checkpoint == est.step + optimizer_states(work.optimizer) * full
-            assert est.total == est.checkpoint > max(est.step, est.startup)
+            assert est.checkpoint == est.step + optimizer_states(work.optimizer) * whole
+            assert est.checkpoint > est.step
+        assert estimate(work, (1, 1, 1, 1)).checkpoint == (
+            0 if sets else estimate(work, (1, 1, 1, 1)).step
+            + optimizer_states(work.optimizer) * full), "one rank gathers nothing"
+
+
+def test_a_spilled_tensor_is_a_mapping_of_an_unlinked_file(tmp_path, monkeypatch):
+    """Large enough: file-backed in the directory (nothing left there), zeros, writable;
+    smaller, or a directory that cannot hold the file: memory."""
+    from hpcpar.nn import spill
+
+    monkeypatch.setenv("HPCPAR_CHECKPOINT_SPILL", "1KiB")
+    big = spill.zeros((64, 8), torch.float32, tmp_path / "ckpt")   # made if missing
+    assert big.untyped_storage().filename.startswith(str(tmp_path / "ckpt"))
+    assert os.listdir(tmp_path / "ckpt") == [] and not big.any()
+    big[3, 2] = 7.0
+    assert big.sum() == 7.0 and big.shape == (64, 8)
+    small = spill.zeros((16, 8), torch.float32, tmp_path)
+    assert small.untyped_storage().filename is None
+    (tmp_path / "a-file").write_text("")
+    moved = spill.zeros((64, 8), torch.float32, tmp_path / "a-file")
+    assert moved.untyped_storage().filename is None and not moved.any()
+    monkeypatch.setenv("HPCPAR_CHECKPOINT_SPILL", "off")
+    assert spill.zeros((64, 8), torch.float32, tmp_path).untyped_storage().filename is None
 
 
 def test_a_state_is_written_without_a_copy_in_memory(tmp_path):
