@@ -163,6 +163,10 @@ VARS: dict[str, Var] = {v.name: v for v in [
     Var("HPCPAR_REGEN_GOLDEN", "0",
         "`1`: the golden-file tests (batch scripts, reports) rewrite their files in "
         "`tests/golden/` instead of comparing; review the diff.", _unless_blank(_bool, False)),
+    Var("HPCPAR_TEST_LAUNCH", "session",
+        "`module`: one `mpiexec` per test module and rank count for the MPI test cases "
+        "(`hpcpar.testing.mpi_case`) instead of one per rank count for the whole session.",
+        _unless_blank(_one_of("session", "module"), "session")),
     Var("HPCPAR_TEST_MAX_NP", "8",
         "MPI test cases (`hpcpar.testing.mpi_case`) with more ranks than this are skipped.",
         _unless_blank(_positive_int, 8)),

@@ -1,5 +1,5 @@
 """Real multi-rank tests under pytest: mark a function with :func:`mpi_case` and it runs under
-``mpiexec -n N`` for each N, all cases of one module and rank count in one launch.
+``mpiexec -n N`` for each N, all cases of one rank count in one launch per session.
 :mod:`~hpcpar.testing.oracles` holds the oracles the test modules share,
 :mod:`~hpcpar.testing.zoo` the models written in other people's style that they convert,
 :mod:`~hpcpar.testing.slurm` a private single-node Slurm for the tests.
@@ -9,6 +9,6 @@ sbatch tests' job kind), hpcpar.graph, hpcpar.models (the GNN oracles: dropout m
 training recipe), hpcpar.nn (oracles compare a split output by this rank's piece).
 """
 
-from .mpi import CaseResult, ModuleRun, mpi_case, run_module
+from .mpi import CaseResult, ModuleRun, mpi_case, run_cases, run_module
 
-__all__ = ["mpi_case", "run_module", "ModuleRun", "CaseResult"]
+__all__ = ["mpi_case", "run_module", "run_cases", "ModuleRun", "CaseResult"]

@@ -1,14 +1,16 @@
-"""Launching a test module's MPI cases under ``mpiexec`` and collecting per-rank results.
+"""Launching MPI test cases under ``mpiexec`` and collecting per-rank results.
 
-One ``mpiexec -n N`` per (module, N) runs every selected case of the module in order (a new
-Python process that imports torch costs seconds on small machines). A case that raises on any
-rank writes its traceback and aborts the whole job at once (``MPI.Abort``), so a failure never
-becomes a deadlock; a case that hangs is killed at its timeout, and the report says which
-ranks were still inside which case.
+One ``mpiexec -n N`` runs many cases in order, of one module (:func:`run_module`) or of
+several (:func:`run_cases`: the pytest plugin's one launch per rank count for the session), as
+a new Python process that imports torch costs seconds on small machines. A case that raises
+on any rank writes its traceback and aborts the whole job at once (``MPI.Abort``), so a
+failure never becomes a deadlock; a case that hangs is killed at its timeout, and the report
+says which ranks were still inside which case.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 from hpcpar.launch.mpiexec import find_mpiexec, rank_env
 
 __all__ = ["DEFAULT_TIMEOUT", "mpi_case", "CaseResult", "ModuleRun", "startup_allowance",
-           "run_module"]
+           "run_module", "run_cases", "case_id"]
 
 DEFAULT_TIMEOUT = 120.0
 
@@ -80,12 +82,13 @@ class CaseResult:
 
 @dataclass
 class ModuleRun:
-    """One ``mpiexec`` launch of a test module's cases.
+    """One ``mpiexec`` launch of test cases.
 
     Attributes:
-        path: The test module.
+        path: The test module ("" for a launch of several).
         nprocs: Ranks.
-        cases: Case name -> ``CaseResult``.
+        cases: Case name (:func:`run_module`) or :func:`case_id` (:func:`run_cases`) ->
+            ``CaseResult``.
         returncode: ``mpiexec``'s exit code (None if it never ended).
         output: Its combined output.
         timed_out: Whether the launch was killed at its timeout.
@@ -113,6 +116,11 @@ def startup_allowance(nprocs: int) -> float:
     return 20.0 + 4.0 * nprocs
 
 
+def case_id(path: str, name: str) -> str:
+    """The name of a case in a launch of several modules: ``/abs/path.py::name``."""
+    return f"{os.path.abspath(path)}::{name}"
+
+
 def run_module(path: str, nprocs: int, cases: list[str], timeouts: dict | None = None,
                timeout: float | None = None, env: dict | None = None) -> ModuleRun:
     """Run some cases of a test module on ``nprocs`` ranks in one ``mpiexec`` launch.
@@ -127,14 +135,46 @@ def run_module(path: str, nprocs: int, cases: list[str], timeouts: dict | None =
         env: Extra environment variables for the ranks.
 
     Returns:
-        The launch's results, one ``CaseResult`` per case.
+        The launch's results, one ``CaseResult`` per case (by name).
     """
     timeouts = timeouts or {}
+    run = run_cases([(path, c) for c in cases], nprocs,
+                    {case_id(path, c): t for c, t in timeouts.items()}, timeout, env)
+    run.cases = {c: dataclasses.replace(run.cases[case_id(path, c)], name=c) for c in cases}
+    run.path = path
+    return run
+
+
+def run_cases(cases: list[tuple[str, str]], nprocs: int, timeouts: dict | None = None,
+              timeout: float | None = None, env: dict | None = None) -> ModuleRun:
+    """Run cases of one or more test modules on ``nprocs`` ranks in one ``mpiexec`` launch.
+
+    Each rank imports a module just before its first case and, after its last, puts back
+    what a module may change for the whole process (environment, working directory, torch's
+    default dtype, threads, determinism, grad mode and generator, warning filters), so the
+    next module starts as in a fresh process.
+
+    Args:
+        cases: ``(module file, function name)`` pairs, in order (a module's cases together).
+        nprocs: Ranks.
+        timeouts: :func:`case_id` -> seconds (``DEFAULT_TIMEOUT`` for the others).
+        timeout: Seconds for the whole launch; the start-up allowance plus every case's
+            timeout when None.
+        env: Extra environment variables for the ranks.
+
+    Returns:
+        The launch's results, one ``CaseResult`` per case, by :func:`case_id`.
+    """
+    timeouts = timeouts or {}
+    ids = [case_id(p, n) for p, n in cases]
     if timeout is None:
-        timeout = startup_allowance(nprocs) + sum(timeouts.get(c, DEFAULT_TIMEOUT) for c in cases)
+        timeout = startup_allowance(nprocs) + sum(timeouts.get(c, DEFAULT_TIMEOUT) for c in ids)
     with tempfile.TemporaryDirectory(prefix="hpcpar-mpitest-") as tmp:
+        listing = os.path.join(tmp, "cases.json")
+        with open(listing, "w") as fh:
+            json.dump(ids, fh)
         cmd = [find_mpiexec(), "-n", str(nprocs), sys.executable, "-m",
-               "hpcpar.testing.worker", os.path.abspath(path), tmp, ",".join(cases)]
+               "hpcpar.testing.worker", listing, tmp]
         start = time.monotonic()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 env=rank_env(env), start_new_session=True, text=True,
@@ -147,8 +187,10 @@ def run_module(path: str, nprocs: int, cases: list[str], timeouts: dict | None =
             _kill_group(proc)
             output, _ = proc.communicate()
         elapsed = time.monotonic() - start
-        results = _collect(tmp, nprocs, cases, timed_out, timeout, proc.returncode)
-    return ModuleRun(path, nprocs, results, proc.returncode, output or "", timed_out, elapsed)
+        results = _collect(tmp, nprocs, ids, timed_out, timeout, proc.returncode)
+    paths = sorted({p for p, _ in cases})
+    return ModuleRun(paths[0] if len(paths) == 1 else "", nprocs, results, proc.returncode,
+                     output or "", timed_out, elapsed)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

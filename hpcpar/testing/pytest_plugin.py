@@ -1,8 +1,10 @@
 """pytest plugin: collect :func:`mpi_case` functions as one item per rank count.
 
-Load it with ``pytest_plugins = ["hpcpar.testing.pytest_plugin"]`` in a conftest. Items of one
-module and rank count share one ``mpiexec`` launch (made on the first such item). Set
-``HPCPAR_TEST_MAX_NP`` to skip rank counts above a limit.
+Load it with ``pytest_plugins = ["hpcpar.testing.pytest_plugin"]`` in a conftest. The selected
+items of one rank count share one ``mpiexec`` launch for the whole session (made on the first
+such item; ``HPCPAR_TEST_LAUNCH=module``: one per module and rank count). When a failing case
+aborts the launch, the cases it did not reach run in a new one, so each reports for itself.
+Set ``HPCPAR_TEST_MAX_NP`` to skip rank counts above a limit.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import pytest
 
 from hpcpar import _env
 
-from .mpi import run_module
+from .mpi import case_id, run_cases, startup_allowance
 
 __all__ = ["MPIFailure", "MPIItem", "pytest_pycollect_makeitem", "pytest_configure",
            "pytest_collection_modifyitems"]
@@ -36,23 +38,25 @@ class MPIItem(pytest.Item):
 
     @property
     def key(self):
-        return (str(self.path), self.nprocs)
+        if _env.get("HPCPAR_TEST_LAUNCH") == "module":
+            return (str(self.path), self.nprocs)
+        return ("session", self.nprocs)
+
+    @property
+    def case(self) -> str:
+        return case_id(str(self.path), self.fn.__name__)
 
     def runtest(self):
         runs = self.config.stash.setdefault(_RUNS, {})
         if self.key not in runs:
-            selected = self.config.stash[_SELECTED][self.key]
-            runs[self.key] = run_module(str(self.path), self.nprocs,
-                                        [i.fn.__name__ for i in selected],
-                                        {i.fn.__name__: i.case_timeout for i in selected})
-        run = runs[self.key]
-        res = run.cases[self.fn.__name__]
+            runs[self.key] = _launch(self.config.stash[_SELECTED][self.key], self.nprocs)
+        res, output = runs[self.key][self.case]
         if res.status == "passed":
             return
         if res.status == "skipped":
             pytest.skip(res.message)
         detail = "\n".join(res.ranks[r] for r in sorted(res.ranks))
-        tail = run.output[-4000:] if run.output else ""
+        tail = output[-4000:] if output else ""
         raise MPIFailure(f"[mpiexec -n {self.nprocs}] {res.status}: {res.message}\n{detail}"
                          f"\n--- mpiexec output (tail) ---\n{tail}")
 
@@ -63,6 +67,29 @@ class MPIItem(pytest.Item):
 
     def reportinfo(self):
         return self.path, 0, f"{self.name}"
+
+
+def _launch(items: list[MPIItem], nprocs: int) -> dict:
+    """Case id -> (its result, the output of the launch that ran it): the cases of ``items``
+    in one launch, and the ones a failure's abort left unrun in the next."""
+    results: dict = {}
+    todo = list(items)
+    while todo:
+        run = run_cases([(str(i.path), i.fn.__name__) for i in todo], nprocs,
+                        {i.case: i.case_timeout for i in todo})
+        results.update({c: (r, run.output) for c, r in run.cases.items()})
+        left = [i for i in todo if run.cases[i.case].status == "not-run"]
+        if run.timed_out or len(left) == len(todo):
+            break   # not an abort by a case: what is left reports why it did not run
+        todo = left
+    return results
+
+
+def _launch_timeout(items: list[MPIItem]) -> float:
+    """Seconds the first item of a shared launch may take: the launch's own limit (start-up
+    and every case's timeout) and a relaunch's start-up, with a margin."""
+    n = items[0].nprocs
+    return 2 * startup_allowance(n) + sum(i.case_timeout for i in items) + 60
 
 
 def _max_np() -> int:
@@ -94,3 +121,7 @@ def pytest_collection_modifyitems(session, config, items):
         if isinstance(item, MPIItem) and not any(m.name == "skip" for m in item.iter_markers()):
             selected.setdefault(item.key, []).append(item)
     config.stash[_SELECTED] = selected
+    if config.pluginmanager.hasplugin("timeout"):   # pytest-timeout: the launch has its own
+        for group in selected.values():
+            for item in group:
+                item.add_marker(pytest.mark.timeout(_launch_timeout(group)))

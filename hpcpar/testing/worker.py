@@ -1,6 +1,7 @@
-"""Per-rank runner of a test module's MPI cases (launched by :func:`hpcpar.testing.run_module`).
+"""Per-rank runner of MPI test cases (launched by :func:`hpcpar.testing.run_cases`).
 
-Usage: ``python -m hpcpar.testing.worker MODULE.py RESULT_DIR case1,case2``.
+Usage: ``python -m hpcpar.testing.worker CASES.json RESULT_DIR``; ``CASES.json`` lists
+``/path/module.py::function`` names, a module's cases together.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import sys
 import time
 import traceback
+import warnings
 
 __all__ = ["main"]
 
@@ -29,6 +31,35 @@ def _load(path: str):
     return module
 
 
+class _Process:
+    """What a test module may change for the whole process, taken before the first module
+    and put back after each, so every module starts as in a fresh process."""
+
+    def __init__(self):
+        import torch
+
+        self.env, self.cwd = dict(os.environ), os.getcwd()
+        self.warnings = list(warnings.filters)
+        self.torch = (torch.get_default_dtype(), torch.get_num_threads(),
+                      torch.are_deterministic_algorithms_enabled(), torch.is_grad_enabled(),
+                      torch.get_rng_state())
+
+    def restore(self) -> None:
+        import torch
+
+        if os.environ != self.env:
+            os.environ.clear()
+            os.environ.update(self.env)
+        os.chdir(self.cwd)
+        warnings.filters[:] = self.warnings   # type: ignore[index]  # a list at run time
+        dtype, threads, deterministic, grad, rng = self.torch
+        torch.set_default_dtype(dtype)
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
+        torch.set_grad_enabled(grad)
+        torch.set_rng_state(rng)
+
+
 def _is_skip(exc: BaseException) -> bool:
     return type(exc).__name__ in ("Skipped", "SkipTest")
 
@@ -41,9 +72,22 @@ def _abort(comm) -> None:
     os._exit(1)
 
 
+def _by_module(ids: list[str]) -> list[tuple[str, list[tuple[str, str]]]]:
+    """``[(path, [(case id, function), ...]), ...]`` in the listed order."""
+    out: list[tuple[str, list[tuple[str, str]]]] = []
+    for cid in ids:
+        path, name = cid.rsplit("::", 1)
+        if not out or out[-1][0] != path:
+            out.append((path, []))
+        out[-1][1].append((cid, name))
+    return out
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    path, outdir, names = argv[0], argv[1], [n for n in argv[2].split(",") if n]
+    with open(argv[0]) as fh:
+        ids = json.load(fh)
+    outdir = argv[1]
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
@@ -55,35 +99,44 @@ def main(argv=None) -> int:
         log.flush()
         os.fsync(log.fileno())
 
-    try:
-        module = _load(path)
-    except BaseException:
-        emit({"case": names[0] if names else "<import>", "status": "failed",
-              "traceback": "importing the test module failed:\n" + traceback.format_exc()})
-        time.sleep(0.5)
-        _abort(comm)
-    for name in names:
-        fn = getattr(module, name)
-        emit({"event": "start", "case": name})
-        comm.Barrier()
-        t0 = time.perf_counter()
+    fresh = _Process()
+    for path, cases in _by_module(ids):
         try:
-            if "comm" in inspect.signature(fn).parameters:
-                fn(comm=comm)
-            else:
-                fn()
-        except BaseException as exc:  # noqa: BLE001 - report everything, then abort all ranks
-            if _is_skip(exc):
-                emit({"case": name, "status": "skipped", "message": str(exc),
-                      "duration": time.perf_counter() - t0})
+            module = _load(path)
+        except BaseException as exc:  # noqa: BLE001 - reported, then every rank aborts
+            if _is_skip(exc):   # pytest.importorskip at module level: its cases are skipped
+                for cid, _ in cases:
+                    emit({"case": cid, "status": "skipped", "message": str(exc)})
+                fresh.restore()
                 continue
-            emit({"case": name, "status": "failed", "duration": time.perf_counter() - t0,
-                  "traceback": f"rank {rank}:\n" + traceback.format_exc()})
-            # Let other ranks failing in the same case write their tracebacks too.
+            emit({"case": cases[0][0], "status": "failed",
+                  "traceback": "importing the test module failed:\n" + traceback.format_exc()})
             time.sleep(0.5)
             _abort(comm)
-        emit({"case": name, "status": "passed", "duration": time.perf_counter() - t0})
-    comm.Barrier()
+        for cid, name in cases:
+            fn = getattr(module, name)
+            emit({"event": "start", "case": cid})
+            comm.Barrier()
+            t0 = time.perf_counter()
+            try:
+                if "comm" in inspect.signature(fn).parameters:
+                    fn(comm=comm)
+                else:
+                    fn()
+            except BaseException as exc:  # noqa: BLE001 - report everything, then abort all ranks
+                if _is_skip(exc):
+                    emit({"case": cid, "status": "skipped", "message": str(exc),
+                          "duration": time.perf_counter() - t0})
+                    continue
+                emit({"case": cid, "status": "failed", "duration": time.perf_counter() - t0,
+                      "traceback": f"rank {rank}:\n" + traceback.format_exc()})
+                # Let other ranks failing in the same case write their tracebacks too.
+                time.sleep(0.5)
+                _abort(comm)
+            emit({"case": cid, "status": "passed", "duration": time.perf_counter() - t0})
+        del module
+        fresh.restore()
+        comm.Barrier()
     log.close()
     return 0
 
