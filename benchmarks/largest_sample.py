@@ -38,6 +38,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from hpcpar.launch.allocator import preload
+
 EXIT_OOM = 6     # hpcpar.errors.EXIT_OUT_OF_MEMORY
 STEPS = 2
 
@@ -106,6 +108,7 @@ class Trial:
             cmd = limited + [sys.executable, __file__, "--child-torch", str(edge), "--job",
                              self.args.job] + (["--checkpoint"] if kind == "torch+ckpt" else [])
             env = dict(os.environ)
+            preload(env)   # the allocator hpcpar run gives its ranks: a like-for-like peak
         env.setdefault("OMP_NUM_THREADS", "1")
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode == 0:

@@ -56,6 +56,13 @@ def _bool(name, text):
     return text == "1"
 
 
+def _allocator(name, text):
+    """auto, jemalloc, system or a path (checked where it is used: on the launching host)."""
+    if text in ("auto", "jemalloc", "system") or "/" in text:
+        return text
+    raise _bad(name, text, "auto, jemalloc, system or an allocator library's path")
+
+
 def _one_of(*choices: str):
     def convert(name, text):
         if text not in choices:
@@ -135,6 +142,11 @@ VARS: dict[str, Var] = {v.name: v for v in [
         "`torch` or `numba`: force the CPU halo pack/unpack path (`auto` picks torch on the "
         "CPU and the CUDA kernels on GPUs).",
         _unless_blank(_one_of("auto", "torch", "numba"), "auto")),
+    Var("HPCPAR_ALLOCATOR", "auto",
+        "Memory allocator of the ranks `hpcpar run` launches (through `LD_PRELOAD`): `auto` "
+        "(jemalloc when found, else the system's malloc), `jemalloc` (required), `system`, "
+        "or an allocator library's path. glibc's malloc lets a rank's peak creep up step "
+        "after step.", _unless_blank(_allocator, "auto")),
     Var("HPCPAR_CHECKPOINT_SPILL", "16MiB",
         "Smallest split-head tensor (weight, optimizer moment) that the rank writing a "
         "checkpoint gathers into a file in the checkpoint directory instead of memory "

@@ -75,7 +75,26 @@ def facts() -> list[tuple[str, str]]:
         rows.append(("mpiexec", find_mpiexec()))
     except Exception as exc:  # noqa: BLE001
         rows.append(("mpiexec", str(exc)))
+    rows.append(("ranks' allocator", _allocator()))
     return rows
+
+
+def _allocator() -> str:
+    """What ``hpcpar run`` preloads for its ranks, and why (hpcpar.launch.allocator)."""
+    from hpcpar.launch.allocator import preload  # deferred: keeps --help fast
+
+    env: dict[str, str] = dict(os.environ)
+    before = env.get("LD_PRELOAD", "")
+    try:
+        preload(env)
+    except Exception as exc:  # noqa: BLE001
+        return str(exc)
+    added = env.get("LD_PRELOAD", "").removesuffix(before).strip()
+    if added:
+        return f"preloaded: {added}"
+    return (f"as LD_PRELOAD says ({before})" if before else
+            "the system's malloc (no libjemalloc.so.2 found, or HPCPAR_ALLOCATOR=system; "
+            "a rank's peak memory can creep up over the steps)")
 
 
 @click.command("info")

@@ -7,7 +7,7 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import click
@@ -51,14 +51,27 @@ def _examples(bad, k: int):
 
 
 def largest_table(largest, work, budget: float, top: int) -> str:
+    """The largest sample per grid, and the lever that would hold a larger one."""
     c = work.sample_shape[0]
-    rows = [(spec, edge, f"{mem / 1e9:.2f}") if edge else (spec, "none", "")
-            for spec, edge, mem in largest[:top]]
+    rows = [(r.grid, r.edge, f"{r.mem_bytes / 1e9:.2f}",
+             f"{r.lever_edge} with --set {r.lever}" if r.lever else "-")
+            if r.edge else (r.grid, "none", "", "-") for r in largest[:top]]
     return (f"largest cubic sample per grid within {budget / 2**30:.3g} GiB per rank "
             f"({c} channels, global batch {work.global_batch}; this job's edge is "
-            f"{work.sample_shape[1]}):\n"
-            + text_table(("grid", "edge", "mem GB"), rows, markdown=False,
-                         align=("left", "right", "right")))
+            f"{work.sample_shape[1]}; levers on: {_levers_on(work)}):\n"
+            + text_table(("grid", "edge", "mem GB", "larger"), rows, markdown=False,
+                         align=("left", "right", "right", "left")))
+
+
+def _levers_on(work) -> str:
+    """The memory levers the job enables, as the table's header names them."""
+    on = [name for name, yes in (
+        ("split head", any(layer.split for layer in work.layers)),
+        ("tensor_parallel", work.tp_params > 0),
+        ("activation_checkpointing", any(layer.segment >= 0 for layer in work.layers)),
+        ("shard_optimizer", work.shard_optimizer),
+        (work.precision, work.precision != "fp32")) if yes]
+    return ", ".join(on) or "none"
 
 
 def _on_this_host(m, name: str):
@@ -180,7 +193,7 @@ def plan(job, ranks, machine, top, csv_path, sets, calibrate, out, as_json, budg
     if as_json:
         extra = {} if largest is None else {
             "memory_budget": m.mem_per_rank,
-            "largest_samples": [{"grid": g, "edge": e, "mem_bytes": b} for g, e, b in largest]}
+            "largest_samples": [asdict(r) for r in largest]}
         if fit is not None:
             extra["fit_scale"] = fit
         click.echo(json.dumps({"job": work.name, "ranks": ranks, "machine": m.name,

@@ -6,6 +6,7 @@ No torch import here: validation errors come back in well under a second.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -157,13 +158,16 @@ def _launch(mode, cmd, argv, threads, lock, world=1) -> int | None:
     """Start the ranks, each with ``threads`` compute threads, in this process or launched
     alike; the launcher's exit code (None: ran in-process and finished). A single rank under
     a memory limit (a cgroup's) runs as a child process, so that a kill by the limit can be
-    reported instead of killing this command too."""
+    reported instead of killing this command too, and so does one that gets an allocator
+    this process does not have (:mod:`hpcpar.launch.allocator`)."""
+    from hpcpar.launch.allocator import preload  # deferred: keeps --help fast
     from hpcpar.launch.launcher import run_ranks  # deferred: keeps --help fast
     from hpcpar.launch.mpiexec import rank_env  # deferred: keeps --help fast
     from hpcpar.launch.oom import memory_limit  # deferred: keeps --help fast
     from hpcpar.launch.threads import thread_env, use_threads  # deferred: keeps --help fast
 
-    if mode == "direct" and (world > 1 or memory_limit() is None):
+    if mode == "direct" and (world > 1 or (memory_limit() is None
+                                           and not preload(dict(os.environ)))):
         from hpcpar.run.trainer import main as rank_main  # deferred: keeps --help fast
 
         use_threads(threads)

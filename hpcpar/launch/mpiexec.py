@@ -9,6 +9,7 @@ import sysconfig
 
 from hpcpar import _env
 from hpcpar.errors import LaunchError
+from hpcpar.launch.allocator import preload
 
 __all__ = ["find_mpiexec", "rank_env"]
 
@@ -41,7 +42,8 @@ def find_mpiexec() -> str:
 
 
 def rank_env(extra: dict | None = None) -> dict:
-    """The environment for launched ranks: one compute thread per rank unless the user set one.
+    """The environment for launched ranks: one compute thread per rank unless the user set one,
+    and jemalloc (:mod:`hpcpar.launch.allocator`).
 
     Args:
         extra: Variables to add or override.
@@ -55,6 +57,7 @@ def rank_env(extra: dict | None = None) -> dict:
     env.setdefault("NUMBA_NUM_THREADS", env["OMP_NUM_THREADS"])
     # huge pages for torch's CPU allocator: fresh activation buffers cost ~4x less to fault in
     env.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    preload(env)
     if extra:
         env.update(extra)
     return env

@@ -6,8 +6,10 @@ fits a memory budget per grid. The adapter between the job format and :mod:`.pla
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from hpcpar.data import read_manifest
@@ -20,7 +22,8 @@ from hpcpar.plan.memory import HEADROOM, estimate, largest_edge
 from hpcpar.plan.planner import BYTES, Workload, mark_tensor_parallel, predict, trace_layers
 from hpcpar.run.workloads.graph import make_graph_file
 
-__all__ = ["workload_from_job", "workload_of", "fit_points", "largest_samples", "dataset_note"]
+__all__ = ["workload_from_job", "workload_of", "fit_points", "LEVERS", "Largest",
+           "largest_samples", "dataset_note"]
 
 
 def _sample_shape(job) -> tuple[tuple, int]:
@@ -192,7 +195,8 @@ def workload_of(job, size: int | None = None):
     ck = job.checkpoint
     return Workload(job.name, layers, shape, job.train.global_batch,
                     precision=job.train.precision, optimizer=job.train.optimizer,
-                    checkpoints=bool(ck.every or ck.at_end))
+                    checkpoints=bool(ck.every or ck.at_end),
+                    shard_optimizer=job.train.shard_optimizer)
 
 
 def fit_points(run_dirs, trust_kind: bool = False) -> list:
@@ -216,34 +220,66 @@ def fit_points(run_dirs, trust_kind: bool = False) -> list:
     return points
 
 
-def largest_samples(job_file, sets, work, preds, machine) -> list[tuple]:
-    """Per grid ``(grid, edge, peak bytes)``: the largest cubic sample edge (the job's channels
-    and batch) whose predicted peak memory per rank fits the machine's ``mem_per_rank``;
-    edge and peak None: no sample the model takes fits. Largest first."""
-    works = {work.sample_shape[1]: work}
+#: what a job can turn on to hold a larger sample: ``(--set, whether the job has it off)``
+LEVERS = (
+    ("train.activation_checkpointing=auto", lambda job: not job.train.activation_checkpointing),
+    ("train.shard_optimizer=true", lambda job: not job.train.shard_optimizer),
+    ("train.precision=bf16", lambda job: job.train.precision == "fp32"),
+    ("model.tensor_parallel=false", lambda job: bool(job.model.params.get("tensor_parallel"))),
+)
 
-    def at(size):
-        if size not in works:
+
+@dataclass(frozen=True)
+class Largest:
+    """The largest cubic sample of one grid: ``edge`` and ``mem_bytes`` None when none fits;
+    ``lever`` the ``--set`` (one of :data:`LEVERS` this job has off) that would hold the
+    largest one, ``lever_edge``, when one holds a larger one."""
+
+    grid: str
+    edge: int | None
+    mem_bytes: float | None
+    lever: str | None = None
+    lever_edge: int | None = None
+
+
+def largest_samples(job_file, sets, work, preds, machine) -> list[Largest]:
+    """Per grid the largest cubic sample edge (the job's channels and batch) whose
+    predicted peak memory per rank fits the machine's ``mem_per_rank``, with the levers the
+    job enables, and the lever that would let a larger one fit. Largest first."""
+    job = load_job(job_file, list(sets))
+    works: dict[tuple, Workload | None] = {((), work.sample_shape[1]): work}
+
+    def at(size, extra=()):
+        if (extra, size) not in works:
             try:
-                works[size] = workload_from_job(job_file, sets, size=size)
+                works[extra, size] = workload_from_job(job_file, [*sets, *extra], size=size)
             except HpcparError:   # smaller than the model takes
-                works[size] = None
-        return works[size]
+                works[extra, size] = None
+        return works[extra, size]
+
+    def edge_of(grid, extra=()):
+        def fits(size):
+            w = at(size, extra)
+            return estimate(w, grid, BYTES.get(w.precision, 4)).total <= \
+                HEADROOM * machine.mem_per_rank
+
+        return largest_edge(fits, smallest)
 
     smallest = next(s for s in range(1, 1 << 14) if at(s) is not None)
-    out: list[tuple] = []
+    levers = [(lever,) for lever, off in LEVERS if off(job)]
+    out: list[Largest] = []
     for p in preds:
         if "not divisible" in p.reason:
             continue
-
-        def fits(size, grid=p.grid):
-            total = estimate(at(size), grid, BYTES.get(work.precision, 4)).total
-            return total <= HEADROOM * machine.mem_per_rank
-
-        edge = largest_edge(fits, smallest)
+        edge = edge_of(p.grid)
         best = predict(at(edge), p.grid, machine) if edge else None
         if best is None or not best.feasible:   # too small for this many ranks on an axis
-            out.append((p.spec, None, None))
-        else:
-            out.append((p.spec, edge, best.mem_bytes))
-    return sorted(out, key=lambda r: (-(r[1] or 0), r[0]))
+            out.append(Largest(p.spec, None, None))
+            continue
+        row = Largest(p.spec, edge, best.mem_bytes)
+        for extra in levers:
+            more = edge_of(p.grid, extra)
+            if more and more > (row.lever_edge or edge):
+                row = dataclasses.replace(row, lever=extra[0], lever_edge=more)
+        out.append(row)
+    return sorted(out, key=lambda r: (-(r.edge or 0), r.grid))

@@ -11,7 +11,10 @@ rule gives, so the rank that runs out first):
   dense layer after a gather (CosmoFlow's first dense layer grows with the sample) weighs on
   every rank alike; a split head (the same layer taking the flattened volume split,
   :mod:`hpcpar.nn.split_head`) holds only the columns of this rank's voxels, and a
-  tensor-parallel one 1/spatial of it;
+  tensor-parallel one 1/spatial of it; with ``[train] shard_optimizer``
+  (:mod:`hpcpar.sync.sharded`) the optimizer state, the shard it updates and the step's
+  temporaries divide by the parameter's replicas (all ranks for a replicated weight, the data
+  axis for a split one), the weights, gradients and buckets do not;
 * ``data``: the input batch in use and one prefetched, ``2 b C D H W / spatial``;
 * ``saved``: activations kept for backward, every layer's output (the spatial layers keep only
   their input and the received ghost faces: :func:`hpcpar.parallel.halo.halo_stencil`); with
@@ -121,7 +124,12 @@ def estimate(work: Workload, grid: tuple[int, int, int, int], nbytes: int = 4) -
     outs = [_local_out(layer, parts) * b * nbytes for layer in layers]
     saved, recompute = _checkpointed([layer.segment for layer in layers], outs)
     opt = optimizer_states(work.optimizer)
-    params = work.local_params(spatial, tuple(parts)) * 4 * (4 + opt)
+    local = work.local_params(spatial, tuple(parts))
+    if work.shard_optimizer:   # weights, gradients, buckets whole; the rest per replica
+        whole = work.replicated_params
+        params = 4 * (3 * local + (opt + 2) * (whole / (d * spatial) + (local - whole) / d))
+    else:
+        params = local * 4 * (4 + opt)
     data = 2 * b * math.prod(work.sample_shape) * 4 / spatial
     startup = RUNTIME_BYTES + work.params * 4
     if any(layer.kind == "linear" for layer in layers):   # settled: one fp32 sample, no grad

@@ -72,6 +72,8 @@ class Workload:
         graph: A full-graph GNN job (:class:`hpcpar.plan.gnn.GraphJob`); ``layers`` is then
             empty.
         checkpoints: The run writes checkpoints (their writer's memory counts).
+        shard_optimizer: ``[train] shard_optimizer``: optimizer state split over each
+            parameter's replicas.
     """
 
     name: str
@@ -83,6 +85,7 @@ class Workload:
     params: int = 0
     graph: object = None
     checkpoints: bool = True
+    shard_optimizer: bool = False
 
     def __post_init__(self):
         if self.layers or not self.params:
@@ -92,6 +95,12 @@ class Workload:
     def tp_params(self) -> int:
         """Parameters of the tensor-parallel layers (split over the spatial group)."""
         return sum(layer.params for layer in self.layers if layer.tp)
+
+    @property
+    def replicated_params(self) -> int:
+        """Parameters every rank of the grid holds whole (neither tensor-parallel nor a split
+        head): their replicas are all ranks, the others' the data axis."""
+        return self.params - self.tp_params - self.head_params
 
     @property
     def head_params(self) -> int:

@@ -2,6 +2,9 @@
 head's weight over the spatial ranks but not the replicated parts, and the largest-edge search
 finds the boundary."""
 
+import dataclasses
+import math
+
 import pytest
 
 from hpcpar.errors import ConfigError
@@ -119,3 +122,54 @@ def test_activation_checkpointing_keeps_segment_outputs_and_one_recomputation():
     assert off.saved == 6 * one and on.saved == 2 * one
     assert on.transient == off.transient + 3 * one
     assert on.total < off.total
+
+
+@pytest.mark.parametrize("grid", [(4, 1, 1, 1), (2, 2, 1, 1), (1, 2, 2, 1)])
+def test_sharded_optimizer_divides_its_state_by_each_parameters_replicas(grid):
+    """``shard_optimizer``: Adam's two moments, the shard it updates and the step's temporary
+    divide by the replicas (all ranks for a whole weight, the data axis for the split head's
+    columns); weights, gradients and buckets stay whole."""
+    w = work()
+    d, spatial = grid[0], math.prod(grid[1:])
+    plain = memory.estimate(w, grid)
+    sharded = memory.estimate(dataclasses.replace(w, shard_optimizer=True), grid)
+    whole = w.params - w.head_params
+    local = w.local_params(spatial, grid[1:])
+    assert plain.params == local * 4 * 6
+    assert sharded.params == pytest.approx(
+        4 * (3 * local + 4 * (whole / (d * spatial) + (local - whole) / d)))
+    if d > 1:   # on spatial ranks alone, the shard of a split head's columns is a copy more
+        assert sharded.params < plain.params
+    assert sharded.saved == plain.saved and sharded.data == plain.data
+
+
+def test_the_largest_sample_names_a_lever_that_holds_a_larger_one(tmp_path):
+    """Per grid, the lever shown is one the job has off, and the planner's own estimate with
+    it holds the edge shown (and not one more); a lever the job has on is not offered."""
+    from hpcpar.plan.job import LEVERS, largest_samples, workload_from_job
+    from hpcpar.plan.machine import load_machine
+    from hpcpar.plan.memory import HEADROOM, estimate
+    from hpcpar.plan.planner import BYTES
+    from hpcpar.plan.planner import plan as make_plan
+
+    job = "jobs/demo-cosmoflow.toml"
+    m = dataclasses.replace(load_machine("local"), mem_per_rank=0.6 * 2**30)
+    for on in ([], ["train.precision=bf16"]):
+        sets = ["data.path=" + str(tmp_path / "none"), "train.global_batch=2", *on]
+        work = workload_from_job(job, sets)
+        preds = make_plan(work, 2, m)
+        rows = largest_samples(job, sets, work, preds, m)
+        assert rows and all(r.edge for r in rows)
+        offered = {r.lever for r in rows if r.lever}
+        assert offered and offered <= {lever for lever, _ in LEVERS}
+        assert not set(on) & offered
+        for r in rows:
+            if not r.lever:
+                continue
+            grid = tuple(int(v) for v in r.grid.split("x"))
+            assert r.lever_edge > r.edge
+            at = [workload_from_job(job, [*sets, r.lever], size=s)
+                  for s in (r.lever_edge, r.lever_edge + 1)]
+            fits = [estimate(w, grid, BYTES[w.precision]).total <= HEADROOM * m.mem_per_rank
+                    for w in at]
+            assert fits == [True, False], r

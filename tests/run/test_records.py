@@ -39,6 +39,7 @@ def test_round_trip_exact_and_meta(tmp_path):
     assert meta["segments"][0]["first_step"] == 0
     assert meta["versions"]["python"] and "torch" in meta["versions"]
     assert meta["versions"]["mpi_library"]
+    assert meta["versions"]["malloc"] in ("system", "jemalloc", "tcmalloc", "mimalloc")
     assert meta["git"] and len(meta["git"]["commit"]) == 40  # this file is in a git repo
     assert meta["hostnames"] and meta["slurm"] is None
 

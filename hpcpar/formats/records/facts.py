@@ -16,6 +16,20 @@ if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
 
+#: allocator libraries a rank may have preloaded (:mod:`hpcpar.launch.allocator`)
+ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
+
+
+def malloc_in_use() -> str:
+    """The allocator mapped into this process: one of :data:`ALLOCATORS`, else ``system``."""
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+    except OSError:
+        return "system"
+    return next((a for a in ALLOCATORS if f"lib{a}" in maps), "system")
+
+
 def package_versions() -> dict:
     """Versions of the stack, read from package metadata (nothing heavy is imported)."""
     out: dict[str, str | None] = {"python": platform.python_version()}
@@ -24,6 +38,7 @@ def package_versions() -> dict:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             out[name] = None
+    out["malloc"] = malloc_in_use()
     try:
         from mpi4py import MPI
 

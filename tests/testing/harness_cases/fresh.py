@@ -7,7 +7,7 @@ import torch
 
 
 def case_sees_a_fresh_process(comm):
-    assert "HPCPAR_HARNESS_LEAK" not in os.environ
+    assert "HARNESS_CASES_LEAK" not in os.environ
     assert os.getcwd() != "/" and torch.get_default_dtype() == torch.float32
     assert torch.is_grad_enabled()
     assert torch.initial_seed() != 5, "the generator the other module seeded"

@@ -9,7 +9,7 @@ torch.set_default_dtype(torch.float64)   # at import, as some test modules do
 
 
 def case_changes_the_process(comm):
-    os.environ["HPCPAR_HARNESS_LEAK"] = "1"
+    os.environ["HARNESS_CASES_LEAK"] = "1"
     os.chdir("/")
     torch.manual_seed(5)
     torch.set_grad_enabled(False)
