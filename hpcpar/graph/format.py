@@ -25,7 +25,9 @@ import numpy as np
 from hpcpar.errors import DataError
 from hpcpar.graph._csr import check_csr, check_edges, check_labels, edges_to_csr, is_symmetric
 
-__all__ = ["FORMAT", "VERSION", "MASKS", "write_graph", "GraphFile", "import_npz", "bundled"]
+__all__ = ["FORMAT", "VERSION", "MASKS", "NPZ_FIELDS", "write_graph", "GraphFile",
+           "csr_rows_dense", "NPZ_ERRORS", "npz_unreadable", "npz_missing", "npz_checked",
+           "import_npz", "bundled"]
 
 FORMAT = "hpcpar-graph"
 VERSION = 1
@@ -261,19 +263,74 @@ class GraphFile:
         fs = self.f["features"]
         if not hasattr(fs, "keys"):
             return np.asarray(fs[start:stop], np.float32)
-        ip = np.asarray(fs["indptr"][start:stop + 1], np.int64)
-        cols = np.asarray(fs["indices"][int(ip[0]):int(ip[-1])], np.int64)
-        vals = np.asarray(fs["data"][int(ip[0]):int(ip[-1])], np.float32)
-        check_csr(ip - ip[0], cols, stop - start, self.num_features,
-                  f"{self.path}: /features rows {start}..{stop - 1}")
-        dense = np.zeros((stop - start, self.num_features), np.float32)
-        rows = np.repeat(np.arange(stop - start), np.diff(ip))
-        dense[rows, cols] = vals
-        return dense
+        return csr_rows_dense(fs["indptr"], fs["indices"], fs["data"], start, stop,
+                              self.num_features, f"{self.path}: /features")
+
+
+def csr_rows_dense(indptr, indices, data, start: int, stop: int, width: int,
+                   what: str) -> np.ndarray:
+    """Rows ``[start, stop)`` of CSR features as a dense float32 block, reading only those
+    rows' entries (the arrays may be HDF5 datasets or memory maps)."""
+    ip = np.asarray(indptr[start:stop + 1], np.int64)
+    cols = np.asarray(indices[int(ip[0]):int(ip[-1])], np.int64)
+    vals = np.asarray(data[int(ip[0]):int(ip[-1])], np.float32)
+    check_csr(ip - ip[0], cols, stop - start, width, f"{what} rows {start}..{stop - 1}")
+    dense = np.zeros((stop - start, width), np.float32)
+    rows = np.repeat(np.arange(stop - start), np.diff(ip))
+    dense[rows, cols] = vals
+    return dense
+
+
+#: the fields of a Planetoid-style ``.npz`` (:func:`import_npz`)
+NPZ_FIELDS = ("edge_index", "x_indptr", "x_indices", "x_data", "x_shape", "y",
+              "train_idx", "val_idx", "test_idx")
+
+
+#: what reading a damaged ``.npz`` raises (:func:`npz_unreadable` says it in one line)
+NPZ_ERRORS = (OSError, ValueError, EOFError, zipfile.BadZipFile)
+
+
+def npz_unreadable(src, exc: BaseException) -> DataError:
+    """The one line for an ``.npz`` that cannot be read (a :class:`DataError` raised while
+    reading it already is one)."""
+    if isinstance(exc, DataError):
+        return exc
+    if isinstance(exc, FileNotFoundError):
+        return DataError(f"{src}: no such file")
+    return DataError(f"{src}: not a readable .npz (truncated or damaged: "
+                     f"{type(exc).__name__})")
+
+
+def npz_missing(src, names) -> None:
+    """A one-line error when the archive lacks one of :data:`NPZ_FIELDS`."""
+    missing = [k for k in NPZ_FIELDS if k not in names]
+    if missing:
+        raise DataError(f"{src}: missing field(s) {', '.join(missing)} "
+                        f"(expected {', '.join(NPZ_FIELDS)})")
+
+
+def npz_checked(src, d) -> tuple[int, dict]:
+    """``(vertices, masks)`` of an ``.npz``'s fields ``d`` (arrays or memory maps): the
+    labels, feature shape and split indices checked, one line naming the field if not."""
+    n = int(d["y"].shape[0])
+    shape = np.asarray(d["x_shape"])
+    if shape.shape != (2,) or not np.issubdtype(shape.dtype, np.integer) or shape[0] != n:
+        raise DataError(f"{src}: x_shape is {shape.tolist()}, expected [{n}, features]")
+    masks = {}
+    for m in MASKS:
+        idx = np.asarray(d[f"{m}_idx"])
+        if not np.issubdtype(idx.dtype, np.integer) or (idx.size and (
+                idx.min() < 0 or idx.max() >= n)):
+            raise DataError(f"{src}: {m}_idx holds a vertex outside 0..{n - 1}")
+        mask = np.zeros(n, bool)
+        mask[idx] = True
+        masks[m] = mask
+    return n, masks
 
 
 def import_npz(src: str | os.PathLike, out: str | os.PathLike) -> dict:
-    """Convert a Planetoid-style ``.npz`` to a graph file.
+    """Convert a Planetoid-style ``.npz`` to a graph file (read whole: for a large one,
+    ``hpcpar data graph partition`` streams it, :class:`hpcpar.graph.stream_partition.NpzSource`).
 
     Args:
         src: The ``.npz`` with ``edge_index``, CSR features ``x_indptr``/``x_indices``/
@@ -286,35 +343,15 @@ def import_npz(src: str | os.PathLike, out: str | os.PathLike) -> dict:
     Raises:
         DataError: A missing or unreadable file or field.
     """
-    need = ("edge_index", "x_indptr", "x_indices", "x_data", "x_shape", "y",
-            "train_idx", "val_idx", "test_idx")
     try:
         with np.load(src, allow_pickle=False) as npz:
-            missing = [k for k in need if k not in npz.files]
-            if missing:
-                raise DataError(f"{src}: missing field(s) {', '.join(missing)} "
-                                f"(expected {', '.join(need)})")
-            d = {k: npz[k] for k in need}
-    except FileNotFoundError:
-        raise DataError(f"{src}: no such file") from None
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
-        raise DataError(f"{src}: not a readable .npz (truncated or damaged: "
-                        f"{type(exc).__name__})") from None
+            npz_missing(src, npz.files)
+            d = {k: npz[k] for k in NPZ_FIELDS}
+    except NPZ_ERRORS as exc:
+        raise npz_unreadable(src, exc) from None
+    n, masks = npz_checked(src, d)
     y = d["y"]
-    n = int(y.shape[0])
     e = check_edges(d["edge_index"], n, f"{src}: edge_index")
-    shape = d["x_shape"]
-    if shape.shape != (2,) or not np.issubdtype(shape.dtype, np.integer) or shape[0] != n:
-        raise DataError(f"{src}: x_shape is {shape.tolist()}, expected [{n}, features]")
-    masks = {}
-    for m in MASKS:
-        idx = d[f"{m}_idx"]
-        if not np.issubdtype(idx.dtype, np.integer) or (idx.size and (
-                idx.min() < 0 or idx.max() >= n)):
-            raise DataError(f"{src}: {m}_idx holds a vertex outside 0..{n - 1}")
-        mask = np.zeros(n, bool)
-        mask[idx] = True
-        masks[m] = mask
     indptr, indices = edges_to_csr(e, n)
     directed = not is_symmetric(indptr, indices, n)
     write_graph(out, n, (d["x_indptr"], d["x_indices"], d["x_data"], d["x_shape"]), y, masks,

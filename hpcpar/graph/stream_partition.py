@@ -15,8 +15,9 @@ What ``hpcpar data graph partition`` runs. Two assignment methods:
 Writing streams the source once more in row blocks, renumbers vertices so each part is a
 contiguous id range (source order kept inside a part) and appends each row to its part
 file: O(N) memory plus a block, whatever the method. Sources: an hpcpar graph file (read by
-rows), a text edge list (bucket-sorted on disk, see :class:`EdgeListSource`), or a ``.npz`` /
-PyG ``.pt`` file, which are not row-addressable and are imported whole first.
+rows), a text edge list (bucket-sorted on disk, see :class:`EdgeListSource`), a ``.npz``
+(its fields streamed out of the archive and memory-mapped, :class:`NpzSource`), or a PyG
+``.pt`` file, which is a pickle and is imported whole first.
 """
 
 from __future__ import annotations
@@ -26,19 +27,29 @@ import resource
 import shutil
 import tempfile
 import time
+import zipfile
 from collections.abc import Callable
 
 import numpy as np
 
 from hpcpar.errors import DataError
 from hpcpar.graph._csr import check_edges, row_positions, sorted_unique
-from hpcpar.graph.format import MASKS, GraphFile, import_npz
+from hpcpar.graph.format import (
+    MASKS,
+    NPZ_ERRORS,
+    NPZ_FIELDS,
+    GraphFile,
+    csr_rows_dense,
+    npz_checked,
+    npz_missing,
+    npz_unreadable,
+)
 from hpcpar.graph.interop import _read_array, edge_list_chunks, import_graph, random_masks
 from hpcpar.graph.shards import MANIFEST, PartWriter, write_graph_manifest
 from hpcpar.graph.vertex_partition import partition_csr
 
 __all__ = ["METHODS", "ROW_BLOCK", "peak_rss_bytes", "available_memory",
-           "metis_memory_estimate", "ldg_partition", "EdgeListSource", "open_source",
+           "metis_memory_estimate", "ldg_partition", "EdgeListSource", "NpzSource", "open_source",
            "partition_graph"]
 
 METHODS = ("auto", "metis", "stream")
@@ -118,51 +129,29 @@ def ldg_partition(structure_rows: Callable[[int, int], tuple], num_nodes: int,
     return owner.astype(np.int64)
 
 
-class EdgeListSource:
-    """A text edge list as rows of an in-edge CSR, built on disk in bounded memory.
+class _BucketedCSR:
+    """An in-edge CSR built on disk in bounded memory from a stream of edge blocks, read by
+    rows.
 
-    One pass over the text appends each block's edges, keyed ``dst * N + src``, to bucket
+    One pass over the edges appends each block's edges, keyed ``dst * N + src``, to bucket
     files by destination range (and the reversed keys by source range, to tell whether the
     graph is symmetric); each bucket is then sorted and deduplicated alone and kept as a CSR
     piece. Memory: one bucket (about ``bucket_edges`` keys) plus O(N).
-
-    Args:
-        path: The edge list (``src dst`` per line, as ``hpcpar data graph import``).
-        features: ``(N, F)`` features, ``.npy`` (memory-mapped, read by rows) or text.
-        labels: ``(N,)`` class ids (``.npy`` or text), zeros when None.
-        split: Random ``(train, val)`` fractions; the rest test.
-        seed: Seed of the split.
-        workdir: Folder for the bucket files.
-        bucket_edges: Target keys per bucket.
     """
 
-    def __init__(self, path: str, features: str | None, labels: str | None = None,
-                 split: tuple = (0.6, 0.2), seed: int = 0, workdir: str = ".",
-                 bucket_edges: int = 1 << 23):
-        if features is None:
-            raise DataError(f"{path}: an edge list needs --features (N x F, .npy or text)")
-        self.x = np.load(features, mmap_mode="r") if str(features).endswith(".npy") and \
-            os.path.isfile(features) else _read_array(features, "features")
-        if self.x.ndim == 1:
-            self.x = self.x.reshape(-1, 1)
-        n = self.num_nodes = int(self.x.shape[0])
-        self.num_features = int(self.x.shape[1])
-        self.y = np.zeros(n, np.int64) if labels is None else \
-            _read_array(labels, "labels").astype(np.int64).reshape(-1)
-        if self.y.shape[0] != n:
-            raise DataError(f"{labels}: {self.y.shape[0]} labels for {n} vertices (rows of "
-                            f"{features})")
-        self.num_classes = int(self.y.max()) + 1 if n else 1
-        self.masks = random_masks(n, split, seed)
-        self.name = os.path.splitext(os.path.basename(str(path)))[0]
-        nb = max(1, -(-os.path.getsize(path) // (8 * bucket_edges)))
+    num_nodes: int
+    y: np.ndarray
+    masks: dict
+
+    def _bucket(self, chunks, what: str, buckets: int, workdir: str) -> None:
+        n, nb = self.num_nodes, max(1, buckets)
         self.width = -(-n // nb)
         names = {k: [os.path.join(workdir, f"{k}-{b}.bin") for b in range(nb)]
                  for k in ("fwd", "rev")}
         handles = {k: [open(p, "wb") for p in v] for k, v in names.items()}
         try:
-            for e in edge_list_chunks(path):
-                e = check_edges(e, n, str(path))
+            for e in chunks:
+                e = check_edges(e, n, what)
                 for kind, key_row, other in (("fwd", 1, 0), ("rev", 0, 1)):
                     keys = e[key_row] * np.int64(n) + e[other]
                     bucket = e[key_row] // self.width
@@ -174,7 +163,8 @@ class EdgeListSource:
             for hs in handles.values():
                 for h in hs:
                     h.close()
-        self.pieces, self.directed, self.num_edges = [], False, 0
+        self.pieces: list[str] = []
+        self.directed, self.num_edges = False, 0
         for b in range(nb):
             fwd = sorted_unique(np.fromfile(names["fwd"][b], np.int64))
             rev = sorted_unique(np.fromfile(names["rev"][b], np.int64))
@@ -211,15 +201,141 @@ class EdgeListSource:
         """The whole in-edge CSR (METIS)."""
         return self.read_structure_rows(0, self.num_nodes)
 
+    def _features(self, start: int, stop: int) -> np.ndarray:
+        raise NotImplementedError
+
     def read_rows(self, start: int, stop: int) -> dict:
         """Rows ``[start, stop)`` with features, labels and masks (as ``GraphFile``)."""
         ip, idx = self.read_structure_rows(start, stop)
-        return {"indptr": ip, "indices": idx,
-                "x": np.asarray(self.x[start:stop], np.float32), "y": self.y[start:stop],
+        return {"indptr": ip, "indices": idx, "x": self._features(start, stop),
+                "y": np.asarray(self.y[start:stop], np.int64),
                 **{m: self.masks[m][start:stop] for m in MASKS}}
 
     def close(self) -> None:
         """Nothing to close (the bucket files go with the work folder)."""
+
+
+class EdgeListSource(_BucketedCSR):
+    """A text edge list as rows of an in-edge CSR, built on disk in bounded memory
+    (:class:`_BucketedCSR`).
+
+    Args:
+        path: The edge list (``src dst`` per line, as ``hpcpar data graph import``).
+        features: ``(N, F)`` features, ``.npy`` (memory-mapped, read by rows) or text.
+        labels: ``(N,)`` class ids (``.npy`` or text), zeros when None.
+        split: Random ``(train, val)`` fractions; the rest test.
+        seed: Seed of the split.
+        workdir: Folder for the bucket files.
+        bucket_edges: Target keys per bucket.
+    """
+
+    def __init__(self, path: str, features: str | None, labels: str | None = None,
+                 split: tuple = (0.6, 0.2), seed: int = 0, workdir: str = ".",
+                 bucket_edges: int = 1 << 23):
+        if features is None:
+            raise DataError(f"{path}: an edge list needs --features (N x F, .npy or text)")
+        self.x = np.load(features, mmap_mode="r") if str(features).endswith(".npy") and \
+            os.path.isfile(features) else _read_array(features, "features")
+        if self.x.ndim == 1:
+            self.x = self.x.reshape(-1, 1)
+        n = self.num_nodes = int(self.x.shape[0])
+        self.num_features = int(self.x.shape[1])
+        self.y = np.zeros(n, np.int64) if labels is None else \
+            _read_array(labels, "labels").astype(np.int64).reshape(-1)
+        if self.y.shape[0] != n:
+            raise DataError(f"{labels}: {self.y.shape[0]} labels for {n} vertices (rows of "
+                            f"{features})")
+        self.num_classes = int(self.y.max()) + 1 if n else 1
+        self.masks = random_masks(n, split, seed)
+        self.name = os.path.splitext(os.path.basename(str(path)))[0]
+        self._bucket(edge_list_chunks(path), str(path),
+                     -(-os.path.getsize(path) // (8 * bucket_edges)), workdir)
+
+    def _features(self, start: int, stop: int) -> np.ndarray:
+        return np.asarray(self.x[start:stop], np.float32)
+
+
+class _Npy:
+    """A ``.npy`` file read by slices with plain reads, never memory-mapped: a block is read
+    and freed, so the process keeps one block resident (a mapping keeps every page it
+    touched). ``x[a:b]`` of a 1-D array; :meth:`columns` of a ``(2, E)`` one."""
+
+    def __init__(self, path: str, what: str):
+        self.path = path
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                    else np.lib.format.read_array_header_2_0)
+            self.shape, self.fortran, self.dtype = read(f)
+            self.offset = f.tell()
+        if self.dtype.hasobject:
+            raise DataError(f"{what}: holds Python objects (a pickle), expected numbers")
+        self.ndim = len(self.shape)
+
+    def _flat(self, lo: int, hi: int) -> np.ndarray:
+        return np.fromfile(self.path, self.dtype, count=max(0, hi - lo),
+                           offset=self.offset + lo * self.dtype.itemsize)
+
+    def __getitem__(self, key: slice) -> np.ndarray:
+        lo, hi, _ = key.indices(self.shape[0])
+        return self._flat(lo, hi)
+
+    def whole(self) -> np.ndarray:
+        n = int(np.prod(self.shape))
+        out = self._flat(0, n)
+        return out.reshape(self.shape, order="F" if self.fortran else "C")
+
+    def columns(self, lo: int, hi: int) -> np.ndarray:
+        """Columns ``[lo, hi)`` of a ``(2, E)`` array."""
+        if self.fortran:
+            return self._flat(2 * lo, 2 * hi).reshape(hi - lo, 2).T
+        e = self.shape[1]
+        return np.stack([self._flat(lo, hi), self._flat(e + lo, e + hi)])
+
+
+class NpzSource(_BucketedCSR):
+    """A Planetoid-style ``.npz`` (the fields of :func:`hpcpar.graph.format.import_npz`) in
+    bounded memory: each field is copied out of the archive into ``workdir`` by streaming
+    (stored or compressed alike); the edges go into the on-disk CSR in column blocks
+    (:class:`_BucketedCSR`) and the CSR features are read by rows. O(N) memory plus a
+    block, where importing it whole held every edge and feature at once.
+
+    Raises:
+        DataError: An unreadable archive or a missing or malformed field (one line).
+    """
+
+    def __init__(self, path: str, workdir: str = ".", bucket_edges: int = 1 << 23,
+                 block: int = 1 << 20):
+        try:
+            with zipfile.ZipFile(path) as z:
+                members = {os.path.splitext(m)[0]: m for m in z.namelist()}
+                npz_missing(path, members)
+                f: dict[str, _Npy] = {}
+                for k in NPZ_FIELDS:
+                    out = os.path.join(workdir, f"npz-{k}.npy")
+                    with z.open(members[k]) as src, open(out, "wb") as dst:
+                        shutil.copyfileobj(src, dst, 1 << 22)
+                    f[k] = _Npy(out, f"{path}: {k}")
+        except NPZ_ERRORS as exc:
+            raise npz_unreadable(path, exc) from None
+        small = {k: f[k].whole() for k in ("y", "x_shape", "x_indptr", "train_idx",
+                                           "val_idx", "test_idx")}   # O(N) each
+        n, self.masks = npz_checked(path, small)
+        self.num_nodes, self.num_features = n, int(small["x_shape"][1])
+        self.y = small["y"]
+        self.num_classes = int(np.max(self.y)) + 1 if n else 1
+        self.name = os.path.splitext(os.path.basename(str(path)))[0]
+        self._x = (small["x_indptr"], f["x_indices"], f["x_data"])
+        e = f["edge_index"]
+        if e.ndim != 2 or e.shape[0] != 2:
+            raise DataError(f"{path}: edge_index: expected shape (2, E), got {e.shape}")
+        self._bucket((e.columns(i, min(i + block, e.shape[1]))
+                      for i in range(0, e.shape[1], block)),
+                     f"{path}: edge_index", -(-e.shape[1] // bucket_edges), workdir)
+
+    def _features(self, start: int, stop: int) -> np.ndarray:
+        return csr_rows_dense(*self._x, start, stop, self.num_features,
+                              f"{self.name}.npz: x_indptr/x_indices/x_data")
 
 
 class _FileSource:
@@ -241,8 +357,9 @@ class _FileSource:
 
 def open_source(src: str, workdir: str, features=None, labels=None, split=(0.6, 0.2),
                 seed: int = 0, trust_pickle: bool = False):
-    """Open a graph for partitioning: an hpcpar graph file (``.h5``/``.hdf5``), an ``.npz``,
-    a PyG ``.pt``/``.pth`` (both imported whole to ``workdir`` first) or a text edge list.
+    """Open a graph for partitioning: an hpcpar graph file (``.h5``/``.hdf5``), an ``.npz``
+    (streamed), a PyG ``.pt``/``.pth`` (imported whole to ``workdir`` first) or a text edge
+    list.
 
     Raises:
         DataError: A missing or unreadable source.
@@ -252,12 +369,11 @@ def open_source(src: str, workdir: str, features=None, labels=None, split=(0.6, 
         raise DataError(f"{src}: no such file")
     if src.endswith((".h5", ".hdf5")):
         return _FileSource(src)
-    if src.endswith((".npz", ".pt", ".pth")):
+    if src.endswith(".npz"):
+        return NpzSource(src, workdir)
+    if src.endswith((".pt", ".pth")):
         tmp = os.path.join(workdir, "imported.h5")
-        if src.endswith(".npz"):
-            import_npz(src, tmp)
-        else:
-            import_graph(src, tmp, split=split, seed=seed, trust_pickle=trust_pickle)
+        import_graph(src, tmp, split=split, seed=seed, trust_pickle=trust_pickle)
         return _FileSource(tmp)
     return EdgeListSource(src, features, labels, split, seed, workdir)
 

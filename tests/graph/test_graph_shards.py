@@ -152,6 +152,41 @@ def test_edge_list_and_npz_sources(tmp_path):
     assert (c["num_nodes"], c["num_edges"], c["directed"]) == (2708, 10556, False)
 
 
+@pytest.mark.parametrize("compressed", [False, True])
+def test_an_npz_streams_into_the_same_parts_as_its_import(tmp_path, compressed):
+    """An ``.npz`` read in blocks out of the archive (stored or compressed, several buckets
+    and edge blocks) gives the same parts, bit for bit, as the graph file import_npz writes
+    of it whole; a damaged or incomplete archive is one line."""
+    from hpcpar.errors import DataError
+    from hpcpar.graph.format import bundled, import_npz
+    from hpcpar.graph.stream_partition import NpzSource, partition_graph
+
+    with np.load(bundled("cora")) as z:
+        fields = {k: z[k] for k in z.files}
+    src = tmp_path / "cora.npz"
+    (np.savez_compressed if compressed else np.savez)(src, **fields)
+    import_npz(src, tmp_path / "cora.h5")
+    work = tmp_path / "work"
+    work.mkdir()
+    npz = NpzSource(str(src), str(work), bucket_edges=1000, block=777)
+    assert len(npz.pieces) > 5 and not npz.directed and npz.num_edges == 10556
+    whole = partition_graph(str(tmp_path / "cora.h5"), str(tmp_path / "a"), 3, "stream")
+    streamed = partition_graph(str(src), str(tmp_path / "b"), 3, "stream")
+    for got, want in zip(_assemble(tmp_path / "b")[:5], _assemble(tmp_path / "a")[:5]):
+        if isinstance(want, dict):
+            assert all(np.array_equal(got[k], want[k]) for k in want)
+        else:
+            assert np.array_equal(got, want)
+    assert streamed["partition"]["edge_cut"] == whole["partition"]["edge_cut"]
+    del fields["y"]
+    np.savez(tmp_path / "noy.npz", **fields)
+    with pytest.raises(DataError, match=r"noy.npz: missing field\(s\) y \(expected"):
+        NpzSource(str(tmp_path / "noy.npz"), str(work))
+    (tmp_path / "cut.npz").write_bytes(src.read_bytes()[:5000])
+    with pytest.raises(DataError, match="cut.npz: not a readable .npz"):
+        NpzSource(str(tmp_path / "cut.npz"), str(work))
+
+
 def test_bad_input_is_one_line(tmp_path, run_cli):
     from types import SimpleNamespace
 
