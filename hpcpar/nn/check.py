@@ -6,9 +6,10 @@ first sample of its input, the spatial root gathers it whole, runs the plain mod
 records every module's output, then every rank runs a copy of the spatialized model on its
 piece and the outputs are gathered and compared module by module in call order, followed by
 the parameter gradients of ``sum(output * w)``. Dropout is off in both (masks are random)
-and batch-norm statistics cover the probe only. A mismatch raises one line on every rank
-naming the first module that differs. Copies are used, so the model's state does not change.
-The plain model is kept as a :func:`skeleton` (its code, no weights) until then: the check
+and batch-norm statistics cover the probe only; a float32 model is compared in float64
+(:data:`FLOAT64_LIMIT_BYTES`), so rounding is never taken for an escape. A mismatch raises
+one line on every rank naming the first module that differs. Copies are used, so the model's
+state does not change. The plain model is kept as a :func:`skeleton` (its code, no weights) until then: the check
 loads the weights the spatial model trains from anyway.
 """
 
@@ -32,12 +33,16 @@ from hpcpar.parallel.spatial import gather, local_slices
 from .split import SplitTensor, local, split_like, unwrap
 from .split_head import column_split
 
-__all__ = ["first_step_check", "skeleton", "materialize", "PROBE_LIMIT_BYTES"]
+__all__ = ["first_step_check", "skeleton", "materialize", "PROBE_LIMIT_BYTES",
+           "FLOAT64_LIMIT_BYTES"]
 
 #: A probe sample larger than this is not gathered (the check is skipped with a warning):
 #: the plain model's activations for the whole sample must fit on the spatial root, and a
 #: sample that is split because it does not fit on one rank never would.
 PROBE_LIMIT_BYTES = 8 << 20
+#: float32 weights up to this size are checked in float64 (two float64 copies of them exist
+#: while the check runs); larger ones in float32, with its tolerance
+FLOAT64_LIMIT_BYTES = 256 << 20
 
 _DROPOUTS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
              F.feature_alpha_dropout}
@@ -148,29 +153,29 @@ def first_step_check(spatial_model: nn.Module, plain: nn.Module, args: tuple, ct
     root = grid.spatial_comm.Get_rank() == 0
     piece, whole = _probe(x, grid)
     verdict = None
-    ref_calls, ref_grads = [], {}
-    w: torch.Tensor | str | None = None  # the probe's output weights, or why it failed
     state = spatial_model.state_dict()   # collective once a split head is cut (split_head)
-    if root:
-        try:
-            ref = materialize(copy.deepcopy(plain), state)  # the weights it trains from
-            with _recording(ref, grid, False) as ref_calls, _NoDropout():
-                out = ref(whole)
-            g = torch.Generator().manual_seed(1234)
-            w = torch.randn(out.shape, generator=g, dtype=out.dtype)
-            (out * w).sum().backward()
-            ref_grads = {n: p.grad for n, p in ref.named_parameters()}
-        except Exception as exc:  # noqa: BLE001 (the plain model cannot run the probe)
-            w = f"{type(exc).__name__}: {exc}".splitlines()[0]
-    w = grid.spatial_comm.bcast(w, root=0)
+    # float32 is compared in float64 where the model runs in it: float32's rounding, which a
+    # batch norm over many voxels amplifies in the first layers' gradients (UNet3D at 64³ on
+    # 8 ranks: 1e-3), is not an escape; an escape is wrong in any precision
+    weights = sum(v.numel() * v.element_size() for v in state.values()
+                  if isinstance(v, torch.Tensor))
+    dtypes = [torch.float64, x.dtype] if x.dtype == torch.float32 and \
+        weights <= FLOAT64_LIMIT_BYTES else [x.dtype]
+    for dtype in dtypes:
+        w, ref_calls, ref_grads = _reference(plain, state, whole, dtype) if root else \
+            (None, [], {})
+        w = grid.spatial_comm.bcast(w, root=0)
+        if not isinstance(w, str):
+            break
     if isinstance(w, str):
         if grid.rank == 0:
             warnings.warn(f"spatialize check skipped: the plain model failed on the probe "
                           f"sample ({w})", stacklevel=2)
         return
+    piece = piece.to(dtype)
     # a fresh spatialization (the live model carries hooks of its gradient sync), with the
     # weights it trains from; batch-norm statistics of the probe alone, as the plain model
-    sp = materialize(spatialize(plain, grid), state)
+    sp = materialize(spatialize(plain, grid), state).to(dtype)
     sp._hpcpar_split.dropout = False  # type: ignore[union-attr]  # set by spatialize
     with _recording(sp, grid, True) as calls, _NoDropout():
         out = sp(piece)
@@ -199,6 +204,22 @@ def first_step_check(spatial_model: nn.Module, plain: nn.Module, args: tuple, ct
         raise LayerError(f"spatialize check: {bad}; the spatial run would be wrong there "
                          "(an op that escaped the dispatch?): fix that module or spatialize "
                          "with check=False to train anyway")
+
+
+def _reference(plain, state, whole, dtype) -> tuple:
+    """The plain model on the whole probe in ``dtype``, on the spatial root: ``(output
+    weights, module outputs, parameter gradients)``; the weights are the one-line reason
+    instead when the plain model cannot run it."""
+    try:
+        ref = materialize(copy.deepcopy(plain), state).to(dtype)  # the weights it trains from
+        with _recording(ref, None, False) as calls, _NoDropout():
+            out = ref(whole.to(dtype))
+        g = torch.Generator().manual_seed(1234)
+        w = torch.randn(out.shape, generator=g, dtype=out.dtype)
+        (out * w).sum().backward()
+        return w, calls, {n: p.grad for n, p in ref.named_parameters()}
+    except Exception as exc:  # noqa: BLE001 (the plain model cannot run the probe)
+        return f"{type(exc).__name__}: {exc}".splitlines()[0], [], {}
 
 
 def _compare(ref_calls, calls, ref_grads, grads) -> str | None:
