@@ -9,8 +9,8 @@ the parameter gradients of ``sum(output * w)``. Dropout is off in both (masks ar
 and batch-norm statistics cover the probe only; a float32 model is compared in float64
 (:data:`FLOAT64_LIMIT_BYTES`), so rounding is never taken for an escape. A mismatch raises
 one line on every rank naming the first module that differs. Copies are used, so the model's
-state does not change. The plain model is kept as a :func:`skeleton` (its code, no weights) until then: the check
-loads the weights the spatial model trains from anyway.
+state does not change. The plain model is kept as a :func:`skeleton` (its code, no weights)
+until then: the check loads the weights the spatial model trains from anyway.
 """
 
 from __future__ import annotations
