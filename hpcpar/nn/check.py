@@ -6,9 +6,9 @@ first sample of its input, the spatial root gathers it whole, runs the plain mod
 records every module's output, then every rank runs a copy of the spatialized model on its
 piece and the outputs are gathered and compared module by module in call order, followed by
 the parameter gradients of ``sum(output * w)``. Dropout is off in both (masks are random)
-and batch-norm statistics cover the probe only; a float32 model is compared in float64
-(:data:`FLOAT64_LIMIT_BYTES`), so rounding is never taken for an escape. A mismatch raises
-one line on every rank naming the first module that differs. Copies are used, so the model's
+and batch-norm statistics cover the probe only; a float32 mismatch is decided again in
+float64 (:data:`FLOAT64_LIMIT_BYTES`), so rounding is never taken for an escape. A mismatch
+raises one line on every rank naming the first module that differs. Copies are used, so the model's
 state does not change. The plain model is kept as a :func:`skeleton` (its code, no weights)
 until then: the check loads the weights the spatial model trains from anyway.
 """
@@ -39,9 +39,9 @@ __all__ = ["first_step_check", "skeleton", "materialize", "PROBE_LIMIT_BYTES",
 #: A probe sample larger than this is not gathered (the check is skipped with a warning):
 #: the plain model's activations for the whole sample must fit on the spatial root, and a
 #: sample that is split because it does not fit on one rank never would.
-PROBE_LIMIT_BYTES = 8 << 20
-#: float32 weights up to this size are checked in float64 (two float64 copies of them exist
-#: while the check runs); larger ones in float32, with its tolerance
+PROBE_LIMIT_BYTES = 2 << 20
+#: a float32 mismatch is decided again in float64 for weights up to this size (two float64
+#: copies of them exist then); larger ones are judged in float32, with its tolerance
 FLOAT64_LIMIT_BYTES = 256 << 20
 
 _DROPOUTS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
@@ -150,35 +150,40 @@ def first_step_check(spatial_model: nn.Module, plain: nn.Module, args: tuple, ct
                           f" is larger than {PROBE_LIMIT_BYTES >> 20} MiB, too large to run "
                           "whole on one rank", stacklevel=2)
         return
-    root = grid.spatial_comm.Get_rank() == 0
     piece, whole = _probe(x, grid)
-    verdict = None
     state = spatial_model.state_dict()   # collective once a split head is cut (split_head)
-    # float32 is compared in float64 where the model runs in it: float32's rounding, which a
-    # batch norm over many voxels amplifies in the first layers' gradients (UNet3D at 64³ on
-    # 8 ranks: 1e-3), is not an escape; an escape is wrong in any precision
+    bad = _verdict(plain, state, piece, whole, grid, spatialize, x.dtype)
+    # float32's rounding, which a batch norm over many voxels amplifies in the first layers'
+    # gradients (UNet3D at 64³ on 8 ranks: 1e-3), is not an escape; an escape is wrong in
+    # any precision: a float32 mismatch is decided again in float64
     weights = sum(v.numel() * v.element_size() for v in state.values()
                   if isinstance(v, torch.Tensor))
-    dtypes = [torch.float64, x.dtype] if x.dtype == torch.float32 and \
-        weights <= FLOAT64_LIMIT_BYTES else [x.dtype]
-    for dtype in dtypes:
-        w, ref_calls, ref_grads = _reference(plain, state, whole, dtype) if root else \
-            (None, [], {})
-        w = grid.spatial_comm.bcast(w, root=0)
-        if not isinstance(w, str):
-            break
+    if bad and x.dtype == torch.float32 and weights <= FLOAT64_LIMIT_BYTES:
+        bad = _verdict(plain, state, piece, whole, grid, spatialize, torch.float64)
+    if bad:
+        raise LayerError(f"spatialize check: {bad}; the spatial run would be wrong there "
+                         "(an op that escaped the dispatch?): fix that module or spatialize "
+                         "with check=False to train anyway")
+
+
+def _verdict(plain, state, piece, whole, grid, spatialize, dtype) -> str | None:
+    """The check in ``dtype`` (collective): the first difference, the same on every rank, or
+    None (also when the plain model cannot run the probe: a warning says so)."""
+    root = grid.spatial_comm.Get_rank() == 0
+    w, ref_calls, ref_grads = _reference(plain, state, whole, dtype) if root else \
+        (None, [], {})
+    w = grid.spatial_comm.bcast(w, root=0)
     if isinstance(w, str):
         if grid.rank == 0:
             warnings.warn(f"spatialize check skipped: the plain model failed on the probe "
-                          f"sample ({w})", stacklevel=2)
-        return
-    piece = piece.to(dtype)
+                          f"sample ({w})", stacklevel=3)
+        return None
     # a fresh spatialization (the live model carries hooks of its gradient sync), with the
     # weights it trains from; batch-norm statistics of the probe alone, as the plain model
     sp = materialize(spatialize(plain, grid), state).to(dtype)
     sp._hpcpar_split.dropout = False  # type: ignore[union-attr]  # set by spatialize
     with _recording(sp, grid, True) as calls, _NoDropout():
-        out = sp(piece)
+        out = sp(piece.to(dtype))
     weight = w
     if isinstance(out, SplitTensor):
         weight = split_like(w[local_slices(w.shape, grid)], out)
@@ -196,14 +201,8 @@ def first_step_check(spatial_model: nn.Module, plain: nn.Module, args: tuple, ct
                 continue
             grads[n] = gr if getattr(p, "hpcpar_reduce", None) == "data" else allreduce_(
                 gr.clone(), grid.spatial_comm)
-    if root:
-        verdict = _compare(ref_calls, calls, ref_grads if grads else {}, grads)
-    verdicts = grid.comm.allgather(verdict)
-    bad = next((v for v in verdicts if v), None)
-    if bad:
-        raise LayerError(f"spatialize check: {bad}; the spatial run would be wrong there "
-                         "(an op that escaped the dispatch?): fix that module or spatialize "
-                         "with check=False to train anyway")
+    verdict = _compare(ref_calls, calls, ref_grads if grads else {}, grads) if root else None
+    return next((v for v in grid.comm.allgather(verdict) if v), None)
 
 
 def _reference(plain, state, whole, dtype) -> tuple:

@@ -253,8 +253,8 @@ def largest_samples(job_file, sets, work, preds, machine) -> list[Largest]:
         if (extra, size) not in works:
             try:
                 works[extra, size] = workload_from_job(job_file, [*sets, *extra], size=size)
-            except HpcparError:   # smaller than the model takes
-                works[extra, size] = None
+            except (HpcparError, ValueError, RuntimeError):   # smaller than the model takes
+                works[extra, size] = None   # (torch's own message, e.g. a batch norm of 1x1x1)
         return works[extra, size]
 
     def edge_of(grid, extra=()):

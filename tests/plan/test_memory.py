@@ -173,3 +173,17 @@ def test_the_largest_sample_names_a_lever_that_holds_a_larger_one(tmp_path):
             fits = [estimate(w, grid, BYTES[w.precision]).total <= HEADROOM * m.mem_per_rank
                     for w in at]
             assert fits == [True, False], r
+
+
+def test_a_model_that_refuses_tiny_samples_still_gets_its_largest_edge(cli_group):
+    """UNet3D's batch norm refuses a 1x1x1 input (torch's ValueError): that edge is too small
+    for the model, not a traceback (``hpcpar plan`` of the UNet3D demo crashed here)."""
+    from click.testing import CliRunner
+
+    r = CliRunner().invoke(cli_group, ["plan", "jobs/demo-unet3d.toml", "-n", "2",
+                                       "--memory-budget", "0.5GiB", "--set",
+                                       "train.global_batch=1"])
+    assert r.exit_code == 0, r.output
+    table = r.output.split("largest cubic sample per grid")[1]
+    edges = [int(ln.split()[1]) for ln in table.splitlines()[2:] if ln.strip()]
+    assert edges and all(e >= 8 for e in edges)
