@@ -79,17 +79,20 @@ def import_(source, out, features, labels, split, seed, trust_pickle):
 @click.option("--directed", is_flag=True, help="one-way edges (default: both directions)")
 @click.option("--p-in", type=float, default=0.85, show_default=True,
               help="fraction of edges inside a community")
-def make(out, nodes, avg_degree, communities, features, classes, seed, directed, p_in):
+@click.option("--signal", type=float, default=0.25, show_default=True,
+              help="class signal in the features (lower: the graph matters more)")
+def make(out, nodes, avg_degree, communities, features, classes, seed, directed, p_in, signal):
     """Write a seeded power-law community graph with learnable labels to OUT.h5."""
     from hpcpar.graph.generate import power_law_community_graph  # deferred: keeps --help fast
 
     g = power_law_community_graph(nodes, avg_degree, communities, features, classes, seed,
-                                  directed=directed, p_in=p_in)
+                                  directed=directed, p_in=p_in, signal=signal)
     write_graph(out, nodes, g["x"], g["y"], g["masks"], csr=(g["indptr"], g["indices"]),
                 directed=directed, name=os.path.splitext(os.path.basename(out))[0],
                 source=f"hpcpar data graph make --nodes {nodes} --avg-degree {avg_degree} "
                        f"--communities {communities} --features {features} --classes "
-                       f"{classes} --seed {seed}{' --directed' if directed else ''}",
+                       f"{classes} --seed {seed} --p-in {p_in} --signal {signal}"
+                       f"{' --directed' if directed else ''}",
                 num_classes=classes)
     click.echo(f"wrote {out}: {nodes} nodes, {g['indices'].shape[0]} edges, {features} "
                f"features, {classes} classes")

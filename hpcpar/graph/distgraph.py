@@ -157,7 +157,9 @@ class DistGraph:
                                          op=_max())
         self.num_classes = int(num_classes)
         if row_normalize:
-            s = self.x.sum(1, keepdim=True)
+            # the L1 norm, not the plain sum: the same for non-negative features (Kipf &
+            # Welling's bag-of-words), while a signed row's sum can be ~0 and blow it up
+            s = self.x.abs().sum(1, keepdim=True)
             self.x = torch.where(s != 0, self.x / torch.where(s != 0, s, 1), self.x)
         self._ops: dict = {}
         self._views: dict = {}  # local edge_index / adj_t, built on first use

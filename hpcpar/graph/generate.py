@@ -61,6 +61,8 @@ def power_law_community_graph(nodes: int, avg_degree: float = 10.0, communities:
     if classes > communities:
         raise DataError(f"make graph: --classes {classes} exceeds --communities {communities}"
                         " (labels are community % classes)")
+    if signal < 0:
+        raise DataError(f"make graph: --signal must be >= 0, got {signal}")
     if avg_degree <= 0:
         raise DataError(f"make graph: --avg-degree must be positive, got {avg_degree}")
     rng = np.random.default_rng(seed)

@@ -56,7 +56,7 @@ DATA_PARAMS = {
                   help="create `path` first if it is missing"),
     "partition": Param(str, "metis", choices=METHODS, help="vertex partitioning"),
     "partition_seed": Param(int, 0, min=0, max=SEED_MAX),
-    "normalize": Param(bool, True, help="row-normalise features"),
+    "normalize": Param(bool, True, help="divide each feature row by its L1 norm"),
     "backend": Param(str, "auto", choices=("auto", "numba", "torch"), help="SpMM backend"),
     "nodes": Param(int, 100000, min=2, help="make = synthetic"),
     "avg_degree": Param(float, 10.0, min=0.0, help="make = synthetic"),
@@ -64,6 +64,8 @@ DATA_PARAMS = {
     "features": Param(int, 128, min=1, help="make = synthetic"),
     "classes": Param(int, 8, min=2, help="make = synthetic"),
     "seed": Param(int, 0, min=0, max=SEED_MAX, help="make = synthetic"),
+    "signal": Param(float, 0.25, min=0.0, help="make = synthetic: the class signal in the "
+                                                 "features (lower: the graph matters more)"),
 }
 
 
@@ -97,7 +99,8 @@ def make_graph_file(path: str, d: dict) -> None:
         from hpcpar.graph.generate import power_law_community_graph  # deferred: loads numpy
 
         g = power_law_community_graph(d["nodes"], d["avg_degree"], d["communities"],
-                                      d["features"], d["classes"], d["seed"])
+                                      d["features"], d["classes"], d["seed"],
+                                      signal=d["signal"])
         write_graph(path, d["nodes"], g["x"], g["y"], g["masks"],
                     csr=(g["indptr"], g["indices"]), num_classes=d["classes"],
                     name="synthetic", source="hpcpar [data] make = synthetic")
