@@ -8,6 +8,9 @@ Run it as a plain process (not under mpiexec): it makes the job's graph file if 
 launches ``mpiexec -n K`` per rank count and one PyG process, each a fresh process so its
 memory is its own. Graph, model and optimiser come from the job file (``[data]``,
 ``[model]``, ``[train]``); each rank reads only its rows of the file (``DistGraph.from_hdf5``).
+A ``[data] path`` that is a sharded graph (``hpcpar data graph partition``) is built per rank
+(``DistGraph.from_shards``: each rank reads its own part, as many ranks as parts), and PyG reads
+its parts end to end (the same graph, renumbered), e.g. the 4M-vertex check of the GNN guide.
 
 Per rank count it prints:
 
@@ -180,15 +183,19 @@ def hpcpar_worker(job: dict, epochs: int, rounds: int) -> None:
     from mpi4py import MPI
 
     from hpcpar.graph import DistGraph
+    from hpcpar.graph.shards import is_sharded_graph
 
     comm = MPI.COMM_WORLD
     d = job["data"]
     base = rss_mb()
     reset_peak()
     t0 = time.perf_counter()
-    graph = DistGraph.from_hdf5(d["path"], comm, method=d["partition"],
-                                seed=d["partition_seed"], row_normalize=d["normalize"],
-                                backend=d["backend"])
+    kw = {"row_normalize": d["normalize"], "backend": d["backend"]}
+    if is_sharded_graph(d["path"]):  # each rank reads its own part (a distributed build)
+        graph = DistGraph.from_shards(d["path"], comm, **kw)
+    else:
+        graph = DistGraph.from_hdf5(d["path"], comm, method=d["partition"],
+                                    seed=d["partition_seed"], **kw)
     quiet_barrier(comm)
     t_build = time.perf_counter() - t0
     build_peak = peak_mb()
@@ -221,24 +228,43 @@ def hpcpar_worker(job: dict, epochs: int, rounds: int) -> None:
 
 
 # ---- PyG worker (one process) -------------------------------------------------------------
+def whole_graph(path: str) -> tuple[dict, int]:
+    """The whole graph in one process: a graph file, or a sharded graph's parts end to end
+    (its renumbered ids: the same graph up to a permutation of the vertices)."""
+    import numpy as np
+
+    from hpcpar.graph.format import GraphFile
+    from hpcpar.graph.shards import is_sharded_graph, read_graph_manifest, read_part
+
+    if not is_sharded_graph(path):
+        with GraphFile(path) as gf:
+            return gf.read_rows(0, gf.num_nodes), gf.num_classes
+    m = read_graph_manifest(path)
+    parts = []
+    for p in range(m["parts"]):
+        parts.append({k: v for k, v in read_part(path, m, p).items()
+                      if k in ("indptr", "indices", "x", "y", "train")})
+    ends = np.cumsum([q["indptr"][-1] for q in parts])
+    g = {"indptr": np.concatenate([[0]] + [q["indptr"][1:] + e - q["indptr"][-1]
+                                           for q, e in zip(parts, ends)]),
+         **{k: np.concatenate([q[k] for q in parts]) for k in ("indices", "x", "y", "train")}}
+    return g, m["num_classes"]
+
+
 def pyg_worker(job: dict, epochs: int) -> None:
     import torch
     import torch.nn.functional as F
     from torch_geometric.nn import GCNConv
 
-    from hpcpar.graph.format import GraphFile
-
     d, m = job["data"], job["model"]
     base = rss_mb()
     reset_peak()
     t0 = time.perf_counter()
-    with GraphFile(d["path"]) as gf:
-        g = gf.read_rows(0, gf.num_nodes)
-        classes = gf.num_classes
+    g, classes = whole_graph(d["path"])
     n = g["y"].shape[0]
     x = torch.from_numpy(g["x"])
-    if d["normalize"]:
-        s = x.sum(1, keepdim=True)
+    if d["normalize"]:  # as DistGraph's row_normalize: the L1 norm
+        s = x.abs().sum(1, keepdim=True)
         x = torch.where(s != 0, x / torch.where(s != 0, s, 1), x)
     # in-edge CSR: row = destination, which is PyG's adj_t (transposed adjacency)
     adj_t = torch.sparse_csr_tensor(torch.from_numpy(g["indptr"]),
@@ -290,6 +316,13 @@ def pyg_worker(job: dict, epochs: int) -> None:
 
 
 # ---- driver -------------------------------------------------------------------------------
+def partitioned(d: dict) -> str:
+    """How the ranks get their parts: the job's method, or a sharded graph's own parts."""
+    from hpcpar.graph.shards import is_sharded_graph
+
+    return f"{d['path']}'s parts" if is_sharded_graph(d["path"]) else d["partition"]
+
+
 def launch(cmd: list[str], env: dict, timeout: float, lock: str | None) -> dict:
     """Run one measurement process, holding ``lock`` (an flock file) only while it runs."""
     with open(lock, "a") if lock else contextlib.nullcontext() as held:
@@ -396,7 +429,7 @@ def main() -> None:
     cores = os.cpu_count() or 1
     print(f"job {args.job}: {d['nodes']} vertices, avg degree {d['avg_degree']}, "
           f"{d['features']} features, {d['classes']} classes; GCN {m['layers']} layers x "
-          f"{m['hidden']} hidden, dropout {m['dropout']}; partition {d['partition']}; "
+          f"{m['hidden']} hidden, dropout {m['dropout']}; partition {partitioned(d)}; "
           f"{cores} core(s), one thread per process\ncommand: {command()}", flush=True)
     env = rank_env()
     common = [HERE, "--job", args.job, "--epochs", str(args.epochs), "--rounds",

@@ -461,7 +461,9 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except BaseException:  # one rank failing must end the run, not leave the others waiting
+    except BaseException as e:  # one rank failing must end the run, not leave the others waiting
+        if isinstance(e, SystemExit) and e.code in (0, 2, None):
+            raise  # --help or a bad argument: every rank parsed the same and exits alike
         import traceback
 
         from mpi4py import MPI
