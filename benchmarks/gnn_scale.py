@@ -316,11 +316,21 @@ def pyg_worker(job: dict, epochs: int) -> None:
 
 
 # ---- driver -------------------------------------------------------------------------------
-def partitioned(d: dict) -> str:
-    """How the ranks get their parts: the job's method, or a sharded graph's own parts."""
-    from hpcpar.graph.shards import is_sharded_graph
+def describe(d: dict) -> str:
+    """The graph as it is on disk (not the job's make parameters) and how ranks get parts."""
+    from hpcpar.graph.format import GraphFile
+    from hpcpar.graph.shards import is_sharded_graph, read_graph_manifest
 
-    return f"{d['path']}'s parts" if is_sharded_graph(d["path"]) else d["partition"]
+    if is_sharded_graph(d["path"]):
+        m = read_graph_manifest(d["path"])
+        counts = [m[k] for k in ("num_nodes", "num_edges", "num_features", "num_classes")]
+        how = f"its {m['parts']} parts"
+    else:
+        with GraphFile(d["path"]) as gf:
+            counts = [gf.num_nodes, int(gf.f.attrs["num_edges"]), gf.num_features,
+                      gf.num_classes]
+        how = f"partition {d['partition']}"
+    return ("{:,} vertices, {:,} edges, {} features, {} classes; ".format(*counts) + how)
 
 
 def launch(cmd: list[str], env: dict, timeout: float, lock: str | None) -> dict:
@@ -427,10 +437,9 @@ def main() -> None:
         make_graph_file(d["path"], d)
         print(f"made {d['path']} in {time.perf_counter() - t0:.1f} s")
     cores = os.cpu_count() or 1
-    print(f"job {args.job}: {d['nodes']} vertices, avg degree {d['avg_degree']}, "
-          f"{d['features']} features, {d['classes']} classes; GCN {m['layers']} layers x "
-          f"{m['hidden']} hidden, dropout {m['dropout']}; partition {partitioned(d)}; "
-          f"{cores} core(s), one thread per process\ncommand: {command()}", flush=True)
+    print(f"job {args.job}: {d['path']}: {describe(d)}; GCN {m['layers']} layers x "
+          f"{m['hidden']} hidden, dropout {m['dropout']}; {cores} core(s), one thread per "
+          f"process\ncommand: {command()}", flush=True)
     env = rank_env()
     common = [HERE, "--job", args.job, "--epochs", str(args.epochs), "--rounds",
               str(args.rounds)]
