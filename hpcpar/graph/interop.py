@@ -109,7 +109,7 @@ def _refusal(path, exc: Exception) -> DataError:
                      f"--trust-pickle if you trust this file")
 
 
-def load_pyg(path: str | os.PathLike, trust_pickle: bool = False) -> Any:
+def load_pyg(path: str | os.PathLike, trust_pickle: bool = False, mmap: bool = False) -> Any:
     """A PyG ``Data`` saved with ``torch.save``.
 
     The file is unpickled with ``weights_only=True`` and only PyG's graph classes allowed, so
@@ -118,6 +118,8 @@ def load_pyg(path: str | os.PathLike, trust_pickle: bool = False) -> Any:
     Args:
         path: The ``.pt`` file; a saved dataset's first graph is taken.
         trust_pickle: Unpickle anything (``weights_only=False``): may run the file's code.
+        mmap: Map the tensors from the file instead of reading them (``torch.load(...,
+            mmap=True)``; zip-format files, torch.save's default since 1.6).
 
     Returns:
         The ``Data`` object.
@@ -132,10 +134,10 @@ def load_pyg(path: str | os.PathLike, trust_pickle: bool = False) -> Any:
         raise DataError(f"{path}: no such file")
     try:
         if trust_pickle:
-            obj = torch.load(path, weights_only=False, map_location="cpu")
+            obj = torch.load(path, weights_only=False, map_location="cpu", mmap=mmap)
         else:
             with torch.serialization.safe_globals(_pyg_safe_globals()):
-                obj = torch.load(path, weights_only=True, map_location="cpu")
+                obj = torch.load(path, weights_only=True, map_location="cpu", mmap=mmap)
     except ModuleNotFoundError as exc:
         raise DataError(f"{path}: needs the module {exc.name!r} to load (pip install "
                         f"torch_geometric, or 'hpcpar[gnn]')") from None

@@ -16,17 +16,20 @@ Writing streams the source once more in row blocks, renumbers vertices so each p
 contiguous id range (source order kept inside a part) and appends each row to its part
 file: O(N) memory plus a block, whatever the method. Sources: an hpcpar graph file (read by
 rows), a text edge list (bucket-sorted on disk, see :class:`EdgeListSource`), a ``.npz``
-(its fields streamed out of the archive and memory-mapped, :class:`NpzSource`), or a PyG
-``.pt`` file, which is a pickle and is imported whole first.
+(its fields streamed out of the archive, :class:`NpzSource`), or a PyG ``.pt`` file (its
+tensors mapped from the file, :class:`PygSource`; a legacy pre-zip file is imported whole).
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import resource
 import shutil
 import tempfile
 import time
+import warnings
 import zipfile
 from collections.abc import Callable
 
@@ -44,12 +47,20 @@ from hpcpar.graph.format import (
     npz_missing,
     npz_unreadable,
 )
-from hpcpar.graph.interop import _read_array, edge_list_chunks, import_graph, random_masks
+from hpcpar.graph.interop import (
+    _read_array,
+    edge_list_chunks,
+    import_graph,
+    load_pyg,
+    pyg_arrays,
+    random_masks,
+)
 from hpcpar.graph.shards import MANIFEST, PartWriter, write_graph_manifest
 from hpcpar.graph.vertex_partition import partition_csr
 
 __all__ = ["METHODS", "ROW_BLOCK", "peak_rss_bytes", "available_memory",
-           "metis_memory_estimate", "ldg_partition", "EdgeListSource", "NpzSource", "open_source",
+           "metis_memory_estimate", "ldg_partition", "EdgeListSource", "NpzSource", "PygSource",
+           "open_source",
            "partition_graph"]
 
 METHODS = ("auto", "metis", "stream")
@@ -338,6 +349,101 @@ class NpzSource(_BucketedCSR):
                               f"{self.name}.npz: x_indptr/x_indices/x_data")
 
 
+def _drop_pages(t) -> None:
+    """Give back the pages of a file-mapped tensor's range once read (``madvise
+    MADV_DONTNEED``): they are clean pages of the file, read again if touched again, so the
+    process keeps one block resident instead of every page it has read."""
+    if t.numel() == 0:
+        return
+    page = resource.getpagesize()
+    lo = t.data_ptr() // page * page
+    hi = -(-(t.data_ptr() + t.numel() * t.element_size()) // page) * page
+    _libc().madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), 4)  # 4: MADV_DONTNEED
+
+
+@functools.cache
+def _libc():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
+
+
+class PygSource(_BucketedCSR):
+    """A PyG ``Data`` saved with ``torch.save`` (``.pt``) in bounded memory: the tensors are
+    mapped from the file (``torch.load(mmap=True)``, through the same safe unpickling as
+    :func:`~hpcpar.graph.interop.load_pyg`), the edges go into the on-disk CSR in column
+    blocks (:class:`_BucketedCSR`) and the features are read by rows, each block's pages
+    given back after reading. O(N) memory plus a block, where importing the file whole held
+    every edge and feature at once. The same fields and rules as
+    :func:`~hpcpar.graph.interop.pyg_arrays` (masks the file lacks: a seeded random split).
+
+    Raises:
+        DataError: An unreadable or unsafe file, or a missing or malformed field (one line).
+    """
+
+    def __init__(self, path: str, workdir: str = ".", split: tuple = (0.6, 0.2),
+                 seed: int = 0, trust_pickle: bool = False, bucket_edges: int = 1 << 23,
+                 block: int = 1 << 20):
+        data = load_pyg(path, trust_pickle, mmap=True)
+        for k in ("edge_index", "x"):
+            if getattr(data, k, None) is None:
+                raise DataError(f"{path}: no '{k}' (a PyG Data needs edge_index and x)")
+        x, e = data.x, data.edge_index
+        if x.dim() != 2:
+            raise DataError(f"{path}: 'x' has shape {tuple(x.shape)}, expected (num_nodes, "
+                            "features)")
+        n = self.num_nodes = int(getattr(data, "num_nodes", None) or x.shape[0])
+        if x.shape[0] != n:
+            raise DataError(f"{path}: 'x' has {x.shape[0]} rows, num_nodes is {n}")
+        if e.dim() != 2 or e.shape[0] != 2:
+            raise DataError(f"{path}: edge_index: expected shape (2, E), got "
+                            f"{tuple(e.shape)}")
+        small = pyg_arrays(_Vertices(data, n), path)   # y and masks: O(N), checked alike
+        self.num_features = int(x.shape[1])
+        self.y, self.masks = small["y"], small["masks"]
+        if not any(m.any() for m in self.masks.values()):
+            self.masks = random_masks(n, split, seed)
+        self.num_classes = int(self.y.max()) + 1 if n else 1
+        self.name = os.path.splitext(os.path.basename(str(path)))[0]
+        self._x = x
+        edges = int(e.shape[1])
+
+        def chunks():
+            for i in range(0, edges, block):
+                cols = [e[r, i:min(i + block, edges)] for r in (0, 1)]
+                yield np.stack([c.numpy().astype(np.int64) for c in cols])
+                for c in cols:
+                    if c.is_contiguous():
+                        _drop_pages(c)
+
+        self._bucket(chunks(), f"{path}: edge_index", -(-edges // bucket_edges), workdir)
+        if edges > self.num_edges:
+            warnings.warn(f"{path}: {edges - self.num_edges} repeated edge(s) merged: hpcpar "
+                          "graphs are simple graphs, while PyG's layers count a repeated edge "
+                          "once per copy (torch_geometric.utils.coalesce(edge_index) gives "
+                          "PyG the same graph)", stacklevel=2)
+
+    def _features(self, start: int, stop: int) -> np.ndarray:
+        rows = self._x[start:stop]
+        out = rows.numpy().astype(np.float32)   # a copy, whatever the stored dtype
+        if rows.is_contiguous():
+            _drop_pages(rows)
+        return out
+
+
+class _Vertices:
+    """A PyG ``Data``'s per-vertex fields with stand-ins for ``x`` and ``edge_index``, for
+    :func:`~hpcpar.graph.interop.pyg_arrays`'s checks of ``y`` and the masks without reading
+    the big ones."""
+
+    def __init__(self, data, n: int):
+        self.x = np.zeros((n, 0), np.float32)
+        self.edge_index = np.zeros((2, 0), np.int64)
+        self.num_nodes = n
+        for k in ("y", *(f"{m}_mask" for m in MASKS)):
+            setattr(self, k, getattr(data, k, None))
+
+
 class _FileSource:
     """A graph file read by rows, with ``num_edges`` (what the partitioner reads)."""
 
@@ -358,8 +464,8 @@ class _FileSource:
 def open_source(src: str, workdir: str, features=None, labels=None, split=(0.6, 0.2),
                 seed: int = 0, trust_pickle: bool = False):
     """Open a graph for partitioning: an hpcpar graph file (``.h5``/``.hdf5``), an ``.npz``
-    (streamed), a PyG ``.pt``/``.pth`` (imported whole to ``workdir`` first) or a text edge
-    list.
+    (streamed), a PyG ``.pt``/``.pth`` (mapped; a legacy non-zip file is imported whole to
+    ``workdir`` first) or a text edge list.
 
     Raises:
         DataError: A missing or unreadable source.
@@ -371,7 +477,9 @@ def open_source(src: str, workdir: str, features=None, labels=None, split=(0.6, 
         return _FileSource(src)
     if src.endswith(".npz"):
         return NpzSource(src, workdir)
-    if src.endswith((".pt", ".pth")):
+    if src.endswith((".pt", ".pth")) and zipfile.is_zipfile(src):
+        return PygSource(src, workdir, split, seed, trust_pickle)
+    if src.endswith((".pt", ".pth")):   # the legacy (pre-1.6) format cannot be mapped
         tmp = os.path.join(workdir, "imported.h5")
         import_graph(src, tmp, split=split, seed=seed, trust_pickle=trust_pickle)
         return _FileSource(tmp)

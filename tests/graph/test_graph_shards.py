@@ -47,6 +47,16 @@ def _assemble(out):
     return csr_to_edges(ip, idx), cat["x"], cat["y"], masks, cat["original_ids"], m
 
 
+def _same_parts(got_dir, got, want_dir, want) -> None:
+    """Two partitionings wrote the same graph, relabelling and edge cut."""
+    for a, b in zip(_assemble(got_dir)[:5], _assemble(want_dir)[:5]):
+        if isinstance(b, dict):
+            assert all(np.array_equal(a[k], b[k]) for k in b)
+        else:
+            assert np.array_equal(a, b)
+    assert got["partition"]["edge_cut"] == want["partition"]["edge_cut"]
+
+
 def _check_same_graph(g, out):
     """Every vertex's row, features, label and masks are the source's, relabelled."""
     e, x, y, masks, orig, m = _assemble(out)
@@ -172,12 +182,7 @@ def test_an_npz_streams_into_the_same_parts_as_its_import(tmp_path, compressed):
     assert len(npz.pieces) > 5 and not npz.directed and npz.num_edges == 10556
     whole = partition_graph(str(tmp_path / "cora.h5"), str(tmp_path / "a"), 3, "stream")
     streamed = partition_graph(str(src), str(tmp_path / "b"), 3, "stream")
-    for got, want in zip(_assemble(tmp_path / "b")[:5], _assemble(tmp_path / "a")[:5]):
-        if isinstance(want, dict):
-            assert all(np.array_equal(got[k], want[k]) for k in want)
-        else:
-            assert np.array_equal(got, want)
-    assert streamed["partition"]["edge_cut"] == whole["partition"]["edge_cut"]
+    _same_parts(tmp_path / "b", streamed, tmp_path / "a", whole)
     del fields["y"]
     np.savez(tmp_path / "noy.npz", **fields)
     with pytest.raises(DataError, match=r"noy.npz: missing field\(s\) y \(expected"):
@@ -185,6 +190,66 @@ def test_an_npz_streams_into_the_same_parts_as_its_import(tmp_path, compressed):
     (tmp_path / "cut.npz").write_bytes(src.read_bytes()[:5000])
     with pytest.raises(DataError, match="cut.npz: not a readable .npz"):
         NpzSource(str(tmp_path / "cut.npz"), str(work))
+
+
+def _mapped_kib(path) -> int:
+    """Resident KiB of this process's mappings of ``path`` (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if "-" in line.split(" ", 1)[0]:
+                inside = line.rstrip().endswith(str(path))
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_pyg_file_streams_into_the_same_parts_as_its_import(tmp_path, legacy):
+    """A PyG ``Data`` saved with torch.save, mapped and read in blocks (several buckets and
+    edge blocks; float64 features, repeated edges, no masks) gives the same parts, bit for
+    bit, as the graph file import_graph writes of it whole, and the pages it read are given
+    back; a legacy (non-zip) file is imported whole; a Data without x is one line."""
+    pytest.importorskip("torch_geometric")
+    from torch_geometric.data import Data
+
+    from hpcpar.graph._csr import csr_to_edges
+    from hpcpar.graph.interop import import_graph
+    from hpcpar.graph.stream_partition import PygSource, open_source, partition_graph
+
+    g = _graph(n=3000, directed=True)
+    e = torch.from_numpy(csr_to_edges(g["indptr"], g["indices"]))
+    data = Data(x=torch.from_numpy(g["x"]).double(), y=torch.from_numpy(g["y"]),
+                edge_index=torch.cat([e, e[:, :5]], 1))
+    src = tmp_path / "g.pt"
+    torch.save(data, src, _use_new_zipfile_serialization=not legacy)
+    with pytest.warns(UserWarning, match="5 repeated edge"):
+        import_graph(src, tmp_path / "g.h5", seed=4)
+    work = tmp_path / "work"
+    work.mkdir()
+    if legacy:
+        with pytest.warns(UserWarning, match="5 repeated edge"):   # imported whole
+            assert not isinstance(open_source(str(src), str(work)), PygSource)
+    else:
+        with pytest.warns(UserWarning, match="5 repeated edge"):
+            pyg = PygSource(str(src), str(work), seed=4, bucket_edges=2000, block=777)
+        assert len(pyg.pieces) > 5 and pyg.directed and pyg.num_edges == e.shape[1]
+        rows = pyg.read_rows(1000, 1500)
+        np.testing.assert_array_equal(rows["x"], g["x"][1000:1500])
+        # 6.4 MB of edges read in 512 kB blocks: the file's mapping keeps little resident
+        big = tmp_path / "big.pt"
+        edges = torch.randint(0, 1000, (2, 400000), generator=torch.Generator().manual_seed(0))
+        torch.save(Data(x=torch.zeros(1000, 1), edge_index=edges), big)
+        with pytest.warns(UserWarning, match="repeated edge"):
+            held = PygSource(str(big), str(work), block=1 << 16)
+        assert held.num_edges > 300000 and _mapped_kib(big) < 600, _mapped_kib(big)
+    whole = partition_graph(str(tmp_path / "g.h5"), str(tmp_path / "a"), 3, "stream")
+    with pytest.warns(UserWarning, match="5 repeated edge"):
+        streamed = partition_graph(str(src), str(tmp_path / "b"), 3, "stream", seed=4)
+    _same_parts(tmp_path / "b", streamed, tmp_path / "a", whole)
+    torch.save(Data(edge_index=e), tmp_path / "nox.pt")
+    with pytest.raises(DataError, match="nox.pt: no 'x'"):
+        open_source(str(tmp_path / "nox.pt"), str(work))
 
 
 def test_bad_input_is_one_line(tmp_path, run_cli):

@@ -49,6 +49,10 @@ def test_pyg_import_runs_no_code_from_the_file(tmp_path):
     assert not marker.exists(), "graph import ran code from the .pt file"
     assert "evil.pt: refused to unpickle" in line and "--trust-pickle" in line
     assert not (tmp_path / "g.h5").exists()
+    line = _one_line_error(_hpcpar(["data", "graph", "partition", "evil.pt", "parts", "--parts",
+                                    "2"], tmp_path))       # mapped, not imported: same rule
+    assert not marker.exists(), "graph partition ran code from the .pt file"
+    assert "evil.pt: refused to unpickle" in line and not (tmp_path / "parts").exists()
 
 
 def test_pyg_graph_classes_load_and_the_rest_needs_trust(tmp_path):
