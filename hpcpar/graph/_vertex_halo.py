@@ -72,35 +72,38 @@ class HaloPlan:
         self.send_index = self.send_index.to(device)
         return self
 
-    def fetch(self, x: torch.Tensor) -> torch.Tensor:
-        """Halo rows (``n_halo``, ...) of the owned rows ``x`` (forward direction)."""
+    def fetch(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Halo rows (``n_halo``, ...) of the owned rows ``x`` (forward direction), received
+        into ``out`` when given (the tail of ``[x; halo]``: no copy of the halo afterwards)."""
         t0 = time.perf_counter()
         send = x.index_select(0, self.send_index) if self.send_index.numel() else \
             x.new_empty((0, *x.shape[1:]))
         t1 = time.perf_counter()
-        halo = self._alltoallv(send, self.send_rows, self.recv_rows)
+        halo = self._alltoallv(send, self.send_rows, self.recv_rows, out)
         COUNTERS.t_halo_wait += time.perf_counter() - t1  # the communication part
         self._count(send, t0)
         return halo
 
-    def give_back(self, g_halo: torch.Tensor) -> torch.Tensor:
-        """Adjoint of :meth:`fetch`: halo gradient rows -> (n_owned, ...) sums at the owners."""
+    def give_back(self, g_halo: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+        """Adjoint of :meth:`fetch`: halo gradient rows summed at the owners, added into
+        ``into`` (``(n_owned, ...)``, the owned rows' own gradient; zeros when None)."""
         t0 = time.perf_counter()
         g_send = self._alltoallv(g_halo.contiguous(), self.recv_rows, self.send_rows)
         COUNTERS.t_halo_wait += time.perf_counter() - t0  # the communication part
-        out = g_halo.new_zeros((self.n_owned, *g_halo.shape[1:]))
+        out = g_halo.new_zeros((self.n_owned, *g_halo.shape[1:])) if into is None else into
         if g_send.shape[0]:
             out.index_add_(0, self.send_index, g_send)
         self._count(g_halo, t0)
         return out
 
-    def _alltoallv(self, send: torch.Tensor, send_rows, recv_rows) -> torch.Tensor:
+    def _alltoallv(self, send: torch.Tensor, send_rows, recv_rows,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
         """One exchange, timed by the stall detector."""
         self.exchanges += 1
         self.stall.reached(self.exchanges)
         self.stall.arm()
         try:
-            return alltoallv(send, send_rows, self.comm, recv_rows)
+            return alltoallv(send, send_rows, self.comm, recv_rows, out)
         finally:
             self.stall.disarm()
 
@@ -208,25 +211,30 @@ class SampledHaloPlan:
         scale = self._scale.to(rows.device, rows.dtype)
         return rows * scale.reshape(-1, *([1] * (rows.dim() - 1)))
 
-    def fetch(self, x: torch.Tensor) -> torch.Tensor:
-        """``(n_halo, ...)``: the sampled halo rows scaled by ``n / k``, zeros elsewhere."""
+    def fetch(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``(n_halo, ...)``: the sampled halo rows scaled by ``n / k``, zeros elsewhere
+        (written into ``out`` when given)."""
         t0 = time.perf_counter()
         send = x.index_select(0, self.send_index)
         t1 = time.perf_counter()
         got = self.base._alltoallv(send, self.send_rows, self.recv_rows)
         COUNTERS.t_halo_wait += time.perf_counter() - t1
-        halo = x.new_zeros((self.n_halo, *x.shape[1:]))
+        if out is None:
+            halo = x.new_zeros((self.n_halo, *x.shape[1:]))
+        else:
+            halo = out.zero_()
         halo[self.recv_index] = self._scaled(got)
         self.base._count(send, t0)
         return halo
 
-    def give_back(self, g_halo: torch.Tensor) -> torch.Tensor:
-        """Adjoint of :meth:`fetch`: the sampled rows' gradients, scaled, summed at owners."""
+    def give_back(self, g_halo: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+        """Adjoint of :meth:`fetch`: the sampled rows' gradients, scaled, summed at owners
+        (added into ``into`` when given)."""
         t0 = time.perf_counter()
         g = self._scaled(g_halo.index_select(0, self.recv_index)).contiguous()
         g_send = self.base._alltoallv(g, self.recv_rows, self.send_rows)
         COUNTERS.t_halo_wait += time.perf_counter() - t0
-        out = g_halo.new_zeros((self.n_owned, *g_halo.shape[1:]))
+        out = g_halo.new_zeros((self.n_owned, *g_halo.shape[1:])) if into is None else into
         if g_send.shape[0]:
             out.index_add_(0, self.send_index, g_send)
         self.base._count(g, t0)
@@ -244,14 +252,17 @@ class GraphHaloExchange(torch.autograd.Function):
     @profiled("hpcpar.graph_halo")
     def forward(ctx, x, plan: HaloPlan | SampledHaloPlan):
         ctx.plan = plan
-        return torch.cat([x, plan.fetch(x.contiguous())], dim=0)
+        full = x.new_empty((plan.n_owned + plan.n_halo, *x.shape[1:]))
+        full[:plan.n_owned] = x
+        plan.fetch(x.contiguous(), out=full[plan.n_owned:])   # received in place
+        return full
 
     @staticmethod
     @profiled("hpcpar.graph_halo.backward")
     def backward(ctx, g):
         plan = ctx.plan
-        g_owned = g[:plan.n_owned]
-        return g_owned + plan.give_back(g[plan.n_owned:]), None
+        own = g[:plan.n_owned].clone(memory_format=torch.contiguous_format)
+        return plan.give_back(g[plan.n_owned:], into=own), None   # halo gradients added in
 
 
 def with_halo(x: torch.Tensor, plan: HaloPlan | SampledHaloPlan) -> torch.Tensor:

@@ -361,7 +361,8 @@ def reduce_scatter(t: torch.Tensor, rows: Sequence[int], comm: MPI.Comm,
 
 @taped("alltoallv")
 def alltoallv(send: torch.Tensor, send_rows: Sequence[int], comm: MPI.Comm,
-              recv_rows: Sequence[int] | None = None) -> torch.Tensor:
+              recv_rows: Sequence[int] | None = None,
+              out: torch.Tensor | None = None) -> torch.Tensor:
     """Exchange row blocks: this rank sends ``send[off_r : off_r + send_rows[r]]`` to rank r.
 
     Args:
@@ -369,9 +370,11 @@ def alltoallv(send: torch.Tensor, send_rows: Sequence[int], comm: MPI.Comm,
         send_rows: Rows (dim 0) for each destination rank; they sum to ``send.shape[0]``.
         comm (mpi4py.MPI.Comm): The communicator.
         recv_rows: Rows expected from each rank; exchanged (one small Alltoall) when None.
+        out: Receive into this contiguous tensor (e.g. the tail of a larger one, saving a
+            copy) instead of a new one; its rows must be the received rows.
 
     Returns:
-        The received rows concatenated in source-rank order.
+        The received rows concatenated in source-rank order (``out`` when given).
 
     Raises:
         CommError: ``send_rows`` has the wrong length or does not sum to the rows of ``send``.
@@ -387,7 +390,12 @@ def alltoallv(send: torch.Tensor, send_rows: Sequence[int], comm: MPI.Comm,
         recv_rows = comm.alltoall(send_rows)
     recv_rows = [int(r) for r in recv_rows]
     inner = int(np.prod(send.shape[1:])) if send.dim() > 1 else 1
-    out = torch.empty((sum(recv_rows), *send.shape[1:]), dtype=send.dtype, device=send.device)
+    shape = (sum(recv_rows), *send.shape[1:])
+    if out is None:
+        out = torch.empty(shape, dtype=send.dtype, device=send.device)
+    elif tuple(out.shape) != shape or not out.is_contiguous() or out.dtype != send.dtype:
+        raise CommError(f"alltoallv: out is {tuple(out.shape)} {out.dtype}, expected a "
+                        f"contiguous {shape} {send.dtype}")
     sb = as_buffer(_dense(send), copy_back=False)
     rb = Buffer(out, True, copy_in=False)
     scounts = [r * inner for r in send_rows]
