@@ -101,6 +101,14 @@ def test_collectives_every_dtype(comm):
                 off = sum(rows_s[:rank])
                 expect.append(_value(s, dtype, (sum(rows_s), 4))[off: off + rows_s[rank]])
             assert torch.equal(got, torch.cat(expect)), (dtype, staged)
+            # ... received in place, into the tail of a larger tensor (the graph halo)
+            full = torch.cat([_value(size, dtype, (2, 4)), torch.zeros_like(got)])
+            head = full[:2].clone()
+            same = hc.alltoallv(base, send_rows, comm, out=full[2:])
+            assert same.data_ptr() == full[2:].data_ptr() and torch.equal(full[2:], got)
+            assert torch.equal(full[:2], head)
+            with pytest.raises(CommError, match="alltoallv: out is"):
+                hc.alltoallv(base, send_rows, comm, out=full)
 
     _all_paths(comm, body)
 
