@@ -349,16 +349,30 @@ class NpzSource(_BucketedCSR):
                               f"{self.name}.npz: x_indptr/x_indices/x_data")
 
 
-def _drop_pages(t) -> None:
+def _file_spans(path: str) -> list[tuple[int, int]]:
+    """Address ranges where the file ``path`` is mapped into this process (/proc/self/maps)."""
+    real, spans = os.path.realpath(path), []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].rstrip("\n") == real:
+                lo, hi = (int(v, 16) for v in fields[0].split("-"))
+                spans.append((lo, hi))
+    return spans
+
+
+def _drop_pages(t, spans: list[tuple[int, int]]) -> None:
     """Give back the pages of a file-mapped tensor's range once read (``madvise
-    MADV_DONTNEED``): they are clean pages of the file, read again if touched again, so the
-    process keeps one block resident instead of every page it has read."""
-    if t.numel() == 0:
+    MADV_DONTNEED``), so the process keeps one block resident instead of every page it read.
+    Only inside the file's own mapping (``spans``): there a dropped page is read again from
+    the file if touched again; a tensor the unpickler built in memory would come back zeros."""
+    if t.numel() == 0 or not t.is_contiguous():
         return
     page = resource.getpagesize()
     lo = t.data_ptr() // page * page
     hi = -(-(t.data_ptr() + t.numel() * t.element_size()) // page) * page
-    _libc().madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), 4)  # 4: MADV_DONTNEED
+    if any(a <= lo and hi <= b for a, b in spans):
+        _libc().madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), 4)  # MADV_DONTNEED
 
 
 @functools.cache
@@ -405,16 +419,15 @@ class PygSource(_BucketedCSR):
             self.masks = random_masks(n, split, seed)
         self.num_classes = int(self.y.max()) + 1 if n else 1
         self.name = os.path.splitext(os.path.basename(str(path)))[0]
-        self._x = x
-        edges = int(e.shape[1])
+        self._x, self._spans = x.detach(), _file_spans(path)
+        e, edges = e.detach(), int(e.shape[1])
 
         def chunks():
             for i in range(0, edges, block):
                 cols = [e[r, i:min(i + block, edges)] for r in (0, 1)]
                 yield np.stack([c.numpy().astype(np.int64) for c in cols])
                 for c in cols:
-                    if c.is_contiguous():
-                        _drop_pages(c)
+                    _drop_pages(c, self._spans)
 
         self._bucket(chunks(), f"{path}: edge_index", -(-edges // bucket_edges), workdir)
         if edges > self.num_edges:
@@ -426,8 +439,7 @@ class PygSource(_BucketedCSR):
     def _features(self, start: int, stop: int) -> np.ndarray:
         rows = self._x[start:stop]
         out = rows.numpy().astype(np.float32)   # a copy, whatever the stored dtype
-        if rows.is_contiguous():
-            _drop_pages(rows)
+        _drop_pages(rows, self._spans)
         return out
 
 

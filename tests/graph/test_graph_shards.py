@@ -215,7 +215,12 @@ def test_a_pyg_file_streams_into_the_same_parts_as_its_import(tmp_path, legacy):
 
     from hpcpar.graph._csr import csr_to_edges
     from hpcpar.graph.interop import import_graph
-    from hpcpar.graph.stream_partition import PygSource, open_source, partition_graph
+    from hpcpar.graph.stream_partition import (
+        PygSource,
+        _drop_pages,
+        open_source,
+        partition_graph,
+    )
 
     g = _graph(n=3000, directed=True)
     e = torch.from_numpy(csr_to_edges(g["indptr"], g["indices"]))
@@ -243,6 +248,11 @@ def test_a_pyg_file_streams_into_the_same_parts_as_its_import(tmp_path, legacy):
         with pytest.warns(UserWarning, match="repeated edge"):
             held = PygSource(str(big), str(work), block=1 << 16)
         assert held.num_edges > 300000 and _mapped_kib(big) < 600, _mapped_kib(big)
+        # only the file's own pages are given back: memory built in this process is kept
+        assert held._spans
+        mine = torch.arange(1 << 20)
+        _drop_pages(mine, held._spans)
+        assert torch.equal(mine, torch.arange(1 << 20))
     whole = partition_graph(str(tmp_path / "g.h5"), str(tmp_path / "a"), 3, "stream")
     with pytest.warns(UserWarning, match="5 repeated edge"):
         streamed = partition_graph(str(src), str(tmp_path / "b"), 3, "stream", seed=4)
