@@ -20,8 +20,8 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-__all__ = ["spmm", "spmm_cpu", "spmm_cuda", "transpose_csr", "cuda_kernel_available",
-           "cpu_threads"]
+__all__ = ["spmm", "spmm_cpu", "spmm_split_cpu", "spmm_cuda", "transpose_csr",
+           "cuda_kernel_available", "cpu_threads"]
 
 
 @njit(inline="always")
@@ -49,6 +49,36 @@ def _spmm_rows_serial(indptr, indices, data, x, out):
     parallel SpMM), so with one thread no pool is started at all."""
     for i in range(out.shape[0]):
         _row(i, indptr, indices, data, x, out)
+
+
+@njit(inline="always")
+def _row_split(i, indptr, indices, data, x, h, out):
+    """:func:`_row` of ``[x; h]`` read in place: columns below ``len(x)`` are rows of ``x``,
+    the rest rows of ``h``. The same terms in the same order, so the same bits."""
+    f, n = x.shape[1], x.shape[0]
+    for c in range(f):
+        out[i, c] = 0
+    for k in range(indptr[i], indptr[i + 1]):
+        j = indices[k]
+        w = data[k]
+        if j < n:
+            for c in range(f):
+                out[i, c] += w * x[j, c]
+        else:
+            for c in range(f):
+                out[i, c] += w * h[j - n, c]
+
+
+@njit(parallel=True, cache=True)
+def _spmm_split_rows(indptr, indices, data, x, h, out):
+    for i in prange(out.shape[0]):
+        _row_split(i, indptr, indices, data, x, h, out)
+
+
+@njit(cache=True)
+def _spmm_split_rows_serial(indptr, indices, data, x, h, out):
+    for i in range(out.shape[0]):
+        _row_split(i, indptr, indices, data, x, h, out)
 
 
 def _as_numpy(a):
@@ -110,6 +140,41 @@ def spmm_cpu(indptr, indices, data, x, out=None):
         a[3] = np.ascontiguousarray(a[3])
     _check(*a)
     (_spmm_rows if cpu_threads() > 1 else _spmm_rows_serial)(*a)
+    return out
+
+
+def spmm_split_cpu(indptr, indices, data, x, h):
+    """:func:`spmm_cpu` of ``[x; h]`` without concatenating them (a graph's owned rows and
+    its halo rows: the copy of the owned rows into one buffer is what it saves).
+
+    Args:
+        indptr: CSR row pointers (length rows + 1).
+        indices: CSR column index of each stored entry, in ``[0, len(x) + len(h))``.
+        data: CSR value of each stored entry.
+        x: Dense 2D input rows ``[0, len(x))``, C-contiguous.
+        h: Dense 2D input rows ``[len(x), len(x) + len(h))``, C-contiguous, same columns.
+
+    Returns:
+        The product, a torch tensor when ``x`` is one, else a numpy array.
+
+    Raises:
+        ValueError: The shapes or dtypes of the arrays do not match.
+    """
+    n = indptr.shape[0] - 1
+    if hasattr(x, "detach"):
+        import torch
+
+        out = torch.empty((n, x.shape[1]), dtype=x.dtype)
+    else:
+        out = np.empty((n, x.shape[1]), dtype=x.dtype)
+    a = [_as_numpy(v) for v in (indptr, indices, data, x, h, out)]
+    if not (a[3].flags.c_contiguous and a[4].flags.c_contiguous):
+        raise ValueError("spmm_split_cpu: x and h must be C-contiguous")
+    if a[4].ndim != 2 or a[4].shape[1] != a[3].shape[1] or a[4].dtype != a[3].dtype:
+        raise ValueError(f"spmm_split_cpu: h {a[4].shape} {a[4].dtype} must match x's "
+                         f"columns and dtype ({a[3].shape} {a[3].dtype})")
+    _check(*a[:4], a[5])
+    (_spmm_split_rows if cpu_threads() > 1 else _spmm_split_rows_serial)(*a)
     return out
 
 

@@ -265,6 +265,47 @@ class GraphHaloExchange(torch.autograd.Function):
         return plan.give_back(g[plan.n_owned:], into=own), None   # halo gradients added in
 
 
+@profiled("hpcpar.graph_halo")
+def _fetch_into(plan, x: torch.Tensor, out: torch.Tensor) -> None:
+    plan.fetch(x, out=out)
+
+
+@profiled("hpcpar.graph_halo.backward")
+def _give_back_into(plan, g_halo: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
+    return plan.give_back(g_halo, into=into)
+
+
+class HaloAggregate(torch.autograd.Function):
+    """``op @ [x; halo(x)]`` in one step, what aggregation over a distributed graph is.
+
+    The halo rows land in a tensor of their own and the SpMM reads both blocks in place
+    (``op.apply_split``), so ``[x; halo]`` is never assembled; backward computes ``op^T g``
+    once, sends the halo part back to the owners and adds it into the owned part in place
+    (the buffer is this function's own). Same bits as ``op(with_halo(x, plan))``."""
+
+    @staticmethod
+    def forward(ctx, x, plan: HaloPlan | SampledHaloPlan, op):
+        ctx.plan, ctx.op = plan, op
+        x = x.contiguous()
+        halo = x.new_empty((plan.n_halo, *x.shape[1:]))
+        _fetch_into(plan, x, halo)
+        return op.apply_split(x, halo)
+
+    @staticmethod
+    def backward(ctx, g):
+        n = ctx.plan.n_owned
+        full = ctx.op.apply(g.contiguous(), transpose=True)
+        return _give_back_into(ctx.plan, full[n:], full[:n]), None, None
+
+
+def aggregate(x: torch.Tensor, plan: HaloPlan | SampledHaloPlan, op) -> torch.Tensor:
+    """``op @ [x; halo]``: :class:`HaloAggregate` where the operator reads split inputs,
+    else ``op(with_halo(x, plan))``."""
+    if plan.distributed and op.reads_split(x):
+        return HaloAggregate.apply(x, plan, op)
+    return op(with_halo(x, plan))
+
+
 def with_halo(x: torch.Tensor, plan: HaloPlan | SampledHaloPlan) -> torch.Tensor:
     """Owned rows followed by halo rows (identity on a single rank)."""
     if not plan.distributed:

@@ -31,7 +31,7 @@ import torch
 from hpcpar.graph._csr import edges_to_csr, is_symmetric, sorted_unique
 from hpcpar.graph._csr import row_positions as _row_positions
 from hpcpar.graph._sparse import SparseOperator
-from hpcpar.graph._vertex_halo import HaloPlan, SampledHaloPlan, with_halo
+from hpcpar.graph._vertex_halo import HaloPlan, SampledHaloPlan, aggregate, with_halo
 from hpcpar.graph.agreement import check_agree, digest
 from hpcpar.graph.interop import pyg_arrays
 from hpcpar.graph.shards import RangeOwner, read_graph_manifest, read_part
@@ -300,7 +300,7 @@ class DistGraph:
             ``(num_owned, F)``: the halo rows are exchanged first (autograd-aware: backward
             adds the halo gradients into their owners).
         """
-        return self.operator(kind)(with_halo(x, self.plan))
+        return aggregate(x, self.plan, self.operator(kind))
 
     def boundary_sample(self, p: float, seed: int, call: int) -> DistGraph:
         """This graph as one training step sees it under BNS-GCN boundary sampling.

@@ -97,6 +97,35 @@ def test_matches_single_process(comm):
                 _check_model(comm, g, expected[c], x, y, *c, f"{name} {method}")
 
 
+@mpi_case(nprocs=(2, 4), timeout=120)
+def test_aggregation_reads_the_halo_in_place_with_the_same_bits(comm):
+    """``propagate`` on the Numba CPU kernel never builds ``[x; halo]`` (HaloAggregate): its
+    output and input gradient are bit-identical to the operator applied to ``with_halo(x)``,
+    exact and under a boundary sample, for every aggregation."""
+    from hpcpar.graph import DistGraph
+    from hpcpar.graph._vertex_halo import HaloAggregate, with_halo
+
+    e, x, y, masks = load_cora()
+    g = DistGraph.from_global(e, x.shape[0], x, comm, y=y, masks=masks, backend="numba")
+    torch.manual_seed(comm.Get_rank())
+    for view in (g, g.boundary_sample(0.5, seed=3, call=7)):
+        for kind in ("gcn", "mean", "sum"):
+            op = view.operator(kind)
+            h = torch.randn(view.num_owned, 40, dtype=torch.float64, requires_grad=True)
+            w = torch.randn(view.num_owned, 40, dtype=torch.float64)
+            assert op.reads_split(h)
+            grads = []
+            for way in ("concatenated", "propagate", "in place"):
+                h.grad = None
+                out = (op(with_halo(h, view.plan)) if way == "concatenated" else
+                       view.propagate(h, kind) if way == "propagate" else
+                       HaloAggregate.apply(h, view.plan, op))
+                (out * w).sum().backward()
+                grads.append((out.detach(), h.grad.clone()))
+            for out, grad in grads[1:]:
+                assert torch.equal(out, grads[0][0]) and torch.equal(grad, grads[0][1]), kind
+
+
 @mpi_case(nprocs=(2,), timeout=120)
 def test_user_errors_on_every_rank(comm):
     from hpcpar import ProcessGrid
