@@ -54,13 +54,13 @@ def feature_only(path: str, epochs: int = 300) -> float:
     vertices. How much of the GCN's accuracy the neighbourhood (halo included) provides."""
     import torch
 
+    from hpcpar.graph.distgraph import normalize_rows
     from hpcpar.graph.format import GraphFile
 
     with GraphFile(path) as gf:
         g = gf.read_rows(0, gf.num_nodes)
         classes = gf.num_classes
-    x = torch.from_numpy(g["x"])
-    x = x / x.abs().sum(1, keepdim=True).clamp_min(1e-30)
+    x = normalize_rows(torch.from_numpy(g["x"]))
     y, train, test = (torch.from_numpy(g[k]) for k in ("y", "train", "test"))
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(x.shape[1], 128), torch.nn.ReLU(),

@@ -256,6 +256,8 @@ def pyg_worker(job: dict, epochs: int) -> None:
     import torch.nn.functional as F
     from torch_geometric.nn import GCNConv
 
+    from hpcpar.graph.distgraph import normalize_rows
+
     d, m = job["data"], job["model"]
     base = rss_mb()
     reset_peak()
@@ -263,9 +265,8 @@ def pyg_worker(job: dict, epochs: int) -> None:
     g, classes = whole_graph(d["path"])
     n = g["y"].shape[0]
     x = torch.from_numpy(g["x"])
-    if d["normalize"]:  # as DistGraph's row_normalize: the L1 norm
-        s = x.abs().sum(1, keepdim=True)
-        x = torch.where(s != 0, x / torch.where(s != 0, s, 1), x)
+    if d["normalize"]:  # as DistGraph's row_normalize
+        x = normalize_rows(x)
     # in-edge CSR: row = destination, which is PyG's adj_t (transposed adjacency)
     adj_t = torch.sparse_csr_tensor(torch.from_numpy(g["indptr"]),
                                     torch.from_numpy(g["indices"]),

@@ -20,41 +20,14 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-__all__ = ["spmm", "spmm_cpu", "spmm_split_cpu", "spmm_cuda", "transpose_csr",
-           "cuda_kernel_available", "cpu_threads"]
+__all__ = ["spmm", "spmm_cpu", "spmm_cuda", "transpose_csr", "cuda_kernel_available",
+           "cpu_threads"]
 
 
 @njit(inline="always")
-def _row(i, indptr, indices, data, x, out):
-    f = x.shape[1]
-    for c in range(f):
-        out[i, c] = 0
-    for k in range(indptr[i], indptr[i + 1]):
-        j = indices[k]
-        w = data[k]
-        for c in range(f):
-            out[i, c] += w * x[j, c]
-
-
-@njit(parallel=True, cache=True)
-def _spmm_rows(indptr, indices, data, x, out):
-    for i in prange(out.shape[0]):
-        _row(i, indptr, indices, data, x, out)
-
-
-@njit(cache=True)
-def _spmm_rows_serial(indptr, indices, data, x, out):
-    """One-thread twin. Numba's and torch's OpenMP pools busy-wait after their parallel
-    regions and steal each other's cores (measured here: nn.Linear 6x slower next to the
-    parallel SpMM), so with one thread no pool is started at all."""
-    for i in range(out.shape[0]):
-        _row(i, indptr, indices, data, x, out)
-
-
-@njit(inline="always")
-def _row_split(i, indptr, indices, data, x, h, out):
-    """:func:`_row` of ``[x; h]`` read in place: columns below ``len(x)`` are rows of ``x``,
-    the rest rows of ``h``. The same terms in the same order, so the same bits."""
+def _row(i, indptr, indices, data, x, h, out):
+    """Row ``i`` of ``A @ [x; h]``, read in place: columns below ``len(x)`` are rows of
+    ``x``, the rest rows of ``h`` (empty for a plain product). Terms in stored order."""
     f, n = x.shape[1], x.shape[0]
     for c in range(f):
         out[i, c] = 0
@@ -70,15 +43,18 @@ def _row_split(i, indptr, indices, data, x, h, out):
 
 
 @njit(parallel=True, cache=True)
-def _spmm_split_rows(indptr, indices, data, x, h, out):
+def _spmm_rows(indptr, indices, data, x, h, out):
     for i in prange(out.shape[0]):
-        _row_split(i, indptr, indices, data, x, h, out)
+        _row(i, indptr, indices, data, x, h, out)
 
 
 @njit(cache=True)
-def _spmm_split_rows_serial(indptr, indices, data, x, h, out):
+def _spmm_rows_serial(indptr, indices, data, x, h, out):
+    """One-thread twin. Numba's and torch's OpenMP pools busy-wait after their parallel
+    regions and steal each other's cores (measured here: nn.Linear 6x slower next to the
+    parallel SpMM), so with one thread no pool is started at all."""
     for i in range(out.shape[0]):
-        _row_split(i, indptr, indices, data, x, h, out)
+        _row(i, indptr, indices, data, x, h, out)
 
 
 def _as_numpy(a):
@@ -110,21 +86,25 @@ def cpu_threads() -> int:
     return _THREADS
 
 
-def spmm_cpu(indptr, indices, data, x, out=None):
+def spmm_cpu(indptr, indices, data, x, out=None, h=None):
     """Parallel CPU CSR SpMM (row-parallel, no atomics). Returns ``out`` (allocated if None).
 
     Args:
         indptr: CSR row pointers (length rows + 1).
         indices: CSR column index of each stored entry.
         data: CSR value of each stored entry.
-        x: Dense 2D input, one row per column of the sparse matrix.
+        x: Dense 2D input, one row per column of the sparse matrix (the first ``len(x)``
+            when ``h`` is given).
         out: 2D output (rows x columns of ``x``), or None to allocate one.
+        h: The input's remaining rows, read in place: the product is ``A @ [x; h]`` without
+            concatenating them (a graph's owned and halo rows); the same bits as the
+            concatenation. C-contiguous, the columns and dtype of ``x``.
 
     Returns:
         ``out``: a torch tensor when ``x`` is one, else a numpy array.
 
     Raises:
-        ValueError: The shapes of the arrays do not match.
+        ValueError: The shapes or dtypes of the arrays do not match.
     """
     is_torch = hasattr(x, "detach")
     if out is None:
@@ -139,42 +119,14 @@ def spmm_cpu(indptr, indices, data, x, out=None):
     if not a[3].flags.c_contiguous:
         a[3] = np.ascontiguousarray(a[3])
     _check(*a)
-    (_spmm_rows if cpu_threads() > 1 else _spmm_rows_serial)(*a)
-    return out
-
-
-def spmm_split_cpu(indptr, indices, data, x, h):
-    """:func:`spmm_cpu` of ``[x; h]`` without concatenating them (a graph's owned rows and
-    its halo rows: the copy of the owned rows into one buffer is what it saves).
-
-    Args:
-        indptr: CSR row pointers (length rows + 1).
-        indices: CSR column index of each stored entry, in ``[0, len(x) + len(h))``.
-        data: CSR value of each stored entry.
-        x: Dense 2D input rows ``[0, len(x))``, C-contiguous.
-        h: Dense 2D input rows ``[len(x), len(x) + len(h))``, C-contiguous, same columns.
-
-    Returns:
-        The product, a torch tensor when ``x`` is one, else a numpy array.
-
-    Raises:
-        ValueError: The shapes or dtypes of the arrays do not match.
-    """
-    n = indptr.shape[0] - 1
-    if hasattr(x, "detach"):
-        import torch
-
-        out = torch.empty((n, x.shape[1]), dtype=x.dtype)
+    if h is None:
+        rest = a[3][:0]
     else:
-        out = np.empty((n, x.shape[1]), dtype=x.dtype)
-    a = [_as_numpy(v) for v in (indptr, indices, data, x, h, out)]
-    if not (a[3].flags.c_contiguous and a[4].flags.c_contiguous):
-        raise ValueError("spmm_split_cpu: x and h must be C-contiguous")
-    if a[4].ndim != 2 or a[4].shape[1] != a[3].shape[1] or a[4].dtype != a[3].dtype:
-        raise ValueError(f"spmm_split_cpu: h {a[4].shape} {a[4].dtype} must match x's "
-                         f"columns and dtype ({a[3].shape} {a[3].dtype})")
-    _check(*a[:4], a[5])
-    (_spmm_split_rows if cpu_threads() > 1 else _spmm_split_rows_serial)(*a)
+        rest = np.ascontiguousarray(_as_numpy(h))
+        if rest.ndim != 2 or rest.shape[1] != a[3].shape[1] or rest.dtype != a[3].dtype:
+            raise ValueError(f"spmm: h {rest.shape} {rest.dtype} must match x's columns and "
+                             f"dtype ({a[3].shape} {a[3].dtype})")
+    (_spmm_rows if cpu_threads() > 1 else _spmm_rows_serial)(*a[:4], rest, a[4])
     return out
 
 

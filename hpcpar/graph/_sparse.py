@@ -17,7 +17,7 @@ import warnings
 import numpy as np
 import torch
 
-from hpcpar.kernels.spmm import cpu_threads, spmm, spmm_split_cpu, transpose_csr
+from hpcpar.kernels.spmm import cpu_threads, spmm, spmm_cpu, transpose_csr
 
 BACKENDS = ("auto", "numba", "torch")
 NUMBA_MIN_COLS = 32
@@ -99,7 +99,7 @@ class SparseOperator:
         if not self.reads_split(x):
             return self.apply(torch.cat([x, h]))
         indptr, indices, data = self._arrays("fwd", x.dtype)
-        return spmm_split_cpu(indptr, indices, data, x.contiguous(), h.contiguous())
+        return spmm_cpu(indptr, indices, data, x.contiguous(), h=h.contiguous())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return _SpMM.apply(x, self)

@@ -219,10 +219,7 @@ class SampledHaloPlan:
         t1 = time.perf_counter()
         got = self.base._alltoallv(send, self.send_rows, self.recv_rows)
         COUNTERS.t_halo_wait += time.perf_counter() - t1
-        if out is None:
-            halo = x.new_zeros((self.n_halo, *x.shape[1:]))
-        else:
-            halo = out.zero_()
+        halo = x.new_zeros((self.n_halo, *x.shape[1:])) if out is None else out.zero_()
         halo[self.recv_index] = self._scaled(got)
         self.base._count(send, t0)
         return halo

@@ -43,7 +43,7 @@ from hpcpar.parallel.partition import part_range
 from ..errors import DataError, HpcparError, LayerError
 from .format import MASKS, GraphFile
 
-__all__ = ["DistGraph", "graph_comm", "collective"]
+__all__ = ["DistGraph", "graph_comm", "collective", "normalize_rows"]
 
 KINDS = ("gcn", "mean", "sum")
 
@@ -103,6 +103,14 @@ def collective(comm: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> 
     return result
 
 
+def normalize_rows(x: torch.Tensor) -> torch.Tensor:
+    """Each feature row divided by its L1 norm (rows of zeros kept): Kipf & Welling's row
+    normalisation. The L1 norm, not the plain sum: the same for non-negative features
+    (bag-of-words), while a signed row's sum can be ~0 and blow the row up."""
+    s = x.abs().sum(1, keepdim=True)
+    return torch.where(s != 0, x / torch.where(s != 0, s, 1), x)
+
+
 class DistGraph:
     """This rank's part of a graph: its owned vertices, their rows, features, labels and masks,
     and the halo plan that brings the boundary neighbours' rows in every layer.
@@ -157,10 +165,7 @@ class DistGraph:
                                          op=_max())
         self.num_classes = int(num_classes)
         if row_normalize:
-            # the L1 norm, not the plain sum: the same for non-negative features (Kipf &
-            # Welling's bag-of-words), while a signed row's sum can be ~0 and blow it up
-            s = self.x.abs().sum(1, keepdim=True)
-            self.x = torch.where(s != 0, self.x / torch.where(s != 0, s, 1), self.x)
+            self.x = normalize_rows(self.x)
         self._ops: dict = {}
         self._views: dict = {}  # local edge_index / adj_t, built on first use
 

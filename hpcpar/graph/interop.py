@@ -23,13 +23,55 @@ from hpcpar.errors import DataError
 from hpcpar.graph._csr import check_edges, edges_to_csr, is_symmetric
 from hpcpar.graph.format import MASKS, write_graph
 
-__all__ = ["pyg_arrays", "load_pyg", "read_edge_list", "edge_list_chunks", "random_masks",
+__all__ = ["pyg_arrays", "pyg_num_nodes", "pyg_vertex_fields", "warn_repeated_edges",
+           "load_pyg", "read_edge_list", "edge_list_chunks", "random_masks",
            "import_graph"]
 
 
 def _np(value, dtype=None):
     value = value.detach().cpu().numpy() if hasattr(value, "detach") else np.asarray(value)
     return value.astype(dtype) if dtype is not None else value
+
+
+def pyg_num_nodes(data: Any, where: str) -> int:
+    """Vertices of a PyG ``Data`` after checking that ``edge_index`` and a 2-D ``x`` with one
+    row per vertex are there (shapes only: nothing is read)."""
+    for name in ("edge_index", "x"):
+        if getattr(data, name, None) is None:
+            raise DataError(f"{where}: no '{name}' (a PyG Data needs edge_index and x)")
+    shape = tuple(np.shape(data.x))
+    if len(shape) != 2:
+        raise DataError(f"{where}: 'x' has shape {shape}, expected (num_nodes, features)")
+    n = int(getattr(data, "num_nodes", None) or shape[0])
+    if shape[0] != n:
+        raise DataError(f"{where}: 'x' has {shape[0]} rows, num_nodes is {n}")
+    return n
+
+
+def pyg_vertex_fields(data: Any, n: int, where: str) -> tuple[np.ndarray, dict]:
+    """``y`` (zeros when absent) and the train/val/test masks (all False when absent) of a
+    PyG ``Data`` with ``n`` vertices, checked: O(N) each."""
+    y = getattr(data, "y", None)
+    y = np.zeros(n, np.int64) if y is None else _np(y, np.int64).reshape(-1)
+    if y.shape[0] != n:
+        raise DataError(f"{where}: 'y' has {y.shape[0]} entries, expected one per vertex ({n}); "
+                        f"node classification labels only")
+    masks = {}
+    for m in MASKS:
+        mask = getattr(data, f"{m}_mask", None)
+        masks[m] = np.zeros(n, bool) if mask is None else _np(mask, bool).reshape(-1)
+        if masks[m].shape[0] != n:
+            raise DataError(f"{where}: '{m}_mask' has {masks[m].shape[0]} entries, expected {n}")
+    return y, masks
+
+
+def warn_repeated_edges(where: str, repeats: int) -> None:
+    """The warning for edges a PyG graph repeats (hpcpar keeps each once)."""
+    if repeats:
+        warnings.warn(f"{where}: {repeats} repeated edge(s) merged: hpcpar graphs are simple "
+                      f"graphs, while PyG's layers count a repeated edge once per copy "
+                      f"(torch_geometric.utils.coalesce(edge_index) gives PyG the same graph)",
+                      stacklevel=3)
 
 
 def pyg_arrays(data: Any, where: str = "PyG Data") -> dict:
@@ -47,33 +89,11 @@ def pyg_arrays(data: Any, where: str = "PyG Data") -> dict:
     Raises:
         DataError: A missing ``edge_index``/``x`` or arrays of the wrong shapes.
     """
-    for name in ("edge_index", "x"):
-        if getattr(data, name, None) is None:
-            raise DataError(f"{where}: no '{name}' (a PyG Data needs edge_index and x)")
+    n = pyg_num_nodes(data, where)
     x = _np(data.x, np.float32)
-    if x.ndim != 2:
-        raise DataError(f"{where}: 'x' has shape {x.shape}, expected (num_nodes, features)")
-    n = int(getattr(data, "num_nodes", None) or x.shape[0])
-    if x.shape[0] != n:
-        raise DataError(f"{where}: 'x' has {x.shape[0]} rows, num_nodes is {n}")
     edges = check_edges(_np(data.edge_index, np.int64), n, f"{where}: edge_index")
-    repeats = edges.shape[1] - np.unique(edges[0] * n + edges[1]).shape[0]
-    if repeats:
-        warnings.warn(f"{where}: {repeats} repeated edge(s) merged: hpcpar graphs are simple "
-                      f"graphs, while PyG's layers count a repeated edge once per copy "
-                      f"(torch_geometric.utils.coalesce(edge_index) gives PyG the same graph)",
-                      stacklevel=2)
-    y = getattr(data, "y", None)
-    y = np.zeros(n, np.int64) if y is None else _np(y, np.int64).reshape(-1)
-    if y.shape[0] != n:
-        raise DataError(f"{where}: 'y' has {y.shape[0]} entries, expected one per vertex ({n}); "
-                        f"node classification labels only")
-    masks = {}
-    for m in MASKS:
-        mask = getattr(data, f"{m}_mask", None)
-        masks[m] = np.zeros(n, bool) if mask is None else _np(mask, bool).reshape(-1)
-        if masks[m].shape[0] != n:
-            raise DataError(f"{where}: '{m}_mask' has {masks[m].shape[0]} entries, expected {n}")
+    warn_repeated_edges(where, edges.shape[1] - np.unique(edges[0] * n + edges[1]).shape[0])
+    y, masks = pyg_vertex_fields(data, n, where)
     return {"num_nodes": n, "edge_index": edges, "x": x, "y": y, "masks": masks}
 
 

@@ -29,7 +29,6 @@ import resource
 import shutil
 import tempfile
 import time
-import warnings
 import zipfile
 from collections.abc import Callable
 
@@ -52,8 +51,10 @@ from hpcpar.graph.interop import (
     edge_list_chunks,
     import_graph,
     load_pyg,
-    pyg_arrays,
+    pyg_num_nodes,
+    pyg_vertex_fields,
     random_masks,
+    warn_repeated_edges,
 )
 from hpcpar.graph.shards import MANIFEST, PartWriter, write_graph_manifest
 from hpcpar.graph.vertex_partition import partition_csr
@@ -399,22 +400,13 @@ class PygSource(_BucketedCSR):
                  seed: int = 0, trust_pickle: bool = False, bucket_edges: int = 1 << 23,
                  block: int = 1 << 20):
         data = load_pyg(path, trust_pickle, mmap=True)
-        for k in ("edge_index", "x"):
-            if getattr(data, k, None) is None:
-                raise DataError(f"{path}: no '{k}' (a PyG Data needs edge_index and x)")
+        n = self.num_nodes = pyg_num_nodes(data, path)
         x, e = data.x, data.edge_index
-        if x.dim() != 2:
-            raise DataError(f"{path}: 'x' has shape {tuple(x.shape)}, expected (num_nodes, "
-                            "features)")
-        n = self.num_nodes = int(getattr(data, "num_nodes", None) or x.shape[0])
-        if x.shape[0] != n:
-            raise DataError(f"{path}: 'x' has {x.shape[0]} rows, num_nodes is {n}")
         if e.dim() != 2 or e.shape[0] != 2:
             raise DataError(f"{path}: edge_index: expected shape (2, E), got "
                             f"{tuple(e.shape)}")
-        small = pyg_arrays(_Vertices(data, n), path)   # y and masks: O(N), checked alike
+        self.y, self.masks = pyg_vertex_fields(data, n, path)
         self.num_features = int(x.shape[1])
-        self.y, self.masks = small["y"], small["masks"]
         if not any(m.any() for m in self.masks.values()):
             self.masks = random_masks(n, split, seed)
         self.num_classes = int(self.y.max()) + 1 if n else 1
@@ -430,30 +422,13 @@ class PygSource(_BucketedCSR):
                     _drop_pages(c, self._spans)
 
         self._bucket(chunks(), f"{path}: edge_index", -(-edges // bucket_edges), workdir)
-        if edges > self.num_edges:
-            warnings.warn(f"{path}: {edges - self.num_edges} repeated edge(s) merged: hpcpar "
-                          "graphs are simple graphs, while PyG's layers count a repeated edge "
-                          "once per copy (torch_geometric.utils.coalesce(edge_index) gives "
-                          "PyG the same graph)", stacklevel=2)
+        warn_repeated_edges(path, edges - self.num_edges)
 
     def _features(self, start: int, stop: int) -> np.ndarray:
         rows = self._x[start:stop]
         out = rows.numpy().astype(np.float32)   # a copy, whatever the stored dtype
         _drop_pages(rows, self._spans)
         return out
-
-
-class _Vertices:
-    """A PyG ``Data``'s per-vertex fields with stand-ins for ``x`` and ``edge_index``, for
-    :func:`~hpcpar.graph.interop.pyg_arrays`'s checks of ``y`` and the masks without reading
-    the big ones."""
-
-    def __init__(self, data, n: int):
-        self.x = np.zeros((n, 0), np.float32)
-        self.edge_index = np.zeros((2, 0), np.int64)
-        self.num_nodes = n
-        for k in ("y", *(f"{m}_mask" for m in MASKS)):
-            setattr(self, k, getattr(data, k, None))
 
 
 class _FileSource:

@@ -53,25 +53,25 @@ def test_torch_tensors_zero_copy_and_operator_adjoint():
 
 @pytest.mark.parametrize("threads", ["1", "2"])
 def test_split_input_gives_the_bits_of_the_concatenation(threads):
-    """``spmm_split_cpu(x, h)`` == ``spmm_cpu([x; h])`` bit for bit (owned rows and halo rows
+    """``spmm_cpu(x, h=h)`` == ``spmm_cpu([x; h])`` bit for bit (owned rows and halo rows
     of a graph), numpy and torch, serial and parallel kernels, halo empty or not; a halo of
     other columns or dtype is one ValueError."""
     code = """
 import numpy as np, scipy.sparse as sp, torch
-from hpcpar.kernels.spmm import spmm_cpu, spmm_split_cpu
+from hpcpar.kernels.spmm import spmm_cpu
 for n, m in [(20, 17), (37, 0), (1, 40)]:
     a = sp.random(25, n + m, density=0.3, format="csr", dtype=np.float32, random_state=n)
     ip, ix = a.indptr.astype(np.int64), a.indices.astype(np.int64)
     full = np.random.default_rng(m).standard_normal((n + m, 6)).astype(np.float32)
     want = spmm_cpu(ip, ix, a.data, full)
-    assert np.array_equal(spmm_split_cpu(ip, ix, a.data, full[:n], full[n:]), want)
+    assert np.array_equal(spmm_cpu(ip, ix, a.data, full[:n], h=full[n:]), want)
     t = torch.from_numpy(full)
-    got = spmm_split_cpu(torch.from_numpy(ip), torch.from_numpy(ix), torch.from_numpy(a.data),
-                         t[:n], t[n:])
+    got = spmm_cpu(torch.from_numpy(ip), torch.from_numpy(ix), torch.from_numpy(a.data),
+                   t[:n], h=t[n:])
     assert isinstance(got, torch.Tensor) and np.array_equal(got.numpy(), want)
 for bad in (np.zeros((3, 5), np.float32), np.zeros((3, 6), np.float64)):
     try:
-        spmm_split_cpu(ip, ix, a.data, full[:n], bad)
+        spmm_cpu(ip, ix, a.data, full[:n], h=bad)
     except ValueError as e:
         assert "must match x's columns and dtype" in str(e)
     else:
