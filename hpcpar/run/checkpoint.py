@@ -402,6 +402,9 @@ def verify(path: str | os.PathLike) -> dict:
 
 
 # -- collective save / load -----------------------------------------------------------------------
+_ATOMS = (int, float, str, bytes, bool, type(None))
+
+
 def in_memory(obj: Any) -> Any:
     """A copy of ``obj`` that training can no longer change: every tensor copied to CPU memory,
     containers rebuilt, anything else deep-copied. What an asynchronous checkpoint writes
@@ -415,6 +418,8 @@ def in_memory(obj: Any) -> Any:
     """
     import torch
 
+    if isinstance(obj, _ATOMS):   # immutable: the data state's sample orders are lists of
+        return obj                # many ints, and deepcopy costs the step ~3 us each
     if isinstance(obj, torch.Tensor):
         return obj if _FRESH.get(id(obj)) is obj else obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):

@@ -16,6 +16,7 @@ raised on every rank at the next of these waits.
 from __future__ import annotations
 
 import os
+import queue
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,13 +28,41 @@ from hpcpar.run import checkpoint as ckpt
 __all__ = ["CheckpointWriter"]
 
 
+class _Worker:
+    """A long-lived daemon thread that runs the jobs given to it in order. A thread started per
+    checkpoint costs the step its start (``Thread.start`` waits until the new thread runs:
+    0.2-1.7 ms of a 2-rank demo step on 2 busy cores)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, target, *args) -> threading.Event:
+        """Queue ``target(*args)``; the event is set once it has returned."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, daemon=True, name=self.name)
+            self._thread.start()
+        done = threading.Event()
+        self._jobs.put((target, args, done))
+        return done
+
+    def _run(self) -> None:
+        while True:
+            target, args, done = self._jobs.get()
+            try:
+                target(*args)   # the targets catch what they raise: it is a checkpoint's error
+            finally:
+                done.set()
+
+
 @dataclass
 class _Pending:
     """One checkpoint written in the background, not committed yet."""
 
     step: int
     info: dict
-    thread: threading.Thread | None = None
+    done: threading.Event | None = None        # set once its stage (parts, then finish) ended
     mine: dict = field(default_factory=dict)   # write_part's result, set by the thread
     error: str | None = None                   # finish's result (rank 0), set by the thread
 
@@ -61,6 +90,10 @@ class CheckpointWriter:
         self.background = background
         self._pending: _Pending | None = None      # its parts are being written
         self._finishing: _Pending | None = None    # rank 0 is finishing it
+        # parts and finishes each have their thread: one checkpoint's finish (fsyncs,
+        # rename, rotation) runs while the next one's parts are written
+        self._writes, self._finishes = _Worker("hpcpar-checkpoint-parts"), \
+            _Worker("hpcpar-checkpoint-finish")
 
     def save(self, step: int, *, model_state: dict, trainer_state: dict, rank_state: dict,
              info: dict) -> Path:
@@ -84,16 +117,9 @@ class CheckpointWriter:
                   if ckpt.writes("trainer.pt", rank, size) else None,
                   "rank_state": ckpt.in_memory(rank_state), "size": size}
         pending = _Pending(step, info)
-        pending.thread = self._start(self._write, tmp, states, pending)
+        pending.done = self._writes.submit(self._write, tmp, states, pending)
         self._pending = pending
         return self.ckpt_dir / ckpt.step_dir_name(step)
-
-    @staticmethod
-    def _start(target, *args) -> threading.Thread:
-        thread = threading.Thread(target=target, args=args, daemon=True,
-                                  name=f"hpcpar-checkpoint-{args[-1].step}")
-        thread.start()
-        return thread
 
     def _write(self, tmp: Path, states: dict, pending: _Pending) -> None:
         """The part's thread: this rank's files; any failure becomes the part's error line."""
@@ -123,8 +149,8 @@ class CheckpointWriter:
         done, self._finishing = self._finishing, None
         if done is None:
             return None
-        if done.thread is not None:
-            done.thread.join()
+        if done.done is not None:
+            done.done.wait()
         err = self.comm.bcast(done.error, root=0)
         if err:
             raise RunDirError(err)
@@ -136,12 +162,12 @@ class CheckpointWriter:
         pending, self._pending = self._pending, None
         if pending is None:
             return None
-        assert pending.thread is not None  # a pending checkpoint's parts are being written
-        pending.thread.join()
+        assert pending.done is not None  # a pending checkpoint's parts are being written
+        pending.done.wait()
         parts = self.comm.gather(pending.mine, root=0)
         done = self._finished()
-        pending.thread = (self._start(self._finish, parts, pending)
-                          if self.comm.Get_rank() == 0 else None)
+        pending.done = (self._finishes.submit(self._finish, parts, pending)
+                        if self.comm.Get_rank() == 0 else None)
         self._finishing = pending
         return done
 
@@ -156,8 +182,8 @@ class CheckpointWriter:
             return None
         from mpi4py import MPI
 
-        writer = self._pending.thread
-        busy = self.comm.allreduce(int(writer is not None and writer.is_alive()), op=MPI.SUM)
+        writing = self._pending.done
+        busy = self.comm.allreduce(int(writing is not None and not writing.is_set()), op=MPI.SUM)
         return None if busy else self._hand_over()
 
     def flush(self) -> Path | None:

@@ -806,11 +806,12 @@ class Trainer:
         Returns the seconds the step blocked (the ``t_ckpt`` record)."""
         t0 = time.perf_counter()
         every = self.job.checkpoint.every
-        if loop.stopped or (every and self.step % every == 0):
+        saved = loop.stopped or (every and self.step % every == 0)
+        if saved:
             loop.last_ckpt = self.save_checkpoint()
         if loop.stopped or self.step >= self.total:
             self.writer.flush()
-        else:
+        elif not saved:   # the writes just began: asking whether they ended costs a collective
             self.writer.poll()
         return time.perf_counter() - t0
 
