@@ -204,3 +204,39 @@ def test_a_rotation_cut_short_leaves_no_partial_checkpoint(tmp_path, monkeypatch
     assert [ckpt.checkpoint_step(p) for p in left][0] == 4
     for path in left:
         ckpt.verify(path)
+
+
+def test_background_writes_use_one_idle_ending_thread_and_the_state_at_the_step(tmp_path):
+    """Five background checkpoints in a row: written by one long-lived thread (not one
+    started per checkpoint), which ends once idle; each file holds the state as it was at
+    its step, though training changed it (a list of ints here, as the data state's sample
+    order, which the copy keeps by value) while the thread wrote."""
+    import threading
+
+    from mpi4py import MPI
+
+    from hpcpar.run.checkpoint_writer import CheckpointWriter
+
+    writer = CheckpointWriter(tmp_path, MPI.COMM_SELF, keep=5, background=True)
+    writer._writes.idle = writer._finishes.idle = 0.2
+    order, weight, threads = [7, 7], torch.zeros(3), set()
+    for step in range(1, 6):
+        weight += 1
+        order.append(step)
+        writer.save(step, model_state={"w": weight.clone()}, trainer_state={"seen": order},
+                    rank_state={"data": {"order": order}}, info={"grid": "1x1x1x1"})
+        order.append(-step)     # the next step changes the state the writer holds a copy of
+        threads |= {t.ident for t in threading.enumerate() if t.name.startswith("hpcpar-ckpt")}
+        writer.poll()
+    writer.flush()
+    assert len(threads) <= 2, "a thread started per checkpoint"
+    for step in range(1, 6):
+        path = tmp_path / ckpt.step_dir_name(step)
+        ckpt.verify(path)
+        data = torch.load(path / ckpt.rank_file(0), weights_only=True)["data"]["order"]
+        assert data == [7, 7, *[v for s in range(1, step) for v in (s, -s)], step], data
+        assert torch.equal(torch.load(path / "model.pt", weights_only=True)["w"],
+                           torch.full((3,), float(step)))
+    time.sleep(0.6)
+    assert not [t for t in threading.enumerate() if t.name.startswith("hpcpar-ckpt")], \
+        "the writer's threads outlive it"
