@@ -8,7 +8,9 @@ on the p output planes next to each face a neighbour sent, and reaches them only
 p kernel taps that fall into the ghost region: a convolution of a slab of 2p - 1 planes. So
 the piece is never copied into an extended buffer (neither in forward nor backward), torch
 picks its fastest kernel for the padded convolution, and the faces travel while it runs
-(posted first, waited for after it: halo exchange overlapped with the interior computation).
+(posted first, waited for after it: halo exchange overlapped with the interior computation);
+in backward the ghosts' gradients, computed first, travel back while the piece's own
+backward runs.
 
 Used when at most one axis is split (no edge or corner ghosts; other grids take the general
 halo path) and every rank holds at least p planes (with nothing split it is torch's conv).
@@ -27,7 +29,7 @@ from hpcpar.parallel import replay
 from hpcpar.parallel.counters import COUNTERS, profiled
 from hpcpar.parallel.partition import conv_pads, split_sizes, xyz
 
-from ._conv_route import torch_picks_slow_conv
+from ._conv_route import prepadded_weight_grad, torch_picks_slow_conv
 
 __all__ = ["BoundarySpec", "boundary_spec", "boundary_conv"]
 
@@ -173,26 +175,42 @@ class BoundaryConv(torch.autograd.Function):
         recvs = [ghosts.pop(0) if has else None for has in ctx.has]
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         bwd = torch.ops.aten.convolution_backward
-        gx, gw, gb = bwd(grad_out, x, weight, [weight.shape[0]] if ctx.has_bias else None,
-                         [1, 1, 1], list(spec.pads), [1, 1, 1], False, [0, 0, 0], spec.groups,
-                         [need_x, need_w, need_b and ctx.has_bias])
-        back = [None, None]
+        # the ghosts' terms first (thin slabs): their gradients travel to their owners while
+        # the piece's own backward runs, as the faces did in forward
+        back, g_taps = [None, None], [None, None]
         for s in (0, 1):
             if recvs[s] is None:
                 continue
             g = grad_out[spec.edge(grad_out, s)].contiguous()
-            taps = spec.edge(weight, s)
-            g_slab, g_taps, _ = bwd(g, spec.slab(recvs[s], s), weight[taps].contiguous(), None,
-                                    [1, 1, 1], list(spec.slab_pads), [1, 1, 1], False,
-                                    [0, 0, 0], spec.groups, [need_x, need_w, False])
-            if need_w:
-                gw[taps] += g_taps
+            g_slab, g_taps[s], _ = bwd(g, spec.slab(recvs[s], s),
+                                       weight[spec.edge(weight, s)].contiguous(), None,
+                                       [1, 1, 1], list(spec.slab_pads), [1, 1, 1], False,
+                                       [0, 0, 0], spec.groups, [need_x, need_w, False])
             if need_x:
                 back[s] = g_slab[spec.edge(g_slab, s)].contiguous()
+        handles, nbytes, mine = [], 0, [None, None]
         if need_x:  # the ghosts' gradients go to their owners, who add them to their faces
             t0 = time.perf_counter()
             mine = [torch.empty_like(back[s]) if back[s] is not None else None for s in (0, 1)]
             handles, nbytes = _exchange(spec, back, mine, _TAG_BWD)
+            COUNTERS.t_halo += time.perf_counter() - t0
+        bias_sizes = [weight.shape[0]] if ctx.has_bias else None
+        need_b = need_b and ctx.has_bias
+        if need_w and prepadded_weight_grad(x, weight, spec.groups):
+            gx = bwd(grad_out, x, weight, None, [1, 1, 1], list(spec.pads), [1, 1, 1], False,
+                     [0, 0, 0], spec.groups, [True, False, False])[0] if need_x else None
+            xp = F.pad(x, [p for a in (2, 1, 0) for p in (spec.pads[a],) * 2])
+            _, gw, gb = bwd(grad_out, xp, weight, bias_sizes, [1, 1, 1], [0, 0, 0], [1, 1, 1],
+                            False, [0, 0, 0], spec.groups, [False, True, need_b])
+            del xp
+        else:
+            gx, gw, gb = bwd(grad_out, x, weight, bias_sizes, [1, 1, 1], list(spec.pads),
+                             [1, 1, 1], False, [0, 0, 0], spec.groups, [need_x, need_w, need_b])
+        for s in (0, 1):
+            if need_w and g_taps[s] is not None:
+                gw[spec.edge(weight, s)] += g_taps[s]
+        if need_x:
+            t0 = time.perf_counter()
             _wait(handles)
             for s in (0, 1):
                 if mine[s] is not None:

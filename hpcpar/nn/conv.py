@@ -22,6 +22,7 @@ from hpcpar.parallel.partition import conv_axis_halo, conv_pads, transposed_axis
 
 from ._base import SpatialModule
 from ._boundary_conv import boundary_conv, boundary_spec
+from ._conv_route import SPLIT_BACKWARD_BYTES  # noqa: F401 - ConvOp.backward reads it here
 from ._conv_route import onednn as _onednn
 from ._conv_route import torch_picks_slow_conv as _torch_picks_slow_conv
 
@@ -29,11 +30,6 @@ __all__ = ["SpatialConv3d", "SpatialConvTranspose3d", "ConvOp", "ConvTransposeOp
 
 #: torch's ``padding_mode`` values (only ``"zeros"`` is accepted on a split volume)
 PaddingMode = Literal["zeros", "reflect", "replicate", "circular"]
-
-
-#: Extended inputs up to this size get their three conv gradients from one call (see
-#: ``ConvOp.backward``); larger ones free the input before the input gradient.
-SPLIT_BACKWARD_BYTES = 4 << 20
 
 
 def _empty_out(ext, channels, lengths):

@@ -327,6 +327,35 @@ def test_boundary_fast_path_matches_torch(comm):
                 took = entry.extra.boundary is not None and entry.extra.boundary.fast(2)
                 assert took == fast, what
         on_subgrid(comm, 1, dims, check)
+    # the weight gradient from a zero-padded copy of the piece (channels-last fp32, few
+    # channels; forced on these small volumes): the same gradients, and the path is taken
+    from hpcpar.nn import _boundary_conv, _conv_route
+
+    taken, chooser = [], _boundary_conv.prepadded_weight_grad
+
+    def counted(*args):
+        taken.append(chooser(*args))
+        return taken[-1]
+
+    _conv_route.SPLIT_BACKWARD_BYTES, saved = 0, _conv_route.SPLIT_BACKWARD_BYTES
+    _boundary_conv.prepadded_weight_grad = counted
+    try:
+        for dims, k, pad, shape, bias in [((3, 1, 1), 3, 1, (17, 9, 8), True),
+                                          ((1, 1, 3), 3, "same", (6, 7, 31), False),
+                                          ((2, 1, 1), (3, 5, 1), (1, 2, 0), (11, 9, 6), True),
+                                          ((1, 1, 1), 5, 2, (9, 8, 7), True)]:
+            def check_prepadded(grid, k=k, pad=pad, shape=shape, bias=bias):
+                torch.manual_seed(7)
+                twin = nn.Conv3d(4, 8, k, padding=pad, bias=bias)
+                spatial = SpatialConv3d(4, 8, k, padding=pad, bias=bias, grid=grid)
+                compare_with_twin(grid, twin, spatial, shape, 4, torch.float32, seed=5,
+                                  what=f"pre-padded weight gradient {grid.spatial_shape} "
+                                       f"k={k} p={pad} {shape}", memory_format=CL)
+            on_subgrid(comm, 1, dims, check_prepadded)
+    finally:
+        _conv_route.SPLIT_BACKWARD_BYTES = saved
+        _boundary_conv.prepadded_weight_grad = chooser
+    assert taken and all(taken), taken
 
 
 @mpi_case(nprocs=(4,), timeout=180)
