@@ -206,7 +206,8 @@ def test_a_rotation_cut_short_leaves_no_partial_checkpoint(tmp_path, monkeypatch
         ckpt.verify(path)
 
 
-def test_background_writes_use_one_idle_ending_thread_and_the_state_at_the_step(tmp_path):
+def test_background_writes_use_one_idle_ending_thread_and_the_state_at_the_step(tmp_path,
+                                                                                monkeypatch):
     """Five background checkpoints in a row: written by one long-lived thread (not one
     started per checkpoint), which ends once idle; each file holds the state as it was at
     its step, though training changed it (a list of ints here, as the data state's sample
@@ -218,18 +219,20 @@ def test_background_writes_use_one_idle_ending_thread_and_the_state_at_the_step(
     from hpcpar.run.checkpoint_writer import CheckpointWriter
 
     writer = CheckpointWriter(tmp_path, MPI.COMM_SELF, keep=5, background=True)
-    writer._writes.idle = writer._finishes.idle = 0.2
-    order, weight, threads = [7, 7], torch.zeros(3), set()
+    writer._writes.idle = writer._finishes.idle = 3.0   # > a step here, even on a busy host
+    order, weight, started = [7, 7], torch.zeros(3), []
+    start = threading.Thread.start
+    monkeypatch.setattr(threading.Thread, "start",
+                        lambda thread: (started.append(thread.name), start(thread))[1])
     for step in range(1, 6):
         weight += 1
         order.append(step)
         writer.save(step, model_state={"w": weight.clone()}, trainer_state={"seen": order},
                     rank_state={"data": {"order": order}}, info={"grid": "1x1x1x1"})
         order.append(-step)     # the next step changes the state the writer holds a copy of
-        threads |= {t.ident for t in threading.enumerate() if t.name.startswith("hpcpar-ckpt")}
         writer.poll()
     writer.flush()
-    assert len(threads) <= 2, "a thread started per checkpoint"
+    assert len(started) <= 2, f"a thread started per checkpoint: {started}"
     for step in range(1, 6):
         path = tmp_path / ckpt.step_dir_name(step)
         ckpt.verify(path)
@@ -237,6 +240,7 @@ def test_background_writes_use_one_idle_ending_thread_and_the_state_at_the_step(
         assert data == [7, 7, *[v for s in range(1, step) for v in (s, -s)], step], data
         assert torch.equal(torch.load(path / "model.pt", weights_only=True)["w"],
                            torch.full((3,), float(step)))
-    time.sleep(0.6)
-    assert not [t for t in threading.enumerate() if t.name.startswith("hpcpar-ckpt")], \
-        "the writer's threads outlive it"
+    end = time.monotonic() + 30
+    while [t for t in threading.enumerate() if t.name.startswith("hpcpar-ckpt")]:
+        assert time.monotonic() < end, "the writer's threads outlive their idle time"
+        time.sleep(0.1)
