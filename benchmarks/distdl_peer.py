@@ -78,15 +78,21 @@ def distdl_stack(sub, dims, channels, twin):
     return nn.Sequential(*mods), tuple(int(i) for i in p_x.index[2:])
 
 
+def piece_slices(shape, dims, coords) -> tuple[slice, ...]:
+    """Where the piece at grid coordinates ``coords`` lies in a volume of ``shape``: hpcpar's
+    partition rule (``partition.box``), DistDL's too on the even splits this benchmark takes."""
+    from hpcpar.parallel.partition import box
+
+    return (slice(None), slice(None), *(slice(*r) for r in box(shape[2:], dims, coords)))
+
+
 def piece(args, dims, coords, fmt):
-    """The piece of the benchmark's volume at grid coordinates ``coords`` (even split)."""
+    """The benchmark's volume's piece at grid coordinates ``coords``, in memory format
+    ``fmt``, requiring its gradient."""
     import torch
 
-    args.channels_last = fmt == torch.channels_last_3d
     x = volume(args, torch.contiguous_format).detach()
-    sl = tuple(slice(c * (n // d), (c + 1) * (n // d)) for c, d, n in zip(coords, dims,
-                                                                         x.shape[2:]))
-    return x[(slice(None), slice(None), *sl)].contiguous(memory_format=fmt).requires_grad_()
+    return x[piece_slices(x.shape, dims, coords)].contiguous(memory_format=fmt).requires_grad_()
 
 
 def bench(comm, dims, args, which):
@@ -124,16 +130,13 @@ def agree(comm, dims, args) -> float:
         grid = ProcessGrid(1, *dims, comm=sub)
         fmt = torch.contiguous_format
         with torch.no_grad():
-            args.channels_last = False
             ref = build_stack(args.channels, args.layers)(volume(args, fmt).detach())
             theirs, coords = distdl_stack(sub, dims, args.channels,
                                           build_stack(args.channels, args.layers))
             for model, at in ((build_stack(args.channels, args.layers, grid),
                                grid.coords[1:]), (theirs, coords)):
                 out = model(piece(args, dims, at, fmt).detach())
-                sl = tuple(slice(c * (n // d), (c + 1) * (n // d))
-                           for c, d, n in zip(at, dims, ref.shape[2:]))
-                want = ref[(slice(None), slice(None), *sl)]
+                want = ref[piece_slices(ref.shape, dims, at)]
                 err = max(err, float((out - want).abs().max() / want.abs().max()))
         err = sub.allreduce(err, op=MPI.MAX)
         grid.free()

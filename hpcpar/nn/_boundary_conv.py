@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from hpcpar.parallel import replay
 from hpcpar.parallel.counters import COUNTERS, profiled
-from hpcpar.parallel.partition import conv_pads, split_sizes, xyz
+from hpcpar.parallel.partition import conv_pads, split_sizes, torch_pad, xyz
 
 from ._conv_route import prepadded_weight_grad, torch_picks_slow_conv
 
@@ -174,7 +174,13 @@ class BoundaryConv(torch.autograd.Function):
         ctx.spec = None
         recvs = [ghosts.pop(0) if has else None for has in ctx.has]
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        bwd = torch.ops.aten.convolution_backward
+        need_b = need_b and ctx.has_bias
+
+        def grads(g, inp, w, pads, mask, bias_sizes=None):   # stride 1, dilation 1
+            return torch.ops.aten.convolution_backward(
+                g, inp, w, bias_sizes, [1, 1, 1], list(pads), [1, 1, 1], False, [0, 0, 0],
+                spec.groups, mask)
+
         # the ghosts' terms first (thin slabs): their gradients travel to their owners while
         # the piece's own backward runs, as the faces did in forward
         back, g_taps = [None, None], [None, None]
@@ -182,10 +188,9 @@ class BoundaryConv(torch.autograd.Function):
             if recvs[s] is None:
                 continue
             g = grad_out[spec.edge(grad_out, s)].contiguous()
-            g_slab, g_taps[s], _ = bwd(g, spec.slab(recvs[s], s),
-                                       weight[spec.edge(weight, s)].contiguous(), None,
-                                       [1, 1, 1], list(spec.slab_pads), [1, 1, 1], False,
-                                       [0, 0, 0], spec.groups, [need_x, need_w, False])
+            g_slab, g_taps[s], _ = grads(g, spec.slab(recvs[s], s),
+                                         weight[spec.edge(weight, s)].contiguous(),
+                                         spec.slab_pads, [need_x, need_w, False])
             if need_x:
                 back[s] = g_slab[spec.edge(g_slab, s)].contiguous()
         handles, nbytes, mine = [], 0, [None, None]
@@ -195,17 +200,16 @@ class BoundaryConv(torch.autograd.Function):
             handles, nbytes = _exchange(spec, back, mine, _TAG_BWD)
             COUNTERS.t_halo += time.perf_counter() - t0
         bias_sizes = [weight.shape[0]] if ctx.has_bias else None
-        need_b = need_b and ctx.has_bias
         if need_w and prepadded_weight_grad(x, weight, spec.groups):
-            gx = bwd(grad_out, x, weight, None, [1, 1, 1], list(spec.pads), [1, 1, 1], False,
-                     [0, 0, 0], spec.groups, [True, False, False])[0] if need_x else None
-            xp = F.pad(x, [p for a in (2, 1, 0) for p in (spec.pads[a],) * 2])
-            _, gw, gb = bwd(grad_out, xp, weight, bias_sizes, [1, 1, 1], [0, 0, 0], [1, 1, 1],
-                            False, [0, 0, 0], spec.groups, [False, True, need_b])
+            gx = grads(grad_out, x, weight, spec.pads, [True, False, False])[0] \
+                if need_x else None
+            xp = F.pad(x, torch_pad([(p, p) for p in spec.pads]))
+            _, gw, gb = grads(grad_out, xp, weight, (0, 0, 0), [False, True, need_b],
+                              bias_sizes)
             del xp
         else:
-            gx, gw, gb = bwd(grad_out, x, weight, bias_sizes, [1, 1, 1], list(spec.pads),
-                             [1, 1, 1], False, [0, 0, 0], spec.groups, [need_x, need_w, need_b])
+            gx, gw, gb = grads(grad_out, x, weight, spec.pads, [need_x, need_w, need_b],
+                               bias_sizes)
         for s in (0, 1):
             if need_w and g_taps[s] is not None:
                 gw[spec.edge(weight, s)] += g_taps[s]

@@ -18,7 +18,7 @@ from torch import nn
 from hpcpar.errors import LayerError
 from hpcpar.parallel.grid import ProcessGrid
 from hpcpar.parallel.halo import StencilOp, halo_stencil, input_layout, memory_format
-from hpcpar.parallel.partition import conv_axis_halo, conv_pads, transposed_axis_halo
+from hpcpar.parallel.partition import conv_axis_halo, conv_pads, torch_pad, transposed_axis_halo
 
 from ._base import SpatialModule
 from ._boundary_conv import boundary_conv, boundary_spec
@@ -209,7 +209,7 @@ class ConvTransposeOp(StencilOp):
     def __init__(self, stride, dilation, groups, out_channels, out_shape, crops):
         self.stride, self.dilation, self.groups = stride, dilation, groups
         self.out_channels, self.out_shape = out_channels, out_shape
-        self.pad = [p for a in (2, 1, 0) for p in crops[a]]
+        self.pad = torch_pad(crops)
         self.trivial = not any(self.pad)
 
     def forward(self, ext, weight, bias=None):

@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from hpcpar.parallel.comm import allreduce_
-from hpcpar.parallel.partition import part_range
+from hpcpar.parallel.partition import part_range, torch_pad
 
 from . import padding
 from .split import FlatLayout, Layout, SplitTensor, adopt, raw, refuse, wrap
@@ -569,7 +569,7 @@ def getitem(call: Call):
     if out.dim() != 5 or not lay.standard:
         raise call.refuse("crops a split dim while dropping or adding dims", "crop first, "
                           "then index the other dims")
-    pads = [p for a in (2, 1, 0) for p in crops.get(a, (0, 0))]
+    pads = torch_pad([crops.get(a, (0, 0)) for a in range(3)])
     piece, gshape = padding.pad(raw(out), pads, grid=lay.ctx.grid, gshape=lay.gshape)
     return adopt(piece, lay.with_(gshape=gshape))
 

@@ -20,7 +20,7 @@ __all__ = [
     "split_sizes", "part_range", "part_ranges", "box", "owner", "stencil_output_length",
     "stencil_input_range", "transposed_output_length", "transposed_input_range", "AxisHalo",
     "axis_halo", "conv_axis_halo", "transposed_axis_halo", "same_padding", "conv_pads",
-    "ceil_div", "xyz",
+    "ceil_div", "xyz", "torch_pad",
 ]
 
 
@@ -33,6 +33,11 @@ def xyz(values: Iterable[T]) -> tuple[T, T, T]:
     """
     x, y, z = values
     return x, y, z
+
+
+def torch_pad(per_axis: Sequence[tuple[int, int]]) -> list[int]:
+    """``(lo, hi)`` of the x, y, z axes as ``F.pad``'s list, which names the last axis first."""
+    return [p for a in (2, 1, 0) for p in per_axis[a]]
 
 
 def _check_parts(n: int, parts: int) -> None:
