@@ -53,7 +53,10 @@ SCHEMA: dict[str, dict[str, Param]] = {
                                    "(entry point group hpcpar.workloads), or "
                                    "'package.module:Workload'"),
               "check": _p(bool, True, help="spatialized models: compare the first step with "
-                                           "the plain model on one rank (hpcpar.nn.check)")},
+                                           "the plain model on one rank (hpcpar.nn.check)"),
+              "fuse_halos": _p(int, 1, min=1, help="spatialized models: up to N stride-1 "
+                               "convolutions in a row share one halo exchange, recomputing "
+                               "the overlap (hpcpar.nn.fused_halo; 1: off)")},
     "data": {},
     "train": {
         "steps": _p(int, None, min=1, help="optimizer steps (give steps or epochs)"),

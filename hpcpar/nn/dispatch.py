@@ -16,8 +16,10 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from . import optable
+from . import fused_halo, optable
+from . import rules as _rules
 from .rules import FAST, Call, leaves
+from .spatial_ops import conv3d as _conv3d
 from .split import FlatLayout, SplitTensor, set_handler
 from .split_head import flat_rule
 
@@ -65,7 +67,18 @@ def handle(func, args, kwargs, ctx=None):
         call = Call(func, args, kwargs, splits)
         if any(type(t._hp) is FlatLayout for t in splits):
             return flat_rule(rule, call)   # a flattened volume: hpcpar.nn.split_head
+        if any(type(t._hp) is fused_halo.MarginLayout for t in splits):
+            return fused_halo.margin_call(call, rule, _MARGIN_KIND.get(rule),
+                                          lambda f, a, k: handle(f, a, k, ctx))
         return rule(call)
+
+
+#: How a rule meets a tensor holding a fused run's margin (:mod:`hpcpar.nn.fused_halo`);
+#: any rule not named here gets the cropped piece.
+_MARGIN_KIND = {_conv3d: "conv", _rules.pointwise: "pointwise",
+                _rules.channelwise: "channelwise",
+                **dict.fromkeys((_rules.global_size, _rules.global_numel, _rules.global_len,
+                                 _rules.as_plain, _rules.attribute), "keep")}
 
 
 #: func -> (its rule, the rule's fast form or None): one lookup per op.

@@ -16,7 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import global_norm, padding, resample
+from . import fused_halo, global_norm, padding, resample
 from ._base import triple
 from .conv import SpatialConv3d, SpatialConvTranspose3d
 from .dropout import spatial_dropout
@@ -69,9 +69,12 @@ def _run_twin(call: Call, twin, x, *params):
 
 # -- convolutions ----------------------------------------------------------------------------
 def conv3d(call: Call):
-    b = call.bind(("input", "weight", "bias", "stride", "padding", "dilation", "groups"),
-                  (None, 1, 0, 1, 1))
+    b = call.bind(*fused_halo.CONV_ARGS)
     w, bias = call.replicated(b["weight"]), call.replicated(b["bias"])
+    if call.ctx.fuse_halos > 1:   # the first of a run of convolutions sharing one exchange?
+        out = fused_halo.start(call, b, w, bias)
+        if out is not None:
+            return out
     key = ("conv3d", w.shape, *(_hashable(b[k]) for k in ("stride", "padding", "dilation")),
            b["groups"], bias is not None)
     twin = _twin(call, key, lambda: _conv_twin(call, b, w, bias))

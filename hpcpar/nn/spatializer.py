@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_map
 
 from hpcpar.errors import LayerError
 from hpcpar.parallel.grid import ProcessGrid
@@ -37,6 +38,8 @@ from hpcpar.sync.tags import DATA_ONLY, REDUCE_ATTR, TAGS_VERSION, tag_data_only
 from ._base import SpatialModule
 from .check import first_step_check, skeleton
 from .dispatch import SpatialMode, mode_call
+from .fused_halo import MarginLayout, crop, settle_runs
+from .fused_halo import check_setting as check_fuse
 from .split import Layout, SplitContext, SplitTensor, unwrap, wrap
 
 __all__ = ["spatialize", "settle"]
@@ -46,8 +49,8 @@ _CTX = "_hpcpar_split"
 class _Context(SplitContext):
     """The model's split context; a deep copy of the model gets a fresh one (same grid)."""
 
-    def __init__(self, grid, bn_include_data, plain=None):
-        super().__init__(grid, bn_include_data)
+    def __init__(self, grid, bn_include_data, plain=None, fuse_halos=1):
+        super().__init__(grid, bn_include_data, fuse_halos=fuse_halos)
         self.plain = plain      # the plain model's skeleton, kept until the first-step check ran
         self.mode = _Mode(self)  # entered for the outermost forward
         self.depth = 0          # nesting of spatialized forwards (only the outermost acts)
@@ -56,7 +59,8 @@ class _Context(SplitContext):
         self.settling = False   # inside settle(): no first-step check yet
 
     def __deepcopy__(self, memo):
-        new = memo[id(self)] = _Context(self.grid, self.bn_include_data)
+        new = memo[id(self)] = _Context(self.grid, self.bn_include_data,
+                                        fuse_halos=self.fuse_halos)
         return new
 
 
@@ -94,6 +98,7 @@ def _enter(module, args, kwargs):
             raise
     ctx.spatial_params.clear()
     ctx.replicated_params.clear()
+    settle_runs(ctx)
     args = tuple(_split_inputs(ctx, args))
     kwargs = dict(zip(kwargs, _split_inputs(ctx, kwargs.values())))
     ctx.mode.__enter__()
@@ -108,6 +113,8 @@ def _leave(module, args, kwargs, output):
     ctx.mode.__exit__(None, None, None)
     if output is not None:
         _retag(module, ctx)
+        if ctx.fuse_halos > 1:   # a fused run's margin never leaves the model
+            return tree_map(_end_run, output)
     return None
 
 
@@ -146,7 +153,14 @@ def _layer_enter(module, args, kwargs):
     root.suspended += 1
     for p in module.parameters(recurse=False):
         root.spatial_params.add(id(p))
-    return tuple(unwrap(a) for a in args), {k: unwrap(v) for k, v in kwargs.items()}
+    return tuple(unwrap(_end_run(a)) for a in args), \
+        {k: unwrap(_end_run(v)) for k, v in kwargs.items()}
+
+
+def _end_run(t):
+    """A fused run's margin tensor cropped where the run ends (learned from: a layer of
+    hpcpar's own takes the piece)."""
+    return crop(t) if isinstance(t, SplitTensor) and type(t._hp) is MarginLayout else t
 
 
 def _layer_leave(module, args, kwargs, output):
@@ -180,7 +194,7 @@ def _swap_twins(module: nn.Module, grid) -> nn.Module:
 
 
 def spatialize(model: nn.Module, grid: ProcessGrid, *, bn_include_data: bool = False,
-               check: bool = False, inplace: bool = False) -> nn.Module:
+               check: bool = False, inplace: bool = False, fuse_halos: int = 1) -> nn.Module:
     """Make a copy of a plain torch model that runs on each rank's piece of the volume.
 
     The copy's ``forward`` takes every 5D tensor argument as this rank's piece of the global
@@ -203,6 +217,10 @@ def spatialize(model: nn.Module, grid: ProcessGrid, *, bn_include_data: bool = F
         inplace: Convert ``model`` itself (modified and returned) instead of a copy, for a
             caller that no longer needs the plain model: its weights then exist once, not
             twice, until a split head is cut (:func:`settle`).
+        fuse_halos: Let up to this many stride-1, size-keeping convolutions with pointwise
+            ops between them share one halo exchange of their combined width, recomputing
+            the overlap instead of exchanging it again (:mod:`hpcpar.nn.fused_halo`): fewer,
+            larger messages for small local volumes. 1 (the default) exchanges per layer.
 
     Returns:
         The spatialized copy (same modules, parameters and ``state_dict`` keys).
@@ -218,9 +236,10 @@ def spatialize(model: nn.Module, grid: ProcessGrid, *, bn_include_data: bool = F
         y = model(spatial.scatter(cube, grid))
         ```
     """
+    fuse_halos = check_fuse(fuse_halos)
     plain = skeleton(model) if check else None
     model = _swap_twins(model if inplace else copy.deepcopy(model), grid)
-    ctx = _Context(grid, bn_include_data, plain)
+    ctx = _Context(grid, bn_include_data, plain, fuse_halos)
     setattr(model, _CTX, ctx)
     model.register_forward_pre_hook(_enter, with_kwargs=True)
     model.register_forward_hook(_leave, with_kwargs=True, always_call=True)

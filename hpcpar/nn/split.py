@@ -41,6 +41,10 @@ class SplitContext:
     replicated_params: set = field(default_factory=set)  # ids used by replicated ops
     dropout: bool = True    # False: dropout is the identity (the first-step check's probe)
     root: Any = None        # weakref to the spatialized model (a split head finds its Linear)
+    fuse_halos: int = 1     # longest run of convolutions sharing one exchange (fused_halo)
+    fuse_plan: dict = field(default_factory=dict)   # run key -> (convolutions, halo used)
+    fuse_seen: dict = field(default_factory=dict)   # learned this forward, applied at the next
+    fuse_counts: list = field(default_factory=lambda: [0, 0])   # this forward's runs, crops
 
 
 @dataclass(frozen=True)
@@ -157,8 +161,13 @@ def raw(t):
 
 
 def unwrap(t):
-    """The plain tensor under a split tensor (anything else unchanged)."""
+    """The plain tensor under a split tensor (anything else unchanged); a tensor holding a
+    fused run's margin (:mod:`hpcpar.nn.fused_halo`) is cropped to this rank's piece first."""
     if isinstance(t, SplitTensor):
+        if hasattr(t._hp, "reach"):
+            from .fused_halo import crop  # imports this module
+
+            t = crop(t, learn=False)
         with torch._C.DisableTorchFunction():
             return t.as_subclass(torch.Tensor)
     return t

@@ -196,7 +196,8 @@ def workload_of(job, size: int | None = None):
     return Workload(job.name, layers, shape, job.train.global_batch,
                     precision=job.train.precision, optimizer=job.train.optimizer,
                     checkpoints=bool(ck.every or ck.at_end),
-                    shard_optimizer=job.train.shard_optimizer)
+                    shard_optimizer=job.train.shard_optimizer,
+                    fuse_halos=job.model.fuse_halos)
 
 
 def fit_points(run_dirs, trust_kind: bool = False) -> list:

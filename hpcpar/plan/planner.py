@@ -338,6 +338,64 @@ def layer_cost(layer: Layer, b: int, grid: tuple, machine: Machine, link: Link,
     return cost
 
 
+def _widths(layer: Layer, parts) -> list[int]:
+    """The layer's one-sided halo width on each split axis (0 elsewhere)."""
+    vol = layer.in_shape[1:]
+    return [_halo_width(layer.halo[a], vol[a], parts[a]) if parts[a] > 1 else 0
+            for a in range(3)]
+
+
+def fused_runs(layers: Sequence[Layer], k: int, parts) -> dict[int, tuple[int, int]]:
+    """Which convolutions share one exchange under ``[model] fuse_halos = k``
+    (:mod:`hpcpar.nn.fused_halo`): layer index -> (its place in its run from 1, the run's
+    convolutions). A run is split, size-keeping convolutions with only pointwise layers
+    between them, at most ``k``, and no wider than the thinnest piece holds."""
+    out: dict[int, tuple[int, int]] = {}
+    if k < 2 or math.prod(parts) == 1:
+        return out
+    run: list[int] = []
+
+    def close():
+        while len(run) >= 2:
+            take = min(k, len(run))
+            while take >= 2 and not all(
+                    parts[a] == 1 or min(split_sizes(layers[run[0]].in_shape[1 + a],
+                                                     parts[a])) >= take * max(
+                        _widths(layers[j], parts)[a] for j in run[:take])
+                    for a in range(3)):
+                take -= 1
+            if take < 2:
+                break
+            out.update((j, (n + 1, take)) for n, j in enumerate(run[:take]))
+            del run[:take]
+        run.clear()
+
+    for i, layer in enumerate(layers):
+        if layer.kind == "conv" and layer.spatial and layer.halo and \
+                layer.in_shape[1:] == layer.out_shape[1:] and any(_widths(layer, parts)):
+            run.append(i)
+        elif layer.kind != "pointwise":
+            close()
+    close()
+    return out
+
+
+def _fuse(cost: LayerCost, layer: Layer, place: int, length: int, parts, link: Link) -> None:
+    """A convolution's cost in a fused run: after the first, its faces come with the run's
+    one exchange (their bytes stay, their messages and waits go); before the last, it also
+    computes the margin it leaves to the rest of the run (a rank with neighbours on both
+    sides: the planner's largest piece)."""
+    if place > 1:
+        cost.halo = max(0.0, cost.halo - 2 * link.alpha * cost.halo_syncs)
+        cost.halo_syncs = 0
+    if place < length:
+        vol = layer.in_shape[1:]
+        local = [max(split_sizes(n, p)) for n, p in zip(vol, parts)]
+        grow = math.prod((n + 2 * (length - place) * w) / n
+                         for n, w in zip(local, _widths(layer, parts)))
+        cost.dense *= grow
+
+
 def predict(work: Workload, grid: tuple, machine: Machine) -> Prediction:
     """Predict one training step of a job on one grid (the model is the module docstring).
 
@@ -362,10 +420,13 @@ def predict(work: Workload, grid: tuple, machine: Machine) -> Prediction:
     link = machine.intra if spatial <= machine.ranks_per_node else machine.inter
     t_dense = t_mem = t_calls = 0.0
     halo_syncs = gather_syncs = 0   # exchanges per step (forward + backward)
+    runs = fused_runs(work.layers, work.fuse_halos, (X, Y, Z))
     for i, layer in enumerate(work.layers):
         cost = layer_cost(layer, b, grid, machine, link, nbytes)
         if isinstance(cost, str):
             return Prediction(grid, False, f"layer {i} ({layer.kind}): {cost}")
+        if i in runs:
+            _fuse(cost, layer, *runs[i], (X, Y, Z), link)
         t_dense += cost.dense
         t_mem += cost.mem
         t_calls += cost.calls

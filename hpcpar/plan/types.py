@@ -74,6 +74,8 @@ class Workload:
         checkpoints: The run writes checkpoints (their writer's memory counts).
         shard_optimizer: ``[train] shard_optimizer``: optimizer state split over each
             parameter's replicas.
+        fuse_halos: ``[model] fuse_halos``: the longest run of convolutions sharing one halo
+            exchange (:mod:`hpcpar.nn.fused_halo`).
     """
 
     name: str
@@ -86,6 +88,7 @@ class Workload:
     graph: object = None
     checkpoints: bool = True
     shard_optimizer: bool = False
+    fuse_halos: int = 1
 
     def __post_init__(self):
         if self.layers or not self.params:

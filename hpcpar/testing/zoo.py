@@ -429,6 +429,27 @@ class DropoutNet(nn.Module):
         return self.out(h) * g[:, :1, None, None, None]
 
 
+class PlainFCN(nn.Module):
+    """No norms: 3^3 convs with activations in a row (functional and module forms), PReLU,
+    a residual add, a "same" 5^3 conv feeding a 1x1x1 head (what fused halos can run)."""
+
+    def __init__(self, c=2):
+        super().__init__()
+        self.conv1 = nn.Conv3d(c, 6, 3, padding=1)
+        self.conv2 = nn.Conv3d(6, 6, 3, padding=1)
+        self.act = nn.GELU()
+        self.prelu = nn.PReLU(6)
+        self.conv3 = nn.Conv3d(6, 6, 5, padding="same")
+        self.conv4 = nn.Conv3d(6, 6, 3, padding=1)
+        self.head = nn.Conv3d(6, 3, 1)
+
+    def forward(self, x):
+        h = F.relu(self.conv1(x))
+        h = h + self.act(self.conv2(h))
+        h = self.prelu(self.conv4(F.leaky_relu(self.conv3(h), 0.2)))
+        return self.head(torch.tanh(h) * 2.0)
+
+
 # name -> (factory, channels, size, loss, target kind, expected)
 #   target kind: "like" (same shape as the output), "class" (class indices per voxel or per
 #   sample), "binary" (0/1 like the output)
@@ -457,6 +478,7 @@ ZOO = {
     "rolled": (Rolled, 2, (8, 9, 7), mse, "like", "refused"),
     "view_merge": (ViewMerge, 2, (8, 9, 7), mse, "like", "refused"),
     "dropout_net": (DropoutNet, 2, (8, 9, 7), mse, "like", "exact"),
+    "plain_fcn": (PlainFCN, 2, (12, 9, 10), mse, "like", "exact"),
 }
 
 

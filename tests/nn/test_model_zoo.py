@@ -42,9 +42,10 @@ def _piece(t, grid, split):
     return t[(slice(None),) * (t.dim() - 3) + spatial_slices(spatial, grid)[2:]]
 
 
-def _run(grid, name, seed=0):
+def _run(grid, name, seed=0, fuse=1):
     """('exact' or 'refused', the refusal's line), asserting exactness / a one-line refusal
-    on the way."""
+    on the way; with ``fuse``, spatialized with ``fuse_halos=fuse``, and the line says how
+    many fused runs' exchanges the model made."""
     import hpcpar
     from hpcpar.errors import LayerError
     from hpcpar.nn import local, spatialize, split_like
@@ -67,7 +68,8 @@ def _run(grid, name, seed=0):
     ref_loss.backward()
     ref_out = local(ref_out).detach()
     try:
-        model = hpcpar.DDP(spatialize(pristine, grid, bn_include_data=True, check=True), grid)
+        model = hpcpar.DDP(spatialize(pristine, grid, bn_include_data=True, check=True,
+                                      fuse_halos=fuse), grid)
         xl = _piece(x, grid, True).clone()
         torch.manual_seed(99)
         out = model(xl)
@@ -90,7 +92,7 @@ def _run(grid, name, seed=0):
         cut = column_split(p)   # a split head's weight: this rank's columns
         got = cut.gather(got) if cut is not None else got
         _close(got, want if want is not None else torch.zeros_like(p), f"{what}: grad {pname}")
-    return "exact", ""
+    return "exact", f"{model.module._hpcpar_split.fuse_counts[0]} fused" if fuse > 1 else ""
 
 
 @mpi_case(nprocs=(8,), timeout=900)
@@ -113,6 +115,27 @@ def test_zoo_is_exact_or_refused(comm):
               f"{counts['refused']} refused, 0 silently wrong")
         wrong = {n: g for n, g in outcomes.items() if g != {ZOO[n][-1]}}
         assert not wrong, f"unexpected outcomes: {wrong}"
+
+
+@mpi_case(nprocs=(8,), timeout=900)
+def test_zoo_with_fused_halos_is_exact_or_refused(comm):
+    """spatialize(..., fuse_halos=3): the same declared outcome for every model (a run's
+    margin never changes a value; a model's first forward fuses every run it can, before it
+    learns where runs end, so this is the case with the most margin cropped), and models
+    with convolutions in a row do fuse their exchanges."""
+    fused = {}
+
+    def each(grid):
+        for name in ZOO:
+            got, msg = _run(grid, name, fuse=3)
+            assert got == ZOO[name][-1], f"{name} on {grid.spec()} with fused halos: {got}"
+            if got == "exact":
+                fused[name] = fused.get(name, 0) + int(msg.split()[0])
+
+    on_grids(comm, [(1, 2, 1, 1), (1, 1, 2, 2), (1, 2, 2, 2)], each)
+    if comm.rank == 0:
+        print(f"zoo with fused halos: runs per model {fused}")
+        assert fused["plain_fcn"] >= 3 and sum(1 for n in fused.values() if n) >= 10, fused
 
 
 def _escape_is_caught(grid):

@@ -239,3 +239,24 @@ def test_fixed_cost_per_layer_call(tmp_path):
     measured = dict(call_costs(seconds=0.05))
     assert set(measured) == {"conv", "pool", "bn"}
     assert all(0 < v < 0.1 for v in measured.values())
+
+
+def test_fused_halos_trade_messages_for_compute():
+    """[model] fuse_halos: a run of size-keeping convolutions with pointwise layers between
+    shares one exchange (fewer messages and waits), each but the last computing its margin;
+    a pool ends the run; pieces too thin for the run's width shorten it."""
+    from hpcpar.plan.planner import fused_runs
+
+    relu = Layer("pointwise", True, (8, 32, 32, 32), (8, 32, 32, 32), 0)
+    pool = Layer("pool", True, (8, 32, 32, 32), (8, 16, 16, 16), 0)
+    layers = [conv(8, 8, 32), relu, conv(8, 8, 32), relu, conv(8, 8, 32), pool,
+              conv(8, 8, 16), conv(8, 8, 16)]
+    assert fused_runs(layers, 3, (2, 2, 1)) == {0: (1, 3), 2: (2, 3), 4: (3, 3),
+                                                 6: (1, 2), 7: (2, 2)}
+    assert fused_runs(layers, 2, (2, 1, 1)) == {0: (1, 2), 2: (2, 2), 6: (1, 2), 7: (2, 2)}
+    assert fused_runs(layers, 3, (1, 1, 1)) == {} and fused_runs(layers, 1, (2, 2, 1)) == {}
+    # 16 on 8 ranks: pieces of 2 hold a run of 2 convolutions of halo 1, not 3
+    assert fused_runs([conv(8, 8, 16)] * 3, 3, (8, 1, 1)) == {0: (1, 2), 1: (2, 2)}
+    plain = predict(Workload("t", layers, (8, 32, 32, 32), 1), (1, 2, 2, 1), M)
+    fused = predict(Workload("t", layers, (8, 32, 32, 32), 1, fuse_halos=3), (1, 2, 2, 1), M)
+    assert fused.t_halo < plain.t_halo and fused.t_compute > plain.t_compute

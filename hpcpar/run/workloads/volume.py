@@ -330,7 +330,8 @@ class VolumeWorkload(Workload):
         # inplace: the reference model is not needed after, so its weights (a full-size dense
         # head on every rank until settle cuts it) are not copied
         model = spatialize(self.reference_model(), self.grid, check=self.job.model.check,
-                           inplace=True, **self.spatialize_kwargs())
+                           inplace=True, fuse_halos=self.job.model.fuse_halos,
+                           **self.spatialize_kwargs())
         p = self.job.model.params
         if p.get("tensor_parallel"):
             from hpcpar.nn.tensor_parallel import tensor_parallelize  # deferred: loads torch, numpy

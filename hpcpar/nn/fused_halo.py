@@ -1,0 +1,349 @@
+"""Fused halos: one exchange for a run of convolutions (``spatialize(..., fuse_halos=k)``).
+
+A run of stride-1, size-keeping convolutions (``padding=1`` with a 3x3x3 kernel, ``"same"``)
+with pointwise ops between them (activations, scaling) exchanges a halo per convolution.
+On small local volumes the exchanges' latency and the ranks' waiting for each other weigh
+more than the copies: fused, the first convolution of the run receives the COMBINED width
+of the run once and each later convolution computes on what its predecessor computed beyond
+this rank's own voxels (the overlap is computed twice, by this rank and by its neighbour,
+instead of being exchanged again). The result is exact, voxel for voxel: the extra voxels
+are the neighbour's own values, computed from the same inputs by the same kernels.
+
+How it runs under :func:`~hpcpar.nn.spatialize`'s dispatch:
+
+* The first convolution of a run takes the halo of all of its run (``reach`` items per side,
+  inner sides only; the global boundary is padded per convolution, as the single-process
+  model pads each layer) through one :func:`~hpcpar.parallel.halo.halo_stencil`, and returns
+  its output with a :class:`MarginLayout`: the piece plus the part of the reach not used yet.
+* A convolution given such a tensor pads only its global sides and convolves with no
+  exchange, using up its own halo of the margin; a pointwise op keeps the margin. When the
+  margin is used up the tensor is an ordinary split tensor again.
+* Anything else (a norm, a pool, a skip connection's add with an unfused tensor, the model's
+  output, :func:`~hpcpar.nn.local`) first crops the margin away: correct everywhere, the
+  margin's compute is then wasted.
+
+How long a run is: at most ``k`` convolutions, learned from the model's own dataflow. The
+first forward (``settle`` or the first step) assumes ``k`` alike; where a run ended earlier
+(cropped after ``j`` convolutions), the forwards after it take exactly the halo those ``j``
+used, so in steady state a run ends with its margin used up and nothing is cropped. A
+convolution whose run would be shorter than 2 is not fused. What was learned changes only at
+the start of a forward, so the recomputation of a checkpointed segment makes the exchanges
+its forward made. Decisions use only global facts (the layers, the global shape, the
+partition), so every rank takes the same ones.
+
+Cost: the run's extra voxels are computed on every convolution but the last; ``hpcpar
+plan`` adds that compute to its estimate (:func:`redundant_fraction`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from hpcpar.parallel.halo import HaloPlan, halo_stencil, input_layout, memory_format
+from hpcpar.parallel.partition import AxisHalo, conv_pads, part_range, split_sizes, torch_pad
+
+from .conv import ConvOp
+from .rules import Call, leaves, map_args
+from .split import Layout, SplitTensor, adopt
+
+__all__ = ["MarginLayout", "CONV_ARGS", "start", "margin_call", "crop", "redundant_fraction",
+           "check_setting"]
+
+#: ``F.conv3d``'s arguments by name, with the defaults of the trailing ones.
+CONV_ARGS = (("input", "weight", "bias", "stride", "padding", "dilation", "groups"),
+             (None, 1, 0, 1, 1))
+
+
+def check_setting(value, where: str = "fuse_halos") -> int:
+    """``fuse_halos`` as the longest run (1: off).
+
+    Raises:
+        LayerError: Not an integer >= 1.
+    """
+    from hpcpar.errors import LayerError
+
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise LayerError(f"{where}: expected the longest run of convolutions sharing one "
+                         f"halo exchange, an integer >= 1 (1: off), got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class MarginLayout(Layout):
+    """A split tensor that holds, beyond this rank's piece, up to ``reach`` items of its
+    neighbours' voxels on each inner side (the global boundary has none): the unused rest of
+    a fused run's halo. ``reach`` (per axis, low and high side) is the same on every rank;
+    ``run`` names the run (what the learning keys on) and how far it got."""
+
+    reach: tuple[tuple[int, int], ...] = ((0, 0),) * 3
+    run: tuple = ()   # (key, convolutions so far, halo used so far per axis)
+
+    def margins(self) -> tuple[tuple[int, int], ...]:
+        """This rank's own margins: the reach on inner sides, 0 on global ones."""
+        grid = self.ctx.grid
+        return tuple((r[0] if c > 0 else 0, r[1] if c < p - 1 else 0)
+                     for r, p, c in zip(self.reach, grid.spatial_shape, grid.spatial_coords))
+
+    def owned(self) -> Layout:
+        return Layout(self.ctx, self.sdims, self.gshape)
+
+
+# -- the learning -----------------------------------------------------------------------------
+def _learn(lay: MarginLayout) -> None:
+    """A run cropped before its margin was used up: the next forwards take only the halo it
+    used (applied at the next forward's start, :func:`settle_runs`)."""
+    key, convs, used = lay.run
+    lay.ctx.fuse_counts[1] += 1
+    seen = lay.ctx.fuse_seen
+    old = seen.get(key)
+    if old is None or convs < old[0]:
+        seen[key] = (convs, used)
+
+
+def settle_runs(ctx) -> None:
+    """At the start of an outermost forward: what the last forwards learned takes effect
+    (and the forward's counts of runs started and of margins cropped start at 0)."""
+    ctx.fuse_counts[:] = [0, 0]
+    if ctx.fuse_seen:
+        for key, (convs, used) in ctx.fuse_seen.items():
+            old = ctx.fuse_plan.get(key)
+            if old is None or convs < old[0]:
+                ctx.fuse_plan[key] = (convs, used)
+        ctx.fuse_seen.clear()
+
+
+# -- geometry ---------------------------------------------------------------------------------
+def _fusable(b, w) -> tuple[tuple[int, int], ...] | None:
+    """Per axis (low, high) padding of a stride-1 convolution whose output keeps the input's
+    size (what a run is made of), else None."""
+    k = tuple(w.shape[2:])
+    stride, dilation = _triple(b["stride"]), _triple(b["dilation"])
+    if stride != (1, 1, 1) or len(k) != 3:
+        return None
+    pads = tuple(conv_pads(b["padding"], a, k[a], dilation[a]) for a in range(3))
+    if any(lo + hi != dilation[a] * (k[a] - 1) or lo < 0 or hi < 0
+           for a, (lo, hi) in enumerate(pads)):
+        return None
+    return pads
+
+
+def _triple(v) -> tuple[int, ...]:
+    return (v,) * 3 if isinstance(v, int) else tuple(v)
+
+
+def _fits(reach, gshape, grid) -> bool:
+    """Every piece on a split axis holds at least the reach (ghosts come from the adjacent
+    rank only, and a run's margin never crosses the global boundary)."""
+    return all(p == 1 or min(split_sizes(n, p)) >= max(r)
+               for r, n, p in zip(reach, gshape, grid.spatial_shape))
+
+
+def _run_reach(ctx, key, pads, gshape):
+    """(convolutions, reach) of the run this convolution starts, or None (not fused)."""
+    grid = ctx.grid
+    split = [p > 1 for p in grid.spatial_shape]
+    planned = ctx.fuse_plan.get(key)
+    if planned is not None:
+        convs, used = planned
+        if convs < 2:
+            return None
+        reach = tuple(u if s else (0, 0) for u, s in zip(used, split))
+        return (convs, reach) if _fits(reach, gshape, grid) else None
+    for convs in range(ctx.fuse_halos, 1, -1):
+        reach = tuple((convs * lo, convs * hi) if s else (0, 0)
+                      for (lo, hi), s in zip(pads, split))
+        if _fits(reach, gshape, grid):
+            return convs, reach
+    return None
+
+
+def _plan(ctx, gshape, reach, pads) -> HaloPlan:
+    """The run's one exchange: ``reach`` items from each inner neighbour, the first
+    convolution's own padding on global sides (cached per geometry)."""
+    key = ("fused halo", gshape, reach, pads)
+    plan = ctx.twins.get(key)
+    if plan is None:
+        grid = ctx.grid
+        per_axis = []
+        for n, parts, (rlo, rhi), (plo, phi) in zip(gshape, grid.spatial_shape, reach, pads):
+            halos = []
+            for i in range(parts):
+                o0, o1 = part_range(n, parts, i)
+                lo, hi = (o0 - rlo if i > 0 else 0), (o1 + rhi if i < parts - 1 else n)
+                halos.append(AxisHalo(n, n, (o0, o1), (o0, o1), (lo, hi), o0 - lo, hi - o1,
+                                      plo if i == 0 else 0, phi if i == parts - 1 else 0))
+            per_axis.append(halos)
+        plan = ctx.twins[key] = HaloPlan.from_halos(grid, per_axis, "fused halo exchange")
+    return plan
+
+
+def _layout(lay: Layout, reach, run) -> Layout:
+    if not any(any(r) for r in reach):
+        return lay if type(lay) is Layout else Layout(lay.ctx, lay.sdims, lay.gshape)
+    return MarginLayout(lay.ctx, lay.sdims, lay.gshape, reach, run)
+
+
+# -- the ops ---------------------------------------------------------------------------------
+def start(call: Call, b, w, bias) -> torch.Tensor | None:
+    """The conv3d rule's first look (standard split input): start a run here, or None."""
+    ctx = call.ctx
+    x = b["input"]
+    lay = x._hp
+    pads = _fusable(b, w)
+    if pads is None or type(lay) is not Layout or not lay.standard or x.dim() != 5 or \
+            not any(any(p) for p, n in zip(pads, ctx.grid.spatial_shape) if n > 1):
+        return None   # (a 1x1x1 convolution, or nothing split: no halo to share)
+    # a run is known by its first convolution: its weight (a Parameter, the same object every
+    # step; one computed in forward is new each call, so its runs keep the first guess), the
+    # global shape and the geometry
+    key = (id(w), tuple(lay.gshape), pads, b["dilation"] if isinstance(b["dilation"], int)
+           else tuple(b["dilation"]))
+    got = _run_reach(ctx, key, pads, lay.gshape)
+    if got is None:
+        return None
+    _, reach = got
+    plan = _plan(ctx, lay.gshape, reach, pads)
+    left = tuple((r[0] - p[0], r[1] - p[1]) if any(r) else (0, 0)
+                 for r, p in zip(reach, pads))
+    out_shape = tuple(ax.result[1] - ax.result[0] - sum(p) for ax, p in zip(plan.axes, pads))
+    op = ConvOp((1, 1, 1), _triple(b["dilation"]), b["groups"], w.shape[0], out_shape,
+                tuple(w.shape[2:]))
+    out = halo_stencil(x, plan, op, w, bias)
+    ctx.fuse_counts[0] += 1
+    used = tuple(p if any(r) else (0, 0) for r, p in zip(reach, pads))
+    return adopt(out, _layout(lay, left, (key, 1, used)))
+
+
+def _go_on(call: Call) -> torch.Tensor | None:
+    """A convolution given a margin tensor: convolve without exchange when the margin holds
+    its halo, else None (cropped by the caller)."""
+    b = call.bind(*CONV_ARGS)
+    x = b["input"]
+    if not isinstance(x, SplitTensor) or type(x._hp) is not MarginLayout or \
+            any(t is not x for t in call.splits):
+        return None
+    w, bias = call.replicated(b["weight"]), call.replicated(b["bias"])
+    pads = _fusable(b, w)
+    lay = x._hp
+    if pads is None or any(any(r) and (r[0] < p[0] or r[1] < p[1])
+                           for r, p in zip(lay.reach, pads)):
+        return None
+    grid = call.ctx.grid
+    # padding on global sides only: an inner side reads the margin instead
+    own = tuple((p[0] if c == 0 else 0, p[1] if c == n - 1 else 0)
+                for p, n, c in zip(pads, grid.spatial_shape, grid.spatial_coords))
+    local = tuple(n + sum(o) - sum(p) for n, o, p in zip(x.shape_local[2:], own, pads))
+    op = ConvOp((1, 1, 1), _triple(b["dilation"]), b["groups"], w.shape[0], local,
+                tuple(w.shape[2:]))
+    out = _PaddedConv.apply(x, w, bias, torch_pad(own), op)
+    left = tuple((r[0] - p[0], r[1] - p[1]) if any(r) else (0, 0)
+                 for r, p in zip(lay.reach, pads))
+    key, convs, used = lay.run
+    used = tuple((u[0] + p[0], u[1] + p[1]) if any(r) else (0, 0)
+                 for u, r, p in zip(used, lay.reach, pads))
+    return adopt(out, _layout(lay, left, (key, convs + 1, used)))
+
+
+class _PaddedConv(torch.autograd.Function):
+    """Zero-pad (global sides), then a valid convolution by the spatial layers' own
+    :class:`~hpcpar.nn.conv.ConvOp` (its kernel routes: torch's slow CPU path avoided, the
+    input freed before its gradient); keeps the unpadded input for backward (the padded copy
+    is rebuilt there), so it holds no more than the plain layer."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, pad, op):
+        xp = F.pad(x, pad) if any(pad) else x
+        ctx.pad, ctx.op = pad, op
+        ctx.save_for_backward(x, weight, bias)
+        return op.forward(xp, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, bias = ctx.saved_tensors
+        pad, needs = ctx.pad, ctx.needs_input_grad
+        holder = [F.pad(x, pad) if any(pad) else x]
+        del x
+        gi, gw, gb = ctx.op.backward(holder, grad.contiguous(), (weight, bias), needs[:3])
+        if gi is not None and any(pad):
+            gi = F.pad(gi, [-p for p in pad])
+        return gi, gw, gb, None, None
+
+
+def _pointwise(call: Call, channelwise: bool = False) -> torch.Tensor | None:
+    """An elementwise op on margin tensors of one layout (and operands that broadcast over
+    every spatial dim, or act per channel): computed on the whole piece, margin kept; else
+    None."""
+    lay = call.splits[0]._hp
+    if any(t._hp != lay for t in call.splits):
+        return None
+    ndim = call.splits[0].dim()
+    for t in [] if channelwise else leaves(call.args, call.kwargs):
+        if isinstance(t, torch.Tensor) and not isinstance(t, SplitTensor):
+            if t.dim() > ndim or any(t.shape[d - ndim + t.dim()] != 1 for d in lay.sdims
+                                     if d - ndim + t.dim() >= 0):
+                return None
+    args, kwargs = call.plain()
+    out = call.func(*args, **kwargs)
+    first = call.args[0] if call.args else None
+    if isinstance(first, SplitTensor) and args and out is args[0]:
+        return first   # in place
+    if isinstance(out, torch.Tensor) and not isinstance(out, SplitTensor) and \
+            out.dim() == ndim and out.shape[2:] == call.splits[0].shape_local[2:]:
+        return adopt(out, lay)
+    return None
+
+
+def crop(t: SplitTensor, learn: bool = True) -> SplitTensor:
+    """A margin tensor as this rank's piece (a copy; gradients flow to the margin's owner
+    through the run's exchange). ``learn``: the run ends here (not so for a look at the
+    piece, :func:`~hpcpar.nn.local` or the first-step check's)."""
+    lay = t._hp
+    assert isinstance(lay, MarginLayout)   # what every caller checked
+    if learn:
+        _learn(lay)
+    with torch._C.DisableTorchFunction():
+        p = t.as_subclass(torch.Tensor)
+        fmt = memory_format(input_layout(p))
+        for d, (lo, hi) in zip(lay.sdims, lay.margins()):
+            if lo or hi:
+                p = p.narrow(d, lo, p.shape[d] - lo - hi)
+        p = p.contiguous(memory_format=fmt)
+    return adopt(p, lay.owned())
+
+
+def margin_call(call: Call, rule, kind: str | None, redo):
+    """A call with a margin tensor among its arguments (module docstring): a convolution
+    goes on without exchange, a pointwise op keeps the margin, a question about the tensor
+    (``kind`` "keep": its global shape, dtype, printing) is answered by ``rule``; anything
+    else is ``redo(func, args, kwargs)``ne on the cropped pieces."""
+    if kind == "keep":
+        return rule(call)
+    if kind == "conv":
+        out = _go_on(call)
+    elif kind in ("pointwise", "channelwise"):
+        out = _pointwise(call, kind == "channelwise")
+    else:
+        out = None
+    if out is not None:
+        return out
+    args, kwargs = map_args(lambda a: crop(a) if isinstance(a, SplitTensor) and
+                            type(a._hp) is MarginLayout else a, call.args, call.kwargs)
+    return redo(call.func, args, kwargs)
+
+
+def redundant_fraction(local: tuple[int, ...], reach: tuple[tuple[int, int], ...],
+                       convs: int) -> float:
+    """Extra voxels computed by a fused run of ``convs`` alike convolutions, as a fraction of
+    the unfused run's: the planner's cost of fusing (every convolution but the last computes
+    the margin it leaves to the next)."""
+    base = math.prod(local) * convs
+    extra = 0.0
+    for j in range(1, convs):   # after the j-th convolution, (convs - j) / convs of the reach
+        frac = (convs - j) / convs
+        extra += math.prod(n + frac * (lo + hi) for n, (lo, hi) in zip(local, reach)) - \
+            math.prod(local)
+    return extra / base

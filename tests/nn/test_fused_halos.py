@@ -1,0 +1,134 @@
+"""Fused halos (``spatialize(..., fuse_halos=k)``, hpcpar.nn.fused_halo): runs of
+convolutions sharing one exchange are exact against single-process torch (output and every
+gradient, float64) on split grids with uneven and thin pieces, on the first forward (the
+guess) and after it learned where runs end; in steady state no margin is cropped; with
+activation checkpointing the recomputation sends no message; a bad setting is one line."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from hpcpar.testing import mpi_case
+from hpcpar.testing.oracles import on_grids, randn, spatial_slices
+
+TOL = 1e-11
+
+
+class Stack(nn.Module):
+    """Four 3^3 convolutions with module, functional and in-place activations between."""
+
+    def __init__(self, c=3, dilation=1):
+        super().__init__()
+        self.convs = nn.ModuleList(nn.Conv3d(c, c, 3, padding=dilation, dilation=dilation)
+                                   for _ in range(4))
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        x = self.act(self.convs[0](x))
+        x = F.leaky_relu(self.convs[1](x), 0.1) * 0.5
+        x = torch.sigmoid(self.convs[2](x))
+        return self.convs[3](x)
+
+
+class Residual(nn.Module):
+    """A residual block with batch norm: the run is cropped at the add and at the norm."""
+
+    def __init__(self, c=3):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv3d(c, c, 3, padding=1), nn.ReLU(),
+                                  nn.Conv3d(c, c, 3, padding="same"), nn.GELU(),
+                                  nn.Conv3d(c, c, 3, padding=1))
+        self.bn = nn.BatchNorm3d(c)
+
+    def forward(self, x):
+        return F.max_pool3d(torch.tanh(self.bn(self.body(x) + x)), 2)
+
+
+def _check(grid, factory, shape, fuse, steps=2, segments=None):
+    """Every step's output and gradients equal one process's (with ``segments``: under
+    activation checkpointing); returns the spatial model."""
+    from hpcpar.nn import local, spatialize
+    from hpcpar.parallel.comm import allreduce_
+
+    torch.manual_seed(0)
+    plain = factory().double()
+    x = randn(shape, 1, torch.float64).requires_grad_(True)
+    ref = plain(x)
+    ref.square().sum().backward()
+    sp = spatialize(copy.deepcopy(plain), grid, fuse_halos=fuse)
+    if segments:
+        from hpcpar.nn.checkpointing import checkpoint_activations
+
+        checkpoint_activations(sp, segments)
+    mine = spatial_slices(shape[2:], grid)
+    for step in range(steps):
+        for p in sp.parameters():
+            p.grad = None
+        xl = x.detach()[mine].clone().requires_grad_(True)
+        out = sp(xl)
+        out.square().sum().backward()
+        what = f"{factory.__name__} fuse {fuse} on {grid.spec()}, step {step}"
+        want = ref.detach()[spatial_slices(ref.shape[2:], grid)]
+        assert (local(out).detach() - want).abs().max() <= TOL * want.abs().max(), what
+        assert (xl.grad - x.grad[mine]).abs().max() <= TOL * x.grad.abs().max(), what
+        for (name, p), q in zip(sp.named_parameters(), plain.parameters()):
+            g = allreduce_(p.grad.clone(), grid.spatial_comm)
+            scale = max(float(q.grad.abs().max()), 1.0)
+            assert float((g - q.grad).abs().max()) <= TOL * scale, f"{what}: grad {name}"
+    return sp
+
+
+def _cases(grid):
+    from hpcpar.parallel.counters import COUNTERS
+
+    for fuse in (2, 3, 5):
+        # 13 on x: uneven pieces; 1x3x1x1 gives pieces of 5, 4, 4 (a run of 5 does not fit)
+        sp = _check(grid, Stack, (1, 3, 13, 12, 11), fuse)
+        runs, crops = sp._hpcpar_split.fuse_counts
+        # after the first forward the runs end with their margin used up: nothing cropped
+        want = {2: 2, 3: 1, 5: 1}[fuse] if grid.spatial_size > 1 else 0
+        assert (runs, crops) == (want, 0), (fuse, grid.spec(), runs, crops)
+    _check(grid, lambda: Stack(dilation=2), (1, 3, 14, 12, 13), 3)
+    _check(grid, Residual, (2, 3, 12, 10, 10), 3)
+    # activation checkpointing: a run crosses the segments' boundary, and the recomputation
+    # makes the forward's exchanges from its faces (no message)
+    def chain():
+        return nn.Sequential(*[m for _ in range(4) for m in (nn.Conv3d(2, 2, 3, padding=1),
+                                                               nn.ReLU())])
+    before = COUNTERS.recompute_msgs
+    sp = _check(grid, chain, (1, 2, 11, 10, 9), 4, segments=2)
+    assert COUNTERS.recompute_msgs == before
+    runs, crops = sp._hpcpar_split.fuse_counts   # the recomputation starts the run again
+    assert (runs, crops) == ((2, 0) if grid.spatial_size > 1 else (0, 0)), (runs, crops)
+
+
+@mpi_case(nprocs=(4,), timeout=600)
+def test_fused_runs_are_exact_and_learn_where_they_end(comm):
+    on_grids(comm, [(1, 2, 1, 1), (1, 2, 2, 1), (1, 1, 2, 2), (1, 3, 1, 1), (1, 1, 1, 1)],
+             _cases)
+
+
+@pytest.mark.parametrize("value", [0, -1, True, "3", 2.0])
+def test_a_bad_setting_is_one_line(value):
+    from hpcpar.errors import LayerError
+    from hpcpar.nn import spatialize
+    from hpcpar.testing.oracles import one_rank_grid
+
+    with pytest.raises(LayerError, match=r"^fuse_halos: expected .* got ") as err:
+        spatialize(Stack(), one_rank_grid(), fuse_halos=value)
+    assert "\n" not in str(err.value)
+
+
+def test_redundant_fraction():
+    from hpcpar.nn.fused_halo import redundant_fraction
+
+    # one split axis, 2 convolutions of halo 1 each: the first computes one extra plane per
+    # side (2 of 32, a rank with neighbours on both sides): 1/16 of one layer, 1/32 of two
+    assert redundant_fraction((32, 32, 32), ((2, 2), (0, 0), (0, 0)), 2) == pytest.approx(
+        1 / 32)
+    assert redundant_fraction((32, 32, 32), ((0, 0),) * 3, 4) == 0.0
