@@ -19,6 +19,7 @@ from torch.overrides import TorchFunctionMode
 from . import fused_halo, optable
 from . import rules as _rules
 from .rules import FAST, Call, leaves
+from .spatial_ops import batch_norm as _batch_norm
 from .spatial_ops import conv3d as _conv3d
 from .split import FlatLayout, SplitTensor, set_handler
 from .split_head import flat_rule
@@ -76,7 +77,7 @@ def handle(func, args, kwargs, ctx=None):
 #: How a rule meets a tensor holding a fused run's margin (:mod:`hpcpar.nn.fused_halo`);
 #: any rule not named here gets the cropped piece.
 _MARGIN_KIND = {_conv3d: "conv", _rules.pointwise: "pointwise",
-                _rules.channelwise: "channelwise",
+                _rules.channelwise: "channelwise", _batch_norm: "batch_norm",
                 **dict.fromkeys((_rules.global_size, _rules.global_numel, _rules.global_len,
                                  _rules.as_plain, _rules.attribute), "keep")}
 

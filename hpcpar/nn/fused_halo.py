@@ -1,7 +1,8 @@
 """Fused halos: one exchange for a run of convolutions (``spatialize(..., fuse_halos=k)``).
 
 A run of stride-1, size-keeping convolutions (``padding=1`` with a 3x3x3 kernel, ``"same"``)
-with pointwise ops between them (activations, scaling) exchanges a halo per convolution.
+with pointwise ops (activations, scaling) and batch norms between them exchanges a halo per
+convolution.
 On small local volumes the exchanges' latency and the ranks' waiting for each other weigh
 more than the copies: fused, the first convolution of the run receives the COMBINED width
 of the run once and each later convolution computes on what its predecessor computed beyond
@@ -16,9 +17,12 @@ How it runs under :func:`~hpcpar.nn.spatialize`'s dispatch:
   model pads each layer) through one :func:`~hpcpar.parallel.halo.halo_stencil`, and returns
   its output with a :class:`MarginLayout`: the piece plus the part of the reach not used yet.
 * A convolution given such a tensor pads only its global sides and convolves with no
-  exchange, using up its own halo of the margin; a pointwise op keeps the margin. When the
-  margin is used up the tensor is an ordinary split tensor again.
-* Anything else (a norm, a pool, a skip connection's add with an unfused tensor, the model's
+  exchange, using up its own halo of the margin; a pointwise op keeps the margin, and so
+  does batch norm (statistics of the owned voxels only, applied to every voxel; in backward
+  a margin voxel's gradient is its direct part, its share of the statistics' gradient goes
+  to the owners through the sums). When the margin is used up the tensor is an ordinary
+  split tensor again.
+* Anything else (another norm, a pool, a skip connection's add with an unfused tensor, the model's
   output, :func:`~hpcpar.nn.local`) first crops the margin away: correct everywhere, the
   margin's compute is then wasted.
 
@@ -315,6 +319,32 @@ def crop(t: SplitTensor, learn: bool = True) -> SplitTensor:
     return adopt(p, lay.owned())
 
 
+def _batch_norm(call: Call) -> torch.Tensor | None:
+    """Batch norm of a margin tensor: statistics of the owned voxels (the same global ones
+    as unfused), every voxel normalised, margin kept; eval mode with running statistics is
+    per channel. None (cropped) for a tensor split otherwise."""
+    from .norm import _GlobalBatchNorm
+
+    b = call.bind(("input", "running_mean", "running_var", "weight", "bias", "training",
+                   "momentum", "eps"), (None, None, False, 0.1, 1e-5))
+    x = b["input"]
+    if not isinstance(x, SplitTensor) or any(t is not x for t in call.splits) or \
+            x.dim() != 5:
+        return None
+    if not b["training"] and b["running_mean"] is not None:
+        return _pointwise(call, channelwise=True)
+    lay = x._hp
+    assert isinstance(lay, MarginLayout)   # only margin tensors come here
+    grid = call.ctx.grid
+    owned = (slice(None), slice(None), *(slice(lo, n - hi) for (lo, hi), n in
+                                         zip(lay.margins(), x.shape_local[2:])))
+    comm = grid.comm if call.ctx.bn_include_data else grid.spatial_comm
+    out = _GlobalBatchNorm.apply(x, call.replicated(b["weight"]), call.replicated(b["bias"]),
+                                 b["running_mean"], b["running_var"], b["momentum"], b["eps"],
+                                 comm, "batch_norm", owned)
+    return adopt(out, lay)
+
+
 def margin_call(call: Call, rule, kind: str | None, redo):
     """A call with a margin tensor among its arguments (module docstring): a convolution
     goes on without exchange, a pointwise op keeps the margin, a question about the tensor
@@ -326,6 +356,8 @@ def margin_call(call: Call, rule, kind: str | None, redo):
         out = _go_on(call)
     elif kind in ("pointwise", "channelwise"):
         out = _pointwise(call, kind == "channelwise")
+    elif kind == "batch_norm":
+        out = _batch_norm(call)
     else:
         out = None
     if out is not None:

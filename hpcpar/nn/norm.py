@@ -44,23 +44,29 @@ class _GlobalBatchNorm(torch.autograd.Function):
     the step's memory traffic, not the per-channel sums, is what costs on a CPU."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps, comm, name):
+    def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps, comm, name,
+                owned=None):
+        # owned: the region of x this rank owns when x also holds a fused run's margin
+        # (hpcpar.nn.fused_halo): the statistics are of owned voxels only, every voxel is
+        # normalised, and in backward a margin voxel's gradient is only its direct part (its
+        # share of the statistics' gradient reaches the owner through the sums)
         acc = _acc_dtype(x.dtype)
         C = x.shape[1]
         dims = [0] + list(range(2, x.dim()))
         view = (1, C) + (1,) * (x.dim() - 2)
         xa = x.detach().to(acc)
+        xs = xa if owned is None else xa[owned]
         # float64 on the wire: sums of many partial sums, and counts above 2**24 stay exact
         first = torch.empty(C + 1, dtype=torch.float64, device=x.device)
-        first[:C] = xa.sum(dims)
-        first[C] = x.numel() // C if C else 0
+        first[:C] = xs.sum(dims)
+        first[C] = xs.numel() // C if C else 0
         allreduce_(first, comm)
         count = int(round(first[C].item()))
         if count <= 1:
             raise LayerError(f"{name}: expected more than 1 value per channel when training, "
                              f"got {count} over the whole group (input {tuple(x.shape)})")
         mean = (first[:C] / count).to(acc)
-        m2 = (xa - mean.view(view)).square_().sum(dims).double()   # two-pass: exact
+        m2 = (xs - mean.view(view)).square_().sum(dims).double()   # two-pass: exact
         allreduce_(m2, comm)
         var = m2 / count
         if running_mean is not None:
@@ -75,7 +81,7 @@ class _GlobalBatchNorm(torch.autograd.Function):
         # x as a plain alias: a split tensor's piece (hpcpar.nn.split) would send every op
         # of the backward through its __torch_function__ (~2 us each, ten per call)
         ctx.save_for_backward(x.detach(), weight, mean, var)
-        ctx.count, ctx.comm, ctx.eps = count, comm, eps
+        ctx.count, ctx.comm, ctx.eps, ctx.owned = count, comm, eps, owned
         ctx.has_bias = bias is not None
         return y.to(x.dtype)
 
@@ -102,10 +108,16 @@ class _GlobalBatchNorm(torch.autograd.Function):
             mean_dy, mean_dy_xhat = (total / ctx.count).to(acc)
             scale = torch.rsqrt(var + ctx.eps) * w
             # dx = scale·(dy - mean_dy - x̂·mean_dy_xhat): the x̂ part is one eval-mode pass
-            dx = F.batch_norm(xa, mean, var, -scale * mean_dy_xhat, -scale * mean_dy, False,
-                              0.0, ctx.eps)
-            dx = dx.addcmul_(dya, scale.view(view)).to(x.dtype)
-        return dx, d_weight, d_bias, None, None, None, None, None, None
+            own = ctx.owned
+            part = F.batch_norm(xa if own is None else xa[own], mean, var,
+                                -scale * mean_dy_xhat, -scale * mean_dy, False, 0.0, ctx.eps)
+            if own is None:
+                dx = part.addcmul_(dya, scale.view(view)).to(x.dtype)
+            else:   # margin voxels: the direct part only (see forward)
+                dx = dya * scale.view(view)
+                dx[own] += part
+                dx = dx.to(x.dtype)
+        return dx, d_weight, d_bias, None, None, None, None, None, None, None
 
 
 class SpatialBatchNorm3d(SpatialModule, nn.BatchNorm3d):

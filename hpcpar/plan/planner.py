@@ -348,8 +348,8 @@ def _widths(layer: Layer, parts) -> list[int]:
 def fused_runs(layers: Sequence[Layer], k: int, parts) -> dict[int, tuple[int, int]]:
     """Which convolutions share one exchange under ``[model] fuse_halos = k``
     (:mod:`hpcpar.nn.fused_halo`): layer index -> (its place in its run from 1, the run's
-    convolutions). A run is split, size-keeping convolutions with only pointwise layers
-    between them, at most ``k``, and no wider than the thinnest piece holds."""
+    convolutions). A run is split, size-keeping convolutions with only pointwise layers and
+    batch norms between them, at most ``k``, and no wider than the thinnest piece holds."""
     out: dict[int, tuple[int, int]] = {}
     if k < 2 or math.prod(parts) == 1:
         return out
@@ -374,7 +374,7 @@ def fused_runs(layers: Sequence[Layer], k: int, parts) -> dict[int, tuple[int, i
         if layer.kind == "conv" and layer.spatial and layer.halo and \
                 layer.in_shape[1:] == layer.out_shape[1:] and any(_widths(layer, parts)):
             run.append(i)
-        elif layer.kind != "pointwise":
+        elif layer.kind not in ("pointwise", "bn"):
             close()
     close()
     return out
