@@ -199,8 +199,11 @@ def start(call: Call, b, w, bias) -> torch.Tensor | None:
     lay = x._hp
     pads = _fusable(b, w)
     if pads is None or type(lay) is not Layout or not lay.standard or x.dim() != 5 or \
-            not any(any(p) for p, n in zip(pads, ctx.grid.spatial_shape) if n > 1):
-        return None   # (a 1x1x1 convolution, or nothing split: no halo to share)
+            not any(any(p) for p, n in zip(pads, ctx.grid.spatial_shape) if n > 1) or \
+            torch.is_autocast_enabled(x.device.type):
+        # a 1x1x1 convolution or nothing split: no halo to share; under autocast (bf16,
+        # fp16 jobs) the layers' own casting path runs instead
+        return None
     # a run is known by its first convolution: its weight (a Parameter, the same object every
     # step; one computed in forward is new each call, so its runs keep the first guess), the
     # global shape and the geometry

@@ -171,3 +171,24 @@ def test_redundant_fraction():
     assert redundant_fraction((32, 32, 32), ((2, 2), (0, 0), (0, 0)), 2) == pytest.approx(
         1 / 32)
     assert redundant_fraction((32, 32, 32), ((0, 0),) * 3, 4) == 0.0
+
+
+@mpi_case(nprocs=(2,), timeout=300)
+def test_autocast_runs_unfused(comm):
+    """Under autocast (bf16 jobs) no run starts: the layers' own casting path runs, and the
+    result is the unfused one."""
+    def each(grid):
+        from hpcpar.nn import local, spatialize
+
+        torch.manual_seed(0)
+        plain = Stack()
+        x = randn((1, 3, 10, 8, 8), 1)[spatial_slices((10, 8, 8), grid)]
+        outs = []
+        for fuse in (1, 3):
+            sp = spatialize(copy.deepcopy(plain), grid, fuse_halos=fuse)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                outs.append(local(sp(x)))
+            assert sp._hpcpar_split.fuse_counts == [0, 0]
+        assert torch.equal(outs[0], outs[1])
+
+    on_grids(comm, [(1, 2, 1, 1)], each)
