@@ -47,12 +47,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hpcpar.errors import LayerError
 from hpcpar.parallel.halo import HaloPlan, halo_stencil, input_layout, memory_format
 from hpcpar.parallel.partition import AxisHalo, conv_pads, part_range, split_sizes, torch_pad
 
 from .conv import ConvOp
+from .norm import _GlobalBatchNorm
 from .rules import Call, leaves, map_args
-from .split import Layout, SplitTensor, adopt
+from .split import Layout, SplitTensor, adopt, set_crop
 
 __all__ = ["MarginLayout", "CONV_ARGS", "start", "margin_call", "crop", "redundant_fraction",
            "check_setting"]
@@ -68,8 +70,6 @@ def check_setting(value, where: str = "fuse_halos") -> int:
     Raises:
         LayerError: Not an integer >= 1.
     """
-    from hpcpar.errors import LayerError
-
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise LayerError(f"{where}: expected the longest run of convolutions sharing one "
                          f"halo exchange, an integer >= 1 (1: off), got {value!r}")
@@ -326,8 +326,6 @@ def _batch_norm(call: Call) -> torch.Tensor | None:
     """Batch norm of a margin tensor: statistics of the owned voxels (the same global ones
     as unfused), every voxel normalised, margin kept; eval mode with running statistics is
     per channel. None (cropped) for a tensor split otherwise."""
-    from .norm import _GlobalBatchNorm
-
     b = call.bind(("input", "running_mean", "running_var", "weight", "bias", "training",
                    "momentum", "eps"), (None, None, False, 0.1, 1e-5))
     x = b["input"]
@@ -382,3 +380,6 @@ def redundant_fraction(local: tuple[int, ...], reach: tuple[tuple[int, int], ...
         extra += math.prod(n + frac * (lo + hi) for n, (lo, hi) in zip(local, reach)) - \
             math.prod(local)
     return extra / base
+
+
+set_crop(lambda t: crop(t, learn=False))   # unwrap()/local(): a look at the piece, not a run's end

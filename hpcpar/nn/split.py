@@ -132,6 +132,17 @@ def _unset(func, args, kwargs):
 _HANDLE = _unset
 
 
+def set_crop(crop) -> None:
+    """How :func:`unwrap` makes a fused run's margin tensor this rank's piece:
+    :func:`hpcpar.nn.fused_halo.crop`, set when that module is imported (it imports this one,
+    and it made every such tensor)."""
+    global _CROP
+    _CROP = crop
+
+
+_CROP = None
+
+
 def wrap(t: torch.Tensor, layout: Layout) -> SplitTensor:
     """``t`` (a plain local piece) as a split tensor with ``layout`` (autograd-transparent)."""
     with torch._C.DisableTorchFunction():
@@ -165,9 +176,7 @@ def unwrap(t):
     fused run's margin (:mod:`hpcpar.nn.fused_halo`) is cropped to this rank's piece first."""
     if isinstance(t, SplitTensor):
         if hasattr(t._hp, "reach"):
-            from .fused_halo import crop  # imports this module
-
-            t = crop(t, learn=False)
+            t = _CROP(t)
         with torch._C.DisableTorchFunction():
             return t.as_subclass(torch.Tensor)
     return t
