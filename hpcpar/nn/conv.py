@@ -193,11 +193,16 @@ class SpatialConv3d(SpatialModule, nn.Conv3d):
     def spatial_forward(self, x, weight, bias, gshape=None) -> torch.Tensor:
         """The forward with given parameters (``F.conv3d`` on a split tensor comes here)."""
         entry = self.spatial_plan(x, gshape)
-        spec = entry.extra.boundary
-        if spec is not None and not torch.is_autocast_enabled(x.device.type) and \
-                (x.device.type != "cpu" or spec.fast(x.shape[0])):
-            return boundary_conv(x, weight, bias, spec)
+        if self.boundary_path(x, entry):
+            return boundary_conv(x, weight, bias, entry.extra.boundary)
         return halo_stencil(x, entry.halo, entry.extra, weight, bias)
+
+    def boundary_path(self, x, entry) -> bool:
+        """Whether ``x`` takes the boundary path (faces travel while the interior computes;
+        one split axis, and not where torch's slow CPU kernel would run the pieces)."""
+        spec = entry.extra.boundary
+        return spec is not None and not torch.is_autocast_enabled(x.device.type) and \
+            (x.device.type != "cpu" or spec.fast(x.shape[0]))
 
 
 class ConvTransposeOp(StencilOp):

@@ -26,6 +26,10 @@ How it runs under :func:`~hpcpar.nn.spatialize`'s dispatch:
   output, :func:`~hpcpar.nn.local`) first crops the margin away: correct everywhere, the
   margin's compute is then wasted.
 
+A convolution that takes its layer's one-axis boundary path (faces sent while the interior
+computes) does not start a run: that path already hides the exchange, and the run's general
+path lost to it (the conv3d rule asks first).
+
 How long a run is: at most ``k`` convolutions, learned from the model's own dataflow. The
 first forward (``settle`` or the first step) assumes ``k`` alike; where a run ended earlier
 (cropped after ``j`` convolutions), the forwards after it take exactly the halo those ``j``
@@ -273,8 +277,10 @@ class _PaddedConv(torch.autograd.Function):
         x, weight, bias = ctx.saved_tensors
         pad, needs = ctx.pad, ctx.needs_input_grad
         holder = [F.pad(x, pad) if any(pad) else x]
+        fmt = memory_format(input_layout(holder[0]))   # the input's order (channels-last)
         del x
-        gi, gw, gb = ctx.op.backward(holder, grad.contiguous(), (weight, bias), needs[:3])
+        gi, gw, gb = ctx.op.backward(holder, grad.contiguous(memory_format=fmt),
+                                     (weight, bias), needs[:3])
         if gi is not None and any(pad):
             gi = F.pad(gi, [-p for p in pad])
         return gi, gw, gb, None, None
