@@ -22,9 +22,9 @@ How it runs under :func:`~hpcpar.nn.spatialize`'s dispatch:
   a margin voxel's gradient is its direct part, its share of the statistics' gradient goes
   to the owners through the sums). When the margin is used up the tensor is an ordinary
   split tensor again.
-* Anything else (another norm, a pool, a skip connection's add with an unfused tensor, the model's
-  output, :func:`~hpcpar.nn.local`) first crops the margin away: correct everywhere, the
-  margin's compute is then wasted.
+* Anything else (another norm, a pool, a skip connection's add with an unfused tensor, the
+  model's output, :func:`~hpcpar.nn.local`) first crops the margin away: correct everywhere,
+  the margin's compute is then wasted.
 
 A convolution that takes its layer's one-axis boundary path (faces sent while the interior
 computes) does not start a run: that path already hides the exchange, and the run's general
@@ -40,7 +40,8 @@ its forward made. Decisions use only global facts (the layers, the global shape,
 partition), so every rank takes the same ones.
 
 Cost: the run's extra voxels are computed on every convolution but the last; ``hpcpar
-plan`` adds that compute to its estimate (:func:`redundant_fraction`).
+plan`` counts a run as one exchange and adds that compute to its estimate
+(``hpcpar.plan.planner.fused_runs``); :func:`redundant_fraction` gives it for one run.
 """
 
 from __future__ import annotations
