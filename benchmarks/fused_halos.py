@@ -14,7 +14,7 @@ model's output and every weight gradient are compared with the unfused model's o
 input (float32; the extra voxels are computed by other kernels' blocking, so the bound is a
 rounding one, printed). One compute thread per rank; with more ranks than cores the ranks
 share them (printed). Also printed: the redundant compute the planner charges for each run
-(``hpcpar.nn.fused_halo.redundant_fraction``), and the halo bytes each rank sends per step.
+(``hpcpar.plan.planner.redundant_fraction``), and the halo bytes each rank sends per step.
 """
 
 from __future__ import annotations
@@ -64,20 +64,16 @@ def _summed(grads, grid):
 
 
 def _time(model, x, comm, repeat: int) -> float:
+    from mpi4py import MPI
+
     _step(model, x)
     times = []
     for _ in range(repeat):
         quiet_barrier(comm)
         t0 = time.perf_counter()
         _step(model, x)
-        times.append(comm.allreduce(time.perf_counter() - t0, op=_max()))
+        times.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
     return statistics.median(times)
-
-
-def _max():
-    from mpi4py import MPI
-
-    return MPI.MAX
 
 
 def _halo_bytes(model, x) -> int:
@@ -105,9 +101,10 @@ def main() -> int:
     import torch
     from mpi4py import MPI
 
-    from hpcpar.nn import fused_halo, spatialize
+    from hpcpar.nn import spatialize
     from hpcpar.parallel.grid import ProcessGrid
     from hpcpar.parallel.partition import part_range
+    from hpcpar.plan.planner import redundant_fraction
 
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
@@ -156,8 +153,8 @@ def main() -> int:
         record["rounds"][spec] = times
         for k in models:
             speed = [a / b for a, b in zip(times[1], times[k])]
-            reach = tuple((k, k) if p > 1 else (0, 0) for p in grid.spatial_shape)
-            extra = fused_halo.redundant_fraction((args.local,) * 3, reach, k) if k > 1 else 0
+            widths = [int(p > 1) for p in grid.spatial_shape]   # 3^3, padding 1
+            extra = redundant_fraction((args.local,) * 3, widths, k)
             rows.append((spec, k, statistics.median(times[k]), statistics.median(speed),
                          spread(speed), sent[k] / 2**20, extra, checks.get(k)))
     say(f"{'grid':>8} {'fuse':>4} {'step s':>8} {'vs fuse 1':>9} {'spread':>11} "

@@ -41,12 +41,11 @@ partition), so every rank takes the same ones.
 
 Cost: the run's extra voxels are computed on every convolution but the last; ``hpcpar
 plan`` counts a run as one exchange and adds that compute to its estimate
-(``hpcpar.plan.planner.fused_runs``); :func:`redundant_fraction` gives it for one run.
+(``hpcpar.plan.planner.fused_runs``, ``redundant_fraction``).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -54,15 +53,15 @@ import torch.nn.functional as F
 
 from hpcpar.errors import LayerError
 from hpcpar.parallel.halo import HaloPlan, halo_stencil, input_layout, memory_format
-from hpcpar.parallel.partition import AxisHalo, conv_pads, part_range, split_sizes, torch_pad
+from hpcpar.parallel.partition import axis_halo, conv_pads, split_sizes, torch_pad
 
+from ._base import triple
 from .conv import ConvOp
 from .norm import _GlobalBatchNorm
 from .rules import Call, leaves, map_args
 from .split import Layout, SplitTensor, adopt, set_crop
 
-__all__ = ["MarginLayout", "CONV_ARGS", "start", "margin_call", "crop", "redundant_fraction",
-           "check_setting"]
+__all__ = ["MarginLayout", "CONV_ARGS", "start", "margin_call", "crop", "check_setting"]
 
 #: ``F.conv3d``'s arguments by name, with the defaults of the trailing ones.
 CONV_ARGS = (("input", "weight", "bias", "stride", "padding", "dilation", "groups"),
@@ -130,7 +129,7 @@ def _fusable(b, w) -> tuple[tuple[int, int], ...] | None:
     """Per axis (low, high) padding of a stride-1 convolution whose output keeps the input's
     size (what a run is made of), else None."""
     k = tuple(w.shape[2:])
-    stride, dilation = _triple(b["stride"]), _triple(b["dilation"])
+    stride, dilation = triple(b["stride"], "stride", "conv3d"), _dilation(b)
     if stride != (1, 1, 1) or len(k) != 3:
         return None
     pads = tuple(conv_pads(b["padding"], a, k[a], dilation[a]) for a in range(3))
@@ -140,8 +139,8 @@ def _fusable(b, w) -> tuple[tuple[int, int], ...] | None:
     return pads
 
 
-def _triple(v) -> tuple[int, ...]:
-    return (v,) * 3 if isinstance(v, int) else tuple(v)
+def _dilation(b) -> tuple[int, int, int]:
+    return triple(b["dilation"], "dilation", "conv3d")
 
 
 def _fits(reach, gshape, grid) -> bool:
@@ -152,7 +151,7 @@ def _fits(reach, gshape, grid) -> bool:
 
 
 def _run_reach(ctx, key, pads, gshape):
-    """(convolutions, reach) of the run this convolution starts, or None (not fused)."""
+    """The reach of the run this convolution starts, or None (not fused)."""
     grid = ctx.grid
     split = [p > 1 for p in grid.spatial_shape]
     planned = ctx.fuse_plan.get(key)
@@ -161,12 +160,12 @@ def _run_reach(ctx, key, pads, gshape):
         if convs < 2:
             return None
         reach = tuple(u if s else (0, 0) for u, s in zip(used, split))
-        return (convs, reach) if _fits(reach, gshape, grid) else None
+        return reach if _fits(reach, gshape, grid) else None
     for convs in range(ctx.fuse_halos, 1, -1):
         reach = tuple((convs * lo, convs * hi) if s else (0, 0)
                       for (lo, hi), s in zip(pads, split))
         if _fits(reach, gshape, grid):
-            return convs, reach
+            return reach
     return None
 
 
@@ -178,16 +177,19 @@ def _plan(ctx, gshape, reach, pads) -> HaloPlan:
     if plan is None:
         grid = ctx.grid
         per_axis = []
-        for n, parts, (rlo, rhi), (plo, phi) in zip(gshape, grid.spatial_shape, reach, pads):
-            halos = []
-            for i in range(parts):
-                o0, o1 = part_range(n, parts, i)
-                lo, hi = (o0 - rlo if i > 0 else 0), (o1 + rhi if i < parts - 1 else n)
-                halos.append(AxisHalo(n, n, (o0, o1), (o0, o1), (lo, hi), o0 - lo, hi - o1,
-                                      plo if i == 0 else 0, phi if i == parts - 1 else 0))
-            per_axis.append(halos)
+        for n, parts, r, p in zip(gshape, grid.spatial_shape, reach, pads):
+            # inner sides read the reach, global sides the first convolution's padding
+            per_axis.append([axis_halo(n, n, parts, i, _reads(r[0] if i > 0 else p[0],
+                                                              r[1] if i < parts - 1 else p[1]))
+                             for i in range(parts)])
         plan = ctx.twins[key] = HaloPlan.from_halos(grid, per_axis, "fused halo exchange")
     return plan
+
+
+def _reads(lo: int, hi: int):
+    """``(out_start, out_stop) -> the inputs read``: the outputs' own range widened by ``lo``
+    and ``hi`` (what :func:`~hpcpar.parallel.partition.axis_halo` asks)."""
+    return lambda start, stop: (start - lo, stop + hi)
 
 
 def _layout(lay: Layout, reach, run) -> Layout:
@@ -212,22 +214,31 @@ def start(call: Call, b, w, bias) -> torch.Tensor | None:
     # a run is known by its first convolution: its weight (a Parameter, the same object every
     # step; one computed in forward is new each call, so its runs keep the first guess), the
     # global shape and the geometry
-    key = (id(w), tuple(lay.gshape), pads, b["dilation"] if isinstance(b["dilation"], int)
-           else tuple(b["dilation"]))
-    got = _run_reach(ctx, key, pads, lay.gshape)
-    if got is None:
+    key = (id(w), tuple(lay.gshape), pads, _dilation(b))
+    reach = _run_reach(ctx, key, pads, lay.gshape)
+    if reach is None:
         return None
-    _, reach = got
     plan = _plan(ctx, lay.gshape, reach, pads)
-    left = tuple((r[0] - p[0], r[1] - p[1]) if any(r) else (0, 0)
-                 for r, p in zip(reach, pads))
     out_shape = tuple(ax.result[1] - ax.result[0] - sum(p) for ax, p in zip(plan.axes, pads))
-    op = ConvOp((1, 1, 1), _triple(b["dilation"]), b["groups"], w.shape[0], out_shape,
-                tuple(w.shape[2:]))
-    out = halo_stencil(x, plan, op, w, bias)
+    out = halo_stencil(x, plan, _conv_op(b, w, out_shape), w, bias)
     ctx.fuse_counts[0] += 1
-    used = tuple(p if any(r) else (0, 0) for r, p in zip(reach, pads))
-    return adopt(out, _layout(lay, left, (key, 1, used)))
+    return adopt(out, _step(lay, reach, pads, (key, 0, ((0, 0),) * 3)))
+
+
+def _conv_op(b, w, out_shape) -> ConvOp:
+    """The valid convolution of an extended piece (the layers' own kernel routes)."""
+    return ConvOp((1, 1, 1), _dilation(b), b["groups"], w.shape[0], out_shape,
+                  tuple(w.shape[2:]))
+
+
+def _step(lay: Layout, reach, pads, run) -> Layout:
+    """The layout after one convolution of the run ``run`` took its halo ``pads`` of
+    ``reach`` (split axes only: an axis with no reach pads on both sides)."""
+    key, convs, used = run
+    took = tuple(p if any(r) else (0, 0) for r, p in zip(reach, pads))
+    left = tuple((r[0] - t[0], r[1] - t[1]) for r, t in zip(reach, took))
+    used = tuple((u[0] + t[0], u[1] + t[1]) for u, t in zip(used, took))
+    return _layout(lay, left, (key, convs + 1, used))
 
 
 def _go_on(call: Call) -> torch.Tensor | None:
@@ -249,15 +260,8 @@ def _go_on(call: Call) -> torch.Tensor | None:
     own = tuple((p[0] if c == 0 else 0, p[1] if c == n - 1 else 0)
                 for p, n, c in zip(pads, grid.spatial_shape, grid.spatial_coords))
     local = tuple(n + sum(o) - sum(p) for n, o, p in zip(x.shape_local[2:], own, pads))
-    op = ConvOp((1, 1, 1), _triple(b["dilation"]), b["groups"], w.shape[0], local,
-                tuple(w.shape[2:]))
-    out = _PaddedConv.apply(x, w, bias, torch_pad(own), op)
-    left = tuple((r[0] - p[0], r[1] - p[1]) if any(r) else (0, 0)
-                 for r, p in zip(lay.reach, pads))
-    key, convs, used = lay.run
-    used = tuple((u[0] + p[0], u[1] + p[1]) if any(r) else (0, 0)
-                 for u, r, p in zip(used, lay.reach, pads))
-    return adopt(out, _layout(lay, left, (key, convs + 1, used)))
+    out = _PaddedConv.apply(x, w, bias, torch_pad(own), _conv_op(b, w, local))
+    return adopt(out, _step(lay, lay.reach, pads, lay.run))
 
 
 class _PaddedConv(torch.autograd.Function):
@@ -373,20 +377,6 @@ def margin_call(call: Call, rule, kind: str | None, redo):
     args, kwargs = map_args(lambda a: crop(a) if isinstance(a, SplitTensor) and
                             type(a._hp) is MarginLayout else a, call.args, call.kwargs)
     return redo(call.func, args, kwargs)
-
-
-def redundant_fraction(local: tuple[int, ...], reach: tuple[tuple[int, int], ...],
-                       convs: int) -> float:
-    """Extra voxels computed by a fused run of ``convs`` alike convolutions, as a fraction of
-    the unfused run's: the planner's cost of fusing (every convolution but the last computes
-    the margin it leaves to the next)."""
-    base = math.prod(local) * convs
-    extra = 0.0
-    for j in range(1, convs):   # after the j-th convolution, (convs - j) / convs of the reach
-        frac = (convs - j) / convs
-        extra += math.prod(n + frac * (lo + hi) for n, (lo, hi) in zip(local, reach)) - \
-            math.prod(local)
-    return extra / base
 
 
 set_crop(lambda t: crop(t, learn=False))   # unwrap()/local(): a look at the piece, not a run's end

@@ -389,11 +389,21 @@ def _fuse(cost: LayerCost, layer: Layer, place: int, length: int, parts, link: L
         cost.halo = max(0.0, cost.halo - 2 * link.alpha * cost.halo_syncs)
         cost.halo_syncs = 0
     if place < length:
-        vol = layer.in_shape[1:]
-        local = [max(split_sizes(n, p)) for n, p in zip(vol, parts)]
-        grow = math.prod((n + 2 * (length - place) * w) / n
-                         for n, w in zip(local, _widths(layer, parts)))
-        cost.dense *= grow
+        local = [max(split_sizes(n, p)) for n, p in zip(layer.in_shape[1:], parts)]
+        cost.dense *= _margin_growth(local, _widths(layer, parts), length - place)
+
+
+def _margin_growth(local, widths, ahead: int) -> float:
+    """How much more a convolution of a run computes than unfused: the margin of the ``ahead``
+    convolutions after it, ``widths`` each, on both sides of every split axis."""
+    return math.prod((n + 2 * ahead * w) / n for n, w in zip(local, widths))
+
+
+def redundant_fraction(local, widths, convs: int) -> float:
+    """Extra voxels a fused run of ``convs`` alike convolutions (halo ``widths`` per split
+    axis, a rank with neighbours on both sides, pieces ``local``) computes, as a fraction of
+    the unfused run's: what :func:`fused_runs`' runs are charged."""
+    return sum(_margin_growth(local, widths, convs - j) - 1 for j in range(1, convs)) / convs
 
 
 def predict(work: Workload, grid: tuple, machine: Machine) -> Prediction:

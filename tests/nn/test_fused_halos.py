@@ -168,16 +168,6 @@ def test_a_bad_setting_is_one_line(value):
     assert "\n" not in str(err.value)
 
 
-def test_redundant_fraction():
-    from hpcpar.nn.fused_halo import redundant_fraction
-
-    # one split axis, 2 convolutions of halo 1 each: the first computes one extra plane per
-    # side (2 of 32, a rank with neighbours on both sides): 1/16 of one layer, 1/32 of two
-    assert redundant_fraction((32, 32, 32), ((2, 2), (0, 0), (0, 0)), 2) == pytest.approx(
-        1 / 32)
-    assert redundant_fraction((32, 32, 32), ((0, 0),) * 3, 4) == 0.0
-
-
 @mpi_case(nprocs=(2,), timeout=300)
 def test_autocast_runs_unfused(comm):
     """Under autocast (bf16 jobs) no run starts: the layers' own casting path runs, and the

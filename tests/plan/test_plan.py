@@ -260,3 +260,12 @@ def test_fused_halos_trade_messages_for_compute():
     plain = predict(Workload("t", layers, (8, 32, 32, 32), 1), (1, 2, 2, 1), M)
     fused = predict(Workload("t", layers, (8, 32, 32, 32), 1, fuse_halos=3), (1, 2, 2, 1), M)
     assert fused.t_halo < plain.t_halo and fused.t_compute > plain.t_compute
+
+
+def test_redundant_fraction():
+    from hpcpar.plan.planner import redundant_fraction
+
+    # one split axis, 2 convolutions of halo 1 each: the first computes one extra plane per
+    # side (2 of 32, a rank with neighbours on both sides): 1/16 of one layer, 1/32 of two
+    assert redundant_fraction((32, 32, 32), (1, 0, 0), 2) == pytest.approx(1 / 32)
+    assert redundant_fraction((32, 32, 32), (0, 0, 0), 4) == 0.0
