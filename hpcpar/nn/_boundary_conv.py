@@ -1,29 +1,38 @@
 """The fast path of SpatialConv3d: torch's own padded convolution of the local piece, plus thin
-corrections where a neighbour's faces enter.
+corrections where the neighbours' ghosts enter.
 
 A "same" convolution (stride 1, dilation 1, kernel 2p+1, padding p) of the halo-extended
-piece is linear in it, and the extended piece is the local piece zero-padded plus the ghost
-faces: ``conv(x + ghosts) = conv_padded(x) + conv(ghosts)``. The second term is non-zero only
-on the p output planes next to each face a neighbour sent, and reaches them only through the
-p kernel taps that fall into the ghost region: a convolution of a slab of 2p - 1 planes. So
-the piece is never copied into an extended buffer (neither in forward nor backward), torch
-picks its fastest kernel for the padded convolution, and the faces travel while it runs
-(posted first, waited for after it: halo exchange overlapped with the interior computation);
-in backward the ghosts' gradients, computed first, travel back while the piece's own
-backward runs.
+piece is linear in it, and the extended piece is the local piece zero-padded plus the ghosts
+(faces, and with several split axes edges and corners): ``conv(x + ghosts) = conv_padded(x) +
+conv(ghosts)``. The second term is non-zero only on the p output planes next to each side a
+neighbour sent, and reaches them only through the p kernel taps that fall into the ghost
+region. So the piece is never copied into an extended buffer (neither in forward nor
+backward), torch picks its fastest kernel for the padded convolution, and every ghost block
+travels while it runs: all of them, edges and corners included, come straight from the rank
+that owns them (one message per neighbour, up to 26), posted first and waited for after the
+interior's convolution. In backward the ghosts' gradients, computed first, travel back to
+their owners while the piece's own backward runs.
 
-Used when at most one axis is split (no edge or corner ghosts; other grids take the general
-halo path) and every rank holds at least p planes (with nothing split it is torch's conv).
-The decision depends only on the global shape, the batch, the grid and the layer, so every
-rank of the spatial group takes the same path.
+The ghost shell is cut into disjoint **slabs**, one per split axis and side with a neighbour:
+the slab beyond side ``s`` of split axis ``a`` holds the ghosts there, spanning the ghosts of
+every *later* split axis too (edges, corners) but only the owned extent of the *earlier* ones
+(whose slabs hold those edges). Its term is a convolution of 2p - 1 planes along ``a`` (the p
+ghost planes and p - 1 zero planes, only the p taps that reach the ghosts), valid along the
+later split axes (their ghosts are in the slab) and padded along the others; the terms add up
+to ``conv(ghosts)`` exactly.
+
+Used where every rank holds at least p planes on each split axis (a thinner piece needs ghosts
+from beyond its neighbour: the general halo path); with nothing split it is torch's conv. The
+decision depends only on the global shape, the batch, the grid and the layer, so every rank
+of the spatial group takes the same path.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import torch
-import torch.nn.functional as F
 
 from hpcpar.parallel import replay
 from hpcpar.parallel.counters import COUNTERS, profiled
@@ -33,22 +42,80 @@ from ._conv_route import prepadded_weight_grad, torch_picks_slow_conv
 
 __all__ = ["BoundarySpec", "boundary_spec", "boundary_conv"]
 
-_TAG_FWD = 0x4A30
-_TAG_BWD = 0x4A40
+# a message's tag is the base plus the code of the sender's offset to its receiver (< 27)
+_TAG_FWD = 0x4A40
+_TAG_BWD = 0x4A60
+
+Offset = tuple[int, int, int]
+
+
+def _code(o: Offset) -> int:
+    return (o[0] + 1) + 3 * (o[1] + 1) + 9 * (o[2] + 1)
+
+
+def _face(axis: int, side: int) -> Offset:
+    """The offset of the neighbour beyond side ``side`` (0 lo, 1 hi) of ``axis``."""
+    return xyz((1 if side else -1) if a == axis else 0 for a in range(3))
+
+
+def _toward(n: int, p: int, o: int) -> slice:
+    """Along one axis of extent ``n``: the ``p`` items at the side of offset ``o`` (-1 lo,
+    +1 hi), or all of them (0)."""
+    return slice(None) if o == 0 else slice(0, p) if o < 0 else slice(n - p, n)
+
+
+class Slab:
+    """One term of the correction: the ghosts beyond side ``side`` (0 lo, 1 hi) of split axis
+    ``axis``, with the edges and corners it spans (see the module docstring)."""
+
+    def __init__(self, axis: int, side: int, spec: BoundarySpec):
+        self.axis, self.side = axis, side
+        self.offset = _face(axis, side)
+        self.later = [b for b in spec.axes if b > axis]
+        earlier = [b for b in spec.axes if b < axis]
+        self.pads = xyz(0 if b == axis or b in self.later else spec.pads[b] for b in range(3))
+        self.ghosts = [o for o in spec.nbrs if o[axis] == self.offset[axis]
+                       and not any(o[b] for b in earlier)]
+
+    def _extent(self, a: int, n: int, p: int) -> int:
+        return 2 * p - 1 if a == self.axis else n + 2 * p if a in self.later else n
+
+    def _place(self, a: int, n: int, p: int, o: int) -> slice:
+        """Where ghost offset ``o``'s items lie along axis ``a`` of the slab."""
+        if a == self.axis:
+            return slice(0, p) if self.side == 0 else slice(p - 1, 2 * p - 1)
+        if a in self.later:
+            return slice(0, p) if o < 0 else slice(p, p + n) if o == 0 else slice(p + n, n + 2 * p)
+        return slice(None)
+
+    def regions(self, x: torch.Tensor, pads) -> dict[Offset, tuple[slice, ...]]:
+        """Each ghost block's region in the slab of piece ``x``."""
+        n = x.shape[2:]
+        return {o: (slice(None), slice(None),
+                    *(self._place(a, n[a], pads[a], o[a]) for a in range(3)))
+                for o in self.ghosts}
+
+    def build(self, x: torch.Tensor, pads, recvs: dict[Offset, torch.Tensor]) -> torch.Tensor:
+        """The slab tensor: the received ghosts in place, zero elsewhere."""
+        shape = (*x.shape[:2], *(self._extent(a, x.shape[2 + a], pads[a]) for a in range(3)))
+        if len(self.ghosts) == 1 and recvs[self.ghosts[0]].shape == shape:
+            return recvs[self.ghosts[0]]  # one face, p = 1, nothing split after it
+        slab = x.new_zeros(shape)
+        for o, region in self.regions(x, pads).items():
+            slab[region] = recvs[o]
+        return slab
 
 
 class BoundarySpec:
-    """What the fast path needs: the split axis, the pads, the neighbours (spatial ranks, None
-    at the volume's edge), the communicator, and the layer's geometry on the thinnest piece
-    (for torch's kernel choice)."""
+    """What the fast path needs: the split axes with a halo, the pads, the neighbours (rank of
+    ``spatial_comm`` per offset, only those that exist), the communicator, the slabs, and the
+    layer's geometry on the thinnest piece (for torch's kernel choice)."""
 
-    def __init__(self, axis: int, pads: tuple[int, int, int], lo, hi, comm, layer, thinnest):
-        self.axis, self.pads, self.nbr, self.comm = axis, pads, (lo, hi), comm
+    def __init__(self, axes: list[int], pads: tuple[int, int, int], nbrs: dict[Offset, int],
+                 comm, layer, thinnest):
+        self.axes, self.pads, self.nbrs, self.comm = axes, pads, nbrs, comm
         self.groups = layer.groups
-        self.p = pads[axis]
-        other = list(pads)
-        other[axis] = 0
-        self.slab_pads = tuple(other)  # the correction: valid along the axis, padded elsewhere
+        self.slabs = [Slab(a, s, self) for a in axes for s in (0, 1) if _face(a, s) in nbrs]
         self._geometry = (layer.in_channels, tuple(thinnest), layer.kernel_size, layer.stride,
                           layer.dilation)
 
@@ -58,22 +125,12 @@ class BoundarySpec:
         channels, local, k, s, d = self._geometry
         return not torch_picks_slow_conv((batch, channels, *local), k, s, d, self.groups)
 
-    def edge(self, t: torch.Tensor, side: int) -> tuple[slice, ...]:
-        """Slices of the p planes of ``t`` at ``side`` (0 lo, 1 hi) along the axis: a face of
-        a piece, the ghost part of a slab, or the kernel taps that reach into the ghosts."""
-        n = t.shape[2 + self.axis]
-        sl = [slice(None)] * 5
-        sl[2 + self.axis] = slice(0, self.p) if side == 0 else slice(n - self.p, n)
-        return tuple(sl)
-
-    def slab(self, ghost: torch.Tensor, side: int) -> torch.Tensor:
-        """The ghost faces with the p - 1 zero planes (the local piece's share of the window,
-        zero in this term) on the side away from the ghosts."""
-        if self.p == 1:
-            return ghost
-        pad = [0] * 6
-        pad[2 * (2 - self.axis) + (1 if side == 0 else 0)] = self.p - 1
-        return F.pad(ghost, pad)
+    def block(self, t: torch.Tensor, o: Offset) -> tuple[slice, ...]:
+        """The block of ``t`` toward offset ``o``: ``p`` planes along each axis where ``o`` is
+        not 0, all of them elsewhere. A piece's block for the neighbour at ``o``, the output
+        planes a slab corrects, the kernel taps that reach into its ghosts."""
+        return (slice(None), slice(None),
+                *(_toward(t.shape[2 + a], self.pads[a], o[a]) for a in range(3)))
 
 
 def boundary_spec(layer, global_shape, grid) -> BoundarySpec | None:
@@ -88,37 +145,31 @@ def boundary_spec(layer, global_shape, grid) -> BoundarySpec | None:
         return None  # only "same" convolutions: kernel 2p + 1, padding p on both sides
     pad = xyz(lo for lo, _ in pads)
     dims = grid.spatial_shape
-    split = [a for a in range(3) if dims[a] > 1]
-    if len(split) > 1:
-        return None
-    a = split[0] if split else 0  # nothing split: torch's padded conv, no messages
-    smallest = min(split_sizes(global_shape[a], dims[a]))
-    if split and smallest < max(pad[a], 1):
-        return None
-    local = list(global_shape)
-    local[a] = smallest
-    from mpi4py import MPI
-
-    lo, hi = grid.neighbors("xyz"[a])
-    if not pad[a]:  # a 1x1 kernel along the split axis: no ghosts, nothing to exchange
-        lo = hi = MPI.PROC_NULL
-    return BoundarySpec(a, pad, None if lo == MPI.PROC_NULL else lo,
-                        None if hi == MPI.PROC_NULL else hi, grid.spatial_comm, layer, local)
+    thinnest = xyz(min(split_sizes(global_shape[a], dims[a])) for a in range(3))
+    if any(dims[a] > 1 and thinnest[a] < max(pad[a], 1) for a in range(3)):
+        return None  # a piece thinner than the halo: its ghosts come from further away
+    axes = [a for a in range(3) if dims[a] > 1 and pad[a]]
+    c = grid.spatial_coords
+    nbrs: dict[Offset, int] = {}
+    for o in map(xyz, itertools.product((-1, 0, 1), repeat=3)):
+        cc = [c[a] + o[a] for a in range(3)]
+        if any(o) and all(o[a] == 0 or a in axes for a in range(3)) and \
+                all(0 <= cc[a] < dims[a] for a in range(3)):
+            nbrs[o] = cc[0] + dims[0] * (cc[1] + dims[1] * cc[2])
+    return BoundarySpec(axes, pad, nbrs, grid.spatial_comm, layer, thinnest)
 
 
-def _exchange(spec: BoundarySpec, sends, recvs, tag: int):
-    """Post the receives and sends (messages are dense contiguous tensors); returns the
-    handles and the bytes sent."""
+def _exchange(spec: BoundarySpec, sends: dict, recvs: dict, tag: int):
+    """Post the receives and sends, one per neighbour (messages are dense contiguous
+    tensors); returns the handles and the bytes sent."""
     from hpcpar.parallel.comm import irecv, isend  # deferred: loads numpy
 
     handles, nbytes = [], 0
-    for side in (0, 1):
-        if recvs[side] is not None:  # the neighbour sent it from its opposite side
-            handles.append(irecv(recvs[side], spec.nbr[side], spec.comm, tag + 1 - side))
-    for side in (0, 1):
-        if sends[side] is not None:
-            handles.append(isend(sends[side], spec.nbr[side], spec.comm, tag + side))
-            nbytes += sends[side].numel() * sends[side].element_size()
+    for o, buf in recvs.items():  # the neighbour at o sent it toward -o
+        handles.append(irecv(buf, spec.nbrs[o], spec.comm, tag + _code(xyz(-v for v in o))))
+    for o, buf in sends.items():
+        handles.append(isend(buf, spec.nbrs[o], spec.comm, tag + _code(o)))
+        nbytes += buf.numel() * buf.element_size()
     return handles, nbytes
 
 
@@ -132,37 +183,34 @@ def _wait(handles) -> None:
 
 
 class BoundaryConv(torch.autograd.Function):
-    """``conv_padded(x) + corrections(ghost faces)``; backward is the exact adjoint (the
-    ghost faces' gradients go back to their owners)."""
+    """``conv_padded(x) + corrections(ghosts)``; backward is the exact adjoint (the ghosts'
+    gradients go back to their owners)."""
 
     @staticmethod
     @profiled("hpcpar.halo_exchange")
     def forward(ctx, x, weight, bias, spec: BoundarySpec):
         t0 = time.perf_counter()
         x = x.detach()
-        sig = ("boundary conv faces", tuple(x.shape), spec.axis)
-        hit, recvs = replay.recorded(sig)  # a recomputed segment reuses the forward's faces
+        sig = ("boundary conv ghosts", tuple(x.shape), tuple(spec.axes))
+        hit, recvs = replay.recorded(sig)  # a recomputed segment reuses the forward's ghosts
         handles, nbytes = [], 0
         if not hit:
-            sends = [x[spec.edge(x, s)].contiguous() if spec.nbr[s] is not None else None
-                     for s in (0, 1)]
-            recvs = [None if send is None else torch.empty_like(send) for send in sends]
+            sends = {o: x[spec.block(x, o)].contiguous() for o in spec.nbrs}
+            recvs = {o: torch.empty_like(send) for o, send in sends.items()}
             handles, nbytes = _exchange(spec, sends, recvs, _TAG_FWD)
             replay.record(sig, recvs)
         COUNTERS.t_halo += time.perf_counter() - t0
-        out = F.conv3d(x, weight, bias, 1, spec.pads, 1, spec.groups)  # faces in flight
+        out = torch.nn.functional.conv3d(x, weight, bias, 1, spec.pads, 1, spec.groups)
         t0 = time.perf_counter()
-        _wait(handles)
+        _wait(handles)  # the ghosts travelled while the interior was convolved
         COUNTERS.t_halo += time.perf_counter() - t0
         COUNTERS.bytes_halo += nbytes
-        for s, recv in enumerate(recvs):
-            if recv is not None:
-                out[spec.edge(out, s)] += F.conv3d(spec.slab(recv, s),
-                                                   weight[spec.edge(weight, s)], None, 1,
-                                                   spec.slab_pads, 1, spec.groups)
+        slabs = [slab.build(x, spec.pads, recvs) for slab in spec.slabs]
+        for slab, s in zip(spec.slabs, slabs):
+            out[spec.block(out, slab.offset)] += torch.nn.functional.conv3d(
+                s, weight[spec.block(weight, slab.offset)], None, 1, slab.pads, 1, spec.groups)
         ctx.spec = spec
-        ctx.save_for_backward(x, weight, *(r for r in recvs if r is not None))
-        ctx.has = [r is not None for r in recvs]
+        ctx.save_for_backward(x, weight, *slabs)
         ctx.has_bias = bias is not None
         return out
 
@@ -170,9 +218,8 @@ class BoundaryConv(torch.autograd.Function):
     @profiled("hpcpar.halo_exchange.backward")
     def backward(ctx, grad_out):
         spec = ctx.spec
-        x, weight, *ghosts = ctx.saved_tensors
+        x, weight, *slabs = ctx.saved_tensors
         ctx.spec = None
-        recvs = [ghosts.pop(0) if has else None for has in ctx.has]
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         need_b = need_b and ctx.has_bias
 
@@ -181,44 +228,42 @@ class BoundaryConv(torch.autograd.Function):
                 g, inp, w, bias_sizes, [1, 1, 1], list(pads), [1, 1, 1], False, [0, 0, 0],
                 spec.groups, mask)
 
-        # the ghosts' terms first (thin slabs): their gradients travel to their owners while
-        # the piece's own backward runs, as the faces did in forward
-        back, g_taps = [None, None], [None, None]
-        for s in (0, 1):
-            if recvs[s] is None:
-                continue
-            g = grad_out[spec.edge(grad_out, s)].contiguous()
-            g_slab, g_taps[s], _ = grads(g, spec.slab(recvs[s], s),
-                                         weight[spec.edge(weight, s)].contiguous(),
-                                         spec.slab_pads, [need_x, need_w, False])
+        # the slabs' terms first (thin): the ghosts' gradients travel to their owners while
+        # the piece's own backward runs, as the ghosts did in forward
+        back, g_taps = {}, []
+        for slab, s in zip(spec.slabs, slabs):
+            g = grad_out[spec.block(grad_out, slab.offset)].contiguous()
+            g_slab, g_tap, _ = grads(g, s, weight[spec.block(weight, slab.offset)].contiguous(),
+                                     slab.pads, [need_x, need_w, False])
+            g_taps.append(g_tap)
             if need_x:
-                back[s] = g_slab[spec.edge(g_slab, s)].contiguous()
-        handles, nbytes, mine = [], 0, [None, None]
-        if need_x:  # the ghosts' gradients go to their owners, who add them to their faces
+                for o, region in slab.regions(x, spec.pads).items():
+                    back[o] = g_slab[region].contiguous()
+        handles, nbytes, mine = [], 0, {}
+        if need_x:  # the ghosts' gradients go to their owners, who add them to their blocks
             t0 = time.perf_counter()
-            mine = [torch.empty_like(back[s]) if back[s] is not None else None for s in (0, 1)]
+            mine = {o: torch.empty_like(g) for o, g in back.items()}
             handles, nbytes = _exchange(spec, back, mine, _TAG_BWD)
             COUNTERS.t_halo += time.perf_counter() - t0
         bias_sizes = [weight.shape[0]] if ctx.has_bias else None
         if need_w and prepadded_weight_grad(x, weight, spec.groups):
             gx = grads(grad_out, x, weight, spec.pads, [True, False, False])[0] \
                 if need_x else None
-            xp = F.pad(x, torch_pad([(p, p) for p in spec.pads]))
+            xp = torch.nn.functional.pad(x, torch_pad([(p, p) for p in spec.pads]))
             _, gw, gb = grads(grad_out, xp, weight, (0, 0, 0), [False, True, need_b],
                               bias_sizes)
             del xp
         else:
             gx, gw, gb = grads(grad_out, x, weight, spec.pads, [need_x, need_w, need_b],
                                bias_sizes)
-        for s in (0, 1):
-            if need_w and g_taps[s] is not None:
-                gw[spec.edge(weight, s)] += g_taps[s]
+        if need_w:
+            for slab, g_tap in zip(spec.slabs, g_taps):
+                gw[spec.block(weight, slab.offset)] += g_tap
         if need_x:
             t0 = time.perf_counter()
             _wait(handles)
-            for s in (0, 1):
-                if mine[s] is not None:
-                    gx[spec.edge(gx, s)] += mine[s]
+            for o, g in mine.items():
+                gx[spec.block(gx, o)] += g
             COUNTERS.t_halo += time.perf_counter() - t0
             COUNTERS.bytes_halo += nbytes
         return gx, gw, gb, None

@@ -198,8 +198,8 @@ class SpatialConv3d(SpatialModule, nn.Conv3d):
         return halo_stencil(x, entry.halo, entry.extra, weight, bias)
 
     def boundary_path(self, x, entry) -> bool:
-        """Whether ``x`` takes the boundary path (faces travel while the interior computes;
-        one split axis, and not where torch's slow CPU kernel would run the pieces)."""
+        """Whether ``x`` takes the boundary path (ghosts travel while the interior computes;
+        not where torch's slow CPU kernel would run the pieces)."""
         spec = entry.extra.boundary
         return spec is not None and not torch.is_autocast_enabled(x.device.type) and \
             (x.device.type != "cpu" or spec.fast(x.shape[0]))

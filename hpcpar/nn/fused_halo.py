@@ -26,7 +26,7 @@ How it runs under :func:`~hpcpar.nn.spatialize`'s dispatch:
   model's output, :func:`~hpcpar.nn.local`) first crops the margin away: correct everywhere,
   the margin's compute is then wasted.
 
-A convolution that takes its layer's one-axis boundary path (faces sent while the interior
+A convolution that takes its layer's boundary path (ghosts sent while the interior
 computes) does not start a run: that path already hides the exchange, and the run's general
 path lost to it (the conv3d rule asks first).
 

@@ -114,11 +114,10 @@ def _cases(grid):
     sp = _check(grid, DoubleConv, (1, 3, 11, 10, 9), 2)
     assert sp._hpcpar_split.fuse_counts == [int(grid.spatial_size > 1), 0]
     _eval_matches(grid, DoubleConv, (1, 3, 11, 10, 9))
-    # where a convolution takes the boundary path (one split axis, a batch large enough for
-    # torch's fast kernel), its faces already travel behind the interior: no run starts
+    # where a convolution takes the boundary path (a batch large enough for torch's fast
+    # kernel), its ghosts already travel behind the interior: no run starts
     sp = _check(grid, Stack, (4, 3, 13, 12, 11), 3)
-    one_axis = sum(p > 1 for p in grid.spatial_shape) == 1
-    assert sp._hpcpar_split.fuse_counts == [0 if one_axis or grid.spatial_size == 1 else 1, 0]
+    assert sp._hpcpar_split.fuse_counts == [0, 0]
     _check(grid, Residual, (2, 3, 12, 10, 10), 3)
     # activation checkpointing: a run crosses the segments' boundary, and the recomputation
     # makes the forward's exchanges from its faces (no message)

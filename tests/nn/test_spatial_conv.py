@@ -273,31 +273,34 @@ def test_tied_conv_reuses_plan_exactly(comm):
     from hpcpar.nn import SpatialConv3d
 
     def check(grid):
-        torch.manual_seed(7)
-        twin = _Twice(nn.Conv3d(3, 3, 3, padding=1))
-        spatial = _Twice(SpatialConv3d(3, 3, 3, padding=1, grid=grid))
-        for step in range(2):  # the second step reuses the first step's message buffers
-            spatial.zero_grad()
-            twin.zero_grad()
-            compare_with_twin(grid, twin, spatial, (11, 10, 9), 3, torch.float64, seed=step,
-                              what=f"tied conv {grid.spatial_shape} step {step}")
-        plans = list(spatial.conv._spatial_plans.values())
-        assert len(plans) == 1
-        # two split axes: the general halo path and its reused message buffers; one split
-        # axis: the boundary fast path (its faces are fresh per call, saved for backward)
-        fast = grid.spatial_shape == (1, 1, 2)
-        assert (plans[0].extra.boundary is not None) == fast
-        assert (plans[0].halo.message_nbytes > 0) == (not fast)
+        # dilated: the general halo path and its reused message buffers; "same": the
+        # boundary fast path (its ghosts are fresh per call, saved for backward)
+        for dilation, fast in ((2, False), (1, True)):
+            torch.manual_seed(7)
+            twin = _Twice(nn.Conv3d(3, 3, 3, padding=dilation, dilation=dilation))
+            spatial = _Twice(SpatialConv3d(3, 3, 3, padding=dilation, dilation=dilation,
+                                           grid=grid))
+            for step in range(2):  # the second step reuses the first step's message buffers
+                spatial.zero_grad()
+                twin.zero_grad()
+                compare_with_twin(grid, twin, spatial, (11, 10, 9), 3, torch.float64,
+                                  seed=step, what=f"tied conv {grid.spatial_shape} "
+                                                  f"dilation {dilation} step {step}")
+            plans = list(spatial.conv._spatial_plans.values())
+            assert len(plans) == 1
+            assert (plans[0].extra.boundary is not None) == fast
+            assert (plans[0].halo.message_nbytes > 0) == (not fast)
     for dims in ((2, 2, 1), (1, 1, 2)):
         on_subgrid(comm, 1, dims, check)
 
 
-@mpi_case(nprocs=(3,), timeout=180)
+@mpi_case(nprocs=(8,), timeout=300)
 def test_boundary_fast_path_matches_torch(comm):
-    """One split axis, stride 1, odd kernel, "same" padding: SpatialConv3d convolves the local
-    piece with torch's padding and adds thin corrections from the neighbours' faces (no
-    extended copy). Equal to torch on the whole volume for uneven splits, p = 1 and 2, groups,
-    no bias, fp32/fp64 and channels-last; a piece thinner than p, or a padding other than
+    """Stride 1, odd kernel, "same" padding: SpatialConv3d convolves the local piece with
+    torch's padding and adds thin corrections from the neighbours' ghosts (faces, edges and
+    corners, no extended copy). Equal to torch on the whole volume for one, two and three
+    split axes, uneven splits, p = 1 and 2 (and per-axis p, 0 on a split axis), groups, no
+    bias, fp32/fp64 and channels-last; a piece thinner than p, or a padding other than
     "same", takes the general path."""
     from hpcpar.nn import SpatialConv3d
 
@@ -311,6 +314,13 @@ def test_boundary_fast_path_matches_torch(comm):
         ((1, 1, 1), 5, 2, (9, 8, 7), 1, True, torch.float64, True),  # nothing split
         ((2, 1, 1), 3, 1, (9, 8, 7), 1, True, torch.float64, True),
         ((1, 2, 1), 3, 2, (9, 8, 7), 1, True, torch.float64, False),  # not "same": k != 2p+1
+        ((2, 2, 1), 3, 1, (9, 8, 7), 1, True, torch.float64, True),
+        ((1, 2, 3), 5, 2, (5, 9, 13), 2, False, torch.float64, True),
+        ((2, 1, 3), (3, 1, 5), (1, 0, 2), (7, 5, 11), 1, True, torch.float64, True),
+        ((2, 3, 1), (1, 3, 3), (0, 1, 1), (6, 7, 5), 1, True, torch.float32, True),  # x: p 0
+        ((2, 2, 2), 3, 1, (7, 6, 9), 1, True, torch.float64, True),
+        ((2, 2, 2), 5, 2, (8, 9, 7), 1, False, torch.float32, True),
+        ((2, 2, 2), 5, 2, (8, 3, 7), 1, True, torch.float64, False),  # a piece of 1 < p
     ]
     for dims, k, pad, shape, groups, bias, dtype, fast in cases:
         def check(grid, k=k, pad=pad, shape=shape, groups=groups, bias=bias, dtype=dtype,
@@ -343,7 +353,8 @@ def test_boundary_fast_path_matches_torch(comm):
         for dims, k, pad, shape, bias in [((3, 1, 1), 3, 1, (17, 9, 8), True),
                                           ((1, 1, 3), 3, "same", (6, 7, 31), False),
                                           ((2, 1, 1), (3, 5, 1), (1, 2, 0), (11, 9, 6), True),
-                                          ((1, 1, 1), 5, 2, (9, 8, 7), True)]:
+                                          ((1, 1, 1), 5, 2, (9, 8, 7), True),
+                                          ((2, 2, 2), 3, 1, (9, 8, 7), False)]:
             def check_prepadded(grid, k=k, pad=pad, shape=shape, bias=bias):
                 torch.manual_seed(7)
                 twin = nn.Conv3d(4, 8, k, padding=pad, bias=bias)
