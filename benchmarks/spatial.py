@@ -26,6 +26,9 @@ rank vs 2 ranks compares one core with two. Printed:
   host, so a split cannot beat it; with more ranks than cores the limit runs at the same
   oversubscription. hpcpar's grid is printed as a fraction of it (limit / hpcpar per round:
   median and min-max), next to the issue's target (benchmarks/limits.py);
+* with ``--general-path``, each split grid again with the boundary fast path off (``general
+  2x2x1``: every convolution through the general halo path, its extended buffer and its
+  exchange before the compute), and hpcpar's speed relative to it per round;
 * step time, speedup vs the 1-rank baseline and vs the fastest single process of each round
   (hpcpar's own 1 rank included), halo time as a fraction of the step, and the
   part of it spent waiting for the neighbours' messages (their lateness, not our copies);
@@ -216,16 +219,22 @@ def volume(args, fmt, grid=None):
     return x.contiguous(memory_format=fmt).requires_grad_()
 
 
-def bench_ranks(comm, dims, args):
-    """hpcpar's spatial stack on the grid ``dims`` (the first prod(dims) ranks)."""
+def bench_ranks(comm, dims, args, general=False):
+    """hpcpar's spatial stack on the grid ``dims`` (the first prod(dims) ranks); with
+    ``general``, every convolution on the general halo path (the boundary path off)."""
     from hpcpar import ProcessGrid
+    from hpcpar.nn import _boundary_conv
 
     def build(sub):
         grid = ProcessGrid(1, *dims, comm=sub)
         model = build_stack(args.channels, args.layers, grid)
         return model, volume(args, _fmt(args), grid), [grid]
 
-    return on_first(comm, math.prod(dims), args, build)
+    _boundary_conv.ENABLED = not general
+    try:
+        return on_first(comm, math.prod(dims), args, build)
+    finally:
+        _boundary_conv.ENABLED = True
 
 
 def _fmt(args):
@@ -363,6 +372,9 @@ def main(argv=None):
     parser.add_argument("--channels-last", action="store_true",
                         help="run hpcpar's stack on channels_last_3d tensors (the torch "
                         "baselines run in both memory formats)")
+    parser.add_argument("--general-path", action="store_true",
+                        help="also time each split grid with the boundary fast path off "
+                        "(`general XxYxZ`: every convolution through the general halo path)")
     parser.add_argument("--json", metavar="PATH", help="also write the command, the settings "
                         "and every round's times to PATH")
     args = parser.parse_args(argv)
@@ -392,6 +404,8 @@ def main(argv=None):
         if math.prod(d) > 1:
             names.append(f"limit {grid_name(d)}")
         names.append(f"hpcpar {grid_name(d)}")
+        if args.general_path and math.prod(d) > 1:
+            names.append(f"general {grid_name(d)}")
     rounds: list[dict] = []
     for r in range(args.rounds):  # every configuration once per round, in turn
         res = {b[0]: bench_baseline(comm, args, b[0]) for b in BASELINES
@@ -401,6 +415,8 @@ def main(argv=None):
         torch_best = (rounds[0] if rounds else res)["fastest"]
         for d in grids:
             res[f"hpcpar {grid_name(d)}"] = bench_ranks(comm, d, args)
+            if f"general {grid_name(d)}" in names:
+                res[f"general {grid_name(d)}"] = bench_ranks(comm, d, args, general=True)
             if math.prod(d) > 1:  # the limit in both fastest forms, the faster one taken
                 forms = {f: bench_limit(comm, d, args, f) for f in (torch_best, ONE_RANK)}
                 res["limit forms"][grid_name(d)] = {f: v[0] for f, v in forms.items()}
@@ -441,6 +457,10 @@ def main(argv=None):
             "(limit step / hpcpar step per round; the limit's form: "
             + ", ".join(f"{f} in {won.count(f)}" for f in sorted(set(won)))
             + f" of {len(won)} rounds){verdict(limit, ours, TARGETS.get(d))}")
+        if f"general {g}" in names:
+            general = [rd[f"general {g}"][0] for rd in rounds]
+            say(f"# hpcpar {g} is {fraction(general, ours)} times as fast as with every "
+                "convolution on the general halo path (general step / hpcpar step per round)")
     say(f"# {size} ranks on {os.cpu_count()} cores ({size / (os.cpu_count() or 1):g} per "
         "core); a limit runs its ranks at the same oversubscription as its grid")
     if comm.Get_rank() == 0:

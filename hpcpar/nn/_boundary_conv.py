@@ -38,9 +38,13 @@ from hpcpar.parallel import replay
 from hpcpar.parallel.counters import COUNTERS, profiled
 from hpcpar.parallel.partition import conv_pads, split_sizes, torch_pad, xyz
 
-from ._conv_route import prepadded_weight_grad, torch_picks_slow_conv
+from ._conv_route import onednn, prepadded_weight_grad, torch_picks_slow_conv
 
-__all__ = ["BoundarySpec", "boundary_spec", "boundary_conv"]
+__all__ = ["BoundarySpec", "boundary_spec", "boundary_conv", "ENABLED"]
+
+#: False sends every convolution through the general halo path (a switch for benchmarks that
+#: time both paths in one run, and for tests of what the fast path would otherwise take).
+ENABLED = True
 
 # a message's tag is the base plus the code of the sender's offset to its receiver (< 27)
 _TAG_FWD = 0x4A40
@@ -159,6 +163,28 @@ def boundary_spec(layer, global_shape, grid) -> BoundarySpec | None:
     return BoundarySpec(axes, pad, nbrs, grid.spatial_comm, layer, thinnest)
 
 
+def _slab_conv(slab: torch.Tensor, taps: torch.Tensor, pads, groups: int) -> torch.Tensor:
+    """A slab's term. Its shape (one sample, p planes) falls under torch's slow CPU kernel
+    rule; oneDNN runs it 3-5x faster there (16 channels, 1 x 66 x 128 planes: 1.6 -> 0.45 ms
+    forward, 5.4 -> 1.2 ms backward, measured)."""
+    if onednn(slab, taps.shape[2:], (1, 1, 1), (1, 1, 1), groups):
+        return torch.mkldnn_convolution(slab, taps, None, list(pads), [1, 1, 1], [1, 1, 1],
+                                        groups)
+    return torch.nn.functional.conv3d(slab, taps, None, 1, pads, 1, groups)
+
+
+def _slab_grads(grad: torch.Tensor, slab: torch.Tensor, taps: torch.Tensor, pads, groups: int,
+                mask) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The slab's and its taps' gradients of a slab's term (the route of :func:`_slab_conv`)."""
+    args = (None, [1, 1, 1], list(pads), [1, 1, 1], False, [0, 0, 0], groups, [*mask, False])
+    if onednn(slab, taps.shape[2:], (1, 1, 1), (1, 1, 1), groups):
+        gs, gt, _ = torch.ops.aten.convolution_backward(grad.to_mkldnn(), slab.to_mkldnn(),
+                                                        taps, *args)
+        return (None if gs is None else gs.to_dense()), gt
+    gs, gt, _ = torch.ops.aten.convolution_backward(grad, slab, taps, *args)
+    return gs, gt
+
+
 def _exchange(spec: BoundarySpec, sends: dict, recvs: dict, tag: int):
     """Post the receives and sends, one per neighbour (messages are dense contiguous
     tensors); returns the handles and the bytes sent."""
@@ -207,8 +233,8 @@ class BoundaryConv(torch.autograd.Function):
         COUNTERS.bytes_halo += nbytes
         slabs = [slab.build(x, spec.pads, recvs) for slab in spec.slabs]
         for slab, s in zip(spec.slabs, slabs):
-            out[spec.block(out, slab.offset)] += torch.nn.functional.conv3d(
-                s, weight[spec.block(weight, slab.offset)], None, 1, slab.pads, 1, spec.groups)
+            out[spec.block(out, slab.offset)] += _slab_conv(
+                s, weight[spec.block(weight, slab.offset)].contiguous(), slab.pads, spec.groups)
         ctx.spec = spec
         ctx.save_for_backward(x, weight, *slabs)
         ctx.has_bias = bias is not None
@@ -233,8 +259,8 @@ class BoundaryConv(torch.autograd.Function):
         back, g_taps = {}, []
         for slab, s in zip(spec.slabs, slabs):
             g = grad_out[spec.block(grad_out, slab.offset)].contiguous()
-            g_slab, g_tap, _ = grads(g, s, weight[spec.block(weight, slab.offset)].contiguous(),
-                                     slab.pads, [need_x, need_w, False])
+            g_slab, g_tap = _slab_grads(g, s, weight[spec.block(weight, slab.offset)]
+                                        .contiguous(), slab.pads, spec.groups, [need_x, need_w])
             g_taps.append(g_tap)
             if need_x:
                 for o, region in slab.regions(x, spec.pads).items():

@@ -20,6 +20,7 @@ from hpcpar.parallel.grid import ProcessGrid
 from hpcpar.parallel.halo import StencilOp, halo_stencil, input_layout, memory_format
 from hpcpar.parallel.partition import conv_axis_halo, conv_pads, torch_pad, transposed_axis_halo
 
+from . import _boundary_conv
 from ._base import SpatialModule
 from ._boundary_conv import boundary_conv, boundary_spec
 from ._conv_route import SPLIT_BACKWARD_BYTES  # noqa: F401 - ConvOp.backward reads it here
@@ -201,7 +202,8 @@ class SpatialConv3d(SpatialModule, nn.Conv3d):
         """Whether ``x`` takes the boundary path (ghosts travel while the interior computes;
         not where torch's slow CPU kernel would run the pieces)."""
         spec = entry.extra.boundary
-        return spec is not None and not torch.is_autocast_enabled(x.device.type) and \
+        return spec is not None and _boundary_conv.ENABLED and \
+            not torch.is_autocast_enabled(x.device.type) and \
             (x.device.type != "cpu" or spec.fast(x.shape[0]))
 
 

@@ -367,6 +367,29 @@ def test_boundary_fast_path_matches_torch(comm):
         _conv_route.SPLIT_BACKWARD_BYTES = saved
         _boundary_conv.prepadded_weight_grad = chooser
     assert taken and all(taken), taken
+    # batch 1, fp32, pieces large enough for torch's fast kernel: the thin slabs fall under
+    # its slow-kernel rule and go to oneDNN (forward and backward), with the same gradients
+    routed, router = [], _boundary_conv.onednn
+
+    def counted_route(*args):
+        routed.append(router(*args))
+        return routed[-1]
+
+    _boundary_conv.onednn = counted_route
+    try:
+        for dims in ((2, 1, 1), (2, 2, 1), (2, 2, 2)):
+            def check_onednn(grid):
+                torch.manual_seed(7)
+                spatial = SpatialConv3d(16, 8, 3, padding=1, grid=grid)
+                compare_with_twin(grid, nn.Conv3d(16, 8, 3, padding=1), spatial, (64, 96, 6),
+                                  16, torch.float32, seed=5, batch=1,
+                                  what=f"slabs on oneDNN {grid.spatial_shape}")
+                [entry] = spatial._spatial_plans.values()
+                assert entry.extra.boundary.fast(1), grid.spatial_shape
+            on_subgrid(comm, 1, dims, check_onednn)
+    finally:
+        _boundary_conv.onednn = router
+    assert any(routed), routed   # a z slab of 32 x 48 planes is fast in torch's own rule
 
 
 @mpi_case(nprocs=(4,), timeout=180)
