@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -381,28 +382,39 @@ def _read_direct(sh: OpenShard, plan: ChunkPlan, offsets, dest: np.ndarray,
 def _read_chunks(sh: OpenShard, row: int, box, dest: np.ndarray, scratch: dict) -> int:
     """Read the chunks of ``box`` of sample ``row`` into ``dest`` (C, d, h, w) with preadv:
     straight into place when the plan allows, else row of chunks by row of chunks into a
-    reused buffer, each row then placed into ``dest`` by one transposing copy. Returns the
-    bytes read from the file."""
+    reused buffer of one row, each chunk's part inside the box then copied into ``dest``.
+    The buffer is one row of chunks, not the touched region: a rank's reader holds about
+    its hyperslab, not twice the whole chunks around it (at 240^3 x 4 on 2x2x2 with 32^3
+    chunks, 4 MiB instead of 96 MiB per rank). Returns the bytes read from the file."""
     plan = sh.plan(box)
     assert sh.chunks is not None, "a raw descriptor is only opened for a chunked layout"
-    c, cd, ch, cw = sh.chunks[1:]
-    nbytes = c * cd * ch * cw * sh.dtype.itemsize
+    c, *sizes = sh.chunks[1:]
+    nbytes = c * math.prod(sizes) * sh.dtype.itemsize
     offsets = sh.chunk_offsets(row, box)
     if plan.direct and dest.flags.c_contiguous:
         return _read_direct(sh, plan, offsets, dest, scratch, nbytes)
     nd, nh, nw = plan.grid
-    staging = _scratch(scratch, (len(offsets), c, cd, ch, cw), sh.dtype)
-    aligned = plan.crop is None and dest.flags.c_contiguous
-    target = dest if aligned else _scratch(scratch, (c, nd * cd, nh * ch, nw * cw), sh.dtype)
-    rows = target.reshape(c, nd, cd, nh, ch, nw, cw)
+    crop = plan.crop or tuple(slice(0, g * n) for g, n in zip(plan.grid, sizes))
+    staging = _scratch(scratch, (nw, c, *sizes), sh.dtype)
     nread = 0
     for r in range(nd * nh):  # read a row of chunks, place it while the kernel reads ahead
-        i, j = r * nw, (r + 1) * nw
-        nread += _read_run(sh, offsets, i, j, lambda q: [staging[q].data.cast("B")], nbytes)
-        rows[:, r // nh, :, r % nh] = staging[i:j].transpose(1, 2, 3, 0, 4)
-    if not aligned:
-        dest[...] = target[(slice(None), *(plan.crop or ()))]
+        i = r * nw
+        nread += _read_run(sh, offsets, i, i + nw,
+                           lambda q, i=i: [staging[q - i].data.cast("B")], nbytes)
+        for kw in range(nw):
+            _place(dest, staging[kw], crop, (r // nh, r % nh, kw), sizes)
     return nread
+
+
+def _place(dest: np.ndarray, chunk: np.ndarray, crop, k, sizes) -> None:
+    """Copy the part of ``chunk`` (C, cd, ch, cw), at index ``k`` of the touched chunks' grid,
+    that lies inside the box (``crop`` of the chunk-aligned region) into ``dest``."""
+    src, dst = [slice(None)], [slice(None)]
+    for kk, n, cut in zip(k, sizes, crop):
+        lo, hi = max(cut.start, kk * n), min(cut.stop, (kk + 1) * n)
+        src.append(slice(lo - kk * n, hi - kk * n))
+        dst.append(slice(lo - cut.start, hi - cut.start))
+    dest[tuple(dst)] = chunk[tuple(src)]
 
 
 def read_samples(files: ShardFiles, items, box, out_x: np.ndarray, out_y: np.ndarray) -> int:
