@@ -152,14 +152,12 @@ def boundary_spec(layer, global_shape, grid) -> BoundarySpec | None:
     thinnest = xyz(min(split_sizes(global_shape[a], dims[a])) for a in range(3))
     if any(dims[a] > 1 and thinnest[a] < max(pad[a], 1) for a in range(3)):
         return None  # a piece thinner than the halo: its ghosts come from further away
+    from mpi4py import MPI
+
     axes = [a for a in range(3) if dims[a] > 1 and pad[a]]
-    c = grid.spatial_coords
-    nbrs: dict[Offset, int] = {}
-    for o in map(xyz, itertools.product((-1, 0, 1), repeat=3)):
-        cc = [c[a] + o[a] for a in range(3)]
-        if any(o) and all(o[a] == 0 or a in axes for a in range(3)) and \
-                all(0 <= cc[a] < dims[a] for a in range(3)):
-            nbrs[o] = cc[0] + dims[0] * (cc[1] + dims[1] * cc[2])
+    steps = [(-1, 0, 1) if a in axes else (0,) for a in range(3)]
+    nbrs = {o: grid.spatial_neighbor(o) for o in map(xyz, itertools.product(*steps)) if any(o)}
+    nbrs = {o: r for o, r in nbrs.items() if r != MPI.PROC_NULL}
     return BoundarySpec(axes, pad, nbrs, grid.spatial_comm, layer, thinnest)
 
 

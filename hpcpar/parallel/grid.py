@@ -399,24 +399,30 @@ class ProcessGrid:
         Raises:
             GridError: ``axis`` is not a spatial axis.
         """
-        from mpi4py import MPI
-
         name = SPATIAL_AXES[axis] if isinstance(axis, int) else axis
         if name not in SPATIAL_AXES:
             raise GridError(f"neighbors: axis must be one of x, y, z, got {axis!r}")
         a = SPATIAL_AXES.index(name)
-        c = list(self.spatial_coords)
+        lo, hi = ([step if b == a else 0 for b in range(3)] for step in (-1, 1))
+        return self.spatial_neighbor(lo), self.spatial_neighbor(hi)
+
+    def spatial_neighbor(self, offset: Sequence[int]) -> int:
+        """The rank of ``spatial_comm`` at ``offset`` (dx, dy, dz) from this one: a face,
+        edge or corner neighbour for offsets in {-1, 0, 1}.
+
+        Args:
+            offset: Steps along x, y and z.
+
+        Returns:
+            Its rank in ``spatial_comm``; ``MPI.PROC_NULL`` beyond the global boundary.
+        """
+        from mpi4py import MPI
+
         dims = self.spatial_shape
-        out = []
-        for step in (-1, 1):
-            n = c[a] + step
-            if 0 <= n < dims[a]:
-                cc = list(c)
-                cc[a] = n
-                out.append(cc[0] + dims[0] * (cc[1] + dims[1] * cc[2]))
-            else:
-                out.append(MPI.PROC_NULL)
-        return out[0], out[1]
+        c = [i + d for i, d in zip(self.spatial_coords, offset)]
+        if not all(0 <= i < n for i, n in zip(c, dims)):
+            return MPI.PROC_NULL
+        return c[0] + dims[0] * (c[1] + dims[1] * c[2])
 
     def _axis(self, name: str) -> int:
         if name not in AXES:
