@@ -6,22 +6,27 @@ every layer's output taken on this rank's piece of the volume (the largest piece
 rule gives, so the rank that runs out first):
 
 * ``runtime``: the process itself (Python, torch, MPI, HDF5, Numba): :data:`RUNTIME_BYTES`;
-* ``params``: weights, gradients, the gradient sync's flat buckets (a copy of the gradients),
-  optimizer state (Adam 2 copies, SGD 1) and the optimizer step's temporaries (1 copy): a
+* ``params``: weights, the gradient sync's flat buckets (the gradients live in them: each
+  fresh gradient is copied in and dropped as its bucket launches) and optimizer state (Adam 2
+  copies, SGD 1). The optimizer step's temporaries (1 copy) exist only while the step runs,
+  after backward has freed the activations: they count in ``transient`` when they exceed the
+  activations' share there. Measured (per-process anonymous memory sampled through a run,
+  CosmoFlow 128³ on 1 rank): 4 copies of the 32 MiB of weights beside the activations, not 6. A
   dense layer after a gather (CosmoFlow's first dense layer grows with the sample) weighs on
   every rank alike; a split head (the same layer taking the flattened volume split,
   :mod:`hpcpar.nn.split_head`) holds only the columns of this rank's voxels, and a
   tensor-parallel one 1/spatial of it; with ``[train] shard_optimizer``
   (:mod:`hpcpar.sync.sharded`) the optimizer state, the shard it updates and the step's
   temporaries divide by the parameter's replicas (all ranks for a replicated weight, the data
-  axis for a split one), the weights, gradients and buckets do not;
+  axis for a split one), the weights and buckets do not;
 * ``data``: the input batch in use and one prefetched, ``2 b C D H W / spatial``;
 * ``saved``: activations kept for backward, every layer's output (the spatial layers keep only
   their input and the received ghost faces: :func:`hpcpar.parallel.halo.halo_stencil`); with
   ``[train] activation_checkpointing`` only each checkpointed segment's output, and the
   transient adds the largest segment's outputs (recomputed in its backward);
 * ``transient``: backward holds a layer's output gradient next to its input gradient, twice
-  the largest layer output.
+  the largest layer output (or, if larger, the optimizer step's temporaries less the saved
+  activations they replace).
 
 Two moments outside the step can peak higher, so the total is the largest of the three:
 
@@ -125,17 +130,19 @@ def estimate(work: Workload, grid: tuple[int, int, int, int], nbytes: int = 4) -
     saved, recompute = _checkpointed([layer.segment for layer in layers], outs)
     opt = optimizer_states(work.optimizer)
     local = work.local_params(spatial, tuple(parts))
-    if work.shard_optimizer:   # weights, gradients, buckets whole; the rest per replica
+    if work.shard_optimizer:   # weights and buckets whole; the state per replica
         whole = work.replicated_params
-        params = 4 * (3 * local + (opt + 2) * (whole / (d * spatial) + (local - whole) / d))
+        shard = whole / (d * spatial) + (local - whole) / d
+        params, step_tmp = 4 * (2 * local + opt * shard), 4 * 2 * shard   # + shard, tmp
     else:
-        params = local * 4 * (4 + opt)
+        params, step_tmp = local * 4 * (2 + opt), local * 4
     data = 2 * b * math.prod(work.sample_shape) * 4 / spatial
     startup = RUNTIME_BYTES + work.params * 4
     if any(layer.kind == "linear" for layer in layers):   # settled: one fp32 sample, no grad
         startup += data / b + 2.0 * max(outs, default=0) / (b * nbytes) * 4
     est = MemoryEstimate(runtime=RUNTIME_BYTES, params=params, data=data, saved=saved,
-                         transient=2.0 * max(outs, default=0) + recompute, startup=startup)
+                         transient=max(2.0 * max(outs, default=0) + recompute,
+                                       step_tmp - saved), startup=startup)
     if not work.checkpoints:
         return est
     return dataclasses.replace(est, checkpoint=est.step + opt * _held_whole(work, spatial) * 4)
