@@ -133,7 +133,8 @@ def estimate(work: Workload, grid: tuple[int, int, int, int], nbytes: int = 4) -
     if work.shard_optimizer:   # weights and buckets whole; the state per replica
         whole = work.replicated_params
         shard = whole / (d * spatial) + (local - whole) / d
-        params, step_tmp = 4 * (2 * local + opt * shard), 4 * 2 * shard   # + shard, tmp
+        # the step adds the updated shard and its temporary, after the activations are freed
+        params, step_tmp = 4 * (2 * local + opt * shard), 4 * 2 * shard
     else:
         params, step_tmp = local * 4 * (2 + opt), local * 4
     data = 2 * b * math.prod(work.sample_shape) * 4 / spatial
