@@ -197,7 +197,9 @@ def workload_of(job, size: int | None = None):
                     precision=job.train.precision, optimizer=job.train.optimizer,
                     checkpoints=bool(ck.every or ck.at_end),
                     shard_optimizer=job.train.shard_optimizer,
-                    fuse_halos=job.model.fuse_halos)
+                    fuse_halos=job.model.fuse_halos,
+                    input_copy=job.train.channels_last
+                    or job.data.params.get("transform", "auto") != "none")
 
 
 def fit_points(run_dirs, trust_kind: bool = False) -> list:

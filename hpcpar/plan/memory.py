@@ -19,14 +19,24 @@ rule gives, so the rank that runs out first):
   (:mod:`hpcpar.sync.sharded`) the optimizer state, the shard it updates and the step's
   temporaries divide by the parameter's replicas (all ranks for a replicated weight, the data
   axis for a split one), the weights and buckets do not;
-* ``data``: the input batch in use and one prefetched, ``2 b C D H W / spatial``;
-* ``saved``: activations kept for backward, every layer's output (the spatial layers keep only
-  their input and the received ghost faces: :func:`hpcpar.parallel.halo.halo_stencil`); with
-  ``[train] activation_checkpointing`` only each checkpointed segment's output, and the
-  transient adds the largest segment's outputs (recomputed in its backward);
-* ``transient``: backward holds a layer's output gradient next to its input gradient, twice
-  the largest layer output (or, if larger, the optimizer step's temporaries less the saved
-  activations they replace).
+* ``data``: the input batch in use and one prefetched, ``2 b C D H W / spatial`` (shared
+  memory, the prefetching reader's);
+* ``saved`` and ``transient``: the activations, followed through the traced dataflow
+  (:func:`activations`; :attr:`~hpcpar.plan.types.Layer.inputs`, ``keeps``): an output is
+  kept while a layer that needs it for backward (as torch's autograd reported in the trace:
+  a convolution its input, ReLU its result, hpcpar's max pool only its indices) has not run
+  its backward, so a skip connection's lives from the encoder to the decoder; backward holds
+  each gradient from its first reader's backward to its producer's, and a convolution's
+  copies of its operands (the padded input its weight gradient reads; on hpcpar's general
+  path, where torch's rule would pick its slow kernel for the piece, oneDNN's copies). The
+  step's own copy of its input (a transform, channels-last order) counts when the job makes
+  one. ``saved`` is what forward keeps, ``transient`` the rest of the peak, the allocator's
+  share (:data:`FRAGMENTATION`) included; with ``[train] activation_checkpointing`` a layer
+  inside a segment keeps nothing until its segment's backward recomputes it. Checked
+  against torch's own allocation trace of hpcpar's model on one rank
+  (``tests/plan/test_memory_dataflow.py``, within 15%) and, through the total, against the
+  largest sample a real limit holds (``benchmarks/largest_sample.py``). If larger, the
+  optimizer step's temporaries (after backward) replace them.
 
 Two moments outside the step can peak higher, so the total is the largest of the three:
 
@@ -34,17 +44,20 @@ Two moments outside the step can peak higher, so the total is the largest of the
   to this rank's columns only by the first forward (:func:`hpcpar.nn.spatializer.settle`, one
   sample of zeros, no gradients): the full parameters plus that forward's input and its two
   largest layer outputs, once (the plain model is not copied: ``spatialize(inplace=True)``);
-* ``checkpoint``: the rank writing ``trainer.pt`` holds the optimizer state of the full model
-  on top of the step's peak: the memory the step's activations freed stays in the process's
-  heap (glibc keeps it), and the gathered tensors are fresh large allocations beside it.
+* ``checkpoint``: the rank writing ``trainer.pt`` holds the optimizer state of the full model:
+  with glibc's malloc on top of the step's peak (the memory the step's activations freed
+  stays in its heap, and the gathered tensors are fresh large allocations beside it); with
+  jemalloc, which the launcher gives ranks where it is installed, beside the step's state
+  alone (the freed memory is reused: a rank's resident memory while CosmoFlow 128³ wrote its
+  checkpoint was 0.62-0.75 of the step's peak).
   A split head's state is gathered to it alone
   (:func:`hpcpar.nn.split_head.ColumnSplit.gather`) into a file in the checkpoint directory,
   not into memory (:mod:`hpcpar.nn.spill`, from ``HPCPAR_CHECKPOINT_SPILL`` bytes a tensor):
   page cache, which the kernel writes out and drops under a limit. ``model.pt``'s writer
   holds one full copy of the weights, less.
 
-A grid fits a budget when the total is at most :data:`HEADROOM` of it (allocator
-fragmentation, page cache, kernel). Checked against a kernel-enforced limit:
+A grid fits a budget when the total is at most :data:`HEADROOM` of it (page cache, the
+kernel; the allocator's share is in the estimate). Checked against a kernel-enforced limit:
 ``tests/run/test_memory_limit.py`` (CosmoFlow 192³ x 4 under 1.5 GiB per rank: 1 rank is
 killed, 8 ranks train, and this model says the same).
 """
@@ -63,14 +76,20 @@ from hpcpar.parallel.partition import split_sizes
 if TYPE_CHECKING:
     from hpcpar.plan.types import Workload
 
-__all__ = ["RUNTIME_BYTES", "HEADROOM", "MemoryEstimate", "optimizer_states", "estimate",
-           "largest_edge", "parse_bytes"]
+__all__ = ["RUNTIME_BYTES", "HEADROOM", "FRAGMENTATION", "MemoryEstimate", "optimizer_states",
+           "estimate", "activations", "largest_edge", "parse_bytes"]
 
 #: resident memory of one rank before any tensor: measured 0.25-0.29 GB per rank (cgroup
 #: charge, 8 ranks, CosmoFlow on 32³, CPU) on the 2-core test machine
 RUNTIME_BYTES = 0.3e9
 #: share of the budget the estimate may use
-HEADROOM = 0.9
+HEADROOM = 0.95
+#: the allocator's resident memory above the live activations at the step's peak, as a share
+#: of them (freed blocks a later request of another size cannot reuse): a rank's sampled
+#: anonymous memory against torch's own allocation trace of the same step (CosmoFlow 128³,
+#: UNet3D 108³, 1 rank): jemalloc 0.03-0.17; glibc's malloc 0.47-0.64 (with the profiler's
+#: own records)
+FRAGMENTATION = {"jemalloc": 0.15, "system": 0.5}
 
 _OPT_STATE = {"adam": 2, "adamw": 2, "sgd": 1}
 
@@ -125,9 +144,12 @@ def estimate(work: Workload, grid: tuple[int, int, int, int], nbytes: int = 4) -
     d, *parts = grid
     spatial = math.prod(parts)
     b = max(1, work.global_batch // d)
-    layers = [layer for layer in work.layers if layer.kind != "flatten"]  # a view: not kept
-    outs = [_local_out(layer, parts) * b * nbytes for layer in layers]
-    saved, recompute = _checkpointed([layer.segment for layer in layers], outs)
+    layers = work.layers
+    outs = [0 if layer.kind == "flatten" else _local_out(layer, parts) * b * nbytes
+            for layer in layers]
+    saved, peak = activations(work, grid, nbytes)
+    allocator = _ranks_allocator()
+    peak *= 1 + FRAGMENTATION[allocator]
     opt = optimizer_states(work.optimizer)
     local = work.local_params(spatial, tuple(parts))
     if work.shard_optimizer:   # weights and buckets whole; the state per replica
@@ -142,11 +164,25 @@ def estimate(work: Workload, grid: tuple[int, int, int, int], nbytes: int = 4) -
     if any(layer.kind == "linear" for layer in layers):   # settled: one fp32 sample, no grad
         startup += data / b + 2.0 * max(outs, default=0) / (b * nbytes) * 4
     est = MemoryEstimate(runtime=RUNTIME_BYTES, params=params, data=data, saved=saved,
-                         transient=max(2.0 * max(outs, default=0) + recompute,
-                                       step_tmp - saved), startup=startup)
+                         transient=max(peak, step_tmp) - saved, startup=startup)
     if not work.checkpoints:
         return est
-    return dataclasses.replace(est, checkpoint=est.step + opt * _held_whole(work, spatial) * 4)
+    held = opt * _held_whole(work, spatial) * 4
+    if allocator == "system":   # the step's freed blocks stay in glibc's heap, beside it
+        return dataclasses.replace(est, checkpoint=est.step + held)
+    return dataclasses.replace(est, checkpoint=est.runtime + est.data + est.params + held)
+
+
+def _ranks_allocator() -> str:
+    """``jemalloc`` or ``system``: what :func:`hpcpar.launch.allocator.preload` gives ranks
+    here (jemalloc hands the step's freed memory to the next requests; glibc keeps blocks
+    it cannot reuse)."""
+    from hpcpar.launch.allocator import find_jemalloc
+
+    choice = _env.get("HPCPAR_ALLOCATOR")
+    if choice == "system" or (choice in ("auto", "jemalloc") and find_jemalloc() is None):
+        return "system"
+    return "jemalloc"
 
 
 def _held_whole(work: Workload, spatial: int) -> int:
@@ -160,18 +196,147 @@ def _held_whole(work: Workload, spatial: int) -> int:
                              and math.prod(layer.split) * layer.out_shape[-1] * 4 >= least)
 
 
-def _checkpointed(segments: list[int], outs: Sequence[float]) -> tuple[float, float]:
-    """(kept, recomputed) bytes with activation checkpointing: a layer in a segment
-    (``segment >= 0``) keeps its output only when it ends the segment (the next one's
-    input); the largest segment's outputs exist again while its backward runs."""
-    kept = 0.0
-    per: dict[int, float] = {}
-    for i, (seg, size) in enumerate(zip(segments, outs)):
-        if seg < 0 or i + 1 == len(outs) or segments[i + 1] != seg:
-            kept += size
-        if seg >= 0:
-            per[seg] = per.get(seg, 0.0) + size
-    return float(kept), max(per.values(), default=0.0)
+#: what a layer's backward keeps when the trace did not say (:attr:`Layer.keeps`): a
+#: convolution's or dense layer's input (for the weight gradient), an activation's or norm's
+#: input; hpcpar's max pool keeps its argmax indices instead (:data:`_INDEX_BYTES` an output
+#: element), a concatenation or a gather nothing
+_KEEPS_INPUT = frozenset({"conv", "convT", "pointwise", "bn", "linear"})
+_INDEX_BYTES = 8
+
+
+def _keeps(layer) -> tuple[set, float]:
+    """({"in", "out"} subset kept for backward, bytes per output element of anything else)."""
+    if layer.keeps:
+        return set(layer.keeps.split(",")) - {"none"}, layer.extra
+    if layer.kind == "pool":
+        return set(), float(_INDEX_BYTES)
+    return ({"in"} if layer.kind in _KEEPS_INPUT else set()), 0.0
+
+
+def activations(work: Workload, grid: tuple[int, int, int, int],
+                nbytes: int = 4) -> tuple[float, float]:
+    """(kept at the end of forward, peak) bytes of one step's activations on one rank of
+    ``grid``: live tensors only, before the allocator's share (:data:`FRAGMENTATION`)."""
+    d, *parts = grid
+    b = max(1, work.global_batch // d)
+    outs = [0 if layer.kind == "flatten" else _local_out(layer, parts) * b * nbytes
+            for layer in work.layers]
+    piece = math.prod(max(split_sizes(n, p)) for n, p in zip(work.sample_shape[1:], parts))
+    x_bytes = b * work.sample_shape[0] * piece * 4   # the loaded fp32 batch on this rank
+    copies = [_onednn_copies(layer, b, parts, nbytes) for layer in work.layers]
+    return _activations(work.layers, outs, x_bytes, work.input_copy, nbytes, copies)
+
+
+def _onednn_copies(layer, b: int, parts, nbytes: int) -> bool:
+    """Whether a convolution's backward runs on hpcpar's general path with oneDNN's copies
+    of its operands (:func:`hpcpar.nn._conv_route.onednn`): where torch's CPU rule would pick
+    its slow kernel for this rank's piece (fp32, batch 1, few channels or small planes)."""
+    if layer.kind != "conv" or not layer.kernel or nbytes != 4 or len(layer.in_shape) != 4:
+        return False
+    from hpcpar.nn._conv_route import torch_picks_slow_conv  # deferred: imports torch
+
+    kernel, stride, dilation, groups = layer.kernel
+    if all(k == 1 for k in kernel) and all(s == 1 for s in stride):
+        return False
+    local = [max(split_sizes(n, p)) for n, p in zip(layer.in_shape[1:], parts)]
+    return torch_picks_slow_conv((b, layer.in_shape[0], *local), kernel, stride, dilation,
+                                 groups)
+
+
+def _activations(layers: Sequence, outs: Sequence[float], x_bytes: float, x_owned: bool,
+                 nbytes: int, copies: Sequence[bool] = ()) -> tuple[float, float]:
+    """(kept at the end of forward, peak) bytes of the step's activations, following the
+    traced dataflow (:attr:`Layer.inputs`) layer by layer through forward and then backward.
+
+    A layer's output is kept while a layer that needs it for backward has not run its
+    backward (a skip connection's from the encoder to the decoder's concatenation); an
+    output nobody keeps lives until its last reader has run forward. In backward, layer
+    ``i`` holds its output's gradient and its inputs' gradients; a gradient that a later
+    reader has produced waits until its producer's backward (a skip's, through the levels
+    below); a convolution's weight gradient reads a padded copy of its input. A layer inside
+    an activation-checkpointing segment (not its last) keeps nothing in forward; while its
+    segment's backward runs, the segment's kept outputs exist again (recomputed), and the
+    segment's input is kept for the recomputation.
+
+    Args:
+        layers: The traced layers (``flatten`` and pass-through layers make no memory).
+        outs: Bytes of each layer's output on this rank.
+        x_bytes: Bytes of the input on this rank.
+        x_owned: The step made its own copy of the input (kept by the first layer); without
+            it the input is the loaded batch, counted under ``data``.
+        copies: Per layer, whether its backward makes oneDNN's copies of its operands
+            (:func:`_onednn_copies`).
+        nbytes: Bytes per activation element.
+    """
+    n = len(layers)
+    alias = [layer.alias or layer.kind == "flatten" for layer in layers]
+
+    def source(p: int) -> int:
+        while p >= 0 and alias[p]:
+            p = (layers[p].inputs or (p - 1,))[0]
+        return p
+
+    srcs = [tuple(source(p) for p in (layer.inputs or (i - 1,))) for i, layer in
+            enumerate(layers)]
+    size = [0.0 if alias[i] else float(outs[i]) for i in range(n)]
+    seg = [layer.segment for layer in layers]
+    ends = {i for i in range(n) if seg[i] < 0 or i + 1 == n or seg[i + 1] != seg[i]}
+    starts = {i for i in range(n) if seg[i] >= 0 and (i == 0 or seg[i - 1] != seg[i])}
+    keeps = [_keeps(layer) for layer in layers]
+    own = [outs[i] / nbytes * keeps[i][1] for i in range(n)]
+    first_keep: dict[int, int] = {}   # tensor -> the first layer keeping it for backward
+    last_read: dict[int, int] = {}
+    for i in range(n):
+        what = keeps[i][0]
+        if "out" in what:   # a pass-through (in-place) layer keeps its source's memory
+            first_keep.setdefault(source(i) if alias[i] else i, i)
+        if alias[i]:
+            continue
+        for p in srcs[i]:
+            last_read[p] = max(last_read.get(p, -1), i)
+            if "in" in what or i in starts:
+                first_keep.setdefault(p, i)
+    last_read.setdefault(source(n - 1), n)   # the model's output: read by the loss
+
+    def bytes_of(p: int) -> float:
+        return (x_bytes if x_owned else 0.0) if p < 0 else size[p]
+
+    def interior(p: int) -> bool:   # recomputed in backward, not kept
+        return p >= 0 and p not in ends
+
+    producers = [-1, *range(n)]
+    peak = 0.0
+    for i in range(n):   # forward
+        live = size[i] + own[i]
+        for p in producers[:i + 1]:   # the input and layers before i
+            kept = p in first_keep and not interior(p)
+            if kept or last_read.get(p, -1) >= i:
+                live += bytes_of(p)
+            if p >= 0 and not interior(p):
+                live += own[p]
+        peak = max(peak, live)
+    saved = sum(bytes_of(p) + (own[p] if p >= 0 else 0.0) for p in producers
+                if p in first_keep and not interior(p))
+    for i in reversed(range(n)):   # backward
+        if alias[i]:
+            continue
+        live = 0.0
+        for p in producers[:i + 2]:   # the input and layers 0..i
+            mine = p >= 0 and seg[p] >= 0 and seg[p] == seg[i]
+            if (not interior(p) or mine) and first_keep.get(p, n) <= i:
+                live += bytes_of(p)
+            if p >= 0 and (not interior(p) or mine):
+                live += own[p]
+            if p >= 0 and last_read.get(p, -1) >= i:   # a gradient in flight
+                live += size[p]
+        if layers[i].kind in ("conv", "convT"):
+            ins = sum(size[p] if p >= 0 else x_bytes for p in srcs[i])
+            if copies and copies[i]:   # oneDNN's copies: the extended input, twice, and
+                live += 2 * ins + 3 * size[i]   # the output's gradient, three times
+            else:   # the padded input its weight gradient reads
+                live += ins
+        peak = max(peak, live)
+    return saved, peak
 
 
 def largest_edge(fits: Callable[[int], bool], smallest: int, limit: int = 1 << 14) -> int | None:

@@ -104,8 +104,10 @@ def trace_layers(model: torch.nn.Module, sample_shape: Sequence[int],
     layers: list[Layer] = []
     state = {"spatial": True}
     hooks = []
+    flow = _dataflow()
 
     def hook(mod, inputs, output):
+        flow.depth -= 1
         x = inputs[0]
         ins, outs = tuple(x.shape[1:]), tuple(output.shape[1:])
         params = sum(p.numel() for p in mod.parameters(recurse=False))
@@ -120,7 +122,9 @@ def trace_layers(model: torch.nn.Module, sample_shape: Sequence[int],
             else:
                 flops, kind = 2.0 * out_elems * per_out, "conv"
             layers.append(Layer(kind, state["spatial"], ins, outs, params, flops,
-                                _stencil_halos(mod)))
+                                _stencil_halos(mod), kernel=(tuple(mod.kernel_size),
+                                                             tuple(mod.stride),
+                                                             tuple(mod.dilation), mod.groups)))
         elif isinstance(mod, (nn.MaxPool3d, nn.AvgPool3d)):
             layers.append(Layer("pool", state["spatial"], ins, outs, 0,
                                 halo=_stencil_halos(mod)))
@@ -149,18 +153,110 @@ def trace_layers(model: torch.nn.Module, sample_shape: Sequence[int],
         hook(mod, inputs, output)
         if len(layers) > n:
             layers[-1].segment = segment_of.get(id(mod), -1)
+            layer = layers[-1]
+            layer.inputs = flow.sources(inputs)
+            layer.keeps, layer.extra = flow.kept(inputs, output)
+            if isinstance(mod, nn.MaxPool3d):   # hpcpar's pool keeps only the indices
+                layer.keeps = "none"
+            if any(output is x for x in inputs):   # passed through (a size match that fits)
+                layer.alias = True
+            else:
+                flow.made(output, n)
+
+    def entered(mod, inputs):
+        flow.depth += 1
+        flow.saved = []
 
     for mod in model.modules():
         if not list(mod.children()):
+            hooks.append(mod.register_forward_pre_hook(entered))
             hooks.append(mod.register_forward_hook(tagged))
+    flow.layers, flow.state = layers, state
     try:
         model = model.to("meta")
-        with torch.no_grad():
+        with torch.autograd.graph.saved_tensors_hooks(flow.pack, lambda t: t), flow:
             model(torch.empty((1, *sample_shape), device="meta"))
     finally:
         for h in hooks:
             h.remove()
     return layers
+
+
+def _flow_mode():
+    """The torch function mode class of :func:`trace_layers` (torch imported on first use)."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    cats = (torch.cat, torch.concat, torch.concatenate)
+
+    class Dataflow(TorchFunctionMode):
+        """Which traced layer made each tensor, so each layer knows its inputs' producers;
+        a concatenation outside any layer (UNet's skip joins, written ``torch.cat`` in the
+        model's forward) is a layer of its own: its output is a new volume that the next
+        convolution keeps. Other functional ops outside layers (views, a residual sum) pass
+        their first input's producer on."""
+
+        def __init__(self):
+            super().__init__()
+            self.depth, self.by_id, self.alive = 0, {}, []
+            self.layers: list = []
+            self.saved: list = []
+            self.state: dict = {}
+
+        def pack(self, t):
+            """autograd's saved-tensor hook: what the running layer keeps for backward."""
+            if self.depth:
+                self.saved.append(t)
+            return t
+
+        def kept(self, inputs, out) -> tuple[str, float]:
+            """(which of its inputs and output the layer just traced keeps, bytes per output
+            element of anything else it keeps: indices, masks; not weights or statistics)."""
+            names, extra = [], 0.0
+            if any(any(t is x for x in inputs) for t in self.saved):
+                names.append("in")
+            if any(t is out for t in self.saved):
+                names.append("out")
+            for t in self.saved:
+                weight = isinstance(t, torch.nn.Parameter) or isinstance(t._base,
+                                                                         torch.nn.Parameter)
+                if not weight and t.dim() == out.dim() \
+                        and all(t is not x for x in (*inputs, out)):
+                    extra += t.numel() * t.element_size() / max(1, out.numel())
+            self.saved = []
+            return ",".join(names) or "none", extra
+
+        def sources(self, tensors) -> tuple:
+            return tuple(self.by_id.get(id(t), -1) for t in tensors
+                         if isinstance(t, torch.Tensor))
+
+        def made(self, out, index: int) -> None:
+            if isinstance(out, torch.Tensor):
+                self.by_id[id(out)] = index
+                self.alive.append(out)   # ids stay unique while the trace runs
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if self.depth or not isinstance(out, torch.Tensor):
+                return out
+            if func in cats and out.dim() == 5:
+                parts = args[0] if args else kwargs["tensors"]
+                shape = tuple(out.shape[1:])
+                self.layers.append(Layer("cat", self.state["spatial"], shape, shape, 0,
+                                         inputs=self.sources(parts)))
+                self.made(out, len(self.layers) - 1)
+            else:
+                first = [a for a in args if isinstance(a, torch.Tensor)][:1]
+                if first and id(first[0]) in self.by_id:
+                    self.made(out, self.by_id[id(first[0])])
+            return out
+
+    return Dataflow
+
+
+def _dataflow():
+    """A fresh dataflow recorder for one trace."""
+    return _flow_mode()()
 
 
 def _segment_index(model, checkpointing) -> dict[int, int]:

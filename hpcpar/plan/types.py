@@ -34,6 +34,16 @@ class Layer:
             flattened split volume it takes, whose voxels' weight columns each rank holds.
         segment: The checkpointed segment ([train] activation_checkpointing) the layer is
             in, -1 for none: its output is recomputed in backward, not kept.
+        inputs: The layers whose outputs it takes (indices into the traced list; -1 the
+            model's input); empty: the layer before it. What the memory model follows to
+            know which outputs backward keeps and for how long.
+        alias: The layer returned one of its inputs (no new memory).
+        keeps: What its backward keeps, as torch's autograd reported it in the trace:
+            ``"in"``, ``"out"``, ``"in,out"`` or ``"none"``; empty: by ``kind``.
+        extra: Bytes per output element of the other tensors it keeps (a max pool's int64
+            indices, a dropout's mask).
+        kernel: A convolution's ``(kernel_size, stride, dilation, groups)``: which of
+            torch's CPU kernels runs it on a piece decides the copies its backward makes.
     """
 
     kind: str            # conv, convT, pool, bn, pointwise, linear, gather
@@ -46,6 +56,11 @@ class Layer:
     tp: bool = False     # a tensor-parallel Linear (weights split over the spatial group)
     split: tuple = ()    # a split head: the (C, D, H, W) whose voxels' columns a rank holds
     segment: int = -1    # checkpointed segment (activation_checkpointing), -1: none
+    inputs: tuple = ()   # producing layers (-1: the model's input); (): the previous layer
+    alias: bool = False  # returned one of its inputs
+    keeps: str = ""      # kept for backward: "in", "out", "in,out", "none"; "": by kind
+    extra: float = 0.0   # bytes per output element of other kept tensors (pool indices)
+    kernel: tuple = ()   # a convolution's (kernel, stride, dilation, groups)
 
     def head_share(self, parts) -> int:
         """Weights one rank holds of a split head (the largest piece of ``parts`` = (x, y,
@@ -76,6 +91,8 @@ class Workload:
             parameter's replicas.
         fuse_halos: ``[model] fuse_halos``: the longest run of convolutions sharing one halo
             exchange (:mod:`hpcpar.nn.fused_halo`).
+        input_copy: The step makes its own copy of the input piece (an input transform or
+            channels-last order), which the first layer keeps for backward.
     """
 
     name: str
@@ -89,6 +106,7 @@ class Workload:
     checkpoints: bool = True
     shard_optimizer: bool = False
     fuse_halos: int = 1
+    input_copy: bool = True
 
     def __post_init__(self):
         if self.layers or not self.params:
