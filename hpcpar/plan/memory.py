@@ -65,6 +65,7 @@ killed, 8 ranks train, and this model says the same).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -177,12 +178,19 @@ def _ranks_allocator() -> str:
     """``jemalloc`` or ``system``: what :func:`hpcpar.launch.allocator.preload` gives ranks
     here (jemalloc hands the step's freed memory to the next requests; glibc keeps blocks
     it cannot reuse)."""
-    from hpcpar.launch.allocator import find_jemalloc
-
     choice = _env.get("HPCPAR_ALLOCATOR")
-    if choice == "system" or (choice in ("auto", "jemalloc") and find_jemalloc() is None):
+    if choice == "system" or (choice in ("auto", "jemalloc") and not _jemalloc_found()):
         return "system"
     return "jemalloc"
+
+
+@functools.cache
+def _jemalloc_found() -> bool:
+    """Once per process: the search may ask ldconfig, and the planner's bisections estimate
+    hundreds of times."""
+    from hpcpar.launch.allocator import find_jemalloc
+
+    return find_jemalloc() is not None
 
 
 def _held_whole(work: Workload, spatial: int) -> int:
