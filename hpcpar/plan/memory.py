@@ -72,6 +72,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hpcpar import _env, _units
+from hpcpar.launch.allocator import find_jemalloc
 from hpcpar.parallel.partition import split_sizes
 
 if TYPE_CHECKING:
@@ -188,8 +189,6 @@ def _ranks_allocator() -> str:
 def _jemalloc_found() -> bool:
     """Once per process: the search may ask ldconfig, and the planner's bisections estimate
     hundreds of times."""
-    from hpcpar.launch.allocator import find_jemalloc
-
     return find_jemalloc() is not None
 
 

@@ -38,6 +38,7 @@ import torch
 from hpcpar import _env
 from hpcpar.parallel.buffers import as_buffer, free_at_exit, message_buffer
 from hpcpar.sync._compression import accumulation_dtype, fold
+from hpcpar.sync._layout import shaped_like
 from hpcpar.sync._torchdist import TorchWork, process_group
 
 MB = 1 << 20
@@ -376,7 +377,7 @@ class Bucket:
         self.views = []
         offset = 0
         for p in self.params:
-            self.views.append(self.flat[offset:offset + p.numel()].view(p.shape))
+            self.views.append(shaped_like(self.flat[offset:offset + p.numel()], p))
             offset += p.numel()
         self.flags = self.flat[self.numel:used]
         self.acc_dtype = accumulation_dtype(dtype)

@@ -27,6 +27,7 @@ import torch
 
 from hpcpar.errors import ConfigError
 from hpcpar.parallel.buffers import as_buffer
+from hpcpar.sync._layout import flat_in_order, shaped_like
 
 __all__ = ["ShardedOptimizer"]
 
@@ -173,7 +174,7 @@ class ShardedOptimizer:
         """Update this rank's shard, then all-gather every bucket's chunks into the parameters."""
         self._replan()
         for piece in self.pieces:   # the parameters may have been loaded since the last step
-            piece.master.copy_(piece.param.detach().reshape(-1)[piece.lo:piece.hi])
+            piece.master.copy_(flat_in_order(piece.param.detach())[piece.lo:piece.hi])
         self.optimizer.step()
         self._gather_params(self._planned_for, self.pieces, lambda piece: piece.master)
         for piece in self.pieces:
@@ -259,7 +260,7 @@ class ShardedOptimizer:
                 continue
             n = piece.param.numel()
             self.optimizer.state[piece.master] = {
-                k: (v.detach().reshape(-1)[piece.lo:piece.hi].clone()
+                k: (flat_in_order(v.detach(), piece.param)[piece.lo:piece.hi].clone()
                     if torch.is_tensor(v) and v.dim() > 0 and v.numel() == n
                     else v.clone() if torch.is_tensor(v) else v)
                 for k, v in full.items()}
@@ -298,7 +299,7 @@ class ShardedOptimizer:
                 buf.finish()
             offset = 0
             for p in b.params:
-                view = flat[offset:offset + p.numel()].view(p.shape)
+                view = shaped_like(flat[offset:offset + p.numel()], p)
                 offset += p.numel()
                 if into is None:
                     p.copy_(view)

@@ -46,6 +46,17 @@ def same_everywhere(comm, tensors):
     return len(set(comm.allgather(blob))) == 1
 
 
+def step_both(ddp, opt, ref, ref_opt, x, y, mine: slice):
+    """One step of the distributed model on this rank's rows ``mine`` and one of the
+    single-process reference on the whole batch."""
+    opt.zero_grad()
+    loss_fn(ddp, x[mine], y[mine]).backward()
+    opt.step()
+    ref_opt.zero_grad()
+    loss_fn(ref, x, y).backward()
+    ref_opt.step()
+
+
 def grads(model):
     return [p.grad.clone() for p in model.parameters()]
 
@@ -108,12 +119,7 @@ def test_training_matches_single_process(comm):
         before = COUNTERS.snapshot()
         for step in range(3):
             x, y = batch(step, B * P, dtype)
-            opt.zero_grad()
-            loss_fn(ddp, x[r * B:(r + 1) * B], y[r * B:(r + 1) * B]).backward()
-            opt.step()
-            ref_opt.zero_grad()
-            loss_fn(ref, x, y).backward()
-            ref_opt.step()
+            step_both(ddp, opt, ref, ref_opt, x, y, slice(r * B, (r + 1) * B))
             for p, q in zip(model.parameters(), ref.parameters()):
                 assert rel_err(p, q) <= tol, (dtype, step, rel_err(p, q))
             assert same_everywhere(comm, list(model.parameters()))
@@ -375,6 +381,31 @@ def test_spatial_cnn_data2_x2_matches_single_process(comm):
             want = torch.cat([q.reshape(-1) for q in ref.parameters()])
             assert rel_err(flat, want) <= tol, (step, rel_err(flat, want))
             assert same_everywhere(comm, list(model.parameters()))
+
+
+@mpi_case(nprocs=(1, 2), timeout=60)
+def test_channels_last_weights_train_like_one_process(comm):
+    """Convolution weights in channels_last_3d (``[train] channels_last``): each gradient's
+    bucket view takes its parameter's strides, so torch's fused and foreach Adam, which walk
+    a parameter and its gradient as raw memory, update exactly as on one process (a dense
+    NCDHW view put those weights 1e-2 off in three steps)."""
+    r, P = comm.Get_rank(), comm.Get_size()
+    grid = hpcpar.ProcessGrid(data=P)
+    cl = torch.channels_last_3d
+    for kind in ("fused", "foreach"):
+        model, ref = small_cnn().to(memory_format=cl), small_cnn().to(memory_format=cl)
+        ddp = hpcpar.DDP(model, grid, bucket_cap_mb=1e-3, first_bucket_mb=2e-4)
+        opt = torch.optim.Adam(ddp.parameters(), lr=1e-2, **{kind: True})
+        ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2, **{kind: True})
+        g = torch.Generator().manual_seed(4)
+        for _ in range(3):
+            x = torch.randn(P * B, 1, 6, 5, 4, generator=g).to(memory_format=cl)
+            y = torch.randn(P * B, 2, generator=g)
+            step_both(ddp, opt, ref, ref_opt, x, y, slice(r * B, (r + 1) * B))
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert p.stride() == q.stride(), (kind, n)
+            assert rel_err(p, q) <= 1e-5, (kind, n, rel_err(p, q))
+            assert p.grad.stride() == p.stride(), (kind, n)
 
 
 class _Delay(torch.autograd.Function):

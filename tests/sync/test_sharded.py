@@ -25,14 +25,15 @@ def adam(groups):
     return torch.optim.Adam(groups, lr=1e-2, weight_decay=1e-3, fused=True)
 
 
-def _train(grid, shard: bool, steps: int = 20):
+def _train(grid, shard: bool, steps: int = 20, layout=torch.contiguous_format):
     """``steps`` Adam steps of a spatialized CNN (every 5th step accumulates two
-    micro-batches under no_sync); returns the model, its optimizer and the global gradient
-    norm of the last step as the trainer computes it."""
+    micro-batches under no_sync) with its weights and inputs in ``layout``; returns the
+    model, its optimizer and the global gradient norm of the last step as the trainer
+    computes it."""
     from hpcpar.nn import spatialize
     from hpcpar.parallel.spatial import local_slices
 
-    model = spatialize(odd_cnn(), grid)
+    model = spatialize(odd_cnn(), grid).to(memory_format=layout)
     ddp = hpcpar.DDP(model, grid, bucket_cap_mb=1e-3, first_bucket_mb=1e-4)
     opt = ShardedOptimizer(ddp, adam, model.parameters()) if shard else adam(model.parameters())
     d = grid.coords[0]
@@ -44,7 +45,7 @@ def _train(grid, shard: bool, steps: int = 20):
             x = torch.randn(grid.data * B, 1, 7, 6, 5, generator=g)
             y = torch.randn(grid.data * B, 3, generator=g)
             mine = slice(d * B, (d + 1) * B)
-            xs = x[mine][local_slices(x[mine].shape, grid)]
+            xs = x[mine][local_slices(x[mine].shape, grid)].contiguous(memory_format=layout)
             context = ddp.no_sync() if micro == 0 and step % 5 == 4 else _nothing()
             with context:
                 ((ddp(xs) - y[mine]) ** 2).mean().backward()
@@ -67,10 +68,10 @@ def _flat(model):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def _check_grid(comm, shape):
+def _check_grid(comm, shape, layout=torch.contiguous_format):
     grid = hpcpar.ProcessGrid(*shape, comm=comm)
-    plain, plain_opt, plain_norm = _train(grid, shard=False)
-    sharded, sharded_opt, sharded_norm = _train(grid, shard=True)
+    plain, plain_opt, plain_norm = _train(grid, shard=False, layout=layout)
+    sharded, sharded_opt, sharded_norm = _train(grid, shard=True, layout=layout)
     a, b = _flat(sharded), _flat(plain)
     assert ((a - b).norm() / b.norm()).item() <= 1e-6, shape
     for (n, p), q in zip(sharded.named_parameters(), plain.parameters()):
@@ -96,6 +97,25 @@ def _check_grid(comm, shape):
 @mpi_case(nprocs=(2,), timeout=240)
 def test_sharded_equals_unsharded_on_1x2x1x1(comm):
     _check_grid(comm, (1, 2, 1, 1))
+
+
+@mpi_case(nprocs=(2,), timeout=240)
+def test_sharded_channels_last_weights_and_resume_in_the_other_layout(comm):
+    """Weights in channels_last_3d: the shards are cut in each parameter's memory order, so
+    sharded equals unsharded there too; its consolidated state (channels-last tensors) loads
+    into a sharded optimizer over the same model in NCDHW order and consolidates back to the
+    same values."""
+    cl = torch.channels_last_3d
+    _check_grid(comm, (1, 2, 1, 1), layout=cl)
+    grid = hpcpar.ProcessGrid(1, 2, 1, 1, comm=comm)
+    _, opt, _ = _train(grid, shard=True, steps=3, layout=cl)
+    _, other, _ = _train(grid, shard=True, steps=1)
+    full = opt.state_dict()
+    other.load_state_dict(full)
+    back = other.state_dict()
+    for i, st in full["state"].items():
+        for key, value in st.items():
+            assert torch.equal(back["state"][i][key], value), (i, key)
 
 
 @mpi_case(nprocs=(4,), timeout=300)
