@@ -977,6 +977,8 @@ def load_full_optimizer_state(model: Any, optimizer: Any, saved: dict) -> None:
     """
     import torch
 
+    from hpcpar.sync.layout import match_state_layouts  # deferred: loads torch
+
     if hasattr(optimizer, "load_consolidated"):   # [train] shard_optimizer: slice a plain one
         plain = optimizer.twin()
         load_full_optimizer_state(model, plain, saved)
@@ -999,6 +1001,7 @@ def load_full_optimizer_state(model: Any, optimizer: Any, saved: dict) -> None:
         for k in keys:
             if st[k].shape[-1] == info.features:   # saved whole: this rank's columns
                 st[k] = info.take(st[k]).contiguous()
+    match_state_layouts(optimizer)
 
 
 def load(path: str | os.PathLike, rank: int) -> tuple[dict, dict, dict, dict]:

@@ -38,8 +38,8 @@ import torch
 from hpcpar import _env
 from hpcpar.parallel.buffers import as_buffer, free_at_exit, message_buffer
 from hpcpar.sync._compression import accumulation_dtype, fold
-from hpcpar.sync._layout import shaped_like
 from hpcpar.sync._torchdist import TorchWork, process_group
+from hpcpar.sync.layout import shaped_like
 
 MB = 1 << 20
 #: buckets whose other ranks' copies total at most this many bytes take the one-round path

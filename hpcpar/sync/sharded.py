@@ -27,7 +27,7 @@ import torch
 
 from hpcpar.errors import ConfigError
 from hpcpar.parallel.buffers import as_buffer
-from hpcpar.sync._layout import flat_in_order, shaped_like
+from hpcpar.sync.layout import flat_in_order, shaped_like
 
 __all__ = ["ShardedOptimizer"]
 

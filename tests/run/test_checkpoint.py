@@ -1,6 +1,7 @@
 """Checkpoints: atomic layout, manifest checksums, keep-K, corrupt fallback, full state dict
 hooks, RNG round trip, weights_only loading into the plain model."""
 
+import copy
 import json
 import random
 
@@ -149,3 +150,36 @@ def test_the_two_shared_files_are_written_by_different_ranks(tmp_path):
                              "trainer.pt"]
     assert "trainer.pt" in ckpt.write_part(tmp_path, 2, model_state=None, trainer_state={},
                                            rank_state={}, size=size)
+
+
+def test_optimizer_state_saved_in_one_memory_order_resumes_in_the_other():
+    """Adam state written while a convolution's weights were NCDHW (an older hpcpar ran
+    ``[train] channels_last`` jobs so) loads into channels-last weights laid out like them:
+    torch's fused Adam walks parameter and state as raw memory, so the next steps must equal
+    the NCDHW run's."""
+    def cnn():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv3d(2, 3, 3), nn.ReLU(), nn.Conv3d(3, 4, 2))
+
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(2, 2, 5, 4, 6, generator=g) for _ in range(4)]
+
+    def steps(model, opt, batch):
+        for x in batch:
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+
+    ncdhw = cnn()
+    opt = torch.optim.Adam(ncdhw.parameters(), lr=1e-2, fused=True)
+    steps(ncdhw, opt, xs[:2])
+    saved = copy.deepcopy(opt.state_dict())   # as read from a file: shares nothing
+    cl = cnn().to(memory_format=torch.channels_last_3d)
+    cl.load_state_dict(ncdhw.state_dict())
+    cl_opt = torch.optim.Adam(cl.parameters(), lr=1e-2, fused=True)
+    ckpt.load_full_optimizer_state(cl, cl_opt, saved)
+    steps(ncdhw, opt, xs[2:])
+    steps(cl, cl_opt, [x.contiguous(memory_format=torch.channels_last_3d) for x in xs[2:]])
+    for p, q in zip(cl.parameters(), ncdhw.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        assert all(v.stride() == p.stride() for v in cl_opt.state[p].values() if v.dim())

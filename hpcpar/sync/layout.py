@@ -6,14 +6,15 @@ walk a parameter and its gradient as raw memory, so the two must share their str
 channels-last weight (``[train] channels_last`` puts a volume model's convolution weights in
 ``channels_last_3d``) with an NCDHW-ordered gradient view is updated wrongly, silently. So a
 bucket lays each parameter out in the parameter's own order, and the sharded optimizer cuts
-its slices from that same order.
+its slices from that same order, and an optimizer state loaded from a checkpoint written in
+the other layout is laid out like its parameter.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["dense", "flat_in_order", "shaped_like"]
+__all__ = ["dense", "flat_in_order", "match_state_layouts", "shaped_like"]
 
 
 def dense(t: torch.Tensor) -> bool:
@@ -45,3 +46,16 @@ def flat_in_order(t: torch.Tensor, like: torch.Tensor | None = None) -> torch.Te
     if t.stride() != like.stride() or not dense(t):
         t = torch.empty_like(like).copy_(t)
     return t.as_strided((t.numel(),), (1,), t.storage_offset())
+
+
+def match_state_layouts(optimizer: torch.optim.Optimizer) -> None:
+    """Lay every per-element state tensor out like its parameter (a checkpoint written while
+    the weights were in the other memory order: torch loads the state with the strides it
+    was saved with)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.shape == p.shape and \
+                        value.stride() != p.stride() and dense(p):
+                    state[key] = torch.empty_like(p, dtype=value.dtype).copy_(value)
