@@ -349,11 +349,12 @@ class VolumeWorkload(Workload):
         """With ``[train] channels_last``, the convolutions' weights in channels_last_3d too.
 
         torch's convolution runs in channels-last order when its input *or* its weight is in
-        it, and one layer that returns NCDHW (a transposed convolution on torch's own slow
-        kernel; any layer of a user's model) put every later layer with NCDHW weights in
-        that order: the UNet3D demo's decoder ran on oneDNN's slow path for few channels
-        (1.6x the model's step at 96³, and two 77 MiB blocked buffers in each top-level
-        convolution's backward at 108³)."""
+        it. A one-channel input is dense in both orders (the UNet3D demo's: its second
+        channel is the label), and a layer that returns NCDHW (a transposed convolution on
+        torch's own slow kernel) puts every later layer with NCDHW weights in that order:
+        the UNet3D demo ran on oneDNN's slow path for few channels (1.6x the model's step at
+        96³, and two 77 MiB blocked buffers in each top-level convolution's backward at
+        108³)."""
         if self.job.train.channels_last:
             import torch
 
