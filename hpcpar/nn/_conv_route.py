@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["torch_picks_slow_conv", "onednn", "prepadded_weight_grad", "SPLIT_BACKWARD_BYTES"]
+__all__ = ["torch_picks_slow_conv", "onednn", "onednn_shape", "prepadded_weight_grad",
+           "SPLIT_BACKWARD_BYTES"]
 
 #: Inputs up to this size get their three conv gradients from one call (a call's fixed cost
 #: is then worth more than the volume a split backward saves: ``ConvOp.backward``,
@@ -34,11 +35,17 @@ def onednn(ext, kernel, stride, dilation, groups) -> bool:
     Not a 1x1x1 kernel of stride 1: torch's slow path is then one matrix product with no
     column buffer, faster than oneDNN (16 -> 2 channels at 64^3: 99 vs 254 ms forward +
     backward) and without oneDNN's copies of the input and its gradient (32 vs 56 MiB)."""
-    if all(k == 1 for k in kernel) and all(s == 1 for s in stride):
-        return False
     return (ext.device.type == "cpu" and ext.dtype == torch.float32 and
             torch.backends.mkldnn.is_available() and bool(torch.backends.mkldnn.enabled) and
-            torch_picks_slow_conv(ext.shape, kernel, stride, dilation, groups))
+            onednn_shape(ext.shape, kernel, stride, dilation, groups))
+
+
+def onednn_shape(shape, kernel, stride, dilation, groups) -> bool:
+    """:func:`onednn`'s rule on a float32 CPU piece of ``shape`` (what the planner asks
+    of a piece it has not made)."""
+    if all(k == 1 for k in kernel) and all(s == 1 for s in stride):
+        return False
+    return torch_picks_slow_conv(shape, kernel, stride, dilation, groups)
 
 
 def prepadded_weight_grad(x, weight, groups) -> bool:

@@ -17,7 +17,8 @@ from typing import TypeVar
 T = TypeVar("T")
 
 __all__ = [
-    "split_sizes", "part_range", "part_ranges", "box", "owner", "stencil_output_length",
+    "split_sizes", "largest_piece", "part_range", "part_ranges", "box", "owner",
+    "stencil_output_length",
     "stencil_input_range", "transposed_output_length", "transposed_input_range", "AxisHalo",
     "axis_halo", "conv_axis_halo", "transposed_axis_halo", "same_padding", "conv_pads",
     "ceil_div", "xyz", "torch_pad",
@@ -63,6 +64,12 @@ def split_sizes(n: int, parts: int) -> list[int]:
     _check_parts(n, parts)
     q, r = divmod(n, parts)
     return [q + (1 if i < r else 0) for i in range(parts)]
+
+
+def largest_piece(shape: Sequence[int], parts: Sequence[int]) -> tuple[int, ...]:
+    """Per axis, the extent of the largest piece of ``shape`` split ``parts`` ways (part 0's
+    under the rule): the rank that runs out of memory or time first."""
+    return tuple(max(split_sizes(n, p)) for n, p in zip(shape, parts))
 
 
 def part_range(n: int, parts: int, index: int) -> tuple[int, int]:

@@ -73,7 +73,7 @@ from typing import TYPE_CHECKING
 
 from hpcpar import _env, _units
 from hpcpar.launch.allocator import find_jemalloc
-from hpcpar.parallel.partition import split_sizes
+from hpcpar.parallel.partition import largest_piece
 
 if TYPE_CHECKING:
     from hpcpar.plan.types import Workload
@@ -129,7 +129,13 @@ def _local_out(layer, parts) -> int:
     vol = layer.out_shape[1:]
     if not layer.spatial or len(vol) != 3:
         return math.prod(layer.out_shape)
-    return layer.out_shape[0] * math.prod(max(split_sizes(n, p)) for n, p in zip(vol, parts))
+    return layer.out_shape[0] * math.prod(largest_piece(vol, parts))
+
+
+def _outs(work: Workload, parts, b: int, nbytes: int) -> list[int]:
+    """Bytes of each traced layer's output on this rank (a flatten is a view: none)."""
+    return [0 if layer.kind == "flatten" else _local_out(layer, parts) * b * nbytes
+            for layer in work.layers]
 
 
 def estimate(work: Workload, grid: tuple[int, int, int, int], nbytes: int = 4) -> MemoryEstimate:
@@ -147,8 +153,7 @@ def estimate(work: Workload, grid: tuple[int, int, int, int], nbytes: int = 4) -
     spatial = math.prod(parts)
     b = max(1, work.global_batch // d)
     layers = work.layers
-    outs = [0 if layer.kind == "flatten" else _local_out(layer, parts) * b * nbytes
-            for layer in layers]
+    outs = _outs(work, parts, b, nbytes)
     saved, peak = activations(work, grid, nbytes)
     allocator = _ranks_allocator()
     peak *= 1 + FRAGMENTATION[allocator]
@@ -226,9 +231,8 @@ def activations(work: Workload, grid: tuple[int, int, int, int],
     ``grid``: live tensors only, before the allocator's share (:data:`FRAGMENTATION`)."""
     d, *parts = grid
     b = max(1, work.global_batch // d)
-    outs = [0 if layer.kind == "flatten" else _local_out(layer, parts) * b * nbytes
-            for layer in work.layers]
-    piece = math.prod(max(split_sizes(n, p)) for n, p in zip(work.sample_shape[1:], parts))
+    outs = _outs(work, parts, b, nbytes)
+    piece = math.prod(largest_piece(work.sample_shape[1:], parts))
     x_bytes = b * work.sample_shape[0] * piece * 4   # the loaded fp32 batch on this rank
     copies = [_onednn_copies(layer, b, parts, nbytes) for layer in work.layers]
     return _activations(work.layers, outs, x_bytes, work.input_copy, nbytes, copies)
@@ -240,14 +244,10 @@ def _onednn_copies(layer, b: int, parts, nbytes: int) -> bool:
     its slow kernel for this rank's piece (fp32, batch 1, few channels or small planes)."""
     if layer.kind != "conv" or not layer.kernel or nbytes != 4 or len(layer.in_shape) != 4:
         return False
-    from hpcpar.nn._conv_route import torch_picks_slow_conv  # deferred: imports torch
+    from hpcpar.nn._conv_route import onednn_shape  # deferred: imports torch
 
-    kernel, stride, dilation, groups = layer.kernel
-    if all(k == 1 for k in kernel) and all(s == 1 for s in stride):
-        return False
-    local = [max(split_sizes(n, p)) for n, p in zip(layer.in_shape[1:], parts)]
-    return torch_picks_slow_conv((b, layer.in_shape[0], *local), kernel, stride, dilation,
-                                 groups)
+    local = largest_piece(layer.in_shape[1:], parts)
+    return onednn_shape((b, layer.in_shape[0], *local), *layer.kernel)
 
 
 def _activations(layers: Sequence, outs: Sequence[float], x_bytes: float, x_owned: bool,

@@ -34,7 +34,13 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
-from hpcpar.parallel.partition import conv_axis_halo, conv_pads, split_sizes, transposed_axis_halo
+from hpcpar.parallel.partition import (
+    conv_axis_halo,
+    conv_pads,
+    largest_piece,
+    split_sizes,
+    transposed_axis_halo,
+)
 from hpcpar.plan.collectives import (
     BUCKET_BYTES,
     STEP_COLLECTIVES,
@@ -329,7 +335,7 @@ def tp_linear_time(layer: Layer, rows: int, grid: tuple, machine: Machine,
     """
     _, X, Y, Z = grid
     fin, fout = layer.in_shape[-1], layer.out_shape[-1]
-    rz, ix, oy = (max(split_sizes(n, p)) for n, p in ((rows, Z), (fin, X), (fout, Y)))
+    rz, ix, oy = largest_piece((rows, fin, fout), (Z, X, Y))
     t_gemm = 3 * 2.0 * rz * ix * oy / machine.gemm_rate(min(rz, ix, oy))
     f = 4  # fp32 activations and weights
     comm = (ring_gather(oy * ix * f, Z, link) + ring_allreduce(rz * oy * f, X, link)
@@ -394,10 +400,8 @@ def layer_cost(layer: Layer, b: int, grid: tuple, machine: Machine, link: Link,
         for a in range(3):
             if len(vol_in) == 3 and parts[a] > vol_in[a]:
                 return f"axis {'xyz'[a]} has {vol_in[a]} voxels for {parts[a]} ranks"
-        out_local = [max(split_sizes(n, p)) for n, p in zip(vol_out, parts)] \
-            if len(vol_out) == 3 else []
-        in_local = [max(split_sizes(n, p)) for n, p in zip(vol_in, parts)] \
-            if len(vol_in) == 3 else []
+        out_local = largest_piece(vol_out, parts) if len(vol_out) == 3 else ()
+        in_local = largest_piece(vol_in, parts) if len(vol_in) == 3 else ()
         share = math.prod(out_local) / max(1, math.prod(vol_out)) if out_local else 1
         out_elems = layer.out_shape[0] * math.prod(out_local) if out_local else 0
         in_elems = layer.in_shape[0] * math.prod(in_local) if in_local else 0
@@ -485,7 +489,7 @@ def _fuse(cost: LayerCost, layer: Layer, place: int, length: int, parts, link: L
         cost.halo = max(0.0, cost.halo - 2 * link.alpha * cost.halo_syncs)
         cost.halo_syncs = 0
     if place < length:
-        local = [max(split_sizes(n, p)) for n, p in zip(layer.in_shape[1:], parts)]
+        local = largest_piece(layer.in_shape[1:], parts)
         cost.dense *= _margin_growth(local, _widths(layer, parts), length - place)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from hpcpar.parallel.partition import split_sizes
+from hpcpar.parallel.partition import largest_piece
 
 __all__ = ["BYTES", "Layer", "Workload", "Prediction"]
 
@@ -68,7 +68,7 @@ class Layer:
         if not self.split:
             return 0
         c, *vol = self.split
-        cols = c * math.prod(max(split_sizes(n, p)) for n, p in zip(vol, parts))
+        cols = c * math.prod(largest_piece(vol, parts))
         return self.out_shape[-1] * cols
 
 
