@@ -34,7 +34,7 @@ import math
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -64,6 +64,9 @@ class ColumnSplit:
     grid: ProcessGrid
     volume: tuple[int, int, int, int]
     box: tuple[tuple[int, int], ...]
+    #: every rank's box, on each root gathered to (None elsewhere): asked once, not at every
+    #: checkpoint (a collective per tensor gathered, three per checkpoint under Adam)
+    _boxes: dict = field(default_factory=dict, repr=False)
 
     def __deepcopy__(self, memo):
         return self   # immutable; a grid is never copied
@@ -125,7 +128,9 @@ class ColumnSplit:
         if d != grid.coords[0]:
             return local
         dest = rank_of((0, i, j, k), grid.shape)   # its rank in the spatial communicator
-        boxes = comm.gather(self.box, root=dest)
+        if dest not in self._boxes:   # the same on every rank: all call this together
+            self._boxes[dest] = comm.gather(self.box, root=dest)
+        boxes = self._boxes[dest]
         local = local.detach().contiguous()
         if boxes is None:   # not the root: send it this rank's columns
             isend(local, dest, comm).wait()

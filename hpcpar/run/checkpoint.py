@@ -425,6 +425,8 @@ def in_memory(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {k: in_memory(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
+        if all(type(v) in _ATOMS for v in obj):   # a sample order, the loss history's
+            return obj if type(obj) is tuple else type(obj)(obj)   # entries: no call each
         return type(obj)(in_memory(v) for v in obj)
     return copy.deepcopy(obj)
 
@@ -777,11 +779,18 @@ def nonfinite_entries(state: dict) -> list[str]:
     """
     import torch
 
-    def finite(v) -> bool:   # in chunks: isfinite's temporaries of a full-size head are large
-        return all(bool(torch.isfinite(c).all()) for c in v.detach().reshape(-1).split(1 << 20))
-
-    return [k for k, v in state.items() if isinstance(v, torch.Tensor)
-            and v.is_floating_point() and not finite(v)]
+    groups: dict[tuple, list] = {}
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel():
+            groups.setdefault((v.device, v.dtype), []).append((k, v.detach()))
+    bad = set()
+    for items in groups.values():
+        # each tensor's largest |value|, in one call (a checkpoint every step pays for a call
+        # per tensor): NaN and inf carry through a maximum, no finite value overflows it, and
+        # it makes no temporary of the tensor's size (a full-size head's would be large)
+        peaks = torch.stack(torch._foreach_norm([v for _, v in items], float("inf")))
+        bad.update(k for (k, _), ok in zip(items, peaks.isfinite().tolist()) if not ok)
+    return [k for k in state if k in bad]
 
 
 def check_compatible(path: str | os.PathLike, shape: Sequence[int]) -> dict:

@@ -183,3 +183,18 @@ def test_optimizer_state_saved_in_one_memory_order_resumes_in_the_other():
     for p, q in zip(cl.parameters(), ncdhw.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
         assert all(v.stride() == p.stride() for v in cl_opt.state[p].values() if v.dim())
+
+
+def test_nonfinite_entries_finds_nan_and_inf_in_every_float_dtype_and_only_them():
+    """The check before a checkpoint (one maximum per tensor): NaN and inf anywhere are found
+    in fp32, fp64 and bf16, in the state's order; the largest finite fp32 values, empty and
+    integer tensors and plain values are not."""
+    big = torch.full((3,), torch.finfo(torch.float32).max)
+    hole = torch.zeros(5000)
+    hole[4321] = float("nan")
+    state = {"huge": big, "late_nan": hole, "empty": torch.zeros(0),
+             "ints": torch.arange(4), "neg_inf": torch.tensor([1.0, -float("inf")]).double(),
+             "bf16_nan": torch.tensor([float("nan"), 1.0], dtype=torch.bfloat16),
+             "ok": torch.ones(2, 2), "plain": float("nan")}
+    assert ckpt.nonfinite_entries(state) == ["late_nan", "neg_inf", "bf16_nan"]
+    assert ckpt.nonfinite_entries({"ok": torch.ones(3)}) == []
