@@ -4,8 +4,6 @@ numpy slicing, whichever grid the data was chunked for, and counts whole chunks;
 
 import json
 import os
-import shutil
-import tempfile
 
 import h5py
 import numpy as np
@@ -17,7 +15,7 @@ from hpcpar.data._schedule import local_box
 from hpcpar.data.format import PerRankChunks, read_manifest, x_chunks
 from hpcpar.data.writer import SerialComm, shard_counts, write_dataset
 from hpcpar.errors import DataError
-from hpcpar.testing import mpi_case
+from hpcpar.testing import mpi_case, shared_tmpdir
 
 # W = 1024 float32: 4 KiB rows, so the default chunks' pieces are long enough to go direct
 N, SHAPE, K = 5, (2, 9, 10, 1024), 3
@@ -168,27 +166,23 @@ def test_reader_on_default_chunks_every_grid(comm):
     from hpcpar import ProcessGrid
     from hpcpar.data import ShardedVolumeDataset
 
-    tmp = comm.bcast(tempfile.mkdtemp(prefix="hpcpar-test-chunking-") if comm.rank == 0
-                     else None)
-    x, y = arrays()
-    out = os.path.join(tmp, "ds")
-    m = write(out, x, y, comm=comm)
-    for shape, prefetch in (((1, 2, 2, 1), 2), ((2, 2, 1, 1), 0), ((1, 4, 1, 1), 0),
-                            ((1, 1, 2, 2), 0)):
-        grid = ProcessGrid(*shape, comm=comm)
-        with ShardedVolumeDataset(out, grid, 2 * shape[0], seed=3, prefetch=prefetch,
-                                  drop_last=False) as ds:
-            box = ds.box
-            sel = (slice(None), slice(None), *(slice(a, b) for a, b in box))
-            nread, shards = 0, set()
-            for xb, yb in ds:
-                ids = [int(np.flatnonzero((y == r).all(axis=1))[0]) for r in yb.numpy()]
-                np.testing.assert_array_equal(xb.numpy(), x[ids][sel])
-                nread += len(ids)
-                shards |= {m.locate(i)[0] for i in ids}
-            y_bytes = sum(m.shards[s].count * K * 4 for s in shards)  # y: whole, at open
-            assert ds.bytes_read - y_bytes == nread * touched_chunk_bytes(box, m.x.chunks, 4)
-        grid.free()
-    comm.Barrier()
-    if comm.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with shared_tmpdir(comm, prefix="hpcpar-test-chunking-") as tmp:
+        x, y = arrays()
+        out = os.path.join(tmp, "ds")
+        m = write(out, x, y, comm=comm)
+        for shape, prefetch in (((1, 2, 2, 1), 2), ((2, 2, 1, 1), 0), ((1, 4, 1, 1), 0),
+                                ((1, 1, 2, 2), 0)):
+            grid = ProcessGrid(*shape, comm=comm)
+            with ShardedVolumeDataset(out, grid, 2 * shape[0], seed=3, prefetch=prefetch,
+                                      drop_last=False) as ds:
+                box = ds.box
+                sel = (slice(None), slice(None), *(slice(a, b) for a, b in box))
+                nread, shards = 0, set()
+                for xb, yb in ds:
+                    ids = [int(np.flatnonzero((y == r).all(axis=1))[0]) for r in yb.numpy()]
+                    np.testing.assert_array_equal(xb.numpy(), x[ids][sel])
+                    nread += len(ids)
+                    shards |= {m.locate(i)[0] for i in ids}
+                y_bytes = sum(m.shards[s].count * K * 4 for s in shards)  # y: whole, at open
+                assert ds.bytes_read - y_bytes == nread * touched_chunk_bytes(box, m.x.chunks, 4)
+            grid.free()

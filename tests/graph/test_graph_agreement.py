@@ -10,7 +10,6 @@ in a halo exchange until the stall detector names rank 1 and aborts the job.
 import os
 import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -18,7 +17,7 @@ import pytest
 import torch
 
 from hpcpar.launch.mpiexec import find_mpiexec, rank_env
-from hpcpar.testing import mpi_case
+from hpcpar.testing import mpi_case, shared_tmpdir
 from hpcpar.testing.mpi import startup_allowance
 
 SECONDS = 10  # the error must come this fast (a hang would last until the case's timeout)
@@ -85,14 +84,14 @@ def test_ranks_reading_different_files_get_one_line(comm):
     from hpcpar.graph.format import write_graph
 
     rank = comm.Get_rank()
-    folder = comm.bcast(tempfile.mkdtemp() if rank == 0 else None)
-    path = os.path.join(folder, f"graph-{rank}.h5")
-    e, x = _ring(30 + 5 * rank)
-    write_graph(path, x.shape[0], x, np.zeros(x.shape[0], np.int64),
-                {m: np.ones(x.shape[0], bool) for m in ("train", "val", "test")}, edge_index=e)
-    _expect_one_line(comm, lambda: DistGraph.from_hdf5(path, comm, method="block"),
-                     "DistGraph.from_hdf5: ", "vertices: 30 on rank 0; 35 on rank 1",
-                     "edges: 30 on rank 0; 35 on rank 1")
+    with shared_tmpdir(comm, prefix="hpcpar-graph-agreement-") as folder:
+        path = os.path.join(folder, f"graph-{rank}.h5")
+        e, x = _ring(30 + 5 * rank)
+        write_graph(path, x.shape[0], x, np.zeros(x.shape[0], np.int64),
+                    {m: np.ones(x.shape[0], bool) for m in ("train", "val", "test")}, edge_index=e)
+        _expect_one_line(comm, lambda: DistGraph.from_hdf5(path, comm, method="block"),
+                         "DistGraph.from_hdf5: ", "vertices: 30 on rank 0; 35 on rank 1",
+                         "edges: 30 on rank 0; 35 on rank 1")
 
 
 def test_rank_that_skips_a_halo_exchange_is_named_and_job_aborts():

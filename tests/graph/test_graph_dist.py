@@ -3,13 +3,12 @@ parameter gradient and the input gradient, on Cora and a synthetic directed grap
 partition method and 1, 2, 3, 4, 8 ranks; plus collective user errors."""
 
 import os
-import tempfile
 
 import numpy as np
 import pytest
 import torch
 
-from hpcpar.testing import mpi_case
+from hpcpar.testing import mpi_case, shared_tmpdir
 from hpcpar.testing.oracles import (
     CORA_NPZ,
     dense_operators,
@@ -140,27 +139,27 @@ def test_user_errors_on_every_rank(comm):
         DistGraph.from_global(np.zeros((2, 0), np.int64), 1, np.zeros((1, 2)), comm)
     with pytest.raises(DataError, match="vertex 500, outside 0..119"):
         DistGraph.from_global(np.array([[0, 500], [1, 2]]), 120, x, comm)
-    tmp = comm.bcast(tempfile.mkdtemp() if comm.Get_rank() == 0 else None)
-    path = os.path.join(tmp, "bad.h5")
-    if comm.Get_rank() == 0:
-        write_graph(path, x.shape[0], x, y, masks, edge_index=e)
-        import h5py
+    with shared_tmpdir(comm, prefix="hpcpar-graph-dist-") as tmp:
+        path = os.path.join(tmp, "bad.h5")
+        if comm.Get_rank() == 0:
+            write_graph(path, x.shape[0], x, y, masks, edge_index=e)
+            import h5py
 
-        with h5py.File(path, "a") as f:
-            del f["labels"]
-    comm.Barrier()
-    with pytest.raises(DataError, match="missing field '/labels'"):
-        DistGraph.from_hdf5(path, comm, method="block")
-    comm.Barrier()
-    if comm.Get_rank() == 0:
-        write_graph(path, x.shape[0], x, y, masks, edge_index=e)
-        import h5py
+            with h5py.File(path, "a") as f:
+                del f["labels"]
+        comm.Barrier()
+        with pytest.raises(DataError, match="missing field '/labels'"):
+            DistGraph.from_hdf5(path, comm, method="block")
+        comm.Barrier()
+        if comm.Get_rank() == 0:
+            write_graph(path, x.shape[0], x, y, masks, edge_index=e)
+            import h5py
 
-        with h5py.File(path, "a") as f:  # an edge past the vertex count, in rank 1's block
-            f["csr/indices"][-1] = 999
-    comm.Barrier()
-    with pytest.raises(DataError, match="vertex 999, outside 0..119"):
-        DistGraph.from_hdf5(path, comm, method="block")
+            with h5py.File(path, "a") as f:  # an edge past the vertex count, in rank 1's block
+                f["csr/indices"][-1] = 999
+        comm.Barrier()
+        with pytest.raises(DataError, match="vertex 999, outside 0..119"):
+            DistGraph.from_hdf5(path, comm, method="block")
 
 
 @mpi_case(nprocs=(4,), timeout=300)
@@ -172,7 +171,9 @@ def test_same_seed_same_accuracy_at_every_rank_count(comm):
     from hpcpar.graph import DistGraph
 
     e, x, y, masks = load_cora()
-    g = DistGraph.from_hdf5(_cora_file(comm), comm, method="metis", row_normalize=True)
+    with shared_tmpdir(comm, prefix="hpcpar-graph-dist-") as tmp:
+        g = DistGraph.from_hdf5(_cora_file(comm, tmp), comm, method="metis",
+                                row_normalize=True)
     dist = train_cora(g, seed=2)
     single = None
     if comm.Get_rank() == 0:
@@ -183,11 +184,11 @@ def test_same_seed_same_accuracy_at_every_rank_count(comm):
         (dist, single)
 
 
-def _cora_file(comm):
+def _cora_file(comm, tmp):
     path = None
     if comm.Get_rank() == 0:
         from hpcpar.graph.format import import_npz
 
-        path = os.path.join(tempfile.mkdtemp(), "cora.h5")
+        path = os.path.join(tmp, "cora.h5")
         import_npz(str(CORA_NPZ), path)
     return comm.bcast(path)

@@ -4,14 +4,13 @@ copy and partitions exactly as before; only rank 0, only for METIS on several ra
 the whole structure; every rank holds only its own rows plus its halo."""
 
 import os
-import tempfile
 
 import numpy as np
 
 from hpcpar.graph import partition_csr, power_law_community_graph
 from hpcpar.graph._csr import csr_to_edges, edges_to_csr
 from hpcpar.graph.vertex_partition import _metis_graph
-from hpcpar.testing import mpi_case
+from hpcpar.testing import mpi_case, shared_tmpdir
 
 
 def _with_loops(g, every=97):
@@ -52,35 +51,36 @@ def test_each_rank_holds_its_rows_and_halo_only(comm):
 
     n = 3000
     g = power_law_community_graph(n, 8, 16, 12, 4, seed=5)
-    tmp = comm.bcast(tempfile.mkdtemp() if comm.Get_rank() == 0 else None)
-    path = os.path.join(tmp, "g.h5")
-    if comm.Get_rank() == 0:
-        write_graph(path, n, g["x"], g["y"], g["masks"], csr=(g["indptr"], g["indices"]))
-    comm.Barrier()
-    reads = []
-    original = GraphFile.read_structure
+    with shared_tmpdir(comm, prefix="hpcpar-graph-memory-") as tmp:
+        path = os.path.join(tmp, "g.h5")
+        if comm.Get_rank() == 0:
+            write_graph(path, n, g["x"], g["y"], g["masks"], csr=(g["indptr"], g["indices"]))
+        comm.Barrier()
+        reads = []
+        original = GraphFile.read_structure
 
-    def counting(self):
-        reads.append(1)
-        return original(self)
+        def counting(self):
+            reads.append(1)
+            return original(self)
 
-    GraphFile.read_structure = counting
-    try:
-        for method in ("metis", "block"):
-            reads.clear()
-            dg = DistGraph.from_hdf5(path, comm, method=method)
-            whole = method == "metis" and comm.Get_size() > 1 and comm.Get_rank() == 0
-            assert len(reads) == int(whole), (method, comm.Get_rank(), reads)
-            ids = dg.global_ids
-            assert dg.x.shape == (dg.num_owned, 12)
-            np.testing.assert_array_equal(dg.x.numpy(), g["x"][ids])
-            assert dg.src_ids.shape[0] == dg.cols.shape[0] == int(np.diff(g["indptr"])[ids].sum())
-            # the halo is exactly the off-rank in-neighbours, nothing more
-            src = np.concatenate([g["indices"][g["indptr"][i]:g["indptr"][i + 1]] for i in ids])
-            need = np.setdiff1d(src, ids)
-            np.testing.assert_array_equal(np.sort(dg.halo_ids), need)
-            assert comm.allreduce(dg.num_owned) == n
-            if comm.Get_size() == 4 and method == "metis":
-                assert dg.num_owned + dg.num_halo < n  # a part, not the graph
-    finally:
-        GraphFile.read_structure = original
+        GraphFile.read_structure = counting
+        try:
+            for method in ("metis", "block"):
+                reads.clear()
+                dg = DistGraph.from_hdf5(path, comm, method=method)
+                whole = method == "metis" and comm.Get_size() > 1 and comm.Get_rank() == 0
+                assert len(reads) == int(whole), (method, comm.Get_rank(), reads)
+                ids = dg.global_ids
+                assert dg.x.shape == (dg.num_owned, 12)
+                np.testing.assert_array_equal(dg.x.numpy(), g["x"][ids])
+                assert dg.src_ids.shape[0] == dg.cols.shape[0] == \
+                    int(np.diff(g["indptr"])[ids].sum())
+                # the halo is exactly the off-rank in-neighbours, nothing more
+                src = np.concatenate([g["indices"][g["indptr"][i]:g["indptr"][i + 1]] for i in ids])
+                need = np.setdiff1d(src, ids)
+                np.testing.assert_array_equal(np.sort(dg.halo_ids), need)
+                assert comm.allreduce(dg.num_owned) == n
+                if comm.Get_size() == 4 and method == "metis":
+                    assert dg.num_owned + dg.num_halo < n  # a part, not the graph
+        finally:
+            GraphFile.read_structure = original

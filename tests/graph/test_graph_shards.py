@@ -6,7 +6,6 @@ ranks; and the parts hold exactly the source graph's rows, relabelled.
 """
 
 import os
-import tempfile
 
 import h5py
 import numpy as np
@@ -14,7 +13,7 @@ import pytest
 import torch
 
 from hpcpar.errors import DataError
-from hpcpar.testing import mpi_case
+from hpcpar.testing import mpi_case, shared_tmpdir
 
 
 def _graph(n=600, deg=6.0, seed=3, directed=False):
@@ -331,35 +330,35 @@ def test_distributed_build_is_bit_identical(comm):
     from hpcpar.graph.stream_partition import partition_graph
 
     size, rank = comm.Get_size(), comm.Get_rank()
-    tmp = comm.bcast(tempfile.mkdtemp() if rank == 0 else None)
-    for directed, method in ((False, "metis"), (True, "stream")):
-        g = _graph(557, directed=directed)  # uneven part sizes
-        out = os.path.join(tmp, f"{method}-{directed}")
-        if rank == 0:
-            _write(os.path.join(tmp, "g.h5"), g)
-            partition_graph(os.path.join(tmp, "g.h5"), out, size, method, force=True)
-        comm.Barrier()
-        e, x, y, masks, orig, m = _assemble(out)
-        new = DistGraph.from_shards(out, comm, row_normalize=True)
-        owner = RangeOwner(m["offsets"])[np.arange(557)]
-        old = DistGraph.from_global(e, 557, x, comm, y=y, masks=masks, owner=owner,
-                                    row_normalize=True, directed=directed)
-        assert new.num_owned == m["offsets"][rank + 1] - m["offsets"][rank]
-        assert np.array_equal(new.global_ids, old.global_ids)
-        assert np.array_equal(new.halo_ids, old.halo_ids)
-        assert np.array_equal(orig[new.global_ids], new.original_ids)
-        for conv in ("gcn", "sage"):
-            a, b = _train(new, conv), _train(old, conv)
-            assert a[0] == b[0], (conv, a[0], b[0])
-            assert torch.equal(a[1], b[1])
-            assert all(torch.equal(p, q) for p, q in zip(a[2], b[2]))
-        if method == "metis":  # today's build of the ORIGINAL graph, METIS, same partition:
-            ref = DistGraph.from_hdf5(os.path.join(tmp, "g.h5"), comm, row_normalize=True)
-            assert np.array_equal(np.sort(orig[new.global_ids]), ref.global_ids)
-            mine = new.operator("gcn")(new.exchange(new.x))
-            theirs = ref.gather(ref.operator("gcn")(ref.exchange(ref.x)))
-            torch.testing.assert_close(mine, theirs[torch.from_numpy(new.original_ids)],
-                                       rtol=1e-6, atol=1e-7)   # only summation order differs
+    with shared_tmpdir(comm, prefix="hpcpar-graph-shards-") as tmp:
+        for directed, method in ((False, "metis"), (True, "stream")):
+            g = _graph(557, directed=directed)  # uneven part sizes
+            out = os.path.join(tmp, f"{method}-{directed}")
+            if rank == 0:
+                _write(os.path.join(tmp, "g.h5"), g)
+                partition_graph(os.path.join(tmp, "g.h5"), out, size, method, force=True)
+            comm.Barrier()
+            e, x, y, masks, orig, m = _assemble(out)
+            new = DistGraph.from_shards(out, comm, row_normalize=True)
+            owner = RangeOwner(m["offsets"])[np.arange(557)]
+            old = DistGraph.from_global(e, 557, x, comm, y=y, masks=masks, owner=owner,
+                                        row_normalize=True, directed=directed)
+            assert new.num_owned == m["offsets"][rank + 1] - m["offsets"][rank]
+            assert np.array_equal(new.global_ids, old.global_ids)
+            assert np.array_equal(new.halo_ids, old.halo_ids)
+            assert np.array_equal(orig[new.global_ids], new.original_ids)
+            for conv in ("gcn", "sage"):
+                a, b = _train(new, conv), _train(old, conv)
+                assert a[0] == b[0], (conv, a[0], b[0])
+                assert torch.equal(a[1], b[1])
+                assert all(torch.equal(p, q) for p, q in zip(a[2], b[2]))
+            if method == "metis":  # today's build of the ORIGINAL graph, METIS, same partition:
+                ref = DistGraph.from_hdf5(os.path.join(tmp, "g.h5"), comm, row_normalize=True)
+                assert np.array_equal(np.sort(orig[new.global_ids]), ref.global_ids)
+                mine = new.operator("gcn")(new.exchange(new.x))
+                theirs = ref.gather(ref.operator("gcn")(ref.exchange(ref.x)))
+                torch.testing.assert_close(mine, theirs[torch.from_numpy(new.original_ids)],
+                                           rtol=1e-6, atol=1e-7)   # only summation order differs
 
 
 @mpi_case(nprocs=(2,), timeout=120)
@@ -367,17 +366,17 @@ def test_wrong_part_count_is_one_line_on_every_rank(comm):
     from hpcpar.graph import DistGraph
     from hpcpar.graph.stream_partition import partition_graph
 
-    tmp = comm.bcast(tempfile.mkdtemp() if comm.Get_rank() == 0 else None)
-    out = os.path.join(tmp, "out")
-    if comm.Get_rank() == 0:
-        _write(os.path.join(tmp, "g.h5"), _graph())
-        partition_graph(os.path.join(tmp, "g.h5"), out, 3, "stream")
-    comm.Barrier()
-    with pytest.raises(DataError, match="partitioned into 3 parts, but the graph is split "
-                                        "over 2 ranks"):
-        DistGraph.from_shards(out, comm)
-    with pytest.raises(DataError, match="sharded graph directory not found"):
-        DistGraph.from_shards(os.path.join(tmp, "missing"), comm)
+    with shared_tmpdir(comm, prefix="hpcpar-graph-shards-") as tmp:
+        out = os.path.join(tmp, "out")
+        if comm.Get_rank() == 0:
+            _write(os.path.join(tmp, "g.h5"), _graph())
+            partition_graph(os.path.join(tmp, "g.h5"), out, 3, "stream")
+        comm.Barrier()
+        with pytest.raises(DataError, match="partitioned into 3 parts, but the graph is split "
+                                            "over 2 ranks"):
+            DistGraph.from_shards(out, comm)
+        with pytest.raises(DataError, match="sharded graph directory not found"):
+            DistGraph.from_shards(os.path.join(tmp, "missing"), comm)
 
 
 def _run_job(tmp_path, ranks, path, name):

@@ -1,12 +1,11 @@
 """The planner on a sharded graph (``[data] path`` = ``hpcpar data graph partition``'s output):
 its parts are the ones a run reads, counted part by part without loading the whole graph."""
 
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from hpcpar.testing import mpi_case
+from hpcpar.testing import mpi_case, shared_tmpdir
 
 
 def _shards(tmp: Path, parts: int, directed: bool = False) -> str:
@@ -39,21 +38,20 @@ def test_shard_parts_are_what_the_run_builds(comm):
     from hpcpar.graph.distgraph import DistGraph
     from hpcpar.graph.shards import RangeOwner, read_graph_manifest
 
-    tmp = Path(comm.bcast(tempfile.mkdtemp(prefix="hpcpar-plan-shards-")
-                          if comm.Get_rank() == 0 else None))
-    for directed in (False, True):
-        sub = tmp / f"d{int(directed)}"
-        path = comm.bcast(_shards(sub, 3, directed) if comm.Get_rank() == 0 else None)
-        g = DistGraph.from_shards(path, ProcessGrid(1, 3, 1, 1, comm=comm))
-        work = _work(path)
-        assert work.graph.sharded == 3 and work.graph.num_nodes == 700
-        assert work.graph.widths == (7, 16, 3)
-        part = work.graph.partition(3)[comm.Get_rank()]
-        owner = RangeOwner(read_graph_manifest(path)["offsets"])
-        peers = len(np.unique(owner[g.halo_ids]))
-        assert (part.owned, part.halo, part.peers) == (g.num_owned, g.num_halo, peers)
-        assert part.edges == int(g.in_degree.sum())
-        comm.Barrier()
+    with shared_tmpdir(comm, prefix="hpcpar-plan-shards-") as tmp:
+        for directed in (False, True):
+            sub = tmp / f"d{int(directed)}"
+            path = comm.bcast(_shards(sub, 3, directed) if comm.Get_rank() == 0 else None)
+            g = DistGraph.from_shards(path, ProcessGrid(1, 3, 1, 1, comm=comm))
+            work = _work(path)
+            assert work.graph.sharded == 3 and work.graph.num_nodes == 700
+            assert work.graph.widths == (7, 16, 3)
+            part = work.graph.partition(3)[comm.Get_rank()]
+            owner = RangeOwner(read_graph_manifest(path)["offsets"])
+            peers = len(np.unique(owner[g.halo_ids]))
+            assert (part.owned, part.halo, part.peers) == (g.num_owned, g.num_halo, peers)
+            assert part.edges == int(g.in_degree.sum())
+            comm.Barrier()
 
 
 def test_plan_reads_parts_not_the_graph(tmp_path, monkeypatch, run_cli):

@@ -1,9 +1,7 @@
 """The planner's tensor-parallel and GNN terms, the graph partition it counts against the
 one a run builds, and tensor parallelism from a job file (same training as without it)."""
 
-import tempfile
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +10,7 @@ from hpcpar.formats.jobspec import build_job
 from hpcpar.plan.gnn import GraphJob, Part
 from hpcpar.plan.machine import Link, Machine, load_machine
 from hpcpar.plan.planner import Layer, Workload, mark_tensor_parallel, predict, tp_linear_time
-from hpcpar.testing import mpi_case
+from hpcpar.testing import mpi_case, shared_tmpdir
 
 M = Machine("test", ranks_per_node=4, flops=1e9, mem_bw=1e10, mem_per_rank=1e9, io_bw=1e9,
             intra=Link(1e-6, 1e9), inter=Link(1e-5, 1e8))
@@ -124,18 +122,17 @@ def test_graph_partition_counts_match_the_run(comm):
     from hpcpar.plan.job import workload_from_job
     from hpcpar.run.workloads.graph import make_graph_file
 
-    tmp = Path(comm.bcast(tempfile.mkdtemp(prefix="hpcpar-plan-gnn-")
-                          if comm.Get_rank() == 0 else None))
-    path = str(tmp / "cora.h5")
-    if comm.Get_rank() == 0:
-        make_graph_file(path, {"make": "cora"})
-    comm.Barrier()
-    g = DistGraph.from_hdf5(path, ProcessGrid(1, 2, 1, 1, comm=comm), method="metis")
-    work = workload_from_job("jobs/demo-gcn-cora.toml", [f"data.path={path}"])
-    part = work.graph.partition(2)[comm.Get_rank()]
-    assert (part.owned, part.halo) == (g.num_owned, g.num_halo)
-    assert part.edges == int(g.in_degree.sum()) and part.peers == 1
-    assert work.graph.widths == (g.num_features, 16, g.num_classes)
+    with shared_tmpdir(comm, prefix="hpcpar-plan-gnn-") as tmp:
+        path = str(tmp / "cora.h5")
+        if comm.Get_rank() == 0:
+            make_graph_file(path, {"make": "cora"})
+        comm.Barrier()
+        g = DistGraph.from_hdf5(path, ProcessGrid(1, 2, 1, 1, comm=comm), method="metis")
+        work = workload_from_job("jobs/demo-gcn-cora.toml", [f"data.path={path}"])
+        part = work.graph.partition(2)[comm.Get_rank()]
+        assert (part.owned, part.halo) == (g.num_owned, g.num_halo)
+        assert part.edges == int(g.in_degree.sum()) and part.peers == 1
+        assert work.graph.widths == (g.num_features, 16, g.num_classes)
 
 
 def job(grid, tp, steps=6):
@@ -157,23 +154,21 @@ def test_tensor_parallel_from_a_job_file_trains_like_the_plain_model(comm):
     from hpcpar.run.checkpoint import list_checkpoints
     from hpcpar.run.trainer import train
 
-    tmp = Path(comm.bcast(tempfile.mkdtemp(prefix="hpcpar-tp-job-")
-                          if comm.Get_rank() == 0 else None))
-
     def final(run_dir):
         newest = list_checkpoints(run_dir / "checkpoints")[0]
         return torch.load(newest / "model.pt", weights_only=True)
 
-    ref = train(job((1, 2, 1, 1), False), tmp / "ref", comm=comm)
-    for grid in ((1, 2, 1, 1), (1, 1, 1, 2)):   # split over x (features), z (batch, shards)
-        name = "tp-" + "x".join(map(str, grid))
-        res = train(job(grid, True), tmp / name, comm=comm)
-        assert abs(res.metrics["final_train_loss"] - ref.metrics["final_train_loss"]) < 1e-5
-        comm.Barrier()
-        a, b = final(tmp / name), final(tmp / "ref")
-        assert a.keys() == b.keys()   # the checkpoint gathers the shards: plain keys, shapes
-        for k in a:
-            torch.testing.assert_close(a[k], b[k], rtol=2e-5, atol=2e-6, msg=k)
+    with shared_tmpdir(comm, prefix="hpcpar-tp-job-") as tmp:
+        ref = train(job((1, 2, 1, 1), False), tmp / "ref", comm=comm)
+        for grid in ((1, 2, 1, 1), (1, 1, 1, 2)):   # split over x (features), z (batch, shards)
+            name = "tp-" + "x".join(map(str, grid))
+            res = train(job(grid, True), tmp / name, comm=comm)
+            assert abs(res.metrics["final_train_loss"] - ref.metrics["final_train_loss"]) < 1e-5
+            comm.Barrier()
+            a, b = final(tmp / name), final(tmp / "ref")
+            assert a.keys() == b.keys()   # the checkpoint gathers the shards: plain keys, shapes
+            for k in a:
+                torch.testing.assert_close(a[k], b[k], rtol=2e-5, atol=2e-6, msg=k)
     # the dense layers really are split (both sides >= 8; the 16 -> 4 output layer is not)
     from hpcpar import ProcessGrid
     from hpcpar.run.workloads.volume import CosmoFlowWorkload

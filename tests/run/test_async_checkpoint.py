@@ -23,7 +23,7 @@ from hpcpar.formats.jobspec import build_job
 from hpcpar.run import checkpoint as ckpt
 from hpcpar.run.workloads.base import register_workload
 from hpcpar.run.workloads.volume import CosmoFlowWorkload
-from hpcpar.testing import mpi_case
+from hpcpar.testing import mpi_case, shared_tmpdir
 
 TRIALS = 20
 
@@ -80,23 +80,23 @@ def test_async_stop_resume_is_bit_identical(comm):
     from hpcpar.formats.records import read_steps
     from hpcpar.run.trainer import train
 
-    base = Path(comm.bcast(__import__("tempfile").mkdtemp() if comm.rank == 0 else None))
-    ref = train(job(10, x=2), base / "ref", comm=MPI.COMM_WORLD)
-    cut = train(job(10, x=2, kind="cosmoflow-async-stop"), base / "cut", comm=MPI.COMM_WORLD)
-    assert ref.step == 10 and cut.stopped and cut.step == 5
-    # the stop waited for the background write: the stopped step's checkpoint is committed
-    assert ckpt.list_checkpoints(base / "cut" / "checkpoints")[0].name == "step-000005"
-    again = train(job(10, x=2), base / "cut", comm=MPI.COMM_WORLD)
-    assert again.step == 10
-    if comm.rank == 0:
-        logged = (base / "cut" / "logs" / "rank-00000.log").read_text()
-        assert "checkpoint step-000003 (writing in the background" in logged
-        newest = [ckpt.list_checkpoints(base / d / "checkpoints")[0] for d in ("ref", "cut")]
-        assert [p.name for p in newest] == ["step-000010"] * 2
-        a, b = (state_of(p) for p in newest)
-        assert tensors_equal(a, b), "resumed asynchronous run differs from uninterrupted"
-        steps = read_steps(base / "cut")
-        assert (steps["t_ckpt"] > 0).all() and len(steps) == 20
+    with shared_tmpdir(comm, prefix="hpcpar-async-checkpoint-") as base:
+        ref = train(job(10, x=2), base / "ref", comm=MPI.COMM_WORLD)
+        cut = train(job(10, x=2, kind="cosmoflow-async-stop"), base / "cut", comm=MPI.COMM_WORLD)
+        assert ref.step == 10 and cut.stopped and cut.step == 5
+        # the stop waited for the background write: the stopped step's checkpoint is committed
+        assert ckpt.list_checkpoints(base / "cut" / "checkpoints")[0].name == "step-000005"
+        again = train(job(10, x=2), base / "cut", comm=MPI.COMM_WORLD)
+        assert again.step == 10
+        if comm.rank == 0:
+            logged = (base / "cut" / "logs" / "rank-00000.log").read_text()
+            assert "checkpoint step-000003 (writing in the background" in logged
+            newest = [ckpt.list_checkpoints(base / d / "checkpoints")[0] for d in ("ref", "cut")]
+            assert [p.name for p in newest] == ["step-000010"] * 2
+            a, b = (state_of(p) for p in newest)
+            assert tensors_equal(a, b), "resumed asynchronous run differs from uninterrupted"
+            steps = read_steps(base / "cut")
+            assert (steps["t_ckpt"] > 0).all() and len(steps) == 20
 
 
 def _trial_job_json(tmp: Path) -> Path:

@@ -13,9 +13,6 @@ CosmoFlow (conv3d, batch norm, pooling, dense) runs under CPU fp16 autocast in t
 
 import hashlib
 import math
-import shutil
-import tempfile
-from pathlib import Path
 
 import torch
 
@@ -25,7 +22,7 @@ from hpcpar.nn.split_head import COLUMNS_ATTR
 from hpcpar.run.callbacks import Callback
 from hpcpar.run.loss_scale import LossScaler
 from hpcpar.run.trainer import Trainer
-from hpcpar.testing import mpi_case
+from hpcpar.testing import mpi_case, shared_tmpdir
 
 STEPS = 6
 OVERFLOW_AT = 2     # the 0-based step whose gradient overflows on the last rank
@@ -75,17 +72,6 @@ def train_overflowing(the_job, run_dir, comm, **kw):
         trainer.close()
 
 
-def shared_tmp(comm, prefix):
-    return Path(comm.bcast(tempfile.mkdtemp(prefix=prefix) if comm.Get_rank() == 0 else None))
-
-
-def remove(comm, tmp):
-    """After a passing case (a failing one keeps its files to look at)."""
-    comm.Barrier()
-    if comm.Get_rank() == 0:
-        shutil.rmtree(tmp)
-
-
 def test_scale_follows_torch_grad_scaler():
     """The same overflow pattern through torch's GradScaler and ours: the same scale after
     every step, growth (interval 3) and backoff alike; its state loads into ours."""
@@ -111,53 +97,51 @@ def test_scale_follows_torch_grad_scaler():
 @mpi_case(nprocs=(2, 4), timeout=300)
 def test_overflow_on_one_rank_is_skipped_on_every_rank(comm):
     grid = (comm.Get_size() // 2, 2, 1, 1)
-    tmp = shared_tmp(comm, "hpcpar-fp16-")
-    run = tmp / "run"
-    result, digests = train_overflowing(job(grid), run, comm)
-    assert result.step == STEPS and result.overflow_steps == 1 and result.skipped_steps == 0
-    # not a divergence: the run ends ok, and the skipped step left the parameters as they were
-    everywhere = comm.allgather(digests)
-    assert all(d == everywhere[0] for d in everywhere), "replicas differ after a step"
-    assert digests[OVERFLOW_AT] == digests[OVERFLOW_AT - 1]
-    assert len(set(digests)) == STEPS - 1, "a step that was not skipped did not train"
-    comm.Barrier()
-    if comm.Get_rank() == 0:
-        steps = read_steps(run)
-        first = LossScaler().scale
-        for rank, rows in steps.groupby("rank"):
-            rows = rows.sort_values("step")
-            assert list(rows["skipped"]) == [int(s == OVERFLOW_AT) for s in range(STEPS)], rank
-            assert list(rows["loss_scale"]) == [first if s <= OVERFLOW_AT else first / 2
-                                                for s in range(STEPS)], rank
-        assert steps["rank"].nunique() == comm.Get_size()
-    remove(comm, tmp)
+    with shared_tmpdir(comm, prefix="hpcpar-fp16-") as tmp:
+        run = tmp / "run"
+        result, digests = train_overflowing(job(grid), run, comm)
+        assert result.step == STEPS and result.overflow_steps == 1 and result.skipped_steps == 0
+        # not a divergence: the run ends ok, and the skipped step left the parameters as they were
+        everywhere = comm.allgather(digests)
+        assert all(d == everywhere[0] for d in everywhere), "replicas differ after a step"
+        assert digests[OVERFLOW_AT] == digests[OVERFLOW_AT - 1]
+        assert len(set(digests)) == STEPS - 1, "a step that was not skipped did not train"
+        comm.Barrier()
+        if comm.Get_rank() == 0:
+            steps = read_steps(run)
+            first = LossScaler().scale
+            for rank, rows in steps.groupby("rank"):
+                rows = rows.sort_values("step")
+                assert list(rows["skipped"]) == [int(s == OVERFLOW_AT) for s in range(STEPS)], rank
+                assert list(rows["loss_scale"]) == [first if s <= OVERFLOW_AT else first / 2
+                                                    for s in range(STEPS)], rank
+            assert steps["rank"].nunique() == comm.Get_size()
 
 
 @mpi_case(nprocs=2, timeout=300)
 def test_fp16_resume_is_bit_identical(comm):
     """Continue from the checkpoint after the overflow: the same weights, optimizer and scale
     as the run that never stopped, to the bit."""
-    tmp = shared_tmp(comm, "hpcpar-fp16-resume-")
-    the_job = job((1, 2, 1, 1), every=OVERFLOW_AT + 1)
-    train_overflowing(the_job, tmp / "whole", comm)
-    middle = tmp / "whole" / "checkpoints" / f"step-{OVERFLOW_AT + 1:06d}"
-    result, _ = train_overflowing(the_job, tmp / "resumed", comm, start_from=middle)
-    assert result.overflow_steps == 1          # the count came back with the checkpoint
-    comm.Barrier()
-    if comm.Get_rank() == 0:
-        end = f"step-{STEPS:06d}"
-        for name in ("model.pt", "trainer.pt"):
-            want = torch.load(tmp / "whole" / "checkpoints" / end / name, weights_only=True)
-            got = torch.load(tmp / "resumed" / "checkpoints" / end / name, weights_only=True)
-            assert _bits(got) == _bits(want), name
-        state = torch.load(tmp / "resumed" / "checkpoints" / end / "trainer.pt",
-                           weights_only=True)["loss_scale"]
-        assert state["scale"] == LossScaler().scale / 2
-        whole, resumed = read_steps(tmp / "whole"), read_steps(tmp / "resumed")
-        later = whole[whole["step"] > OVERFLOW_AT].sort_values(["step", "rank"])
-        assert list(resumed.sort_values(["step", "rank"])["loss_scale"]) == \
-            list(later["loss_scale"])
-    remove(comm, tmp)
+    with shared_tmpdir(comm, prefix="hpcpar-fp16-resume-") as tmp:
+        the_job = job((1, 2, 1, 1), every=OVERFLOW_AT + 1)
+        train_overflowing(the_job, tmp / "whole", comm)
+        middle = tmp / "whole" / "checkpoints" / f"step-{OVERFLOW_AT + 1:06d}"
+        result, _ = train_overflowing(the_job, tmp / "resumed", comm, start_from=middle)
+        assert result.overflow_steps == 1          # the count came back with the checkpoint
+        comm.Barrier()
+        if comm.Get_rank() == 0:
+            end = f"step-{STEPS:06d}"
+            for name in ("model.pt", "trainer.pt"):
+                want = torch.load(tmp / "whole" / "checkpoints" / end / name, weights_only=True)
+                got = torch.load(tmp / "resumed" / "checkpoints" / end / name, weights_only=True)
+                assert _bits(got) == _bits(want), name
+            state = torch.load(tmp / "resumed" / "checkpoints" / end / "trainer.pt",
+                               weights_only=True)["loss_scale"]
+            assert state["scale"] == LossScaler().scale / 2
+            whole, resumed = read_steps(tmp / "whole"), read_steps(tmp / "resumed")
+            later = whole[whole["step"] > OVERFLOW_AT].sort_values(["step", "rank"])
+            assert list(resumed.sort_values(["step", "rank"])["loss_scale"]) == \
+                list(later["loss_scale"])
 
 
 def _bits(obj):

@@ -4,14 +4,12 @@ validation metrics as TensorBoard scalars; ``[profile] steps`` writes one Chrome
 with the halo exchange as a named range; the job keys are validated with a fix to suggest."""
 
 import json
-import tempfile
-from pathlib import Path
 
 import pytest
 
 from hpcpar.errors import ConfigError
 from hpcpar.formats.jobspec import build_job
-from hpcpar.testing import mpi_case
+from hpcpar.testing import mpi_case, shared_tmpdir
 
 pytest.importorskip("tensorboard")
 
@@ -52,36 +50,36 @@ def test_callbacks_tensorboard_and_profile_window(comm):
             self.calls.append(("end", trainer.step, "final_train_loss" in metrics))
 
     rank = comm.Get_rank()
-    tmp = Path(comm.bcast(tempfile.mkdtemp(prefix="hpcpar-obs-") if rank == 0 else None))
-    cb = Calls()
-    result = train(job(output={"tensorboard": True}, profile={"steps": "2-3"}), tmp / "r",
-                   comm=comm, callbacks=[cb])
-    steps = [c for c in cb.calls if c[0] == "step"]
-    assert [c[1:3] for c in steps] == [(1, 0), (2, 1), (3, 2), (4, 3)]
-    history = dict(result.metrics["train_loss_history"])
-    assert all(abs(c[3] - history[c[1]]) < 1e-6 for c in steps)       # the mean over ranks
-    assert cb.calls[0] == ("start", 0) and cb.calls[-1] == ("end", 4, True)
-    assert [c for c in cb.calls if c[0] == "val"] == [("val", s, ["val_loss", "val_mae"])
-                                                      for s in (2, 4)]
+    with shared_tmpdir(comm, prefix="hpcpar-obs-") as tmp:
+        cb = Calls()
+        result = train(job(output={"tensorboard": True}, profile={"steps": "2-3"}), tmp / "r",
+                       comm=comm, callbacks=[cb])
+        steps = [c for c in cb.calls if c[0] == "step"]
+        assert [c[1:3] for c in steps] == [(1, 0), (2, 1), (3, 2), (4, 3)]
+        history = dict(result.metrics["train_loss_history"])
+        assert all(abs(c[3] - history[c[1]]) < 1e-6 for c in steps)       # the mean over ranks
+        assert cb.calls[0] == ("start", 0) and cb.calls[-1] == ("end", 4, True)
+        assert [c for c in cb.calls if c[0] == "val"] == [("val", s, ["val_loss", "val_mae"])
+                                                          for s in (2, 4)]
 
-    events = tmp / "r" / "tensorboard"
-    comm.Barrier()
-    if rank == 0:
-        acc = EventAccumulator(str(events))
-        acc.Reload()
-        tags = set(acc.Tags()["scalars"])
-        assert {"train/loss", "train/lr", "time/t_step", "time/t_halo", "memory/peak_bytes",
-                "throughput/samples_per_s", "val/loss", "val/mae"} <= tags
-        loss = acc.Scalars("train/loss")
-        assert [(e.step, round(e.value, 5)) for e in loss] == \
-            [(s, round(v, 5)) for s, v in sorted(history.items())]
-        assert [e.step for e in acc.Scalars("val/loss")] == [2, 4]
-        assert len(list(events.iterdir())) == 1                          # rank 0 only
-    for r in range(2):
-        trace = json.loads((tmp / "r" / "profile" / f"rank-{r:05d}.json").read_text())
-        names = {e.get("name") for e in trace["traceEvents"]}
-        assert {"hpcpar.halo_exchange", "hpcpar.halo_exchange.backward", "hpcpar.allreduce",
-                "hpcpar.allreduce.launch"} <= names, r
+        events = tmp / "r" / "tensorboard"
+        comm.Barrier()
+        if rank == 0:
+            acc = EventAccumulator(str(events))
+            acc.Reload()
+            tags = set(acc.Tags()["scalars"])
+            assert {"train/loss", "train/lr", "time/t_step", "time/t_halo", "memory/peak_bytes",
+                    "throughput/samples_per_s", "val/loss", "val/mae"} <= tags
+            loss = acc.Scalars("train/loss")
+            assert [(e.step, round(e.value, 5)) for e in loss] == \
+                [(s, round(v, 5)) for s, v in sorted(history.items())]
+            assert [e.step for e in acc.Scalars("val/loss")] == [2, 4]
+            assert len(list(events.iterdir())) == 1                          # rank 0 only
+        for r in range(2):
+            trace = json.loads((tmp / "r" / "profile" / f"rank-{r:05d}.json").read_text())
+            names = {e.get("name") for e in trace["traceEvents"]}
+            assert {"hpcpar.halo_exchange", "hpcpar.halo_exchange.backward", "hpcpar.allreduce",
+                    "hpcpar.allreduce.launch"} <= names, r
 
 
 def test_job_keys(tmp_path, monkeypatch):

@@ -8,7 +8,7 @@ import pytest
 from hpcpar.errors import RunDirError
 from hpcpar.formats import records
 from hpcpar.formats.records import COLUMN_NAMES, RunRecorder, read_meta, read_steps
-from hpcpar.testing import mpi_case
+from hpcpar.testing import mpi_case, shared_tmpdir
 
 
 def row(step, rank=0, scale=1.0):
@@ -139,25 +139,19 @@ def test_counters_map_and_schema_doc():
 
 @mpi_case(nprocs=(2,), timeout=60)
 def test_mpi_recorder(comm):
-    import tempfile
-
     from hpcpar import ProcessGrid
 
     grid = ProcessGrid(data=-1, comm=comm)
-    tmp = comm.bcast(tempfile.mkdtemp(prefix="hpcpar-rec-") if comm.rank == 0 else None)
-    rec = RunRecorder(tmp, grid, {"job_name": "mpi"})
-    for s in range(4):
-        rec.step(**row(s, scale=1.0 + comm.rank))
-    out = rec.finish("ok")
-    if comm.rank == 0:
-        df = read_steps(tmp)
-        assert out.name == "steps.parquet" and len(df) == 8
-        assert list(df["rank"]) == [0, 1] * 4
-        assert df[df["rank"] == 1]["t_fwd"].tolist() == [0.6] * 4
-        meta = read_meta(tmp)
-        assert meta["ranks"] == 2 and meta["grid_spec"] == "2x1x1x1"
-        assert len(meta["rank_hosts"]) == 2
-        import shutil
-
-        shutil.rmtree(tmp)
-    comm.Barrier()
+    with shared_tmpdir(comm, prefix="hpcpar-rec-") as tmp:
+        rec = RunRecorder(tmp, grid, {"job_name": "mpi"})
+        for s in range(4):
+            rec.step(**row(s, scale=1.0 + comm.rank))
+        out = rec.finish("ok")
+        if comm.rank == 0:
+            df = read_steps(tmp)
+            assert out.name == "steps.parquet" and len(df) == 8
+            assert list(df["rank"]) == [0, 1] * 4
+            assert df[df["rank"] == 1]["t_fwd"].tolist() == [0.6] * 4
+            meta = read_meta(tmp)
+            assert meta["ranks"] == 2 and meta["grid_spec"] == "2x1x1x1"
+            assert len(meta["rank_hosts"]) == 2

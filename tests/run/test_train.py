@@ -6,7 +6,6 @@ matches; U-Net runs. And the GCN demo job through the loop (serial)."""
 
 import os
 import signal
-import tempfile
 import time
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import torch
 from hpcpar.formats.jobspec import build_job
 from hpcpar.run.workloads.base import register_workload
 from hpcpar.run.workloads.volume import CosmoFlowWorkload
-from hpcpar.testing import mpi_case
+from hpcpar.testing import mpi_case, shared_tmpdir
 
 
 @register_workload("cosmoflow-sigtest")
@@ -62,72 +61,72 @@ def test_loop_equivalence_signal_resume_fallback(comm):
     from hpcpar.run.trainer import train
 
     rank = comm.Get_rank()
-    tmp = Path(comm.bcast(tempfile.mkdtemp(prefix="hpcpar-train-") if rank == 0 else None))
+    with shared_tmpdir(comm, prefix="hpcpar-train-") as tmp:
+        # -- 2 data ranks vs 1 rank, same global batch; the loss falls ------------------------
+        d2 = train(job((2, 1, 1, 1), steps=10), tmp / "d2", comm=comm)
+        losses = [loss for _, loss in d2.metrics["train_loss_history"]]
+        assert min(losses[-3:]) < 0.85 * losses[0], losses
+        assert {"val_loss", "val_mae", "final_train_loss"} <= set(d2.metrics)
+        if rank == 0:
+            d1 = train(job((1, 1, 1, 1), steps=10), tmp / "d1", comm=MPI.COMM_SELF)
+            a, b = final_model(tmp / "d2"), final_model(tmp / "d1")
+            assert a.keys() == b.keys()
+            for k in a:
+                torch.testing.assert_close(a[k], b[k], rtol=2e-5, atol=2e-6, msg=k)
+            assert abs(d1.metrics["final_train_loss"] - d2.metrics["final_train_loss"]) < 1e-5
+            # the full state dict loads into the plain single-process model
+            from hpcpar.models.cosmoflow import CosmoFlow
 
-    # -- 2 data ranks vs 1 rank, same global batch; the loss falls ------------------------
-    d2 = train(job((2, 1, 1, 1), steps=10), tmp / "d2", comm=comm)
-    losses = [loss for _, loss in d2.metrics["train_loss_history"]]
-    assert min(losses[-3:]) < 0.85 * losses[0], losses
-    assert {"val_loss", "val_mae", "final_train_loss"} <= set(d2.metrics)
-    if rank == 0:
-        d1 = train(job((1, 1, 1, 1), steps=10), tmp / "d1", comm=MPI.COMM_SELF)
-        a, b = final_model(tmp / "d2"), final_model(tmp / "d1")
-        assert a.keys() == b.keys()
+            CosmoFlow(input_size=16, in_channels=2, n_conv_blocks=2, base_filters=4,
+                      dense=(16,)).load_state_dict(a)
+        idle_wait(comm)
+
+        # -- SIGUSR1 on the last rank only: both stop after step 3, checkpoint, resume ---------
+        spatial = (1, 2, 1, 1)
+        ref = train(job(spatial), tmp / "ref", comm=comm)
+        assert ref.step == 8 and not ref.stopped
+        cut = train(job(spatial, kind="cosmoflow-sigtest"), tmp / "cut", comm=comm)
+        assert cut.stopped and cut.step == 3
+        assert (tmp / "cut" / "checkpoints" / "step-000003" / "manifest.json").exists()
+        done = train(job(spatial), tmp / "cut", comm=comm)
+        assert done.step == 8 and not done.stopped
+        a, b = final_model(tmp / "ref"), final_model(tmp / "cut")
+        assert all(torch.equal(a[k], b[k]) for k in a), "resume is not bit-identical"
+        assert done.metrics["final_train_loss"] == ref.metrics["final_train_loss"]
+
+        # -- train.channels_last (the default): the same training in torch's default order -------
+        assert job(spatial).train.channels_last
+        cl = train(job(spatial, train={"channels_last": False}), tmp / "cl", comm=comm)
+        a, b = final_model(tmp / "ref"), final_model(tmp / "cl")
         for k in a:
-            torch.testing.assert_close(a[k], b[k], rtol=2e-5, atol=2e-6, msg=k)
-        assert abs(d1.metrics["final_train_loss"] - d2.metrics["final_train_loss"]) < 1e-5
-        # the full state dict loads into the plain single-process model
-        from hpcpar.models.cosmoflow import CosmoFlow
+            torch.testing.assert_close(b[k], a[k], rtol=2e-5, atol=2e-6, msg=k)
+        assert abs(cl.metrics["final_train_loss"] - ref.metrics["final_train_loss"]) < 1e-5
 
-        CosmoFlow(input_size=16, in_channels=2, n_conv_blocks=2, base_filters=4,
-                  dense=(16,)).load_state_dict(a)
-    idle_wait(comm)
+        # -- corrupt newest checkpoint -> previous one, with a warning ---------------------------
+        comm.Barrier()
+        if rank == 0:
+            newest = tmp / "cut" / "checkpoints" / "step-000008" / "model.pt"
+            newest.write_bytes(newest.read_bytes()[:-7] + b"garbage")
+        comm.Barrier()
+        more = job(spatial, steps=10)
+        back = train(more, tmp / "cut", comm=comm)              # 3 -> 10
+        ahead = train(more, tmp / "ref", comm=comm)             # 8 -> 10
+        assert back.step == ahead.step == 10
+        a, b = final_model(tmp / "ref"), final_model(tmp / "cut")
+        assert all(torch.equal(a[k], b[k]) for k in a)
+        if rank == 0:
+            log = (tmp / "cut" / "logs" / "rank-00000.log").read_text()
+            assert "skipping corrupt checkpoint" in log and "resumed from" in log
+            assert "step-000003 at step 3" in log
 
-    # -- SIGUSR1 on the last rank only: both stop after step 3, checkpoint, resume ---------
-    spatial = (1, 2, 1, 1)
-    ref = train(job(spatial), tmp / "ref", comm=comm)
-    assert ref.step == 8 and not ref.stopped
-    cut = train(job(spatial, kind="cosmoflow-sigtest"), tmp / "cut", comm=comm)
-    assert cut.stopped and cut.step == 3
-    assert (tmp / "cut" / "checkpoints" / "step-000003" / "manifest.json").exists()
-    done = train(job(spatial), tmp / "cut", comm=comm)
-    assert done.step == 8 and not done.stopped
-    a, b = final_model(tmp / "ref"), final_model(tmp / "cut")
-    assert all(torch.equal(a[k], b[k]) for k in a), "resume is not bit-identical"
-    assert done.metrics["final_train_loss"] == ref.metrics["final_train_loss"]
-
-    # -- train.channels_last (the default): the same training in torch's default order -------
-    assert job(spatial).train.channels_last
-    cl = train(job(spatial, train={"channels_last": False}), tmp / "cl", comm=comm)
-    a, b = final_model(tmp / "ref"), final_model(tmp / "cl")
-    for k in a:
-        torch.testing.assert_close(b[k], a[k], rtol=2e-5, atol=2e-6, msg=k)
-    assert abs(cl.metrics["final_train_loss"] - ref.metrics["final_train_loss"]) < 1e-5
-
-    # -- corrupt newest checkpoint -> previous one, with a warning ---------------------------
-    comm.Barrier()
-    if rank == 0:
-        newest = tmp / "cut" / "checkpoints" / "step-000008" / "model.pt"
-        newest.write_bytes(newest.read_bytes()[:-7] + b"garbage")
-    comm.Barrier()
-    more = job(spatial, steps=10)
-    back = train(more, tmp / "cut", comm=comm)              # 3 -> 10
-    ahead = train(more, tmp / "ref", comm=comm)             # 8 -> 10
-    assert back.step == ahead.step == 10
-    a, b = final_model(tmp / "ref"), final_model(tmp / "cut")
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    if rank == 0:
-        log = (tmp / "cut" / "logs" / "rank-00000.log").read_text()
-        assert "skipping corrupt checkpoint" in log and "resumed from" in log
-        assert "step-000003 at step 3" in log
-
-    # -- U-Net (spatial, batch norm over the global batch) runs --------------------------------
-    u = train(_unet_job((1, 2, 1, 1)), tmp / "unet", comm=comm)
-    assert u.step == 2 and 0.0 <= u.metrics["val_accuracy"] <= 1.0
-    assert u.metrics["final_train_loss"] == u.metrics["final_train_loss"]  # not NaN
-    if rank == 0:
-        assert (tmp / "unet" / "metrics.json").exists() and (tmp / "unet" / "meta.json").exists()
-    comm.Barrier()
+        # -- U-Net (spatial, batch norm over the global batch) runs --------------------------------
+        u = train(_unet_job((1, 2, 1, 1)), tmp / "unet", comm=comm)
+        assert u.step == 2 and 0.0 <= u.metrics["val_accuracy"] <= 1.0
+        assert u.metrics["final_train_loss"] == u.metrics["final_train_loss"]  # not NaN
+        if rank == 0:
+            assert (tmp / "unet" / "metrics.json").exists() and \
+                (tmp / "unet" / "meta.json").exists()
+        comm.Barrier()
 
 
 def _unet_job(grid):

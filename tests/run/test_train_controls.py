@@ -6,14 +6,13 @@ tensor-parallel shards by their piece). Plain SGD: unlike Adam it does not hide 
 gradient scale (a missing 1/K, a sync per micro-batch, a norm counted twice)."""
 
 import itertools
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from hpcpar.formats.jobspec import build_job
-from hpcpar.testing import mpi_case
+from hpcpar.testing import mpi_case, shared_tmpdir
 
 STEPS = 3
 # fp32 sums in another order (spatial partial gradients, data-parallel means, the norm's
@@ -85,26 +84,26 @@ def test_accumulate_and_clip_equal_the_single_process_definitions(comm):
 
     rank = comm.Get_rank()
     grid = (comm.Get_size() // 2, 2, 1, 1)
-    tmp = Path(comm.bcast(tempfile.mkdtemp(prefix="hpcpar-controls-") if rank == 0 else None))
-    for accumulate, tp in ((3, False), (2, True)):
-        # clip at half the first step's norm: clipping acts, at least on that step
-        _, _, norm = plain_run(job(grid, accumulate, 0.0, tp), 0.0, steps=1)
-        clip = comm.bcast(round(0.5 * norm, 6))
-        for limit in (0.0, clip):
-            the_job = job(grid, accumulate, limit, tp)
-            run = tmp / f"k{accumulate}-tp{int(tp)}-clip{int(bool(limit))}"
-            result = train(the_job, run, comm=comm)
-            assert result.step == STEPS
-            if rank == 0:
-                start, want, _ = plain_run(the_job, limit)
-                got = final_model(run)
-                assert got.keys() == want.keys()
-                # the check can fail: the update is far above the tolerance
-                assert max_diff(want, start) > 1000 * ATOL
-                for k in want:
-                    torch.testing.assert_close(got[k], want[k], rtol=RTOL, atol=ATOL,
-                                               msg=f"{run.name}: {k}")
-        if rank == 0:   # clipping changed the result (else the clipped check proves nothing)
-            assert max_diff(final_model(run), final_model(run.with_name(
-                run.name.replace("clip1", "clip0")))) > 1000 * ATOL
-    comm.Barrier()
+    with shared_tmpdir(comm, prefix="hpcpar-controls-") as tmp:
+        for accumulate, tp in ((3, False), (2, True)):
+            # clip at half the first step's norm: clipping acts, at least on that step
+            _, _, norm = plain_run(job(grid, accumulate, 0.0, tp), 0.0, steps=1)
+            clip = comm.bcast(round(0.5 * norm, 6))
+            for limit in (0.0, clip):
+                the_job = job(grid, accumulate, limit, tp)
+                run = tmp / f"k{accumulate}-tp{int(tp)}-clip{int(bool(limit))}"
+                result = train(the_job, run, comm=comm)
+                assert result.step == STEPS
+                if rank == 0:
+                    start, want, _ = plain_run(the_job, limit)
+                    got = final_model(run)
+                    assert got.keys() == want.keys()
+                    # the check can fail: the update is far above the tolerance
+                    assert max_diff(want, start) > 1000 * ATOL
+                    for k in want:
+                        torch.testing.assert_close(got[k], want[k], rtol=RTOL, atol=ATOL,
+                                                   msg=f"{run.name}: {k}")
+            if rank == 0:   # clipping changed the result (else the clipped check proves nothing)
+                assert max_diff(final_model(run), final_model(run.with_name(
+                    run.name.replace("clip1", "clip0")))) > 1000 * ATOL
+        comm.Barrier()
