@@ -78,20 +78,28 @@ from hpcpar.parallel.partition import largest_piece
 if TYPE_CHECKING:
     from hpcpar.plan.types import Workload
 
-__all__ = ["RUNTIME_BYTES", "HEADROOM", "FRAGMENTATION", "MemoryEstimate", "optimizer_states",
-           "estimate", "activations", "largest_edge", "parse_bytes"]
+__all__ = ["RUNTIME_BYTES", "HEADROOM", "FRAGMENTATION", "FRAGMENTED", "MemoryEstimate",
+           "optimizer_states", "estimate", "activations", "largest_edge", "parse_bytes"]
 
 #: resident memory of one rank before any tensor: measured 0.25-0.29 GB per rank (cgroup
 #: charge, 8 ranks, CosmoFlow on 32³, CPU) on the 2-core test machine
 RUNTIME_BYTES = 0.3e9
 #: share of the budget the estimate may use
 HEADROOM = 0.95
-#: the allocator's resident memory above the live activations at the step's peak, as a share
-#: of them (freed blocks a later request of another size cannot reuse): a rank's sampled
-#: anonymous memory against torch's own allocation trace of the same step (CosmoFlow 128³,
-#: UNet3D 108³, 1 rank): jemalloc 0.03-0.17; glibc's malloc 0.47-0.64 (with the profiler's
-#: own records)
-FRAGMENTATION = {"jemalloc": 0.15, "system": 0.5}
+#: the allocator's resident memory above the live activations at the step's peak (freed
+#: blocks a later request of another size cannot reuse), as a share of what
+#: :data:`FRAGMENTED` names. jemalloc: of the step's *transient* activations, those above
+#: what forward keeps (gradients, recomputations, a convolution's copies: freed and asked
+#: again at other sizes; what forward keeps is asked once, in order): the largest samples a
+#: real 768 MiB limit per rank held were CosmoFlow 129-130 (1 rank) and 256-257 (8 ranks),
+#: UNet3D 118-119 and 234-235, and 0.4 of the transient ones gives 127, 254, 116 and 233,
+#: where a share of all activations could not be right for both models (UNet3D's are mostly
+#: kept ones: 0.15 of all gave 226 at 8 ranks, CosmoFlow's mostly transient). glibc's malloc:
+#: of all activations, 0.47-0.64 (a rank's sampled anonymous memory against torch's own
+#: allocation trace of the same step, CosmoFlow 128³ and UNet3D 108³, 1 rank)
+FRAGMENTATION = {"jemalloc": 0.4, "system": 0.5}
+#: what :data:`FRAGMENTATION` is a share of, per allocator
+FRAGMENTED = {"jemalloc": "transient", "system": "activations"}
 
 _OPT_STATE = {"adam": 2, "adamw": 2, "sgd": 1}
 
@@ -156,7 +164,8 @@ def estimate(work: Workload, grid: tuple[int, int, int, int], nbytes: int = 4) -
     outs = _outs(work, parts, b, nbytes)
     saved, peak = activations(work, grid, nbytes)
     allocator = _ranks_allocator()
-    peak *= 1 + FRAGMENTATION[allocator]
+    kept = saved if FRAGMENTED[allocator] == "transient" else 0.0
+    peak = kept + (peak - kept) * (1 + FRAGMENTATION[allocator])
     opt = optimizer_states(work.optimizer)
     local = work.local_params(spatial, tuple(parts))
     if work.shard_optimizer:   # weights and buckets whole; the state per replica
