@@ -783,7 +783,7 @@ def nonfinite_entries(state: dict) -> list[str]:
     for k, v in state.items():
         if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel():
             groups.setdefault((v.device, v.dtype), []).append((k, v.detach()))
-    bad = set()
+    bad: set[str] = set()
     for items in groups.values():
         # each tensor's largest |value|, in one call (a checkpoint every step pays for a call
         # per tensor): NaN and inf carry through a maximum, no finite value overflows it, and
