@@ -25,6 +25,7 @@ _LAZY = {
     "split_like": "hpcpar.nn.split",
     "global_reduce": "hpcpar.nn.reduce",
     "spatial_dropout": "hpcpar.nn.dropout",
+    "local_function": "hpcpar.nn.custom_functions",
     # tensor parallelism
     "TensorParallelLinear": "hpcpar.nn.tensor_parallel",
     "tensor_parallelize": "hpcpar.nn.tensor_parallel",

@@ -47,14 +47,16 @@ _LOCAL_EXTRA = (
     "to", "type", "type_as", "float", "double", "half", "bfloat16", "int", "long", "bool",
     "byte", "char", "short", "cpu", "cuda", "contiguous", "clone", "detach", "detach_",
     "requires_grad_", "retain_grad", "zero_", "fill_", "copy_", "hardswish", "hardsigmoid",
-    "relu6", "celu", "selu", "rrelu", "softsign", "tanhshrink", "hardtanh", "elu",
+    "relu6", "celu", "selu", "softsign", "tanhshrink", "hardtanh", "elu",
     "logsigmoid", "mish", "silu", "threshold", "float_power", "clamp_min", "clamp_max",
-    "nan_to_num", "pin_memory", "register_hook", "masked_fill", "where",
+    "nan_to_num", "pin_memory", "register_hook", "masked_fill",
 )
 
 _ENTRIES = [
     *_names("local", d.pointwise, _LOCAL_EXTRA),
     *_names("local", d.channelwise, ("prelu",)),
+    *_names("local", d.rrelu, ("rrelu", "rrelu_")),
+    *_names("local", d.where, ("where",)),
     *_names("local", d.like_factory, ("zeros_like", "ones_like", "empty_like", "full_like")),
     *_names("refused", d.refuse_random, ("rand_like", "randn_like", "randint_like",
                                          "bernoulli", "bernoulli_", "normal_", "uniform_",

@@ -292,6 +292,24 @@ def refuse_random(call: Call):
                       "(split-independent in hpcpar) or draw the noise before splitting")
 
 
+def rrelu(call: Call):
+    """Elementwise with the mean slope; while training, one random slope per element, which
+    each rank would draw for its own piece."""
+    b = call.bind(("input", "lower", "upper", "training"))
+    if b.get("training", False):
+        return refuse_random(call)
+    return pointwise(call)
+
+
+def where(call: Call):
+    """``where(cond, a, b)`` is elementwise; ``where(cond)`` lists the indices of the nonzero
+    elements (``nonzero``'s), which on a piece are only this rank's, in its own coordinates."""
+    if len(call.args) + len(call.kwargs) == 1:
+        raise call.refuse("lists the indices of the nonzero elements", "use where(cond, a, b), "
+                          "or count with (cond).sum(), which is global")
+    return pointwise(call)
+
+
 # -- shapes -------------------------------------------------------------------------------------
 def _norm_dim(d: int, ndim: int) -> int:
     return d + ndim if d < 0 else d
@@ -305,14 +323,26 @@ def _dims_arg(dims, ndim) -> list[int]:
     return [_norm_dim(int(d), ndim) for d in dims]
 
 
+#: where each op of :func:`dim_local` takes its ``dim`` (torch's positional order) and its
+#: default: ``topk(x, 1, 3)`` mixes along dim 3, not 1 (read as the dim, a split dim was
+#: taken for a whole one and the op ran on each piece: silently wrong)
+_DIM_SIGNATURES: dict[str, tuple[tuple[str, ...], int | None]] = {
+    **dict.fromkeys(("softmax", "log_softmax", "softmin"), (("input", "dim"), 1)),  # legacy
+    **dict.fromkeys(("cumsum", "cumprod", "cummax", "cummin", "logcumsumexp"),
+                    (("input", "dim"), None)),
+    **dict.fromkeys(("sort", "argsort", "glu"), (("input", "dim"), -1)),
+    "topk": (("input", "k", "dim"), -1),
+    "diff": (("input", "n", "dim"), -1),
+    "normalize": (("input", "p", "dim"), 1),
+}
+
+
 def dim_local(call: Call):
     """Ops that mix values along one dim (softmax, cumsum, sort, ...): local unless that dim
     is split."""
     t = call.splits[0]
-    b = call.bind(("input", "dim"), (None,))
-    dim = b.get("dim")
-    if dim is None and call.name in ("softmax", "log_softmax", "softmin"):
-        dim = 1  # torch's legacy implicit dim for 5D inputs
+    names, default = _DIM_SIGNATURES.get(call.name.rstrip("_"), (("input", "dim"), None))
+    dim = call.bind(names).get("dim", default)
     if dim is None or _norm_dim(dim, t.dim()) in t._hp.sdims:
         raise call.refuse("mixes values along a split dim", "apply it along a channel dim, or "
                           "after a global reduction")

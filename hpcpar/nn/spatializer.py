@@ -37,6 +37,7 @@ from hpcpar.sync.tags import DATA_ONLY, REDUCE_ATTR, TAGS_VERSION, tag_data_only
 
 from ._base import SpatialModule
 from .check import first_step_check, skeleton
+from .custom_functions import refuse_custom_functions
 from .dispatch import SpatialMode, mode_call
 from .fused_halo import MarginLayout, crop, settle_runs
 from .fused_halo import check_setting as check_fuse
@@ -57,6 +58,7 @@ class _Context(SplitContext):
         self.suspended = 0      # inside hpcpar's own spatial layers: no dispatch
         self.tagged = None      # the parameter use the tags were last derived from
         self.settling = False   # inside settle(): no first-step check yet
+        self.graph_checked = False   # a forward's autograd graph was searched for Functions
 
     def __deepcopy__(self, memo):
         new = memo[id(self)] = _Context(self.grid, self.bn_include_data,
@@ -112,20 +114,22 @@ def _leave(module, args, kwargs, output):
         return None
     ctx.mode.__exit__(None, None, None)
     if output is not None:
-        _retag(module, ctx)
+        if _retag(module, ctx) or not ctx.graph_checked:
+            ctx.graph_checked |= refuse_custom_functions(output)
         if ctx.fuse_halos > 1:   # a fused run's margin never leaves the model
             return tree_map(_end_run, output)
     return None
 
 
-def _retag(model: nn.Module, ctx) -> None:
+def _retag(model: nn.Module, ctx) -> bool:
     """Tags from what this forward did (module docstring); bump the version on a change.
     A forward that used the same parameters the same ways as the one the tags were derived
-    from changes nothing: it is skipped (walking the parameters costs ~0.1 ms a step)."""
+    from changes nothing: it is skipped (walking the parameters costs ~0.1 ms a step).
+    Returns whether the parameters were used differently (the tags were derived again)."""
     used = (frozenset(ctx.spatial_params), frozenset(ctx.replicated_params),
             getattr(model, TAGS_VERSION, 0))
     if used == ctx.tagged:
-        return
+        return False
     changed = False
     for name, p in model.named_parameters():
         spatial, replicated = id(p) in ctx.spatial_params, id(p) in ctx.replicated_params
@@ -143,6 +147,7 @@ def _retag(model: nn.Module, ctx) -> None:
     if changed:
         setattr(model, TAGS_VERSION, getattr(model, TAGS_VERSION, 0) + 1)
     ctx.tagged = (*used[:2], getattr(model, TAGS_VERSION, 0))
+    return True
 
 
 def _layer_enter(module, args, kwargs):

@@ -157,7 +157,12 @@ class StencilOp:
                   for p, n in zip(params, needs[1:])]
             out = self.forward(ext, *ps)
             wrt = [t for t, n in zip([ext, *ps], needs) if n and t is not None]
-            grads = iter(torch.autograd.grad(out, wrt, grad_out)) if wrt else iter(())
+            if out.grad_fn is None:   # this rank holds none of the output (a pool's window
+                # as large as the volume): its values reach the owner's output through the
+                # halo, whose adjoint brings their gradient back; nothing flows from here
+                grads = iter([torch.zeros_like(t) for t in wrt])
+            else:
+                grads = iter(torch.autograd.grad(out, wrt, grad_out)) if wrt else iter(())
         return tuple(next(grads) if n and t is not None else None
                      for t, n in zip([ext, *ps], needs))
 

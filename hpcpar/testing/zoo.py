@@ -450,6 +450,22 @@ class PlainFCN(nn.Module):
         return self.head(torch.tanh(h) * 2.0)
 
 
+class PoolByKernel(nn.Module):
+    """Global average pooling written as a pool whose window is the whole volume (Keras and
+    older torch code); a rank holding none of its one output voxel crashed in backward while
+    the others waited."""
+
+    def __init__(self, c=2):
+        super().__init__()
+        self.conv = nn.Conv3d(c, 3, 3, padding=1)
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x):
+        h = F.relu(self.conv(x))
+        p = F.avg_pool3d(h, kernel_size=h.shape[2:])
+        return self.fc(p.view(p.size(0), -1))
+
+
 # name -> (factory, channels, size, loss, target kind, expected)
 #   target kind: "like" (same shape as the output), "class" (class indices per voxel or per
 #   sample), "binary" (0/1 like the output)
@@ -479,6 +495,7 @@ ZOO = {
     "view_merge": (ViewMerge, 2, (8, 9, 7), mse, "like", "refused"),
     "dropout_net": (DropoutNet, 2, (8, 9, 7), mse, "like", "exact"),
     "plain_fcn": (PlainFCN, 2, (12, 9, 10), mse, "like", "exact"),
+    "pool_by_kernel": (PoolByKernel, 2, (9, 7, 8), ce, "class", "exact"),
 }
 
 

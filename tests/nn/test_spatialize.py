@@ -111,8 +111,29 @@ class _Mixed(nn.Module):
         return (x * self.scale).mean(dim=(2, 3, 4)) * self.scale
 
 
+class _Positional(nn.Module):
+    """Ops whose ``dim`` comes after another positional argument (``topk(x, k, dim)``)."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
 @pytest.mark.parametrize("model, op, why", [
     (_Flat(), "flatten", "merges a split dim"),
+    # read as their dim, k = 1 and n = 1 named the channels, and each rank ran them on its
+    # piece of a spatial dim: silently wrong
+    (_Positional(lambda x: torch.topk(x, 1, 3)[0]), "topk", "mixes values along a split dim"),
+    (_Positional(lambda x: torch.diff(x, 1, 2)), "diff", "mixes values along a split dim"),
+    (_Positional(lambda x: F.normalize(x, 2.0, 4)), "normalize", "along a split dim"),
+    # the nonzero form: this rank's indices, in its own coordinates
+    (_Positional(lambda x: x * torch.where(x > 0)[0].numel()), "where",
+     "lists the indices of the nonzero elements"),
+    # a random slope per element while training, drawn by each rank for its piece
+    (nn.RReLU().train(), "rrelu", "draws random numbers"),
     (_Rolled(), "roll", "has no exact spatial form"),
     (_Mixed(), "parameter 'scale'", "used both on split tensors and on replicated ones"),
 ])
@@ -126,3 +147,97 @@ def test_refusals_name_the_op_and_the_source_line(grid, model, op, why):
     assert op in msg and why in msg and "\n" not in msg
     if "parameter" not in op:
         assert f"{__file__}:" in msg  # the user's own line
+
+
+def test_positional_dims_along_the_channels_stay_exact(grid):
+    """The same ops along the channels (a positional dim after k, n or p) run on each piece."""
+    from hpcpar.nn import local, spatialize
+
+    def ops(x):
+        return torch.cat([torch.topk(x, 1, 1)[0], torch.diff(x, 1, 1), F.normalize(x, 2.0, 1),
+                          torch.sort(x, 1)[0]], dim=1)
+
+    x = torch.randn(1, 3, 4, 5, 6)
+    torch.testing.assert_close(local(spatialize(_Positional(ops), grid)(x)), ops(x))
+
+
+class _ScaleBySum(torch.autograd.Function):
+    """x / x.sum(): its backward sums over the volume ((g * x).sum())."""
+
+    @staticmethod
+    def forward(ctx, x):
+        total = x.sum()
+        ctx.save_for_backward(x, total)
+        return x / total
+
+    @staticmethod
+    def backward(ctx, g):
+        x, total = ctx.saved_tensors
+        return g / total - (g * x).sum() / total ** 2
+
+
+class _Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 2 * x * g
+
+
+class _Applies(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.conv = nn.Conv3d(1, 2, 3, padding=1)
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(torch.exp(0.1 * self.conv(x)))
+
+
+@pytest.mark.parametrize("fn, why", [
+    (_ScaleBySum.apply, "custom autograd.Function"),
+    (lambda h: torch.utils.checkpoint.checkpoint(torch.tanh, h, use_reentrant=True),
+     "torch.utils.checkpoint (use_reentrant=True)"),
+])
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")  # the no_grad run
+def test_a_custom_function_whose_backward_runs_on_pieces_is_refused(grid, fn, why):
+    """Its backward ran on this rank's piece (a sum over the volume was this rank's share,
+    gradients 2.7e-2 to 3.5 off on 2 ranks; a reentrant checkpoint's recomputation ran
+    outside the dispatch, 8e-2 to 2.6e-1 off): refused in one line, also when a forward
+    without gradients (settle, validation) came first."""
+    from hpcpar.errors import LayerError
+    from hpcpar.nn import spatialize
+
+    model = spatialize(_Applies(fn), grid)
+    x = torch.randn(1, 1, 4, 5, 6)
+    with torch.no_grad():
+        model(x)
+    with pytest.raises(LayerError) as info:
+        model(x)
+    assert why in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_custom_function_marked_local_runs_and_is_exact(grid):
+    from hpcpar.nn import local, local_function, spatialize
+
+    torch.manual_seed(0)
+    plain = _Applies(local_function(_Square).apply)
+    model = spatialize(plain, grid)
+    x = torch.randn(1, 1, 4, 5, 6)
+    torch.testing.assert_close(local(model(x)), plain(x))
+    with pytest.raises(TypeError, match="not a torch.autograd.Function"):
+        local_function(nn.ReLU)
+
+
+def test_elementwise_where_and_an_evaluating_rrelu_stay_exact(grid):
+    from hpcpar.nn import local, spatialize
+
+    model = _Positional(lambda x: F.rrelu(torch.where(x > 0, x, 2 * x), training=False))
+    x = torch.randn(1, 2, 4, 5, 6)
+    torch.testing.assert_close(local(spatialize(model, grid)(x)), model(x))
+    rrelu = nn.RReLU().eval()
+    torch.testing.assert_close(local(spatialize(rrelu, grid)(x)), rrelu(x))
