@@ -112,6 +112,15 @@ def _merge_moments(var: torch.Tensor, mean: torch.Tensor, count: int, rows: _Row
     return gmean.view(mean.shape), (m2 / total).view(mean.shape), int(total.item())
 
 
+def _views(t: torch.Tensor, shape: Sequence[int]) -> bool:
+    """Whether ``t.view(shape)`` works (an alias, no copy)."""
+    try:
+        t.view(shape)
+    except RuntimeError:
+        return False
+    return True
+
+
 class _GlobalNorm(torch.autograd.Function):
     """y = γ x̂ + β over the rows of ``x`` that ``rows`` describes (module docstring);
     ``weight``/``bias`` broadcast against the rows' view."""
@@ -120,24 +129,32 @@ class _GlobalNorm(torch.autograd.Function):
     def forward(ctx, x, weight, bias, rows):
         acc = _acc_dtype(x.dtype)
         fmt = memory_format(input_layout(x))
-        xa = x.detach().to(acc).view(rows.view)
+        base = x.detach().to(acc)
+        xa = base.view(rows.view)
         count = math.prod(xa.shape[d] for d in rows.dims)
         var, mean = torch.var_mean(xa, dim=rows.dims, correction=0, keepdim=True)
         mean, var, ctx.count = _merge_moments(var, mean, count, rows)
         if rows.on_stats is not None:
             rows.on_stats(mean, var)
         mean, rstd = mean.to(acc), torch.rsqrt(var + rows.eps).to(acc)
-        y = torch.sub(xa, mean).mul_(rstd)
+        # the output owns its storage, shaped like x: a view made here could not be changed in
+        # place after the norm (autograd forbids it; nn.ReLU(inplace=True) after a GroupNorm,
+        # as MONAI's SegResNet and DynUNet write it, would fail)
+        out = torch.empty_like(base)
+        y = out.view(rows.view) if _views(out, rows.view) else None
+        y = torch.sub(xa, mean, out=y).mul_(rstd)
         if weight is not None:
             y.mul_(weight.detach().to(acc))
         if bias is not None:
             y.add_(bias.detach().to(acc))
+        if y.data_ptr() != out.data_ptr():  # a piece that is not dense: computed aside
+            out.copy_(y.reshape(x.shape))
         # x as a plain alias: a split tensor's piece (hpcpar.nn.split) would send every op
         # of the backward through its __torch_function__
         ctx.save_for_backward(x.detach(), weight, mean, rstd)
         ctx.rows, ctx.fmt = rows, fmt
         ctx.bias = None if bias is None else (bias.shape, bias.dtype)
-        return y.reshape(x.shape).to(x.dtype).contiguous(memory_format=fmt)
+        return out.to(x.dtype).contiguous(memory_format=fmt)
 
     @staticmethod
     @once_differentiable

@@ -409,8 +409,15 @@ def loss(call: Call):
     if isinstance(target, type(x)):
         tl = raw(target)
     else:
-        tl = localize(call.replicated(target), out_lay if target.dim() < x.dim() else lay,
-                      target.dim(), call.name)
+        # a class-index target lacks the class dim; any other broadcasts by its last dims
+        tl = localize(call.replicated(target), out_lay, target.dim(), call.name) \
+            if call.name in _CLASS_LOSSES and target.dim() < x.dim() else \
+            localize(call.replicated(target), lay, x.dim(), call.name)
+    if call.name not in _CLASS_LOSSES:
+        # a target with more dims broadcasts the input (torch warns, and computes it): the
+        # split dims are counted from the end of the broadcast result
+        out_lay = _broadcast_layout(lay, x.dim(), torch.broadcast_shapes(raw(x).shape,
+                                                                         tl.shape))
     func = getattr(F, call.name)
     if reduction_ == "none":
         return adopt(func(raw(x), tl, reduction="none", **kwargs), out_lay)
@@ -433,6 +440,13 @@ def loss(call: Call):
     else:
         per_voxel = torch.broadcast_shapes(raw(x).shape, tl.shape)
     return total / math.prod(out_lay.global_shape(per_voxel))
+
+
+def _broadcast_layout(lay, ndim: int, shape) -> Layout:
+    """The layout of a result of ``shape`` broadcast from a split tensor of ``ndim`` dims
+    laid out as ``lay`` (broadcasting aligns the last dims)."""
+    extra = len(shape) - ndim
+    return lay if extra <= 0 else lay.with_(sdims=[d + extra for d in lay.sdims])
 
 
 def _spatial_sum(t: torch.Tensor, grid) -> torch.Tensor:

@@ -10,6 +10,8 @@ Used by tests/nn/test_model_zoo.py and benchmarks/spatialize_cost.py.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -466,6 +468,68 @@ class PoolByKernel(nn.Module):
         return self.fc(p.view(p.size(0), -1))
 
 
+class NormThenInplace(nn.Module):
+    """Norms followed by in-place ops, as MONAI's SegResNet (GroupNorm, ReLU(inplace=True),
+    ``x += identity``) and DynUNet (InstanceNorm, LeakyReLU(inplace=True)) write them: a
+    norm's output that autograd saw as a view made inside the norm could not be changed in
+    place (a crash on every split grid)."""
+
+    def __init__(self, c=2):
+        super().__init__()
+        self.conv0 = nn.Conv3d(c, 4, 3, padding=1)
+        self.gn = nn.GroupNorm(2, 4)
+        self.act = nn.ReLU(inplace=True)
+        self.conv1 = nn.Conv3d(4, 4, 3, padding=1)
+        self.inorm = nn.InstanceNorm3d(4, affine=True)
+        self.lrelu = nn.LeakyReLU(0.01, inplace=True)
+        self.conv2 = nn.Conv3d(4, 4, 3, padding=1)
+        self.gn2 = nn.GroupNorm(1, 4)
+        self.head = nn.Conv3d(4, 2, 1)
+
+    def forward(self, x):
+        x = self.conv0(x)
+        identity = x
+        h = self.act(self.gn(x))
+        h = self.lrelu(self.inorm(self.conv1(h)))
+        h = self.gn2(self.conv2(h))
+        h += identity
+        return self.head(h)
+
+
+class DeepSupervision(nn.Module):
+    """DynUNet-style deep supervision: the main head and an upsampled coarse head stacked on a
+    new dim 1, (N, heads, C, D, H, W)."""
+
+    def __init__(self, c=2):
+        super().__init__()
+        self.enc = nn.Conv3d(c, 4, 3, padding=1)
+        self.down = nn.Conv3d(4, 4, 3, stride=2, padding=1)
+        self.main = nn.Conv3d(4, 2, 1)
+        self.aux = nn.Conv3d(4, 2, 1)
+
+    def forward(self, x):
+        h = F.relu(self.enc(x))
+        aux = F.interpolate(self.aux(F.relu(self.down(h))), size=h.shape[2:], mode="nearest")
+        return torch.stack([self.main(h), aux], dim=1)
+
+
+_PRIOR = torch.linspace(-1, 1, 9 * 8 * 10, dtype=torch.float64).reshape(9, 8, 10)
+
+
+def deep_supervision_loss(out, target):
+    """Each head against the target, then two broadcasting terms torch allows: a head against
+    a stack of targets, (K, N, C, D, H, W) (several annotators' labels), and against a
+    replicated (D, H, W) prior. The first gave a mean of the wrong denominator (0.8 off);
+    the second was refused or crashed."""
+    heads = torch.unbind(out, dim=1)
+    loss = F.mse_loss(heads[0], target[:, 0]) + 0.5 * F.mse_loss(heads[1], target[:, 0])
+    with warnings.catch_warnings():  # torch warns of the broadcast, and computes it
+        warnings.simplefilter("ignore", UserWarning)
+        loss = loss + 0.1 * F.mse_loss(heads[0], target.transpose(0, 1))
+        prior = F.l1_loss(heads[1], _PRIOR.to(out.dtype), reduction="sum")
+    return loss + 0.1 * prior / out.numel()
+
+
 # name -> (factory, channels, size, loss, target kind, expected)
 #   target kind: "like" (same shape as the output), "class" (class indices per voxel or per
 #   sample), "binary" (0/1 like the output)
@@ -496,8 +560,66 @@ ZOO = {
     "dropout_net": (DropoutNet, 2, (8, 9, 7), mse, "like", "exact"),
     "plain_fcn": (PlainFCN, 2, (12, 9, 10), mse, "like", "exact"),
     "pool_by_kernel": (PoolByKernel, 2, (9, 7, 8), ce, "class", "exact"),
+    "norm_then_inplace": (NormThenInplace, 2, (9, 8, 7), mse, "like", "exact"),
+    "deep_supervision": (DeepSupervision, 2, (9, 8, 10), deep_supervision_loss, "like", "exact"),
 }
 
+
+
+def _segresnet(c=1):
+    from monai.networks.nets import SegResNet
+
+    return SegResNet(3, init_filters=8, in_channels=c, out_channels=2, blocks_down=(1, 2),
+                     blocks_up=(1,), norm=("group", {"num_groups": 4}))
+
+
+def _dynunet(c=1):
+    from monai.networks.nets import DynUNet
+
+    return DynUNet(3, c, 2, [3, 3, 3], [1, 2, 2], [2, 2], norm_name="instance")
+
+
+def _monai_unet(c=1):
+    from monai.networks.nets import UNet
+
+    return UNet(3, c, 2, (4, 8, 16), (2, 2), num_res_units=2)
+
+
+def _attention_unet(c=1):
+    from monai.networks.nets import AttentionUnet
+
+    return AttentionUnet(3, c, 2, (4, 8, 16), (2, 2))
+
+
+def _highresnet(c=1):
+    from monai.networks.nets import HighResNet
+
+    layers = ({"name": "conv_0", "n_features": 4, "kernel_size": 3},
+              {"name": "res_1", "n_features": 4, "kernels": (3, 3), "repeat": 1},
+              {"name": "res_2", "n_features": 8, "kernels": (3, 3), "repeat": 1},
+              {"name": "conv_1", "n_features": 8, "kernel_size": 1},
+              {"name": "conv_2", "kernel_size": 1})
+    return HighResNet(3, c, 2, layer_params=layers)   # dilations 1, 2, 4
+
+
+def _regressor(c=1):
+    from monai.networks.nets import Regressor
+
+    return Regressor((c, 12, 10, 14), (3,), (4, 8), (2, 2))
+
+
+# MONAI's own networks (other people's code, as released): name -> a ZOO entry. They were
+# chosen from a wider trial (22 networks, each on four grids) for what they exercise: a
+# residual UNet with batch norm, GroupNorm and InstanceNorm followed by in-place activations
+# (SegResNet, DynUNet: these crashed), attention gates, dilated convolutions, a dense head.
+MONAI = {
+    "monai_unet": (_monai_unet, 1, (16, 12, 20), mse, "like", "exact"),
+    "monai_segresnet": (_segresnet, 1, (16, 12, 20), mse, "like", "exact"),
+    "monai_dynunet": (_dynunet, 1, (16, 12, 20), mse, "like", "exact"),
+    "monai_attention_unet": (_attention_unet, 1, (16, 12, 20), mse, "like", "exact"),
+    "monai_highresnet": (_highresnet, 1, (16, 12, 20), mse, "like", "exact"),
+    "monai_regressor": (_regressor, 1, (12, 10, 14), mse, "like", "exact"),
+}
 
 class _RawFlip(torch.autograd.Function):
     """Flips along D with torch-function handling switched off: escapes the dispatch."""

@@ -11,7 +11,7 @@ import torch
 
 from hpcpar.testing import mpi_case
 from hpcpar.testing.oracles import batch_slice, on_grids, one_rank_grid, randn, spatial_slices
-from hpcpar.testing.zoo import ZOO
+from hpcpar.testing.zoo import MONAI, ZOO
 
 GRIDS = [(1, 2, 1, 1), (1, 2, 2, 1), (1, 2, 2, 2), (2, 2, 1, 1)]
 RTOL = 1e-9
@@ -42,7 +42,7 @@ def _piece(t, grid, split):
     return t[(slice(None),) * (t.dim() - 3) + spatial_slices(spatial, grid)[2:]]
 
 
-def _run(grid, name, seed=0, fuse=1):
+def _run(grid, name, seed=0, fuse=1, zoo=ZOO):
     """('exact' or 'refused', the refusal's line), asserting exactness / a one-line refusal
     on the way; with ``fuse``, spatialized with ``fuse_halos=fuse``, and the line says how
     many fused runs' exchanges the model made."""
@@ -53,7 +53,7 @@ def _run(grid, name, seed=0, fuse=1):
     from hpcpar.nn.split_head import column_split
     from hpcpar.parallel.comm import allreduce_
 
-    factory, c, size, loss_fn, kind, _ = ZOO[name]
+    factory, c, size, loss_fn, kind, _ = zoo[name]
     torch.manual_seed(seed)
     pristine = factory(c=c).double()
     plain = copy.deepcopy(pristine)
@@ -143,6 +143,18 @@ def test_zoo_with_fused_halos_is_exact_or_refused(comm):
     if comm.rank == 0:
         print(f"zoo with fused halos: runs per model {fused}")
         assert fused["plain_fcn"] >= 3 and sum(1 for n in fused.values() if n) >= 10, fused
+
+
+@mpi_case(nprocs=(4,), timeout=900)
+def test_monai_networks_are_exact(comm):
+    """Networks as MONAI releases them, not written for hpcpar: exact on a split of x, of y
+    and z together, and a data x spatial grid (uneven pieces at the coarse levels)."""
+    def each(grid):
+        for name in MONAI:
+            got, msg = _run(grid, name, zoo=MONAI)
+            assert got == "exact", f"{name} on {grid.spec()}: {got}: {msg}"
+
+    on_grids(comm, [(1, 2, 1, 1), (1, 1, 2, 2), (2, 2, 1, 1)], each)
 
 
 def _escape_is_caught(grid):
