@@ -16,12 +16,14 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from hpcpar.errors import LayerError
+
 from . import fused_halo, optable
 from . import rules as _rules
-from .rules import FAST, Call, leaves
+from .rules import FAST, Call, leaves, op_name
 from .spatial_ops import batch_norm as _batch_norm
 from .spatial_ops import conv3d as _conv3d
-from .split import FlatLayout, SplitTensor, set_handler
+from .split import FlatLayout, SplitTensor, set_handler, user_frame
 from .split_head import flat_rule
 
 __all__ = ["handle", "mode_call", "SpatialMode"]
@@ -60,18 +62,30 @@ def handle(func, args, kwargs, ctx=None):
     rule, fast = _ROUTES.get(func) or _route(func)
     # rules run with torch-function handling off: there a split tensor is its plain piece
     # (raw), and what ops return is plain until a rule adopts it
-    with torch._C.DisableTorchFunction():
-        if fast is not None:
-            out = fast(func, args, kwargs, flat, splits)
-            if out is not NotImplemented:
-                return out
-        call = Call(func, args, kwargs, splits)
-        if any(type(t._hp) is FlatLayout for t in splits):
-            return flat_rule(rule, call)   # a flattened volume: hpcpar.nn.split_head
-        if any(type(t._hp) is fused_halo.MarginLayout for t in splits):
-            return fused_halo.margin_call(call, rule, _MARGIN_KIND.get(rule),
-                                          lambda f, a, k: handle(f, a, k, ctx))
-        return rule(call)
+    try:
+        with torch._C.DisableTorchFunction():
+            if fast is not None:
+                out = fast(func, args, kwargs, flat, splits)
+                if out is not NotImplemented:
+                    return out
+            call = Call(func, args, kwargs, splits)
+            if any(type(t._hp) is FlatLayout for t in splits):
+                return flat_rule(rule, call)   # a flattened volume: hpcpar.nn.split_head
+            if any(type(t._hp) is fused_halo.MarginLayout for t in splits):
+                return fused_halo.margin_call(call, rule, _MARGIN_KIND.get(rule),
+                                              lambda f, a, k: handle(f, a, k, ctx))
+            return rule(call)
+    except LayerError as exc:
+        raise _located(exc, func) from exc
+
+
+def _located(exc: LayerError, func) -> LayerError:
+    """A layer's refusal (a piece too thin for its halo, an axis shorter than its ranks)
+    with the op and the user's source line in front, as the rules' own refusals have."""
+    msg = str(exc)
+    if msg.startswith("spatialize"):
+        return exc
+    return LayerError(f"spatialize: {op_name(func)} at {user_frame()}: {msg}")
 
 
 #: How a rule meets a tensor holding a fused run's margin (:mod:`hpcpar.nn.fused_halo`);

@@ -530,6 +530,23 @@ def deep_supervision_loss(out, target):
     return loss + 0.1 * prior / out.numel()
 
 
+class ShrinksToOneVoxel(nn.Module):
+    """A classifier whose strided convolutions shrink a small volume to one voxel, shorter
+    than the ranks on a split axis (MONAI's ResNet, SENet, EfficientNet at 16-32 cubed):
+    refused, naming the op and the line."""
+
+    def __init__(self, c=2):
+        super().__init__()
+        self.convs = nn.ModuleList(nn.Conv3d(c if i == 0 else 4, 4, 3, stride=2, padding=1)
+                                   for i in range(4))
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        for conv in self.convs:
+            x = F.relu(conv(x))
+        return self.fc(F.adaptive_avg_pool3d(x, 1).flatten(1))
+
+
 # name -> (factory, channels, size, loss, target kind, expected)
 #   target kind: "like" (same shape as the output), "class" (class indices per voxel or per
 #   sample), "binary" (0/1 like the output)
@@ -562,6 +579,7 @@ ZOO = {
     "pool_by_kernel": (PoolByKernel, 2, (9, 7, 8), ce, "class", "exact"),
     "norm_then_inplace": (NormThenInplace, 2, (9, 8, 7), mse, "like", "exact"),
     "deep_supervision": (DeepSupervision, 2, (9, 8, 10), deep_supervision_loss, "like", "exact"),
+    "shrinks_to_one_voxel": (ShrinksToOneVoxel, 2, (8, 8, 8), ce, "class", "refused"),
 }
 
 
