@@ -234,6 +234,13 @@ def user_frame() -> str:
 
 
 def refuse(op: str, why: str, todo: str) -> LayerError:
-    """The one-line refusal: the op, the user's line, why, and what to do."""
+    """The one-line refusal: the op, the user's line, why, and what to do. Under
+    ``torch.compile`` the first refusal is dynamo's probing of a split tensor (``_is_view``),
+    which would name an op the model never called: the line says what is refused instead."""
+    if torch.compiler.is_compiling():
+        return LayerError(f"spatialize: torch.compile cannot trace a model split over the "
+                          f"spatial grid (at {user_frame()}: its split tensors run each op "
+                          f"through hpcpar in Python); run the spatialized model without "
+                          f"torch.compile")
     return LayerError(f"spatialize: {op} at {user_frame()} {why} on a tensor split over the "
                       f"spatial grid; {todo}")

@@ -241,3 +241,13 @@ def test_elementwise_where_and_an_evaluating_rrelu_stay_exact(grid):
     torch.testing.assert_close(local(spatialize(model, grid)(x)), model(x))
     rrelu = nn.RReLU().eval()
     torch.testing.assert_close(local(spatialize(rrelu, grid)(x)), rrelu(x))
+
+
+def test_torch_compile_of_a_spatialized_model_says_what_is_refused(grid):
+    """dynamo's first probe of a split tensor (``_is_view``) was refused as if the model had
+    called it; the line now says torch.compile is what cannot run."""
+    from hpcpar.nn import spatialize
+
+    model = torch.compile(spatialize(_Positional(torch.relu), grid))
+    with pytest.raises(Exception, match="torch.compile cannot trace a model split over"):
+        model(torch.randn(1, 2, 4, 5, 6))
