@@ -285,23 +285,51 @@ def reduction(call: Call):
             sdims=[d - sum(1 for r in dims if r < d) for d in lay.sdims])
         return wrap_like(out, keep, n if keepdim else n - len(dims))
     op = _REDUCE_NAMES.get(name)
-    if op is None or (name in ("max", "min") and b.get("dim") is not None):
+    if (op is None and name not in _COMPOSED) or (name in ("max", "min") and
+                                                  b.get("dim") is not None):
         raise call.refuse("reduces over a split dim and has no global form in hpcpar",
-                          "use sum/mean/amax/amin/var/std over all of dims (2, 3, 4)")
-    extra = {}
-    if op in ("var", "std"):
-        extra["correction"] = _correction(call)
+                          "use sum/mean/amax/amin/var/std (or var_mean, std_mean, nansum, "
+                          "nanmean, logsumexp) over all of dims (2, 3, 4)")
     xl = raw(x)
     if call.kwargs.get("dtype") is not None:
         xl = xl.to(call.kwargs["dtype"])
     dim = None if b.get("dim") is None else tuple(dims)
-    return global_reduce(xl, op, dim, keepdim, grid=call.ctx.grid, gshape=lay.gshape, **extra)
+
+    def reduce(t, how, keep=keepdim, **extra):
+        return global_reduce(t, how, dim, keep, grid=call.ctx.grid, gshape=lay.gshape, **extra)
+
+    if op is None:
+        return _composed(name, xl, reduce, keepdim, dims, _correction(call))
+    return reduce(xl, op, **({"correction": _correction(call)} if op in ("var", "std") else {}))
+
+
+#: torch reductions made of the global ones over something pointwise (:func:`_composed`)
+_COMPOSED = ("var_mean", "std_mean", "nansum", "nanmean", "logsumexp")
+
+
+def _composed(name, xl, reduce, keepdim, dims, correction):
+    """``var_mean``/``std_mean`` (hand-written norms use them), ``nansum``/``nanmean`` (masked
+    losses) and ``logsumexp`` (LSE pooling) over the split dims, from global sums, means and
+    maxima: the single-process values, their gradients the exact pieces."""
+    if name in ("var_mean", "std_mean"):
+        return reduce(xl, name[:3], correction=correction), reduce(xl, "mean")
+    nan = torch.isnan(xl)
+    if name == "nansum":
+        return reduce(torch.where(nan, 0, xl), "sum")
+    if name == "nanmean":
+        return reduce(torch.where(nan, 0, xl), "sum") / reduce((~nan).to(xl.dtype), "sum")
+    # logsumexp: the global maximum (a constant: its gradient cancels), then a global sum
+    top = reduce(xl.detach(), "amax", keep=True)
+    top = torch.where(torch.isinf(top), 0, top)
+    out = torch.log(reduce(torch.exp(xl - top), "sum", keep=True)) + top
+    return out if keepdim else out.squeeze(tuple(dims))
 
 
 def _positional_keepdim(call: Call) -> bool:
     """keepdim given positionally: (input, dim, keepdim) or var/std's (input, dim, unbiased,
     keepdim)."""
-    pos = 3 if call.name in ("var", "std") and len(call.args) > 3 else 2
+    pos = 3 if call.name in ("var", "std", "var_mean", "std_mean") and len(call.args) > 3 \
+        else 2
     return bool(call.args[pos]) if len(call.args) > pos and isinstance(call.args[pos],
                                                                         bool) else False
 

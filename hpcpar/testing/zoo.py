@@ -547,6 +547,25 @@ class ShrinksToOneVoxel(nn.Module):
         return self.fc(F.adaptive_avg_pool3d(x, 1).flatten(1))
 
 
+class ComposedReductions(nn.Module):
+    """A hand-written instance norm with ``torch.var_mean``, log-sum-exp pooling
+    (weakly supervised segmentation) and a NaN-masked mean (``nanmean``, ``nansum``)."""
+
+    def __init__(self, c=2, k=3):
+        super().__init__()
+        self.conv = nn.Conv3d(c, 4, 3, padding=1)
+        self.fc = nn.Linear(4, k)
+
+    def forward(self, x):
+        h = self.conv(x)
+        var, mean = torch.var_mean(h, dim=(2, 3, 4), keepdim=True, correction=0)
+        h = F.relu((h - mean) / torch.sqrt(var + 1e-5))
+        pooled = torch.logsumexp(2.0 * h, dim=(2, 3, 4)) / 2.0          # (N, 4)
+        masked = torch.where(h > 1.5, torch.nan, h)
+        shift = masked.nanmean(dim=(2, 3, 4)) + 0.01 * masked.nansum(dim=(2, 3, 4))
+        return self.fc(pooled - shift)
+
+
 # name -> (factory, channels, size, loss, target kind, expected)
 #   target kind: "like" (same shape as the output), "class" (class indices per voxel or per
 #   sample), "binary" (0/1 like the output)
@@ -580,6 +599,7 @@ ZOO = {
     "norm_then_inplace": (NormThenInplace, 2, (9, 8, 7), mse, "like", "exact"),
     "deep_supervision": (DeepSupervision, 2, (9, 8, 10), deep_supervision_loss, "like", "exact"),
     "shrinks_to_one_voxel": (ShrinksToOneVoxel, 2, (8, 8, 8), ce, "class", "refused"),
+    "composed_reductions": (ComposedReductions, 2, (9, 7, 8), ce, "class", "exact"),
 }
 
 
