@@ -349,6 +349,40 @@ def dim_local(call: Call):
     return pointwise(call)
 
 
+def flip(call: Call):
+    """flip along batch or channel dims: local; along a split dim it would need the mirror
+    rank's piece: refused."""
+    t = call.splits[0]
+    dims = call.bind(("input", "dims"))["dims"]
+    if any(_norm_dim(int(d), t.dim()) in t._hp.sdims for d in _dims_arg(dims, t.dim())):
+        raise call.refuse("mirrors a split dim", "flip batch or channel dims only")
+    return pointwise(call)
+
+
+def new_factory(call: Call):
+    """``x.new_zeros(size)`` and friends. ``x``'s own (global) shape gives a split tensor of
+    this rank's piece, as ``zeros_like`` does (a global-size copy on every rank would only
+    cost memory); any other size, and ``new_tensor(data)``, a plain tensor, the same on
+    every rank."""
+    t = call.splits[0]
+    if call.name.endswith("new_tensor"):   # its argument is data, never a shape
+        return call.run_plain()
+    rest = list(call.args[1:])
+    full = call.name.rstrip("_").endswith("new_full")
+    if "size" in call.kwargs:
+        size = tuple(call.kwargs["size"])
+    elif rest and isinstance(rest[0], (tuple, list, torch.Size)):
+        size = tuple(rest.pop(0))
+    else:
+        size = tuple(rest if not full else rest[:-1])
+        rest = rest[-1:] if full else []
+    if size != tuple(t._hp.global_shape(t.shape_local)):
+        return call.run_plain()
+    out = call.func(raw(t), tuple(t.shape_local), *rest, **{k: v for k, v in
+                                                             call.kwargs.items() if k != "size"})
+    return wrap_like(out, t._hp, t.dim())
+
+
 def permute(call: Call):
     """permute / transpose / movedim / swapaxes: the split dims move with the data."""
     t = call.splits[0]

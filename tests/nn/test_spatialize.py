@@ -135,6 +135,7 @@ class _Positional(nn.Module):
     # a random slope per element while training, drawn by each rank for its piece
     (nn.RReLU().train(), "rrelu", "draws random numbers"),
     (_Rolled(), "roll", "has no exact spatial form"),
+    (_Positional(lambda x: x.flip(-1)), "flip", "mirrors a split dim"),
     (_Mixed(), "parameter 'scale'", "used both on split tensors and on replicated ones"),
 ])
 def test_refusals_name_the_op_and_the_source_line(grid, model, op, why):
@@ -251,3 +252,17 @@ def test_torch_compile_of_a_spatialized_model_says_what_is_refused(grid):
     model = torch.compile(spatialize(_Positional(torch.relu), grid))
     with pytest.raises(Exception, match="torch.compile cannot trace a model split over"):
         model(torch.randn(1, 2, 4, 5, 6))
+
+
+def test_channel_flips_and_new_tensors_of_the_global_shape_stay_exact(grid):
+    """flip over batch or channels is local, and x.new_ones(x.shape) (x.shape being the
+    global shape) is this rank's piece, like ones_like; both were refused."""
+    from hpcpar.nn import local, spatialize
+
+    def ops(x):
+        return (x.flip(1) * x.new_ones(x.shape) + x.new_full(x.shape, 2.0)
+                + x.new_zeros(*x.shape) + x.new_tensor([1.0, 2.0]).view(1, 2, 1, 1, 1)
+                + x.new_ones(x.shape[2]).view(1, 1, -1, 1, 1))
+
+    x = torch.randn(1, 2, 4, 5, 6)
+    torch.testing.assert_close(local(spatialize(_Positional(ops), grid)(x)), ops(x))
