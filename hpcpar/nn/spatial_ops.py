@@ -295,8 +295,19 @@ def reduction(call: Call):
         xl = xl.to(call.kwargs["dtype"])
     dim = None if b.get("dim") is None else tuple(dims)
 
+    # global_reduce takes (..., D, H, W); a permuted tensor ((N, D, H, W, C) after a
+    # channels-last permute) is reduced through a view in that order, then put back
+    order = [d for d in range(n) if d not in lay.sdims] + list(lay.sdims)
+    back = [order.index(d) for d in range(n)]
+    moved = None if dim is None else tuple(back[d] for d in dims)
+
     def reduce(t, how, keep=keepdim, **extra):
-        return global_reduce(t, how, dim, keep, grid=call.ctx.grid, gshape=lay.gshape, **extra)
+        if order == list(range(n)):
+            return global_reduce(t, how, dim, keep, grid=call.ctx.grid, gshape=lay.gshape,
+                                 **extra)
+        out = global_reduce(t.permute(order), how, moved, keep, grid=call.ctx.grid,
+                            gshape=lay.gshape, **extra)
+        return out.permute(back) if keep and out.dim() == n else out
 
     if op is None:
         return _composed(name, xl, reduce, keepdim, dims, _correction(call))

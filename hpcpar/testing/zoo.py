@@ -548,7 +548,8 @@ class ShrinksToOneVoxel(nn.Module):
 
 
 class ComposedReductions(nn.Module):
-    """A hand-written instance norm with ``torch.var_mean``, log-sum-exp pooling
+    """A hand-written instance norm with ``torch.var_mean``, a scale taken channels-last
+    (``permute(0, 2, 3, 4, 1)``, then a maximum over the spatial dims), log-sum-exp pooling
     (weakly supervised segmentation) and a NaN-masked mean (``nanmean``, ``nansum``)."""
 
     def __init__(self, c=2, k=3):
@@ -560,6 +561,8 @@ class ComposedReductions(nn.Module):
         h = self.conv(x)
         var, mean = torch.var_mean(h, dim=(2, 3, 4), keepdim=True, correction=0)
         h = F.relu((h - mean) / torch.sqrt(var + 1e-5))
+        last = h.permute(0, 2, 3, 4, 1)
+        h = (last / (1 + last.amax(dim=(1, 2, 3), keepdim=True))).permute(0, 4, 1, 2, 3)
         pooled = torch.logsumexp(2.0 * h, dim=(2, 3, 4)) / 2.0          # (N, 4)
         masked = torch.where(h > 1.5, torch.nan, h)
         shift = masked.nanmean(dim=(2, 3, 4)) + 0.01 * masked.nansum(dim=(2, 3, 4))
