@@ -289,7 +289,8 @@ def reduction(call: Call):
                                                   b.get("dim") is not None):
         raise call.refuse("reduces over a split dim and has no global form in hpcpar",
                           "use sum/mean/amax/amin/var/std (or var_mean, std_mean, nansum, "
-                          "nanmean, logsumexp) over all of dims (2, 3, 4)")
+                          "nanmean, logsumexp, count_nonzero, any, all) over all of dims "
+                          "(2, 3, 4)")
     xl = raw(x)
     if call.kwargs.get("dtype") is not None:
         xl = xl.to(call.kwargs["dtype"])
@@ -315,15 +316,22 @@ def reduction(call: Call):
 
 
 #: torch reductions made of the global ones over something pointwise (:func:`_composed`)
-_COMPOSED = ("var_mean", "std_mean", "nansum", "nanmean", "logsumexp")
+_COMPOSED = ("var_mean", "std_mean", "nansum", "nanmean", "logsumexp", "count_nonzero", "any",
+             "all")
 
 
 def _composed(name, xl, reduce, keepdim, dims, correction):
     """``var_mean``/``std_mean`` (hand-written norms use them), ``nansum``/``nanmean`` (masked
-    losses) and ``logsumexp`` (LSE pooling) over the split dims, from global sums, means and
-    maxima: the single-process values, their gradients the exact pieces."""
+    losses), ``logsumexp`` (LSE pooling) and ``count_nonzero``/``any``/``all`` (checks) over
+    the split dims, from global sums, means and maxima: the single-process values, their
+    gradients the exact pieces."""
     if name in ("var_mean", "std_mean"):
         return reduce(xl, name[:3], correction=correction), reduce(xl, "mean")
+    if name in ("count_nonzero", "any", "all"):   # counts of nonzero elements, in float64
+        nonzero = (xl != 0).to(torch.float64)
+        if name == "count_nonzero":
+            return reduce(nonzero, "sum", keep=False).to(torch.int64)
+        return reduce(nonzero, "amax" if name == "any" else "amin") > 0
     nan = torch.isnan(xl)
     if name == "nansum":
         return reduce(torch.where(nan, 0, xl), "sum")

@@ -549,8 +549,9 @@ class ShrinksToOneVoxel(nn.Module):
 
 class ComposedReductions(nn.Module):
     """A hand-written instance norm with ``torch.var_mean``, a scale taken channels-last
-    (``permute(0, 2, 3, 4, 1)``, then a maximum over the spatial dims), log-sum-exp pooling
-    (weakly supervised segmentation) and a NaN-masked mean (``nanmean``, ``nansum``)."""
+    (``permute(0, 2, 3, 4, 1)``, then a maximum over the spatial dims), a branch on
+    ``torch.all`` and a ``count_nonzero`` fraction, log-sum-exp pooling (weakly supervised
+    segmentation) and a NaN-masked mean (``nanmean``, ``nansum``)."""
 
     def __init__(self, c=2, k=3):
         super().__init__()
@@ -563,6 +564,9 @@ class ComposedReductions(nn.Module):
         h = F.relu((h - mean) / torch.sqrt(var + 1e-5))
         last = h.permute(0, 2, 3, 4, 1)
         h = (last / (1 + last.amax(dim=(1, 2, 3), keepdim=True))).permute(0, 4, 1, 2, 3)
+        if torch.all(h < 1e6):   # a branch on a global check: every rank takes the same one
+            share = torch.count_nonzero(h > 0.5, dim=(1, 2, 3, 4)).to(h.dtype) / h[0].numel()
+            h = h * (1 + share.view(-1, 1, 1, 1, 1))   # per sample: replicas hold their own
         pooled = torch.logsumexp(2.0 * h, dim=(2, 3, 4)) / 2.0          # (N, 4)
         masked = torch.where(h > 1.5, torch.nan, h)
         shift = masked.nanmean(dim=(2, 3, 4)) + 0.01 * masked.nansum(dim=(2, 3, 4))
