@@ -536,13 +536,21 @@ def squeeze(call: Call):
 
 
 def expand(call: Call):
-    """expand / expand_as with GLOBAL sizes: the split dims keep their pieces."""
+    """expand / expand_as with GLOBAL sizes: the split dims keep their pieces. A plain tensor
+    expanded as a split one (``scale.expand_as(x)``) takes its layout: cut to this rank's
+    piece where it holds the global extent, broadcast where it holds 1."""
     t = call.splits[0]
     lay = t._hp
     rest = call.args[1:]
     if call.name == "expand_as":
         other = rest[0] if rest else call.kwargs["other"]
-        sizes = list(other.shape)
+        src = call.args[0]
+        if not isinstance(src, SplitTensor):   # the split tensor is `other`, not the source
+            piece = localize(call.replicated(src), lay, t.dim(), call.name)
+            return adopt(piece.expand(t.shape_local), lay)
+        # rules see local shapes: a split `other` is asked for its global one
+        sizes = list(other._hp.global_shape(other.shape_local) if isinstance(other, SplitTensor)
+                     else other.shape)
     else:
         sizes = call.kwargs.get("size", rest[0] if len(rest) == 1 and not isinstance(
             rest[0], int) else rest)

@@ -567,6 +567,7 @@ class ComposedReductions(nn.Module):
         if torch.all(h < 1e6):   # a branch on a global check: every rank takes the same one
             share = torch.count_nonzero(h > 0.5, dim=(1, 2, 3, 4)).to(h.dtype) / h[0].numel()
             h = h * (1 + share.view(-1, 1, 1, 1, 1))   # per sample: replicas hold their own
+        h = h - 0.5 * h.mean(dim=(1, 2, 3, 4), keepdim=True).expand_as(h)   # plain, as split
         pooled = torch.logsumexp(2.0 * h, dim=(2, 3, 4)) / 2.0          # (N, 4)
         masked = torch.where(h > 1.5, torch.nan, h)
         shift = masked.nanmean(dim=(2, 3, 4)) + 0.01 * masked.nansum(dim=(2, 3, 4))
