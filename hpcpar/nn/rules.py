@@ -448,19 +448,36 @@ def _resolve(shape, total):
     return shape
 
 
+def _global_shape_of(t) -> torch.Size:
+    """A tensor's global shape (rules see a split tensor's local one)."""
+    return t._hp.global_shape(t.shape_local) if isinstance(t, SplitTensor) else t.shape
+
+
+def _plain_as(call: Call, other) -> torch.Tensor:
+    """``plain.view_as(x)`` / ``reshape_as(x)`` with ``x`` split: the plain tensor shaped to
+    ``x``'s global shape, then cut to this rank's piece of ``x``'s layout (it was taken for
+    ``x`` itself: silently wrong where nothing is split)."""
+    whole = call.replicated(call.args[0])
+    whole = whole.view(_global_shape_of(other)) if call.name == "view_as" else \
+        whole.reshape(_global_shape_of(other))
+    return adopt(localize(whole, other._hp, other.dim(), call.name), other._hp)
+
+
 def reshape(call: Call):
     """view / reshape with a GLOBAL target shape: allowed where every split dim stays a dim
     of its own (batch and channel dims may merge or split freely)."""
     t = call.splits[0]
     lay = t._hp
-    gold = list(lay.global_shape(t.shape_local))
     rest = call.args[1:]
     shape = call.kwargs.get("shape", call.kwargs.get("size"))
     if shape is None:
         shape = rest[0] if len(rest) == 1 and not isinstance(rest[0], int) else rest
     if call.name in ("view_as", "reshape_as"):
         other = rest[0] if rest else call.kwargs["other"]
-        shape = other.shape
+        if not isinstance(call.args[0], SplitTensor):   # a plain tensor shaped like `other`
+            return _plain_as(call, other)
+        shape = _global_shape_of(other)
+    gold = list(lay.global_shape(t.shape_local))
     if isinstance(shape, torch.dtype):
         raise call.refuse("reinterprets the dtype", "convert with .to(dtype) instead")
     gnew = _resolve(shape, math.prod(gold))
@@ -548,9 +565,7 @@ def expand(call: Call):
         if not isinstance(src, SplitTensor):   # the split tensor is `other`, not the source
             piece = localize(call.replicated(src), lay, t.dim(), call.name)
             return adopt(piece.expand(t.shape_local), lay)
-        # rules see local shapes: a split `other` is asked for its global one
-        sizes = list(other._hp.global_shape(other.shape_local) if isinstance(other, SplitTensor)
-                     else other.shape)
+        sizes = list(_global_shape_of(other))   # rules see a split `other`'s local shape
     else:
         sizes = call.kwargs.get("size", rest[0] if len(rest) == 1 and not isinstance(
             rest[0], int) else rest)

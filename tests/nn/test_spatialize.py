@@ -268,17 +268,20 @@ def test_channel_flips_and_new_tensors_of_the_global_shape_stay_exact(grid):
     torch.testing.assert_close(local(spatialize(_Positional(ops), grid)(x)), ops(x))
 
 
-def test_a_plain_tensor_expanded_as_a_split_one_is_itself_broadcast(grid):
-    """``scale.expand_as(x)`` with ``scale`` plain and ``x`` split returned ``x``'s own piece
-    wherever no axis was split (one rank, data parallel only): silently wrong. Split grids
-    refused it. It now takes ``x``'s layout (tests/nn/test_model_zoo.py runs split grids)."""
+def test_a_plain_tensor_expanded_or_viewed_as_a_split_one_is_itself_reshaped(grid):
+    """``scale.expand_as(x)`` and ``w.view_as(x)`` / ``reshape_as(x)`` with the first plain and
+    ``x`` split returned ``x``'s own piece wherever no axis was split (one rank, data parallel
+    only): silently wrong. Split grids refused them. They now take ``x``'s layout
+    (tests/nn/test_model_zoo.py runs split grids)."""
     from hpcpar.nn import local, spatialize
 
     weight = torch.tensor([0.5, -2.0]).view(1, 2, 1, 1, 1)
+    field = torch.linspace(-1, 1, 2 * 4 * 5 * 6)
 
     def ops(x):
         return (x * x.mean().expand_as(x) + weight.expand_as(x)
-                + x.sum(dim=(2, 3, 4), keepdim=True).expand_as(x))
+                + x.sum(dim=(2, 3, 4), keepdim=True).expand_as(x)
+                + x * field.view_as(x) - field.reshape_as(x))
 
     x = torch.randn(1, 2, 4, 5, 6)
     torch.testing.assert_close(local(spatialize(_Positional(ops), grid)(x)), ops(x))
