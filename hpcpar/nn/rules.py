@@ -176,15 +176,23 @@ def wrap_like(out, layout: Layout, ndim: int, inputs=()):
     return tree_map(one, out)
 
 
-def same_split(call: Call, what: str = "its operands"):
-    """The split operands' common layout relative to the last dim; refuse if they differ."""
+def same_split(call: Call, what: str = "its operands", broadcast: bool = False):
+    """The split operands' common layout relative to the last dim; refuse if they differ.
+    With ``broadcast``, an extent of 1 meets any other on an axis the grid does not split
+    (``h.amax(2, keepdim=True) * h`` with D whole: every rank holds that one plane); on a
+    split axis one rank would hold it and the others nothing."""
     rel = None
+    axes = call.ctx.grid.spatial_shape
     for t in call.splits:
         lay = t._hp
         mine = (tuple(d - t.dim() for d in lay.sdims), lay.gshape)
-        if rel is None:
+        if rel is None or mine == rel:
             rel = mine
-        elif mine != rel:
+        elif broadcast and mine[0] == rel[0] and all(
+                a == b or (min(a, b) == 1 and axes[i] == 1)
+                for i, (a, b) in enumerate(zip(rel[1], mine[1]))):
+            rel = (rel[0], tuple(max(a, b) for a, b in zip(rel[1], mine[1])))
+        else:
             raise call.refuse(f"gets {what} split differently (global spatial shapes "
                               f"{rel[1]} and {mine[1]})", "crop, pad or resample them to one "
                               "size first")
@@ -194,7 +202,7 @@ def same_split(call: Call, what: str = "its operands"):
 # -- pointwise -------------------------------------------------------------------------------
 def pointwise(call: Call):
     """Elementwise with broadcasting: each voxel's result needs only that voxel."""
-    rel, gshape = same_split(call)
+    rel, gshape = same_split(call, broadcast=True)
     ndim = max(t.dim() for t in leaves(call.args, call.kwargs) if isinstance(t, torch.Tensor))
     layout = call.layout.with_(sdims=[ndim + r for r in rel], gshape=gshape)
     args, kwargs = call.plain(localize_to=layout, ndim=ndim)
@@ -337,15 +345,23 @@ _DIM_SIGNATURES: dict[str, tuple[tuple[str, ...], int | None]] = {
 }
 
 
+#: dim_local ops whose result has another length along the dim (a spatial one would need a
+#: new global shape): refused along any spatial dim
+_RESIZING = ("topk", "diff", "glu")
+
+
 def dim_local(call: Call):
-    """Ops that mix values along one dim (softmax, cumsum, sort, ...): local unless that dim
-    is split."""
+    """Ops that mix values along one dim (softmax, cumsum, sort, ...): local unless the grid
+    splits that dim (along a whole one every rank holds all of it)."""
     t = call.splits[0]
     names, default = _DIM_SIGNATURES.get(call.name.rstrip("_"), (("input", "dim"), None))
     dim = call.bind(names).get("dim", default)
-    if dim is None or _norm_dim(dim, t.dim()) in t._hp.sdims:
-        raise call.refuse("mixes values along a split dim", "apply it along a channel dim, or "
-                          "after a global reduction")
+    sdims, name = t._hp.sdims, call.name.rstrip("_")
+    spatial = dim is not None and _norm_dim(dim, t.dim()) in sdims
+    if dim is None or (spatial and (name in _RESIZING or call.ctx.grid.spatial_shape[
+            sdims.index(_norm_dim(dim, t.dim()))] > 1)):
+        raise call.refuse("mixes values along a split dim", "apply it along a channel dim, a "
+                          "spatial dim the grid does not split, or after a global reduction")
     return pointwise(call)
 
 

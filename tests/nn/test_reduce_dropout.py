@@ -254,3 +254,54 @@ def test_reduce_errors():
         with pytest.raises(LayerError, match=msg) as err:
             global_reduce(x, op, dim, grid=grid, gshape=(4, 5, 6))
         assert "\n" not in str(err.value) and "global_reduce" in str(err.value)
+
+
+class _Apply(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+# (op along one spatial dim, that dim, refused where the grid splits it): where the grid does
+# not split the dim every rank holds all of it, so the op runs on the piece
+WHOLE_DIM_OPS = [
+    (lambda h: torch.softmax(h, dim=4) * h, 4, True),
+    (lambda h: h.cumsum(2) * 0.1, 2, True),
+    (lambda h: h.sort(dim=3).values, 3, True),
+    (lambda h: h - h.mean(dim=4, keepdim=True), 4, False),  # split: the global mean
+    # a (N, C, 1, H, W) piece times the whole: split, the maximum is global (replicated)
+    (lambda h: h.amax(2, keepdim=True) * h, 2, False),
+]
+
+
+@mpi_case(nprocs=(2,), timeout=300)
+def test_ops_along_a_spatial_dim_the_grid_does_not_split_run_on_the_pieces(comm):
+    """Refused before on every grid (over-cautious; amax(2, True) * h was exact where D was
+    split and refused where it was whole)."""
+    from hpcpar.errors import LayerError
+    from hpcpar.nn import local, spatialize
+
+    def run(grid):
+        shape = (6, 5, 7)
+        x = randn((1, 2, *shape), 3)
+        own = spatial_slices(shape, grid)
+        for fn, dim, refused_where_split in WHOLE_DIM_OPS:
+            whole = x.clone().requires_grad_()
+            want = fn(whole)
+            want.square().sum().backward()
+            piece = x[own].clone().requires_grad_()
+            model = spatialize(_Apply(fn), grid)
+            if refused_where_split and grid.spatial_shape[dim - 2] > 1:
+                with pytest.raises(LayerError, match="along a split dim"):
+                    model(piece)
+                continue
+            got = local(model(piece))
+            what = f"dim {dim} on {grid.spec()}"
+            close(got, want.detach()[own], f"{what}: output")
+            got.square().sum().backward()
+            close(piece.grad, whole.grad[own], f"{what}: input grad")
+
+    on_grids(comm, [(1, 2, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2)], run)
