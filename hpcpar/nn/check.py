@@ -6,7 +6,9 @@ first sample of its input, the spatial root gathers it whole, runs the plain mod
 records every module's output, then every rank runs a copy of the spatialized model on its
 piece and the outputs are gathered and compared module by module in call order, followed by
 the parameter gradients of ``sum(output * w)``. Dropout is off in both (masks are random)
-and batch-norm statistics cover the probe only; a float32 mismatch is decided again in
+and batch-norm statistics cover the probe only; both runs start from the same random state
+(other random draws, a VAE's sampling, match) and the check leaves it as it found it; a
+float32 mismatch is decided again in
 float64 (:data:`FLOAT64_LIMIT_BYTES`), so rounding is never taken for an escape. A mismatch
 raises one line on every rank naming the first module that differs. Copies are used, so the model's
 state does not change. The plain model is kept as a :func:`skeleton` (its code, no weights)
@@ -152,14 +154,18 @@ def first_step_check(spatial_model: nn.Module, plain: nn.Module, args: tuple, ct
         return
     piece, whole = _probe(x, grid)
     state = spatial_model.state_dict()   # collective once a split head is cut (split_head)
-    bad = _verdict(plain, state, piece, whole, grid, spatialize, x.dtype)
-    # float32's rounding, which a batch norm over many voxels amplifies in the first layers'
-    # gradients (UNet3D at 64³ on 8 ranks: 1e-3), is not an escape; an escape is wrong in
-    # any precision: a float32 mismatch is decided again in float64
-    weights = sum(v.numel() * v.element_size() for v in state.values()
-                  if isinstance(v, torch.Tensor))
-    if bad and x.dtype == torch.float32 and weights <= FLOAT64_LIMIT_BYTES:
-        bad = _verdict(plain, state, piece, whole, grid, spatialize, torch.float64)
+    rng = torch.get_rng_state()   # the training run draws what it would have without the check
+    try:
+        bad = _verdict(plain, state, piece, whole, grid, spatialize, x.dtype)
+        # float32's rounding, which a batch norm over many voxels amplifies in the first
+        # layers' gradients (UNet3D at 64³ on 8 ranks: 1e-3), is not an escape; an escape is
+        # wrong in any precision: a float32 mismatch is decided again in float64
+        weights = sum(v.numel() * v.element_size() for v in state.values()
+                      if isinstance(v, torch.Tensor))
+        if bad and x.dtype == torch.float32 and weights <= FLOAT64_LIMIT_BYTES:
+            bad = _verdict(plain, state, piece, whole, grid, spatialize, torch.float64)
+    finally:
+        torch.set_rng_state(rng)
     if bad:
         raise LayerError(f"spatialize check: {bad}; the spatial run would be wrong there "
                          "(an op that escaped the dispatch?): fix that module or spatialize "
@@ -170,9 +176,13 @@ def _verdict(plain, state, piece, whole, grid, spatialize, dtype) -> str | None:
     """The check in ``dtype`` (collective): the first difference, the same on every rank, or
     None (also when the plain model cannot run the probe: a warning says so)."""
     root = grid.spatial_comm.Get_rank() == 0
+    rng = torch.get_rng_state()
     w, ref_calls, ref_grads = _reference(plain, state, whole, dtype) if root else \
         (None, [], {})
     w = grid.spatial_comm.bcast(w, root=0)
+    # both runs draw the same random numbers (a VAE's torch.randn_like on a replicated
+    # latent: MONAI's VarAutoEncoder differed by 0.59 at its decoder and was refused)
+    torch.set_rng_state(rng)
     if isinstance(w, str):
         if grid.rank == 0:
             warnings.warn(f"spatialize check skipped: the plain model failed on the probe "

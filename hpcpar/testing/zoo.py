@@ -574,6 +574,28 @@ class ComposedReductions(nn.Module):
         return self.fc(pooled - shift)
 
 
+class VAELatent(nn.Module):
+    """A variational bottleneck: the latent is sampled with ``torch.randn_like`` on a
+    replicated tensor (MONAI's VarAutoEncoder, SegResNetVAE). check=True's probe drew other
+    random numbers than the plain model it compares with and refused it (0.59 off). Not in
+    ZOO: with data replicas each draws for its own samples (as under torch's DDP), which a
+    one-process reference on the whole batch cannot match; its test runs spatial grids."""
+
+    def __init__(self, c=2, z=3):
+        super().__init__()
+        self.enc = nn.Conv3d(c, 4, 3, padding=1)
+        self.mu, self.logvar = nn.Linear(4, z), nn.Linear(4, z)
+        self.dec = nn.Linear(z, 4)
+        self.head = nn.Conv3d(4, 2, 1)
+
+    def forward(self, x):
+        h = F.relu(self.enc(x))
+        pooled = h.mean(dim=(2, 3, 4))
+        mu, logvar = self.mu(pooled), self.logvar(pooled)
+        z = mu + torch.exp(0.5 * logvar) * torch.randn_like(mu)
+        return self.head(h + self.dec(z)[:, :, None, None, None])
+
+
 # name -> (factory, channels, size, loss, target kind, expected)
 #   target kind: "like" (same shape as the output), "class" (class indices per voxel or per
 #   sample), "binary" (0/1 like the output)

@@ -5,94 +5,18 @@ the source line. The outcome of each model is declared; none may be silently wro
 
 from __future__ import annotations
 
-import copy
-
 import torch
 
 from hpcpar.testing import mpi_case
-from hpcpar.testing.oracles import batch_slice, on_grids, one_rank_grid, randn, spatial_slices
+from hpcpar.testing.model_check import check_model
+from hpcpar.testing.oracles import on_grids, randn
 from hpcpar.testing.zoo import MONAI, ZOO
 
 GRIDS = [(1, 2, 1, 1), (1, 2, 2, 1), (1, 2, 2, 2), (2, 2, 1, 1)]
-RTOL = 1e-9
-
-
-def _close(got, want, what):
-    scale = max(float(want.abs().max()), 1e-3)
-    err = float((got - want).abs().max()) if got.numel() else 0.0
-    assert err <= RTOL * scale, f"{what}: max |diff| {err:.3e} (scale {scale:.3e})"
-
-
-def _target(out, kind, seed):
-    g = torch.Generator().manual_seed(seed)
-    if kind == "like":
-        return torch.randn(out.shape, generator=g, dtype=out.dtype)
-    if kind == "binary":
-        return (torch.rand(out.shape, generator=g) < 0.5).to(out.dtype)
-    shape = (out.shape[0], *out.shape[2:])
-    return torch.randint(0, out.shape[1], shape, generator=g)
-
-
-def _piece(t, grid, split):
-    """The rank's share of a whole tensor: its samples, and its voxels where ``split``."""
-    t = t[batch_slice(t.shape[0], grid)]
-    if not split:
-        return t
-    spatial = t.shape[-3:]
-    return t[(slice(None),) * (t.dim() - 3) + spatial_slices(spatial, grid)[2:]]
 
 
 def _run(grid, name, seed=0, fuse=1, zoo=ZOO):
-    """('exact' or 'refused', the refusal's line), asserting exactness / a one-line refusal
-    on the way; with ``fuse``, spatialized with ``fuse_halos=fuse``, and the line says how
-    many fused runs' exchanges the model made."""
-    import hpcpar
-    from hpcpar.errors import LayerError
-    from hpcpar.nn import local, spatialize, split_like
-    from hpcpar.nn.split import is_split
-    from hpcpar.nn.split_head import column_split
-    from hpcpar.parallel.comm import allreduce_
-
-    factory, c, size, loss_fn, kind, _ = zoo[name]
-    torch.manual_seed(seed)
-    pristine = factory(c=c).double()
-    plain = copy.deepcopy(pristine)
-    x = randn((2 * grid.data, c, *size), seed + 1, torch.float64)
-    dropout = any(isinstance(m, torch.nn.modules.dropout._DropoutNd) for m in plain.modules())
-    if dropout:  # reference: the same hpcpar model on one rank (split-independent masks)
-        plain = spatialize(plain, one_rank_grid())
-    torch.manual_seed(99)
-    ref_out = plain(x)
-    target = _target(ref_out, kind, seed + 2)
-    ref_loss = loss_fn(ref_out, target)
-    ref_loss.backward()
-    ref_out = local(ref_out).detach()
-    try:
-        model = hpcpar.DDP(spatialize(pristine, grid, bn_include_data=True, check=True,
-                                      fuse_halos=fuse), grid)
-        xl = _piece(x, grid, True).clone()
-        torch.manual_seed(99)
-        out = model(xl)
-        # this rank's piece of the target, as a data loader gives it, marked split
-        loss = loss_fn(out, split_like(_piece(target, grid, is_split(out)), out))
-        loss.backward()
-    except LayerError as exc:
-        msg = str(exc)
-        assert "\n" not in msg and ".py:" in msg, f"{name}: refusal not one line: {msg!r}"
-        return "refused", msg
-    what = f"{name} on {grid.spec()}"
-    split = is_split(out)
-    _close(local(out).detach(), _piece(ref_out, grid, split), f"{what}: output")
-    value = allreduce_(loss.detach().reshape(1).clone(), grid.data_comm) / grid.data
-    _close(value, ref_loss.detach().reshape(1), f"{what}: loss")
-    ref_params = dict(plain.named_parameters())
-    for pname, p in model.module.named_parameters():
-        want = ref_params[pname].grad
-        got = p.grad if p.grad is not None else torch.zeros_like(p)
-        cut = column_split(p)   # a split head's weight: this rank's columns
-        got = cut.gather(got) if cut is not None else got
-        _close(got, want if want is not None else torch.zeros_like(p), f"{what}: grad {pname}")
-    return "exact", f"{model.module._hpcpar_split.fuse_counts[0]} fused" if fuse > 1 else ""
+    return check_model(grid, zoo[name], name, seed, fuse)
 
 
 @mpi_case(nprocs=(8,), timeout=900)
@@ -158,6 +82,19 @@ def test_zoo_on_grids_with_nothing_split(comm):
             assert got == want, f"{name} on {grid.spec()}: {got}: {msg}"
 
     on_grids(comm, [(2, 1, 1, 1), (1, 1, 1, 1)], each)
+
+
+@mpi_case(nprocs=(4,), timeout=300)
+def test_the_check_draws_the_random_numbers_the_plain_model_draws(comm):
+    """A latent sampled with torch.randn_like on a replicated tensor: check=True compared
+    the spatial probe with a plain run that drew other numbers, and refused the model."""
+    from hpcpar.testing.zoo import VAELatent, mse
+
+    def each(grid):
+        got, msg = check_model(grid, (VAELatent, 2, (8, 9, 7), mse, "like", "exact"), "vae")
+        assert got == "exact", f"on {grid.spec()}: {got}: {msg}"
+
+    on_grids(comm, [(1, 2, 1, 1), (1, 1, 2, 2)], each)
 
 
 @mpi_case(nprocs=(4,), timeout=900)

@@ -1,0 +1,123 @@
+"""Whether a model written in plain torch is exact under ``spatialize``: one model of the
+zoo's form (:mod:`hpcpar.testing.zoo`) run on a grid against one process. Shared by
+tests/nn/test_model_zoo.py and benchmarks/third_party_models.py (other people's networks).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from hpcpar.errors import LayerError
+from hpcpar.nn import local, spatialize, split_like
+from hpcpar.nn.split import is_split
+from hpcpar.nn.split_head import column_split
+from hpcpar.parallel.comm import allreduce_
+
+from .oracles import batch_slice, one_rank_grid, randn, spatial_slices
+
+__all__ = ["check_model", "RTOL"]
+
+RTOL = 1e-9
+
+
+def _close(got, want, what):
+    scale = max(float(want.abs().max()), 1e-3)
+    err = float((got - want).abs().max()) if got.numel() else 0.0
+    assert err <= RTOL * scale, f"{what}: max |diff| {err:.3e} (scale {scale:.3e})"
+
+
+def _target(out, kind, seed):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "like":
+        return torch.randn(out.shape, generator=g, dtype=out.dtype)
+    if kind == "binary":
+        return (torch.rand(out.shape, generator=g) < 0.5).to(out.dtype)
+    shape = (out.shape[0], *out.shape[2:])
+    return torch.randint(0, out.shape[1], shape, generator=g)
+
+
+def _piece(t, grid, split):
+    """The rank's share of a whole tensor: its samples, and its voxels where ``split``."""
+    t = t[batch_slice(t.shape[0], grid)]
+    if not split:
+        return t
+    spatial = t.shape[-3:]
+    return t[(slice(None),) * (t.dim() - 3) + spatial_slices(spatial, grid)[2:]]
+
+
+def _refused(name: str, exc: LayerError) -> tuple[str, str]:
+    msg = str(exc)
+    assert "\n" not in msg, f"{name}: refusal not one line: {msg!r}"
+    assert ".py:" in msg or msg.startswith(("spatialize check:", "spatialize: parameter '")), \
+        f"{name}: refusal names no source line (nor a module or parameter): {msg!r}"
+    return "refused", msg
+
+
+def check_model(grid, entry, name: str, seed: int = 0, fuse: int = 1) -> tuple[str, str]:
+    """Spatialize one model of the zoo's form and compare it with one process on the same
+    global batch (float64: output, loss value, every parameter gradient after hpcpar.DDP).
+
+    Args:
+        grid: The process grid (this rank's).
+        entry: ``(factory, channels, size, loss, target kind, expected)`` as in
+            :data:`hpcpar.testing.zoo.ZOO`; ``factory(c=channels)`` builds the model.
+        name: The model's name, for messages.
+        seed: Seeds the weights, the input and the target.
+        fuse: ``spatialize(..., fuse_halos=fuse)``; the line then says how many fused runs'
+            exchanges the model made.
+
+    Returns:
+        ``("exact", line)`` or ``("refused", the refusal's line)``.
+
+    Raises:
+        AssertionError: A value differs from one process's (silently wrong), or a refusal is
+            not one line naming the source line.
+    """
+    import hpcpar  # deferred: hpcpar.DDP, the user's entry point, as the user calls it
+
+    factory, c, size, loss_fn, kind, _ = entry
+    torch.manual_seed(seed)
+    pristine = factory(c=c).double()
+    plain = copy.deepcopy(pristine)
+    x = randn((2 * grid.data, c, *size), seed + 1, torch.float64)
+    dropout = any(isinstance(m, torch.nn.modules.dropout._DropoutNd) for m in plain.modules())
+    torch.manual_seed(99)
+    if dropout:  # reference: the same hpcpar model on one rank (split-independent masks)
+        plain = spatialize(plain, one_rank_grid())
+        try:
+            ref_out = plain(x)
+        except LayerError as exc:   # refused on one rank: refused on every grid
+            return _refused(name, exc)
+    else:
+        ref_out = plain(x)
+    target = _target(ref_out, kind, seed + 2)
+    ref_loss = loss_fn(ref_out, target)
+    ref_loss.backward()
+    ref_out = local(ref_out).detach()
+    try:
+        model = hpcpar.DDP(spatialize(pristine, grid, bn_include_data=True, check=True,
+                                      fuse_halos=fuse), grid)
+        xl = _piece(x, grid, True).clone()
+        torch.manual_seed(99)
+        out = model(xl)
+        # this rank's piece of the target, as a data loader gives it, marked split
+        loss = loss_fn(out, split_like(_piece(target, grid, is_split(out)), out))
+        loss.backward()
+    except LayerError as exc:
+        return _refused(name, exc)
+    what = f"{name} on {grid.spec()}"
+    split = is_split(out)
+    _close(local(out).detach(), _piece(ref_out, grid, split), f"{what}: output")
+    value = allreduce_(loss.detach().reshape(1).clone(), grid.data_comm) / grid.data
+    _close(value, ref_loss.detach().reshape(1), f"{what}: loss")
+    ref_params = dict(plain.named_parameters())
+    for pname, p in model.module.named_parameters():
+        want = ref_params[pname].grad
+        got = p.grad if p.grad is not None else torch.zeros_like(p)
+        cut = column_split(p)   # a split head's weight: this rank's columns
+        got = cut.gather(got) if cut is not None else got
+        _close(got, want if want is not None else torch.zeros_like(p), f"{what}: grad {pname}")
+    return "exact", f"{model.module._hpcpar_split.fuse_counts[0]} fused" if fuse > 1 else ""
+
