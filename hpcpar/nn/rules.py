@@ -369,7 +369,8 @@ def flip(call: Call):
     """flip along batch or channel dims: local; along a split dim it would need the mirror
     rank's piece: refused."""
     t = call.splits[0]
-    dims = call.bind(("input", "dims"))["dims"]
+    rest = call.args[1:]   # x.flip(1, 2) passes the dims one by one, x.flip((1, 2)) as one
+    dims = call.kwargs.get("dims", rest[0] if len(rest) == 1 else rest)
     if any(_norm_dim(int(d), t.dim()) in t._hp.sdims for d in _dims_arg(dims, t.dim())):
         raise call.refuse("mirrors a split dim", "flip batch or channel dims only")
     return pointwise(call)

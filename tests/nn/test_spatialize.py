@@ -136,6 +136,7 @@ class _Positional(nn.Module):
     (nn.RReLU().train(), "rrelu", "draws random numbers"),
     (_Rolled(), "roll", "has no exact spatial form"),
     (_Positional(lambda x: x.flip(-1)), "flip", "mirrors a split dim"),
+    (_Positional(lambda x: x.flip(1, 2)), "flip", "mirrors a split dim"),  # dims one by one
     (_Mixed(), "parameter 'scale'", "used both on split tensors and on replicated ones"),
 ])
 def test_refusals_name_the_op_and_the_source_line(grid, model, op, why):
