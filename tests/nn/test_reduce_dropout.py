@@ -271,6 +271,8 @@ WHOLE_DIM_OPS = [
     (lambda h: torch.softmax(h, dim=4) * h, 4, True),
     (lambda h: h.cumsum(2) * 0.1, 2, True),
     (lambda h: h.sort(dim=3).values, 3, True),
+    # its dim after p, read where torch reads it (p = 2.0 read as the dim was silently wrong)
+    (lambda h: torch.nn.functional.normalize(h, 2.0, 4) * h, 4, True),
     (lambda h: h - h.mean(dim=4, keepdim=True), 4, False),  # split: the global mean
     # a (N, C, 1, H, W) piece times the whole: split, the maximum is global (replicated)
     (lambda h: h.amax(2, keepdim=True) * h, 2, False),

@@ -128,7 +128,6 @@ class _Positional(nn.Module):
     # piece of a spatial dim: silently wrong
     (_Positional(lambda x: torch.topk(x, 1, 3)[0]), "topk", "mixes values along a split dim"),
     (_Positional(lambda x: torch.diff(x, 1, 2)), "diff", "mixes values along a split dim"),
-    (_Positional(lambda x: F.normalize(x, 2.0, 4)), "normalize", "along a split dim"),
     # the nonzero form: this rank's indices, in its own coordinates
     (_Positional(lambda x: x * torch.where(x > 0)[0].numel()), "where",
      "lists the indices of the nonzero elements"),
