@@ -185,9 +185,36 @@ def _nnunet():
     return out
 
 
-#: networks that sample with torch.randn_like (VAEs): with data replicas each draws for its
-#: own samples, as under torch's DDP, which one process on the whole batch cannot match
-PER_REPLICA_RANDOM = {"m_varautoencoder", "m_segresnetvae"}
+def _pytorch3dunet():
+    """pytorch-3dunet's networks (``pytorch3dunet``, with scikit-image), where installed."""
+    if not importlib.util.find_spec("pytorch3dunet"):
+        return {}
+    from pytorch3dunet.unet3d import model as P  # deferred: optional
+
+    small = dict(f_maps=8, num_groups=4, num_levels=3, final_sigmoid=False)
+    size = (16, 12, 20)
+    return {
+        "p3_unet": (lambda c: P.UNet3D(c, 2, **small), 1, size, ce, "class"),
+        "p3_unet_bcr_odd": (lambda c: P.UNet3D(c, 2, layer_order="bcr", **small), 2,
+                            (18, 14, 22), mse, "like"),
+        "p3_unet_deconv_cgl": (lambda c: P.UNet3D(c, 2, layer_order="cgl", upsample="deconv",
+                                                  **small), 1, size, mse, "like"),
+        "p3_unet_dropout": (lambda c: P.UNet3D(c, 2, layer_order="gcrd", dropout_prob=0.2,
+                                               **small), 1, size, mse, "like"),
+        "p3_unet_trilinear_cbe": (lambda c: P.UNet3D(c, 2, layer_order="cbe",
+                                                     upsample="trilinear", **small), 1, size,
+                                  mse, "like"),
+        "p3_resunet": (lambda c: P.ResidualUNet3D(c, 2, **small), 1, size, mse, "like"),
+        "p3_resunet_se": (lambda c: P.ResidualUNetSE3D(c, 2, **small), 1, size, mse, "like"),
+        "p3_unet_not_seg": (lambda c: P.UNet3D(c, 1, is_segmentation=False, **small), 1, size,
+                            mse, "like"),
+    }
+
+
+#: networks that draw random numbers per sample (VAEs' torch.randn_like, EfficientNet's
+#: stochastic depth): with data replicas each draws for its own samples, as under torch's
+#: DDP, which one process on the whole batch cannot match
+PER_REPLICA_RANDOM = {"m_varautoencoder", "m_segresnetvae", "m_efficientnet"}
 
 
 def _outcome(grid, name, entry) -> tuple[str, str]:
@@ -213,7 +240,7 @@ def main() -> int:
 
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
-    models = _monai() | _nnunet()
+    models = _monai() | _nnunet() | _pytorch3dunet()
     if args.only:
         models = {k: v for k, v in models.items() if k in args.only.split(",")}
     grids = [tuple(int(v) for v in g.split("x")) for g in args.grids.split(",")]

@@ -232,13 +232,19 @@ def _reference(plain, state, whole, dtype) -> tuple:
 
 
 def _compare(ref_calls, calls, ref_grads, grads) -> str | None:
+    # an output is judged against the scale of the activations before it too: one that is
+    # zero in exact arithmetic (a mean over a batch-normed volume, on a one-sample probe)
+    # holds only their rounding, which differs with any summation order
+    seen = 0.0
     for (name, kind, want), (_, _, got) in zip(ref_calls, calls):
         if got is None or want is None:
             continue
         if got.shape != want.shape:
             return (f"module '{name}' ({kind}) gives shape {tuple(got.shape)} where the plain "
                     f"model gives {tuple(want.shape)} on the first forward")
-        err = _rel(got, want)
+        if want.numel() and want.is_floating_point():
+            seen = max(seen, float(want.abs().max()))
+        err = _rel(got, want, max(1e-12, 1e-3 * seen))
         if err > _tol(want.dtype):
             return (f"module '{name}' ({kind}) differs from the plain model on the first "
                     f"forward (relative error {err:.2g})")

@@ -14,6 +14,7 @@ backward need only the values at each voxel, so each rank's piece is enough).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -45,8 +46,16 @@ def local_function(cls: type) -> type:
     return cls
 
 
+def _defined_at(cls: type) -> str:
+    """`` (file:line)`` where ``cls`` is defined, when Python knows it."""
+    try:
+        return f" ({inspect.getsourcefile(cls)}:{inspect.getsourcelines(cls)[1]})"
+    except (OSError, TypeError):
+        return ""
+
+
 def _why(cls: type) -> str:
-    name = f"{cls.__module__}.{cls.__qualname__}"
+    name = f"{cls.__module__}.{cls.__qualname__}{_defined_at(cls)}"
     if cls.__module__ == "torch.utils.checkpoint":
         return ("spatialize: torch.utils.checkpoint (use_reentrant=True) in the model: its "
                 "recomputation runs outside hpcpar's dispatch and its gradients would be "

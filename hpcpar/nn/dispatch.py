@@ -12,6 +12,9 @@ spatial twins in :mod:`hpcpar.nn.spatial_ops`. Importing this module opens the f
 
 from __future__ import annotations
 
+import inspect
+import warnings
+
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -20,10 +23,11 @@ from hpcpar.errors import LayerError
 
 from . import fused_halo, optable
 from . import rules as _rules
-from .rules import FAST, Call, leaves, op_name
+from .gather import gather_shrunk
+from .rules import FAST, Call, leaves, map_args, op_name
 from .spatial_ops import batch_norm as _batch_norm
 from .spatial_ops import conv3d as _conv3d
-from .split import FlatLayout, SplitTensor, set_handler, user_frame
+from .split import FlatLayout, SplitTensor, refuse, set_handler, user_frame
 from .split_head import flat_rule
 
 __all__ = ["handle", "mode_call", "SpatialMode"]
@@ -60,6 +64,8 @@ def handle(func, args, kwargs, ctx=None):
     if not splits:
         return _replicated_call(func, args, kwargs, flat, ctx)
     rule, fast = _ROUTES.get(func) or _route(func)
+    if rule not in _SHAPE_ONLY and any(t._hp.shrunk for t in splits):
+        return _gathered_call(func, args, kwargs, ctx, splits)
     # rules run with torch-function handling off: there a split tensor is its plain piece
     # (raw), and what ops return is plain until a rule adopts it
     try:
@@ -94,6 +100,52 @@ _MARGIN_KIND = {_conv3d: "conv", _rules.pointwise: "pointwise",
                 _rules.channelwise: "channelwise", _batch_norm: "batch_norm",
                 **dict.fromkeys((_rules.global_size, _rules.global_numel, _rules.global_len,
                                  _rules.as_plain, _rules.attribute), "keep")}
+
+
+#: Rules that only read a split tensor's (global) shape: they take a shrunk one as it is.
+_SHAPE_ONLY = frozenset((_rules.global_size, _rules.global_numel, _rules.global_len,
+                         _rules.attribute, _rules.as_plain))
+
+
+def _writes_into_first(func, args, kwargs) -> bool:
+    """Whether ``func`` writes into its first argument (``add_``, ``x += y``, ``x[i] = v``,
+    ``inplace=True``, ``out=``)."""
+    name = op_name(func)
+    if (name.endswith("_") and not name.endswith("__")) or name.startswith("__i") \
+            or name == "__setitem__" or kwargs.get("inplace") or "out" in kwargs:
+        return True
+    try:
+        params = list(inspect.signature(func).parameters)
+    except (TypeError, ValueError):   # a builtin without a signature: named as above
+        return False
+    return "inplace" in params and params.index("inplace") < len(args) and \
+        bool(args[params.index("inplace")])
+
+
+def _gathered_call(func, args, kwargs, ctx, splits):
+    """``func`` with its shrunk split operands gathered whole on every rank: the op and what
+    follows run replicated, as after a global pooling (exact; backward takes the own slice).
+    Warns once per source line: from there on each rank holds the whole tensor."""
+    shrunk = [t for t in splits if t._hp.shrunk]
+    lay = shrunk[0]._hp
+    if args and any(args[0] is t for t in shrunk) and _writes_into_first(func, args, kwargs):
+        raise refuse(op_name(func), f"writes in place into a volume {lay.gshape}, fewer "
+                     f"voxels than the grid {lay.ctx.grid.spatial_shape} splits it into,",
+                     "write y = op(x) there instead (such a volume is gathered whole into a "
+                     "new tensor)")
+    where = user_frame()
+    if where not in lay.ctx.gathered_at:
+        lay.ctx.gathered_at.add(where)
+        if lay.ctx.grid.rank == 0:
+            file, _, line = where.rpartition(":")
+            warnings.warn_explicit(
+                f"spatialize: {op_name(func)}: the volume {lay.gshape} has fewer voxels than "
+                f"the grid splits it into {lay.ctx.grid.spatial_shape}; gathered here, it and "
+                f"what follows run whole on every rank", UserWarning, file or where,
+                int(line) if line.isdigit() else 0)
+    whole = {id(t): gather_shrunk(t) for t in shrunk}
+    args, kwargs = map_args(lambda a: whole.get(id(a), a), args, kwargs)
+    return handle(func, args, kwargs, ctx)
 
 
 #: func -> (its rule, the rule's fast form or None): one lookup per op.

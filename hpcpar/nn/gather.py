@@ -26,8 +26,10 @@ from hpcpar.parallel.partition import box
 from hpcpar.parallel.spatial import allgather_volume
 
 from ._base import SpatialModule
+from .split import unwrap
 
-__all__ = ["GatherPoint", "SpatialGather", "SpatialAdaptiveAvgPool3d", "ReplicatedDropout"]
+__all__ = ["GatherPoint", "SpatialGather", "gather_shrunk", "SpatialAdaptiveAvgPool3d",
+           "ReplicatedDropout"]
 
 
 class GatherPoint(nn.Identity):
@@ -51,6 +53,17 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad[ctx.own].contiguous(), None
+
+
+def gather_shrunk(t: torch.Tensor) -> torch.Tensor:
+    """A split tensor shorter than its ranks on a split axis (:attr:`Layout.shrunk
+    <hpcpar.nn.split.Layout.shrunk>`), whole and replicated on every rank of the spatial
+    group: what an op that cannot run on such pieces takes instead (:mod:`hpcpar.nn.dispatch`).
+    Its split dims may sit anywhere (a channels-last permute); backward is the own slice."""
+    lay = t._hp  # type: ignore[attr-defined]
+    ends = tuple(range(-len(lay.sdims), 0))
+    piece = unwrap(t).movedim(lay.sdims, ends)
+    return _Gather.apply(piece, lay.ctx.grid).movedim(ends, lay.sdims)
 
 
 class SpatialGather(SpatialModule, nn.Module):

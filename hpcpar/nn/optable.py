@@ -122,6 +122,7 @@ for _kind, _rule, _obj in _ENTRIES:
 #: Calls with no split argument that still need care under a spatialized forward.
 REPLICATED_RULES = {getattr(F, n): s.replicated_dropout for n in ("dropout", "dropout2d",
                                                                  "dropout3d", "dropout1d")}
+REPLICATED_RULES[F.batch_norm] = s.replicated_batch_norm
 
 
 def _aten_pointwise(name: str) -> bool:

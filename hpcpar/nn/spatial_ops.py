@@ -412,6 +412,25 @@ def replicated_dropout(func, args, kwargs, ctx):
     return x.mul_(keep) if b["inplace"] else x * keep
 
 
+def replicated_batch_norm(func, args, kwargs, ctx):
+    """Batch norm in training on a replicated tensor (after a global pooling, or a volume
+    gathered whole): with ``bn_include_data`` its statistics are those of the global batch,
+    as the split volume's are; each data group holds its own samples, whole."""
+    names = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum",
+             "eps")
+    b = dict(zip(names[1:], (None, None, None, None, False, 0.1, 1e-5)))
+    b.update(zip(names, args))
+    b.update(kwargs)
+    grid = ctx.grid
+    use_stats = b["training"] or b["running_mean"] is None
+    if not (ctx.bn_include_data and grid.data > 1 and use_stats):
+        return func(*args, **kwargs)
+    x = b["input"]
+    return _GlobalBatchNorm.apply(x, b["weight"], b["bias"], b["running_mean"],
+                                  b["running_var"], b["momentum"], b["eps"], grid.data_comm,
+                                  "batch_norm")
+
+
 # -- losses ------------------------------------------------------------------------------------
 _CLASS_LOSSES = ("cross_entropy", "nll_loss")
 _LOSS_NAMES = {

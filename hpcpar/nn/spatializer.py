@@ -22,6 +22,7 @@ hpcpar's own spatial layers inside a model take this rank's piece as before.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import weakref
 from typing import Any
@@ -111,6 +112,10 @@ def _leave(module, args, kwargs, output):
     ctx = getattr(module, _CTX)
     ctx.depth -= 1
     if ctx.depth > 0:
+        return None
+    if output is None:   # also where the forward raised (a refusal): the mode may be gone
+        with contextlib.suppress(RuntimeError):
+            ctx.mode.__exit__(None, None, None)
         return None
     ctx.mode.__exit__(None, None, None)
     if output is not None:

@@ -12,6 +12,7 @@ source line. :func:`local` is the explicit way out (this rank's piece as a plain
 
 from __future__ import annotations
 
+import functools
 import os
 import traceback
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ class SplitContext:
     fuse_plan: dict = field(default_factory=dict)   # run key -> (convolutions, halo used)
     fuse_seen: dict = field(default_factory=dict)   # learned this forward, applied at the next
     fuse_counts: list = field(default_factory=lambda: [0, 0])   # this forward's runs, crops
+    gathered_at: set = field(default_factory=set)   # where a shrunk volume was gathered
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,14 @@ class Layout:
         for d, n in zip(self.sdims, self.gshape):
             shape[d] = n
         return torch.Size(shape)
+
+    @functools.cached_property
+    def shrunk(self) -> bool:
+        """Shorter than its ranks on a split axis: some rank holds none of it (a volume
+        pooled or strided down to fewer voxels than the grid splits it into)."""
+        grid = self.ctx.grid
+        return type(self) is Layout and any(n < p for n, p in zip(self.gshape,
+                                                                    grid.spatial_shape))
 
     @property
     def standard(self) -> bool:
