@@ -5,9 +5,10 @@ each grid. The source of the models guide's table ("MONAI's networks, as release
     mpiexec -n 4 python benchmarks/third_party_models.py \\
         [--grids 1x2x1x1,1x1x2x1,1x2x2x1,2x2x1x1] [--only m_unet,m_vnet]
 
-MONAI is a test dependency. nnU-Net's networks (``dynamic-network-architectures``) and the
-``unet`` package join when installed (``pip install --no-deps dynamic-network-architectures
-unet``: nnU-Net's own requirements would replace torch). Networks with dropout are compared
+MONAI is a test dependency. nnU-Net's networks (``dynamic-network-architectures``), the
+``unet`` package and pytorch-3dunet's join when installed (``pip install --no-deps
+dynamic-network-architectures unet pytorch3dunet scikit-image``: nnU-Net's own requirements
+would replace torch). Networks with dropout are compared
 with hpcpar's own one-rank run (the masks are hpcpar's, the same on any grid); VAEs, which
 sample per data replica, run on the spatial grids only. A network with several outputs is
 wrapped the way a user combines them (``_Heads``). Prints one row per network and grid;
