@@ -108,6 +108,7 @@ _ENTRIES = [
     *_names("norm", s.instance_norm, ("instance_norm",), (F,)),
     *_names("norm", s.layer_norm, ("layer_norm",), (F,)),
     *_names("reduction", s.reduction, tuple(s._REDUCE_NAMES), (_T, _TORCH)),
+    ("reduction", s.reduction, torch.linalg.vector_norm),
     *_names("dropout", s.dropout, ("dropout", "dropout2d", "dropout3d", "dropout1d",
                                    "alpha_dropout", "feature_alpha_dropout"), (F,)),
     *_names("loss", s.loss, tuple(s._LOSS_NAMES), (F,)),

@@ -253,6 +253,7 @@ _REDUCE_NAMES = {"sum": "sum", "mean": "mean", "amax": "amax", "amin": "amin", "
                  "std": "std", "max": "amax", "min": "amin", "nansum": None, "nanmean": None,
                  "prod": None, "logsumexp": None, "norm": None, "all": None, "any": None,
                  "count_nonzero": None, "argmax": None, "argmin": None, "median": None,
+                 "linalg_vector_norm": None,
                  "quantile": None, "nanquantile": None, "var_mean": None, "std_mean": None}
 
 
@@ -270,11 +271,15 @@ def reduction(call: Call):
     elif name in ("max", "min") and len(call.args) > 1 and isinstance(call.args[1],
                                                                       torch.Tensor):
         return pointwise(call)  # torch.max(a, b): elementwise
+    elif name in _NORMS:   # (input, p, dim, keepdim) / (input, ord, dim, keepdim)
+        b = call.bind(("input", _NORMS[name], "dim", "keepdim"), (None, None, False))
+        dims = _dims_arg(b["dim"], n)
     else:
         dims = _dims_arg(b.get("dim"), n)
     split = [d for a, d in enumerate(lay.sdims) if call.ctx.grid.spatial_shape[a] > 1]
     spatial = [d for d in lay.sdims if d in dims]
-    keepdim = bool(call.kwargs.get("keepdim", _positional_keepdim(call)))
+    keepdim = bool(b["keepdim"] if name in _NORMS else
+                   call.kwargs.get("keepdim", _positional_keepdim(call)))
     if len(spatial) < 3 and not any(d in dims for d in split):
         if spatial and not keepdim:
             raise call.refuse("removes a spatial dim", "use keepdim=True, or reduce all of "
@@ -310,6 +315,8 @@ def reduction(call: Call):
                             gshape=lay.gshape, **extra)
         return out.permute(back) if keep and out.dim() == n else out
 
+    if name in _NORMS:
+        return _p_norm(call, xl, reduce, b[_NORMS[name]])
     if op is None:
         return _composed(name, xl, reduce, keepdim, dims, _correction(call))
     return reduce(xl, op, **({"correction": _correction(call)} if op in ("var", "std") else {}))
@@ -317,7 +324,26 @@ def reduction(call: Call):
 
 #: torch reductions made of the global ones over something pointwise (:func:`_composed`)
 _COMPOSED = ("var_mean", "std_mean", "nansum", "nanmean", "logsumexp", "count_nonzero", "any",
-             "all")
+             "all", "norm", "linalg_vector_norm")
+#: the vector norms, by name: the name of their order argument
+_NORMS = {"norm": "p", "linalg_vector_norm": "ord"}
+
+
+def _p_norm(call, xl, reduce, p):
+    """``torch.norm`` / ``torch.linalg.vector_norm`` of order ``p`` over the split dims (a
+    global response norm's ``torch.norm(x, p=2, dim=(-3, -2, -1))``) from global sums and
+    maxima; the gradient of each is torch's on the piece."""
+    if p is None or p == "fro" or p == 2:
+        return reduce(xl, "norm")
+    if isinstance(p, str) or not isinstance(p, (int, float)):
+        raise call.refuse(f"takes the {p!r} norm over split dims", "use p=2 (or any number)")
+    if p == 0:
+        return reduce((xl != 0).to(xl.dtype), "sum")
+    if math.isinf(p):
+        return reduce(xl.abs(), "amax" if p > 0 else "amin")
+    if p == 1:
+        return reduce(xl.abs(), "sum")
+    return reduce(xl.abs().pow(p), "sum").pow(1.0 / p)
 
 
 def _composed(name, xl, reduce, keepdim, dims, correction):

@@ -24,8 +24,9 @@ are cut. A weight that is not the model's own Parameter (or already has a gradie
 whole: its columns are sliced per call and its gradient summed like any replicated operand's.
 
 Other ops on a flattened split tensor: elementwise ones among tensors of that layout and
-scalars run locally, dropout keeps its split-independent masks, shape questions answer with
-the global shape; anything else is refused in one line.
+scalars run locally, dropout keeps its split-independent masks, a sum or mean over the
+features is the global one, shape questions answer with the global shape; anything else is
+refused in one line.
 """
 
 from __future__ import annotations
@@ -311,7 +312,28 @@ def _dropout(call):
 
 _AS_IS = {rules.global_size, rules.global_numel, rules.global_len, rules.attribute,
           rules.as_plain, rules.like_factory, rules.refuse_local_values, rules.refuse_random}
-_RULES = {rules.pointwise: _pointwise, rules.linear: _linear, sops.dropout: _dropout}
+def _reduction(call):
+    """A sum or mean over the features (dim 1, or every dim): the global one, replicated
+    (each rank's partial sum, allreduced; backward: each rank's own features get the
+    gradient, as after a global pool). A critic's ``flatten(1)`` then ``mean(1)``."""
+    x = call.splits[0]
+    b = call.bind(("input", "dim"), (None,))
+    dims = rules._dims_arg(b.get("dim"), x.dim())
+    if call.name not in ("sum", "mean") or 1 not in dims:
+        raise call.refuse("reduces a flattened split tensor other than by a sum or mean over "
+                          "its features", "reduce the spatial dims before flattening")
+    keepdim = bool(call.kwargs.get("keepdim", sops._positional_keepdim(call)))
+    piece = raw(x)
+    part = piece.sum(dims, keepdim=keepdim, dtype=call.kwargs.get("dtype"))
+    total = _ReplicatedSum.apply(part, call.ctx.grid.spatial_comm)
+    if call.name == "sum":
+        return total
+    count = math.prod(x._hp.gshape[0] if d == 1 else piece.shape[d] for d in dims)
+    return total / count
+
+
+_RULES = {rules.pointwise: _pointwise, rules.linear: _linear, sops.dropout: _dropout,
+          sops.reduction: _reduction}
 
 
 def flat_rule(rule: Any, call: Any) -> Any:

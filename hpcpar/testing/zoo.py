@@ -574,6 +574,29 @@ class VideoHead(nn.Module):
         return F.adaptive_avg_pool3d(x, 1).flatten(1)
 
 
+class ResponseNormCritic(nn.Module):
+    """MedNeXt's global response norm (``torch.norm(x, p=2, dim=(-3, -2, -1), keepdim=True)``,
+    divided by its mean over channels) and other vector norms over the spatial dims (order 1
+    by ``torch.linalg.vector_norm``, order inf by the method), then a WGAN critic's score:
+    ``flatten(1)`` and ``mean(1)`` (MONAI's ``Critic``). All were refused."""
+
+    def __init__(self, c=2):
+        super().__init__()
+        self.conv = nn.Conv3d(c, 4, 3, padding=1)
+        self.gamma = nn.Parameter(torch.full((1, 4, 1, 1, 1), 0.5))
+        self.beta = nn.Parameter(torch.full((1, 4, 1, 1, 1), 0.1))
+        self.out = nn.Conv3d(4, 3, 3, padding=1)
+
+    def forward(self, x):
+        x = F.gelu(self.conv(x))
+        gx = torch.norm(x, p=2, dim=(-3, -2, -1), keepdim=True)
+        nx = gx / (gx.mean(dim=1, keepdim=True) + 1e-6)
+        x = self.out(self.gamma * (x * nx) + self.beta + x)
+        spread = torch.linalg.vector_norm(x, ord=1, dim=(2, 3, 4)) / x[0, 0].numel()
+        peak = x.norm(float("inf"), dim=(2, 3, 4))
+        return nn.Flatten()(x).mean(1, keepdim=True) + 0.1 * (spread + peak)
+
+
 class ComposedReductions(nn.Module):
     """A hand-written instance norm with ``torch.var_mean``, a scale taken channels-last
     (``permute(0, 2, 3, 4, 1)``, then a maximum over the spatial dims), a branch on
@@ -657,6 +680,7 @@ ZOO = {
     "deep_supervision": (DeepSupervision, 2, (9, 8, 10), deep_supervision_loss, "like", "exact"),
     "shrinks_to_one_voxel": (ShrinksToOneVoxel, 2, (8, 8, 8), ce, "class", "exact"),
     "video_head": (VideoHead, 2, (4, 6, 5), ce, "class", "exact"),
+    "response_norm_critic": (ResponseNormCritic, 2, (7, 6, 5), mse, "like", "exact"),
     "composed_reductions": (ComposedReductions, 2, (9, 7, 8), ce, "class", "exact"),
 }
 

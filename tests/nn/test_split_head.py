@@ -226,9 +226,14 @@ def _reference_from(state, opt_state, opt_name):
     return plain.state_dict(), opt.state_dict()
 
 
-class _SumAfterFlatten(nn.Module):
+class _SoftmaxAfterFlatten(nn.Module):
     def forward(self, x):
-        return x.flatten(1).sum(1)
+        return x.flatten(1).softmax(1)
+
+
+class _MaxAfterFlatten(nn.Module):
+    def forward(self, x):
+        return x.flatten(1).amax(1)   # a sum or mean over the features is global (the zoo)
 
 
 class _PartialFlatten(nn.Module):
@@ -237,7 +242,8 @@ class _PartialFlatten(nn.Module):
 
 
 @pytest.mark.parametrize("model, op, why", [
-    (_SumAfterFlatten(), "sum", "no form on a flattened split tensor"),
+    (_SoftmaxAfterFlatten(), "softmax", "no form on a flattened split tensor"),
+    (_MaxAfterFlatten(), "amax", "other than by a sum or mean over its features"),
     (_PartialFlatten(), "flatten", "merges a split dim"),
 ])
 def test_other_ops_on_a_flattened_volume_are_refused(model, op, why):
