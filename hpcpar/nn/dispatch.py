@@ -94,17 +94,16 @@ def _located(exc: LayerError, func) -> LayerError:
     return LayerError(f"spatialize: {op_name(func)} at {user_frame()}: {msg}")
 
 
+#: Rules that only read a split tensor's (global) shape or look at its piece: they take a
+#: shrunk one, and one holding a fused run's margin, as it is.
+_SHAPE_ONLY = frozenset((_rules.global_size, _rules.global_numel, _rules.global_len,
+                         _rules.attribute, _rules.as_plain))
+
 #: How a rule meets a tensor holding a fused run's margin (:mod:`hpcpar.nn.fused_halo`);
 #: any rule not named here gets the cropped piece.
 _MARGIN_KIND = {_conv3d: "conv", _rules.pointwise: "pointwise",
                 _rules.channelwise: "channelwise", _batch_norm: "batch_norm",
-                **dict.fromkeys((_rules.global_size, _rules.global_numel, _rules.global_len,
-                                 _rules.as_plain, _rules.attribute), "keep")}
-
-
-#: Rules that only read a split tensor's (global) shape: they take a shrunk one as it is.
-_SHAPE_ONLY = frozenset((_rules.global_size, _rules.global_numel, _rules.global_len,
-                         _rules.attribute, _rules.as_plain))
+                **dict.fromkeys(_SHAPE_ONLY, "keep")}
 
 
 def _writes_into_first(func, args, kwargs) -> bool:

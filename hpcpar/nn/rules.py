@@ -54,6 +54,15 @@ def map_args(fn, args, kwargs):
     return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
 
 
+def bound(names, defaults, args, kwargs) -> dict:
+    """``args`` and ``kwargs`` by name (``names`` in the op's order; ``defaults`` for its
+    trailing names): :meth:`Call.bind`, and the replicated rules' form (they get no Call)."""
+    out = dict(zip(names[len(names) - len(defaults):], defaults))
+    out.update(zip(names, args))
+    out.update(kwargs)
+    return out
+
+
 class Call:
     """One call of ``func`` with at least one split argument, with the helpers rules share."""
 
@@ -71,10 +80,7 @@ class Call:
 
     def bind(self, names, defaults=()) -> dict:
         """Positional and keyword arguments by name (``names`` in the op's order)."""
-        out = dict(zip(names[len(names) - len(defaults):], defaults))
-        out.update(zip(names, self.args))
-        out.update(self.kwargs)
-        return out
+        return bound(names, defaults, self.args, self.kwargs)
 
     def replicated(self, t):
         """A replicated operand, made ready for a split op (module docstring)."""

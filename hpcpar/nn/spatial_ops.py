@@ -25,7 +25,7 @@ from .dropout import spatial_dropout
 from .norm import _GlobalBatchNorm
 from .pool import SpatialAvgPool3d, SpatialMaxPool3d
 from .reduce import _ReplicatedSum, global_reduce
-from .rules import Call, _dims_arg, channelwise, localize, pointwise, wrap_like
+from .rules import Call, _dims_arg, bound, channelwise, localize, pointwise, wrap_like
 from .split import Layout, adopt, raw
 
 __all__ = ["conv3d", "conv_transpose3d", "max_pool3d", "avg_pool3d", "adaptive_pool",
@@ -418,10 +418,7 @@ def forward_seed(ctx) -> int:
 
 def replicated_dropout(func, args, kwargs, ctx):
     """Dropout on a replicated tensor: the same mask on every rank of the spatial group."""
-    names = ("input", "p", "training", "inplace")
-    b = dict(zip(names[1:], (0.5, True, False)))
-    b.update(zip(names, args))
-    b.update(kwargs)
+    b = bound(("input", "p", "training", "inplace"), (0.5, True, False), args, kwargs)
     x = b["input"]
     if not b["training"] or b["p"] == 0.0 or not ctx.dropout:
         return x
@@ -442,11 +439,8 @@ def replicated_batch_norm(func, args, kwargs, ctx):
     """Batch norm in training on a replicated tensor (after a global pooling, or a volume
     gathered whole): with ``bn_include_data`` its statistics are those of the global batch,
     as the split volume's are; each data group holds its own samples, whole."""
-    names = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum",
-             "eps")
-    b = dict(zip(names[1:], (None, None, None, None, False, 0.1, 1e-5)))
-    b.update(zip(names, args))
-    b.update(kwargs)
+    b = bound(("input", "running_mean", "running_var", "weight", "bias", "training",
+                "momentum", "eps"), (None, None, None, None, False, 0.1, 1e-5), args, kwargs)
     grid = ctx.grid
     use_stats = b["training"] or b["running_mean"] is None
     if not (ctx.bn_include_data and grid.data > 1 and use_stats):

@@ -118,11 +118,10 @@ def _leave(module, args, kwargs, output):
             ctx.mode.__exit__(None, None, None)
         return None
     ctx.mode.__exit__(None, None, None)
-    if output is not None:
-        if _retag(module, ctx) or not ctx.graph_checked:
-            ctx.graph_checked |= refuse_custom_functions(output)
-        if ctx.fuse_halos > 1:   # a fused run's margin never leaves the model
-            return tree_map(_end_run, output)
+    if _retag(module, ctx) or not ctx.graph_checked:
+        ctx.graph_checked |= refuse_custom_functions(output)
+    if ctx.fuse_halos > 1:   # a fused run's margin never leaves the model
+        return tree_map(_end_run, output)
     return None
 
 

@@ -310,8 +310,6 @@ def _dropout(call):
     return adopt(out, lay)
 
 
-_AS_IS = {rules.global_size, rules.global_numel, rules.global_len, rules.attribute,
-          rules.as_plain, rules.like_factory, rules.refuse_local_values, rules.refuse_random}
 def _reduction(call):
     """A sum or mean over the features (dim 1, or every dim): the global one, replicated
     (each rank's partial sum, allreduced; backward: each rank's own features get the
@@ -332,6 +330,8 @@ def _reduction(call):
     return total / count
 
 
+_AS_IS = {rules.global_size, rules.global_numel, rules.global_len, rules.attribute,
+          rules.as_plain, rules.like_factory, rules.refuse_local_values, rules.refuse_random}
 _RULES = {rules.pointwise: _pointwise, rules.linear: _linear, sops.dropout: _dropout,
           sops.reduction: _reduction}
 
