@@ -13,9 +13,9 @@ would replace torch). Networks with dropout are compared
 with hpcpar's own one-rank run (the masks are hpcpar's, the same on any grid); VAEs, which
 sample per data replica, run on the spatial grids only. A network with several outputs is
 wrapped the way a user combines them (``_Heads``). Prints one row per network and grid;
-exits 1 if any is silently wrong or crashes. Every ``hpcpar.DDP`` keeps its shared-memory
-gradient windows until the process ends: all networks on all four grids in one process
-outgrow 24 GiB, so run a grid per process.
+exits 1 if any is silently wrong or crashes. Each check closes its ``hpcpar.DDP`` (its
+shared-memory gradient windows) and memory is trimmed between networks; a grid per process
+keeps the peak lower still.
 """
 
 from __future__ import annotations

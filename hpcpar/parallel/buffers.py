@@ -123,10 +123,35 @@ class Buffer:
         return self.tensor
 
 
-_AT_EXIT: list = []
+_AT_EXIT: list[Release] = []
+_REGISTERED = False
 
 
-def free_at_exit(free: Callable[[], None]) -> None:
+class Release:
+    """A collective release that runs once: early, when its owner is closed, or at exit.
+
+    Calling it frees the resource (unless MPI is already finalized) and takes it off the
+    exit list, so a closed object neither keeps its memory until exit nor is freed twice.
+    """
+
+    __slots__ = ("_free",)
+
+    def __init__(self, free: Callable[[], None]):
+        self._free: Callable[[], None] | None = free
+
+    def __call__(self) -> None:
+        free, self._free = self._free, None
+        if free is None:
+            return
+        if self in _AT_EXIT:
+            _AT_EXIT.remove(self)
+        from mpi4py import MPI
+
+        if not MPI.Is_finalized():
+            free()
+
+
+def free_at_exit(free: Callable[[], None]) -> Release:
     """Run a collective release at interpreter exit, before mpi4py finalizes MPI.
 
     Releases run in registration order, which is the same on every rank when the objects
@@ -134,18 +159,23 @@ def free_at_exit(free: Callable[[], None]) -> None:
 
     Args:
         free: A collective release such as a window's ``Free``.
+
+    Returns:
+        The release: call it to free the resource earlier (collectively, in the same order
+        on every rank); it then does not run again at exit.
     """
-    if not _AT_EXIT:
+    global _REGISTERED
+    if not _REGISTERED:
         atexit.register(_free_all)  # registered after MPI's own hook: runs before it
-    _AT_EXIT.append(free)
+        _REGISTERED = True
+    release = Release(free)
+    _AT_EXIT.append(release)
+    return release
 
 
 def _free_all() -> None:
-    from mpi4py import MPI
-
-    if not MPI.Is_finalized():
-        for free in _AT_EXIT:
-            free()
+    for release in list(_AT_EXIT):
+        release()
     _AT_EXIT.clear()
 
 

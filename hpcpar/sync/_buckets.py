@@ -123,9 +123,9 @@ class ReduceGroup:
         return "shared" if self.shared and shareable else "flat"
 
     def shared_segments(self, numel: int, dtype: torch.dtype):
-        """(window, [every rank's segment as a tensor]) of a new shared-memory window of
-        ``numel`` items per rank (collective; call in the same order everywhere). Kept in
-        a passive-target epoch for ``Win.Sync``; freed at exit (the gradients live in it)."""
+        """(window, [every rank's segment as a tensor], release) of a new shared-memory
+        window of ``numel`` items per rank (collective; call in the same order everywhere).
+        Kept in a passive-target epoch for ``Win.Sync``; freed by ``release()`` or at exit."""
         from mpi4py import MPI
 
         win = MPI.Win.Allocate_shared(numel * dtype.itemsize, dtype.itemsize, comm=self.comm)
@@ -134,11 +134,11 @@ class ReduceGroup:
             win.Unlock_all()
             win.Free()
 
-        free_at_exit(free)
+        release = free_at_exit(free)
         segs = [torch.frombuffer(win.Shared_query(r)[0], dtype=dtype, count=numel)
                 for r in range(self.size)]
         segs[self.rank].zero_()
-        return win, segs
+        return win, segs, release
 
     def channel(self, plan: str) -> tuple:
         """Private communicators for one bucket (collective; call in the same order everywhere).
@@ -154,6 +154,13 @@ class ReduceGroup:
         if plan == "hierarchical":
             return (self.node_comm.Dup(), self.peer_comm.Dup())
         return (self.comm.Dup(),)  # "shared": its barriers
+
+    def close(self) -> None:
+        """Free the node and peer communicators of a hierarchical group (collective)."""
+        if self.hierarchical:
+            self.node_comm.Free()
+            self.peer_comm.Free()
+            self.hierarchical = False
 
     def reduce(self, bucket: Bucket):
         """Generator: yields MPI requests; when exhausted, ``bucket.flat`` holds the result."""
@@ -288,7 +295,7 @@ class TorchGroup:
         self.rank = comm.Get_rank()
         self.divisor = divisor
         self.backend = backend
-        self.pg, self._store = process_group(comm, backend, device)
+        self.pg, self._store, self._release = process_group(comm, backend, device)
 
     def plan(self, wire_bytes: int, shareable: bool = False) -> str:
         """Always the group's allreduce (also on one rank: the path is the one tested)."""
@@ -297,6 +304,10 @@ class TorchGroup:
     def channel(self, plan: str) -> tuple:
         """No private communicators: a process group runs its collectives in issue order."""
         return ()
+
+    def close(self) -> None:
+        """Shut the process group down (collective)."""
+        self._release()
 
     def reduce(self, bucket: Bucket):
         """Generator: yields one work item; when exhausted, ``bucket.flat`` holds the result."""
@@ -369,8 +380,10 @@ class Bucket:
             dtype in (torch.float32, torch.float64)
         self.plan = group.plan(size * (dtype if full else wire_dtype).itemsize, shareable)
         self.window = self.segments = None
+        self._release_window = None
         if self.plan == "shared":
-            self.window, self.segments = group.shared_segments(size, dtype)
+            self.window, self.segments, self._release_window = \
+                group.shared_segments(size, dtype)
             self.flat = self.segments[group.rank]
         else:
             self.flat = message_buffer((size,), dtype, device, zero=True)
@@ -391,6 +404,25 @@ class Bucket:
         #: reduce-scatter, only this rank's chunk (``group.rank``) must hold the result
         self.scatter_only = False
         self.local_flags: list[int] = []   # this rank's "has a gradient" flags of the pass
+
+    def close(self) -> None:
+        """Free the bucket's communicators and shared-memory window (collective, buckets in
+        the same order on every rank). A gradient living in the window moves to memory of
+        its own first: the window's pages are returned to the system."""
+        if self._release_window is not None:
+            storage = self.flat.untyped_storage().data_ptr()
+            for p in self.params:
+                if p.grad is not None and p.grad.untyped_storage().data_ptr() == storage:
+                    p.grad = p.grad.clone()
+            self._release_window()
+            self._release_window = None
+            self.window = self.segments = None
+            self.flat = self.wire = self.flags = torch.empty(0, dtype=self.flat.dtype)
+            self.views = []
+        for comm in self.channel:
+            comm.Free()
+        self.channel = ()
+        self._scratch = {}
 
     def scratch(self, key: str, shape, dtype) -> torch.Tensor:
         """A temporary kept between steps (large allocations are not free on every step)."""

@@ -75,9 +75,11 @@ class StallMonitor:
                 memory = self.win.tomemory()  # the buffer protocol, typed for Python 3.12+ only
                 self._local = np.frombuffer(memory, dtype=np.int64)  # type: ignore[call-overload]
             self._post(0)
-            free_at_exit(self.close)  # strong: an unreferenced window must still be freed
+            # strong: an unreferenced window must still be freed
+            self._release = free_at_exit(self._free)
         self._armed_at: float | None = None
         self._thread: threading.Thread | None = None
+        self._stopped = False
 
     # -- counters ----------------------------------------------------------------------------
     def _post(self, step: int) -> None:
@@ -133,7 +135,7 @@ class StallMonitor:
 
     def _watch(self) -> None:
         poll = min(1.0, self.timeout / 10)
-        while True:
+        while not self._stopped:
             time.sleep(poll)
             armed = self._armed_at
             if armed is not None and time.monotonic() - armed > self.timeout:
@@ -152,12 +154,15 @@ class StallMonitor:
         os._exit(EXIT_FAILED)
 
     def close(self) -> None:
-        """Free the window (collective). Called at exit for monitors still alive."""
-        if self.win is None:
-            return
-        from mpi4py import MPI
+        """Stop the watchdog and free the window (collective). Done at exit for monitors
+        still alive."""
+        self._armed_at = None
+        self._stopped = True
+        if self.win is not None:
+            self._release()
 
-        if not MPI.Is_finalized():
-            self.win.Unlock_all()
-            self.win.Free()
+    def _free(self) -> None:
+        assert self.win is not None  # released once
+        self.win.Unlock_all()
+        self.win.Free()
         self.win = None

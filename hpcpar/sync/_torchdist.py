@@ -122,8 +122,9 @@ def process_group(comm, backend: str, device: torch.device | None = None,
         timeout: Seconds a collective of the group may take before torch fails it.
 
     Returns:
-        ``(group, store)``: the ``ProcessGroupNCCL`` or ``ProcessGroupGloo``, and its
-        ``TCPStore``, which must live as long as the group.
+        ``(group, store, release)``: the ``ProcessGroupNCCL`` or ``ProcessGroupGloo``, its
+        ``TCPStore``, which must live as long as the group, and the collective call that
+        shuts the group down (else done at exit).
 
     Raises:
         CommError: The store could not be opened or reached, or two ranks share one GPU
@@ -171,9 +172,8 @@ def process_group(comm, backend: str, device: torch.device | None = None,
     else:
         pg = dist.ProcessGroupGloo(store, rank, size, wait)
     shutdown = getattr(pg, "shutdown", None) or getattr(pg, "_shutdown", None)
-    if shutdown is not None:
-        free_at_exit(shutdown)
-    return pg, store
+    release = free_at_exit(shutdown) if shutdown is not None else lambda: None
+    return pg, store, release
 
 
 class TorchWork:

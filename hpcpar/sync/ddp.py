@@ -109,6 +109,10 @@ class DistributedDataParallel(nn.Module):
         self._stall = StallMonitor(self.grid.comm)
         self._require_sync = True
         self._on_scattered = None   # set by hpcpar.sync.sharded.ShardedOptimizer
+        self._groups: dict = {}
+        self._all_groups: list = []       # every group made, for close()
+        self._retired: list[Bucket] = []  # a re-plan's old buckets, until released
+        self.closed = False
         self._reset_pass()
         self._step = 0
         self._plan()
@@ -134,7 +138,16 @@ class DistributedDataParallel(nn.Module):
             self._tags_seen = version
             self._unhook_grads()
             self._check_same_model()
+            self._retired += self._buckets
             self._plan()
+            if self._on_scattered is None:  # else the sharded optimizer moves its state first
+                self._release_retired()
+
+    def _release_retired(self) -> None:
+        """Free the buckets a re-plan replaced (collective, in bucket order)."""
+        retired, self._retired = self._retired, []
+        for b in retired:
+            b.close()
 
     # -- public API --------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -146,8 +159,42 @@ class DistributedDataParallel(nn.Module):
 
         Returns:
             The module's output.
+
+        Raises:
+            CommError: The wrapper was closed: its gradients would no longer be synchronised.
         """
+        if self.closed:
+            raise CommError("DistributedDataParallel: called after close(); its gradients "
+                            "would not be synchronised (wrap the module again)")
         return self.module(*args, **kwargs)
+
+    def close(self) -> None:
+        """Release the gradient buckets' shared-memory windows and communicators, the stall
+        detector and the hooks, now instead of at exit (collective: every rank calls it).
+
+        For code that builds many wrappers in one process (sweeps, test suites): each one
+        otherwise holds a gradient-sized shared window per rank until the process ends.
+        ``.grad`` tensors survive (moved out of the windows); the module trains on unwrapped.
+        Closing twice is a no-op. ``with hpcpar.DDP(model, grid) as ddp:`` closes on leaving.
+        """
+        if self.closed:
+            return
+        self.closed = True
+        self.remove_hooks()
+        self._retired += self._buckets
+        self._buckets = []
+        self._release_retired()
+        for group in self._all_groups:
+            group.close()
+        self._all_groups = []
+        self._groups = {}
+        self._stall.close()
+
+    def __enter__(self) -> DistributedDataParallel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -262,6 +309,8 @@ class DistributedDataParallel(nn.Module):
             _broadcast_coalesced(data, grid.data_comm)
 
     def _make_groups(self, hierarchical) -> dict:
+        """The world group, and the data group where data-only parameters need one; a
+        re-plan keeps the groups it already has (they hold communicators or NCCL groups)."""
         grid = self.grid
         trained = [p for p in self.module.parameters() if p.requires_grad]
         if self._backend is None:
@@ -272,10 +321,13 @@ class DistributedDataParallel(nn.Module):
 
             def group(comm):
                 return TorchGroup(comm, grid.data, self._backend, device)
-        groups = {"world": group(grid.comm)}
+        world = self._groups.get("world") or group(grid.comm)
         needs_data = grid.spatial_size > 1 and any(reduce_scope(p) == DATA_ONLY for p in trained)
-        groups["data"] = group(grid.data_comm) if needs_data else groups["world"]
-        return groups
+        data = next((g for g in self._all_groups if g is not world), None)
+        if needs_data and data is None:
+            data = group(grid.data_comm)
+        self._all_groups = [world] + ([data] if data is not None else [])
+        return {"world": world, "data": data if needs_data else world}
 
     def _make_buckets(self, cap: float, first_cap: float, wire) -> list[Bucket]:
         """Per (reduction group, dtype, device): buckets in reverse registration order;

@@ -121,6 +121,7 @@ class ShardedOptimizer:
             return
         full = self._consolidate_from(self._planned_for, self.pieces)
         self._build()
+        self.ddp._release_retired()   # the old buckets' state is in ``full``
         self.load_consolidated(full)
 
     @property

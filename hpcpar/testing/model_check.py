@@ -96,6 +96,7 @@ def check_model(grid, entry, name: str, seed: int = 0, fuse: int = 1) -> tuple[s
     ref_loss = loss_fn(ref_out, target)
     ref_loss.backward()
     ref_out = local(ref_out).detach()
+    model = None
     try:
         model = hpcpar.DDP(spatialize(pristine, grid, bn_include_data=True, check=True,
                                       fuse_halos=fuse), grid)
@@ -105,8 +106,11 @@ def check_model(grid, entry, name: str, seed: int = 0, fuse: int = 1) -> tuple[s
         # this rank's piece of the target, as a data loader gives it, marked split
         loss = loss_fn(out, split_like(_piece(target, grid, is_split(out)), out))
         loss.backward()
-    except LayerError as exc:
+    except LayerError as exc:   # raised alike on every rank: the close below meets
+        if model is not None:
+            model.close()
         return _refused(name, exc)
+    model.close()   # its shared windows now, not at exit; the gradients stay
     what = f"{name} on {grid.spec()}"
     split = is_split(out)
     _close(local(out).detach(), _piece(ref_out, grid, split), f"{what}: output")

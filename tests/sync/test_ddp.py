@@ -448,3 +448,95 @@ def test_ranks_at_different_speeds(comm):
     for p, q in zip(model.parameters(), ref.parameters()):
         assert rel_err(p.grad, q.grad) <= 1e-6
     assert same_everywhere(comm, grads(model))
+
+
+def _shared_memory_kib() -> int:
+    """This process's resident shared memory (MPI shared-memory windows live there)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssShmem:"))
+
+
+@mpi_case(nprocs=(2,), timeout=90)
+def test_close_returns_the_windows_and_keeps_the_gradients(comm):
+    """close() frees every bucket window, communicator and the stall detector's window now,
+    not at exit: twelve wrappers of a 4 MB model in a row leave the shared memory and the
+    exit list where one wrapper left them; ``.grad`` survives its window; a closed wrapper
+    refuses to run (its gradients would silently stop being synchronised)."""
+    from hpcpar.parallel import buffers
+
+    r = comm.Get_rank()
+    grid = hpcpar.ProcessGrid(data=2)
+    sizes = (64, 1024, 960, 4)   # ~4.2 MB of fp32 gradients: shared-memory buckets
+
+    def one_step():
+        model = mlp(sizes=sizes)
+        ddp = hpcpar.DDP(model, grid, bucket_cap_mb=1, first_bucket_mb=0.05)
+        assert "shared" in {b.plan for b in ddp._buckets}
+        x, y = batch(0, 2 * B, fin=64)
+        loss_fn(ddp, x[r * B:(r + 1) * B], y[r * B:(r + 1) * B]).backward()
+        return model, ddp
+
+    exits = len(buffers._AT_EXIT)
+    model, ddp = one_step()
+    assert len(buffers._AT_EXIT) > exits
+    before = grads(model)
+    ddp.close()
+    ddp.close()   # twice: nothing more happens
+    assert len(buffers._AT_EXIT) == exits and ddp._stall.win is None
+    for p, g in zip(model.parameters(), before):
+        assert torch.equal(p.grad, g)
+        p.grad.add_(1)   # its own memory now, not a freed window
+    with pytest.raises(CommError, match="after close"):
+        ddp(torch.zeros(1, 64))
+    comm.Barrier()
+    base = _shared_memory_kib()
+    for _ in range(12):
+        with one_step()[1]:
+            pass
+    comm.Barrier()
+    grown = _shared_memory_kib() - base
+    assert len(buffers._AT_EXIT) == exits
+    assert grown < 4 * 1024, f"{grown} KiB of shared memory kept by closed wrappers"
+    with hpcpar.DDP(mlp(), grid, grad_sync="gloo") as gloo:   # a torch.distributed group
+        loss_fn(gloo, *batch(1, B)).backward()
+        assert len(buffers._AT_EXIT) > exits
+    assert len(buffers._AT_EXIT) == exits
+
+
+@mpi_case(nprocs=(2,), timeout=120)
+def test_a_replan_releases_the_buckets_it_replaces(comm):
+    """A spatialized model wrapped before its first forward re-plans its buckets after it
+    (the head turns out data-only): the old buckets' windows and communicators are freed
+    then (with a sharded optimizer: once it has moved its state), so a wrapper holds
+    exactly the resources of its current plan."""
+    from hpcpar.nn import spatialize
+    from hpcpar.parallel import buffers
+    from hpcpar.parallel.spatial import local_slices
+    from hpcpar.sync.sharded import ShardedOptimizer
+
+    grid = hpcpar.ProcessGrid(x=2)
+    x = torch.randn(B, 1, 8, 6, 5, generator=torch.Generator().manual_seed(1))
+    y = torch.randn(B, 2, generator=torch.Generator().manual_seed(2))
+    for sharded in (False, True):
+        exits = len(buffers._AT_EXIT)
+        ddp = hpcpar.DDP(spatialize(small_cnn(), grid), grid, bucket_cap_mb=1e-3,
+                         first_bucket_mb=1e-4)
+        old = list(ddp._buckets)
+        def adam(params):
+            return torch.optim.Adam(params, lr=1e-2)
+
+        opt = ShardedOptimizer(ddp, adam, ddp.parameters()) if sharded else adam(ddp.parameters())
+        loss = loss_fn(ddp, x[local_slices(x.shape, grid)], y)
+        assert ddp._buckets != old
+        assert bool(ddp._retired) == sharded   # kept until the optimizer moved its state
+        loss.backward()
+        opt.step()
+        assert not ddp._retired and all(b.channel == () for b in old)
+        planned = len(buffers._AT_EXIT) - exits
+        ddp.close()
+        assert len(buffers._AT_EXIT) == exits
+        fresh = hpcpar.DDP(spatialize(small_cnn(), grid), grid, bucket_cap_mb=1e-3,
+                           first_bucket_mb=1e-4)
+        fresh(x[local_slices(x.shape, grid)])   # plans once from the tags it learns
+        assert len(buffers._AT_EXIT) - exits == planned
+        fresh.close()
