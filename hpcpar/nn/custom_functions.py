@@ -25,6 +25,10 @@ from hpcpar.errors import LayerError
 __all__ = ["local_function", "refuse_custom_functions"]
 
 _MARK = "_hpcpar_local_function"
+#: torch's own Functions that are local: the identity a module's full backward hook puts on
+#: its inputs and outputs (its hooks then see each rank's piece of the gradient, as under
+#: torch's DDP they see each rank's samples)
+_TORCH_LOCAL = {("torch.nn.modules._functions", "BackwardHookFunction")}
 
 
 def local_function(cls: type) -> type:
@@ -88,7 +92,8 @@ def refuse_custom_functions(output: Any) -> bool:
         seen.add(id(node))
         cls = getattr(node, "_forward_cls", None)   # set on a Python Function's node
         if cls is not None and not getattr(cls, _MARK, False) \
-                and not cls.__module__.startswith("hpcpar."):
+                and not cls.__module__.startswith("hpcpar.") \
+                and (cls.__module__, cls.__qualname__) not in _TORCH_LOCAL:
             raise LayerError(_why(cls))
         todo.extend(fn for fn, _ in node.next_functions)
     return walked

@@ -486,28 +486,40 @@ def _plain_as(call: Call, other) -> torch.Tensor:
     return adopt(localize(whole, other._hp, other.dim(), call.name), other._hp)
 
 
-def reshape(call: Call):
-    """view / reshape with a GLOBAL target shape: allowed where every split dim stays a dim
-    of its own (batch and channel dims may merge or split freely)."""
+def reshape_target(call: Call) -> tuple[list[int], list[int]]:
+    """(the split tensor's global shape, the global shape a view or reshape asks for)."""
     t = call.splits[0]
-    lay = t._hp
     rest = call.args[1:]
     shape = call.kwargs.get("shape", call.kwargs.get("size"))
     if shape is None:
         shape = rest[0] if len(rest) == 1 and not isinstance(rest[0], int) else rest
     if call.name in ("view_as", "reshape_as"):
-        other = rest[0] if rest else call.kwargs["other"]
-        if not isinstance(call.args[0], SplitTensor):   # a plain tensor shaped like `other`
-            return _plain_as(call, other)
-        shape = _global_shape_of(other)
-    gold = list(lay.global_shape(t.shape_local))
+        shape = _global_shape_of(rest[0] if rest else call.kwargs["other"])
+    gold = list(t._hp.global_shape(t.shape_local))
     if isinstance(shape, torch.dtype):
         raise call.refuse("reinterprets the dtype", "convert with .to(dtype) instead")
     gnew = _resolve(shape, math.prod(gold))
     if math.prod(gnew) != math.prod(gold):
         raise call.refuse(f"cannot view global shape {tuple(gold)} as {tuple(gnew)}",
                           "check the sizes")
-    fn = torch.Tensor.reshape if call.name in ("reshape", "reshape_as") else torch.Tensor.view
+    return gold, gnew
+
+
+def reshape_fn(call: Call):
+    """torch's reshape or view, as the call asks."""
+    return torch.Tensor.reshape if call.name in ("reshape", "reshape_as") else torch.Tensor.view
+
+
+def reshape(call: Call):
+    """view / reshape with a GLOBAL target shape: allowed where every split dim stays a dim
+    of its own (batch and channel dims may merge or split freely)."""
+    t = call.splits[0]
+    lay = t._hp
+    if call.name in ("view_as", "reshape_as") and not isinstance(call.args[0], SplitTensor):
+        rest = call.args[1:]   # a plain tensor shaped like a split `other`
+        return _plain_as(call, rest[0] if rest else call.kwargs["other"])
+    gold, gnew = reshape_target(call)
+    fn = reshape_fn(call)
     if lay.standard and len(gold) == 5 and gnew == [gold[0], math.prod(gold[1:])]:
         return adopt(fn(raw(t), [t.shape_local[0], -1]), flat_layout(t))  # x.view(N, -1)
     new_sdims = []

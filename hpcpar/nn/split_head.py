@@ -330,10 +330,21 @@ def _reduction(call):
     return total / count
 
 
+def _same_shape(call):
+    """A view or reshape to the shape the flattened tensor already has: itself, as torch
+    gives it (torch's own module backward hooks ``view_as`` a module's output to itself)."""
+    x = call.splits[0]
+    gold, gnew = rules.reshape_target(call)
+    if gnew != gold or x is not call.args[0]:
+        raise call.refuse("reshapes a flattened split tensor", "apply the nn.Linear right "
+                          "after the flatten, or reduce the spatial dims before flattening")
+    return adopt(rules.reshape_fn(call)(raw(x), raw(x).shape), x._hp)
+
+
 _AS_IS = {rules.global_size, rules.global_numel, rules.global_len, rules.attribute,
           rules.as_plain, rules.like_factory, rules.refuse_local_values, rules.refuse_random}
 _RULES = {rules.pointwise: _pointwise, rules.linear: _linear, sops.dropout: _dropout,
-          sops.reduction: _reduction}
+          sops.reduction: _reduction, rules.reshape: _same_shape}
 
 
 def flat_rule(rule: Any, call: Any) -> Any:

@@ -241,10 +241,16 @@ class _PartialFlatten(nn.Module):
         return x.flatten(2)
 
 
+class _ReshapeAfterFlatten(nn.Module):
+    def forward(self, x):
+        return x.flatten(1).reshape(x.shape[0], 2, -1)
+
+
 @pytest.mark.parametrize("model, op, why", [
     (_SoftmaxAfterFlatten(), "softmax", "no form on a flattened split tensor"),
     (_MaxAfterFlatten(), "amax", "other than by a sum or mean over its features"),
     (_PartialFlatten(), "flatten", "merges a split dim"),
+    (_ReshapeAfterFlatten(), "reshape", "reshapes a flattened split tensor"),
 ])
 def test_other_ops_on_a_flattened_volume_are_refused(model, op, why):
     from hpcpar.errors import LayerError
@@ -254,3 +260,45 @@ def test_other_ops_on_a_flattened_volume_are_refused(model, op, why):
         spatialize(model, one_rank_grid())(torch.randn(1, 1, 4, 4, 4))
     msg = str(info.value)
     assert op in msg and why in msg and "\n" not in msg and f"{__file__}:" in msg
+
+
+@mpi_case(nprocs=(2,), timeout=120)
+def test_full_backward_hooks_on_every_module(comm):
+    """Gradient logging as users write it (Captum, a debugging hook): a full backward hook on
+    every module, the Flatten included, whose output torch passes through ``view_as`` of
+    itself. Exact against one process, and each hook fires as often as there."""
+    from hpcpar import ProcessGrid
+    from hpcpar.nn import spatialize
+
+    grid = ProcessGrid(x=2)
+    torch.manual_seed(0)
+    plain = _sequential().double()
+    model = spatialize(copy.deepcopy(plain), grid)
+    calls: dict = {}
+
+    def hooked(net, tag):
+        for name, m in net.named_modules():
+            if name:
+                m.register_full_backward_hook(
+                    lambda m, gi, go, key=(tag, name): calls.__setitem__(key,
+                                                                         calls.get(key, 0) + 1))
+
+    hooked(plain, "plain")
+    hooked(model, "split")
+    x = randn((2, 2, *SIZE), 1, torch.float64).requires_grad_()
+    ref = plain(x)
+    ref.sum().backward()
+    xl = _piece(x.detach(), grid).requires_grad_()
+    out = model(xl)
+    out.sum().backward()
+    _close(out.detach(), ref.detach(), "output")
+    _close(xl.grad, _piece(x.grad, grid), "input grad")
+    from hpcpar.parallel.comm import allreduce_
+
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        g = _full_grad(p).clone()
+        if "0." in name:   # a convolution's weight: each rank's part of the sum
+            g = allreduce_(g, grid.comm)
+        _close(g, q.grad, f"grad {name}")
+    names = [n for n, _ in plain.named_modules() if n]
+    assert [calls.get(("split", n)) for n in names] == [calls.get(("plain", n)) for n in names]
