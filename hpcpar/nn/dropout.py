@@ -10,10 +10,7 @@ Coordinates: global sample ``n_g = grid.coords[0] * N + n`` (the global batch is
 over the data axis, data group d holding samples ``[d*N, (d+1)*N)``), channel ``c``, and unless
 ``feature`` (whole channels, ``Dropout3d``) the global voxel ``(d, h, w)``.
 
-Hash: the row ``r = ((n_g·C + c)·D + d)·H + h`` takes output r of the SplitMix64 stream of
-``key = SplitMix64(seed)``, truncated to 32 bits; voxel w of the row is murmur3's 32-bit finaliser
-of ``row + w·0x9E3779B9`` (a bijection per row, so no two voxels of a row share a draw). 64-bit
-work per row, 32-bit per voxel: int64 multiplies have no SIMD instruction on most CPUs. The
+Draws: :mod:`hpcpar.nn._voxel_hash` (a hash of the key and the global coordinates). The
 voxel is dropped when its 32-bit draw ``u < round(p·2³²)``, so the rate is p to within 2⁻³².
 Kept values are scaled by 1/(1 - p).
 
@@ -35,46 +32,9 @@ from hpcpar.errors import LayerError
 from hpcpar.parallel.grid import ProcessGrid
 from hpcpar.parallel.spatial import local_shape, local_slices
 
+from ._voxel_hash import VoxelCounter, low32, signed, splitmix64, stream_key
+
 __all__ = ["spatial_dropout", "next_dropout_seed"]
-
-_SLAB = 1 << 18  # voxels per slab of hashing work
-
-
-def _signed(value: int, bits: int) -> int:
-    """The two's complement reading of ``value`` mod 2**bits (torch ints are signed)."""
-    value %= 1 << bits
-    return value - (1 << bits) if value >> (bits - 1) else value
-
-
-_GAMMA64 = _signed(0x9E3779B97F4A7C15, 64)
-_GAMMA32 = _signed(0x9E3779B9, 32)
-_SPLITMIX = ((30, _signed(0xBF58476D1CE4E5B9, 64)), (27, _signed(0x94D049BB133111EB, 64)),
-             (31, None))
-_FMIX32 = ((16, _signed(0x85EBCA6B, 32)), (13, _signed(0xC2B2AE35, 32)), (16, None))
-
-
-def _finalise_(z: torch.Tensor, steps, bits: int, tmp: torch.Tensor) -> torch.Tensor:
-    """z ^= z >>> s; z *= m, for each (s, m), in place with wrapping integer arithmetic
-    (``>>>`` is the logical shift: torch's ``>>`` is arithmetic, so the sign copies are
-    masked off)."""
-    for shift, mult in steps:
-        torch.bitwise_right_shift(z, shift, out=tmp).bitwise_and_((1 << (bits - shift)) - 1)
-        z.bitwise_xor_(tmp)
-        if mult is not None:
-            z.mul_(mult)
-    return z
-
-
-def _splitmix64(counters: torch.Tensor, key: int) -> torch.Tensor:
-    """Output ``counters`` of the SplitMix64 stream seeded ``key`` (int64 tensor)."""
-    z = (counters + 1).mul_(_GAMMA64).add_(key)
-    return _finalise_(z, _SPLITMIX, 64, torch.empty_like(z))
-
-
-def _low32(z: torch.Tensor) -> torch.Tensor:
-    """The low 32 bits of an int64 tensor, as int32 (exact, no overflowing cast)."""
-    return z.bitwise_and(0xFFFFFFFF).bitwise_xor_(1 << 31).sub_(1 << 31).to(torch.int32)
-
 
 def next_dropout_seed() -> int:
     """The seed of one dropout call, drawn from torch's default generator: it follows
@@ -90,48 +50,31 @@ class _KeepMask:
     key: int                        # SplitMix64(seed), signed 64-bit
     threshold: int                  # drop when the unsigned 32-bit draw is below it
     scale: float                    # 1 / (1 - p)
-    n0: int                         # global index of this piece's first sample
-    radices: tuple[int, int, int]   # global (C, D, H): the row counter's radices
-    offsets: tuple[int, int, int]   # global (d, h, w) of this piece's first voxel
+    counter: VoxelCounter           # the piece's global coordinates
     feature: bool
 
     def _kept(self, draw: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out = draw >= threshold`` as unsigned 32-bit numbers (``draw`` is clobbered):
         flipping the sign bit of both sides makes torch's signed compare an unsigned one."""
-        draw.bitwise_xor_(_signed(1 << 31, 32))
+        draw.bitwise_xor_(signed(1 << 31, 32))
         return torch.ge(draw, self.threshold - (1 << 31), out=out)
-
-    def _rows(self, n: int, c: int, d: int, h: int, device) -> torch.Tensor:
-        """Global row counters ``((n_g·C + c)·D + d)·H + h`` of the piece, (n, c, d, h, 1)."""
-        C, D, H = self.radices
-        d0, h0, _ = self.offsets
-        ar = [torch.arange(k, dtype=torch.int64, device=device) for k in (n, c, d, h)]
-        sample = ((ar[0] + self.n0) * C).view(n, 1, 1, 1, 1) + ar[1].view(1, c, 1, 1, 1)
-        return ((sample * D + (ar[2] + d0).view(1, 1, d, 1, 1)) * H
-                + (ar[3] + h0).view(1, 1, 1, h, 1))
 
     def apply(self, t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out = t · keep · scale`` (``out`` may be ``t``)."""
-        n, c, d, h, w = t.shape
+        n, c = t.shape[:2]
         if self.feature:
-            ids = (torch.arange(n, device=t.device) + self.n0).view(n, 1) * self.radices[0]
+            ids = (torch.arange(n, device=t.device) + self.counter.n0).view(n, 1) \
+                * self.counter.radices[0]
             ids = ids + torch.arange(c, device=t.device)
-            draw = _low32(_splitmix64(ids, self.key))
-            keep = self._kept(draw, torch.empty(draw.shape, dtype=torch.bool, device=t.device))
-            return torch.mul(t, keep.view(n, c, 1, 1, 1), out=out).mul_(self.scale)
-        rows = _low32(_splitmix64(self._rows(n, c, d, h, t.device), self.key))
-        cols = (torch.arange(w, device=t.device) + self.offsets[2]).mul_(_GAMMA32)
-        cols = _low32(cols).view(1, 1, 1, 1, w)
-        step = max(1, _SLAB // max(1, n * c * h * w))
-        first = t[:, :, :step]
-        z = torch.empty_like(first, dtype=torch.int32)   # t's memory format
-        tmp, keep = torch.empty_like(z), torch.empty_like(z, dtype=torch.bool)
-        for a in range(0, d, step):
-            planes = slice(a, min(a + step, d))
-            k = min(step, d - a)
-            zs, ts, ks = z[:, :, :k], tmp[:, :, :k], keep[:, :, :k]
-            torch.add(rows[:, :, planes], cols, out=zs)
-            self._kept(_finalise_(zs, _FMIX32, 32, ts), ks)
+            draw = low32(splitmix64(ids, self.key))
+            kept = self._kept(draw, torch.empty(draw.shape, dtype=torch.bool, device=t.device))
+            return torch.mul(t, kept.view(n, c, 1, 1, 1), out=out).mul_(self.scale)
+        keep: torch.Tensor | None = None
+        for planes, draw in self.counter.slabs(self.key, t):
+            if keep is None:   # the first slab is the largest
+                keep = torch.empty_like(draw, dtype=torch.bool)
+            ks = keep[:, :, :draw.shape[2]]
+            self._kept(draw, ks)
             torch.mul(t[:, :, planes], ks, out=out[:, :, planes]).mul_(self.scale)
         return out
 
@@ -192,8 +135,7 @@ def spatial_dropout(x: torch.Tensor, p: float, training: bool = True, inplace: b
         return x
     if threshold >= 2**32:   # p = 1 (to 32 bits): torch's rule, x·0
         return x.mul_(0.0) if inplace else x * 0.0
-    key = int(_splitmix64(torch.tensor(_signed(seed, 64)), 0).item())
     offsets = tuple(s.start for s in local_slices(glob, grid)[2:])
-    mask = _KeepMask(key, threshold, 1.0 / (1.0 - p), grid.coords[0] * x.shape[0],
-                     glob[1:4], offsets, feature)
+    mask = _KeepMask(stream_key(seed), threshold, 1.0 / (1.0 - p),
+                     VoxelCounter(grid.coords[0] * x.shape[0], glob[1:4], offsets), feature)
     return _SpatialDropout.apply(x, mask, inplace)

@@ -61,9 +61,8 @@ _ENTRIES = [
     *_names("local", d.new_factory, ("new_zeros", "new_ones", "new_empty", "new_full",
                                         "new_tensor"), (_T,)),
     *_names("local", d.flip, ("flip",)),
-    *_names("refused", d.refuse_random, ("rand_like", "randn_like", "randint_like",
-                                         "bernoulli", "bernoulli_", "normal_", "uniform_",
-                                         "random_", "exponential_", "multinomial")),
+    *_names("refused", d.refuse_random, ("randint_like", "bernoulli", "bernoulli_", "random_",
+                                         "exponential_", "multinomial")),
     *_names("local", d.dim_local, ("softmax", "log_softmax", "softmin", "cumsum", "cumprod",
                                    "cummax", "cummin", "sort", "argsort", "topk", "glu",
                                    "normalize", "logcumsumexp", "diff")),
@@ -112,6 +111,7 @@ _ENTRIES = [
     *_names("dropout", s.dropout, ("dropout", "dropout2d", "dropout3d", "dropout1d",
                                    "alpha_dropout", "feature_alpha_dropout"), (F,)),
     *_names("loss", s.loss, tuple(s._LOSS_NAMES), (F,)),
+    *_names("random", s.noise, tuple(s._NOISE)),
 ]
 
 _RULES: dict = {}

@@ -16,12 +16,13 @@ import math
 import torch
 import torch.nn.functional as F
 
-from hpcpar.parallel.partition import xyz
+from hpcpar.parallel.partition import box, xyz
 
 from . import fused_halo, global_norm, padding, resample
 from ._base import triple
 from .conv import SpatialConv3d, SpatialConvTranspose3d
 from .dropout import spatial_dropout
+from .noise import spatial_noise
 from .norm import _GlobalBatchNorm
 from .pool import SpatialAvgPool3d, SpatialMaxPool3d
 from .reduce import _ReplicatedSum, global_reduce
@@ -408,12 +409,68 @@ def dropout(call: Call):
     return x if b["inplace"] else adopt(out, lay)
 
 
-def forward_seed(ctx) -> int:
-    """One seed per dropout call: drawn from torch's generator on every rank (keeping their
-    streams in step) and the spatial root's value taken, so the group agrees."""
-    drawn = int(torch.randint(0, 2**62, (1,)).item())
+def forward_seed(ctx, generator: torch.Generator | None = None) -> int:
+    """One seed per dropout or noise call: drawn from torch's generator (or the call's own)
+    on every rank, keeping their streams in step, and the spatial root's value taken, so the
+    group agrees."""
+    drawn = int(torch.randint(0, 2**62, (1,), generator=generator).item())
     grid = ctx.grid
     return grid.spatial_comm.bcast(drawn, root=0) if grid.spatial_size > 1 else drawn
+
+
+# -- random numbers ----------------------------------------------------------------------------
+_NOISE = {"randn_like": "normal", "rand_like": "uniform", "normal_": "normal",
+          "uniform_": "uniform"}
+
+
+def noise(call: Call):
+    """``randn_like`` / ``rand_like`` / ``normal_`` / ``uniform_`` of a split volume: numbers
+    that depend on the seed and each element's GLOBAL coordinates (hpcpar.nn.noise), so any
+    grid gives the one-rank result. In the first-step check's probe, torch's own numbers for
+    the whole tensor instead (its plain model drew them)."""
+    x = call.splits[0]
+    lay = x._hp
+    if x is not call.args[0] or len(lay.sdims) != 3 or 0 in lay.sdims:
+        raise call.refuse("draws for a tensor that is not a batch-first split volume",
+                          "draw the noise for the volume itself")
+    generator = call.kwargs.get("generator")
+    if not call.ctx.dropout:
+        return _probe_noise(call, x, generator)
+    if call.name.endswith("_"):
+        names = ("self", "mean", "std") if call.name == "normal_" else ("self", "from", "to")
+        b = call.bind(names, (0.0, 1.0))
+        low, scale = b[names[1]], b[names[2]]
+        if call.name == "uniform_":
+            scale -= low
+        values = spatial_noise(raw(x), _NOISE[call.name], grid=call.ctx.grid, sdims=lay.sdims,
+                               gshape=lay.gshape, seed=forward_seed(call.ctx, generator))
+        raw(x).copy_(values.mul_(scale).add_(low))
+        return x
+    b = call.bind(("input",))
+    out = spatial_noise(raw(x), _NOISE[call.name], grid=call.ctx.grid, sdims=lay.sdims,
+                        gshape=lay.gshape, seed=forward_seed(call.ctx, generator),
+                        dtype=b.get("dtype"))
+    if b.get("device") is not None:
+        out = out.to(b["device"])
+    return adopt(out.requires_grad_(bool(b.get("requires_grad", False))), lay)
+
+
+def _probe_noise(call: Call, x, generator):
+    """torch's call on the whole tensor, from the spatial root's generator state (what the
+    check's plain model drew), cut to this rank's piece."""
+    grid, lay = call.ctx.grid, x._hp
+    gen = generator if generator is not None else torch.default_generator
+    gen.set_state(grid.spatial_comm.bcast(gen.get_state(), root=0))
+    whole = torch.empty(lay.global_shape(x.shape_local), dtype=x.dtype, device=x.device)
+    drawn = call.func(whole, *call.args[1:], **call.kwargs)
+    cut = [slice(None)] * x.dim()
+    for d, (start, stop) in zip(lay.sdims, box(lay.gshape, grid.spatial_shape,
+                                                     grid.spatial_coords)):
+        cut[d] = slice(start, stop)
+    if call.name.endswith("_"):
+        raw(x).copy_(drawn[tuple(cut)])
+        return x
+    return adopt(drawn[tuple(cut)].clone(), lay)
 
 
 def replicated_dropout(func, args, kwargs, ctx):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from hpcpar.errors import LayerError
 from hpcpar.nn import local, spatialize, split_like
@@ -26,6 +27,22 @@ def _close(got, want, what, floor=1e-3):
     scale = max(float(want.abs().max()) if want.numel() else 0.0, floor)
     err = float((got - want).abs().max()) if got.numel() else 0.0
     assert err <= RTOL * scale, f"{what}: max |diff| {err:.3e} (scale {scale:.3e})"
+
+
+_NOISE = {torch.randn_like, torch.rand_like, torch.Tensor.normal_, torch.Tensor.uniform_}
+
+
+class _VolumeNoise(TorchFunctionMode):
+    """Notes a random draw shaped like a volume in the plain model, where hpcpar draws its
+    own split-independent numbers (:mod:`hpcpar.nn.noise`) instead of torch's."""
+
+    seen = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _NOISE and args and isinstance(args[0], torch.Tensor) \
+                and args[0].dim() >= 5:
+            self.seen = True
+        return func(*args, **(kwargs or {}))
 
 
 def _target(out, kind, seed):
@@ -84,14 +101,18 @@ def check_model(grid, entry, name: str, seed: int = 0, fuse: int = 1) -> tuple[s
     x = randn((2 * grid.data, c, *size), seed + 1, torch.float64)
     dropout = any(isinstance(m, torch.nn.modules.dropout._DropoutNd) for m in plain.modules())
     torch.manual_seed(99)
-    if dropout:  # reference: the same hpcpar model on one rank (split-independent masks)
-        plain = spatialize(plain, one_rank_grid())
+    noise = _VolumeNoise()
+    if not dropout:
+        with noise:
+            ref_out = plain(x)
+    if dropout or noise.seen:
+        # reference: the same hpcpar model on one rank (split-independent masks and noise)
+        plain = spatialize(copy.deepcopy(pristine), one_rank_grid())
+        torch.manual_seed(99)
         try:
             ref_out = plain(x)
         except LayerError as exc:   # refused on one rank: refused on every grid
             return _refused(name, exc)
-    else:
-        ref_out = plain(x)
     target = _target(ref_out, kind, seed + 2)
     ref_loss = loss_fn(ref_out, target)
     ref_loss.backward()

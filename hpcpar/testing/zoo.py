@@ -646,6 +646,26 @@ class VAELatent(nn.Module):
         return self.head(h + self.dec(z)[:, :, None, None, None])
 
 
+class LatentVolumeNoise(nn.Module):
+    """A variational bottleneck over a latent VOLUME (MONAI's AutoencoderKL, diffusion
+    models' noising): ``torch.randn_like`` of a split tensor and ``normal_`` of a fresh one,
+    refused before; hpcpar draws numbers that do not depend on the split, on data grids too
+    (the reference is hpcpar's one-rank run, as for dropout)."""
+
+    def __init__(self, c=2):
+        super().__init__()
+        self.enc = nn.Conv3d(c, 4, 3, padding=1)
+        self.mu, self.logvar = nn.Conv3d(4, 3, 1), nn.Conv3d(4, 3, 1)
+        self.dec = nn.Conv3d(3, 2, 3, padding=1)
+
+    def forward(self, x):
+        h = F.silu(self.enc(x))
+        mu, logvar = self.mu(h), self.logvar(h).clamp(-5, 5)
+        z = mu + torch.exp(0.5 * logvar) * torch.randn_like(mu)
+        jitter = torch.empty_like(z).normal_(0.0, 0.01)
+        return self.dec(z + jitter)
+
+
 # name -> (factory, channels, size, loss, target kind, expected)
 #   target kind: "like" (same shape as the output), "class" (class indices per voxel or per
 #   sample), "binary" (0/1 like the output)
@@ -682,6 +702,7 @@ ZOO = {
     "video_head": (VideoHead, 2, (4, 6, 5), ce, "class", "exact"),
     "response_norm_critic": (ResponseNormCritic, 2, (7, 6, 5), mse, "like", "exact"),
     "composed_reductions": (ComposedReductions, 2, (9, 7, 8), ce, "class", "exact"),
+    "latent_volume_noise": (LatentVolumeNoise, 2, (7, 8, 6), mse, "like", "exact"),
 }
 
 
