@@ -12,7 +12,6 @@ spatial twins in :mod:`hpcpar.nn.spatial_ops`. Importing this module opens the f
 
 from __future__ import annotations
 
-import inspect
 import warnings
 
 import torch
@@ -27,8 +26,9 @@ from .gather import gather_shrunk
 from .rules import FAST, Call, leaves, map_args, op_name
 from .spatial_ops import batch_norm as _batch_norm
 from .spatial_ops import conv3d as _conv3d
-from .split import FlatLayout, SplitTensor, refuse, set_handler, user_frame
+from .split import FlatLayout, SplitTensor, TokenLayout, refuse, set_handler, user_frame
 from .split_head import flat_rule
+from .tokens import token_rule
 
 __all__ = ["handle", "mode_call", "SpatialMode"]
 
@@ -77,6 +77,8 @@ def handle(func, args, kwargs, ctx=None):
             call = Call(func, args, kwargs, splits)
             if any(type(t._hp) is FlatLayout for t in splits):
                 return flat_rule(rule, call)   # a flattened volume: hpcpar.nn.split_head
+            if any(type(t._hp) is TokenLayout for t in splits):   # hpcpar.nn.tokens
+                return token_rule(rule, call, lambda f, a, k: handle(f, a, k, ctx))
             if any(type(t._hp) is fused_halo.MarginLayout for t in splits):
                 return fused_halo.margin_call(call, rule, _MARGIN_KIND.get(rule),
                                               lambda f, a, k: handle(f, a, k, ctx))
@@ -106,28 +108,14 @@ _MARGIN_KIND = {_conv3d: "conv", _rules.pointwise: "pointwise",
                 **dict.fromkeys(_SHAPE_ONLY, "keep")}
 
 
-def _writes_into_first(func, args, kwargs) -> bool:
-    """Whether ``func`` writes into its first argument (``add_``, ``x += y``, ``x[i] = v``,
-    ``inplace=True``, ``out=``)."""
-    name = op_name(func)
-    if (name.endswith("_") and not name.endswith("__")) or name.startswith("__i") \
-            or name == "__setitem__" or kwargs.get("inplace") or "out" in kwargs:
-        return True
-    try:
-        params = list(inspect.signature(func).parameters)
-    except (TypeError, ValueError):   # a builtin without a signature: named as above
-        return False
-    return "inplace" in params and params.index("inplace") < len(args) and \
-        bool(args[params.index("inplace")])
-
-
 def _gathered_call(func, args, kwargs, ctx, splits):
     """``func`` with its shrunk split operands gathered whole on every rank: the op and what
     follows run replicated, as after a global pooling (exact; backward takes the own slice).
     Warns once per source line: from there on each rank holds the whole tensor."""
     shrunk = [t for t in splits if t._hp.shrunk]
     lay = shrunk[0]._hp
-    if args and any(args[0] is t for t in shrunk) and _writes_into_first(func, args, kwargs):
+    if args and any(args[0] is t for t in shrunk) and \
+            _rules.writes_into_first(func, args, kwargs):
         raise refuse(op_name(func), f"writes in place into a volume {lay.gshape}, fewer "
                      f"voxels than the grid {lay.ctx.grid.spatial_shape} splits it into,",
                      "write y = op(x) there instead (such a volume is gathered whole into a "
@@ -164,13 +152,45 @@ def _route(func):
 # -- calls with no split argument (under the mode) ------------------------------------------
 def _replicated_call(func, args, kwargs, flat, ctx):
     if ctx is not None:
+        shared = False
         for t in flat:
             if isinstance(t, nn.Parameter):
                 ctx.replicated_params.add(id(t))
+                shared = shared or t.requires_grad
+        if shared and ctx.grid.spatial_size > 1 and torch.is_grad_enabled() \
+                and optable.reads_values(func):
+            args, kwargs = map_args(lambda t: _ReplicatedUse.use(t, ctx), args, kwargs)
         rule = optable.REPLICATED_RULES.get(func)
         if rule is not None:
             return rule(func, args, kwargs, ctx)
     return func(*args, **kwargs)
+
+
+class _ReplicatedUse(torch.autograd.Function):
+    """A parameter as an op on replicated tensors uses it: that use's gradient is complete,
+    and the same on every rank of the spatial group. Where the same forward also used the
+    parameter on split tensors (a decoder shared by a split path and a replicated one, as in
+    MONAI's SegResNetVAE), the gradient sync sums its gradient over the spatial group for the
+    split uses' partial parts; this use's part is then divided by the group's size, so the sum
+    counts it once. Decided in backward, when the forward has seen every use."""
+
+    @staticmethod
+    def forward(ctx, p, key, split_uses, size):
+        ctx.key, ctx.split_uses, ctx.size = key, split_uses, size
+        return p.view_as(p)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.key in ctx.split_uses:
+            grad = grad / ctx.size
+        return grad, None, None, None
+
+    @staticmethod
+    def use(t, ctx):
+        if not (isinstance(t, nn.Parameter) and t.requires_grad):
+            return t
+        with torch._C.DisableTorchFunction():
+            return _ReplicatedUse.apply(t, id(t), ctx.spatial_params, ctx.grid.spatial_size)
 
 
 set_handler(handle)   # the split tensor's own door (hpcpar.nn.split imports no rule)

@@ -146,6 +146,22 @@ def _aten_pointwise(name: str) -> bool:
 _TENSOR_OVERLOADS = ("default", "Tensor", "Scalar", "self", "Tensor_Scalar", "Tensor_Tensor")
 
 
+#: calls on a tensor itself, not on its values (a hook must go on the parameter)
+_NOT_VALUES = {"__get__", "__set__", "__delete__", "__setitem__", "register_hook",
+               "register_post_accumulate_grad_hook", "retain_grad", "backward"}
+
+
+def reads_values(func) -> bool:
+    """Whether ``func`` computes from its tensors' values, so that a parameter among them
+    gets a gradient from the call: not an attribute, metadata or an in-place write."""
+    name = getattr(func, "__name__", "")
+    if name in _NOT_VALUES or _KIND.get(func) == "metadata":
+        return False
+    if name.startswith("__"):
+        return not name.startswith("__i")   # __iadd__ and friends write in place
+    return not name.endswith("_")
+
+
 def rule_for(func):
     """The rule of ``func`` (see the module docstring); cached per function object."""
     rule = _RULES.get(func)

@@ -18,6 +18,7 @@ Replicated operands of a split op (conventions of DESIGN §2, the conjugate pair
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -28,7 +29,7 @@ from hpcpar.parallel.comm import allreduce_
 from hpcpar.parallel.partition import part_range, torch_pad
 
 from . import padding
-from .split import FlatLayout, Layout, SplitTensor, adopt, raw, refuse, wrap
+from .split import FlatLayout, Layout, SplitTensor, TokenLayout, adopt, raw, refuse, wrap
 
 __all__ = ["Call", "FAST", "leaves", "localize", "wrap_like", "pointwise", "channelwise"]
 
@@ -486,6 +487,21 @@ def _plain_as(call: Call, other) -> torch.Tensor:
     return adopt(localize(whole, other._hp, other.dim(), call.name), other._hp)
 
 
+def writes_into_first(func, args, kwargs) -> bool:
+    """Whether ``func`` writes into its first argument (``add_``, ``x += y``, ``x[i] = v``,
+    ``inplace=True``, ``out=``)."""
+    name = op_name(func)
+    if (name.endswith("_") and not name.endswith("__")) or name.startswith("__i") \
+            or name == "__setitem__" or kwargs.get("inplace") or "out" in kwargs:
+        return True
+    try:
+        params = list(inspect.signature(func).parameters)
+    except (TypeError, ValueError):   # a builtin without a signature: named as above
+        return False
+    return "inplace" in params and params.index("inplace") < len(args) and \
+        bool(args[params.index("inplace")])
+
+
 def reshape_target(call: Call) -> tuple[list[int], list[int]]:
     """(the split tensor's global shape, the global shape a view or reshape asks for)."""
     t = call.splits[0]
@@ -522,6 +538,8 @@ def reshape(call: Call):
     fn = reshape_fn(call)
     if lay.standard and len(gold) == 5 and gnew == [gold[0], math.prod(gold[1:])]:
         return adopt(fn(raw(t), [t.shape_local[0], -1]), flat_layout(t))  # x.view(N, -1)
+    if lay.standard and len(gold) == 5 and gnew == [*gold[:2], math.prod(gold[2:])]:
+        return adopt(fn(raw(t), [*t.shape_local[:2], -1]), token_layout(t))  # view(N, C, -1)
     new_sdims = []
     mapping = {}
     for gi, gj in _groups(gold, gnew):
@@ -551,6 +569,13 @@ def flat_layout(t) -> FlatLayout:
     return FlatLayout(lay.ctx, (1,), (math.prod(volume),), volume)
 
 
+def token_layout(t) -> TokenLayout:
+    """The layout of a standard split ``(N, C, D, H, W)`` tensor viewed as ``(N, C, D*H*W)``
+    (:class:`~hpcpar.nn.split.TokenLayout`, :mod:`hpcpar.nn.tokens`)."""
+    lay = t._hp
+    return TokenLayout(lay.ctx, (2,), (math.prod(lay.gshape),), tuple(lay.gshape))
+
+
 def flatten(call: Call):
     t = call.splits[0]
     b = call.bind(("input", "start_dim", "end_dim"), (0, -1))
@@ -559,6 +584,8 @@ def flatten(call: Call):
     if e > s and any(s <= d <= e for d in t._hp.sdims):
         if (s, e) == (1, 4) and n == 5 and t._hp.standard:
             return adopt(call.run_plain(), flat_layout(t))   # nn.Flatten(): the split head
+        if (s, e) == (2, 4) and n == 5 and t._hp.standard:
+            return adopt(call.run_plain(), token_layout(t))   # x.flatten(2): hpcpar.nn.tokens
         raise call.refuse("merges a split dim with others", _MERGE_TODO)
     out = call.run_plain()
     shift = max(e - s, 0)

@@ -14,7 +14,8 @@ after each ``forward``, a parameter used only on replicated tensors (a head afte
 pool, a gate computed from a global mean) is tagged data-only (its gradient is complete on
 every rank); one used on split tensors keeps the default (partial gradients, summed by the
 sync). :class:`hpcpar.DDP` re-plans its buckets when the tags change. A parameter used both
-ways is refused.
+ways keeps the default too: its replicated uses' gradient is divided by the group's size
+(:class:`hpcpar.nn.dispatch._ReplicatedUse`), so the sync's sum counts them once.
 
 Modules that carry ``spatial_twin(grid)`` (``GatherPoint``) are replaced by their twin;
 hpcpar's own spatial layers inside a model take this rank's piece as before.
@@ -31,7 +32,6 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
-from hpcpar.errors import LayerError
 from hpcpar.parallel.grid import ProcessGrid
 from hpcpar.parallel.halo import global_spatial_shape
 from hpcpar.sync.tags import DATA_ONLY, REDUCE_ATTR, TAGS_VERSION, tag_data_only
@@ -99,8 +99,8 @@ def _enter(module, args, kwargs):
         except BaseException:
             ctx.depth -= 1
             raise
-    ctx.spatial_params.clear()
-    ctx.replicated_params.clear()
+    ctx.spatial_params = set()   # new sets: a backward still to come reads its forward's
+    ctx.replicated_params = set()
     settle_runs(ctx)
     args = tuple(_split_inputs(ctx, args))
     kwargs = dict(zip(kwargs, _split_inputs(ctx, kwargs.values())))
@@ -135,14 +135,13 @@ def _retag(model: nn.Module, ctx) -> bool:
     if used == ctx.tagged:
         return False
     changed = False
-    for name, p in model.named_parameters():
+    for p in model.parameters():
+        # used on split tensors (and maybe on replicated ones too, whose gradient part is
+        # then divided by the group's size: hpcpar.nn.dispatch._ReplicatedUse): summed over
+        # the spatial group; used on replicated tensors only: complete on every rank
         spatial, replicated = id(p) in ctx.spatial_params, id(p) in ctx.replicated_params
-        if spatial and replicated:
-            raise LayerError(f"spatialize: parameter '{name}' is used both on split tensors "
-                             "and on replicated ones; its gradient would mix partial and "
-                             "complete parts: use separate parameters")
         was = getattr(p, REDUCE_ATTR, None) == DATA_ONLY
-        if replicated and not was:
+        if replicated and not spatial and not was:
             tag_data_only(p)
             changed = True
         elif spatial and was:

@@ -26,8 +26,8 @@ from hpcpar.parallel.partition import box as part_box
 if TYPE_CHECKING:
     from hpcpar.parallel.grid import ProcessGrid
 
-__all__ = ["SplitTensor", "Layout", "FlatLayout", "SplitContext", "local", "is_split", "split_like",
-           "user_frame"]
+__all__ = ["SplitTensor", "Layout", "FlatLayout", "TokenLayout", "SplitContext", "local",
+           "is_split", "split_like", "user_frame"]
 
 
 @dataclass
@@ -99,6 +99,19 @@ class FlatLayout(Layout):
         """This rank's ``(start, stop)`` on each spatial axis of :attr:`volume`."""
         grid = self.ctx.grid
         return part_box(self.volume[1:], grid.spatial_shape, grid.spatial_coords)
+
+
+@dataclass(frozen=True)
+class TokenLayout(Layout):
+    """A split ``(N, C, D, H, W)`` volume viewed as ``(N, C, D*H*W)``: ``sdims`` the token dim,
+    ``gshape`` its global length; ``volume`` the global ``(D, H, W)``."""
+
+    volume: tuple[int, int, int] = (0, 0, 0)
+
+    def box(self) -> tuple[tuple[int, int], ...]:
+        """This rank's ``(start, stop)`` on each spatial axis of :attr:`volume`."""
+        grid = self.ctx.grid
+        return part_box(self.volume, grid.spatial_shape, grid.spatial_coords)
 
 
 class SplitTensor(torch.Tensor):

@@ -31,9 +31,10 @@ from hpcpar.parallel.partition import part_range
 from hpcpar.parallel.spatial import local_slices
 
 __all__ = ["PROCESS_GRIDS", "SPATIAL_GRIDS", "idle_barrier", "on_grids", "on_subgrid",
-           "one_rank_grid", "randn", "tol", "close", "rel_err", "batch_slice", "spatial_slices",
-           "check_layer", "compare_with_twin", "cover", "CORA_NPZ", "load_cora", "dense_operators",
-           "reference_dropout", "gnn_forward", "gnn_loss", "train_cora"]
+           "refused_on_one_rank", "one_rank_grid", "randn", "tol", "close", "rel_err",
+           "batch_slice", "spatial_slices", "check_layer", "compare_with_twin", "cover",
+           "CORA_NPZ", "load_cora", "dense_operators", "reference_dropout", "gnn_forward",
+           "gnn_loss", "train_cora"]
 
 # ============================================================================================
 # spatial layers
@@ -94,6 +95,20 @@ def one_rank_grid():
     from mpi4py import MPI
 
     return ProcessGrid(1, 1, 1, 1, comm=MPI.COMM_SELF)
+
+
+def refused_on_one_rank(model, x, op: str, why: str, source: str) -> None:
+    """Spatialize ``model`` on one rank and run it on ``x``: it must be refused with one line
+    naming ``op``, saying ``why`` and pointing into ``source`` (the file calling the op)."""
+    import pytest
+
+    from hpcpar.errors import LayerError
+    from hpcpar.nn import spatialize
+
+    with pytest.raises(LayerError) as info:
+        spatialize(model, one_rank_grid())(x)
+    msg = str(info.value)
+    assert op in msg and why in msg and "\n" not in msg and f"{source}:" in msg, msg
 
 
 def randn(shape, seed, dtype=torch.float32):

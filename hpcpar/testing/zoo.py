@@ -403,7 +403,8 @@ class Rolled(nn.Module):
 
 
 class ViewMerge(nn.Module):
-    """Squeeze-excitation written with view(b, c, -1).mean(-1): merges split dims; refused."""
+    """Squeeze-excitation written with view(b, c, -1).mean(-1): the split dims merged into one
+    (hpcpar.nn.tokens); refused before."""
 
     def __init__(self, c=2):
         super().__init__()
@@ -413,6 +414,43 @@ class ViewMerge(nn.Module):
         h = self.conv(x)
         b, c = h.shape[:2]
         return h * h.view(b, c, -1).mean(-1).view(b, c, 1, 1, 1)
+
+
+class SoftArgmax(nn.Module):
+    """Landmark heat maps read out by a spatial soft-argmax: softmax over the flattened
+    voxels, the expected coordinate along each axis, and the heat map viewed back as a
+    volume for a second term."""
+
+    def __init__(self, c=2):
+        super().__init__()
+        self.conv = nn.Conv3d(c, 4, 3, padding=1)
+        self.heat = nn.Conv3d(4, 3, 1)
+
+    def forward(self, x):
+        t = self.heat(F.relu(self.conv(x))).flatten(2)    # (N, K, D*H*W)
+        d, h, w = x.shape[2:]
+        p = F.softmax(t * 4.0, dim=-1)
+        axes = torch.meshgrid(torch.linspace(-1, 1, d, dtype=x.dtype),
+                              torch.linspace(-1, 1, h, dtype=x.dtype),
+                              torch.linspace(-1, 1, w, dtype=x.dtype), indexing="ij")
+        coords = torch.stack([(p * a.reshape(1, 1, -1)).sum(-1) for a in axes], -1)
+        sharp = p.view(*p.shape[:2], d, h, w).amax(dim=(2, 3, 4))
+        return torch.cat([coords.flatten(1), sharp, t.logsumexp(-1)], 1)
+
+
+class TokenAttention(nn.Module):
+    """A non-local block: attention among all voxels (tokens-first, then a product of the
+    tokens with themselves) needs every voxel of every rank: refused in one line."""
+
+    def __init__(self, c=2):
+        super().__init__()
+        self.conv = nn.Conv3d(c, 4, 3, padding=1)
+
+    def forward(self, x):
+        h = self.conv(x)
+        q = h.flatten(2).transpose(1, 2)                  # (N, L, C)
+        attn = torch.softmax(q @ q.transpose(1, 2), -1)   # (N, L, L)
+        return (attn @ q).transpose(1, 2).reshape(h.shape) + h
 
 
 class DropoutNet(nn.Module):
@@ -666,6 +704,26 @@ class LatentVolumeNoise(nn.Module):
         return self.dec(z + jitter)
 
 
+class SharedDecoder(nn.Module):
+    """MONAI SegResNetVAE's pattern: one decoder block runs on the split volume and on a small
+    replicated volume decoded from a dense latent, so its parameters get partial gradients
+    (split uses) and complete ones (replicated uses) in one step. Refused before."""
+
+    def __init__(self, c=2):
+        super().__init__()
+        self.enc = nn.Conv3d(c, 4, 3, padding=1)
+        self.fc = nn.Linear(4, 4 * 8)
+        self.block = nn.Sequential(nn.GroupNorm(2, 4), nn.ReLU(), nn.Conv3d(4, 4, 3, padding=1))
+        self.head = nn.Conv3d(4, 2, 1)
+
+    def forward(self, x):
+        h = self.enc(x)
+        seg = self.head(self.block(h))
+        z = self.fc(h.mean(dim=(2, 3, 4))).view(-1, 4, 2, 2, 2)
+        rec = self.block(z)   # the same block on a replicated volume
+        return seg + rec.mean(dim=(1, 2, 3, 4))[:, None, None, None, None]
+
+
 # name -> (factory, channels, size, loss, target kind, expected)
 #   target kind: "like" (same shape as the output), "class" (class indices per voxel or per
 #   sample), "binary" (0/1 like the output)
@@ -692,7 +750,9 @@ ZOO = {
     "adaptive_grid": (AdaptiveGrid, 2, (9, 8, 7), mse, "like", "exact"),
     "flatten_head": (FlattenHead, 2, (8, 9, 7), ce, "class", "exact"),
     "rolled": (Rolled, 2, (8, 9, 7), mse, "like", "refused"),
-    "view_merge": (ViewMerge, 2, (8, 9, 7), mse, "like", "refused"),
+    "view_merge": (ViewMerge, 2, (8, 9, 7), mse, "like", "exact"),
+    "soft_argmax": (SoftArgmax, 2, (9, 7, 8), mse, "like", "exact"),
+    "token_attention": (TokenAttention, 2, (6, 5, 7), mse, "like", "refused"),
     "dropout_net": (DropoutNet, 2, (8, 9, 7), mse, "like", "exact"),
     "plain_fcn": (PlainFCN, 2, (12, 9, 10), mse, "like", "exact"),
     "pool_by_kernel": (PoolByKernel, 2, (9, 7, 8), ce, "class", "exact"),
@@ -703,6 +763,7 @@ ZOO = {
     "response_norm_critic": (ResponseNormCritic, 2, (7, 6, 5), mse, "like", "exact"),
     "composed_reductions": (ComposedReductions, 2, (9, 7, 8), ce, "class", "exact"),
     "latent_volume_noise": (LatentVolumeNoise, 2, (7, 8, 6), mse, "like", "exact"),
+    "shared_decoder": (SharedDecoder, 2, (8, 7, 9), mse, "like", "exact"),
 }
 
 

@@ -194,3 +194,22 @@ def test_rounding_where_a_module_gives_zero_is_not_an_escape():
     ref[1] = ("se", "Conv3d", torch.full((1, 3), 1e-2, dtype=torch.float64))
     got[1] = ("se", "Conv3d", torch.full((1, 3), 1.5e-2, dtype=torch.float64))
     assert "module 'se' (Conv3d) differs" in _compare(ref, got, {}, {})
+
+
+def test_only_calls_on_values_see_a_parameter_through_its_replicated_use():
+    """A parameter used by a replicated op is passed through a gradient-scaling identity
+    (``shared_decoder``); calls on the parameter itself (its attributes, hooks, in-place
+    writes, metadata) must reach the parameter, or a hook would hang on a copy and
+    ``p.data = ...`` would set nothing."""
+    import torch.nn.functional as F
+
+    from hpcpar.nn.optable import reads_values
+
+    for func in (F.linear, F.conv3d, torch.Tensor.__add__, torch.Tensor.__getitem__,
+                 torch.Tensor.t, torch.matmul):
+        assert reads_values(func), func
+    for func in (torch.Tensor.add_, torch.Tensor.__iadd__, torch.Tensor.register_hook,
+                 torch.Tensor.size, torch.Tensor.dim, torch.Tensor.data.__get__,
+                 torch.Tensor.data.__set__, torch.Tensor.requires_grad_,
+                 torch.Tensor.retain_grad, torch.Tensor.__setitem__):
+        assert not reads_values(func), func

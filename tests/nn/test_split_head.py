@@ -14,7 +14,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hpcpar.testing import mpi_case
-from hpcpar.testing.oracles import batch_slice, on_grids, one_rank_grid, randn, spatial_slices
+from hpcpar.testing.oracles import (
+    batch_slice,
+    on_grids,
+    one_rank_grid,
+    randn,
+    refused_on_one_rank,
+    spatial_slices,
+)
 
 GRIDS = [(1, 1, 1, 1), (1, 2, 1, 1), (1, 2, 2, 1), (2, 2, 1, 1)]
 SIZE = (7, 5, 6)          # odd edges: uneven pieces on every split axis
@@ -238,7 +245,7 @@ class _MaxAfterFlatten(nn.Module):
 
 class _PartialFlatten(nn.Module):
     def forward(self, x):
-        return x.flatten(2)
+        return x.flatten(3)   # H and W, not D: flatten(2), all three, is hpcpar.nn.tokens
 
 
 class _ReshapeAfterFlatten(nn.Module):
@@ -253,13 +260,7 @@ class _ReshapeAfterFlatten(nn.Module):
     (_ReshapeAfterFlatten(), "reshape", "reshapes a flattened split tensor"),
 ])
 def test_other_ops_on_a_flattened_volume_are_refused(model, op, why):
-    from hpcpar.errors import LayerError
-    from hpcpar.nn import spatialize
-
-    with pytest.raises(LayerError) as info:
-        spatialize(model, one_rank_grid())(torch.randn(1, 1, 4, 4, 4))
-    msg = str(info.value)
-    assert op in msg and why in msg and "\n" not in msg and f"{__file__}:" in msg
+    refused_on_one_rank(model, torch.randn(1, 1, 4, 4, 4), op, why, __file__)
 
 
 @mpi_case(nprocs=(2,), timeout=120)
