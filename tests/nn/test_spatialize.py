@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hpcpar.sync.tags import reduce_scope
+from hpcpar.testing import mpi_case
 from hpcpar.testing.oracles import one_rank_grid
 
 
@@ -92,7 +93,7 @@ class _Flat(nn.Module):
         self.conv = nn.Conv3d(1, 2, 3, padding=1)
 
     def forward(self, x):
-        return self.conv(x).flatten(2)   # (N, C, DHW): only a full flatten is split
+        return self.conv(x).flatten(3)   # (N, C, D, HW): part of the volume merged
 
 
 class _Rolled(nn.Module):
@@ -101,7 +102,8 @@ class _Rolled(nn.Module):
 
 
 class _Mixed(nn.Module):
-    """One parameter used on the split volume and on a replicated tensor."""
+    """One parameter used on the split volume and on a replicated tensor (refused before:
+    its gradient mixes partial and complete parts)."""
 
     def __init__(self):
         super().__init__()
@@ -136,7 +138,6 @@ class _Positional(nn.Module):
     (_Rolled(), "roll", "has no exact spatial form"),
     (_Positional(lambda x: x.flip(-1)), "flip", "mirrors a split dim"),
     (_Positional(lambda x: x.flip(1, 2)), "flip", "mirrors a split dim"),  # dims one by one
-    (_Mixed(), "parameter 'scale'", "used both on split tensors and on replicated ones"),
 ])
 def test_refusals_name_the_op_and_the_source_line(grid, model, op, why):
     from hpcpar.errors import LayerError
@@ -285,3 +286,26 @@ def test_a_plain_tensor_expanded_or_viewed_as_a_split_one_is_itself_reshaped(gri
 
     x = torch.randn(1, 2, 4, 5, 6)
     torch.testing.assert_close(local(spatialize(_Positional(ops), grid)(x)), ops(x))
+
+
+@mpi_case(nprocs=(2,), timeout=120)
+def test_a_parameter_used_on_split_and_replicated_tensors_gets_its_gradient(comm):
+    """The split use's partial gradients are summed over the spatial group, the replicated
+    use's complete one divided by the group's size first: the sum is torch's gradient."""
+    import hpcpar
+    from hpcpar.nn import spatialize
+
+    grid = hpcpar.ProcessGrid(x=2)
+    x = torch.randn(2, 1, 5, 4, 3, generator=torch.Generator().manual_seed(0),
+                    dtype=torch.float64)
+    plain = _Mixed().double()
+    plain.scale.data.fill_(1.5)
+    ref = plain(x)
+    ref.square().sum().backward()
+    model = hpcpar.DDP(spatialize(_Mixed().double(), grid), grid)
+    model.module.scale.data.fill_(1.5)
+    out = model(x[:, :, :3] if grid.coords[1] == 0 else x[:, :, 3:])
+    assert torch.allclose(out, ref.detach(), rtol=1e-13)
+    out.square().sum().backward()
+    assert reduce_scope(model.module.scale) != "data"
+    assert torch.allclose(model.module.scale.grad, plain.scale.grad, rtol=1e-12)
