@@ -187,7 +187,15 @@ class _ReplicatedUse(torch.autograd.Function):
 
     @staticmethod
     def use(t, ctx):
+        """``t`` as this use takes it: through the scaling identity unless it is a parameter
+        the last forward used on replicated tensors only and this one has not used on split
+        ones yet (the common case, a head: no autograd node; a later split use in the same
+        forward is refused by hpcpar.nn.spatializer, which checks ``ctx.unscaled``)."""
         if not (isinstance(t, nn.Parameter) and t.requires_grad):
+            return t
+        known = getattr(ctx, "tagged", None)
+        if known is not None and id(t) not in known[0] and id(t) not in ctx.spatial_params:
+            ctx.unscaled.add(id(t))
             return t
         with torch._C.DisableTorchFunction():
             return _ReplicatedUse.apply(t, id(t), ctx.spatial_params, ctx.grid.spatial_size)

@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
+from hpcpar.errors import LayerError
 from hpcpar.parallel.grid import ProcessGrid
 from hpcpar.parallel.halo import global_spatial_shape
 from hpcpar.sync.tags import DATA_ONLY, REDUCE_ATTR, TAGS_VERSION, tag_data_only
@@ -101,6 +102,7 @@ def _enter(module, args, kwargs):
             raise
     ctx.spatial_params = set()   # new sets: a backward still to come reads its forward's
     ctx.replicated_params = set()
+    ctx.unscaled = set()
     settle_runs(ctx)
     args = tuple(_split_inputs(ctx, args))
     kwargs = dict(zip(kwargs, _split_inputs(ctx, kwargs.values())))
@@ -130,6 +132,14 @@ def _retag(model: nn.Module, ctx) -> bool:
     A forward that used the same parameters the same ways as the one the tags were derived
     from changes nothing: it is skipped (walking the parameters costs ~0.1 ms a step).
     Returns whether the parameters were used differently (the tags were derived again)."""
+    late = ctx.unscaled & ctx.spatial_params
+    if late:   # its replicated use this forward went unscaled (dispatch._ReplicatedUse)
+        name = next(n for n, p in model.named_parameters() if id(p) in late)
+        raise LayerError(f"spatialize: parameter '{name}' was used on replicated tensors only "
+                         "until this forward, which used it on split tensors after a "
+                         "replicated use: its gradient this step would count that use once "
+                         "per rank; use it on split tensors first, or spatialize the model "
+                         "again")
     used = (frozenset(ctx.spatial_params), frozenset(ctx.replicated_params),
             getattr(model, TAGS_VERSION, 0))
     if used == ctx.tagged:

@@ -40,6 +40,7 @@ class SplitContext:
     twins: dict = field(default_factory=dict)       # op signature -> cached spatial twin
     spatial_params: set = field(default_factory=set)     # ids used directly by split ops
     replicated_params: set = field(default_factory=set)  # ids used by replicated ops
+    unscaled: set = field(default_factory=set)   # ids used replicated with no _ReplicatedUse
     dropout: bool = True    # False: dropout is the identity (the first-step check's probe)
     root: Any = None        # weakref to the spatialized model (a split head finds its Linear)
     fuse_halos: int = 1     # longest run of convolutions sharing one exchange (fused_halo)

@@ -309,3 +309,35 @@ def test_a_parameter_used_on_split_and_replicated_tensors_gets_its_gradient(comm
     out.square().sum().backward()
     assert reduce_scope(model.module.scale) != "data"
     assert torch.allclose(model.module.scale.grad, plain.scale.grad, rtol=1e-12)
+
+
+class _Late(nn.Module):
+    """``scale`` on a replicated tensor only, until ``both`` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(1))
+        self.both = False
+
+    def forward(self, x):
+        pooled = x.mean(dim=(2, 3, 4)) * self.scale
+        return pooled.sum() + ((x * self.scale).mean() if self.both else 0.0)
+
+
+@mpi_case(nprocs=(2,), timeout=120)
+def test_a_parameter_that_turns_split_after_a_replicated_use_is_refused(comm):
+    """A head parameter's replicated use skips the gradient scaling once the forwards have
+    shown it is replicated only; a later forward that then also uses it on split tensors
+    would count the replicated use once per rank: refused in one line naming it."""
+    import hpcpar
+    from hpcpar.errors import LayerError
+    from hpcpar.nn import spatialize
+
+    grid = hpcpar.ProcessGrid(x=2)
+    model = spatialize(_Late(), grid)
+    x = torch.randn(1, 1, 2, 3, 3)
+    model(x).backward()
+    model.both = True
+    with pytest.raises(LayerError, match="parameter 'scale' was used on replicated tensors "
+                                         "only until this forward"):
+        model(x)
