@@ -22,8 +22,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from hpcpar.errors import LayerError
 from hpcpar.graph.metrics import masked_loss, split_metrics
 from hpcpar.models import GCN
+from hpcpar.nn import spatialize
 from hpcpar.nn.split import local
 from hpcpar.parallel.comm import allreduce_, sum_grads_
 from hpcpar.parallel.grid import ProcessGrid
@@ -100,10 +102,7 @@ def one_rank_grid():
 def refused_on_one_rank(model, x, op: str, why: str, source: str) -> None:
     """Spatialize ``model`` on one rank and run it on ``x``: it must be refused with one line
     naming ``op``, saying ``why`` and pointing into ``source`` (the file calling the op)."""
-    import pytest
-
-    from hpcpar.errors import LayerError
-    from hpcpar.nn import spatialize
+    import pytest  # deferred: pytest is a test dependency, not hpcpar's
 
     with pytest.raises(LayerError) as info:
         spatialize(model, one_rank_grid())(x)
