@@ -17,6 +17,7 @@ about 6.7 standard deviations).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -35,8 +36,9 @@ def _unsigned(draw: torch.Tensor) -> torch.Tensor:
     return draw.to(torch.float64).add_(_TWO32).remainder_(_TWO32)
 
 
-def spatial_noise(piece: torch.Tensor, kind: str, *, grid: ProcessGrid, sdims, gshape,
-                  seed: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+def spatial_noise(piece: torch.Tensor, kind: str, *, grid: ProcessGrid, sdims: Sequence[int],
+                  gshape: Sequence[int], seed: int,
+                  dtype: torch.dtype | None = None) -> torch.Tensor:
     """Numbers for this rank's ``piece`` of a global tensor: standard normal (``"normal"``) or
     uniform on [0, 1) (``"uniform"``), in ``piece``'s memory format.
 
