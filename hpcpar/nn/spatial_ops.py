@@ -374,8 +374,8 @@ def _composed(name, xl, reduce, keepdim, dims, correction):
 def _positional_keepdim(call: Call) -> bool:
     """keepdim given positionally: (input, dim, keepdim) or var/std's (input, dim, unbiased,
     keepdim)."""
-    pos = 3 if call.name in ("var", "std", "var_mean", "std_mean") and len(call.args) > 3 \
-        else 2
+    pos = 3 if call.name in ("var", "std", "var_mean", "std_mean") else 2   # x.var(d, True):
+    # True is unbiased
     return bool(call.args[pos]) if len(call.args) > pos and isinstance(call.args[pos],
                                                                         bool) else False
 

@@ -112,10 +112,10 @@ def _reduction(call: Call, run: Callable) -> Any:
     args, kwargs = _with_dim(call, index, tuple(dims))
     args, kwargs = map_args(lambda a: _operand(a, lay, n), args, kwargs)
     out = run(call.func, args, kwargs)
-    keepdim = bool(call.kwargs.get("keepdim", sops._positional_keepdim(call)))
-    if hit and keepdim:   # (..., 1, 1, 1, ...) back to one token dim of 1
+    if hit:   # kept dims (..., 1, 1, 1, ...) back to one token dim of 1, however keepdim came
         def squash(t):
-            if not isinstance(t, torch.Tensor) or isinstance(t, SplitTensor):
+            if not isinstance(t, torch.Tensor) or isinstance(t, SplitTensor) \
+                    or t.dim() != n + 2:
                 return t
             with torch._C.DisableTorchFunction():
                 return t.reshape(*t.shape[:p], 1, *t.shape[p + 3:])

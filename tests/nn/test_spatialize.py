@@ -341,3 +341,20 @@ def test_a_parameter_that_turns_split_after_a_replicated_use_is_refused(comm):
     with pytest.raises(LayerError, match="parameter 'scale' was used on replicated tensors "
                                          "only until this forward"):
         model(x)
+
+
+def test_var_and_std_read_their_positional_flag_as_unbiased(grid):
+    """``x.var(dims, True)``: torch reads the positional flag as ``unbiased``; it was taken
+    for ``keepdim``, and the global variance came back (N, C, 1, 1, 1) instead of (N, C),
+    silently; also through the merged spatial dims."""
+    from hpcpar.nn import local, spatialize
+
+    class Stats(nn.Module):
+        def forward(self, x):
+            return (x.var((2, 3, 4), True), x.std((2, 3, 4), False),
+                    torch.var_mean(x, (2, 3, 4), True)[0], x.var((2, 3, 4), True, True),
+                    x.flatten(2).var(-1, True), torch.norm(x.flatten(2), 2, -1, True))
+
+    x = torch.randn(2, 3, 4, 5, 6, dtype=torch.float64)
+    for got, want in zip(spatialize(Stats(), grid)(x), Stats()(x)):
+        assert local(got).shape == want.shape and torch.allclose(local(got), want)
