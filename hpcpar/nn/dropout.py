@@ -36,6 +36,7 @@ from ._voxel_hash import VoxelCounter, low32, signed, splitmix64, stream_key
 
 __all__ = ["spatial_dropout", "next_dropout_seed"]
 
+
 def next_dropout_seed() -> int:
     """The seed of one dropout call, drawn from torch's default generator: it follows
     ``torch.manual_seed`` (so ranks that seeded alike agree) and successive calls differ."""

@@ -526,6 +526,16 @@ def reshape_fn(call: Call):
     return torch.Tensor.reshape if call.name in ("reshape", "reshape_as") else torch.Tensor.view
 
 
+def same_shape_view(call: Call, gold, gnew):
+    """A view or reshape of a split tensor to the global shape it already has: itself, as
+    torch gives it (torch's module backward hooks ``view_as`` an output to itself); None for
+    any other call."""
+    t = call.splits[0]
+    if t is not call.args[0] or gnew != gold:
+        return None
+    return adopt(reshape_fn(call)(raw(t), raw(t).shape), t._hp)
+
+
 def reshape(call: Call):
     """view / reshape with a GLOBAL target shape: allowed where every split dim stays a dim
     of its own (batch and channel dims may merge or split freely)."""

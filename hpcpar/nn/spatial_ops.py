@@ -374,8 +374,8 @@ def _composed(name, xl, reduce, keepdim, dims, correction):
 def _positional_keepdim(call: Call) -> bool:
     """keepdim given positionally: (input, dim, keepdim) or var/std's (input, dim, unbiased,
     keepdim)."""
-    pos = 3 if call.name in ("var", "std", "var_mean", "std_mean") else 2   # x.var(d, True):
-    # True is unbiased
+    # var/std's third positional argument is unbiased: x.var(dims, True) keeps no dim
+    pos = 3 if call.name in ("var", "std", "var_mean", "std_mean") else 2
     return bool(call.args[pos]) if len(call.args) > pos and isinstance(call.args[pos],
                                                                         bool) else False
 
@@ -436,20 +436,17 @@ def noise(call: Call):
     generator = call.kwargs.get("generator")
     if not call.ctx.dropout:
         return _probe_noise(call, x, generator)
-    if call.name.endswith("_"):
-        names = ("self", "mean", "std") if call.name == "normal_" else ("self", "from", "to")
-        b = call.bind(names, (0.0, 1.0))
-        low, scale = b[names[1]], b[names[2]]
-        if call.name == "uniform_":
-            scale -= low
-        values = spatial_noise(raw(x), _NOISE[call.name], grid=call.ctx.grid, sdims=lay.sdims,
-                               gshape=lay.gshape, seed=forward_seed(call.ctx, generator))
-        raw(x).copy_(values.mul_(scale).add_(low))
-        return x
-    b = call.bind(("input",))
+    in_place = call.name.endswith("_")
+    names = ("self", "mean", "std") if call.name == "normal_" else ("self", "from", "to")
+    b = call.bind(names, (0.0, 1.0)) if in_place else call.bind(("input",))
     out = spatial_noise(raw(x), _NOISE[call.name], grid=call.ctx.grid, sdims=lay.sdims,
                         gshape=lay.gshape, seed=forward_seed(call.ctx, generator),
-                        dtype=b.get("dtype"))
+                        dtype=None if in_place else b.get("dtype"))
+    if in_place:
+        low, high = b[names[1]], b[names[2]]
+        scale = high - low if call.name == "uniform_" else high
+        raw(x).copy_(out.mul_(scale).add_(low))
+        return x
     if b.get("device") is not None:
         out = out.to(b["device"])
     return adopt(out.requires_grad_(bool(b.get("requires_grad", False))), lay)

@@ -98,8 +98,7 @@ class FlatLayout(Layout):
 
     def box(self) -> tuple[tuple[int, int], ...]:
         """This rank's ``(start, stop)`` on each spatial axis of :attr:`volume`."""
-        grid = self.ctx.grid
-        return part_box(self.volume[1:], grid.spatial_shape, grid.spatial_coords)
+        return _own_box(self.ctx.grid, self.volume[1:])
 
 
 @dataclass(frozen=True)
@@ -111,8 +110,12 @@ class TokenLayout(Layout):
 
     def box(self) -> tuple[tuple[int, int], ...]:
         """This rank's ``(start, stop)`` on each spatial axis of :attr:`volume`."""
-        grid = self.ctx.grid
-        return part_box(self.volume, grid.spatial_shape, grid.spatial_coords)
+        return _own_box(self.ctx.grid, self.volume)
+
+
+def _own_box(grid, spatial) -> tuple[tuple[int, int], ...]:
+    """This rank's sub-box of a global ``(D, H, W)`` volume (the partition rule)."""
+    return part_box(spatial, grid.spatial_shape, grid.spatial_coords)
 
 
 class SplitTensor(torch.Tensor):

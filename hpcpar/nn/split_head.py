@@ -333,12 +333,11 @@ def _reduction(call):
 def _same_shape(call):
     """A view or reshape to the shape the flattened tensor already has: itself, as torch
     gives it (torch's own module backward hooks ``view_as`` a module's output to itself)."""
-    x = call.splits[0]
-    gold, gnew = rules.reshape_target(call)
-    if gnew != gold or x is not call.args[0]:
+    out = rules.same_shape_view(call, *rules.reshape_target(call))
+    if out is None:
         raise call.refuse("reshapes a flattened split tensor", "apply the nn.Linear right "
                           "after the flatten, or reduce the spatial dims before flattening")
-    return adopt(rules.reshape_fn(call)(raw(x), raw(x).shape), x._hp)
+    return out
 
 
 _AS_IS = {rules.global_size, rules.global_numel, rules.global_len, rules.attribute,

@@ -72,8 +72,7 @@ def _operand(a, lay: TokenLayout, ndim: int):
     spatial = (1, 1, 1) if n == 1 else lay.volume if n == lay.gshape[0] else None
     if spatial is None:
         return a   # the op on the volume refuses it, as torch would the shapes
-    with torch._C.DisableTorchFunction():
-        return a.reshape(*a.shape[:at], *spatial, *a.shape[at + 1:])
+    return a.reshape(*a.shape[:at], *spatial, *a.shape[at + 1:])
 
 
 def _dim_map(dims, p: int, ndim: int) -> tuple[list[int], bool]:
@@ -117,8 +116,7 @@ def _reduction(call: Call, run: Callable) -> Any:
             if not isinstance(t, torch.Tensor) or isinstance(t, SplitTensor) \
                     or t.dim() != n + 2:
                 return t
-            with torch._C.DisableTorchFunction():
-                return t.reshape(*t.shape[:p], 1, *t.shape[p + 3:])
+            return t.reshape(*t.shape[:p], 1, *t.shape[p + 3:])
         return type(out)(squash(t) for t in out) if isinstance(out, tuple) else squash(out)
     return _tokens(out, lay) if not isinstance(out, tuple) else \
         type(out)(_tokens(t, lay) for t in out)
@@ -130,10 +128,10 @@ def _softmax(call: Call, run: Callable) -> Any:
     x = call.splits[0]
     lay: TokenLayout = x._hp
     p, n = lay.sdims[0], x.dim()
-    b = call.bind(("input", "dim"), (None,))
-    if b.get("dim") is None or rules._norm_dim(b["dim"], n) != p:
-        dims, _ = _dim_map(b.get("dim"), p, n) if b.get("dim") is not None else ([None], 0)
-        args, kwargs = _with_dim(call, 1, dims[0])
+    dim = call.bind(("input", "dim"), (None,)).get("dim")
+    if dim is None or rules._norm_dim(dim, n) != p:   # None: the volume's rule refuses it
+        args, kwargs = (call.args, call.kwargs) if dim is None else \
+            _with_dim(call, 1, _dim_map(dim, p, n)[0][0])
         args, kwargs = map_args(lambda a: _operand(a, lay, n), args, kwargs)
         return _tokens(run(call.func, args, kwargs), lay)
     if call.kwargs.get("dtype") is not None:
@@ -171,8 +169,9 @@ def _reshape(call: Call, run: Callable) -> Any:
     lay: TokenLayout = x._hp
     gold, gnew = rules.reshape_target(call)
     p = lay.sdims[0]
-    if x is call.args[0] and gnew == gold:
-        return adopt(rules.reshape_fn(call)(raw(x), raw(x).shape), lay)
+    same = rules.same_shape_view(call, gold, gnew)
+    if same is not None:
+        return same
     if x is call.args[0] and gnew == [*gold[:p], *lay.volume, *gold[p + 1:]]:
         return _volume(x)
     raise call.refuse("reshapes a tensor whose split dims are merged other than back to its "

@@ -12,6 +12,8 @@ from torch.overrides import TorchFunctionMode
 
 from hpcpar.errors import LayerError
 from hpcpar.nn import local, spatialize, split_like
+from hpcpar.nn.optable import rule_for
+from hpcpar.nn.spatial_ops import noise
 from hpcpar.nn.split import is_split
 from hpcpar.nn.split_head import column_split
 from hpcpar.parallel.comm import allreduce_
@@ -29,9 +31,6 @@ def _close(got, want, what, floor=1e-3):
     assert err <= RTOL * scale, f"{what}: max |diff| {err:.3e} (scale {scale:.3e})"
 
 
-_NOISE = {torch.randn_like, torch.rand_like, torch.Tensor.normal_, torch.Tensor.uniform_}
-
-
 class _VolumeNoise(TorchFunctionMode):
     """Notes a random draw shaped like a volume in the plain model, where hpcpar draws its
     own split-independent numbers (:mod:`hpcpar.nn.noise`) instead of torch's."""
@@ -39,8 +38,8 @@ class _VolumeNoise(TorchFunctionMode):
     seen = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in _NOISE and args and isinstance(args[0], torch.Tensor) \
-                and args[0].dim() >= 5:
+        if args and isinstance(args[0], torch.Tensor) and args[0].dim() >= 5 \
+                and rule_for(func) is noise:
             self.seen = True
         return func(*args, **(kwargs or {}))
 

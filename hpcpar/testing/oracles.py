@@ -34,9 +34,9 @@ from hpcpar.parallel.spatial import local_slices
 
 __all__ = ["PROCESS_GRIDS", "SPATIAL_GRIDS", "idle_barrier", "on_grids", "on_subgrid",
            "refused_on_one_rank", "one_rank_grid", "randn", "tol", "close", "rel_err",
-           "batch_slice", "spatial_slices", "check_layer", "compare_with_twin", "cover",
-           "CORA_NPZ", "load_cora", "dense_operators", "reference_dropout", "gnn_forward",
-           "gnn_loss", "train_cora"]
+           "batch_slice", "piece_of", "spatial_slices", "check_layer", "compare_with_twin",
+           "cover", "CORA_NPZ", "load_cora", "dense_operators", "reference_dropout",
+           "gnn_forward", "gnn_loss", "train_cora"]
 
 # ============================================================================================
 # spatial layers
@@ -141,6 +141,11 @@ def batch_slice(n_global, grid):
     nb = n_global // grid.data
     d = grid.coords[0]
     return slice(d * nb, (d + 1) * nb)
+
+
+def piece_of(t, grid):
+    """This rank's piece of a whole ``(N, C, D, H, W)`` tensor: its samples, its sub-box."""
+    return t[batch_slice(t.shape[0], grid)][spatial_slices(t.shape[2:], grid)]
 
 
 def spatial_slices(spatial_shape, grid):

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from hpcpar.testing import mpi_case
-from hpcpar.testing.oracles import batch_slice, on_grids, one_rank_grid, randn, spatial_slices
+from hpcpar.testing.oracles import on_grids, one_rank_grid, piece_of, randn
 
 GRIDS = [(1, 2, 1, 1), (1, 1, 2, 2), (1, 2, 2, 1), (2, 2, 1, 1), (1, 1, 1, 3), (4, 1, 1, 1)]
 SIZE = (7, 6, 5)   # odd edges: uneven pieces
@@ -35,10 +35,6 @@ class _Noisy(nn.Module):
                 h + torch.randn_like(h) * 0.1)
 
 
-def _pieces(grid, t):
-    return t[batch_slice(t.shape[0], grid)][spatial_slices(t.shape[2:], grid)]
-
-
 def _same_as_one_rank(grid):
     from hpcpar.nn import local, spatialize
 
@@ -51,14 +47,14 @@ def _same_as_one_rank(grid):
     ref = one(x)
     model = spatialize(plain, grid)
     torch.manual_seed(5)
-    out = model(_pieces(grid, x))
+    out = model(piece_of(x, grid))
     for i, (a, b) in enumerate(zip(out[:-1], ref[:-1])):
-        want = _pieces(grid, local(b).detach())
+        want = piece_of(local(b).detach(), grid)
         assert local(a).shape == want.shape and torch.equal(local(a).detach(), want), \
             f"output {i} on {grid.spec()}"
     cl = local(out[4])
     assert cl.is_contiguous(memory_format=torch.channels_last_3d), "keeps the memory format"
-    torch.testing.assert_close(local(out[-1]), _pieces(grid, local(ref[-1])))   # + conv
+    torch.testing.assert_close(local(out[-1]), piece_of(local(ref[-1]), grid))   # + conv
     local(out[-1]).sum().backward()   # the noise is a constant in the graph
 
 
@@ -121,7 +117,7 @@ def test_check_draws_what_the_plain_model_draws(comm):
     torch.manual_seed(0)
     model = spatialize(Latent(), grid, check=True)
     x = randn((1, 2, *SIZE), 1)
-    out = model(_pieces(grid, x))
+    out = model(piece_of(x, grid))
     out.sum().backward()
     assert all(p.grad is not None for p in model.parameters())
 
@@ -130,4 +126,4 @@ def test_check_draws_what_the_plain_model_draws(comm):
             return torch.randint_like(x, 3)
 
     with pytest.raises(LayerError, match="randint_like.*would depend on the split"):
-        spatialize(Ints(), grid)(_pieces(grid, x))
+        spatialize(Ints(), grid)(piece_of(x, grid))

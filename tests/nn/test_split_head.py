@@ -18,6 +18,7 @@ from hpcpar.testing.oracles import (
     batch_slice,
     on_grids,
     one_rank_grid,
+    piece_of,
     randn,
     refused_on_one_rank,
     spatial_slices,
@@ -64,7 +65,7 @@ MODELS = [_sequential, _FlattenMethod, _ViewHead]
 
 
 def _piece(x, grid):
-    return x[batch_slice(x.shape[0], grid)][spatial_slices(x.shape[2:], grid)].clone()
+    return piece_of(x, grid).clone()
 
 
 def _full_grad(p):

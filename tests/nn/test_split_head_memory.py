@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hpcpar.testing import mpi_case
-from hpcpar.testing.oracles import batch_slice, on_grids, randn, spatial_slices
+from hpcpar.testing.oracles import batch_slice, on_grids, piece_of, randn, spatial_slices
 
 GRIDS = [(1, 2, 1, 1), (1, 2, 2, 1), (2, 2, 1, 1)]
 SIZE = (7, 5, 6)          # odd edges: uneven pieces on every split axis
@@ -47,7 +47,7 @@ def _full_size(weight, before=()) -> list:
 
 
 def _piece(x, grid):
-    return x[batch_slice(x.shape[0], grid)][spatial_slices(x.shape[2:], grid)].clone()
+    return piece_of(x, grid).clone()
 
 
 def _full_weight_freed(grid):

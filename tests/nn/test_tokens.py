@@ -12,13 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hpcpar.testing import mpi_case
-from hpcpar.testing.oracles import (
-    batch_slice,
-    on_grids,
-    randn,
-    refused_on_one_rank,
-    spatial_slices,
-)
+from hpcpar.testing.oracles import on_grids, piece_of, randn, refused_on_one_rank
 
 GRIDS = [(1, 2, 1, 1), (1, 1, 2, 2), (1, 2, 2, 1), (2, 2, 1, 1), (1, 1, 1, 3)]
 SIZE = (7, 6, 5)   # odd edges: uneven pieces
@@ -65,9 +59,7 @@ def _exact(grid):
     model = spatialize(copy.deepcopy(plain), grid, check=True)
     for p in model.parameters():
         p.grad = None
-    mine = (batch_slice(x.shape[0], grid),)
-    xl = x[mine][spatial_slices(SIZE, grid)]
-    out = model(xl, target[mine][spatial_slices(SIZE, grid)])
+    out = model(piece_of(x, grid), piece_of(target, grid))
     out.backward()
     value = allreduce_(out.detach().reshape(1).clone(), grid.data_comm) / grid.data
     assert abs(float(value) - float(ref.detach())) <= 1e-12 * abs(float(ref.detach())), \
