@@ -45,8 +45,9 @@ def _timed(fn, reps: int, comm, warmup: int = 2) -> float:
     return statistics.median(comm.allgather(statistics.median(times)))
 
 
-def conv_step(comm, size: int, channels: int, reps: int, device) -> list:
-    """Spatial conv3d forward+backward on all ranks vs cuDNN on the same local volume."""
+def conv_step(comm, size: int, channels: int, reps: int, device, profile=None) -> list:
+    """Spatial conv3d forward+backward on all ranks vs cuDNN on the same local volume; with
+    ``profile``, rank 0's host time of the spatial step by function is written there."""
     import torch
 
     from hpcpar.nn import SpatialConv3d
@@ -69,13 +70,37 @@ def conv_step(comm, size: int, channels: int, reps: int, device) -> list:
 
     t_spatial = _timed(step(layer), reps, comm)
     t_cudnn = _timed(step(base), reps, comm)
+    if profile:
+        _profile(step(layer), reps, comm, profile)
     return [("spatial conv3d step (fwd+bwd), local "
              f"{'x'.join(map(str, x.shape[2:]))}x{channels}", f"{t_spatial * 1e3:.2f} ms",
              f"cuDNN Conv3d {t_cudnn * 1e3:.2f} ms", t_spatial / t_cudnn, "<= 1.10")]
 
 
+def _profile(fn, reps: int, comm, path: str) -> None:
+    """Where the spatial step's host time goes (rank 0, cProfile, top 30 by own time)."""
+    import cProfile
+    import pstats
+
+    import torch
+
+    prof = cProfile.Profile()
+    for _ in range(reps):
+        comm.Barrier()
+        prof.enable()
+        fn()
+        torch.cuda.synchronize()
+        prof.disable()
+    if comm.Get_rank() == 0:
+        with open(path, "w") as f:
+            pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(30)
+
+
 def halo_pack(size: int, channels: int, reps: int, device) -> list:
-    """Pack GB/s per face axis (the CUDA kernel) vs a device memcpy of the same bytes."""
+    """Pack GB/s per face axis: the default path (torch's strided copy) and the Numba CUDA
+    kernel, each vs a device memcpy of the same bytes."""
+    import os
+
     import torch
 
     from hpcpar.kernels import halo_pack as hp
@@ -87,13 +112,19 @@ def halo_pack(size: int, channels: int, reps: int, device) -> list:
         out = torch.empty(face.shape, device=device)
         src = torch.empty_like(out)
         nbytes = out.numel() * out.element_size()
-        path = hp._path(face, False)
-        t_pack = _device_time(lambda face=face, out=out: hp.pack(face, out), reps)
         t_copy = _device_time(lambda out=out, src=src: out.copy_(src), reps)
-        rows.append((f"halo pack, {name} face {nbytes / 1e6:.2f} MB ({path})",
-                     f"{nbytes / t_pack / 1e9:.1f} GB/s",
+        rate = {}
+        for mode in ("auto", "numba"):
+            os.environ["HPCPAR_HALO_KERNELS"] = mode
+            path = hp._path(face, False)
+            rate[path] = nbytes / _device_time(lambda face=face, out=out: hp.pack(face, out),
+                                               reps)
+        os.environ.pop("HPCPAR_HALO_KERNELS")
+        best = max(rate, key=rate.__getitem__)
+        rows.append((f"halo pack, {name} face {nbytes / 1e6:.2f} MB",
+                     ", ".join(f"{p} {r / 1e9:.1f} GB/s" for p, r in rate.items()),
                      f"memcpy {nbytes / t_copy / 1e9:.1f} GB/s",
-                     t_copy / t_pack, "1.0 = memcpy speed"))
+                     rate[best] * t_copy / nbytes, f"1.0 = memcpy speed; fastest: {best}"))
     return rows
 
 
@@ -185,6 +216,8 @@ def main(argv=None) -> int:
     ap.add_argument("--channels", type=int, default=16)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--sync-mb", default="25,50,100", help="bucket sizes for the sync rows")
+    ap.add_argument("--profile", default=None,
+                    help="write rank 0's host profile of the spatial step to this file")
     ap.add_argument("--tests", default=None,
                     help="pytest -m gpu summary line, shown as the table's first row")
     args = ap.parse_args(argv)
@@ -200,7 +233,7 @@ def main(argv=None) -> int:
     device = torch.device("cuda", comm.Get_rank() % torch.cuda.device_count())
     torch.cuda.set_device(device)
     rows = [("pytest -m gpu (tests/gpu)", args.tests, "-", None, "all pass")] if args.tests else []
-    rows += conv_step(comm, args.size, args.channels, args.reps, device)
+    rows += conv_step(comm, args.size, args.channels, args.reps, device, args.profile)
     rows += halo_pack(args.size, args.channels, args.reps * 5, device)
     rows += grad_sync(comm, [float(m) for m in args.sync_mb.split(",")], args.reps, device)
     rows += peak_memory(comm, args.size, args.channels, device)

@@ -139,8 +139,9 @@ VARS: dict[str, Var] = {v.name: v for v in [
         "and aborts the job; `0` or `off` disables the detector.",
         _unless_blank(_seconds, DEFAULT_STALL_TIMEOUT)),
     Var("HPCPAR_HALO_KERNELS", "auto",
-        "`torch` or `numba`: force the CPU halo pack/unpack path (`auto` picks torch on the "
-        "CPU and the CUDA kernels on GPUs).",
+        "`torch` or `numba`: force the halo pack/unpack path (`auto` takes torch's strided "
+        "copy, measured faster on the CPU and on GPUs; `numba` the Numba CPU twins, or the "
+        "CUDA kernel for tensors on a GPU).",
         _unless_blank(_one_of("auto", "torch", "numba"), "auto")),
     Var("HPCPAR_ALLOCATOR", "auto",
         "Memory allocator of the ranks `hpcpar run` launches (through `LD_PRELOAD`): `auto` "

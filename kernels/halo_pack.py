@@ -2,8 +2,11 @@
 contiguous message buffer.
 
 Dispatch only (imports no numba until a Numba path is used). CUDA: one Numba ``cuda.jit``
-kernel (kernels/halo_pack_cuda.py), one thread per element,
-tested under ``NUMBA_ENABLE_CUDASIM=1``; used for CUDA tensors when numba-cuda sees a device.
+kernel (kernels/halo_pack_cuda.py), one thread per element, tested under
+``NUMBA_ENABLE_CUDASIM=1`` and bitwise against the CPU twins on a device. It is not the GPU
+default: on an H200 (benchmarks/device_check.sh) it packed a 1.2 MB face at 3.3 GB/s, each
+call paying ~0.35 ms of Numba's launch from Python, against 71-94 GB/s for torch's strided
+copy (0.5-0.75 of a device memcpy), which is the default there as on the CPU.
 CPU: ``njit(parallel=True, cache=True)`` twins (kernels/halo_pack_cpu.py). The CPU default
 is torch's strided copy, chosen by measurement (benchmarks/spatial.py, 1 thread): on 128^3 x
 16 faces torch packs x faces at copy speed and beats the Numba loops on every face,
@@ -11,7 +14,8 @@ including the fused add. y faces (512-byte rows pages apart) reach ~0.6 of a con
 and z faces (rows of 1-2 items) ~0.1, bound by touching one cache line per item, on torch,
 Numba and numpy alike. In channels-last buffers (hpcpar.parallel.halo.CHANNELS_LAST) x and y
 faces are runs of whole rows of channels and pack at copy speed; z faces are runs of C items
-(64 bytes for 16 fp32 channels) 8 KB apart, ~0.4. ``HPCPAR_HALO_KERNELS=torch|numba`` forces a path.
+(64 bytes for 16 fp32 channels) 8 KB apart, ~0.4. ``HPCPAR_HALO_KERNELS=torch|numba`` forces
+a path (``numba``: the CPU twins or, on a GPU, the CUDA kernel).
 """
 
 from __future__ import annotations
@@ -68,8 +72,8 @@ def _path(view: torch.Tensor, add: bool) -> str:
     if mode == "torch" or (view.dim() == 5 and view.shape[0] > 1 and
                            view.stride(0) != view.shape[1] * view.stride(1)):
         return "torch"  # (batch, channels) not mergeable into one dim (channels-last)
-    if view.is_cuda:
-        return "cuda" if _cuda_available() else "torch"
+    if view.is_cuda:   # auto: torch's strided copy, measured faster (module docstring)
+        return "cuda" if mode == "numba" and _cuda_available() else "torch"
     if mode != "numba" or (view.dtype not in _NUMPY_OK and (add or view.dtype not in _AS_INT)):
         return "torch"  # auto: torch measured faster on CPU (see the module docstring)
     return "numba"

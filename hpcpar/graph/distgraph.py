@@ -278,9 +278,9 @@ class DistGraph:
         has_loop = np.zeros(n, bool)
         has_loop[rows[self.src_ids == self.global_ids[rows]]] = True
         deg = (self.in_degree + ~has_loop).astype(np.float64)
-        halo_deg = self.plan.exact.fetch(torch.from_numpy(deg)).numpy() \
-            if self.plan.distributed \
-            else np.zeros(0)
+        # the degrees travel on the plan's device (its indices follow the graph to a GPU)
+        halo_deg = self.plan.exact.fetch(torch.from_numpy(deg).to(self.x.device)).cpu() \
+            .numpy() if self.plan.distributed else np.zeros(0)
         full = np.concatenate([deg, halo_deg])
         dinv = np.where(full > 0, 1.0 / np.sqrt(np.maximum(full, 1e-300)), 0.0)
         loops = np.flatnonzero(~has_loop)

@@ -96,9 +96,11 @@ class _GlobalBatchNorm(torch.autograd.Function):
         xa, dya = x.to(acc), dy.to(acc).contiguous(memory_format=fmt)
         w = weight.detach().to(acc) if weight is not None else torch.ones_like(mean)
         # eval-mode backward with the global statistics: its weight and bias gradients are
-        # this sub-volume's Σ dy·x̂ and Σ dy, in one fused pass
+        # this sub-volume's Σ dy·x̂ and Σ dy, in one fused pass. Empty saved statistics say
+        # "use the running ones" on CUDA too (None trips an internal assert there)
+        unsaved = mean.new_empty(0)
         _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-            dya, xa, w, mean, var, None, None, False, ctx.eps, [False, True, True])
+            dya, xa, w, mean, var, unsaved, unsaved, False, ctx.eps, [False, True, True])
         sums = torch.stack([sum_dy, sum_dy_xhat])                  # partial, this sub-volume
         d_weight = sums[1].to(weight.dtype) if weight is not None else None
         d_bias = sums[0].to(weight.dtype) if ctx.has_bias else None

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from . import rules as d
 from . import spatial_ops as s
 
-__all__ = ["rule_for", "table", "REPLICATED_RULES"]
+__all__ = ["rule_for", "kind_of", "table", "REPLICATED_RULES"]
 
 _T, _TORCH = torch.Tensor, torch
 
@@ -50,6 +50,10 @@ _LOCAL_EXTRA = (
     "relu6", "celu", "selu", "softsign", "tanhshrink", "hardtanh", "elu",
     "logsigmoid", "mish", "silu", "threshold", "float_power", "clamp_min", "clamp_max",
     "nan_to_num", "pin_memory", "register_hook", "masked_fill",
+    # every elementwise activation by name: torch's pointwise tags differ between versions
+    # (2.11 leaves leaky_relu and the in-place elu_, celu_, selu_, hardtanh_ untagged)
+    "relu", "relu_", "leaky_relu", "leaky_relu_", "elu_", "celu_", "selu_", "hardtanh_",
+    "gelu", "hardshrink", "softshrink", "softplus", "sigmoid", "tanh", "threshold_",
 )
 
 _ENTRIES = [
@@ -181,6 +185,11 @@ def rule_for(func):
     except TypeError:  # unhashable callables are classified every time
         pass
     return rule
+
+
+def kind_of(func) -> str | None:
+    """The class ``func`` is named under here, or None where torch's tags decide."""
+    return _KIND.get(func)
 
 
 def _property_rule(name: str):

@@ -260,11 +260,21 @@ def user_frame() -> str:
     return "<unknown>"
 
 
+_DYNAMO = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "_dynamo")
+
+
+def _under_dynamo() -> bool:
+    """Whether torch.compile is tracing: ``is_compiling()`` says so from torch 2.13 on, and
+    dynamo's own frames on the stack say so on earlier versions (2.11 probes outside it)."""
+    return torch.compiler.is_compiling() or any(
+        os.path.abspath(f.filename).startswith(_DYNAMO) for f in traceback.extract_stack())
+
+
 def refuse(op: str, why: str, todo: str) -> LayerError:
     """The one-line refusal: the op, the user's line, why, and what to do. Under
     ``torch.compile`` the first refusal is dynamo's probing of a split tensor (``_is_view``),
     which would name an op the model never called: the line says what is refused instead."""
-    if torch.compiler.is_compiling():
+    if _under_dynamo():
         return LayerError(f"spatialize: torch.compile cannot trace a model split over the "
                           f"spatial grid (at {user_frame()}: its split tensors run each op "
                           f"through hpcpar in Python); run the spatialized model without "

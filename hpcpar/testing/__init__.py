@@ -7,7 +7,8 @@
 
 May import: hpcpar.errors, hpcpar.parallel, hpcpar.formats, hpcpar.launch, hpcpar.run (the
 sbatch tests' job kind), hpcpar.graph, hpcpar.models (the GNN oracles: dropout masks, the Cora
-training recipe), hpcpar.nn (oracles compare a split output by this rank's piece).
+training recipe), hpcpar.nn (oracles compare a split output by this rank's piece),
+hpcpar.sync (a parameter's reduce scope, for whole-model gradient checks).
 """
 
 from .mpi import CaseResult, ModuleRun, mpi_case, run_cases, run_module

@@ -27,14 +27,17 @@ from hpcpar.graph.metrics import masked_loss, split_metrics
 from hpcpar.models import GCN
 from hpcpar.nn import spatialize
 from hpcpar.nn.split import local
+from hpcpar.nn.split_head import column_split
 from hpcpar.parallel.comm import allreduce_, sum_grads_
 from hpcpar.parallel.grid import ProcessGrid
 from hpcpar.parallel.partition import part_range
 from hpcpar.parallel.spatial import local_slices
+from hpcpar.sync.tags import reduce_scope
 
 __all__ = ["PROCESS_GRIDS", "SPATIAL_GRIDS", "idle_barrier", "on_grids", "on_subgrid",
            "refused_on_one_rank", "one_rank_grid", "randn", "tol", "close", "rel_err",
            "batch_slice", "piece_of", "spatial_slices", "check_layer", "compare_with_twin",
+           "check_spatial_model",
            "cover", "CORA_NPZ", "load_cora", "dense_operators", "reference_dropout",
            "gnn_forward", "gnn_loss", "train_cora"]
 
@@ -154,6 +157,52 @@ def spatial_slices(spatial_shape, grid):
     return (slice(None), slice(None), *(
         slice(*part_range(n, p, i))
         for n, p, i in zip(spatial_shape, grid.spatial_shape, grid.spatial_coords)))
+
+
+def check_spatial_model(grid, model, x, seed, what, replicated_output=False, slack=None,
+                        device=None):
+    """``spatialize(model)`` on ``grid`` vs ``model`` itself on the same global batch, on
+    ``device`` (default: where the model is): output, every parameter gradient (summed over the
+    spatial group; a split head's weight gathered from its columns) and the buffers.
+
+    Args:
+        grid: The process grid.
+        model: The plain model (its gradients are filled by the reference pass).
+        x: The global batch ``(N, C, D, H, W)``.
+        seed: Seed of the output weighting.
+        what: The name in failure messages.
+        replicated_output: The output is whole on every rank (a head), not split.
+        slack: Tolerance factor; default 10 in fp32 (whole models sum over every voxel of
+            several layers), 1 in fp64.
+        device: Run both models there (compared on the CPU).
+    """
+    slack = slack or (10.0 if x.dtype == torch.float32 else 1.0)
+    if device is not None:
+        model, x = model.to(device), x.to(device)
+    sp = spatialize(model, grid)
+    xr = x[batch_slice(x.shape[0], grid)]
+    yr = model(xr)
+    w = randn(yr.shape, seed, x.dtype).to(x.device)
+    (yr * w).sum().backward()
+    yl = local(sp(xr[local_slices(xr.shape, grid)]))  # this rank's piece, old-style
+    assert yl.device == x.device, f"{what}: output on {yl.device}, input on {x.device}"
+    ys = (slice(None),) * yr.dim() if replicated_output else local_slices(yr.shape, grid)
+    close(yl.cpu(), yr[ys].detach().cpu(), f"{what}: output", slack)
+    (yl * w[ys]).sum().backward()
+    ref = dict(model.named_parameters())
+    assert [n for n, _ in sp.named_parameters()] == list(ref), f"{what}: parameter names differ"
+    for name, p in sp.named_parameters():
+        g = p.grad.clone()
+        cut = column_split(p)   # a split head's weight: this rank's columns
+        if cut is not None:
+            g = cut.gather(g)
+        elif reduce_scope(p) == "spatial+data":
+            allreduce_(g, grid.spatial_comm)
+        close(g.cpu(), ref[name].grad.cpu(), f"{what}: grad of {name} ({reduce_scope(p)})",
+              slack)
+    for (name, b), (_, rb) in zip(sp.named_buffers(), model.named_buffers()):
+        if b.is_floating_point():   # BN running statistics follow the whole-volume model
+            close(b.cpu(), rb.cpu(), f"{what}: buffer {name}", slack)
 
 
 def check_layer(grid, ref, sp, x, seed, what, whole_batch=False):

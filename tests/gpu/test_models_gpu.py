@@ -7,43 +7,20 @@ import torch
 
 from hpcpar.testing import mpi_case
 from hpcpar.testing.gpu import requires_gpu, skip_without_gpu
-from hpcpar.testing.oracles import batch_slice, close, randn
+from hpcpar.testing.oracles import check_spatial_model, close, randn
 
-pytestmark = requires_gpu()
+
+def on_gpu(test):
+    """The ``gpu`` marks on one test: this module's CPU twin below runs everywhere."""
+    for mark in requires_gpu():
+        test = mark(test)
+    return test
 
 
 def exact_math():
     """fp32 on GPUs defaults to TF32 in convolutions: compare in true fp32/fp64."""
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
-
-
-def spatial_model_matches(grid, model, x, device, what, replicated_output=False, slack=10.0):
-    """``spatialize(model)`` on ``grid`` vs ``model`` itself, both on ``device``: output and
-    every parameter gradient (summed over the spatial group)."""
-    from hpcpar.nn import local, spatialize
-    from hpcpar.parallel.comm import allreduce_
-    from hpcpar.parallel.spatial import local_slices
-    from hpcpar.sync.tags import reduce_scope
-
-    model = model.to(device)
-    x = x.to(device)
-    sp = spatialize(model, grid)
-    xr = x[batch_slice(x.shape[0], grid)]
-    yr = model(xr)
-    w = randn(yr.shape, 7, x.dtype).to(device)
-    (yr * w).sum().backward()
-    yl = local(sp(xr[local_slices(xr.shape, grid)]))  # this rank's piece, old-style
-    assert yl.device.type == torch.device(device).type, what
-    ys = (slice(None),) * yr.dim() if replicated_output else local_slices(yr.shape, grid)
-    close(yl.cpu(), yr[ys].detach().cpu(), f"{what}: output", slack)
-    (yl * w[ys]).sum().backward()
-    ref = dict(model.named_parameters())
-    for name, p in sp.named_parameters():
-        g = p.grad.clone()
-        if reduce_scope(p) == "spatial+data":
-            allreduce_(g, grid.spatial_comm)
-        close(g.cpu(), ref[name].grad.cpu(), f"{what}: grad of {name}", slack)
 
 
 def cnn_models(device, comm):
@@ -55,12 +32,13 @@ def cnn_models(device, comm):
         torch.manual_seed(1)
         cf = CosmoFlow.small(input_size=16, n_conv_blocks=2, base_filters=3,
                              dense=(16, 8)).to(dtype)
-        spatial_model_matches(grid, cf, randn((2, 4, 16, 16, 16), 11, dtype), device,
-                              f"CosmoFlow {dtype}", replicated_output=True)
+        check_spatial_model(grid, cf, randn((2, 4, 16, 16, 16), 11, dtype), 7,
+                            f"CosmoFlow {dtype}", replicated_output=True, slack=10.0,
+                            device=device)
         torch.manual_seed(2)
         unet = UNet3D(in_channels=1, out_channels=2, base_filters=2, depth=2).to(dtype)
-        spatial_model_matches(grid, unet, randn((2, 1, 17, 13, 11), 21, dtype), device,
-                              f"UNet3D {dtype}")
+        check_spatial_model(grid, unet, randn((2, 1, 17, 13, 11), 21, dtype), 7,
+                            f"UNet3D {dtype}", slack=10.0, device=device)
 
 
 def ddp_matches(device, comm, grad_sync="mpi"):
@@ -147,6 +125,7 @@ def bf16_autocast_close(device, comm):
     assert all(torch.isfinite(p.grad).all() for p in sp.parameters() if p.grad is not None)
 
 
+@on_gpu
 @mpi_case(nprocs=(2,), timeout=300)
 def test_spatial_cnns_on_one_shared_gpu(comm):
     skip_without_gpu()
@@ -154,6 +133,7 @@ def test_spatial_cnns_on_one_shared_gpu(comm):
     cnn_models("cuda", comm)
 
 
+@on_gpu
 @mpi_case(nprocs=(2,), timeout=180)
 def test_ddp_gcn_and_bf16_on_one_shared_gpu(comm):
     skip_without_gpu()
@@ -161,3 +141,14 @@ def test_ddp_gcn_and_bf16_on_one_shared_gpu(comm):
     ddp_matches("cuda", comm)
     gcn_matches("cuda", comm)
     bf16_autocast_close("cuda", comm)
+
+
+@mpi_case(nprocs=(2,), timeout=300)
+def test_the_same_checks_on_the_cpu(comm):
+    """The GPU checks' code on the CPU, in every CI run: a check that is wrong for a reason
+    of its own (a split head's weight compared whole, as the first GPU run found) fails here
+    instead of waiting for a device."""
+    cnn_models("cpu", comm)
+    ddp_matches("cpu", comm)
+    gcn_matches("cpu", comm)
+    bf16_autocast_close("cpu", comm)

@@ -8,43 +8,7 @@ import pytest
 import torch
 
 from hpcpar.testing import mpi_case
-from hpcpar.testing.oracles import batch_slice, close, on_grids, randn
-
-
-def check_model(grid, model, x, seed, what, replicated_output=False):
-    """fp32 gradients of whole models are sums over every voxel of several layers: allow
-    10x the single-layer tolerance there (fp64 keeps the tight one)."""
-    from hpcpar.nn import local, spatialize
-    from hpcpar.nn.split_head import column_split
-    from hpcpar.parallel.comm import allreduce_
-    from hpcpar.parallel.spatial import local_slices
-    from hpcpar.sync.tags import reduce_scope
-
-    slack = 10.0 if x.dtype == torch.float32 else 1.0
-    sp = spatialize(model, grid)
-    xr = x[batch_slice(x.shape[0], grid)]
-    yr = model(xr)
-    w = randn(yr.shape, seed, x.dtype)
-    (yr * w).sum().backward()
-    yl = local(sp(xr[local_slices(xr.shape, grid)]))  # this rank's piece, old-style
-    ys = (slice(None),) * yr.dim() if replicated_output else local_slices(yr.shape, grid)
-    close(yl, yr[ys].detach(), f"{what}: output", slack)
-    (yl * w[ys]).sum().backward()
-    ref = dict(model.named_parameters())
-    names = [n for n, _ in sp.named_parameters()]
-    assert names == list(ref), f"{what}: parameter names differ"
-    for name, p in sp.named_parameters():
-        g = p.grad.clone()
-        cut = column_split(p)   # a split head's weight: this rank's columns
-        if cut is not None:
-            g = cut.gather(g)
-        elif reduce_scope(p) == "spatial+data":
-            allreduce_(g, grid.spatial_comm)
-        close(g, ref[name].grad, f"{what}: grad of {name} ({reduce_scope(p)})", slack)
-    # the buffers (BN running statistics) follow the whole-volume model too
-    for (name, b), (_, rb) in zip(sp.named_buffers(), model.named_buffers()):
-        if b.is_floating_point():
-            close(b, rb, f"{what}: buffer {name}", slack)
+from hpcpar.testing.oracles import check_spatial_model, on_grids, randn
 
 
 @mpi_case(nprocs=(8,), timeout=300)
@@ -56,20 +20,21 @@ def test_spatialized_models_match(comm):
         model = CosmoFlow.small(input_size=16, n_conv_blocks=2, base_filters=3,
                                 dense=(16, 8)).double()
         x = randn((2 * grid.data, 4, 16, 16, 16), 11, torch.float64)
-        check_model(grid, model, x, 12, f"CosmoFlow on {grid.spec()}", replicated_output=True)
+        check_spatial_model(grid, model, x, 12, f"CosmoFlow on {grid.spec()}",
+                            replicated_output=True)
 
     def unet(grid):
         torch.manual_seed(2)
         model = UNet3D(in_channels=1, out_channels=2, base_filters=2, depth=2).double()
         x = randn((2 * grid.data, 1, 17, 13, 11), 21, torch.float64)
-        check_model(grid, model, x, 22, f"UNet3D on {grid.spec()}")
+        check_spatial_model(grid, model, x, 22, f"UNet3D on {grid.spec()}")
 
     def unet_fp32(grid):
         torch.manual_seed(3)
         model = UNet3D(in_channels=2, out_channels=1, base_filters=2, depth=1,
                        batch_norm=False)
         x = randn((2 * grid.data, 2, 9, 8, 7), 31, torch.float32)
-        check_model(grid, model, x, 32, f"UNet3D fp32 on {grid.spec()}")
+        check_spatial_model(grid, model, x, 32, f"UNet3D fp32 on {grid.spec()}")
 
     on_grids(comm, [(1, 2, 2, 1), (1, 2, 2, 2)], cosmoflow)
     on_grids(comm, [(1, 1, 2, 2), (2, 2, 2, 1)], unet)

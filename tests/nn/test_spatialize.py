@@ -20,6 +20,23 @@ def grid():
     return one_rank_grid()
 
 
+#: torch.nn's elementwise activations, out-of-place and in-place
+_ACTIVATIONS = ("relu relu_ relu6 leaky_relu leaky_relu_ elu elu_ celu celu_ selu selu_ gelu "
+                "silu mish hardswish hardsigmoid hardtanh hardtanh_ hardshrink softshrink "
+                "tanhshrink softsign softplus sigmoid tanh logsigmoid threshold threshold_").split()
+
+
+@pytest.mark.parametrize("name", _ACTIVATIONS)
+def test_every_activation_is_local_by_name_not_by_torchs_tags(name):
+    """torch 2.11 does not tag leaky_relu pointwise (2.13 does): a classification left to the
+    tags refused CosmoFlow's own activation there."""
+    from hpcpar.nn import optable, rules
+
+    func = getattr(F, name)
+    assert optable.kind_of(func) == "local", name
+    assert optable.rule_for(func) is rules.pointwise
+
+
 def test_cosmoflow_copy_tags_and_output(grid):
     import hpcpar.nn
     from hpcpar.models import CosmoFlow
