@@ -8,12 +8,17 @@ from __future__ import annotations
 import torch
 
 __all__ = ["torch_picks_slow_conv", "onednn", "onednn_shape", "prepadded_weight_grad",
-           "SPLIT_BACKWARD_BYTES"]
+           "SPLIT_BACKWARD_BYTES", "CHUNK_BACKWARD_BYTES"]
 
 #: Inputs up to this size get their three conv gradients from one call (a call's fixed cost
 #: is then worth more than the volume a split backward saves: ``ConvOp.backward``,
 #: :func:`prepadded_weight_grad`); larger ones take them in two.
 SPLIT_BACKWARD_BYTES = 4 << 20
+
+#: A CPU convolution's backward whose output gradient is larger than this runs in chunks of
+#: about this size along the longest axis (``ConvOp._chunked``): its copies of the output
+#: gradient are then a chunk's, not the whole volume's.
+CHUNK_BACKWARD_BYTES = 8 << 20
 
 
 def torch_picks_slow_conv(shape, kernel, stride, dilation, groups) -> bool:

@@ -18,12 +18,18 @@ from torch import nn
 from hpcpar.errors import LayerError
 from hpcpar.parallel.grid import ProcessGrid
 from hpcpar.parallel.halo import StencilOp, halo_stencil, input_layout, memory_format
-from hpcpar.parallel.partition import conv_axis_halo, conv_pads, torch_pad, transposed_axis_halo
+from hpcpar.parallel.partition import (
+    conv_axis_halo,
+    conv_pads,
+    part_range,
+    torch_pad,
+    transposed_axis_halo,
+)
 
 from . import _boundary_conv
 from ._base import SpatialModule
 from ._boundary_conv import boundary_conv, boundary_spec
-from ._conv_route import SPLIT_BACKWARD_BYTES  # noqa: F401 - ConvOp.backward reads it here
+from ._conv_route import CHUNK_BACKWARD_BYTES, SPLIT_BACKWARD_BYTES  # noqa: F401 - read here
 from ._conv_route import onednn as _onednn
 from ._conv_route import torch_picks_slow_conv as _torch_picks_slow_conv
 
@@ -91,12 +97,69 @@ class ConvOp(StencilOp):
         return out if inv is None else out.permute(*inv).contiguous()
 
     def backward(self, holder, grad_out, params, needs):
-        """Weight/bias gradients first (they read the extended input), then free it and
-        compute the input gradient (which reads only its shape): one volume less at peak.
-        A small input takes one call for all three instead, as torch does: the volume saved
-        is then smaller than a call's fixed cost is worth (~0.1 ms, half a small layer); so
-        does the oneDNN route (:func:`_onednn`), whose inputs are small by torch's rule."""
+        """The gradients in one pass, or (a CPU output gradient above CHUNK_BACKWARD_BYTES)
+        in chunks along the output's longest axis (:meth:`_chunked`)."""
         weight, bias = params
+        axis, spans = self._chunk_spans(grad_out)
+        if spans is None:
+            return self._backward(holder, grad_out, weight, bias, needs)
+        return self._chunked(holder, grad_out, weight, bias, needs, axis, spans)
+
+    def _chunk_spans(self, grad_out):
+        """(axis, [(out_lo, out_hi, in_lo, in_hi), ...]) of the chunks, or (None, None)."""
+        nbytes = grad_out.numel() * grad_out.element_size()
+        if (grad_out.device.type != "cpu" or nbytes <= CHUNK_BACKWARD_BYTES or
+                0 in self.out_shape or grad_out.dim() != 5):
+            return None, None
+        a = max(range(3), key=lambda i: grad_out.shape[2 + i])
+        n = grad_out.shape[2 + a]
+        parts = min(n, -(-nbytes // CHUNK_BACKWARD_BYTES))
+        if parts < 2:
+            return None, None
+        k, st, dl = self.kernel[a], self.stride[a], self.dilation[a]
+        spans = []
+        for i in range(parts):
+            lo, hi = part_range(n, parts, i)
+            spans.append((lo, hi, lo * st, (hi - 1) * st + dl * (k - 1) + 1))
+        return 2 + a, spans
+
+    def _chunked(self, holder, grad_out, weight, bias, needs, axis, spans):
+        """The backward of a large output gradient in chunks of it: each chunk's weight and
+        bias gradients (summed) and input gradient (added into its span of the input's).
+        One pass at once copies the whole output gradient two or three times (into the
+        permuted or oneDNN order, and oneDNN's own reorder): on CosmoFlow's first layer
+        (16 x 64 x 64 x 128 per rank at 2x2x1) that was 98-133 MiB above the saved tensors;
+        a chunk's copies are a chunk's size. The input is released before the input
+        gradient pass, as in one pass."""
+        ext = holder.pop()
+        gw = gb = None
+        if needs[1] or (bias is not None and needs[2]):
+            for lo, hi, i0, i1 in spans:
+                _, w_, b_ = self._backward([ext.narrow(axis, i0, i1 - i0)],
+                                           grad_out.narrow(axis, lo, hi - lo), weight, bias,
+                                           (False, needs[1], needs[2]))
+                gw = w_ if gw is None else gw.add_(w_)
+                gb = b_ if gb is None else gb.add_(b_)
+        if not needs[0]:
+            return None, gw, gb
+        like = torch.empty_like(ext, device="meta")   # shape and memory order, no data
+        del ext
+        gi = torch.zeros_like(like, device=grad_out.device)
+        for lo, hi, i0, i1 in spans:
+            # the input's values are not read for its gradient: an empty dense chunk
+            piece = torch.empty_like(like.narrow(axis, i0, i1 - i0), device=grad_out.device)
+            g = self._backward([piece], grad_out.narrow(axis, lo, hi - lo), weight, bias,
+                               (True, False, False))[0]
+            gi.narrow(axis, i0, i1 - i0).add_(g)
+        return gi, gw, gb
+
+    def _backward(self, holder, grad_out, weight, bias, needs):
+        """One pass. Weight/bias gradients first (they read the extended input), then free
+        it and compute the input gradient (which reads only its shape): one volume less at
+        peak. A small input takes one call for all three instead, as torch does: the volume
+        saved is then smaller than a call's fixed cost is worth (~0.1 ms, half a small
+        layer); so does the oneDNN route (:func:`_onednn`), whose inputs are small by torch's
+        rule."""
         ext = holder.pop()
         if 0 in self.out_shape:
             return (torch.zeros_like(ext) if needs[0] else None,
@@ -118,8 +181,9 @@ class ConvOp(StencilOp):
         elif ext.numel() * ext.element_size() <= SPLIT_BACKWARD_BYTES:
             gi, gw, gb = aten_bwd(grad_out, ext, w, *args, mask)
         else:
-            _, gw, gb = aten_bwd(grad_out, ext, w, *args, [False, *mask[1:]])
-            gi = None
+            gw = gb = gi = None
+            if any(mask[1:]):
+                _, gw, gb = aten_bwd(grad_out, ext, w, *args, [False, *mask[1:]])
             if needs[0]:
                 # values of the input are not read for grad_input: an untouched empty tensor
                 # (no pages faulted in) stands in for it once the real one is released

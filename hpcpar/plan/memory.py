@@ -284,6 +284,8 @@ def _activations(layers: Sequence, outs: Sequence[float], x_bytes: float, x_owne
             (:func:`_onednn_copies`).
         nbytes: Bytes per activation element.
     """
+    from hpcpar.nn._conv_route import CHUNK_BACKWARD_BYTES  # deferred: imports torch
+
     n = len(layers)
     alias = [layer.alias or layer.kind == "flatten" for layer in layers]
 
@@ -347,10 +349,14 @@ def _activations(layers: Sequence, outs: Sequence[float], x_bytes: float, x_owne
                 live += size[p]
         if layers[i].kind in ("conv", "convT"):
             ins = sum(size[p] if p >= 0 else x_bytes for p in srcs[i])
+            # a convolution's backward copies a chunk at a time of a large output gradient
+            # (hpcpar.nn.conv.ConvOp._chunked; not the transposed one)
+            parts = (max(1, math.ceil(size[i] / CHUNK_BACKWARD_BYTES))
+                     if layers[i].kind == "conv" else 1)
             if copies and copies[i]:   # oneDNN's copies: the extended input, twice, and
-                live += 2 * ins + 3 * size[i]   # the output's gradient, three times
+                live += (2 * ins + 3 * size[i]) / parts   # the output's gradient, three times
             else:   # the padded input its weight gradient reads
-                live += ins
+                live += ins / parts
         peak = max(peak, live)
     return saved, peak
 

@@ -178,6 +178,14 @@ def test_conv_matches_torch(comm):
         finally:
             conv.SPLIT_BACKWARD_BYTES = saved
         _run_conv(comm, cases, batch=1)  # fp32 pieces of batch 1 take the oneDNN route
+        # the chunked backward (large output gradients), forced to one output row a chunk:
+        # strides, dilations and paddings put every chunk boundary somewhere different
+        conv.CHUNK_BACKWARD_BYTES, saved = 1, conv.CHUNK_BACKWARD_BYTES
+        try:
+            _run_conv(comm, cases)
+            _run_conv(comm, cases, batch=1)
+        finally:
+            conv.CHUNK_BACKWARD_BYTES = saved
 
 
 @mpi_case(nprocs=(4,), timeout=240)
