@@ -349,14 +349,13 @@ def _activations(layers: Sequence, outs: Sequence[float], x_bytes: float, x_owne
                 live += size[p]
         if layers[i].kind in ("conv", "convT"):
             ins = sum(size[p] if p >= 0 else x_bytes for p in srcs[i])
-            # a convolution's backward copies a chunk at a time of a large output gradient
-            # (hpcpar.nn.conv.ConvOp._chunked; not the transposed one)
-            parts = (max(1, math.ceil(size[i] / CHUNK_BACKWARD_BYTES))
-                     if layers[i].kind == "conv" else 1)
             if copies and copies[i]:   # oneDNN's copies: the extended input, twice, and
-                live += (2 * ins + 3 * size[i]) / parts   # the output's gradient, three times
-            else:   # the padded input its weight gradient reads
-                live += ins / parts
+                # the output's gradient, three times; a chunk at a time of a large output
+                # gradient (hpcpar.nn.conv.ConvOp._chunked)
+                parts = max(1, math.ceil(size[i] / CHUNK_BACKWARD_BYTES))
+                live += (2 * ins + 3 * size[i]) / parts
+            else:   # the padded input its weight gradient reads (the boundary path)
+                live += ins
         peak = max(peak, live)
     return saved, peak
 

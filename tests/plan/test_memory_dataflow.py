@@ -62,19 +62,6 @@ def test_liveness_of_a_two_conv_chain_by_hand():
     assert memory.activations(copied, (1, 1, 1, 1)) == (out + out // 2, 4 * out + out // 2)
 
 
-def test_a_chunked_backward_copies_a_chunk_of_its_input(monkeypatch):
-    """The same chain with the convolution backward's chunk at half an output: the second
-    conv's weight gradient reads its input's copy half at a time (hpcpar.nn.conv's
-    ``ConvOp._chunked``): 3.5 outputs at peak, not 4."""
-    from hpcpar.nn import _conv_route
-
-    net = nn.Sequential(nn.Conv3d(1, 2, 1), nn.Conv3d(2, 2, 1))
-    work = Workload("c", trace_layers(net, (1, 4, 4, 4)), (1, 4, 4, 4), 1, input_copy=False)
-    out = 2 * 4 ** 3 * 4
-    monkeypatch.setattr(_conv_route, "CHUNK_BACKWARD_BYTES", out // 2)
-    assert memory.activations(work, (1, 1, 1, 1)) == (out, 3.5 * out)
-
-
 def _live_peak(model, x, tmp_path) -> float:
     """Peak bytes allocated during one forward + backward (torch's allocation trace), less
     the parameters' gradients."""
