@@ -68,13 +68,23 @@ def conv_step(comm, size: int, channels: int, reps: int, device, profile=None) -
             mod(x).square().mean().backward()
         return run
 
+    from hpcpar.nn import _boundary_conv
+
     t_spatial = _timed(step(layer), reps, comm)
     t_cudnn = _timed(step(base), reps, comm)
     if profile:
         _profile(step(layer), reps, comm, profile)
-    return [("spatial conv3d step (fwd+bwd), local "
-             f"{'x'.join(map(str, x.shape[2:]))}x{channels}", f"{t_spatial * 1e3:.2f} ms",
-             f"cuDNN Conv3d {t_cudnn * 1e3:.2f} ms", t_spatial / t_cudnn, "<= 1.10")]
+    _boundary_conv.ENABLED, was = False, _boundary_conv.ENABLED   # exchange, then one conv
+    try:
+        t_general = _timed(step(layer), reps, comm)
+    finally:
+        _boundary_conv.ENABLED = was
+    local = f"{'x'.join(map(str, x.shape[2:]))}x{channels}"
+    return [(f"spatial conv3d step (fwd+bwd), local {local}", f"{t_spatial * 1e3:.2f} ms",
+             f"cuDNN Conv3d {t_cudnn * 1e3:.2f} ms", t_spatial / t_cudnn, "<= 1.10"),
+            (f"same, general path (halo first, one conv), local {local}",
+             f"{t_general * 1e3:.2f} ms", f"cuDNN Conv3d {t_cudnn * 1e3:.2f} ms",
+             t_general / t_cudnn, "<= 1.10")]
 
 
 def _profile(fn, reps: int, comm, path: str) -> None:
