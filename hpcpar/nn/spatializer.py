@@ -93,10 +93,14 @@ def _enter(module, args, kwargs):
         return None
     if ctx.root is None:
         ctx.root = weakref.ref(module)   # a split head finds the Linear of its weight
-    if ctx.plain is not None and not ctx.settling:
+    # the check compares gradients on its own probe: a first call under no_grad (a
+    # validation pass, inference) still gets it, with grad on; inference mode cannot make
+    # tensors that backward accepts, so the check waits for the first call outside it
+    if ctx.plain is not None and not ctx.settling and not torch.is_inference_mode_enabled():
         plain, ctx.plain = ctx.plain, None
         try:
-            first_step_check(module, plain, args, ctx, spatialize)
+            with torch.enable_grad():
+                first_step_check(module, plain, args, ctx, spatialize)
         except BaseException:
             ctx.depth -= 1
             raise

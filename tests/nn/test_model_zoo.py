@@ -124,6 +124,17 @@ def _escape_is_caught(grid):
         x = randn((1, 2, 6, 7, 8), 5, dtype)
         with pytest.raises(LayerError, match="spatialize check: module 'conv2'"):
             model(x[local_slices(x.shape, grid)])
+    # a first call under no_grad (a validation pass first) is checked all the same; under
+    # inference mode the check waits for the first call outside it
+    model = spatialize(Escaping().double(), grid, check=True)
+    x = randn((1, 2, 6, 7, 8), 5, torch.float64)[local_slices((1, 2, 6, 7, 8), grid)]
+    with torch.no_grad(), pytest.raises(LayerError, match="spatialize check: module 'conv2'"):
+        model(x)
+    model = spatialize(Escaping().double(), grid, check=True)
+    with torch.inference_mode():
+        model(x)
+    with pytest.raises(LayerError, match="spatialize check: module 'conv2'"):
+        model(x)
 
 
 def _float32_rounding_is_not_an_escape(grid):
