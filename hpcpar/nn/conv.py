@@ -19,9 +19,11 @@ from hpcpar.errors import LayerError
 from hpcpar.parallel.grid import ProcessGrid
 from hpcpar.parallel.halo import StencilOp, halo_stencil, input_layout, memory_format
 from hpcpar.parallel.partition import (
+    ceil_div,
     conv_axis_halo,
     conv_pads,
-    part_range,
+    part_ranges,
+    stencil_input_range,
     torch_pad,
     transposed_axis_halo,
 )
@@ -113,15 +115,12 @@ class ConvOp(StencilOp):
             return None, None
         a = max(range(3), key=lambda i: grad_out.shape[2 + i])
         n = grad_out.shape[2 + a]
-        parts = min(n, -(-nbytes // CHUNK_BACKWARD_BYTES))
+        parts = min(n, ceil_div(nbytes, CHUNK_BACKWARD_BYTES))
         if parts < 2:
             return None, None
         k, st, dl = self.kernel[a], self.stride[a], self.dilation[a]
-        spans = []
-        for i in range(parts):
-            lo, hi = part_range(n, parts, i)
-            spans.append((lo, hi, lo * st, (hi - 1) * st + dl * (k - 1) + 1))
-        return 2 + a, spans
+        return 2 + a, [(lo, hi, *stencil_input_range(lo, hi, k, st, 0, dl))
+                       for lo, hi in part_ranges(n, parts)]
 
     def _chunked(self, holder, grad_out, weight, bias, needs, axis, spans):
         """The backward of a large output gradient in chunks of it: each chunk's weight and
