@@ -18,8 +18,12 @@ and the same pieces of the same volume (checked: their outputs agree before anyt
 timed). Each round times DistDL, hpcpar in DistDL's memory format (contiguous NCDHW) and
 hpcpar channels-last (its fastest form), each the median of ``--repeat`` steps after a
 warm-up; the ratio hpcpar / DistDL is taken per round and printed as the median with its
-spread, against the issue's target (<= 0.7). Ranks beyond the grid wait without spinning.
-Prints the DistDL commit when ``--distdl-src`` is its git checkout.
+spread, against the issue's target (<= 0.7). Each round also times the machine's limit of
+the grid (benchmarks/spatial.py's: every rank runs the faster of torch's two channels-last
+forms on its piece at once, with no halo and no messages), and both sides are printed as
+multiples of it: a target below the limit is one no implementation of the same convolutions
+can meet on that host. Ranks beyond the grid wait without spinning. Prints the DistDL commit
+when ``--distdl-src`` is its git checkout.
 """
 
 from __future__ import annotations
@@ -32,10 +36,13 @@ import subprocess
 import sys
 
 from limits import command, quiet_barrier, spread  # noqa: E402 - sibling benchmark helpers
-from spatial import build_stack, on_first, volume  # noqa: E402
+from spatial import bench_limit, build_stack, on_first, volume  # noqa: E402
 
 #: issue 34: hpcpar at most this fraction of DistDL's time at 2 and 4 ranks
 TARGET = 0.7
+#: the machine's limit of a grid, timed beside both (spatial.py's): each rank runs the faster
+#: of these single-process torch forms on its piece, with no halo and no messages
+LIMIT_FORMS = ("torch p1 cl", "torch pad cl")
 
 
 def _numpy_aliases_for_distdl() -> None:
@@ -115,6 +122,11 @@ def bench(comm, dims, args, which):
     return on_first(comm, math.prod(dims), args, build)
 
 
+def limit(comm, dims, args) -> float:
+    """The machine's limit of ``dims`` this round: the faster of :data:`LIMIT_FORMS`."""
+    return min(bench_limit(comm, dims, args, form)[0] for form in LIMIT_FORMS)
+
+
 def agree(comm, dims, args) -> float:
     """Largest relative difference of DistDL's and hpcpar's outputs (forward only) from plain
     torch's on the whole volume, over the ranks of the grid: both compute the same stack."""
@@ -190,7 +202,7 @@ def main() -> int:
               f"{commit(args.distdl_src)}, from {os.path.dirname(distdl.__file__)}; "
               f"torch {torch.__version__}")
         print(f"# command: {command(comm.Get_size())} (python: DistDL's environment)")
-    sides = ("distdl", "hpcpar", "hpcpar-cl")
+    sides = ("distdl", "hpcpar", "hpcpar-cl", "limit")
     times = {(d, s): [] for d in grids for s in sides}
     for dims in grids:
         err = agree(comm, dims, args)
@@ -201,8 +213,9 @@ def main() -> int:
             sys.exit("the two sides do not compute the same stack")
     for r in range(args.rounds):
         for dims in grids:
-            for side in sides[r % 3:] + sides[:r % 3]:     # the order rotates each round
-                times[dims, side].append(bench(comm, dims, args, side)[0])
+            for side in sides[r % 4:] + sides[:r % 4]:     # the order rotates each round
+                times[dims, side].append(limit(comm, dims, args) if side == "limit" else
+                                         bench(comm, dims, args, side)[0])
         if root:
             print(f"round {r}: " + "  ".join(
                 f"{'x'.join(map(str, d))} {s} {times[d, s][-1]:.3f}s" for d in grids
@@ -221,6 +234,18 @@ def main() -> int:
             print(" ".join(row))
         print(f"# vs DistDL = hpcpar step / DistDL step per round (median, min-max over "
               f"{args.rounds} rounds); target <= {TARGET}")
+        for dims in grids:   # what the target asks of hpcpar, against the machine's limit
+            lim = times[dims, "limit"]
+            theirs = [t / m for t, m in zip(times[dims, "distdl"], lim)]
+            ours = [t / m for t, m in zip(times[dims, "hpcpar-cl"], lim)]
+            need = TARGET * statistics.median(theirs)
+            print(f"# {'x'.join(map(str, dims))}: the machine's limit (each rank the faster of "
+                  f"{' and '.join(LIMIT_FORMS)} on its piece, no halo) "
+                  f"{statistics.median(lim):.3f} s; DistDL takes {statistics.median(theirs):.2f}x "
+                  f"({spread(theirs)}) of it, hpcpar channels-last "
+                  f"{statistics.median(ours):.2f}x ({spread(ours)}); {TARGET}x DistDL's time is "
+                  f"{need:.2f}x the limit" + (": faster than the machine allows, with the same "
+                                               "convolutions" if need < 1 else ""))
     return 0
 
 

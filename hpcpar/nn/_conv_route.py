@@ -5,10 +5,13 @@ instead: shared by the spatial convolution (:mod:`.conv`) and its boundary fast 
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 
 __all__ = ["torch_picks_slow_conv", "onednn", "onednn_shape", "prepadded_weight_grad",
-           "SPLIT_BACKWARD_BYTES", "CHUNK_BACKWARD_BYTES"]
+           "onednn_avx512", "SPLIT_BACKWARD_BYTES", "CHUNK_BACKWARD_BYTES"]
 
 #: Inputs up to this size get their three conv gradients from one call (a call's fixed cost
 #: is then worth more than the volume a split backward saves: ``ConvOp.backward``,
@@ -56,18 +59,40 @@ def onednn_shape(shape, kernel, stride, dilation, groups) -> bool:
 def prepadded_weight_grad(x, weight, groups) -> bool:
     """Whether a padded convolution's weight gradient is taken from a zero-padded copy of
     its input (padding 0) instead of handing the padding to oneDNN: faster and leaner for
-    channels-last inputs with few channels. Measured on CPU float32 (torch 2.13, one thread,
-    stride 1, 3^3 kernel), time and peak RSS above the inputs of the backward, one padded
-    call -> input gradient padded + weight gradient pre-padded: 16 -> 16 channels at 128^3
-    1527 -> 1134 ms, 283 -> 262 MiB; at 96^3 692 -> 480 ms, 123 -> 112 MiB; the weight
-    gradient alone at 4 -> 8 channels, 128^3, 174 -> 72 ms. Not taken where it measured
-    slower (channels-last from 16 -> 32 or 32 -> 16 channels up: 0.64-0.83x, hence the bound
-    on in x out channels) or larger (contiguous inputs: 1.5-3.7x faster, but twice the
-    peak: 16 -> 33 MiB at 64^3 x 8). Depends only on the layer and the memory format, so
-    every rank takes the same form. Inputs up to SPLIT_BACKWARD_BYTES take the one call."""
+    channels-last inputs with few channels where oneDNN has no AVX-512 kernels. Measured on
+    CPU float32 (torch 2.13, one thread, stride 1, 3^3 kernel), time and peak RSS above the
+    inputs of the backward, one padded call -> input gradient padded + weight gradient
+    pre-padded, on an AVX2 host: 16 -> 16 channels at 128^3 1527 -> 1134 ms, 283 -> 262 MiB;
+    at 96^3 692 -> 480 ms, 123 -> 112 MiB; the weight gradient alone at 4 -> 8 channels,
+    128^3, 174 -> 72 ms. Not taken where it measured slower: channels-last from 16 -> 32 or
+    32 -> 16 channels up (0.64-0.83x, hence the bound on in x out channels), and every layer
+    on an AVX-512 host (AMD EPYC, 2026-12-04), where oneDNN's padded call is the faster and
+    leaner one: the weight gradient at 16 -> 16, 128^3, 271-380 ms padded against 360-462 ms
+    from the copy in every weight and gradient layout, and the backward's peak 139 MiB
+    against 274 (the same host with ``ONEDNN_MAX_CPU_ISA=AVX2``: 811-972 against 555-577
+    ms, the rule's first measurement); nor for contiguous inputs (1.5-3.7x faster on AVX2,
+    but twice the peak: 16 -> 33 MiB at 64^3 x 8). Depends only on the layer, the memory
+    format and the host's instruction set, never on a timing, so a run repeats bitwise.
+    Inputs up to SPLIT_BACKWARD_BYTES take the one call."""
     if (x.numel() * x.element_size() <= SPLIT_BACKWARD_BYTES or x.device.type != "cpu"
             or x.dtype != torch.float32 or groups != 1 or x.dim() != 5 or x.is_contiguous()
             or not x.is_contiguous(memory_format=torch.channels_last_3d)
-            or not torch.backends.mkldnn.is_available()):
+            or not torch.backends.mkldnn.is_available() or onednn_avx512()):
         return False
     return weight.shape[0] * weight.shape[1] <= 256
+
+
+#: oneDNN's instruction sets below AVX-512 (its ``ONEDNN_MAX_CPU_ISA`` names)
+_BELOW_AVX512 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2")
+
+
+@functools.cache
+def onednn_avx512() -> bool:
+    """Whether oneDNN runs its AVX-512 kernels here: the CPU has them (torch's own check)
+    and ``ONEDNN_MAX_CPU_ISA`` (or its old name ``DNNL_MAX_CPU_ISA``) does not cap it below."""
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "")
+    if cap.strip().upper() in _BELOW_AVX512:
+        return False
+    check = getattr(torch.cpu, "_is_avx512_supported", None)
+    return bool(check()) if callable(check) else \
+        torch.backends.cpu.get_cpu_capability() == "AVX512"

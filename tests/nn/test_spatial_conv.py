@@ -159,6 +159,63 @@ def test_batch_one_runs_on_onednn_and_matches_torch(monkeypatch):
     grid.free()
 
 
+def test_chunks_only_where_one_pass_copies_the_output_gradient(monkeypatch):
+    """The chunked backward exists to cut the copies a pass makes of the whole output
+    gradient (oneDNN's route: batch 1 here). Where torch's own call takes the volume as it
+    is (batch 2), chunks would only add copies (each falls to oneDNN's route): one pass."""
+    from hpcpar import ProcessGrid
+    from hpcpar.nn import SpatialConv3d, _boundary_conv, conv
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch built without oneDNN")
+    chunked, whole = [], conv.ConvOp._chunked
+    monkeypatch.setattr(conv.ConvOp, "_chunked",
+                        lambda self, *a: chunked.append(1) or whole(self, *a))
+    monkeypatch.setattr(conv, "CHUNK_BACKWARD_BYTES", 1)
+    monkeypatch.setattr(_boundary_conv, "ENABLED", False)   # the general path
+    grid = ProcessGrid(1, 1, 1, 1, comm=MPI.COMM_SELF)
+    for batch, expect in ((2, False), (1, True)):
+        chunked.clear()
+        torch.manual_seed(3)
+        twin = nn.Conv3d(8, 8, 3, padding=1)
+        spatial = SpatialConv3d(8, 8, 3, padding=1, grid=grid)
+        spatial.load_state_dict(twin.state_dict())
+        X = torch.randn(batch, 8, 9, 10, 11).contiguous(memory_format=torch.channels_last_3d)
+        X.requires_grad_()
+        x = X.detach().clone().requires_grad_()
+        G = torch.randn(batch, 8, 9, 10, 11)
+        (twin(X) * G).sum().backward()
+        (spatial(x) * G).sum().backward()
+        assert bool(chunked) is expect, batch
+        assert rel_err(x.grad, X.grad) <= FP32_TOL
+        for p, q in zip(spatial.parameters(), twin.parameters()):
+            assert rel_err(p.grad, q.grad) <= FP32_TOL
+    grid.free()
+
+
+def test_prepadded_weight_gradient_follows_the_hosts_instruction_set(monkeypatch):
+    """The pre-padded weight gradient is the faster form only where oneDNN lacks AVX-512
+    kernels (measured both ways on one host): a channels-last 16 -> 16 layer takes it when
+    oneDNN is capped at AVX2, and on an AVX-512 host left alone it does not."""
+    from hpcpar.nn import _conv_route
+
+    x = torch.zeros(1, 16, 48, 48, 48).contiguous(memory_format=torch.channels_last_3d)
+    w = torch.zeros(16, 16, 3, 3, 3)
+    for cap, expect in (("AVX2", False), ("avx2_vnni", False), ("", None)):
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+        _conv_route.onednn_avx512.cache_clear()
+        try:
+            has = _conv_route.onednn_avx512()
+            if expect is not None:
+                assert has is expect, cap
+            assert _conv_route.prepadded_weight_grad(x, w, 1) is (
+                torch.backends.mkldnn.is_available() and not has)
+        finally:
+            _conv_route.onednn_avx512.cache_clear()
+    if _conv_route.onednn_avx512():
+        assert not _conv_route.prepadded_weight_grad(x, w, 1)
+
+
 # ---- MPI ---------------------------------------------------------------------------------
 @mpi_case(nprocs=(4, 8), timeout=240)
 def test_conv_matches_torch(comm):
@@ -179,13 +236,19 @@ def test_conv_matches_torch(comm):
             conv.SPLIT_BACKWARD_BYTES = saved
         _run_conv(comm, cases, batch=1)  # fp32 pieces of batch 1 take the oneDNN route
         # the chunked backward (large output gradients), forced to one output row a chunk:
-        # strides, dilations and paddings put every chunk boundary somewhere different
+        # strides, dilations and paddings put every chunk boundary somewhere different. It
+        # serves the backwards that copy the whole output gradient (the permuted order, or
+        # oneDNN's: batch 1 here), and no other
+        chunked, whole = [], conv.ConvOp._chunked
+        conv.ConvOp._chunked = lambda self, *a: chunked.append(1) or whole(self, *a)
         conv.CHUNK_BACKWARD_BYTES, saved = 1, conv.CHUNK_BACKWARD_BYTES
         try:
             _run_conv(comm, cases)
             _run_conv(comm, cases, batch=1)
         finally:
             conv.CHUNK_BACKWARD_BYTES = saved
+            conv.ConvOp._chunked = whole
+        assert chunked
 
 
 @mpi_case(nprocs=(4,), timeout=240)
@@ -346,7 +409,8 @@ def test_boundary_fast_path_matches_torch(comm):
                 assert took == fast, what
         on_subgrid(comm, 1, dims, check)
     # the weight gradient from a zero-padded copy of the piece (channels-last fp32, few
-    # channels; forced on these small volumes): the same gradients, and the path is taken
+    # channels, a host without AVX-512; forced on these small volumes, and on any host):
+    # the same gradients, and the path is taken
     from hpcpar.nn import _boundary_conv, _conv_route
 
     taken, chooser = [], _boundary_conv.prepadded_weight_grad
@@ -356,6 +420,7 @@ def test_boundary_fast_path_matches_torch(comm):
         return taken[-1]
 
     _conv_route.SPLIT_BACKWARD_BYTES, saved = 0, _conv_route.SPLIT_BACKWARD_BYTES
+    isa, _conv_route.onednn_avx512 = _conv_route.onednn_avx512, lambda: False
     _boundary_conv.prepadded_weight_grad = counted
     try:
         for dims, k, pad, shape, bias in [((3, 1, 1), 3, 1, (17, 9, 8), True),
@@ -373,6 +438,7 @@ def test_boundary_fast_path_matches_torch(comm):
             on_subgrid(comm, 1, dims, check_prepadded)
     finally:
         _conv_route.SPLIT_BACKWARD_BYTES = saved
+        _conv_route.onednn_avx512 = isa
         _boundary_conv.prepadded_weight_grad = chooser
     assert taken and all(taken), taken
     # batch 1, fp32, pieces large enough for torch's fast kernel: the thin slabs fall under
