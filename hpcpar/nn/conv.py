@@ -75,10 +75,15 @@ class ConvOp(StencilOp):
             return None
         return order
 
+    @staticmethod
+    def _memory_order(ext) -> tuple[int, ...]:
+        """The spatial dims of ``ext`` from the outermost in memory to the innermost."""
+        strides = ext.stride()[2:]
+        return tuple(sorted(range(3), key=lambda a: -strides[a]))
+
     def _permuted(self, ext, weight):
         """(ext, weight, stride, dilation, inverse perm) with spatial dims in memory order."""
-        strides = ext.stride()[2:]
-        order = tuple(sorted(range(3), key=lambda a: -strides[a]))
+        order = self._memory_order(ext)
         if order == (0, 1, 2):
             return ext, weight, self.stride, self.dilation, None
         inv = [order.index(a) for a in range(3)]
@@ -102,27 +107,26 @@ class ConvOp(StencilOp):
         """The gradients in one pass, or (a CPU output gradient above CHUNK_BACKWARD_BYTES)
         in chunks along the output's longest axis (:meth:`_chunked`)."""
         weight, bias = params
-        axis, spans = self._chunk_spans(grad_out) if self._copies_whole(holder[0], weight) \
-            else (None, None)
+        axis, spans = self._chunk_spans(grad_out, holder[0])
         if spans is None:
             return self._backward(holder, grad_out, weight, bias, needs)
         return self._chunked(holder, grad_out, weight, bias, needs, axis, spans)
 
-    def _copies_whole(self, ext, weight) -> bool:
+    def _copies_whole(self, ext) -> bool:
         """Whether one pass copies the whole output gradient (the permuted order, or
         oneDNN's through ``to_mkldnn``): only then do chunks save memory. Where torch's own
         call takes the volume as it is, chunks would only add copies: each chunk is small
         enough for torch's slow-kernel rule and goes through oneDNN's conversions (16 -> 16
         channels, 64 x 128^2 channels-last per rank at 2x1x1: 2.6 s of backward in 8 chunks
         a layer against 1.5 s in one pass, measured)."""
-        ext, w, stride, dilation, inv = self._permuted(ext, weight)
-        return inv is not None or _onednn(ext, w.shape[2:], stride, dilation, self.groups)
+        return self._memory_order(ext) != (0, 1, 2) or _onednn(
+            ext, self.kernel, self.stride, self.dilation, self.groups)
 
-    def _chunk_spans(self, grad_out):
+    def _chunk_spans(self, grad_out, ext):
         """(axis, [(out_lo, out_hi, in_lo, in_hi), ...]) of the chunks, or (None, None)."""
         nbytes = grad_out.numel() * grad_out.element_size()
         if (grad_out.device.type != "cpu" or nbytes <= CHUNK_BACKWARD_BYTES or
-                0 in self.out_shape or grad_out.dim() != 5):
+                0 in self.out_shape or grad_out.dim() != 5 or not self._copies_whole(ext)):
             return None, None
         a = max(range(3), key=lambda i: grad_out.shape[2 + i])
         n = grad_out.shape[2 + a]
