@@ -127,20 +127,37 @@ def scatter(volume: torch.Tensor | None, grid: ProcessGrid, root: int = 0,
 
 def _layout(shapes, grid):
     """Global shape and per-rank slices from every rank's local shape (x/y/z offsets are
-    prefix sums of the extents along each grid axis; no split rule assumed)."""
+    prefix sums of the extents along each grid axis; no split rule assumed).
+
+    Raises:
+        LayerError: The pieces do not tile one volume: leading dims that differ, or two
+            ranks at the same coordinate of a grid axis with different extents along it
+            (e.g. a piece whose split dims were moved on its way here). Every rank that
+            checks the same shapes raises the same error.
+    """
     X, Y, Z = grid.spatial_shape
     coords = [_spatial_coords(r, grid) for r in range(len(shapes))]
     lead = shapes[0][:-3]
     for r, s in enumerate(shapes):
-        if tuple(s[:-3]) != tuple(lead):
+        if len(s) < 3 or tuple(s[:-3]) != tuple(lead):
             raise LayerError(f"spatial rank {r} holds shape {tuple(s)}, rank 0 holds "
                              f"{tuple(shapes[0])}: leading (batch, channel) dims differ")
     extents = []  # per axis: extent of coordinate c along that axis
     for a, P in enumerate((X, Y, Z)):
-        ext = [0] * P
+        ext: list[int | None] = [None] * P
+        first = [0] * P
         for r, c in enumerate(coords):
-            ext[c[a]] = shapes[r][len(lead) + a]
-        extents.append(ext)
+            n = shapes[r][len(lead) + a]
+            if ext[c[a]] is None:
+                ext[c[a]], first[c[a]] = n, r
+            elif ext[c[a]] != n:
+                raise LayerError(
+                    f"spatial ranks {first[c[a]]} and {r} share coordinate {c[a]} of grid "
+                    f"axis {'xyz'[a]} but hold {ext[c[a]]} and {n} voxels along it (shapes "
+                    f"{tuple(shapes[first[c[a]]])} and {tuple(shapes[r])}): the "
+                    f"pieces do not tile one volume; pass each rank's piece in (N, C, D, H, W) "
+                    f"order")
+        extents.append([int(e or 0) for e in ext])
     offsets = [[sum(e[:c]) for c in range(len(e))] for e in extents]
     global_shape = tuple(lead) + tuple(sum(e) for e in extents)
     slices = []
@@ -148,6 +165,16 @@ def _layout(shapes, grid):
         slices.append(tuple([slice(None)] * len(lead) + [
             slice(offsets[a][c[a]], offsets[a][c[a]] + extents[a][c[a]]) for a in range(3)]))
     return global_shape, slices
+
+
+def _piece_shapes(local: torch.Tensor, comm, what: str) -> list[tuple[int, ...]]:
+    """Every spatial rank's piece shape, on every rank (collective); raises on every rank
+    when the pieces' dtypes differ (their bytes would be misread, not refused)."""
+    meta = comm.allgather((tuple(local.shape), str(local.dtype)))
+    dtypes = sorted({dtype for _, dtype in meta})
+    if len(dtypes) > 1:
+        raise LayerError(f"{what}: the spatial ranks' pieces have different dtypes {dtypes}")
+    return [shape for shape, _ in meta]
 
 
 def gather(local: torch.Tensor, grid: ProcessGrid, root: int = 0) -> torch.Tensor | None:
@@ -163,15 +190,18 @@ def gather(local: torch.Tensor, grid: ProcessGrid, root: int = 0) -> torch.Tenso
 
     Returns:
         The whole volume on ``root``; None on every other rank.
+
+    Raises:
+        LayerError: On every rank, when the pieces do not tile one volume (every rank checks
+            all the shapes before any piece travels: an error, never a rank left sending).
     """
     comm = grid.spatial_comm
     me = comm.Get_rank()
-    shapes = comm.gather(tuple(local.shape), root=root)
+    shapes = _piece_shapes(local, comm, "gather")
+    global_shape, slices = _layout(shapes, grid)
     if me != root:
         isend(local.contiguous(), root, comm, _TAG).wait()
         return None
-    assert shapes is not None  # gather's result on its root
-    global_shape, slices = _layout(shapes, grid)
     full = torch.empty(global_shape, dtype=local.dtype, device=local.device)
     for r, sl in enumerate(slices):
         if r == root:
@@ -195,9 +225,12 @@ def allgather_volume(local: torch.Tensor,
 
     Returns:
         The full volume, and the slices of it that are this rank's piece.
+
+    Raises:
+        LayerError: On every rank, when the pieces do not tile one volume.
     """
     comm = grid.spatial_comm
-    shapes = comm.allgather(tuple(local.shape))
+    shapes = _piece_shapes(local, comm, "allgather_volume")
     global_shape, slices = _layout(shapes, grid)
     flat = allgatherv(local.reshape(-1), comm)
     full = torch.empty(global_shape, dtype=local.dtype, device=local.device)
