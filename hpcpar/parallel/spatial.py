@@ -139,7 +139,10 @@ def _layout(shapes, grid):
     coords = [_spatial_coords(r, grid) for r in range(len(shapes))]
     lead = shapes[0][:-3]
     for r, s in enumerate(shapes):
-        if len(s) < 3 or tuple(s[:-3]) != tuple(lead):
+        if len(s) < 3:
+            raise LayerError(f"spatial rank {r} holds shape {tuple(s)}: a piece needs at least "
+                             f"3 (spatial) dims")
+        if tuple(s[:-3]) != tuple(lead):
             raise LayerError(f"spatial rank {r} holds shape {tuple(s)}, rank 0 holds "
                              f"{tuple(shapes[0])}: leading (batch, channel) dims differ")
     extents = []  # per axis: extent of coordinate c along that axis
