@@ -21,6 +21,7 @@ _LAZY = {
     "settle": "hpcpar.nn.spatializer",
     "SplitTensor": "hpcpar.nn.split",
     "local": "hpcpar.nn.split",
+    "whole": "hpcpar.nn.split",
     "is_split": "hpcpar.nn.split",
     "split_like": "hpcpar.nn.split",
     "global_reduce": "hpcpar.nn.reduce",

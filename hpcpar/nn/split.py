@@ -22,11 +22,12 @@ import torch
 
 from hpcpar.errors import LayerError
 from hpcpar.parallel.partition import box as part_box
+from hpcpar.parallel.spatial import gather
 
 if TYPE_CHECKING:
     from hpcpar.parallel.grid import ProcessGrid
 
-__all__ = ["SplitTensor", "Layout", "FlatLayout", "TokenLayout", "SplitContext", "local",
+__all__ = ["SplitTensor", "Layout", "FlatLayout", "TokenLayout", "SplitContext", "local", "whole",
            "is_split", "split_like", "user_frame"]
 
 
@@ -167,7 +168,7 @@ def set_crop(crop) -> None:
     _CROP = crop
 
 
-_CROP = None
+_CROP: Any = None
 
 
 def wrap(t: torch.Tensor, layout: Layout) -> SplitTensor:
@@ -216,6 +217,35 @@ def local(t: torch.Tensor) -> torch.Tensor:
     and you are responsible for combining shares (a plain tensor is returned unchanged).
     """
     return unwrap(t)
+
+
+def whole(t: torch.Tensor, root: int = 0) -> torch.Tensor | None:
+    """The whole of a split tensor, assembled on spatial rank ``root`` (None on the group's
+    other ranks): the way out of the split world for a result wanted entire (a prediction, a
+    field to write out). Its split dims are taken from where they are, so an output permuted
+    to ``(N, D, H, W, C)`` comes back as the single-process model's; gathering ``local(t)``
+    yourself assumes them last. Detached: no gradient flows back. Collective over the
+    spatial group. A plain tensor (every rank holds it whole) is returned as it is.
+
+    Raises:
+        LayerError: ``t`` is flattened (a split head's features, voxel tokens): there is no
+            volume to assemble, take it before the flatten; or the pieces do not tile one
+            volume.
+    """
+    if not isinstance(t, SplitTensor):
+        return t
+    split: SplitTensor = t
+    if hasattr(split._hp, "reach"):   # a fused run's margin: this rank's own voxels only
+        assert _CROP is not None  # set by hpcpar.nn.fused_halo, which made the margin
+        split = _CROP(split)
+    lay = split._hp
+    if type(lay) is not Layout:
+        raise LayerError(f"whole: the tensor's split dims are merged ({type(lay).__name__}): "
+                         f"there is no volume to assemble; take the tensor before the flatten")
+    piece = unwrap(split).detach()
+    full = gather(piece, lay.ctx.grid, root, dims=lay.sdims)
+    assert full is None or full.shape == lay.global_shape(piece.shape)
+    return full
 
 
 def split_like(piece: torch.Tensor, like: SplitTensor) -> torch.Tensor:

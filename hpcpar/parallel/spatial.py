@@ -170,6 +170,15 @@ def _layout(shapes, grid):
     return global_shape, slices
 
 
+def _split_dims(dims: Sequence[int], ndim: int) -> tuple[int, ...]:
+    """``dims`` as three distinct non-negative dim positions of an ``ndim``-dim tensor."""
+    out = tuple(int(d) % ndim if -ndim <= int(d) < ndim else -1 for d in dims)
+    if len(out) != 3 or -1 in out or len(set(out)) != 3:
+        raise LayerError(f"gather: dims={tuple(dims)} must be the positions of the x, y, z split "
+                         f"dims: three distinct dims of a {ndim}-dim piece")
+    return out
+
+
 def _piece_shapes(local: torch.Tensor, comm, what: str) -> list[tuple[int, ...]]:
     """Every spatial rank's piece shape, on every rank (collective); raises on every rank
     when the pieces' dtypes differ (their bytes would be misread, not refused)."""
@@ -180,7 +189,8 @@ def _piece_shapes(local: torch.Tensor, comm, what: str) -> list[tuple[int, ...]]
     return [shape for shape, _ in meta]
 
 
-def gather(local: torch.Tensor, grid: ProcessGrid, root: int = 0) -> torch.Tensor | None:
+def gather(local: torch.Tensor, grid: ProcessGrid, root: int = 0, *,
+           dims: Sequence[int] | None = None) -> torch.Tensor | None:
     """Assemble the pieces of the spatial group into the whole volume on one rank.
 
     Collective over ``grid.spatial_comm``; the inverse of
@@ -190,6 +200,8 @@ def gather(local: torch.Tensor, grid: ProcessGrid, root: int = 0) -> torch.Tenso
         local: This rank's piece.
         grid: The process grid.
         root: The spatial rank that receives the volume.
+        dims: Where the x, y, z split dims are in ``local`` (default: its last three). A
+            split tensor knows them: ``hpcpar.nn.whole(t)`` passes them for you.
 
     Returns:
         The whole volume on ``root``; None on every other rank.
@@ -198,6 +210,10 @@ def gather(local: torch.Tensor, grid: ProcessGrid, root: int = 0) -> torch.Tenso
         LayerError: On every rank, when the pieces do not tile one volume (every rank checks
             all the shapes before any piece travels: an error, never a rank left sending).
     """
+    if dims is not None:
+        moved = _split_dims(dims, local.dim())
+        full = gather(local.movedim(moved, (-3, -2, -1)), grid, root)
+        return None if full is None else full.movedim((-3, -2, -1), moved).contiguous()
     comm = grid.spatial_comm
     me = comm.Get_rank()
     shapes = _piece_shapes(local, comm, "gather")

@@ -375,3 +375,44 @@ def test_var_and_std_read_their_positional_flag_as_unbiased(grid):
     x = torch.randn(2, 3, 4, 5, 6, dtype=torch.float64)
     for got, want in zip(spatialize(Stats(), grid)(x), Stats()(x)):
         assert local(got).shape == want.shape and torch.allclose(local(got), want)
+
+
+class _PermutedHead(nn.Module):
+    """A segmentation head written channels-last by hand: (N, D, H, W, classes) out."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv3d(2, 4, 3, padding=1)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(self.conv(x).permute(0, 2, 3, 4, 1))
+
+
+@mpi_case(nprocs=(2,), timeout=120)
+def test_whole_assembles_a_split_output_wherever_its_split_dims_are(comm):
+    """``whole(y)``: the single-process output on the spatial root, None on the other rank,
+    also for an output whose split dims are no longer last (gathering ``local(y)`` assumes
+    them last); a flattened output has no volume to assemble: one line on every rank."""
+    import hpcpar
+    from hpcpar.errors import LayerError
+    from hpcpar.nn import spatialize, whole
+    from hpcpar.parallel.spatial import local_slices
+
+    x = torch.randn(2, 2, 5, 6, 7, generator=torch.Generator().manual_seed(0),
+                    dtype=torch.float64)
+    torch.manual_seed(0)   # the same weights on every rank
+    plain = _PermutedHead().double()
+    ref = plain(x)
+    for grid in (hpcpar.ProcessGrid(x=2), hpcpar.ProcessGrid(y=2)):
+        y = spatialize(plain, grid)(x[local_slices(x.shape, grid)])
+        full = whole(y)
+        if grid.spatial_comm.Get_rank() == 0:
+            assert full is not None and full.shape == ref.shape
+            assert torch.allclose(full, ref.detach(), rtol=1e-12)
+        else:
+            assert full is None
+        assert whole(ref) is ref   # a plain tensor is whole already
+        flat = spatialize(plain.conv, grid)(x[local_slices(x.shape, grid)]).flatten(1)
+        with pytest.raises(LayerError, match="split dims are merged"):
+            whole(flat)

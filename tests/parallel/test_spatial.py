@@ -43,6 +43,10 @@ def test_gather_refuses_pieces_that_do_not_tile_one_volume_on_every_rank(comm):
     for fn in (spatial.gather, spatial.allgather_volume):
         with pytest.raises(LayerError, match="do not tile one volume"):
             fn(swapped, grid)
+    with pytest.raises(LayerError, match="three distinct dims"):
+        spatial.gather(mine, grid, dims=(2, 2, 3))
+    moved = spatial.gather(mine.movedim((2, 3, 4), (0, 1, 2)).contiguous(), grid, dims=(0, 1, 2))
+    assert moved is None or torch.equal(moved, x.movedim((2, 3, 4), (0, 1, 2)))
     with pytest.raises(LayerError, match="different dtypes"):
         spatial.gather(mine.double() if grid.spatial_comm.Get_rank() == 1 else mine, grid)
     comm.Barrier()   # no piece is left in flight: the ranks meet again
