@@ -147,26 +147,23 @@ def _layout(shapes, grid):
                              f"{tuple(shapes[0])}: leading (batch, channel) dims differ")
     extents = []  # per axis: extent of coordinate c along that axis
     for a, P in enumerate((X, Y, Z)):
-        ext: list[int | None] = [None] * P
-        first = [0] * P
+        ext = [0] * P
         for r, c in enumerate(coords):
-            n = shapes[r][len(lead) + a]
-            if ext[c[a]] is None:
-                ext[c[a]], first[c[a]] = n, r
-            elif ext[c[a]] != n:
-                raise LayerError(
-                    f"spatial ranks {first[c[a]]} and {r} share coordinate {c[a]} of grid "
-                    f"axis {'xyz'[a]} but hold {ext[c[a]]} and {n} voxels along it (shapes "
-                    f"{tuple(shapes[first[c[a]]])} and {tuple(shapes[r])}): the "
-                    f"pieces do not tile one volume; pass each rank's piece in (N, C, D, H, W) "
-                    f"order")
-        extents.append([int(e or 0) for e in ext])
+            ext[c[a]] = shapes[r][len(lead) + a]
+        extents.append(ext)
     offsets = [[sum(e[:c]) for c in range(len(e))] for e in extents]
     global_shape = tuple(lead) + tuple(sum(e) for e in extents)
     slices = []
-    for c in coords:
+    for r, c in enumerate(coords):
         slices.append(tuple([slice(None)] * len(lead) + [
             slice(offsets[a][c[a]], offsets[a][c[a]] + extents[a][c[a]]) for a in range(3)]))
+        for a in range(3):   # a rank at the same coordinate of axis a set the extent
+            if extents[a][c[a]] != shapes[r][len(lead) + a]:
+                raise LayerError(
+                    f"spatial rank {r} holds shape {tuple(shapes[r])}, {shapes[r][len(lead) + a]}"
+                    f" voxels along grid axis {'xyz'[a]} where another rank at its coordinate "
+                    f"{c[a]} holds {extents[a][c[a]]}: the pieces do not tile one volume; pass "
+                    f"each rank's piece in (N, C, D, H, W) order")
     return global_shape, slices
 
 
