@@ -38,7 +38,7 @@ from hpcpar.parallel import replay
 from hpcpar.parallel.counters import COUNTERS, profiled
 from hpcpar.parallel.partition import conv_pads, split_sizes, torch_pad, xyz
 
-from ._conv_route import onednn, prepadded_weight_grad, torch_picks_slow_conv
+from ._conv_route import onednn, onednn_backward, prepadded_weight_grad, torch_picks_slow_conv
 
 __all__ = ["BoundarySpec", "boundary_spec", "boundary_conv", "ENABLED"]
 
@@ -174,11 +174,11 @@ def _slab_conv(slab: torch.Tensor, taps: torch.Tensor, pads, groups: int) -> tor
 def _slab_grads(grad: torch.Tensor, slab: torch.Tensor, taps: torch.Tensor, pads, groups: int,
                 mask) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The slab's and its taps' gradients of a slab's term (the route of :func:`_slab_conv`)."""
-    args = (None, [1, 1, 1], list(pads), [1, 1, 1], False, [0, 0, 0], groups, [*mask, False])
     if onednn(slab, taps.shape[2:], (1, 1, 1), (1, 1, 1), groups):
-        gs, gt, _ = torch.ops.aten.convolution_backward(grad.to_mkldnn(), slab.to_mkldnn(),
-                                                        taps, *args)
-        return (None if gs is None else gs.to_dense()), gt
+        gs, gt, _ = onednn_backward(grad, slab, taps, pads, (1, 1, 1), (1, 1, 1), groups,
+                                    [*mask, False])
+        return gs, gt
+    args = (None, [1, 1, 1], list(pads), [1, 1, 1], False, [0, 0, 0], groups, [*mask, False])
     gs, gt, _ = torch.ops.aten.convolution_backward(grad, slab, taps, *args)
     return gs, gt
 

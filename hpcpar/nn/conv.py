@@ -17,7 +17,7 @@ from torch import nn
 
 from hpcpar.errors import LayerError
 from hpcpar.parallel.grid import ProcessGrid
-from hpcpar.parallel.halo import StencilOp, halo_stencil, input_layout, memory_format
+from hpcpar.parallel.halo import StencilOp, halo_stencil
 from hpcpar.parallel.partition import (
     ceil_div,
     conv_axis_halo,
@@ -33,6 +33,7 @@ from ._base import SpatialModule
 from ._boundary_conv import boundary_conv, boundary_spec
 from ._conv_route import CHUNK_BACKWARD_BYTES, SPLIT_BACKWARD_BYTES  # noqa: F401 - read here
 from ._conv_route import onednn as _onednn
+from ._conv_route import onednn_backward as _onednn_backward
 from ._conv_route import torch_picks_slow_conv as _torch_picks_slow_conv
 
 __all__ = ["SpatialConv3d", "SpatialConvTranspose3d", "ConvOp", "ConvTransposeOp"]
@@ -188,10 +189,8 @@ class ConvOp(StencilOp):
         aten_bwd = torch.ops.aten.convolution_backward
         mask = [needs[0], needs[1], bias is not None and needs[2]]
         if _onednn(ext, w.shape[2:], stride, dilation, self.groups):
-            # oneDNN tensors in, so torch's backward takes oneDNN too (the weight stays dense)
-            gi, gw, gb = aten_bwd(grad_out.to_mkldnn(), ext.to_mkldnn(), w, *args, mask)
-            if gi is not None:  # back to a dense tensor in the input's memory order
-                gi = gi.to_dense().contiguous(memory_format=memory_format(input_layout(ext)))
+            gi, gw, gb = _onednn_backward(grad_out, ext, w, [0, 0, 0], stride, dilation,
+                                         self.groups, mask)
         elif ext.numel() * ext.element_size() <= SPLIT_BACKWARD_BYTES:
             gi, gw, gb = aten_bwd(grad_out, ext, w, *args, mask)
         else:

@@ -155,8 +155,44 @@ def test_batch_one_runs_on_onednn_and_matches_torch(monkeypatch):
         assert x.grad.is_contiguous(memory_format=fmt)
         for p, q in zip(spatial.parameters(), twin.parameters()):
             assert rel_err(p.grad, q.grad) <= FP32_TOL
-    assert len(calls) == 2
+    assert len(calls) == 4   # per format, the forward and the input gradient's convolution
     grid.free()
+
+
+def test_onednn_backward_equals_torchs_for_every_geometry():
+    """The oneDNN route's gradients (the input's from a flipped-kernel convolution where the
+    stride is 1, the one call otherwise) equal torch's convolution backward in float64 on the
+    same operands: paddings from 0 to the full kernel, dilations, groups, strides, both memory
+    formats, any subset of the gradients; the input gradient in the input's memory format."""
+    from hpcpar.nn._conv_route import onednn_backward
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch built without oneDNN")
+    bwd = torch.ops.aten.convolution_backward
+    cases = [((3, 3, 3), (0, 0, 0), (1, 1, 1), (1, 1, 1), 1),
+             ((3, 3, 3), (1, 1, 1), (1, 1, 1), (1, 1, 1), 1),
+             ((3, 5, 1), (2, 0, 0), (1, 1, 1), (1, 1, 1), 2),
+             ((3, 3, 3), (1, 2, 0), (1, 1, 1), (2, 1, 2), 1),
+             ((3, 3, 3), (1, 1, 1), (2, 1, 2), (1, 1, 1), 2)]
+    for kernel, pad, stride, dil, groups in cases:
+        for fmt in (torch.contiguous_format, torch.channels_last_3d):
+            torch.manual_seed(1)
+            x = torch.randn(1, 4, 9, 10, 7).contiguous(memory_format=fmt)
+            w = torch.randn(6, 4 // groups, *kernel)
+            y = torch.mkldnn_convolution(x, w, None, list(pad), list(stride), list(dil),
+                                         groups)
+            g = torch.randn(y.shape).contiguous(memory_format=fmt)
+            want = bwd(g.double(), x.double(), w.double(), [6], list(stride), list(pad),
+                       list(dil), False, [0, 0, 0], groups, [True, True, True])
+            for mask in ([True, True, True], [True, False, False], [False, True, True]):
+                got = onednn_backward(g, x, w, pad, stride, dil, groups, mask)
+                for m, a, b in zip(mask, got, want):
+                    what = (kernel, pad, stride, dil, groups, fmt, mask)
+                    assert (a is not None) is m, what
+                    if m:
+                        assert rel_err(a.double(), b) <= FP32_TOL, what
+                if mask[0]:
+                    assert got[0].is_contiguous(memory_format=fmt), what
 
 
 def test_chunks_only_where_one_pass_copies_the_output_gradient(monkeypatch):
