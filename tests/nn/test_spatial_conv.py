@@ -193,6 +193,12 @@ def test_onednn_backward_equals_torchs_for_every_geometry():
                         assert rel_err(a.double(), b) <= FP32_TOL, what
                 if mask[0]:
                     assert got[0].is_contiguous(memory_format=fmt), what
+            # the output gradient of a sum: one value expanded, every stride 0
+            ones = torch.ones(1, 1, 1, 1, 1).expand(y.shape)
+            want = bwd(ones.double().contiguous(), x.double(), w.double(), [6], list(stride),
+                       list(pad), list(dil), False, [0, 0, 0], groups, [True, True, True])
+            got = onednn_backward(ones, x, w, pad, stride, dil, groups, [True, True, True])
+            assert all(rel_err(a.double(), b) <= FP32_TOL for a, b in zip(got, want)), what
 
 
 def test_chunks_only_where_one_pass_copies_the_output_gradient(monkeypatch):
