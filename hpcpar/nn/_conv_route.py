@@ -63,8 +63,6 @@ def onednn_backward(grad, x, weight, padding, stride, dilation, groups, mask):
     inputs at 4 -> 16 channels, 64^3 channels-last, 31.5 -> 17.9 MiB (an AVX-512 host,
     2026-12-05). Equal to torch's up to float32 rounding: the same sums in another order.
     Strided convolutions keep the one call."""
-    import torch
-
     pads = [d * (k - 1) - p for d, k, p in zip(dilation, weight.shape[2:], padding)]
     flipped = all(s == 1 for s in stride) and min(pads) >= 0
     gi = gw = gb = None
