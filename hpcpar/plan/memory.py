@@ -350,9 +350,9 @@ def _activations(layers: Sequence, outs: Sequence[float], x_bytes: float, x_owne
         if layers[i].kind in ("conv", "convT"):
             ins = sum(size[p] if p >= 0 else x_bytes for p in srcs[i])
             if copies and copies[i]:   # the weight gradient's copies into oneDNN's layout
-                # (the extended input's and the output gradient's, each twice its size while
-                # made); a chunk at a time of a large output gradient
-                # (hpcpar.nn.conv.ConvOp._chunked); the input gradient's copies nothing
+                # and oneDNN's own reorders (the extended input twice, the output gradient
+                # three times: torch's allocation trace); a chunk at a time of a large output
+                # gradient (hpcpar.nn.conv.ConvOp._chunked); the input gradient copies nothing
                 parts = max(1, math.ceil(size[i] / CHUNK_BACKWARD_BYTES))
                 live += (2 * ins + 3 * size[i]) / parts
             else:   # the padded input its weight gradient reads (the boundary path)
