@@ -141,8 +141,8 @@ def main() -> int:
         models = {k: spatialize(copy.deepcopy(plain), grid, fuse_halos=k) for k in [1, *fuses]}
         # the limit: every rank convolves its own piece at once, no halo, no message, in
         # hpcpar's 1-rank form (a grid of its own; module docstring)
-        alone = {"limit": spatialize(copy.deepcopy(plain),
-                                     ProcessGrid(1, 1, 1, 1, comm=MPI.COMM_SELF))}
+        runs = {**models, "limit": spatialize(copy.deepcopy(plain),
+                                              ProcessGrid(1, 1, 1, 1, comm=MPI.COMM_SELF))}
         ref_g, ref_out = _step(models[1], x)
         ref_g = _summed(ref_g, grid)
         checks = {}
@@ -158,11 +158,11 @@ def main() -> int:
                 return 1
             checks[k] = err
         sent = {k: comm.allreduce(_halo_bytes(m, x), op=MPI.MAX) for k, m in models.items()}
-        times: dict = {k: [] for k in [*models, *alone]}
-        order = list(times)
+        times: dict = {k: [] for k in runs}
+        order = list(runs)
         for r in range(args.rounds):
             for k in order[r % len(order):] + order[:r % len(order)]:
-                times[k].append(_time({**models, **alone}[k], x, comm, args.repeat))
+                times[k].append(_time(runs[k], x, comm, args.repeat))
         record["rounds"][spec] = times
         limit = times["limit"]
         ceiling = [a / b for a, b in zip(times[1], limit)]   # every exchange free
