@@ -141,8 +141,8 @@ def boundary_spec(layer, global_shape, grid) -> BoundarySpec | None:
     """The fast-path spec for ``layer`` (a SpatialConv3d) on ``global_shape``, or None when
     the general halo path must run. Global facts only: the same answer on every rank."""
     k = layer.kernel_size
-    if any(v != 1 for v in (*layer.stride, *layer.dilation)):
-        return None
+    if any(v != 1 for v in (*layer.stride, *layer.dilation)) or all(kk == 1 for kk in k):
+        return None   # a 1x1x1 kernel has no halo: the general path's products (pointwise)
     pads = [conv_pads(layer.padding, a, k[a]) for a in range(3)]
     if any((lo, hi) != ((kk - 1) // 2, (kk - 1) // 2) or kk % 2 == 0
            for (lo, hi), kk in zip(pads, k)):

@@ -34,6 +34,9 @@ from ._boundary_conv import boundary_conv, boundary_spec
 from ._conv_route import CHUNK_BACKWARD_BYTES, SPLIT_BACKWARD_BYTES  # noqa: F401 - read here
 from ._conv_route import onednn as _onednn
 from ._conv_route import onednn_backward as _onednn_backward
+from ._conv_route import pointwise as _pointwise
+from ._conv_route import pointwise_backward as _pointwise_backward
+from ._conv_route import pointwise_forward as _pointwise_forward
 from ._conv_route import torch_picks_slow_conv as _torch_picks_slow_conv
 
 __all__ = ["SpatialConv3d", "SpatialConvTranspose3d", "ConvOp", "ConvTransposeOp"]
@@ -96,6 +99,8 @@ class ConvOp(StencilOp):
     def forward(self, ext, weight, bias=None):
         if 0 in self.out_shape:
             return _empty_out(ext, self.out_channels, self.out_shape)
+        if _pointwise(ext, weight, self.stride, self.groups):
+            return _pointwise_forward(ext, weight, bias)
         ext, weight, stride, dilation, inv = self._permuted(ext, weight)
         if _onednn(ext, weight.shape[2:], stride, dilation, self.groups):
             out = torch.mkldnn_convolution(ext, weight, bias, [0, 0, 0], stride, dilation,
@@ -180,6 +185,9 @@ class ConvOp(StencilOp):
             return (torch.zeros_like(ext) if needs[0] else None,
                     torch.zeros_like(weight) if needs[1] else None,
                     torch.zeros_like(bias) if bias is not None and needs[2] else None)
+        if _pointwise(ext, weight, self.stride, self.groups):
+            return _pointwise_backward(grad_out, ext, weight,
+                                       [needs[0], needs[1], bias is not None and needs[2]])
         ext, w, stride, dilation, inv = self._permuted(ext, weight)
         if inv is not None:
             order = [inv.index(2 + a) - 2 for a in range(3)]  # spatial dims in memory order

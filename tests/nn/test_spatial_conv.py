@@ -201,6 +201,93 @@ def test_onednn_backward_equals_torchs_for_every_geometry():
             assert all(rel_err(a.double(), b) <= FP32_TOL for a, b in zip(got, want)), what
 
 
+def test_pointwise_convolutions_are_products_equal_to_torchs():
+    """A CPU 1x1x1 convolution of stride 1 runs as matrix products (no aten convolution,
+    forward or backward) and equals torch: output and every gradient, float64 and float32,
+    both memory formats of the input, an output gradient in either format or in neither,
+    batch 1 and 2, with and without bias; the output and input gradient in the input's
+    memory format (a one-channel input is dense in both: NCDHW, as torch suggests)."""
+    import itertools
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hpcpar import ProcessGrid
+    from hpcpar.nn import SpatialConv3d
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    grid = ProcessGrid(1, 1, 1, 1, comm=MPI.COMM_SELF)
+    cl, dense = torch.channels_last_3d, torch.contiguous_format
+    for dt, fmt, gfmt, bias, n, (ci, co) in itertools.product(
+            (torch.float64, torch.float32), (dense, cl), (dense, cl, None), (True, False),
+            (1, 2), ((4, 2), (3, 7), (1, 5))):
+        torch.manual_seed(0)
+        twin = nn.Conv3d(ci, co, 1, bias=bias).to(dt)
+        spatial = SpatialConv3d(ci, co, 1, bias=bias, grid=grid).to(dt)
+        spatial.load_state_dict(twin.state_dict())
+        X = torch.randn(n, ci, 5, 6, 7, dtype=dt).contiguous(memory_format=fmt)
+        X.requires_grad_()
+        x = X.detach().clone().requires_grad_()
+        Y = twin(X)
+        G = torch.randn(Y.shape, dtype=dt)
+        G = G.contiguous(memory_format=gfmt) if gfmt else G.transpose(2, 4).contiguous() \
+            .transpose(2, 4)
+        with Ops() as ops:
+            y = spatial(x)
+            y.backward(G)
+        assert not ops.names & {"convolution", "convolution_backward"}, ops.names
+        Y.backward(G)
+        tol = FP64_TOL if dt == torch.float64 else FP32_TOL
+        assert rel_err(y.detach(), Y.detach()) <= tol
+        assert rel_err(x.grad, X.grad) <= tol
+        for p, q in zip(spatial.parameters(), twin.parameters()):
+            assert rel_err(p.grad, q.grad) <= tol
+        assert ci == 1 or (y.is_contiguous(memory_format=fmt)
+                           and x.grad.is_contiguous(memory_format=fmt))
+    grid.free()
+
+
+def test_a_pointwise_backward_allocates_only_the_input_gradient(tmp_path):
+    """torch's CPU backward of a channels-last 1x1x1 convolution allocated 2.5-3x the input
+    gradient (copies to NCDHW); the products allocate the input gradient and the small
+    weight and bias gradients (torch's allocation trace)."""
+    import json
+
+    from hpcpar import ProcessGrid
+    from hpcpar.nn import SpatialConv3d
+
+    grid = ProcessGrid(1, 1, 1, 1, comm=MPI.COMM_SELF)
+    cl = torch.channels_last_3d
+    conv = SpatialConv3d(8, 2, 1, grid=grid).to(memory_format=cl)
+    x = torch.randn(1, 8, 24, 24, 24).contiguous(memory_format=cl).requires_grad_()
+    peaks = []
+    for _ in range(2):   # the first: one-off buffers
+        y = conv(x)
+        g = torch.randn_like(y)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                    profile_memory=True) as prof:
+            y.backward(g)
+        prof.export_chrome_trace(str(tmp_path / "trace.json"))
+        events = sorted((e for e in json.loads((tmp_path / "trace.json").read_text())
+                         ["traceEvents"] if e.get("name") == "[memory]"),
+                        key=lambda e: e["ts"])
+        live = peak = 0
+        for e in events:
+            live += e["args"]["Bytes"]
+            peak = max(peak, live)
+        peaks.append(peak)
+        x.grad = None
+    assert peaks[-1] <= x.numel() * 4 + 4096, (peaks, x.numel() * 4)
+    grid.free()
+
+
 def test_chunks_only_where_one_pass_copies_the_output_gradient(monkeypatch):
     """The chunked backward exists to cut the copies a pass makes of the whole output
     gradient (oneDNN's route: batch 1 here). Where torch's own call takes the volume as it
