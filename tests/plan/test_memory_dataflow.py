@@ -66,6 +66,7 @@ def _live_peak(model, x, tmp_path) -> float:
     """Peak bytes allocated during one forward + backward (torch's allocation trace), less
     the parameters' gradients."""
     acts = [torch.profiler.ProfilerActivity.CPU]
+    model.zero_grad(set_to_none=True)   # the gradients subtracted below are allocated inside
     with torch.profiler.profile(activities=acts, profile_memory=True) as prof:
         y = model(x.clone())   # the step's own copy of the input, as training makes
         y.float().square().mean().backward()
