@@ -10,6 +10,8 @@ import os
 
 import torch
 
+from hpcpar.parallel.halo_buffers import input_layout, memory_format
+
 __all__ = ["torch_picks_slow_conv", "onednn", "onednn_shape", "onednn_backward",
            "pointwise", "pointwise_forward", "pointwise_backward", "prepadded_weight_grad",
            "onednn_avx512", "SPLIT_BACKWARD_BYTES", "CHUNK_BACKWARD_BYTES"]
@@ -81,8 +83,6 @@ def onednn_backward(grad, x, weight, padding, stride, dilation, groups, mask):
         gi = torch.mkldnn_convolution(grad, adjoint, None, pads, [1, 1, 1], list(dilation),
                                       groups)
     if gi is not None:   # in the input's memory format (a no-op where it already is)
-        from hpcpar.parallel.halo import input_layout, memory_format  # deferred: numpy
-
         gi = gi.contiguous(memory_format=memory_format(input_layout(x)))
     return gi, gw, gb
 
@@ -149,8 +149,7 @@ def pointwise_backward(grad, x, weight, mask):
     neither format is first made dense in the input's."""
     g = _matrices(grad)
     if g is None:
-        fmt = torch.contiguous_format if x.is_contiguous() else torch.channels_last_3d
-        g = _matrices(grad.contiguous(memory_format=fmt))
+        g = _matrices(grad.contiguous(memory_format=memory_format(input_layout(x))))
     w = weight.reshape(weight.shape[0], -1)
     gx = gw = gb = None
     if mask[0]:

@@ -185,9 +185,9 @@ class ConvOp(StencilOp):
             return (torch.zeros_like(ext) if needs[0] else None,
                     torch.zeros_like(weight) if needs[1] else None,
                     torch.zeros_like(bias) if bias is not None and needs[2] else None)
+        mask = [needs[0], needs[1], bias is not None and needs[2]]
         if _pointwise(ext, weight, self.stride, self.groups):
-            return _pointwise_backward(grad_out, ext, weight,
-                                       [needs[0], needs[1], bias is not None and needs[2]])
+            return _pointwise_backward(grad_out, ext, weight, mask)
         ext, w, stride, dilation, inv = self._permuted(ext, weight)
         if inv is not None:
             order = [inv.index(2 + a) - 2 for a in range(3)]  # spatial dims in memory order
@@ -195,7 +195,6 @@ class ConvOp(StencilOp):
         args = (None if bias is None else [bias.shape[0]], stride, [0, 0, 0], dilation, False,
                 [0, 0, 0], self.groups)
         aten_bwd = torch.ops.aten.convolution_backward
-        mask = [needs[0], needs[1], bias is not None and needs[2]]
         if _onednn(ext, w.shape[2:], stride, dilation, self.groups):
             gi, gw, gb = _onednn_backward(grad_out, ext, w, [0, 0, 0], stride, dilation,
                                          self.groups, mask)
