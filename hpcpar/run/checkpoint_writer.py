@@ -105,6 +105,7 @@ class CheckpointWriter:
         # rename, rotation) runs while the next one's parts are written
         self._writes, self._finishes = _Worker("hpcpar-ckpt-parts"), \
             _Worker("hpcpar-ckpt-finish")
+        ckpt.prepare(self.ckpt_dir, comm)
 
     def save(self, step: int, *, model_state: dict, trainer_state: dict, rank_state: dict,
              info: dict) -> Path:
@@ -120,7 +121,7 @@ class CheckpointWriter:
                              trainer_state=trainer_state, rank_state=rank_state, info=info,
                              keep=self.keep)
         self._hand_over()
-        tmp = ckpt.prepare(self.ckpt_dir, step, self.comm)
+        tmp = ckpt.temp_dir(self.ckpt_dir, step)
         rank, size = self.comm.Get_rank(), self.comm.Get_size()
         # only the rank that writes the trainer state pays for its copy
         states = {"model_state": model_state if ckpt.writes("model.pt", rank, size) else None,

@@ -162,13 +162,8 @@ def grads_finite(params) -> bool:
     """Whether every gradient of ``params`` is finite. A finite sum has no NaN or inf in it:
     one read-only pass (``isfinite`` allocates masks and took 56 ms a step on an
     11 M-parameter head, more than its optimizer); only a non-finite sum, which overflow can
-    also give, is confirmed element by element."""
-    import torch
-
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads or bool(torch.stack([g.sum() for g in grads]).isfinite().all()):
-        return True
-    return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+    also give, is confirmed element by element (:func:`hpcpar.run.checkpoint.finite_flags`)."""
+    return all(ckpt.finite_flags([p.grad for p in params if p.grad is not None]))
 
 
 def seed_all(seed: int) -> None:
@@ -264,6 +259,8 @@ class Trainer:
             self.scaler = LossScaler()
         self.step = 0
         self.history: list[list] = []      # [step, mean loss] at log points
+        self._packed = (ckpt.PackedHistory(), ckpt.PackedHistory())  # as checkpoints hold
+        # the two histories
         self.val_history: list[dict] = []
         self.skipped = 0                   # optimizer steps skipped for non-finite values
         self.overflows = 0                 # optimizer steps skipped for fp16 overflow
@@ -332,8 +329,8 @@ class Trainer:
         ckpt.restore_buffers(self.model, rank_sd["buffers"])
         ckpt.load_full_optimizer_state(self.model, self.optimizer, trainer_sd["optimizer"])
         self.scheduler.load_state_dict(trainer_sd["scheduler"])
-        self.history = [list(h) for h in trainer_sd.get("history", [])]
-        self.val_history = list(trainer_sd.get("val_history", []))
+        self.history = ckpt.history_rows(trainer_sd.get("history"))
+        self.val_history = ckpt.history_rows(trainer_sd.get("val_history"))
         self.skipped = int(trainer_sd.get("skipped_steps", 0))
         self.overflows = int(trainer_sd.get("overflow_steps", 0))
         if self.scaler is not None and "loss_scale" in trainer_sd:
@@ -387,7 +384,8 @@ class Trainer:
         trainer = {"optimizer": ckpt.full_optimizer_state(self.model, self.optimizer,
                                                           ckpt.writer("trainer.pt", size), spill),
                    "scheduler": self.scheduler.state_dict(),
-                   "history": self.history, "val_history": self.val_history,
+                   "history": self._packed[0](self.history),
+                   "val_history": self._packed[1](self.val_history),
                    "skipped_steps": self.skipped, "overflow_steps": self.overflows}
         if self.scaler is not None:
             trainer["loss_scale"] = self.scaler.state_dict()
@@ -399,7 +397,12 @@ class Trainer:
         path = self.writer.save(self.step, model_state=model_state, trainer_state=trainer,
                                 rank_state=rank_state, info=info)
         how = "writing in the background" if self.writer.pending is not None else "written"
-        self.log(f"checkpoint {path.name} ({how}, step blocked {time.perf_counter() - t0:.2f}s)")
+        # checkpoints more frequent than the log lines are echoed only with them (a console
+        # line a step with a checkpoint every step); the rank's log file has each one
+        every, log_every = self.job.checkpoint.every, self.job.train.log_every
+        self.log(f"checkpoint {path.name} ({how}, step blocked {time.perf_counter() - t0:.2f}s)",
+                 echo=not every or every >= log_every or self.step % log_every == 0
+                 or self.step == self.total)
         return path
 
     def _check_accumulate(self) -> None:

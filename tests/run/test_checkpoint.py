@@ -119,6 +119,30 @@ def test_full_state_dict_hooks_roundtrip():
                                   {k: v for k, v in sd.items() if k != "0.bias"})
 
 
+def test_the_unfinished_checkpoints_of_a_killed_run_are_removed_before_the_next_ones(
+        tmp_path, comm):
+    """A run killed before renaming a checkpoint leaves its temporary directory; the next
+    run's writer removes every one of them once, at its start, so a checkpoint of the same
+    step gains no stale file (a larger grid's rank file here), and a file of the user's
+    beside them is kept. The background writer makes each temporary directory itself."""
+    from hpcpar.run.checkpoint_writer import CheckpointWriter
+
+    for step in (5, 9):
+        (tmp_path / f".tmp-step-{step:06d}").mkdir()
+        (tmp_path / f".tmp-step-{step:06d}" / "rank-00003.pt").write_bytes(b"half")
+    (tmp_path / "notes.txt").write_text("mine")
+    writer = CheckpointWriter(tmp_path, comm, keep=2, background=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    model = nn.Linear(2, 2)
+    writer.save(5, model_state=ckpt.full_state_dict(model), trainer_state={"step": 5},
+                rank_state={"rng": ckpt.rng_state()}, info={"grid": "1x1x1x1"})
+    assert writer.flush() == tmp_path / "step-000005"
+    assert sorted(p.name for p in (tmp_path / "step-000005").iterdir()) == [
+        "manifest.json", "model.pt", "rank-00000.pt", "trainer.pt"]
+    assert ckpt.verify(tmp_path / "step-000005")["step"] == 5
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
 def test_rng_state_roundtrip_weights_only(tmp_path):
     state = ckpt.rng_state()
     torch.save(state, tmp_path / "rng.pt")
@@ -127,6 +151,11 @@ def test_rng_state_roundtrip_weights_only(tmp_path):
     ckpt.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
     got = (random.random(), np.random.rand(), torch.rand(3))
     assert got[0] == expect[0] and got[1] == expect[1] and torch.equal(got[2], expect[2])
+    # Python's state is one tensor; checkpoints before 2026-12 hold a list of ints
+    assert isinstance(state["python"][1], torch.Tensor) and state["python"][1].numel() == 625
+    ckpt.set_rng_state(dict(state, python=[state["python"][0], state["python"][1].tolist(),
+                                           state["python"][2]]))
+    assert random.random() == expect[0]
 
 
 def test_manifest_is_json_with_checksums(tmp_path, comm):
@@ -186,15 +215,71 @@ def test_optimizer_state_saved_in_one_memory_order_resumes_in_the_other():
 
 
 def test_nonfinite_entries_finds_nan_and_inf_in_every_float_dtype_and_only_them():
-    """The check before a checkpoint (one maximum per tensor): NaN and inf anywhere are found
-    in fp32, fp64 and bf16, in the state's order; the largest finite fp32 values, empty and
-    integer tensors and plain values are not."""
+    """The check before a checkpoint (one sum per tensor, confirmed element by element when it
+    is not finite): NaN and inf anywhere are found in fp32, fp64, fp16 and bf16, in the
+    state's order; finite values whose sum overflows (the largest fp32 values, fp16 values
+    summing past 65504), empty and integer tensors and plain values are not."""
     big = torch.full((3,), torch.finfo(torch.float32).max)
+    assert not torch.isfinite(big.sum()) and not torch.isfinite(
+        torch.full((4,), 60000.0, dtype=torch.float16).sum())
     hole = torch.zeros(5000)
     hole[4321] = float("nan")
     state = {"huge": big, "late_nan": hole, "empty": torch.zeros(0),
              "ints": torch.arange(4), "neg_inf": torch.tensor([1.0, -float("inf")]).double(),
              "bf16_nan": torch.tensor([float("nan"), 1.0], dtype=torch.bfloat16),
-             "ok": torch.ones(2, 2), "plain": float("nan")}
-    assert ckpt.nonfinite_entries(state) == ["late_nan", "neg_inf", "bf16_nan"]
+             "ok": torch.ones(2, 2), "plain": float("nan"),
+             "fp16_big": torch.full((4,), 60000.0, dtype=torch.float16),
+             "fp16_inf": torch.tensor([1.0, float("inf"), 2.0], dtype=torch.float16)}
+    assert ckpt.nonfinite_entries(state) == ["late_nan", "neg_inf", "bf16_nan", "fp16_inf"]
     assert ckpt.nonfinite_entries({"ok": torch.ones(3)}) == []
+
+
+def test_the_histories_are_tensors_in_a_checkpoint_and_come_back_exactly():
+    """trainer.pt holds the loss history's [step, loss] pairs as one float64 tensor and the
+    validation records as columns and a tensor, made incrementally (a tensor handed to an
+    earlier checkpoint is never changed); they come back exactly, steps as ints; a history
+    float64 would change (an int metric, a bool, other keys) stays the list it was; the lists
+    of older checkpoints are read as they were; a tensor of another kind gives no rows."""
+    rng = random.Random(3)
+    history = [[10 * i, rng.random() * 10 ** rng.randint(-8, 8)] for i in range(1, 6)]
+    pack = ckpt.PackedHistory()
+    first = pack(history)
+    kept = first.clone()
+    history += [[60, 0.1 + 2 ** -40], [70, float("inf")]]
+    second = pack(history)
+    assert torch.equal(first, kept) and second.shape == (7, 2) and second.dtype == torch.float64
+    rows = ckpt.history_rows(second)
+    assert rows == history and all(type(s) is int for s, _ in rows)
+    assert ckpt.history_rows(pack(history[:3])) == history[:3]   # a shorter list: anew
+
+    records = [{"step": 30 * i, "val_loss": np.float64(rng.random()), "val_mae": rng.random()}
+               for i in range(1, 4)]
+    vpack = ckpt.PackedHistory()
+    saved = vpack(records)
+    assert saved["columns"] == ["step", "val_loss", "val_mae"] and saved["rows"].shape == (3, 3)
+    back = ckpt.history_rows(saved)
+    assert back == records and all(type(r["step"]) is int for r in back)
+    records.append({"step": 120, "val_loss": 0.5, "val_mae": 0.25})
+    assert ckpt.history_rows(vpack(records)) == records
+
+    for stays in ([{"step": 1, "val_acc": 0.5}, {"step": 2, "val_acc": 1}],
+                  [{"step": 1, "ok": True}], [{"step": 1, "a": 0.5}, {"step": 2, "b": 0.5}],
+                  [[1, 0.5], [2, 0.5, 0.1]], [[2.5, 0.5]], [[2 ** 60, 0.5]]):
+        assert ckpt.PackedHistory()(stays) is stays and ckpt.history_rows(stays) == stays
+    assert ckpt.history_rows([(5, 0.5), [6, 0.25]]) == [[5, 0.5], [6, 0.25]]
+    for junk in (torch.zeros(4), torch.zeros(2, 0), torch.zeros(2, 2, dtype=torch.int64),
+                 {"columns": ["loss"], "rows": torch.zeros(1, 1)},
+                 {"columns": ["step", "a"], "rows": torch.zeros(1, 3)}, "history", None):
+        assert ckpt.history_rows(junk) == []
+
+
+def test_a_saved_history_past_the_manifest_step_is_refused(tmp_path, comm):
+    """The resume cross-check reads the history's tensor: a loss logged after the
+    checkpoint's step means its files belong to another step."""
+    pack = ckpt.PackedHistory()
+    path = ckpt.save(tmp_path, 6, comm=comm, model_state=nn.Linear(2, 2).state_dict(),
+                     trainer_state={"scheduler": {"last_epoch": 6},
+                                    "history": pack([[5, 0.5], [8, 0.25]])},
+                     rank_state={}, info={"grid": "1x1x1x1"}, keep=2)
+    with pytest.raises(RunDirError, match=r"loss logged to step 8"):
+        ckpt.load(path, 0)
