@@ -20,26 +20,42 @@ its forward is recorded on a :class:`~hpcpar.parallel.replay.Tape` and replayed 
 recomputation: it sends no message (``recompute_msgs`` in the step records proves it) and
 the faces it uses are the ones the forward received. Batch-norm running statistics are
 restored after the recomputation, so a step updates them once, as without checkpointing.
+
+A model that calls ``torch.utils.checkpoint`` itself (``checkpoint(block, x,
+use_reentrant=False)``, ``checkpoint_sequential``) gets the same treatment for its own
+regions: while a spatialized forward runs, the region's recomputation re-enters the dispatch
+mode and replays the region's tape (:func:`install_user_checkpoint_replay`, which
+:func:`~hpcpar.nn.spatialize` calls).
+Otherwise torch would recompute the region on this rank's plain piece, with no halo and local
+reductions: its check of what was saved fails in backward, or (same shapes, other values)
+the first-step check refuses the model. Running statistics are left as torch
+leaves them (updated again by the recomputation), so the model trains as it does in one
+process. The reentrant form stays refused (:mod:`hpcpar.nn.custom_functions`).
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import types
 from collections.abc import Iterator
 from contextlib import ExitStack
 
 import torch
+import torch.utils.checkpoint as _torch_checkpoint
 from torch import nn
+from torch.overrides import _get_current_function_mode_stack
 from torch.utils.checkpoint import checkpoint
 
 from hpcpar.errors import ConfigError
 from hpcpar.parallel.partition import split_sizes
 from hpcpar.parallel.replay import Tape
 
+from .dispatch import SpatialMode
+
 __all__ = ["chains", "segment_sizes", "plan_segments", "checkpoint_activations",
-           "check_setting"]
+           "check_setting", "install_user_checkpoint_replay"]
 
 _SEGMENTS = "_hpcpar_segments"
 _ROOT = "_hpcpar_root_split"
@@ -169,6 +185,77 @@ def _contexts(tape: Tape, root, seg) -> tuple:
     return tape.recording(), _Replay(tape, root, seg)
 
 
+_contexts.hpcpar_own = True   # type: ignore[attr-defined]  # its regions are hpcpar's already
+
+
+class _Both:
+    """Two context managers entered as one, re-enterably (a recomputation context is entered
+    once per backward of a kept graph)."""
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+        self._stacks: list[ExitStack] = []
+
+    def __enter__(self):
+        stack = ExitStack()
+        stack.enter_context(self.first)
+        stack.enter_context(self.second)
+        self._stacks.append(stack)
+        return self
+
+    def __exit__(self, *exc):
+        return self._stacks.pop().__exit__(*exc)
+
+
+def _user_contexts(user_context_fn, tape: Tape, root) -> tuple:
+    """A user's checkpointed region: its own contexts, plus the tape recording in its forward
+    and replaying under the re-entered dispatch mode in its recomputation (no buffer is
+    restored: torch updates running statistics again when it recomputes, and so do we)."""
+    forward, recompute = user_context_fn()
+    return _Both(forward, tape.recording()), _Both(recompute, _Replay(tape, root, []))
+
+
+def _split_context():
+    """The split context of the spatialized forward running now, or None (none runs, or
+    hpcpar's own spatial layers run undispatched)."""
+    for mode in reversed(_get_current_function_mode_stack()):
+        if isinstance(mode, SpatialMode):
+            ctx = mode.ctx
+            return ctx if ctx.depth > 0 and not ctx.suspended else None
+    return None
+
+
+def install_user_checkpoint_replay() -> bool:
+    """Make ``torch.utils.checkpoint`` (non-reentrant) exact inside spatialized models (module
+    docstring): torch's generator behind it gets hpcpar's contexts for regions that start in
+    a spatialized forward; elsewhere it runs as it is. Idempotent.
+
+    Returns:
+        Whether it is installed (False: this torch's checkpoint has another form; a region
+        then fails in backward with torch's own check, as before).
+    """
+    original = getattr(_torch_checkpoint, "_checkpoint_without_reentrant_generator", None)
+    if original is None or getattr(original, "hpcpar_replay", False):
+        return original is not None
+    params = list(inspect.signature(original).parameters)
+    if params[:3] != ["fn", "preserve_rng_state", "context_fn"]:
+        return False
+
+    @functools.wraps(original)
+    def generator(fn, preserve_rng_state=True,
+                  context_fn=_torch_checkpoint.noop_context_fn, *rest, **kwargs):
+        root = _split_context()
+        if root is not None and not getattr(context_fn, "hpcpar_own", False) and not (
+                isinstance(context_fn, functools.partial)
+                and getattr(context_fn.func, "hpcpar_own", False)):
+            context_fn = functools.partial(_user_contexts, context_fn, Tape(), root)
+        return original(fn, preserve_rng_state, context_fn, *rest, **kwargs)
+
+    generator.hpcpar_replay = True   # type: ignore[attr-defined]
+    _torch_checkpoint._checkpoint_without_reentrant_generator = generator
+    return True
+
+
 def _segmented_forward(self: nn.Sequential, x):
     """``nn.Sequential.forward``, each segment under ``torch.utils.checkpoint``."""
     layers = list(self)
@@ -213,3 +300,4 @@ def checkpoint_activations(model: nn.Module, setting) -> list[list[int]]:
         setattr(chain, _ROOT, root)
         chain.forward = types.MethodType(_segmented_forward, chain)  # type: ignore[method-assign]
     return [sizes for _, sizes in planned]
+

@@ -61,10 +61,10 @@ def _defined_at(cls: type) -> str:
 def _why(cls: type) -> str:
     name = f"{cls.__module__}.{cls.__qualname__}{_defined_at(cls)}"
     if cls.__module__ == "torch.utils.checkpoint":
-        return ("spatialize: torch.utils.checkpoint (use_reentrant=True) in the model: its "
-                "recomputation runs outside hpcpar's dispatch and its gradients would be "
-                "wrong; use hpcpar's own ([train] activation_checkpointing, or "
-                "hpcpar.nn.checkpointing.checkpoint_activations), which recomputes exactly")
+        return ("spatialize: torch.utils.checkpoint (use_reentrant=True) in the model: "
+                "its recomputation runs outside hpcpar's dispatch and its "
+                "gradients would be wrong; pass use_reentrant=False, which hpcpar recomputes "
+                "exactly, or use [train] activation_checkpointing")
     return (f"spatialize: custom autograd.Function {name} on a split volume: its backward "
             "runs on this rank's piece, where a sum over the volume would be this rank's "
             "share only; mark it with hpcpar.nn.local_function if forward and backward need "

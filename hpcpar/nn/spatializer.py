@@ -39,6 +39,7 @@ from hpcpar.sync.tags import DATA_ONLY, REDUCE_ATTR, TAGS_VERSION, tag_data_only
 
 from ._base import SpatialModule
 from .check import first_step_check, skeleton
+from .checkpointing import install_user_checkpoint_replay
 from .custom_functions import refuse_custom_functions
 from .dispatch import SpatialMode, mode_call
 from .fused_halo import MarginLayout, crop, settle_runs
@@ -259,6 +260,7 @@ def spatialize(model: nn.Module, grid: ProcessGrid, *, bn_include_data: bool = F
         ```
     """
     fuse_halos = check_fuse(fuse_halos)
+    install_user_checkpoint_replay()   # the model's own torch.utils.checkpoint regions
     plain = skeleton(model) if check else None
     model = _swap_twins(model if inplace else copy.deepcopy(model), grid)
     ctx = _Context(grid, bn_include_data, plain, fuse_halos)

@@ -844,8 +844,8 @@ def check_optimizer(path: str | os.PathLike, optimizer: Any, name: str,
 def finite_flags(tensors: Sequence[Any]) -> list[bool]:
     """Whether each tensor holds only finite values. A sum carries NaN and inf through, so a
     finite sum proves its tensor finite in one vectorised read-only pass, with no temporary
-    (a maximum of |x| does too, but torch's CPU kernel for it took 10x as long: 0.5 ms a
-    checkpoint of the demo model); only a tensor whose sum is not finite, which overflow of
+    (a maximum of |x| does too, but torch's CPU kernel for it took 4-7x as long: 0.55-0.67
+    ms a checkpoint of the demo model); only a tensor whose sum is not finite, which overflow of
     finite values can also give, is checked element by element.
 
     Args:

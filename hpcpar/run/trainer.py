@@ -259,8 +259,7 @@ class Trainer:
             self.scaler = LossScaler()
         self.step = 0
         self.history: list[list] = []      # [step, mean loss] at log points
-        self._packed = (ckpt.PackedHistory(), ckpt.PackedHistory())  # as checkpoints hold
-        # the two histories
+        self._packed = (ckpt.PackedHistory(), ckpt.PackedHistory())  # both, as trainer.pt
         self.val_history: list[dict] = []
         self.skipped = 0                   # optimizer steps skipped for non-finite values
         self.overflows = 0                 # optimizer steps skipped for fp16 overflow

@@ -145,3 +145,117 @@ def test_replay_mismatch_is_one_line():
     with tape.replaying(), pytest.raises(LayerError, match=r"communication #1 is \('halo "
                                                            r"exchange', \(1, 3\)\)"):
         received(("halo exchange", (1, 3)), lambda: 2)
+
+
+class UserCheckpointed(nn.Module):
+    """A model that calls torch.utils.checkpoint itself, non-reentrant, three ways: a block
+    module, checkpoint_sequential over a chain (batch norm, in-place ReLU, group norm), and a
+    closure of functional ops with a pool, a global mean (whose value a recomputation on
+    one rank's piece would get wrong with every shape right) and an upsampling."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv3d(2, 4, 3, padding=1)
+        self.block = nn.Sequential(nn.Conv3d(4, 4, 3, padding=1, bias=False),
+                                   nn.BatchNorm3d(4), nn.ReLU(inplace=True))
+        self.chain = nn.Sequential(nn.Conv3d(4, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(),
+                                   nn.Conv3d(4, 4, 3, padding=1, bias=False), nn.BatchNorm3d(4),
+                                   nn.ReLU(inplace=True))
+        self.pw = nn.Conv3d(4, 4, 1)
+        self.head = nn.Conv3d(4, 2, 1)
+
+    def forward(self, x):
+        from torch.nn import functional as F
+        from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+
+        x = checkpoint(self.block, self.stem(x), use_reentrant=False)
+        x = checkpoint_sequential(self.chain, 2, x, use_reentrant=False)
+
+        def centred(t):
+            t = self.pw(t)
+            t = t * (t - t.mean(dim=(2, 3, 4), keepdim=True))
+            return F.interpolate(F.max_pool3d(t, 2), size=x.shape[2:], mode="nearest")
+
+        return self.head(checkpoint(centred, x, use_reentrant=False))
+
+
+def check_user(grid, shape, seed, reuse=True):
+    """fp64: a model's own non-reentrant checkpoint regions against the same model in one
+    process (outputs, input and parameter gradients, running statistics, which torch's
+    recomputation updates a second time), and what the recomputations sent (returned)."""
+    from hpcpar.nn import local, spatialize
+    from hpcpar.parallel import replay
+    from hpcpar.parallel.comm import allreduce_
+    from hpcpar.parallel.counters import COUNTERS
+    from hpcpar.parallel.spatial import local_slices
+    from hpcpar.sync.tags import reduce_scope
+
+    torch.manual_seed(seed)
+    model = UserCheckpointed().double()
+    x = randn((2 * grid.data, *shape), seed, torch.float64)[batch_slice(2 * grid.data, grid)]
+    ref = copy.deepcopy(model)
+    xr = x.clone().requires_grad_()
+    yr = ref(xr)
+    w = randn(yr.shape, seed + 1, torch.float64)
+    (yr * w).sum().backward()
+    sp = spatialize(model, grid)
+    xl = x[local_slices(x.shape, grid)].clone().requires_grad_()
+    before = COUNTERS.snapshot()
+    replay.REUSE = reuse
+    try:
+        y = local(sp(xl))
+        (y * w[local_slices(w.shape, grid)]).sum().backward()
+    finally:
+        replay.REUSE = True
+    counts = COUNTERS.since(before)
+    tag = f"a model's own checkpoint on {grid.spec()}"
+    close(y.detach(), yr[local_slices(yr.shape, grid)].detach(), f"{tag}: output")
+    close(xl.grad, xr.grad[local_slices(xr.shape, grid)], f"{tag}: input grad")
+    grads = dict(ref.named_parameters())
+    for name, p in sp.named_parameters():
+        g = p.grad.clone()
+        if reduce_scope(p) == "spatial+data":
+            allreduce_(g, grid.spatial_comm)
+        close(g, grads[name].grad, f"{tag}: grad of {name}")
+    for (name, b), rb in zip(sp.named_buffers(), ref.buffers()):
+        close(b.double(), rb.double(), f"{tag}: buffer {name}")
+    return counts
+
+
+@mpi_case(nprocs=(4,), timeout=300)
+def test_a_models_own_torch_checkpoint_is_exact_and_recomputes_without_messages(comm):
+    """torch.utils.checkpoint called by the model (non-reentrant) recomputes its regions
+    under hpcpar's dispatch with the forward's faces: exact on every grid, uneven sizes, no
+    message during the recomputations; with the reuse off the count sees them (so the zero is
+    measured). Before, the recomputation ran on each rank's plain piece: torch's check of the
+    saved tensors failed in backward."""
+    def one(grid):
+        counts = check_user(grid, (2, 9, 7, 10), 7)
+        assert counts["recompute_msgs"] == 0 and counts["recompute_bytes"] == 0, counts
+        if grid.spatial_size > 1:
+            assert check_user(grid, (2, 9, 7, 10), 7, reuse=False)["recompute_msgs"] > 0
+    on_grids(comm, GRIDS, one)
+
+
+def test_the_reentrant_form_is_refused_in_one_line_naming_the_fix():
+    """use_reentrant=True runs its recomputation as a Function hpcpar cannot see into: one
+    line, which names the form that works."""
+    from torch.utils.checkpoint import checkpoint
+
+    from hpcpar import ProcessGrid
+    from hpcpar.errors import LayerError
+    from hpcpar.nn import spatialize
+
+    class Reentrant(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem, self.body = nn.Conv3d(1, 2, 3, padding=1), nn.Conv3d(2, 2, 3, padding=1)
+
+        def forward(self, x):
+            return checkpoint(self.body, self.stem(x), use_reentrant=True)
+
+    sp = spatialize(Reentrant(), ProcessGrid(1, 1, 1, 1))
+    with pytest.raises(LayerError) as exc:
+        sp(torch.randn(1, 1, 6, 6, 6))
+    line = str(exc.value)
+    assert "\n" not in line and "use_reentrant=False" in line, line
