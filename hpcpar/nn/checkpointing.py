@@ -21,16 +21,18 @@ recomputation: it sends no message (``recompute_msgs`` in the step records prove
 the faces it uses are the ones the forward received. Batch-norm running statistics are
 restored after the recomputation, so a step updates them once, as without checkpointing.
 
-A model that calls ``torch.utils.checkpoint`` itself (``checkpoint(block, x,
-use_reentrant=False)``, ``checkpoint_sequential``) gets the same treatment for its own
-regions: while a spatialized forward runs, the region's recomputation re-enters the dispatch
-mode and replays the region's tape (:func:`install_user_checkpoint_replay`, which
-:func:`~hpcpar.nn.spatialize` calls).
+A model that calls ``torch.utils.checkpoint`` itself (``checkpoint(block, x)`` in either
+form, ``checkpoint_sequential``) gets the same treatment for its own regions: while a
+spatialized forward runs, the region's recomputation re-enters the dispatch mode and replays
+the region's tape (:func:`install_user_checkpoint_replay`, which :func:`~hpcpar.nn.spatialize`
+calls; the reentrant form through :class:`Recomputed`, when a split tensor enters the region).
 Otherwise torch would recompute the region on this rank's plain piece, with no halo and local
 reductions: its check of what was saved fails in backward, or (same shapes, other values)
 the first-step check refuses the model. Running statistics are left as torch
 leaves them (updated again by the recomputation), so the model trains as it does in one
-process. The reentrant form stays refused (:mod:`hpcpar.nn.custom_functions`).
+process. A reentrant region that no split tensor enters is refused
+(:mod:`hpcpar.nn.custom_functions`): it may close over split tensors, which it would then
+recompute on this rank's piece.
 """
 
 from __future__ import annotations
@@ -53,9 +55,10 @@ from hpcpar.parallel.partition import split_sizes
 from hpcpar.parallel.replay import Tape
 
 from .dispatch import SpatialMode
+from .split import SplitTensor, wrap
 
 __all__ = ["chains", "segment_sizes", "plan_segments", "checkpoint_activations",
-           "check_setting", "install_user_checkpoint_replay"]
+           "check_setting", "install_user_checkpoint_replay", "Recomputed"]
 
 _SEGMENTS = "_hpcpar_segments"
 _ROOT = "_hpcpar_root_split"
@@ -225,18 +228,67 @@ def _split_context():
     return None
 
 
-def install_user_checkpoint_replay() -> bool:
-    """Make ``torch.utils.checkpoint`` (non-reentrant) exact inside spatialized models (module
-    docstring): torch's generator behind it gets hpcpar's contexts for regions that start in
-    a spatialized forward; elsewhere it runs as it is. Idempotent.
+class Recomputed:
+    """The function of a reentrant ``torch.utils.checkpoint`` region in a spatialized forward.
+    Its first call (torch's forward, under no_grad) records the region's tape; a later call
+    (torch's recomputation, inside its Function's backward) re-enters the dispatch mode and
+    replays the tape, on the inputs labelled split again as they were (torch detaches them
+    first, which drops the label). :mod:`hpcpar.nn.custom_functions` accepts a checkpoint
+    Function whose function is one of these."""
 
-    Returns:
-        Whether it is installed (False: this torch's checkpoint has another form; a region
-        then fails in backward with torch's own check, as before).
-    """
-    original = getattr(_torch_checkpoint, "_checkpoint_without_reentrant_generator", None)
+    def __init__(self, fn, root):
+        self.fn, self.root, self.tape = fn, root, Tape()
+        self.layouts: list | None = None
+
+    def __call__(self, *args):
+        if self.layouts is None:
+            self.layouts = [a._hp if isinstance(a, SplitTensor) else None for a in args]
+            with self.tape.recording():
+                return self.fn(*args)
+        args = tuple(wrap(a, lay) if lay is not None and type(a) is torch.Tensor else a
+                     for a, lay in zip(args, self.layouts))
+        with _Replay(self.tape, self.root, []):
+            return self.fn(*args)
+
+
+def _install_reentrant() -> bool:
+    """The reentrant form: its Function's forward gets a :class:`Recomputed` function when a
+    split tensor enters it (the Function may run with the dispatch mode paused, so the split
+    context is read from the inputs)."""
+    fn_cls = getattr(_torch_checkpoint, "CheckpointFunction", None)
+    original = getattr(fn_cls, "forward", None)
     if original is None or getattr(original, "hpcpar_replay", False):
         return original is not None
+    if list(inspect.signature(original).parameters)[:3] != ["ctx", "run_function",
+                                                              "preserve_rng_state"]:
+        return False
+
+    @functools.wraps(original)
+    def forward(ctx, run_function, preserve_rng_state, *args):
+        split = next((a for a in args if isinstance(a, SplitTensor)), None)
+        if split is not None and not isinstance(run_function, Recomputed):
+            run_function = Recomputed(run_function, split._hp.ctx)
+        return original(ctx, run_function, preserve_rng_state, *args)
+
+    forward.hpcpar_replay = True   # type: ignore[attr-defined]
+    fn_cls.forward = staticmethod(forward)   # type: ignore[union-attr]
+    return True
+
+
+def install_user_checkpoint_replay() -> bool:
+    """Make ``torch.utils.checkpoint`` exact inside spatialized models (module docstring):
+    torch's generator behind the non-reentrant form gets hpcpar's contexts for regions that
+    start in a spatialized forward, and the reentrant form's Function a :class:`Recomputed`
+    function when split tensors enter it; elsewhere both run as they are. Idempotent.
+
+    Returns:
+        Whether both are installed (False: this torch's checkpoint has another form; a region
+        then fails in backward with torch's own check, or is refused, as before).
+    """
+    reentrant = _install_reentrant()
+    original = getattr(_torch_checkpoint, "_checkpoint_without_reentrant_generator", None)
+    if original is None or getattr(original, "hpcpar_replay", False):
+        return reentrant and original is not None
     params = list(inspect.signature(original).parameters)
     if params[:3] != ["fn", "preserve_rng_state", "context_fn"]:
         return False
@@ -253,7 +305,7 @@ def install_user_checkpoint_replay() -> bool:
 
     generator.hpcpar_replay = True   # type: ignore[attr-defined]
     _torch_checkpoint._checkpoint_without_reentrant_generator = generator
-    return True
+    return reentrant
 
 
 def _segmented_forward(self: nn.Sequential, x):

@@ -22,6 +22,8 @@ from torch.utils._pytree import tree_leaves
 
 from hpcpar.errors import LayerError
 
+from .checkpointing import Recomputed
+
 __all__ = ["local_function", "refuse_custom_functions"]
 
 _MARK = "_hpcpar_local_function"
@@ -71,6 +73,12 @@ def _why(cls: type) -> str:
             "only the values at each voxel, or apply it after a global reduction")
 
 
+def _replayed_checkpoint(node) -> bool:
+    """A reentrant torch.utils.checkpoint whose recomputation hpcpar re-enters its dispatch
+    for (:class:`hpcpar.nn.checkpointing.Recomputed`; the node is the Function's ctx)."""
+    return isinstance(getattr(node, "run_function", None), Recomputed)
+
+
 def refuse_custom_functions(output: Any) -> bool:
     """Walk the autograd graph behind ``output`` (any nesting of tensors); raise on a custom
     Function defined outside hpcpar and not marked local.
@@ -93,7 +101,8 @@ def refuse_custom_functions(output: Any) -> bool:
         cls = getattr(node, "_forward_cls", None)   # set on a Python Function's node
         if cls is not None and not getattr(cls, _MARK, False) \
                 and not cls.__module__.startswith("hpcpar.") \
-                and (cls.__module__, cls.__qualname__) not in _TORCH_LOCAL:
+                and (cls.__module__, cls.__qualname__) not in _TORCH_LOCAL \
+                and not _replayed_checkpoint(node):
             raise LayerError(_why(cls))
         todo.extend(fn for fn, _ in node.next_functions)
     return walked

@@ -148,10 +148,11 @@ def test_replay_mismatch_is_one_line():
 
 
 class UserCheckpointed(nn.Module):
-    """A model that calls torch.utils.checkpoint itself, non-reentrant, three ways: a block
-    module, checkpoint_sequential over a chain (batch norm, in-place ReLU, group norm), and a
-    closure of functional ops with a pool, a global mean (whose value a recomputation on
-    one rank's piece would get wrong with every shape right) and an upsampling."""
+    """A model that calls torch.utils.checkpoint itself, four ways: a block module, the
+    reentrant form (torch 2.13's default) on another, checkpoint_sequential over a chain
+    (batch norm, in-place ReLU, group norm), and a closure of functional ops with a pool, a
+    global mean (whose value a recomputation on one rank's piece would get wrong with every
+    shape right) and an upsampling."""
 
     def __init__(self):
         super().__init__()
@@ -161,6 +162,8 @@ class UserCheckpointed(nn.Module):
         self.chain = nn.Sequential(nn.Conv3d(4, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(),
                                    nn.Conv3d(4, 4, 3, padding=1, bias=False), nn.BatchNorm3d(4),
                                    nn.ReLU(inplace=True))
+        self.again = nn.Sequential(nn.Conv3d(4, 4, 3, padding=1, bias=False),
+                                   nn.BatchNorm3d(4), nn.Tanh())
         self.pw = nn.Conv3d(4, 4, 1)
         self.head = nn.Conv3d(4, 2, 1)
 
@@ -169,6 +172,7 @@ class UserCheckpointed(nn.Module):
         from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
         x = checkpoint(self.block, self.stem(x), use_reentrant=False)
+        x = checkpoint(self.again, x, use_reentrant=True)
         x = checkpoint_sequential(self.chain, 2, x, use_reentrant=False)
 
         def centred(t):
@@ -180,7 +184,7 @@ class UserCheckpointed(nn.Module):
 
 
 def check_user(grid, shape, seed, reuse=True):
-    """fp64: a model's own non-reentrant checkpoint regions against the same model in one
+    """fp64: a model's own checkpoint regions against the same model in one
     process (outputs, input and parameter gradients, running statistics, which torch's
     recomputation updates a second time), and what the recomputations sent (returned)."""
     from hpcpar.nn import local, spatialize
@@ -224,11 +228,12 @@ def check_user(grid, shape, seed, reuse=True):
 
 @mpi_case(nprocs=(4,), timeout=300)
 def test_a_models_own_torch_checkpoint_is_exact_and_recomputes_without_messages(comm):
-    """torch.utils.checkpoint called by the model (non-reentrant) recomputes its regions
-    under hpcpar's dispatch with the forward's faces: exact on every grid, uneven sizes, no
-    message during the recomputations; with the reuse off the count sees them (so the zero is
-    measured). Before, the recomputation ran on each rank's plain piece: torch's check of the
-    saved tensors failed in backward."""
+    """torch.utils.checkpoint called by the model (both forms) recomputes its regions under
+    hpcpar's dispatch with the forward's faces: exact on every grid, uneven sizes, no message
+    during the recomputations; with the reuse off the count sees them (so the zero is
+    measured). Before, the non-reentrant recomputation ran on each rank's plain piece
+    (torch's check of the saved tensors failed in backward) and the reentrant form was
+    refused."""
     def one(grid):
         counts = check_user(grid, (2, 9, 7, 10), 7)
         assert counts["recompute_msgs"] == 0 and counts["recompute_bytes"] == 0, counts
@@ -237,9 +242,9 @@ def test_a_models_own_torch_checkpoint_is_exact_and_recomputes_without_messages(
     on_grids(comm, GRIDS, one)
 
 
-def test_the_reentrant_form_is_refused_in_one_line_naming_the_fix():
-    """use_reentrant=True runs its recomputation as a Function hpcpar cannot see into: one
-    line, which names the form that works."""
+def test_a_reentrant_checkpoint_no_split_tensor_enters_is_refused_naming_the_fix():
+    """A reentrant region whose inputs are all replicated (a global mean here) may close over
+    split tensors hpcpar cannot see: one line, naming the form that works."""
     from torch.utils.checkpoint import checkpoint
 
     from hpcpar import ProcessGrid
@@ -249,10 +254,11 @@ def test_the_reentrant_form_is_refused_in_one_line_naming_the_fix():
     class Reentrant(nn.Module):
         def __init__(self):
             super().__init__()
-            self.stem, self.body = nn.Conv3d(1, 2, 3, padding=1), nn.Conv3d(2, 2, 3, padding=1)
+            self.stem, self.fc = nn.Conv3d(1, 2, 3, padding=1), nn.Linear(2, 2)
 
         def forward(self, x):
-            return checkpoint(self.body, self.stem(x), use_reentrant=True)
+            h = self.stem(x)
+            return h * checkpoint(self.fc, h.mean(dim=(2, 3, 4)), use_reentrant=True).sum()
 
     sp = spatialize(Reentrant(), ProcessGrid(1, 1, 1, 1))
     with pytest.raises(LayerError) as exc:
