@@ -42,7 +42,8 @@ import inspect
 import math
 import types
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
+from contextvars import ContextVar
 
 import torch
 import torch.utils.checkpoint as _torch_checkpoint
@@ -191,9 +192,22 @@ def _contexts(tape: Tape, root, seg) -> tuple:
 _contexts.hpcpar_own = True   # type: ignore[attr-defined]  # its regions are hpcpar's already
 
 
+#: True while a region the model checkpoints itself runs (its forward or recomputation)
+_IN_USER_REGION: ContextVar[bool] = ContextVar("hpcpar_user_checkpoint", default=False)
+
+
+@contextmanager
+def _user_region() -> Iterator[None]:
+    token = _IN_USER_REGION.set(True)
+    try:
+        yield
+    finally:
+        _IN_USER_REGION.reset(token)
+
+
 class _Both:
-    """Two context managers entered as one, re-enterably (a recomputation context is entered
-    once per backward of a kept graph)."""
+    """A user's region's two context managers entered as one, re-enterably (a recomputation
+    context is entered once per backward of a kept graph), marking the region."""
 
     def __init__(self, first, second):
         self.first, self.second = first, second
@@ -203,6 +217,7 @@ class _Both:
         stack = ExitStack()
         stack.enter_context(self.first)
         stack.enter_context(self.second)
+        stack.enter_context(_user_region())
         self._stacks.append(stack)
         return self
 
@@ -243,11 +258,11 @@ class Recomputed:
     def __call__(self, *args):
         if self.layouts is None:
             self.layouts = [a._hp if isinstance(a, SplitTensor) else None for a in args]
-            with self.tape.recording():
+            with self.tape.recording(), _user_region():
                 return self.fn(*args)
         args = tuple(wrap(a, lay) if lay is not None and type(a) is torch.Tensor else a
                      for a, lay in zip(args, self.layouts))
-        with _Replay(self.tape, self.root, []):
+        with _Replay(self.tape, self.root, []), _user_region():
             return self.fn(*args)
 
 
@@ -309,9 +324,11 @@ def install_user_checkpoint_replay() -> bool:
 
 
 def _segmented_forward(self: nn.Sequential, x):
-    """``nn.Sequential.forward``, each segment under ``torch.utils.checkpoint``."""
+    """``nn.Sequential.forward``, each segment under ``torch.utils.checkpoint``; plainly inside
+    a region the model checkpoints itself (that region is recomputed already, and segments
+    nested in its recomputation would make their collectives in another order per rank)."""
     layers = list(self)
-    if not torch.is_grad_enabled():
+    if not torch.is_grad_enabled() or _IN_USER_REGION.get():
         return _run(x, *layers)
     root = getattr(self, _ROOT, None)
     off = 0
