@@ -189,8 +189,6 @@ def _contexts(tape: Tape, root, seg) -> tuple:
     return tape.recording(), _Replay(tape, root, seg)
 
 
-_contexts.hpcpar_own = True   # type: ignore[attr-defined]  # its regions are hpcpar's already
-
 
 #: True while a region the model checkpoints itself runs (its forward or recomputation)
 _IN_USER_REGION: ContextVar[bool] = ContextVar("hpcpar_user_checkpoint", default=False)
@@ -311,10 +309,8 @@ def install_user_checkpoint_replay() -> bool:
     @functools.wraps(original)
     def generator(fn, preserve_rng_state=True,
                   context_fn=_torch_checkpoint.noop_context_fn, *rest, **kwargs):
-        root = _split_context()
-        if root is not None and not getattr(context_fn, "hpcpar_own", False) and not (
-                isinstance(context_fn, functools.partial)
-                and getattr(context_fn.func, "hpcpar_own", False)):
+        root = _split_context()   # hpcpar's own segments (_contexts) record already
+        if root is not None and getattr(context_fn, "func", None) is not _contexts:
             context_fn = functools.partial(_user_contexts, context_fn, Tape(), root)
         return original(fn, preserve_rng_state, context_fn, *rest, **kwargs)
 

@@ -63,6 +63,7 @@ __all__ = ["MANIFEST", "FORMAT_VERSION", "PREFIX", "step_dir_name", "rank_file",
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 PREFIX = "step-"
+_TEMP = ".tmp-"   # marks a checkpoint's directory until its rename (temp_dir)
 
 
 def step_dir_name(step: int) -> str:
@@ -511,7 +512,7 @@ def in_memory(obj: Any) -> Any:
 
 def temp_dir(ckpt_dir: str | os.PathLike, step: int) -> Path:
     """Where the files of checkpoint ``step`` are written before :func:`commit` names it."""
-    return Path(ckpt_dir) / f".tmp-{step_dir_name(step)}"
+    return Path(ckpt_dir) / f"{_TEMP}{step_dir_name(step)}"
 
 
 def prepare(ckpt_dir: str | os.PathLike, comm: Any) -> None:
@@ -530,8 +531,11 @@ def prepare(ckpt_dir: str | os.PathLike, comm: Any) -> None:
     err = None
     if comm.Get_rank() == 0:
         try:
-            for stale in sorted(Path(ckpt_dir).glob(f".tmp-{PREFIX}*")):
-                shutil.rmtree(stale)
+            for stale in sorted(Path(ckpt_dir).glob(f"{_TEMP}{PREFIX}*")):
+                # only what temp_dir names (a step's name behind the mark), a real directory
+                if checkpoint_step(stale.name[len(_TEMP):]) is not None \
+                        and stale.is_dir() and not stale.is_symlink():
+                    shutil.rmtree(stale)
         except OSError as exc:
             err = f"cannot remove the unfinished checkpoint {exc.filename}: {exc.strerror}"
     err = comm.bcast(err, root=0)

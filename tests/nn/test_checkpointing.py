@@ -32,11 +32,13 @@ def unet():
     return UNet3D(in_channels=1, out_channels=2, base_filters=2, depth=2)
 
 
-def _step(grid, model, x, w, setting):
-    """Spatialize, checkpoint, one forward + backward of sum(y * w); returns the spatialized
-    model, this rank's output piece, input gradient and the counter differences."""
+def _step(grid, model, x, w, setting, reuse=True):
+    """Spatialize, checkpoint, one forward + backward of sum(y * w) (``reuse``: False turns
+    the replay's reuse off); returns the spatialized model, this rank's output piece, input
+    gradient and the counter differences."""
     from hpcpar.nn import local, spatialize
     from hpcpar.nn.checkpointing import checkpoint_activations
+    from hpcpar.parallel import replay
     from hpcpar.parallel.counters import COUNTERS
     from hpcpar.parallel.spatial import local_slices
 
@@ -44,46 +46,65 @@ def _step(grid, model, x, w, setting):
     checkpoint_activations(sp, setting)
     xl = x[local_slices(x.shape, grid)].clone().requires_grad_()
     before = COUNTERS.snapshot()
-    y = local(sp(xl))
-    (y * w[local_slices(w.shape, grid)]).sum().backward()
+    replay.REUSE = reuse
+    try:
+        y = local(sp(xl))
+        (y * w[local_slices(w.shape, grid)]).sum().backward()
+    finally:
+        replay.REUSE = True
     return sp, y.detach(), xl.grad, COUNTERS.since(before)
 
 
-def check(grid, make, shape, seed, what, settings, reuse_off=False):
-    """fp64: the checkpointed model against torch on one process and against itself without
-    checkpointing, for each setting; messages during recomputation: none. ``reuse_off``:
-    also with the reuse switched off, where the count must see the messages."""
-    from hpcpar.parallel import replay
-    from hpcpar.parallel.comm import allreduce_
-    from hpcpar.parallel.spatial import local_slices
-    from hpcpar.sync.tags import reduce_scope
-
-    torch.manual_seed(seed)
-    model = make().double()
+def _reference(grid, model, shape, seed):
+    """This rank's share of a global fp64 batch, and one forward + backward of sum(y * w) of
+    a copy of ``model`` on it in one process: (x, the copy, its input, output and w)."""
     x = randn((2 * grid.data, *shape), seed, torch.float64)[batch_slice(2 * grid.data, grid)]
     ref = copy.deepcopy(model)
     xr = x.clone().requires_grad_()
     yr = ref(xr)
     w = randn(yr.shape, seed + 1, torch.float64)
     (yr * w).sum().backward()
+    return x, ref, xr, yr, w
+
+
+def _against_torch(tag, grid, sp, y, gx, ref, xr, yr):
+    """A spatialized step (:func:`_step`) against one process's (:func:`_reference`): the
+    output, input gradient, every parameter gradient (summed over the spatial group where
+    it is split) and every buffer."""
+    from hpcpar.parallel.comm import allreduce_
+    from hpcpar.parallel.spatial import local_slices
+    from hpcpar.sync.tags import reduce_scope
+
+    close(y, yr[local_slices(yr.shape, grid)].detach(), f"{tag}: output")
+    close(gx, xr.grad[local_slices(xr.shape, grid)], f"{tag}: input grad")
+    grads = dict(ref.named_parameters())
+    for name, p in sp.named_parameters():
+        g = p.grad.clone()
+        if reduce_scope(p) == "spatial+data":
+            allreduce_(g, grid.spatial_comm)
+        close(g, grads[name].grad, f"{tag}: grad of {name}")
+    for (name, b), rb in zip(sp.named_buffers(), ref.buffers()):
+        close(b.double(), rb.double(), f"{tag}: buffer {name}")
+
+
+def check(grid, make, shape, seed, what, settings, reuse_off=False):
+    """fp64: the checkpointed model against torch on one process and against itself without
+    checkpointing, for each setting; messages during recomputation: none; buffers updated
+    once, not twice. ``reuse_off``: also with the reuse switched off, where the count must
+    see the messages."""
+    torch.manual_seed(seed)
+    model = make().double()
+    x, ref, xr, yr, w = _reference(grid, model, shape, seed)
     base, y0, gx0, _ = _step(grid, model, x, w, False)
     split = grid.spatial_size > 1
     for setting in settings:
         tag = f"{what} on {grid.spec()}, activation_checkpointing = {setting!r}"
         sp, y, gx, counts = _step(grid, model, x, w, setting)
-        close(y, yr[local_slices(yr.shape, grid)].detach(), f"{tag}: output")
-        close(gx, xr.grad[local_slices(xr.shape, grid)], f"{tag}: input grad")
+        _against_torch(tag, grid, sp, y, gx, ref, xr, yr)
         assert torch.equal(y, y0), f"{tag}: output differs from the run without it"
         close(gx, gx0, f"{tag}: input grad vs no checkpointing")
-        grads = dict(ref.named_parameters())
         for (name, p), q in zip(sp.named_parameters(), base.parameters()):
             close(p.grad, q.grad, f"{tag}: local grad of {name} vs no checkpointing")
-            g = p.grad.clone()
-            if reduce_scope(p) == "spatial+data":
-                allreduce_(g, grid.spatial_comm)
-            close(g, grads[name].grad, f"{tag}: grad of {name}")
-        for (name, b), rb in zip(sp.named_buffers(), ref.buffers()):  # updated once, not twice
-            close(b.double(), rb.double(), f"{tag}: buffer {name}")
         assert counts["recompute_msgs"] == 0 and counts["recompute_bytes"] == 0, \
             f"{tag}: the recomputation sent {counts['recompute_msgs']} messages"
         assert (counts["bytes_halo"] > 0) == split, tag
@@ -91,11 +112,7 @@ def check(grid, make, shape, seed, what, settings, reuse_off=False):
         return
     # the reuse switched off: the same gradients, but the recomputation communicates again
     # and the count sees it (so the zeros above are measured, not assumed)
-    replay.REUSE = False
-    try:
-        sp, y, gx, counts = _step(grid, model, x, w, 1)
-    finally:
-        replay.REUSE = True
+    sp, y, gx, counts = _step(grid, model, x, w, 1, reuse=False)
     close(gx, gx0, f"{what} on {grid.spec()} without reuse: input grad")
     assert (counts["recompute_msgs"] > 0) == split, counts
     assert (counts["recompute_bytes"] > 0) == split, counts
@@ -188,44 +205,12 @@ def check_user(grid, shape, seed, reuse=True, setting=False):
     process (outputs, input and parameter gradients, running statistics, which torch's
     recomputation updates a second time), with hpcpar's ``activation_checkpointing =
     setting`` on top, and what the recomputations sent (returned)."""
-    from hpcpar.nn import local, spatialize
-    from hpcpar.nn.checkpointing import checkpoint_activations
-    from hpcpar.parallel import replay
-    from hpcpar.parallel.comm import allreduce_
-    from hpcpar.parallel.counters import COUNTERS
-    from hpcpar.parallel.spatial import local_slices
-    from hpcpar.sync.tags import reduce_scope
-
     torch.manual_seed(seed)
     model = UserCheckpointed().double()
-    x = randn((2 * grid.data, *shape), seed, torch.float64)[batch_slice(2 * grid.data, grid)]
-    ref = copy.deepcopy(model)
-    xr = x.clone().requires_grad_()
-    yr = ref(xr)
-    w = randn(yr.shape, seed + 1, torch.float64)
-    (yr * w).sum().backward()
-    sp = spatialize(model, grid)
-    checkpoint_activations(sp, setting)
-    xl = x[local_slices(x.shape, grid)].clone().requires_grad_()
-    before = COUNTERS.snapshot()
-    replay.REUSE = reuse
-    try:
-        y = local(sp(xl))
-        (y * w[local_slices(w.shape, grid)]).sum().backward()
-    finally:
-        replay.REUSE = True
-    counts = COUNTERS.since(before)
-    tag = f"a model's own checkpoint on {grid.spec()}, activation_checkpointing = {setting!r}"
-    close(y.detach(), yr[local_slices(yr.shape, grid)].detach(), f"{tag}: output")
-    close(xl.grad, xr.grad[local_slices(xr.shape, grid)], f"{tag}: input grad")
-    grads = dict(ref.named_parameters())
-    for name, p in sp.named_parameters():
-        g = p.grad.clone()
-        if reduce_scope(p) == "spatial+data":
-            allreduce_(g, grid.spatial_comm)
-        close(g, grads[name].grad, f"{tag}: grad of {name}")
-    for (name, b), rb in zip(sp.named_buffers(), ref.buffers()):
-        close(b.double(), rb.double(), f"{tag}: buffer {name}")
+    x, ref, xr, yr, w = _reference(grid, model, shape, seed)
+    sp, y, gx, counts = _step(grid, model, x, w, setting, reuse=reuse)
+    _against_torch(f"a model's own checkpoint on {grid.spec()}, activation_checkpointing = "
+                   f"{setting!r}", grid, sp, y, gx, ref, xr, yr)
     return counts
 
 
