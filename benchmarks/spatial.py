@@ -61,14 +61,19 @@ os.environ.setdefault("NUMBA_NUM_THREADS", "1")
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 
+#: Blocks from this size up are served by mmap (:func:`_malloc_returns_big_blocks`); smaller
+#: ones come from the heap, which reuses freed memory without the RSS seeing it again.
+MMAP_BLOCK = 4 << 20
+
+
 def _malloc_returns_big_blocks():
     """Serve >=4 MiB blocks (activations) by mmap and never raise that threshold, so freed
     tensors leave the RSS at once and the RSS high-water mark measures live tensor memory;
     smaller blocks (halo messages) are reused from the heap as usual."""
     try:
         libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 4 << 20)  # M_MMAP_THRESHOLD
-        libc.mallopt(-1, 4 << 20)  # M_TRIM_THRESHOLD
+        libc.mallopt(-3, MMAP_BLOCK)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, MMAP_BLOCK)  # M_TRIM_THRESHOLD
     except OSError:  # pragma: no cover - not glibc
         pass
 
