@@ -53,6 +53,8 @@ def build(args, grid, setting):
 
 def build_torch(args, checkpointed: bool):
     """Plain torch's UNet3D; ``checkpointed``: each conv block under torch.utils.checkpoint."""
+    import functools
+
     import torch
     from torch.utils.checkpoint import checkpoint
 
@@ -61,10 +63,8 @@ def build_torch(args, checkpointed: bool):
     torch.manual_seed(0)
     model = UNet3D(args.channels, 2, args.base_filters, args.depth)
     if checkpointed:
-        blocks = [*model.encoders, model.bottom, *model.decoders]
-        for block in blocks:
-            block.forward = (lambda f: lambda x: checkpoint(f, x, use_reentrant=False))(
-                block.forward)
+        for block in [*model.encoders, model.bottom, *model.decoders]:
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last_3d)
     return model

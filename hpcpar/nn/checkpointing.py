@@ -189,7 +189,6 @@ def _contexts(tape: Tape, root, seg) -> tuple:
     return tape.recording(), _Replay(tape, root, seg)
 
 
-
 #: True while a region the model checkpoints itself runs (its forward or recomputation)
 _IN_USER_REGION: ContextVar[bool] = ContextVar("hpcpar_user_checkpoint", default=False)
 
@@ -365,4 +364,3 @@ def checkpoint_activations(model: nn.Module, setting) -> list[list[int]]:
         setattr(chain, _ROOT, root)
         chain.forward = types.MethodType(_segmented_forward, chain)  # type: ignore[method-assign]
     return [sizes for _, sizes in planned]
-
