@@ -101,7 +101,8 @@ def _hooked_modules(model, attr: str):
     return found
 
 
-def full_state_dict(model: Any, root: int | None = None, spill_dir: Any = None) -> dict:
+def full_state_dict(model: Any, root: int | None = None, spill_dir: Any = None,
+                    copy: bool = True) -> dict:
     """Gather the single-process state_dict of a (possibly partitioned) model, on CPU.
 
     Collective when a module has ``full_state_dict()`` or a split head is cut; spatial
@@ -114,10 +115,14 @@ def full_state_dict(model: Any, root: int | None = None, spill_dir: Any = None) 
             (:func:`hpcpar.nn.split_head.gathered_to`); None: every rank.
         spill_dir: Where ``root`` backs that full weight by a file instead of memory
             (:mod:`hpcpar.nn.spill`); None: memory.
+        copy: False on a rank that only checks the state (not the writer of ``model.pt``):
+            its tensors stay the model's own, detached, on their device; a copy of the whole
+            model on every rank of a node would not divide by the ranks (each copied to the
+            host, at every checkpoint, to be dropped).
 
     Returns:
-        The full state_dict, every tensor detached and on CPU, none sharing memory with the
-        model (a tensor gathered for it is not copied again).
+        The full state_dict, every tensor detached and (``copy``) on CPU, none sharing
+        memory with the model (a tensor gathered for it is not copied again).
     """
     from hpcpar.nn.split_head import gathered_to  # deferred: loads torch, numpy
 
@@ -133,6 +138,8 @@ def full_state_dict(model: Any, root: int | None = None, spill_dir: Any = None) 
                 for k in [k for k in sd if k.startswith(prefix + ".")]:
                     del sd[k]
                 sd.update({f"{prefix}.{k}": v for k, v in mod.full_state_dict().items()})
+    if not copy:
+        return {k: v.detach() if hasattr(v, "detach") else v for k, v in sd.items()}
     live = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
     return {k: _private(v.detach().cpu(), live) if hasattr(v, "detach") else v
             for k, v in sd.items()}

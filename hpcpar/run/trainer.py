@@ -373,11 +373,13 @@ class Trainer:
         :mod:`hpcpar.run.checkpoint_writer`); raises :class:`DivergedError` (and writes
         nothing) when any rank's weights or buffers hold NaN/inf."""
         t0 = time.perf_counter()
-        # a split head's full weight and state only on the rank writing each file: on every
-        # rank they would not divide by the spatial ranks (the others check their own
-        # columns); there, backed by a file in the checkpoint directory, not by memory
+        # a split head's full weight and state, and any copy of the model, only on the rank
+        # writing each file: on every rank they would not divide by the ranks (the others
+        # check their own tensors); there, backed by a file in the checkpoint directory
         size, spill = self.comm.Get_size(), self.writer.ckpt_dir
-        model_state = ckpt.full_state_dict(self.model, ckpt.writer("model.pt", size), spill)
+        root = ckpt.writer("model.pt", size)
+        model_state = ckpt.full_state_dict(self.model, root, spill,
+                                           copy=self.comm.Get_rank() == root)
         buffers = ckpt.local_buffers(self.model)
         self._check_finite_state(model_state, buffers)
         trainer = {"optimizer": ckpt.full_optimizer_state(self.model, self.optimizer,

@@ -138,6 +138,12 @@ def _rooted_checkpoint_state(grid):
             assert mine or torch.equal(info.take(full), got), what
         assert sd["3.weight"].untyped_storage().data_ptr() != \
             head.untyped_storage().data_ptr(), f"{what}: shares the live weight"
+        live = ckpt.full_state_dict(sp, root, copy=mine)   # collective: on every rank
+        own = dict((*sp.named_parameters(), *sp.named_buffers()))
+        assert live.keys() == sd.keys() and all(torch.equal(live[k], sd[k]) for k in sd), what
+        assert mine or all(live[k].untyped_storage().data_ptr() ==
+                           own[k].untyped_storage().data_ptr() for k in sd), \
+            f"{what}: a rank that only checks the state copied it"
     _spilled_on_the_root(grid, sp, opt, want_sd["3.weight"], want_opt["state"][index])
 
 
