@@ -10,7 +10,9 @@ both alike; prints per job the median step of each (with the spread over rounds)
 
 ``--a-rev`` / ``--b-rev`` run that side on another commit of hpcpar (checked out in a
 temporary git worktree, put first on ``PYTHONPATH`` for every rank); the jobs and the data
-are the same files for both sides.
+are the same files for both sides. ``--a-env`` / ``--b-env KEY=VALUE`` give that side's
+ranks an environment variable (e.g. the allocator's ``MALLOC_CONF``: every rank inherits it).
+The peak column is the largest rank's ``peak_mem``, median over rounds.
 
 A run's step = the median over steps 3+ of the slowest rank's ``t_step`` (its records).
 """
@@ -37,6 +39,7 @@ def phases(run_dir: str) -> dict:
     runs, steps = load([run_dir])
     slowest = drop_warmup(steps, runs, warmup=3).groupby("step").max()
     out = {k: float(slowest[k].median()) for k in (*PHASES, "t_step")}
+    out["peak"] = float(steps["peak_mem"].max())
     out["rest"] = out["t_step"] - sum(out[k] for k in PHASES)
     return out
 
@@ -50,7 +53,7 @@ def worktree(rev: str, tmp: str) -> str:
 
 
 def run(job: str, sets: list[str], ranks: int, grid: str | None, steps: int,
-        run_dir: str, src: str | None = None) -> dict | None:
+        run_dir: str, src: str | None = None, env_sets: tuple[str, ...] = ()) -> dict | None:
     cmd = [sys.executable, "-m", "hpcpar.cli", "run", job, "-n", str(ranks),
            *(["--grid", grid] if grid else []), "--run-dir",
            run_dir, "--no-resume", "--set", f"train.steps={steps}", "--set",
@@ -58,7 +61,7 @@ def run(job: str, sets: list[str], ranks: int, grid: str | None, steps: int,
            "train.val_every=100000"]
     for s in sets:
         cmd += ["--set", s]
-    env = dict(os.environ)
+    env = dict(os.environ, **dict(e.split("=", 1) for e in env_sets))
     if src:  # this side's hpcpar before the installed one, in every rank (mpiexec passes
         # env); PYTHONSAFEPATH keeps `python -m` from putting this tree's hpcpar (cwd) first
         env["PYTHONPATH"] = os.pathsep.join(filter(None, (src, env.get("PYTHONPATH"))))
@@ -79,6 +82,8 @@ def main() -> int:
     ap.add_argument("--grid", help="DxXxYxZ (default: 1x1x1x1 on one rank, else the job's)")
     ap.add_argument("--a-rev", help="git revision of hpcpar for side A (default: this tree)")
     ap.add_argument("--b-rev", help="git revision of hpcpar for side B (default: this tree)")
+    ap.add_argument("--a-env", action="append", default=[], help="KEY=VALUE for A's ranks")
+    ap.add_argument("--b-env", action="append", default=[], help="KEY=VALUE for B's ranks")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=15)
     args = ap.parse_args()
@@ -92,19 +97,21 @@ def main() -> int:
                 for i, job in enumerate(args.jobs.split(",")):
                     for side in ("a", "b") if r % 2 == 0 else ("b", "a"):
                         out = run(job, args.a if side == "a" else args.b, args.ranks, grid,
-                                  args.steps, os.path.join(tmp, f"{i}-{side}-{r}"), src[side])
+                                  args.steps, os.path.join(tmp, f"{i}-{side}-{r}"), src[side],
+                                  tuple(args.a_env if side == "a" else args.b_env))
                         if out:
                             got.setdefault((job, side), []).append(out)
                             print(f"{os.path.basename(job)} {side}: "
                                   f"{out['t_step'] * 1e3:.1f} ms", flush=True)
     finally:  # the checkouts went with the temporary directory; forget them in git too
         subprocess.run(["git", "-C", ROOT, "worktree", "prune"], check=False)
-    a, b = (" ".join(sets + ([f"rev {rev}"] if rev else [])) or "defaults"
-            for sets, rev in ((args.a, args.a_rev), (args.b, args.b_rev)))
+    a, b = (" ".join(sets + envs + ([f"rev {rev}"] if rev else [])) or "defaults"
+            for sets, envs, rev in ((args.a, args.a_env, args.a_rev),
+                                    (args.b, args.b_env, args.b_rev)))
     print(f"\nA = {a}; B = {b}; "
           f"{args.ranks} rank(s) on {os.cpu_count()} cores, {args.rounds} rounds")
     print(f"{'job':<24} {'side':<4} {'step ms':>8} {'spread':>13}  "
-          + " ".join(f"{k[2:]:>6}" for k in PHASES) + f" {'rest':>6}  B speedup")
+          + " ".join(f"{k[2:]:>6}" for k in PHASES) + f" {'rest':>6} {'peak MiB':>8}  B speedup")
     for job in args.jobs.split(","):
         med = {}
         for side in ("a", "b"):
@@ -117,6 +124,7 @@ def main() -> int:
             print(f"{os.path.basename(job):<24} {side:<4} {med[side] * 1e3:>8.1f} "
                   f"{min(steps) * 1e3:>6.1f}-{max(steps) * 1e3:<6.1f} "
                   + " ".join(f"{ph[k]:>6.1f}" for k in (*PHASES, "rest"))
+                  + f" {statistics.median(x['peak'] for x in runs) / 2**20:>8.0f}"
                   + (f"  {med['a'] / med['b']:.2f}x" if side == "b" and "a" in med else ""))
     return 0
 
