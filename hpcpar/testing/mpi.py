@@ -4,12 +4,15 @@ One ``mpiexec -n N`` runs many cases in order, of one module (:func:`run_module`
 several (:func:`run_cases`: the pytest plugin's one launch per rank count for the session), as
 a new Python process that imports torch costs seconds on small machines. A case that raises
 on any rank writes its traceback and aborts the whole job at once (``MPI.Abort``), so a
-failure never becomes a deadlock; a case that hangs is killed at its timeout, and the report
-says which ranks were still inside which case.
+failure never becomes a deadlock; a case that hangs is killed at its own timeout (counted
+from when every rank has entered it), and the report says which ranks were still inside
+which case. The launch dies with the process that started it (killed, or interrupted by an
+exception such as pytest-timeout's): no ranks are left spinning behind it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import os
@@ -27,6 +30,8 @@ __all__ = ["DEFAULT_TIMEOUT", "mpi_case", "CaseResult", "ModuleRun", "startup_al
            "run_module", "run_cases", "case_id"]
 
 DEFAULT_TIMEOUT = 120.0
+_POLL = 0.5           # seconds between looks at the ranks' progress files
+_PR_SET_PDEATHSIG = 1
 
 
 def mpi_case(nprocs: int | Sequence[int] = (1, 2, 4),
@@ -176,21 +181,72 @@ def run_cases(cases: list[tuple[str, str]], nprocs: int, timeouts: dict | None =
         cmd = [find_mpiexec(), "-n", str(nprocs), sys.executable, "-m",
                "hpcpar.testing.worker", listing, tmp]
         start = time.monotonic()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                env=rank_env(env), start_new_session=True, text=True,
-                                errors="replace")
-        timed_out = False
-        try:
-            output, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            _kill_group(proc)
-            output, _ = proc.communicate()
+        with tempfile.TemporaryFile("w+", errors="replace") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                    env=rank_env(env), start_new_session=True, text=True,
+                                    preexec_fn=_die_with_parent)
+            try:
+                timed_out, hung = _wait(proc, tmp, nprocs, timeouts, start + timeout)
+            except BaseException:   # interrupted (pytest-timeout, ^C): take the ranks along
+                _kill_group(proc)
+                raise
+            if timed_out:
+                _kill_group(proc)
+            out.seek(0)
+            output = out.read()
         elapsed = time.monotonic() - start
-        results = _collect(tmp, nprocs, ids, timed_out, timeout, proc.returncode)
+        results = _collect(tmp, nprocs, ids, timed_out, timeout, proc.returncode,
+                           hung, timeouts)
     paths = sorted({p for p, _ in cases})
     return ModuleRun(paths[0] if len(paths) == 1 else "", nprocs, results, proc.returncode,
                      output or "", timed_out, elapsed)
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: the kernel sends ``mpiexec`` SIGTERM when the process that
+    launched it dies (its ranks go with it, as on ^C), so a killed test run leaves no ranks
+    spinning; best effort (Linux only)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _wait(proc: subprocess.Popen, tmp: str, nprocs: int, timeouts: dict,
+          deadline: float) -> tuple[bool, str | None]:
+    """Wait for the launch to end, looking at the ranks' progress meanwhile. Returns (False,
+    None) when it ended; else (it is still running: True and) the case that outlived its own
+    timeout, or None when the whole launch outlived ``deadline``."""
+    entered: dict[str, float] = {}    # case -> when the last rank entered it
+    while True:
+        try:
+            proc.wait(timeout=_POLL)
+            return False, None
+        except subprocess.TimeoutExpired:
+            pass
+        now = time.monotonic()
+        if now > deadline:
+            return True, None
+        started, inside = _progress(tmp, nprocs)
+        for case in set(inside.values()):
+            if all(case in started.get(r, ()) for r in range(nprocs)):
+                entered.setdefault(case, now)
+            if case in entered and now - entered[case] > timeouts.get(case, DEFAULT_TIMEOUT):
+                return True, case
+
+
+def _progress(tmp: str, nprocs: int) -> tuple[dict[int, set[str]], dict[int, str]]:
+    """(rank -> the cases it started, rank -> the case it is inside) from its progress file."""
+    started: dict[int, set[str]] = {}
+    inside: dict[int, str] = {}
+    for r in range(nprocs):
+        for rec in _read_json_lines(os.path.join(tmp, f"rank{r}.jsonl")):
+            if rec.get("event") == "start":
+                started.setdefault(r, set()).add(rec["case"])
+                inside[r] = rec["case"]
+            elif inside.get(r) == rec.get("case"):
+                inside.pop(r)
+    return started, inside
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -222,7 +278,9 @@ def _read_json_lines(path: str) -> list[dict]:
 
 
 def _collect(tmp: str, nprocs: int, cases: list[str], timed_out: bool, timeout: float,
-             returncode) -> dict:
+             returncode, hung: str | None = None, timeouts: dict | None = None) -> dict:
+    """Case -> its result; ``hung``: the case killed at its own timeout (else a timeout
+    was the whole launch's)."""
     per_case: dict[str, dict[int, dict]] = {c: {} for c in cases}
     progress: dict[int, str] = {}
     for r in range(nprocs):
@@ -251,8 +309,10 @@ def _collect(tmp: str, nprocs: int, cases: list[str], timed_out: bool, timeout: 
             results[c] = CaseResult(c, "passed", "", {}, dur)
         elif timed_out and (inside or recs):
             done = sorted(recs)
+            limit = (f"its {(timeouts or {}).get(c, DEFAULT_TIMEOUT):.0f} s timeout"
+                     if c == hung else f"the launch's {timeout:.0f} s timeout")
             results[c] = CaseResult(
-                c, "timeout", f"killed at the {timeout:.0f} s timeout: rank(s) {inside} still "
+                c, "timeout", f"killed at {limit}: rank(s) {inside} still "
                 f"inside this case, rank(s) {done} had finished it", {}, dur)
         elif inside:
             results[c] = CaseResult(

@@ -71,7 +71,8 @@ class MPIItem(pytest.Item):
 
 def _launch(items: list[MPIItem], nprocs: int) -> dict:
     """Case id -> (its result, the output of the launch that ran it): the cases of ``items``
-    in one launch, and the ones a failure's abort left unrun in the next."""
+    in one launch, and the ones a failure's abort or a case's timeout left unrun in the
+    next."""
     results: dict = {}
     todo = list(items)
     while todo:
@@ -79,9 +80,9 @@ def _launch(items: list[MPIItem], nprocs: int) -> dict:
                         {i.case: i.case_timeout for i in todo})
         results.update({c: (r, run.output) for c, r in run.cases.items()})
         left = [i for i in todo if run.cases[i.case].status == "not-run"]
-        if run.timed_out or len(left) == len(todo):
-            break   # not an abort by a case: what is left reports why it did not run
-        todo = left
+        if len(left) == len(todo):
+            break   # no case ran (the start-up failed or hung): they report why
+        todo = left   # after a case's abort or its own timeout, the rest in a new launch
     return results
 
 
