@@ -184,7 +184,7 @@ def run_cases(cases: list[tuple[str, str]], nprocs: int, timeouts: dict | None =
         with tempfile.TemporaryFile("w+", errors="replace") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                     env=rank_env(env), start_new_session=True, text=True,
-                                    preexec_fn=_die_with_parent)
+                                    preexec_fn=_die_with_parent())
             try:
                 timed_out, hung = _wait(proc, tmp, nprocs, timeouts, start + timeout)
             except BaseException:   # interrupted (pytest-timeout, ^C): take the ranks along
@@ -202,14 +202,16 @@ def run_cases(cases: list[tuple[str, str]], nprocs: int, timeouts: dict | None =
                      output or "", timed_out, elapsed)
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: the kernel sends ``mpiexec`` SIGTERM when the process that
-    launched it dies (its ranks go with it, as on ^C), so a killed test run leaves no ranks
-    spinning; best effort (Linux only)."""
+def _die_with_parent() -> Callable[[], None] | None:
+    """What the child runs before exec so that the kernel sends ``mpiexec`` SIGTERM when the
+    process that launched it dies (its ranks go with it, as on ^C): a killed test run leaves
+    no ranks spinning. Looked up here, in the parent: a forked child must not load libraries.
+    None where there is no ``prctl`` (not Linux)."""
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
-        pass
+        return None
+    return lambda: prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
 def _wait(proc: subprocess.Popen, tmp: str, nprocs: int, timeouts: dict,
