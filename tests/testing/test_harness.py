@@ -106,19 +106,19 @@ def interrupted(*_):
 signal.signal(signal.SIGUSR1, interrupted)
 try:
     run_module(sys.argv[1], 2, ["case_hangs_on_rank0"], timeout=600,
-               env={"HPCPAR_MARK": sys.argv[2]})
+               env={"HARNESS_TEST_MARK": sys.argv[2]})
 except RuntimeError:
     time.sleep(120)   # and goes on, as pytest goes on to the next test
 """
 
 
 def _marked(mark: str) -> list[int]:
-    """The processes whose environment holds ``HPCPAR_MARK=mark``."""
+    """The processes whose environment holds ``HARNESS_TEST_MARK=mark``."""
     pids = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/environ", "rb") as fh:
-                if f"HPCPAR_MARK={mark}".encode() in fh.read().split(b"\0"):
+                if f"HARNESS_TEST_MARK={mark}".encode() in fh.read().split(b"\0"):
                     pids.append(int(pid))
         except OSError:
             pass
