@@ -53,7 +53,8 @@ from hpcpar.errors import RunDirError
 __all__ = ["MANIFEST", "FORMAT_VERSION", "PREFIX", "step_dir_name", "rank_file", "full_state_dict",
            "load_full_state_dict", "local_buffers", "rng_state", "set_rng_state", "sha256_file",
            "checkpoint_step", "list_checkpoints", "check_step", "verify", "save",
-           "in_memory", "temp_dir", "prepare", "writer", "writes", "write_part", "commit", "finish",
+           "in_memory", "temp_dir", "prepare", "writer", "writes", "write_part",
+           "write_and_commit", "commit", "finish",
            "find_resumable", "CORRUPT_SUFFIX", "set_aside", "choose_resumable", "rotated",
            "check_optimizer", "finite_flags", "nonfinite_entries", "check_compatible",
            "grid_change", "source_rank", "PackedHistory", "history_rows",
@@ -689,6 +690,16 @@ def save(ckpt_dir: str | os.PathLike, step: int, *, comm: Any, model_state: dict
             could not be finished.
     """
     prepare(ckpt_dir, comm)
+    return write_and_commit(ckpt_dir, step, comm=comm, model_state=model_state,
+                            trainer_state=trainer_state, rank_state=rank_state, info=info,
+                            keep=keep)
+
+
+def write_and_commit(ckpt_dir: str | os.PathLike, step: int, *, comm: Any,
+                     model_state: dict | None, trainer_state: dict | None, rank_state: dict,
+                     info: dict, keep: int) -> Path:
+    """Collective: :func:`save` once :func:`prepare` has run (a writer prepares once, at
+    its start, not at every checkpoint); same arguments, result and errors."""
     mine = write_part(temp_dir(ckpt_dir, step), comm.Get_rank(), model_state=model_state,
                       trainer_state=trainer_state, rank_state=rank_state, size=comm.Get_size())
     return commit(ckpt_dir, step, comm=comm, mine=mine, info=info, keep=keep)

@@ -115,13 +115,11 @@ class CheckpointWriter:
         Returns:
             The checkpoint's final path (it exists once committed).
         """
-        if not self.background:   # ckpt.save without its prepare: made once, at __init__
+        if not self.background:   # prepared once, at __init__
             self.flush()
-            mine = ckpt.write_part(ckpt.temp_dir(self.ckpt_dir, step), self.comm.Get_rank(),
-                                   model_state=model_state, trainer_state=trainer_state,
-                                   rank_state=rank_state, size=self.comm.Get_size())
-            return ckpt.commit(self.ckpt_dir, step, comm=self.comm, mine=mine, info=info,
-                               keep=self.keep)
+            return ckpt.write_and_commit(self.ckpt_dir, step, comm=self.comm,
+                                         model_state=model_state, trainer_state=trainer_state,
+                                         rank_state=rank_state, info=info, keep=self.keep)
         self._hand_over()
         tmp = ckpt.temp_dir(self.ckpt_dir, step)
         rank, size = self.comm.Get_rank(), self.comm.Get_size()

@@ -284,17 +284,13 @@ def _collect(tmp: str, nprocs: int, cases: list[str], timed_out: bool, timeout: 
     """Case -> its result; ``hung``: the case killed at its own timeout (else a timeout
     was the whole launch's)."""
     per_case: dict[str, dict[int, dict]] = {c: {} for c in cases}
-    progress: dict[int, str] = {}
     for r in range(nprocs):
         for rec in _read_json_lines(os.path.join(tmp, f"rank{r}.jsonl")):
-            if rec.get("event") == "start":
-                progress[r] = rec["case"]
-            elif rec.get("case") in per_case:
+            if rec.get("event") != "start" and rec.get("case") in per_case:
                 prev = per_case[rec["case"]].get(r)
                 if prev is None or prev["status"] != "failed":
                     per_case[rec["case"]][r] = rec
-                if progress.get(r) == rec["case"]:
-                    progress.pop(r)
+    progress = _progress(tmp, nprocs)[1]
     results = {}
     for c in cases:
         recs = per_case[c]

@@ -126,7 +126,7 @@ def _marked(mark: str) -> list[int]:
 
 
 @pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGUSR1], ids=["killed", "interrupted"])
-def test_a_harness_that_dies_takes_its_ranks_along(how, tmp_path):
+def test_a_harness_that_dies_takes_its_ranks_along(how):
     """Killed (SIGTERM), or interrupted by an exception (pytest-timeout's way) and going on,
     the process that launched the ranks leaves none of them behind: the ranks of a hung case
     would spin for ever, taking the cores from every test after it."""
