@@ -235,13 +235,15 @@ def instance_norm(x: torch.Tensor, running_mean: torch.Tensor | None = None,
                   running_var: torch.Tensor | None = None, weight: torch.Tensor | None = None,
                   bias: torch.Tensor | None = None, use_input_stats: bool = True,
                   momentum: float = 0.1, eps: float = 1e-5, *, grid: ProcessGrid,
-                  gshape: Sequence[int]) -> torch.Tensor:
+                  gshape: Sequence[int], include_data: bool = False) -> torch.Tensor:
     """``F.instance_norm`` of the whole sample (what ``nn.InstanceNorm3d`` calls): each
     (sample, channel) is normalised with its statistics over all D·H·W voxels.
 
     With ``use_input_stats`` and running buffers, the buffers are updated in place as torch
     does (momentum-weighted batch mean of the per-sample means and of the unbiased variances
-    over the global voxel count), identically on every rank. Without ``use_input_stats`` (eval
+    over the global voxel count), identically on every rank; with ``include_data`` the batch
+    mean is over the whole global batch (every data replica's samples), so the replicas keep
+    one model's buffers. Without ``use_input_stats`` (eval
     with tracked statistics) the running buffers normalise locally, with no communication.
 
     Args:
@@ -255,6 +257,7 @@ def instance_norm(x: torch.Tensor, running_mean: torch.Tensor | None = None,
         eps: Added to the variance.
         grid: The process grid (the statistics run over ``grid.spatial_comm``).
         gshape: The global spatial shape ``(D, H, W)``, the same on every rank.
+        include_data: Average the running statistics over ``grid.data_comm`` too.
 
     Returns:
         This rank's piece of the normalised sample.
@@ -286,8 +289,12 @@ def instance_norm(x: torch.Tensor, running_mean: torch.Tensor | None = None,
     def update_running(mean, var):
         with torch.no_grad():
             unbiased = var * (count / (count - 1))
-            for buf, stat in ((running_mean, mean), (running_var, unbiased)):
-                buf.mul_(1 - momentum).add_(momentum * stat.view(n, c).mean(0).to(buf.dtype))
+            sums = torch.cat([mean.view(n, c).sum(0), unbiased.view(n, c).sum(0),
+                              mean.new_full((1,), n)]).double()
+            if include_data and grid.data > 1:
+                allreduce_(sums, grid.data_comm)
+            for buf, stat in ((running_mean, sums[:c]), (running_var, sums[c:2 * c])):
+                buf.mul_(1 - momentum).add_(momentum * (stat / sums[-1]).to(buf.dtype))
 
     per_channel = (1, c, 1, 1, 1)
     rows = _rows(op, x, grid, gshape, x.shape, (2, 3, 4), eps,

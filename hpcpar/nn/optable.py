@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from . import rules as d
 from . import spatial_ops as s
 
-__all__ = ["rule_for", "kind_of", "table", "REPLICATED_RULES"]
+__all__ = ["rule_for", "kind_of", "table", "entries", "REPLICATED_RULES"]
 
 _T, _TORCH = torch.Tensor, torch
 
@@ -198,6 +198,13 @@ def _property_rule(name: str):
     if name in ("T", "mT", "H", "mH"):
         return d.refuse_unknown
     return d.attribute
+
+
+def entries(kinds=None) -> list[tuple[object, str]]:
+    """(callable, class) for every op named here (of ``kinds`` only, if given): what the op
+    sweep (tests/nn/test_op_sweep.py) and the planner's tracer read. Names that torch binds
+    to non-callables (``torch.float`` is a dtype) are left out."""
+    return [(o, k) for o, k in _KIND.items() if callable(o) and (kinds is None or k in kinds)]
 
 
 def table() -> list[tuple[str, str]]:

@@ -224,7 +224,8 @@ def instance_norm(call: Call):
     out = global_norm.instance_norm(raw(b["input"]), b["running_mean"], b["running_var"],
                                     call.replicated(b["weight"]), call.replicated(b["bias"]),
                                     b["use_input_stats"], b["momentum"], b["eps"],
-                                    grid=call.ctx.grid, gshape=lay.gshape)
+                                    grid=call.ctx.grid, gshape=lay.gshape,
+                                    include_data=call.ctx.bn_include_data)
     return adopt(out, lay)
 
 
@@ -272,14 +273,14 @@ def reduction(call: Call):
     elif name in ("max", "min") and len(call.args) > 1 and isinstance(call.args[1],
                                                                       torch.Tensor):
         return pointwise(call)  # torch.max(a, b): elementwise
-    elif name in _NORMS:   # (input, p, dim, keepdim) / (input, ord, dim, keepdim)
-        b = call.bind(("input", _NORMS[name], "dim", "keepdim"), (None, None, False))
+    elif name in _NORMS or name in _QUANTILES:   # (input, p | ord | q, dim, keepdim)
+        b = call.bind(("input", _NORMS.get(name, "q"), "dim", "keepdim"), (None, None, False))
         dims = _dims_arg(b["dim"], n)
     else:
         dims = _dims_arg(b.get("dim"), n)
     split = [d for a, d in enumerate(lay.sdims) if call.ctx.grid.spatial_shape[a] > 1]
     spatial = [d for d in lay.sdims if d in dims]
-    keepdim = bool(b["keepdim"] if name in _NORMS else
+    keepdim = bool(b["keepdim"] if name in _NORMS or name in _QUANTILES else
                    call.kwargs.get("keepdim", _positional_keepdim(call)))
     if len(spatial) < 3 and not any(d in dims for d in split):
         if spatial and not keepdim:
@@ -328,6 +329,8 @@ _COMPOSED = ("var_mean", "std_mean", "nansum", "nanmean", "logsumexp", "count_no
              "all", "norm", "linalg_vector_norm")
 #: the vector norms, by name: the name of their order argument
 _NORMS = {"norm": "p", "linalg_vector_norm": "ord"}
+#: (input, q, dim, keepdim): q is not a dim
+_QUANTILES = ("quantile", "nanquantile")
 
 
 def _p_norm(call, xl, reduce, p):

@@ -71,9 +71,27 @@ def _refused(name: str, exc: LayerError) -> tuple[str, str]:
     return "refused", msg
 
 
-def check_model(grid, entry, name: str, seed: int = 0, fuse: int = 1) -> tuple[str, str]:
+def _zero_dropout(model: torch.nn.Module) -> bool:
+    """Sets every dropout module's ``p`` to 0; whether the model has any with ``p`` > 0."""
+    real = False
+    for m in model.modules():
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd):
+            real = real or m.p > 0
+            m.p = 0.0
+    return real
+
+
+def check_model(grid, entry, name: str, seed: int = 0, fuse: int = 1,
+                masks: bool = False) -> tuple[str, str]:
     """Spatialize one model of the zoo's form and compare it with one process on the same
-    global batch (float64: output, loss value, every parameter gradient after hpcpar.DDP).
+    global batch (float64: output, loss value, every parameter gradient after hpcpar.DDP,
+    and every buffer after the step: BN's running statistics).
+
+    Dropout modules are compared with plain torch at ``p = 0`` (the rest of the network is
+    then checked against torch itself); ``masks=True`` keeps their ``p`` and compares with
+    hpcpar's own one-rank run instead, whose masks do not depend on the split (torch's
+    masks cannot be reproduced on pieces). Volume noise (``randn_like`` of a split tensor)
+    is always compared with the one-rank run, for the same reason.
 
     Args:
         grid: The process grid (this rank's).
@@ -83,6 +101,7 @@ def check_model(grid, entry, name: str, seed: int = 0, fuse: int = 1) -> tuple[s
         seed: Seeds the weights, the input and the target.
         fuse: ``spatialize(..., fuse_halos=fuse)``; the line then says how many fused runs'
             exchanges the model made.
+        masks: Keep the dropout modules' ``p`` (see above).
 
     Returns:
         ``("exact", line)`` or ``("refused", the refusal's line)``.
@@ -96,9 +115,11 @@ def check_model(grid, entry, name: str, seed: int = 0, fuse: int = 1) -> tuple[s
     factory, c, size, loss_fn, kind, _ = entry
     torch.manual_seed(seed)
     pristine = factory(c=c).double()
+    dropout = masks and _zero_dropout(copy.deepcopy(pristine))
+    if not masks:
+        _zero_dropout(pristine)
     plain = copy.deepcopy(pristine)
     x = randn((2 * grid.data, c, *size), seed + 1, torch.float64)
-    dropout = any(isinstance(m, torch.nn.modules.dropout._DropoutNd) for m in plain.modules())
     torch.manual_seed(99)
     noise = _VolumeNoise()
     if not dropout:
@@ -148,5 +169,8 @@ def check_model(grid, entry, name: str, seed: int = 0, fuse: int = 1) -> tuple[s
         got = cut.gather(got) if cut is not None else got
         _close(got, want if want is not None else torch.zeros_like(p), f"{what}: grad {pname}",
                floor)
+    ref_buffers = dict(plain.named_buffers())
+    for bname, b in model.module.named_buffers():
+        _close(b.to(torch.float64), ref_buffers[bname].to(torch.float64), f"{what}: buffer {bname}")
     return "exact", f"{model.module._hpcpar_split.fuse_counts[0]} fused" if fuse > 1 else ""
 

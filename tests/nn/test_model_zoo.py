@@ -1,7 +1,10 @@
 """The zoo (hpcpar/testing/zoo.py): every model written in ordinary torch style is, on
-every grid, either exact against single-process torch (output, loss value and every parameter
-gradient after hpcpar.DDP, float64) or refused on every rank with one line naming the op and
-the source line. The outcome of each model is declared; none may be silently wrong."""
+every grid, either exact against single-process torch (output, loss value, every parameter
+gradient after hpcpar.DDP and every buffer: BN's running statistics, float64) or refused on
+every rank with one line naming the op and the source line. The outcome of each model is
+declared; none may be silently wrong. Dropout modules are compared with plain torch at p = 0;
+a model whose dropout has p > 0 is also compared, at its p, with hpcpar's one-rank run (masks
+that do not depend on the split)."""
 
 from __future__ import annotations
 
@@ -19,6 +22,15 @@ def _run(grid, name, seed=0, fuse=1, zoo=ZOO):
     return check_model(grid, zoo[name], name, seed, fuse)
 
 
+def _has_dropout(entry):
+    return any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0
+               for m in entry[0](c=entry[1]).modules())
+
+
+#: models whose dropout masks are compared too (with hpcpar's one-rank run)
+MASKED = [name for name, entry in ZOO.items() if _has_dropout(entry)]
+
+
 @mpi_case(nprocs=(8,), timeout=900)
 def test_zoo_is_exact_or_refused(comm):
     outcomes, counts = {}, {"exact": 0, "refused": 0}
@@ -30,6 +42,9 @@ def test_zoo_is_exact_or_refused(comm):
             counts[got] += 1
             if msg and grid.rank == 0:
                 print(f"{name} on {grid.spec()}: {msg}")
+        for name in MASKED:
+            got, msg = check_model(grid, ZOO[name], name, masks=True)
+            assert got == ZOO[name][-1], f"{name} with its dropout on {grid.spec()}: {msg}"
 
     on_grids(comm, GRIDS, each)
     on_grids(comm, [(1, 2, 1, 1), (1, 1, 2, 2)], _escape_is_caught)
