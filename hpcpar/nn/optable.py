@@ -200,14 +200,29 @@ def _property_rule(name: str):
     return d.attribute
 
 
-def entries(kinds=None) -> list[tuple[object, str]]:
-    """(callable, class) for every op named here (of ``kinds`` only, if given): what the op
-    sweep (tests/nn/test_op_sweep.py) and the planner's tracer read. Names that torch binds
-    to non-callables (``torch.float`` is a dtype) are left out."""
-    return [(o, k) for o, k in _KIND.items() if callable(o) and (kinds is None or k in kinds)]
+def entries(kinds=None) -> list[tuple[str, object, str]]:
+    """(name, callable, class) for every op named here (of ``kinds`` only, if given), named
+    where torch binds it (``torch.nn.functional``, ``torch``, ``torch.linalg``, ``Tensor``;
+    an alias by the op's own name): what the op sweep (tests/nn/test_op_sweep.py), the
+    planner's tracer and the models guide's table read. Names that torch binds to
+    non-callables (``torch.float`` is a dtype) are left out."""
+    names: dict = {}
+    own = {o: getattr(o, "__name__", None) for o in _KIND}   # aliases compare equal
+    for ns in (F, _TORCH, torch.linalg, _T):
+        for n in dir(ns):
+            obj = getattr(ns, n, None)
+            if (n.startswith("_") and not n.startswith("__")) or not callable(obj):
+                continue
+            try:
+                if obj in _KIND and (obj not in names or n == own[obj]):
+                    names[obj] = n
+            except TypeError:   # unhashable: not in the table
+                pass
+    return sorted(((names.get(o, getattr(o, "__name__", repr(o))), o, k)
+                   for o, k in _KIND.items() if callable(o) and (kinds is None or k in kinds)),
+                  key=lambda r: (r[2], r[0], repr(r[1])))
 
 
 def table() -> list[tuple[str, str]]:
-    """(op, class) for every op named here, for the docs."""
-    rows = {(getattr(o, "__name__", repr(o)), _KIND[o]) for o in _KIND}
-    return sorted(rows, key=lambda r: (r[1], r[0]))
+    """(op name, class) for every op named here, once per name (the models guide's table)."""
+    return sorted({(name, kind) for name, _, kind in entries()}, key=lambda r: (r[1], r[0]))

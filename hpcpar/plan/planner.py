@@ -62,24 +62,24 @@ __all__ = ["BYTES", "BUCKET_BYTES", "Layer", "trace_layers", "Workload", "Predic
            "predict", "plan"]
 
 
-def _stencil_halos(mod) -> tuple:
-    """Per-axis halo functions of a conv / transposed conv / pool, from
-    hpcpar.parallel.partition (the same geometry the spatial layers use)."""
-    from torch import nn
+def _tup(v) -> tuple:
+    return tuple(v) if isinstance(v, (tuple, list)) else (v, v, v)
 
-    def tup(v):
-        return tuple(v) if isinstance(v, (tuple, list)) else (v, v, v)
 
-    k, d = tup(mod.kernel_size), tup(getattr(mod, "dilation", 1))
-    s = tup(mod.stride or mod.kernel_size)
-    if isinstance(mod, nn.ConvTranspose3d):
-        p, op = tup(mod.padding), tup(mod.output_padding)
+def _stencil_halos(kernel, stride, padding, dilation=1, ceil_mode=False,
+                   output_padding=None) -> tuple:
+    """Per-axis halo functions of a conv / transposed conv (``output_padding`` given) / pool,
+    from hpcpar.parallel.partition (the same geometry the spatial layers use)."""
+    k, d = _tup(kernel), _tup(dilation)
+    s = _tup(stride or kernel)
+    if output_padding is not None:
+        p, op = _tup(padding), _tup(output_padding)
         return tuple(partial(transposed_axis_halo, kernel=k[a], stride=s[a], padding=p[a],
                              output_padding=op[a], dilation=d[a]) for a in range(3))
-    pads = [conv_pads(mod.padding, a, k[a], d[a]) for a in range(3)]
-    ceil = getattr(mod, "ceil_mode", False)
+    pads = [conv_pads(padding, a, k[a], d[a]) for a in range(3)]
     return tuple(partial(conv_axis_halo, kernel=k[a], stride=s[a], pad_lo=pads[a][0],
-                         pad_hi=pads[a][1], dilation=d[a], ceil_mode=ceil) for a in range(3))
+                         pad_hi=pads[a][1], dilation=d[a], ceil_mode=ceil_mode)
+                 for a in range(3))
 
 
 def _halo_width(axis_halo, n: int, parts: int) -> int:
@@ -93,7 +93,13 @@ def _halo_width(axis_halo, n: int, parts: int) -> int:
 
 def trace_layers(model: torch.nn.Module, sample_shape: Sequence[int],
                  checkpointing: bool | int | str = False) -> list[Layer]:
-    """The leaf layers of a plain model in call order, traced on torch's ``meta`` device.
+    """The layers of a plain model in call order, traced on torch's ``meta`` device.
+
+    A layer is a torch call on the data flowing from the input, classified by
+    :mod:`hpcpar.nn.optable` as ``spatialize``'s dispatcher classifies it (a torch function
+    mode sees every call: a module's, a functional one, a tensor method), so a model and its
+    twin written with ``F.conv3d``/``F.max_pool3d`` plan alike. Views pass their input's
+    producer on; hpcpar's ``GatherPoint`` (a marker that makes no call) is a gather.
 
     Args:
         model: The plain (not spatialized) model.
@@ -105,87 +111,28 @@ def trace_layers(model: torch.nn.Module, sample_shape: Sequence[int],
         The layers with per-sample shapes, parameters, FLOPs and halo functions.
     """
     import torch
-    from torch import nn
 
-    layers: list[Layer] = []
-    state = {"spatial": True}
-    hooks = []
     flow = _dataflow()
-
-    def hook(mod, inputs, output):
-        flow.depth -= 1
-        x = inputs[0]
-        ins, outs = tuple(x.shape[1:]), tuple(output.shape[1:])
-        params = sum(p.numel() for p in mod.parameters(recurse=False))
-        name = type(mod).__name__
-        out_elems = math.prod(outs)
-        if isinstance(mod, (nn.Conv3d, nn.ConvTranspose3d)):
-            k = tuple(mod.kernel_size)
-            per_out = (mod.in_channels // mod.groups) * math.prod(k)
-            if isinstance(mod, nn.ConvTranspose3d):
-                flops = 2.0 * math.prod(ins) * (mod.out_channels // mod.groups) * math.prod(k)
-                kind = "convT"
-            else:
-                flops, kind = 2.0 * out_elems * per_out, "conv"
-            layers.append(Layer(kind, state["spatial"], ins, outs, params, flops,
-                                _stencil_halos(mod), kernel=(tuple(mod.kernel_size),
-                                                             tuple(mod.stride),
-                                                             tuple(mod.dilation), mod.groups)))
-        elif isinstance(mod, (nn.MaxPool3d, nn.AvgPool3d)):
-            layers.append(Layer("pool", state["spatial"], ins, outs, 0,
-                                halo=_stencil_halos(mod)))
-        elif isinstance(mod, nn.Linear):
-            state["spatial"] = False
-            layers.append(Layer("linear", False, ins, outs, params,
-                                flops=2.0 * mod.in_features * mod.out_features,
-                                split=state.pop("flat", ())))
-        elif name == "Flatten" and state["spatial"] and len(ins) == 4:
-            # the next dense layer takes the volume split (hpcpar.nn.split_head)
-            layers.append(Layer("flatten", True, ins, outs, 0))
-            state["spatial"], state["flat"] = False, ins
-        elif name in ("GatherPoint", "AdaptiveAvgPool3d", "Flatten"):
-            if state["spatial"]:
-                layers.append(Layer("gather", True, ins, outs, 0))
-            state["spatial"] = False
-        elif isinstance(mod, nn.modules.batchnorm._BatchNorm):
-            layers.append(Layer("bn", state["spatial"], ins, outs, params))
-        else:
-            layers.append(Layer("pointwise", state["spatial"], ins, outs, params))
-
-    segment_of = _segment_index(model, checkpointing)
-
-    def tagged(mod, inputs, output):
-        n = len(layers)
-        hook(mod, inputs, output)
-        if len(layers) > n:
-            layers[-1].segment = segment_of.get(id(mod), -1)
-            layer = layers[-1]
-            layer.inputs = flow.sources(inputs)
-            layer.keeps, layer.extra = flow.kept(inputs, output)
-            if isinstance(mod, nn.MaxPool3d):   # hpcpar's pool keeps only the indices
-                layer.keeps = "none"
-            if any(output is x for x in inputs):   # passed through (a size match that fits)
-                layer.alias = True
-            else:
-                flow.made(output, n)
-
-    def entered(mod, inputs):
-        flow.depth += 1
-        flow.saved = []
-
+    flow.segment_of = _segment_index(model, checkpointing)
+    hooks = []
     for mod in model.modules():
-        if not list(mod.children()):
-            hooks.append(mod.register_forward_pre_hook(entered))
-            hooks.append(mod.register_forward_hook(tagged))
-    flow.layers, flow.state = layers, state
+        hooks.append(mod.register_forward_pre_hook(flow.enter_module))
+        hooks.append(mod.register_forward_hook(flow.leave_module))
     try:
         model = model.to("meta")
+        x = torch.empty((1, *sample_shape), device="meta")
+        flow.made(x, -1)
         with torch.autograd.graph.saved_tensors_hooks(flow.pack, lambda t: t), flow:
-            model(torch.empty((1, *sample_shape), device="meta"))
+            model(x)
     finally:
         for h in hooks:
             h.remove()
-    return layers
+    return flow.layers
+
+
+def _arg(args, kwargs, i: int, name: str, default=None):
+    """Argument ``i`` (or keyword ``name``) of a torch call."""
+    return args[i] if len(args) > i else kwargs.get(name, default)
 
 
 def _flow_mode():
@@ -193,27 +140,46 @@ def _flow_mode():
     import torch
     from torch.overrides import TorchFunctionMode
 
-    cats = (torch.cat, torch.concat, torch.concatenate)
+    from hpcpar.nn import optable  # deferred: the dispatcher's table loads torch
+    from hpcpar.nn import rules as r  # deferred: loads torch
+    from hpcpar.nn import spatial_ops as s  # deferred: loads torch
+
+    stencil = {s.conv3d: "conv", s.conv_transpose3d: "convT", s.max_pool3d: "pool",
+               s.avg_pool3d: "pool"}
+    flattens = (r.flatten, r.reshape)
 
     class Dataflow(TorchFunctionMode):
-        """Which traced layer made each tensor, so each layer knows its inputs' producers;
-        a concatenation outside any layer (UNet's skip joins, written ``torch.cat`` in the
-        model's forward) is a layer of its own: its output is a new volume that the next
-        convolution keeps. Other functional ops outside layers (views, a residual sum) pass
-        their first input's producer on."""
+        """Which traced layer made each tensor, so each layer knows its inputs' producers,
+        and the layers themselves: every call on flowing data that computes (a
+        convolution, a pool, an activation, a residual sum, a concatenation) is a layer;
+        views pass their first input's producer on."""
 
         def __init__(self):
             super().__init__()
             self.depth, self.by_id, self.alive = 0, {}, []
             self.layers: list = []
             self.saved: list = []
-            self.state: dict = {}
+            self.state: dict = {"spatial": True}
+            self.modules: list = []
+            self.segment_of: dict = {}
 
         def pack(self, t):
             """autograd's saved-tensor hook: what the running layer keeps for backward."""
             if self.depth:
                 self.saved.append(t)
             return t
+
+        def enter_module(self, mod, inputs):
+            self.modules.append(mod)
+
+        def leave_module(self, mod, inputs, output):
+            self.modules.pop()
+            if hasattr(mod, "spatial_twin") and getattr(mod, "replicates", False):
+                # a marker (GatherPoint): gathered here, no call of its own
+                if self.state["spatial"]:
+                    shape = tuple(output.shape[1:])
+                    self._add(Layer("gather", True, shape, shape, 0), inputs, output)
+                self.state["spatial"] = False
 
         def kept(self, inputs, out) -> tuple[str, float]:
             """(which of its inputs and output the layer just traced keeps, bytes per output
@@ -237,27 +203,133 @@ def _flow_mode():
                          if isinstance(t, torch.Tensor))
 
         def made(self, out, index: int) -> None:
-            if isinstance(out, torch.Tensor):
-                self.by_id[id(out)] = index
-                self.alive.append(out)   # ids stay unique while the trace runs
+            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(t, torch.Tensor):
+                    self.by_id[id(t)] = index
+                    self.alive.append(t)   # ids stay unique while the trace runs
+
+        def _add(self, layer, inputs, out) -> None:
+            n = len(self.layers)
+            layer.segment = next((self.segment_of[id(m)] for m in reversed(self.modules)
+                                  if id(m) in self.segment_of), -1)
+            layer.inputs = self.sources(inputs)
+            if layer.kind != "cat":
+                layer.keeps, layer.extra = self.kept(inputs, out)
+            self.layers.append(layer)
+            if any(out is x for x in inputs):   # in place, or passed through
+                layer.alias = True
+            else:
+                self.made(out, n)
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if self.depth or not isinstance(out, torch.Tensor):
-                return out
-            if func in cats and out.dim() == 5:
-                parts = args[0] if args else kwargs["tensors"]
-                shape = tuple(out.shape[1:])
-                self.layers.append(Layer("cat", self.state["spatial"], shape, shape, 0,
-                                         inputs=self.sources(parts)))
-                self.made(out, len(self.layers) - 1)
-            else:
-                first = [a for a in args if isinstance(a, torch.Tensor)][:1]
-                if first and id(first[0]) in self.by_id:
-                    self.made(out, self.by_id[id(first[0])])
+            kwargs = kwargs or {}
+            flowing = [t for t in _tensors(args, kwargs) if id(t) in self.by_id]
+            if self.depth or not flowing:
+                return func(*args, **kwargs)
+            self.saved = []
+            self.depth += 1
+            try:
+                out = func(*args, **kwargs)
+            finally:
+                self.depth -= 1
+            layer = self._layer(func, args, kwargs, flowing, out)
+            if layer is not None:
+                self._add(layer, flowing, out)
+                if optable.rule_for(func) is s.max_pool3d:   # hpcpar's pool: indices only
+                    layer.keeps = "none"
+            elif isinstance(out, (torch.Tensor, tuple, list)):
+                self.made(out, self.by_id[id(flowing[0])])
+            self.saved = []
             return out
 
+        def _layer(self, func, args, kwargs, flowing, out):
+            """The layer a call is (None: a view, metadata, a loss), as the dispatcher
+            classifies the call (hpcpar.nn.optable)."""
+            if not isinstance(out, torch.Tensor) or out.dtype == torch.bool:
+                return None
+            kind = optable.kind_of(func)
+            rule = optable.rule_for(func)
+            if kind is None and rule is not r.pointwise:
+                return None
+            x, spatial = flowing[0], self.state["spatial"]
+            ins, outs = tuple(x.shape[1:]), tuple(out.shape[1:])
+            params = sum(t.numel() for t in _tensors(args, kwargs)
+                         if isinstance(t, torch.nn.Parameter))
+            if rule in stencil:
+                return self._stencil(stencil[rule], rule is s.max_pool3d, args, kwargs,
+                                     spatial, ins, outs, params)
+            if rule is s.adaptive_pool or (kind == "reduction" and x.dim() == 5 and
+                                           out.dim() in (2, 5) and out.shape[2:] in
+                                           ((), (1, 1, 1))):
+                if out.shape[2:] not in ((), (1, 1, 1)):
+                    return Layer("pointwise", spatial, ins, outs, params)
+                self.state["spatial"] = False
+                return Layer("gather", True, ins, outs, 0) if spatial else None
+            if rule is s.batch_norm:
+                return Layer("bn", spatial, ins, outs, params)
+            if rule is r.linear and out.dim() == 2:
+                self.state["spatial"] = False
+                w = _arg(args, kwargs, 1, "weight")
+                return Layer("linear", False, ins, outs, params, flops=2.0 * w.numel(),
+                             split=self.state.pop("flat", ()))
+            if rule in flattens and x.dim() == 5 and out.dim() == 2:
+                if not spatial:
+                    return None
+                # the next dense layer takes the volume split (hpcpar.nn.split_head)
+                self.state["spatial"], self.state["flat"] = False, ins
+                return Layer("flatten", True, ins, outs, 0)
+            if rule is r.cat:
+                if out.dim() != 5:
+                    return None
+                return Layer("cat", spatial, outs, outs, 0)
+            if kind in ("shape", "metadata", "loss", "random", "refused"):
+                return None
+            return Layer("pointwise", spatial, ins, outs, params)
+
+        def _stencil(self, kind, is_max, args, kwargs, spatial, ins, outs, params):
+            if kind in ("conv", "convT"):
+                w = _arg(args, kwargs, 1, "weight")
+                k = tuple(w.shape[2:])
+                stride = _tup(_arg(args, kwargs, 3, "stride", 1))
+                pad = _arg(args, kwargs, 4, "padding", 0)
+                groups = _arg(args, kwargs, 6, "groups", 1)
+                if kind == "conv":
+                    dil = _tup(_arg(args, kwargs, 5, "dilation", 1))
+                    halo = _stencil_halos(k, stride, pad, dil)
+                    flops = 2.0 * math.prod(outs) * w.shape[1] * math.prod(k)
+                else:
+                    dil = _tup(_arg(args, kwargs, 7, "dilation", 1))
+                    halo = _stencil_halos(k, stride, pad, dil,
+                                          output_padding=_arg(args, kwargs, 5,
+                                                              "output_padding", 0))
+                    flops = 2.0 * math.prod(ins) * w.shape[1] * math.prod(k)
+                return Layer(kind, spatial, ins, outs, params, flops, halo,
+                             kernel=(k, stride, dil, groups))
+            k = _arg(args, kwargs, 1, "kernel_size")
+            stride = _arg(args, kwargs, 2, "stride") or k
+            pad = _arg(args, kwargs, 3, "padding", 0)
+            if is_max:   # (input, kernel_size, stride, padding, dilation, ceil_mode, ...)
+                dil = _arg(args, kwargs, 4, "dilation", 1)
+                ceil = _arg(args, kwargs, 5, "ceil_mode", False)
+            else:
+                dil, ceil = 1, _arg(args, kwargs, 4, "ceil_mode", False)
+            return Layer("pool", spatial, ins, outs, 0,
+                         halo=_stencil_halos(k, stride, pad, dil, ceil))
+
     return Dataflow
+
+
+def _tensors(args, kwargs) -> list:
+    """The tensors among a call's arguments (one level into lists: ``torch.cat``'s)."""
+    import torch
+
+    out = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(t for t in a if isinstance(t, torch.Tensor))
+    return out
 
 
 def _dataflow():

@@ -74,8 +74,8 @@ def _labels(x):
     return x.detach().argmax(1)
 
 
-#: name (the op's name in torch, torch.nn.functional or on Tensor; "Tensor.name" where the
-#: method's signature differs) -> sample(op, x): the op applied to a 5D volume as a model
+#: name (the op's name in hpcpar.nn.optable.entries; "Tensor.name" where the method's
+#: signature differs) -> sample(op, x): the op applied to a 5D volume as a model
 #: would. The reference runs the same sample on the whole volume.
 SAMPLES = {
     # -- local: casts and copies
@@ -172,7 +172,7 @@ SAMPLES = {
         "var_mean", "std_mean")},
     **{n: (lambda f, x: f(x)) for n in ("max", "min", "prod", "argmax", "argmin", "median")},
     "norm": lambda f, x: f(x, 2, (2, 3, 4)),
-    "linalg_vector_norm": lambda f, x: f(x, 1, (2, 3, 4)),
+    "vector_norm": lambda f, x: f(x, 1, (2, 3, 4)),
     "all": lambda f, x: f(x > -3),
     "any": lambda f, x: f(x > 2),
     "count_nonzero": lambda f, x: f(x > 0, (2, 3, 4)),
@@ -209,31 +209,14 @@ REFUSED = {
 }
 
 
-def _names() -> dict:
-    """op -> its name where torch binds it (torch.nn.functional, torch, Tensor, in that
-    order; "Tensor.name" where a sample of that form exists)."""
-    names = {}
-    for prefix, ns in (("", F), ("", torch), ("", torch.linalg), ("Tensor.", torch.Tensor)):
-        for n in dir(ns):
-            obj = getattr(ns, n, None)
-            key = f"{prefix}{n}" if f"{prefix}{n}" in SAMPLES else n
-            if ns is torch.linalg:
-                key = f"linalg_{n}"
-            try:
-                if obj not in names or (key in SAMPLES and names[obj] not in SAMPLES):
-                    names[obj] = key   # an alias (torch.dsmm is torch.mm) takes the sample's
-            except TypeError:
-                pass
-    return names
-
-
 def swept_ops() -> list[tuple[str, object]]:
-    """(name, op) for every entry of the covered classes, with a sample or a reason."""
+    """(name, op) for every entry of the covered classes; a method whose sample differs
+    from the function's is "Tensor.name"."""
     from hpcpar.nn import optable
 
-    names = _names()
-    return sorted(((names.get(op, repr(op)), op) for op, _ in optable.entries(KINDS)),
-                  key=lambda r: (r[0], repr(r[1])))
+    return [(f"Tensor.{name}" if f"Tensor.{name}" in SAMPLES and
+             op is getattr(torch.Tensor, name, None) else name, op)
+            for name, op, _ in optable.entries(KINDS)]
 
 
 def test_every_entry_of_the_table_has_a_sample():
