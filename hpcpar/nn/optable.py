@@ -203,8 +203,8 @@ def _property_rule(name: str):
 def entries(kinds=None) -> list[tuple[str, object, str]]:
     """(name, callable, class) for every op named here (of ``kinds`` only, if given), named
     where torch binds it (``torch.nn.functional``, ``torch``, ``torch.linalg``, ``Tensor``;
-    an alias by the op's own name): what the op sweep (tests/nn/test_op_sweep.py), the
-    planner's tracer and the models guide's table read. Names that torch binds to
+    an alias by the op's own name): what the op sweep (tests/nn/test_op_sweep.py) and the
+    models guide's table (:func:`table`) read. Names that torch binds to
     non-callables (``torch.float`` is a dtype) are left out."""
     names: dict = {}
     own = {o: getattr(o, "__name__", None) for o in _KIND}   # aliases compare equal
