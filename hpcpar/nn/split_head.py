@@ -51,7 +51,7 @@ from .dropout import spatial_dropout
 from .reduce import _ReplicatedSum
 from .split import FlatLayout, SplitTensor, adopt, raw
 
-__all__ = ["ColumnSplit", "column_split", "flat_rule", "gathered_to"]
+__all__ = ["ColumnSplit", "column_split", "flat_rule", "gathered_to", "has_flat_form"]
 
 #: The attribute a cut weight Parameter carries (its :class:`ColumnSplit`).
 COLUMNS_ATTR = "_hpcpar_columns"
@@ -344,6 +344,12 @@ _AS_IS = {rules.global_size, rules.global_numel, rules.global_len, rules.attribu
           rules.as_plain, rules.like_factory, rules.refuse_local_values, rules.refuse_random}
 _RULES = {rules.pointwise: _pointwise, rules.linear: _linear, sops.dropout: _dropout,
           sops.reduction: _reduction, rules.reshape: _same_shape}
+
+
+def has_flat_form(rule: Any) -> bool:
+    """Whether calls by the op table's ``rule`` run on a flattened split tensor (beyond
+    F.linear, which takes it as the head's input, never as its weight)."""
+    return rule in _AS_IS or (rule in _RULES and rule is not rules.linear)
 
 
 def flat_rule(rule: Any, call: Any) -> Any:
