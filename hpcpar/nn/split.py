@@ -276,9 +276,16 @@ def is_split(t) -> bool:
 
 
 _HPCPAR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-#: torch itself and hpcpar, each a directory (with its separator: ``torch_geometric`` and
-#: ``torchio`` are the user's, not torch's); hpcpar's own models are a user's code
-_OWN = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep, _HPCPAR + os.sep)
+
+
+def own_dirs(torch_dir: str, hpcpar_dir: str) -> tuple[str, str]:
+    """torch itself and hpcpar, each a directory with its separator: ``torch_geometric``
+    and ``torchio`` beside torch are the user's, not torch's."""
+    return torch_dir.rstrip(os.sep) + os.sep, hpcpar_dir.rstrip(os.sep) + os.sep
+
+
+#: what :func:`user_frame` skips (hpcpar's own models excepted: they are a user's code)
+_OWN = own_dirs(os.path.dirname(os.path.abspath(torch.__file__)), _HPCPAR)
 _MODELS = os.path.join(_HPCPAR, "models") + os.sep
 #: where no frame is a user's (a loss hpcpar's own loop computes): the innermost outside
 #: torch and the layers

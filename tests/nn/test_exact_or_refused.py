@@ -250,7 +250,7 @@ def test_a_package_named_like_torch_is_the_users(tmp_path, monkeypatch):
     spec = importlib.util.spec_from_file_location("torchio_net", net)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    monkeypatch.setattr(split, "_OWN", (str(fake_torch) + "/", *split._OWN))
+    monkeypatch.setattr(split, "_OWN", split.own_dirs(str(fake_torch), split._HPCPAR))
 
     class Net(nn.Module):
         def forward(self, x):
@@ -258,3 +258,32 @@ def test_a_package_named_like_torch_is_the_users(tmp_path, monkeypatch):
 
     with pytest.raises(LayerError, match=f"one_hot at {net}:5 "):
         spatialize(Net(), one_rank_grid())(torch.randn(1, 2, 3, 3, 3))
+
+
+#: per-voxel ops that were refused (torch leaves aliases, in-place forms, Python's reflected
+#: and in-place operators and torch.special's names untagged), found by classifying every
+#: callable of torch, torch.Tensor, torch.nn.functional and torch.special
+_WERE_REFUSED = [
+    torch.abs_, torch.Tensor.abs_, torch.arccos, torch.Tensor.arctan2, torch.divide,
+    torch.Tensor.multiply_, torch.subtract, torch.negative, torch.fix, torch.Tensor.greater,
+    torch.Tensor.less_equal_, torch.Tensor.not_equal, torch.Tensor.eq_,
+    torch.Tensor.masked_fill_, torch.Tensor.copysign_, torch.Tensor.floor_divide,
+    torch.Tensor.__rtruediv__, torch.Tensor.__ifloordiv__, torch.Tensor.__imod__,
+    torch.Tensor.__rand__, torch.special.erf, torch.special.expit, torch.special.gammaln,
+    torch.special.xlogy, torch.isclose]
+
+
+@pytest.mark.parametrize("func", _WERE_REFUSED, ids=lambda f: f.__name__)
+def test_elementwise_ops_are_local(func):
+    from hpcpar.nn import optable, rules
+
+    assert optable.rule_for(func) is rules.pointwise
+
+
+def test_per_voxel_ops_across_channels_are_local():
+    from hpcpar.nn import optable, rules
+
+    for func in (F.channel_shuffle, F.local_response_norm):
+        assert optable.rule_for(func) is rules.channelwise, func
+    assert optable.rule_for(F.one_hot) is rules.one_hot
+    assert optable.rule_for(torch.Tensor.cumsum_) is rules.dim_local
