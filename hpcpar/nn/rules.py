@@ -307,8 +307,9 @@ def refuse_write_into_plain(call: Call):
     """The refusal of an in-place write of split data into a plain (replicated) tensor."""
     return call.refuse("writes a split tensor in place into a plain tensor that every rank "
                        "holds whole (this rank would update only its piece, the rest stale)",
-                       "compute it out of place (buf = buf * 0.9 + h, prior = prior + "
-                       "conv(x)): the result is split like its operands")
+                       "compute it out of place (prior = prior + conv(x): the result is "
+                       "split like its operands), and keep in a buffer only what every rank "
+                       "holds alike (a statistic reduced over the spatial dims)")
 
 
 def one_hot(call: Call):

@@ -239,8 +239,11 @@ def _cut(weight, lay: FlatLayout, call):
         return weight
     info = ColumnSplit(ctx.grid, lay.volume, lay.box())
     owner = _owner(ctx, weight) if isinstance(weight, nn.Parameter) else None
-    if owner is None or weight.grad is not None:
-        return info.take(call.replicated(weight))   # used whole: partial gradient, summed
+    # used whole (partial gradient, summed) where it cannot be cut: not the model's own, or
+    # read whole earlier in this forward (an L2 penalty before the head: that use's saved
+    # tensor is the whole weight)
+    if owner is None or weight.grad is not None or id(weight) in ctx.replicated_params:
+        return info.take(call.replicated(weight))
     with torch.no_grad():
         weight.data = info.take(weight.data).contiguous()
     setattr(weight, COLUMNS_ATTR, info)
