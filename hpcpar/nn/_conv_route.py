@@ -131,16 +131,24 @@ def _as_volume(m, like):
 
 
 def pointwise_forward(x, weight, bias):
-    """``conv3d(x, weight, bias)`` of a :func:`pointwise` layer, in ``x``'s memory format."""
+    """``conv3d(x, weight, bias)`` of a :func:`pointwise` layer, in ``x``'s memory format.
+    The volume is a tensor of its own, not a view of the product: a custom Function's output
+    that is a view may not be written in place (``y = conv1x1(h); y += h``)."""
     w = weight.reshape(weight.shape[0], -1)
     if x.is_contiguous():
         out = torch.matmul(w, _matrices(x))
         if bias is not None:
             out += bias.view(1, -1, 1)
-        return _as_volume(out, x)
+        return _unviewed(_as_volume(out, x))
     rows = x.movedim(1, -1).reshape(-1, x.shape[1])   # a voxel a row, all samples at once
     out = torch.addmm(bias, rows, w.t()) if bias is not None else torch.mm(rows, w.t())
-    return _as_volume(out.view(x.shape[0], -1, w.shape[0]), x)
+    return _unviewed(_as_volume(out.view(x.shape[0], -1, w.shape[0]), x))
+
+
+def _unviewed(v: torch.Tensor) -> torch.Tensor:
+    """The view ``v`` of a fresh tensor as a tensor of its own over the same memory (no
+    copy, no base): called where no gradient is recorded (a custom Function's forward)."""
+    return v.new_empty(0).set_(v.untyped_storage(), v.storage_offset(), v.shape, v.stride())
 
 
 def pointwise_backward(grad, x, weight, mask):

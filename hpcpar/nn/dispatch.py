@@ -26,8 +26,16 @@ from .gather import gather_shrunk
 from .rules import FAST, Call, leaves, map_args, op_name
 from .spatial_ops import batch_norm as _batch_norm
 from .spatial_ops import conv3d as _conv3d
-from .split import FlatLayout, SplitTensor, TokenLayout, refuse, set_handler, user_frame
-from .split_head import flat_rule
+from .split import (
+    FlatLayout,
+    SplitTensor,
+    TokenLayout,
+    refuse,
+    set_handler,
+    user_frame,
+    wrap,
+)
+from .split_head import COLUMNS_ATTR, flat_rule, has_flat_form
 from .tokens import token_rule
 
 __all__ = ["handle", "mode_call", "SpatialMode"]
@@ -85,6 +93,33 @@ def handle(func, args, kwargs, ctx=None):
             return rule(call)
     except LayerError as exc:
         raise _located(exc, func) from exc
+    except (RuntimeError, IndexError) as exc:
+        if type(exc) not in (RuntimeError, IndexError):   # out of memory, MPI: not the op's
+            raise
+        raise _torch_refusal(exc, func) from exc
+
+
+def _torch_refusal(exc: Exception, func) -> LayerError:
+    """torch's own error from an op on split tensors, said in one line that names the user's
+    line, what hpcpar could not do and what to write instead. torch's text is not repeated
+    where its sizes are this rank's piece's (they differ per rank); it stays chained."""
+    text = str(exc).split("\n", 1)[0]
+    low = text.lower()
+    if "inplace" in low or "in-place" in low or "is a view" in low:
+        why = "could not write in place there (torch refuses that in-place write on a view " \
+              "or a tensor autograd must keep)"
+        todo = "write it out of place (y = y + h rather than y += h, torch.relu(x) rather " \
+               "than x.relu_())"
+    elif any(w in low for w in ("shape", "size", "dimension", "dim ")):
+        why = "could not fit the sizes the op asks for to this rank's piece"
+        todo = "take sizes from the split tensor itself (its .shape is the global shape) " \
+               "and view back only what x.flatten(1) flattened, or gather the tensor first " \
+               "(hpcpar.nn.SpatialGather)"
+    else:
+        why = f"could not run it (torch: {text})"
+        todo = "see the supported-op table in the spatial guide"
+    return LayerError(f"spatialize: {op_name(func)} at {user_frame()} on a tensor split over "
+                      f"the spatial grid: hpcpar {why}; {todo}")
 
 
 def _located(exc: LayerError, func) -> LayerError:
@@ -155,6 +190,8 @@ def _replicated_call(func, args, kwargs, flat, ctx):
         shared = False
         for t in flat:
             if isinstance(t, nn.Parameter):
+                if COLUMNS_ATTR in t.__dict__:   # a split head's weight, cut to its columns
+                    return _cut_weight_call(func, args, kwargs, ctx)
                 ctx.replicated_params.add(id(t))
                 shared = shared or t.requires_grad
         if shared and ctx.grid.spatial_size > 1 and torch.is_grad_enabled() \
@@ -164,6 +201,29 @@ def _replicated_call(func, args, kwargs, flat, ctx):
         if rule is not None:
             return rule(func, args, kwargs, ctx)
     return func(*args, **kwargs)
+
+
+def _cut_weight_call(func, args, kwargs, ctx):
+    """A split head's weight read outside its ``nn.Linear`` in the same forward (an L2
+    penalty ``fc.weight.pow(2).sum()``, ``fc.weight.shape``): this rank holds its columns of
+    the flattened volume, so it is read as what it is, a flattened split tensor
+    (:mod:`hpcpar.nn.split_head`): elementwise ops, sums and means over it are global, its
+    shape the global one; anything else (a transpose for a tied decoder) is refused there."""
+    def one(t):
+        info = t.__dict__.get(COLUMNS_ATTR) if isinstance(t, nn.Parameter) else None
+        if info is None:
+            return t
+        if info.grid is not ctx.grid:
+            raise refuse(op_name(func), "reads a split head's weight cut for another grid",
+                         "use the weight in the model it was cut for")
+        return wrap(t, FlatLayout(ctx, (1,), (info.features,), info.volume))
+    if not has_flat_form(_route(func)[0]):
+        raise refuse(op_name(func), "reads a split head's weight, of which this rank holds "
+                     "only its columns (hpcpar.nn.split_head)", "use it through its nn.Linear, "
+                     "or elementwise ops, sums and .shape of it; give a tied decoder a weight "
+                     "of its own")
+    args, kwargs = map_args(one, args, kwargs)
+    return handle(func, args, kwargs, ctx)
 
 
 class _ReplicatedUse(torch.autograd.Function):

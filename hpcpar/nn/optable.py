@@ -54,11 +54,17 @@ _LOCAL_EXTRA = (
     # (2.11 leaves leaky_relu and the in-place elu_, celu_, selu_, hardtanh_ untagged)
     "relu", "relu_", "leaky_relu", "leaky_relu_", "elu_", "celu_", "selu_", "hardtanh_",
     "gelu", "hardshrink", "softshrink", "softplus", "sigmoid", "tanh", "threshold_",
+    # elementwise, but untagged in torch 2.11 (aliases, comparisons, casts to complex)
+    "floor_divide", "floor_divide_", "isclose", "isreal", "fill", "true_divide_", "cdouble",
+    "cfloat", "chalf", "conj", "resolve_conj", "resolve_neg",
 )
 
 _ENTRIES = [
     *_names("local", d.pointwise, _LOCAL_EXTRA),
-    *_names("local", d.channelwise, ("prelu",)),
+    # per voxel, across its channels only: the piece's voxels are whole
+    *_names("local", d.channelwise, ("prelu", "channel_shuffle", "native_channel_shuffle",
+                                     "local_response_norm")),
+    *_names("local", d.one_hot, ("one_hot",), (F,)),
     *_names("local", d.rrelu, ("rrelu", "rrelu_")),
     *_names("local", d.where, ("where",)),
     *_names("local", d.like_factory, ("zeros_like", "ones_like", "empty_like", "full_like")),
@@ -69,7 +75,8 @@ _ENTRIES = [
                                          "exponential_", "multinomial")),
     *_names("local", d.dim_local, ("softmax", "log_softmax", "softmin", "cumsum", "cumprod",
                                    "cummax", "cummin", "sort", "argsort", "topk", "glu",
-                                   "normalize", "logcumsumexp", "diff")),
+                                   "normalize", "logcumsumexp", "diff", "cumsum_",
+                                   "cumprod_"), (_T, _TORCH, F, torch.special)),
     *_names("local", d.linear, ("linear", "matmul", "mm", "__matmul__")),
     *_names("shape", d.permute, ("permute", "transpose", "transpose_", "swapaxes",
                                  "swapdims", "movedim", "moveaxis")),
@@ -130,20 +137,49 @@ REPLICATED_RULES = {getattr(F, n): s.replicated_dropout for n in ("dropout", "dr
 REPLICATED_RULES[F.batch_norm] = s.replicated_batch_norm
 
 
+#: Python's operator names and torch's aliases -> the aten op that carries the tags
+_ATEN_NAME = {
+    "radd": "add", "rmul": "mul", "truediv": "div", "rtruediv": "div", "rdiv": "div",
+    "div": "div", "floordiv": "floor_divide", "rfloordiv": "floor_divide", "rpow": "pow",
+    "and": "bitwise_and", "or": "bitwise_or", "xor": "bitwise_xor", "rand": "bitwise_and",
+    "ror": "bitwise_or", "rxor": "bitwise_xor", "invert": "bitwise_not", "iadd": "add_",
+    "isub": "sub_", "imul": "mul_", "itruediv": "div_", "idiv": "div_",
+    "ifloordiv": "floor_divide_", "imod": "remainder_", "iand": "bitwise_and_",
+    "ior": "bitwise_or_", "ixor": "bitwise_xor_", "ilshift": "bitwise_left_shift_",
+    "irshift": "bitwise_right_shift_", "mod": "remainder", "rmod": "remainder",
+    "lshift": "bitwise_left_shift", "rlshift": "bitwise_left_shift",
+    "rshift": "bitwise_right_shift", "rrshift": "bitwise_right_shift",
+    # torch's aliases (untagged) and torch.special's names (``special_erf``)
+    "absolute": "abs", "arccos": "acos", "arccosh": "acosh", "arcsin": "asin",
+    "arcsinh": "asinh", "arctan": "atan", "arctan2": "atan2", "arctanh": "atanh",
+    "divide": "div", "multiply": "mul", "subtract": "sub", "negative": "neg", "fix": "trunc",
+    "greater": "gt", "greater_equal": "ge", "less": "lt", "less_equal": "le",
+    "not_equal": "ne", "true_divide": "div", "expit": "sigmoid", "gammaln": "lgamma",
+    "psi": "digamma", "gammainc": "igamma", "gammaincc": "igammac",
+    "multigammaln": "mvlgamma", "ndtr": "special_ndtr",
+}
+
+
 def _aten_pointwise(name: str) -> bool:
-    """torch's own classification: an aten op whose tensor overload is tagged pointwise."""
+    """torch's own classification: an aten op whose tensor overload is tagged pointwise. An
+    alias is read as the op it names, and an in-place form (``abs_``, ``eq_``, ``x /= y``,
+    untagged) as its out-of-place twin (``x.abs_()`` refused was a false refusal)."""
     base = name.strip("_") if name.startswith("__") else name
-    base = {"radd": "add", "rsub": "rsub", "rmul": "mul", "truediv": "div", "rtruediv": "div",
-            "floordiv": "floor_divide", "rfloordiv": "floor_divide", "rpow": "pow",
-            "and": "bitwise_and", "or": "bitwise_or", "xor": "bitwise_xor",
-            "invert": "bitwise_not", "iadd": "add_", "isub": "sub_", "imul": "mul_",
-            "itruediv": "div_", "mod": "remainder", "lshift": "bitwise_left_shift",
-            "rshift": "bitwise_right_shift", "ne": "ne", "abs": "abs"}.get(base, base)
+    inplace = base.endswith("_")
+    base = base.rstrip("_")
+    base = base if base == "special_ndtr" else base.removeprefix("special_")
+    base = _ATEN_NAME.get(base, base).rstrip("_")
+    if base in _LOCAL_NAMES:
+        return True
     op = getattr(torch.ops.aten, base, None)
     if op is None:
         return False
     tensor_forms = [getattr(op, o) for o in op.overloads() if o in _TENSOR_OVERLOADS]
-    return any(torch.Tag.pointwise in o.tags for o in tensor_forms)
+    return any(torch.Tag.pointwise in o.tags for o in tensor_forms) and \
+        (not inplace or hasattr(torch.ops.aten, base + "_"))
+
+
+_LOCAL_NAMES = frozenset(n.rstrip("_") for n in _LOCAL_EXTRA)
 
 
 #: The overloads that take tensors (the others are TorchScript's int/float/str forms).

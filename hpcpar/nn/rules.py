@@ -208,13 +208,21 @@ def same_split(call: Call, what: str = "its operands", broadcast: bool = False):
 
 # -- pointwise -------------------------------------------------------------------------------
 def pointwise(call: Call):
-    """Elementwise with broadcasting: each voxel's result needs only that voxel."""
+    """Elementwise with broadcasting: each voxel's result needs only that voxel. Written in
+    place into a plain tensor (``buf.add_(split)``, ``out=plain``), the result would be
+    this rank's piece of a tensor that every rank holds whole, the rest of it stale: refused
+    (:func:`refuse_write_into_plain`)."""
+    first = call.args[0] if call.args else None
+    if isinstance(first, torch.Tensor) and not isinstance(first, SplitTensor) and \
+            writes_by_name(call.name, call.kwargs) or \
+            isinstance(call.kwargs.get("out"), torch.Tensor) and \
+            not isinstance(call.kwargs["out"], SplitTensor):
+        raise refuse_write_into_plain(call)
     rel, gshape = same_split(call, broadcast=True)
     ndim = max(t.dim() for t in leaves(call.args, call.kwargs) if isinstance(t, torch.Tensor))
     layout = call.layout.with_(sdims=[ndim + r for r in rel], gshape=gshape)
     args, kwargs = call.plain(localize_to=layout, ndim=ndim)
     out = call.func(*args, **kwargs)
-    first = call.args[0] if call.args else None
     if isinstance(first, SplitTensor) and args and out is args[0]:
         return first  # in place: the caller's own object
     return wrap_like(out, layout, ndim, leaves(args, kwargs))
@@ -239,7 +247,12 @@ def _pointwise_alike(func, args, kwargs, flat, splits):
 
 
 def channelwise(call: Call):
-    """Ops whose replicated operands act per channel (``prelu``'s weight): no alignment."""
+    """Ops that act per voxel across its channels (dim 1), with replicated operands per
+    channel (``prelu``'s weight, ``channel_shuffle``): no alignment; a split dim 1 (the
+    channels moved elsewhere) would mix a voxel with its neighbours."""
+    if 1 in call.layout.sdims:
+        raise call.refuse("acts along dim 1, which is split here", "apply it with the "
+                          "channels at dim 1")
     args, kwargs = call.plain()
     return wrap_like(call.func(*args, **kwargs), call.layout, call.splits[0].dim())
 
@@ -288,6 +301,26 @@ def as_plain(call: Call):
 def _plain_alike(func, args, kwargs, flat, splits):
     """:func:`as_plain` without a :class:`Call`."""
     return func(*args, **kwargs)
+
+
+def refuse_write_into_plain(call: Call):
+    """The refusal of an in-place write of split data into a plain (replicated) tensor."""
+    return call.refuse("writes a split tensor in place into a plain tensor that every rank "
+                       "holds whole (this rank would update only its piece, the rest stale)",
+                       "compute it out of place (prior = prior + conv(x): the result is "
+                       "split like its operands), and keep in a buffer only what every rank "
+                       "holds alike (a statistic reduced over the spatial dims)")
+
+
+def one_hot(call: Call):
+    """``F.one_hot`` of a split label volume: each voxel alone, its classes appended as a
+    new last dim. The class count must be given: torch takes it from the largest label,
+    which on a piece is this rank's own."""
+    b = call.bind(("tensor", "num_classes"), (-1,))
+    if b["num_classes"] < 0:
+        raise call.refuse("takes the class count from the largest label of this rank's "
+                          "piece", "pass num_classes: F.one_hot(labels, num_classes)")
+    return wrap_like(call.run_plain(), call.layout, call.splits[0].dim() + 1)
 
 
 def refuse_local_values(call: Call):
@@ -364,6 +397,8 @@ def dim_local(call: Call):
     names, default = _DIM_SIGNATURES.get(call.name.rstrip("_"), (("input", "dim"), None))
     dim = call.bind(names).get("dim", default)
     sdims, name = t._hp.sdims, call.name.rstrip("_")
+    if dim is None and name in ("softmax", "log_softmax", "softmin"):
+        dim = 0 if t.dim() in (0, 1, 3) else 1   # torch's implicit dim (nn.Softmax())
     spatial = dim is not None and _norm_dim(dim, t.dim()) in sdims
     if dim is None or (spatial and (name in _RESIZING or call.ctx.grid.spatial_shape[
             sdims.index(_norm_dim(dim, t.dim()))] > 1)):
@@ -487,12 +522,18 @@ def _plain_as(call: Call, other) -> torch.Tensor:
     return adopt(localize(whole, other._hp, other.dim(), call.name), other._hp)
 
 
+def writes_by_name(name: str, kwargs) -> bool:
+    """:func:`writes_into_first` by the op's name and keywords only (no signature read:
+    the pointwise rule asks on every call with a plain first operand)."""
+    return (name.endswith("_") and not name.endswith("__")) or (
+        name.startswith("__i") and name not in ("__index__", "__int__", "__invert__")) or \
+        name == "__setitem__" or bool(kwargs.get("inplace")) or "out" in kwargs
+
+
 def writes_into_first(func, args, kwargs) -> bool:
     """Whether ``func`` writes into its first argument (``add_``, ``x += y``, ``x[i] = v``,
     ``inplace=True``, ``out=``)."""
-    name = op_name(func)
-    if (name.endswith("_") and not name.endswith("__")) or name.startswith("__i") \
-            or name == "__setitem__" or kwargs.get("inplace") or "out" in kwargs:
+    if writes_by_name(op_name(func), kwargs):
         return True
     try:
         params = list(inspect.signature(func).parameters)

@@ -275,19 +275,36 @@ def is_split(t) -> bool:
     return isinstance(t, SplitTensor)
 
 
-_OWN = (os.path.dirname(os.path.abspath(__file__)),   # hpcpar/nn: the layers, the dispatch
-        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "parallel"),
-        os.path.dirname(os.path.abspath(torch.__file__)))
+_HPCPAR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def own_dirs(torch_dir: str, hpcpar_dir: str) -> tuple[str, str]:
+    """torch itself and hpcpar, each a directory with its separator: ``torch_geometric``
+    and ``torchio`` beside torch are the user's, not torch's."""
+    return torch_dir.rstrip(os.sep) + os.sep, hpcpar_dir.rstrip(os.sep) + os.sep
+
+
+#: what :func:`user_frame` skips (hpcpar's own models excepted: they are a user's code)
+_OWN = own_dirs(os.path.dirname(os.path.abspath(torch.__file__)), _HPCPAR)
+_MODELS = os.path.join(_HPCPAR, "models") + os.sep
+#: where no frame is a user's (a loss hpcpar's own loop computes): the innermost outside
+#: torch and the layers
+_LAYERS = (_OWN[0], *(os.path.join(_HPCPAR, p) + os.sep for p in ("nn", "parallel", "sync")))
 
 
 def user_frame() -> str:
-    """``file:line`` of the innermost caller outside torch and hpcpar's own layers (where the
-    user's ``forward`` applied the op)."""
+    """``file:line`` of the innermost caller outside torch itself and hpcpar (where the
+    user's ``forward`` applied the op); in hpcpar's own models, their line."""
+    fallback = None
     for frame in reversed(traceback.extract_stack()[:-1]):
         path = os.path.abspath(frame.filename)
-        if not path.startswith(_OWN) and "<frozen" not in path:
+        if "<frozen" in path:
+            continue
+        if not path.startswith(_OWN) or path.startswith(_MODELS):
             return f"{frame.filename}:{frame.lineno}"
-    return "<unknown>"
+        if fallback is None and not path.startswith(_LAYERS):
+            fallback = f"{frame.filename}:{frame.lineno}"
+    return fallback or "<unknown>"
 
 
 _DYNAMO = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "_dynamo")

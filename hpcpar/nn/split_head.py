@@ -51,7 +51,7 @@ from .dropout import spatial_dropout
 from .reduce import _ReplicatedSum
 from .split import FlatLayout, SplitTensor, adopt, raw
 
-__all__ = ["ColumnSplit", "column_split", "flat_rule", "gathered_to"]
+__all__ = ["ColumnSplit", "column_split", "flat_rule", "gathered_to", "has_flat_form"]
 
 #: The attribute a cut weight Parameter carries (its :class:`ColumnSplit`).
 COLUMNS_ATTR = "_hpcpar_columns"
@@ -239,8 +239,11 @@ def _cut(weight, lay: FlatLayout, call):
         return weight
     info = ColumnSplit(ctx.grid, lay.volume, lay.box())
     owner = _owner(ctx, weight) if isinstance(weight, nn.Parameter) else None
-    if owner is None or weight.grad is not None:
-        return info.take(call.replicated(weight))   # used whole: partial gradient, summed
+    # used whole (partial gradient, summed) where it cannot be cut: not the model's own, or
+    # read whole earlier in this forward (an L2 penalty before the head: that use's saved
+    # tensor is the whole weight)
+    if owner is None or weight.grad is not None or id(weight) in ctx.replicated_params:
+        return info.take(call.replicated(weight))
     with torch.no_grad():
         weight.data = info.take(weight.data).contiguous()
     setattr(weight, COLUMNS_ATTR, info)
@@ -344,6 +347,12 @@ _AS_IS = {rules.global_size, rules.global_numel, rules.global_len, rules.attribu
           rules.as_plain, rules.like_factory, rules.refuse_local_values, rules.refuse_random}
 _RULES = {rules.pointwise: _pointwise, rules.linear: _linear, sops.dropout: _dropout,
           sops.reduction: _reduction, rules.reshape: _same_shape}
+
+
+def has_flat_form(rule: Any) -> bool:
+    """Whether calls by the op table's ``rule`` run on a flattened split tensor (beyond
+    F.linear, which takes it as the head's input, never as its weight)."""
+    return rule in _AS_IS or (rule in _RULES and rule is not rules.linear)
 
 
 def flat_rule(rule: Any, call: Any) -> Any:

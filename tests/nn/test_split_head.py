@@ -304,3 +304,31 @@ def test_full_backward_hooks_on_every_module(comm):
         _close(g, q.grad, f"grad {name}")
     names = [n for n, _ in plain.named_modules() if n]
     assert [calls.get(("split", n)) for n in names] == [calls.get(("plain", n)) for n in names]
+
+
+@mpi_case(nprocs=(2, 4), timeout=300)
+def test_hpcpar_runs_clip_grad_norm_is_global_with_a_cut_head(comm):
+    """``[train] clip_grad_norm`` (hpcpar.run.grad_clip, as the trainer sums it): the norm
+    of a model whose head weight is cut to each rank's columns is torch's
+    ``clip_grad_norm_`` of the single-process model, and so are the clipped gradients."""
+    import hpcpar
+    from hpcpar.nn import spatialize
+    from hpcpar.nn.split_head import column_split
+    from hpcpar.run.grad_clip import clip_, norm_share, squared_norm
+
+    grid = hpcpar.ProcessGrid(x=2, y=comm.Get_size() // 2, comm=comm)
+    torch.manual_seed(0)
+    plain = _sequential().double()
+    x = randn((2, 2, *SIZE), 3, torch.float64)
+    model = hpcpar.DDP(spatialize(plain, grid), grid)
+    (model(_piece(x, grid)) ** 2).sum().backward()
+    (plain(x) ** 2).sum().backward()
+    assert any(column_split(p) is not None for p in model.module.parameters())
+    total = math.sqrt(comm.allreduce(squared_norm(norm_share(model, grid))))
+    want = float(torch.nn.utils.clip_grad_norm_(plain.parameters(), float("inf")))
+    assert abs(total - want) <= RTOL * want, (total, want)
+    clip_(list(model.parameters()), 0.5 * want, total)
+    torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.5 * want)
+    ref = dict(plain.named_parameters())
+    for name, p in model.module.named_parameters():
+        _close(_full_grad(p), ref[name].grad, f"clipped grad {name}")
