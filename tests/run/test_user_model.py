@@ -1,8 +1,8 @@
 """A user's own model in one file: ``[model] kind = "net.py:UNet"`` names a plain ``nn.Module``
 (no hpcpar import in the file), ``hpcpar data shard --images --labels`` makes the data set from
-``.npy`` volumes, and ``hpcpar run`` trains it with a loss and metrics by name; 2 ranks
-(1x2x1x1) give the 1-rank loss history and metrics, and the global Dice is the single-process
-Dice of the trained model's predictions."""
+``.npy`` volumes, and ``hpcpar run`` trains it with a loss and metrics by name and every
+augmentation on; 2 ranks (1x2x1x1) give the 1-rank loss history and metrics, and the global
+Dice is the single-process Dice of the trained model's predictions."""
 
 import importlib.util
 import json
@@ -60,6 +60,10 @@ args = { in_channels = 1, classes = 2, width = 4 }
 [data]
 path = "train"
 val_path = "val"
+flip = true
+rot90 = true
+intensity_scale = 0.1
+noise_std = 0.05
 
 [train]
 steps = 3
