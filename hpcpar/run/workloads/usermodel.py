@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from hpcpar.errors import ConfigError
 from hpcpar.run.workloads.base import Param, StepResult
+from hpcpar.run.workloads.graphmodel import GraphModelWorkload, is_graph_model
 from hpcpar.run.workloads.objectives import (
     MetricSums,
     check_loss,
@@ -190,8 +191,10 @@ class ModelWorkload(VolumeWorkload):
 
 def model_workload(kind: str, model) -> type:
     """The workload class of a plain model (``[model] kind`` names ``model``, an
-    ``nn.Module`` class or a factory function)."""
+    ``nn.Module`` class or a factory function): :class:`GraphModelWorkload` for a PyG model
+    (its forward takes ``edge_index``), else :class:`ModelWorkload`."""
     name = getattr(model, "__name__", "Model")
-    return type(f"{name}Workload", (ModelWorkload,),
+    base = GraphModelWorkload if is_graph_model(model) else ModelWorkload
+    return type(f"{name}Workload", (base,),
                 {"kind": kind, "model_factory": staticmethod(model),
                  "__doc__": f"The built-in workload of the user's model {kind}."})
