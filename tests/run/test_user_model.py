@@ -2,7 +2,8 @@
 (no hpcpar import in the file), ``hpcpar data shard --images --labels`` makes the data set from
 ``.npy`` volumes, and ``hpcpar run`` trains it with a loss and metrics by name and every
 augmentation on; 2 ranks (1x2x1x1) give the 1-rank loss history and metrics, and the global
-Dice is the single-process Dice of the trained model's predictions."""
+Dice is the single-process Dice of the trained model's predictions; a run stopped after step 2
+and resumed on the other grid draws the same augmentation and gives the same step 3."""
 
 import importlib.util
 import json
@@ -117,6 +118,15 @@ def test_user_unet_file_sharded_npy_one_and_two_ranks(tmp_path):
                    json.loads((tmp_path / f"r{n}" / "metrics.json").read_text()))
     np.testing.assert_allclose(runs[2][0], runs[1][0], rtol=1e-5)
     assert len(runs[1][0]) == 3
+    # stopped after step 2 and resumed on the other grid: step 3 as in the uninterrupted run
+    for n, grid, steps in ((2, "1x2x1x1", 2), (1, "1x1x1x1", 3)):
+        p = _hpcpar(["run", "job.toml", "-n", str(n), "--grid", grid, "--run-dir", "rr",
+                     "--set", f"train.steps={steps}", "--new-settings"], tmp_path)
+        assert p.returncode == 0, p.stderr
+    assert "resumed from step-000002 (step 2)" in p.stderr
+    resumed = pd.read_parquet(tmp_path / "rr" / "steps.parquet")
+    assert resumed[resumed["step"] == 2]["loss"].iloc[-1] == pytest.approx(runs[1][0][2],
+                                                                          rel=1e-5)
     for key in ("val_loss", "val_dice", "val_accuracy"):
         assert runs[2][1][key] == pytest.approx(runs[1][1][key], rel=1e-5), key
 
