@@ -188,3 +188,31 @@ def test_model_kind_errors(model_file, kind, train, message):
 def test_file_kind_from_a_run_directory_is_not_imported(model_file):
     with pytest.raises(ConfigError, match="a file path is never imported"):
         kinds.get_workload("other.py:UNet", untrusted="RUN/job.json", trust_kind=True)
+
+
+def test_metric_sums_are_the_whole_set_values():
+    """Metrics summed over batches equal numpy's over the concatenated set (not a mean of
+    per-batch values), with ignore_index masking labels out."""
+    from hpcpar.run.workloads.objectives import MetricSums
+
+    rng = np.random.default_rng(4)
+    outs = [torch.from_numpy(rng.standard_normal((n, 3, 4, 4, 4)).astype(np.float32))
+            for n in (1, 3)]
+    labels = [torch.from_numpy(rng.integers(0, 4, (n, 4, 4, 4))) for n in (1, 3)]   # 3: ignored
+    sums = MetricSums(["dice", "accuracy"], ignore_index=3)
+    for o, t in zip(outs, labels):
+        sums.update(o, t)
+    pred = torch.cat(outs).argmax(1).numpy()
+    lab = torch.cat(labels).numpy()
+    keep = lab != 3
+    dice = [2 * np.sum((pred == c) & (lab == c) & keep)
+            / (np.sum((pred == c) & keep) + np.sum((lab == c) & keep)) for c in (1, 2)]
+    got = sums.values()
+    assert got["dice"] == pytest.approx(np.mean(dice), rel=1e-12)
+    assert got["accuracy"] == pytest.approx(np.mean(pred[keep] == lab[keep]), rel=1e-12)
+    mae = MetricSums(["mae"])
+    for o in outs:
+        mae.update(o[:, :1], o[:, 1])
+    diff = torch.cat(outs)
+    assert mae.values()["mae"] == pytest.approx(float((diff[:, 0] - diff[:, 1]).abs().mean()),
+                                                rel=1e-6)
