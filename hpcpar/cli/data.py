@@ -86,8 +86,21 @@ def cosmoflow(out, samples, size, channels, shards, seed, chunk, grid, force, qu
 
 
 @data.command()
-@click.argument("in_file", metavar="IN.h5", type=click.Path())
+@click.argument("in_file", nargs=-1, metavar="[IN.h5]", type=click.Path())
 @click.argument("out", type=click.Path())
+@click.option("--images", default=None, metavar="GLOB",
+              help="Image files instead of IN.h5, one sample each: a glob ('scans/*.nii.gz') "
+                   "or a folder of .npy, .npz, .nii(.gz), .tif(f) or .h5 files.")
+@click.option("--labels", default=None, metavar="GLOB",
+              help="With --images: label volumes (D, H, W), paired with the images by file "
+                   "stem.")
+@click.option("--targets", "targets_csv", default=None, metavar="FILE.csv",
+              help="With --images: per-sample targets, a CSV with a header row whose first "
+                   "column is the image's stem.")
+@click.option("--size", "fit_size", default=None, metavar="DxHxW",
+              help="With --images: centre-crop every volume to this size (N or DxHxW); "
+                   "without it, volumes of different sizes are refused.")
+@click.option("--pad", is_flag=True, help="With --size: zero-pad volumes smaller than it.")
 @click.option("--x-key", default="x", show_default=True,
               help="Dataset with the volumes, (N, C, D, H, W) or (N, D, H, W).")
 @click.option("--y-key", default="y", show_default=True,
@@ -104,10 +117,12 @@ def cosmoflow(out, samples, size, channels, shards, seed, chunk, grid, force, qu
               help="Input transform training applies at run time, recorded in the manifest "
                    "(the stored values are copied unchanged); [data] transform = 'auto' "
                    "follows it.")
-def shard(in_file, out, x_key, y_key, samples_per_shard, chunk, grid, force, quiet,
-          allow_nonfinite, transform):
-    """Re-shard a single HDF5 file into an hpcpar dataset directory; values are copied as
-    they are, and no input transform is applied at run time unless --transform asks."""
+def shard(in_file, out, images, labels, targets_csv, fit_size, pad, x_key, y_key, samples_per_shard,
+          chunk, grid, force, quiet, allow_nonfinite, transform):
+    """Shard a single HDF5 file (IN.h5 OUT), or image files with their label volumes or
+    per-sample targets (OUT --images ... --labels/--targets ...), into an hpcpar dataset
+    directory; values are copied as they are, and no input transform is applied at run
+    time unless --transform asks."""
     from hpcpar.data.format import chunk_from_options  # deferred: keeps --help fast
     from hpcpar.data.writer import (  # deferred: keeps --help fast
         H5Source,
@@ -116,7 +131,24 @@ def shard(in_file, out, x_key, y_key, samples_per_shard, chunk, grid, force, qui
     )
 
     chunking = chunk_from_options(chunk, grid)
-    source = H5Source(in_file, x_key, y_key)
+    given = [o for o, v in (("--labels", labels), ("--targets", targets_csv),
+                            ("--size", fit_size), ("--pad", pad or None)) if v is not None]
+    if images is None and given:
+        raise click.UsageError(f"{given[0]} needs --images")
+    if pad and fit_size is None:
+        raise click.UsageError("--pad needs --size (the size to pad to)")
+    if images is None:
+        if len(in_file) != 1:
+            raise click.UsageError("expected IN.h5 OUT (or OUT --images GLOB ...)")
+        source = H5Source(in_file[0], x_key, y_key)
+    else:
+        from hpcpar.data.volume_files import VolumeFiles, expand  # deferred: keeps --help fast
+
+        if in_file:
+            raise click.UsageError("with --images, give OUT only (no IN.h5)")
+        source = VolumeFiles(expand(images, "--images"),
+                             expand(labels, "--labels") if labels is not None else None,
+                             targets_csv, _size(fit_size), pad)
     try:
         comm = _comm()
         counts = shard_counts(len(source), samples_per_shard=samples_per_shard)
@@ -127,7 +159,19 @@ def shard(in_file, out, x_key, y_key, samples_per_shard, chunk, grid, force, qui
         source.close()
     if comm.Get_rank() == 0:
         click.echo(f"wrote {out}: {m.num_samples} samples in {len(m.shards)} shards "
-                   f"(transform at run time: {m.transform})")
+                   f"(x {tuple(m.x.shape)}, y {tuple(m.y.shape)}; transform at run time: "
+                   f"{m.transform})")
+
+
+def _size(text):
+    """``--size``: N or DxHxW as a (D, H, W) triple, or None."""
+    if text is None:
+        return None
+    parts = text.lower().split("x")
+    if len(parts) not in (1, 3) or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise click.BadParameter(f"{text!r}: expected N or DxHxW (positive integers)",
+                                 param_hint="--size")
+    return tuple(int(p) for p in parts) * (3 // len(parts))
 
 
 @data.command()

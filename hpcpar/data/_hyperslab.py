@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from hpcpar.data.augment import apply_view, source_box
 from hpcpar.data.format import open_h5
 from hpcpar.errors import DataError
 
@@ -57,14 +58,15 @@ def cache_bytes(chunks, itemsize: int) -> int:
 
 @dataclass
 class OpenShard:
-    """One open shard: the ``x`` dataset, all of ``y`` (small: loaded at open), a plain
+    """One open shard: the ``x`` dataset, all of ``y`` (small: loaded at open; a label volume
+    stays a dataset, read by hyperslab), a plain
     descriptor for direct chunk reads (or None), the chunk plans of the boxes read and the
     file offset of every chunk (read once: a lookup per chunk per read costs as much as
     copying the chunk from the page cache)."""
 
     file: Any  # h5py.File (h5py ships no types)
     x: Any  # its h5py.Dataset
-    y: np.ndarray
+    y: Any  # np.ndarray, or the h5py.Dataset of a label volume
     fd: int | None
     chunks: tuple | None
     dtype: np.dtype  # h5py's properties cost ~30 us a call: read once
@@ -121,8 +123,10 @@ class ShardFiles:
                 f.close()
                 raise DataError(f"{path}: missing dataset '{key}'")
         dx = f[self.x_key]
-        y = f[self.y_key][()]
-        self.pending_bytes += y.nbytes
+        y = f[self.y_key]
+        if y.ndim != 4:    # per-sample targets: small, loaded at open; a label volume
+            y = y[()]      # (N, D, H, W) is read by hyperslab like x
+            self.pending_bytes += y.nbytes
         entry = OpenShard(f, dx, y, self._raw_fd(path, dx), dx.chunks, dx.dtype, dx.fillvalue)
         self._open[shard] = entry
         return entry
@@ -417,27 +421,47 @@ def _place(dest: np.ndarray, chunk: np.ndarray, crop, k, sizes) -> None:
     dest[tuple(dst)] = chunk[tuple(src)]
 
 
-def read_samples(files: ShardFiles, items, box, out_x: np.ndarray, out_y: np.ndarray) -> int:
-    """Read ``items`` [(shard, row), ...] into out_x[j] (C, d, h, w) and out_y[j]; returns
-    bytes fetched from storage (whole chunks touched, plus ``y`` of newly opened shards)."""
-    box = tuple(tuple(int(v) for v in b) for b in box)
+def _read_box(files: ShardFiles, sh: OpenShard, row: int, box, dest: np.ndarray) -> int:
+    """Read ``box`` of sample ``row``'s x into ``dest`` (C, d, h, w); returns bytes fetched."""
+    if sh.fd is not None:
+        return _read_chunks(sh, row, box, dest, files.scratch)
     sel = tuple(slice(a, b) for a, b in box)
+    sh.x.read_direct(dest, (row, slice(None), *sel))
+    # whole chunks through HDF5's chunk cache; a contiguous layout: the selection
+    return touched_chunk_bytes(box, sh.chunks, sh.dtype.itemsize) if sh.chunks else dest.nbytes
+
+
+def read_samples(files: ShardFiles, items, box, out_x: np.ndarray, out_y: np.ndarray,
+                 gshape=None) -> int:
+    """Read ``items`` [(shard, row), ...] into out_x[j] (C, d, h, w) and out_y[j] ((K,), or
+    (d, h, w) of a label volume); returns bytes fetched from storage (whole chunks touched,
+    plus ``y`` of newly opened shards). An item ``(shard, row, view)`` with a nonzero view
+    (:mod:`hpcpar.data.augment`; ``gshape`` the sample's global D, H, W) is read flipped or
+    turned: the source box its view maps onto ``box``, transformed in place."""
+    box = tuple(tuple(int(v) for v in b) for b in box)
     total = 0
-    for j, (shard, row) in enumerate(items):
+    for j, (shard, row, *view) in enumerate(items):
         sh = files.get(shard)
-        row = int(row)
+        row, code = int(row), int(view[0]) if view else 0
+        src = box if not code else source_box(box, gshape, code)
+        sel = tuple(slice(a, b) for a, b in src)
         try:
-            if sh.fd is not None:
-                total += _read_chunks(sh, row, box, out_x[j], files.scratch)
+            if code:
+                block = np.empty((out_x.shape[1], *(b - a for a, b in src)), out_x.dtype)
+                total += _read_box(files, sh, row, src, block)
+                out_x[j] = apply_view(block, code)
             else:
-                sh.x.read_direct(out_x, (row, slice(None), *sel), np.s_[j])
-                # whole chunks through HDF5's chunk cache; a contiguous layout: the selection
-                total += touched_chunk_bytes(box, sh.chunks, sh.dtype.itemsize) \
-                    if sh.chunks else out_x[j].nbytes
+                total += _read_box(files, sh, row, src, out_x[j])
         except (OSError, ValueError, TypeError) as exc:
             raise DataError(f"{files.paths[shard]}: reading sample row {row} failed "
                             f"({str(exc).splitlines()[0]})") from None
-        out_y[j] = sh.y[row]
+        if out_y.ndim == 4:    # a label volume: this rank's box of it, like x
+            labels = np.empty(tuple(b - a for a, b in src), out_y.dtype)
+            sh.y.read_direct(labels, (row, *sel))
+            out_y[j] = apply_view(labels, code) if code else labels
+            total += labels.nbytes
+        else:
+            out_y[j] = sh.y[row]
     total += files.pending_bytes
     files.pending_bytes = 0
     return total

@@ -64,7 +64,7 @@ class Prefetcher:
     """Parent side: ``submit(slot, items)``, ``result() -> (slot, n, bytes)``, ``views``."""
 
     def __init__(self, paths, x_key: str, y_key: str, box, layout: SlotLayout,
-                 open_kwargs: dict):
+                 open_kwargs: dict, gshape=None):
         self.layout = layout
         fd = os.memfd_create("hpcpar-prefetch") if hasattr(os, "memfd_create") else None
         if fd is None:  # non-Linux: an unlinked temporary file
@@ -75,7 +75,8 @@ class Prefetcher:
         self._buf = mmap.mmap(fd, max(layout.total, 1))
         config = {"fd": fd, "paths": list(paths), "x_key": x_key, "y_key": y_key,
                   "box": [list(b) for b in box], "layout": layout.to_json(),
-                  "open_kwargs": open_kwargs, "parent": os.getpid()}
+                  "open_kwargs": open_kwargs, "parent": os.getpid(),
+                  "gshape": None if gshape is None else [int(n) for n in gshape]}
         env = dict(os.environ, OMP_NUM_THREADS="1")
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "hpcpar.data._prefetch"], stdin=subprocess.PIPE,
@@ -102,7 +103,7 @@ class Prefetcher:
         return self._proc.poll() is None
 
     def submit(self, slot: int, items) -> None:
-        self._send({"slot": slot, "items": [[int(s), int(r)] for s, r in items]})
+        self._send({"slot": slot, "items": [[int(v) for v in item] for item in items]})
         self.outstanding += 1
 
     def result(self):
@@ -188,7 +189,7 @@ def main() -> None:
             slot, items = req["slot"], req["items"]
             x, y = layout.views(buf, slot)
             try:
-                nbytes = read_samples(files, items, box, x, y)
+                nbytes = read_samples(files, items, box, x, y, config["gshape"])
                 reply = {"slot": slot, "n": len(items), "bytes": nbytes}
             except DataError as exc:
                 reply = {"slot": slot, "error": str(exc)}

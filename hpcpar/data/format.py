@@ -187,7 +187,8 @@ class Array:
 
     Attributes:
         key: The HDF5 dataset name in every shard.
-        shape: Shape of one sample (``(C, D, H, W)`` for x, ``(K,)`` for y).
+        shape: Shape of one sample (``(C, D, H, W)`` for x; ``(K,)`` for y, or ``(D, H, W)``
+            for a label volume).
         dtype: numpy dtype name.
         chunks: HDF5 chunk shape of one sample, if chunked.
         names: Names of the targets (y only).
@@ -283,6 +284,12 @@ class Manifest:
         with open(os.path.join(directory, MANIFEST), "w") as fh:
             json.dump(self.to_json(), fh, indent=1, allow_nan=False)
             fh.write("\n")
+
+    @property
+    def voxel_targets(self) -> bool:
+        """Whether ``y`` is a label volume, ``(D, H, W)`` like x's sample (segmentation),
+        rather than per-sample targets ``(K,)``."""
+        return len(self.y.shape) == 3 and tuple(self.y.shape) == tuple(self.x.shape[1:])
 
     @property
     def offsets(self) -> list[int]:
@@ -732,7 +739,7 @@ def check_finite(x: np.ndarray, y: np.ndarray, items: Sequence[tuple[int, int]],
             continue
         k = _first_nonfinite(arr)
         if k is not None:
-            shard, row = items[k]
+            shard, row = items[k][:2]
             s = manifest.shards[shard]
             raise DataError(f"{os.path.join(directory, s.file)}: sample {s.start + row} (row "
                             f"{row}) holds NaN/inf in '{spec.key}', but the manifest says the "

@@ -21,6 +21,7 @@ import numpy as np
 from hpcpar.data._hyperslab import ShardFiles, cache_bytes, read_samples
 from hpcpar.data._prefetch import Prefetcher, SlotLayout
 from hpcpar.data._schedule import VolumeDatasetBase
+from hpcpar.data.augment import view_code
 from hpcpar.errors import DataError
 from hpcpar.parallel.counters import COUNTERS
 from hpcpar.parallel.grid import ProcessGrid
@@ -75,7 +76,8 @@ class ShardedVolumeDataset(VolumeDatasetBase):
 
     Each rank reads only its data group's samples and, of each, only its own sub-volume.
     Iterating yields ``(x_local, y)`` torch tensors: ``x_local`` ``(n, C, d, h, w)`` is this
-    rank's sub-volume of its data group's ``n`` samples, ``y`` is ``(n, K)``. ``len()`` is
+    rank's sub-volume of its data group's ``n`` samples, ``y`` is ``(n, K)``, or ``(n, d, h,
+    w)``, the same sub-volume of a label volume (``manifest.voxel_targets``). ``len()`` is
     the number of steps per epoch; ``set_epoch``, ``state_dict`` and ``load_state_dict``
     make iteration resumable mid-epoch.
 
@@ -108,7 +110,8 @@ class ShardedVolumeDataset(VolumeDatasetBase):
     def __init__(self, path: str | os.PathLike, grid: ProcessGrid, batch_size: int, *,
                  shuffle: bool = True, seed: int = 0, drop_last: bool = True,
                  prefetch: int = 2, stage_to: str | os.PathLike | None = None,
-                 driver: str | None = None, verify: bool = True):
+                 driver: str | None = None, verify: bool = True, flip: bool = False,
+                 rot90: bool = False):
         path = os.fspath(path)
         if os.path.isfile(path):
             self.directory = os.path.dirname(os.path.abspath(path))
@@ -122,6 +125,10 @@ class ShardedVolumeDataset(VolumeDatasetBase):
         if driver not in (None, "sec2", "mpio"):
             raise DataError(f"{path}: driver must be None, 'sec2' or 'mpio', got {driver!r}")
         self.driver = driver or "sec2"
+        self.flip, self.rot90, self.seed = flip, rot90, seed
+        if rot90 and m.x.shape[2] != m.x.shape[3]:
+            raise DataError(f"{path}: rot90 turns the (H, W) plane, but the samples are "
+                            f"{'x'.join(map(str, m.x.shape[1:]))} (H != W)")
         self.prefetch = 0 if self.driver == "mpio" else max(0, int(prefetch))
         self._check_shards(grid.comm, checksum=verify)
         self.bytes_read = 0
@@ -166,12 +173,18 @@ class ShardedVolumeDataset(VolumeDatasetBase):
             return set(range(len(m.shards)))
         return {m.locate(int(i))[0] for step in self.schedule.local_steps(0) for i in step}
 
-    def _items(self, samples) -> list:
-        return [self.manifest.locate(int(i)) for i in samples]
+    def _items(self, samples, epoch: int = 0) -> list:
+        """``(shard, row)`` of each sample, with its view (:mod:`hpcpar.data.augment`) when
+        flips or rotations are on."""
+        if not (self.flip or self.rot90):
+            return [self.manifest.locate(int(i)) for i in samples]
+        return [(*self.manifest.locate(int(i)),
+                 view_code(self.seed, epoch, int(i), self.flip, self.rot90)) for i in samples]
 
     def _sample_shapes(self):
         m = self.manifest
-        return (m.x.shape[0], *self.local_shape), m.x.dtype, m.y.shape, m.y.dtype
+        ys = self.local_shape if m.voxel_targets else m.y.shape
+        return (m.x.shape[0], *self.local_shape), m.x.dtype, ys, m.y.dtype
 
     # -- reading ----------------------------------------------------------------------------
     def _open_files(self) -> ShardFiles:
@@ -201,7 +214,7 @@ class ShardedVolumeDataset(VolumeDatasetBase):
     def _batches(self, epoch: int, start: int):
         steps = self.schedule.local_steps(epoch, start)
         if self.prefetch:
-            yield from self._prefetched(steps)
+            yield from self._prefetched(steps, epoch)
             return
         import torch
 
@@ -210,8 +223,8 @@ class ShardedVolumeDataset(VolumeDatasetBase):
         for samples in steps:
             x = np.empty((len(samples), *xs), xd)
             y = np.empty((len(samples), *ys), yd)
-            items = self._items(samples)
-            self._count(read_samples(files, items, self.box, x, y))
+            items = self._items(samples, epoch)
+            self._count(read_samples(files, items, self.box, x, y, self.manifest.x.shape[1:]))
             check_finite(x, y, items, self.manifest, self.directory)
             yield torch.from_numpy(x), torch.from_numpy(y)
 
@@ -221,27 +234,28 @@ class ShardedVolumeDataset(VolumeDatasetBase):
         xs, xd, ys, yd = self._sample_shapes()
         layout = SlotLayout(self.prefetch, self.schedule.max_local, xs, xd, ys, yd)
         self._prefetcher = Prefetcher(self.paths, self.manifest.x.key, self.manifest.y.key,
-                                      self.box, layout, self._open_kwargs)
+                                      self.box, layout, self._open_kwargs,
+                                      self.manifest.x.shape[1:])
         return self._prefetcher
 
-    def _prefetched(self, steps):
+    def _prefetched(self, steps, epoch: int):
         import torch
 
         pf = self._start_prefetcher()
         depth = pf.layout.depth
         try:
             for k in range(min(depth, len(steps))):
-                pf.submit(k % depth, self._items(steps[k]))
+                pf.submit(k % depth, self._items(steps[k], epoch))
             for k in range(len(steps)):
                 slot, n, nbytes = pf.result()
                 x, y = pf.views(slot)
                 xt, yt = torch.from_numpy(x[:n].copy()), torch.from_numpy(y[:n].copy())
                 del x, y
                 self._count(nbytes)
-                check_finite(xt.numpy(), yt.numpy(), self._items(steps[k]), self.manifest,
+                check_finite(xt.numpy(), yt.numpy(), self._items(steps[k], epoch), self.manifest,
                              self.directory)
                 if k + depth < len(steps):
-                    pf.submit(slot, self._items(steps[k + depth]))
+                    pf.submit(slot, self._items(steps[k + depth], epoch))
                 yield xt, yt
         finally:
             pf.drain()

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from mpi4py import MPI
 
     from .synthetic import CosmoflowSource
+    from .volume_files import VolumeFiles
 from hpcpar.parallel.partition import split_sizes
 
 from .format import (
@@ -134,7 +135,7 @@ def _write_shard(path: str, source, index: int, start: int, count: int, total: i
                               chunks=x_chunks(source.x_shape, chunk), track_times=False)
         dx.attrs["axes"] = "NCDHW"
         dy = f.create_dataset("y", shape=(count, *source.y_shape), dtype=source.y_dtype,
-                               track_times=False)
+                              chunks=y_chunks(source, chunk), track_times=False)
         if source.target_names:
             dy.attrs["names"] = list(source.target_names)
         stats: dict = {"x": None, "y": None}
@@ -149,6 +150,15 @@ def _write_shard(path: str, source, index: int, start: int, count: int, total: i
             if progress is not None:
                 progress.update(b - a)
     return stats
+
+
+def y_chunks(source, chunk) -> tuple | None:
+    """A label volume's chunks: x's spatial chunks, so each rank reads its box of both the
+    same way; per-sample targets are not chunked."""
+    if tuple(source.y_shape) != tuple(source.x_shape[1:]):
+        return None
+    xc = x_chunks(source.x_shape, chunk)
+    return (xc[0], *xc[2:])
 
 
 def _oserror_line(exc: OSError) -> str:
@@ -265,7 +275,8 @@ def _publish(tmp: str, out: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def write_dataset(out: str, source: CosmoflowSource | H5Source, counts: list[int], *,
+def write_dataset(out: str, source: CosmoflowSource | H5Source | VolumeFiles,
+                  counts: list[int], *,
                   comm: MPI.Comm | SerialComm | None = None,
                   chunk: int | tuple[int, int, int] | PerRankChunks | None = None,
                   force: bool = False,
@@ -373,7 +384,7 @@ def write_dataset(out: str, source: CosmoflowSource | H5Source, counts: list[int
                             Array("x", tuple(source.x_shape), str(np.dtype(source.x_dtype)),
                                   x_chunks(source.x_shape, chunk)),
                             Array("y", tuple(source.y_shape), str(np.dtype(source.y_dtype)),
-                                  names=source.target_names),
+                                  y_chunks(source, chunk), names=source.target_names),
                             shards, facts,
                             stats=dataset_stats({s.file: st for s, st in pairs}),
                             transform=transform)

@@ -1,6 +1,10 @@
 """Model kinds as a job file names them: the registry of ``[model] kind`` -> workload factory
-(built in, registered, an installed package's entry point, or ``package.module:Callable``) and
-:class:`Param`, how a kind declares the job keys it accepts.
+(built in, registered, an installed package's entry point, or ``package.module:Callable`` /
+``file.py:Callable``) and :class:`Param`, how a kind declares the job keys it accepts.
+
+An import path that names a plain model (an ``nn.Module`` subclass, or a function that is not
+a workload factory ``(job, grid, device)``) gets the built-in workload for users' own models
+(:data:`MODEL_WORKLOAD`): the user's file holds only the model.
 
 It lives with the job format, below the runtime, because validating a job file needs the keys a
 kind declares but none of the training loop: the registry stores factories and reads their
@@ -12,6 +16,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
 from collections.abc import Callable
@@ -21,8 +26,8 @@ from typing import Any
 
 from hpcpar.errors import ConfigError
 
-__all__ = ["REQUIRED", "SEED_MAX", "ENTRY_POINT_GROUP", "Param", "register_workload",
-           "known_kinds", "get_workload"]
+__all__ = ["REQUIRED", "SEED_MAX", "ENTRY_POINT_GROUP", "MODEL_WORKLOAD", "Param", "load_object",
+           "register_workload", "known_kinds", "get_workload"]
 
 REQUIRED = object()
 
@@ -66,6 +71,10 @@ _BUILTIN = {
     "sage": "hpcpar.run.workloads.graph",
     "gat": "hpcpar.run.workloads.graph",
 }
+
+#: ``module:function(kind, model) -> workload factory``: the built-in workload a plain model
+#: named by ``[model] kind`` trains with (imported by name: this module stays below the runtime)
+MODEL_WORKLOAD = "hpcpar.run.workloads.usermodel:model_workload"
 
 
 def register_workload(kind: str, factory: Callable[..., Any] | None = None) -> Any:
@@ -136,44 +145,114 @@ def _installed_module(kind: str, module: str, origin: str) -> None:
 
 
 def _import_path(kind: str, installed_only: bool = False) -> Callable[..., Any]:
-    """``"package.module:Attr"`` (``Attr`` may be dotted): import the module (also from the
-    working directory, like ``python -m``, unless ``installed_only``) and return the
-    attribute."""
+    """``"package.module:Attr"`` (``Attr`` may be dotted) or ``"file.py:Attr"``: import the
+    module (also from the working directory, like ``python -m``, unless ``installed_only``) and
+    return the attribute (a plain model: its built-in workload)."""
+    if _is_file_kind(kind) and installed_only:
+        raise ConfigError(f"[model] kind {kind!r}: a file path is never imported for a run "
+                          f"directory's kind (plan with the job file that names it)")
+    mod, attr = _import_module(kind, "[model] kind", installed_only)
+    obj = _attribute(kind, mod, attr, "[model] kind")
+    if _is_plain_model(obj):
+        return _model_workload(kind, obj)
+    return _check_factory(kind, obj, attr)
+
+
+def load_object(text: str, field: str) -> Any:
+    """The object an import path ``"package.module:Attr"`` or ``"file.py:Attr"`` names (a
+    user's loss for ``[train] loss``); ``field`` names the job key in messages."""
+    mod, attr = _import_module(text, field)
+    return _attribute(text, mod, attr, field)
+
+
+def _import_module(kind: str, field: str, installed_only: bool = False) -> tuple[Any, str]:
+    """The imported module of an import path and the attribute it names."""
+    if _is_file_kind(kind):
+        module, _, attr = kind.rpartition(":")
+        return _import_file(kind, module, field), attr
     module, _, attr = kind.partition(":")
     names = module.split(".") + attr.split(".")
     if not module or not attr or not all(p.isidentifier() for p in names):
-        raise ConfigError(f"[model] kind {kind!r}: expected a kind name or "
+        raise ConfigError(f"{field} {kind!r}: expected a kind name or "
                           f"'package.module:Callable'")
     if installed_only:
         saved = sys.path[:]
         sys.path[:] = [p for p in saved if not _is_cwd(p)]
         try:
-            mod = importlib.import_module(module)
+            return importlib.import_module(module), attr
         except ModuleNotFoundError as exc:
             if not (exc.name and module.startswith(exc.name)):
                 raise
-            raise ConfigError(f"[model] kind {kind!r}: no installed module {exc.name!r}") \
+            raise ConfigError(f"{field} {kind!r}: no installed module {exc.name!r}") \
                 from None
         finally:
             sys.path[:] = saved
-        return _attribute(kind, mod, attr)
     cwd = os.getcwd()
     for attempt in (0, 1):
         try:
-            mod = importlib.import_module(module)
-            break
+            return importlib.import_module(module), attr
         except ModuleNotFoundError as exc:
             if not (exc.name and module.startswith(exc.name)):
                 raise          # the user's module imports something missing: show it
             if attempt or cwd in sys.path:
-                raise ConfigError(f"[model] kind {kind!r}: cannot import module {exc.name!r} "
+                raise ConfigError(f"{field} {kind!r}: cannot import module {exc.name!r} "
                                   f"(install the package, add its folder to PYTHONPATH, or run "
                                   f"from the folder that holds it)") from None
             sys.path.append(cwd)   # a module next to the job, as `python -m` would find it
-    return _attribute(kind, mod, attr)
+    raise AssertionError("unreachable")
 
 
-def _attribute(kind: str, mod: Any, attr: str) -> Callable[..., Any]:
+def _is_file_kind(kind: str) -> bool:
+    """``"net.py:UNet"`` or ``"models/net.py:UNet"``: a Python file, not a module name."""
+    return kind.rpartition(":")[0].endswith(".py")
+
+
+def _import_file(kind: str, path: str, field: str) -> Any:
+    """The module of a ``file.py:Callable`` kind, loaded from ``path`` (relative to the working
+    directory, where ``hpcpar run`` and its ranks start) under a name made from its absolute
+    path, so two files called ``net.py`` do not collide and every rank loads it once."""
+    full = os.path.abspath(path)
+    if not os.path.isfile(full):
+        raise ConfigError(f"{field} {kind!r}: file {path!r} not found (working directory "
+                          f"{os.getcwd()})")
+    name = "hpcpar_user_" + "".join(c if c.isalnum() else "_" for c in full)
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, full)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    folder = os.path.dirname(full)
+    added = folder not in sys.path
+    if added:   # the model file may import its neighbours, as `python net.py` would
+        sys.path.append(folder)
+    try:
+        spec.loader.exec_module(mod)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return mod
+
+
+def _is_plain_model(obj: Any) -> bool:
+    """An ``nn.Module`` subclass, or a function that is not a workload factory (whose first
+    parameters are ``job, grid, device``) nor carries a kind's ``*_params``."""
+    torch = sys.modules.get("torch")
+    if isinstance(obj, type):
+        return torch is not None and issubclass(obj, torch.nn.Module)
+    if not inspect.isfunction(obj) or any(hasattr(obj, f"{n}_params")
+                                           for n in ("model", "data", "train")):
+        return False
+    params = list(inspect.signature(obj).parameters)
+    return params[:3] != ["job", "grid", "device"]
+
+
+def _model_workload(kind: str, model: Any) -> Callable[..., Any]:
+    module, _, attr = MODEL_WORKLOAD.partition(":")
+    return getattr(importlib.import_module(module), attr)(kind, model)
+
+
+def _attribute(kind: str, mod: Any, attr: str, field: str) -> Any:
     """The (dotted) attribute ``attr`` of the imported module of ``kind``."""
     module = mod.__name__
     obj: Any = mod
@@ -182,10 +261,10 @@ def _attribute(kind: str, mod: Any, attr: str) -> Callable[..., Any]:
             names = [n for n in dir(obj) if not n.startswith("_")]
             hint = difflib.get_close_matches(part, names, n=1)
             more = f" (did you mean {hint[0]!r}?)" if hint else ""
-            raise ConfigError(f"[model] kind {kind!r}: module {module!r} has no attribute "
+            raise ConfigError(f"{field} {kind!r}: module {module!r} has no attribute "
                               f"{attr!r}{more}")
         obj = getattr(obj, part)
-    return _check_factory(kind, obj, attr)
+    return obj
 
 
 def _from_entry_point(kind: str, ep: Any) -> Callable[..., Any]:
@@ -228,7 +307,8 @@ def get_workload(kind: str, untrusted: str | None = None,
                               f"load it from an installed package (never the working "
                               f"directory), or plan with the job file that names it")
         if ":" in kind:
-            _installed_module(kind, kind.partition(":")[0], untrusted)
+            if not _is_file_kind(kind):
+                _installed_module(kind, kind.partition(":")[0], untrusted)
             _REGISTRY[kind] = _import_path(kind, installed_only=True)
     if kind in _REGISTRY:
         return _REGISTRY[kind]

@@ -162,7 +162,7 @@ class VolumeWorkload(Workload):
             self.train_set = ShardedVolumeDataset(_dataset_dir(d["path"], "path"), grid, batch,
                                                   shuffle=d["shuffle"], seed=d["seed"],
                                                   prefetch=d["prefetch"], stage_to=d["stage_to"],
-                                                  verify=d["verify"])
+                                                  verify=d["verify"], **self.augment_kwargs())
             self.check_dataset(job, d["path"], "path", self._sample_shape(self.train_set))
             self.val_set = None
             val, field = d["val_path"], "val_path"
@@ -191,6 +191,11 @@ class VolumeWorkload(Workload):
                             f"{self.transform!r}, the validation set for "
                             f"{val_manifest.transform!r} (manifest field 'transform'); set "
                             f"[data] transform explicitly")
+
+    def augment_kwargs(self) -> dict:
+        """Read-time augmentation of the training set (``ShardedVolumeDataset``'s flip and
+        rot90); none for the built-in kinds."""
+        return {}
 
     @staticmethod
     def resolve_transform(d: dict, manifest) -> str:
