@@ -100,7 +100,8 @@ class ShardFiles:
     """Lazily opened shard files (at most ``MAX_OPEN``). ``pending_bytes``: bytes read while
     opening (the ``y`` arrays) not yet reported by :func:`read_samples`."""
 
-    def __init__(self, paths, x_key: str = "x", y_key: str = "y", opener=None, **open_kwargs):
+    def __init__(self, paths, x_key: str = "x", y_key: str | None = "y", opener=None,
+                 **open_kwargs):
         self.paths, self.x_key, self.y_key = list(paths), x_key, y_key
         self.open_kwargs = open_kwargs
         self.opener = opener or open_h5
@@ -117,11 +118,12 @@ class ShardFiles:
         path = self.paths[shard]
         f = self.opener(path, **self.open_kwargs)
         for key in (self.x_key, self.y_key):
-            if key not in f:
+            if key is not None and key not in f:
                 f.close()
                 raise DataError(f"{path}: missing dataset '{key}'")
         dx = f[self.x_key]
-        y = f[self.y_key][()]
+        # no y_key: inputs only (a volume to predict), an empty row per sample
+        y = np.zeros((dx.shape[0], 0), np.float32) if self.y_key is None else f[self.y_key][()]
         self.pending_bytes += y.nbytes
         entry = OpenShard(f, dx, y, self._raw_fd(path, dx), dx.chunks, dx.dtype, dx.fillvalue)
         self._open[shard] = entry
