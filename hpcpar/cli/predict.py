@@ -38,7 +38,8 @@ __all__ = ["predict"]
 @click.option("--argmax", is_flag=True, help="Store the class index per voxel (one channel).")
 @click.option("--softmax", is_flag=True, help="Softmax over channels per voxel.")
 @click.option("--sigmoid", is_flag=True, help="Sigmoid per voxel.")
-@click.option("--dtype", type=click.Choice(["float32", "float16", "uint8"]), default="float32",
+@click.option("--dtype", type=click.Choice(["float32", "float64", "float16", "uint8"]),
+              default="float32",
               help="Stored type; uint8 stores labels or probabilities x 255.")
 @click.option("--force", is_flag=True,
               help="Overwrite an existing OUT that is not an unfinished prediction.")
@@ -56,6 +57,11 @@ def predict(target, data, out, ranks, grid_spec, model_spec, weights, max_slab, 
         run_ranks,
     )
     from hpcpar.launch.mpiexec import rank_env  # deferred: keeps --help fast
+    from hpcpar.launch.threads import (  # deferred: keeps --help fast
+        thread_env,
+        threads_per_rank,
+        use_threads,
+    )
     from hpcpar.parallel.grid import parse_spec, resolve_shape  # deferred: keeps --help fast
     from hpcpar.run.predict_model import load_model  # deferred: loads torch
     from hpcpar.run.predict_output import check_out  # deferred: loads h5py
@@ -74,9 +80,11 @@ def predict(target, data, out, ranks, grid_spec, model_spec, weights, max_slab, 
     argv += [f"--{f}" for f, on in (("argmax", argmax), ("softmax", softmax),
                                      ("sigmoid", sigmoid), ("force", force)) if on]
     mode = plan_launch(n)
+    threads = threads_per_rank(1)    # OMP_NUM_THREADS, else one per rank (as hpcpar run)
     if mode == "direct":
         from hpcpar.run.predict import main  # deferred: loads torch
 
+        use_threads(threads)
         sys.exit(main(argv[3:]))
-    rc = run_ranks(launch_command(mode, n, argv), rank_env({}))
+    rc = run_ranks(launch_command(mode, n, argv), rank_env(thread_env(threads)))
     sys.exit(EXIT_OK if rc == 0 else rc)

@@ -33,11 +33,11 @@ from hpcpar.parallel.grid import ProcessGrid, rank_of
 from hpcpar.parallel.partition import box, owner, part_range
 
 from . import predict_output as output
-from .slabs import Slab, model_reach, slab_plan
+from .slabs import Slab, model_reach, param_dtype, slab_plan
 
 __all__ = ["Post", "VolumeSource", "predict", "main"]
 
-DTYPES = ("float32", "float16", "uint8")
+DTYPES = ("float32", "float64", "float16", "uint8")
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,8 @@ class Post:
         """The stored values of a piece ``y`` (N, C, d, h, w) as a numpy array."""
         import torch
 
-        y = y.float()
+        if not y.is_floating_point() or y.dtype == torch.float16:
+            y = y.float()
         if self.softmax:
             y = torch.softmax(y, dim=1)
         elif self.sigmoid:
@@ -125,7 +126,8 @@ def _out_shape(model, in_channels: int, size: tuple) -> tuple[int, ...]:
     import torch
 
     with torch.no_grad():
-        y = copy.deepcopy(model).to("meta")(torch.empty(1, in_channels, *size, device="meta"))
+        y = copy.deepcopy(model).to("meta")(torch.empty(1, in_channels, *size, device="meta",
+                                                        dtype=param_dtype(model)))
     if not isinstance(y, torch.Tensor) or y.dim() != 5 or tuple(y.shape[2:]) != tuple(size):
         got = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
         raise ConfigError(f"predict: the model's output for a (1, {in_channels}, "
@@ -222,7 +224,7 @@ def predict(model: Any, source: str | os.PathLike, out: str | os.PathLike,
     writer = output.Output(
         out, (n, post.channels(out_c), *size), post.dtype, comm, regions, settings, mpio)
     net = spatialize(model, grid).eval()
-    ptype = next(iter(model.parameters()), torch.empty(0)).dtype
+    ptype = param_dtype(model)
     files = src.files()
     d_idx, coords, spatial = grid.coords[0], grid.spatial_coords, grid.spatial_shape
     a, b = part_range(n, grid.shape[0], d_idx)

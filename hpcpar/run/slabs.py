@@ -5,8 +5,10 @@ the volume) and only they are kept. They equal the whole-volume forward's when
 
 - the margin ``M`` covers how far a slab's own edges (zero padding where the volume goes on,
   a pool dropping a short tail, a size match padding an up-sampled level) can reach into it:
-  each stencil layer widens that reach by its window plus its stride, counted in input voxels
-  (times the layer's jump, the input voxels per voxel of its level). The windows come from
+  a stencil layer with window ``d(k-1)+1``, left padding ``p`` and stride ``s`` widens that
+  reach by ``max(p, d(k-1)-p) + s-1`` of its input voxels, a transposed one by the inputs
+  one output reads, each counted in the model's input voxels (times the layer's jump, the
+  input voxels per voxel of its level), plus one stride. The windows come from
   the same geometry as the layers' halos (:func:`hpcpar.parallel.partition.stencil_input_range`,
   :func:`~hpcpar.parallel.partition.transposed_input_range`); summed over every layer the
   forward visits, skip connections included, the reach is over-estimated, never under;
@@ -28,9 +30,9 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from hpcpar.errors import ConfigError
-from hpcpar.parallel.partition import stencil_input_range, transposed_input_range
+from hpcpar.parallel.partition import conv_pads, stencil_input_range, transposed_input_range
 
-__all__ = ["Slab", "Reach", "model_reach", "slab_plan"]
+__all__ = ["Slab", "Reach", "param_dtype", "model_reach", "slab_plan"]
 
 PROBE = 2 ** 8 * 3 ** 2 * 5  # D length of the meta probe: divisible by common stride products
 
@@ -53,6 +55,13 @@ class Reach:
     stride: int
 
 
+def param_dtype(model):
+    """The type the model computes in: its first parameter's (float32 without any)."""
+    import torch
+
+    return next(iter(model.parameters()), torch.empty(0)).dtype
+
+
 def _first(v) -> int:
     return int(v[0] if isinstance(v, tuple) else v)
 
@@ -71,8 +80,9 @@ def _layer_reach(module, n_in: int, n_out: int) -> tuple[int, Fraction] | None:
         k = _first(module.kernel_size)
         s = _first(module.stride if module.stride is not None else k)
         d = _first(getattr(module, "dilation", 1))
-        a, b = stencil_input_range(0, 1, k, s, 0, d)
-        return b - a - 1 + s, Fraction(s)
+        p = conv_pads(module.padding, 0, k, d)[0]
+        a, b = stencil_input_range(0, 1, k, s, p, d)   # output 0 reads inputs [a, b)
+        return max(-a, b - 1) + s - 1, Fraction(s)
     if isinstance(module, nn.Upsample) or n_in != n_out:
         if n_in == 0:
             return None
@@ -112,7 +122,8 @@ def model_reach(model, in_channels: int, hw: tuple[int, int]) -> Reach:
                if not list(m.children())]
     try:
         with torch.no_grad():
-            meta(torch.empty(1, in_channels, PROBE, *hw, device="meta"))
+            meta(torch.empty(1, in_channels, PROBE, *hw, device="meta",
+                             dtype=param_dtype(model)))
     finally:
         for h in handles:
             h.remove()

@@ -23,8 +23,8 @@ SHAPE = (3, 1, 23, 17, 6)  # N, C, D, H, W: 23 and 17 prime, split over x and y
 
 
 def trained_unet():
-    """A UNet3D with batch norm whose running statistics are not the defaults (as after
-    training), in eval mode."""
+    """A UNet3D with batch norm whose statistics and affine terms are not the defaults (as
+    after training; positive shifts keep the ReLUs alive), in eval mode."""
     from hpcpar.models import UNet3D
 
     torch.manual_seed(5)
@@ -32,8 +32,11 @@ def trained_unet():
     g = torch.Generator().manual_seed(6)
     for m in model.modules():
         if isinstance(m, torch.nn.BatchNorm3d):
-            m.running_mean.copy_(torch.randn(m.num_features, generator=g) * 0.3)
-            m.running_var.copy_(torch.rand(m.num_features, generator=g) + 0.5)
+            n = m.num_features
+            m.running_mean.copy_(torch.randn(n, generator=g) * 0.1)
+            m.running_var.copy_(torch.rand(n, generator=g) + 0.5)
+            m.weight.data.copy_(torch.rand(n, generator=g) + 0.5)
+            m.bias.data.copy_(torch.rand(n, generator=g) * 0.5 + 0.2)
     return model.eval()
 
 
@@ -91,15 +94,18 @@ def test_predict_equals_one_process_forward(comm):
 
 @mpi_case(nprocs=(1, 2), timeout=600)
 def test_tiled_equals_untiled(comm):
+    """In float64, so that a margin too small by a few voxels (an error of 1e-8 here) shows."""
     from hpcpar import ProcessGrid, predict
+    from hpcpar.run.predict import Post
     from hpcpar.run.slabs import model_reach, slab_plan
 
-    model = trained_unet()
+    model = trained_unet().double()
     shape = (1, 1, 131, 7, 5)   # 131 prime: slabs of 8 (rounded to the stride 4) cut it
     reach = model_reach(model, 1, shape[3:])
     slabs = slab_plan(shape[2], 8, reach)
     assert reach.stride == 4 and len(slabs) == 17
     assert any(0 < s.lo or s.hi < shape[2] for s in slabs)   # some slabs do not see it all
+    f64 = Post(dtype="float64")
     with shared_tmpdir(comm, prefix="hpcpar-test-predict-") as tmp:
         src = os.path.join(tmp, "in.h5")
         if comm.rank == 0:
@@ -107,14 +113,15 @@ def test_tiled_equals_untiled(comm):
         comm.Barrier()
         grid = ProcessGrid(1, comm.size, 1, 1, comm=comm)
         whole, tiled = os.path.join(tmp, "whole.h5"), os.path.join(tmp, "tiled.h5")
-        predict(model, src, whole, grid)
-        record = predict(model, src, tiled, grid, max_slab=8)
+        predict(model, src, whole, grid, post=f64)
+        record = predict(model, src, tiled, grid, max_slab=8, post=f64)
         assert record["slabs"] == 17 and record["margin"] == reach.margin
         if comm.rank == 0:
             a, b = read_back(whole)[0], read_back(tiled)[0]
-            np.testing.assert_allclose(b, a, rtol=0, atol=1e-5)
+            np.testing.assert_allclose(b, a, rtol=0, atol=1e-12)
             with h5py.File(src, "r") as f:
-                np.testing.assert_allclose(b, reference(model, f["x"][()]), rtol=0, atol=1e-5)
+                x = torch.from_numpy(f["x"][()]).double()
+            np.testing.assert_allclose(b, reference(model, x.numpy()), rtol=0, atol=1e-12)
         grid.free()
 
 
@@ -180,3 +187,34 @@ def test_force_rule_and_incomplete_output(run_cli, tmp_path, model_files):
     assert rc == 0, err
     y, complete, _ = read_back(user)
     assert complete == 1 and y.shape == (40, 1, 9, 8, 7)
+
+
+def test_run_directory_model_on_two_ranks(run_cli, tmp_path):
+    """The model of a run's newest checkpoint (written on 1 rank) predicts on 2 ranks; the
+    label channel of a unet3d sample is not read."""
+    from hpcpar.models import UNet3D
+    from hpcpar.run.checkpoint import list_checkpoints
+    from hpcpar.testing.cli_run import CliRun, tiny_job_toml
+
+    job = tmp_path / "unet.toml"
+    job.write_text(tiny_job_toml(x=1, kind="unet3d", steps="2", checkpoint="every = 2")
+                   .replace("n_conv_blocks = 2\n", "depth = 1\n").replace("dense = [16]\n", ""))
+    run = CliRun([job, "-n", "1", "--run-dir", tmp_path / "run"], tmp_path / "run.out")
+    assert run.finish(timeout=300) == 0, (tmp_path / "run.out").read_text()
+    model = UNet3D(in_channels=1, out_channels=2, base_filters=4, depth=1)
+    step = list_checkpoints(tmp_path / "run" / "checkpoints")[0]
+    model.load_state_dict(torch.load(step / "model.pt", weights_only=True))
+    src = tmp_path / "in.h5"
+    x = volume(src, (2, 2, 19, 13, 8), seed=4)
+    out = tmp_path / "out.h5"
+    rc, _, err = run_cli(["predict", str(tmp_path / "run"), "--data", str(src), "--out",
+                          str(out), "-n", "2", "--grid", "1x2x1x1"])
+    assert rc == 0, err
+    y, complete, _ = read_back(out)
+    assert complete == 1
+    np.testing.assert_allclose(y, reference(model.eval(), x[:, :1]), rtol=0, atol=1e-5)
+    rc, _, err = run_cli(["predict", str(step), "--data", str(src), "--out", str(out),
+                          "--force", "--softmax"])
+    assert rc == 0, err
+    ref = torch.softmax(torch.from_numpy(reference(model, x[:, :1])), dim=1).numpy()
+    np.testing.assert_allclose(read_back(out)[0], ref, rtol=0, atol=1e-5)
