@@ -220,7 +220,7 @@ def predict(model: Any, source: str | os.PathLike, out: str | os.PathLike,
     settings = {"source": os.fspath(source), "grid": grid.spec(), "samples": n,
                 "slabs": len(slabs), "margin": reach.margin if reach else 0, **asdict(post)}
     mpio = _has_mpio()
-    regions = [] if mpio else _regions(grid, n, slabs, size)
+    regions = _regions(grid, n, slabs, size) if not mpio and grid.rank == 0 else []
     writer = output.Output(
         out, (n, post.channels(out_c), *size), post.dtype, comm, regions, settings, mpio)
     net = spatialize(model, grid).eval()
@@ -252,12 +252,14 @@ def predict(model: Any, source: str | os.PathLike, out: str | os.PathLike,
                 progress({"sample": sample, "done": sample - a + 1, "of": b - a, "seconds": dt})
     finally:
         files.close()
-    stats = comm.allgather((voxels / busy if busy else 0.0, _peak_rss()))
-    rates = [r for r, _ in stats]
-    record = {**settings, "wall_s": round(time.perf_counter() - start, 3),
+    # the same record on every rank (mpio writes it collectively): the slowest rank's time
+    stats = comm.allgather((voxels / busy if busy else 0.0, _peak_rss(),
+                            time.perf_counter() - start))
+    rates = [r for r, _, _ in stats]
+    record = {**settings, "wall_s": round(max(t for _, _, t in stats), 3),
               "voxels_per_s_per_rank_min": round(min(rates), 1),
               "voxels_per_s_per_rank_mean": round(sum(rates) / len(rates), 1),
-              "peak_rss_bytes_max": max(m for _, m in stats)}
+              "peak_rss_bytes_max": max(m for _, m, _ in stats)}
     writer.close(record)
     comm.Barrier()
     return record

@@ -109,8 +109,8 @@ class Output:
         shape: (N, C, D, H, W) of ``y``.
         dtype: Its element type.
         comm: The grid's communicator.
-        regions: Every rank's pieces, ``[(rank, sample, ((d0, d1), (h0, h1), (w0, w1))), ...]``
-            (the virtual data set's map; unused with ``mpio``).
+        regions: On rank 0, every rank's pieces, ``[(rank, sample, ((d0, d1), (h0, h1),
+            (w0, w1))), ...]`` (the virtual data set's map; unused with ``mpio``).
         settings: What produced it (stored as JSON in the ``hpcpar_predict`` attribute).
         mpio: Write one file collectively (h5py with MPI).
     """
