@@ -37,6 +37,7 @@ _LAZY = {
     "register_workload": ("hpcpar.run.workloads.base", "register_workload"),
     "load_job": ("hpcpar.formats.jobspec", "load_job"),
     "train": ("hpcpar.run.trainer", "train"),
+    "predict": ("hpcpar.run.predict", "predict"),
 }
 
 
@@ -45,6 +46,6 @@ __getattr__ = lazy_getattr("hpcpar", _LAZY)
 
 __all__ = ["__version__", "ProcessGrid", "DistributedDataParallel", "DDP", "spatialize",
            "ShardedVolumeDataset", "DistGraph", "RunRecorder", "Workload", "register_workload",
-           "load_job", "train",
+           "load_job", "train", "predict",
            "HpcparError", "ConfigError", "GridError", "LayerError", "CommError", "DataError",
            "RunDirError", "DivergedError", "LaunchError"]

@@ -33,6 +33,9 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
     "plan": ("hpcpar plan jobs/cosmoflow-512-spatial.toml -n 64 --machine perlmutter",
              "hpcpar plan job.toml -n 8 --json",
              "hpcpar plan --calibrate"),
+    "predict": ("hpcpar predict runs/demo-unet3d --data volumes.h5 --out pred.h5 -n 2 --argmax",
+                "hpcpar predict --model net.py:UNet --weights model.pt --data data/vol "
+                "--out pred.h5 -n 4 --grid 1x2x2x1 --max-slab 64"),
     "schema": ("hpcpar schema > hpcpar-job.schema.json",
                "hpcpar schema --kind unet3d",
                "hpcpar schema --kind my_pkg.workload:MyWorkload -o schema.json"),

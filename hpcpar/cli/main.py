@@ -29,6 +29,8 @@ COMMANDS = {
     "data": ("hpcpar.cli.data", "data", "Make, inspect, verify and re-shard datasets."),
     "plan": ("hpcpar.cli.plan", "plan", "Predict step time for every grid; pick one."),
     "schema": ("hpcpar.cli.schema", "schema", "The job file schema as JSON Schema."),
+    "predict": ("hpcpar.cli.predict", "predict",
+                "Whole-volume inference with a trained model, split over ranks."),
 }
 
 

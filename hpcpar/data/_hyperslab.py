@@ -102,7 +102,8 @@ class ShardFiles:
     """Lazily opened shard files (at most ``MAX_OPEN``). ``pending_bytes``: bytes read while
     opening (the ``y`` arrays) not yet reported by :func:`read_samples`."""
 
-    def __init__(self, paths, x_key: str = "x", y_key: str = "y", opener=None, **open_kwargs):
+    def __init__(self, paths, x_key: str = "x", y_key: str | None = "y", opener=None,
+                 **open_kwargs):
         self.paths, self.x_key, self.y_key = list(paths), x_key, y_key
         self.open_kwargs = open_kwargs
         self.opener = opener or open_h5
@@ -119,11 +120,14 @@ class ShardFiles:
         path = self.paths[shard]
         f = self.opener(path, **self.open_kwargs)
         for key in (self.x_key, self.y_key):
-            if key not in f:
+            if key is not None and key not in f:
                 f.close()
                 raise DataError(f"{path}: missing dataset '{key}'")
         dx = f[self.x_key]
-        y = f[self.y_key]
+        if self.y_key is None:  # inputs only (a volume to predict): an empty row per sample
+            y = np.zeros((dx.shape[0], 0), np.float32)
+        else:
+            y = f[self.y_key]
         if y.ndim != 4:    # per-sample targets: small, loaded at open; a label volume
             y = y[()]      # (N, D, H, W) is read by hyperslab like x
             self.pending_bytes += y.nbytes
