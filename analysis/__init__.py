@@ -7,13 +7,14 @@ May import: hpcpar.errors, hpcpar.formats (the record format and the job spec).
 """
 
 from .expect import check_expectations, read_expectations
-from .load import find_runs, load, load_run
+from .load import find_runs, load, load_run, load_run_parts
 from .scaling import TABLE_COLUMNS, detect_mode, scaling_table
 from .settings import resolved_settings, settings_hash, split_unlike
 from .stats import PHASES, drop_warmup
 from .synthetic import synthetic_run
 
-__all__ = ["load", "load_run", "find_runs", "scaling_table", "detect_mode", "drop_warmup",
+__all__ = ["load", "load_run", "load_run_parts", "find_runs", "scaling_table", "detect_mode",
+           "drop_warmup",
            "TABLE_COLUMNS", "PHASES", "synthetic_run", "write_report", "write_comparison",
            "resolved_settings", "settings_hash", "split_unlike", "read_expectations",
            "check_expectations"]

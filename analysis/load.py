@@ -11,6 +11,7 @@ an impossible time (zero, negative, infinite) are left out the same way (``suspe
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from collections.abc import Sequence
@@ -24,7 +25,7 @@ from hpcpar.formats.records import COLUMN_NAMES, read_meta, read_steps
 from .settings import resolved_settings, settings_hash
 from .suspect import impossible_steps
 
-__all__ = ["RUN_COLUMNS", "find_runs", "load_run", "load"]
+__all__ = ["RUN_COLUMNS", "find_runs", "load_run", "load_run_parts", "load"]
 
 #: Columns of the run table (one row per run directory).
 RUN_COLUMNS = ("run", "name", "config", "job_name", "ranks", "nodes", "grid_spec",
@@ -33,7 +34,7 @@ RUN_COLUMNS = ("run", "name", "config", "job_name", "ranks", "nodes", "grid_spec
                "git_commit", "hpcpar_version", "torch", "mpi_library", "steps_recorded",
                "steps_complete", "partial", "note", "cores_per_node", "ranks_per_node",
                "threads_per_rank", "oversubscribed", "settings_hash", "settings", "load_before",
-               "load_after")
+               "load_after", "run_dir")
 
 
 def find_runs(paths: Sequence[str | os.PathLike] | str | os.PathLike) -> list[Path]:
@@ -139,7 +140,8 @@ def _check_types(meta: dict, path: Path) -> None:
 
 
 def load_run(run_dir: str | os.PathLike) -> tuple[dict, pd.DataFrame]:
-    """Load one run directory.
+    """Load one run directory (the steps of its last segment's grid, when its segments ran
+    on several: :func:`load_run_parts` gives each grid's).
 
     Damaged step records (a missing or unreadable rank file, garbage lines, a truncated
     steps.parquet) make the run partial, with notes in its facts.
@@ -154,6 +156,18 @@ def load_run(run_dir: str | os.PathLike) -> tuple[dict, pd.DataFrame]:
         RunDirError: A meta.json that cannot be read or holds malformed fields (the run
             cannot be placed in a table).
     """
+    return load_run_parts(run_dir)[-1]
+
+
+def load_run_parts(run_dir: str | os.PathLike) -> list[tuple[dict, pd.DataFrame]]:
+    """Load one run directory as one ``(facts, steps)`` per grid its segments ran on (a
+    resume may change the grid): steps timed on one grid are never pooled with, or labelled
+    as, another's. A run on one grid is one part, named as the run; each part of a run on
+    several is ``RUN [grid G]`` with that grid's ranks, nodes and segment starts.
+
+    Raises:
+        RunDirError: As :func:`load_run`.
+    """
     run_dir = Path(run_dir)
     meta = read_meta(run_dir)
     try:
@@ -162,8 +176,43 @@ def load_run(run_dir: str | os.PathLike) -> tuple[dict, pd.DataFrame]:
         raise RunDirError(f"{run_dir / 'meta.json'}: malformed field ({exc})") from None
 
 
-def _load_run(run_dir: Path, meta: dict) -> tuple[dict, pd.DataFrame]:
-    ranks = _ranks(meta, run_dir / "meta.json")
+def _segment_grids(meta: dict) -> list[dict]:
+    """The segments that recorded steps, each with its grid (``grid_spec``, ``ranks``,
+    ``nodes``), in order; [] when some segment does not say its grid (records written before
+    segments recorded it: the run's grid then stands for all of them)."""
+    segs = [s for s in meta.get("segments") or [] if isinstance(s, dict)
+            and s.get("first_step") is not None]
+    if not all(isinstance(s.get("grid_spec"), str) for s in segs):
+        return []
+    return segs
+
+
+def _grid_parts(meta: dict, steps: pd.DataFrame) -> list[tuple[dict, pd.DataFrame]]:
+    """Split ``steps`` by the grid of the segment that recorded them (a later segment
+    replaces the rows from its first step on, as the records' merge does): one
+    ``(grid facts, steps)`` per grid, the grid of the run's last segment last; ``({}, steps)``
+    for a run on one grid."""
+    segs = _segment_grids(meta)
+    specs = list(dict.fromkeys(s["grid_spec"] for s in segs))
+    if len(specs) < 2:
+        return [({}, steps)]
+    owner = pd.Series(segs[0]["grid_spec"], index=steps.index, dtype=object)
+    for seg in segs[1:]:
+        owner[steps["step"] >= int(seg["first_step"])] = seg["grid_spec"]
+    last = segs[-1]["grid_spec"]
+    parts = []
+    for spec in sorted(specs, key=lambda g: g == last):
+        mine = [s for s in segs if s["grid_spec"] == spec]
+        shape = [int(v) for v in spec.split("x")]
+        parts.append(({"grid_spec": spec, "grid": dict(zip(("data", "x", "y", "z"), shape)),
+                       "ranks": math.prod(shape), "nodes": mine[-1].get("nodes"),
+                       "segment_starts": [int(s["first_step"]) for s in mine]},
+                      steps[owner == spec]))
+    return parts
+
+
+def _load_run(run_dir: Path, meta: dict) -> list[tuple[dict, pd.DataFrame]]:
+    _ranks(meta, run_dir / "meta.json")
     _check_types(meta, run_dir / "meta.json")
     notes = []
     status = meta.get("status", "?")
@@ -180,6 +229,15 @@ def _load_run(run_dir: Path, meta: dict) -> tuple[dict, pd.DataFrame]:
         steps = pd.DataFrame({c: pd.Series(dtype="float64") for c in COLUMN_NAMES})
         if "no step records" not in str(exc):
             notes.append(str(exc).replace(f"{run_dir}/", ""))
+    return [_load_part(run_dir, meta, list(notes), grid, part)
+            for grid, part in _grid_parts(meta, steps)]
+
+
+def _load_part(run_dir: Path, meta: dict, notes: list, grid: dict,
+               steps: pd.DataFrame) -> tuple[dict, pd.DataFrame]:
+    """The run table row and complete steps of a run's steps on one grid (``grid``: that
+    grid's facts when the run's segments ran on several, else {})."""
+    ranks = _ranks({**meta, **grid}, run_dir / "meta.json")
     recorded = int(steps["step"].nunique())
     if recorded == 0:
         notes.append("no step records")
@@ -194,16 +252,21 @@ def _load_run(run_dir: Path, meta: dict) -> tuple[dict, pd.DataFrame]:
     versions = meta.get("versions") or {}
     machine = meta.get("machine") or {}
     settings = resolved_settings(meta)
+    label = f" [grid {grid['grid_spec']}]" if grid else ""
+    starts = grid.get("segment_starts", [int(s["first_step"]) for s in meta.get("segments")
+                                         or [] if s.get("first_step") is not None])
+    status = meta.get("status", "?")
     facts = {
-        "run": str(run_dir), "name": run_dir.name,
+        "run": str(run_dir) + label, "name": run_dir.name + label,
         "config": str(meta.get("config") or meta.get("job_name") or "run"),
-        "job_name": meta.get("job_name"), "ranks": ranks, "nodes": meta.get("nodes"),
-        "grid_spec": meta.get("grid_spec"), "spatial_size": _spatial_size(meta),
+        "job_name": meta.get("job_name"), "ranks": ranks,
+        "nodes": grid.get("nodes", meta.get("nodes")),
+        "grid_spec": grid.get("grid_spec", meta.get("grid_spec")),
+        "spatial_size": _spatial_size({**meta, **grid}),
         "global_batch": meta.get("global_batch"), "problem_size": meta.get("problem_size"),
         "timing_warmup": _optional_int(meta.get("timing_warmup")), "status": status,
         "start_time": meta.get("start_time"), "end_time": meta.get("end_time"),
-        "segment_starts": [int(s["first_step"]) for s in meta.get("segments") or []
-                           if s.get("first_step") is not None],
+        "segment_starts": starts,
         "hostnames": ",".join(meta.get("hostnames") or []), "slurm_job_id": slurm.get("job_id"),
         "git_commit": (meta.get("git") or {}).get("commit"),
         "hpcpar_version": versions.get("hpcpar"), "torch": versions.get("torch"),
@@ -215,6 +278,7 @@ def _load_run(run_dir: Path, meta: dict) -> tuple[dict, pd.DataFrame]:
         "oversubscribed": machine.get("oversubscribed"),
         "settings_hash": settings_hash(settings) if settings else None, "settings": settings,
         "load_before": _load1(meta, "before"), "load_after": _load1(meta, "after"),
+        "run_dir": str(run_dir),
     }
     kept = kept.assign(run=facts["run"], config=facts["config"], ranks=ranks)
     return facts, kept.reset_index(drop=True)
@@ -243,12 +307,13 @@ def load(paths: Sequence[str | os.PathLike] | str | os.PathLike,
     facts, frames, reasons = [], [], []
     for run in find_runs(paths):
         try:
-            f, s = load_run(run)
+            parts = load_run_parts(run)
         except RunDirError as exc:
             reasons.append(str(exc))
             continue
-        facts.append(f)
-        frames.append(s)
+        for f, s in parts:
+            facts.append(f)
+            frames.append(s)
     if reasons and not facts:
         more = f" (and {len(reasons) - 1} more)" if len(reasons) > 1 else ""
         raise RunDirError(f"no readable run records: {reasons[0]}{more}")

@@ -57,7 +57,7 @@ def predicted_vs_measured(table: pd.DataFrame, runs: pd.DataFrame,
             if not len(mine):
                 raise HpcparError("no run")
             first = mine.iloc[0]
-            job = read_meta(first["run"]).get("job")
+            job = read_meta(first.get("run_dir") or first["run"]).get("job")
             if not isinstance(job, dict):
                 raise HpcparError("the run recorded no job spec")
             pred = predict_point(job, _grid(first["grid_spec"]))

@@ -77,8 +77,42 @@ class LRFactor:
         return 1.0
 
 
-def build_scheduler(optimizer, train, total_steps: int):
+def _inner(optimizer):
+    return getattr(optimizer, "optimizer", optimizer)   # a ShardedOptimizer's torch one
+
+
+def build_scheduler(optimizer, train, total_steps: int, start: int = 0):
+    """The job's lr schedule over ``total_steps``, at step ``start`` (a resume: the groups'
+    ``initial_lr`` is the peak lr, as a new schedule sets it)."""
     import torch
 
-    inner = getattr(optimizer, "optimizer", optimizer)   # a ShardedOptimizer's torch one
-    return torch.optim.lr_scheduler.LambdaLR(inner, LRFactor(train, total_steps))
+    return torch.optim.lr_scheduler.LambdaLR(_inner(optimizer), LRFactor(train, total_steps),
+                                             last_epoch=start - 1)
+
+
+def hyperparameters(optimizer) -> list[dict]:
+    """Every param group's settings (lr, weight_decay, betas, momentum, ...), no parameters:
+    what the job set, taken before a checkpoint's ``load_state_dict`` restores its own."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in _inner(optimizer).param_groups]
+
+
+#: what a LambdaLR's state_dict holds of the schedule (the rest are its step counters)
+_SCHEDULE_KEYS = ("base_lrs", "lr_lambdas", "_last_lr")
+
+
+def resume_settings(optimizer, train, total_steps: int, settings: list[dict], saved: dict):
+    """After loading a checkpoint's optimizer state: the job's ``settings`` (from
+    :func:`hyperparameters`) in force again, and the job's schedule at the checkpoint's step
+    with the checkpoint's step counters (``saved``: its scheduler state, whose own schedule,
+    length and peak lr are the old job's). Returns the scheduler."""
+    for group, mine in zip(_inner(optimizer).param_groups, settings, strict=True):
+        group.update(mine)
+    scheduler = build_scheduler(optimizer, train, total_steps, int(saved["last_epoch"]))
+    ours = scheduler.state_dict()
+    scheduler.load_state_dict({**saved, **{k: ours[k] for k in _SCHEDULE_KEYS if k in ours}})
+    return scheduler
+
+
+def current_lr(optimizer) -> float:
+    """The lr the next optimizer step uses (the first param group's)."""
+    return float(_inner(optimizer).param_groups[0]["lr"])

@@ -35,10 +35,11 @@ from hpcpar.run.checkpoint import (
     list_checkpoints,
     set_aside,
 )
+from hpcpar.run.data_identity import check_same_data
 
-__all__ = ["default_run_dir", "grid_report", "check_from", "decide", "prepare", "supersede",
-           "SUPERSEDED_SUFFIX", "copy_job_file", "segments", "settle_settings", "agreed",
-           "outcome"]
+__all__ = ["default_run_dir", "grid_report", "check_from", "nothing_left", "decide", "prepare",
+           "supersede", "SUPERSEDED_SUFFIX", "copy_job_file", "segments", "settle_settings",
+           "agreed", "outcome"]
 
 #: suffix of the checkpoints newer than the one ``--from`` resumed: kept, never resumed
 SUPERSEDED_SUFFIX = ".superseded"
@@ -94,12 +95,47 @@ def check_from(rd: Path, job, grid_spec: str, start_from: Path | None, fresh: bo
                           f"first, or drop --fresh")
 
 
+def nothing_left(path: Path, step: int, total: int, field: str) -> str | None:
+    """The one line refusing a resume from checkpoint ``path`` at ``step`` that leaves none
+    of the job's ``total`` steps to train (``field``: where the count comes from); None when
+    some remain. A run ending there would report the checkpoint's training as its own."""
+    if step < total:
+        return None
+    where = "past" if step > total else "at"
+    return (f"{path}: checkpoint of step {step}, {where} the job's last step {total} "
+            f"({field}): nothing to train; ask for more steps, or resume from an earlier "
+            f"checkpoint (--from)")
+
+
+def _check_steps_left(rd: Path, job, start_from: Path | None, changed: bool) -> None:
+    """A checkpoint at or past ``[train] steps`` (with ``--from``, or a resume with changed
+    settings, which no step would use) or past it (any resume) is refused before anything
+    changes; with ``[train] epochs`` the ranks check it (:class:`hpcpar.run.trainer.Trainer`)."""
+    total = job.train.steps
+    if total is None:
+        return
+    if start_from is not None:
+        path, exact = start_from, True
+    else:
+        newest = list_checkpoints(rd / "checkpoints")
+        if not newest:
+            return
+        path, exact = newest[0], changed
+    step = checkpoint_step(path)
+    if step is not None and (step > total or exact):
+        line = nothing_left(path, step, int(total), f"[train] steps = {total}")
+        if line is not None:
+            raise RunDirError(line)
+
+
 def decide(rd: Path, job, grid_spec: str, fresh: bool, new_settings: bool,
            start_from: Path | None = None) -> tuple:
     """Read-only: what to do with run directory ``rd``: ("run", diff), ("finished", message);
     raises a one-line error (nothing in ``rd`` changed) when the rerun is refused. With
     ``start_from`` (``--from``) a finished run runs again from that checkpoint."""
     check_from(rd, job, grid_spec, start_from, fresh)
+    if start_from is not None:
+        _check_steps_left(rd, job, start_from, True)
     if rd.exists() and not rd.is_dir():
         raise RunDirError(f"--run-dir {rd}: exists and is not a directory")
     if rd.is_symlink() and not rd.exists():
@@ -117,14 +153,16 @@ def decide(rd: Path, job, grid_spec: str, fresh: bool, new_settings: bool,
                           f"{rundir.describe_diff(settings)}; run with the same settings to "
                           f"resume (--grid may change), --new-settings to continue with these, "
                           f"--fresh to start over (old files moved aside), or another --run-dir")
-    if start_from is not None:
-        return "run", diff
-    meta = rundir.finished_status(rd)
+    meta = rundir.finished_status(rd) if start_from is None else None
     if meta is not None and not settings:
         steps = (meta.get("job") or {}).get("train", {}).get("steps")
         return "finished", (f"hpcpar: {rd}: already finished (status ok"
                             + (f", {steps} steps" if steps else "") + "); nothing to do "
                             "(--fresh starts over)")
+    if not new_settings:
+        check_same_data(rd, job)
+    if start_from is None:
+        _check_steps_left(rd, job, None, bool(settings))
     return "run", diff
 
 

@@ -47,6 +47,7 @@ from hpcpar.errors import (
     DataError,
     DivergedError,
     HpcparError,
+    RunDirError,
 )
 from hpcpar.formats.jobspec import load_resolved, profile_window
 from hpcpar.formats.records import RunRecorder, row_from_counters, write_json_atomic
@@ -54,10 +55,17 @@ from hpcpar.parallel.counters import COUNTERS
 from hpcpar.parallel.grid import ProcessGrid
 from hpcpar.parallel.placement import rank_info, select_device
 from hpcpar.run import checkpoint as ckpt
-from hpcpar.run import init_weights, rundir
-from hpcpar.run._optim import build_scheduler, build_training_optimizer
+from hpcpar.run import init_weights, rerun, rundir
+from hpcpar.run._optim import (
+    build_scheduler,
+    build_training_optimizer,
+    current_lr,
+    hyperparameters,
+    resume_settings,
+)
 from hpcpar.run.callbacks import job_callbacks
 from hpcpar.run.checkpoint_writer import CheckpointWriter
+from hpcpar.run.data_identity import data_identity
 from hpcpar.run.grad_clip import clip_, norm_share, spatial_share, squared_norm
 from hpcpar.run.loss_scale import LossScaler
 from hpcpar.run.profiling import ProfileWindow
@@ -274,6 +282,7 @@ class Trainer:
             self._resume(Path(start_from))
         elif resume:
             self._resume()
+        self._check_steps_left(start_from is not None)
         if self.resumed_from is None and job.train.init_from:
             self._init_weights(job.train.init_from)
 
@@ -326,8 +335,11 @@ class Trainer:
         ckpt.check_optimizer(path, self.optimizer, self.job.train.optimizer,
                              trainer_sd["optimizer"])
         ckpt.restore_buffers(self.model, rank_sd["buffers"])
+        settings = hyperparameters(self.optimizer)
         ckpt.load_full_optimizer_state(self.model, self.optimizer, trainer_sd["optimizer"])
-        self.scheduler.load_state_dict(trainer_sd["scheduler"])
+        # the state is the checkpoint's, the settings the job's (its lr, betas, schedule...)
+        self.scheduler = resume_settings(self.optimizer, self.job.train, self.total, settings,
+                                         trainer_sd["scheduler"])
         self.history = ckpt.history_rows(trainer_sd.get("history"))
         self.val_history = ckpt.history_rows(trainer_sd.get("val_history"))
         self.skipped = int(trainer_sd.get("skipped_steps", 0))
@@ -339,6 +351,18 @@ class Trainer:
         self.step = int(manifest["step"])
         self.resumed_from = path
         self.log(f"resumed from {path} at step {self.step}")
+
+    def _check_steps_left(self, chosen: bool) -> None:
+        """Collective: a checkpoint past the job's step count (or at it, chosen with
+        ``--from``) leaves nothing to train; refused, never "done" with its training."""
+        if self.resumed_from is None or (self.step == self.total and not chosen):
+            return      # a resume at the last step finishes what a crash left undone
+        t = self.job.train
+        field = f"[train] steps = {t.steps}" if t.steps is not None else \
+            f"[train] epochs = {t.epochs}"
+        line = rerun.nothing_left(self.resumed_from, self.step, self.total, field)
+        if line is not None:
+            raise _collective(RunDirError(line))
 
     def _init_weights(self, path: str) -> None:
         """Collective: start this new run from plain single-process weights
@@ -502,6 +526,7 @@ class Trainer:
         verdict = self._agree(self.stop.received, loss, not self._grads_ok)
         t4 = time.perf_counter()
         scale = self.scaler.scale if self.scaler is not None else None
+        lr = current_lr(self.optimizer)
         if verdict.finite:
             self._clip(verdict)
             self.optimizer.step()
@@ -522,7 +547,7 @@ class Trainer:
         row.update(step=self.step, loss=loss, t_data=t_data, t_fwd=t_fwd,
                    t_bwd=max(0.0, bwd), t_opt=t5 - t4, t_step=t5 - t_start, t_check=t_check,
                    samples=samples, peak_mem=peak_memory(self.device),
-                   skipped=int(not verdict.finite), loss_scale=scale)
+                   skipped=int(not verdict.finite), loss_scale=scale, lr=lr)
         return row, loss, verdict
 
     def _schedule_step(self, stepped: bool) -> None:
@@ -678,7 +703,9 @@ class Trainer:
         recorder = RunRecorder(self.run_dir, self.grid, resume=resume, meta={
             "job_name": job.name, "job": job.to_dict(), "job_file": job.source,
             "global_batch": job.train.global_batch, "kind": job.model.kind,
-            "device": str(self.device), **self.workload.run_meta()})
+            "device": str(self.device), **self.workload.run_meta(),
+            # rank 0 writes meta.json: only it reads the data to checksum it
+            **({"data": data_identity(job)} if self.rank == 0 else {})})
         if self.rank == 0:      # what the launcher reports: the step the ranks really resumed
             where = ({"resumed_from": self.resumed_from.name, "resumed_step": self.step}
                      if self.resumed_from is not None else {"resumed_from": None})

@@ -134,6 +134,43 @@ def test_resume_drops_warmup_of_each_segment_and_pools_runs(tmp_path):
     assert table.loc[0, "runs"] == 2 and table.loc[0, "steps"] == 20
 
 
+def _segment(run, grid, steps, t_step, resume):
+    """One segment of a run on ``grid``: every rank records ``steps`` at ``t_step``."""
+    size = math.prod(grid)
+    recs = [RunRecorder(run, LocalGrid(grid, rank=r), {"job_name": "j", "global_batch": 4},
+                        resume=resume) for r in range(size)]
+    for s in steps:
+        for rec in recs:
+            rec.step(step=s, t_step=t_step, samples=4)
+    for rec in recs[::-1]:
+        rec.finish()
+
+
+def test_segments_on_other_grids_are_never_pooled_under_one_grid(tmp_path):
+    """Issue 67, item 4: a run resumed on another grid is one row per grid, each with its
+    own steps, ranks and segment starts; a point names every grid it holds."""
+    run = tmp_path / "r"
+    _segment(run, (2, 1, 1, 1), range(0, 4), 1.0, resume=False)
+    _segment(run, (1, 2, 1, 1), range(4, 8), 3.0, resume=True)
+    runs, steps = load(run)
+    assert runs["name"].tolist() == ["r [grid 2x1x1x1]", "r [grid 1x2x1x1]"]
+    assert runs["grid_spec"].tolist() == ["2x1x1x1", "1x2x1x1"]
+    assert runs["spatial_size"].tolist() == [1, 2] and runs["ranks"].tolist() == [2, 2]
+    assert runs["segment_starts"].tolist() == [[0], [4]] and not runs["partial"].any()
+    for name, t in (("r [grid 2x1x1x1]", 1.0), ("r [grid 1x2x1x1]", 3.0)):
+        mine = steps[steps["run"] == runs.set_index("name").loc[name, "run"]]
+        assert set(mine["t_step"]) == {t} and len(mine) == 8
+    table = scaling_table(runs, steps, warmup=1)
+    assert table.loc[0, "grid"] == "1x2x1x1/2x1x1x1" and table.loc[0, "runs"] == 2
+
+    other = tmp_path / "grow"   # 1 rank, then 2: a point each, both complete
+    _segment(other, (1, 1, 1, 1), range(0, 4), 2.0, resume=False)
+    _segment(other, (2, 1, 1, 1), range(4, 8), 1.0, resume=True)
+    table = scaling_table(*load(other), warmup=1).set_index("ranks")
+    assert table["grid"].to_dict() == {1: "1x1x1x1", 2: "2x1x1x1"}
+    assert table["t_step_median"].to_dict() == {1: 2.0, 2: 1.0} and not table["partial"].any()
+
+
 def test_missing_and_malformed_records(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(RunDirError, match=r"empty: no hpcpar run records \(no meta.json"):

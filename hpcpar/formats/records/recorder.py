@@ -202,7 +202,8 @@ class RunRecorder:
         meta = dict(previous or {})
         meta.pop("end_reason", None)        # a new segment: the last one's ending is history
         meta.update(user)
-        meta.update(_grid_facts(self.grid))
+        grid = _grid_facts(self.grid)
+        meta.update(grid)
         meta.update({
             "schema": SCHEMA_NAME, "schema_version": SCHEMA_VERSION,
             "hostnames": sorted(set(hosts)), "rank_hosts": hosts, "slurm": slurm_facts(),
@@ -214,7 +215,8 @@ class RunRecorder:
         job = user.get("job")
         meta.setdefault("job_name", job.get("name") if isinstance(job, dict) else job)
         meta["segments"] = list((previous or {}).get("segments", [])) + [
-            {"start_time": start, "first_step": None}]
+            {"start_time": start, "first_step": None, "grid_spec": grid["grid_spec"],
+             "ranks": grid["ranks"], "nodes": grid["nodes"]}]
         write_json_atomic(path, meta)
 
     def step(self, **row: Any) -> None:

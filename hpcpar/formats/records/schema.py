@@ -79,12 +79,14 @@ COLUMNS: tuple[Column, ...] = (
     Column("recompute_msgs", "int", "-", "messages sent while recomputing checkpointed "
                                          "segments ([train] activation_checkpointing): 0, "
                                          "the forward's halo faces and collectives are reused"),
+    Column("lr", "float", "-", "learning rate the optimizer step used (the first param "
+                               "group's, as the job's schedule set it)"),
 )
 COLUMN_NAMES = tuple(c.name for c in COLUMNS)
 #: Columns added to schema v1 after its first release, always at the end: files written
 #: without them are read with the columns empty (NaN), so older runs stay readable.
 OPTIONAL_COLUMNS = ("t_halo_wait", "t_check", "t_ckpt", "skipped", "loss_scale",
-                    "recompute_msgs")
+                    "recompute_msgs", "lr")
 #: The column lists files may have: the full one, or without the newest optional columns.
 ACCEPTED_NAMES = tuple(COLUMN_NAMES[: len(COLUMN_NAMES) - i]
                         for i in range(len(OPTIONAL_COLUMNS) + 1))
@@ -106,7 +108,11 @@ META_KEYS = {
               "loss/gradient, see 'diverged'; every way a run ends replaces running)",
     "end_reason": "one line: why the run ended, when it did not end ok (the error, the "
                   "signal, the launcher's exit code)",
-    "segments": "one entry per start/resume: start time and first step recorded",
+    "segments": "one entry per start/resume: start time, first step recorded, and the grid "
+                "it ran on (grid_spec, ranks, nodes; a resume may change the grid)",
+    "data": "{field: {path, checksum}} of each [data] path (path, val_path) the last segment "
+            "read: sha256 of a dataset's manifest.json or of a file; a resume on other data "
+            "is refused unless --new-settings",
     "diverged": "{step, reason} when status is 'diverged' (written by the training loop)",
     "versions": "python, hpcpar, torch, mpi4py, mpi_library, numba, h5py, ...",
     "git": "{commit, dirty, root} of the job file's repository, or null",
