@@ -116,10 +116,29 @@ SAMPLES = {
     "new_full": lambda f, x: f(x, x.shape, 2.0) * x,
     "new_tensor": lambda f, x: x * f(x, [1.0, 2.0, 3.0, 4.0]).view(1, 4, 1, 1, 1),
     "flip": lambda f, x: f(x, (1,)),
+    # -- local: aliases, in-place forms (on a fresh copy), comparisons, casts to complex
+    #    (complex outputs: values compared, no gradient, as the integer casts; ops torch
+    #    cannot differentiate run on detached data, as requires_grad_)
+    **{n: (lambda f, x: f(x)) for n in ("cdouble", "cfloat", "conj", "resolve_conj",
+                                        "resolve_neg", "isreal")},
+    # complex32 has no CPU torch.equal and no numpy dtype (the gather): its values widened
+    "chalf": lambda f, x: f(x).cfloat(),
+    "fill": lambda f, x: f(x, 0.5) * x,
+    "floor_divide": lambda f, x: f(x.detach(), 0.3),
+    "floor_divide_": lambda f, x: f(_y(x.detach()), 0.3),
+    "true_divide_": lambda f, x: f(_y(x), 3.0),
+    "isclose": lambda f, x: f(x, x * 2, atol=0.5),
+    # -- local: per voxel across its channels
+    "channel_shuffle": lambda f, x: f(x, 2),
+    "native_channel_shuffle": lambda f, x: f(x.detach(), 2),
+    "local_response_norm": lambda f, x: f(x, 3),
+    "one_hot": lambda f, x: f(_labels(x), num_classes=4),
+    "one_hot without num_classes": lambda f, x: f(_labels(x)),
     # -- local: along a dim that is not split
     **{n: (lambda f, x: f(x, 1)) for n in (
         "softmax", "log_softmax", "softmin", "cumsum", "cumprod", "cummax", "cummin", "sort",
-        "argsort", "glu", "logcumsumexp")},
+        "argsort", "glu", "logcumsumexp", "special_softmax", "special_log_softmax")},
+    **{n: (lambda f, x: f(_y(x), 1)) for n in ("cumsum_", "cumprod_")},
     "topk": lambda f, x: f(x, 2, 1),
     "normalize": lambda f, x: f(x, 2.0, 1),
     "diff": lambda f, x: f(x, dim=1),
@@ -188,6 +207,10 @@ SAMPLES = {
                              reduction="batchmean"),
 }
 
+#: a second sample of an op: its name here -> the op's name in the table (a call that the
+#: op's own sample does not make)
+VARIANTS = {"one_hot without num_classes": "one_hot"}
+
 #: name -> why the sweep cannot run it here (torch's own op does not take this volume)
 NOT_RUN = {
     "cuda": "needs a CUDA device",
@@ -201,6 +224,8 @@ REFUSED = {
     **dict.fromkeys(("argmax", "argmin", "median", "prod", "quantile", "nanquantile"),
                     _NO_GLOBAL),
     "mm": "is a matrix product over a flattened split tensor",
+    "one_hot without num_classes": "takes the class count from the largest label of this "
+                                   "rank's piece.*pass num_classes",
     "dstack": "joins along a split dim",   # dim 2, D
     # FALSE refusals (issue 61 item 5: to be made exact): hstack joins 5D tensors along
     # dim 1 (channels), vstack along dim 0 (the batch); neither is split
@@ -214,9 +239,10 @@ def swept_ops() -> list[tuple[str, object]]:
     from the function's is "Tensor.name"."""
     from hpcpar.nn import optable
 
-    return [(f"Tensor.{name}" if f"Tensor.{name}" in SAMPLES and
+    rows = [(f"Tensor.{name}" if f"Tensor.{name}" in SAMPLES and
              op is getattr(torch.Tensor, name, None) else name, op)
             for name, op, _ in optable.entries(KINDS)]
+    return rows + [(v, op) for v, base in VARIANTS.items() for name, op in rows if name == base]
 
 
 def test_every_entry_of_the_table_has_a_sample():
