@@ -140,8 +140,9 @@ def _unet_job(grid):
 
 
 def test_demo_job_through_the_training_loop(tmp_path, monkeypatch):
-    """jobs/demo-gcn-cora.toml (a few epochs): the bundled Cora is imported on first use and
-    val_acc/test_acc land in RUN/metrics.json."""
+    """jobs/demo-gcn-cora.toml (20 epochs): the bundled Cora is imported on first use and the
+    model learns from the edges: test accuracy 0.685 (seeded), where chance is 1/7 and the
+    same model with propagate() returning its input (a GCN that ignores edges) reaches 0.524."""
     import json
     import os
 
@@ -153,8 +154,9 @@ def test_demo_job_through_the_training_loop(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     job = load_job(os.path.join(os.path.dirname(__file__), "..", "..", "jobs",
                                 "demo-gcn-cora.toml"),
-                   ["train.epochs=3", "train.val_every=0"])
+                   ["train.epochs=20", "train.val_every=0"])
     train(job, tmp_path / "run", comm=MPI.COMM_SELF)
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert {"val_acc", "test_acc", "train_acc"} <= set(metrics)
+    assert metrics["test_acc"] > 0.62 and metrics["val_acc"] > 0.62, metrics
     assert (tmp_path / "data" / "cora.h5").exists()
