@@ -75,7 +75,7 @@ smoke multinode 300 "^ +1\.0 +$N +$N +$N +$N" \
     "$PY" benchmarks/multinode.py --nodes 2 --per-node 2 --mb 1 --rounds 1 --reps 1
 smoke plan 300 "configurations within" \
     "$PY" benchmarks/plan.py --jobs jobs/demo-cosmoflow.toml --ranks 1 --steps 7 --repeat 1
-smoke plan_cluster 300 "within \+-25%" \
+smoke plan_cluster 600 "within \+-25%" \
     "$PY" benchmarks/plan_cluster.py --nodes 2 --per-node 2 --steps 7   # calibration takes 2 nodes
 smoke spatial 120 "^ +hpcpar 2x1x1 +2 +$N +$N" \
     "$MPIEXEC" -n 2 "$PY" benchmarks/spatial.py --size 16 --channels 4 --layers 1 --repeat 1 \
