@@ -453,7 +453,7 @@ def main(argv=None):
             say(f"{name:>16} {ranks:>5} {step:8.3f} {statistics.median(ratios):8.2f} "
                 f"{spread(ratios):>11} {statistics.median(vs_one):9.2f} {spread(vs_one):>11} "
                 f"{100 * halo / step:7.1f} {100 * wait / step:7.1f} {peak / 2**20:9.1f} "
-                f"{peak / base_peak:9.2f}")
+                f"{peak / base_peak if base_peak else math.nan:9.2f}")  # 0: below the RSS's grain
     for d in (d for d in grids if math.prod(d) > 1):
         g = grid_name(d)
         limit, ours = ([rd[f"{kind} {g}"][0] for rd in rounds] for kind in ("limit", "hpcpar"))

@@ -16,8 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from hpcpar.testing import mpi_case
-
 ROOT = next(p for p in Path(__file__).resolve().parents if (p / "setup.cfg").exists())
 README = (ROOT / "README.md").read_text()
 DOCS = ROOT / "docs"
@@ -67,7 +65,6 @@ def readme_section(name):
     return README.split(f"[start:{name}]")[1].split(f"[end:{name}]")[0]
 
 
-@mpi_case(nprocs=(4,), timeout=120)
 def test_api_reference_names_existing_modules():
     mods = {m for p in (DOCS / "api").glob("*.md")
             for m in re.findall(r"^::: (\S+)", p.read_text(), re.M)}

@@ -12,6 +12,10 @@ python="${PYTHON:-python}"  # the interpreter .ci/run installs into
 if command -v apt-get >/dev/null; then
     apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends \
         libhdf5-mpich-dev mpich pkg-config >/dev/null
+else
+    .ci/require "libhdf5-mpich-dev mpich pkg-config" mpicc.mpich mpiexec.mpich pkg-config
+    pkg-config --exists hdf5-mpich || { echo "no apt-get, and no hdf5-mpich for pkg-config" \
+        "(libhdf5-mpich-dev)" >&2; exit 1; }
 fi
 ready() {
     "$venv/bin/python" - <<'PY' 2>/dev/null

@@ -338,6 +338,13 @@ class DistGraph:
         view.plan = SampledHaloPlan(self.plan.exact, p, seed, call)
         return view
 
+    @property
+    def source_ids(self) -> np.ndarray:
+        """Ids of the owned vertices that do not depend on the numbering: the source graph's
+        (``original_ids``) where the format renumbered them, else ``global_ids``. Dropout
+        masks hash these, so a sharded graph drops what the source graph drops."""
+        return self.global_ids if self.original_ids is None else self.original_ids
+
     # ---- local view: any PyG message-passing layer -----------------------------------------
     @property
     def num_local(self) -> int:

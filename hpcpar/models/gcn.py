@@ -98,7 +98,7 @@ class GCN(nn.Module):
                 graph = graph.boundary_sample(self.boundary_sample, self.seed, call)
 
         def drop(t, stream):
-            return vertex_dropout(t, self.dropout, graph.global_ids, self.seed, call, stream,
+            return vertex_dropout(t, self.dropout, graph.source_ids, self.seed, call, stream,
                                   self.training)
 
         for layer, conv in enumerate(self.convs):

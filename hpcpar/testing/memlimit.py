@@ -1,8 +1,10 @@
-"""Run a command under a kernel-enforced memory limit (a cgroup v1 memory group), the way
-Slurm's cgroup plugin limits a job, so tests can show what happens at the limit.
+"""Run a command under a kernel-enforced memory limit (a cgroup memory group, v1 or v2), the
+way Slurm's cgroup plugin limits a job, so tests can show what happens at the limit.
 
 Groups are made inside this process's own memory cgroup (so they count against it too),
-named ``hpcpar-<what>-<pid>``, and removed once their processes have exited.
+named ``hpcpar-<what>-<pid>``, and removed once their processes have exited. On cgroup v2
+(the unified hierarchy) a group whose processes forbid child groups a memory controller
+(the "no internal processes" rule) has them made under the hierarchy's root instead.
 
 * :class:`MemoryGroup`: one group; ``add`` a pid, read ``oom_kills`` / ``max_usage``.
 * :func:`run_limited`: start a command inside a fresh group and wait for it.
@@ -12,7 +14,8 @@ named ``hpcpar-<what>-<pid>``, and removed once their processes have exited.
 * :func:`mpiexec_wrapper`: an ``mpiexec`` stand-in for ``HPCPAR_MPIEXEC`` doing that, which
   is how the 8-rank demo runs each rank of ``hpcpar run`` under the limit of one.
 
-Needs root and a cgroup v1 memory controller (:func:`available` says why not).
+Needs root and a cgroup memory controller: v1, or v2 with ``memory.peak`` (Linux 5.19+)
+(:func:`available` says why not).
 """
 
 from __future__ import annotations
@@ -29,36 +32,86 @@ from pathlib import Path
 from hpcpar._units import parse_bytes
 from hpcpar.launch.mpiexec import find_mpiexec
 
-__all__ = ["ROOT", "available", "parse_size", "MemoryGroup", "run_limited", "mpiexec_wrapper",
-           "main"]
+__all__ = ["ROOT", "UNIFIED", "available", "parse_size", "MemoryGroup", "run_limited",
+           "mpiexec_wrapper", "main"]
 
-ROOT = Path("/sys/fs/cgroup/memory")
+ROOT = Path("/sys/fs/cgroup/memory")   # cgroup v1's memory hierarchy
+UNIFIED = Path("/sys/fs/cgroup")       # cgroup v2's unified hierarchy
+
+#: a group's files per cgroup version: limit, swap limit (v1: memory + swap; v2: swap alone),
+#: high-water mark, and the file whose "oom_kill N" line counts the kills
+FILES = {1: {"limit": "memory.limit_in_bytes", "swap": "memory.memsw.limit_in_bytes",
+             "peak": "memory.max_usage_in_bytes", "events": "memory.oom_control"},
+         2: {"limit": "memory.max", "swap": "memory.swap.max", "peak": "memory.peak",
+             "events": "memory.events"}}
 
 
-def _own_group() -> Path:
-    """This process's memory cgroup directory (v1)."""
+def _version() -> int:
+    """1 or 2: the cgroup version whose memory controller this machine mounts; 0: none."""
+    if (ROOT / "memory.limit_in_bytes").is_file():
+        return 1
+    try:
+        return 2 if "memory" in (UNIFIED / "cgroup.controllers").read_text().split() else 0
+    except OSError:
+        return 0
+
+
+def _own(version: int) -> Path:
+    """This process's memory cgroup directory."""
+    base = ROOT if version == 1 else UNIFIED
     try:
         for line in Path("/proc/self/cgroup").read_text().splitlines():
             _, controllers, path = line.split(":", 2)
-            if "memory" in controllers.split(","):
-                return ROOT / path.lstrip("/")
+            if (version == 1 and "memory" in controllers.split(",")) or \
+                    (version == 2 and controllers == ""):
+                return base / path.lstrip("/")
     except OSError:
         pass
-    return ROOT
+    return base
+
+
+def _memory_below(group: Path) -> bool:
+    """Whether child groups of ``group`` (v2) get the memory controller, enabling it if
+    allowed (it is not in a group that holds processes, unless it is the root)."""
+    control = group / "cgroup.subtree_control"
+    try:
+        if "memory" not in control.read_text().split():
+            control.write_text("+memory")
+        return True
+    except OSError:
+        return False
+
+
+def _parent() -> Path:
+    """Where this process makes its groups: its own memory cgroup; on v2, the root when its
+    own group cannot give children the memory controller."""
+    version = _version()
+    own = _own(version)
+    if version == 2 and not _memory_below(own) and _memory_below(UNIFIED):
+        return UNIFIED
+    return own
 
 
 def available() -> str | None:
     """None when memory groups can be made here, else why not (a skip reason)."""
     if os.geteuid() != 0:
         return "needs root to create memory cgroups"
-    if not (ROOT / "memory.limit_in_bytes").is_file():
-        return f"no cgroup v1 memory controller at {ROOT}"
-    probe = _own_group() / f"hpcpar-probe-{os.getpid()}"
+    version = _version()
+    if not version:
+        return f"no cgroup memory controller (v1 at {ROOT}, or v2 at {UNIFIED})"
+    probe = _parent() / f"hpcpar-probe-{os.getpid()}"
     try:
         probe.mkdir()
-        probe.rmdir()
     except OSError as exc:
         return f"cannot create a memory cgroup under {probe.parent}: {exc.strerror}"
+    try:
+        missing = [n for n in FILES[version].values() if n != FILES[version]["swap"]
+                   and not (probe / n).is_file()]
+    finally:
+        probe.rmdir()
+    if missing:
+        return (f"cgroup v{version} groups under {probe.parent} lack {', '.join(missing)} "
+                "(v2's memory.peak needs Linux 5.19+)")
     return None
 
 
@@ -77,19 +130,25 @@ class MemoryGroup:
 
     def __init__(self, limit: int, what: str = "limit"):
         self.limit = int(limit)
-        self.path = _own_group() / f"hpcpar-{what}-{os.getpid()}"
+        self.version = _version()
+        self.files = FILES[self.version]
+        self.path = _parent() / f"hpcpar-{what}-{os.getpid()}"
         self.path.mkdir()
         try:
-            (self.path / "memory.limit_in_bytes").write_text(str(self.limit))
-            memsw = self.path / "memory.memsw.limit_in_bytes"
-            if memsw.exists():
-                memsw.write_text(str(self.limit))
+            (self.path / self.files["limit"]).write_text(str(self.limit))
+            swap = self.path / self.files["swap"]
+            if swap.exists():
+                swap.write_text(str(self.limit) if self.version == 1 else "0")
         except OSError:
             self.path.rmdir()
             raise
 
     def _read(self, name: str) -> str:
         return (self.path / name).read_text()
+
+    def _event(self, name: str) -> int:
+        m = re.search(rf"^{name} (\d+)", self._read(self.files["events"]), re.M)
+        return int(m.group(1)) if m else 0
 
     def add(self, pid: int) -> None:
         """Move process ``pid`` into the group (its later children are born there)."""
@@ -98,18 +157,17 @@ class MemoryGroup:
     @property
     def oom_kills(self) -> int:
         """Processes the kernel killed because the group hit its limit."""
-        m = re.search(r"^oom_kill (\d+)", self._read("memory.oom_control"), re.M)
-        return int(m.group(1)) if m else 0
+        return self._event("oom_kill")
 
     @property
     def max_usage(self) -> int:
         """High-water mark of the group's charged memory, bytes."""
-        return int(self._read("memory.max_usage_in_bytes"))
+        return int(self._read(self.files["peak"]))
 
     @property
     def failcnt(self) -> int:
-        """Times an allocation hit the limit (reclaim kicked in)."""
-        return int(self._read("memory.failcnt"))
+        """Times an allocation hit the limit (reclaim kicked in; v2: memory.events' max)."""
+        return int(self._read("memory.failcnt")) if self.version == 1 else self._event("max")
 
     def remove(self, timeout: float = 10.0) -> None:
         """Remove the group once its processes have exited (they must be ending)."""

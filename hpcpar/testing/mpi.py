@@ -303,6 +303,12 @@ def _collect(tmp: str, nprocs: int, cases: list[str], timed_out: bool, timeout: 
                                     failed, dur)
         elif len(recs) == nprocs and len(skipped) == nprocs:
             results[c] = CaseResult(c, "skipped", next(iter(skipped.values())), skipped, dur)
+        elif len(recs) == nprocs and skipped:  # a test that ran on only some ranks checked
+            ran = sorted(set(recs) - set(skipped))  # nothing there; it must not pass
+            results[c] = CaseResult(
+                c, "failed", f"skipped on rank(s) {sorted(skipped)} but ran on rank(s) {ran}: "
+                f"a skip must be the same on every rank ({next(iter(skipped.values()))})",
+                skipped, dur)
         elif len(recs) == nprocs:
             results[c] = CaseResult(c, "passed", "", {}, dur)
         elif timed_out and (inside or recs):

@@ -96,12 +96,29 @@ def test_report_errors_are_one_line(tmp_path, run_cli):
 
 
 def test_analysis_guide_example_runs(tmp_path, monkeypatch, capsys):
+    """The guide's pandas example prints the statistics of its synthetic runs' step times:
+    each printed value is the formula's (docs/guides/analysis.md) on those times."""
+    import ast
+
     md = (Path(__file__).resolve().parents[2] / "docs/guides/analysis.md").read_text()
     code = re.findall(r"```python\n(.*?)```", md, re.S)[-1]
+    times = ast.literal_eval(re.search(r"for p, t in (\{.*?\})\.items\(\)", code).group(1))
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     import tempfile
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     exec(compile(code, "docs/guides/analysis.md", "exec"), {})
-    out = capsys.readouterr().out
-    assert "karp_flatt" in out and "report.html" in out
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split() == ["ranks", "t_step_median", "speedup", "efficiency", "karp_flatt"]
+    t0 = times[1]
+    for line, (p, t) in zip(out[1:], times.items(), strict=False):
+        s = t0 / t
+        kf = (1 / s - 1 / p) / (1 - 1 / p) if p > 1 else float("nan")
+        row = [float(v) for v in line.split()[1:]]
+        np.testing.assert_allclose(row, [p, t, s, s / p, kf], rtol=1e-5, err_msg=line)
+    steps = out[1 + len(times):-1]   # the slowest rank's step time, per step and rank count
+    assert steps[0].split() == ["ranks", *map(str, times)] and steps[1].split() == ["step"]
+    for line in steps[2:]:
+        assert [float(v) for v in line.split()[1:]] == list(times.values()), line
+    report = Path(out[-1])
+    assert report.name == "report.html" and report.is_file() and report.stat().st_size > 0

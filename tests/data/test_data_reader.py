@@ -244,31 +244,3 @@ def test_staging_once_per_node(comm):
         assert again.bytes_staged == 0  # already on the node
         again.close()
         grid.free()
-
-
-@mpi_case(nprocs=(1, 4), timeout=60)
-def test_mpio_single_shared_file(comm):
-    if not h5py.get_config().mpi:
-        pytest.skip("h5py is not built against MPI (h5py.get_config().mpi is False)")
-    from hpcpar import ProcessGrid
-    from hpcpar.data import ShardedVolumeDataset
-
-    with shared_tmpdir(comm, prefix="hpcpar-test-data-") as tmp:
-        path = os.path.join(tmp, "shared.h5")
-        if comm.rank == 0:
-            rng = np.random.default_rng(2)
-            with h5py.File(path, "w") as f:
-                f.create_dataset("x", data=rng.standard_normal((N, *SHAPE)).astype(np.float32),
-                                 chunks=(1, 2, 3, 4, 3))
-                f["y"] = rng.standard_normal((N, K)).astype(np.float32)
-        comm.Barrier()
-        with h5py.File(path) as f:
-            x_all, y_all = f["x"][:], f["y"][:]
-        grid = ProcessGrid(1, comm.size, comm=comm)
-        with ShardedVolumeDataset(path, grid, 2, driver="mpio") as ds:
-            from hpcpar.parallel.partition import part_range
-
-            a, b = part_range(SHAPE[1], comm.size, grid.coords[1])
-            for xb, yb in ds:
-                np.testing.assert_array_equal(xb.numpy(), x_all[sample_ids(yb, y_all)][:, :, a:b])
-        grid.free()

@@ -47,7 +47,8 @@ def mpio_env() -> tuple[str, str]:
 
 
 def write_data(tmp_path):
-    """A sharded directory (default chunks) and one shared file of the same samples."""
+    """A sharded directory (default chunks) and one shared file of the same samples (chunks
+    not aligned with the ranks' boxes)."""
     from hpcpar.data.writer import H5Source, SerialComm, shard_counts, write_dataset
 
     rng = np.random.default_rng(4)
@@ -55,7 +56,8 @@ def write_data(tmp_path):
     y = rng.standard_normal((N, K)).astype(np.float32)
     shared = str(tmp_path / "shared.h5")
     with h5py.File(shared, "w") as f:
-        f.create_dataset("x", data=x, chunks=(1, 4, 16, 16, 64))
+        # 24-voxel chunks straddle the ranks' boundary at 32: a rank reads part of a chunk
+        f.create_dataset("x", data=x, chunks=(1, 4, 24, 16, 64))
         f["y"] = y
     src = H5Source(shared)
     directory = str(tmp_path / "ds")

@@ -5,6 +5,8 @@ run in one fresh directory (with the checkout's ``jobs/``), so a later step may 
 an earlier one made, never its Python names. A block after ``<!-- norun -->`` (an install, a
 sbatch) is skipped. The guide pages (and docs/install.md) follow the same rule, one fresh
 directory per page, except that a guide's mark must say why: ``<!-- norun: needs sbatch -->``.
+A line a block shows in a comment (``print(...)  # e.g. 1 (2, 2, 1, 1) ...``) must be one of
+the lines it prints.
 """
 
 import os
@@ -22,6 +24,7 @@ ROOT = next(p for p in Path(__file__).resolve().parents if (p / "setup.cfg").exi
 FENCE = re.compile(r"(<!-- (norun|run)(?::[ \t]*([^\n]*?))?[ \t]*-->\s*\n[ \t]*)?"  # mark: reason
                    r"```(python|bash)\n(.*?)```", re.S)
 RUN_LINE = re.compile(r"#\s*((?:mpiexec -n \d+ )?python3? (?:-m pytest -q )?(\S+\.py))\s*$")
+SHOWN = re.compile(r"#\s*e\.g\.\s*(.+?)\s*$", re.M)   # print(...)  # e.g. 1 (2, 2, 1, 1) ...
 
 
 def blocks(text: str, default_run: bool, need_reason: bool = False) -> list[tuple[str, str]]:
@@ -63,6 +66,7 @@ def run_blocks(text: str, where: Path, default_run: bool = True, timeout: int = 
     path = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(path),
                PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    env.pop("PYTHONUNBUFFERED", None)   # a rank's print arrives whole, not interleaved
     chosen = blocks(text, default_run, need_reason)
     for i, (lang, code) in enumerate(chosen, 1):
         proc = subprocess.run(command(lang, code, where), cwd=where, env=env, timeout=timeout,
@@ -72,6 +76,10 @@ def run_blocks(text: str, where: Path, default_run: bool = True, timeout: int = 
         assert "Traceback" not in proc.stderr, proc.stderr
         if lang == "python":
             assert proc.stdout.strip(), f"block {i} prints nothing:\n{code}"
+            printed = [line.strip() for line in proc.stdout.splitlines()]
+            for shown in SHOWN.findall(code):   # one of the lines it prints, as the page shows
+                assert shown in printed, (f"block {i} shows '{shown}', but printed:\n"
+                                          f"{proc.stdout}")
     return len(chosen)
 
 
@@ -92,6 +100,13 @@ def test_block_marks_are_read():
     item = ("* step:\n\n  <!-- norun: a fragment -->\n  ```bash\n  x\n  ```\n"
             "  ```bash\n  echo 3\n  ```\n")
     assert blocks(item, True, need_reason=True) == [("bash", "echo 3\n")]
+
+
+def test_a_shown_line_must_be_printed(tmp_path):
+    page = "```python\n# python a.py\nprint(1, (2, 3))  # e.g. 1 (2, 3)\n```\n"
+    assert run_blocks(page, tmp_path) == 1
+    with pytest.raises(AssertionError, match=r"shows '1 \(2, 4\)', but printed:\n\s*1 \(2, 3\)"):
+        run_blocks(page.replace("e.g. 1 (2, 3)", "e.g. 1 (2, 4)"), tmp_path)
 
 
 def test_readme_blocks_run_as_written(tmp_path):

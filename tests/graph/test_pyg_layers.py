@@ -127,23 +127,35 @@ def test_pyg_layers_equal_the_full_graph(comm):
 
 @mpi_case(nprocs=(2, 4), timeout=120)
 def test_exchange_is_the_adjoint_of_its_backward(comm):
-    """<exchange(x), y> = <x, exchange*(y)> with random x and y of the local shapes."""
+    """The halo rows are the global rows at the halo ids, each owned row's gradient is the sum
+    of its gradients on every rank that holds it, and <exchange(x), y> = <x, exchange*(y)>;
+    the bytes counted as sent are the halo's rows (what the exchange moved, not the plan).
+    A halo that sends zeros and drops the halo's gradient fails the first two."""
     from hpcpar.graph import DistGraph
+    from hpcpar.parallel.counters import COUNTERS
 
     e, x = _directed_graph()
-    graph = DistGraph.from_global(e, x.shape[0], x, comm, method="random", seed=1)
-    gen = torch.Generator().manual_seed(comm.Get_rank())
-    xl = torch.randn(graph.num_owned, 3, generator=gen, dtype=torch.float64,
-                     requires_grad=True)
-    y = torch.randn(graph.num_local, 3, generator=gen, dtype=torch.float64)
+    n = x.shape[0]
+    graph = DistGraph.from_global(e, n, x, comm, method="random", seed=1)
+    rows = torch.randn(n, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    xl = rows[graph.global_ids].clone().requires_grad_(True)
+    y = torch.randn(graph.num_local, 3, generator=torch.Generator().manual_seed(comm.rank),
+                    dtype=torch.float64)
+    before = COUNTERS.bytes_halo
     full = graph.exchange(xl)
-    assert full.shape == (graph.num_local, 3)
-    torch.testing.assert_close(full[:graph.num_owned], xl)
+    sent = COUNTERS.bytes_halo - before
+    assert full.shape == (graph.num_local, 3) and graph.num_halo > 0
+    torch.testing.assert_close(full[:graph.num_owned], xl, rtol=0, atol=0)
+    torch.testing.assert_close(full[graph.num_owned:], rows[graph.halo_ids], rtol=0, atol=0)
+    assert comm.allreduce(sent) == comm.allreduce(graph.num_halo) * 3 * 8
     full.backward(y)
+    grads = torch.zeros(n, 3, dtype=torch.float64)
+    grads.index_add_(0, torch.from_numpy(np.concatenate([graph.global_ids, graph.halo_ids])), y)
+    grads = torch.from_numpy(comm.allreduce(grads.numpy()))
+    torch.testing.assert_close(xl.grad, grads[graph.global_ids], **TOL)
     lhs = comm.allreduce(float((full.detach() * y).sum()))
     rhs = comm.allreduce(float((xl * xl.grad).sum()))
     assert abs(lhs - rhs) <= 1e-10 * max(1.0, abs(lhs)), (lhs, rhs)
-    assert graph.halo_bytes(3) > 0  # the exchange really moved rows
 
 
 def test_exchange_refuses_rows_that_are_not_the_owned_vertices():

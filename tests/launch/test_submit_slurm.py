@@ -136,8 +136,6 @@ def test_time_limit_signal(slurm_cluster, sandbox):
 @pytest.fixture(scope="module")
 def reference_run(slurm_cluster, sandbox):
     """An uninterrupted 2-rank training job through sbatch (shared by the tests below)."""
-    if not DEMO.is_file():
-        pytest.skip(f"{DEMO} not there yet")
     out = sandbox["dir"] / "train-ref"
     [rec] = submit_job(slurm_cluster, sandbox, out, job=DEMO, ranks=[2],
                     sets=tiny_job(sandbox["dir"] / "data"), python=sys.executable)

@@ -1,8 +1,8 @@
 """The point of spatial parallelism, shown under a kernel-enforced memory limit: a CosmoFlow
 sample (192³ x 4) that does not fit one rank's 1.5 GiB is killed on 1 rank, with one clear
 line and exit code 6, and trains on 8 ranks with each rank in its own 1.5 GiB cgroup;
-``hpcpar plan --memory-budget 1.5GiB`` predicts both. Needs root and a cgroup v1 memory
-controller (skips without; fails under CI=true). About 1.5 minutes on 2 cores.
+``hpcpar plan --memory-budget 1.5GiB`` predicts both. Needs root and a cgroup memory
+controller, v1 or v2 (skips without; fails under CI=true). About 1.5 minutes on 2 cores.
 """
 
 from __future__ import annotations

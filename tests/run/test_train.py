@@ -9,6 +9,7 @@ import signal
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from hpcpar.formats.jobspec import build_job
@@ -119,14 +120,31 @@ def test_loop_equivalence_signal_resume_fallback(comm):
             assert "skipping corrupt checkpoint" in log and "resumed from" in log
             assert "step-000003 at step 3" in log
 
-        # -- U-Net (spatial, batch norm over the global batch) runs --------------------------------
-        u = train(_unet_job((1, 2, 1, 1)), tmp / "unet", comm=comm)
-        assert u.step == 2 and 0.0 <= u.metrics["val_accuracy"] <= 1.0
-        assert u.metrics["final_train_loss"] == u.metrics["final_train_loss"]  # not NaN
-        if rank == 0:
-            assert (tmp / "unet" / "metrics.json").exists() and \
-                (tmp / "unet" / "meta.json").exists()
-        comm.Barrier()
+
+@mpi_case(nprocs=2, timeout=300)
+def test_unet_on_two_spatial_ranks_trains_like_one(comm):
+    """U-Net (spatial, batch norm over the global batch) on 2 spatial ranks: the same losses,
+    validation and final weights as on 1 rank. Running statistics updated from each rank's
+    own voxels fail it (the validation loss moves by 3.5e-4); a forward or a gradient that
+    differs on the first step stops the run earlier (the spatialize check)."""
+    from mpi4py import MPI
+
+    from hpcpar.run.trainer import train
+
+    with shared_tmpdir(comm, prefix="hpcpar-unet-") as tmp:
+        u2 = train(_unet_job((1, 2, 1, 1)), tmp / "u2", comm=comm)
+        assert u2.step == 2
+        if comm.Get_rank() == 0:
+            assert (tmp / "u2" / "metrics.json").exists() and (tmp / "u2" / "meta.json").exists()
+            u1 = train(_unet_job((1, 1, 1, 1)), tmp / "u1", comm=MPI.COMM_SELF)
+            for key in ("train_loss_history", "final_train_loss", "val_loss", "val_accuracy"):
+                np.testing.assert_allclose(u2.metrics[key], u1.metrics[key], rtol=2e-5,
+                                           err_msg=key)
+            a, b = final_model(tmp / "u2"), final_model(tmp / "u1")
+            assert a.keys() == b.keys()
+            for k in a:
+                torch.testing.assert_close(a[k], b[k], rtol=2e-5, atol=2e-6, msg=k)
+        idle_wait(comm)
 
 
 def _unet_job(grid):
@@ -136,12 +154,13 @@ def _unet_job(grid):
         "data": {"source": "synthetic", "size": 8, "channels": 2, "samples": 8,
                  "val_samples": 4},
         "train": {"steps": 2, "global_batch": 4, "log_every": 1},
-        "checkpoint": {"at_end": False}})
+        "checkpoint": {"every": 0}})
 
 
 def test_demo_job_through_the_training_loop(tmp_path, monkeypatch):
-    """jobs/demo-gcn-cora.toml (a few epochs): the bundled Cora is imported on first use and
-    val_acc/test_acc land in RUN/metrics.json."""
+    """jobs/demo-gcn-cora.toml (20 epochs): the bundled Cora is imported on first use and the
+    model learns from the edges: test accuracy 0.685 (seeded), where chance is 1/7 and the
+    same model with propagate() returning its input (a GCN that ignores edges) reaches 0.524."""
     import json
     import os
 
@@ -153,8 +172,9 @@ def test_demo_job_through_the_training_loop(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     job = load_job(os.path.join(os.path.dirname(__file__), "..", "..", "jobs",
                                 "demo-gcn-cora.toml"),
-                   ["train.epochs=3", "train.val_every=0"])
+                   ["train.epochs=20", "train.val_every=0"])
     train(job, tmp_path / "run", comm=MPI.COMM_SELF)
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert {"val_acc", "test_acc", "train_acc"} <= set(metrics)
+    assert metrics["test_acc"] > 0.62 and metrics["val_acc"] > 0.62, metrics
     assert (tmp_path / "data" / "cora.h5").exists()

@@ -31,6 +31,16 @@ def test_failing_rank_fails_fast_with_traceback():
     assert run.cases["case_after"].status == "not-run"
 
 
+def test_a_skip_on_some_ranks_fails():
+    """A case skipped on rank 0 and passed on the others is a failure, not a pass."""
+    run = run_module(CASES, 2, ["case_skips_on_rank0", "case_after"], timeout=90)
+    bad = run.cases["case_skips_on_rank0"]
+    assert bad.status == "failed" and list(bad.ranks) == [0], run.output[-3000:]
+    assert "skipped on rank(s) [0] but ran on rank(s) [1]" in bad.message
+    assert "deliberate skip on rank 0 only" in bad.message
+    assert run.cases["case_after"].status == "passed"
+
+
 def test_hanging_case_is_killed_at_timeout():
     t0 = time.monotonic()
     run = run_module(CASES, 2, ["case_ok", "case_hangs_on_rank0"], timeout=15)

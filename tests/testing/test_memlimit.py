@@ -38,7 +38,7 @@ def test_killed_above_the_limit_and_runs_below_it(cgroups):
     rc, facts = memlimit.run_limited([*TOUCH, "100"], 400 << 20, "unit")
     assert rc == 0 and facts["oom_kills"] == 0, (rc, facts)
     assert facts["max_rss"] >= 100 << 20 and facts["max_usage"] >= 100 << 20, facts
-    assert not list(memlimit._own_group().glob(f"hpcpar-unit-{os.getpid()}"))
+    assert not list(memlimit._parent().glob(f"hpcpar-unit-{os.getpid()}"))
 
 
 def test_command_line_exits_like_a_shell(cgroups, tmp_path):
@@ -47,3 +47,29 @@ def test_command_line_exits_like_a_shell(cgroups, tmp_path):
         == 128 + 9
     rank, rc, kills, usage, rss = report.read_text().split()
     assert (rank, rc, kills) == ("0", "-9", "1")
+
+
+def test_cgroup_v2_files(tmp_path, monkeypatch):
+    """On a v2 host (no v1 memory hierarchy; the unified one lists "memory") a group sets
+    memory.max and memory.swap.max = 0 and reads memory.peak and memory.events. This machine
+    mounts v1, so the unified hierarchy is a directory laid out as the kernel's (the real
+    v2 run is CI's on a v2 host)."""
+    monkeypatch.setattr(memlimit, "ROOT", tmp_path / "no-v1")
+    monkeypatch.setattr(memlimit, "UNIFIED", tmp_path)
+    (tmp_path / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
+    own = memlimit._own(2)
+    own.mkdir(parents=True, exist_ok=True)
+    (own / "cgroup.subtree_control").write_text("")
+    assert memlimit._version() == 2 and memlimit._parent() == own
+    group = memlimit.MemoryGroup(200 << 20, "v2")
+    assert group.path.parent == own and (own / "cgroup.subtree_control").read_text() == "+memory"
+    assert (group.path / "memory.max").read_text() == str(200 << 20)
+    assert not (group.path / "memory.swap.max").exists()   # no swap accounting: left alone
+    (group.path / "memory.peak").write_text("123456\n")
+    (group.path / "memory.events").write_text("low 0\nhigh 0\nmax 7\noom 1\noom_kill 1\n"
+                                              "oom_group_kill 0\n")
+    assert (group.oom_kills, group.max_usage, group.failcnt) == (1, 123456, 7)
+    for name in ("memory.peak", "memory.events", "memory.max"):
+        (group.path / name).unlink()
+    group.remove()
+    assert not group.path.exists()

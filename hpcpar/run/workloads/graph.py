@@ -272,7 +272,7 @@ def _gat(in_channels: int, hidden: int, out_channels: int, heads: int, layers: i
             call = self.calls
             self.calls += int(self.training)
             for layer, conv in enumerate(self.convs):
-                x = vertex_dropout(x, dropout, graph.global_ids, seed, call, layer,
+                x = vertex_dropout(x, dropout, graph.source_ids, seed, call, layer,
                                    self.training)
                 x = conv(x, graph)
                 if layer < len(self.convs) - 1:

@@ -2,6 +2,8 @@
 
 import time
 
+import pytest
+
 
 def case_ok(comm):
     comm.Barrier()
@@ -17,6 +19,11 @@ def case_hangs_on_rank0(comm):
     if comm.Get_rank() == 0:
         time.sleep(3600)
     comm.Barrier()
+
+
+def case_skips_on_rank0(comm):
+    if comm.Get_rank() == 0:
+        pytest.skip("deliberate skip on rank 0 only")
 
 
 def case_after(comm):
