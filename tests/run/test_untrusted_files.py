@@ -274,3 +274,20 @@ def test_plan_fit_on_imports_no_module_a_run_names(foreign_kind, finished):
     assert "is not built in" in _one_line_error(_hpcpar(plan, cwd=cwd))
     r = _hpcpar([*plan, "--trust-kind"], cwd=cwd)
     assert r.returncode == 0 and "fitted on 1 run" in r.stdout, r.stderr
+
+
+@pytest.mark.parametrize("link", ["logs/rank-00000.log", "records/rank-00000.csv"])
+def test_run_files_are_never_written_through_a_link(finished, tmp_path, link):
+    """Issue 67: a symbolic link placed at a log or a step record of a run directory is
+    refused in one line; its target (a user's file elsewhere) is neither appended to nor
+    truncated."""
+    run = _copy(finished, tmp_path)
+    victim = tmp_path / "precious.txt"
+    victim.write_text("my data\n")
+    (run / link).unlink()
+    (run / link).symlink_to(victim)
+    r = _continue(finished, run)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert f"{run / link}: a symbolic link; hpcpar writes no run file through a link " \
+           f"(remove it)" in r.stderr, r.stderr
+    assert victim.read_text() == "my data\n"
