@@ -47,6 +47,7 @@ from .format import (
 )
 
 __all__ = ["BLOCK_BYTES", "SerialComm", "shard_counts", "dataset_bytes", "write_dataset",
+           "reserve_space", "oserror_line",
            "H5Source"]
 
 BLOCK_BYTES = 64 << 20  # samples are read from the source in blocks of about this size
@@ -151,7 +152,7 @@ def _write_shard(path: str, source, index: int, start: int, count: int, total: i
     return stats
 
 
-def _oserror_line(exc: OSError) -> str:
+def oserror_line(exc: OSError) -> str:
     """One line for an OSError: h5py's carry a multi-line HDF5 driver message, so the errno's
     own text is preferred ("No space left on device", "Read-only file system")."""
     if exc.errno:
@@ -164,7 +165,7 @@ def _write_error(out: str, path: str, exc: Exception) -> Exception:
     other errors (a DataError about the values) pass unchanged."""
     if not isinstance(exc, OSError):
         return exc
-    return DataError(f"{out}: cannot write {os.path.basename(path)} ({_oserror_line(exc)}); "
+    return DataError(f"{out}: cannot write {os.path.basename(path)} ({oserror_line(exc)}); "
                      f"nothing was published, the partial files are removed")
 
 
@@ -183,11 +184,21 @@ def dataset_bytes(source, counts: list[int], chunk=None) -> int:
 ANNOUNCE_BYTES = 1 << 30
 
 
-def _reserve_space(out: str, tmp: str, need: int) -> None:
+def reserve_space(out: str, tmp: str, need: int, what: str = "the dataset") -> None:
     """Allocate ``need`` bytes in ``tmp`` and free them again, before any HDF5 write: HDF5
     cannot recover from a failed write (a full disk or quota makes the later close fail and
-    the process crash), so the space is claimed first, the way the disk and quota count it."""
-    reserve = os.path.join(tmp, ".space-check")
+    the process crash), so the space is claimed first, the way the disk and quota count it.
+
+    Args:
+        out: What is being written, for the message.
+        tmp: A directory on the same file system, writable.
+        need: Bytes to claim.
+        what: Its name in the message.
+
+    Raises:
+        DataError: There is not that much space (one line naming ``out``).
+    """
+    reserve = os.path.join(tmp, f".space-check-{os.getpid()}")
     try:
         fd = os.open(reserve, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -196,8 +207,8 @@ def _reserve_space(out: str, tmp: str, need: int) -> None:
             os.close(fd)
             os.unlink(reserve)
     except OSError as exc:
-        raise DataError(f"{out}: not enough space for the dataset (about "
-                        f"{need / 2**20:.1f} MiB needed: {_oserror_line(exc)}); nothing was "
+        raise DataError(f"{out}: not enough space for {what} (about "
+                        f"{need / 2**20:.1f} MiB needed: {oserror_line(exc)}); nothing was "
                         f"written") from None
 
 
@@ -245,7 +256,7 @@ def _make_temp_dir(out: str, force: bool) -> str:
         tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.partial-", dir=parent)
     except OSError as exc:
         raise DataError(f"{out}: cannot create the dataset in {parent} "
-                        f"({_oserror_line(exc)})") from None
+                        f"({oserror_line(exc)})") from None
     umask = os.umask(0o22)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the dataset is not
@@ -315,7 +326,7 @@ def write_dataset(out: str, source: CosmoflowSource | H5Source, counts: list[int
         try:
             tmp = _make_temp_dir(out, force)
             need = dataset_bytes(source, counts, chunk)
-            _reserve_space(out, tmp, need)
+            reserve_space(out, tmp, need)
             if need > ANNOUNCE_BYTES:   # say it before the disk fills, not after
                 print(f"hpcpar: writing {out}: {sum(counts)} samples, about "
                       f"{need / 1e9:.1f} GB", file=sys.stderr, flush=True)
@@ -383,7 +394,7 @@ def write_dataset(out: str, source: CosmoflowSource | H5Source, counts: list[int
         except (OSError, DataError) as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             err = str(exc) if isinstance(exc, DataError) else \
-                f"{out}: cannot publish the dataset ({_oserror_line(exc)})"
+                f"{out}: cannot publish the dataset ({oserror_line(exc)})"
     err = comm.bcast(err if rank == 0 else None, root=0)
     if err:
         raise DataError(err)

@@ -209,6 +209,29 @@ class PartWriter:
         for m in MASKS:
             self._append(f[f"masks/{m}"], np.asarray(masks[m], bool))
 
+    #: bytes a part file may take beyond its rows: HDF5 allocates each dataset's last chunk
+    #: whole (see the chunk shapes above) and keeps its own metadata
+    PART_OVERHEAD = 6 << 20
+
+    @classmethod
+    def bytes_needed(cls, nodes: int, edges: int, features: int, parts: int) -> int:
+        """An upper bound of the part files' total size, claimed before they are written."""
+        return (nodes * (4 * features + 8 * 3 + len(MASKS)) + 8 * edges
+                + parts * (8 + cls.PART_OVERHEAD))
+
+    def abort(self) -> None:
+        """Remove the part files after a failed write (a partial part never stays)."""
+        for p, f in enumerate(self.files):
+            try:
+                f.close()
+            except (OSError, ValueError, RuntimeError):
+                pass
+            try:
+                os.unlink(os.path.join(self.directory, part_name(p)))
+            except OSError:
+                pass
+        self.files = []
+
     def close(self, offsets) -> list[dict]:
         """Close every part, stamping its vertex range; the shard entries (size, sha256)."""
         shards = []

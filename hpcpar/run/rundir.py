@@ -46,11 +46,10 @@ from hpcpar.errors import HpcparError, RunDirError
 from hpcpar.formats.jobspec import build_job
 from hpcpar.formats.records import SCHEMA_NAME, SCHEMA_VERSION, now_iso, write_json_atomic
 
-__all__ = ["LOCK_NAME", "MARK_NAME", "RESUME_FREE", "RUN_ENTRIES", "RunLock", "read_mark",
-           "write_mark", "owned_entries", "owned_dir", "read_json_file", "is_run_dir",
-           "check_run_dir",
-           "settings_diff", "describe_diff", "check_settings", "finished_status", "move_aside",
-           "check_fresh",
+__all__ = ["LOCK_NAME", "MARK_NAME", "RESUME_FREE", "RUN_ENTRIES", "RUN_FILES", "RunLock",
+           "read_mark", "write_mark", "owned_entries", "owned_dir", "read_json_file",
+           "is_run_dir", "make_run_dir", "check_run_dir", "settings_diff", "describe_diff",
+           "check_settings", "finished_status", "move_aside", "check_fresh",
            "keep_old_settings", "ended", "mark_ended", "resumed_from"]
 
 LOCK_NAME = "hpcpar.lock"
@@ -208,6 +207,19 @@ def check_run_dir(run_dir: str | os.PathLike) -> None:
                       + (f" and {len(names) - 1} more" if len(names) > 1 else "")
                       + f" and no {MARK_NAME}, which hpcpar run writes); choose a new or empty "
                         f"directory")
+
+
+def make_run_dir(run_dir: str | os.PathLike) -> None:
+    """Create the run directory (and its parents) when missing.
+
+    Raises:
+        RunDirError: It cannot be created (a read-only file system, permissions): one line.
+    """
+    try:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RunDirError(f"--run-dir {run_dir}: cannot create it "
+                          f"({exc.strerror or exc})") from None
 
 
 # -- the lock -------------------------------------------------------------------------------

@@ -176,3 +176,22 @@ def test_a_run_file_that_is_a_directory_or_a_fifo_is_refused(tmp_path):
     (line,) = error_lines(err)
     assert line.endswith("meta.json: not a regular file, where hpcpar keeps a file of the run; "
                          "move it away, or choose another --run-dir"), line
+
+
+def test_a_tilde_in_the_job_is_the_home_directory_for_every_writer(tmp_path):
+    """Issue 67: ``[output] dir = "~/runs/x"`` is expanded once where the job is parsed:
+    training and the records' merge (pyarrow, which expands ``~`` itself) write the same
+    directory, and no literal ``./~`` is made."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    (work / "job.toml").write_text(JOB + '[output]\ndir = "~/runs/x"\n')
+    p = subprocess.run([sys.executable, "-m", "hpcpar.cli", "run", "job.toml"], cwd=work,
+                       capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, OMP_NUM_THREADS="1", HOME=str(home)))
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    rd = home / "runs" / "x"
+    assert p.stdout.strip() == str(rd)
+    assert {"meta.json", "steps.parquet", "logs", "hpcpar-run.json"} <= set(os.listdir(rd))
+    assert os.listdir(work) == ["job.toml"]     # no ./~
+    assert json.loads((rd / "job.json").read_text())["job"]["output"]["dir"] == str(rd)
