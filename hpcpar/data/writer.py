@@ -214,8 +214,8 @@ def reserve_space(out: str, tmp: str, need: int, what: str = "the dataset") -> N
 
 def _check_replaceable(out: str) -> None:
     """``--force`` replaces only what hpcpar made: an empty directory, or a dataset directory
-    (its ``manifest.json`` says so) holding nothing but the manifest and its shards; never the
-    working directory, one of its parents, or the home directory."""
+    (its ``manifest.json`` says so) holding nothing but the manifest and its shards, in its
+    sub-folders too; never the working directory, one of its parents, or the home directory."""
     real = os.path.realpath(out)
     for what, d in (("the working directory", os.getcwd()), ("the home directory",
                                                              os.path.expanduser("~"))):
@@ -234,13 +234,35 @@ def _check_replaceable(out: str) -> None:
         raise DataError(f"{out}: not an hpcpar dataset ({exc}); --force replaces only a "
                         f"dataset directory hpcpar made: remove it yourself or choose another "
                         f"OUT") from None
-    own = {MANIFEST} | {os.path.normpath(s.file).split(os.sep)[0] for s in manifest.shards}
-    foreign = sorted(entries - own)
+    files = {MANIFEST} | {os.path.normpath(s.file) for s in manifest.shards}
+    dirs = {d for f in files for d in _parents(f)}
+    foreign = sorted(_foreign_entries(out, files, dirs))
     if foreign:
         raise DataError(f"{out}: holds {foreign[0]!r}"
                         + (f" and {len(foreign) - 1} more" if len(foreign) > 1 else "")
                         + " besides the dataset's own files; --force would delete it: move it "
                           "out first, or choose another OUT")
+
+
+def _parents(path: str) -> list[str]:
+    """``"a/b/c.h5"`` -> ``["a/b", "a"]``: the folders a relative path lies in."""
+    parts = path.split(os.sep)[:-1]
+    return [os.sep.join(parts[:i]) for i in range(len(parts), 0, -1)]
+
+
+def _foreign_entries(out: str, files: set, dirs: set) -> list[str]:
+    """Every path under ``out`` (sub-folders too) that is neither one of ``files`` nor a
+    folder of ``dirs`` (relative paths): what ``--force`` would delete that hpcpar did not
+    write. (Links are not followed, here nor by the removal.)"""
+    foreign = []
+    for root, subdirs, names in os.walk(out):
+        rel = os.path.relpath(root, out)
+        for name in names + subdirs:
+            path = os.path.normpath(os.path.join(rel, name))
+            if path not in (dirs if name in subdirs else files):
+                foreign.append(path)
+        subdirs[:] = [d for d in subdirs if os.path.normpath(os.path.join(rel, d)) in dirs]
+    return foreign
 
 
 def _make_temp_dir(out: str, force: bool) -> str:
