@@ -6,6 +6,7 @@ built in or installed and trusted. Real runs (``hpcpar run`` subprocesses), real
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 from torch import nn
 
-from hpcpar.errors import RunDirError
+from hpcpar.errors import DataError, RunDirError
 from hpcpar.run import checkpoint as ckpt
 
 CLI = [sys.executable, "-m", "hpcpar.cli"]
@@ -291,3 +292,29 @@ def test_run_files_are_never_written_through_a_link(finished, tmp_path, link):
     assert f"{run / link}: a symbolic link; hpcpar writes no run file through a link " \
            f"(remove it)" in r.stderr, r.stderr
     assert victim.read_text() == "my data\n"
+
+
+def test_a_fifo_named_meta_json_never_blocks_report(finished, tmp_path):
+    """Issue 67: ``hpcpar report`` blocked forever opening a FIFO named meta.json."""
+    run = _copy(finished, tmp_path)
+    (run / "meta.json").unlink()
+    os.mkfifo(run / "meta.json")
+    r = _hpcpar(["report", run, "--out", tmp_path / "rep"])      # times out (300 s) if it blocks
+    assert _one_line_error(r) == (f"hpcpar: error: no readable run records: {run}/meta.json: "
+                                  f"not a regular file (hpcpar reads only files it wrote)")
+
+
+def test_a_fifo_named_manifest_json_never_blocks_a_graph_reader(tmp_path):
+    """Issue 67: the sharded-graph check of ``[data] path`` opened manifest.json blocking."""
+    import threading
+
+    from hpcpar.graph.shards import is_sharded_graph, read_graph_manifest
+
+    os.mkfifo(tmp_path / "manifest.json")
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(is_sharded_graph(tmp_path)), daemon=True)
+    t.start()
+    t.join(30)
+    assert out == [False], "is_sharded_graph blocked on a FIFO"
+    with pytest.raises(DataError, match="manifest.json: not a regular file"):
+        read_graph_manifest(tmp_path)
