@@ -318,3 +318,33 @@ def test_a_fifo_named_manifest_json_never_blocks_a_graph_reader(tmp_path):
     assert out == [False], "is_sharded_graph blocked on a FIFO"
     with pytest.raises(DataError, match="manifest.json: not a regular file"):
         read_graph_manifest(tmp_path)
+
+
+class _Code:
+    """Pickles as a call to ``open(marker, "w")``: loading it would run code."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def test_a_code_carrying_checkpoint_with_a_valid_checksum_is_one_line(finished, tmp_path):
+    """Issue 67: refused (weights_only), but as an UnpicklingError traceback."""
+    import torch
+
+    run = _copy(finished, tmp_path)
+    ck = run / "checkpoints" / "step-000006"
+    marker = tmp_path / "MARKER"
+    torch.save({"step": _Code(marker)}, ck / "trainer.pt")
+    manifest = json.loads((ck / "manifest.json").read_text())
+    manifest["files"]["trainer.pt"] = {"sha256": ckpt.sha256_file(ck / "trainer.pt"),
+                                       "bytes": (ck / "trainer.pt").stat().st_size}
+    (ck / "manifest.json").write_text(json.dumps(manifest))
+    r = _continue(finished, run)
+    assert not marker.exists(), "the checkpoint's code ran"
+    assert "Traceback" not in r.stderr and "UnpicklingError" not in r.stderr, r.stderr
+    assert r.returncode == 2 and r.stderr.splitlines()[-1] == (
+        f"hpcpar: error: {ck}/trainer.pt: refused to unpickle (it needs io.open, which could "
+        f"run code); hpcpar's checkpoints hold tensors and plain values only"), r.stderr
