@@ -10,7 +10,7 @@ import os
 
 import click
 
-from hpcpar.graph.format import bundled, import_npz, write_graph
+from hpcpar.graph.format import bundled, check_graph_out, import_npz, write_graph
 
 __all__ = ["graph", "import_", "make", "partition"]
 
@@ -43,7 +43,8 @@ def _split(ctx, param, value):
 @click.option("--trust-pickle", is_flag=True,
               help="PyG files: unpickle classes beyond PyG's graph classes (this can run the "
                    "file's code: only for files you trust).")
-def import_(source, out, features, labels, split, seed, trust_pickle):
+@click.option("--force", is_flag=True, help="Replace OUT if it is a graph file hpcpar made.")
+def import_(source, out, features, labels, split, seed, trust_pickle, force):
     """Convert a graph to OUT.h5: a Planetoid-style .npz (edge_index, CSR x, y,
     train/val/test_idx), a PyTorch Geometric Data saved with torch.save (.pt/.pth: edge_index,
     x, y, *_mask; loaded with weights_only=True and PyG's graph classes only, so the file's
@@ -54,6 +55,7 @@ def import_(source, out, features, labels, split, seed, trust_pickle):
     """
     from hpcpar.graph.interop import import_graph  # deferred: keeps --help fast
 
+    check_graph_out(out, force)
     if not os.path.exists(source) and os.path.exists(bundled(source.removesuffix(".npz"))):
         source = bundled(source.removesuffix(".npz"))
     if source.endswith(".npz"):
@@ -81,10 +83,13 @@ def import_(source, out, features, labels, split, seed, trust_pickle):
               help="fraction of edges inside a community")
 @click.option("--signal", type=float, default=0.25, show_default=True,
               help="class signal in the features (lower: the graph matters more)")
-def make(out, nodes, avg_degree, communities, features, classes, seed, directed, p_in, signal):
+@click.option("--force", is_flag=True, help="Replace OUT if it is a graph file hpcpar made.")
+def make(out, nodes, avg_degree, communities, features, classes, seed, directed, p_in, signal,
+         force):
     """Write a seeded power-law community graph with learnable labels to OUT.h5."""
     from hpcpar.graph.generate import power_law_community_graph  # deferred: keeps --help fast
 
+    check_graph_out(out, force)
     g = power_law_community_graph(nodes, avg_degree, communities, features, classes, seed,
                                   directed=directed, p_in=p_in, signal=signal)
     write_graph(out, nodes, g["x"], g["y"], g["masks"], csr=(g["indptr"], g["indices"]),

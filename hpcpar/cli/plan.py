@@ -148,6 +148,7 @@ def plan(job, ranks, machine, top, csv_path, sets, calibrate, out, as_json, budg
         workload_from_job,
     )
     from hpcpar.plan.machine import load_machine, machines_dir  # deferred: keeps --help fast
+    from hpcpar.plan.planner import grids  # deferred: keeps --help fast
     from hpcpar.plan.planner import plan as make_plan  # deferred: keeps --help fast
 
     if calibrate:
@@ -179,6 +180,9 @@ def plan(job, ranks, machine, top, csv_path, sets, calibrate, out, as_json, budg
         click.echo(f"hpcpar: note: {note}", err=True)
     if budget is not None and work.graph is not None:
         raise click.UsageError("--memory-budget: the largest cubic sample is for volume jobs")
+    count = sum(1 for _ in grids(ranks))
+    if count > 1000:    # seconds, not minutes; say so
+        click.echo(f"hpcpar: plan: predicting {count} grids of {ranks} ranks", err=True)
     preds = make_plan(work, ranks, m)
     fit = None
     if fit_runs:

@@ -90,7 +90,7 @@ def run(job_file, ranks, grid_spec, run_dir, sets, fresh, _resume, start_from, n
     threads = threads_per_rank(job.resources.cpus_per_task)
     world = mpi_world_size()
     comm = None
-    rd = Path(run_dir or rerun.default_run_dir(job))
+    rd = Path(os.path.expanduser(run_dir or rerun.default_run_dir(job)))  # ~ once, here
     if mode == "direct" and world > 1:    # every rank runs this command: rank 0 decides
         from mpi4py import MPI
 
@@ -124,15 +124,13 @@ def run(job_file, ranks, grid_spec, run_dir, sets, fresh, _resume, start_from, n
             click.echo(detail, err=True)
             click.echo(str(rd))
         return
-    from hpcpar.run.rundir import RunLock  # deferred: keeps --help fast
+    from hpcpar.run.rundir import RunLock, make_run_dir  # deferred: keeps --help fast
 
     lock = RunLock(rd, warn=lambda m: click.echo(m, err=True))
     try:
-        if lead:
-            rd.mkdir(parents=True, exist_ok=True)
         job_path = rerun.agreed(comm, lambda: (
-            lock.acquire(), rerun.prepare(rd, job, job_file, detail, fresh, say,
-                                          start_from))[1])
+            make_run_dir(rd), lock.acquire(), rerun.prepare(rd, job, job_file, detail, fresh,
+                                                            say, start_from))[2])
         if lead:
             click.echo(f"hpcpar: {job.name}: {n} rank(s), grid {spec}, run dir {rd}", err=True)
         argv, cmd = command(job_path)

@@ -20,6 +20,7 @@ import bisect
 import json
 import math
 import os
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -40,7 +41,7 @@ __all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "HDF5_SIGNATURE", "DEFAULT_CH
            "check_file",
            "open_h5", "check_array", "check_shard", "manifest_problems", "verify_dataset",
            "SCAN_BLOCK_BYTES", "value_stats", "merge_stats", "dataset_stats", "expects_finite",
-           "check_finite", "check_values"]
+           "check_finite", "check_values", "open_regular"]
 
 FORMAT = "hpcpar-volume-shards"
 FORMAT_VERSION = 1
@@ -48,6 +49,21 @@ MANIFEST = "manifest.json"
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 DEFAULT_CHUNK = 32  # largest automatic chunk edge along D (H: half the axis, W: all of it)
 MAX_AUTO_CHUNK = 1 << 22  # elements: automatic chunks are at most 16 MiB of float32
+
+
+def open_regular(path: str | os.PathLike):
+    """Open a manifest for reading (text), refusing anything but a regular file: a FIFO
+    named ``manifest.json`` would block its reader forever.
+
+    Raises:
+        OSError: It cannot be opened; ``ENXIO``-like ``OSError`` for a non-regular file
+            (its message says so).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"{path}: not a regular file")
+    return os.fdopen(fd)
 
 
 def shard_name(index: int) -> str:
@@ -385,7 +401,7 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
     if not os.path.isfile(path):
         raise DataError(f"{path}: manifest not found (is {directory} an hpcpar dataset?)")
     try:
-        with open(path) as fh:
+        with open_regular(path) as fh:
             d = json.load(fh, parse_constant=_no_constant)
     except (OSError, UnicodeDecodeError, ValueError) as exc:   # invalid JSON, NaN, 5000 digits
         raise DataError(f"{path}: not valid JSON ({exc})") from None

@@ -48,6 +48,7 @@ from .format import (
 )
 
 __all__ = ["BLOCK_BYTES", "SerialComm", "shard_counts", "dataset_bytes", "write_dataset",
+           "reserve_space", "oserror_line",
            "H5Source"]
 
 BLOCK_BYTES = 64 << 20  # samples are read from the source in blocks of about this size
@@ -161,7 +162,7 @@ def y_chunks(source, chunk) -> tuple | None:
     return (xc[0], *xc[2:])
 
 
-def _oserror_line(exc: OSError) -> str:
+def oserror_line(exc: OSError) -> str:
     """One line for an OSError: h5py's carry a multi-line HDF5 driver message, so the errno's
     own text is preferred ("No space left on device", "Read-only file system")."""
     if exc.errno:
@@ -174,7 +175,7 @@ def _write_error(out: str, path: str, exc: Exception) -> Exception:
     other errors (a DataError about the values) pass unchanged."""
     if not isinstance(exc, OSError):
         return exc
-    return DataError(f"{out}: cannot write {os.path.basename(path)} ({_oserror_line(exc)}); "
+    return DataError(f"{out}: cannot write {os.path.basename(path)} ({oserror_line(exc)}); "
                      f"nothing was published, the partial files are removed")
 
 
@@ -193,11 +194,21 @@ def dataset_bytes(source, counts: list[int], chunk=None) -> int:
 ANNOUNCE_BYTES = 1 << 30
 
 
-def _reserve_space(out: str, tmp: str, need: int) -> None:
+def reserve_space(out: str, tmp: str, need: int, what: str = "the dataset") -> None:
     """Allocate ``need`` bytes in ``tmp`` and free them again, before any HDF5 write: HDF5
     cannot recover from a failed write (a full disk or quota makes the later close fail and
-    the process crash), so the space is claimed first, the way the disk and quota count it."""
-    reserve = os.path.join(tmp, ".space-check")
+    the process crash), so the space is claimed first, the way the disk and quota count it.
+
+    Args:
+        out: What is being written, for the message.
+        tmp: A directory on the same file system, writable.
+        need: Bytes to claim.
+        what: Its name in the message.
+
+    Raises:
+        DataError: There is not that much space (one line naming ``out``).
+    """
+    reserve = os.path.join(tmp, f".space-check-{os.getpid()}")
     try:
         fd = os.open(reserve, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -206,15 +217,15 @@ def _reserve_space(out: str, tmp: str, need: int) -> None:
             os.close(fd)
             os.unlink(reserve)
     except OSError as exc:
-        raise DataError(f"{out}: not enough space for the dataset (about "
-                        f"{need / 2**20:.1f} MiB needed: {_oserror_line(exc)}); nothing was "
+        raise DataError(f"{out}: not enough space for {what} (about "
+                        f"{need / 2**20:.1f} MiB needed: {oserror_line(exc)}); nothing was "
                         f"written") from None
 
 
 def _check_replaceable(out: str) -> None:
     """``--force`` replaces only what hpcpar made: an empty directory, or a dataset directory
-    (its ``manifest.json`` says so) holding nothing but the manifest and its shards; never the
-    working directory, one of its parents, or the home directory."""
+    (its ``manifest.json`` says so) holding nothing but the manifest and its shards, in its
+    sub-folders too; never the working directory, one of its parents, or the home directory."""
     real = os.path.realpath(out)
     for what, d in (("the working directory", os.getcwd()), ("the home directory",
                                                              os.path.expanduser("~"))):
@@ -233,13 +244,35 @@ def _check_replaceable(out: str) -> None:
         raise DataError(f"{out}: not an hpcpar dataset ({exc}); --force replaces only a "
                         f"dataset directory hpcpar made: remove it yourself or choose another "
                         f"OUT") from None
-    own = {MANIFEST} | {os.path.normpath(s.file).split(os.sep)[0] for s in manifest.shards}
-    foreign = sorted(entries - own)
+    files = {MANIFEST} | {os.path.normpath(s.file) for s in manifest.shards}
+    dirs = {d for f in files for d in _parents(f)}
+    foreign = sorted(_foreign_entries(out, files, dirs))
     if foreign:
         raise DataError(f"{out}: holds {foreign[0]!r}"
                         + (f" and {len(foreign) - 1} more" if len(foreign) > 1 else "")
                         + " besides the dataset's own files; --force would delete it: move it "
                           "out first, or choose another OUT")
+
+
+def _parents(path: str) -> list[str]:
+    """``"a/b/c.h5"`` -> ``["a/b", "a"]``: the folders a relative path lies in."""
+    parts = path.split(os.sep)[:-1]
+    return [os.sep.join(parts[:i]) for i in range(len(parts), 0, -1)]
+
+
+def _foreign_entries(out: str, files: set, dirs: set) -> list[str]:
+    """Every path under ``out`` (sub-folders too) that is neither one of ``files`` nor a
+    folder of ``dirs`` (relative paths): what ``--force`` would delete that hpcpar did not
+    write. (Links are not followed, here nor by the removal.)"""
+    foreign = []
+    for root, subdirs, names in os.walk(out):
+        rel = os.path.relpath(root, out)
+        for name in names + subdirs:
+            path = os.path.normpath(os.path.join(rel, name))
+            if path not in (dirs if name in subdirs else files):
+                foreign.append(path)
+        subdirs[:] = [d for d in subdirs if os.path.normpath(os.path.join(rel, d)) in dirs]
+    return foreign
 
 
 def _make_temp_dir(out: str, force: bool) -> str:
@@ -255,7 +288,7 @@ def _make_temp_dir(out: str, force: bool) -> str:
         tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.partial-", dir=parent)
     except OSError as exc:
         raise DataError(f"{out}: cannot create the dataset in {parent} "
-                        f"({_oserror_line(exc)})") from None
+                        f"({oserror_line(exc)})") from None
     umask = os.umask(0o22)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the dataset is not
@@ -326,7 +359,7 @@ def write_dataset(out: str, source: CosmoflowSource | H5Source | VolumeFiles,
         try:
             tmp = _make_temp_dir(out, force)
             need = dataset_bytes(source, counts, chunk)
-            _reserve_space(out, tmp, need)
+            reserve_space(out, tmp, need)
             if need > ANNOUNCE_BYTES:   # say it before the disk fills, not after
                 print(f"hpcpar: writing {out}: {sum(counts)} samples, about "
                       f"{need / 1e9:.1f} GB", file=sys.stderr, flush=True)
@@ -394,7 +427,7 @@ def write_dataset(out: str, source: CosmoflowSource | H5Source | VolumeFiles,
         except (OSError, DataError) as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             err = str(exc) if isinstance(exc, DataError) else \
-                f"{out}: cannot publish the dataset ({_oserror_line(exc)})"
+                f"{out}: cannot publish the dataset ({oserror_line(exc)})"
     err = comm.bcast(err if rank == 0 else None, root=0)
     if err:
         raise DataError(err)

@@ -97,8 +97,9 @@ SCHEMA: dict[str, dict[str, Param]] = {
         "activation_checkpointing": _p((bool, int, str), False, help="recompute activations "
                                        "in backward: N segments per chain (nn.Sequential), "
                                        "\"auto\" or false; reuses the forward's halo faces"),
-        "init_from": _p(str, None, help="a new run starts from these weights: a torch.save'd "
-                        "state_dict of the plain single-process model (loaded weights_only)"),
+        "init_from": _p(str, None, path=True, help="a new run starts from these weights: a "
+                        "torch.save'd state_dict of the plain single-process model (loaded "
+                        "weights_only)"),
         "init_strict": _p(bool, True, help="init_from: every key must match (false: load the "
                           "matching keys, warn about the others)"),
     },
@@ -127,7 +128,7 @@ SCHEMA: dict[str, dict[str, Param]] = {
         "constraint": _p(str, None),
     },
     "output": {
-        "dir": _p(str, None, help="run directory (else runs/<name>)"),
+        "dir": _p(str, None, path=True, help="run directory (else runs/<name>)"),
         "tensorboard": _p(bool, False, help="TensorBoard event files in RUN/tensorboard "
                                             "(rank 0; pip install 'hpcpar[tensorboard]')"),
         "callbacks": _p(list, [], help="'package.module:factory' names; factory(job) -> "
@@ -358,6 +359,8 @@ def check_value(where: str, key: str, value: Any, spec: Param) -> Any:
         return None
     if not _type_ok(value, spec.type):
         raise ConfigError(f"{where} {key}: expected {_describe(spec.type)}, got {value!r}")
+    if spec.path and isinstance(value, str):
+        value = os.path.expanduser(value)
     if spec.type is float or (isinstance(spec.type, tuple) and float in spec.type
                               and not isinstance(value, str)):
         value = float(value) if not isinstance(value, bool) else value

@@ -44,6 +44,8 @@ class Param:
         max: Largest accepted value (numbers).
         choices: The accepted values, when they are a closed set.
         help: One line for the documentation and error messages.
+        path: A file or directory: a leading ``~`` is expanded once, where the job is parsed,
+            so every reader (pyarrow expands it itself) sees the same path.
     """
 
     type: type | tuple = float
@@ -52,6 +54,7 @@ class Param:
     max: float | None = None
     choices: tuple | None = None
     help: str = ""
+    path: bool = False
 
     @property
     def required(self) -> bool:

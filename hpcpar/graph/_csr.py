@@ -44,13 +44,74 @@ def check_csr(indptr, indices, rows: int, cols: int, what: str) -> None:
         raise DataError(f"{what}: a column id is outside 0..{cols - 1}")
 
 
-def check_labels(y, num_classes: int, what: str) -> None:
-    """A one-line :class:`DataError` unless every label is a class id in
-    ``[0, num_classes)``: a label outside it would index past the model's outputs."""
+#: the most classes a graph may have: a label of 1e9 would give the model's last layer (and
+#: its gradient and optimizer state) a billion rows
+MAX_CLASSES = 1 << 20
+#: the label of a vertex without one (public citation graphs have them): allowed only on a
+#: vertex outside every mask, which the loss and the metrics never read
+UNLABELED = -1
+
+
+def labels_int64(y, what: str) -> np.ndarray:
+    """Labels as read from a file, as int64 class ids: a fraction, NaN or inf is refused (it
+    would be truncated to another class), and so is anything outside ``-1..MAX_CLASSES-1``.
+
+    Args:
+        y: The labels (any numeric dtype).
+        what: The file and field, for the message.
+
+    Returns:
+        The labels as int64.
+
+    Raises:
+        DataError: One line naming the vertex and its label.
+    """
     y = np.asarray(y)
-    if y.size and (y.min() < 0 or y.max() >= num_classes):
-        bad = int(y.min() if y.min() < 0 else y.max())
-        raise DataError(f"{what}: label {bad} is outside the class ids 0..{num_classes - 1}")
+    if y.dtype == bool:
+        return y.astype(np.int64)
+    if y.dtype.kind not in "iuf":
+        raise DataError(f"{what}: labels of type {y.dtype}, expected integer class ids")
+    if y.dtype.kind == "f":
+        with np.errstate(invalid="ignore"):
+            bad = ~np.isfinite(y) | (y != np.round(y))
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise DataError(f"{what}: label {y[i]} of vertex {i} is not an integer class id")
+    if y.size and (y.min() < UNLABELED or y.max() >= MAX_CLASSES):
+        i = int(np.argmin(y) if y.min() < UNLABELED else np.argmax(y))
+        raise DataError(f"{what}: label {y[i]:.20g} of vertex {i} is outside the class ids "
+                        f"0..{MAX_CLASSES - 1} (or -1: unlabeled)")
+    return y.astype(np.int64)
+
+
+def num_classes_of(y) -> int:
+    """The class count of int64 labels: the largest label plus one (at least 1)."""
+    return max(int(y.max()) + 1, 1) if np.asarray(y).size else 1
+
+
+def check_labels(y, num_classes: int, what: str, masks: dict | None = None) -> None:
+    """A one-line :class:`DataError` unless every label is a class id in
+    ``[0, num_classes)`` (a label outside it would index past the model's outputs) or -1 on
+    a vertex outside every one of ``masks`` (unlabeled; without ``masks`` -1 is refused too).
+    """
+    y = np.asarray(y)
+    if not 1 <= num_classes <= MAX_CLASSES:
+        raise DataError(f"{what}: {num_classes} classes, expected 1..{MAX_CLASSES}")
+    if not y.size:
+        return
+    bad = (y < UNLABELED) | (y >= num_classes)
+    unlabeled = y == UNLABELED
+    masked = np.zeros(y.shape, bool)
+    for m in (masks or {}).values():
+        masked |= np.asarray(m, bool)
+    bad |= unlabeled & (masked if masks is not None else True)
+    if bad.any():
+        i = int(np.argmax(bad))
+        where = [k for k, m in (masks or {}).items() if np.asarray(m, bool)[i]]
+        hint = (f" (vertex {i} is in the {where[0]} mask; -1 marks an unlabeled vertex, "
+                f"allowed only outside every mask)" if y[i] == UNLABELED and where else "")
+        raise DataError(f"{what}: label {int(y[i])} is outside the class ids "
+                        f"0..{num_classes - 1}{hint}")
 
 
 def sorted_unique(a: np.ndarray) -> np.ndarray:

@@ -18,14 +18,25 @@ Readers read row blocks (``[start, stop)`` hyperslabs), so each rank only touche
 from __future__ import annotations
 
 import os
+import tempfile
 import zipfile
 
 import numpy as np
 
+from hpcpar.data.writer import oserror_line, reserve_space
 from hpcpar.errors import DataError
-from hpcpar.graph._csr import check_csr, check_edges, check_labels, edges_to_csr, is_symmetric
+from hpcpar.graph._csr import (
+    check_csr,
+    check_edges,
+    check_labels,
+    edges_to_csr,
+    is_symmetric,
+    labels_int64,
+    num_classes_of,
+)
 
-__all__ = ["FORMAT", "VERSION", "MASKS", "NPZ_FIELDS", "write_graph", "GraphFile",
+__all__ = ["FORMAT", "VERSION", "MASKS", "NPZ_FIELDS", "write_graph", "check_graph_out",
+           "GraphFile",
            "csr_rows_dense", "NPZ_ERRORS", "npz_unreadable", "npz_missing", "npz_checked",
            "import_npz", "bundled"]
 
@@ -45,7 +56,7 @@ def write_graph(path: str | os.PathLike, num_nodes: int, x: np.ndarray | tuple,
         path: The HDF5 file to write.
         num_nodes: Number of vertices N.
         x: Features: dense ``(N, F)``, or CSR ``(indptr, indices, data, shape)``.
-        y: ``(N,)`` class ids.
+        y: ``(N,)`` class ids (-1: unlabeled, only on a vertex outside every mask).
         masks: ``{"train": ..., "val": ..., "test": ...}`` boolean ``(N,)`` masks.
         edge_index: ``(2, E)`` edges ``src -> dst``; used when ``csr`` is None.
         csr: The in-edge CSR ``(indptr, indices)``, instead of ``edge_index``.
@@ -56,44 +67,88 @@ def write_graph(path: str | os.PathLike, num_nodes: int, x: np.ndarray | tuple,
 
     Raises:
         DataError: An edge out of range in ``edge_index``, CSR features that are not a CSR of
-            ``N`` rows, or a label outside ``[0, num_classes)``.
+            ``N`` rows, a label outside ``[0, num_classes)`` (or -1 on a masked vertex), or
+            a failed write (a full disk: nothing is left behind).
     """
-    import h5py
-
     if csr is None:
         indptr, indices = edges_to_csr(edge_index, num_nodes)
     else:
         indptr, indices = (np.asarray(a, dtype=np.int64) for a in csr)
-    y = np.asarray(y, dtype=np.int64)
-    if num_classes is not None:
-        check_labels(y, num_classes, f"{path}: labels")
-    elif y.size and y.min() < 0:
-        check_labels(y, int(y.max()) + 1, f"{path}: labels")
+    y = labels_int64(y, f"{path}: labels")
+    if num_classes is None:
+        num_classes = num_classes_of(y)
+    check_labels(y, num_classes, f"{path}: labels", masks)
     if isinstance(x, tuple):
         check_csr(x[0], x[1], num_nodes, int(x[3][1]), f"{path}: CSR features")
-    with h5py.File(path, "w") as f:
-        f.attrs.update(format=FORMAT, version=VERSION, num_nodes=num_nodes,
-                       num_edges=int(indices.shape[0]), directed=bool(directed),
-                       name=name, source=source,
-                       num_classes=int(num_classes if num_classes is not None else y.max() + 1))
-        g = f.create_group("csr")
-        g["indptr"] = indptr
-        g["indices"] = indices
-        if isinstance(x, tuple):
-            fi, fj, fv, shape = x
-            fg = f.create_group("features")
-            fg["indptr"] = np.asarray(fi, dtype=np.int64)
-            fg["indices"] = np.asarray(fj, dtype=np.int64)
-            fg["data"] = np.asarray(fv, dtype=np.float32)
-            fg.attrs["shape"] = np.asarray(shape, dtype=np.int64)
-            f.attrs["num_features"] = int(shape[1])
-        else:
-            f["features"] = np.asarray(x, dtype=np.float32)
-            f.attrs["num_features"] = int(x.shape[1])
-        f["labels"] = y
-        mg = f.create_group("masks")
-        for m in MASKS:
-            mg[m] = np.asarray(masks[m], dtype=bool)
+        fields: dict[str, np.ndarray] = {
+            "features/indptr": np.asarray(x[0], dtype=np.int64),
+            "features/indices": np.asarray(x[1], dtype=np.int64),
+            "features/data": np.asarray(x[2], dtype=np.float32)}
+        width = int(x[3][1])
+    else:
+        fields = {"features": np.asarray(x, dtype=np.float32)}
+        width = int(fields["features"].shape[1])
+    fields.update({"csr/indptr": indptr, "csr/indices": indices, "labels": y,
+                   **{f"masks/{m}": np.asarray(masks[m], dtype=bool) for m in MASKS}})
+    attrs = dict(format=FORMAT, version=VERSION, num_nodes=num_nodes,
+                 num_edges=int(indices.shape[0]), directed=bool(directed), name=name,
+                 source=source, num_classes=int(num_classes), num_features=width)
+    _write_h5_atomic(str(path), fields, attrs,
+                     None if not isinstance(x, tuple) else np.asarray(x[3], dtype=np.int64))
+
+
+def _write_h5_atomic(path: str, fields: dict, attrs: dict, csr_shape) -> None:
+    """Write the graph file beside ``path`` and rename it into place: the space is claimed
+    first (HDF5 crashes on a full disk, :func:`hpcpar.data.writer.reserve_space`), and a
+    failed write leaves no partial file and the old one (``--force``) intact."""
+    import h5py
+
+    path = os.path.abspath(path)
+    need = sum(a.nbytes for a in fields.values())
+    need += need // 100 + (1 << 20)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.partial-",
+                                   dir=os.path.dirname(path))
+    except OSError as exc:
+        raise DataError(f"{path}: cannot write the graph file ({oserror_line(exc)})") from None
+    os.close(fd)
+    try:
+        reserve_space(path, os.path.dirname(path), need, "the graph file")
+        with h5py.File(tmp, "w") as f:
+            f.attrs.update(attrs)
+            for key, value in fields.items():
+                f[key] = value
+            if csr_shape is not None:
+                f["features"].attrs["shape"] = csr_shape
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise DataError(f"{path}: cannot write the graph file ({oserror_line(exc)}); nothing "
+                        f"was written") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def check_graph_out(out: str | os.PathLike, force: bool) -> None:
+    """Refuse (read-only) to replace an existing ``out`` without ``force``, and with it
+    anything but a graph file hpcpar wrote (``format="hpcpar-graph"``).
+
+    Raises:
+        DataError: One line naming ``out`` and what to do.
+    """
+    out = str(out)
+    if not os.path.lexists(out):
+        return
+    if not force:
+        raise DataError(f"{out}: already exists (use --force to replace it)")
+    if os.path.islink(out) or not os.path.isfile(out):
+        raise DataError(f"{out}: exists and is not a regular file; --force replaces only a "
+                        f"graph file hpcpar made")
+    try:
+        GraphFile(out).close()
+    except DataError:
+        raise DataError(f"{out}: not an hpcpar graph file; --force replaces only a graph file "
+                        f"hpcpar made: remove it yourself or choose another OUT") from None
 
 
 class GraphFile:
@@ -198,11 +253,10 @@ class GraphFile:
             self._fail(f"field '/features' has shape {tuple(shape)}, expected ({n}, F)")
         self.num_features = int(shape[1])
         labels = self._need("labels", (n,))[()]
-        for m in MASKS:
-            self._need(f"masks/{m}", (n,))
+        masks = {m: self._need(f"masks/{m}", (n,))[()] for m in MASKS}
         self.num_classes = self._int_attr("num_classes", 1) if "num_classes" in a else \
-            int(labels.max()) + 1 if n else 1
-        check_labels(labels, self.num_classes, f"{self.path}: /labels")
+            num_classes_of(labels)
+        check_labels(labels, self.num_classes, f"{self.path}: /labels", masks)
 
     # ---- reading ------------------------------------------------------------------------
     def _csr_arrays(self):
@@ -313,6 +367,7 @@ def npz_checked(src, d) -> tuple[int, dict]:
     """``(vertices, masks)`` of an ``.npz``'s fields ``d`` (arrays or memory maps): the
     labels, feature shape and split indices checked, one line naming the field if not."""
     n = int(d["y"].shape[0])
+    d["y"] = labels_int64(d["y"], f"{src}: y")
     shape = np.asarray(d["x_shape"])
     if shape.shape != (2,) or not np.issubdtype(shape.dtype, np.integer) or shape[0] != n:
         raise DataError(f"{src}: x_shape is {shape.tolist()}, expected [{n}, features]")
@@ -325,6 +380,7 @@ def npz_checked(src, d) -> tuple[int, dict]:
         mask = np.zeros(n, bool)
         mask[idx] = True
         masks[m] = mask
+    check_labels(d["y"], num_classes_of(d["y"]), f"{src}: y", masks)
     return n, masks
 
 
@@ -358,7 +414,7 @@ def import_npz(src: str | os.PathLike, out: str | os.PathLike) -> dict:
                 csr=(indptr, indices), directed=directed,
                 name=os.path.splitext(os.path.basename(str(src)))[0], source=str(src))
     return {"nodes": n, "edges": int(indices.shape[0]), "features": int(d["x_shape"][1]),
-            "classes": int(y.max()) + 1, "directed": directed,
+            "classes": num_classes_of(y), "directed": directed,
             **{m: int(masks[m].sum()) for m in MASKS}}
 
 

@@ -18,12 +18,26 @@ import numpy as np
 
 from hpcpar.errors import DataError
 from hpcpar.graph._csr import edges_to_csr
+from hpcpar.graph.stream_partition import available_memory
 
-__all__ = ["power_law_community_graph"]
+__all__ = ["BYTES_PER_EDGE", "generate_bytes", "power_law_community_graph"]
 
 
 def _sample(cum: np.ndarray, u: np.ndarray) -> np.ndarray:
     return np.minimum(np.searchsorted(cum, u, side="right"), cum.shape[0] - 1)
+
+
+#: peak bytes per edge of the generator: sampled endpoints, the undirected copy, and the CSR's
+#: sort keys and their sorted copy (int64 each), measured with a margin
+BYTES_PER_EDGE = 64
+
+
+def generate_bytes(nodes: int, avg_degree: float, features: int, communities: int) -> int:
+    """Upper bound of the generator's peak memory: the edges (both directions counted) and
+    per vertex its features (twice: noise and result), community, degree propensity and
+    masks."""
+    return int(BYTES_PER_EDGE * nodes * avg_degree + nodes * (8 * features + 64)
+               + 16 * communities)
 
 
 def power_law_community_graph(nodes: int, avg_degree: float = 10.0, communities: int = 16,
@@ -52,7 +66,7 @@ def power_law_community_graph(nodes: int, avg_degree: float = 10.0, communities:
 
     Raises:
         DataError: A parameter out of range (``nodes < 2``, more classes than
-            communities, ...).
+            communities, ...), or a graph larger than the available memory.
     """
     for name, v, least in (("nodes", nodes, 2), ("communities", communities, 1),
                         ("features", features, 1), ("classes", classes, 2)):
@@ -63,8 +77,19 @@ def power_law_community_graph(nodes: int, avg_degree: float = 10.0, communities:
                         " (labels are community % classes)")
     if signal < 0:
         raise DataError(f"make graph: --signal must be >= 0, got {signal}")
-    if avg_degree <= 0:
-        raise DataError(f"make graph: --avg-degree must be positive, got {avg_degree}")
+    if not 0 < avg_degree < nodes:
+        raise DataError(f"make graph: --avg-degree must be positive and below --nodes "
+                        f"({nodes}: a vertex has at most {nodes - 1} neighbours), got "
+                        f"{avg_degree}")
+    if not 0 <= p_in <= 1:
+        raise DataError(f"make graph: --p-in must be a fraction in [0, 1], got {p_in}")
+    need = generate_bytes(nodes, avg_degree, features, communities)
+    have = available_memory()
+    if need > have:
+        raise DataError(f"make graph: --nodes {nodes} --avg-degree {avg_degree:g} --features "
+                        f"{features} needs about {need / 2**30:.1f} GiB of memory to generate, "
+                        f"more than the {have / 2**30:.1f} GiB available; choose a smaller "
+                        f"graph")
     rng = np.random.default_rng(seed)
     comm = rng.integers(0, communities, nodes)
     theta = rng.pareto(exponent - 1.0, nodes) + 1.0

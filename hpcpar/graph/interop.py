@@ -20,7 +20,13 @@ from typing import Any
 import numpy as np
 
 from hpcpar.errors import DataError
-from hpcpar.graph._csr import check_edges, edges_to_csr, is_symmetric
+from hpcpar.graph._csr import (
+    check_edges,
+    edges_to_csr,
+    is_symmetric,
+    labels_int64,
+    num_classes_of,
+)
 from hpcpar.graph.format import MASKS, write_graph
 
 __all__ = ["pyg_arrays", "pyg_num_nodes", "pyg_vertex_fields", "warn_repeated_edges",
@@ -52,7 +58,7 @@ def pyg_vertex_fields(data: Any, n: int, where: str) -> tuple[np.ndarray, dict]:
     """``y`` (zeros when absent) and the train/val/test masks (all False when absent) of a
     PyG ``Data`` with ``n`` vertices, checked: O(N) each."""
     y = getattr(data, "y", None)
-    y = np.zeros(n, np.int64) if y is None else _np(y, np.int64).reshape(-1)
+    y = np.zeros(n, np.int64) if y is None else labels_int64(_np(y).reshape(-1), f"{where}: y")
     if y.shape[0] != n:
         raise DataError(f"{where}: 'y' has {y.shape[0]} entries, expected one per vertex ({n}); "
                         f"node classification labels only")
@@ -301,7 +307,7 @@ def import_graph(source: str | os.PathLike, out: str | os.PathLike,
         x = x.reshape(-1, 1) if x.ndim == 1 else x
         n = x.shape[0]
         y = (np.zeros(n, np.int64) if labels is None
-             else _read_array(labels, "labels").astype(np.int64).reshape(-1))
+             else labels_int64(_read_array(labels, "labels").reshape(-1), f"{labels}"))
         if y.shape[0] != n:
             raise DataError(f"{labels}: {y.shape[0]} labels for {n} vertices (rows of "
                             f"{features})")
@@ -314,7 +320,7 @@ def import_graph(source: str | os.PathLike, out: str | os.PathLike,
     y = arrays["y"]
     write_graph(out, n, arrays["x"], y, arrays["masks"], csr=(indptr, indices),
                 directed=directed, name=os.path.splitext(os.path.basename(source))[0],
-                source=source, num_classes=int(y.max()) + 1 if n else 1)
+                source=source, num_classes=num_classes_of(y))
     return {"nodes": n, "edges": int(indices.shape[0]), "features": int(arrays["x"].shape[1]),
-            "classes": int(y.max()) + 1 if n else 1, "directed": directed,
+            "classes": num_classes_of(y), "directed": directed,
             **{m: int(arrays["masks"][m].sum()) for m in MASKS}}

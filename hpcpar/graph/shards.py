@@ -29,7 +29,14 @@ from dataclasses import asdict
 
 import numpy as np
 
-from hpcpar.data.format import Shard, check_file, member_path, open_h5, sha256_file
+from hpcpar.data.format import (
+    Shard,
+    check_file,
+    member_path,
+    open_h5,
+    open_regular,
+    sha256_file,
+)
 from hpcpar.errors import DataError
 from hpcpar.graph._csr import check_csr
 from hpcpar.graph.format import MASKS
@@ -54,7 +61,7 @@ def is_sharded_graph(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a directory whose manifest says it is a sharded graph (cheap: reads
     the manifest only), so ``[data] path`` and ``data verify`` can take either format."""
     try:
-        with open(os.path.join(path, MANIFEST)) as fh:
+        with open_regular(os.path.join(path, MANIFEST)) as fh:
             return json.load(fh).get("format") == FORMAT
     except (OSError, ValueError, AttributeError):
         return False
@@ -109,7 +116,7 @@ def read_graph_manifest(directory: str | os.PathLike) -> GraphManifest:
     if not os.path.isdir(directory):
         raise DataError(f"{directory}: sharded graph directory not found")
     try:
-        with open(path) as fh:
+        with open_regular(path) as fh:
             d = json.load(fh)
     except FileNotFoundError:
         raise DataError(f"{path}: manifest not found (is {directory} a sharded graph? "
@@ -208,6 +215,29 @@ class PartWriter:
         self._append(f["original_ids"], np.asarray(original_ids, np.int64))
         for m in MASKS:
             self._append(f[f"masks/{m}"], np.asarray(masks[m], bool))
+
+    #: bytes a part file may take beyond its rows: HDF5 allocates each dataset's last chunk
+    #: whole (see the chunk shapes above) and keeps its own metadata
+    PART_OVERHEAD = 6 << 20
+
+    @classmethod
+    def bytes_needed(cls, nodes: int, edges: int, features: int, parts: int) -> int:
+        """An upper bound of the part files' total size, claimed before they are written."""
+        return (nodes * (4 * features + 8 * 3 + len(MASKS)) + 8 * edges
+                + parts * (8 + cls.PART_OVERHEAD))
+
+    def abort(self) -> None:
+        """Remove the part files after a failed write (a partial part never stays)."""
+        for p, f in enumerate(self.files):
+            try:
+                f.close()
+            except (OSError, ValueError, RuntimeError):
+                pass
+            try:
+                os.unlink(os.path.join(self.directory, part_name(p)))
+            except OSError:
+                pass
+        self.files = []
 
     def close(self, offsets) -> list[dict]:
         """Close every part, stamping its vertex range; the shard entries (size, sha256)."""

@@ -34,8 +34,16 @@ from collections.abc import Callable
 
 import numpy as np
 
+from hpcpar.data.writer import oserror_line, reserve_space
 from hpcpar.errors import DataError
-from hpcpar.graph._csr import check_edges, row_positions, sorted_unique
+from hpcpar.graph._csr import (
+    check_edges,
+    check_labels,
+    labels_int64,
+    num_classes_of,
+    row_positions,
+    sorted_unique,
+)
 from hpcpar.graph.format import (
     MASKS,
     NPZ_ERRORS,
@@ -253,12 +261,13 @@ class EdgeListSource(_BucketedCSR):
         n = self.num_nodes = int(self.x.shape[0])
         self.num_features = int(self.x.shape[1])
         self.y = np.zeros(n, np.int64) if labels is None else \
-            _read_array(labels, "labels").astype(np.int64).reshape(-1)
+            labels_int64(_read_array(labels, "labels").reshape(-1), str(labels))
         if self.y.shape[0] != n:
             raise DataError(f"{labels}: {self.y.shape[0]} labels for {n} vertices (rows of "
                             f"{features})")
-        self.num_classes = int(self.y.max()) + 1 if n else 1
+        self.num_classes = num_classes_of(self.y)
         self.masks = random_masks(n, split, seed)
+        check_labels(self.y, self.num_classes, str(labels), self.masks)
         self.name = os.path.splitext(os.path.basename(str(path)))[0]
         self._bucket(edge_list_chunks(path), str(path),
                      -(-os.path.getsize(path) // (8 * bucket_edges)), workdir)
@@ -335,7 +344,7 @@ class NpzSource(_BucketedCSR):
         n, self.masks = npz_checked(path, small)
         self.num_nodes, self.num_features = n, int(small["x_shape"][1])
         self.y = small["y"]
-        self.num_classes = int(np.max(self.y)) + 1 if n else 1
+        self.num_classes = num_classes_of(self.y)
         self.name = os.path.splitext(os.path.basename(str(path)))[0]
         self._x = (small["x_indptr"], f["x_indices"], f["x_data"])
         e = f["edge_index"]
@@ -409,7 +418,8 @@ class PygSource(_BucketedCSR):
         self.num_features = int(x.shape[1])
         if not any(m.any() for m in self.masks.values()):
             self.masks = random_masks(n, split, seed)
-        self.num_classes = int(self.y.max()) + 1 if n else 1
+        self.num_classes = num_classes_of(self.y)
+        check_labels(self.y, self.num_classes, f"{path}: y", self.masks)
         self.name = os.path.splitext(os.path.basename(str(path)))[0]
         self._x, self._spans = x.detach(), _file_spans(path)
         e, edges = e.detach(), int(e.shape[1])
@@ -486,7 +496,23 @@ def _write_parts(source, out: str, owner: np.ndarray, parts: int, force: bool,
                  block: int) -> tuple[np.ndarray, list, int]:
     """Stream the rows into their parts, renumbered; ``(offsets, shard entries, cut edges)``."""
     offsets, new_id = _renumber(owner, parts)
+    n = source.num_nodes
+    parent = os.path.dirname(os.path.abspath(out))
+    reserve_space(out, parent, PartWriter.bytes_needed(n, source.num_edges, source.num_features,
+                                                       parts), "the partitioned graph")
     writer = PartWriter(out, parts, source.num_features, force)
+    try:
+        cut = _fill_parts(source, writer, owner, new_id, block)
+    except OSError as exc:
+        writer.abort()
+        raise DataError(f"{out}: cannot write the parts ({oserror_line(exc)}); the partial "
+                        f"part files are removed") from None
+    return offsets, writer.close(offsets), cut
+
+
+def _fill_parts(source, writer: PartWriter, owner: np.ndarray, new_id: np.ndarray,
+                block: int) -> int:
+    """Append every row block to its parts; the cut edges."""
     cut, n = 0, source.num_nodes
     for start in range(0, n, block):
         stop = min(start + block, n)
@@ -503,7 +529,7 @@ def _write_parts(source, out: str, owner: np.ndarray, parts: int, force: bool,
             np.cumsum(deg[rows], out=rip[1:])
             writer.append(int(p), rip, src[row_positions(ip, rows)], blk["x"][rows],
                           blk["y"][rows], {m: blk[m][rows] for m in MASKS}, start + rows)
-    return offsets, writer.close(offsets), cut
+    return cut
 
 
 def partition_graph(src: str, out: str, parts: int, method: str = "auto", seed: int = 0,
@@ -543,8 +569,11 @@ def partition_graph(src: str, out: str, parts: int, method: str = "auto", seed: 
         raise DataError(f"{out}: already holds a dataset (pass --force to replace it)")
     t0 = time.perf_counter()
     parent = os.path.dirname(os.path.abspath(out))
-    os.makedirs(parent, exist_ok=True)
-    work = tempfile.mkdtemp(prefix=".partition-", dir=parent)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        work = tempfile.mkdtemp(prefix=".partition-", dir=parent)
+    except OSError as exc:
+        raise DataError(f"{out}: cannot write there ({oserror_line(exc)})") from None
     try:
         source = open_source(src, work, features, labels, split, seed, trust_pickle)
         try:
@@ -577,6 +606,8 @@ def partition_graph(src: str, out: str, parts: int, method: str = "auto", seed: 
                       "parts": parts, "offsets": offsets.tolist()}
         finally:
             source.close()
+    except OSError as exc:   # the work files (a full disk, a quota): one line
+        raise DataError(f"{out}: cannot partition {src} ({oserror_line(exc)})") from None
     finally:
         shutil.rmtree(work, ignore_errors=True)
     fields["partition"] = {
@@ -587,4 +618,8 @@ def partition_graph(src: str, out: str, parts: int, method: str = "auto", seed: 
         "assign_seconds": round(t_assign, 3),
         "seconds": round(time.perf_counter() - t0, 3), "peak_rss_bytes": peak_rss_bytes()}
     fields["shards"] = shards
-    return write_graph_manifest(out, fields)
+    try:
+        return write_graph_manifest(out, fields)
+    except OSError as exc:
+        raise DataError(f"{out}: cannot write {MANIFEST} ({oserror_line(exc)}); the parts are "
+                        f"not usable without it") from None

@@ -11,12 +11,12 @@ Like for like: every point runs with the same threads per rank (``--threads``, e
 
 A sweep owns its output directory while it runs (:func:`sweep_lock`: ``OUT/hpcpar.lock``, the
 run directories' lock), so a second sweep into the same ``--out`` is refused at once instead of
-overwriting the first one's logs and moving its finished runs aside.
+overwriting the first one's logs and moving its finished runs aside; and it uses only a
+directory that is new, empty or marked as a sweep's (the lock's holder marks it).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -29,8 +29,8 @@ from hpcpar.errors import ConfigError, HpcparError, LaunchError
 from hpcpar.formats.jobspec import load_job
 from hpcpar.launch.threads import thread_env, threads_per_rank
 
-__all__ = ["parse_ranks", "point_grid", "plan", "SWEEP_FILE", "check_sweep_dir", "sweep_lock",
-           "run_command", "run_points", "submit_command"]
+__all__ = ["parse_ranks", "point_grid", "plan", "SWEEP_FILE", "SWEEP_ENTRIES", "check_sweep_dir",
+           "sweep_lock", "run_command", "run_points", "submit_command"]
 
 SWEEP_FILE = "sweep.json"  # the sweep's plan, written into OUT when it starts
 SUBMIT_RECORDS = "jobs.json"  # hpcpar submit's records: a sweep submitted to Slurm
@@ -128,18 +128,32 @@ def plan(job_path: str, ranks: list[int], weak: bool, sets: Sequence[str],
     return points
 
 
+#: what a sweep (and ``hpcpar submit``) writes into its ``--out``: listed in the directory's
+#: mark (:func:`hpcpar.run.rundir.write_mark`)
+SWEEP_ENTRIES = (SWEEP_FILE, SUBMIT_RECORDS, "jobs.json.tmp", "ranks-*", "report", "slurm")
+
+
+def _old_sweep(out: Path) -> bool:
+    """A sweep directory of an hpcpar before the mark: its ``sweep.json`` plan or its submit
+    records (JSON objects of the shape hpcpar writes)."""
+    from hpcpar.run.rundir import read_json_file  # deferred: loads filelock (CLI --help)
+
+    return ("points" in read_json_file(out / SWEEP_FILE)
+            or isinstance(read_json_file(out / SUBMIT_RECORDS).get("jobs"), list))
+
+
 def check_sweep_dir(out: Path) -> None:
     """Refuse (read-only) an ``--out`` that is neither new, empty, nor a sweep's directory, so
-    a sweep never writes its logs and runs among a user's files.
+    a sweep never writes its logs, runs and report among a user's files.
 
     Args:
         out: The sweep directory.
 
     Raises:
-        LaunchError: ``out`` is a file, or a non-empty directory without a sweep's
-            ``sweep.json``, submit records or lock.
+        LaunchError: ``out`` is a file, or a non-empty directory without a sweep's mark
+            (``hpcpar-run.json``, which only a sweep writes).
     """
-    from hpcpar.run.rundir import LOCK_NAME  # deferred: loads filelock (CLI --help)
+    from hpcpar.run.rundir import MARK_NAME, owned_dir  # deferred: loads filelock (CLI --help)
 
     if not out.exists():
         if out.is_symlink():
@@ -147,17 +161,13 @@ def check_sweep_dir(out: Path) -> None:
         return
     if not out.is_dir():
         raise LaunchError(f"--out {out}: exists and is not a directory")
-    names = sorted(p.name for p in out.iterdir())
-    if not names or {SUBMIT_RECORDS, LOCK_NAME} & set(names):
+    if owned_dir(out, "sweep", SWEEP_ENTRIES, _old_sweep):
         return
-    try:
-        plan_doc = json.loads((out / SWEEP_FILE).read_text())
-    except (OSError, ValueError):
-        plan_doc = None
-    if not (isinstance(plan_doc, dict) and "points" in plan_doc):
-        raise LaunchError(f"--out {out}: not a sweep directory (it holds {names[0]!r}"
-                          + (f" and {len(names) - 1} more" if len(names) > 1 else "")
-                          + f" and no hpcpar {SWEEP_FILE}); choose a new or empty directory")
+    names = sorted(p.name for p in out.iterdir())
+    raise LaunchError(f"--out {out}: not a sweep directory (it holds {names[0]!r}"
+                      + (f" and {len(names) - 1} more" if len(names) > 1 else "")
+                      + f" and no {MARK_NAME}, which hpcpar sweep writes); choose a new or "
+                        f"empty directory")
 
 
 @contextmanager
@@ -176,7 +186,7 @@ def sweep_lock(out: Path, warn: Callable[[str], object] = print) -> Iterator[Non
 
     check_sweep_dir(out)
     out.mkdir(parents=True, exist_ok=True)
-    lock = RunLock(out, warn=warn, what="sweep", option="--out")
+    lock = RunLock(out, warn=warn, what="sweep", option="--out", entries=SWEEP_ENTRIES)
     lock.acquire()
     try:
         yield

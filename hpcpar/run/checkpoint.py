@@ -39,6 +39,7 @@ import copy
 import hashlib
 import json
 import os
+import pickle
 import random
 import shutil
 import warnings
@@ -1145,7 +1146,19 @@ def load(path: str | os.PathLike, rank: int) -> tuple[dict, dict, dict, dict]:
     manifest = json.loads((path / MANIFEST).read_text())
 
     def rd(name):
-        return torch.load(path / name, map_location="cpu", weights_only=True)
+        try:
+            return torch.load(path / name, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError:  # a pickle that would run code: never loaded
+            try:
+                unsafe = ", ".join(torch.serialization.get_unsafe_globals_in_checkpoint(
+                    path / name)[:3]) or "a global"
+            except (OSError, RuntimeError, pickle.UnpicklingError):
+                unsafe = "a global"
+            err = RunDirError(f"{path / name}: refused to unpickle (it needs {unsafe}, which "
+                              f"could run code); hpcpar's checkpoints hold tensors and plain "
+                              f"values only")
+            err.collective = name != rank_file(rank)     # one file for every rank
+            raise err from None
 
     trainer = rd("trainer.pt")
     try:

@@ -142,9 +142,10 @@ def decide(rd: Path, job, grid_spec: str, fresh: bool, new_settings: bool,
         raise RunDirError(f"--run-dir {rd}: a symbolic link to nothing (dangling or a loop)")
     if not rd.is_dir():
         return "run", []
-    rundir.RunLock(rd).check()
     rundir.check_run_dir(rd)
+    rundir.RunLock(rd).check()
     if fresh:
+        rundir.check_fresh(rd, job.source)
         return "run", []
     diff = rundir.check_settings(rd, job.to_dict())
     settings = [c for c in diff if not _is_grid(c)]

@@ -18,7 +18,12 @@ run (meta.json status "ok") with the same settings changes nothing.
 
 Only hpcpar's own directories are used: a directory that is not empty must be a run directory
 (:func:`check_run_dir`), so ``--run-dir .`` in a project folder is refused before anything in it
-changes. Sweeps lock their output directory with the same :class:`RunLock`.
+changes. What makes one is its mark, ``RUN/hpcpar-run.json`` (:data:`MARK_NAME`): written only
+by the lock's holder into a directory it was allowed to use, it holds the directory's run id
+(the lock records it too) and the names that are hpcpar's there, the only entries ``--fresh``
+moves. A ``job.json``, a ``meta.json`` or a lock file alone marks nothing: anyone can write one
+(``hpcpar run --print-config --json > job.json``). Sweeps lock (and mark) their output directory
+with the same :class:`RunLock`.
 """
 
 from __future__ import annotations
@@ -28,8 +33,10 @@ import fnmatch
 import json
 import os
 import socket
+import stat
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -39,11 +46,16 @@ from hpcpar.errors import HpcparError, RunDirError
 from hpcpar.formats.jobspec import build_job
 from hpcpar.formats.records import SCHEMA_NAME, SCHEMA_VERSION, now_iso, write_json_atomic
 
-__all__ = ["LOCK_NAME", "RESUME_FREE", "RUN_ENTRIES", "RunLock", "is_run_dir", "check_run_dir",
-           "settings_diff", "describe_diff", "check_settings", "finished_status", "move_aside",
+__all__ = ["LOCK_NAME", "MARK_NAME", "RESUME_FREE", "RUN_ENTRIES", "RUN_FILES", "RunLock",
+           "read_mark", "write_mark", "owned_entries", "owned_dir", "read_json_file",
+           "is_run_dir", "make_run_dir", "check_run_dir", "settings_diff", "describe_diff",
+           "check_settings", "finished_status", "move_aside", "check_fresh",
            "keep_old_settings", "ended", "mark_ended", "resumed_from"]
 
 LOCK_NAME = "hpcpar.lock"
+#: the mark of a directory hpcpar owns (a run's or a sweep's): JSON, see :func:`write_mark`
+MARK_NAME = "hpcpar-run.json"
+MARK_SCHEMA = "hpcpar.owned-dir"
 #: job keys that may change between the segments of one run: they do not change what is
 #: trained (the data width changes only the rounding, e.g. a job that lost a node resumes on
 #: fewer; checkpoints are independent of it)
@@ -60,16 +72,73 @@ RUN_ENTRIES = ("job.json", "job.toml", "job.next.json", "job-*.json", "job-*.tom
                "profile", "tensorboard", ".*.tmp*")
 
 
-def _own(name: str) -> bool:
-    return any(fnmatch.fnmatchcase(name, pat) for pat in RUN_ENTRIES)
+#: the files of a run directory that hpcpar reads or replaces whole: each must be a regular file
+#: (a FIFO would block its reader, a link or a directory is not hpcpar's)
+RUN_FILES = ("job.json", "job.toml", "job.next.json", "meta.json", "metrics.json")
 
 
-def _json_dict(path: Path) -> dict:
+def _own(name: str, patterns=RUN_ENTRIES) -> bool:
+    return any(fnmatch.fnmatchcase(name, pat) for pat in patterns)
+
+
+def read_json_file(path: Path) -> dict:
+    """A small JSON object read from a regular file (never a FIFO or a device: reading one
+    could block forever), ``{}`` when it is anything else."""
     try:
-        data = json.loads(path.read_text())
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError:
+        return {}
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return {}
+        data = json.loads(os.read(fd, 1 << 20))
     except (OSError, ValueError):
         return {}
+    finally:
+        os.close(fd)
     return data if isinstance(data, dict) else {}
+
+
+def read_mark(d: str | os.PathLike, what: str = "run") -> dict | None:
+    """The mark of a directory hpcpar owns as ``what`` (``"run"`` or ``"sweep"``), or None.
+
+    Args:
+        d: The directory.
+        what: Whose mark is expected.
+
+    Returns:
+        The mark (``run_id``, ``what``, ``entries``...) when ``d/hpcpar-run.json`` is one of
+        ``what``, else None.
+    """
+    mark = read_json_file(Path(d) / MARK_NAME)
+    ok = (mark.get("schema") == MARK_SCHEMA and mark.get("what") == what
+          and isinstance(mark.get("run_id"), str) and isinstance(mark.get("entries"), list))
+    return mark if ok else None
+
+
+def write_mark(d: str | os.PathLike, what: str, run_id: str, entries=RUN_ENTRIES) -> None:
+    """Mark ``d`` as a directory hpcpar owns (call only holding its lock, after the directory
+    was found new, empty or already hpcpar's).
+
+    Args:
+        d: The directory.
+        what: ``"run"`` or ``"sweep"``.
+        run_id: The directory's id (the lock records it).
+        entries: The names (patterns) of the entries that are hpcpar's there.
+    """
+    write_json_atomic(Path(d) / MARK_NAME, {
+        "schema": MARK_SCHEMA, "what": what, "run_id": run_id, "created": now_iso(),
+        "entries": list(entries)})
+
+
+def owned_entries(d: str | os.PathLike, what: str = "run", patterns=RUN_ENTRIES) -> tuple:
+    """The name patterns of ``d``'s entries that are hpcpar's: those its mark lists (only
+    ever a subset of ``patterns``), or ``patterns`` for a directory without a mark (made by
+    an older hpcpar: :func:`is_run_dir` accepted it only when nothing else is in it)."""
+    mark = read_mark(d, what)
+    if mark is None:
+        return tuple(patterns)
+    return tuple(p for p in patterns if p in mark["entries"])
 
 
 def _empty(p: Path) -> bool:
@@ -79,11 +148,31 @@ def _empty(p: Path) -> bool:
         return False
 
 
+def owned_dir(d: Path, what: str, patterns, legacy: Callable[[Path], bool]) -> bool:
+    """Whether hpcpar may use directory ``d`` as ``what``: empty (or holding only empty
+    entries of hpcpar's own names, e.g. a ``records/`` mount point, and a lock), marked as
+    ``what`` (:func:`read_mark`), or made by an hpcpar before the mark: ``legacy(d)`` holds and
+    every entry has one of hpcpar's names (``patterns``, the lock, ``previous-*``)."""
+    entries = list(d.iterdir())
+    if all(p.name == LOCK_NAME or (_own(p.name, patterns) and _empty(p)) for p in entries):
+        return True
+    if read_mark(d, what) is not None:
+        return True
+    old = (*patterns, LOCK_NAME, "previous-*")
+    return all(_own(p.name, old) for p in entries) and legacy(d)
+
+
+def _old_run(d: Path) -> bool:
+    return (read_json_file(d / "meta.json").get("schema") == SCHEMA_NAME
+            and isinstance(read_json_file(d / "job.json").get("job"), dict))
+
+
 def is_run_dir(run_dir: str | os.PathLike) -> bool:
     """Whether hpcpar may use a directory as a run directory: empty (or holding only empty
-    entries of hpcpar's own names, e.g. a ``records/`` mount point), or marked as one by what
-    only hpcpar writes there (meta.json of schema ``hpcpar.run``, job.json holding the resolved
-    job, or the lock).
+    entries of hpcpar's own names, e.g. a ``records/`` mount point), marked as one
+    (``hpcpar-run.json``, which only ``hpcpar run`` writes), or a run directory of an hpcpar
+    before the mark (meta.json of schema ``hpcpar.run``, job.json holding the resolved job,
+    and nothing but hpcpar's own entries).
 
     Args:
         run_dir: An existing directory.
@@ -91,11 +180,7 @@ def is_run_dir(run_dir: str | os.PathLike) -> bool:
     Returns:
         True for an empty directory or a run directory.
     """
-    d = Path(run_dir)
-
-    return (all(_own(p.name) and _empty(p) for p in d.iterdir()) or (d / LOCK_NAME).exists()
-            or _json_dict(d / "meta.json").get("schema") == SCHEMA_NAME
-            or isinstance(_json_dict(d / "job.json").get("job"), dict))
+    return owned_dir(Path(run_dir), "run", RUN_ENTRIES, _old_run)
 
 
 def check_run_dir(run_dir: str | os.PathLike) -> None:
@@ -106,14 +191,35 @@ def check_run_dir(run_dir: str | os.PathLike) -> None:
 
     Raises:
         RunDirError: The directory is not empty and not a run directory (named, with an
-            entry of it).
+            entry of it), or one of its :data:`RUN_FILES` is not a regular file.
     """
     if is_run_dir(run_dir):
+        for name in RUN_FILES:
+            path = Path(run_dir) / name
+            if path.is_symlink() or (path.exists() and not path.is_file()):
+                what = "a symbolic link" if path.is_symlink() else \
+                    "a directory" if path.is_dir() else "not a regular file"
+                raise RunDirError(f"{path}: {what}, where hpcpar keeps a file of the run; "
+                                  f"move it away, or choose another --run-dir")
         return
     names = sorted(p.name for p in Path(run_dir).iterdir())
     raise RunDirError(f"--run-dir {run_dir}: not a run directory (it holds {names[0]!r}"
                       + (f" and {len(names) - 1} more" if len(names) > 1 else "")
-                      + " and no hpcpar meta.json or job.json); choose a new or empty directory")
+                      + f" and no {MARK_NAME}, which hpcpar run writes); choose a new or empty "
+                        f"directory")
+
+
+def make_run_dir(run_dir: str | os.PathLike) -> None:
+    """Create the run directory (and its parents) when missing.
+
+    Raises:
+        RunDirError: It cannot be created (a read-only file system, permissions): one line.
+    """
+    try:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RunDirError(f"--run-dir {run_dir}: cannot create it "
+                          f"({exc.strerror or exc})") from None
 
 
 # -- the lock -------------------------------------------------------------------------------
@@ -150,21 +256,26 @@ def _slurm_incarnation() -> tuple[str | None, str]:
 class RunLock:
     """``DIR/hpcpar.lock``: :meth:`acquire` or a :class:`RunDirError`; :meth:`release`.
 
+    The holder marks the directory as hpcpar's (:func:`write_mark`) and records its run id
+    in the lock: call :meth:`acquire` only on a directory found new, empty or hpcpar's.
+
     Args:
         run_dir: The directory to lock.
         warn: Prints the warning about a stale lock taken over.
         what: Who holds it, named to the next one refused: ``"run"`` (a run directory) or
             ``"sweep"`` (a sweep's ``--out``).
         option: The option that chooses another directory, named in the refusal.
+        entries: The names (patterns) of what the holder writes there, listed in the mark.
     """
 
     def __init__(self, run_dir: str | os.PathLike, warn: Callable[[str], object] = print,
-                 what: str = "run", option: str = "--run-dir"):
+                 what: str = "run", option: str = "--run-dir", entries=RUN_ENTRIES):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / LOCK_NAME
         self.warn = warn
-        self.what, self.option = what, option
+        self.what, self.option, self.entries = what, option, tuple(entries)
         self.held = False
+        self.run_id: str | None = None
         self._flock: filelock.FileLock | None = None
 
     def holder(self) -> dict | None:
@@ -244,12 +355,17 @@ class RunLock:
             self.warn(f"hpcpar: warning: {self.path}: taking over a stale lock (pid "
                       f"{holder.get('pid', '?')} on {holder.get('host', '?')} is not running)")
         job, restart = _slurm_incarnation()
+        mark = read_mark(self.run_dir, self.what)
+        self.run_id = mark["run_id"] if mark is not None else uuid.uuid4().hex
         me = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": _pid_start(
             os.getpid()), "since": time.strftime("%Y-%m-%dT%H:%M:%S"), "argv": sys.argv,
-            "slurm_job": job, "slurm_restart": restart, "what": self.what}
+            "slurm_job": job, "slurm_restart": restart, "what": self.what,
+            "run_id": self.run_id}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(me).encode(), 0)
         os.fsync(fd)
+        if mark is None:
+            write_mark(self.run_dir, self.what, self.run_id, self.entries)
 
     def release(self) -> None:
         """Remove the lock file (when it is still this process's) and drop the kernel lock."""
@@ -387,9 +503,9 @@ def resumed_from(run_dir: str | os.PathLike) -> tuple[str, int] | None:
 def move_aside(run_dir: str | os.PathLike, keep=()) -> Path | None:
     """``--fresh``: move hpcpar's own files of a run directory into ``previous-<time>/``.
 
-    Only the entries hpcpar writes (:data:`RUN_ENTRIES`) are moved: the lock, earlier
-    ``previous-*`` folders and anything else (a user's notes or code) stay in place. Call only
-    while holding the lock.
+    Only the entries the directory's mark lists as hpcpar's (:func:`owned_entries`) are moved:
+    the mark, the lock, earlier ``previous-*`` folders and anything else (a user's notes or
+    code) stay in place. Call only while holding the lock.
 
     Args:
         run_dir: The run directory.
@@ -401,7 +517,9 @@ def move_aside(run_dir: str | os.PathLike, keep=()) -> Path | None:
     """
     run_dir = Path(run_dir)
     kept = {Path(k).resolve() for k in keep}
-    old = [p for p in sorted(run_dir.iterdir()) if _own(p.name) and p.resolve() not in kept]
+    own = owned_entries(run_dir)
+    old = [p for p in sorted(run_dir.iterdir())
+           if _own(p.name, own) and p.resolve() not in kept]
     if not old:
         return None
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -413,6 +531,23 @@ def move_aside(run_dir: str | os.PathLike, keep=()) -> Path | None:
     for p in old:
         os.rename(p, dest / p.name)
     return dest
+
+
+def check_fresh(run_dir: str | os.PathLike, job_file: str | os.PathLike) -> None:
+    """Refuse (read-only) a ``--fresh`` that would move the job file being run aside: one
+    inside an entry :func:`move_aside` moves (``RUN/records/job.toml``; ``RUN/job.toml``
+    itself stays).
+
+    Raises:
+        RunDirError: Naming the job file and the entry.
+    """
+    run_dir, src = Path(run_dir).resolve(), Path(job_file).resolve()
+    if not src.is_relative_to(run_dir) or src.parent == run_dir:
+        return
+    top = run_dir / src.relative_to(run_dir).parts[0]
+    if _own(top.name, owned_entries(run_dir)):
+        raise RunDirError(f"{job_file}: --fresh moves {top.name}/ of {run_dir} aside, this "
+                          f"job file with it; copy it out of the run directory first")
 
 
 def keep_old_settings(run_dir: str | os.PathLike) -> Path | None:

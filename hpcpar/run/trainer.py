@@ -50,7 +50,7 @@ from hpcpar.errors import (
     RunDirError,
 )
 from hpcpar.formats.jobspec import load_resolved, profile_window
-from hpcpar.formats.records import RunRecorder, row_from_counters, write_json_atomic
+from hpcpar.formats.records import RunRecorder, open_nofollow, row_from_counters, write_json_atomic
 from hpcpar.parallel.counters import COUNTERS
 from hpcpar.parallel.grid import ProcessGrid
 from hpcpar.parallel.placement import rank_info, select_device
@@ -147,7 +147,8 @@ class RankLog:
     def __init__(self, run_dir: Path, rank: int, echo: bool):
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.prefix = f"[rank {rank}]"
-        self.file = open(run_dir / "logs" / f"rank-{rank:05d}.log", "a", buffering=1)
+        self.file = open(run_dir / "logs" / f"rank-{rank:05d}.log", "a", buffering=1,
+                         opener=open_nofollow)   # never appends through a link placed there
         self.echo = echo
         self.bar = None
 

@@ -117,3 +117,43 @@ def test_report_into_a_full_disk(tmp_path, finished_run):
     assert one_error(err) == ("hpcpar: error: small/rep: cannot write the report "
                               "(No space left on device); the files it had written are removed")
     assert listing.split() == ["./small"]            # nothing of the report left behind
+
+
+def test_graph_make_into_a_full_disk(tmp_path):
+    """Issue 67: before, an OSError traceback and a partial graph file."""
+    code, err, listing = hpcpar(tmp_path, FULL, "data", "graph", "make", "small/g.h5",
+                                "--nodes", "2000")
+    assert code == 2, err
+    line = one_error(err)
+    assert line.startswith(f"hpcpar: error: {tmp_path}/small/g.h5: not enough space for the "
+                           f"graph file (about "), line
+    assert line.endswith("MiB needed: No space left on device); nothing was written"), line
+    assert listing.split() == ["./small"]          # no graph file, no partial one
+
+
+def test_graph_partition_into_a_full_disk(tmp_path):
+    """Issue 67: before, a segfault (exit 139) leaving a partial part file."""
+    made = subprocess.run([sys.executable, "-m", "hpcpar.cli", "data", "graph", "make", "g.h5",
+                           "--nodes", "2000"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=180)
+    assert made.returncode == 0, made.stderr
+    code, err, listing = hpcpar(tmp_path, FULL.replace("64k", "1m"), "data", "graph",
+                                "partition", "g.h5", "small/p", "--parts", "2")
+    assert code == 2, err
+    line = one_error(err)
+    assert line.startswith("hpcpar: error: small/p: not enough space for the partitioned graph "
+                           "(about "), line
+    assert line.endswith("MiB needed: No space left on device); nothing was written"), line
+    assert listing.split() == ["./g.h5", "./small"]     # no part, no work folder
+
+
+def test_run_into_a_read_only_file_system(tmp_path):
+    """Issue 67: a run directory to make on a read-only file system was an OSError traceback
+    (an existing one there: one line already, the lock's)."""
+    (tmp_path / "job.toml").write_text(JOB.replace('path = "small/ds"', 'source = "synthetic"'))
+    code, err, listing = hpcpar(tmp_path, READ_ONLY, "run", "job.toml", "-n", "1",
+                                "--run-dir", "ro/rd")
+    assert code == 2, err
+    assert one_error(err) == ("hpcpar: error: --run-dir ro/rd: cannot create it (Read-only file "
+                              "system)")
+    assert listing.split() == ["./job.toml", "./ro"]

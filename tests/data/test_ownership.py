@@ -173,3 +173,22 @@ def test_verify_refuses_data_that_live_outside_the_shard(tmp_path, dataset, how)
     assert rc == 2 and "verified" not in out
     line = one_error(err)
     assert f"{shard}: dataset 'x' is " in line and "outside the shard file" in line, line
+
+
+def test_force_checks_the_shards_sub_folders_too(tmp_path, dataset):
+    """Issue 67: a shard in a sub-folder made the whole sub-folder hpcpar's, and --force
+    deleted a user's file put beside the shard."""
+    (dataset / "part").mkdir()
+    os.rename(dataset / "shard-00000.h5", dataset / "part" / "shard-00000.h5")
+    edit_manifest(dataset, lambda d: d["shards"][0].update(file="part/shard-00000.h5"))
+    (dataset / "part" / "notes.md").write_text("mine\n")
+    before = snapshot(dataset)
+    rc, _, err = make(dataset, "--force", cwd=tmp_path)
+    assert rc == 2
+    assert one_error(err) == (f"hpcpar: error: {dataset}: holds 'part/notes.md' besides the "
+                              f"dataset's own files; --force would delete it: move it out "
+                              f"first, or choose another OUT")
+    assert snapshot(dataset) == before
+    (dataset / "part" / "notes.md").unlink()
+    rc, _, err = make(dataset, "--force", cwd=tmp_path)        # nothing of the user's: replaced
+    assert rc == 0, err

@@ -128,3 +128,77 @@ def test_no_training_vertex_is_an_error_not_a_zero_loss(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert len(errors) == 1 and errors[0].startswith("hpcpar: error: g.h5: no training vertex "
                                                      "(/masks/train is all false)"), r.stderr
+
+
+def test_labels_must_be_integer_class_ids_in_a_sane_range(tmp_path):
+    """Issue 67: a fraction is refused (it was truncated to another class), and so is a label
+    of 1e9 (it made num_classes 1e9+1: a 32 GB model)."""
+    np.save(tmp_path / "x.npy", np.eye(3, dtype=np.float32))
+    (tmp_path / "e.txt").write_text("0 1\n1 2\n")
+    for labels, expected in ((np.array([0.0, 1.5, 1.0]), "label 1.5 of vertex 1 is not an "
+                              "integer class id"),
+                             (np.array([0, 1e9, 1]), "label 1000000000 of vertex 1 is outside "
+                              "the class ids 0..1048575 (or -1: unlabeled)"),
+                             (np.array([0, np.nan, 1]), "label nan of vertex 1 is not an "
+                              "integer class id")):
+        np.save(tmp_path / "y.npy", labels)
+        for cmd in (["import", "e.txt", "g.h5"], ["partition", "e.txt", "p", "--parts", "2"]):
+            line = _one_line_error(_hpcpar(["data", "graph", *cmd, "--features", "x.npy",
+                                            "--labels", "y.npy"], tmp_path))
+            assert line == f"hpcpar: error: y.npy: {expected}", line
+            assert not (tmp_path / "g.h5").exists() and not (tmp_path / "p").exists()
+    src = _npz(tmp_path / "big.npz", y=np.array([0, 1, 0, 1, 10**9]))
+    line = _one_line_error(_hpcpar(["data", "graph", "import", src, "g.h5"], tmp_path))
+    assert "big.npz: y: label 1000000000 of vertex 4 is outside the class ids" in line
+
+
+def test_unlabeled_vertices_outside_every_mask_are_accepted(tmp_path):
+    """Issue 67: -1 marks a vertex without a label (some public citation graphs have them);
+    it is refused only on a vertex in a mask."""
+    src = _npz(tmp_path / "g.npz", y=np.array([0, 1, 0, -1, 1]),
+               test_idx=np.array([4]))                      # vertex 3 in no mask
+    r = _hpcpar(["data", "graph", "import", src, "g.h5"], tmp_path)
+    assert r.returncode == 0 and "2 classes" in r.stdout, r.stderr
+    with GraphFile(tmp_path / "g.h5") as gf:
+        assert gf.num_classes == 2 and gf.read_rows(0, 5)["y"].tolist() == [0, 1, 0, -1, 1]
+    r = _hpcpar(["data", "graph", "partition", src, "p", "--parts", "2"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    src = _npz(tmp_path / "m.npz", y=np.array([0, 1, 0, -1, 1]))     # vertex 3 in test
+    line = _one_line_error(_hpcpar(["data", "graph", "import", src, "m.h5"], tmp_path))
+    assert line.endswith("m.npz: y: label -1 is outside the class ids 0..1 (vertex 3 is in "
+                         "the test mask; -1 marks an unlabeled vertex, allowed only outside "
+                         "every mask)"), line
+
+
+def test_graph_out_is_replaced_only_with_force_and_only_when_hpcpar_made_it(tmp_path):
+    """Issue 67: ``graph make``/``graph import`` replaced an existing OUT without --force."""
+    (tmp_path / "mine.h5").write_bytes(b"my own data\n")
+    for cmd in (["make", "mine.h5", "--nodes", "50"], ["import", "cora", "mine.h5"]):
+        line = _one_line_error(_hpcpar(["data", "graph", *cmd], tmp_path))
+        assert line == "hpcpar: error: mine.h5: already exists (use --force to replace it)"
+        line = _one_line_error(_hpcpar(["data", "graph", *cmd, "--force"], tmp_path))
+        assert line == ("hpcpar: error: mine.h5: not an hpcpar graph file; --force replaces only "
+                        "a graph file hpcpar made: remove it yourself or choose another OUT")
+        assert (tmp_path / "mine.h5").read_bytes() == b"my own data\n"
+    r = _hpcpar(["data", "graph", "make", "g.h5", "--nodes", "50"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    _one_line_error(_hpcpar(["data", "graph", "make", "g.h5", "--nodes", "60"], tmp_path))
+    r = _hpcpar(["data", "graph", "make", "g.h5", "--nodes", "60", "--force"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    with GraphFile(tmp_path / "g.h5") as gf:
+        assert gf.num_nodes == 60
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["g.h5", "mine.h5"]   # no temp left
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--nodes", "100000000000"], "make graph: --nodes 100000000000 --avg-degree 10 --features "
+                                  "32 needs about "),
+    (["--nodes", "1000", "--avg-degree", "1e9"], "make graph: --avg-degree must be positive and "
+                                                 "below --nodes (1000: a vertex has at most 999 "
+                                                 "neighbours), got 1000000000.0"),
+])
+def test_graph_make_sizes_are_range_checked(tmp_path, args, expected):
+    """Issue 67: a NumPy MemoryError traceback before."""
+    line = _one_line_error(_hpcpar(["data", "graph", "make", "g.h5", *args], tmp_path))
+    assert line.startswith(f"hpcpar: error: {expected}"), line
+    assert not (tmp_path / "g.h5").exists()

@@ -73,6 +73,27 @@ def test_sweep_refuses_a_folder_that_is_not_a_sweep(tmp_path):
     assert p.returncode == 2
     assert one_error(p.stderr) == (
         "hpcpar: error: --out .: not a sweep directory (it holds 'job.toml' and 1 more and no "
-        "hpcpar sweep.json); choose a new or empty directory")
+        "hpcpar-run.json, which hpcpar sweep writes); choose a new or empty directory")
     assert snapshot(tmp_path) == before and sorted(os.listdir(tmp_path)) == ["job.toml",
                                                                              "results.csv"]
+
+
+def test_a_jobs_json_or_a_lock_file_does_not_make_a_sweep_directory(tmp_path):
+    """Issue 67: a user's ``jobs.json`` or a stray ``hpcpar.lock`` is no sweep's mark (only
+    ``hpcpar-run.json`` a sweep wrote is): their ``report/`` stays untouched."""
+    (tmp_path / "job.toml").write_text(tiny_job_toml(data=1, x=1, steps="2"))
+    out = tmp_path / "mine"
+    (out / "report").mkdir(parents=True)
+    (out / "report" / "index.html").write_text("<p>my report</p>\n")
+    (out / "jobs.json").write_text('{"jobs": "my cluster jobs"}\n')
+    (out / "hpcpar.lock").write_text("")
+    os.utime(out / "hpcpar.lock", (0, 0))    # an old (stale) lock
+    before = snapshot(out) | snapshot(out / "report")
+    p = subprocess.run(sweep_argv("job.toml", "--ranks", "1", "--out", "mine"), cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert one_error(p.stderr) == (
+        "hpcpar: error: --out mine: not a sweep directory (it holds 'hpcpar.lock' and 2 more "
+        "and no hpcpar-run.json, which hpcpar sweep writes); choose a new or empty directory")
+    assert snapshot(out) | snapshot(out / "report") == before
+    assert sorted(os.listdir(out)) == ["hpcpar.lock", "jobs.json", "report"]

@@ -34,6 +34,17 @@ def test_grids_enumerates_every_factorisation():
         assert sorted(gs) == sorted(brute)
 
 
+@pytest.mark.timeout(60)
+def test_grids_of_a_large_count_are_the_divisor_products_found_at_once():
+    """Issue 67: ``plan -n 65536`` ran for minutes scanning every pair of counts up to N;
+    the grids are the ordered products of divisors: C(16 + 3, 3) = 969 for 2^16 ranks."""
+    t0 = time.process_time()
+    gs = list(grids(65536))
+    assert len(gs) == len(set(gs)) == math.comb(16 + 3, 3)
+    assert all(math.prod(g) == 65536 for g in gs)
+    assert len(list(grids(720720))) == 89600 and time.process_time() - t0 < 20
+
+
 def test_cost_terms():
     work = Workload("t", [conv(4, 8, 32)], (4, 32, 32, 32), global_batch=4)
     one = predict(work, (1, 1, 1, 1), M)

@@ -6,6 +6,7 @@ built in or installed and trusted. Real runs (``hpcpar run`` subprocesses), real
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 from torch import nn
 
-from hpcpar.errors import RunDirError
+from hpcpar.errors import DataError, RunDirError
 from hpcpar.run import checkpoint as ckpt
 
 CLI = [sys.executable, "-m", "hpcpar.cli"]
@@ -274,3 +275,76 @@ def test_plan_fit_on_imports_no_module_a_run_names(foreign_kind, finished):
     assert "is not built in" in _one_line_error(_hpcpar(plan, cwd=cwd))
     r = _hpcpar([*plan, "--trust-kind"], cwd=cwd)
     assert r.returncode == 0 and "fitted on 1 run" in r.stdout, r.stderr
+
+
+@pytest.mark.parametrize("link", ["logs/rank-00000.log", "records/rank-00000.csv"])
+def test_run_files_are_never_written_through_a_link(finished, tmp_path, link):
+    """Issue 67: a symbolic link placed at a log or a step record of a run directory is
+    refused in one line; its target (a user's file elsewhere) is neither appended to nor
+    truncated."""
+    run = _copy(finished, tmp_path)
+    victim = tmp_path / "precious.txt"
+    victim.write_text("my data\n")
+    (run / link).unlink()
+    (run / link).symlink_to(victim)
+    r = _continue(finished, run)
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert f"{run / link}: a symbolic link; hpcpar writes no run file through a link " \
+           f"(remove it)" in r.stderr, r.stderr
+    assert victim.read_text() == "my data\n"
+
+
+def test_a_fifo_named_meta_json_never_blocks_report(finished, tmp_path):
+    """Issue 67: ``hpcpar report`` blocked forever opening a FIFO named meta.json."""
+    run = _copy(finished, tmp_path)
+    (run / "meta.json").unlink()
+    os.mkfifo(run / "meta.json")
+    r = _hpcpar(["report", run, "--out", tmp_path / "rep"])      # times out (300 s) if it blocks
+    assert _one_line_error(r) == (f"hpcpar: error: no readable run records: {run}/meta.json: "
+                                  f"not a regular file (hpcpar reads only files it wrote)")
+
+
+def test_a_fifo_named_manifest_json_never_blocks_a_graph_reader(tmp_path):
+    """Issue 67: the sharded-graph check of ``[data] path`` opened manifest.json blocking."""
+    import threading
+
+    from hpcpar.graph.shards import is_sharded_graph, read_graph_manifest
+
+    os.mkfifo(tmp_path / "manifest.json")
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(is_sharded_graph(tmp_path)), daemon=True)
+    t.start()
+    t.join(30)
+    assert out == [False], "is_sharded_graph blocked on a FIFO"
+    with pytest.raises(DataError, match="manifest.json: not a regular file"):
+        read_graph_manifest(tmp_path)
+
+
+class _Code:
+    """Pickles as a call to ``open(marker, "w")``: loading it would run code."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def test_a_code_carrying_checkpoint_with_a_valid_checksum_is_one_line(finished, tmp_path):
+    """Issue 67: refused (weights_only), but as an UnpicklingError traceback."""
+    import torch
+
+    run = _copy(finished, tmp_path)
+    ck = run / "checkpoints" / "step-000006"
+    marker = tmp_path / "MARKER"
+    torch.save({"step": _Code(marker)}, ck / "trainer.pt")
+    manifest = json.loads((ck / "manifest.json").read_text())
+    manifest["files"]["trainer.pt"] = {"sha256": ckpt.sha256_file(ck / "trainer.pt"),
+                                       "bytes": (ck / "trainer.pt").stat().st_size}
+    (ck / "manifest.json").write_text(json.dumps(manifest))
+    r = _continue(finished, run)
+    assert not marker.exists(), "the checkpoint's code ran"
+    assert "Traceback" not in r.stderr and "UnpicklingError" not in r.stderr, r.stderr
+    assert r.returncode == 2 and r.stderr.splitlines()[-1] == (
+        f"hpcpar: error: {ck}/trainer.pt: refused to unpickle (it needs io.open, which could "
+        f"run code); hpcpar's checkpoints hold tensors and plain values only"), r.stderr

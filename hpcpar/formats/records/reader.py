@@ -17,6 +17,7 @@ from hpcpar.formats.records.schema import (
     KINDS,
     OPTIONAL_COLUMNS,
     SCHEMA_VERSION,
+    open_nofollow,
     oserror_text,
 )
 
@@ -248,7 +249,10 @@ def merge_records(run_dir: str | os.PathLike) -> Path:
     table = pa.Table.from_pandas(df, preserve_index=False)
     meta = dict(table.schema.metadata or {})
     meta[b"hpcpar.schema_version"] = str(SCHEMA_VERSION).encode()
-    pq.write_table(table.replace_schema_metadata(meta), tmp)
+    # a file object, never a path: pyarrow would expand a "~" in it (another directory than
+    # the run's) and follow a link placed at the temporary name
+    with open(tmp, "wb", opener=open_nofollow) as f:
+        pq.write_table(table.replace_schema_metadata(meta), f)
     os.replace(tmp, out)
     return out
 

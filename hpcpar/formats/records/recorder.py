@@ -28,6 +28,7 @@ from hpcpar.formats.records.schema import (
     file_columns,
     header_line,
     now_iso,
+    open_nofollow,
     oserror_text,
     read_meta,
     write_json_atomic,
@@ -167,8 +168,8 @@ class RunRecorder:
         fresh = not (resume and self.path.exists() and self.path.stat().st_size > 0)
         self._names = COLUMN_NAMES if fresh else file_columns(self.path)
         try:
-            self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND
-                               | (os.O_TRUNC if fresh else 0), 0o666)
+            self._fd: int | None = open_nofollow(self.path, os.O_WRONLY | os.O_CREAT
+                                                 | os.O_APPEND | (os.O_TRUNC if fresh else 0))
         except OSError as exc:
             raise RunDirError(f"{self.path}: cannot open step records ({oserror_text(exc)})") \
                 from None

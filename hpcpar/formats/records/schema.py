@@ -4,10 +4,12 @@ atomically, and the meta.json reader. Bump ``SCHEMA_VERSION`` on any incompatibl
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import json
 import math
 import numbers
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -186,7 +188,7 @@ def drop_torn_tail(path: Path) -> None:
     size = path.stat().st_size
     if size == 0:
         return
-    with open(path, "rb+") as f:
+    with open(path, "rb+", opener=open_nofollow) as f:
         f.seek(size - 1)
         if f.read(1) == b"\n":
             return
@@ -220,6 +222,46 @@ def oserror_text(exc: OSError) -> str:
     return exc.strerror or str(exc)
 
 
+def open_nofollow(path: str | os.PathLike, flags: int, mode: int = 0o666) -> int:
+    """``os.open`` of a run file that never follows a symbolic link placed at ``path`` (a link
+    in a run directory must not make hpcpar append to or truncate its target); usable as
+    ``open(path, "a", opener=open_nofollow)``.
+
+    Raises:
+        RunDirError: ``path`` is a symbolic link (one line naming it).
+        OSError: Any other failure to open.
+    """
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW, mode)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise RunDirError(f"{path}: a symbolic link; hpcpar writes no run file through a link "
+                          f"(remove it)") from None
+
+
+def read_regular(path: str | os.PathLike, limit: int = 1 << 28) -> bytes:
+    """The bytes of a regular file: a FIFO or a device named like a run file is refused
+    instead of read (reading a FIFO blocks until someone writes to it).
+
+    Raises:
+        RunDirError: ``path`` is not a regular file, or larger than ``limit`` bytes.
+        OSError: It cannot be opened (FileNotFoundError when missing).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise RunDirError(f"{path}: not a regular file (hpcpar reads only files it wrote)")
+        if st.st_size > limit:
+            raise RunDirError(f"{path}: {st.st_size} bytes, larger than any hpcpar record "
+                              f"({limit})")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read(limit + 1)
+    finally:
+        os.close(fd)
+
+
 def write_json_atomic(path: Path, obj: dict) -> None:
     """Write strict JSON atomically: a temporary file, fsync, then rename.
 
@@ -238,7 +280,7 @@ def write_json_atomic(path: Path, obj: dict) -> None:
     text = json.dumps(strict_json(obj), indent=2, sort_keys=True, default=str,
                       allow_nan=False) + "\n"
     try:
-        with open(tmp, "w") as f:
+        with open(tmp, "w", opener=open_nofollow) as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
@@ -266,7 +308,7 @@ def read_meta(run_dir: str | os.PathLike) -> dict:
     """
     path = Path(run_dir) / "meta.json"
     try:
-        meta = json.loads(path.read_text())
+        meta = json.loads(read_regular(path))
     except FileNotFoundError:
         raise RunDirError(f"{path}: missing (not an hpcpar run directory)") from None
     except (OSError, ValueError) as exc:

@@ -50,7 +50,7 @@ MODEL_PARAMS = {
 }
 
 DATA_PARAMS = {
-    "path": Param(str, help="graph file (.h5, hpcpar graph format), or a sharded graph "
+    "path": Param(str, path=True, help="graph file (.h5, hpcpar graph format), or a sharded graph "
                             "directory (hpcpar data graph partition: partition is ignored)"),
     "make": Param(str, "", choices=("", "cora", "synthetic"),
                   help="create `path` first if it is missing"),

@@ -41,7 +41,7 @@ __all__ = ["VOLUME_DATA", "TP_PARAMS", "VolumeWorkload", "CosmoFlowWorkload", "U
 VOLUME_DATA = {
     "source": Param(str, "hdf5", choices=("hdf5", "synthetic"),
                     help="hdf5: read `path`; synthetic: generate in memory"),
-    "path": Param(str, None, help="HDF5 dataset directory (or single .h5 file)"),
+    "path": Param(str, None, path=True, help="HDF5 dataset directory (or single .h5 file)"),
     "generate": Param(bool, False, help="make `path` (synthetic cosmoflow) if it is missing"),
     "size": Param(int, None, min=2, help="synthetic/generate: volume edge; hdf5: checked "
                                          "against the dataset when given"),
@@ -53,10 +53,10 @@ VOLUME_DATA = {
                   help="data seed (sample i depends on (seed, i) only)"),
     "shuffle": Param(bool, True),
     "prefetch": Param(int, 2, min=0, help="HDF5: batches read ahead"),
-    "stage_to": Param(str, None, help="HDF5: copy shards to node-local storage first"),
+    "stage_to": Param(str, None, path=True, help="HDF5: copy shards to node-local storage first"),
     "verify": Param(bool, True, help="HDF5: compare every shard's sha256 with the manifest "
                     "before training (split over the ranks)"),
-    "val_path": Param(str, None, help="HDF5 validation dataset"),
+    "val_path": Param(str, None, path=True, help="HDF5 validation dataset"),
     "val_samples": Param(int, 0, min=0, help="synthetic validation samples (another seed)"),
     "transform": Param(str, "auto", choices=("auto", "log1p", "none"),
                        help="input transform; auto: the dataset manifest's (none unless the "
