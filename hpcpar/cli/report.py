@@ -17,7 +17,7 @@ def report_json(rep) -> dict:
     (the scaling.csv row), the files written, the runs left out and the warnings."""
     from hpcpar.formats.records import strict_json  # deferred: keeps --help fast
 
-    return strict_json({"verdict": rep.verdict, "out": str(rep.out),
+    return strict_json({"verdict": rep.verdict, "learning": rep.learning, "out": str(rep.out),
                         "points": rep.table.to_dict("records"),
                         "files": {k: str(v) for k, v in rep.files.items()},
                         "skipped": list(rep.skipped), "warnings": list(rep.warnings)})
@@ -36,6 +36,7 @@ def print_report(rep, as_json: bool = False) -> None:
         click.echo(json.dumps(report_json(rep), allow_nan=False))
         return
     click.echo(rep.verdict)
+    click.echo(rep.learning)
     click.echo(rep.headline)
     for r in rep.table.to_dict("records"):
         if r["partial"]:
