@@ -4,7 +4,10 @@ back the same job); `schema` is a JSON Schema the shipped jobs satisfy; errors w
 fix say it, and the fix works."""
 
 import json
+import os
 import shlex
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -203,3 +206,25 @@ def test_data_info_and_verify_json(run_cli, tmp_path):
     rc, text, _ = run_cli(["data", "verify", str(out), "--json"])
     doc = json.loads(text)
     assert rc == 2 and not doc["ok"] and shard.name in doc["problems"][0]
+
+
+@pytest.mark.usefixtures("shipped_profiles_only")
+def test_completion_of_set_keys_and_site_names():
+    """Issue 64: the shell completes ``--set`` keys (and a key's choices after ``=``) and
+    ``--site`` profile names, not only commands and options."""
+    def complete(args, incomplete):
+        words = ["hpcpar", *args, incomplete]
+        env = {**os.environ, "_HPCPAR_COMPLETE": "bash_complete",
+               "COMP_WORDS": " ".join(words), "COMP_CWORD": str(len(words) - 1)}
+        r = subprocess.run([sys.executable, "-m", "hpcpar.cli"], env=env, capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        return [ln.split(",", 1)[1] for ln in r.stdout.splitlines()]
+
+    for command in ("run", "sweep", "submit", "plan"):
+        assert complete([command, DEMO, "--set"], "train.st") == ["train.steps="], command
+    assert "grid.data=" in complete(["run", DEMO, "--set"], "")
+    assert complete(["run", DEMO, "--set"], "train.optimizer=ad") == [
+        "train.optimizer=adam", "train.optimizer=adamw"]
+    assert complete(["submit", DEMO, "--site"], "") == ["frontier", "generic", "perlmutter"]
+    assert complete(["submit", DEMO, "--site"], "pe") == ["perlmutter"]
