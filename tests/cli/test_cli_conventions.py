@@ -126,8 +126,8 @@ def test_json_output(run_cli):
     rc, out, _ = run_cli(["plan", DEMO, "-n", "4", "--json"])
     grids = json.loads(out)["grids"]
     assert rc == 0 and {g["grid"] for g in grids} >= {"4x1x1x1", "2x2x1x1"}
-    assert grids[0]["feasible"] and grids[0]["t_step"] == min(g["t_step"] for g in grids
-                                                               if g["feasible"])
+    fastest = min(g["t_step"] for g in grids if g["feasible"])  # first, up to a tie (1%)
+    assert grids[0]["feasible"] and fastest <= grids[0]["t_step"] <= fastest * 1.01
 
 
 def _flags(cmd) -> dict:
