@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 __all__ = ["PHASE_COLORS", "PHASE_LABELS", "FIGSIZE", "speedup_plot", "efficiency_plot",
            "throughput_plot", "breakdown_plot", "imbalance_heatmap", "step_times_plot",
            "bytes_plot", "memory_plot", "compare_plot", "compare_ratio_plot", "predicted_plot",
-           "predicted_ratio_plot"]
+           "predicted_ratio_plot", "loss_curves_plot"]
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -575,3 +575,42 @@ def predicted_ratio_plot(pred: pd.DataFrame, path: str | os.PathLike) -> Path:
     """
     return _ratio_plot(pred, "measured / predicted", "Ratio per point (1: the model is right)",
                        path)
+
+
+def loss_curves_plot(curves: pd.DataFrame, curve: str, title: str,
+                     path: str | os.PathLike) -> Path:
+    """One ``curve`` ("train" or "val") of every run against samples seen (steps where a
+    run's global batch is unknown), overlaid: one colour per (config, ranks), so points that
+    learnt the same lie on one line.
+
+    Args:
+        curves: The curves of :func:`hpcpar.analysis.learning.learning_curves`.
+        curve: Which curve to draw.
+        title: The figure's title.
+        path: The PNG to write.
+
+    Returns:
+        The PNG's path.
+    """
+    t = curves[curves["curve"] == curve]
+    x = "samples" if len(t) and t["samples"].notna().all() else "step"
+    fig, ax = plt.subplots(figsize=FIGSIZE)
+    several = t["config"].nunique() > 1
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, ((config, ranks), g) in enumerate(t.groupby(["config", "ranks"], sort=True)):
+        label = f"{config} @ {ranks} ranks" if several else f"{ranks} ranks"
+        for j, (_, run) in enumerate(g.groupby("run", sort=True)):
+            run = run.sort_values("step")
+            ax.plot(run[x], run["loss"], marker="o" if curve == "val" else None, ms=4,
+                    color=colors[i % len(colors)], alpha=0.8, label=label,
+                    ls="-" if j == 0 else "--")
+    ax.set_xlabel("samples seen" if x == "samples" else "step")
+    ax.set_ylabel("validation loss" if curve == "val" else "training loss (window mean)")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        _dedupe_legend(ax, fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no curve recorded (metrics.json)", ha="center",
+                transform=ax.transAxes)
+    return _save(fig, path)

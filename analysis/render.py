@@ -23,7 +23,7 @@ from hpcpar._units import format_bytes
 from hpcpar.errors import RunDirError
 from hpcpar.formats.records import SCHEMA_VERSION
 
-from . import plots, stats
+from . import learning, plots, stats
 from .load import load
 from .predicted import predicted_vs_measured
 from .scaling import scaling_table
@@ -31,10 +31,12 @@ from .settings import split_unlike
 from .suspect import superlinear_warnings, version_warning
 
 __all__ = ["HEADLINE", "BREAKDOWN", "SPREAD", "RESOURCES", "RUNS", "ENVIRONMENT", "DEFINITIONS",
-           "Section",
+           "LEARNING", "Section",
            "Report", "rows_of", "markdown_table", "headline_table", "verdict", "amdahl_lines",
            "render_markdown", "CSS", "HTML_TEMPLATE", "render_html", "write_report"]
 
+#: The mark of a value outside the range where it means what its column claims.
+FLAG = "FLAGGED"
 PREDICTED = (("config", "config", "{}"), ("ranks", "ranks", "{}"), ("grid", "grid", "{}"),
              *((f"t_{p}_{w}", f"{p} {w[:4]}.", "{:.4g}") for p in ("step", "compute", "halo",
                                                                     "comm_exposed", "io")
@@ -45,10 +47,11 @@ HEADLINE = (("config", "config", "{}"), ("ranks", "ranks", "{}"), ("grid", "grid
             ("t_step_median", "step time median (s)", "{:.4g}"),
             ("t_step_cv", "CV", "{:.3f}"), ("speedup", "speedup", "{:.3f}"),
             ("speedup_ci", "speedup 95% CI", "{}"),
-            ("efficiency", "efficiency", "{:.3f}"), ("karp_flatt", "Karp-Flatt", "{:.4f}"),
+            ("show_efficiency", "efficiency", "{}"), ("show_karp_flatt", "Karp-Flatt", "{}"),
             ("throughput", "samples/s", "{:.4g}"),
             ("placement", "ranks/node x threads : cores", "{}"),
-            ("oversub", "oversubscribed", "{}"), ("partial", "partial", "{}"))
+            ("show_load", "host load before / at end", "{}"),
+            ("oversub", "CPU shared", "{}"), ("partial", "partial", "{}"))
 BREAKDOWN = (("config", "config", "{}"), ("ranks", "ranks", "{}"),
              *((f"show_{p}", f"{plots.PHASE_LABELS[p]}", "{}")
                for p in ("compute", "halo_comm", "halo_local", "halo", "comm_exposed", "io",
@@ -66,7 +69,19 @@ RESOURCES = (("config", "config", "{}"), ("ranks", "ranks", "{}"),
              ("bytes_read_per_step", "reads per step", format_bytes),
              ("peak_mem_max", "peak memory of the largest rank", format_bytes),
              ("placement", "ranks/node x threads : cores", "{}"),
-             ("oversub", "oversubscribed", "{}"))
+             ("oversub", "CPU shared", "{}"))
+#: The learning view: final losses and metric per point, and the loss's difference from the
+#: config's baseline point (see ``learning``).
+LEARNING = (("config", "config", "{}"), ("ranks", "ranks", "{}"), ("runs", "runs", "{}"),
+            ("steps", "steps", "{:.0f}"), ("final_loss", "final loss (train)", "{:.5g}"),
+            ("final_val_loss", "final validation loss", "{:.5g}"),
+            ("show_metric", "final metric", "{}"),
+            ("show_diff", "loss vs baseline point", "{}"))
+#: The learning plots: (curve, files key, alt text, title, file name).
+LEARNING_PLOTS = (("train", "loss curves", "loss curves: training loss against samples seen, "
+                   "per rank count", "Training loss", "loss.png"),
+                  ("val", "validation curves", "validation loss curves against samples seen, "
+                   "per rank count", "Validation loss", "val_loss.png"))
 #: The runs, in two tables that each fit a page: what ran and where (RUNS), and with what
 #: software (ENVIRONMENT); the run's name joins them.
 RUNS = (("name", "run", "{}"), ("config", "config", "{}"), ("ranks", "ranks", "{}"),
@@ -104,6 +119,18 @@ DEFINITIONS = [
     "0 <= f <= 1 and R^2 >= 0.9.",
     "Oversubscribed: ranks per node x threads per rank > cores per node (SLURM_CPUS_ON_NODE "
     "under Slurm, else the ranks' CPU affinity), from meta.json 'machine'.",
+    "Host load: the 1-minute load average of rank 0's host when the point's runs began and "
+    "ended (meta.json 'host_load'; the largest over its runs). BUSY HOST: the load before "
+    "exceeded the cores the point left idle (cores - ranks x threads) by more than one, or "
+    "the load at the end exceeded what its own ranks explain (ranks x threads, at least the "
+    "cores) by more than one: other work shared the cores, so the point times CPU sharing, "
+    "like an oversubscribed one.",
+    f"{FLAG}: a number outside the range where it means what its column says. A serial "
+    "fraction (Karp-Flatt e, the fitted f) is a share of the work, so it lies in [0, 1]: "
+    "above 1 the point ran slower than on fewer ranks, below 0 it beat its cores. An "
+    "efficiency above 1 beats the cores used (see the warnings for the likely cause: "
+    "usually the baseline was slowed, not the point sped up). Neither is a measurement of "
+    "the code's serial part.",
     "Like for like: runs of one config share a row only when their job settings (meta.json "
     "'job' without grid, resources and global batch) hash the same; others get their own "
     "row, named 'CONFIG [settings HASH]', with the differing keys in the notes.",
@@ -143,6 +170,8 @@ class Report:
         verdict: The one-line verdict at the top of the report.
         warnings: One line per fact that makes the report suspect (runs of different
             hpcpar versions, a point that beats the cores it used); shown under the verdict.
+        learning: The one-line learning verdict: whether every point learnt the same.
+        learn: The learning table, one row per (config, ranks) (``learning.learning_table``).
     """
 
     out: Path
@@ -153,6 +182,8 @@ class Report:
     skipped: list = field(default_factory=list)  # "reason" of each run left out
     verdict: str = ""
     warnings: list = field(default_factory=list)
+    learning: str = ""
+    learn: pd.DataFrame | None = None
 
 
 def _cell(value, fmt: str | Callable) -> str:
@@ -204,6 +235,19 @@ def _interval(lo, hi, fmt="{:.3f}") -> str:
     return f"[{fmt.format(lo)}, {fmt.format(hi)}]" if _num(lo) and _num(hi) else "-"
 
 
+def _flagged(value, fmt: str, low: float | None = None, high: float | None = None) -> str:
+    """A number as text, followed by :data:`FLAG` and the bound it crosses when it lies
+    outside ``[low, high]`` (a serial fraction above 1 is no fraction)."""
+    text = _cell(value, fmt)
+    if not _num(value):
+        return text
+    if high is not None and value > high + 1e-9:
+        return f"{text} {FLAG} >{high:g}"
+    if low is not None and value < low - 1e-9:
+        return f"{text} {FLAG} <{low:g}"
+    return text
+
+
 def _display(table: pd.DataFrame) -> pd.DataFrame:
     """The scaling table plus the text columns of the report's tables."""
     t = table.copy()
@@ -219,8 +263,14 @@ def _display(table: pd.DataFrame) -> pd.DataFrame:
                                                            t["t_step_run_max"])]
     t["placement"] = [f"{opt(r)}x{opt(th)} : {opt(c)}" for r, th, c in
                       zip(t["ranks_per_node"], t["threads_per_rank"], t["cores_per_node"])]
-    t["oversub"] = ["OVERSUBSCRIBED" if o is True else ("" if o is False else "unknown")
-                    for o in t["oversubscribed"]]
+    t["oversub"] = [" ".join(w for w, on in (("OVERSUBSCRIBED", o is True),
+                                              ("BUSY HOST", b is True)) if on)
+                    or ("" if o is False else "unknown")
+                    for o, b in zip(t["oversubscribed"], t["busy_host"])]
+    t["show_load"] = [f"{_cell(a, '{:.2f}')} / {_cell(b, '{:.2f}')}" if _num(a) or _num(b)
+                      else "-" for a, b in zip(t["load_before"], t["load_after"])]
+    t["show_efficiency"] = [_flagged(v, "{:.3f}", high=1.0) for v in t["efficiency"]]
+    t["show_karp_flatt"] = [_flagged(v, "{:.4f}", low=0.0, high=1.0) for v in t["karp_flatt"]]
     for p in ("compute", "halo_comm", "halo_local", "halo", "comm_exposed", "io", "other"):
         t[f"show_{p}"] = [f"{v:.1%}" if _num(v) else "unmeasured" if n else "-"
                           for v, n in zip(t[f"frac_{p}"], t["steps"])]
@@ -280,6 +330,14 @@ def verdict(table: pd.DataFrame, threshold: float = 0.7) -> str:
         over = t[t["oversubscribed"] == True]["ranks"].tolist()  # noqa: E712 - None = unknown
         if over:
             text += f"; OVERSUBSCRIBED at {', '.join(map(str, over))} ranks"
+        busy = t[t["busy_host"] == True]["ranks"].tolist()  # noqa: E712 - None = unknown
+        if busy:
+            text += f"; BUSY HOST at {', '.join(map(str, busy))} ranks"
+        odd = t[(t["efficiency"] > 1 + 1e-9) | (t["karp_flatt"] < -1e-9)
+                | (t["karp_flatt"] > 1 + 1e-9)]["ranks"].tolist()
+        if odd:
+            text += (f"; efficiency or serial fraction {FLAG} (outside its meaningful range) "
+                     f"at {', '.join(map(str, odd))} ranks")
         if t["partial"].any():
             text += "; some points PARTIAL"
         parts.append(text)
@@ -305,7 +363,8 @@ def amdahl_lines(table: pd.DataFrame) -> list[str]:
             out.append(f"{config}: no {law or 'scaling-law'} fit ({why})")
             continue
         r2 = f"{r['fit_r2']:.3f}" if _num(r["fit_r2"]) else "undefined"
-        out.append(f"{config}: {law} serial fraction f = {r['fit_serial_fraction']:.4f}, "
+        f = _flagged(r["fit_serial_fraction"], "{:.4f}", low=0.0, high=1.0)
+        out.append(f"{config}: {law} serial fraction f = {f}, "
                    f"R^2 = {r2}; " + ("drawn" if r["fit_shown"] else
                                       f"not drawn: {r['fit_note']}"))
     return out
@@ -338,8 +397,24 @@ def _write_plots(out: Path, table, runs, steps) -> dict:
     return files
 
 
+def _learning_section(learn: pd.DataFrame, images: Sequence) -> Section:
+    """Did the points learn the same: the curves overlaid, final values, and the verdict."""
+    t = learn.copy()
+    t["show_metric"] = [f"{m} {v:.5g}" if m and _num(v) else "-"
+                        for m, v in zip(t["metric"], t["final_metric"])]
+    t["show_diff"] = ["-" if not _num(d) else f"{d:+.2%}" + (
+        "" if same else " LEARNT DIFFERENTLY") for d, same in zip(t["loss_diff"],
+                                                                  t["learnt_same"])]
+    return Section("Learning", [
+        learning.learning_verdict(learn),
+        "Loss curves from each run's metrics.json (training loss: the mean over each logging "
+        "window; validation loss: each validation and the final one), against samples seen, "
+        "overlaid across rank counts: points that learnt the same lie on one curve."],
+        rows_of(t, LEARNING), images=list(images))
+
+
 def _sections(table, runs, files, paths, mode, warmup, skipped=(),
-              threshold=0.7, warnings=()) -> list[Section]:
+              threshold=0.7, warnings=(), learn_section=None) -> list[Section]:
     notes = [f"{r['config']} @ {r['ranks']} ranks: {r['note']}"
              for r in table.to_dict("records") if r["note"]]
     notes += [f"skipped (unreadable): {reason}" for reason in skipped]
@@ -358,10 +433,20 @@ def _sections(table, runs, files, paths, mode, warmup, skipped=(),
         intro.append("OVERSUBSCRIBED points (ranks per node x threads per rank > cores per "
                      "node) time CPU sharing, not scaling: " + ", ".join(
                          f"{c} @ {p}" for c, p in zip(over["config"], over["ranks"])) + ".")
+    busy = table[table["busy_host"] == True]  # noqa: E712 - None = unknown
+    if len(busy):
+        intro.append("BUSY HOST points (other work on the host, from its load average: see "
+                     "the definitions) time CPU sharing too: " + ", ".join(
+                         f"{c} @ {p} (load {b:.2f} before, {a:.2f} at end)" for c, p, b, a in
+                         zip(busy["config"], busy["ranks"], busy["load_before"],
+                             busy["load_after"])) + "; rerun them on a quiet host.")
     shown = _display(table)
     secs = [Section("Verdict", [verdict(table, threshold),
+                                *([learn_section.text[0]] if learn_section else []),
                                 *(f"Warning: {w}." for w in warnings)]),
             Section("Scaling", intro, rows_of(shown, HEADLINE))]
+    if learn_section:
+        secs.append(learn_section)
     if notes:
         secs.append(Section("Notes", notes, bullets=True))
     secs.append(Section("Plots", images=[(k, v) for k, v in files.items()]))
@@ -409,13 +494,15 @@ def render_markdown(secs: Sequence[Section], title: str) -> str:
 
 #: The page's style. Plots are shown at their own pixel size (the figures are made to read at
 #: 100%: two side by side from a 1400 px window, one a row below), never wider than the
-#: page; a table wraps its headers and long cells, and a table still too wide scrolls inside
-#: its own box: the page itself never scrolls sideways.
+#: page; a table wraps its headers and long cells between words (a word is split only when
+#: it alone is wider than its column), and a table still too wide scrolls inside its own
+#: box: the page itself never scrolls sideways.
 CSS = ("body{font-family:sans-serif;max-width:1380px;margin:2em auto;padding:0 1em}"
        ".box{max-width:100%;overflow-x:auto;margin:.5em 0}"
        "table{border-collapse:collapse;font-size:90%}td,th{border:1px solid #ccc;"
-       "padding:3px 7px;text-align:right;overflow-wrap:anywhere}"
+       "padding:3px 7px;text-align:right;overflow-wrap:break-word;hyphens:none}"
        "th{background:#f0f0f0;vertical-align:bottom;max-width:11em}"
+       ".flag{background:#ffd0d0;font-weight:bold}"
        ".plots{display:flex;flex-wrap:wrap;gap:12px}figure{margin:0;max-width:100%}"
        "img{display:block;max-width:100%;height:auto}"
        "td:first-child,th:first-child{text-align:left}.partial{background:#ffe0e0}"
@@ -440,7 +527,7 @@ HTML_TEMPLATE = """\
   {% if s.table %}
 <div class='box'><table><tr>{% for h in s.table[0] %}<th>{{ h }}</th>{% endfor %}</tr>
     {% for row in s.table[1] %}
-<tr{{ row_class(row) }}>{% for c in row %}<td>{{ c }}</td>{% endfor %}</tr>
+<tr{{ row_class(row) }}>{% for c in row %}<td{{ cell_class(c) }}>{{ c }}</td>{% endfor %}</tr>
     {% endfor %}
 </table></div>
   {% endif %}
@@ -459,7 +546,13 @@ HTML_TEMPLATE = """\
 def _row_class(row: Sequence[str]) -> Markup:
     """The highlight of a table row: incomplete runs, then oversubscribed points."""
     return Markup(" class='partial'" if "PARTIAL" in row else
-                  " class='oversub'" if "OVERSUBSCRIBED" in row else "")
+                  " class='oversub'" if any("OVERSUBSCRIBED" in c or "BUSY HOST" in c
+                                            for c in row) else "")
+
+
+def _cell_class(cell: str) -> Markup:
+    """The highlight of a flagged number (outside its meaningful range)."""
+    return Markup(" class='flag'" if FLAG in cell else "")
 
 
 def _png(path: str | os.PathLike) -> str:
@@ -481,7 +574,7 @@ def render_html(secs: Sequence[Section], title: str) -> str:
         The HTML text.
     """
     return _PAGE.render(secs=secs, title=title, css=Markup(CSS), row_class=_row_class,
-                        png=_png)
+                        cell_class=_cell_class, png=_png)
 
 
 def write_report(paths: Sequence[str | os.PathLike], out: str | os.PathLike,
@@ -571,7 +664,15 @@ def _write(out: Path, paths, runs, steps, skipped, mode, warmup, title, threshol
     table.to_csv(files["scaling.csv"], index=False)
     runs.drop(columns=["settings"]).to_csv(files["runs.csv"], index=False)
     images = _write_plots(out, table, runs, kept)
-    secs = _sections(table, runs, images, paths, mode, warmup, skipped, threshold, warnings)
+    learn = learning.learning_table(runs)
+    files["learning.csv"] = out / "learning.csv"
+    learn.to_csv(files["learning.csv"], index=False)
+    curves = learning.learning_curves(runs)
+    drawn = {key: (alt, plots.loss_curves_plot(curves, kind, title, out / name))
+             for kind, key, alt, title, name in LEARNING_PLOTS
+             if (curves["curve"] == kind).any()}
+    secs = _sections(table, runs, images, paths, mode, warmup, skipped, threshold, warnings,
+                     _learning_section(learn, list(drawn.values())))
     if predict_point is not None:
         pred = predicted_vs_measured(table, runs, predict_point)
         files["predicted.csv"] = out / "predicted.csv"
@@ -589,5 +690,6 @@ def _write(out: Path, paths, runs, steps, skipped, mode, warmup, title, threshol
     files["report.html"] = out / "report.html"
     files["report.html"].write_text(render_html(secs, title))
     files.update(images)
+    files.update({key: path for key, (_, path) in drawn.items()})
     return Report(out, table, runs, files, headline_table(table), skipped,
-                  verdict(table, threshold), warnings)
+                  verdict(table, threshold), warnings, learning.learning_verdict(learn), learn)

@@ -18,7 +18,7 @@ from hpcpar.errors import ConfigError
 
 from . import stats
 from .settings import split_unlike
-from .suspect import superlinear
+from .suspect import busy_host, superlinear
 
 __all__ = ["MODES", "TABLE_COLUMNS", "detect_mode", "scaling_table"]
 
@@ -45,6 +45,9 @@ TABLE_COLUMNS = (
     "settings_hash",
     # issue 32: a point that beats the cores it used, with its likely cause (suspect.py)
     "suspect",
+    # issue 64: the host's 1-minute load before and at the end of the point's runs (the
+    # largest over its runs), and whether other work shared its cores (suspect.busy_host)
+    "load_before", "load_after", "busy_host",
 )
 
 
@@ -114,6 +117,11 @@ def _machine(runs: pd.DataFrame) -> dict:
         out[k] = v.max() if v.notna().any() else math.nan
     flags = runs["oversubscribed"].dropna() if "oversubscribed" in runs else []
     out["oversubscribed"] = bool(any(flags)) if len(flags) else None
+    for k in ("load_before", "load_after"):
+        v = pd.to_numeric(runs[k], errors="coerce") if k in runs else pd.Series(dtype=float)
+        out[k] = v.max() if v.notna().any() else math.nan
+    out["busy_host"] = busy_host(out["load_before"], out["load_after"], out["cores_per_node"],
+                                 out["ranks_per_node"], out["threads_per_rank"])
     return out
 
 

@@ -22,8 +22,8 @@ import pandas as pd
 
 from hpcpar.formats.records import COLUMNS
 
-__all__ = ["MEASURED", "impossible_steps", "version_warning", "superlinear",
-           "superlinear_warnings"]
+__all__ = ["MEASURED", "BUSY_LOAD", "BUSY_MARGIN", "impossible_steps", "version_warning",
+           "superlinear", "superlinear_warnings", "busy_host"]
 
 #: Step columns that are amounts (seconds, bytes, samples), ``t_step`` first: each must be
 #: finite and >= 0 where recorded (an empty cell is a phase the run did not measure);
@@ -85,10 +85,40 @@ def version_warning(runs: pd.DataFrame) -> str | None:
 
 #: 1-minute load average above which the host counts as busy when a baseline ran
 BUSY_LOAD = 0.5
+#: Load beyond what a point leaves idle (or, at its end, beyond what its own ranks explain)
+#: that marks its host busy: a whole core's worth of other work.
+BUSY_MARGIN = 1.0
 
 
 def _known(v) -> TypeGuard[float]:
     return v is not None and not (isinstance(v, float) and math.isnan(v))
+
+
+def busy_host(before, after, cores, ranks_per_node, threads) -> bool | None:
+    """Whether other work shared a point's cores, from the host's 1-minute load average.
+
+    Busy when the load before the run exceeded the cores the point left idle (cores - ranks
+    per node x threads) by more than :data:`BUSY_MARGIN`, or the load at its end exceeded by
+    as much what the point's own ranks can account for (its ranks x threads, at least the
+    cores). Such a point times CPU sharing, like an oversubscribed one. The margin of a whole
+    core keeps the fading load of a sweep's previous point (a 1-minute average) from counting.
+
+    Args:
+        before: The largest 1-minute load when the point's runs began (NaN: not recorded).
+        after: The largest 1-minute load when they ended.
+        cores: Cores per node.
+        ranks_per_node: The point's ranks per node.
+        threads: Threads per rank.
+
+    Returns:
+        True / False, or None when the load or the cores were not recorded.
+    """
+    if not _known(cores) or not (_known(before) or _known(after)):
+        return None
+    used = ranks_per_node * (threads if _known(threads) else 1) if _known(ranks_per_node) \
+        else cores
+    return bool((_known(before) and before > max(0.0, cores - used) + BUSY_MARGIN)
+                or (_known(after) and after > max(cores, used) + BUSY_MARGIN))
 
 
 def _cause(row: dict, base: dict, load: dict) -> str:

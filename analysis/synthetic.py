@@ -6,6 +6,7 @@ resulting scaling table follows from the arguments by the formulas in ``stats``.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -27,7 +28,7 @@ def synthetic_run(run_dir: str | os.PathLike, grid: Sequence[int] = (1, 1, 1, 1)
                   global_batch: int = 8, shares: dict | None = None, status: str = "ok",
                   stop: dict | None = None, meta: dict | None = None,
                   cores_per_node: int | None = None, threads: int = 1,
-                  nodes: int = 1) -> Path:
+                  nodes: int = 1, metrics: dict | None = None) -> Path:
     """Write a run with known times through the real recorder (tests, trying the report).
 
     Args:
@@ -48,7 +49,11 @@ def synthetic_run(run_dir: str | os.PathLike, grid: Sequence[int] = (1, 1, 1, 1)
         nodes: Nodes.
         meta: Extra meta.json facts (``machine``, ``job`` ... replace the defaults: the
             machine this runs on, and a job spec ``{"job": {"name"}, "train": {"steps",
-            "global_batch"}, "grid": ...}``).
+            "global_batch"}, "grid": ...}``). ``host_load`` is kept as given, ``after``
+            included (default: not recorded): the load of the machine writing the files
+            says nothing of the synthetic run.
+        metrics: The run's ``metrics.json`` (final losses, loss histories), written when
+            given.
 
     Returns:
         The run directory.
@@ -84,4 +89,8 @@ def synthetic_run(run_dir: str | os.PathLike, grid: Sequence[int] = (1, 1, 1, 1)
             rec.close()
         else:
             rec.finish(status)
+    load = (meta or {}).get("host_load", {"before": None, "after": None})
+    recorders[0].update_meta(lambda m: m.update(host_load=load))
+    if metrics is not None:
+        (Path(run_dir) / "metrics.json").write_text(json.dumps(metrics))
     return Path(run_dir)

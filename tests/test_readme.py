@@ -45,6 +45,23 @@ def test_readme_is_short_and_its_links_resolve():
     assert not missing, f"README.md links to missing files: {missing}"
 
 
+def test_measured_table_has_one_current_figure_per_row():
+    """Issue 64: every cell of the "Measured" table reads at a glance (under 200 characters:
+    histories live in docs/guides/measurements.md), and every row gives its figure's date (or
+    says it is undated or not measured), a baseline on the same cores and a command."""
+    section = README.split("## Measured", 1)[1].split("\n## ", 1)[0]
+    rows = [[c.strip() for c in ln.strip().strip("|").split(" | ")]
+            for ln in section.splitlines() if ln.startswith("|") and "---" not in ln]
+    assert rows[0] == ["what", "hpcpar (date)", "baseline, same cores", "command"]
+    assert len(rows) > 10
+    for row in rows[1:]:
+        assert len(row) == 4 and all(row), row
+        long = [c for c in row if len(c) >= 200]
+        assert not long, f"a Measured cell of {len(long[0])} characters: {long[0][:60]}..."
+        assert re.search(r"20\d\d-\d\d|undated|not measured", row[1]), row[1]
+    assert "measurements.md" in section
+
+
 def test_every_page_is_in_the_nav_and_every_nav_entry_exists():
     nav = set(nav_pages())
     missing = sorted(p for p in nav if not (DOCS / p).exists())

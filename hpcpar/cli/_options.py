@@ -14,8 +14,8 @@ import click
 
 from hpcpar.errors import ConfigError
 
-__all__ = ["RANKS_HELP", "json_option", "node_counts", "out_option", "ranks_option",
-           "set_option"]
+__all__ = ["RANKS_HELP", "complete_set", "complete_site", "json_option", "node_counts",
+           "out_option", "ranks_option", "set_option"]
 
 RANKS_HELP = "Rank count(s): 4, or a list such as 1,2,4 where the command runs several."
 
@@ -66,9 +66,35 @@ def out_option(help: str, required: bool = False, default=None, file: bool = Fal
     return click.option("-o", "--out", "out", type=kind, required=required, help=help, **given)
 
 
+def complete_set(ctx, param, incomplete: str) -> list:
+    """Shell completion of ``--set``: the job's ``SECTION.KEY=`` names (the sections every
+    kind shares; a kind's own ``[model]``/``[data]`` keys would need its code imported), and
+    after the ``=`` the key's choices where it has a closed set."""
+    from click.shell_completion import CompletionItem  # deferred: completion only
+
+    from hpcpar.formats.jobspec import SCHEMA  # deferred: keeps --help fast
+
+    name, eq, _ = incomplete.partition("=")
+    section, _, key = name.partition(".")
+    if eq:
+        spec = SCHEMA.get(section, {}).get(key)
+        return [CompletionItem(f"{name}={c}") for c in getattr(spec, "choices", None) or ()
+                if f"{name}={c}".startswith(incomplete)]
+    return [CompletionItem(f"{s}.{k}=", help=p.help or None) for s, params in SCHEMA.items()
+            for k, p in params.items() if f"{s}.{k}=".startswith(incomplete)]
+
+
+def complete_site(ctx, param, incomplete: str) -> list:
+    """Shell completion of ``--site``: the site profiles on the search path."""
+    from hpcpar.launch.site import available  # deferred: completion only
+
+    return [n for n in available() if n.startswith(incomplete)]
+
+
 def set_option(help: str = "Override a job field, e.g. --set train.lr=0.01 (repeatable)."):
     """``--set SECTION.KEY=VALUE`` (repeatable), collected as a tuple of strings."""
-    return click.option("--set", "sets", multiple=True, metavar="SECTION.KEY=VALUE", help=help)
+    return click.option("--set", "sets", multiple=True, metavar="SECTION.KEY=VALUE", help=help,
+                        shell_complete=complete_set)
 
 
 def json_option(help: str = "Print JSON (one document on stdout) instead of text."):

@@ -74,7 +74,10 @@ def main(argv=None) -> None:
         click.echo("hpcpar: aborted", err=True)
         sys.exit(EXIT_ABORTED)
     except click.ClickException as exc:
-        click.echo(f"hpcpar: error: {exc.format_message()}", err=True)
+        hint = _set_hint(sys.argv[1:] if argv is None else list(argv))
+        message = exc.format_message()
+        click.echo(f"hpcpar: error: {hint if hint and 'extra argument' in message else message}",
+                   err=True)
         sys.exit(EXIT_USAGE)
     except HpcparError as exc:
         click.echo(f"hpcpar: error: {exc}", err=True)
@@ -82,4 +85,14 @@ def main(argv=None) -> None:
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
 
+
+def _set_hint(argv: list[str]) -> str | None:
+    """The right form of a ``--set KEY VALUE`` (two words) in ``argv``: click takes KEY as
+    the option's value and VALUE as an unexpected extra argument, which says nothing of the
+    fix."""
+    for i, word in enumerate(argv[:-2]):
+        if word == "--set" and "=" not in argv[i + 1] and not argv[i + 2].startswith("-"):
+            return (f"--set takes one word SECTION.KEY=VALUE: use --set "
+                    f"{argv[i + 1]}={argv[i + 2]}")
+    return None
 

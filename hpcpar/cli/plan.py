@@ -50,6 +50,23 @@ def _examples(bad, k: int):
     return (first + rest)[:k]
 
 
+def _plan_notes(preds, ranks: int, machine, top: int) -> list[str]:
+    """The ties among the grids shown (how they were ordered), and the warning of ranks that
+    oversubscribe the cores."""
+    from hpcpar.plan.planner import TIE, oversubscription, tie_groups  # deferred: --help
+
+    notes, first = [], 1
+    for group in tie_groups([p for p in preds if p.feasible][:top]):
+        if len(group) > 1:
+            notes.append(f"note: grids #{first}-#{first + len(group) - 1} predict step times "
+                         f"within {TIE:.0%} of each other: ordered by predicted communication "
+                         f"(halo + gather + exposed allreduce, from {machine.name}'s measured "
+                         f"links), then memory per rank")
+        first += len(group)
+    over = oversubscription(ranks, machine)
+    return notes + ([f"warning: {over}"] if over else [])
+
+
 def largest_table(largest, work, budget: float, top: int) -> str:
     """The largest sample per grid, and the lever that would hold a larger one."""
     c = work.sample_shape[0]
@@ -211,6 +228,8 @@ def plan(job, ranks, machine, top, csv_path, sets, calibrate, out, as_json, budg
         click.echo(f"fitted on {len(fit_runs)} run(s): every step x{fit:.2f} "
                    "(their measured / predicted step)")
     click.echo(table(preds, top))
+    for line in _plan_notes(preds, ranks, m, top):
+        click.echo(f"hpcpar: {line}", err=True)
     if largest is not None:
         click.echo(largest_table(largest, work, m.mem_per_rank, top))
     if csv_path:

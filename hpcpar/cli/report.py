@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import click
 
@@ -17,7 +18,7 @@ def report_json(rep) -> dict:
     (the scaling.csv row), the files written, the runs left out and the warnings."""
     from hpcpar.formats.records import strict_json  # deferred: keeps --help fast
 
-    return strict_json({"verdict": rep.verdict, "out": str(rep.out),
+    return strict_json({"verdict": rep.verdict, "learning": rep.learning, "out": str(rep.out),
                         "points": rep.table.to_dict("records"),
                         "files": {k: str(v) for k, v in rep.files.items()},
                         "skipped": list(rep.skipped), "warnings": list(rep.warnings)})
@@ -36,6 +37,7 @@ def print_report(rep, as_json: bool = False) -> None:
         click.echo(json.dumps(report_json(rep), allow_nan=False))
         return
     click.echo(rep.verdict)
+    click.echo(rep.learning)
     click.echo(rep.headline)
     for r in rep.table.to_dict("records"):
         if r["partial"]:
@@ -44,6 +46,13 @@ def print_report(rep, as_json: bool = False) -> None:
             click.echo(f"OWN ROW {r['config']} @ {r['ranks']} ranks: {r['note']}")
     click.echo(f"report: {rep.files['report.html']}  (also report.md, scaling.csv, *.png in "
                f"{rep.out})")
+
+
+def _refuse_overwrite(out: Path, page: str, force: bool) -> None:
+    """A report already in ``out`` is someone's result: replaced only with ``--force``."""
+    if not force and (out / page).exists():
+        raise ConfigError(f"{out}: holds a report already ({page}); use --force to replace "
+                          f"it, or -o another directory")
 
 
 def plan_predictor(machine_name: str, trust_kind: bool = False):
@@ -102,11 +111,14 @@ def plan_predictor(machine_name: str, trust_kind: bool = False):
 @click.option("--compare", "compare", nargs=2, type=click.Path(), default=None,
               metavar="BEFORE AFTER", help="Compare two sweeps (before/after a change): "
               "compare.csv/.md/.html/.png in OUT with the step-time ratio per point.")
+@click.option("--force", is_flag=True, help="Replace a report already in OUT (without it, "
+              "an existing report is never overwritten).")
 @json_option("Print the report as one JSON document (verdict, one object per point, files).")
 def report(paths, out, mode, warmup, title, strict, threshold, expect, plan_machine, compare,
-           as_json, trust_kind):
+           as_json, trust_kind, force):
     """Scaling report of run or sweep directories (any depth below each path)."""
     mode = None if mode == "auto" else mode
+    _refuse_overwrite(Path(out), "compare.html" if compare else "report.html", force)
     refs = None
     if expect:
         from hpcpar.analysis.expect import read_expectations  # deferred: loads pandas, numpy

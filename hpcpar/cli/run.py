@@ -96,6 +96,8 @@ def run(job_file, ranks, grid_spec, run_dir, sets, fresh, _resume, start_from, n
 
         comm = MPI.COMM_WORLD
     lead = comm is None or comm.Get_rank() == 0
+    for note in job.notes if lead else ():
+        click.echo(f"hpcpar: note: {note}", err=True)
     start_from = Path(start_from).absolute() if start_from else None
 
     def say(line: str) -> None:

@@ -7,7 +7,14 @@ import shlex
 
 import click
 
-from hpcpar.cli._options import json_option, node_counts, out_option, ranks_option, set_option
+from hpcpar.cli._options import (
+    complete_site,
+    json_option,
+    node_counts,
+    out_option,
+    ranks_option,
+    set_option,
+)
 
 __all__ = ["submit", "status"]
 
@@ -16,7 +23,7 @@ __all__ = ["submit", "status"]
 @click.argument("job_file", type=click.Path(dir_okay=False))
 @out_option("Sweep directory: runs in OUT/ranks-N/, scripts+logs in OUT/slurm/.",
             required=True)
-@click.option("--site", default="generic", show_default=True,
+@click.option("--site", default="generic", show_default=True, shell_complete=complete_site,
               help="Site profile name (see slurm/sites) or path to a .toml profile.")
 @ranks_option(many=True, help="Rank counts to run, e.g. 1,2,4.")
 @click.option("--nodes", callback=node_counts, metavar="N[,N...]",

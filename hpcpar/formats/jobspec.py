@@ -216,10 +216,13 @@ class JobSpec:
     Attributes:
         source: Where the job came from (the file path), for messages.
         sections: Section name -> validated section.
+        notes: One line per value the job changed to make a run of it work (a
+            ``warmup_steps`` above ``steps`` clamped to it), for the CLI to print.
     """
 
     source: str
     sections: dict[str, Section] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
     def __getattr__(self, name):
         sections = self.__dict__.get("sections", {})
@@ -579,9 +582,11 @@ def _cross_checks(job: JobSpec) -> None:
     if (t.steps is None) == (t.epochs is None):
         raise ConfigError(f"{src}: [train] give exactly one of steps or epochs")
     if t.warmup_steps and t.steps is not None and t.warmup_steps > t.steps:
-        raise ConfigError(f"{src}: [train] warmup_steps: {t.warmup_steps} is out of range "
-                          f"(must be <= steps = {t.steps}); use --set train.warmup_steps="
-                          f"{min(t.warmup_steps, t.steps // 10)} (or more steps)")
+        # a smoke run (--set train.steps=2) of a job with a longer warm-up: the warm-up
+        # covers the whole run, as it would have; the job as run (job.json) says so
+        job.notes.append(f"{src}: [train] warmup_steps {t.warmup_steps} > steps {t.steps}: "
+                         f"clamped to {t.steps}")
+        t.warmup_steps = t.steps
     ckpt = t.activation_checkpointing
     if not (ckpt is False or ckpt == "auto" or (type(ckpt) is int and ckpt >= 1)):
         raise ConfigError(f"{src}: [train] activation_checkpointing: expected false, \"auto\" "

@@ -181,6 +181,9 @@ class Allocation:
         exclusive: Whole nodes.
         output: Log file pattern, already escaped with ``sbatch_filename``.
         options: Extra ``#SBATCH`` options.
+        chdir: The job's working directory (``--chdir``; "" for none): where ``submit`` ran,
+            so a job's relative paths (``[data] path``) mean what they meant there, whatever
+            directory ``sbatch`` is later run from.
     """
 
     name: str
@@ -194,11 +197,12 @@ class Allocation:
     exclusive: bool = False
     output: str = ""            # a filename pattern, already sbatch_filename()-escaped
     options: list[str] = field(default_factory=list)
+    chdir: str = ""
 
 
 def _common_options(a: Allocation) -> list[tuple[str, object]]:
     return [("--job-name", a.name), ("--account", a.account), ("--partition", a.partition),
-            ("--qos", a.qos), ("--constraint", a.constraint)]
+            ("--qos", a.qos), ("--constraint", a.constraint), ("--chdir", a.chdir)]
 
 
 def _extra_lines(options: list[str], what: str) -> list[str]:

@@ -211,9 +211,10 @@ def plan_submit(job_file: str | os.PathLike, out: str | os.PathLike, *,
     scripts = out / SCRIPTS
     dependency = parse_after(after) if after else ""
 
-    def alloc(name: str, output: str, **kw) -> Allocation:
-        base = dict(name=name, time=time, cpus_per_task=cpus, gpus_per_node=gpus,
-                    exclusive=site.sbatch["exclusive"],
+    def alloc(name: str, output: str, points=(), **kw) -> Allocation:
+        base = dict(name=name, time=time, cpus_per_task=cpus,
+                    gpus_per_node=_gpus(gpus, points, "gpus_per_node" in explicit),
+                    exclusive=site.sbatch["exclusive"], chdir=str(Path.cwd()),
                     output=f"{sbatch_filename(scripts)}/{output}", **pick)
         base.update(kw)
         return Allocation(**base)
@@ -222,13 +223,13 @@ def plan_submit(job_file: str | os.PathLike, out: str | os.PathLike, *,
                                   grace=grace, max_requeues=max_requeues)
     jobs = []
     if array:
-        a = alloc(f"{job.name}-sweep", "array-%A_%a.out")
+        a = alloc(f"{job.name}-sweep", "array-%A_%a.out", points)
         jobs.append(BatchJob("run", "array", scripts / "array.sbatch",
                              run_script(site, a, points, array=True, **common), points,
                              dependency))
     else:
         for p in points:
-            a = alloc(f"{job.name}-{p.label}", f"{p.label}-%j.out")
+            a = alloc(f"{job.name}-{p.label}", f"{p.label}-%j.out", [p])
             jobs.append(BatchJob("run", p.label, scripts / f"{p.label}.sbatch",
                                  run_script(site, a, [p], **common), [p], dependency))
     if report:
@@ -241,6 +242,15 @@ def plan_submit(job_file: str | os.PathLike, out: str | os.PathLike, *,
                              python=python)
         jobs.append(BatchJob("report", "report", scripts / "report.sbatch", text))
     return jobs
+
+
+def _gpus(gpus: int, points, explicit: bool) -> int:
+    """GPUs per node to request: the site's, but no more than the most ranks any of
+    ``points`` puts on a node (a 2-rank job on a 4-GPU node asks for 2; each rank drives
+    one); a job's own ``[resources] gpus_per_node`` as it is."""
+    if explicit or not gpus or not points:
+        return gpus
+    return min(gpus, max(-(-p.ranks // p.nodes) for p in points))
 
 
 # -- submitting -------------------------------------------------------------------------------

@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 
 __all__ = ["BYTES", "BUCKET_BYTES", "Layer", "trace_layers", "Workload", "Prediction", "grids",
            "allreduce_time", "tp_linear_time", "mark_tensor_parallel", "LayerCost", "layer_cost",
-           "predict", "plan"]
+           "predict", "plan", "TIE", "tie_groups", "oversubscription"]
 
 
 def _tup(v) -> tuple:
@@ -677,6 +677,45 @@ def plan(work: Workload, ranks: int, machine: Machine) -> list[Prediction]:
     Returns:
         One prediction per grid: feasible ones first, fastest first.
     """
-    preds = [predict(work, g, machine) for g in grids(ranks)]
-    return sorted(preds, key=lambda p: (not p.feasible, p.t_step if p.feasible else 0.0,
-                                        p.grid))
+    preds = sorted((predict(work, g, machine) for g in grids(ranks)),
+                   key=lambda p: (not p.feasible, p.t_step if p.feasible else 0.0, p.grid))
+    feasible = [p for p in preds if p.feasible]
+    ordered: list[Prediction] = []
+    for group in tie_groups(feasible):
+        ordered += sorted(group, key=lambda p: (_communication(p), p.mem_bytes, p.grid))
+    return ordered + [p for p in preds if not p.feasible]
+
+
+#: Predicted step times within this fraction of a group's fastest are a tie: the model does
+#: not tell them apart, so the machine's measured communication costs decide, then memory.
+TIE = 0.01
+
+
+def _communication(p: Prediction) -> float:
+    return p.t_halo + p.t_gather + p.t_allreduce_exposed + p.t_tp
+
+
+def tie_groups(preds: list[Prediction]) -> list[list[Prediction]]:
+    """Consecutive runs of ``preds`` (sorted by step time) whose step time lies within
+    :data:`TIE` of the run's first: each run is one tie (a single prediction is its own)."""
+    groups: list[list[Prediction]] = []
+    for p in preds:
+        if groups and p.t_step <= groups[-1][0].t_step * (1 + TIE):
+            groups[-1].append(p)
+        else:
+            groups.append([p])
+    return groups
+
+
+def oversubscription(ranks: int, machine: Machine) -> str | None:
+    """One line when ``ranks`` put more ranks on a node than it has cores: they time-slice
+    the cores, so a step can be slower than on fewer ranks whatever the grid; None when not.
+    """
+    on_node = min(ranks, machine.ranks_per_node)
+    busy, cores = machine._sharing(on_node, ranks)
+    if not machine.cores and not machine.host_cores or busy <= cores:
+        return None
+    return (f"{ranks} ranks put {busy} ranks on {cores} cores ({machine.name}): they "
+            f"oversubscribe the cores and time-slice them, so every grid's step may be slower "
+            f"than on {cores} rank(s); use -n {min(ranks, cores * max(1, ranks // busy))} or "
+            f"fewer ranks per node")

@@ -31,7 +31,21 @@ window.addEventListener('load', () => {
     boxes: [...document.querySelectorAll('.box')].map(b => (
       {scroll: b.scrollWidth, client: b.clientWidth, text: b.innerText.slice(0, 40)})),
     images: [...document.images].map(i => ({alt: i.alt, natural: i.naturalWidth,
-      shown: i.getBoundingClientRect().width, right: i.getBoundingClientRect().right}))};
+      shown: i.getBoundingClientRect().width, right: i.getBoundingClientRect().right,
+      top: i.getBoundingClientRect().top})),
+    broken: [...document.querySelectorAll('th, td')].flatMap(c => {
+      const out = [], walk = document.createTreeWalker(c, NodeFilter.SHOW_TEXT);
+      for (let n = walk.nextNode(); n; n = walk.nextNode()) {
+        for (const m of n.data.matchAll(/[^\\s-]+/g)) {
+          const r = document.createRange();
+          r.setStart(n, m.index);
+          r.setEnd(n, m.index + m[0].length);
+          const tops = new Set([...r.getClientRects()].map(x => Math.round(x.top)));
+          if (tops.size > 1) out.push(m[0]);
+        }
+      }
+      return out;
+    })};
   const pre = document.createElement('pre');
   pre.id = 'hpcpar-layout';
   pre.textContent = JSON.stringify(out);
@@ -66,7 +80,9 @@ def layout(page: str | os.PathLike, width: int = 1400, timeout: float = 120) -> 
         ``viewport`` (the window's inner width), ``scrollWidth`` / ``clientWidth`` of the
         document (wider scroll: the page overflows sideways), ``height``, per ``.box`` (the
         report's table boxes) its ``scroll`` and ``client`` width, per image its ``alt``,
-        ``natural`` width, ``shown`` width and ``right`` edge.
+        ``natural`` width, ``shown`` width, ``right`` edge and ``top``, and ``broken``: each
+        word of a table cell or header that the browser split over two lines (a mid-word
+        wrap such as "speedu p"; a break after a hyphen is no split).
     """
     page = Path(page)
     text = page.read_text()

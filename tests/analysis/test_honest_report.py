@@ -179,7 +179,7 @@ def test_different_settings_get_their_own_row_or_fail_strict(tmp_path, run_cli):
     rc, stdout, _ = run_cli(["report", str(root), "-o", str(tmp_path / "o")])
     assert rc == 0 and re.search(r"OWN ROW synthetic \[settings \w+\] @ 2 ranks: .*"
                                  r"train.steps=4 \(others 10\)", stdout)
-    rc, _, err = run_cli(["report", str(root), "-o", str(tmp_path / "o"), "--strict"])
+    rc, _, err = run_cli(["report", str(root), "-o", str(tmp_path / "o2"), "--strict"])
     assert rc == 2 and "debug-2" in err and "train.steps=4" in err
     assert len(err.strip().splitlines()) == 1
 
@@ -252,7 +252,8 @@ def test_expect_names_every_short_point_and_exits_5(tmp_path, run_cli):
                    '[[expect]]\nranks = 4\nmax_step_time = 2.0\ntolerance = 0.1\n'
                    '[[expect]]\nconfig = "synthetic"\nranks = 16\nmin_efficiency = 0.1\n')
     out = tmp_path / "o"
-    rc, _, err = run_cli(["report", str(root), "-o", str(out), "--expect", str(exp)])
+    rc, _, err = run_cli(["report", str(root), "-o", str(out), "--expect", str(exp),
+                          "--force"])
     table = pd.read_csv(out / "scaling.csv").set_index("ranks")
     E4, T4 = table.loc[4, "efficiency"], table.loc[4, "t_step_median"]
     assert E4 == pytest.approx(8.0 * 1.0 / (4 * 2.5 * 1.0)) and T4 == 2.5
@@ -264,10 +265,12 @@ def test_expect_names_every_short_point_and_exits_5(tmp_path, run_cli):
     assert any("16 ranks: no such point" in s for s in short)
     assert not any("@ 2 ranks" in s for s in short)  # E(2) = 0.909 meets 0.85 - 5%
     exp.write_text('[[expect]]\nranks = [1, 2, 4]\nmin_efficiency = 0.75\n')
-    rc, stdout, _ = run_cli(["report", str(root), "-o", str(out), "--expect", str(exp)])
+    rc, stdout, _ = run_cli(["report", str(root), "-o", str(out), "--expect", str(exp),
+                             "--force"])
     assert rc == 0 and "references met" in stdout
     exp.write_text('[[expect]]\nranks = 4\n')
-    rc, _, err = run_cli(["report", str(root), "-o", str(out), "--expect", str(exp)])
+    rc, _, err = run_cli(["report", str(root), "-o", str(out), "--expect", str(exp),
+                          "--force"])
     assert rc == 2 and "min_efficiency and/or max_step_time" in err
 
 

@@ -122,3 +122,25 @@ def test_analysis_guide_example_runs(tmp_path, monkeypatch, capsys):
         assert [float(v) for v in line.split()[1:]] == list(times.values()), line
     report = Path(out[-1])
     assert report.name == "report.html" and report.is_file() and report.stat().st_size > 0
+
+
+def test_an_existing_report_is_replaced_only_with_force(report, run_cli):
+    """Issue 64: a second ``hpcpar report`` into the same directory refuses in one line and
+    leaves the first report as it was; ``--force`` replaces it (``--compare`` alike)."""
+    out = report / "kept"
+    assert run_cli(["report", str(report / "sweep"), "-o", str(out)])[0] == 0
+    page = (out / "report.html").read_bytes()
+    (out / "notes.txt").write_text("mine")
+    rc, _, err = run_cli(["report", str(report / "sweep" / "ranks-1"), "-o", str(out)])
+    assert rc == 2 and err.splitlines() == [
+        f"hpcpar: error: {out}: holds a report already (report.html); use --force to replace "
+        f"it, or -o another directory"]
+    assert (out / "report.html").read_bytes() == page and (out / "notes.txt").is_file()
+    rc, _, err = run_cli(["report", str(report / "sweep" / "ranks-1"), "-o", str(out),
+                          "--force"])
+    assert rc == 0, err
+    assert (out / "report.html").read_bytes() != page
+    sweep = str(report / "sweep")
+    assert run_cli(["report", "--compare", sweep, sweep, "-o", str(report / "cmp")])[0] == 0
+    rc, _, err = run_cli(["report", "--compare", sweep, sweep, "-o", str(report / "cmp")])
+    assert rc == 2 and "holds a report already (compare.html)" in err

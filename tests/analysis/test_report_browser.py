@@ -1,7 +1,8 @@
 """The report as a person sees it (issue 32): a real small sweep's report opened in headless
 Chromium at 1400 px wide renders, never scrolls sideways, shows every plot at the size it was
-drawn (none shrunk to fit) and every table inside the page; bytes read as KiB/MiB, a point
-with no neighbour shows no halo exchange, and axes that imply a ratio start at zero.
+drawn (none shrunk to fit), two to a row, and every table inside the page with no word wrapped
+mid-word; bytes read as KiB/MiB, a point with no neighbour shows no halo exchange, axes that
+imply a ratio start at zero, and the loss curves and final losses are there (issue 64).
 
 Skips only when Chromium is missing outside CI (``CI=true``: it must run; .ci/setup.d
 installs it)."""
@@ -72,8 +73,16 @@ def test_report_reads_in_a_1400px_browser(sweep, run_cli, tmp_path):
     assert "KiB" in text and "MiB" in text and not re.search(r"\de\+\d", text)
     assert text.count("none (no neighbour)") == 1
 
+    # issue 64: the learning view: loss curves, final loss and metric, the verdict
+    assert "<th>final loss (train)</th>" in text and "<th>final metric</th>" in text
+    assert "Learning: tiny: every point learnt the same" in text
+
     lay = browser.layout(page, WIDTH)
     assert lay["viewport"] == WIDTH, lay  # the window really was 1400 px wide
+    assert any(img["alt"].startswith("loss curves") for img in lay["images"]), lay["images"]
+    assert lay["broken"] == [], f"words wrapped mid-word: {lay['broken']}"
+    tops = [img["top"] for img in lay["images"]]  # the plots use the width: two to a row
+    assert len(tops) - len(set(tops)) >= len(tops) // 3, lay["images"]
     assert lay["scrollWidth"] <= lay["clientWidth"], f"the page scrolls sideways: {lay}"
     assert len(lay["boxes"]) >= 6
     for box in lay["boxes"]:

@@ -4,7 +4,10 @@ back the same job); `schema` is a JSON Schema the shipped jobs satisfy; errors w
 fix say it, and the fix works."""
 
 import json
+import os
 import shlex
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -79,11 +82,31 @@ def test_schema_is_json_schema_of_the_jobs(run_cli):
         jsonschema.validate({"model": {"kind": "gcn"}, "train": {"lr": -1.0}}, schema)
 
 
+def test_a_smoke_run_clamps_the_warmup(run_cli):
+    """Issue 64: ``--set train.steps=2`` on a job with warmup_steps = 5 runs (the warm-up is
+    clamped to the steps, said in one line), and the job as run records the clamped value."""
+    rc, out, err = run_cli(["run", DEMO, "-n", "1", "--grid", "1x1x1x1", "--set",
+                            "train.steps=2", "--dry-run"])
+    assert rc == 0, err
+    assert "hpcpar: note: " in err and "[train] warmup_steps 5 > steps 2: clamped to 2" in err
+    rc, out, err = run_cli(["run", DEMO, "-n", "1", "--grid", "1x1x1x1", "--set",
+                            "train.steps=2", "--print-config", "--json"])
+    assert rc == 0, err
+    assert json.loads(out)["train"]["warmup_steps"] == 2
+
+
+def test_set_key_value_in_two_words_is_answered_with_the_right_form(run_cli):
+    """Issue 64: ``--set train.steps 6`` is one line naming ``--set train.steps=6``, not
+    click's "unexpected extra argument"."""
+    for args in (["run", DEMO, "--set", "train.steps", "6", "--dry-run"],
+                 ["sweep", DEMO, "-n", "1", "-o", "x", "--set", "train.steps", "6"]):
+        rc, _, err = run_cli(args)
+        assert rc == 2 and err.strip().splitlines() == [
+            "hpcpar: error: --set takes one word SECTION.KEY=VALUE: use --set train.steps=6"]
+
+
 def test_errors_suggest_a_fix_that_works(run_cli):
     rc, _, err = run_cli(["run", DEMO, "-n", "2", "--set", "train.steps=4", "--dry-run"])
-    assert rc == 2 and "--set train.warmup_steps=0" in err
-    rc, _, err = run_cli(["run", DEMO, "-n", "2", "--set", "train.steps=4", "--set",
-                          "train.warmup_steps=0", "--dry-run"])
     assert rc == 2 and "run with -n 4, or fit the grid to 2 ranks: --grid 1x2x1x1" in err
     rc, out, err = run_cli(["run", DEMO, "-n", "2", "--set", "train.steps=4", "--set",
                             "train.warmup_steps=0", "--grid", "1x2x1x1", "--dry-run", "--json"])
@@ -103,8 +126,8 @@ def test_json_output(run_cli):
     rc, out, _ = run_cli(["plan", DEMO, "-n", "4", "--json"])
     grids = json.loads(out)["grids"]
     assert rc == 0 and {g["grid"] for g in grids} >= {"4x1x1x1", "2x2x1x1"}
-    assert grids[0]["feasible"] and grids[0]["t_step"] == min(g["t_step"] for g in grids
-                                                               if g["feasible"])
+    fastest = min(g["t_step"] for g in grids if g["feasible"])  # first, up to a tie (1%)
+    assert grids[0]["feasible"] and fastest <= grids[0]["t_step"] <= fastest * 1.01
 
 
 def _flags(cmd) -> dict:
@@ -183,3 +206,25 @@ def test_data_info_and_verify_json(run_cli, tmp_path):
     rc, text, _ = run_cli(["data", "verify", str(out), "--json"])
     doc = json.loads(text)
     assert rc == 2 and not doc["ok"] and shard.name in doc["problems"][0]
+
+
+@pytest.mark.usefixtures("shipped_profiles_only")
+def test_completion_of_set_keys_and_site_names():
+    """Issue 64: the shell completes ``--set`` keys (and a key's choices after ``=``) and
+    ``--site`` profile names, not only commands and options."""
+    def complete(args, incomplete):
+        words = ["hpcpar", *args, incomplete]
+        env = {**os.environ, "_HPCPAR_COMPLETE": "bash_complete",
+               "COMP_WORDS": " ".join(words), "COMP_CWORD": str(len(words) - 1)}
+        r = subprocess.run([sys.executable, "-m", "hpcpar.cli"], env=env, capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        return [ln.split(",", 1)[1] for ln in r.stdout.splitlines()]
+
+    for command in ("run", "sweep", "submit", "plan"):
+        assert complete([command, DEMO, "--set"], "train.st") == ["train.steps="], command
+    assert "grid.data=" in complete(["run", DEMO, "--set"], "")
+    assert complete(["run", DEMO, "--set"], "train.optimizer=ad") == [
+        "train.optimizer=adam", "train.optimizer=adamw"]
+    assert complete(["submit", DEMO, "--site"], "") == ["frontier", "generic", "perlmutter"]
+    assert complete(["submit", DEMO, "--site"], "pe") == ["perlmutter"]

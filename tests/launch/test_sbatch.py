@@ -51,8 +51,9 @@ def _render(tmp_path, job, name) -> str:
     pick = jobs[-1] if name.endswith("-report") else jobs[-1 if len(jobs) == 1 else 0]
     if name.endswith("-report"):
         assert pick.kind == "report"
-    # machine-independent paths in the golden files
-    return pick.text.replace(str(tmp_path), "/scratch/user")
+    # machine-independent paths in the golden files (--chdir: where submit ran)
+    return pick.text.replace(str(tmp_path), "/scratch/user").replace(str(Path.cwd()),
+                                                                      "/home/user/project")
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -86,6 +87,32 @@ def test_site_recommendations(tmp_path, job):
         assert want in fr, want
     gen = _render(tmp_path, job, "generic")
     assert "--mpi=pmi2" in gen and "--gpus" not in gen and "--cpus-per-task=1" in gen
+
+
+def test_scripts_run_where_submit_ran(tmp_path, job, monkeypatch):
+    """Issue 64: every script (points, array, report) has ``--chdir`` = the directory
+    ``submit`` ran in, so a job's relative paths do not depend on where sbatch runs it."""
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    jobs = plan_submit(job, tmp_path / "sweep", site="generic", python=PYTHON, ranks=[1, 2],
+                       report=True)
+    assert len(jobs) == 3
+    for j in jobs:
+        assert f"#SBATCH --chdir={tmp_path / 'here'}\n" in j.text, j.label
+
+
+def test_gpus_are_sized_to_the_ranks_per_node(tmp_path, job):
+    """Issue 64: on 4-GPU nodes, a 2-rank point asks for 2 GPUs, a 4-rank one for 4; an
+    array asks for its largest point's; a job's own gpus_per_node is taken as it is."""
+    def gpus(**kw):
+        jobs = plan_submit(job, tmp_path / "sweep", site="perlmutter", python=PYTHON,
+                           sets=["resources.account=m1", *kw.pop("sets", [])], **kw)
+        return [next(ln for ln in j.text.splitlines() if "--gpus-per-node" in ln)
+                for j in jobs]
+    assert gpus(ranks=[1, 2, 8]) == [f"#SBATCH --gpus-per-node={g}" for g in (1, 2, 4)]
+    assert gpus(ranks=[1, 2], array=True) == ["#SBATCH --gpus-per-node=2"]
+    assert gpus(ranks=[2], sets=["resources.gpus_per_node=4"]) == \
+        ["#SBATCH --gpus-per-node=4"]
 
 
 def test_sbatch_quote():

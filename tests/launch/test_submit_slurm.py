@@ -77,7 +77,7 @@ def test_array_of_three_with_report(slurm_cluster, sandbox, monkeypatch, capsys,
                    and e["SLURM_CPUS_PER_TASK"] == "1" for e in envs)
     argv = read_argv(out / "report" / "argv.0.0")
     assert argv[2:] == ["report", *(str(out / f"ranks-{n}") for n in (1, 2, 4)),
-                        "-o", str(out / "report")]
+                        "-o", str(out / "report"), "--force"]
     assert (out / "jobs.json").is_file() and (out / "slurm" / "array.sbatch").is_file()
     monkeypatch.setenv("SLURM_CONF", str(slurm_cluster.conf))
     cli_main(["status", str(out)])

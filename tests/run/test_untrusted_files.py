@@ -250,8 +250,8 @@ def foreign_kind(finished, tmp_path):
 def test_report_plan_imports_no_module_a_run_names(foreign_kind, tmp_path):
     run, cwd, marker = foreign_kind
     for extra in ([], ["--trust-kind"]):     # trusted or not: never from the working dir
-        r = _hpcpar(["report", run, "-o", tmp_path / "rep", "--plan", "local", *extra],
-                    cwd=cwd)
+        r = _hpcpar(["report", run, "-o", tmp_path / "rep", "--plan", "local", "--force",
+                     *extra], cwd=cwd)
         assert r.returncode == 0, r.stderr
         assert not marker.exists(), "report --plan imported a module named by a run"
     table = (tmp_path / "rep" / "predicted.csv")
