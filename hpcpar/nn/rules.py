@@ -705,22 +705,29 @@ def repeat(call: Call):
     return adopt(out, t._hp.with_(sdims=[d + lead for d in t._hp.sdims]))
 
 
+#: the dim hstack / vstack / dstack join tensors of 3 dims or more along (a split tensor has
+#: at least its 3 spatial dims): they are then torch.cat along it
+_FIXED_DIM = {"hstack": 1, "vstack": 0, "dstack": 2}
+
+
 def cat(call: Call):
-    """cat / stack along a dim that is not split: local."""
+    """cat / stack / hstack / vstack / dstack along a dim that is not split: local (the batch
+    dim too: a replica's samples are its own, as in DDP)."""
     rel, gshape = same_split(call, "tensors to join")
     tensors = call.args[0] if call.args else call.kwargs["tensors"]
-    dim = call.bind(("tensors", "dim"), (0,))["dim"]
+    fixed = _FIXED_DIM.get(call.name)
+    dim = fixed if fixed is not None else call.bind(("tensors", "dim"), (0,))["dim"]
     ndim = call.splits[0].dim()
-    stack = call.name in ("stack", "hstack", "vstack", "dstack")
+    stack = call.name == "stack"
     sdims = [ndim + r for r in rel]
     d = _norm_dim(dim, ndim + 1 if stack else ndim)
-    if (not stack and d in sdims) or call.name in ("hstack", "vstack", "dstack"):
+    if not stack and d in sdims:
         raise call.refuse("joins along a split dim", "join along the channel dim (dim=1)")
     layout = call.layout.with_(sdims=sdims, gshape=gshape)
     pieces = [raw(t) if isinstance(t, SplitTensor) else
               localize(call.replicated(t), layout, ndim, call.name) for t in tensors]
     kwargs = {k: v for k, v in call.kwargs.items() if k not in ("tensors", "dim")}
-    out = call.func(pieces, d, **kwargs)
+    out = call.func(pieces, **kwargs) if fixed is not None else call.func(pieces, d, **kwargs)
     if stack:
         sdims = [s + 1 if s >= d else s for s in sdims]
     return adopt(out, layout.with_(sdims=sdims))
