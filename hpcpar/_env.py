@@ -155,7 +155,8 @@ VARS: dict[str, Var] = {v.name: v for v in [
         _unless_blank(_size_or_off, 16 << 20)),
     Var("HPCPAR_PROGRESS", "0",
         "`1`: rank 0 shows a progress bar over the steps (`hpcpar run` sets it when stderr "
-        "is a terminal).", _unless_blank(_bool, False)),
+        "is a terminal) and over the samples `hpcpar data make`/`shard` write, also when "
+        "stderr is a log file or a pipe.", _unless_blank(_bool, False)),
     Var("HPCPAR_LAUNCH", "decided from the environment",
         "`direct`, `srun` or `mpiexec`: force how `hpcpar run` starts the ranks.",
         _unless_blank(_one_of("direct", "srun", "mpiexec"), None)),

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from hpcpar import _env
 from hpcpar.errors import DataError
 from hpcpar.parallel.partition import part_range
 
@@ -319,8 +320,9 @@ def write_dataset(out: str, source: CosmoflowSource | H5Source | VolumeFiles,
 
     Each rank writes shards ``part_range(len(counts), ranks, rank)`` into a hidden
     ``.OUT.partial-*`` directory, renamed to ``out`` only when every rank has succeeded, so
-    ``out`` is complete or absent. Rank 0 shows a progress bar of its own shards. The
-    manifest records min/max and the NaN/inf count of x and y per shard and overall.
+    ``out`` is complete or absent. Rank 0 shows a progress bar of its own shards (on a
+    terminal, or where ``HPCPAR_PROGRESS=1``). The manifest records min/max and the NaN/inf
+    count of x and y per shard and overall.
 
     Args:
         out: The dataset directory to create.
@@ -380,7 +382,8 @@ def write_dataset(out: str, source: CosmoflowSource | H5Source | VolumeFiles,
             from tqdm import tqdm
 
             bar = tqdm(total=sum(counts[lo:hi]), unit="sample", dynamic_ncols=True,
-                       disable=not sys.stderr.isatty(),   # no bar lines in logs and pipes
+                       # no bar lines in logs and pipes, unless HPCPAR_PROGRESS=1 asks
+                       disable=not (sys.stderr.isatty() or _env.get("HPCPAR_PROGRESS")),
                        desc=f"writing {os.path.basename(os.path.abspath(out))}"
                             + (f" (rank 0 of {size})" if size > 1 else ""))
         for i in range(lo, hi):

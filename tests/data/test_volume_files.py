@@ -133,3 +133,18 @@ def test_tiff_stacks(run_cli, tmp_path):
     _, x, y = _stored(tmp_path / "out")
     np.testing.assert_array_equal(x[:, 0], np.stack(xs))
     np.testing.assert_array_equal(y, np.stack(ys))
+
+
+def test_progress_bar_in_a_log_when_asked(run_cli, tmp_path, monkeypatch):
+    """A bar is for a terminal; a log or a pipe gets the closing line only, or the bar too
+    with HPCPAR_PROGRESS=1 (a Slurm job's log, a supervisor watching the pipe)."""
+    _pairs(tmp_path, [(6, 5, 4)] * 3)
+    args = ["data", "shard", str(tmp_path / "out"), "--images", str(tmp_path / "img"),
+            "--labels", str(tmp_path / "lab"), "--samples-per-shard", "2", "--force"]
+    monkeypatch.delenv("HPCPAR_PROGRESS", raising=False)
+    code, out, err = run_cli(args)
+    assert code == 0 and "writing out" not in err and out.startswith("wrote "), (out, err)
+    monkeypatch.setenv("HPCPAR_PROGRESS", "1")
+    code, out, err = run_cli(args)
+    assert code == 0 and out.startswith("wrote "), err
+    assert "writing out: 100%" in err and "3/3" in err, err
