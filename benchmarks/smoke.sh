@@ -5,10 +5,7 @@
 # repository root:  benchmarks/smoke.sh [NAME...]   (default: all)
 #
 # Not here: limits.py (a module the others import), device_check.py (needs a CUDA GPU; run
-# by device_check.sh on one), distdl_peer.py (needs DistDL built from its git checkout), and
-# for now fp16_loss.py: its fp16 run of the demo job on 2x2x1x1 stops in split_head's linear
-# ("expected m1 and m2 to have the same dtype ... Half != double"; found by this test). Once
-# fixed, it runs here as:  mpiexec -n 4 python benchmarks/fp16_loss.py --steps 7
+# by device_check.sh on one) and distdl_peer.py (needs DistDL built from its git checkout).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 PY=${PYTHON:-python}
@@ -54,6 +51,8 @@ smoke checkpointing 300 "peak cut ${N}x" \
 smoke fused_halos 120 "best fused speedup $N" \
     "$MPIEXEC" -n 2 "$PY" benchmarks/fused_halos.py --local 8 --channels 4 --layers 2 \
     --grids 2x1x1 --fuse 2 --rounds 1 --repeat 1
+smoke fp16_loss 300 "relative difference ${N}%" \
+    "$MPIEXEC" -n 4 "$PY" benchmarks/fp16_loss.py --steps 7
 smoke gnn 120 "ratio hpcpar/PyG $N" \
     "$MPIEXEC" -n 2 "$PY" benchmarks/gnn.py --nodes 2000 --features 16 --epochs 2
 # gnn_scale.py takes a synthetic graph job: the 1M-vertex one shrunk to 5000 vertices

@@ -44,6 +44,7 @@ from torch import nn
 
 from hpcpar.parallel.comm import allreduce_, irecv, isend
 from hpcpar.parallel.grid import ProcessGrid, coords_of, rank_of
+from hpcpar.parallel.halo import autocast_cast
 
 from . import rules, spill
 from . import spatial_ops as sops
@@ -274,7 +275,9 @@ def _linear(call):
     if bias is not None:
         if isinstance(bias, nn.Parameter):
             call.ctx.replicated_params.add(id(bias))
-        y = y + bias
+        # under autocast, F.linear casts the bias with the other operands: the output keeps
+        # the lower-precision dtype, as a plain nn.Linear's (fp16: not promoted to float32)
+        y = y + autocast_cast(bias)
     return y
 
 

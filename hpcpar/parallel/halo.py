@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 __all__ = ["global_spatial_shape", "AxisPlan", "HaloPlan", "halo_exchange",
            "HaloExchange", "HaloStencil", "StencilOp", "halo_stencil", "exchange_forward", "POOL",
            "BufferPool", "new_buffer", "input_layout", "memory_format", "CHANNELS_LAST",
-           "exchange_adjoint", "rebuild", "AXIS_NAMES"]
+           "exchange_adjoint", "rebuild", "AXIS_NAMES", "autocast_cast"]
 
 
 class HaloExchange(torch.autograd.Function):
@@ -281,8 +281,18 @@ def halo_stencil(x: torch.Tensor, plan: HaloPlan, op: StencilOp, *params: torch.
     dev = x.device.type
     if op.autocast and torch.is_autocast_enabled(dev):
         # The casts are differentiable, so parameter gradients come back in their own dtype.
-        dt = torch.get_autocast_dtype(dev)
-        cast = [p.to(dt) if p is not None and p.is_floating_point() else p for p in params]
+        x, cast = autocast_cast(x), [p if p is None else autocast_cast(p) for p in params]
         with torch.autocast(dev, enabled=False):
-            return HaloStencil.apply(x.to(dt), plan, pad_value, op, *cast)
+            return HaloStencil.apply(x, plan, pad_value, op, *cast)
     return HaloStencil.apply(x, plan, pad_value, op, *params)
+
+
+def autocast_cast(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as torch's autocast casts an operand of a lower-precision op (conv, linear): a
+    floating tensor to the autocast dtype of its device, except float64, which autocast
+    leaves alone (a float64 model under an fp16 autocast, as the first-step check's float64
+    rerun, stays float64 as in plain torch). Anything else, and outside autocast: as it is."""
+    if not t.is_floating_point() or t.dtype == torch.float64 or \
+            not torch.is_autocast_enabled(t.device.type):
+        return t
+    return t.to(torch.get_autocast_dtype(t.device.type))

@@ -332,3 +332,34 @@ def test_hpcpar_runs_clip_grad_norm_is_global_with_a_cut_head(comm):
     ref = dict(plain.named_parameters())
     for name, p in model.module.named_parameters():
         _close(_full_grad(p), ref[name].grad, f"clipped grad {name}")
+
+
+@mpi_case(nprocs=(2,), timeout=120)
+def test_autocast_fp16_keeps_torchs_dtypes(comm):
+    """Under an fp16 autocast (``precision = "fp16"``) every module gives the dtype it gives in
+    plain torch, the split head as a plain nn.Linear: float16 for a float32 model (the bias
+    cast too, not promoted to float32), float64 for a float64 one, which autocast leaves
+    alone (the first-step check's float64 rerun of an fp16 job; the spatial convolutions
+    once cast it to half, and the head refused "Half != double"). The float64 run is exact."""
+    from hpcpar import ProcessGrid
+    from hpcpar.nn import spatialize
+
+    grid = ProcessGrid(x=2)
+    for dtype, rtol in ((torch.float64, RTOL), (torch.float32, 1e-2)):
+        torch.manual_seed(0)
+        plain = _sequential().to(dtype)
+        model = spatialize(copy.deepcopy(plain), grid, check=True)
+        x = randn((2, 2, *SIZE), 1, dtype).requires_grad_()
+        xl = _piece(x.detach(), grid).requires_grad_()
+        dtypes: dict = {"plain": [], "split": []}
+        for tag, net in (("plain", plain), ("split", model)):
+            for m in net.children():
+                m.register_forward_hook(lambda m, i, o, seen=dtypes[tag]: seen.append(o.dtype))
+        with torch.autocast("cpu", dtype=torch.float16):
+            ref = plain(x)
+            out = model(xl)
+        assert dtypes["split"] == dtypes["plain"], f"{dtype}: module outputs {dtypes}"
+        _close(out.detach().to(dtype), ref.detach().to(dtype), f"{dtype}: output", rtol)
+        ref.to(dtype).sum().backward()
+        out.to(dtype).sum().backward()
+        _close(xl.grad, _piece(x.grad, grid), f"{dtype}: input grad", rtol)
