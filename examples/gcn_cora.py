@@ -30,7 +30,7 @@ opt = torch.optim.Adam([{"params": model.convs[0].parameters(), "weight_decay": 
                         {"params": model.convs[1].parameters()}], lr=0.01)
 for _epoch in range(200):
     opt.zero_grad()
-    loss = masked_loss(ddp(graph.x, graph), graph)   # owned train vertices / GLOBAL count
+    loss = masked_loss(ddp(graph.x, graph), graph)   # the global loss, on every rank
     loss.backward()
     opt.step()
 

@@ -1,10 +1,11 @@
 """Loss and metrics of a partitioned graph, computed on owned vertices only.
 
-Loss: the SUM of the per-vertex loss over this rank's owned vertices of a split divided by the
-GLOBAL size of the split, so that SUMMING gradients over the graph's ranks (the default
-``"spatial+data"`` reduction with ``data == 1``) gives exactly the single-process gradient of
-the mean loss. Accuracy: correct and total counts are SUM-allreduced, so every rank returns
-the global value.
+Loss: the global mean over a split on every rank, as a volume model's loss is. Each rank's
+share (the SUM over its owned vertices of the split, divided by the GLOBAL size of the split)
+is SUM-allreduced in forward, and backward is the identity, so each rank's gradient is its own
+share's and SUMMING gradients over the graph's ranks (the default ``"spatial+data"`` reduction
+with ``data == 1``) gives exactly the single-process gradient. Accuracy: correct and total
+counts are SUM-allreduced, so every rank returns the global value.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from hpcpar.parallel.comm import allreduce_
+from hpcpar.parallel.comm import ReplicatedSum, allreduce_
 
 if TYPE_CHECKING:
     from hpcpar.graph.distgraph import DistGraph
@@ -23,10 +24,11 @@ __all__ = ["masked_loss", "split_metrics"]
 
 
 def masked_loss(logits: torch.Tensor, graph: DistGraph, split: str = "train") -> torch.Tensor:
-    """Cross entropy summed over the owned vertices of a split, divided by the GLOBAL count.
+    """Mean cross entropy over a split of the whole graph, the same on every rank (collective).
 
-    Summing the gradients of this loss over the graph's ranks gives exactly the
-    single-process gradient of the mean loss.
+    The value is the single-process loss; the gradient on each rank is that of its own share
+    (its owned vertices' sum / the GLOBAL count), so summing gradients over the graph's ranks
+    gives exactly the single-process gradient. Do not allreduce the value again.
 
     Args:
         logits: Logits of the owned vertices.
@@ -34,11 +36,15 @@ def masked_loss(logits: torch.Tensor, graph: DistGraph, split: str = "train") ->
         split: ``"train"``, ``"val"`` or ``"test"``.
 
     Returns:
-        A scalar: this rank's share of the mean loss.
+        A scalar: the global mean loss of the split.
     """
     m = graph.mask(split)
     total = max(graph.num_masked(split), 1)
-    return F.cross_entropy(logits[m], graph.y[m], reduction="sum") / total
+    share = F.cross_entropy(logits[m], graph.y[m], reduction="sum") / total
+    if graph.comm.Get_size() == 1:
+        return share
+    # the shares add in float64, as the volume side's global reductions do
+    return ReplicatedSum.apply(share.double(), graph.comm).to(share.dtype)
 
 
 def split_metrics(logits: torch.Tensor, graph: DistGraph, split: str) -> dict:

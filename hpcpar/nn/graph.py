@@ -2,8 +2,8 @@
 
 Called as ``conv(x, graph)`` with ``x`` the OWNED rows; they return owned rows. Parameters are
 replicated; each rank's gradient is its partial sum, so the default gradient reduction
-("spatial+data": SUM over the graph's ranks, ``data == 1``) yields the exact gradient when the
-loss is divided by the GLOBAL number of training vertices (:func:`hpcpar.graph.masked_loss`).
+("spatial+data": SUM over the graph's ranks, ``data == 1``) yields the exact gradient under
+:func:`hpcpar.graph.masked_loss` (the global loss; each rank's gradient is its own share's).
 No tags are needed.
 
 Both layers aggregate whichever side is narrower: when ``in > out`` they transform first and

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hpcpar.errors import LayerError
-from hpcpar.parallel.comm import allreduce_
+from hpcpar.parallel.comm import ReplicatedSum, allreduce_
 from hpcpar.parallel.grid import ProcessGrid
 from hpcpar.parallel.spatial import local_shape
 
@@ -54,19 +54,6 @@ def _acc(dtype: torch.dtype) -> torch.dtype | None:
     """Accumulate floating sums in float64 (a sum of partial sums over ranks); integers keep
     torch's own promotion."""
     return torch.float64 if dtype.is_floating_point else None
-
-
-class _ReplicatedSum(torch.autograd.Function):
-    """Sum of every rank's partial ``t`` over ``comm``: allreduce in forward; identity in
-    backward (the adjoint under the replicated-gradient convention)."""
-
-    @staticmethod
-    def forward(ctx, t, comm):
-        return allreduce_(t.detach().clone(), comm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
 
 
 class _SquaredDeviation(torch.autograd.Function):
@@ -204,7 +191,7 @@ def _global(x: torch.Tensor, op: str, dims: tuple[int, ...], count: int,
         out = _SquaredDeviation.apply(x, dims, count, comm) / max(count - correction, 0)
     else:
         terms = x.square() if op == "norm" else x
-        out = _ReplicatedSum.apply(terms.sum(dims, keepdim=True, dtype=_acc(x.dtype)), comm)
+        out = ReplicatedSum.apply(terms.sum(dims, keepdim=True, dtype=_acc(x.dtype)), comm)
         if op == "mean":
             out = out / count
     if op in ("std", "norm"):

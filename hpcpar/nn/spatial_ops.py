@@ -16,6 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from hpcpar.parallel.comm import ReplicatedSum
 from hpcpar.parallel.partition import box, xyz
 
 from . import fused_halo, global_norm, padding, resample
@@ -25,7 +26,7 @@ from .dropout import spatial_dropout
 from .noise import spatial_noise
 from .norm import _GlobalBatchNorm
 from .pool import SpatialAvgPool3d, SpatialMaxPool3d
-from .reduce import _ReplicatedSum, global_reduce
+from .reduce import global_reduce
 from .rules import Call, _dims_arg, bound, channelwise, localize, pointwise, wrap_like
 from .split import Layout, adopt, raw
 
@@ -595,7 +596,7 @@ def _broadcast_layout(lay, ndim: int, shape) -> Layout:
 def _spatial_sum(t: torch.Tensor, grid) -> torch.Tensor:
     """Every spatial rank's partial ``t`` summed, replicated (allreduce forward, identity
     backward: hpcpar.nn.reduce's convention)."""
-    return _ReplicatedSum.apply(t, grid.spatial_comm) if grid.spatial_size > 1 else t
+    return ReplicatedSum.apply(t, grid.spatial_comm) if grid.spatial_size > 1 else t
 
 
 def _localized(call, t, lay, ndim):

@@ -42,14 +42,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpcpar.parallel.comm import allreduce_, irecv, isend
+from hpcpar.parallel.comm import ReplicatedSum, allreduce_, irecv, isend
 from hpcpar.parallel.grid import ProcessGrid, coords_of, rank_of
 from hpcpar.parallel.halo import autocast_cast
 
 from . import rules, spill
 from . import spatial_ops as sops
 from .dropout import spatial_dropout
-from .reduce import _ReplicatedSum
 from .split import FlatLayout, SplitTensor, adopt, raw
 
 __all__ = ["ColumnSplit", "column_split", "flat_rule", "gathered_to", "has_flat_form"]
@@ -271,7 +270,7 @@ def _linear(call):
     y = F.linear(raw(x), _cut(weight, lay, call))
     comm = call.ctx.grid.spatial_comm
     if call.ctx.grid.spatial_size > 1:
-        y = _ReplicatedSum.apply(y, comm)
+        y = ReplicatedSum.apply(y, comm)
     if bias is not None:
         if isinstance(bias, nn.Parameter):
             call.ctx.replicated_params.add(id(bias))
@@ -329,7 +328,7 @@ def _reduction(call):
     keepdim = bool(call.kwargs.get("keepdim", sops._positional_keepdim(call)))
     piece = raw(x)
     part = piece.sum(dims, keepdim=keepdim, dtype=call.kwargs.get("dtype"))
-    total = _ReplicatedSum.apply(part, call.ctx.grid.spatial_comm)
+    total = ReplicatedSum.apply(part, call.ctx.grid.spatial_comm)
     if call.name == "sum":
         return total
     count = math.prod(x._hp.gshape[0] if d == 1 else piece.shape[d] for d in dims)

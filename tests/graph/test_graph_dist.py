@@ -97,6 +97,36 @@ def test_matches_single_process(comm):
 
 
 @mpi_case(nprocs=(2, 4), timeout=120)
+def test_masked_loss_is_the_global_loss_on_every_rank(comm):
+    """``masked_loss`` of every split is the single-process loss on every rank (one loss
+    convention with the volume side), and its gradients, summed over the ranks, are the
+    single-process gradients: the value is not counted once per rank."""
+    import torch.nn.functional as F
+
+    from hpcpar.graph import DistGraph
+    from hpcpar.graph.metrics import masked_loss
+
+    e, x, y, masks = synthetic_directed()
+    g = DistGraph.from_global(e, x.shape[0], x, comm, y=y, masks=masks, method="random", seed=2)
+    torch.manual_seed(0)
+    w = torch.randn(x.shape[1], int(y.max()) + 1, dtype=torch.float64)
+    xs = torch.as_tensor(x, dtype=torch.float64)
+    for split in ("train", "val", "test"):
+        w_ref = w.clone().requires_grad_(True)
+        mask = torch.as_tensor(masks[split])
+        ref = F.cross_entropy((xs @ w_ref)[mask], torch.as_tensor(y)[mask])
+        ref.backward()
+        w_dist = w.clone().requires_grad_(True)
+        loss = masked_loss(xs[g.global_ids] @ w_dist, g, split)
+        loss.backward()
+        what = f"{split} rank {comm.Get_rank()} of {comm.Get_size()}"
+        torch.testing.assert_close(loss.detach(), ref.detach(), rtol=1e-12, atol=0, msg=what)
+        grad = comm.allreduce(w_dist.grad.numpy())
+        torch.testing.assert_close(torch.from_numpy(grad), w_ref.grad, rtol=1e-12, atol=1e-15,
+                                   msg=what)
+
+
+@mpi_case(nprocs=(2, 4), timeout=120)
 def test_aggregation_reads_the_halo_in_place_with_the_same_bits(comm):
     """``propagate`` on the Numba CPU kernel never builds ``[x; halo]`` (HaloAggregate): its
     output and input gradient are bit-identical to the operator applied to ``with_halo(x)``,

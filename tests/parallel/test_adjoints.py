@@ -136,10 +136,10 @@ def _sum_grad(grid):
 
 
 def _replicated_sum(grid):
-    from hpcpar.nn.reduce import _ReplicatedSum
+    from hpcpar.parallel.comm import ReplicatedSum
 
     t = _rand((2, 4), 4 + grid.rank).requires_grad_()
-    return [(t, "split")], lambda u: _ReplicatedSum.apply(u, grid.spatial_comm), "complete"
+    return [(t, "split")], lambda u: ReplicatedSum.apply(u, grid.spatial_comm), "complete"
 
 
 def _tp_linear(grid):
@@ -196,7 +196,7 @@ LINEAR = {
     "hpcpar.nn.gather._Gather": lambda g: _spatial(g, lambda x: F.avg_pool3d(x, 4, 4) * 2,
                                                    shape=(2, 4, 6, 6, 6)),
     "hpcpar.nn.gather._GlobalMean": _global_mean,
-    "hpcpar.nn.reduce._ReplicatedSum": _replicated_sum,
+    "hpcpar.parallel.comm.ReplicatedSum": _replicated_sum,
     "hpcpar.nn.rules._SumGrad": _sum_grad,
     "hpcpar.nn.tensor_parallel._TPLinearFn": _tp_linear,
     "hpcpar.graph._vertex_halo.GraphHaloExchange": _graph("exchange"),
