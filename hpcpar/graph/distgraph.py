@@ -137,7 +137,8 @@ class DistGraph:
         plan: The halo plan (which rows go to which rank).
     """
 
-    #: Source-graph ids of the owned vertices (from_shards only: the format renumbers them)
+    #: Source-graph ids of the owned vertices (from_shards: the format renumbers them; or
+    #: from_global's ``original_ids``)
     original_ids: np.ndarray | None = None
     #: The halo plan (a step's boundary sample in a view from ``boundary_sample``)
     plan: HaloPlan | SampledHaloPlan
@@ -472,7 +473,7 @@ class DistGraph:
                     x: torch.Tensor | np.ndarray, grid: ProcessGrid,
                     y: torch.Tensor | np.ndarray | None = None, masks: dict | None = None,
                     method: str = "metis", seed: int = 0, owner: np.ndarray | None = None,
-                    **kw: Any) -> DistGraph:
+                    original_ids: np.ndarray | None = None, **kw: Any) -> DistGraph:
         """Partition a graph that every rank holds in full (small graphs, tests).
 
         Args:
@@ -485,6 +486,8 @@ class DistGraph:
             method: Partitioner: ``"metis"``, ``"block"`` or ``"random"``.
             seed: Seed of the partitioner.
             owner: A ready owner rank per vertex, instead of partitioning.
+            original_ids: ``(N,)`` each vertex's id in the source graph, where the caller
+                renumbered it (dropout masks hash these, as a sharded graph's).
             **kw: Passed to the constructor (``num_classes``, ``directed``,
                 ``row_normalize``, ``backend``).
 
@@ -492,9 +495,13 @@ class DistGraph:
             This rank's part.
 
         Raises:
-            DataError: More ranks than vertices, or a grid with ``data > 1``.
+            DataError: More ranks than vertices, a grid with ``data > 1``, or
+                ``original_ids`` not ``(N,)``.
         """
         comm = graph_comm(grid)
+        if original_ids is not None and np.shape(original_ids) != (num_nodes,):
+            raise DataError(f"DistGraph: original_ids has shape {np.shape(original_ids)}, "
+                            f"expected ({num_nodes},)")
         indptr, indices = collective(comm, edges_to_csr, edge_index, num_nodes)
         x = x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
         y = np.zeros(num_nodes, np.int64) if y is None else np.asarray(
@@ -516,7 +523,10 @@ class DistGraph:
         block = {"indptr": indptr[start:stop + 1] - indptr[start],
                  "indices": indices[indptr[start]:indptr[stop]], "x": x[start:stop],
                  "y": y[start:stop], **{m: masks[m][start:stop] for m in MASKS}}
-        return cls(comm, num_nodes, np.asarray(owner, np.int64), block, start, **kw)
+        g = cls(comm, num_nodes, np.asarray(owner, np.int64), block, start, **kw)
+        if original_ids is not None:
+            g.original_ids = np.asarray(original_ids, np.int64)[g.global_ids]
+        return g
 
     @classmethod
     def from_pyg(cls, data: Any, grid: ProcessGrid, method: str = "metis", seed: int = 0,

@@ -169,6 +169,8 @@ def test_user_errors_on_every_rank(comm):
         DistGraph.from_global(np.zeros((2, 0), np.int64), 1, np.zeros((1, 2)), comm)
     with pytest.raises(DataError, match="vertex 500, outside 0..119"):
         DistGraph.from_global(np.array([[0, 500], [1, 2]]), 120, x, comm)
+    with pytest.raises(DataError, match=r"original_ids has shape \(119,\), expected \(120,\)"):
+        DistGraph.from_global(e, 120, x, comm, original_ids=np.arange(119))
     with shared_tmpdir(comm, prefix="hpcpar-graph-dist-") as tmp:
         path = os.path.join(tmp, "bad.h5")
         if comm.Get_rank() == 0:
