@@ -94,7 +94,8 @@ def _known(v) -> TypeGuard[float]:
     return v is not None and not (isinstance(v, float) and math.isnan(v))
 
 
-def busy_host(before, after, cores, ranks_per_node, threads) -> bool | None:
+def busy_host(before: float | None, after: float | None, cores: float | None,
+              ranks_per_node: float | None, threads: float | None) -> bool | None:
     """Whether other work shared a point's cores, from the host's 1-minute load average.
 
     Busy when the load before the run exceeded the cores the point left idle (cores - ranks
