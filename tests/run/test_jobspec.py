@@ -12,6 +12,7 @@ import pytest
 
 from hpcpar.errors import ConfigError
 from hpcpar.formats.jobspec import load_job, parse_override
+from hpcpar.run.rundir import write_mark
 
 GOOD = """
 [job]
@@ -153,6 +154,7 @@ def test_resume_on_another_grid_is_planned_not_refused(tmp_path, capsys, cli_mai
     ck.mkdir(parents=True)
     (ck / "manifest.json").write_text(json.dumps({"grid": "1x4x1x1", "files": {}}))
     (tmp_path / "run" / "meta.json").write_text(json.dumps({"schema": "hpcpar.run"}))
+    write_mark(tmp_path / "run", "run", "test-run")   # what hpcpar run leaves: the mark
     before = sorted(p.name for p in (tmp_path / "run").rglob("*"))
     cli_main(["run", path, "--dry-run", "--run-dir", str(tmp_path / "run")])
     out = capsys.readouterr().out
