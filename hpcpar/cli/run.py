@@ -130,7 +130,7 @@ def run(job_file, ranks, grid_spec, run_dir, sets, fresh, _resume, start_from, n
 
     lock = RunLock(rd, warn=lambda m: click.echo(m, err=True))
     try:
-        job_path = rerun.agreed(comm, lambda: (
+        job_path, aside = rerun.agreed(comm, lambda: (
             make_run_dir(rd), lock.acquire(), rerun.prepare(rd, job, job_file, detail, fresh,
                                                             say, start_from))[2])
         if lead:
@@ -143,7 +143,7 @@ def run(job_file, ranks, grid_spec, run_dir, sets, fresh, _resume, start_from, n
         rc = _launch(mode, cmd, argv, threads, lock, world)
         started = rerun.segments(rd) > before
         if lead:
-            rerun.settle_settings(rd, job_path, job_file, started, say)
+            rerun.settle_settings(rd, job_path, job_file, started, say, aside)
             if rc in (None, EXIT_OK, EXIT_REQUEUE):    # a run to read or to resume
                 click.echo(str(rd))
         if rc is not None:

@@ -168,15 +168,19 @@ def decide(rd: Path, job, grid_spec: str, fresh: bool, new_settings: bool,
 
 
 def prepare(rd: Path, job, job_file: str, diff: list, fresh: bool, say: Say = _stderr,
-            start_from: Path | None = None) -> Path:
-    """With the lock held: move old files aside (--fresh), set aside the checkpoints a
-    ``--from`` run supersedes, and write the job the ranks read, returned. With changed
-    settings (--new-settings) that is ``job.next.json``: it replaces job.json only once the
-    ranks have started (:func:`settle_settings`)."""
+            start_from: Path | None = None) -> tuple[Path, Path | None]:
+    """With the lock held: move old files aside (--fresh; else an earlier result,
+    :func:`hpcpar.run.rundir.set_aside_result`), set aside the checkpoints a ``--from`` run
+    supersedes, and write the job the ranks read. With changed settings (--new-settings) that
+    is ``job.next.json``: it replaces job.json only once the ranks have started
+    (:func:`settle_settings`). Returns the job's path and where the earlier result went."""
+    aside = None
     if fresh:
         moved = rundir.move_aside(rd, keep=[job_file])
         if moved is not None:
             say(f"hpcpar: --fresh: moved the previous run's files to {moved}")
+    else:
+        aside = rundir.set_aside_result(rd)
     if start_from is not None:
         kept = supersede(rd / "checkpoints", start_from)
         if kept:
@@ -191,13 +195,13 @@ def prepare(rd: Path, job, job_file: str, diff: list, fresh: bool, say: Say = _s
         say(f"hpcpar: --new-settings: continuing with {rundir.describe_diff(settings)}")
         path = rd / "job.next.json"
         path.write_text(job.to_json())
-        return path
+        return path, aside
     path = rd / "job.json"
     text = job.to_json()
     if not path.exists() or path.read_text() != text:
         path.write_text(text)
     copy_job_file(rd, job_file)
-    return path
+    return path, aside
 
 
 def supersede(ckpt_dir: Path, start_from: Path) -> list[str]:
@@ -240,14 +244,20 @@ def segments(rd: Path) -> int:
 
 
 def settle_settings(rd: Path, job_path: Path, job_file: str, started: bool,
-                    say: Say = _stderr) -> None:
-    """After the ranks of a --new-settings run: if they started a segment, the new settings
-    become job.json (the old one kept as job-<time>.json); if they refused to start, the
-    directory is left as it was."""
+                    say: Say = _stderr, aside: Path | None = None) -> None:
+    """After the ranks: if they started a segment, the earlier result stays ``aside``
+    (:func:`prepare`) and new settings (--new-settings) become job.json (the old one kept as
+    job-<time>.json, beside that result); if they refused to start, the directory is left as
+    it was."""
+    if aside is not None:
+        if started:
+            say(f"hpcpar: the previous result (metrics.json) is kept in {aside}")
+        else:
+            os.replace(aside, rd / "metrics.json")
     if job_path.name != "job.next.json" or not job_path.exists():
         return
     if started:
-        kept = rundir.keep_old_settings(rd)
+        kept = rundir.keep_old_settings(rd, aside)
         os.replace(job_path, rd / "job.json")
         copy_job_file(rd, job_file)
         if kept is not None:

@@ -50,7 +50,7 @@ __all__ = ["LOCK_NAME", "MARK_NAME", "RESUME_FREE", "RUN_ENTRIES", "RUN_FILES", 
            "read_mark", "write_mark", "owned_entries", "owned_dir", "read_json_file",
            "is_run_dir", "make_run_dir", "check_run_dir", "settings_diff", "describe_diff",
            "check_settings", "finished_status", "move_aside", "check_fresh",
-           "keep_old_settings", "ended", "mark_ended", "resumed_from"]
+           "keep_old_settings", "set_aside_result", "ended", "mark_ended", "resumed_from"]
 
 LOCK_NAME = "hpcpar.lock"
 #: the mark of a directory hpcpar owns (a run's or a sweep's): JSON, see :func:`write_mark`
@@ -550,11 +550,13 @@ def check_fresh(run_dir: str | os.PathLike, job_file: str | os.PathLike) -> None
                           f"job file with it; copy it out of the run directory first")
 
 
-def keep_old_settings(run_dir: str | os.PathLike) -> Path | None:
+def keep_old_settings(run_dir: str | os.PathLike, result: Path | None = None) -> Path | None:
     """``--new-settings``: copy job.json to ``job-<time>.json`` before it is replaced.
 
     Args:
         run_dir: The run directory.
+        result: The result of these settings set aside (:func:`set_aside_result`): the copy
+            takes its time, so the two read as a pair.
 
     Returns:
         The copy, or None when there is no job.json.
@@ -562,8 +564,42 @@ def keep_old_settings(run_dir: str | os.PathLike) -> Path | None:
     src = Path(run_dir) / "job.json"
     if not src.exists():
         return None
-    dest = src.with_name(f"job-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    name = result.name.replace(_RESULT_SUFFIX, ".json") if result is not None else \
+        f"job-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    dest = src.with_name(name)
     dest.write_bytes(src.read_bytes())
+    return dest
+
+
+#: ``job-<time>.metrics.json``: an earlier segment's metrics.json, beside the settings that
+#: produced it (``job-<time>.json``); a ``job-*.json`` name, so hpcpar's own (``--fresh``
+#: moves it) in every marked directory
+_RESULT_SUFFIX = ".metrics.json"
+
+
+def set_aside_result(run_dir: str | os.PathLike) -> Path | None:
+    """Before the ranks start a segment: move ``metrics.json`` to ``job-<time>.metrics.json``.
+
+    A run that starts a segment has not finished (a finished one with its own settings is not
+    run again), so its metrics.json is an earlier result: of other settings (``--new-settings``)
+    or of a history ``--from`` replaces. Left in place it would outlive a segment that stops or
+    fails and claim the run finished. Call only while holding the lock.
+
+    Args:
+        run_dir: The run directory.
+
+    Returns:
+        The new name, or None when there is no metrics.json.
+    """
+    src = Path(run_dir) / "metrics.json"
+    if not src.is_file():
+        return None
+    stamp, n = time.strftime("%Y%m%d-%H%M%S"), 1
+    dest = src.with_name(f"job-{stamp}{_RESULT_SUFFIX}")
+    while dest.exists() or dest.with_name(f"{dest.name[:-len(_RESULT_SUFFIX)]}.json").exists():
+        n += 1
+        dest = src.with_name(f"job-{stamp}-{n}{_RESULT_SUFFIX}")
+    os.replace(src, dest)
     return dest
 
 

@@ -179,8 +179,10 @@ def test_run_directory_ownership(tmp_path):
     assert rc == 0, log
     assert "the ranks resumed from step-000004 (step 4)" in log, log
     assert json.loads((d / "job.json").read_text())["job"]["train"]["steps"] == 6
-    (kept,) = d.glob("job-*.json")
+    (kept,) = d.glob("job-*[0-9].json")
     assert json.loads(kept.read_text())["job"]["train"]["steps"] == 4
+    assert json.loads(kept.with_suffix(".metrics.json").read_text())["steps"] == 4
+    assert json.loads((d / "metrics.json").read_text())["steps"] == 6
     assert not (d / "job.next.json").exists() and len(meta(d)["segments"]) == 2
     before = tree_hashes(d)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import pandas as pd
 import pytest
 import torch
 
+from hpcpar.launch.submit import run_dir_state
 from hpcpar.testing.cli_run import tree_hashes
 
 CLI = [sys.executable, "-m", "hpcpar.cli"]
@@ -44,9 +46,11 @@ every = 1
 keep = 10
 """
 
+#: the step of each segment in which the STOPPER stops (default 2; 0: never)
+STOP = "RESUME_SETTINGS_STOP_AT"
 #: CosmoFlow whose rank 0 asks itself to stop (SIGUSR1) during the 2nd step of each segment:
 #: the run checkpoints after it and exits 3, a preempted run to resume
-STOPPER = '''
+STOPPER = f'''
 import os
 import signal
 
@@ -56,15 +60,16 @@ from hpcpar.run.workloads.volume import CosmoFlowWorkload
 class StopAfterTwo(CosmoFlowWorkload):
     def forward_loss(self, model, batch):
         self.calls = getattr(self, "calls", 0) + 1
-        if self.calls == 2 and self.grid.rank == 0:
+        if str(self.calls) == os.environ.get("{STOP}", "2") and self.grid.rank == 0:
             os.kill(os.getpid(), signal.SIGUSR1)
         return super().forward_loss(model, batch)
 '''
 
 
-def _hpcpar(*args, cwd=None):
+def _hpcpar(*args, cwd=None, stop: int | None = None):
+    env = dict(os.environ, **({STOP: str(stop)} if stop is not None else {}))
     return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True,
-                          timeout=300, cwd=cwd)
+                          timeout=300, cwd=cwd, env=env)
 
 
 def _ok(r, code: int = 0):
@@ -216,3 +221,39 @@ def test_a_resume_on_replaced_data_is_refused(tmp_path):
     meta = json.loads((tmp_path / "r" / "meta.json").read_text())
     assert meta["data"]["path"]["checksum"] == "sha256:" + hashlib.sha256(
         (tmp_path / "other" / "manifest.json").read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("how", ["new-settings", "from"])
+def test_a_stopped_segment_with_new_settings_leaves_no_old_result(tmp_path, how):
+    """A finished 4-step run continued to 6 steps (--new-settings, or --from its own step 2)
+    and stopped (SIGUSR1): its metrics.json, of the old settings, does not stay as the run's
+    result (the run is not "finished"); it is kept as job-<time>.metrics.json beside the old
+    settings' job-<time>.json, hpcpar's own (--fresh moves it). The plain resume finishes
+    with a metrics.json of its own."""
+    (tmp_path / "stopper.py").write_text(STOPPER)
+    (tmp_path / "j.toml").write_text(JOB.replace('"cosmoflow"', '"stopper:StopAfterTwo"'))
+    run = tmp_path / "r"
+    args = ["run", "j.toml", "-n", "1", "--run-dir", "r"]
+    _ok(_hpcpar(*args, cwd=tmp_path, stop=0))
+    old = json.loads((run / "metrics.json").read_text())
+    assert old["steps"] == 4 and run_dir_state(run) == "finished"
+
+    more = [*args, "--new-settings", "--set", "train.steps=6"]
+    more += ["--from", run / "checkpoints" / "step-000002"] if how == "from" else []
+    _ok(_hpcpar(*more, cwd=tmp_path, stop=1), code=3)
+    assert json.loads((run / "meta.json").read_text())["status"] == "preempted"
+    assert json.loads((run / "job.json").read_text())["job"]["train"]["steps"] == 6
+    assert not (run / "metrics.json").exists()
+    assert run_dir_state(run) != "finished", run_dir_state(run)
+    (kept,) = run.glob("job-*.metrics.json")
+    assert json.loads(kept.read_text()) == old
+    settings = json.loads(kept.with_name(kept.name.replace(".metrics", "")).read_text())
+    assert settings["job"]["train"]["steps"] == 4
+
+    r = _ok(_hpcpar(*args, "--set", "train.steps=6", cwd=tmp_path, stop=0))
+    assert "previous result" not in r.stderr, r.stderr
+    assert json.loads((run / "metrics.json").read_text())["steps"] == 6
+    assert json.loads(kept.read_text()) == old
+    _ok(_hpcpar(*args, "--fresh", cwd=tmp_path, stop=0))
+    (previous,) = run.glob("previous-*")
+    assert (previous / kept.name).is_file() and not list(run.glob("job-*"))
