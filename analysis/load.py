@@ -172,7 +172,7 @@ def load_run_parts(run_dir: str | os.PathLike) -> list[tuple[dict, pd.DataFrame]
     meta = read_meta(run_dir)
     try:
         return _load_run(run_dir, meta)
-    except (TypeError, ValueError, AttributeError) as exc:
+    except (TypeError, ValueError, AttributeError, OverflowError) as exc:
         raise RunDirError(f"{run_dir / 'meta.json'}: malformed field ({exc})") from None
 
 

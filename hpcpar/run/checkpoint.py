@@ -53,7 +53,7 @@ from hpcpar.errors import RunDirError
 
 __all__ = ["MANIFEST", "FORMAT_VERSION", "PREFIX", "step_dir_name", "rank_file", "full_state_dict",
            "load_full_state_dict", "local_buffers", "rng_state", "set_rng_state", "sha256_file",
-           "checkpoint_step", "list_checkpoints", "check_step", "verify", "save",
+           "checkpoint_step", "list_checkpoints", "check_step", "read_manifest", "verify", "save",
            "in_memory", "temp_dir", "prepare", "writer", "writes", "write_part",
            "write_and_commit", "commit", "finish",
            "find_resumable", "CORRUPT_SUFFIX", "set_aside", "choose_resumable", "rotated",
@@ -460,6 +460,21 @@ def history_rows(saved: Any) -> list:
         if isinstance(saved, (list, tuple)) else []
 
 
+def read_manifest(path: str | os.PathLike) -> dict:
+    """A checkpoint's manifest, checked against its directory (the step its name states, plain
+    file names, a grid) but not its files' checksums: what a launcher may read cheaply.
+
+    Raises:
+        RunDirError: The manifest is unreadable or does not match the directory.
+    """
+    path = Path(path)
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError, RecursionError) as exc:
+        raise RunDirError(f"{path}: unreadable manifest ({exc})") from None
+    return _check_manifest(path, manifest)
+
+
 def verify(path: str | os.PathLike) -> dict:
     """Check every file of a checkpoint against its manifest's size and sha256, and the
     manifest's step against the directory's name.
@@ -475,12 +490,8 @@ def verify(path: str | os.PathLike) -> dict:
             is missing or corrupt (the first problem is named).
     """
     path = Path(path)
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError, RecursionError) as exc:
-        raise RunDirError(f"{path}: unreadable manifest ({exc})") from None
-    files = _check_manifest(path, manifest)["files"]
-    for name, info in files.items():
+    manifest = read_manifest(path)
+    for name, info in manifest["files"].items():
         f = path / name
         if not f.is_file():
             raise RunDirError(f"{path}: missing {name}")

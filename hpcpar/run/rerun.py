@@ -33,6 +33,7 @@ from hpcpar.run.checkpoint import (
     checkpoint_step,
     grid_change,
     list_checkpoints,
+    read_manifest,
     set_aside,
 )
 from hpcpar.run.data_identity import check_same_data
@@ -107,6 +108,17 @@ def nothing_left(path: Path, step: int, total: int, field: str) -> str | None:
             f"checkpoint (--from)")
 
 
+def _readable(path: Path) -> bool:
+    """Whether the ranks could resume checkpoint ``path`` as far as its manifest tells: a
+    directory merely named after a later step (its manifest disagrees) is set aside by them,
+    not resumed, so it must not decide what is left to train."""
+    try:
+        read_manifest(path)
+    except RunDirError:
+        return False
+    return True
+
+
 def _check_steps_left(rd: Path, job, start_from: Path | None, changed: bool) -> None:
     """A checkpoint at or past ``[train] steps`` (with ``--from``, or a resume with changed
     settings, which no step would use) or past it (any resume) is refused before anything
@@ -117,10 +129,10 @@ def _check_steps_left(rd: Path, job, start_from: Path | None, changed: bool) -> 
     if start_from is not None:
         path, exact = start_from, True
     else:
-        newest = list_checkpoints(rd / "checkpoints")
-        if not newest:
+        newest = next((p for p in list_checkpoints(rd / "checkpoints") if _readable(p)), None)
+        if newest is None:
             return
-        path, exact = newest[0], changed
+        path, exact = newest, changed
     step = checkpoint_step(path)
     if step is not None and (step > total or exact):
         line = nothing_left(path, step, int(total), f"[train] steps = {total}")
