@@ -41,8 +41,10 @@ def describe(rank: int, step: int, counters, waited: float, timeout: float, what
              stopped=()) -> str:
     """The one-line report; ``counters[r]`` is rank r's last reached step or None;
     ``stopped``: the ranks whose heartbeat stood still (reached, but not running)."""
+    # a stopped rank still counts as behind when it stopped before this sync: the line then
+    # says both, where it stopped and that it has not reached this one
     behind = {r: c for r, c in enumerate(counters)
-              if (c is None or c < step) and r not in stopped}
+              if (c is None and r not in stopped) or (c is not None and c < step)}
     head = (f"hpcpar: stall: rank {rank} waited {waited:.1f} s (HPCPAR_STALL_TIMEOUT="
             f"{timeout:g}) in {what} #{step}")
     if stopped:

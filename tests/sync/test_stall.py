@@ -36,6 +36,10 @@ def test_stall_timeout_parsing_and_message():
         "hpcpar: stall: rank 0 waited 9.0 s (HPCPAR_STALL_TIMEOUT=8) in gradient sync #5; "
         "rank(s) 1 stopped running (at gradient sync #5: no heartbeat; suspended or frozen?); "
         "rank(s) 2 have not reached gradient sync #5 (rank 2 is at #4); aborting the job")
+    # stopped before this sync (the multinode test's SIGSTOP between two steps): both said
+    line = describe(0, 2, [2, 2, 2, 1], 9.0, 8.0, "gradient sync", stopped=[3])
+    assert "rank(s) 3 stopped running (at gradient sync #1" in line
+    assert "rank(s) 3 have not reached gradient sync #2 (rank 3 is at #1)" in line
 
 
 def _launch(case: str) -> str:
