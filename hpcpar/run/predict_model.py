@@ -7,13 +7,12 @@ is read with ``torch.load(weights_only=True)``: no pickled code runs.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import os
 from pathlib import Path
 from typing import Any
 
 from hpcpar.errors import ConfigError, RunDirError
+from hpcpar.formats.kinds import load_object
 
 from . import checkpoint as ckpt
 
@@ -49,25 +48,9 @@ def checkpoint_of(target: str | os.PathLike) -> tuple[Path, Path]:
 
 
 def model_class(spec: str) -> Any:
-    """``file.py:Name`` or ``package.module:Name``: the class (or factory) it names."""
-    where, _, name = spec.rpartition(":")
-    if not where or not name.isidentifier():
-        raise ConfigError(f"--model {spec!r}: expected file.py:Class or package.module:Class")
-    if where.endswith(".py"):
-        if not os.path.isfile(where):
-            raise ConfigError(f"--model {spec!r}: no file {where}")
-        loaded = importlib.util.spec_from_file_location(Path(where).stem, where)
-        assert loaded is not None and loaded.loader is not None
-        module = importlib.util.module_from_spec(loaded)
-        loaded.loader.exec_module(module)
-    else:
-        try:
-            module = importlib.import_module(where)
-        except ModuleNotFoundError as exc:
-            raise ConfigError(f"--model {spec!r}: cannot import {exc.name!r}") from None
-    if not hasattr(module, name):
-        raise ConfigError(f"--model {spec!r}: {where} has no {name!r}")
-    return getattr(module, name)
+    """``file.py:Name`` or ``package.module:Name``: the class (or factory) it names, resolved
+    as ``[model] kind`` is (:func:`hpcpar.formats.kinds.load_object`)."""
+    return load_object(spec, "--model")
 
 
 def _weights(path: str | os.PathLike) -> dict:
