@@ -155,6 +155,11 @@ def _raw(kind, **train):
 @pytest.fixture()
 def model_file(tmp_path, monkeypatch):
     monkeypatch.setattr(kinds, "_REGISTRY", dict(kinds._REGISTRY))
+    # "net:UNet" imports the module `net` by name: an earlier test's net.py (its folder left
+    # on sys.path, its module in sys.modules) must not answer for this one
+    monkeypatch.setattr(sys, "path", [p for p in sys.path
+                                      if not os.path.isfile(os.path.join(p or ".", "net.py"))])
+    monkeypatch.delitem(sys.modules, "net", raising=False)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "net.py").write_text(NET + "\n\ndef workload(job, grid, device):\n    pass\n")
 
