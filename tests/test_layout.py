@@ -145,6 +145,19 @@ def test_formats_sit_below_the_runtime():
     assert not bad, bad
 
 
+def test_file_tools_never_import_the_runtime():
+    """launch/ and analysis/ read and write files (jobs, records, a sweep's locked and marked
+    directory) and never import the training package hpcpar.run, at the top or inside a
+    function: neither their 'May import:' lines list it nor any of their modules imports it."""
+    tools = ("hpcpar.launch", "hpcpar.analysis")
+    rules = allowed_imports()
+    listed = [pkg for pkg in tools if "hpcpar.run" in rules[pkg]]
+    bad = [f"{path.relative_to(ROOT)}:{line} imports {name}"
+           for mod, is_pkg, path in modules() if layer(mod) in tools
+           for line, name in imports(mod, is_pkg, path) if layer(name) == "hpcpar.run"]
+    assert not listed and not bad, f"hpcpar.run imported by file tools: {listed} {bad}"
+
+
 def test_tests_and_benchmarks_reach_the_cli_only_through_one_door():
     """The CLI is a leaf for tests, benchmarks and examples too: they run commands by name (the
     ``run_cli``/``cli_main``/``cli_group`` fixtures of tests/conftest.py, or ``python -m

@@ -126,7 +126,7 @@ def run(job_file, ranks, grid_spec, run_dir, sets, fresh, _resume, start_from, n
             click.echo(detail, err=True)
             click.echo(str(rd))
         return
-    from hpcpar.run.rundir import RunLock, make_run_dir  # deferred: keeps --help fast
+    from hpcpar.formats.rundir import RunLock, make_run_dir  # deferred: keeps --help fast
 
     lock = RunLock(rd, warn=lambda m: click.echo(m, err=True))
     try:

@@ -129,14 +129,14 @@ def plan(job_path: str, ranks: list[int], weak: bool, sets: Sequence[str],
 
 
 #: what a sweep (and ``hpcpar submit``) writes into its ``--out``: listed in the directory's
-#: mark (:func:`hpcpar.run.rundir.write_mark`)
+#: mark (:func:`hpcpar.formats.rundir.write_mark`)
 SWEEP_ENTRIES = (SWEEP_FILE, SUBMIT_RECORDS, "jobs.json.tmp", "ranks-*", "report", "slurm")
 
 
 def _old_sweep(out: Path) -> bool:
     """A sweep directory of an hpcpar before the mark: its ``sweep.json`` plan or its submit
     records (JSON objects of the shape hpcpar writes)."""
-    from hpcpar.run.rundir import read_json_file  # deferred: loads filelock (CLI --help)
+    from hpcpar.formats.rundir import read_json_file  # deferred: loads filelock (CLI --help)
 
     return ("points" in read_json_file(out / SWEEP_FILE)
             or isinstance(read_json_file(out / SUBMIT_RECORDS).get("jobs"), list))
@@ -153,7 +153,7 @@ def check_sweep_dir(out: Path) -> None:
         LaunchError: ``out`` is a file, or a non-empty directory without a sweep's mark
             (``hpcpar-run.json``, which only a sweep writes).
     """
-    from hpcpar.run.rundir import MARK_NAME, owned_dir  # deferred: loads filelock (CLI --help)
+    from hpcpar.formats.rundir import MARK_NAME, owned_dir  # deferred: loads filelock (CLI --help)
 
     if not out.exists():
         if out.is_symlink():
@@ -182,7 +182,7 @@ def sweep_lock(out: Path, warn: Callable[[str], object] = print) -> Iterator[Non
         RunDirError: Another live sweep (or run) holds ``out``: one line naming its pid, host
             and start time.
     """
-    from hpcpar.run.rundir import RunLock  # deferred: loads filelock (CLI --help)
+    from hpcpar.formats.rundir import RunLock  # deferred: loads filelock (CLI --help)
 
     check_sweep_dir(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -26,7 +26,7 @@ from hpcpar.errors import (
     HpcparError,
     RunDirError,
 )
-from hpcpar.run import rundir
+from hpcpar.formats import rundir
 from hpcpar.run.checkpoint import (
     check_chosen,
     check_compatible,
@@ -182,7 +182,7 @@ def decide(rd: Path, job, grid_spec: str, fresh: bool, new_settings: bool,
 def prepare(rd: Path, job, job_file: str, diff: list, fresh: bool, say: Say = _stderr,
             start_from: Path | None = None) -> tuple[Path, Path | None]:
     """With the lock held: move old files aside (--fresh; else an earlier result,
-    :func:`hpcpar.run.rundir.set_aside_result`), set aside the checkpoints a ``--from`` run
+    :func:`hpcpar.formats.rundir.set_aside_result`), set aside the checkpoints a ``--from`` run
     supersedes, and write the job the ranks read. With changed settings (--new-settings) that
     is ``job.next.json``: it replaces job.json only once the ranks have started
     (:func:`settle_settings`). Returns the job's path and where the earlier result went."""

@@ -49,13 +49,14 @@ from hpcpar.errors import (
     HpcparError,
     RunDirError,
 )
+from hpcpar.formats import rundir
 from hpcpar.formats.jobspec import load_resolved, profile_window
 from hpcpar.formats.records import RunRecorder, open_nofollow, row_from_counters, write_json_atomic
 from hpcpar.parallel.counters import COUNTERS
 from hpcpar.parallel.grid import ProcessGrid
 from hpcpar.parallel.placement import rank_info, select_device
 from hpcpar.run import checkpoint as ckpt
-from hpcpar.run import init_weights, rerun, rundir
+from hpcpar.run import init_weights, rerun
 from hpcpar.run._optim import (
     build_scheduler,
     build_training_optimizer,

@@ -300,7 +300,7 @@ def test_lock_of_an_earlier_slurm_incarnation_is_stale(tmp_path, monkeypatch):
     """A requeued Slurm job may restart on another node: its own earlier lock is stale there,
     another job's lock from another host is not."""
     from hpcpar.errors import RunDirError
-    from hpcpar.run.rundir import RunLock
+    from hpcpar.formats.rundir import RunLock
 
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")

@@ -12,7 +12,7 @@ import pytest
 
 from hpcpar.errors import ConfigError
 from hpcpar.formats.jobspec import load_job, parse_override
-from hpcpar.run.rundir import write_mark
+from hpcpar.formats.rundir import write_mark
 
 GOOD = """
 [job]

@@ -12,9 +12,9 @@ import sys
 import pytest
 
 from hpcpar.errors import RunDirError
-from hpcpar.run.rundir import LOCK_NAME, RunLock
+from hpcpar.formats.rundir import LOCK_NAME, RunLock
 
-HOLD = ("import sys, time\nfrom hpcpar.run.rundir import RunLock\n"
+HOLD = ("import sys, time\nfrom hpcpar.formats.rundir import RunLock\n"
         "RunLock(sys.argv[1]).acquire()\nprint('held', flush=True)\ntime.sleep(600)\n")
 
 

@@ -108,7 +108,7 @@ def test_print_config_json_or_a_lock_file_does_not_make_a_run_directory(tmp_path
 def test_the_mark_names_the_run_and_the_lock_records_it(tmp_path):
     (tmp_path / "job.toml").write_text(JOB)
     held = []
-    from hpcpar.run.rundir import MARK_NAME, RunLock, read_mark
+    from hpcpar.formats.rundir import MARK_NAME, RunLock, read_mark
 
     rd = tmp_path / "r"
     rc, err = hpcpar_run("job.toml", "--run-dir", rd, cwd=tmp_path)

@@ -3,8 +3,8 @@ differ" error (the new keys take their defaults); a real change is still reporte
 
 import json
 
+from hpcpar.formats import rundir
 from hpcpar.formats.jobspec import build_job
-from hpcpar.run import rundir
 
 
 def test_new_keys_at_default_are_not_a_change(tmp_path):
