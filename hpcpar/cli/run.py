@@ -15,6 +15,7 @@ import click
 
 from hpcpar.cli._options import json_option, ranks_option, set_option
 from hpcpar.errors import EXIT_OK, EXIT_REQUEUE
+from hpcpar.parallel.agree import agree
 from hpcpar.parallel.grid import AXES, parse_spec
 
 __all__ = ["run"]
@@ -109,8 +110,8 @@ def run(job_file, ranks, grid_spec, run_dir, sets, fresh, _resume, start_from, n
         return argv, launch_command(mode, n, argv, cpus_per_task=job.resources.cpus_per_task,
                                     gpus_per_node=job.resources.gpus_per_node)
 
-    what, detail = rerun.agreed(comm, lambda: rerun.decide(rd, job, spec, fresh, new_settings,
-                                                           start_from))
+    what, detail = agree(comm, lambda: rerun.decide(rd, job, spec, fresh, new_settings,
+                                                    start_from), root=0)
     if dry_run:
         cmd = command(rd / "job.json")[1]
         if as_json:
@@ -130,9 +131,9 @@ def run(job_file, ranks, grid_spec, run_dir, sets, fresh, _resume, start_from, n
 
     lock = RunLock(rd, warn=lambda m: click.echo(m, err=True))
     try:
-        job_path, aside = rerun.agreed(comm, lambda: (
+        job_path, aside = agree(comm, lambda: (
             make_run_dir(rd), lock.acquire(), rerun.prepare(rd, job, job_file, detail, fresh,
-                                                            say, start_from))[2])
+                                                            say, start_from))[2], root=0)
         if lead:
             click.echo(f"hpcpar: {job.name}: {n} rank(s), grid {spec}, run dir {rd}", err=True)
         argv, cmd = command(job_path)

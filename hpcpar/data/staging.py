@@ -15,6 +15,7 @@ import shutil
 from typing import TYPE_CHECKING
 
 from hpcpar.errors import DataError
+from hpcpar.parallel.agree import agree
 
 from .format import MANIFEST, Manifest, member_path
 
@@ -71,8 +72,9 @@ def stage_shards(directory: str, manifest: Manifest, needed: Iterable[int], stag
     """
     wanted = node_comm.gather(sorted(set(int(i) for i in needed)), root=0)
     dest = staged_dir(stage_to, directory, manifest)
-    copied, err = 0, None
-    if node_comm.Get_rank() == 0:
+
+    def copy() -> int:
+        copied = 0
         try:
             os.makedirs(dest, exist_ok=True)
             assert wanted is not None  # gather's result on its root
@@ -84,10 +86,8 @@ def stage_shards(directory: str, manifest: Manifest, needed: Iterable[int], stag
             if os.path.exists(src_manifest):
                 _copy(src_manifest, os.path.join(dest, MANIFEST))
         except OSError as exc:
-            err = f"{stage_to}: staging {directory} failed ({exc})"
-        except DataError as exc:
-            err = str(exc)
-    err = node_comm.bcast(err, root=0)
-    if err:
-        raise DataError(err)
-    return dest, copied
+            raise DataError(f"{stage_to}: staging {directory} failed ({exc})") from None
+        return copied
+
+    copied = agree(node_comm, copy, root=0)
+    return dest, copied if node_comm.Get_rank() == 0 else 0

@@ -19,6 +19,7 @@ import numpy as np
 
 from hpcpar import _env
 from hpcpar.errors import DataError
+from hpcpar.parallel.agree import agree
 from hpcpar.parallel.partition import part_range
 
 if TYPE_CHECKING:
@@ -356,85 +357,91 @@ def write_dataset(out: str, source: CosmoflowSource | H5Source | VolumeFiles,
 
         comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
-    tmp, err = None, None
-    if rank == 0:
-        try:
-            tmp = _make_temp_dir(out, force)
-            need = dataset_bytes(source, counts, chunk)
-            reserve_space(out, tmp, need)
-            if need > ANNOUNCE_BYTES:   # say it before the disk fills, not after
-                print(f"hpcpar: writing {out}: {sum(counts)} samples, about "
-                      f"{need / 1e9:.1f} GB", file=sys.stderr, flush=True)
-        except DataError as exc:
-            if tmp is not None:
-                shutil.rmtree(tmp, ignore_errors=True)
-            err = str(exc)
-    tmp, err = comm.bcast((tmp, err), root=0)
-    if err:
-        raise DataError(err)
+    tmp = agree(comm, _start, out, force, source, counts, chunk, root=0)
     starts = np.concatenate([[0], np.cumsum(counts)]).astype(int).tolist()
     total = starts[-1]
     lo, hi = part_range(len(counts), size, rank)
-    entries, error = [], None
-    bar, path = None, tmp
-    try:
-        if progress and rank == 0:
-            from tqdm import tqdm
+    entries: list = []
 
-            bar = tqdm(total=sum(counts[lo:hi]), unit="sample", dynamic_ncols=True,
-                       # no bar lines in logs and pipes, unless HPCPAR_PROGRESS=1 asks
-                       disable=not (sys.stderr.isatty() or _env.get("HPCPAR_PROGRESS")),
-                       desc=f"writing {os.path.basename(os.path.abspath(out))}"
-                            + (f" (rank 0 of {size})" if size > 1 else ""))
-        for i in range(lo, hi):
-            path = os.path.join(tmp, shard_name(i))
-            st = _write_shard(path, source, i, starts[i], counts[i], total, len(counts), chunk,
-                              bar, allow_nonfinite)
-            entries.append((Shard(shard_name(i), starts[i], counts[i], os.path.getsize(path),
-                                  sha256_file(path)), st))
-    except Exception as exc:  # noqa: BLE001 - every rank must learn of the failure
-        error = _write_error(out, path, exc)
-    finally:
-        if bar is not None:
-            bar.close()
-    errors = comm.allgather(None if error is None else f"{error}")
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-    if failed:
+    def write_mine() -> None:
+        bar, path = None, tmp
+        try:
+            if progress and rank == 0:
+                from tqdm import tqdm
+
+                bar = tqdm(total=sum(counts[lo:hi]), unit="sample", dynamic_ncols=True,
+                           # no bar lines in logs and pipes, unless HPCPAR_PROGRESS=1 asks
+                           disable=not (sys.stderr.isatty() or _env.get("HPCPAR_PROGRESS")),
+                           desc=f"writing {os.path.basename(os.path.abspath(out))}"
+                                + (f" (rank 0 of {size})" if size > 1 else ""))
+            for i in range(lo, hi):
+                path = os.path.join(tmp, shard_name(i))
+                st = _write_shard(path, source, i, starts[i], counts[i], total, len(counts),
+                                  chunk, bar, allow_nonfinite)
+                entries.append((Shard(shard_name(i), starts[i], counts[i],
+                                      os.path.getsize(path), sha256_file(path)), st))
+        except Exception as exc:  # noqa: BLE001 - every rank must learn of the failure
+            raise _write_error(out, path, exc) from None
+        finally:
+            if bar is not None:
+                bar.close()
+
+    try:
+        agree(comm, write_mine, what=f"writing {out}", catch=Exception, foreign_as=DataError)
+    except Exception:
         comm.Barrier()
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        if error is not None:
-            raise error from None
-        r, e = failed[0]
-        raise DataError(f"writing {out} failed on rank {r}: {e}")
+        raise
     gathered = comm.gather(entries, root=0)
-    manifest = None
-    if rank == 0:
-        assert gathered is not None  # gather's result on its root
-        pairs = sorted((e for part in gathered for e in part), key=lambda e: e[0].start)
-        shards = [s for s, _ in pairs]
-        facts = dict(source.attrs)
-        if isinstance(chunk, PerRankChunks):
-            facts["chunk_grid"] = "x".join(str(p) for p in chunk.parts)
-        manifest = Manifest(total,
-                            Array("x", tuple(source.x_shape), str(np.dtype(source.x_dtype)),
-                                  x_chunks(source.x_shape, chunk)),
-                            Array("y", tuple(source.y_shape), str(np.dtype(source.y_dtype)),
-                                  y_chunks(source, chunk), names=source.target_names),
-                            shards, facts,
-                            stats=dataset_stats({s.file: st for s, st in pairs}),
-                            transform=transform)
-        try:
-            manifest.write(tmp)
-            _publish(tmp, out)
-        except (OSError, DataError) as exc:
+    return agree(comm, _finish, out, tmp, gathered, total, source, chunk, transform, root=0)
+
+
+def _start(out: str, force: bool, source, counts: list[int], chunk) -> str:
+    """Rank 0's first step of :func:`write_dataset`: the temporary directory, its space
+    reserved (removed again when that fails)."""
+    tmp = None
+    try:
+        tmp = _make_temp_dir(out, force)
+        need = dataset_bytes(source, counts, chunk)
+        reserve_space(out, tmp, need)
+        if need > ANNOUNCE_BYTES:   # say it before the disk fills, not after
+            print(f"hpcpar: writing {out}: {sum(counts)} samples, about "
+                  f"{need / 1e9:.1f} GB", file=sys.stderr, flush=True)
+    except DataError:
+        if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-            err = str(exc) if isinstance(exc, DataError) else \
-                f"{out}: cannot publish the dataset ({oserror_line(exc)})"
-    err = comm.bcast(err if rank == 0 else None, root=0)
-    if err:
-        raise DataError(err)
-    return comm.bcast(manifest, root=0)
+        raise
+    return tmp
+
+
+def _finish(out: str, tmp: str, gathered: list, total: int, source, chunk,
+            transform: str) -> Manifest:
+    """Rank 0's last step of :func:`write_dataset`: the manifest of every rank's shards
+    (``gathered``), written, and the dataset published (the temporary directory removed when
+    that fails)."""
+    pairs = sorted((e for part in gathered for e in part), key=lambda e: e[0].start)
+    shards = [s for s, _ in pairs]
+    facts = dict(source.attrs)
+    if isinstance(chunk, PerRankChunks):
+        facts["chunk_grid"] = "x".join(str(p) for p in chunk.parts)
+    manifest = Manifest(total,
+                        Array("x", tuple(source.x_shape), str(np.dtype(source.x_dtype)),
+                              x_chunks(source.x_shape, chunk)),
+                        Array("y", tuple(source.y_shape), str(np.dtype(source.y_dtype)),
+                              y_chunks(source, chunk), names=source.target_names),
+                        shards, facts,
+                        stats=dataset_stats({s.file: st for s, st in pairs}),
+                        transform=transform)
+    try:
+        manifest.write(tmp)
+        _publish(tmp, out)
+    except (OSError, DataError) as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, DataError):
+            raise
+        raise DataError(f"{out}: cannot publish the dataset ({oserror_line(exc)})") from None
+    return manifest
 
 
 class H5Source:

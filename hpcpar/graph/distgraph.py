@@ -36,14 +36,15 @@ from hpcpar.graph.agreement import check_agree, digest
 from hpcpar.graph.interop import pyg_arrays
 from hpcpar.graph.shards import RangeOwner, read_graph_manifest, read_part
 from hpcpar.graph.vertex_partition import partition_csr
+from hpcpar.parallel.agree import agree
 from hpcpar.parallel.comm import allgatherv, allreduce_, alltoallv
 from hpcpar.parallel.grid import ProcessGrid
 from hpcpar.parallel.partition import part_range
 
-from ..errors import DataError, HpcparError, LayerError
+from ..errors import DataError, LayerError
 from .format import MASKS, GraphFile
 
-__all__ = ["DistGraph", "graph_comm", "collective", "normalize_rows"]
+__all__ = ["DistGraph", "graph_comm", "normalize_rows"]
 
 KINDS = ("gcn", "mean", "sum")
 
@@ -69,38 +70,6 @@ def graph_comm(grid: Any) -> Any:
                             f"1x{grid.size}x1x1)")
         return grid.spatial_comm
     return grid
-
-
-def collective(comm: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Run ``fn`` on every rank so that a user error on any rank is raised on all, not left hanging.
-
-    Collective over ``comm`` (one object allgather).
-
-    Args:
-        comm: The MPI communicator whose ranks all call this.
-        fn: The function to run.
-        *args: Positional arguments for ``fn``.
-        **kwargs: Keyword arguments for ``fn``.
-
-    Returns:
-        What ``fn`` returned on this rank.
-
-    Raises:
-        HpcparError: ``fn`` raised an hpcpar error on some rank: this rank's own error if it
-            raised one, else the first rank's, re-created with its type and message.
-    """
-    err = None
-    try:
-        result = fn(*args, **kwargs)
-    except HpcparError as exc:
-        err, result = exc, None
-    errors = comm.allgather(None if err is None else (type(err), str(err)))
-    first = next((e for e in errors if e is not None), None)
-    if first is not None:
-        if err is not None:
-            raise err
-        raise first[0](first[1])
-    return result
 
 
 def normalize_rows(x: torch.Tensor) -> torch.Tensor:
@@ -502,7 +471,7 @@ class DistGraph:
         if original_ids is not None and np.shape(original_ids) != (num_nodes,):
             raise DataError(f"DistGraph: original_ids has shape {np.shape(original_ids)}, "
                             f"expected ({num_nodes},)")
-        indptr, indices = collective(comm, edges_to_csr, edge_index, num_nodes)
+        indptr, indices = agree(comm, edges_to_csr, edge_index, num_nodes)
         x = x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
         y = np.zeros(num_nodes, np.int64) if y is None else np.asarray(
             y.cpu() if hasattr(y, "cpu") else y, np.int64)
@@ -557,7 +526,7 @@ class DistGraph:
             graph = DistGraph.from_pyg(Planetoid(root, "Cora")[0], grid)
             ```
         """
-        a = collective(graph_comm(grid), pyg_arrays, data)
+        a = agree(graph_comm(grid), pyg_arrays, data)
         return cls.from_global(a["edge_index"], a["num_nodes"], a["x"], grid, y=a["y"],
                                masks=a["masks"], method=method, seed=seed, **kw)
 
@@ -584,7 +553,7 @@ class DistGraph:
                 not a valid graph file.
         """
         comm = graph_comm(grid)
-        gf = collective(comm, GraphFile, path)
+        gf = agree(comm, GraphFile, path)
         try:
             n = gf.num_nodes
             check_agree(comm, "DistGraph.from_hdf5", {
@@ -594,7 +563,7 @@ class DistGraph:
             owner = _owner(comm, gf.read_structure, n, method, seed,
                            symmetric=not gf.directed)
             start, stop = part_range(n, comm.Get_size(), comm.Get_rank())
-            block = collective(comm, gf.read_rows, start, stop)
+            block = agree(comm, gf.read_rows, start, stop)
             kw.setdefault("num_classes", gf.num_classes)
             kw.setdefault("directed", gf.directed)
         finally:
@@ -626,7 +595,7 @@ class DistGraph:
                 the ranks, or a grid with ``data > 1``.
         """
         comm = graph_comm(grid)
-        m = collective(comm, read_graph_manifest, path)
+        m = agree(comm, read_graph_manifest, path)
         if m["parts"] != comm.Get_size():
             exc = DataError(f"{path}: partitioned into {m['parts']} parts, but the graph is "
                             f"split over {comm.Get_size()} ranks (run on {m['parts']} ranks, "
@@ -637,7 +606,7 @@ class DistGraph:
             k: m[k] for k in ("num_nodes", "num_edges", "num_features", "num_classes",
                               "directed")} | {"offsets": tuple(m["offsets"])})
         rank = comm.Get_rank()
-        block = collective(comm, read_part, path, m, rank)
+        block = agree(comm, read_part, path, m, rank)
         kw.setdefault("num_classes", m["num_classes"])
         kw.setdefault("directed", m["directed"])
         g = cls(comm, m["num_nodes"], RangeOwner(m["offsets"]), block, m["offsets"][rank],
@@ -665,7 +634,7 @@ def _owner(comm, structure, num_nodes: int, method: str, seed: int,
             np.zeros(num_nodes + 1, np.int64), np.zeros(0, np.int64))
         return partition_csr(indptr, indices, size, method, seed, symmetric=symmetric)
 
-    owner = collective(comm, compute)
+    owner = agree(comm, compute)
     buf = owner if owner is not None else np.empty(num_nodes, np.int64)
     comm.Bcast(buf, root=0)
     return buf

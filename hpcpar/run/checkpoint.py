@@ -50,6 +50,7 @@ from typing import Any
 
 from hpcpar._digest import sha256_file
 from hpcpar.errors import RunDirError
+from hpcpar.parallel.agree import agree
 
 __all__ = ["MANIFEST", "FORMAT_VERSION", "PREFIX", "step_dir_name", "rank_file", "full_state_dict",
            "load_full_state_dict", "local_buffers", "rng_state", "set_rng_state", "sha256_file",
@@ -548,19 +549,19 @@ def prepare(ckpt_dir: str | os.PathLike, comm: Any) -> None:
     Raises:
         RunDirError: On every rank, when one cannot be removed.
     """
-    err = None
-    if comm.Get_rank() == 0:
-        try:
-            for stale in sorted(Path(ckpt_dir).glob(f"{_TEMP}{PREFIX}*")):
-                # only what temp_dir names (a step's name behind the mark), a real directory
-                if checkpoint_step(stale.name[len(_TEMP):]) is not None \
-                        and stale.is_dir() and not stale.is_symlink():
-                    shutil.rmtree(stale)
-        except OSError as exc:
-            err = f"cannot remove the unfinished checkpoint {exc.filename}: {exc.strerror}"
-    err = comm.bcast(err, root=0)
-    if err:
-        raise RunDirError(err)
+    agree(comm, _remove_unfinished, ckpt_dir, root=0)
+
+
+def _remove_unfinished(ckpt_dir: str | os.PathLike) -> None:
+    try:
+        for stale in sorted(Path(ckpt_dir).glob(f"{_TEMP}{PREFIX}*")):
+            # only what temp_dir names (a step's name behind the mark), a real directory
+            if checkpoint_step(stale.name[len(_TEMP):]) is not None \
+                    and stale.is_dir() and not stale.is_symlink():
+                shutil.rmtree(stale)
+    except OSError as exc:
+        raise RunDirError(f"cannot remove the unfinished checkpoint {exc.filename}: "
+                          f"{exc.strerror}") from None
 
 
 def writer(name: str, size: int) -> int:
@@ -626,11 +627,14 @@ def commit(ckpt_dir: str | os.PathLike, step: int, *, comm: Any, mine: dict, inf
             could not be finished.
     """
     parts = comm.gather(mine, root=0)
-    err = finish(ckpt_dir, step, parts=parts, world_size=comm.Get_size(), info=info,
-                 keep=keep) if comm.Get_rank() == 0 else None
-    err = comm.bcast(err, root=0)
-    if err:
-        raise RunDirError(err)
+
+    def finished() -> None:
+        err = finish(ckpt_dir, step, parts=parts, world_size=comm.Get_size(), info=info,
+                     keep=keep)
+        if err:
+            raise RunDirError(err)
+
+    agree(comm, finished, root=0)
     return Path(ckpt_dir) / step_dir_name(step)
 
 
@@ -809,39 +813,43 @@ def choose_resumable(ckpt_dir: str | os.PathLike, comm: Any,
     Raises:
         RunDirError: On every rank, when checkpoints exist but none verifies.
     """
-    choice, error = None, None
-    if comm.Get_rank() == 0:
-        bad = []
-        for path in list_checkpoints(ckpt_dir):
-            try:
-                verify(path)
-            except RunDirError as exc:
-                bad.append((path, str(exc).replace(f"{path}: ", "")))
-                continue
-            choice = str(path)
-            break
-        aside = sorted(p.name for p in Path(ckpt_dir).glob(f"{PREFIX}*{CORRUPT_SUFFIX}*")) \
-            if not bad and choice is None and Path(ckpt_dir).is_dir() else []
-        if aside:
-            log(f"warning: {ckpt_dir}: no valid checkpoint, only ones set aside as corrupt "
-                f"({', '.join(aside[:3])}{' ...' if len(aside) > 3 else ''}): training starts "
-                f"again from step 0")
-        if bad and choice is None:
-            names = "; ".join(f"{p.name} ({why})" for p, why in bad)
-            error = (f"{ckpt_dir}: no valid checkpoint to resume from: {names}; they are left "
-                     f"untouched: restore them, or start over with --fresh (moves them aside)")
-        for path, why in bad if choice is not None else ():
-            try:
-                kept = set_aside(path).name
-            except OSError as exc:
-                kept = f"{path.name} (could not rename: {exc})"
-            log(f"warning: skipping corrupt checkpoint: {path}: {why}; kept as {kept}")
-    choice, error = comm.bcast((choice, error), root=0)
-    if error:
-        failure = RunDirError(error)
-        failure.collective = True
-        raise failure
+    try:
+        choice = agree(comm, _choose_resumable, ckpt_dir, log, root=0)
+    except RunDirError as exc:
+        exc.collective = True
+        raise
     return Path(choice) if choice else None
+
+
+def _choose_resumable(ckpt_dir: str | os.PathLike, log: Callable[[str], object]) -> str | None:
+    """Rank 0's part of :func:`choose_resumable`."""
+    bad, choice = [], None
+    for path in list_checkpoints(ckpt_dir):
+        try:
+            verify(path)
+        except RunDirError as exc:
+            bad.append((path, str(exc).replace(f"{path}: ", "")))
+            continue
+        choice = str(path)
+        break
+    aside = sorted(p.name for p in Path(ckpt_dir).glob(f"{PREFIX}*{CORRUPT_SUFFIX}*")) \
+        if not bad and choice is None and Path(ckpt_dir).is_dir() else []
+    if aside:
+        log(f"warning: {ckpt_dir}: no valid checkpoint, only ones set aside as corrupt "
+            f"({', '.join(aside[:3])}{' ...' if len(aside) > 3 else ''}): training starts "
+            f"again from step 0")
+    if bad and choice is None:
+        names = "; ".join(f"{p.name} ({why})" for p, why in bad)
+        raise RunDirError(f"{ckpt_dir}: no valid checkpoint to resume from: {names}; they are "
+                          f"left untouched: restore them, or start over with --fresh (moves "
+                          f"them aside)")
+    for path, why in bad if choice is not None else ():
+        try:
+            kept = set_aside(path).name
+        except OSError as exc:
+            kept = f"{path.name} (could not rename: {exc})"
+        log(f"warning: skipping corrupt checkpoint: {path}: {why}; kept as {kept}")
+    return choice
 
 
 def check_optimizer(path: str | os.PathLike, optimizer: Any, name: str,
@@ -1199,18 +1207,7 @@ def check_chosen(path: str | os.PathLike, shape: Sequence[int], kind: str,
         RunDirError: One line naming the checkpoint: missing, damaged or written by an
             incompatible job.
     """
-    out: tuple[str, Any] | None = None
-    if comm is None or comm.Get_rank() == 0:
-        try:
-            out = ("ok", _check_chosen(Path(path), shape, kind))
-        except RunDirError as exc:
-            out = ("error", str(exc))
-    if comm is not None:
-        out = comm.bcast(out, root=0)
-    assert out is not None  # rank 0's verdict
-    if out[0] == "error":
-        raise RunDirError(out[1])
-    return out[1]
+    return agree(comm, _check_chosen, Path(path), shape, kind, root=0)
 
 
 def _check_chosen(path: Path, shape: Sequence[int], kind: str) -> dict:

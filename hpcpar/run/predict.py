@@ -29,6 +29,7 @@ import numpy as np
 from hpcpar.data._hyperslab import ShardFiles, read_samples
 from hpcpar.data.format import check_file, open_h5, read_manifest
 from hpcpar.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, ConfigError, DataError, HpcparError
+from hpcpar.parallel.agree import agree
 from hpcpar.parallel.grid import ProcessGrid, rank_of
 from hpcpar.parallel.partition import box, owner, part_range
 
@@ -266,12 +267,10 @@ def predict(model: Any, source: str | os.PathLike, out: str | os.PathLike,
 
 
 def agreed(comm, action):
-    """:func:`hpcpar.run.rerun.agreed` (rank 0 acts, every rank gets its result or its
-    error), the error marked collective: every rank raised it, rank 0 alone prints it."""
-    from .rerun import agreed as on_rank0  # deferred: rerun loads the run-dir rules
-
+    """:func:`hpcpar.parallel.agree.agree` with rank 0 acting (every rank gets its result or
+    its error), the error marked collective: every rank raised it, rank 0 alone prints it."""
     try:
-        return on_rank0(comm, action)
+        return agree(comm, action, root=0)
     except HpcparError as exc:
         exc.collective = True  # read by _rank_main
         raise

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from hpcpar.errors import DataError, RunDirError
+from hpcpar.parallel.agree import agree
 
 __all__ = ["KEY", "MARK", "parts_dir", "check_out", "prepare", "is_complete", "Output"]
 
@@ -125,9 +126,7 @@ class Output:
         rank = comm.Get_rank()
         chunks = (1, shape[1], *(min(n, 64) for n in shape[2:]))
         if not mpio:
-            from .rerun import agreed  # deferred: rerun loads the run-dir rules
-
-            agreed(comm, lambda: self._writing(lambda: self._virtual(regions)))
+            agree(comm, lambda: self._writing(lambda: self._virtual(regions)), root=0)
         mine = dict(driver="mpio", comm=comm) if mpio else {}
         path = self.out if mpio else parts_dir(self.out) / PART.format(rank)
         self.file = self._writing(lambda: h5py.File(path, "w", **mine))

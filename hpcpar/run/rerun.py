@@ -23,7 +23,6 @@ from hpcpar.errors import (
     EXIT_OUT_OF_MEMORY,
     EXIT_REQUEUE,
     EXIT_USAGE,
-    HpcparError,
     RunDirError,
 )
 from hpcpar.formats import rundir
@@ -40,7 +39,7 @@ from hpcpar.run.data_identity import check_same_data
 
 __all__ = ["default_run_dir", "grid_report", "check_from", "nothing_left", "decide", "prepare",
            "supersede", "SUPERSEDED_SUFFIX", "copy_job_file", "segments", "settle_settings",
-           "agreed", "outcome"]
+           "outcome"]
 
 #: suffix of the checkpoints newer than the one ``--from`` resumed: kept, never resumed
 SUPERSEDED_SUFFIX = ".superseded"
@@ -276,23 +275,6 @@ def settle_settings(rd: Path, job_path: Path, job_file: str, started: bool,
             say(f"hpcpar: previous settings kept in {kept}")
     else:
         job_path.unlink()
-
-
-def agreed(comm, action):
-    """Run ``action`` on rank 0 only (all ranks when not under MPI) and give every rank its
-    result, or raise its error on every rank alike."""
-    if comm is None:
-        return action()
-    out = None
-    if comm.Get_rank() == 0:
-        try:
-            out = ("ok", action())
-        except HpcparError as exc:
-            out = ("error", exc)
-    out = comm.bcast(out, root=0)
-    if out[0] == "error":
-        raise out[1]
-    return out[1]
 
 
 def outcome(rd: Path, rc: int, started: bool, oom: str | None = None,

@@ -52,6 +52,7 @@ from hpcpar.errors import (
 from hpcpar.formats import rundir
 from hpcpar.formats.jobspec import load_resolved, profile_window
 from hpcpar.formats.records import RunRecorder, open_nofollow, row_from_counters, write_json_atomic
+from hpcpar.parallel.agree import agree
 from hpcpar.parallel.counters import COUNTERS
 from hpcpar.parallel.grid import ProcessGrid
 from hpcpar.parallel.placement import rank_info, select_device
@@ -371,18 +372,11 @@ class Trainer:
         (``[train] init_from``, :mod:`hpcpar.run.init_weights`); every rank reads the file and
         all raise the first rank's error alike."""
         expected = ckpt.full_state_dict(self.model)
-        fitted, error = None, None
         try:
-            fitted = init_weights.fit_state_dict(init_weights.read_state_dict(path), expected,
-                                                 self.job.train.init_strict, path)
+            merged, missing, unexpected = agree(self.comm, lambda: init_weights.fit_state_dict(
+                init_weights.read_state_dict(path), expected, self.job.train.init_strict, path))
         except HpcparError as exc:
-            error = exc
-        errors = self.comm.allgather(None if error is None else (type(error), str(error)))
-        first = next((e for e in errors if e is not None), None)
-        if first is not None:
-            raise _collective(first[0](first[1]))
-        assert fitted is not None  # no rank failed
-        merged, missing, unexpected = fitted
+            raise _collective(exc) from None
         try:
             ckpt.load_full_state_dict(self.model, merged)
         except HpcparError as exc:

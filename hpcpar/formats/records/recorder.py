@@ -33,6 +33,7 @@ from hpcpar.formats.records.schema import (
     read_meta,
     write_json_atomic,
 )
+from hpcpar.parallel.agree import agree
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -149,19 +150,18 @@ class RunRecorder:
         self._first_step_seen = False
         facts = self.comm.allgather(rank_machine_facts())
         hosts = [f["host"] for f in facts]
-        error = None
-        if self.rank == 0:
+
+        def start() -> None:
             try:
                 self.records_dir.mkdir(parents=True, exist_ok=True)
                 self._start_meta(dict(meta or {}), hosts, resume, machine_facts(facts))
             except RunDirError as exc:
-                error = f"{self.run_dir}: cannot start run records: {exc}"
+                raise RunDirError(f"{self.run_dir}: cannot start run records: {exc}") from None
             except OSError as exc:
-                error = (f"{exc.filename or self.run_dir}: cannot start run records "
-                         f"({oserror_text(exc)})")
-        error = self.comm.bcast(error, root=0)
-        if error:
-            raise RunDirError(error)
+                raise RunDirError(f"{exc.filename or self.run_dir}: cannot start run records "
+                                  f"({oserror_text(exc)})") from None
+
+        agree(self.comm, start, root=0)
         self.path = self.records_dir / f"rank-{self.rank:05d}.csv"
         if resume and self.path.exists():
             drop_torn_tail(self.path)
@@ -276,19 +276,19 @@ class RunRecorder:
             raise ValueError(f"finish status must be one of {STATUSES[1:]}, got {status!r}")
         self.close()
         self.comm.Barrier()
-        out, error = None, None
-        if self.rank == 0:
+
+        def merge() -> Path:
             try:
                 out = merge_records(self.run_dir)
                 self.update_meta(lambda m: m.update(end_time=now_iso(), status=status,
                                                     end_reason=reason, steps_file=out.name,
                                                     host_load=_with_load_after(m)))
             except RunDirError as exc:
-                error = f"{self.run_dir}: cannot merge run records: {exc}"
+                raise RunDirError(f"{self.run_dir}: cannot merge run records: {exc}") from None
             except OSError as exc:  # disk full while writing steps.parquet: rank files stay
-                error = (f"{exc.filename or self.run_dir}: cannot merge run records "
-                         f"({oserror_text(exc)}); records/rank-*.csv are kept")
-        error = self.comm.bcast(error, root=0)
-        if error:
-            raise RunDirError(error)
-        return out
+                raise RunDirError(f"{exc.filename or self.run_dir}: cannot merge run records "
+                                  f"({oserror_text(exc)}); records/rank-*.csv are kept") from None
+            return out
+
+        out = agree(self.comm, merge, root=0)
+        return out if self.rank == 0 else None
