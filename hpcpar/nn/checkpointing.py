@@ -24,8 +24,9 @@ restored after the recomputation, so a step updates them once, as without checkp
 A model that calls ``torch.utils.checkpoint`` itself (``checkpoint(block, x)`` in either
 form, ``checkpoint_sequential``) gets the same treatment for its own regions: while a
 spatialized forward runs, the region's recomputation re-enters the dispatch mode and replays
-the region's tape (:func:`install_user_checkpoint_replay`, which :func:`~hpcpar.nn.spatialize`
-calls; the reentrant form through :class:`Recomputed`, when a split tensor enters the region).
+the region's tape (:func:`install_user_checkpoint_replay`, which the spatialized model's
+dispatch mode holds while it is entered, so that torch's checkpoint is its own outside; the
+reentrant form through :class:`Recomputed`, when a split tensor enters the region).
 Otherwise torch would recompute the region on this rank's plain piece, with no halo and local
 reductions: its check of what was saved fails in backward, or (same shapes, other values)
 the first-step check refuses the model. Running statistics are left as torch
@@ -40,8 +41,9 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import threading
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from contextvars import ContextVar
 
@@ -59,7 +61,8 @@ from .dispatch import SpatialMode
 from .split import SplitTensor, wrap
 
 __all__ = ["chains", "segment_sizes", "plan_segments", "checkpoint_activations",
-           "check_setting", "install_user_checkpoint_replay", "Recomputed"]
+           "check_setting", "install_user_checkpoint_replay", "remove_user_checkpoint_replay",
+           "Recomputed"]
 
 _SEGMENTS = "_hpcpar_segments"
 _ROOT = "_hpcpar_root_split"
@@ -263,17 +266,17 @@ class Recomputed:
             return self.fn(*args)
 
 
-def _install_reentrant() -> bool:
+def _patch_reentrant() -> Callable[[], None] | None:
     """The reentrant form: its Function's forward gets a :class:`Recomputed` function when a
     split tensor enters it (the Function may run with the dispatch mode paused, so the split
-    context is read from the inputs)."""
+    context is read from the inputs). Returns what puts torch's own back (None: this torch's
+    checkpoint has another form)."""
     fn_cls = getattr(_torch_checkpoint, "CheckpointFunction", None)
+    kept = vars(fn_cls).get("forward") if fn_cls is not None else None
     original = getattr(fn_cls, "forward", None)
-    if original is None or getattr(original, "hpcpar_replay", False):
-        return original is not None
-    if list(inspect.signature(original).parameters)[:3] != ["ctx", "run_function",
-                                                              "preserve_rng_state"]:
-        return False
+    if kept is None or original is None or list(inspect.signature(original).parameters)[:3] \
+            != ["ctx", "run_function", "preserve_rng_state"]:
+        return None
 
     @functools.wraps(original)
     def forward(ctx, run_function, preserve_rng_state, *args):
@@ -282,28 +285,18 @@ def _install_reentrant() -> bool:
             run_function = Recomputed(run_function, split._hp.ctx)
         return original(ctx, run_function, preserve_rng_state, *args)
 
-    forward.hpcpar_replay = True   # type: ignore[attr-defined]
     fn_cls.forward = staticmethod(forward)   # type: ignore[union-attr]
-    return True
+    return lambda: setattr(fn_cls, "forward", kept)
 
 
-def install_user_checkpoint_replay() -> bool:
-    """Make ``torch.utils.checkpoint`` exact inside spatialized models (module docstring):
-    torch's generator behind the non-reentrant form gets hpcpar's contexts for regions that
-    start in a spatialized forward, and the reentrant form's Function a :class:`Recomputed`
-    function when split tensors enter it; elsewhere both run as they are. Idempotent.
-
-    Returns:
-        Whether both are installed (False: this torch's checkpoint has another form; a region
-        then fails in backward with torch's own check, or is refused, as before).
-    """
-    reentrant = _install_reentrant()
+def _patch_generator() -> Callable[[], None] | None:
+    """The non-reentrant form: torch's generator behind it gets hpcpar's contexts for regions
+    that start in a spatialized forward. Returns what puts torch's own back (None: this
+    torch's checkpoint has another form)."""
     original = getattr(_torch_checkpoint, "_checkpoint_without_reentrant_generator", None)
-    if original is None or getattr(original, "hpcpar_replay", False):
-        return reentrant and original is not None
-    params = list(inspect.signature(original).parameters)
-    if params[:3] != ["fn", "preserve_rng_state", "context_fn"]:
-        return False
+    if original is None or list(inspect.signature(original).parameters)[:3] \
+            != ["fn", "preserve_rng_state", "context_fn"]:
+        return None
 
     @functools.wraps(original)
     def generator(fn, preserve_rng_state=True,
@@ -313,9 +306,48 @@ def install_user_checkpoint_replay() -> bool:
             context_fn = functools.partial(_user_contexts, context_fn, Tape(), root)
         return original(fn, preserve_rng_state, context_fn, *rest, **kwargs)
 
-    generator.hpcpar_replay = True   # type: ignore[attr-defined]
     _torch_checkpoint._checkpoint_without_reentrant_generator = generator
-    return reentrant
+    return lambda: setattr(_torch_checkpoint, "_checkpoint_without_reentrant_generator",
+                           original)
+
+
+class _Holders:
+    """How many spatialized forwards (and recomputations) run now, in any thread, and what
+    puts torch's checkpoint back when the last one leaves."""
+
+    lock = threading.Lock()
+    count = 0
+    undo: list[Callable[[], None]] = []
+
+
+def install_user_checkpoint_replay() -> bool:
+    """Make ``torch.utils.checkpoint`` exact inside spatialized models (module docstring), while
+    a spatialized forward or its recomputation runs: the dispatch mode of a spatialized model
+    calls this when it is entered and :func:`remove_user_checkpoint_replay` when it is left,
+    so torch's checkpoint is its own again outside (a plain model's regions in the same process
+    are untouched). Counted: the first holder installs, the last one's remove restores.
+
+    Returns:
+        Whether both forms are installed (False: this torch's checkpoint has another form; a
+        region then fails in backward with torch's own check, or is refused, as before).
+    """
+    with _Holders.lock:
+        if _Holders.count == 0:
+            _Holders.undo = [undo for undo in (_patch_reentrant(), _patch_generator())
+                             if undo is not None]
+        _Holders.count += 1
+        return len(_Holders.undo) == 2
+
+
+def remove_user_checkpoint_replay() -> None:
+    """One holder of :func:`install_user_checkpoint_replay` leaves; the last puts torch's
+    checkpoint back as it was."""
+    with _Holders.lock:
+        _Holders.count -= 1
+        if _Holders.count == 0:
+            for undo in reversed(_Holders.undo):
+                undo()
+            _Holders.undo = []
 
 
 def _segmented_forward(self: nn.Sequential, x):

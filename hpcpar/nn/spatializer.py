@@ -39,7 +39,7 @@ from hpcpar.sync.tags import DATA_ONLY, REDUCE_ATTR, TAGS_VERSION, tag_data_only
 
 from ._base import SpatialModule
 from .check import first_step_check, skeleton
-from .checkpointing import install_user_checkpoint_replay
+from .checkpointing import install_user_checkpoint_replay, remove_user_checkpoint_replay
 from .custom_functions import refuse_custom_functions
 from .dispatch import SpatialMode, mode_call
 from .fused_halo import MarginLayout, crop, settle_runs
@@ -70,6 +70,28 @@ class _Context(SplitContext):
 
 
 class _Mode(SpatialMode):
+    """The model's dispatch mode, entered for its outermost forward and again for each
+    recomputation in backward; while it is entered (and only then) torch's checkpoint replays
+    the model's own regions (:func:`~hpcpar.nn.checkpointing.install_user_checkpoint_replay`)."""
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.held = 0
+
+    def __enter__(self):
+        out = super().__enter__()
+        install_user_checkpoint_replay()
+        self.held += 1
+        return out
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            if self.held:
+                self.held -= 1
+                remove_user_checkpoint_replay()
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if self.ctx.suspended:
             return func(*args, **(kwargs or {}))
@@ -260,7 +282,6 @@ def spatialize(model: nn.Module, grid: ProcessGrid, *, bn_include_data: bool = F
         ```
     """
     fuse_halos = check_fuse(fuse_halos)
-    install_user_checkpoint_replay()   # the model's own torch.utils.checkpoint regions
     plain = skeleton(model) if check else None
     model = _swap_twins(model if inplace else copy.deepcopy(model), grid)
     ctx = _Context(grid, bn_include_data, plain, fuse_halos)

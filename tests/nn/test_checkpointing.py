@@ -256,3 +256,55 @@ def test_a_reentrant_checkpoint_no_split_tensor_enters_is_refused_naming_the_fix
         sp(torch.randn(1, 1, 6, 6, 6))
     line = str(exc.value)
     assert "\n" not in line and "use_reentrant=False" in line, line
+
+
+PLAIN_AFTER_SPATIALIZE = """
+import torch, torch.nn as nn
+import torch.utils.checkpoint as tc
+from hpcpar import ProcessGrid
+from hpcpar.nn import spatialize
+
+def plain():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Dropout(0.3), nn.Linear(5, 3)).double()
+    x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    y = tc.checkpoint(m, x, use_reentrant=False)   # dropout: torch replays the RNG state too
+    y.sum().backward()
+    return [y.detach(), x.grad, *(p.grad for p in m.parameters())]
+
+generator = tc._checkpoint_without_reentrant_generator
+forward = vars(tc.CheckpointFunction)["forward"]
+never = plain()
+seen = []
+
+class Own(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv3d(1, 2, 3, padding=1)
+
+    def forward(self, x):
+        seen.append(tc._checkpoint_without_reentrant_generator is not generator)
+        return tc.checkpoint(self.conv, x, use_reentrant=False)
+
+sp = spatialize(Own(), ProcessGrid(1, 1, 1, 1))
+sp(torch.randn(1, 1, 6, 6, 6)).sum().backward()
+assert seen[-1], "hpcpar's replay was not installed while the spatialized forward ran"
+assert tc._checkpoint_without_reentrant_generator is generator, "generator left replaced"
+assert vars(tc.CheckpointFunction)["forward"] is forward, "CheckpointFunction left replaced"
+after = plain()
+assert all(torch.equal(a, b) for a, b in zip(never, after, strict=True))
+print("ok")
+"""
+
+
+def test_a_plain_models_torch_checkpoint_is_untouched_after_spatialize():
+    """spatialize() installs its torch.utils.checkpoint integration only while a spatialized
+    forward runs: in a fresh process, a plain model's non-reentrant checkpoint (with dropout)
+    gives bit-identical outputs and gradients before and after a spatialized model's forward
+    and backward, and torch's generator and CheckpointFunction are torch's own again after."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", PLAIN_AFTER_SPATIALIZE], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
