@@ -30,8 +30,8 @@ from job_ab import run  # noqa: E402 - the sibling benchmark: `hpcpar run` one j
 
 SIDES = {
     "none": ["checkpoint.every=0"],
-    "async": ["checkpoint.every=1", "checkpoint.async=true", "checkpoint.keep=2"],
-    "sync": ["checkpoint.every=1", "checkpoint.async=false", "checkpoint.keep=2"],
+    "async": ["checkpoint.every=1", "checkpoint.background=true", "checkpoint.keep=2"],
+    "sync": ["checkpoint.every=1", "checkpoint.background=false", "checkpoint.keep=2"],
 }
 LABELS = {"none": "none", "async": "async every step", "sync": "sync every step"}
 

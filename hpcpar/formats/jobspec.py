@@ -40,6 +40,13 @@ def _p(t, default=REQUIRED, **kw) -> Param:
     return Param(t, default, **kw)
 
 
+#: keys renamed: section -> {old name: new name}; a job giving the old name is still read
+#: (with a note saying so), the job as run (job.json) holds the new one
+RENAMED: dict[str, dict[str, str]] = {
+    "checkpoint": {"async": "background"},   # a Python keyword: no job.checkpoint.async
+}
+
+
 # Fixed sections; [model] and [data] add the workload's keys.
 SCHEMA: dict[str, dict[str, Param]] = {
     "job": {
@@ -113,8 +120,9 @@ SCHEMA: dict[str, dict[str, Param]] = {
         "every": _p(int, 0, min=0, help="checkpoint every N steps (0: only at end/signal)"),
         "keep": _p(int, 3, min=1, help="keep the newest K checkpoints"),
         "at_end": _p(bool, True, help="checkpoint after the last step"),
-        "async": _p(bool, True, help="copy the state to memory at the step boundary and "
-                    "write it in a background thread (false: training waits for the write)"),
+        "background": _p(bool, True, help="copy the state to memory at the step boundary "
+                         "and write it in a background thread (false: training waits for the "
+                         "write)"),
     },
     "resources": {
         "nodes": _p(int, 1, min=1),
@@ -523,6 +531,7 @@ def build_job(raw: dict, overrides: Sequence[str] = (), source: str = "<job>",
             raise ConfigError(f"{source}: unknown section [{name}]{_did_you_mean(name, SCHEMA)}")
         if not isinstance(value, dict):
             raise ConfigError(f"{source}: {name!r} must be a [{name}] table, got {value!r}")
+    renamed = _read_old_names(raw, source)
     raw.setdefault("job", {}).setdefault("name", safe_name(default_name))
     model_raw = raw.get("model", {})
     if "kind" not in model_raw:
@@ -549,7 +558,7 @@ def build_job(raw: dict, overrides: Sequence[str] = (), source: str = "<job>",
         base = {k: v for k, v in values.items() if k in SCHEMA[name]}
         extra = {k: v for k, v in values.items() if k not in SCHEMA[name]}
         sections[name] = Section(name, base, extra)
-    job = JobSpec(source=source, sections=sections)
+    job = JobSpec(source=source, sections=sections, notes=renamed)
     _cross_checks(job)
     check = getattr(factory, "check_job", None)
     if check is not None:
@@ -558,6 +567,24 @@ def build_job(raw: dict, overrides: Sequence[str] = (), source: str = "<job>",
         except HpcparError as exc:
             raise ConfigError(f"{source}: {exc}") from None
     return job
+
+
+def _read_old_names(raw: dict, source: str) -> list[str]:
+    """Move each key given by its old name (:data:`RENAMED`) to its new one, in place; one
+    deprecation note per key moved."""
+    notes = []
+    for section, names in RENAMED.items():
+        values = raw.get(section, {})
+        for old, new in names.items():
+            if old not in values:
+                continue
+            if new in values:
+                raise ConfigError(f"{source}: [{section}] {old} and {new}: give only {new} "
+                                  f"({old} is its old name)")
+            values[new] = values.pop(old)
+            notes.append(f"{source}: [{section}] {old} is deprecated: it is now called {new} "
+                         f"(read as {new} = {str(values[new]).lower()})")
+    return notes
 
 
 def safe_name(text: str) -> str:

@@ -61,7 +61,7 @@ MARK_SCHEMA = "hpcpar.owned-dir"
 #: fewer; checkpoints are independent of it)
 RESUME_FREE = ("job.description", "grid.data", "train.log_every", "train.val_every",
                "checkpoint.every", "checkpoint.keep", "checkpoint.at_end",
-               "checkpoint.async", "resources.*",
+               "checkpoint.background", "resources.*",
                "output.dir", "data.prefetch", "data.stage_to", "data.verify")
 
 

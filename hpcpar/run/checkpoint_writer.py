@@ -1,4 +1,4 @@
-"""Checkpoints written while training goes on (``[checkpoint] async = true``).
+"""Checkpoints written while training goes on (``[checkpoint] background = true``).
 
 At the step boundary the state is copied to CPU memory (:func:`hpcpar.run.checkpoint.in_memory`)
 and a background thread writes this rank's files into the checkpoint's temporary directory

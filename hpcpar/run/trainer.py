@@ -296,7 +296,7 @@ class Trainer:
                                       job.profile.record_shapes, job.profile.memory)
 
         self.writer = CheckpointWriter(self.ckpt_dir, self.comm, job.checkpoint.keep,
-                                       background=getattr(job.checkpoint, "async"))
+                                       background=job.checkpoint.background)
         if self.rank == 0:
             self.log(f"{job.name}: {job.model.kind} on grid {self.grid.spec()} "
                      f"({self.grid.size} ranks, {self.device}), steps {self.step}->{self.total}"
@@ -388,7 +388,7 @@ class Trainer:
         self.log(f"initial weights from {path}")
 
     def save_checkpoint(self) -> Path:
-        """Collective: checkpoint ``self.step`` (``[checkpoint] async``: a copy in memory that
+        """Collective: checkpoint ``self.step`` (``[checkpoint] background``: a copy in memory that
         background threads write and finish, the previous one's parts written first;
         :mod:`hpcpar.run.checkpoint_writer`); raises :class:`DivergedError` (and writes
         nothing) when any rank's weights or buffers hold NaN/inf."""

@@ -47,7 +47,7 @@ def job(steps, x=1, kind="cosmoflow", keep=3):
         "model": {"kind": kind, "n_conv_blocks": 2, "base_filters": 4, "dense": [16]},
         "data": {"source": "synthetic", "size": 16, "channels": 2, "samples": 32},
         "train": {"steps": steps, "global_batch": 4, "lr": 0.003, "log_every": 1},
-        "checkpoint": {"every": 1, "keep": keep, "async": True}})
+        "checkpoint": {"every": 1, "keep": keep, "background": True}})
 
 
 def tensors_equal(a, b) -> bool:

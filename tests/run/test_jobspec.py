@@ -188,6 +188,24 @@ def test_jobspec_error_is_hpcpar_error():
     assert issubclass(ConfigError, HpcparError) and ConfigError.exit_code == 2
 
 
+def test_checkpoint_async_is_read_as_background_with_one_deprecation_line(tmp_path, capsys,
+                                                                         cli_main):
+    """``[checkpoint] async`` (a Python keyword) is now ``background``: the old key, in the
+    file or in --set, is still read, and ``hpcpar run`` says so in one line; both is refused."""
+    path = write(tmp_path, GOOD + "[checkpoint]\nasync = false\n")
+    job = load_job(path)
+    assert job.checkpoint.background is False and "async" not in job.to_dict()["checkpoint"]
+    assert load_job(write(tmp_path, GOOD, "new.toml"),
+                    ["checkpoint.async=false"]).checkpoint.background is False
+    cli_main(["run", path, "--dry-run", "--run-dir", str(tmp_path / "run")])
+    err = [line for line in capsys.readouterr().err.splitlines() if "deprecated" in line]
+    assert err == [f"hpcpar: note: {path}: [checkpoint] async is deprecated: it is now called "
+                   f"background (read as background = false)"], err
+    with pytest.raises(ConfigError, match=r"\[checkpoint\] async and background: give only "
+                                          r"background \(async is its old name\)$"):
+        load_job(path, ["checkpoint.background=true"])
+
+
 def test_jobs_guide_documents_every_key():
     from hpcpar.formats.jobspec import SCHEMA
     from hpcpar.run.workloads.volume import VOLUME_DATA, CosmoFlowWorkload, UNet3DWorkload

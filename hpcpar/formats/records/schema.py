@@ -72,7 +72,7 @@ COLUMNS: tuple[Column, ...] = (
     Column("t_check", "float", "s", "the replica check ([train] check_replicas_every; 0 on "
                                     "other steps)"),
     Column("t_ckpt", "float", "s", "the step blocked on checkpointing: the copy to memory "
-                                   "and waiting for the previous write ([checkpoint] async), "
+                                   "and waiting for the previous write ([checkpoint] background), "
                                    "or the whole write; 0 on other steps"),
     Column("skipped", "int", "-", "1 when the optimizer step was skipped on every rank (fp16 "
                                   "gradient overflow, or on_nonfinite = \"skip\"), else 0"),
