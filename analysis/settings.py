@@ -2,10 +2,13 @@
 
 Runs of one config are pooled and compared only when their resolved job settings agree on
 everything but what a scaling sweep varies. The settings of a run are its meta.json ``job``
-(the job spec as run) flattened to dotted keys, minus :data:`SCALING_KEYS`: the rank count,
-the grid and the resources that follow it, and the global batch (the sweep variable of weak
-scaling; how the work per step changes with p is checked by the strong/weak detection
-instead). A run may name more sweep variables in meta ``sweep_vary`` (a list of dotted keys).
+(the job spec as run) flattened to dotted keys, minus :data:`SCALING_KEYS`, the keys the job
+schema marks ``compare = False`` (:class:`hpcpar.formats.kinds.Param`): the rank count, the
+grid and the resources that follow it, the global batch (the sweep variable of weak scaling;
+how the work per step changes with p is checked by the strong/weak detection instead), and
+keys that change nothing measured (a description, how often to log). A key given by its old
+name (``checkpoint.async``) is compared by its new one. A run may name more sweep variables
+in meta ``sweep_vary`` (a list of dotted keys).
 
 The settings hash is ``sha256`` of the sorted ``key=value`` lines (first 12 hex digits).
 """
@@ -18,11 +21,13 @@ import json
 import pandas as pd
 
 from hpcpar.errors import ConfigError
+from hpcpar.formats.jobspec import RENAMED, uncompared_keys
 
 __all__ = ["SCALING_KEYS", "flatten", "resolved_settings", "settings_hash", "split_unlike"]
 
-#: Dotted keys (or section prefixes ending in ".") that a scaling sweep changes with p.
-SCALING_KEYS = ("grid.", "resources.", "train.global_batch", "job.description")
+#: Dotted keys (or section prefixes ending in ".") in which runs of one row may differ: what a
+#: scaling sweep changes with p, and what changes nothing measured (the schema's ``compare``)
+SCALING_KEYS = uncompared_keys()
 
 
 def flatten(obj: object, prefix: str = "") -> dict:
@@ -63,7 +68,12 @@ def resolved_settings(meta: dict) -> dict:
     extra = meta.get("sweep_vary") or ()
     if not isinstance(job, dict):
         return {}
-    return {k: v for k, v in flatten(job).items() if not _scaling(k, extra)}
+    flat = flatten(job)
+    for section, names in RENAMED.items():
+        for old, new in names.items():
+            if f"{section}.{old}" in flat:
+                flat[f"{section}.{new}"] = flat.pop(f"{section}.{old}")
+    return {k: v for k, v in flat.items() if not _scaling(k, extra)}
 
 
 def settings_hash(settings: dict) -> str:

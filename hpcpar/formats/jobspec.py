@@ -51,9 +51,9 @@ RENAMED: dict[str, dict[str, str]] = {
 SCHEMA: dict[str, dict[str, Param]] = {
     "job": {
         "name": _p(str, "job", help="run name; run dirs default to runs/<name>"),
-        "description": _p(str, "", help="free text"),
+        "description": _p(str, "", help="free text", compare=False),
     },
-    "grid": {a: _p(int, -1 if a == "data" else 1, min=-1,
+    "grid": {a: _p(int, -1 if a == "data" else 1, min=-1, compare=False,
                    help="ranks along this axis (-1: inferred from the rank count)")
              for a in AXES},
     "model": {"kind": _p(str, help="cosmoflow, unet3d, gcn, sage, gat, an installed package's kind "
@@ -68,7 +68,8 @@ SCHEMA: dict[str, dict[str, Param]] = {
     "train": {
         "steps": _p(int, None, min=1, help="optimizer steps (give steps or epochs)"),
         "epochs": _p(int, None, min=1, help="passes over the training data"),
-        "global_batch": _p(int, 1, min=1, help="samples per step over all data-parallel ranks"),
+        "global_batch": _p(int, 1, min=1, compare=False,
+                           help="samples per step over all data-parallel ranks"),
         "optimizer": _p(str, "adam", choices=("sgd", "adam", "adamw")),
         "lr": _p(float, 1e-3, min=0.0, help="peak learning rate"),
         "momentum": _p(float, 0.9, min=0.0, max=1.0, help="sgd only"),
@@ -87,7 +88,7 @@ SCHEMA: dict[str, dict[str, Param]] = {
         "channels_last": _p(bool, True, help="volume models: channels_last_3d inputs "
                             "(oneDNN's native order: the demo jobs' steps 1.4-2.6x faster)"),
         "val_every": _p(int, 0, min=0, help="validate every N steps (0: only at the end)"),
-        "log_every": _p(int, 10, min=1, help="rank-0 log line every N steps"),
+        "log_every": _p(int, 10, min=1, compare=False, help="rank-0 log line every N steps"),
         "on_nonfinite": _p(str, "stop", choices=("stop", "skip"),
                            help="non-finite loss/gradient: stop the run (exit 4) or skip the step"),
         "grad_sync": _p(str, "mpi", choices=("mpi", "nccl"),
@@ -125,18 +126,19 @@ SCHEMA: dict[str, dict[str, Param]] = {
                          "write)"),
     },
     "resources": {
-        "nodes": _p(int, 1, min=1),
-        "tasks_per_node": _p(int, None, min=1, help="default: ranks / nodes"),
-        "gpus_per_node": _p(int, 0, min=0),
-        "cpus_per_task": _p(int, 1, min=1),
-        "time": _p(str, None, help="Slurm time limit, e.g. 01:30:00"),
-        "partition": _p(str, None),
-        "account": _p(str, None),
-        "qos": _p(str, None),
-        "constraint": _p(str, None),
+        "nodes": _p(int, 1, compare=False, min=1),
+        "tasks_per_node": _p(int, None, compare=False, min=1, help="default: ranks / nodes"),
+        "gpus_per_node": _p(int, 0, compare=False, min=0),
+        "cpus_per_task": _p(int, 1, compare=False, min=1),
+        "time": _p(str, None, compare=False, help="Slurm time limit, e.g. 01:30:00"),
+        "partition": _p(str, None, compare=False),
+        "account": _p(str, None, compare=False),
+        "qos": _p(str, None, compare=False),
+        "constraint": _p(str, None, compare=False),
     },
     "output": {
-        "dir": _p(str, None, path=True, help="run directory (else runs/<name>)"),
+        "dir": _p(str, None, path=True, compare=False,
+                  help="run directory (else runs/<name>)"),
         "tensorboard": _p(bool, False, help="TensorBoard event files in RUN/tensorboard "
                                             "(rank 0; pip install 'hpcpar[tensorboard]')"),
         "callbacks": _p(list, [], help="'package.module:factory' names; factory(job) -> "
@@ -567,6 +569,20 @@ def build_job(raw: dict, overrides: Sequence[str] = (), source: str = "<job>",
         except HpcparError as exc:
             raise ConfigError(f"{source}: {exc}") from None
     return job
+
+
+def uncompared_keys() -> tuple[str, ...]:
+    """The job keys in which like-for-like runs may differ (:class:`Param` ``compare`` False):
+    ``"section."`` for a section none of whose keys compare, else ``"section.key"``.
+
+    Returns:
+        Dotted keys and section prefixes, in schema order.
+    """
+    out: list[str] = []
+    for name, params in SCHEMA.items():
+        off = [f"{name}.{k}" for k, p in params.items() if not p.compare]
+        out += [f"{name}."] if params and len(off) == len(params) else off
+    return tuple(out)
 
 
 def _read_old_names(raw: dict, source: str) -> list[str]:

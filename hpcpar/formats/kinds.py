@@ -46,6 +46,10 @@ class Param:
         help: One line for the documentation and error messages.
         path: A file or directory: a leading ``~`` is expanded once, where the job is parsed,
             so every reader (pyarrow expands it itself) sees the same path.
+        compare: Runs that differ in this key are not like for like: a scaling report gives
+            them rows of their own. False for what a scaling sweep varies with the rank count
+            (the grid, the resources, the global batch) and for what changes nothing measured
+            (a description, how often to log).
     """
 
     type: type | tuple = float
@@ -55,6 +59,7 @@ class Param:
     choices: tuple | None = None
     help: str = ""
     path: bool = False
+    compare: bool = True
 
     @property
     def required(self) -> bool:

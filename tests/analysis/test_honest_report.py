@@ -184,6 +184,26 @@ def test_different_settings_get_their_own_row_or_fail_strict(tmp_path, run_cli):
     assert len(err.strip().splitlines()) == 1
 
 
+def test_a_cosmetic_key_or_an_old_key_name_does_not_split_a_row(tmp_path):
+    """The like-for-like keys come from the job schema (``compare``): runs that differ only in
+    ``log_every`` (or that name ``checkpoint.background`` by its old name ``async``) share a row;
+    a key that changes what is measured still splits."""
+    def run(name, p, train=None, checkpoint=None):
+        job = {"job": {"name": "synthetic"}, "grid": {"data": 1, "x": p, "y": 1, "z": 1},
+               "train": {"steps": 6, "global_batch": 8, **(train or {})},
+               "checkpoint": checkpoint or {"background": True}}
+        synthetic_run(tmp_path / name, grid=(1, p, 1, 1), steps=6, t_step=8.0 / p,
+                      meta={"job": job})
+
+    run("ranks-1", 1, {"log_every": 10})
+    run("ranks-2", 2, {"log_every": 1}, {"async": True})
+    run("ranks-4", 4, {"log_every": 1, "lr": 0.5})
+    table = scaling_table(*load([tmp_path]))
+    assert sorted(table[table["config"] == "synthetic"]["ranks"]) == [1, 2], table["config"]
+    other = table[table["config"] != "synthetic"].iloc[0]
+    assert other["ranks"] == 4 and "train.lr=0.5" in other["note"], other["note"]
+
+
 # -- 4. spread -----------------------------------------------------------------------------
 def test_intervals_run_spread_and_fit_quality(tmp_path):
     root = tmp_path / "s"
