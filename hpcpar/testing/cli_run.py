@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["CliRun", "rank_pids", "alive", "tree_hashes", "tiny_job_toml"]
+__all__ = ["CliRun", "rank_pids", "alive", "tree_hashes", "tiny_job_toml", "micro_job_toml"]
 
 
 class CliRun:
@@ -128,3 +128,41 @@ log_every = 1
 {checkpoint}
 """
 
+
+def micro_job_toml(name: str, *, kind: str = "cosmoflow", steps: int = 4, train: str = "",
+                   checkpoint: str = "every = 1\nkeep = 5") -> str:
+    """A one-rank CosmoFlow job on 8^3 x 1 synthetic volumes (8 samples, global batch 2)
+    that checkpoints every step: the resume and run-directory tests' common job, a fraction
+    of a second per step.
+
+    Args:
+        name: ``[job] name``.
+        kind: ``[model] kind`` (a test may register a variant, e.g. one that stops itself).
+        steps: ``[train] steps``.
+        train: Extra ``[train]`` lines.
+        checkpoint: The ``[checkpoint]`` lines.
+
+    Returns:
+        The TOML text.
+    """
+    return f"""[job]
+name = "{name}"
+[grid]
+data = 1
+[model]
+kind = "{kind}"
+n_conv_blocks = 1
+base_filters = 2
+dense = [8]
+[data]
+source = "synthetic"
+size = 8
+channels = 1
+samples = 8
+[train]
+steps = {steps}
+global_batch = 2
+{train}
+[checkpoint]
+{checkpoint}
+"""

@@ -35,6 +35,7 @@ import torch
 from hpcpar.errors import EXIT_USAGE
 from hpcpar.formats.records.reader import read_steps
 from hpcpar.run._optim import LRFactor
+from hpcpar.testing.cli_run import micro_job_toml
 
 pytestmark = pytest.mark.slow
 
@@ -42,30 +43,8 @@ SEEDS = (0, 1, 2)           # ~1 minute each on 2 cores: the CI budget
 OPERATIONS = 6              # per sequence
 EXIT_STOPPED = 3            # a run stopped by a signal after checkpointing (requeue)
 STOP = "RUNDIR_FUZZ_STOP_AT"
-JOB = """[job]
-name = "fz"
-[grid]
-data = 1
-[model]
-kind = "stopper:StopAt"
-n_conv_blocks = 1
-base_filters = 2
-dense = [8]
-[data]
-source = "synthetic"
-size = 8
-channels = 1
-samples = 8
-[train]
-steps = 4
-global_batch = 2
-warmup_steps = 1
-lr_step_every = 2
-lr_gamma = 0.5
-[checkpoint]
-every = 1
-keep = 100
-"""
+JOB = micro_job_toml("fz", kind="stopper:StopAt", checkpoint="every = 1\nkeep = 100",
+                     train="warmup_steps = 1\nlr_step_every = 2\nlr_gamma = 0.5")
 
 #: CosmoFlow whose rank 0 asks itself to stop (SIGUSR1, as a scheduler's preemption does) in
 #: the N-th step of the segment (N from the environment): it checkpoints after that step and

@@ -20,31 +20,10 @@ import pytest
 import torch
 
 from hpcpar.launch.submit import run_dir_state
-from hpcpar.testing.cli_run import tree_hashes
+from hpcpar.testing.cli_run import micro_job_toml, tree_hashes
 
 CLI = [sys.executable, "-m", "hpcpar.cli"]
-JOB = """[job]
-name = "rs"
-[grid]
-data = 1
-[model]
-kind = "cosmoflow"
-n_conv_blocks = 1
-base_filters = 2
-dense = [8]
-[data]
-source = "synthetic"
-size = 8
-channels = 1
-samples = 8
-[train]
-steps = 4
-global_batch = 2
-lr = 0.004
-[checkpoint]
-every = 1
-keep = 10
-"""
+JOB = micro_job_toml("rs", train="lr = 0.004", checkpoint="every = 1\nkeep = 10")
 
 #: the step of each segment in which the STOPPER stops (default 2; 0: never)
 STOP = "RESUME_SETTINGS_STOP_AT"

@@ -14,28 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from hpcpar.testing.cli_run import micro_job_toml
+
 CLI = [sys.executable, "-m", "hpcpar.cli"]
-JOB = """[job]
-name = "sf"
-[grid]
-data = 1
-[model]
-kind = "cosmoflow"
-n_conv_blocks = 1
-base_filters = 2
-dense = [8]
-[data]
-source = "synthetic"
-size = 8
-channels = 1
-samples = 8
-[train]
-steps = 4
-global_batch = 2
-[checkpoint]
-every = 1
-keep = 5
-"""
+JOB = micro_job_toml("sf")
 
 
 def _hpcpar(*args):

@@ -17,29 +17,10 @@ from torch import nn
 
 from hpcpar.errors import DataError, RunDirError
 from hpcpar.run import checkpoint as ckpt
+from hpcpar.testing.cli_run import micro_job_toml
 
 CLI = [sys.executable, "-m", "hpcpar.cli"]
-JOB = """[job]
-name = "ck"
-[grid]
-data = 1
-[model]
-kind = "cosmoflow"
-n_conv_blocks = 1
-base_filters = 2
-dense = [8]
-[data]
-source = "synthetic"
-size = 8
-channels = 1
-samples = 8
-[train]
-steps = 6
-global_batch = 2
-[checkpoint]
-every = 3
-keep = 5
-"""
+JOB = micro_job_toml("ck", steps=6, checkpoint="every = 3\nkeep = 5")
 
 
 def _hpcpar(args, cwd=None, env=None):
