@@ -295,9 +295,17 @@ class Trainer:
 
         self.writer = CheckpointWriter(self.ckpt_dir, self.comm, job.checkpoint.keep,
                                        background=getattr(job.checkpoint, "async"))
+        # last: nothing below can fail and leave the comm bound to a group
+        from hpcpar.parallel.transport import use_transport  # deferred: loads torch
+
+        try:
+            self.transport = use_transport(self.grid, job.train.halo_transport, self.device)
+        except HpcparError as exc:  # decided alike on every rank
+            raise _collective(exc) from None
         if self.rank == 0:
             self.log(f"{job.name}: {job.model.kind} on grid {self.grid.spec()} "
-                     f"({self.grid.size} ranks, {self.device}), steps {self.step}->{self.total}"
+                     f"({self.grid.size} ranks, {self.device}, halos over "
+                     f"{self.transport.name}), steps {self.step}->{self.total}"
                      + (", optimizer state sharded" if self._sharded else ""))
 
     # -- checkpoint/restart ----------------------------------------------------------------------
@@ -704,7 +712,8 @@ class Trainer:
         recorder = RunRecorder(self.run_dir, self.grid, resume=resume, meta={
             "job_name": job.name, "job": job.to_dict(), "job_file": job.source,
             "global_batch": job.train.global_batch, "kind": job.model.kind,
-            "device": str(self.device), **self.workload.run_meta(),
+            "device": str(self.device), "halo_transport": self.transport.name,
+            **self.workload.run_meta(),
             # rank 0 writes meta.json: only it reads the data to checksum it
             **({"data": data_identity(job)} if self.rank == 0 else {})})
         if self.rank == 0:      # what the launcher reports: the step the ranks really resumed
@@ -907,6 +916,7 @@ class Trainer:
 
 
     def close(self) -> None:
+        self.transport.close()
         self.workload.close()
 
 
