@@ -3,9 +3,9 @@ reduce-scatter and all-to-all on tensors.
 
 A tensor becomes an MPI message through :mod:`.buffers` (CPU zero-copy; CUDA directly when the
 MPI library is CUDA-aware, :mod:`.cuda_aware` decides, else through a reusable pinned host
-buffer). Either way the device is synchronised first (``device_ready``): mpi4py does no stream
-synchronisation, and a tensor produced on a side stream may still be being written when the
-exchange starts. Their names are re-exported here, the module users import for messaging.
+buffer). Either way the host first waits for the work queued on the current stream up to the
+message (``device_ready``: an event, never the whole device): mpi4py does no stream
+synchronisation. Their names are re-exported here, the module users import for messaging.
 
 MPI has no portable 16-bit float type, and ``__cuda_array_interface__`` may mislabel bf16 as
 fp16: float16/bfloat16 travel as 16-bit integers, and reductions on them run in float32.
@@ -117,18 +117,15 @@ class Handle:
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
-    """``t`` contiguous; a copy made on the current stream waits for ``t``'s producer first."""
-    if t.is_contiguous():
-        return t
-    device_ready(t)
-    return t.contiguous()
+    """``t`` contiguous (a copy queued on the current stream, after ``t``'s producer: no wait
+    here; the MPI buffer waits for the copy)."""
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def _reduce_target(t: torch.Tensor):
     """(tensor to reduce in, copy-back function) — fp32 scratch for 16-bit types."""
     if t.dtype in _HALF:
-        device_ready(t)  # the conversion reads t: wait for its producer, any stream
-        acc = t.float()
+        acc = t.float()  # queued after t's producer on the current stream: no wait here
         return acc, (lambda: t.copy_(acc))
     return t, None
 

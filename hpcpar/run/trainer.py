@@ -462,10 +462,10 @@ class Trainer:
 
     # -- the loop ----------------------------------------------------------------------------------
     def _sync(self) -> None:
-        if self.device.type == "cuda":
-            import torch
+        """The step boundary: the step's device work is done before its time is taken."""
+        from hpcpar.parallel.device_sync import whole_device  # deferred: loads torch
 
-            torch.cuda.synchronize(self.device)
+        whole_device(self.device)
 
     def _agree(self, stop_flag: int, loss: float, bad_grad: bool) -> Verdict:
         """The one allreduce per step: any rank asked to stop, the mean loss over ranks, how
