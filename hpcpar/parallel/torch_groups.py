@@ -140,23 +140,24 @@ class TorchGroup:
         return t
 
     def post(self, recvs: Sequence[tuple], sends: Sequence[tuple]) -> list[_Pending]:
-        """Start the receives and sends ``(tensor, peer, tag)`` (dense tensors). NCCL runs
-        them as one group (its sends and receives block until matched, so separate calls
-        posted receives-first on both ends would wait for each other); Gloo's are
-        independent."""
+        """Start the receives and sends ``(tensor, peer, tag)`` (dense tensors); a handle per
+        message, in that order, whose ``wait()`` returns its tensor. NCCL runs them as one
+        group (its sends and receives block until matched, so separate calls posted
+        receives-first on both ends would wait for each other): every handle waits for the
+        group. Gloo's are independent. A peer of ``MPI.PROC_NULL`` (negative) moves nothing,
+        as with MPI."""
         pg = self.pg
-        if self.backend == "nccl" and (recvs or sends):
-            device = (recvs or sends)[0][0].device
+        ops = [(pg.recv, m) for m in recvs] + [(pg.send, m) for m in sends]  # type: ignore
+        live = [(op, m) for op, m in ops if m[1] >= 0]
+        if self.backend == "nccl" and live:
+            device = live[0][1][0].device
             pg._start_coalescing(device)  # type: ignore[attr-defined]
-            for t, peer, tag in recvs:
-                pg.recv([_wire(t)], peer, tag)  # type: ignore[attr-defined]
-            for t, peer, tag in sends:
-                pg.send([_wire(t)], peer, tag)  # type: ignore[attr-defined]
-            return [_Pending([pg._end_coalescing(device)])]  # type: ignore[attr-defined]
-        return [_Pending([pg.recv([_wire(t)], peer, tag)], t)  # type: ignore[attr-defined]
-                for t, peer, tag in recvs] + \
-            [_Pending([pg.send([_wire(t)], peer, tag)], t)  # type: ignore[attr-defined]
-             for t, peer, tag in sends]
+            for op, (t, peer, tag) in live:
+                op([_wire(t)], peer, tag)
+            work = pg._end_coalescing(device)  # type: ignore[attr-defined]
+            return [_Pending([work] if m[1] >= 0 else [], m[0]) for _, m in ops]
+        return [_Pending([op([_wire(t)], peer, tag)] if peer >= 0 else [], t)
+                for op, (t, peer, tag) in ops]
 
 
 _BOUND: dict[int, TorchGroup] = {}

@@ -138,11 +138,13 @@ def test_halos_and_adjoint_bitwise_gloo_vs_mpi(comm):
 
 
 def _collective_cases(grid):
+    from mpi4py import MPI
+
     from hpcpar.nn.gather import SpatialAdaptiveAvgPool3d
     from hpcpar.nn.global_norm import group_norm
     from hpcpar.nn.norm import SpatialBatchNorm3d
     from hpcpar.nn.reduce import global_reduce
-    from hpcpar.parallel.comm import allgather, allgatherv, allreduce_, bcast_
+    from hpcpar.parallel.comm import allgather, allgatherv, allreduce_, bcast_, irecv, isend
 
     comm = grid.spatial_comm
     r, p = comm.Get_rank(), comm.Get_size()
@@ -162,6 +164,10 @@ def _collective_cases(grid):
         out.append(allgather(randn((2, 3), r, torch.bfloat16), comm))
         out.append(allgatherv(randn((r + 1, 3), r, torch.float64), comm))   # uneven rows
         out.append(bcast_(randn((4,), r, torch.float64), comm, root=p - 1))
+        got = irecv(torch.empty(3, dtype=torch.float64), (r - 1) % p, comm, tag=7)
+        sent = isend(randn((3,), r, torch.float64), (r + 1) % p, comm, tag=7)
+        nothing = isend(torch.ones(2), MPI.PROC_NULL, comm)
+        out += [got.wait(), sent.wait(), nothing.wait()]
         return out
 
 
