@@ -93,6 +93,11 @@ SCHEMA: dict[str, dict[str, Param]] = {
                            help="non-finite loss/gradient: stop the run (exit 4) or skip the step"),
         "grad_sync": _p(str, "mpi", choices=("mpi", "nccl"),
                         help="who reduces gradient buckets: MPI, or NCCL (CUDA models)"),
+        "halo_transport": _p(str, "auto", choices=("auto", "mpi", "nccl", "gloo", "staged"),
+                             help="who moves halo faces and spatial collectives: auto (CUDA: "
+                             "nccl, else CUDA-aware mpi, else staged; CPU: mpi), mpi, nccl "
+                             "(CUDA), gloo (CPU), staged (CUDA through host memory); "
+                             "meta.json records the one used"),
         "check_replicas_every": _p(int, 100, min=0, help="compare every replicated "
                                    "parameter's checksum across ranks every N steps (0: never)"),
         "accumulate": _p(int, 1, min=1, help="micro-batches (each of global_batch samples) "

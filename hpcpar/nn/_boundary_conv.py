@@ -186,15 +186,13 @@ def _slab_grads(grad: torch.Tensor, slab: torch.Tensor, taps: torch.Tensor, pads
 def _exchange(spec: BoundarySpec, sends: dict, recvs: dict, tag: int):
     """Post the receives and sends, one per neighbour (messages are dense contiguous
     tensors); returns the handles and the bytes sent."""
-    from hpcpar.parallel.comm import irecv, isend  # deferred: loads numpy
+    from hpcpar.parallel.transport import exchange  # deferred: loads numpy
 
-    handles, nbytes = [], 0
-    for o, buf in recvs.items():  # the neighbour at o sent it toward -o
-        handles.append(irecv(buf, spec.nbrs[o], spec.comm, tag + _code(xyz(-v for v in o))))
-    for o, buf in sends.items():
-        handles.append(isend(buf, spec.nbrs[o], spec.comm, tag + _code(o)))
-        nbytes += buf.numel() * buf.element_size()
-    return handles, nbytes
+    # the neighbour at o sent it toward -o
+    posted = [(buf, spec.nbrs[o], tag + _code(xyz(-v for v in o))) for o, buf in recvs.items()]
+    out = [(buf, spec.nbrs[o], tag + _code(o)) for o, buf in sends.items()]
+    handles = exchange(spec.comm, posted, out)
+    return handles, sum(buf.numel() * buf.element_size() for buf in sends.values())
 
 
 def _wait(handles) -> None:

@@ -13,7 +13,8 @@ import numpy as np
 import torch
 
 from hpcpar.errors import CommError
-from hpcpar.parallel.cuda_aware import Synchronizable, cuda_aware, device_ready, force_staging
+from hpcpar.parallel.cuda_aware import cuda_aware, device_ready, force_staging
+from hpcpar.parallel.device_sync import Synchronizable, after_current_work, producer_stream
 
 if TYPE_CHECKING:
     pass
@@ -73,8 +74,8 @@ class Buffer:
     Args:
         tensor: A contiguous tensor.
         copy_back: Whether ``finish()`` copies received bytes back (False for send buffers).
-        stream: The stream that produced ``tensor``; None: the whole device is synchronised
-            (see [device_ready][hpcpar.parallel.cuda_aware.device_ready]).
+        stream: The stream that produced ``tensor``; None: the current stream (see
+            [device_ready][hpcpar.parallel.cuda_aware.device_ready]).
         copy_in: Whether the staged path copies the tensor's bytes to the host first (False
             for receive-only buffers).
 
@@ -93,22 +94,23 @@ class Buffer:
         self.staged = (tensor.device.type != "cpu" and not cuda_aware()) or (
             tensor.device.type == "cpu" and force_staging())
         self._copy_back = copy_back
-        device_ready(tensor, stream)  # before MPI or the staging copy reads/writes it
-        if tensor.device.type != "cpu" and not self.staged:
-            self.host = None
-            self.mpi: torch.Tensor | np.ndarray = wire
-            return
+        self.host: torch.Tensor | None = None
+        self.mpi: torch.Tensor | np.ndarray
         if self.staged:
             nbytes = tensor.numel() * tensor.element_size()
             raw = STAGING.take(nbytes)
             self.host = raw
             host = raw.view(wire.dtype).view(wire.shape)
             if copy_in:
-                host.copy_(wire, non_blocking=False)  # synchronous: the host holds the bytes
+                if stream is not None:  # written on another stream: wait for it first
+                    producer_stream(stream)
+                # queued after the pack on the current stream; the host waits for it only
+                host.copy_(wire, non_blocking=True)
+                after_current_work(tensor.device)
             self.mpi = host.numpy()
-        else:
-            self.host = None
-            self.mpi = wire.detach().numpy()
+            return
+        device_ready(tensor, stream)  # before MPI reads or writes the tensor's memory
+        self.mpi = wire if tensor.device.type != "cpu" else wire.detach().numpy()
 
     def finish(self) -> torch.Tensor:
         """Copy received bytes back to the tensor (staged path) and release the host buffer."""
@@ -117,7 +119,9 @@ class Buffer:
                 wire_view = self.tensor.view(wire_dtype(self.tensor.dtype)) \
                     if self.tensor.dtype in _WIRE else self.tensor
                 src = torch.from_numpy(self.mpi)
-                wire_view.copy_(src.view(wire_view.shape))
+                wire_view.copy_(src.view(wire_view.shape), non_blocking=True)
+                # the host buffer is reused once given back: wait for this copy only
+                after_current_work(self.tensor.device)
             STAGING.give(self.host)
             self.host = None
         return self.tensor
@@ -210,14 +214,14 @@ def as_buffer(tensor: torch.Tensor, copy_back: bool = True,
     """Wrap ``tensor`` as an MPI buffer.
 
     Zero-copy on CPU and with a CUDA-aware MPI; otherwise staged through a reusable pinned
-    host buffer. Device tensors wait for their producer first (every stream of the device,
-    or ``stream``): see [device_ready][hpcpar.parallel.cuda_aware.device_ready]. 16-bit dtypes
-    travel as int16.
+    host buffer. Device tensors wait for their producer first (the work queued on the current
+    stream, or ``stream``; never the whole device): see
+    [device_ready][hpcpar.parallel.cuda_aware.device_ready]. 16-bit dtypes travel as int16.
 
     Args:
         tensor: A contiguous tensor.
         copy_back: Whether ``finish()`` copies received bytes back (False for send buffers).
-        stream: The stream that produced ``tensor`` (None: synchronise the whole device).
+        stream: The stream that produced ``tensor`` (None: the current stream).
 
     Returns:
         A [Buffer][hpcpar.parallel.buffers.Buffer]; pass ``.mpi`` to mpi4py, call ``finish()``

@@ -3,13 +3,17 @@ reduce-scatter and all-to-all on tensors.
 
 A tensor becomes an MPI message through :mod:`.buffers` (CPU zero-copy; CUDA directly when the
 MPI library is CUDA-aware, :mod:`.cuda_aware` decides, else through a reusable pinned host
-buffer). Either way the device is synchronised first (``device_ready``): mpi4py does no stream
-synchronisation, and a tensor produced on a side stream may still be being written when the
-exchange starts. Their names are re-exported here, the module users import for messaging.
+buffer). Either way the host first waits for the work queued on the current stream up to the
+message (``device_ready``: an event, never the whole device): mpi4py does no stream
+synchronisation. Their names are re-exported here, the module users import for messaging.
 
 MPI has no portable 16-bit float type, and ``__cuda_array_interface__`` may mislabel bf16 as
 fp16: float16/bfloat16 travel as 16-bit integers, and reductions on them run in float32.
 Booleans travel as bytes; a SUM over booleans is a logical OR (torch's own rule for bool).
+
+A communicator bound to a torch.distributed group (the run's ``halo_transport``, see
+:mod:`.transport`) moves the tensors of that group's device through it instead, with the
+same conventions.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from hpcpar.parallel.cuda_aware import (
     forced_cuda_path,
 )
 from hpcpar.parallel.replay import count_sent, taped
+from hpcpar.parallel.torch_groups import torch_group
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -112,18 +117,15 @@ class Handle:
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
-    """``t`` contiguous; a copy made on the current stream waits for ``t``'s producer first."""
-    if t.is_contiguous():
-        return t
-    device_ready(t)
-    return t.contiguous()
+    """``t`` contiguous (a copy queued on the current stream, after ``t``'s producer: no wait
+    here; the MPI buffer waits for the copy)."""
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def _reduce_target(t: torch.Tensor):
     """(tensor to reduce in, copy-back function) — fp32 scratch for 16-bit types."""
     if t.dtype in _HALF:
-        device_ready(t)  # the conversion reads t: wait for its producer, any stream
-        acc = t.float()
+        acc = t.float()  # queued after t's producer on the current stream: no wait here
         return acc, (lambda: t.copy_(acc))
     return t, None
 
@@ -178,6 +180,9 @@ def allreduce_(t: torch.Tensor, comm: MPI.Comm, op: str | MPI.Op = "sum") -> tor
     """
     from mpi4py import MPI
 
+    group = torch_group(comm, t)
+    if group is not None:
+        return group.allreduce_(t, op)
     buf, op, back = _reduce_in_place(t, op)
     comm.Allreduce(MPI.IN_PLACE, buf.mpi, op=op)
     buf.finish()
@@ -234,6 +239,9 @@ def bcast_(t: torch.Tensor, comm: MPI.Comm, root: int = 0) -> torch.Tensor:
     Returns:
         ``t``.
     """
+    group = torch_group(comm, t)
+    if group is not None:
+        return group.broadcast_(t, root)
     buf = as_buffer(t)
     comm.Bcast(buf.mpi, root=root)
     buf.finish()
@@ -252,8 +260,11 @@ def isend(t: torch.Tensor, dest: int, comm: MPI.Comm, tag: int = 0) -> Handle:
     Returns:
         A [Handle][hpcpar.parallel.comm.Handle] whose ``wait()`` returns ``t``.
     """
-    buf = as_buffer(t, copy_back=False)
     count_sent(t.numel() * t.element_size())
+    group = torch_group(comm, t)
+    if group is not None:
+        return group.post((), ((t, dest, tag),))[0]  # type: ignore[return-value]
+    buf = as_buffer(t, copy_back=False)
     return Handle(comm.Isend(buf.mpi, dest=dest, tag=tag), [buf], result=t)
 
 
@@ -269,6 +280,9 @@ def irecv(t: torch.Tensor, source: int, comm: MPI.Comm, tag: int = 0) -> Handle:
     Returns:
         A [Handle][hpcpar.parallel.comm.Handle] whose ``wait()`` returns ``t``.
     """
+    group = torch_group(comm, t)
+    if group is not None:
+        return group.post(((t, source, tag),), ())[0]  # type: ignore[return-value]
     buf = Buffer(t, True, copy_in=False)
     return Handle(comm.Irecv(buf.mpi, source=source, tag=tag), [buf], result=t)
 
@@ -311,6 +325,9 @@ def allgather(t: torch.Tensor, comm: MPI.Comm) -> torch.Tensor:
     """
     size = comm.Get_size()
     out = torch.empty((size, *t.shape), dtype=t.dtype, device=t.device)
+    group = torch_group(comm, t)
+    if group is not None:
+        return group.allgather(t, out)
     sb = as_buffer(_dense(t), copy_back=False)
     rb = Buffer(out, True, copy_in=False)
     comm.Allgather(sb.mpi, rb.mpi)
@@ -331,6 +348,12 @@ def allgatherv(t: torch.Tensor, comm: MPI.Comm) -> torch.Tensor:
         Every rank's rows concatenated along dim 0 in rank order.
     """
     rows = comm.allgather(int(t.shape[0]))
+    group = torch_group(comm, t)
+    if group is not None:  # equal blocks: each rank's rows padded to the longest
+        block = t.new_zeros((max(rows), *t.shape[1:]))
+        block[:t.shape[0]] = t
+        every = group.allgather(block, t.new_empty((len(rows), *block.shape)))
+        return torch.cat([every[r, :n] for r, n in enumerate(rows)])
     inner = int(np.prod(t.shape[1:])) if t.dim() > 1 else 1
     out = torch.empty((sum(rows), *t.shape[1:]), dtype=t.dtype, device=t.device)
     sb = as_buffer(_dense(t), copy_back=False)

@@ -16,11 +16,12 @@ import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
 from hpcpar import _env
+from hpcpar.parallel.device_sync import Synchronizable, after_current_work, producer_stream
 
 if TYPE_CHECKING:
     pass
@@ -195,34 +196,25 @@ def forced_cuda_path(aware: bool) -> Iterator[None]:
         _AWARE_CACHE = old
 
 
-class Synchronizable(Protocol):
-    """A producer ``stream`` argument: anything that can wait for its work (a
-    ``torch.cuda.Stream``, an event)."""
-
-    def synchronize(self) -> None: ...
-
-
 def device_ready(tensor: torch.Tensor, stream: Synchronizable | None = None) -> None:
     """Block until no queued GPU work can still write ``tensor`` (or read it, for a receive
-    buffer): call before MPI (or a host copy for staging) touches device memory.
+    buffer): call before MPI touches device memory directly.
 
-    mpi4py does no stream synchronisation, and a tensor may have been produced on any
-    stream, not only the current one; with no ``stream`` named the whole device is
-    synchronised (in training, a step's work is on one stream, so this costs what a
-    current-stream sync costs). A named producer ``stream`` (anything with a
-    ``synchronize()``: ``torch.cuda.Stream``, an event) is synchronised instead. CPU
-    tensors: nothing to wait for.
+    mpi4py does no stream synchronisation. The work that wrote a message (its pack) was queued
+    on the current stream, so the host waits for an event recorded there now, not for the
+    whole device (:mod:`.device_sync`: other streams, and the work queued after, keep
+    running). A tensor written on another stream names that ``stream`` (anything with a
+    ``synchronize()``: ``torch.cuda.Stream``, an event). CPU tensors: nothing to wait for,
+    but the wait is counted all the same, so a CPU test sees the waits of a GPU step.
 
     Args:
         tensor: The tensor MPI is about to read or write.
-        stream: The stream (or event) that produced it; None: every stream of its device.
+        stream: The stream (or event) that produced it; None: the current stream.
     """
-    if tensor.device.type == "cpu":
-        return
     if stream is not None:
-        stream.synchronize()
+        producer_stream(stream)
     else:
-        torch.cuda.synchronize(tensor.device)
+        after_current_work(tensor.device)
 
 
 def force_staging() -> bool:

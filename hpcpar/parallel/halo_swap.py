@@ -49,24 +49,18 @@ def _swap(plan: HaloPlan, a: int, sends, recvs, tag: int) -> int:
     ``sends[side]``: the message for neighbour ``side`` (0 lo, 1 hi) or None; ``recvs[side]``:
     the message to receive from it or None (messages are dense: see :func:`_wire`).
     """
-    from hpcpar.parallel.comm import irecv, isend  # deferred: loads numpy
+    from hpcpar.parallel.transport import exchange  # deferred: loads numpy
 
     ax = plan.axes[a]
-    comm = plan.grid.spatial_comm
     nbr = (ax.lo, ax.hi)
-    handles, nbytes = [], 0
-    for side in (0, 1):
-        peer = nbr[side]
-        if recvs[side] is not None:
-            assert peer is not None  # a message is exchanged with a neighbour only
-            # the neighbour sent it from its opposite side
-            handles.append(irecv(_wire(recvs[side]), peer, comm, tag + 2 * a + (1 - side)))
-    for side in (0, 1):
-        peer = nbr[side]
-        if sends[side] is not None:
-            assert peer is not None
-            handles.append(isend(_wire(sends[side]), peer, comm, tag + 2 * a + side))
-            nbytes += sends[side].numel() * sends[side].element_size()
+    # the neighbour sent what we receive from its opposite side
+    posted_recvs = [(_wire(recvs[s]), nbr[s], tag + 2 * a + (1 - s)) for s in (0, 1)
+                    if recvs[s] is not None]
+    posted_sends = [(_wire(sends[s]), nbr[s], tag + 2 * a + s) for s in (0, 1)
+                    if sends[s] is not None]
+    assert all(peer is not None for _, peer, _ in posted_recvs + posted_sends)  # neighbours only
+    nbytes = sum(t.numel() * t.element_size() for t, _, _ in posted_sends)
+    handles = exchange(plan.grid.spatial_comm, posted_recvs, posted_sends)
     t0 = time.perf_counter()
     for h in handles:
         h.wait()

@@ -297,9 +297,17 @@ class Trainer:
 
         self.writer = CheckpointWriter(self.ckpt_dir, self.comm, job.checkpoint.keep,
                                        background=job.checkpoint.background)
+        # last: nothing below can fail and leave the comm bound to a group
+        from hpcpar.parallel.transport import use_transport  # deferred: loads torch
+
+        try:
+            self.transport = use_transport(self.grid, job.train.halo_transport, self.device)
+        except HpcparError as exc:  # decided alike on every rank
+            raise _collective(exc) from None
         if self.rank == 0:
             self.log(f"{job.name}: {job.model.kind} on grid {self.grid.spec()} "
-                     f"({self.grid.size} ranks, {self.device}), steps {self.step}->{self.total}"
+                     f"({self.grid.size} ranks, {self.device}, halos over "
+                     f"{self.transport.name}), steps {self.step}->{self.total}"
                      + (", optimizer state sharded" if self._sharded else ""))
 
     # -- checkpoint/restart ----------------------------------------------------------------------
@@ -449,10 +457,10 @@ class Trainer:
 
     # -- the loop ----------------------------------------------------------------------------------
     def _sync(self) -> None:
-        if self.device.type == "cuda":
-            import torch
+        """The step boundary: the step's device work is done before its time is taken."""
+        from hpcpar.parallel.device_sync import whole_device  # deferred: loads torch
 
-            torch.cuda.synchronize(self.device)
+        whole_device(self.device)
 
     def _agree(self, stop_flag: int, loss: float, bad_grad: bool) -> Verdict:
         """The one allreduce per step: any rank asked to stop, the mean loss over ranks, how
@@ -699,7 +707,8 @@ class Trainer:
         recorder = RunRecorder(self.run_dir, self.grid, resume=resume, meta={
             "job_name": job.name, "job": job.to_dict(), "job_file": job.source,
             "global_batch": job.train.global_batch, "kind": job.model.kind,
-            "device": str(self.device), **self.workload.run_meta(),
+            "device": str(self.device), "halo_transport": self.transport.name,
+            **self.workload.run_meta(),
             # rank 0 writes meta.json: only it reads the data to checksum it
             **({"data": data_identity(job)} if self.rank == 0 else {})})
         if self.rank == 0:      # what the launcher reports: the step the ranks really resumed
@@ -902,6 +911,7 @@ class Trainer:
 
 
     def close(self) -> None:
+        self.transport.close()
         self.workload.close()
 
 

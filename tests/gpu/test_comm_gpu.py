@@ -89,10 +89,10 @@ def test_cuda_aware_path_every_dtype(comm):
 @mpi_case(nprocs=(2,), timeout=180)
 def test_side_stream_producers_are_waited_for(comm):
     """Tensors written on a side stream behind a ~50 ms kernel, handed to MPI at once: MPI
-    (or the staging copy) must not read them before the kernel ends. Direct comm calls and
-    bucket reductions wait for every stream of the device; the halo exchange runs its
-    packing on the current stream (torch's rule: that stream must be, or wait for, the
-    producer), so it is tested inside the side stream and after a ``wait_stream``."""
+    (or the staging copy) must not read them before the kernel ends. Every message waits for
+    an event on the current stream, never for the whole device (torch's rule: the current
+    stream must be, or wait for, the producer), so each case runs inside the side stream or
+    after a ``wait_stream``, with no host synchronisation between the write and MPI."""
     from hpcpar.parallel import comm as hc
     from hpcpar.parallel.grid import ProcessGrid
     from hpcpar.parallel.halo import halo_exchange
@@ -130,6 +130,7 @@ def test_side_stream_producers_are_waited_for(comm):
                 stream = busy_stream()
                 with torch.cuda.stream(stream):
                     t.fill_(rank + 1.0)
+                torch.cuda.current_stream().wait_stream(stream)
                 hc.allreduce_(t, comm)
                 assert torch.all(t == size * (size + 1) / 2).item(), f"allreduce {dtype}"
             p = torch.nn.Parameter(torch.zeros(300_000, device="cuda"))
@@ -138,6 +139,7 @@ def test_side_stream_producers_are_waited_for(comm):
             stream = busy_stream()
             with torch.cuda.stream(stream):
                 bucket.views[0].fill_(float(rank + 1))
+            torch.cuda.current_stream().wait_stream(stream)
             bucket.launch()
             Pending.wait(bucket.pending)
             bucket.finalize()

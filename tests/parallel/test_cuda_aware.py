@@ -84,8 +84,11 @@ class FakeStream:
 
 def test_device_memory_waits_for_its_producer_before_mpi(monkeypatch):
     """A device tensor (here on the meta device, which like CUDA is not host memory) is only
-    handed to MPI after its producer stream, or with none named the whole device, is
-    synchronised; CPU tensors wait for nothing."""
+    handed to MPI after its producer stream, or with none named an event on the current
+    stream, is waited for: never the whole device. CPU tensors count an event (nothing to
+    wait for), so a CPU test sees the waits a GPU would make."""
+    from hpcpar.parallel.device_sync import COUNTS
+
     log = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: log.append(
         f"device.synchronize({device})"))
@@ -93,32 +96,39 @@ def test_device_memory_waits_for_its_producer_before_mpi(monkeypatch):
     with hc.forced_cuda_path(True):
         buf = hc.as_buffer(t, stream=FakeStream(log))
         assert log == ["stream.synchronize"] and buf.mpi.dtype == torch.int16 and not buf.staged
+        events = COUNTS["event"]
         hc.as_buffer(t)
-        assert log[-1] == "device.synchronize(meta)"
-    n = len(log)
+        assert COUNTS["event"] == events + 1 and log == ["stream.synchronize"]
     hc.as_buffer(torch.zeros(3))
-    assert len(log) == n
+    assert COUNTS["event"] == events + 2 and log == ["stream.synchronize"]
 
 
-def test_staged_copy_happens_after_the_sync(monkeypatch):
-    """On the staged path the host copy reads the tensor: the sync must come first."""
+def test_staged_copy_is_waited_for_not_the_device(monkeypatch):
+    """On the staged path the host copy reads the tensor after its producer stream, and MPI
+    reads the host bytes only after the host waited for that copy (an event after it)."""
     log = []
     from hpcpar.parallel import buffers
 
-    monkeypatch.setattr(buffers, "device_ready", lambda tensor, stream=None: log.append("ready"))
+    monkeypatch.setattr(buffers, "after_current_work", lambda device: log.append("event"))
+    monkeypatch.setattr(buffers, "producer_stream", lambda stream: log.append("producer"))
     real_take = hc.STAGING.take
 
     def take(nbytes):
-        log.append("host copy")
+        log.append("host buffer")
         return real_take(nbytes)
 
     monkeypatch.setattr(hc.STAGING, "take", take)
     monkeypatch.setenv("HPCPAR_FORCE_STAGING", "1")
     t = torch.arange(6, dtype=torch.float32)
-    buf = hc.as_buffer(t, copy_back=False)
-    assert log == ["ready", "host copy"] and buf.staged
+    buf = hc.as_buffer(t, copy_back=False, stream=FakeStream(log))
+    assert log == ["host buffer", "producer", "event"] and buf.staged
     assert list(buf.mpi) == list(range(6))
     buf.finish()
+    recv = hc.Buffer(torch.zeros(6), True, copy_in=False)   # nothing to wait for before MPI
+    assert log[3:] == ["host buffer"]
+    recv.mpi[:] = 7
+    recv.finish()                                            # the copy back is waited for
+    assert log[4:] == ["event"] and recv.tensor.eq(7).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
