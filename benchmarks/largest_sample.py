@@ -121,9 +121,10 @@ class Trial:
 
 
 def largest(trial: Trial, config: tuple, guess: int | None, step: int, hi: int) -> int | None:
-    """Largest multiple of ``step`` in [step, hi] that fits: start at the guess, walk by doubling
-    the stride to bracket, then bisect (each size is a multiple of ``step``)."""
-    start = max(step, (guess or 4 * step) // step * step)
+    """Largest multiple of ``step`` in [step, hi] that fits: start at the guess (a planner's guess
+    past ``hi`` starts at ``hi``, so no edge above it is reported), walk by doubling the stride to
+    bracket, then bisect (each size is a multiple of ``step``)."""
+    start = min(hi // step * step, max(step, (guess or 4 * step) // step * step))
     ok, bad = (start, None) if trial.fits(config, start) else (None, start)
     stride = step
     while ok is None or bad is None:

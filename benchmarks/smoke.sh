@@ -66,7 +66,7 @@ smoke job_ab 240 "^demo-cosmoflow.toml +b +$N .* ${N}x$" \
     "$PY" benchmarks/job_ab.py --a train.channels_last=false --b train.channels_last=true \
     --jobs jobs/demo-cosmoflow.toml --rounds 1 --steps 7
 smoke largest_sample 300 "^\| hpcpar \| 1 \| .* \| [0-9]+ \| $N \|" \
-    "$PY" benchmarks/largest_sample.py --ranks 1 --levers none --limit 640MiB --step 16 \
+    "$PY" benchmarks/largest_sample.py --ranks 1 --levers none --limit 640MiB --step 16 --max-edge 48 \
     --work "$LOGS/largest"
 smoke memory 120 "$N +$N +(yes|no)$" \
     "$MPIEXEC" -n 2 "$PY" benchmarks/memory.py --size 16 --layers 1

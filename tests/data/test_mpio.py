@@ -1,7 +1,9 @@
-"""The reader's parallel-HDF5 path (``driver="mpio"``) on 2 ranks, under an h5py built against
+"""The parallel-HDF5 paths (``driver="mpio"``) on 2 ranks, under an h5py built against
 Debian's MPICH HDF5 (the environment .ci/setup.d/30-parallel-hdf5.sh builds): every rank's
 batches equal the serial read bit for bit, for a sharded directory with the default chunks and
-for one shared file; the read rates of mpio and of the default POSIX path are printed.
+for one shared file; the read rates of mpio and of the default POSIX path are printed; and
+``hpcpar.predict`` writes one plain HDF5 file collectively (no per-rank parts, no virtual data
+set) that equals the one-process forward.
 
 Where that environment is missing the test skips with the reason; under ``CI=true`` it fails,
 because CI builds it. This file is also the MPI worker (run as a script by the test)."""
@@ -99,6 +101,54 @@ def test_mpio_reads_match_serial(tmp_path, record_property):
         record_property(f"mpio_{r['name']}_rank{r['rank']}", line)
 
 
+class _Net:
+    """The prediction test's model: a 3^3 convolution (its halo crosses the ranks' boundary),
+    a ReLU and a 1x1x1 head, seeded."""
+
+    @staticmethod
+    def make():
+        import torch
+        from torch import nn
+
+        torch.manual_seed(3)
+        return nn.Sequential(nn.Conv3d(2, 4, 3, padding=1), nn.ReLU(), nn.Conv3d(4, 3, 1))
+
+
+def test_predict_writes_one_file_with_mpio(tmp_path):
+    import torch
+
+    python, mpiexec = mpio_env()
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, 2, 13, 9, 6)).astype(np.float32)   # odd sizes: uneven halves
+    src = tmp_path / "vol.h5"
+    with h5py.File(src, "w") as f:
+        f["x"] = x
+    out = tmp_path / "pred.h5"
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    proc = subprocess.run([mpiexec, "-n", "2", python, os.path.abspath(__file__), "predict",
+                           str(src), str(out)], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert not os.path.exists(f"{out}.parts"), "mpio must write one file, not per-rank parts"
+    with h5py.File(out, "r") as f:
+        assert not f["y"].is_virtual
+        assert int(f.attrs["complete"]) == 1
+        got = f["y"][...]
+    with torch.no_grad():
+        want = _Net.make()(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def predict_worker(src: str, out: str) -> None:
+    """Both ranks predict ``src`` on a 1x2x1x1 grid (h5py with MPI: the mpio writer)."""
+    import h5py
+
+    import hpcpar
+
+    assert h5py.get_config().mpi, "h5py is not built against MPI"
+    hpcpar.predict(_Net.make(), src, out, "1x2x1x1")
+
+
 def worker(out: str, paths: dict) -> None:
     """Each rank reads every path with driver="mpio", then with the default driver (warm:
     both after one untimed epoch), and saves its batches and its read rates in ``out``."""
@@ -141,4 +191,7 @@ def worker(out: str, paths: dict) -> None:
 
 
 if __name__ == "__main__":
-    worker(sys.argv[1], json.loads(sys.argv[2]))
+    if sys.argv[1] == "predict":
+        predict_worker(*sys.argv[2:4])
+    else:
+        worker(sys.argv[1], json.loads(sys.argv[2]))
