@@ -95,7 +95,7 @@ SCHEMA: dict[str, dict[str, Param]] = {
                         help="who reduces gradient buckets: MPI, or NCCL (CUDA models)"),
         "halo_transport": _p(str, "auto", choices=("auto", "mpi", "nccl", "gloo", "staged"),
                              help="who moves halo faces and spatial collectives: auto (CUDA: "
-                             "nccl, else CUDA-aware mpi, else staged; CPU: mpi), mpi, nccl "
+                             "CUDA-aware mpi, else staged; CPU: mpi), mpi, nccl "
                              "(CUDA), gloo (CPU), staged (CUDA through host memory); "
                              "meta.json records the one used"),
         "check_replicas_every": _p(int, 100, min=0, help="compare every replicated "
