@@ -13,7 +13,9 @@ matching columns of the weight and the partial products are summed over the spat
 every spatial rank, since the loss after the head is computed redundantly and counts once).
 
 Memory divides by the spatial ranks: on its first use the weight Parameter is cut in place
-(``p.data``) to this rank's columns, so the optimizer and ``hpcpar.DDP`` keep the same object.
+(``p.data``) to this rank's columns, so the optimizer and ``hpcpar.DDP`` keep the same object
+(a :class:`~hpcpar.nn.head_grad.CutWeight`: a user's own ``clip_grad_norm_`` takes the
+whole weight's gradient norm).
 Neither may hold state for it yet: :func:`hpcpar.nn.spatializer.settle` runs that first use
 before they are built (the trainer does). The cut weight's gradient is complete for its
 columns, so it is tagged data-only, like the replicated bias. ``state_dict()`` shows the full
@@ -49,12 +51,10 @@ from hpcpar.parallel.halo import autocast_cast
 from . import rules, spill
 from . import spatial_ops as sops
 from .dropout import spatial_dropout
+from .head_grad import COLUMNS_ATTR, CutWeight
 from .split import FlatLayout, SplitTensor, adopt, raw
 
 __all__ = ["ColumnSplit", "column_split", "flat_rule", "gathered_to", "has_flat_form"]
-
-#: The attribute a cut weight Parameter carries (its :class:`ColumnSplit`).
-COLUMNS_ATTR = "_hpcpar_columns"
 
 
 @dataclass(frozen=True, eq=False)
@@ -247,6 +247,8 @@ def _cut(weight, lay: FlatLayout, call):
     with torch.no_grad():
         weight.data = info.take(weight.data).contiguous()
     setattr(weight, COLUMNS_ATTR, info)
+    if type(weight) is nn.Parameter:   # norms of its gradient: the whole weight's
+        weight.__class__ = CutWeight
     _install_hooks(owner)
     ctx.replicated_params.add(id(weight))
     return weight

@@ -334,6 +334,37 @@ def test_hpcpar_runs_clip_grad_norm_is_global_with_a_cut_head(comm):
         _close(_full_grad(p), ref[name].grad, f"clipped grad {name}")
 
 
+@mpi_case(nprocs=(2, 4), timeout=300)
+def test_users_own_clip_grad_norm_is_global_with_a_cut_head(comm):
+    """A user's own loop calls ``torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)``
+    (2-norm, then the inf-norm; foreach and not) after the head weight was cut to each
+    rank's columns: the norm it returns is single-process torch's on every rank, and the
+    clipped SGD updates are torch's (hpcpar.nn.head_grad)."""
+    import hpcpar
+    from hpcpar.nn import spatialize
+
+    grid = hpcpar.ProcessGrid(x=2, y=comm.Get_size() // 2, comm=comm)
+    torch.manual_seed(0)
+    plain = _sequential().double()
+    model = hpcpar.DDP(spatialize(copy.deepcopy(plain), grid), grid)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    x = randn((2, 2, *SIZE), 3, torch.float64)
+    for norm_type, foreach in ((2.0, None), (math.inf, False), (2.0, False)):
+        for net, xs, o in ((plain, x, ref_opt), (model, _piece(x, grid), opt)):
+            o.zero_grad()
+            (net(xs) ** 2).sum().backward()
+        want = float(torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0, norm_type))
+        total = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type,
+                                                     foreach=foreach))
+        assert want > 1.0 and abs(total - want) <= RTOL * want, (norm_type, total, want)
+        ref_opt.step()
+        opt.step()
+        full = model.module.state_dict()
+        for name, q in plain.named_parameters():
+            _close(full[name], q.detach(), f"{name} after a clipped step ({norm_type})")
+
+
 @mpi_case(nprocs=(2,), timeout=120)
 def test_autocast_fp16_keeps_torchs_dtypes(comm):
     """Under an fp16 autocast (``precision = "fp16"``) every module gives the dtype it gives in
