@@ -16,7 +16,7 @@ from hpcpar.formats.kinds import load_object
 
 from .checkpoint import store
 
-__all__ = ["load_model", "checkpoint_of", "model_class"]
+__all__ = ["load_model"]
 
 
 def checkpoint_of(target: str | os.PathLike) -> tuple[Path, Path]:

@@ -30,8 +30,7 @@ from hpcpar.run.checkpoint.resume import check_chosen, check_compatible, grid_ch
 from hpcpar.run.checkpoint.store import checkpoint_step, list_checkpoints, read_manifest, set_aside
 from hpcpar.run.data_identity import check_same_data
 
-__all__ = ["default_run_dir", "grid_report", "check_from", "nothing_left", "decide", "prepare",
-           "supersede", "SUPERSEDED_SUFFIX", "copy_job_file", "segments", "settle_settings",
+__all__ = ["default_run_dir", "nothing_left", "decide", "prepare", "segments", "settle_settings",
            "outcome"]
 
 #: suffix of the checkpoints newer than the one ``--from`` resumed: kept, never resumed

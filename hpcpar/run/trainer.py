@@ -84,8 +84,8 @@ if TYPE_CHECKING:
 
     from hpcpar.formats.jobspec import JobSpec
 
-__all__ = ["TrainResult", "Verdict", "RankLog", "grads_finite", "seed_all", "peak_memory",
-           "total_steps", "Trainer", "StopMarker", "failure_reason", "train", "main"]
+__all__ = ["TrainResult", "Verdict", "grads_finite", "peak_memory", "total_steps", "Trainer",
+           "train", "main"]
 
 
 @dataclass
