@@ -18,7 +18,7 @@ import importlib.util
 import os
 import sys
 
-__all__ = ["FOLDERS", "install"]
+__all__ = ["install"]
 
 #: Package name -> the checkout's top-level folder it is.
 FOLDERS = {"hpcpar.kernels": "kernels", "hpcpar.analysis": "analysis",

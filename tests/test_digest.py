@@ -19,6 +19,6 @@ def test_sha256_file_is_the_one_helper(tmp_path):
 
 
 def test_checkpoints_use_the_same_helper():
-    import hpcpar.run.checkpoint as ckpt
+    import hpcpar.run.checkpoint.store as store
 
-    assert ckpt.sha256_file is sha256_file
+    assert store.sha256_file is sha256_file

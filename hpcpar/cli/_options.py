@@ -14,8 +14,8 @@ import click
 
 from hpcpar.errors import ConfigError
 
-__all__ = ["RANKS_HELP", "complete_set", "complete_site", "json_option", "node_counts",
-           "out_option", "ranks_option", "set_option"]
+__all__ = ["complete_site", "json_option", "node_counts", "out_option", "ranks_option",
+           "set_option"]
 
 RANKS_HELP = "Rank count(s): 4, or a list such as 1,2,4 where the command runs several."
 

@@ -15,7 +15,7 @@ import click
 from hpcpar.cli._options import json_option
 from hpcpar.errors import DataError
 
-__all__ = ["CHUNK_OPTION", "data", "make", "LAUNCHER_VARS", "cosmoflow", "shard", "info", "verify"]
+__all__ = ["data", "make", "cosmoflow", "shard", "info", "verify"]
 
 CHUNK_OPTION = click.option(
     "--chunk", default="auto", show_default=True,

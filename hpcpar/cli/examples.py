@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import click
 
-__all__ = ["EXAMPLES", "epilog", "attach"]
+__all__ = ["epilog", "attach"]
 
 # "command path" -> example command lines (shown verbatim, not re-wrapped)
 EXAMPLES: dict[str, tuple[str, ...]] = {

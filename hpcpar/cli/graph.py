@@ -12,7 +12,7 @@ import click
 
 from hpcpar.graph.format import bundled, check_graph_out, import_npz, write_graph
 
-__all__ = ["graph", "import_", "make", "partition"]
+__all__ = ["graph", "make", "partition"]
 
 
 @click.group()

@@ -14,7 +14,7 @@ from hpcpar.cli._options import json_option, ranks_option
 from hpcpar.errors import GridError
 from hpcpar.parallel.grid import MAX_TABLE_RANKS, layout, parse_spec, resolve_shape
 
-__all__ = ["slurm_context", "facts", "info"]
+__all__ = ["facts", "info"]
 
 
 def _version(module: str) -> str:

@@ -16,7 +16,7 @@ from hpcpar._version import __version__
 from hpcpar.cli.examples import attach, epilog
 from hpcpar.errors import EXIT_ABORTED, EXIT_USAGE, HpcparError
 
-__all__ = ["COMMANDS", "LazyGroup", "cli", "main"]
+__all__ = ["LazyGroup", "cli", "main"]
 
 # name -> (module, attribute, one-line help)
 COMMANDS = {

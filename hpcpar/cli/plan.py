@@ -16,7 +16,7 @@ from hpcpar._tables import text_table
 from hpcpar.cli._options import json_option, out_option, ranks_option, set_option
 from hpcpar.errors import LaunchError
 
-__all__ = ["FIELDS", "row", "table", "largest_table", "write_csv", "plan"]
+__all__ = ["row", "table", "plan"]
 
 
 def table(preds, top: int) -> str:

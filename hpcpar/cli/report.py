@@ -10,7 +10,7 @@ import click
 from hpcpar.cli._options import json_option, out_option
 from hpcpar.errors import EXIT_BELOW_REFERENCE, ConfigError
 
-__all__ = ["plan_predictor", "print_report", "report", "report_json"]
+__all__ = ["print_report", "report"]
 
 
 def report_json(rep) -> dict:

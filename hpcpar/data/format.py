@@ -34,14 +34,11 @@ if TYPE_CHECKING:
     import numpy as np
     from numpy.typing import ArrayLike
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "HDF5_SIGNATURE", "DEFAULT_CHUNK",
-           "MAX_AUTO_CHUNK", "shard_name", "chunk_edge", "PerRankChunks", "parse_chunk",
-           "chunk_from_options",
-           "x_chunks", "Array", "Shard", "Manifest", "read_manifest", "member_path", "sha256_file",
-           "check_file",
-           "open_h5", "check_array", "check_shard", "manifest_problems", "verify_dataset",
-           "SCAN_BLOCK_BYTES", "value_stats", "merge_stats", "dataset_stats", "expects_finite",
-           "check_finite", "check_values", "open_regular"]
+__all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "shard_name", "chunk_edge", "PerRankChunks",
+           "parse_chunk", "chunk_from_options", "x_chunks", "Array", "Shard", "Manifest",
+           "read_manifest", "member_path", "sha256_file", "check_file", "open_h5", "check_shard",
+           "verify_dataset", "value_stats", "merge_stats", "dataset_stats", "check_finite",
+           "open_regular"]
 
 FORMAT = "hpcpar-volume-shards"
 FORMAT_VERSION = 1

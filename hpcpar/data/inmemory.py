@@ -15,7 +15,7 @@ from hpcpar.parallel.grid import ProcessGrid
 
 from .synthetic import TARGETS, cosmoflow_sample
 
-__all__ = ["CACHE_BYTES", "SyntheticVolumeDataset"]
+__all__ = ["SyntheticVolumeDataset"]
 
 CACHE_BYTES = 1 << 30
 

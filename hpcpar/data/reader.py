@@ -38,7 +38,7 @@ from .format import (
 )
 from .staging import stage_shards
 
-__all__ = ["single_file_manifest", "ShardedVolumeDataset"]
+__all__ = ["ShardedVolumeDataset"]
 
 
 def single_file_manifest(path: str, x_key: str = "x", y_key: str = "y") -> Manifest:

@@ -23,8 +23,7 @@ import numpy as np
 
 from hpcpar.errors import DataError
 
-__all__ = ["TARGETS", "MIN_SIZE", "check_params", "cosmoflow_params", "cosmoflow_sample",
-           "CosmoflowSource"]
+__all__ = ["TARGETS", "check_params", "cosmoflow_sample", "CosmoflowSource"]
 
 TARGETS = ("amplitude", "slope", "cutoff", "nonlinearity")
 

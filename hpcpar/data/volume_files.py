@@ -23,7 +23,7 @@ import numpy as np
 
 from hpcpar.errors import DataError
 
-__all__ = ["EXTENSIONS", "stem", "expand", "VolumeFiles"]
+__all__ = ["stem", "expand", "VolumeFiles"]
 
 #: the file endings read, longest first (``.nii.gz`` before ``.gz``)
 EXTENSIONS = (".nii.gz", ".nii", ".npy", ".npz", ".tiff", ".tif", ".hdf5", ".h5")

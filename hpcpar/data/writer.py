@@ -49,8 +49,7 @@ from .format import (
     x_chunks,
 )
 
-__all__ = ["BLOCK_BYTES", "SerialComm", "shard_counts", "dataset_bytes", "write_dataset",
-           "reserve_space", "oserror_line",
+__all__ = ["SerialComm", "shard_counts", "write_dataset", "reserve_space", "oserror_line",
            "H5Source"]
 
 BLOCK_BYTES = 64 << 20  # samples are read from the source in blocks of about this size

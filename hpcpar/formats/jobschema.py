@@ -14,7 +14,7 @@ import tomlkit
 from hpcpar.formats.jobspec import SCHEMA, JobSpec
 from hpcpar.formats.kinds import REQUIRED, Param, get_workload, known_kinds
 
-__all__ = ["JSON_SCHEMA_DIALECT", "param_schema", "json_schema", "job_to_toml"]
+__all__ = ["json_schema", "job_to_toml"]
 
 JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 _JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array",

@@ -26,9 +26,8 @@ from hpcpar.errors import ConfigError, HpcparError
 from hpcpar.formats.kinds import REQUIRED, SEED_MAX, Param, get_workload
 from hpcpar.parallel.grid import AXES, resolve_shape
 
-__all__ = ["TIME_RE", "NAME_RE", "SCHEMA", "TYPE_NAMES", "Section", "JobSpec", "check_value",
-           "parse_override", "load_job", "build_job", "safe_name", "load_resolved", "grid_fix",
-           "profile_window"]
+__all__ = ["TIME_RE", "SCHEMA", "Section", "JobSpec", "parse_override", "load_job", "build_job",
+           "load_resolved", "profile_window"]
 
 TIME_RE = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$|^\d+$")
 #: A job name is one path component: run directories are runs/<name>-<time>, never elsewhere.

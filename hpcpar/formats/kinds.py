@@ -26,8 +26,8 @@ from typing import Any
 
 from hpcpar.errors import ConfigError
 
-__all__ = ["REQUIRED", "SEED_MAX", "ENTRY_POINT_GROUP", "MODEL_WORKLOAD", "Param", "load_object",
-           "register_workload", "known_kinds", "get_workload"]
+__all__ = ["REQUIRED", "SEED_MAX", "ENTRY_POINT_GROUP", "Param", "load_object", "register_workload",
+           "known_kinds", "get_workload"]
 
 REQUIRED = object()
 

@@ -46,10 +46,9 @@ from hpcpar.errors import HpcparError, RunDirError
 from hpcpar.formats.jobspec import build_job
 from hpcpar.formats.records import SCHEMA_NAME, SCHEMA_VERSION, now_iso, write_json_atomic
 
-__all__ = ["LOCK_NAME", "MARK_NAME", "RESUME_FREE", "RUN_ENTRIES", "RUN_FILES", "RunLock",
-           "read_mark", "write_mark", "owned_entries", "owned_dir", "read_json_file",
-           "is_run_dir", "make_run_dir", "check_run_dir", "settings_diff", "describe_diff",
-           "check_settings", "finished_status", "move_aside", "check_fresh",
+__all__ = ["LOCK_NAME", "MARK_NAME", "RESUME_FREE", "RUN_ENTRIES", "RunLock", "read_mark",
+           "write_mark", "owned_dir", "read_json_file", "make_run_dir", "check_run_dir",
+           "describe_diff", "check_settings", "finished_status", "move_aside", "check_fresh",
            "keep_old_settings", "set_aside_result", "ended", "mark_ended", "resumed_from"]
 
 LOCK_NAME = "hpcpar.lock"

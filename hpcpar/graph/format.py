@@ -35,8 +35,7 @@ from hpcpar.graph._csr import (
     num_classes_of,
 )
 
-__all__ = ["FORMAT", "VERSION", "MASKS", "NPZ_FIELDS", "write_graph", "check_graph_out",
-           "GraphFile",
+__all__ = ["FORMAT", "MASKS", "NPZ_FIELDS", "write_graph", "check_graph_out", "GraphFile",
            "csr_rows_dense", "NPZ_ERRORS", "npz_unreadable", "npz_missing", "npz_checked",
            "import_npz", "bundled"]
 

@@ -20,7 +20,7 @@ from hpcpar.errors import DataError
 from hpcpar.graph._csr import edges_to_csr
 from hpcpar.graph.stream_partition import available_memory
 
-__all__ = ["BYTES_PER_EDGE", "generate_bytes", "power_law_community_graph"]
+__all__ = ["power_law_community_graph"]
 
 
 def _sample(cum: np.ndarray, u: np.ndarray) -> np.ndarray:

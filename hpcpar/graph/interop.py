@@ -29,9 +29,8 @@ from hpcpar.graph._csr import (
 )
 from hpcpar.graph.format import MASKS, write_graph
 
-__all__ = ["pyg_arrays", "pyg_num_nodes", "pyg_vertex_fields", "warn_repeated_edges",
-           "load_pyg", "read_edge_list", "edge_list_chunks", "random_masks",
-           "import_graph"]
+__all__ = ["pyg_arrays", "pyg_num_nodes", "pyg_vertex_fields", "warn_repeated_edges", "load_pyg",
+           "edge_list_chunks", "random_masks", "import_graph"]
 
 
 def _np(value, dtype=None):

@@ -41,9 +41,9 @@ from hpcpar.errors import DataError
 from hpcpar.graph._csr import check_csr
 from hpcpar.graph.format import MASKS
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "part_name", "is_sharded_graph",
-           "GraphManifest", "read_graph_manifest", "PartWriter", "write_graph_manifest",
-           "read_part", "part_halo", "verify_graph_shards", "RangeOwner"]
+__all__ = ["FORMAT", "FORMAT_VERSION", "MANIFEST", "is_sharded_graph", "read_graph_manifest",
+           "PartWriter", "write_graph_manifest", "read_part", "part_halo", "verify_graph_shards",
+           "RangeOwner"]
 
 FORMAT = "hpcpar-graph-shards"
 PART_FORMAT = "hpcpar-graph-part"

@@ -67,9 +67,8 @@ from hpcpar.graph.interop import (
 from hpcpar.graph.shards import MANIFEST, PartWriter, write_graph_manifest
 from hpcpar.graph.vertex_partition import partition_csr
 
-__all__ = ["METHODS", "ROW_BLOCK", "peak_rss_bytes", "available_memory",
-           "metis_memory_estimate", "ldg_partition", "EdgeListSource", "NpzSource", "PygSource",
-           "open_source",
+__all__ = ["METHODS", "peak_rss_bytes", "available_memory", "metis_memory_estimate",
+           "ldg_partition", "EdgeListSource", "NpzSource", "PygSource", "open_source",
            "partition_graph"]
 
 METHODS = ("auto", "metis", "stream")

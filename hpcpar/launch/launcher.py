@@ -34,9 +34,8 @@ from hpcpar.errors import EXIT_ABORTED, LaunchError
 from hpcpar.launch.mpiexec import find_mpiexec
 from hpcpar.parallel.placement import env_int, in_slurm_step
 
-__all__ = ["MODES", "WHEEL_SRUN_ENV", "LOOPBACK_ENV", "wheel_srun_export", "loopback_flags",
-           "mpi_world_size", "default_ranks", "plan_launch", "launch_command", "run_ranks",
-           "rank_argv"]
+__all__ = ["MODES", "WHEEL_SRUN_ENV", "LOOPBACK_ENV", "wheel_srun_export", "mpi_world_size",
+           "default_ranks", "plan_launch", "launch_command", "run_ranks", "rank_argv"]
 
 MODES = ("direct", "srun", "mpiexec")
 

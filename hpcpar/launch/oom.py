@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-__all__ = ["memory_groups", "memory_limit", "OomWatch"]
+__all__ = ["memory_limit", "OomWatch"]
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 UNLIMITED = 1 << 60

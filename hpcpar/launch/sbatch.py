@@ -26,8 +26,8 @@ from pathlib import Path
 from hpcpar.errors import LaunchError
 from hpcpar.launch.site import Site, find_template
 
-__all__ = ["shell_quote", "sbatch_quote", "sbatch_filename", "sbatch_lines", "render", "Point",
-           "Allocation", "run_script", "report_script", "omp_threads"]
+__all__ = ["shell_quote", "sbatch_quote", "sbatch_filename", "render", "Point", "Allocation",
+           "run_script", "report_script"]
 
 _SBATCH_BARE = re.compile(r"^[A-Za-z0-9_@%+=:,./-]+$")
 _FIELD = re.compile(r"\{\{\s*([a-z_]+)\s*\}\}")

@@ -19,7 +19,7 @@ from hpcpar import _env
 from hpcpar._resources import data_dirs
 from hpcpar.errors import LaunchError
 
-__all__ = ["SCHEMA", "Site", "available", "find_template", "parse_site", "load_site"]
+__all__ = ["SCHEMA", "Site", "available", "find_template", "load_site"]
 
 
 # section -> key -> (type(s), default); every key of a profile must appear here.

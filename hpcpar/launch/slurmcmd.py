@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 
 from hpcpar.errors import LaunchError
 
-__all__ = ["DELAYS", "TRANSIENT", "UNSURE", "run_slurm", "transient"]
+__all__ = ["TRANSIENT", "run_slurm", "transient"]
 
 #: Seconds to wait before each retry: at most len(DELAYS) retries, about 7 s in all.
 DELAYS = (1.0, 2.0, 4.0)

@@ -34,9 +34,8 @@ from hpcpar.launch.site import Site, load_site
 from hpcpar.launch.slurmcmd import run_slurm
 from hpcpar.launch.sweep import plan as sweep_plan
 
-__all__ = ["RECORDS", "SCRIPTS", "RECORD_VERSION", "BatchJob", "parse_after", "plan_submit",
-           "sbatch", "dry_run_text", "submit", "read_records", "parse_scontrol", "run_dir_state",
-           "sweep_status", "format_status"]
+__all__ = ["parse_after", "plan_submit", "sbatch", "dry_run_text", "submit", "parse_scontrol",
+           "run_dir_state", "sweep_status", "format_status"]
 
 RECORDS = "jobs.json"
 SCRIPTS = "slurm"

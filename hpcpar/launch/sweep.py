@@ -29,8 +29,8 @@ from hpcpar.errors import ConfigError, HpcparError, LaunchError
 from hpcpar.formats.jobspec import load_job
 from hpcpar.launch.threads import thread_env, threads_per_rank
 
-__all__ = ["parse_ranks", "point_grid", "plan", "SWEEP_FILE", "SWEEP_ENTRIES", "check_sweep_dir",
-           "sweep_lock", "run_command", "run_points", "submit_command"]
+__all__ = ["parse_ranks", "point_grid", "plan", "sweep_lock", "run_command", "run_points",
+           "submit_command"]
 
 SWEEP_FILE = "sweep.json"  # the sweep's plan, written into OUT when it starts
 SUBMIT_RECORDS = "jobs.json"  # hpcpar submit's records: a sweep submitted to Slurm

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 
 from hpcpar.errors import ConfigError
 
-__all__ = ["THREAD_VARS", "threads_per_rank", "thread_env", "use_threads"]
+__all__ = ["threads_per_rank", "thread_env", "use_threads"]
 
 #: The variables that set the compute threads of torch (OpenMP), MKL and Numba in a rank.
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")

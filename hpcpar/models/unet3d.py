@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from ..nn.upsample import MatchSize
 
-__all__ = ["UNet3D", "conv_block"]
+__all__ = ["UNet3D"]
 
 
 def conv_block(cin: int, cout: int, batch_norm: bool, kernel_size: int = 3) -> nn.Sequential:

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from hpcpar.errors import CommError, HpcparError
 
-__all__ = ["agree", "ranks_text"]
+__all__ = ["agree"]
 
 T = TypeVar("T")
 

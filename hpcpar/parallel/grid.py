@@ -19,8 +19,8 @@ from hpcpar.errors import GridError
 if TYPE_CHECKING:
     from mpi4py import MPI
 
-__all__ = ["AXES", "SPATIAL_AXES", "coords_of", "rank_of", "parse_spec", "resolve_shape",
-           "fake_nodes", "node_of", "Layout", "layout", "MAX_TABLE_RANKS", "ProcessGrid"]
+__all__ = ["AXES", "coords_of", "rank_of", "parse_spec", "resolve_shape", "Layout", "layout",
+           "MAX_TABLE_RANKS", "ProcessGrid"]
 
 AXES = ("data", "x", "y", "z")
 SPATIAL_AXES = ("x", "y", "z")

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, NamedTuple, overload
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["RankInfo", "env_int", "in_slurm_step", "rank_info", "select_device"]
+__all__ = ["env_int", "in_slurm_step", "rank_info", "select_device"]
 
 
 class RankInfo(NamedTuple):

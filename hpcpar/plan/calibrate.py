@@ -36,9 +36,8 @@ if TYPE_CHECKING:
 
     from hpcpar.plan.machine import Link
 
-__all__ = ["best_time", "pingpong", "measure_link", "placement", "conv_rate", "layer_costs",
-           "OVERSUB_WINDOWS", "oversubscription", "polite_barrier", "gemm_rates", "graph_costs",
-           "thread_speedups", "opt_costs", "CONV_GRID", "conv_grid", "compute_rates", "main"]
+__all__ = ["best_time", "pingpong", "placement", "conv_rate", "layer_costs", "oversubscription",
+           "gemm_rates", "graph_costs", "opt_costs", "conv_grid", "main"]
 
 
 def best_time(fn: Callable[[], object], repeat: int = 5) -> float:

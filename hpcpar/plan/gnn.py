@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from hpcpar.plan.machine import Link, Machine
     from hpcpar.plan.types import Workload
 
-__all__ = ["Part", "GraphJob", "layer_times", "predict_graph"]
+__all__ = ["Part", "GraphJob", "predict_graph"]
 
 #: share of the budget a graph job's estimate may use: 0.9, as the volume jobs' was before
 #: their estimate counted the allocator's share (:data:`hpcpar.plan.memory.FRAGMENTATION`);

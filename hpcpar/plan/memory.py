@@ -78,8 +78,8 @@ from hpcpar.parallel.partition import largest_piece
 if TYPE_CHECKING:
     from hpcpar.plan.types import Workload
 
-__all__ = ["RUNTIME_BYTES", "HEADROOM", "FRAGMENTATION", "FRAGMENTED", "MemoryEstimate",
-           "optimizer_states", "estimate", "activations", "largest_edge", "parse_bytes"]
+__all__ = ["RUNTIME_BYTES", "HEADROOM", "FRAGMENTATION", "MemoryEstimate", "optimizer_states",
+           "estimate", "activations", "largest_edge", "parse_bytes"]
 
 #: resident memory of one rank before any tensor: measured 0.25-0.29 GB per rank (cgroup
 #: charge, 8 ranks, CosmoFlow on 32³, CPU) on the 2-core test machine

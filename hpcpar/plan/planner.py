@@ -57,8 +57,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["BYTES", "BUCKET_BYTES", "Layer", "trace_layers", "Workload", "Prediction", "grids",
-           "allreduce_time", "tp_linear_time", "mark_tensor_parallel", "LayerCost", "layer_cost",
-           "predict", "plan", "TIE", "tie_groups", "oversubscription"]
+           "allreduce_time", "tp_linear_time", "mark_tensor_parallel", "layer_cost", "predict",
+           "plan", "TIE", "tie_groups", "oversubscription"]
 
 
 def _tup(v) -> tuple:

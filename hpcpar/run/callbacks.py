@@ -22,8 +22,7 @@ if TYPE_CHECKING:
 
     from hpcpar.formats.jobspec import JobSpec
 
-__all__ = ["Callback", "TensorBoardCallback", "STEP_SCALARS", "job_callbacks",
-           "check_tensorboard"]
+__all__ = ["Callback", "TensorBoardCallback", "job_callbacks", "check_tensorboard"]
 
 #: Step-record columns written as TensorBoard scalars under ``time/`` (seconds).
 STEP_SCALARS = ("t_step", "t_data", "t_fwd", "t_bwd", "t_halo", "t_allreduce_exposed", "t_opt")

@@ -1,11 +1,12 @@
 """Checkpoints written while training goes on (``[checkpoint] background = true``).
 
-At the step boundary the state is copied to CPU memory (:func:`hpcpar.run.checkpoint.in_memory`)
-and a background thread writes this rank's files into the checkpoint's temporary directory
-(:func:`hpcpar.run.checkpoint.write_part`: fsynced, checksummed). Threads call no MPI: at a
-later step boundary, once a small allreduce says every rank has written its part, the main
+At the step boundary the state is copied to CPU memory
+(:func:`hpcpar.run.checkpoint.capture.in_memory`) and a background thread writes this rank's
+files into the checkpoint's temporary directory
+(:func:`hpcpar.run.checkpoint.store.write_part`: fsynced, checksummed). Threads call no MPI: at
+a later step boundary, once a small allreduce says every rank has written its part, the main
 thread gathers the parts' checksums and rank 0 finishes the checkpoint in another thread
-(:func:`hpcpar.run.checkpoint.finish`: manifest, fsyncs, rename, rotation), so no fsync ever
+(:func:`hpcpar.run.checkpoint.store.finish`: manifest, fsyncs, rename, rotation), so no fsync ever
 blocks a step. A checkpoint exists only once renamed, so a kill at any moment leaves the
 previous set or the complete new one, as with synchronous writes. The next checkpoint waits
 for the previous one's parts and starts its finish; a stop signal and the end of training
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcpar.errors import RunDirError
-from hpcpar.run import checkpoint as ckpt
+from hpcpar.run.checkpoint import capture, store
 
 __all__ = ["CheckpointWriter"]
 
@@ -82,7 +83,7 @@ class CheckpointWriter:
     """One rank's checkpoint writer; every method is collective (same calls on every rank).
 
     A background checkpoint goes through two stages: every rank writes its part (a thread per
-    rank), then rank 0 finishes it (:func:`hpcpar.run.checkpoint.finish`: manifest, fsyncs,
+    rank), then rank 0 finishes it (:func:`hpcpar.run.checkpoint.store.finish`: manifest, fsyncs,
     rename, rotation; a thread on rank 0) once a gather says every part is written. The
     next checkpoint's parts may be written while the previous one is finished; the finish
     of one waits for the finish of the one before, so checkpoints appear in step order.
@@ -105,7 +106,7 @@ class CheckpointWriter:
         # rename, rotation) runs while the next one's parts are written
         self._writes, self._finishes = _Worker("hpcpar-ckpt-parts"), \
             _Worker("hpcpar-ckpt-finish")
-        ckpt.prepare(self.ckpt_dir, comm)
+        store.prepare(self.ckpt_dir, comm)
 
     def save(self, step: int, *, model_state: dict, trainer_state: dict, rank_state: dict,
              info: dict) -> Path:
@@ -117,27 +118,27 @@ class CheckpointWriter:
         """
         if not self.background:   # prepared once, at __init__
             self.flush()
-            return ckpt.write_and_commit(self.ckpt_dir, step, comm=self.comm,
+            return store.write_and_commit(self.ckpt_dir, step, comm=self.comm,
                                          model_state=model_state, trainer_state=trainer_state,
                                          rank_state=rank_state, info=info, keep=self.keep)
         self._hand_over()
-        tmp = ckpt.temp_dir(self.ckpt_dir, step)
+        tmp = store.temp_dir(self.ckpt_dir, step)
         rank, size = self.comm.Get_rank(), self.comm.Get_size()
         # only the rank that writes the trainer state pays for its copy
-        states = {"model_state": model_state if ckpt.writes("model.pt", rank, size) else None,
-                  "trainer_state": ckpt.in_memory(trainer_state)
-                  if ckpt.writes("trainer.pt", rank, size) else None,
-                  "rank_state": ckpt.in_memory(rank_state), "size": size}
+        states = {"model_state": model_state if store.writes("model.pt", rank, size) else None,
+                  "trainer_state": capture.in_memory(trainer_state)
+                  if store.writes("trainer.pt", rank, size) else None,
+                  "rank_state": capture.in_memory(rank_state), "size": size}
         pending = _Pending(step, info)
         pending.done = self._writes.submit(self._write, tmp, states, pending)
         self._pending = pending
-        return self.ckpt_dir / ckpt.step_dir_name(step)
+        return self.ckpt_dir / store.step_dir_name(step)
 
     def _write(self, tmp: Path, states: dict, pending: _Pending) -> None:
         """The part's thread: this rank's files; any failure becomes the part's error line."""
         rank = self.comm.Get_rank()   # a local query, not communication
         try:
-            mine = ckpt.write_part(tmp, rank, **states)
+            mine = store.write_part(tmp, rank, **states)
         except Exception as exc:  # noqa: BLE001 - reported on every rank at the commit
             mine = {"error": f"rank {rank}: {type(exc).__name__}: {exc}"}
         pending.mine = mine
@@ -145,11 +146,11 @@ class CheckpointWriter:
     def _finish(self, parts: list[dict], pending: _Pending) -> None:
         """Rank 0's finishing thread (no MPI); its error line is reported at the next commit."""
         try:
-            pending.error = ckpt.finish(self.ckpt_dir, pending.step, parts=parts,
+            pending.error = store.finish(self.ckpt_dir, pending.step, parts=parts,
                                         world_size=self.comm.Get_size(), info=pending.info,
                                         keep=self.keep)
         except Exception as exc:  # noqa: BLE001 - reported on every rank at the commit
-            pending.error = f"checkpoint {self.ckpt_dir / ckpt.step_dir_name(pending.step)} " \
+            pending.error = f"checkpoint {self.ckpt_dir / store.step_dir_name(pending.step)} " \
                             f"failed: {type(exc).__name__}: {exc}"
 
     def _finished(self) -> Path | None:
@@ -166,7 +167,7 @@ class CheckpointWriter:
         err = self.comm.bcast(done.error, root=0)
         if err:
             raise RunDirError(err)
-        return self.ckpt_dir / ckpt.step_dir_name(done.step)
+        return self.ckpt_dir / store.step_dir_name(done.step)
 
     def _hand_over(self) -> Path | None:
         """Wait for the pending checkpoint's parts and for the finish of the one before it,

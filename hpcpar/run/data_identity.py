@@ -15,7 +15,7 @@ from pathlib import Path
 from hpcpar._digest import sha256_file
 from hpcpar.errors import DataError
 
-__all__ = ["DATA_FIELDS", "path_checksum", "data_identity", "check_same_data"]
+__all__ = ["data_identity", "check_same_data"]
 
 #: the ``[data]`` fields that name data on disk
 DATA_FIELDS = ("path", "val_path")

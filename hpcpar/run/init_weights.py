@@ -4,7 +4,7 @@ The file is a torch ``state_dict`` of the plain model (``torch.save(model.state_
 read with ``weights_only=True``: tensors and plain containers only, never pickled code. It is
 matched against the distributed model's full (unpartitioned) state dict, the one checkpoints
 store, so split and tensor-parallel layers take their piece when it is loaded
-(:func:`hpcpar.run.checkpoint.load_full_state_dict`). Strict by default
+(:func:`hpcpar.run.checkpoint.capture.load_full_state_dict`). Strict by default
 (``[train] init_strict``): missing or unexpected keys are one error line; not strict, the
 matching keys load, the others are one warning line. A shape mismatch is always an error.
 """

@@ -36,7 +36,7 @@ from hpcpar.parallel.partition import box, owner, part_range
 from . import predict_output as output
 from .slabs import Slab, model_reach, param_dtype, slab_plan
 
-__all__ = ["Post", "VolumeSource", "predict", "main"]
+__all__ = ["Post", "predict", "main"]
 
 DTYPES = ("float32", "float64", "float16", "uint8")
 

@@ -14,16 +14,16 @@ from typing import Any
 from hpcpar.errors import ConfigError, RunDirError
 from hpcpar.formats.kinds import load_object
 
-from . import checkpoint as ckpt
+from .checkpoint import store
 
-__all__ = ["load_model", "checkpoint_of", "model_class"]
+__all__ = ["load_model"]
 
 
 def checkpoint_of(target: str | os.PathLike) -> tuple[Path, Path]:
     """(run directory, checkpoint directory) of a run directory (its newest valid
     checkpoint) or of one checkpoint directory (``RUN/checkpoints/step-N``)."""
     path = Path(target)
-    if ckpt.checkpoint_step(path) is not None and (path / ckpt.MANIFEST).is_file():
+    if store.checkpoint_step(path) is not None and (path / store.MANIFEST).is_file():
         chosen, run_dir = path, path.parent.parent
     else:
         run_dir = path
@@ -31,9 +31,9 @@ def checkpoint_of(target: str | os.PathLike) -> tuple[Path, Path]:
             raise RunDirError(f"{path}: not a run directory (no job.json) or a checkpoint "
                               "(step-N with manifest.json)")
         found = None
-        for candidate in ckpt.list_checkpoints(path / "checkpoints"):
+        for candidate in store.list_checkpoints(path / "checkpoints"):
             try:
-                ckpt.verify(candidate)
+                store.verify(candidate)
             except RunDirError:
                 continue
             found = candidate
@@ -43,7 +43,7 @@ def checkpoint_of(target: str | os.PathLike) -> tuple[Path, Path]:
         chosen = found
     if not (run_dir / "job.json").is_file():
         raise RunDirError(f"{chosen}: its run directory {run_dir} has no job.json")
-    ckpt.verify(chosen)
+    store.verify(chosen)
     return run_dir, chosen
 
 

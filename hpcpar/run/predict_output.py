@@ -29,7 +29,7 @@ import numpy as np
 from hpcpar.errors import DataError, RunDirError
 from hpcpar.parallel.agree import agree
 
-__all__ = ["KEY", "MARK", "parts_dir", "check_out", "prepare", "is_complete", "Output"]
+__all__ = ["KEY", "check_out", "prepare", "Output"]
 
 KEY = "y"
 MARK = "hpcpar_predict"  # attribute: this file is an hpcpar prediction (its settings, JSON)

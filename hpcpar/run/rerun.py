@@ -26,19 +26,11 @@ from hpcpar.errors import (
     RunDirError,
 )
 from hpcpar.formats import rundir
-from hpcpar.run.checkpoint import (
-    check_chosen,
-    check_compatible,
-    checkpoint_step,
-    grid_change,
-    list_checkpoints,
-    read_manifest,
-    set_aside,
-)
+from hpcpar.run.checkpoint.resume import check_chosen, check_compatible, grid_change
+from hpcpar.run.checkpoint.store import checkpoint_step, list_checkpoints, read_manifest, set_aside
 from hpcpar.run.data_identity import check_same_data
 
-__all__ = ["default_run_dir", "grid_report", "check_from", "nothing_left", "decide", "prepare",
-           "supersede", "SUPERSEDED_SUFFIX", "copy_job_file", "segments", "settle_settings",
+__all__ = ["default_run_dir", "nothing_left", "decide", "prepare", "segments", "settle_settings",
            "outcome"]
 
 #: suffix of the checkpoints newer than the one ``--from`` resumed: kept, never resumed
@@ -83,7 +75,7 @@ def grid_report(run_dir: Path, shape, start_from: Path | None = None) -> str | N
 
 def check_from(rd: Path, job, grid_spec: str, start_from: Path | None, fresh: bool) -> None:
     """``--from CHECKPOINT``: it must verify and fit the job and grid
-    (:func:`hpcpar.run.checkpoint.check_chosen`), and ``--fresh`` would move it aside when it
+    (:func:`hpcpar.run.checkpoint.resume.check_chosen`), and ``--fresh`` would move it aside when it
     is one of the run directory's own."""
     if start_from is None:
         return

@@ -32,7 +32,7 @@ from fractions import Fraction
 from hpcpar.errors import ConfigError
 from hpcpar.parallel.partition import conv_pads, stencil_input_range, transposed_input_range
 
-__all__ = ["Slab", "Reach", "param_dtype", "model_reach", "slab_plan"]
+__all__ = ["Slab", "param_dtype", "model_reach", "slab_plan"]
 
 PROBE = 2 ** 8 * 3 ** 2 * 5  # D length of the meta probe: divisible by common stride products
 

@@ -52,11 +52,11 @@ from hpcpar.errors import (
 from hpcpar.formats import rundir
 from hpcpar.formats.jobspec import load_resolved, profile_window
 from hpcpar.formats.records import RunRecorder, open_nofollow, row_from_counters, write_json_atomic
+from hpcpar.formats.records.history import PackedHistory, history_rows
 from hpcpar.parallel.agree import agree
 from hpcpar.parallel.counters import COUNTERS
 from hpcpar.parallel.grid import ProcessGrid
 from hpcpar.parallel.placement import rank_info, select_device
-from hpcpar.run import checkpoint as ckpt
 from hpcpar.run import init_weights, rerun
 from hpcpar.run._optim import (
     build_scheduler,
@@ -66,6 +66,7 @@ from hpcpar.run._optim import (
     resume_settings,
 )
 from hpcpar.run.callbacks import job_callbacks
+from hpcpar.run.checkpoint import capture, finite, resume, store
 from hpcpar.run.checkpoint_writer import CheckpointWriter
 from hpcpar.run.data_identity import data_identity
 from hpcpar.run.grad_clip import clip_, norm_share, spatial_share, squared_norm
@@ -83,8 +84,8 @@ if TYPE_CHECKING:
 
     from hpcpar.formats.jobspec import JobSpec
 
-__all__ = ["TrainResult", "Verdict", "RankLog", "grads_finite", "seed_all", "peak_memory",
-           "total_steps", "Trainer", "StopMarker", "failure_reason", "train", "main"]
+__all__ = ["TrainResult", "Verdict", "grads_finite", "peak_memory", "total_steps", "Trainer",
+           "train", "main"]
 
 
 @dataclass
@@ -173,8 +174,9 @@ def grads_finite(params) -> bool:
     """Whether every gradient of ``params`` is finite. A finite sum has no NaN or inf in it:
     one read-only pass (``isfinite`` allocates masks and took 56 ms a step on an
     11 M-parameter head, more than its optimizer); only a non-finite sum, which overflow can
-    also give, is confirmed element by element (:func:`hpcpar.run.checkpoint.finite_flags`)."""
-    return all(ckpt.finite_flags([p.grad for p in params if p.grad is not None]))
+    also give, is confirmed element by element
+    (:func:`hpcpar.run.checkpoint.finite.finite_flags`)."""
+    return all(finite.finite_flags([p.grad for p in params if p.grad is not None]))
 
 
 def seed_all(seed: int) -> None:
@@ -270,7 +272,7 @@ class Trainer:
             self.scaler = LossScaler()
         self.step = 0
         self.history: list[list] = []      # [step, mean loss] at log points
-        self._packed = (ckpt.PackedHistory(), ckpt.PackedHistory())  # both, as trainer.pt
+        self._packed = (PackedHistory(), PackedHistory())  # both, as trainer.pt
         self.val_history: list[dict] = []
         self.skipped = 0                   # optimizer steps skipped for non-finite values
         self.overflows = 0                 # optimizer steps skipped for fp16 overflow
@@ -321,44 +323,44 @@ class Trainer:
         if chosen is not None:
             path = chosen
             try:
-                manifest = ckpt.check_chosen(path, self.grid.shape, self.job.model.kind,
+                manifest = resume.check_chosen(path, self.grid.shape, self.job.model.kind,
                                              self.comm)
             except HpcparError as exc:
                 raise _collective(exc) from None
         else:
-            resumable = ckpt.choose_resumable(self.ckpt_dir, self.comm, log=self.log)
+            resumable = resume.choose_resumable(self.ckpt_dir, self.comm, log=self.log)
             if resumable is None:
                 return
             path = resumable
             try:
-                manifest = ckpt.check_compatible(path, self.grid.shape)
+                manifest = resume.check_compatible(path, self.grid.shape)
             except HpcparError as exc:
                 raise _collective(exc) from None
-        manifest, model_sd, trainer_sd, rank_sd = ckpt.load(
-            path, ckpt.source_rank(manifest, self.grid.coords))
-        change = ckpt.grid_change(manifest, self.grid.shape)
+        manifest, model_sd, trainer_sd, rank_sd = resume.load(
+            path, resume.source_rank(manifest, self.grid.coords))
+        change = resume.grid_change(manifest, self.grid.shape)
         if change is not None:      # `hpcpar run` said it already, before the ranks started
             self.log(change, echo=False)
         try:
-            ckpt.load_full_state_dict(self.model, model_sd)
+            capture.load_full_state_dict(self.model, model_sd)
         except HpcparError as exc:
             raise _collective(exc) from None
-        ckpt.check_optimizer(path, self.optimizer, self.job.train.optimizer,
+        resume.check_optimizer(path, self.optimizer, self.job.train.optimizer,
                              trainer_sd["optimizer"])
-        ckpt.restore_buffers(self.model, rank_sd["buffers"])
+        capture.restore_buffers(self.model, rank_sd["buffers"])
         settings = hyperparameters(self.optimizer)
-        ckpt.load_full_optimizer_state(self.model, self.optimizer, trainer_sd["optimizer"])
+        capture.load_full_optimizer_state(self.model, self.optimizer, trainer_sd["optimizer"])
         # the state is the checkpoint's, the settings the job's (its lr, betas, schedule...)
         self.scheduler = resume_settings(self.optimizer, self.job.train, self.total, settings,
                                          trainer_sd["scheduler"])
-        self.history = ckpt.history_rows(trainer_sd.get("history"))
-        self.val_history = ckpt.history_rows(trainer_sd.get("val_history"))
+        self.history = history_rows(trainer_sd.get("history"))
+        self.val_history = history_rows(trainer_sd.get("val_history"))
         self.skipped = int(trainer_sd.get("skipped_steps", 0))
         self.overflows = int(trainer_sd.get("overflow_steps", 0))
         if self.scaler is not None and "loss_scale" in trainer_sd:
             self.scaler.load_state_dict(trainer_sd["loss_scale"])
         self.workload.load_state_dict(rank_sd["data"])
-        ckpt.set_rng_state(rank_sd["rng"])
+        capture.set_rng_state(rank_sd["rng"])
         self.step = int(manifest["step"])
         self.resumed_from = path
         self.log(f"resumed from {path} at step {self.step}")
@@ -379,14 +381,14 @@ class Trainer:
         """Collective: start this new run from plain single-process weights
         (``[train] init_from``, :mod:`hpcpar.run.init_weights`); every rank reads the file and
         all raise the first rank's error alike."""
-        expected = ckpt.full_state_dict(self.model)
+        expected = capture.full_state_dict(self.model)
         try:
             merged, missing, unexpected = agree(self.comm, lambda: init_weights.fit_state_dict(
                 init_weights.read_state_dict(path), expected, self.job.train.init_strict, path))
         except HpcparError as exc:
             raise _collective(exc) from None
         try:
-            ckpt.load_full_state_dict(self.model, merged)
+            capture.load_full_state_dict(self.model, merged)
         except HpcparError as exc:
             raise _collective(exc) from None
         if missing or unexpected:
@@ -405,20 +407,20 @@ class Trainer:
         # writing each file: on every rank they would not divide by the ranks (the others
         # check their own tensors); there, backed by a file in the checkpoint directory
         size, spill = self.comm.Get_size(), self.writer.ckpt_dir
-        root = ckpt.writer("model.pt", size)
-        model_state = ckpt.full_state_dict(self.model, root, spill,
+        root = store.writer("model.pt", size)
+        model_state = capture.full_state_dict(self.model, root, spill,
                                            copy=self.comm.Get_rank() == root)
-        buffers = ckpt.local_buffers(self.model)
+        buffers = capture.local_buffers(self.model)
         self._check_finite_state(model_state, buffers)
-        trainer = {"optimizer": ckpt.full_optimizer_state(self.model, self.optimizer,
-                                                          ckpt.writer("trainer.pt", size), spill),
+        trainer = {"optimizer": capture.full_optimizer_state(self.model, self.optimizer,
+                                                          store.writer("trainer.pt", size), spill),
                    "scheduler": self.scheduler.state_dict(),
                    "history": self._packed[0](self.history),
                    "val_history": self._packed[1](self.val_history),
                    "skipped_steps": self.skipped, "overflow_steps": self.overflows}
         if self.scaler is not None:
             trainer["loss_scale"] = self.scaler.state_dict()
-        rank_state = {"rng": ckpt.rng_state(), "data": self.workload.state_dict(),
+        rank_state = {"rng": capture.rng_state(), "data": self.workload.state_dict(),
                       "buffers": buffers}
         info = {"grid": self.grid.spec(), "epoch": self.step * self.accumulate // self.spe,
                 "job": self.job.name, "kind": self.job.model.kind,
@@ -446,7 +448,7 @@ class Trainer:
     def _check_finite_state(self, model_state: dict, buffers: dict) -> None:
         """Collective: never checkpoint non-finite weights (e.g. batch-norm statistics of a NaN
         batch, which the gradient check cannot see)."""
-        bad = ckpt.nonfinite_entries(model_state) + ckpt.nonfinite_entries(buffers)
+        bad = finite.nonfinite_entries(model_state) + finite.nonfinite_entries(buffers)
         flags = self.comm.allgather(bad[0] if bad else None)
         culprits = [(r, name) for r, name in enumerate(flags) if name is not None]
         if culprits:
@@ -867,7 +869,7 @@ class Trainer:
     def _finish_diverged(self, recorder, loop: _LoopState):
         """Collective: records merged, meta.json status "diverged" with the reason, no new
         checkpoint (the newest one holds the last finite weights); raises DivergedError."""
-        newest = ckpt.list_checkpoints(self.ckpt_dir)
+        newest = store.list_checkpoints(self.ckpt_dir)
         kept = (f"; last finite checkpoint {newest[0].name} kept" if newest
                 else "; no checkpoint had been written yet")
         reason = (loop.diverged or "") + kept

@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["REDUCE_ATTR", "TAGS_VERSION", "SPATIAL_AND_DATA", "DATA_ONLY", "tag_data_only",
-           "reduce_scope", "copy_tags"]
+__all__ = ["REDUCE_ATTR", "TAGS_VERSION", "DATA_ONLY", "tag_data_only", "reduce_scope", "copy_tags"]
 
 REDUCE_ATTR = "hpcpar_reduce"
 #: A model attribute bumped whenever its parameters' tags change (a spatialized model learns

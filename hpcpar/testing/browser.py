@@ -15,7 +15,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-__all__ = ["chromium", "screenshot", "layout", "FLAGS"]
+__all__ = ["chromium", "screenshot", "layout"]
 
 #: Flags that run here as root in a container: no sandbox, no GPU, no network chatter, and a
 #: fresh profile per call (added by :func:`_run`).

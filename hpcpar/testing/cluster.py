@@ -50,8 +50,7 @@ from hpcpar.testing.slurm import (
     start_or_skip,
 )
 
-__all__ = ["VirtualCluster", "ClusterBusy", "parse_link", "teardown", "reclaim_stale",
-           "virtual_cluster", "STATE_FILE"]
+__all__ = ["VirtualCluster", "teardown", "virtual_cluster"]
 
 TOOLS = ("ip", "tc", "nsenter", "unshare")
 STATE_FILE = Path("/run/hpcpar-vcluster.json")

@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 
 from hpcpar.errors import HpcparError
 
-__all__ = ["DEEP", "HANG_SECONDS", "deep_text", "plausible_values", "mutated", "to_json",
-           "to_toml", "text_damage", "outcome", "time_limit", "memory_cap"]
+__all__ = ["DEEP", "plausible_values", "mutated", "to_json", "to_toml", "text_damage", "outcome",
+           "time_limit", "memory_cap"]
 
 #: stands for an array nested deeper than any parser's recursion limit, written by
 #: :func:`to_json` / :func:`to_toml` as ``[[[...]]]`` (a real document cannot hold it)

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 from hpcpar.launch.mpiexec import find_mpiexec, rank_env
 
-__all__ = ["DEFAULT_TIMEOUT", "mpi_case", "CaseResult", "ModuleRun", "startup_allowance",
-           "run_module", "run_cases", "case_id"]
+__all__ = ["mpi_case", "CaseResult", "ModuleRun", "startup_allowance", "run_module", "run_cases",
+           "case_id"]
 
 DEFAULT_TIMEOUT = 120.0
 _POLL = 0.5           # seconds between looks at the ranks' progress files

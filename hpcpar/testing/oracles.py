@@ -37,8 +37,7 @@ from hpcpar.sync.tags import reduce_scope
 __all__ = ["PROCESS_GRIDS", "SPATIAL_GRIDS", "idle_barrier", "on_grids", "on_subgrid",
            "refused_on_one_rank", "one_rank_grid", "randn", "tol", "close", "rel_err",
            "batch_slice", "piece_of", "spatial_slices", "check_layer", "compare_with_twin",
-           "check_spatial_model",
-           "cover", "CORA_NPZ", "load_cora", "dense_operators", "reference_dropout",
+           "check_spatial_model", "cover", "CORA_NPZ", "load_cora", "dense_operators",
            "gnn_forward", "gnn_loss", "train_cora"]
 
 # ============================================================================================

@@ -38,10 +38,9 @@ import pytest
 from hpcpar.launch.submit import parse_scontrol, plan_submit, submit
 from hpcpar.run.workloads.base import register_workload
 
-__all__ = ["DAEMONS", "CLIENTS", "NODE_CPUS", "PARTITION", "TERMINAL", "SlurmUnavailable",
-           "slurm_conf", "SlurmCluster", "TEST_KIND", "TEST_JOB", "STUB_PYTHON",
-           "register_test_kind", "write_test_job", "write_stub_python", "read_argv",
-           "shipped_profiles_only", "slurm_cluster"]
+__all__ = ["DAEMONS", "NODE_CPUS", "SlurmUnavailable", "slurm_conf", "SlurmCluster",
+           "write_test_job", "write_stub_python", "read_argv", "shipped_profiles_only",
+           "slurm_cluster"]
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "scontrol", "squeue", "scancel", "srun", "sinfo")

@@ -34,7 +34,8 @@ from hpcpar.formats.records import LocalComm
 from hpcpar.graph.format import GraphFile, write_graph
 from hpcpar.launch.sweep import parse_ranks, point_grid
 from hpcpar.parallel.grid import MAX_TABLE_RANKS, layout, parse_spec, resolve_shape
-from hpcpar.run.checkpoint import check_compatible, choose_resumable, step_dir_name, verify
+from hpcpar.run.checkpoint.resume import check_compatible, choose_resumable
+from hpcpar.run.checkpoint.store import step_dir_name, verify
 from hpcpar.testing.fuzz import (
     DEEP,
     memory_cap,

@@ -474,7 +474,7 @@ def test_kill9_of_a_training_rank_keeps_the_checkpoint_and_resume_is_exact(virtu
     from the newest ends with the same parameters, bit for bit, as the uninterrupted run."""
     import torch
 
-    from hpcpar.run.checkpoint import list_checkpoints, verify
+    from hpcpar.run.checkpoint.store import list_checkpoints, verify
 
     d, ref = node_sweep
     out = d / "kill9"

@@ -132,7 +132,7 @@ def _train(grid, opt_name, steps=3, model=None, opt_state=None):
     ``opt_state`` when given); returns (plain state dict, plain optimizer state dict)."""
     import hpcpar
     from hpcpar.nn import settle, spatialize
-    from hpcpar.run import checkpoint as ckpt
+    from hpcpar.run.checkpoint import capture
 
     torch.manual_seed(0)
     plain = _sequential().double() if model is None else model
@@ -142,7 +142,7 @@ def _train(grid, opt_name, steps=3, model=None, opt_state=None):
     opt = (torch.optim.Adam(sp.parameters(), lr=0.01) if opt_name == "adam"
            else torch.optim.SGD(sp.parameters(), lr=0.05, momentum=0.9))
     if opt_state is not None:
-        ckpt.load_full_optimizer_state(sp, opt, opt_state)
+        capture.load_full_optimizer_state(sp, opt, opt_state)
     for step in range(steps):
         x = randn((2 * grid.data, 2, *SIZE), 10 + step, torch.float64)
         y = randn((2 * grid.data, 2), 20 + step, torch.float64)
@@ -150,7 +150,7 @@ def _train(grid, opt_name, steps=3, model=None, opt_state=None):
         opt.zero_grad()
         F.mse_loss(ddp(_piece(x, grid)), y[bs]).backward()
         opt.step()
-    return ckpt.full_state_dict(sp), ckpt.full_optimizer_state(sp, opt)
+    return capture.full_state_dict(sp), capture.full_optimizer_state(sp, opt)
 
 
 def _reference(opt_name, steps, data):

@@ -112,7 +112,7 @@ def test_spatialize_copies_unless_inplace_and_check_keeps_no_weights():
 def _rooted_checkpoint_state(grid):
     from hpcpar.nn import settle, spatialize
     from hpcpar.nn.split_head import column_split
-    from hpcpar.run import checkpoint as ckpt
+    from hpcpar.run.checkpoint import capture
 
     sp = spatialize(_model(), grid, inplace=True)
     settle(sp, torch.zeros(1, 2, *SIZE, dtype=torch.float64)[spatial_slices(SIZE, grid)])
@@ -122,11 +122,11 @@ def _rooted_checkpoint_state(grid):
     opt.step()
     head = sp[3].weight
     info = column_split(head)
-    want_sd, want_opt = ckpt.full_state_dict(sp), ckpt.full_optimizer_state(sp, opt)
+    want_sd, want_opt = capture.full_state_dict(sp), capture.full_optimizer_state(sp, opt)
     index = [i for i, p in enumerate(sp.parameters()) if p is head][0]
     for root in range(grid.size):
         what = f"root {root} on {grid.spec()}"
-        sd, st = ckpt.full_state_dict(sp, root), ckpt.full_optimizer_state(sp, opt, root)
+        sd, st = capture.full_state_dict(sp, root), capture.full_optimizer_state(sp, opt, root)
         mine = grid.rank == root
         for k, v in want_sd.items():
             expect = v if mine or k != "3.weight" else head.detach()
@@ -138,7 +138,7 @@ def _rooted_checkpoint_state(grid):
             assert mine or torch.equal(info.take(full), got), what
         assert sd["3.weight"].untyped_storage().data_ptr() != \
             head.untyped_storage().data_ptr(), f"{what}: shares the live weight"
-        live = ckpt.full_state_dict(sp, root, copy=mine)   # collective: on every rank
+        live = capture.full_state_dict(sp, root, copy=mine)   # collective: on every rank
         own = dict((*sp.named_parameters(), *sp.named_buffers()))
         assert live.keys() == sd.keys() and all(torch.equal(live[k], sd[k]) for k in sd), what
         assert mine or all(live[k].untyped_storage().data_ptr() ==
@@ -153,7 +153,7 @@ def _spilled_on_the_root(grid, sp, opt, weight, moments):
     import os
     import tempfile
 
-    from hpcpar.run import checkpoint as ckpt
+    from hpcpar.run.checkpoint import capture
 
     index = [i for i, p in enumerate(sp.parameters()) if p is sp[3].weight][0]
     before = os.environ.get("HPCPAR_CHECKPOINT_SPILL")
@@ -161,8 +161,8 @@ def _spilled_on_the_root(grid, sp, opt, weight, moments):
     try:
         with tempfile.TemporaryDirectory() as tmp:
             root = grid.size - 1
-            sd = ckpt.full_state_dict(sp, root, spill_dir=tmp)
-            st = ckpt.full_optimizer_state(sp, opt, root, spill_dir=tmp)["state"][index]
+            sd = capture.full_state_dict(sp, root, spill_dir=tmp)
+            st = capture.full_optimizer_state(sp, opt, root, spill_dir=tmp)["state"][index]
             got = [sd["3.weight"], st["exp_avg"], st["exp_avg_sq"]]
             want = [weight, moments["exp_avg"], moments["exp_avg_sq"]]
             files = [t.untyped_storage().filename for t in got]
@@ -248,7 +248,7 @@ def test_a_state_is_written_without_a_copy_in_memory(tmp_path):
     size are the file's."""
     import hashlib
 
-    from hpcpar.run.checkpoint import _save
+    from hpcpar.run.checkpoint.store import _save
 
     state = {"w": torch.randn(300, 200), "n": 3}
     got = _save(state, tmp_path / "s.pt")

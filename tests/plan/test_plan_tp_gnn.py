@@ -151,7 +151,7 @@ def job(grid, tp, steps=6):
 @mpi_case(nprocs=2, timeout=400)
 def test_tensor_parallel_from_a_job_file_trains_like_the_plain_model(comm):
     from hpcpar.nn.tensor_parallel import TensorParallelLinear
-    from hpcpar.run.checkpoint import list_checkpoints
+    from hpcpar.run.checkpoint.store import list_checkpoints
     from hpcpar.run.trainer import train
 
     def final(run_dir):

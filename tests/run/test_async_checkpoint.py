@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from hpcpar.formats.jobspec import build_job
-from hpcpar.run import checkpoint as ckpt
+from hpcpar.run.checkpoint import store
 from hpcpar.run.workloads.base import register_workload
 from hpcpar.run.workloads.volume import CosmoFlowWorkload
 from hpcpar.testing import mpi_case, shared_tmpdir
@@ -66,7 +66,7 @@ def state_of(path: Path) -> dict:
     """A checkpoint's files, loaded (what a resume reads), less the schedule's total steps
     (the killed runs were given more steps than the uninterrupted one: a constant schedule)."""
     out = {name: torch.load(path / name, map_location="cpu", weights_only=True)
-           for name in ("model.pt", "trainer.pt", ckpt.rank_file(0))}
+           for name in ("model.pt", "trainer.pt", store.rank_file(0))}
     for lam in out["trainer.pt"]["scheduler"].get("lr_lambdas", []):
         if isinstance(lam, dict):
             lam.pop("total", None)
@@ -85,13 +85,13 @@ def test_async_stop_resume_is_bit_identical(comm):
         cut = train(job(10, x=2, kind="cosmoflow-async-stop"), base / "cut", comm=MPI.COMM_WORLD)
         assert ref.step == 10 and cut.stopped and cut.step == 5
         # the stop waited for the background write: the stopped step's checkpoint is committed
-        assert ckpt.list_checkpoints(base / "cut" / "checkpoints")[0].name == "step-000005"
+        assert store.list_checkpoints(base / "cut" / "checkpoints")[0].name == "step-000005"
         again = train(job(10, x=2), base / "cut", comm=MPI.COMM_WORLD)
         assert again.step == 10
         if comm.rank == 0:
             logged = (base / "cut" / "logs" / "rank-00000.log").read_text()
             assert "checkpoint step-000003 (writing in the background" in logged
-            newest = [ckpt.list_checkpoints(base / d / "checkpoints")[0] for d in ("ref", "cut")]
+            newest = [store.list_checkpoints(base / d / "checkpoints")[0] for d in ("ref", "cut")]
             assert [p.name for p in newest] == ["step-000010"] * 2
             a, b = (state_of(p) for p in newest)
             assert tensors_equal(a, b), "resumed asynchronous run differs from uninterrupted"
@@ -114,7 +114,7 @@ def _kill_during_training(job_json: Path, run_dir: Path, delay: float) -> None:
                             env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
     try:
         end = time.monotonic() + 120
-        while not ckpt.list_checkpoints(run_dir / "checkpoints"):
+        while not store.list_checkpoints(run_dir / "checkpoints"):
             assert proc.poll() is None and time.monotonic() < end, f"{run_dir}: no checkpoint"
             time.sleep(0.01)
         time.sleep(delay)
@@ -147,26 +147,26 @@ def test_kill9_at_random_moments_leaves_only_whole_checkpoints(tmp_path, one_thr
         list(pool.map(_kill_during_training, [job_json] * TRIALS, runs, delays))
     outcomes = []
     for run_dir in runs:
-        found = ckpt.list_checkpoints(run_dir / "checkpoints")
+        found = store.list_checkpoints(run_dir / "checkpoints")
         left = sorted(p.name for p in (run_dir / "checkpoints").iterdir()
-                      if ckpt.checkpoint_step(p) is None)
-        outcomes.append((run_dir, [ckpt.checkpoint_step(p) for p in found], left))
+                      if store.checkpoint_step(p) is None)
+        outcomes.append((run_dir, [store.checkpoint_step(p) for p in found], left))
     newest = max(steps[0] for _, steps, _ in outcomes)
     train(job(newest + 1, keep=1000), tmp_path / "ref")        # the uninterrupted run
     ref = tmp_path / "ref" / "checkpoints"
     for trial, (run_dir, steps, left) in enumerate(outcomes):
         assert steps, f"{run_dir}: no checkpoint survived"
         for step in steps:      # each verifies, loads and is the uninterrupted run's state
-            path = run_dir / "checkpoints" / ckpt.step_dir_name(step)
-            ckpt.verify(path)
-            assert tensors_equal(state_of(path), state_of(ref / ckpt.step_dir_name(step))), \
+            path = run_dir / "checkpoints" / store.step_dir_name(step)
+            store.verify(path)
+            assert tensors_equal(state_of(path), state_of(ref / store.step_dir_name(step))), \
                 f"{path} differs from the uninterrupted run's step {step}"
         # a write or removal cut short keeps a name that is never a checkpoint's
         assert all(name.startswith((".tmp-", ".old-")) for name in left), left
         if trial % 5 == 0:      # the newest resumes exactly (a few trials: each is a set-up)
             result = train(job(steps[0] + 1, keep=2), run_dir)
             assert result.step == steps[0] + 1
-            resumed = run_dir / "checkpoints" / ckpt.step_dir_name(steps[0] + 1)
+            resumed = run_dir / "checkpoints" / store.step_dir_name(steps[0] + 1)
             assert tensors_equal(state_of(resumed), state_of(ref / resumed.name)), resumed
     # the kills did land during writes: most trials left a write unfinished
     writing = sum(any(n.startswith(".tmp-") for n in left) for _, _, left in outcomes)
@@ -185,7 +185,7 @@ def test_a_rotation_cut_short_leaves_no_partial_checkpoint(tmp_path, monkeypatch
     from mpi4py import MPI
 
     def save(step, keep):
-        return ckpt.save(tmp_path, step, comm=MPI.COMM_SELF, model_state={"w": torch.ones(3)},
+        return store.save(tmp_path, step, comm=MPI.COMM_SELF, model_state={"w": torch.ones(3)},
                          trainer_state={}, rank_state={"rng": step}, info={"grid": "1x1x1x1"},
                          keep=keep)
 
@@ -200,10 +200,10 @@ def test_a_rotation_cut_short_leaves_no_partial_checkpoint(tmp_path, monkeypatch
     monkeypatch.setattr(shutil, "rmtree", killed_midway)
     with pytest.raises(_Killed):
         save(4, keep=1)
-    left = ckpt.list_checkpoints(tmp_path)
-    assert [ckpt.checkpoint_step(p) for p in left][0] == 4
+    left = store.list_checkpoints(tmp_path)
+    assert [store.checkpoint_step(p) for p in left][0] == 4
     for path in left:
-        ckpt.verify(path)
+        store.verify(path)
 
 
 def test_background_writes_use_one_idle_ending_thread_and_the_state_at_the_step(tmp_path,
@@ -234,9 +234,9 @@ def test_background_writes_use_one_idle_ending_thread_and_the_state_at_the_step(
     writer.flush()
     assert len(started) <= 2, f"a thread started per checkpoint: {started}"
     for step in range(1, 6):
-        path = tmp_path / ckpt.step_dir_name(step)
-        ckpt.verify(path)
-        data = torch.load(path / ckpt.rank_file(0), weights_only=True)["data"]["order"]
+        path = tmp_path / store.step_dir_name(step)
+        store.verify(path)
+        data = torch.load(path / store.rank_file(0), weights_only=True)["data"]["order"]
         assert data == [7, 7, *[v for s in range(1, step) for v in (s, -s)], step], data
         assert torch.equal(torch.load(path / "model.pt", weights_only=True)["w"],
                            torch.full((3,), float(step)))

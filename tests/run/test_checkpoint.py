@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from hpcpar.errors import RunDirError
-from hpcpar.run import checkpoint as ckpt
+from hpcpar.formats.records.history import PackedHistory, history_rows
+from hpcpar.run.checkpoint import capture, finite, resume, store
 
 
 @pytest.fixture
@@ -22,8 +23,8 @@ def comm():
 
 
 def _save(comm, d, step, model, keep=2):
-    return ckpt.save(d, step, comm=comm, model_state=ckpt.full_state_dict(model),
-                     trainer_state={"step": step}, rank_state={"rng": ckpt.rng_state()},
+    return store.save(d, step, comm=comm, model_state=capture.full_state_dict(model),
+                     trainer_state={"step": step}, rank_state={"rng": capture.rng_state()},
                      info={"grid": "1x1x1x1"}, keep=keep)
 
 
@@ -33,10 +34,10 @@ def test_layout_keep_and_weights_only(tmp_path, comm):
     for step in (2, 4, 6):
         path = _save(comm, tmp_path, step, model)
     assert path.name == "step-000006"
-    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step-000006", "step-000004"]
+    assert [p.name for p in store.list_checkpoints(tmp_path)] == ["step-000006", "step-000004"]
     assert sorted(p.name for p in path.iterdir()) == ["manifest.json", "model.pt",
                                                       "rank-00000.pt", "trainer.pt"]
-    manifest = ckpt.verify(path)
+    manifest = store.verify(path)
     assert manifest["step"] == 6 and manifest["world_size"] == 1
     assert set(manifest["files"]) == {"model.pt", "rank-00000.pt", "trainer.pt"}
     assert not list(tmp_path.glob(".tmp-*"))
@@ -44,7 +45,7 @@ def test_layout_keep_and_weights_only(tmp_path, comm):
     plain.load_state_dict(torch.load(path / "model.pt", weights_only=True))
     for a, b in zip(plain.state_dict().values(), model.state_dict().values()):
         assert torch.equal(a, b)
-    man, model_sd, trainer_sd, rank_sd = ckpt.load(path, 0)
+    man, model_sd, trainer_sd, rank_sd = resume.load(path, 0)
     assert trainer_sd == {"step": 6} and set(rank_sd) == {"rng"}
 
 
@@ -61,32 +62,32 @@ def test_corrupt_newest_falls_back_with_warning(tmp_path, comm):
     (tmp_path / "step-000002" / "manifest.json").write_text("{not json")
     logged = []
     with pytest.warns(RuntimeWarning, match="corrupt"):
-        chosen = ckpt.find_resumable(tmp_path, comm, log=logged.append)
+        chosen = resume.find_resumable(tmp_path, comm, log=logged.append)
     assert chosen.name == "step-000001"
     assert any("step-000003: model.pt is corrupt" in m for m in logged)
     assert any("step-000002: unreadable manifest" in m for m in logged)
     (tmp_path / "step-000001" / "rank-00000.pt").unlink()
     with pytest.warns(RuntimeWarning):
-        assert ckpt.find_resumable(tmp_path, comm, log=logged.append) is None
-    assert ckpt.find_resumable(tmp_path / "missing", comm) is None
+        assert resume.find_resumable(tmp_path, comm, log=logged.append) is None
+    assert resume.find_resumable(tmp_path / "missing", comm) is None
 
 
 def test_any_grid_resumes_and_takes_the_rank_files_of_its_data_group(tmp_path, comm):
     path = _save(comm, tmp_path, 1, nn.Linear(2, 2))
     for shape in ((2, 1, 1, 1), (1, 2, 1, 1), (2, 1, 2, 2)):   # data width, spatial split
-        assert ckpt.check_compatible(path, shape)["grid"] == "1x1x1x1"
-        assert ckpt.grid_change(ckpt.check_compatible(path, shape), shape) == \
+        assert resume.check_compatible(path, shape)["grid"] == "1x1x1x1"
+        assert resume.grid_change(resume.check_compatible(path, shape), shape) == \
             f"resuming step 1 of grid 1x1x1x1 on grid {'x'.join(map(str, shape))}"
-    assert ckpt.grid_change({"grid": "1x1x1x1", "step": 1}, (1, 1, 1, 1)) is None
+    assert resume.grid_change({"grid": "1x1x1x1", "step": 1}, (1, 1, 1, 1)) is None
     # the same spatial split: the same spatial place, data index modulo the old width
     old = {"grid": "4x2x1x1"}
-    assert [ckpt.source_rank(old, (d, i, 0, 0)) for d in range(2) for i in range(2)] == \
+    assert [resume.source_rank(old, (d, i, 0, 0)) for d in range(2) for i in range(2)] == \
         [0, 1, 2, 3]
-    assert ckpt.source_rank({"grid": "1x2x1x1"}, (1, 1, 0, 0)) == 1
-    assert ckpt.source_rank({"grid": "2x2x1x1"}, (3, 0, 0, 0)) == 2
+    assert resume.source_rank({"grid": "1x2x1x1"}, (1, 1, 0, 0)) == 1
+    assert resume.source_rank({"grid": "2x2x1x1"}, (3, 0, 0, 0)) == 2
     # another split: the first rank of data group d modulo the old width
-    assert ckpt.source_rank({"grid": "2x2x1x1"}, (3, 0, 2, 0)) == 2
-    assert ckpt.source_rank({"grid": "1x1x2x1"}, (0, 1, 0, 0)) == 0
+    assert resume.source_rank({"grid": "2x2x1x1"}, (3, 0, 2, 0)) == 2
+    assert resume.source_rank({"grid": "1x1x2x1"}, (0, 1, 0, 0)) == 0
 
 
 class Sharded(nn.Module):
@@ -106,16 +107,16 @@ class Sharded(nn.Module):
 
 def test_full_state_dict_hooks_roundtrip():
     model = nn.Sequential(nn.Linear(2, 2), Sharded())
-    sd = ckpt.full_state_dict(model)
+    sd = capture.full_state_dict(model)
     assert set(sd) == {"0.weight", "0.bias", "1.weight"} and sd["1.weight"].shape == (8,)
     other = nn.Sequential(nn.Linear(2, 2), Sharded())
     with torch.no_grad():
         other[1].part.zero_()
-    ckpt.load_full_state_dict(other, sd)
+    capture.load_full_state_dict(other, sd)
     assert torch.equal(other[1].part, model[1].part)
     assert torch.equal(other[0].weight, model[0].weight)
     with pytest.raises(RunDirError, match="does not fit"):
-        ckpt.load_full_state_dict(nn.Sequential(nn.Linear(2, 3), Sharded()),
+        capture.load_full_state_dict(nn.Sequential(nn.Linear(2, 3), Sharded()),
                                   {k: v for k, v in sd.items() if k != "0.bias"})
 
 
@@ -134,26 +135,26 @@ def test_the_unfinished_checkpoints_of_a_killed_run_are_removed_before_the_next_
     writer = CheckpointWriter(tmp_path, comm, keep=2, background=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
     model = nn.Linear(2, 2)
-    writer.save(5, model_state=ckpt.full_state_dict(model), trainer_state={"step": 5},
-                rank_state={"rng": ckpt.rng_state()}, info={"grid": "1x1x1x1"})
+    writer.save(5, model_state=capture.full_state_dict(model), trainer_state={"step": 5},
+                rank_state={"rng": capture.rng_state()}, info={"grid": "1x1x1x1"})
     assert writer.flush() == tmp_path / "step-000005"
     assert sorted(p.name for p in (tmp_path / "step-000005").iterdir()) == [
         "manifest.json", "model.pt", "rank-00000.pt", "trainer.pt"]
-    assert ckpt.verify(tmp_path / "step-000005")["step"] == 5
+    assert store.verify(tmp_path / "step-000005")["step"] == 5
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
 def test_rng_state_roundtrip_weights_only(tmp_path):
-    state = ckpt.rng_state()
+    state = capture.rng_state()
     torch.save(state, tmp_path / "rng.pt")
     expect = (random.random(), np.random.rand(), torch.rand(3))
     random.random(), np.random.rand(), torch.rand(5)  # move on
-    ckpt.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    capture.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
     got = (random.random(), np.random.rand(), torch.rand(3))
     assert got[0] == expect[0] and got[1] == expect[1] and torch.equal(got[2], expect[2])
     # Python's state is one tensor; checkpoints before 2026-12 hold a list of ints
     assert isinstance(state["python"][1], torch.Tensor) and state["python"][1].numel() == 625
-    ckpt.set_rng_state(dict(state, python=[state["python"][0], state["python"][1].tolist(),
+    capture.set_rng_state(dict(state, python=[state["python"][0], state["python"][1].tolist(),
                                            state["python"][2]]))
     assert random.random() == expect[0]
 
@@ -162,22 +163,22 @@ def test_manifest_is_json_with_checksums(tmp_path, comm):
     path = _save(comm, tmp_path, 5, nn.Linear(1, 1))
     manifest = json.loads((path / "manifest.json").read_text())
     assert all(len(v["sha256"]) == 64 and v["bytes"] > 0 for v in manifest["files"].values())
-    assert manifest["grid"] == "1x1x1x1" and manifest["format"] == ckpt.FORMAT_VERSION
+    assert manifest["grid"] == "1x1x1x1" and manifest["format"] == store.FORMAT_VERSION
 
 
 def test_the_two_shared_files_are_written_by_different_ranks(tmp_path):
     """Rank 0 serialises the model, the last rank the trainer state (a checkpoint every step
     must not load all of it on one rank); one rank writes both, and every file once."""
-    assert [ckpt.writes(n, 0, 1) for n in ("model.pt", "trainer.pt")] == [True, True]
+    assert [store.writes(n, 0, 1) for n in ("model.pt", "trainer.pt")] == [True, True]
     size, files = 3, {}
     for rank in range(size):
-        part = ckpt.write_part(tmp_path, rank, model_state={"w": torch.ones(2)},
+        part = store.write_part(tmp_path, rank, model_state={"w": torch.ones(2)},
                                trainer_state={"step": 1}, rank_state={}, size=size)
         assert not files.keys() & part.keys()
         files.update(part)
     assert sorted(files) == ["model.pt", "rank-00000.pt", "rank-00001.pt", "rank-00002.pt",
                              "trainer.pt"]
-    assert "trainer.pt" in ckpt.write_part(tmp_path, 2, model_state=None, trainer_state={},
+    assert "trainer.pt" in store.write_part(tmp_path, 2, model_state=None, trainer_state={},
                                            rank_state={}, size=size)
 
 
@@ -206,7 +207,7 @@ def test_optimizer_state_saved_in_one_memory_order_resumes_in_the_other():
     cl = cnn().to(memory_format=torch.channels_last_3d)
     cl.load_state_dict(ncdhw.state_dict())
     cl_opt = torch.optim.Adam(cl.parameters(), lr=1e-2, fused=True)
-    ckpt.load_full_optimizer_state(cl, cl_opt, saved)
+    capture.load_full_optimizer_state(cl, cl_opt, saved)
     steps(ncdhw, opt, xs[2:])
     steps(cl, cl_opt, [x.contiguous(memory_format=torch.channels_last_3d) for x in xs[2:]])
     for p, q in zip(cl.parameters(), ncdhw.parameters()):
@@ -230,8 +231,8 @@ def test_nonfinite_entries_finds_nan_and_inf_in_every_float_dtype_and_only_them(
              "ok": torch.ones(2, 2), "plain": float("nan"),
              "fp16_big": torch.full((4,), 60000.0, dtype=torch.float16),
              "fp16_inf": torch.tensor([1.0, float("inf"), 2.0], dtype=torch.float16)}
-    assert ckpt.nonfinite_entries(state) == ["late_nan", "neg_inf", "bf16_nan", "fp16_inf"]
-    assert ckpt.nonfinite_entries({"ok": torch.ones(3)}) == []
+    assert finite.nonfinite_entries(state) == ["late_nan", "neg_inf", "bf16_nan", "fp16_inf"]
+    assert finite.nonfinite_entries({"ok": torch.ones(3)}) == []
 
 
 def test_the_histories_are_tensors_in_a_checkpoint_and_come_back_exactly():
@@ -242,44 +243,44 @@ def test_the_histories_are_tensors_in_a_checkpoint_and_come_back_exactly():
     of older checkpoints are read as they were; a tensor of another kind gives no rows."""
     rng = random.Random(3)
     history = [[10 * i, rng.random() * 10 ** rng.randint(-8, 8)] for i in range(1, 6)]
-    pack = ckpt.PackedHistory()
+    pack = PackedHistory()
     first = pack(history)
     kept = first.clone()
     history += [[60, 0.1 + 2 ** -40], [70, float("inf")]]
     second = pack(history)
     assert torch.equal(first, kept) and second.shape == (7, 2) and second.dtype == torch.float64
-    rows = ckpt.history_rows(second)
+    rows = history_rows(second)
     assert rows == history and all(type(s) is int for s, _ in rows)
-    assert ckpt.history_rows(pack(history[:3])) == history[:3]   # a shorter list: anew
+    assert history_rows(pack(history[:3])) == history[:3]   # a shorter list: anew
 
     records = [{"step": 30 * i, "val_loss": np.float64(rng.random()), "val_mae": rng.random()}
                for i in range(1, 4)]
-    vpack = ckpt.PackedHistory()
+    vpack = PackedHistory()
     saved = vpack(records)
     assert saved["columns"] == ["step", "val_loss", "val_mae"] and saved["rows"].shape == (3, 3)
-    back = ckpt.history_rows(saved)
+    back = history_rows(saved)
     assert back == records and all(type(r["step"]) is int for r in back)
     records.append({"step": 120, "val_loss": 0.5, "val_mae": 0.25})
-    assert ckpt.history_rows(vpack(records)) == records
+    assert history_rows(vpack(records)) == records
 
     for stays in ([{"step": 1, "val_acc": 0.5}, {"step": 2, "val_acc": 1}],
                   [{"step": 1, "ok": True}], [{"step": 1, "a": 0.5}, {"step": 2, "b": 0.5}],
                   [[1, 0.5], [2, 0.5, 0.1]], [[2.5, 0.5]], [[2 ** 60, 0.5]]):
-        assert ckpt.PackedHistory()(stays) is stays and ckpt.history_rows(stays) == stays
-    assert ckpt.history_rows([(5, 0.5), [6, 0.25]]) == [[5, 0.5], [6, 0.25]]
+        assert PackedHistory()(stays) is stays and history_rows(stays) == stays
+    assert history_rows([(5, 0.5), [6, 0.25]]) == [[5, 0.5], [6, 0.25]]
     for junk in (torch.zeros(4), torch.zeros(2, 0), torch.zeros(2, 2, dtype=torch.int64),
                  {"columns": ["loss"], "rows": torch.zeros(1, 1)},
                  {"columns": ["step", "a"], "rows": torch.zeros(1, 3)}, "history", None):
-        assert ckpt.history_rows(junk) == []
+        assert history_rows(junk) == []
 
 
 def test_a_saved_history_past_the_manifest_step_is_refused(tmp_path, comm):
     """The resume cross-check reads the history's tensor: a loss logged after the
     checkpoint's step means its files belong to another step."""
-    pack = ckpt.PackedHistory()
-    path = ckpt.save(tmp_path, 6, comm=comm, model_state=nn.Linear(2, 2).state_dict(),
+    pack = PackedHistory()
+    path = store.save(tmp_path, 6, comm=comm, model_state=nn.Linear(2, 2).state_dict(),
                      trainer_state={"scheduler": {"last_epoch": 6},
                                     "history": pack([[5, 0.5], [8, 0.25]])},
                      rank_state={}, info={"grid": "1x1x1x1"}, keep=2)
     with pytest.raises(RunDirError, match=r"loss logged to step 8"):
-        ckpt.load(path, 0)
+        resume.load(path, 0)

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcpar.run import checkpoint as ckpt
+from hpcpar.run.checkpoint import store
 from hpcpar.testing.cli_run import CliRun, rank_pids, tiny_job_toml, tree_hashes
 
 JOB = tiny_job_toml(data=2, x=1, kind="{kind}", steps="{steps}",
@@ -90,7 +90,7 @@ def meta(d: Path) -> dict:
 
 
 def steps_of(d: Path) -> list[int]:
-    return [int(p.name.split("-")[1]) for p in ckpt.list_checkpoints(d / "checkpoints")]
+    return [int(p.name.split("-")[1]) for p in store.list_checkpoints(d / "checkpoints")]
 
 
 def rows(d: Path) -> int:
@@ -133,7 +133,7 @@ def test_divergence_stop_and_skip(tmp_path, fault_env):
     m = meta(d)
     assert m["status"] == "diverged" and m["diverged"]["step"] == 5, m
     assert steps_of(d) == [4, 2]                    # nothing written at or after the NaN
-    ckpt.verify(d / "checkpoints" / "step-000004")
+    store.verify(d / "checkpoints" / "step-000004")
     assert finite_weights(d / "checkpoints" / "step-000004")
     assert not (d / "metrics.json").exists()        # no results claimed for a diverged run
 
@@ -148,7 +148,7 @@ def test_divergence_stop_and_skip(tmp_path, fault_env):
     metrics = json.loads((d / "metrics.json").read_text())
     assert metrics["skipped_steps"] == 1 and metrics["steps"] == 8
     assert meta(d)["status"] == "ok" and meta(d)["skipped_steps"] == 1
-    assert all(finite_weights(p) for p in ckpt.list_checkpoints(d / "checkpoints"))
+    assert all(finite_weights(p) for p in store.list_checkpoints(d / "checkpoints"))
     assert "nan" not in (d / "metrics.json").read_text().lower()
 
 
@@ -230,7 +230,7 @@ def test_checkpoint_faults(tmp_path, fault_env):
     # corrupt newest: kept aside as .corrupt (one warning), resume from the one before it,
     # the launcher names that step; then Ctrl-C twice during a (slow) step: out at once,
     # without a checkpoint, status not "running"
-    corrupt(d / "checkpoints" / ckpt.step_dir_name(newest) / "model.pt")
+    corrupt(d / "checkpoints" / store.step_dir_name(newest) / "model.pt")
     r = Run(tmp_path, job, "--run-dir", "c", env=dict(fault_env, FAULT_SLEEP_S="1"))
     assert r.wait_until(lambda: len(meta(d)["segments"]) == 2
                         and meta(d)["segments"][-1]["first_step"] is not None), r.log()
@@ -245,8 +245,8 @@ def test_checkpoint_faults(tmp_path, fault_env):
     assert "Traceback" not in log and "KeyboardInterrupt" not in log, log
     assert "interrupted twice" in log
     assert log.count("skipping corrupt checkpoint") == 1, log
-    assert f"the ranks resumed from {ckpt.step_dir_name(older)} (step {older})" in log, log
-    assert (d / "checkpoints" / f"{ckpt.step_dir_name(newest)}.corrupt" / "model.pt").exists()
+    assert f"the ranks resumed from {store.step_dir_name(older)} (step {older})" in log, log
+    assert (d / "checkpoints" / f"{store.step_dir_name(newest)}.corrupt" / "model.pt").exists()
     assert meta(d)["status"] == "failed"
 
     # another optimizer or model (settings accepted with --new-settings): one line, nothing
@@ -267,14 +267,14 @@ def test_checkpoint_faults(tmp_path, fault_env):
     assert tree_hashes(d) == before
 
     # every checkpoint corrupt: exit 2 naming them, never a restart; nothing renamed/rotated
-    for p in ckpt.list_checkpoints(d / "checkpoints"):
+    for p in store.list_checkpoints(d / "checkpoints"):
         corrupt(p / "trainer.pt")
     before = tree_hashes(d)
     rc, log = run(tmp_path, job, "--run-dir", "c", env=fault_env)
     assert rc == 2, log
     (line,) = error_lines(log)
     assert "no valid checkpoint to resume from" in line, line
-    assert all(ckpt.step_dir_name(s) in line for s in steps_of(d)), line
+    assert all(store.step_dir_name(s) in line for s in steps_of(d)), line
     assert tree_hashes(d) == before
 
 

@@ -193,7 +193,7 @@ def test_run_directory_model_on_two_ranks(run_cli, tmp_path):
     """The model of a run's newest checkpoint (written on 1 rank) predicts on 2 ranks; the
     label channel of a unet3d sample is not read."""
     from hpcpar.models import UNet3D
-    from hpcpar.run.checkpoint import list_checkpoints
+    from hpcpar.run.checkpoint.store import list_checkpoints
     from hpcpar.testing.cli_run import CliRun, tiny_job_toml
 
     job = tmp_path / "unet.toml"

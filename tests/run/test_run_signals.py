@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from hpcpar.run import checkpoint as ckpt
+from hpcpar.run.checkpoint import store
 from hpcpar.testing.cli_run import CliRun, alive, rank_pids, tiny_job_toml
 
 JOB = tiny_job_toml(steps="{steps}", checkpoint="every = {every}\nkeep = 2")
@@ -31,7 +31,7 @@ class Run(CliRun):
 
 
 def final_params(run_dir: Path) -> dict:
-    newest = ckpt.list_checkpoints(run_dir / "checkpoints")[0]
+    newest = store.list_checkpoints(run_dir / "checkpoints")[0]
     return torch.load(newest / "model.pt", weights_only=True)
 
 
@@ -44,7 +44,7 @@ def test_sigusr1_requeue_resume_bit_identical(tmp_path):
         rc = cut.finish(timeout=120)
         assert rc == 3, cut.log()
         assert "stopped by signal after checkpointing" in cut.log()
-        (stopped_at,) = ckpt.list_checkpoints(cut.dir / "checkpoints")
+        (stopped_at,) = store.list_checkpoints(cut.dir / "checkpoints")
         assert 2 <= int(stopped_at.name.split("-")[1]) < 24
         again = Run(tmp_path, "cut", steps=24, every=0)     # same command: resumes
         assert again.finish() == 0, again.log()
@@ -68,7 +68,7 @@ def test_sigusr1_requeue_resume_bit_identical(tmp_path):
 def test_kill9_one_rank_stops_all_and_checkpoint_resumes(tmp_path):
     run = Run(tmp_path, "k", steps=400, every=2)
     try:
-        assert run.wait_until(lambda: len(ckpt.list_checkpoints(run.dir / "checkpoints")) >= 1
+        assert run.wait_until(lambda: len(store.list_checkpoints(run.dir / "checkpoints")) >= 1
                               and run.rows() >= 4), run.log()
         pids = rank_pids(run.dir)
         assert len(pids) == 2, pids
@@ -81,8 +81,8 @@ def test_kill9_one_rank_stops_all_and_checkpoint_resumes(tmp_path):
         assert not any(alive(p) for p in pids), "a rank outlived the killed one by 60 s"
     finally:
         run.stop()
-    newest = ckpt.list_checkpoints(run.dir / "checkpoints")[0]
-    ckpt.verify(newest)
+    newest = store.list_checkpoints(run.dir / "checkpoints")[0]
+    store.verify(newest)
     step = int(newest.name.split("-")[1])
     resumed = Run(tmp_path, "k", step + 2, 2, "--new-settings")   # steps, every
     assert resumed.finish() == 0, resumed.log()

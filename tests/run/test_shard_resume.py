@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from hpcpar.run.checkpoint import list_checkpoints
+from hpcpar.run.checkpoint.store import list_checkpoints
 from hpcpar.testing.cli_run import tiny_job_toml
 
 SHARD = ("--set", "train.shard_optimizer=true")

@@ -42,7 +42,7 @@ def job(grid, steps=8, kind="cosmoflow", **sections):
 
 
 def final_model(run_dir):
-    from hpcpar.run.checkpoint import list_checkpoints
+    from hpcpar.run.checkpoint.store import list_checkpoints
 
     newest = list_checkpoints(Path(run_dir) / "checkpoints")[0]
     return torch.load(newest / "model.pt", weights_only=True)

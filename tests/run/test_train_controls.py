@@ -68,7 +68,7 @@ def plain_run(the_job, clip, steps=STEPS):
 
 
 def final_model(run_dir):
-    from hpcpar.run.checkpoint import list_checkpoints
+    from hpcpar.run.checkpoint.store import list_checkpoints
 
     return torch.load(list_checkpoints(Path(run_dir) / "checkpoints")[0] / "model.pt",
                       weights_only=True)

@@ -16,7 +16,7 @@ import pytest
 from torch import nn
 
 from hpcpar.errors import DataError, RunDirError
-from hpcpar.run import checkpoint as ckpt
+from hpcpar.run.checkpoint import resume, store
 from hpcpar.testing.cli_run import micro_job_toml
 
 CLI = [sys.executable, "-m", "hpcpar.cli"]
@@ -121,7 +121,7 @@ def comm():
 
 def _save(comm, d, step, keep=3, last_epoch=None):
     sched = {"last_epoch": step if last_epoch is None else last_epoch}
-    return ckpt.save(d, step, comm=comm, model_state=nn.Linear(2, 2).state_dict(),
+    return store.save(d, step, comm=comm, model_state=nn.Linear(2, 2).state_dict(),
                      trainer_state={"scheduler": sched, "history": [[step, 0.5]]},
                      rank_state={}, info={"grid": "1x1x1x1"}, keep=keep)
 
@@ -130,10 +130,10 @@ def test_step_cross_checked_against_saved_state(tmp_path, comm):
     path = _save(comm, tmp_path, 6)
     renamed = path.rename(tmp_path / "step-000005")   # name and manifest agree, state does not
     _edit_manifest(renamed, step=5)
-    ckpt.verify(renamed)
+    store.verify(renamed)
     with pytest.raises(RunDirError, match=r"step-000005: manifest step 5 does not match the "
                        r"saved training state \(scheduler at step 6"):
-        ckpt.load(renamed, 0)
+        resume.load(renamed, 0)
 
 
 @pytest.mark.parametrize("manifest", ["[1, 2]", '{"step": "6"}', '{"step": true}',
@@ -142,12 +142,12 @@ def test_bad_manifest_is_one_line(tmp_path, comm, manifest):
     path = _save(comm, tmp_path, 6)
     (path / "manifest.json").write_text(manifest)
     with pytest.raises(RunDirError) as exc:
-        ckpt.verify(path)
+        store.verify(path)
     assert str(path) in str(exc.value) and "\n" not in str(exc.value)
     with pytest.raises(RunDirError, match="no valid checkpoint"):
-        ckpt.choose_resumable(tmp_path, comm, log=lambda m: None)
+        resume.choose_resumable(tmp_path, comm, log=lambda m: None)
     with pytest.raises(ValueError, match="unreadable manifest"):   # `hpcpar run`'s pre-check
-        ckpt.check_compatible(path, (1, 1, 1, 1))                   # skips it
+        resume.check_compatible(path, (1, 1, 1, 1))                   # skips it
 
 
 def test_rotation_keeps_the_step_just_written(tmp_path, comm):
@@ -157,10 +157,10 @@ def test_rotation_keeps_the_step_just_written(tmp_path, comm):
     _save(comm, tmp_path, 4, keep=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000004", "step-99999999999",
                                                           "step-\u0663"]
-    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step-99999999999",
+    assert [p.name for p in store.list_checkpoints(tmp_path)] == ["step-99999999999",
                                                                  "step-000004"]
     logged = []
-    assert ckpt.choose_resumable(tmp_path, comm, log=logged.append).name == "step-000004"
+    assert resume.choose_resumable(tmp_path, comm, log=logged.append).name == "step-000004"
     assert "step-99999999999: manifest step 2 does not match" in logged[0]
 
 
@@ -320,7 +320,7 @@ def test_a_code_carrying_checkpoint_with_a_valid_checksum_is_one_line(finished, 
     marker = tmp_path / "MARKER"
     torch.save({"step": _Code(marker)}, ck / "trainer.pt")
     manifest = json.loads((ck / "manifest.json").read_text())
-    manifest["files"]["trainer.pt"] = {"sha256": ckpt.sha256_file(ck / "trainer.pt"),
+    manifest["files"]["trainer.pt"] = {"sha256": store.sha256_file(ck / "trainer.pt"),
                                        "bytes": (ck / "trainer.pt").stat().st_size}
     (ck / "manifest.json").write_text(json.dumps(manifest))
     r = _continue(finished, run)

@@ -9,7 +9,8 @@ A run directory holds::
 
 The schema lives in :mod:`.schema` and only there (``COLUMNS``, ``SCHEMA_VERSION``); the
 analysis reads it back with :func:`read_steps`. No torch import: the recorder is plain Python so
-the analysis side can use it anywhere.
+the analysis side can use it anywhere. The loss and validation histories a checkpoint holds are
+packed by :mod:`.history` (torch imported only when one is packed or read).
 """
 
 from .facts import git_facts, machine_facts, package_versions, rank_machine_facts, slurm_facts

@@ -75,7 +75,7 @@ A kind read back from a run directory by a tool that only reads it (``report --p
 resolve; any other needs ``--trust-kind`` and a module installed outside the working directory
 (:func:`get_workload`'s ``untrusted``), so opening someone's run directory runs none of its code.
 
-Checkpoints store ``hpcpar.run.checkpoint.full_state_dict(model)``: the unpartitioned
+Checkpoints store ``hpcpar.run.checkpoint.capture.full_state_dict(model)``: the unpartitioned
 single-process ``state_dict`` (modules exposing ``full_state_dict()`` / ``load_full_state_dict()``
 are asked for theirs, e.g. tensor-parallel layers). ``reference_model()`` optionally returns the
 plain single-process twin so tests can ``load_state_dict`` a checkpoint into it.

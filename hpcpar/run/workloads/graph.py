@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from hpcpar.parallel.grid import ProcessGrid
 
 __all__ = ["METHODS", "MODEL_PARAMS", "DATA_PARAMS", "make_graph_file", "GraphWorkload",
-           "GCNWorkload", "SAGEWorkload", "GAT_PARAMS", "GATWorkload"]
+           "GCNWorkload"]
 
 METHODS = ("metis", "block", "random")
 

@@ -20,8 +20,7 @@ from collections.abc import Callable
 
 from hpcpar.errors import ConfigError
 
-__all__ = ["LOSSES", "METRICS", "check_loss", "check_metrics", "like", "dice_loss", "make_loss",
-           "MetricSums"]
+__all__ = ["check_loss", "check_metrics", "like", "make_loss", "MetricSums"]
 
 #: the built-in losses; ``dice+ce`` is their sum
 LOSSES = ("ce", "dice", "dice+ce", "mse", "bce", "l1")

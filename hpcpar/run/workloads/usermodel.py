@@ -28,7 +28,7 @@ from hpcpar.run.workloads.volume import VOLUME_DATA, VolumeWorkload, _check_volu
 #: keeps the intensity draws apart from every other use of the data seed
 _INTENSITY_STREAM = 0x1A7
 
-__all__ = ["MODEL_PARAMS", "TRAIN_PARAMS", "ModelWorkload", "model_workload"]
+__all__ = ["MODEL_PARAMS", "ModelWorkload", "model_workload"]
 
 MODEL_PARAMS = {
     "args": Param(dict, {}, help="keyword arguments of the model class or factory"),

@@ -36,7 +36,7 @@ from hpcpar.run.workloads.base import (
     register_workload,
 )
 
-__all__ = ["VOLUME_DATA", "TP_PARAMS", "VolumeWorkload", "CosmoFlowWorkload", "UNet3DWorkload"]
+__all__ = ["VOLUME_DATA", "VolumeWorkload", "CosmoFlowWorkload", "UNet3DWorkload"]
 
 VOLUME_DATA = {
     "source": Param(str, "hdf5", choices=("hdf5", "synthetic"),
