@@ -17,7 +17,7 @@ from torch import nn
 
 from hpcpar.errors import LayerError
 from hpcpar.parallel.grid import ProcessGrid
-from hpcpar.parallel.halo import StencilOp, halo_stencil
+from hpcpar.parallel.halo import StencilOp, global_spatial_shape, halo_stencil
 from hpcpar.parallel.partition import (
     ceil_div,
     conv_axis_halo,
@@ -26,6 +26,7 @@ from hpcpar.parallel.partition import (
     stencil_input_range,
     torch_pad,
     transposed_axis_halo,
+    xyz,
 )
 
 from . import _boundary_conv
@@ -38,6 +39,7 @@ from ._conv_route import pointwise as _pointwise
 from ._conv_route import pointwise_backward as _pointwise_backward
 from ._conv_route import pointwise_forward as _pointwise_forward
 from ._conv_route import torch_picks_slow_conv as _torch_picks_slow_conv
+from ._tap_trim import tap_trim
 
 __all__ = ["SpatialConv3d", "SpatialConvTranspose3d", "ConvOp", "ConvTransposeOp"]
 
@@ -276,11 +278,32 @@ class SpatialConv3d(SpatialModule, nn.Conv3d):
         return self.spatial_forward(x, self.weight, self.bias)
 
     def spatial_forward(self, x, weight, bias, gshape=None) -> torch.Tensor:
-        """The forward with given parameters (``F.conv3d`` on a split tensor comes here)."""
+        """The forward with given parameters (``F.conv3d`` on a split tensor comes here).
+        Kernel taps that only read padding are dropped first (:meth:`trimmed`)."""
+        if gshape is None:
+            gshape = global_spatial_shape(x, self.grid, what=self.layer_name)
+        trimmed = self.trimmed(gshape)
+        if trimmed is not None:
+            twin, taps = trimmed
+            return twin.spatial_forward(x, weight[taps], bias, gshape)
         entry = self.spatial_plan(x, gshape)
         if self.boundary_path(x, entry):
             return boundary_conv(x, weight, bias, entry.extra.boundary)
         return halo_stencil(x, entry.halo, entry.extra, weight, bias)
+
+    def trimmed(self, gshape) -> tuple[SpatialConv3d, tuple[slice, ...]] | None:
+        """``(twin, taps)``: the convolution without the taps that only ever read padding on
+        global shape ``gshape`` and the index of its weight in this one's, or None where
+        every tap reads data (:mod:`~hpcpar.nn._tap_trim`; cached per global shape)."""
+        cache = self.__dict__.setdefault("_trimmed", {})
+        key = tuple(gshape)
+        if key not in cache:
+            trim = tap_trim(key, self.kernel_size, self.stride, self.dilation, self.padding)
+            cache[key] = None if trim is None else (SpatialConv3d(
+                self.in_channels, self.out_channels, trim.kernel, xyz(self.stride), trim.padding,
+                trim.dilation, self.groups, self.bias is not None, device="meta",
+                grid=self.grid), trim.taps)
+        return cache[key]
 
     def boundary_path(self, x, entry) -> bool:
         """Whether ``x`` takes the boundary path (ghosts travel while the interior computes;

@@ -78,6 +78,13 @@ def conv3d(call: Call):
     key = ("conv3d", w.shape, *(_hashable(b[k]) for k in ("stride", "padding", "dilation")),
            b["groups"], bias is not None)
     twin = _twin(call, key, lambda: _conv_twin(call, b, w, bias))
+    lay = b["input"]._hp
+    trimmed = twin.trimmed(xyz(lay.gshape)) if type(lay) is Layout and lay.standard and \
+        b["input"].dim() == 5 else None
+    if trimmed is not None:
+        # kernel taps that only read padding dropped: the smaller convolution, its own halo
+        small, taps = trimmed
+        return _run_twin(call, small, b["input"], w[taps], bias)
     # the first of a run of convolutions sharing one exchange? Not where the layer takes its
     # boundary path, which already hides the faces behind the interior's compute (UNet3D's
     # demo, batch 4 on 1x2x1x1: 0.74x fused through the general path)

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
 
 from hpcpar.errors import LayerError
 from hpcpar.graph.metrics import masked_loss, split_metrics
@@ -29,6 +30,7 @@ from hpcpar.nn import spatialize
 from hpcpar.nn.split import local
 from hpcpar.nn.split_head import column_split
 from hpcpar.parallel.comm import allreduce_, sum_grads_
+from hpcpar.parallel.counters import COUNTERS
 from hpcpar.parallel.grid import ProcessGrid
 from hpcpar.parallel.partition import part_range
 from hpcpar.parallel.spatial import local_slices
@@ -37,7 +39,8 @@ from hpcpar.sync.tags import reduce_scope
 __all__ = ["PROCESS_GRIDS", "SPATIAL_GRIDS", "idle_barrier", "on_grids", "on_subgrid",
            "refused_on_one_rank", "one_rank_grid", "randn", "tol", "close", "rel_err",
            "batch_slice", "piece_of", "spatial_slices", "check_layer", "compare_with_twin",
-           "check_spatial_model", "cover", "CORA_NPZ", "load_cora", "dense_operators",
+           "check_spatial_model", "alloc_peak", "cover", "CORA_NPZ", "load_cora",
+           "dense_operators",
            "gnn_forward", "gnn_loss", "train_cora"]
 
 # ============================================================================================
@@ -262,6 +265,31 @@ def compare_with_twin(grid, twin, spatial, shape, channels, dtype, seed=0, batch
         g = allreduce_(p.grad.clone(), grid.spatial_comm)
         err = rel_err(g, q.grad)
         assert err <= tol_, f"{what}: {name} grad rel err {err:.2e}"
+
+
+def alloc_peak(model: torch.nn.Module, x: torch.Tensor) -> tuple[int, int]:
+    """Peak bytes allocated above the start during one forward + backward (after a warm-up
+    step, so plans and one-off buffers are made), and the halo bytes its forward sent."""
+    def step(halo=None):
+        before = COUNTERS.snapshot()
+        y = model(x)
+        if halo is not None:
+            halo.append(COUNTERS.since(before)["bytes_halo"])
+        y.backward(torch.ones_like(y))
+
+    step()
+    x.grad = None  # freed outside the profiled step: it counts only what the step allocates
+    model.zero_grad(set_to_none=True)
+    halo: list[int] = []
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step(halo)
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    live = peak = 0
+    for _, n in events:
+        live += n
+        peak = max(peak, live)
+    return peak, halo[0]
 
 
 def cover(rng: random.Random, n: int, **values):

@@ -13,39 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
 
 from hpcpar.testing import mpi_case
-from hpcpar.testing.oracles import one_rank_grid, randn
+from hpcpar.testing.oracles import alloc_peak, one_rank_grid, randn
 
 FORMATS = [torch.contiguous_format, torch.channels_last_3d]
-
-
-def alloc_peak(model: nn.Module, x: torch.Tensor) -> tuple[int, int]:
-    """Peak bytes allocated above the start during one forward + backward (after a warm-up
-    step, so plans and one-off buffers are made), and the halo bytes its forward sent."""
-    from hpcpar.parallel.counters import COUNTERS
-
-    def step(halo=None):
-        before = COUNTERS.snapshot()
-        y = model(x)
-        if halo is not None:
-            halo.append(COUNTERS.since(before)["bytes_halo"])
-        y.backward(torch.ones_like(y))
-
-    step()
-    x.grad = None  # freed outside the profiled step: it counts only what the step allocates
-    model.zero_grad(set_to_none=True)
-    halo: list[int] = []
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step(halo)
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
-    live = peak = 0
-    for _, n in events:
-        live += n
-        peak = max(peak, live)
-    return peak, halo[0]
 
 
 def _pair(make, grid, fmt):
