@@ -28,10 +28,13 @@ file's :class:`LimitNet`, random weights with seed 0) instead of the demo:
 * ``hpcpar predict`` on ``--check-ranks`` (4) ranks, each under the limit, on a volume whose
   input is at least ``--ratio`` (4) times the limit, compared with the whole-volume forward
   run in one process without a limit (in the channels-last memory format, which needs about
-  two volumes of memory), chunk by chunk along D (max |diff| <= 1e-5, float32); exits 1
+  three volumes of memory), chunk by chunk along D (max |diff| <= 1e-5, float32); exits 1
   when it does not hold.
 
-    python benchmarks/predict.py --limit 512MiB --step 64 --max-edge 512
+Peak RSS counts the shared libraries' pages, which the cgroup charges once: a rank's RSS may
+exceed the limit it ran under.
+
+    python benchmarks/predict.py --limit 448MiB --ranks 4 --step 32   # ~15 min, 2 cores
 """
 
 from __future__ import annotations
@@ -95,7 +98,7 @@ def one(method: str, run: str | None, data: str, out: str | None, roi: int, over
     None: kept in memory only), the wall time of the inference and the peak memory.
 
     ``reference`` is ``whole`` in the channels-last memory format: the same forward to
-    rounding, in about two volumes of memory where oneDNN's blocked copies of a one-channel
+    rounding, in about three volumes of memory where oneDNN's blocked copies of a one-channel
     volume take about ten (the unlimited check's reference, on a shared machine)."""
     from hpcpar.run.predict_model import load_model
 
