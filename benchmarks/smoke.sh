@@ -76,6 +76,9 @@ smoke plan 300 "configurations within" \
     "$PY" benchmarks/plan.py --jobs jobs/demo-cosmoflow.toml --ranks 1 --steps 7 --repeat 1
 smoke plan_cluster 600 "within \+-25%" \
     "$PY" benchmarks/plan_cluster.py --nodes 2 --per-node 2 --steps 7   # calibration takes 2 nodes
+smoke predict 300 "ratio hpcpar / monai wall time: $N" \
+    "$PY" benchmarks/predict.py --size 16 --roi 8 --train-steps 1 --reps 1 \
+    --work "$LOGS/predict"
 smoke spatial 120 "^ +hpcpar 2x1x1 +2 +$N +$N" \
     "$MPIEXEC" -n 2 "$PY" benchmarks/spatial.py --size 16 --channels 4 --layers 1 --repeat 1 \
     --rounds 1 --grids 1x1x1,2x1x1
