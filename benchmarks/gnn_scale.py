@@ -1,12 +1,14 @@
-"""The 1M-vertex synthetic GCN job at 1, 2, 4 ranks, against PyG on 1 process, same run.
+"""The 1M-vertex synthetic GCN job at 1, 2, 4 ranks, against PyG on 1 process given the same
+cores (torch threads), same run.
 
     python benchmarks/gnn_scale.py                       # jobs/gcn-synthetic.toml, 1,2,4 ranks
     python benchmarks/gnn_scale.py --ranks 1,2 --epochs 5
     python benchmarks/gnn_scale.py --ranks 2 --rounds 5 --no-pyg   # issue 34: 2-rank limit
 
 Run it as a plain process (not under mpiexec): it makes the job's graph file if missing, then
-launches ``mpiexec -n K`` per rank count and one PyG process, each a fresh process so its
-memory is its own. Graph, model and optimiser come from the job file (``[data]``,
+launches ``mpiexec -n K`` per rank count and one PyG process per thread count (by default
+min(K, cores) of each K; each row's "vs PyG" is PyG's fastest run on at most its cores), each
+a fresh process so its memory is its own; memory is shown per rank and summed over the ranks. Graph, model and optimiser come from the job file (``[data]``,
 ``[model]``, ``[train]``); each rank reads only its rows of the file (``DistGraph.from_hdf5``).
 A ``[data] path`` that is a sharded graph (``hpcpar data graph partition``) is built per rank
 (``DistGraph.from_shards``: each rank reads its own part, as many ranks as parts), and PyG reads
@@ -251,13 +253,14 @@ def whole_graph(path: str) -> tuple[dict, int]:
     return g, m["num_classes"]
 
 
-def pyg_worker(job: dict, epochs: int) -> None:
+def pyg_worker(job: dict, epochs: int, threads: int) -> None:
     import torch
     import torch.nn.functional as F
     from torch_geometric.nn import GCNConv
 
     from hpcpar.graph.distgraph import normalize_rows
 
+    torch.set_num_threads(threads)   # PyG's fastest native form on `threads` cores
     d, m = job["data"], job["model"]
     base = rss_mb()
     reset_peak()
@@ -308,7 +311,7 @@ def pyg_worker(job: dict, epochs: int) -> None:
         epoch()
         if i:
             times.append(time.perf_counter() - t0)
-    print(TAG + json.dumps({"who": "pyg", "ranks": 1, "build_s": t_build,
+    print(TAG + json.dumps({"who": "pyg", "ranks": 1, "threads": threads, "build_s": t_build,
                             "epoch": summary(times),
                             "per_rank": [{"base": base, "build_peak": build_peak,
                                           "train_peak": peak_mb(), "owned": n,
@@ -360,7 +363,14 @@ def memory(res: dict) -> dict:
             "build_rank": max(range(len(pr)), key=lambda i: pr[i]["build_peak"])}
 
 
-def report(job: dict, runs: list[dict], pyg: dict | None, cores: int) -> None:
+def same_cores(pygs: list[dict], ranks: int, cores: int) -> dict | None:
+    """PyG's fastest run on at most the cores ``ranks`` ranks use (threads <= min(ranks,
+    cores)): the like-for-like baseline of that row (more threads are not always faster)."""
+    fit = [p for p in pygs if p["threads"] <= min(ranks, cores)]
+    return min(fit, key=lambda p: p["epoch"]["median"]) if fit else None
+
+
+def report(job: dict, runs: list[dict], pygs: list[dict], cores: int) -> None:
     one = next((r for r in runs if r["ranks"] == 1), None)
     m1 = memory(one) if one else None
     e = lambda r: r["epoch"]["median"]  # noqa: E731
@@ -368,22 +378,25 @@ def report(job: dict, runs: list[dict], pyg: dict | None, cores: int) -> None:
     cell = lambda ep: f"{ep['median']:7.2f} ({ep['min']:.2f}..{ep['max']:.2f}){'':>6}"  # noqa: E731
     print(f"{'ranks':>5} {'epoch s (min..max)':>22} {'vs 1 rank':>9} {'vs PyG':>7} "
           f"{'peak MB':>8} {'ratio':>6} {'above-base MB':>13} {'ratio':>6} "
-          f"{'train-peak MB':>13} {'halo MB/epoch/rank max (mean)':>30} {'build s':>7}")
-    for r in ([pyg] if pyg else []) + runs:
+          f"{'train-peak MB':>13} {'halo MB/epoch/rank max (mean)':>30} {'build s':>7} "
+          f"{'total peak MB':>13}")
+    for r in pygs + runs:
         mem = memory(r)
         hb = [p["halo_bytes"] / 1e6 for p in r["per_rank"]]
-        name = "PyG 1" if r["who"] == "pyg" else str(r["ranks"])
+        name = f"PyG{r['threads']}t" if r["who"] == "pyg" else str(r["ranks"])
+        base = same_cores(pygs, r["ranks"], cores) if r["who"] == "hpcpar" else None
         vs1 = vs(one, e(r)) if r["who"] == "hpcpar" else "-"
         rp = f"{mem['peak'] / m1['peak']:.2f}" if m1 and r["who"] == "hpcpar" else "-"
         ra = f"{mem['above'] / m1['above']:.2f}" if m1 and r["who"] == "hpcpar" else "-"
         if r.get("limit"):  # the limit of this rank count, in the row before it
             lim = r["limit"]["median"]
             print(f"{'lim ' + name:>5} {cell(r['limit'])} {vs(one, lim):>9} "
-                  f"{vs(pyg, lim):>7}  (limit: each rank trains its own partition alone)")
-        print(f"{name:>5} {cell(r['epoch'])} {vs1:>9} {vs(pyg, e(r)):>7} {mem['peak']:8.0f} "
+                  f"{vs(base, lim):>7}  (limit: each rank trains its own partition alone)")
+        total = sum(max(p["build_peak"], p["train_peak"]) for p in r["per_rank"])
+        print(f"{name:>5} {cell(r['epoch'])} {vs1:>9} {vs(base, e(r)):>7} {mem['peak']:8.0f} "
               f"{rp:>6} {mem['above']:13.0f} {ra:>6} "
               f"{mem['train']:13.0f} {max(hb):17.1f} ({statistics.mean(hb):.1f}){'':>6} "
-              f"{r['build_s']:7.1f}")
+              f"{r['build_s']:7.1f} {total:13.0f}")
     top = max((r["ranks"] for r in runs), default=1)
     for r in (r for r in runs if r.get("limit")):
         limit, ours = ([rd[k] for rd in r["rounds"]] for k in ("limit", "hpcpar"))
@@ -395,8 +408,9 @@ def report(job: dict, runs: list[dict], pyg: dict | None, cores: int) -> None:
           "warm-up; "
           f"{top} rank(s) shared {cores} core(s)"
           + (" (oversubscribed)" if top > cores else "")
-          + "; vs = speed-up (time ratio); memory = largest over ranks; peak includes the "
-            "build (rank "
+          + "; vs PyG = PyG's epoch / hpcpar's, PyG's fastest run on the same cores (PyGNt: "
+            "N torch threads, N <= min(ranks, cores)); vs = speed-up (time ratio); memory = "
+            "largest over ranks, total = summed over ranks; peak includes the build (rank "
           + ", ".join(f"{r['ranks']}:{memory(r)['build_rank']}" for r in runs)
           + " had the largest build peak), train-peak is the high-water mark reset after it")
     four = next((r for r in runs if r["ranks"] == 4), None)
@@ -415,10 +429,14 @@ def main() -> None:
     ap.add_argument("--json", metavar="PATH", help="also write the command and every "
                     "launch's results to PATH")
     ap.add_argument("--no-pyg", action="store_true")
+    ap.add_argument("--pyg-threads", help="PyG's torch thread counts, comma-separated "
+                    "(default: min(ranks, cores) of each rank count, so every row has PyG on "
+                    "the same cores)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per launch")
     ap.add_argument("--lock", help="flock file held during each launch (shared machines: "
                     "each launch is one short locked measurement)")
     ap.add_argument("--worker", choices=("hpcpar", "pyg"), help=argparse.SUPPRESS)
+    ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rounds < 1 or args.epochs < 1:
         ap.error("--rounds and --epochs: expected at least 1")
@@ -426,7 +444,7 @@ def main() -> None:
     if args.worker == "hpcpar":
         return hpcpar_worker(job, args.epochs, args.rounds)
     if args.worker == "pyg":
-        return pyg_worker(job, args.epochs)
+        return pyg_worker(job, args.epochs, args.threads)
 
     from hpcpar.launch.mpiexec import find_mpiexec, rank_env
 
@@ -444,13 +462,20 @@ def main() -> None:
     env = rank_env()
     common = [HERE, "--job", args.job, "--epochs", str(args.epochs), "--rounds",
               str(args.rounds)]
-    pyg = None if args.no_pyg else launch([sys.executable, *common, "--worker", "pyg"], env,
-                                          args.timeout, args.lock)
-    if pyg:
-        print(f"  PyG: build {pyg['build_s']:.1f} s, epoch {pyg['epoch']['median']:.2f} s, "
-              f"peak {memory(pyg)['peak']:.0f} MB, {pyg['wall_s']:.0f} s wall", flush=True)
+    ranks = [int(s) for s in args.ranks.split(",")]
+    threads = sorted({int(t) for t in args.pyg_threads.split(",")} if args.pyg_threads
+                     else {min(k, cores) for k in ranks})
+    pygs = []
+    for t in [] if args.no_pyg else threads:
+        pyg = launch([sys.executable, *common, "--worker", "pyg", "--threads", str(t)],
+                     dict(env, OMP_NUM_THREADS=str(t), MKL_NUM_THREADS=str(t)), args.timeout,
+                     args.lock)
+        pygs.append(pyg)
+        print(f"  PyG, {t} thread(s): build {pyg['build_s']:.1f} s, epoch "
+              f"{pyg['epoch']['median']:.2f} s, peak {memory(pyg)['peak']:.0f} MB, "
+              f"{pyg['wall_s']:.0f} s wall", flush=True)
     runs = []
-    for k in (int(s) for s in args.ranks.split(",")):
+    for k in ranks:
         runs.append(launch([find_mpiexec(), "-n", str(k), sys.executable, *common,
                             "--worker", "hpcpar"], env, args.timeout, args.lock))
         r = runs[-1]
@@ -460,8 +485,8 @@ def main() -> None:
                                       for p in r["per_rank"]) + "; MB base+build/train "
               + ", ".join(f"{p['base']:.0f}+build {p['build_peak']:.0f}/train "
                           f"{p['train_peak']:.0f}" for p in r["per_rank"]), flush=True)
-    report(job, runs, pyg, cores)
-    write_json(args.json, {"command": command(), "job": job, "pyg": pyg, "runs": runs})
+    report(job, runs, pygs, cores)
+    write_json(args.json, {"command": command(), "job": job, "pyg": pygs, "runs": runs})
 
 
 if __name__ == "__main__":

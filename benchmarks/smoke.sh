@@ -48,6 +48,8 @@ smoke checkpoint_cost 240 "^async every step +$N" \
     "$PY" benchmarks/checkpoint_cost.py -n 1 --rounds 1 --steps 7
 smoke checkpointing 300 "peak cut ${N}x" \
     "$PY" benchmarks/checkpointing.py --size 48 --depth 1 --channels 1 --repeat 1
+smoke conv1x1 120 "/ hpcpar's \\([^)]*\\): ${N}x" \
+    "$PY" benchmarks/conv1x1.py --size 12 --rounds 1
 smoke fused_halos 120 "best fused speedup $N" \
     "$MPIEXEC" -n 2 "$PY" benchmarks/fused_halos.py --local 8 --channels 4 --layers 2 \
     --grids 2x1x1 --fuse 2 --rounds 1 --repeat 1
