@@ -8,8 +8,9 @@ cores (torch threads), same run.
 Run it as a plain process (not under mpiexec): it makes the job's graph file if missing, then
 launches ``mpiexec -n K`` per rank count and one PyG process per thread count (by default
 min(K, cores) of each K; each row's "vs PyG" is PyG's fastest run on at most its cores), each
-a fresh process so its memory is its own; memory is shown per rank and summed over the ranks. Graph, model and optimiser come from the job file (``[data]``,
-``[model]``, ``[train]``); each rank reads only its rows of the file (``DistGraph.from_hdf5``).
+a fresh process so its memory is its own; memory is shown per rank and summed over the ranks.
+Graph, model and optimiser come from the job file (``[data]``, ``[model]``, ``[train]``); each
+rank reads only its rows of the file (``DistGraph.from_hdf5``).
 A ``[data] path`` that is a sharded graph (``hpcpar data graph partition``) is built per rank
 (``DistGraph.from_shards``: each rank reads its own part, as many ranks as parts), and PyG reads
 its parts end to end (the same graph, renumbered), e.g. the 4M-vertex check of the GNN guide.
