@@ -18,8 +18,10 @@ the volume) and only they are kept. They equal the whole-volume forward's when
 The layers are found by running the plain model once on the meta device (no data, no memory)
 on a probe whose D length is divisible by any stride product up to 2^8 * 3^2 * 5, with forward
 hooks on every leaf module: a leaf that changes D's length without a known geometry refuses
-tiling in one line. Ops called as functions (``F.max_pool3d``) are invisible to the hooks; a
-model using them must not be tiled (the untiled forward is exact regardless).
+tiling in one line, and so does any op that reaches along D outside such a layer (a norm's
+statistics, a reduction over D, a stencil called as a function: :mod:`.slab_guard`). Not
+seen: a model that builds tensors from D's length itself (positional encodings from
+``x.shape[2]``); the untiled forward is exact for any model.
 """
 
 from __future__ import annotations
@@ -106,12 +108,16 @@ def model_reach(model, in_channels: int, hw: tuple[int, int]) -> Reach:
         The :class:`Reach`.
 
     Raises:
-        ConfigError: A layer changes D's length with no known window.
+        ConfigError: A layer changes D's length with no known window, or an op reaches along
+            D beyond the layers the margin counts (:class:`~.slab_guard.SlabGuard`).
     """
     import torch
 
-    meta = copy.deepcopy(model).to("meta")
+    from .slab_guard import SlabGuard  # deferred: loads the dispatch tables
+
+    meta = copy.deepcopy(model).to("meta").eval()   # as predict runs it
     seen: list = []
+    guard = SlabGuard()
 
     def hook(module, args, output):
         if args and isinstance(args[0], torch.Tensor) and isinstance(output, torch.Tensor) \
@@ -119,9 +125,9 @@ def model_reach(model, in_channels: int, hw: tuple[int, int]) -> Reach:
             seen.append((module, args[0].shape[2], output.shape[2]))
 
     handles = [m.register_forward_hook(hook) for m in meta.modules()
-               if not list(m.children())]
+               if not list(m.children())] + guard.hooks(meta)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), guard:
             meta(torch.empty(1, in_channels, PROBE, *hw, device="meta",
                              dtype=param_dtype(model)))
     finally:
