@@ -56,6 +56,9 @@ def mode_call(func, types, args, kwargs, ctx):
     """The mode's door: ``types`` (torch's types of the overloaded arguments) names
     :class:`SplitTensor` exactly when a split tensor is among them, so a call on replicated
     tensors only (a buffer's ``add_``, a head's ``linear``) skips :func:`handle`'s scan."""
+    notices = ctx.notices
+    if notices is not None and notices.pending is not None:   # another rank's op raised
+        notices.check()   # (hpcpar.nn.error_notice)
     if SplitTensor in types:
         return handle(func, args, kwargs, ctx)
     return _replicated_call(func, args, kwargs, leaves(args, kwargs), ctx)
@@ -92,11 +95,21 @@ def handle(func, args, kwargs, ctx=None):
                                               lambda f, a, k: handle(f, a, k, ctx))
             return rule(call)
     except LayerError as exc:
-        raise _located(exc, func) from exc
+        raise _told(_located(exc, func), splits) from exc
     except (RuntimeError, IndexError) as exc:
         if type(exc) not in (RuntimeError, IndexError):   # out of memory, MPI: not the op's
             raise
-        raise _torch_refusal(exc, func) from exc
+        raise _told(_torch_refusal(exc, func), splits) from exc
+
+
+def _told(exc: LayerError, splits) -> LayerError:
+    """``exc``, told to every other rank of the spatial group first: a rank whose piece alone
+    makes an op raise must not leave the others waiting in the next collective
+    (:mod:`hpcpar.nn.error_notice`)."""
+    notices = getattr(splits[0]._hp.ctx, "notices", None)
+    if notices is not None:
+        notices.tell(str(exc))
+    return exc
 
 
 def _torch_refusal(exc: Exception, func) -> LayerError:

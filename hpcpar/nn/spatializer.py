@@ -42,6 +42,7 @@ from .check import first_step_check, skeleton
 from .checkpointing import install_user_checkpoint_replay, remove_user_checkpoint_replay
 from .custom_functions import refuse_custom_functions
 from .dispatch import SpatialMode, mode_call
+from .error_notice import notices_for
 from .fused_halo import MarginLayout, crop, settle_runs
 from .fused_halo import check_setting as check_fuse
 from .split import Layout, SplitContext, SplitTensor, unwrap, wrap
@@ -127,6 +128,12 @@ def _enter(module, args, kwargs):
         except BaseException:
             ctx.depth -= 1
             raise
+    ctx.notices = notices_for(ctx.grid)   # collective the first time on the grid
+    ctx.notices.look()
+    ctx.notices.forwards += 1
+    if ctx.notices.pending is not None:   # another rank raised: before any collective
+        ctx.mode.__enter__()   # (_leave, which runs as the forward raised, leaves it)
+        ctx.notices.check()
     ctx.spatial_params = set()   # new sets: a backward still to come reads its forward's
     ctx.replicated_params = set()
     ctx.unscaled = set()
@@ -143,6 +150,8 @@ def _leave(module, args, kwargs, output):
     if ctx.depth > 0:
         return None
     if output is None:   # also where the forward raised (a refusal): the mode may be gone
+        if ctx.notices is not None:   # others' word of this forward is void
+            ctx.notices.raised(ctx.notices.forwards)
         with contextlib.suppress(RuntimeError):
             ctx.mode.__exit__(None, None, None)
         return None

@@ -49,6 +49,7 @@ class SplitContext:
     fuse_seen: dict = field(default_factory=dict)   # learned this forward, applied at the next
     fuse_counts: list = field(default_factory=lambda: [0, 0])   # this forward's runs, crops
     gathered_at: set = field(default_factory=set)   # where a shrunk volume was gathered
+    notices: Any = None     # the grid's error notices (hpcpar.nn.error_notice), from a forward
 
 
 @dataclass(frozen=True)
