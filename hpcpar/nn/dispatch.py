@@ -56,9 +56,6 @@ def mode_call(func, types, args, kwargs, ctx):
     """The mode's door: ``types`` (torch's types of the overloaded arguments) names
     :class:`SplitTensor` exactly when a split tensor is among them, so a call on replicated
     tensors only (a buffer's ``add_``, a head's ``linear``) skips :func:`handle`'s scan."""
-    notices = ctx.notices
-    if notices is not None and notices.pending is not None:   # another rank's op raised
-        notices.check()   # (hpcpar.nn.error_notice)
     if SplitTensor in types:
         return handle(func, args, kwargs, ctx)
     return _replicated_call(func, args, kwargs, leaves(args, kwargs), ctx)

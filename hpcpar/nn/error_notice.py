@@ -11,17 +11,19 @@ it raised in), and each process watches for such messages (one daemon thread, po
 :data:`POLL` seconds, where MPI was initialised for threads; elsewhere at the start of each
 forward):
 
-- a rank still running ops raises the same :class:`~hpcpar.errors.LayerError` at its next op,
-  or at the start of its next forward, before that forward's first collective
-  (:meth:`Notices.check`, from the dispatcher and the spatialized model's forward);
-- a rank waiting inside a collective (in hpcpar's communication layers) for the rank that
-  stopped cannot raise (MPI does not return): once it has waited there :data:`GRACE` seconds
-  it prints the line as hpcpar's CLI prints an error (``hpcpar: error: <line>``) and exits
-  with ``LayerError``'s exit code; ``mpiexec`` then ends the job, never a hang. A rank told
-  while it works elsewhere (its reference computation, data loading) is left to raise.
+- a rank that raises in the same forward itself (a refusal every rank makes, at the same op)
+  ignores the others' messages about it: nothing waits on it, and the caller may go on;
+- otherwise the job cannot go on (the ranks that raised left messages of that forward
+  unanswered, which a later exchange would read), so the told rank stops: it prints the line
+  as hpcpar's CLI prints an error (``hpcpar: error: <line>``) and exits with
+  ``LayerError``'s exit code, and ``mpiexec`` ends the job, never a hang. It stops where it
+  waits inside a collective (in hpcpar's communication layers) once every other rank of its
+  group has told (it waits for the dead), or after :data:`GRACE` seconds there when only
+  some have (it may wait for a slow live rank still on its way to the same refusal); and at
+  the start of its next forward when it finished the forward the others raised in.
 
-A rank whose forward raised itself (a refusal every rank makes) ignores the others' messages
-about that forward: nothing waits on it.
+A told rank never raises at another op than the one that raised: ranks ahead of it may have
+sent it messages of ops it would skip, which a later exchange would read.
 """
 
 from __future__ import annotations
@@ -36,10 +38,12 @@ from typing import Any
 
 from hpcpar.errors import LayerError
 
-__all__ = ["GRACE", "POLL", "Notices", "notices_for"]
+__all__ = ["GRACE", "DEAD_WAIT", "POLL", "Notices", "notices_for", "stop"]
 
-#: Seconds a rank told of another rank's error may wait in a collective before it exits.
-GRACE = 3.0
+#: Seconds a rank told by some (not all) of its group may wait in a collective before it exits.
+GRACE = 60.0
+#: Seconds a rank told by all of its group waits in a collective before it exits.
+DEAD_WAIT = 0.5
 #: Seconds between the watcher thread's looks.
 POLL = 0.05
 _TAG = 6104
@@ -68,6 +72,7 @@ class Notices:
         self.raised_at = -1     # the last forward this rank raised in (or was told of)
         self.pending: tuple[int, str] | None = None   # told, not raised yet
         self.since = 0.0
+        self.tellers: set[int] = set()   # the ranks that told of the pending forward
         self._sent: list[Any] = []
         self._recv = self._post()
 
@@ -83,7 +88,7 @@ class Notices:
                 return
             self._raised(self.forwards)
         line = line[:_BUF // 8]   # a message fits the receive buffer whatever its text
-        self._sent = [self.comm.isend((self.forwards, line), r, _TAG)
+        self._sent = [self.comm.isend((self.forwards, line, self.rank), r, _TAG)
                       for r in range(self.size) if r != self.rank]
 
     def raised(self, forward: int) -> None:
@@ -102,38 +107,53 @@ class Notices:
             self._take()
 
     def check(self) -> None:
-        """Raise the error another rank was told to raise, if any (the main thread)."""
+        """At the start of a forward (the main thread): stop if this rank finished a forward
+        another rank raised in (:func:`stop`)."""
         with _LOCK:
-            told, self.pending = self.pending, None
-            if told is None or told[0] <= self.raised_at:
+            told = self.pending
+            if told is None or told[0] >= self.forwards or told[0] <= self.raised_at:
                 return
-            self.raised_at = told[0]
-        raise LayerError(told[1])
+        stop(told[1])
 
     def _take(self) -> None:
-        """Take the messages that arrived (the first about a forward this rank has not
-        raised in is pending until raised)."""
+        """Take the messages that arrived: the first about a forward this rank has not raised
+        in is pending until raised; its tellers are counted."""
         while True:
             flag, msg = self._recv.test()
             if not flag:
                 return
             self._recv = self._post()
+            forward, line, sender = msg
             with _LOCK:
-                if msg[0] > self.raised_at and self.pending is None:
-                    self.pending, self.since = (msg[0], msg[1]), time.monotonic()
+                if forward <= self.raised_at:
+                    continue
+                if self.pending is None:
+                    self.pending, self.since = (forward, line), time.monotonic()
+                    self.tellers = set()
+                if self.pending[0] == forward:
+                    self.tellers.add(sender)
 
     def poll(self, blocked_since: float) -> None:
-        """The watcher: take messages; exit when one waits unraised while the main thread
-        has waited in a collective for :data:`GRACE` seconds (``blocked_since``: since when)."""
+        """The watcher: take messages; stop when one waits unraised while the main thread has
+        waited in a collective :data:`DEAD_WAIT` seconds (every other rank told: it waits for
+        the dead) or :data:`GRACE` seconds (some told)."""
         self._take()
         told = self.pending
-        if told is not None and time.monotonic() - max(self.since, blocked_since) > GRACE:
-            sys.stdout.flush()
-            print(f"hpcpar: error: {told[1]}", file=sys.stderr, flush=True)
-            os._exit(LayerError.exit_code)
+        if told is None:
+            return
+        waited = time.monotonic() - max(self.since, blocked_since)
+        if waited > (DEAD_WAIT if len(self.tellers) >= self.size - 1 else GRACE):
+            stop(told[1])
 
     def close(self) -> None:
         self._recv.Cancel()
+
+
+def stop(line: str) -> None:
+    """End this process as hpcpar's CLI ends on an error: the job cannot go on."""
+    sys.stdout.flush()
+    print(f"hpcpar: error: {line}", file=sys.stderr, flush=True)
+    os._exit(LayerError.exit_code)
 
 
 def notices_for(grid: Any) -> Notices:

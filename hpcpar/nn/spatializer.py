@@ -131,8 +131,7 @@ def _enter(module, args, kwargs):
     ctx.notices = notices_for(ctx.grid)   # collective the first time on the grid
     ctx.notices.look()
     ctx.notices.forwards += 1
-    if ctx.notices.pending is not None:   # another rank raised: before any collective
-        ctx.mode.__enter__()   # (_leave, which runs as the forward raised, leaves it)
+    if ctx.notices.pending is not None:   # another rank raised in a forward this one finished
         ctx.notices.check()
     ctx.spatial_params = set()   # new sets: a backward still to come reads its forward's
     ctx.replicated_params = set()
