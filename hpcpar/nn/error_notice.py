@@ -186,7 +186,9 @@ def _watch() -> None:
     blocked_since = float("inf")
     while not _STOP.wait(POLL):
         frame = sys._current_frames().get(main)   # its innermost Python frame
-        if frame is None or not frame.f_code.co_filename.startswith(_COLLECTIVES):
+        waiting = frame is not None and frame.f_code.co_filename.startswith(_COLLECTIVES)
+        del frame   # held until the next look, it would keep a returned frame's tensors alive
+        if not waiting:
             blocked_since = float("inf")
         elif blocked_since == float("inf"):
             blocked_since = time.monotonic()
