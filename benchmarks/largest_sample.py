@@ -111,13 +111,19 @@ class Trial:
             preload(env)   # the allocator hpcpar run gives its ranks: a like-for-like peak
         env.setdefault("OMP_NUM_THREADS", "1")
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if proc.returncode == 0:
-            return True
-        if proc.returncode in (EXIT_OOM, 128 + 9, -9) or "killed by the memory limit" in (
-                proc.stderr + proc.stdout):   # a rank in its own group (mpiexec stand-in)
-            return False
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        raise RuntimeError(f"{config} at edge {edge}: exit {proc.returncode}: " + " | ".join(tail))
+        return completed(proc, f"{config} at edge {edge}")
+
+
+def completed(proc: subprocess.CompletedProcess, what: str) -> bool:
+    """Whether a limited process completed (True) or the memory limit killed it (False); any
+    other failure raises, naming ``what``."""
+    if proc.returncode == 0:
+        return True
+    if proc.returncode in (EXIT_OOM, 128 + 9, -9) or "killed by the memory limit" in (
+            proc.stderr + proc.stdout):   # a rank in its own group (mpiexec stand-in)
+        return False
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    raise RuntimeError(f"{what}: exit {proc.returncode}: " + " | ".join(tail))
 
 
 def largest(trial: Trial, config: tuple, guess: int | None, step: int, hi: int) -> int | None:

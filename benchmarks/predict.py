@@ -54,9 +54,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import torch
-from largest_sample import largest, spatial_grid
-
-from hpcpar.errors import EXIT_OUT_OF_MEMORY as EXIT_OOM
+from largest_sample import completed, largest, spatial_grid
 
 ROOT = Path(__file__).resolve().parent.parent
 TOLERANCE = 1e-5      # float32: hpcpar against the one-process whole-volume forward
@@ -202,13 +200,7 @@ class Limited:
         shutil.rmtree(out, ignore_errors=True)
         print(f"  {method:<7} {ranks} rank(s) edge {edge:>5}: "
               f"{'fits' if done.returncode == 0 else f'exit {done.returncode}'}", flush=True)
-        if done.returncode == 0:
-            return True
-        if done.returncode in (EXIT_OOM, 128 + 9, -9) or "killed by the memory limit" in (
-                done.stderr + done.stdout):
-            return False
-        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        raise RuntimeError(f"{method} at edge {edge}: exit {done.returncode}: " + " | ".join(tail))
+        return completed(done, f"{method} at edge {edge}")
 
 
 def max_diff_chunked(reference: Path, out: Path, planes: int = 16) -> float:

@@ -15,25 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpcpar.parallel.partition import ceil_div, conv_pads
+from hpcpar.parallel.partition import conv_pads, live_taps
 
-__all__ = ["Trim", "live_taps", "tap_trim"]
-
-
-def live_taps(n: int, k: int, s: int, d: int, lo: int, hi: int) -> tuple[int, int] | None:
-    """``(first, last)`` taps that read input data for some output, or None (no output, or no
-    tap reads data)."""
-    span = n + lo + hi - d * (k - 1) - 1
-    if span < 0:
-        return None
-    last_out = span // s
-
-    def reads_data(t: int) -> bool:
-        first = max(0, ceil_div(lo - t * d, s))  # the first output reading index >= 0
-        return first <= last_out and first * s - lo + t * d < n
-
-    live = [t for t in range(k) if reads_data(t)]
-    return (live[0], live[-1]) if live else None
+__all__ = ["Trim", "tap_trim"]
 
 
 @dataclass(frozen=True)

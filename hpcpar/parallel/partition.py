@@ -19,7 +19,7 @@ T = TypeVar("T")
 __all__ = [
     "split_sizes", "largest_piece", "part_range", "part_ranges", "box", "owner",
     "stencil_output_length",
-    "stencil_input_range", "transposed_output_length", "transposed_input_range", "AxisHalo",
+    "stencil_input_range", "live_taps", "transposed_output_length", "transposed_input_range", "AxisHalo",
     "axis_halo", "conv_axis_halo", "transposed_axis_halo", "same_padding", "conv_pads",
     "ceil_div", "xyz", "torch_pad",
 ]
@@ -409,3 +409,21 @@ def ceil_div(a: int, b: int) -> int:
         ``ceil(a / b)``.
     """
     return -(-a // b)
+
+
+def live_taps(n: int, k: int, s: int, d: int, lo: int, hi: int) -> tuple[int, int] | None:
+    """``(first, last)`` taps of a stencil along an axis of global length ``n`` (kernel ``k``,
+    stride ``s``, dilation ``d``, padding ``lo``/``hi``) that read input data for some
+    output, or None (no output, or no tap reads data): the taps outside only ever read the
+    padding (:mod:`hpcpar.nn._tap_trim`)."""
+    span = n + lo + hi - d * (k - 1) - 1
+    if span < 0:
+        return None
+    last_out = span // s
+
+    def reads_data(t: int) -> bool:
+        first = max(0, ceil_div(lo - t * d, s))  # the first output reading index >= 0
+        return first <= last_out and first * s - lo + t * d < n
+
+    live = [t for t in range(k) if reads_data(t)]
+    return (live[0], live[-1]) if live else None

@@ -10,9 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpcpar.nn import spatialize
-from hpcpar.nn._tap_trim import live_taps, tap_trim
+from hpcpar.nn._tap_trim import tap_trim
 from hpcpar.nn.split import local
 from hpcpar.parallel.comm import allreduce_
+from hpcpar.parallel.partition import live_taps
 from hpcpar.testing import mpi_case
 from hpcpar.testing.oracles import alloc_peak, close, on_subgrid, randn, spatial_slices
 
