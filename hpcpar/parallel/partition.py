@@ -18,8 +18,8 @@ T = TypeVar("T")
 
 __all__ = [
     "split_sizes", "largest_piece", "part_range", "part_ranges", "box", "owner",
-    "stencil_output_length",
-    "stencil_input_range", "live_taps", "transposed_output_length", "transposed_input_range", "AxisHalo",
+    "stencil_output_length", "live_taps",
+    "stencil_input_range", "transposed_output_length", "transposed_input_range", "AxisHalo",
     "axis_halo", "conv_axis_halo", "transposed_axis_halo", "same_padding", "conv_pads",
     "ceil_div", "xyz", "torch_pad",
 ]
