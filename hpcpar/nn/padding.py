@@ -24,10 +24,10 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from hpcpar.parallel.comm import alltoallv
 from hpcpar.parallel.grid import ProcessGrid
 from hpcpar.parallel.halo import AXIS_NAMES
 from hpcpar.parallel.partition import part_range, part_ranges, xyz
+from hpcpar.parallel.transport import line_alltoallv
 
 from ._functional import check_piece, same_format, torch_output_shape
 
@@ -97,11 +97,12 @@ class AxisGather(torch.autograd.Function):
     owner and ADDED into it."""
 
     @staticmethod
-    def forward(ctx, x, route: AxisRoute, dim: int, comm, fill):
+    def forward(ctx, x, route: AxisRoute, dim: int, comms, fill):
         rows = x.detach().movedim(dim, 0).index_select(0, route.send_index.to(x.device))
-        got = rows if comm is None else alltoallv(rows, route.send_rows, comm, route.recv_rows)
+        got = rows if comms is None else line_alltoallv(rows, route.send_rows, *comms,
+                                                         route.recv_rows)
         ext = torch.cat([got, got.new_full((1, *got.shape[1:]), fill)])
-        ctx.route, ctx.dim, ctx.comm = route, dim, comm
+        ctx.route, ctx.dim, ctx.comms = route, dim, comms
         return ext.index_select(0, route.position.to(x.device)).movedim(0, dim)
 
     @staticmethod
@@ -111,8 +112,9 @@ class AxisGather(torch.autograd.Function):
         slots = g.new_zeros((sum(route.recv_rows) + 1, *g.shape[1:]))
         slots.index_add_(0, route.position.to(g.device), g)
         back = slots[:-1]
-        if ctx.comm is not None:
-            back = alltoallv(back, route.recv_rows, ctx.comm, route.send_rows)
+        if ctx.comms is not None:
+            back = line_alltoallv(back.contiguous(), route.recv_rows, *ctx.comms,
+                                  route.send_rows)
         gx = g.new_zeros((route.length, *g.shape[1:]))
         gx.index_add_(0, route.send_index.to(g.device), back)
         return gx.movedim(0, ctx.dim), None, None, None, None
@@ -160,8 +162,8 @@ def pad(x: torch.Tensor, pad: Sequence[int], mode: str = "constant", value: floa
             continue
         parts = grid.spatial_shape[a]
         route = _pad_route(gshape[a], lo, hi, mode, parts, grid.spatial_coords[a])
-        comm = grid.axis_comm(name) if parts > 1 else None
-        y = AxisGather.apply(y, route, 2 + a, comm, 0.0 if value is None else value)
+        comms = (grid.axis_comm(name), grid.spatial_comm) if parts > 1 else None
+        y = AxisGather.apply(y, route, 2 + a, comms, 0.0 if value is None else value)
     if len(pad) > 6:
         y = F.pad(y, (0,) * 6 + pad[6:], value=0.0 if value is None else value)
     return same_format(y, x), xyz(out[2:])

@@ -303,6 +303,14 @@ def sendrecv(send: torch.Tensor, dest: int, recv: torch.Tensor, source: int, com
     Returns:
         ``recv``.
     """
+    group = torch_group(comm, send)
+    if group is not None:
+        if not recv.is_contiguous():
+            raise CommError("MPI buffers must be contiguous tensors (call .contiguous())")
+        tag = sendtag if recvtag is None else recvtag
+        for h in group.post(((recv, source, tag),), ((_dense(send), dest, sendtag),)):
+            h.wait()
+        return recv
     sb = as_buffer(send, copy_back=False)
     rb = Buffer(recv, True, copy_in=False)
     comm.Sendrecv(sb.mpi, dest=dest, sendtag=sendtag, recvbuf=rb.mpi, source=source,
@@ -386,6 +394,11 @@ def reduce_scatter(t: torch.Tensor, rows: Sequence[int], comm: MPI.Comm,
     if len(rows) != comm.Get_size() or sum(rows) != t.shape[0]:
         raise CommError(f"reduce_scatter: row counts {rows} do not split {t.shape[0]} rows "
                         f"over {comm.Get_size()} ranks")
+    off = sum(rows[:comm.Get_rank()])
+    group = torch_group(comm, t)
+    if group is not None:  # the whole reduction, then this rank's rows (MPI's conventions)
+        return group.allreduce_(t.clone(memory_format=torch.contiguous_format), op)[
+            off:off + rows[comm.Get_rank()]].clone()
     src, _ = _reduce_target(_dense(t))
     inner = int(np.prod(t.shape[1:])) if t.dim() > 1 else 1
     out = torch.empty((rows[comm.Get_rank()], *t.shape[1:]), dtype=src.dtype, device=t.device)
@@ -434,6 +447,9 @@ def alltoallv(send: torch.Tensor, send_rows: Sequence[int], comm: MPI.Comm,
     elif tuple(out.shape) != shape or not out.is_contiguous() or out.dtype != send.dtype:
         raise CommError(f"alltoallv: out is {tuple(out.shape)} {out.dtype}, expected a "
                         f"contiguous {shape} {send.dtype}")
+    group = torch_group(comm, send)
+    if group is not None:
+        return group.alltoallv(_dense(send), send_rows, out, recv_rows)
     sb = as_buffer(_dense(send), copy_back=False)
     rb = Buffer(out, True, copy_in=False)
     scounts = [r * inner for r in send_rows]

@@ -73,11 +73,15 @@ def _tree(every: torch.Tensor, add) -> torch.Tensor:
     return parts[0]
 
 
+#: dtypes Gloo cannot carry: moved as their bytes
+_BYTES = (torch.float16, torch.bfloat16, torch.bool)
+
+
 def _wire(t: torch.Tensor) -> torch.Tensor:
     """``t`` (dense), or its bytes where Gloo has no such type (16-bit floats, bool): a view,
     so a receive lands in ``t``."""
     wire_dtype(t.dtype)  # a dtype MPI cannot carry is refused here too, in the same words
-    if t.dtype in (torch.float16, torch.bfloat16, torch.bool):
+    if t.dtype in _BYTES:
         return t.view(-1).view(torch.uint8)
     return t
 
@@ -138,6 +142,18 @@ class TorchGroup:
         opts.rootRank = root
         self.pg.broadcast([_wire(t)], opts).wait()  # type: ignore[attr-defined]
         return t
+
+    def alltoallv(self, send: torch.Tensor, send_rows: Sequence[int], out: torch.Tensor,
+                  recv_rows: Sequence[int]) -> torch.Tensor:
+        """Exchange row blocks as :func:`.comm.alltoallv` does, into the contiguous ``out``
+        (rows counted along dim 0; 16-bit floats and booleans moved as their bytes)."""
+        inner = send[0].numel() if send.shape[0] else out[0].numel() if out.shape[0] else 0
+        scale = inner * (send.element_size() if send.dtype in _BYTES else 1)
+        src = _wire(send.contiguous().view(-1))
+        dst = _wire(out.view(-1))
+        self.pg.alltoall_base(dst, src, [r * scale for r in recv_rows],  # type: ignore
+                              [r * scale for r in send_rows], dist.AllToAllOptions()).wait()
+        return out
 
     def post(self, recvs: Sequence[tuple], sends: Sequence[tuple]) -> list[_Pending]:
         """Start the receives and sends ``(tensor, peer, tag)`` (dense tensors); a handle per

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from hpcpar.errors import ConfigError
-from hpcpar.parallel.comm import irecv, isend
+from hpcpar.parallel.comm import alltoallv, irecv, isend
 from hpcpar.parallel.cuda_aware import cuda_aware, forced_cuda_path
 from hpcpar.parallel.replay import count_sent
 from hpcpar.parallel.torch_groups import TorchGroup, bind, torch_group, unbind
@@ -38,8 +38,8 @@ if TYPE_CHECKING:
 
     from hpcpar.parallel.grid import ProcessGrid
 
-__all__ = ["TRANSPORTS", "resolve_transport", "exchange", "HaloTransport", "use_transport",
-           "torch_group"]
+__all__ = ["TRANSPORTS", "resolve_transport", "exchange", "line_alltoallv", "HaloTransport",
+           "use_transport", "torch_group"]
 
 #: the values of ``[train] halo_transport``
 TRANSPORTS = ("auto", "mpi", "nccl", "gloo", "staged")
@@ -105,6 +105,25 @@ def exchange(comm: MPI.Comm, recvs: Sequence[tuple], sends: Sequence[tuple]) -> 
         return group.post(recvs, sends)
     return [irecv(t, peer, comm, tag) for t, peer, tag in recvs] + \
         [isend(t, peer, comm, tag) for t, peer, tag in sends]
+
+
+def line_alltoallv(send: torch.Tensor, send_rows: Sequence[int], line: MPI.Comm,
+                   spatial: MPI.Comm, recv_rows: Sequence[int]) -> torch.Tensor:
+    """:func:`.comm.alltoallv` over ``line`` (an axis line of ``spatial``, ranks in coordinate
+    order), for an op that every rank of ``spatial`` runs at once on its own line. Through
+    the group bound to ``spatial`` when there is one (the line's blocks placed at their
+    spatial ranks, nothing to the others: one group serves every line), else MPI on ``line``.
+    """
+    if torch_group(spatial, send) is None:
+        return alltoallv(send, send_rows, line, recv_rows)
+    peers = line.Get_group().Translate_ranks(list(range(line.Get_size())),
+                                             spatial.Get_group())
+    if list(peers) != sorted(peers):  # blocks would be out of order: MPI keeps the line's
+        return alltoallv(send, send_rows, line, recv_rows)
+    sends, recvs = [0] * spatial.Get_size(), [0] * spatial.Get_size()
+    for peer, s, r in zip(peers, send_rows, recv_rows):
+        sends[peer], recvs[peer] = int(s), int(r)
+    return alltoallv(send, sends, spatial, recvs)
 
 
 @dataclass

@@ -145,7 +145,8 @@ def _collective_cases(grid):
     from hpcpar.nn.global_norm import group_norm
     from hpcpar.nn.norm import SpatialBatchNorm3d
     from hpcpar.nn.reduce import global_reduce
-    from hpcpar.parallel.comm import allgather, allgatherv, allreduce_, bcast_, irecv, isend
+    from hpcpar.parallel.comm import (allgather, allgatherv, allreduce_, alltoallv, bcast_,
+                                      irecv, isend, reduce_scatter, sendrecv)
 
     comm = grid.spatial_comm
     r, p = comm.Get_rank(), comm.Get_size()
@@ -169,6 +170,22 @@ def _collective_cases(grid):
         sent = isend(randn((3,), r, torch.float64), (r + 1) % p, comm, tag=7)
         nothing = isend(torch.ones(2), MPI.PROC_NULL, comm)
         out += [got.wait(), sent.wait(), nothing.wait()]
+        out.append(sendrecv(randn((2, 3), r, torch.float64), (r + 1) % p,
+                            torch.empty(2, 3, dtype=torch.float64), (r - 1) % p, comm,
+                            sendtag=3))
+        rows = [(r + q) % 3 for q in range(p)]          # uneven, some blocks empty
+        for dtype in (torch.float64, torch.bfloat16, torch.bool):
+            send = randn((sum(rows), 2, 3), 40 + r, torch.float64).gt(0).to(dtype) \
+                if dtype == torch.bool else randn((sum(rows), 2, 3), 40 + r, dtype)
+            out.append(alltoallv(send, rows, comm))
+        block = [1 + q % 2 for q in range(p)]
+        for dtype, op in ((torch.float64, "max"), (torch.int64, "sum"),
+                          (torch.float16, "min")):
+            t = randn((sum(block), 3), 50 + r, torch.float64)
+            out.append(reduce_scatter((t * 100).to(dtype), block, comm, op))
+        if p == 2:   # a + b in either order
+            out.append(reduce_scatter(randn((sum(block), 3), 60 + r, torch.float64), block,
+                                      comm))
         return out
 
 
@@ -200,7 +217,16 @@ def _collective_cases(grid):
         xx = x.clone().requires_grad_()
         return _grads(SpatialAdaptiveAvgPool3d(1, grid=grid)(xx), [xx], 11)
 
-    _gloo_vs_mpi(grid, {"comm collectives": messages, "group_norm": norms,
+    def padded():   # data moves along each axis line: circular fetches the far end
+        from hpcpar.nn.padding import pad
+
+        out = []
+        for mode, widths in (("circular", (3, 1, 0, 2, 4, 0)), ("reflect", (2, 2, 1, 0, 0, 3))):
+            xx = x.clone().requires_grad_()
+            out += _grads(pad(xx, widths, mode, grid=grid, gshape=GSHAPE)[0], [xx], 12)
+        return out
+
+    _gloo_vs_mpi(grid, {"comm collectives": messages, "group_norm": norms, "pad": padded,
                         "SpatialBatchNorm3d": batch_norm, "global_reduce": reductions,
                         "SpatialAdaptiveAvgPool3d": pooled})
 
