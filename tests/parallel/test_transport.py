@@ -145,8 +145,17 @@ def _collective_cases(grid):
     from hpcpar.nn.global_norm import group_norm
     from hpcpar.nn.norm import SpatialBatchNorm3d
     from hpcpar.nn.reduce import global_reduce
-    from hpcpar.parallel.comm import (allgather, allgatherv, allreduce_, alltoallv, bcast_,
-                                      irecv, isend, reduce_scatter, sendrecv)
+    from hpcpar.parallel.comm import (
+        allgather,
+        allgatherv,
+        allreduce_,
+        alltoallv,
+        bcast_,
+        irecv,
+        isend,
+        reduce_scatter,
+        sendrecv,
+    )
 
     comm = grid.spatial_comm
     r, p = comm.Get_rank(), comm.Get_size()
