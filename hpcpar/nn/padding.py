@@ -99,8 +99,8 @@ class AxisGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, route: AxisRoute, dim: int, comms, fill):
         rows = x.detach().movedim(dim, 0).index_select(0, route.send_index.to(x.device))
-        got = rows if comms is None else line_alltoallv(rows, route.send_rows, *comms,
-                                                         route.recv_rows)
+        got = rows if comms is None else line_alltoallv(rows, route.send_rows, comms[0],
+                                                         comms[1], route.recv_rows)
         ext = torch.cat([got, got.new_full((1, *got.shape[1:]), fill)])
         ctx.route, ctx.dim, ctx.comms = route, dim, comms
         return ext.index_select(0, route.position.to(x.device)).movedim(0, dim)
@@ -113,7 +113,7 @@ class AxisGather(torch.autograd.Function):
         slots.index_add_(0, route.position.to(g.device), g)
         back = slots[:-1]
         if ctx.comms is not None:
-            back = line_alltoallv(back.contiguous(), route.recv_rows, *ctx.comms,
+            back = line_alltoallv(back, route.recv_rows, ctx.comms[0], ctx.comms[1],
                                   route.send_rows)
         gx = g.new_zeros((route.length, *g.shape[1:]))
         gx.index_add_(0, route.send_index.to(g.device), back)
