@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpcpar.testing.model_check import check_model
-from hpcpar.testing.zoo import MONAI
+from tests.support.zoo import MONAI
 
 
 def mse(out, target):

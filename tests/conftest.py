@@ -1,5 +1,6 @@
-"""Shared pytest fixtures. Shared oracles and helpers live in :mod:`hpcpar.testing.oracles`
-(importable inside the MPI workers too); test modules never import each other."""
+"""Shared pytest fixtures. Shared oracles live in :mod:`hpcpar.testing.oracles`, the suite's
+own helpers in ``tests/support/`` (both importable inside the MPI workers too); test modules
+never import each other."""
 
 import os
 

@@ -106,13 +106,14 @@ def test_parallel_imports_no_other_layer(rule):
 
 
 def test_no_test_module_imports_another():
-    """Test modules share oracles through hpcpar.testing.oracles (importable inside the MPI
-    workers, which load one test file by path) and fixtures through tests/conftest.py, never by
-    importing each other: any import of a name that resolves to a file or folder under tests/
-    (whose folders pytest and the workers put on sys.path) is refused. conftest.py is pytest's."""
+    """Test modules share oracles through hpcpar.testing.oracles, helpers through the one
+    package tests/support (``tests.support.X``: pytest and the MPI workers have the root on
+    sys.path) and fixtures through tests/conftest.py, never by importing each other: any other
+    import of a name that resolves to a file or folder under tests/ (whose folders pytest and
+    the workers put on sys.path) or below ``tests.`` is refused. conftest.py is pytest's."""
     tests = ROOT / "tests"
     local = {p.stem for p in tests.rglob("*.py")} | {
-        d.name for d in tests.rglob("*") if d.is_dir() and d.name != "__pycache__"}
+        d.name for d in tests.rglob("*") if d.is_dir() and d.name != "__pycache__"} | {"tests"}
     bad = []
     for path in sorted(tests.rglob("*.py")):
         if path.name == "conftest.py":
@@ -125,10 +126,13 @@ def test_no_test_module_imports_another():
             else:
                 continue
             for name in names:
+                if name == "tests.support" or name.startswith("tests.support."):
+                    continue
                 if name.startswith(".") or name.split(".")[0] in local:
                     bad.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {name}")
     assert not bad, ("test modules import each other (shared code belongs in "
-                     "hpcpar.testing.oracles, shared fixtures in tests/conftest.py):\n"
+                     "hpcpar.testing.oracles or tests/support, shared fixtures in "
+                     "tests/conftest.py):\n"
                      + "\n".join(bad))
 
 

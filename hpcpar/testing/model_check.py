@@ -1,5 +1,5 @@
 """Whether a model written in plain torch is exact under ``spatialize``: one model of the
-zoo's form (:mod:`hpcpar.testing.zoo`) run on a grid against one process. Shared by
+zoo's form (``tests/support/zoo.py`` in the checkout) run on a grid against one process. Shared by
 tests/nn/test_model_zoo.py and benchmarks/third_party_models.py (other people's networks).
 """
 
@@ -96,7 +96,7 @@ def check_model(grid, entry, name: str, seed: int = 0, fuse: int = 1,
     Args:
         grid: The process grid (this rank's).
         entry: ``(factory, channels, size, loss, target kind, expected)`` as in
-            :data:`hpcpar.testing.zoo.ZOO`; ``factory(c=channels)`` builds the model.
+            the zoo's ``ZOO``; ``factory(c=channels)`` builds the model.
         name: The model's name, for messages.
         seed: Seeds the weights, the input and the target.
         fuse: ``spatialize(..., fuse_halos=fuse)``; the line then says how many fused runs'

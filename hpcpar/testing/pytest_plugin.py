@@ -4,10 +4,14 @@ Load it with ``pytest_plugins = ["hpcpar.testing.pytest_plugin"]`` in a conftest
 items of one rank count share one ``mpiexec`` launch for the whole session (made on the first
 such item; ``HPCPAR_TEST_LAUNCH=module``: one per module and rank count). When a failing case
 aborts the launch, the cases it did not reach run in a new one, so each reports for itself.
-Set ``HPCPAR_TEST_MAX_NP`` to skip rank counts above a limit.
+Set ``HPCPAR_TEST_MAX_NP`` to skip rank counts above a limit. The ranks get pytest's
+``pythonpath`` setting on their ``PYTHONPATH``: a test module imports there what it imports
+under pytest.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -75,15 +79,26 @@ def _launch(items: list[MPIItem], nprocs: int) -> dict:
     next."""
     results: dict = {}
     todo = list(items)
+    env = _pythonpath(items[0].config) if items else None
     while todo:
         run = run_cases([(str(i.path), i.fn.__name__) for i in todo], nprocs,
-                        {i.case: i.case_timeout for i in todo})
+                        {i.case: i.case_timeout for i in todo}, env=env)
         results.update({c: (r, run.output) for c, r in run.cases.items()})
         left = [i for i in todo if run.cases[i.case].status == "not-run"]
         if len(left) == len(todo):
             break   # no case ran (the start-up failed or hung): they report why
         todo = left   # after a case's abort or its own timeout, the rest in a new launch
     return results
+
+
+def _pythonpath(config) -> dict | None:
+    """The ranks' environment with pytest's ``pythonpath`` entries before ``PYTHONPATH``'s
+    (None when the setting is empty: the ranks inherit it as it is)."""
+    own = [str(p) for p in config.getini("pythonpath")]
+    if not own:
+        return None
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {"PYTHONPATH": os.pathsep.join(own + inherited)}
 
 
 def _launch_timeout(items: list[MPIItem]) -> float:

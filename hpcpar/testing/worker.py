@@ -1,4 +1,4 @@
-"""Per-rank runner of MPI test cases (launched by :func:`hpcpar.testing.run_cases`).
+"""Per-rank runner of MPI test cases (launched by :func:`hpcpar.testing.mpi.run_cases`).
 
 Usage: ``python -m hpcpar.testing.worker CASES.json RESULT_DIR``; ``CASES.json`` lists
 ``/path/module.py::function`` names, a module's cases together.

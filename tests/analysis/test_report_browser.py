@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from hpcpar.analysis import plots, synthetic_run, write_report
-from hpcpar.testing import browser
+from tests.support import browser
 
 WIDTH = 1400
 JOB = """[job]

@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 
 from hpcpar.formats.records import merge_records
-from hpcpar.testing.cli_run import tiny_job_toml
+from tests.support.cli_run import tiny_job_toml
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcpar.testing.faults import can_mount
+from tests.support.faults import can_mount
 
 pytestmark = pytest.mark.skipif(not can_mount(), reason="needs root and mount namespaces")
 

@@ -35,7 +35,7 @@ import torch
 from hpcpar.errors import EXIT_USAGE
 from hpcpar.formats.records.reader import read_steps
 from hpcpar.run._optim import LRFactor
-from hpcpar.testing.cli_run import micro_job_toml
+from tests.support.cli_run import micro_job_toml
 
 pytestmark = pytest.mark.slow
 

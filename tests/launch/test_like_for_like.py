@@ -15,7 +15,7 @@ import sys
 
 import pandas as pd
 
-from hpcpar.testing.cli_run import tiny_job_toml
+from tests.support.cli_run import tiny_job_toml
 
 
 def _busy_cores() -> list[subprocess.Popen]:

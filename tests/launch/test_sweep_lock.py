@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from hpcpar.testing.cli_run import tiny_job_toml
+from tests.support.cli_run import tiny_job_toml
 
 
 def sweep_argv(*args):

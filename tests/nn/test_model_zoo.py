@@ -13,7 +13,7 @@ import torch
 from hpcpar.testing import mpi_case
 from hpcpar.testing.model_check import check_model
 from hpcpar.testing.oracles import on_grids, randn
-from hpcpar.testing.zoo import MONAI, ZOO
+from tests.support.zoo import MONAI, ZOO
 
 GRIDS = [(1, 2, 1, 1), (1, 2, 2, 1), (1, 2, 2, 2), (2, 2, 1, 1)]
 
@@ -102,7 +102,7 @@ def test_zoo_on_grids_with_nothing_split(comm):
 def test_the_check_draws_the_random_numbers_the_plain_model_draws(comm):
     """A latent sampled with torch.randn_like on a replicated tensor: check=True compared
     the spatial probe with a plain run that drew other numbers, and refused the model."""
-    from hpcpar.testing.zoo import VAELatent, mse
+    from tests.support.zoo import VAELatent, mse
 
     def each(grid):
         got, msg = check_model(grid, (VAELatent, 2, (8, 9, 7), mse, "like", "exact"), "vae")
@@ -131,7 +131,7 @@ def _escape_is_caught(grid):
     from hpcpar.errors import LayerError
     from hpcpar.nn import spatialize
     from hpcpar.parallel.spatial import local_slices
-    from hpcpar.testing.zoo import Escaping
+    from tests.support.zoo import Escaping
 
     for dtype in (torch.float64, torch.float32):   # float32 is compared in float64
         torch.manual_seed(0)

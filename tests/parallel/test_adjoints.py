@@ -33,7 +33,6 @@ LOCAL = {
     "hpcpar.nn.dropout._SpatialDropout": "a mask drawn from global coordinates, no message",
     "hpcpar.graph._sparse._SpMM": "a local sparse product",
     "hpcpar.graph.dropout._Dropout": "a mask drawn from global vertex ids, no message",
-    "hpcpar.testing.zoo._RawFlip": "a test model that escapes the dispatch on purpose",
 }
 
 

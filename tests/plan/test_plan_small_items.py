@@ -7,7 +7,7 @@ another dataset."""
 import os
 
 from hpcpar.data import CosmoflowSource, shard_counts, write_dataset
-from hpcpar.testing.cli_run import tiny_job_toml
+from tests.support.cli_run import tiny_job_toml
 
 
 def test_plan_header_host_cores_and_size_override(tmp_path, run_cli, monkeypatch):

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from hpcpar.run.checkpoint import store
-from hpcpar.testing.cli_run import CliRun, rank_pids, tiny_job_toml, tree_hashes
+from tests.support.cli_run import CliRun, rank_pids, tiny_job_toml, tree_hashes
 
 JOB = tiny_job_toml(data=2, x=1, kind="{kind}", steps="{steps}",
                     train='on_nonfinite = "{on_nonfinite}"', checkpoint="every = {every}\nkeep = 3")

@@ -194,7 +194,7 @@ def test_run_directory_model_on_two_ranks(run_cli, tmp_path):
     label channel of a unet3d sample is not read."""
     from hpcpar.models import UNet3D
     from hpcpar.run.checkpoint.store import list_checkpoints
-    from hpcpar.testing.cli_run import CliRun, tiny_job_toml
+    from tests.support.cli_run import CliRun, tiny_job_toml
 
     job = tmp_path / "unet.toml"
     job.write_text(tiny_job_toml(x=1, kind="unet3d", steps="2", checkpoint="every = 2")

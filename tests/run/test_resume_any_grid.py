@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from hpcpar.run.checkpoint.store import list_checkpoints
-from hpcpar.testing.cli_run import CliRun, tiny_job_toml, tree_hashes
+from tests.support.cli_run import CliRun, tiny_job_toml, tree_hashes
 
 GRIDS = ["1x2x1x1", "1x1x2x1", "1x1x1x1", "2x2x1x1"]
 STEPS_PER_SEGMENT = 2

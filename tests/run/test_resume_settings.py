@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from hpcpar.launch.submit import run_dir_state
-from hpcpar.testing.cli_run import micro_job_toml, tree_hashes
+from tests.support.cli_run import micro_job_toml, tree_hashes
 
 CLI = [sys.executable, "-m", "hpcpar.cli"]
 JOB = micro_job_toml("rs", train="lr = 0.004", checkpoint="every = 1\nkeep = 10")

@@ -16,7 +16,7 @@ import pytest
 from hpcpar.errors import RunDirError
 from hpcpar.formats import records
 from hpcpar.formats.jobspec import load_job
-from hpcpar.testing.faults import can_mount
+from tests.support.faults import can_mount
 
 JOB = """[job]
 name = {name}

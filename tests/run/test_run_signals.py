@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from hpcpar.run.checkpoint import store
-from hpcpar.testing.cli_run import CliRun, alive, rank_pids, tiny_job_toml
+from tests.support.cli_run import CliRun, alive, rank_pids, tiny_job_toml
 
 JOB = tiny_job_toml(steps="{steps}", checkpoint="every = {every}\nkeep = 2")
 

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hpcpar.testing.cli_run import tiny_job_toml
+from tests.support.cli_run import tiny_job_toml
 
 JOB = tiny_job_toml(data=1, x=1, steps="2", checkpoint="every = 1")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from hpcpar.run.checkpoint.store import list_checkpoints
-from hpcpar.testing.cli_run import tiny_job_toml
+from tests.support.cli_run import tiny_job_toml
 
 SHARD = ("--set", "train.shard_optimizer=true")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcpar.testing.cli_run import micro_job_toml
+from tests.support.cli_run import micro_job_toml
 
 CLI = [sys.executable, "-m", "hpcpar.cli"]
 JOB = micro_job_toml("sf")

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from hpcpar.testing.cli_run import CliRun, rank_pids
-from hpcpar.testing.faults import can_mount
+from tests.support.cli_run import CliRun, rank_pids
+from tests.support.faults import can_mount
 
 JOB = """[job]
 name = "tiny"

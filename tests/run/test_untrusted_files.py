@@ -17,7 +17,7 @@ from torch import nn
 
 from hpcpar.errors import DataError, RunDirError
 from hpcpar.run.checkpoint import resume, store
-from hpcpar.testing.cli_run import micro_job_toml
+from tests.support.cli_run import micro_job_toml
 
 CLI = [sys.executable, "-m", "hpcpar.cli"]
 JOB = micro_job_toml("ck", steps=6, checkpoint="every = 3\nkeep = 5")

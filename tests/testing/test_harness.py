@@ -9,8 +9,7 @@ import time
 
 import pytest
 
-from hpcpar.testing import run_cases, run_module
-from hpcpar.testing.mpi import case_id
+from hpcpar.testing.mpi import case_id, run_cases, run_module
 
 HERE = os.path.join(os.path.dirname(__file__), "harness_cases")
 CASES = os.path.join(HERE, "cases.py")
@@ -77,6 +76,22 @@ def test_a_failure_in_a_shared_launch_leaves_the_others_reporting_for_themselves
     result.stdout.fnmatch_lines(["*test_fails*", "*AssertionError: deliberate*"])
 
 
+def test_the_ranks_import_what_pytest_imports(pytester):
+    """pytest's ``pythonpath`` setting reaches the ranks: a case imports a helper from a folder
+    that only the setting names (as the suite's cases import ``tests.support``)."""
+    pytester.makeconftest('pytest_plugins = ["hpcpar.testing.pytest_plugin"]')
+    pytester.makeini("[pytest]\npythonpath = helpers\n")
+    (pytester.path / "helpers").mkdir()
+    (pytester.path / "helpers" / "shared_helper.py").write_text("ANSWER = 42\n")
+    pytester.makepyfile(test_a="from hpcpar.testing import mpi_case\n"
+                               "from shared_helper import ANSWER\n\n"
+                               "@mpi_case(nprocs=(1,), timeout=60)\n"
+                               "def test_helper():\n"
+                               "    assert ANSWER == 42\n")
+    result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+
+
 def test_a_hung_case_in_a_shared_launch_fails_alone(pytester):
     """The plugin's session launch: a case killed at its own timeout fails; the cases after
     it (here in another module) run in a new launch and pass."""
@@ -110,7 +125,7 @@ def test_a_hanging_case_is_killed_at_its_own_timeout_not_the_launchs():
 
 _HARNESS = """
 import signal, sys, time
-from hpcpar.testing import run_module
+from hpcpar.testing.mpi import run_module
 def interrupted(*_):
     raise RuntimeError("interrupted, as pytest-timeout interrupts a test")
 signal.signal(signal.SIGUSR1, interrupted)

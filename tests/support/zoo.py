@@ -5,7 +5,7 @@ global means, interpolation, padding modes, dropout, mean losses, classification
 Each entry: name -> (factory, input channels, global spatial size, loss, expected outcome).
 ``loss(out, target)`` is the user's plain loss; ``target`` is the whole target (the test
 hands the spatial run this rank's piece where the output is split, as a data loader does).
-Used by tests/nn/test_model_zoo.py and benchmarks/spatialize_cost.py.
+Used by tests/nn/test_model_zoo.py and benchmarks/third_party_models.py (``MONAI``).
 """
 
 from __future__ import annotations
