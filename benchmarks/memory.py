@@ -98,7 +98,7 @@ def measure(model, x) -> tuple[float, float, float, float]:
     import torch
 
     from hpcpar.parallel.counters import COUNTERS
-    from hpcpar.parallel.halo import POOL
+    from hpcpar.parallel.halo_buffers import POOL
 
     POOL.clear()
     step(model, x)

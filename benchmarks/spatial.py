@@ -161,7 +161,7 @@ def step(model, x) -> None:
 
 def kept_bytes(model) -> int:
     """Halo buffers kept across steps: the pool and the plans' reused message buffers."""
-    from hpcpar.parallel.halo import POOL
+    from hpcpar.parallel.halo_buffers import POOL
 
     return POOL.nbytes + sum(p.halo.message_nbytes for m in model.modules()
                              for p in getattr(m, "_spatial_plans", {}).values())
@@ -171,7 +171,7 @@ def time_steps(model, x, repeat):
     """Median seconds of forward + backward over ``repeat`` steps after one warm-up step, and
     the peak memory growth over all of them (halo buffer pool included)."""
     from hpcpar.parallel.counters import COUNTERS
-    from hpcpar.parallel.halo import POOL
+    from hpcpar.parallel.halo_buffers import POOL
 
     POOL.clear()
     times, halo, wait = [], [], []
@@ -317,7 +317,7 @@ def bench_pack(args):
     import torch
 
     from hpcpar.kernels import halo_pack as K
-    from hpcpar.parallel.halo import CHANNELS_LAST, new_buffer
+    from hpcpar.parallel.halo_buffers import CHANNELS_LAST, new_buffer
     from hpcpar.plan.calibrate import best_time
 
     def copy_time(nbytes):

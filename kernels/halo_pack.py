@@ -12,7 +12,7 @@ is torch's strided copy, chosen by measurement (benchmarks/spatial.py, 1 thread)
 16 faces torch packs x faces at copy speed and beats the Numba loops on every face,
 including the fused add. y faces (512-byte rows pages apart) reach ~0.6 of a contiguous copy
 and z faces (rows of 1-2 items) ~0.1, bound by touching one cache line per item, on torch,
-Numba and numpy alike. In channels-last buffers (hpcpar.parallel.halo.CHANNELS_LAST) x and y
+Numba and numpy alike. In channels-last buffers (hpcpar.parallel.halo_buffers.CHANNELS_LAST) x and y
 faces are runs of whole rows of channels and pack at copy speed; z faces are runs of C items
 (64 bytes for 16 fp32 channels) 8 KB apart, ~0.4. ``HPCPAR_HALO_KERNELS=torch|numba`` forces
 a path (``numba``: the CPU twins or, on a GPU, the CUDA kernel).

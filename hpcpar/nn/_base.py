@@ -15,9 +15,9 @@ How to write a spatial layer (conv, pool, upsample, ...)::
             return halo_stencil(x, entry.halo, MyOp(...), *params, pad_value=0.0)
 
 :meth:`SpatialModule.spatial_plan` returns a :class:`SpatialPlan` (global shape, this rank's
-three AxisHalo, the :class:`~hpcpar.parallel.halo.HaloPlan`, plus whatever :meth:`make_extra`
+three AxisHalo, the :class:`~hpcpar.parallel.halo_plan.HaloPlan`, plus whatever :meth:`make_extra`
 returns). Plans are cached by GLOBAL shape, which every rank learns from the same collective
-(:func:`hpcpar.parallel.halo.global_spatial_shape`), so all ranks hit or miss together (a
+(:func:`hpcpar.parallel.halo_plan.global_spatial_shape`), so all ranks hit or miss together (a
 cache keyed by local shape could go stale on one rank only: N=9 and N=10 over 2 ranks both give
 rank 0 an extent of 5). Errors raised while planning (too many ranks for the volume: "local extent
 smaller than the halo", naming the layer, the axis and the minimum size; a grid axis longer
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hpcpar.errors import LayerError
-from hpcpar.parallel.halo import AXIS_NAMES, HaloPlan, global_spatial_shape
+from hpcpar.parallel.halo_plan import AXIS_NAMES, HaloPlan, global_spatial_shape
 from hpcpar.parallel.partition import AxisHalo, xyz
 
 if TYPE_CHECKING:

@@ -15,7 +15,8 @@ import torch
 
 from hpcpar.errors import LayerError
 from hpcpar.parallel.grid import ProcessGrid
-from hpcpar.parallel.halo import AXIS_NAMES, input_layout, memory_format
+from hpcpar.parallel.halo_buffers import input_layout, memory_format
+from hpcpar.parallel.halo_plan import AXIS_NAMES
 from hpcpar.parallel.partition import box
 
 __all__ = ["check_piece", "torch_output_shape", "same_format"]

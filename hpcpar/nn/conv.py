@@ -17,7 +17,8 @@ from torch import nn
 
 from hpcpar.errors import LayerError
 from hpcpar.parallel.grid import ProcessGrid
-from hpcpar.parallel.halo import StencilOp, global_spatial_shape, halo_stencil
+from hpcpar.parallel.halo import StencilOp, halo_stencil
+from hpcpar.parallel.halo_plan import global_spatial_shape
 from hpcpar.parallel.partition import (
     ceil_div,
     conv_axis_halo,

@@ -52,7 +52,9 @@ import torch
 import torch.nn.functional as F
 
 from hpcpar.errors import LayerError
-from hpcpar.parallel.halo import HaloPlan, halo_stencil, input_layout, memory_format
+from hpcpar.parallel.halo import halo_stencil
+from hpcpar.parallel.halo_buffers import input_layout, memory_format
+from hpcpar.parallel.halo_plan import HaloPlan
 from hpcpar.parallel.partition import axis_halo, conv_pads, split_sizes, torch_pad
 
 from ._base import triple

@@ -32,7 +32,7 @@ from torch.autograd.function import once_differentiable
 from hpcpar.errors import LayerError
 from hpcpar.parallel.comm import allgather, allreduce_
 from hpcpar.parallel.grid import ProcessGrid
-from hpcpar.parallel.halo import input_layout, memory_format
+from hpcpar.parallel.halo_buffers import input_layout, memory_format
 from hpcpar.parallel.spatial import local_shape, local_slices
 
 if TYPE_CHECKING:

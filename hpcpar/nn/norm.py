@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from hpcpar.errors import LayerError
 from hpcpar.parallel.comm import allreduce_
 from hpcpar.parallel.grid import ProcessGrid
-from hpcpar.parallel.halo import input_layout, memory_format
+from hpcpar.parallel.halo_buffers import input_layout, memory_format
 
 from ._base import SpatialModule
 

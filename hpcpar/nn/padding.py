@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from hpcpar.parallel.grid import ProcessGrid
-from hpcpar.parallel.halo import AXIS_NAMES
+from hpcpar.parallel.halo_plan import AXIS_NAMES
 from hpcpar.parallel.partition import part_range, part_ranges, xyz
 from hpcpar.parallel.transport import line_alltoallv
 

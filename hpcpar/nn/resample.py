@@ -29,7 +29,8 @@ import torch.nn.functional as F
 
 from hpcpar.errors import LayerError
 from hpcpar.parallel.grid import ProcessGrid
-from hpcpar.parallel.halo import HaloPlan, StencilOp, halo_exchange, halo_stencil
+from hpcpar.parallel.halo import StencilOp, halo_exchange, halo_stencil
+from hpcpar.parallel.halo_plan import HaloPlan
 from hpcpar.parallel.partition import AxisHalo, axis_halo, ceil_div, xyz
 
 from ._functional import check_piece, same_format, torch_output_shape

@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_map
 
 from hpcpar.errors import LayerError
 from hpcpar.parallel.grid import ProcessGrid
-from hpcpar.parallel.halo import global_spatial_shape
+from hpcpar.parallel.halo_plan import global_spatial_shape
 from hpcpar.sync.tags import DATA_ONLY, REDUCE_ATTR, TAGS_VERSION, tag_data_only
 
 from ._base import SpatialModule

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from hpcpar.errors import LayerError
 from hpcpar.parallel.grid import ProcessGrid
-from hpcpar.parallel.halo import HaloPlan, global_spatial_shape, halo_exchange
+from hpcpar.parallel.halo import halo_exchange
+from hpcpar.parallel.halo_plan import HaloPlan, global_spatial_shape
 from hpcpar.parallel.partition import axis_halo
 
 from ._base import SpatialModule

@@ -19,12 +19,12 @@ Two entry points share this machinery:
 * :func:`halo_stencil` (autograd ``HaloStencil``): exchange fused with a local op (conv,
   pool). It saves only the input and the received ghost faces for backward, not the extended
   copy, and rebuilds the extended tensor in backward: activation memory stays ~1x. An
-  opt-in reuse pool (:data:`POOL`) trades memory for fewer page faults.
+  opt-in reuse pool (``halo_buffers.POOL``) trades memory for fewer page faults.
 
-The parts live in their own modules and are re-exported here: the plans (:mod:`.halo_plan`:
-:class:`HaloPlan` knows, for this rank, what to send and receive on each axis; every rank
-derives every rank's needs, so size checks fail identically everywhere, no hangs), the
-buffers and their pool (:mod:`.halo_buffers`) and the exchange without autograd
+The parts live in their own modules, each imported from there: the plans
+(:mod:`.halo_plan`: ``HaloPlan`` knows, for this rank, what to send and receive on each axis;
+every rank derives every rank's needs, so size checks fail identically everywhere, no hangs),
+the buffers and their pool (:mod:`.halo_buffers`) and the exchange without autograd
 (:mod:`.halo_swap`). This module is the autograd face.
 """
 
@@ -35,25 +35,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hpcpar.parallel.halo_buffers import (
-    CHANNELS_LAST,
-    POOL,
-    BufferPool,
-    input_layout,
-    memory_format,
-    new_buffer,
-)
-from hpcpar.parallel.halo_plan import AXIS_NAMES, AxisPlan, HaloPlan, global_spatial_shape
+from hpcpar.parallel.halo_buffers import POOL, input_layout, memory_format, new_buffer
+from hpcpar.parallel.halo_plan import HaloPlan
 from hpcpar.parallel.halo_swap import exchange_adjoint, exchange_forward, rebuild
 from hpcpar.parallel.partition import AxisHalo
 
 if TYPE_CHECKING:
     from hpcpar.parallel.grid import ProcessGrid
 
-__all__ = ["global_spatial_shape", "AxisPlan", "HaloPlan", "halo_exchange",
-           "HaloExchange", "HaloStencil", "StencilOp", "halo_stencil", "exchange_forward", "POOL",
-           "BufferPool", "new_buffer", "input_layout", "memory_format", "CHANNELS_LAST",
-           "exchange_adjoint", "rebuild", "AXIS_NAMES", "autocast_cast"]
+__all__ = ["halo_exchange", "HaloExchange", "HaloStencil", "StencilOp", "halo_stencil",
+           "autocast_cast"]
 
 
 class HaloExchange(torch.autograd.Function):

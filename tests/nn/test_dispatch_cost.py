@@ -33,7 +33,7 @@ def test_a_forward_learns_the_global_shape_once(monkeypatch):
     split tensor, U-Net skips (MatchSize, odd sizes: a real pad) included."""
     from hpcpar.models import UNet3D
     from hpcpar.nn import local, spatialize
-    from hpcpar.parallel.halo import global_spatial_shape
+    from hpcpar.parallel.halo_plan import global_spatial_shape
 
     torch.manual_seed(0)
     plain = UNet3D(in_channels=1, out_channels=2, base_filters=2, depth=2).double()

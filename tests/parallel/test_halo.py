@@ -114,7 +114,7 @@ def test_global_shape_cache_hazard_and_counters(comm):
 def test_user_errors_are_raised_on_every_rank(comm):
     from hpcpar.errors import LayerError
     from hpcpar.nn import SpatialConv3d, SpatialMaxPool3d
-    from hpcpar.parallel.halo import global_spatial_shape
+    from hpcpar.parallel.halo_plan import global_spatial_shape
 
     def expect(fn, *patterns):
         with pytest.raises(LayerError) as info:
