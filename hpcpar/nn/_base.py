@@ -90,6 +90,15 @@ class SpatialModule:
             entry = self._spatial_plans[shape] = self._build_plan(shape)
         return entry
 
+    def out_gshape(self, gshape) -> tuple[int, int, int]:
+        """The output's global spatial shape for input ``gshape`` (no halo plan, no
+        message: a layer that takes another route than the halo exchange has one too)."""
+        cache = self.__dict__.setdefault("_out_gshapes", {})
+        key = tuple(gshape)
+        if key not in cache:
+            cache[key] = xyz(self.axis_halos(a, key[a])[0].n_out for a in range(3))
+        return cache[key]
+
     def _build_plan(self, shape) -> SpatialPlan:
         dims = self.grid.spatial_shape
         per_axis = []

@@ -9,6 +9,8 @@ sync sums them over the spatial group.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -16,9 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpcpar.errors import LayerError
+from hpcpar.parallel.comm import allreduce_
 from hpcpar.parallel.grid import ProcessGrid
 from hpcpar.parallel.halo import StencilOp, halo_stencil
-from hpcpar.parallel.halo_plan import global_spatial_shape
+from hpcpar.parallel.halo_buffers import input_layout, memory_format
+from hpcpar.parallel.halo_plan import global_spatial_shape, neighbour_only
 from hpcpar.parallel.partition import (
     ceil_div,
     conv_axis_halo,
@@ -29,6 +33,7 @@ from hpcpar.parallel.partition import (
     transposed_axis_halo,
     xyz,
 )
+from hpcpar.parallel.spatial import allgather_volume
 
 from . import _boundary_conv
 from ._base import SpatialModule
@@ -43,6 +48,10 @@ from ._conv_route import torch_picks_slow_conv as _torch_picks_slow_conv
 from ._tap_trim import tap_trim
 
 __all__ = ["SpatialConv3d", "SpatialConvTranspose3d", "ConvOp", "ConvTransposeOp"]
+
+#: The largest input (all of its samples and channels) a convolution whose halos reach past
+#: the adjacent rank gathers whole on every rank (:meth:`SpatialConv3d.whole_route`)
+WHOLE_MAP_BYTES = 256 << 20
 
 #: torch's ``padding_mode`` values (only ``"zeros"`` is accepted on a split volume)
 PaddingMode = Literal["zeros", "reflect", "replicate", "circular"]
@@ -221,6 +230,76 @@ class ConvOp(StencilOp):
         return gi, gw, gb
 
 
+@dataclass(frozen=True)
+class _Window:
+    """One axis of a rank's window into the gathered map: the kernel's taps ``[t0, t1)``
+    that read the map for its outputs, the map's items they read (``box``), the padding
+    beyond the map's edge below and above, and how many outputs the rank owns."""
+
+    taps: tuple[int, int]
+    box: tuple[int, int]
+    pads: tuple[int, int]
+    count: int
+
+
+def _window(out: tuple[int, int], n: int, k: int, s: int, pad_lo: int, d: int) -> _Window:
+    """Outputs ``[o0, o1)`` of a convolution on an axis of length ``n``: output o's tap t
+    reads item ``o*s - pad_lo + t*d``."""
+    o0, o1 = out
+
+    def reads_map(t):   # some output of the range reads an item of [0, n) with tap t
+        c = t * d - pad_lo
+        return max(o0, ceil_div(-c, s)) <= min(o1 - 1, (n - 1 - c) // s)
+
+    live = [t for t in range(k) if reads_map(t)]
+    t0, t1 = live[0], live[-1] + 1
+    start, stop = o0 * s - pad_lo + t0 * d, (o1 - 1) * s - pad_lo + (t1 - 1) * d + 1
+    return _Window((t0, t1), (max(start, 0), min(stop, n)), (max(-start, 0), max(stop - n, 0)),
+                   o1 - o0)
+
+
+class _WholeConv(torch.autograd.Function):
+    """A convolution of this rank's output piece from the gathered map, holding only the
+    piece between forward and backward: backward gathers the map again (one map at a time
+    on the rank, not one per layer) and sums every rank's gradient of it."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, conv, windows):
+        ctx.conv, ctx.windows = conv, windows
+        ctx.save_for_backward(x, weight, bias)
+        full, _ = allgather_volume(x.detach(), conv.grid)
+        return conv.window_conv(full, weight, bias, windows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, bias = ctx.saved_tensors
+        conv, windows = ctx.conv, ctx.windows
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        box = tuple(slice(*w.box) for w in windows)
+        full, own = allgather_volume(x.detach(), conv.grid)
+        gshape = full.shape[2:]
+        part = full[(..., *box)].detach().requires_grad_(need_x)
+        del full    # the window (a view of it) is all that is read again
+        w = weight.detach().requires_grad_(need_w)
+        b = bias.detach().requires_grad_(need_b) if bias is not None else None
+        leaves = [t for t, need in ((part, need_x), (w, need_w), (b, need_b))
+                  if need and t is not None]
+        with torch.enable_grad():
+            y = conv.window_conv(part, w, b, windows, whole=False)
+        got = list(torch.autograd.grad(y, leaves, grad)) if leaves else []
+        del y, leaves, part, w, b
+        gp = got.pop(0) if need_x else None
+        gw = got.pop(0) if need_w else None
+        gb = got.pop(0) if need_b and bias is not None else None
+        gx = None
+        if gp is not None:
+            gx = x.new_zeros((*x.shape[:2], *gshape))
+            gx[(..., *box)] = gp
+            del gp
+            gx = allreduce_(gx, conv.grid.spatial_comm)[own].contiguous()
+        return gx, gw, gb, None, None
+
+
 class SpatialConv3d(SpatialModule, nn.Conv3d):
     """``torch.nn.Conv3d`` over a volume split on the grid's x, y, z axes (dims 2, 3, 4).
 
@@ -287,10 +366,71 @@ class SpatialConv3d(SpatialModule, nn.Conv3d):
         if trimmed is not None:
             twin, taps = trimmed
             return twin.spatial_forward(x, weight[taps], bias, gshape)
+        whole = self.whole_route(x, gshape)
+        if whole is not None:
+            return self._whole_conv(x, weight, bias, whole)
         entry = self.spatial_plan(x, gshape)
         if self.boundary_path(x, entry):
             return boundary_conv(x, weight, bias, entry.extra.boundary)
         return halo_stencil(x, entry.halo, entry.extra, weight, bias)
+
+    def whole_route(self, x, gshape) -> tuple[_Window, _Window, _Window] | None:
+        """Where a halo reaches past the adjacent rank's piece (a dilated kernel on a small
+        map: ASPP's rates on a deep layer), the one exact route is the whole map: each rank
+        gathers it and convolves its own output piece. Where a halo is longer than the piece
+        it extends and the exchange would hold a buffer (piece, halos and padding) larger
+        than the map, the map is the cheaper route too. Taken when the map is at most
+        :data:`WHOLE_MAP_BYTES` (else the halo plan runs or refuses in one line). Returns
+        this rank's window on each axis, or None. The same choice on every rank: it follows
+        from the global shape and the grid (a rank with no outputs keeps the exchange)."""
+        key = (tuple(gshape), x.shape[0] * x.shape[1] * x.element_size())
+        cache = self.__dict__.setdefault("_whole_routes", {})
+        if key not in cache:
+            halos = [self.axis_halos(a, gshape[a]) for a in range(3)]
+            far = not all(neighbour_only(h) for h in halos)
+            # a halo longer than the piece it extends, and the largest halo buffer (a
+            # piece, its halos and its padding) over the ranks larger than the map
+            wide = any(max(h.halo_lo, h.halo_hi) > h.owned[1] - h.owned[0]
+                       for line in halos for h in line)
+            buffer = math.prod(max(h.needed[1] - h.needed[0] + h.pad_lo + h.pad_hi
+                                   for h in line) for line in halos)
+            voxels = math.prod(gshape)
+            mine = [h[c] for h, c in zip(halos, self.grid.spatial_coords)]
+            small = key[1] * voxels <= WHOLE_MAP_BYTES
+            cache[key] = None if not ((far or wide and buffer > voxels) and small) or any(
+                h.out[1] <= h.out[0] for line in halos for h in line) else tuple(
+                _window(h.out, gshape[a], self.kernel_size[a], self.stride[a],
+                        conv_pads(self.padding, a, self.kernel_size[a], self.dilation[a])[0],
+                        self.dilation[a]) for a, h in enumerate(mine))
+        return cache[key]
+
+    def _whole_conv(self, x, weight, bias, windows):
+        y = _WholeConv.apply(x, weight, bias, self, windows)
+        return y.contiguous(memory_format=memory_format(input_layout(x)))
+
+    def window_conv(self, full, weight, bias, windows, whole=True):
+        """This rank's output piece from the whole map ``full``: only the taps that read the
+        map for its outputs, the window they read, and padding where the window passes the
+        map's edge (given to the convolution where it is the same on both sides, so it is
+        never made: the padded map would be many times the map under a large dilation).
+        ``whole=False``: ``full`` is the window already."""
+        taps = tuple(slice(*w.taps) for w in windows)
+        part = full[(..., *(slice(*w.box) for w in windows))] if whole else full
+        # padding p = max(lo, hi) on both sides computes (p - lo) / stride outputs too many
+        # below and some above, cropped; where the stride does not divide, the pad is made
+        same, made, crop = [], [], []
+        for w, s in zip(windows, self.stride):
+            (lo, hi), p = w.pads, max(w.pads)
+            even = (p - lo) % s == 0
+            same.append(p if even else 0)
+            made.append((0, 0) if even else (lo, hi))
+            first = (p - lo) // s if even else 0
+            crop.append(slice(first, first + w.count))
+        if any(lo or hi for lo, hi in made):
+            part = F.pad(part, [p for lo_hi in reversed(made) for p in lo_hi])
+        y = F.conv3d(part, weight[(..., *taps)], bias, self.stride, tuple(same),
+                     self.dilation, self.groups)
+        return y[(..., *crop)]
 
     def trimmed(self, gshape) -> tuple[SpatialConv3d, tuple[slice, ...]] | None:
         """``(twin, taps)``: the convolution without the taps that only ever read padding on

@@ -65,10 +65,9 @@ def _run_twin(call: Call, twin, x, *params):
     directly, not through ``nn.Module.__call__``: a twin has no hooks)."""
     lay = _standard(call, x)
     xl = raw(x)
-    entry = twin.spatial_plan(xl, lay.gshape)
     out = twin.spatial_forward(xl, *params, lay.gshape) if params else \
         twin.forward(xl, lay.gshape)
-    return adopt(out, lay.with_(gshape=entry.out_shape))
+    return adopt(out, lay.with_(gshape=twin.out_gshape(lay.gshape)))
 
 
 # -- convolutions ----------------------------------------------------------------------------
@@ -79,8 +78,8 @@ def conv3d(call: Call):
            b["groups"], bias is not None)
     twin = _twin(call, key, lambda: _conv_twin(call, b, w, bias))
     lay = b["input"]._hp
-    trimmed = twin.trimmed(xyz(lay.gshape)) if type(lay) is Layout and lay.standard and \
-        b["input"].dim() == 5 else None
+    std = type(lay) is Layout and lay.standard and b["input"].dim() == 5
+    trimmed = twin.trimmed(xyz(lay.gshape)) if std else None
     if trimmed is not None:
         # kernel taps that only read padding dropped: the smaller convolution, its own halo
         small, taps = trimmed
@@ -88,7 +87,8 @@ def conv3d(call: Call):
     # the first of a run of convolutions sharing one exchange? Not where the layer takes its
     # boundary path, which already hides the faces behind the interior's compute (UNet3D's
     # demo, batch 4 on 1x2x1x1: 0.74x fused through the general path)
-    if call.ctx.fuse_halos > 1 and not _boundary_path(twin, b["input"]):
+    far = std and twin.whole_route(raw(b["input"]), xyz(lay.gshape)) is not None
+    if call.ctx.fuse_halos > 1 and not far and not _boundary_path(twin, b["input"]):
         out = fused_halo.start(call, b, w, bias)
         if out is not None:
             return out

@@ -22,7 +22,7 @@ from hpcpar.parallel.replay import count_sent, received
 if TYPE_CHECKING:
     from hpcpar.parallel.grid import ProcessGrid
 
-__all__ = ["AXIS_NAMES", "global_spatial_shape", "AxisPlan", "HaloPlan"]
+__all__ = ["AXIS_NAMES", "global_spatial_shape", "AxisPlan", "HaloPlan", "neighbour_only"]
 
 AXIS_NAMES = ("x", "y", "z")
 
@@ -384,6 +384,17 @@ class HaloPlan:
         if x.dim() != 5 or got != want:
             raise LayerError(f"{self.layer}: local input has spatial shape {got}, the plan was "
                              f"made for {want}")
+
+
+def neighbour_only(halos: Sequence[AxisHalo]) -> bool:
+    """Whether every ghost of an axis line (``halos[i]``: coordinate i's) comes from the
+    adjacent rank's items, as the exchange needs."""
+    ext = [h.owned[1] - h.owned[0] for h in halos]
+    for i, h in enumerate(halos):
+        for j, need in ((i - 1, max(0, h.halo_lo)), (i + 1, max(0, h.halo_hi))):
+            if need and (not 0 <= j < len(halos) or ext[j] < need):
+                return False
+    return True
 
 
 def _check_axis(halos, a: int, layer: str) -> None:

@@ -108,3 +108,74 @@ def test_aspp_per_rank_memory(comm):
     kernels held 737 MiB per rank on 1x2x1x1 (bound 3.3 MiB), 700 on 1x2x2x1 (1.78)."""
     for data, *dims in GRIDS:
         on_subgrid(comm, data, dims, lambda g: _memory_check(g, (6, 6, 5)))
+
+
+@mpi_case(nprocs=(4,), timeout=120)
+def test_halos_past_the_neighbour_gather_the_small_map(comm):
+    """Dilation 6 on a map of 9x8x7: every tap reads data, and the halo (6) is longer than
+    the adjacent rank's piece (2-4 on 4 ranks, 4-5 on 2): the halo exchange refused it in
+    one line. The whole map is gathered and each rank convolves its own output piece:
+    outputs and all gradients equal torch's, and the per-rank peak is at most torch's
+    whole-model peak (the map is held between layers as pieces only)."""
+    from hpcpar.nn.conv import SpatialConv3d
+
+    class Dilated(nn.Module):
+        def __init__(self, channels=3):
+            super().__init__()
+            self.a = nn.Conv3d(channels, channels, 3, padding=6, dilation=6)
+            self.b = nn.Conv3d(channels, 2, 3, padding=(6, 1, 0), dilation=(6, 1, 2),
+                               stride=(1, 2, 1))
+
+        def forward(self, x):
+            return self.b(F.relu(self.a(x)) + x)
+
+    taken = []
+    route = SpatialConv3d.whole_route
+
+    def spy(self, x, gshape):
+        got = route(self, x, gshape)
+        taken.append(got is not None)
+        return got
+
+    def check(grid, whole_route):
+        taken.clear()
+        torch.manual_seed(0)
+        model = Dilated().double()
+        sp = spatialize(model, grid)
+        shape = (9, 8, 7)
+        x = randn((2, 3, *shape), 1, torch.float64).requires_grad_()
+        y = model(x)
+        w = randn(y.shape, 2, torch.float64)
+        (y * w).sum().backward()
+        xl = x.detach()[spatial_slices(shape, grid)].clone().requires_grad_()
+        yl = local(sp(xl))
+        out = y.detach()[spatial_slices(y.shape[2:], grid)]
+        what = f"dilated convs over {grid.spatial_shape}"
+        close(yl, out, f"{what}: output")
+        (yl * w[spatial_slices(y.shape[2:], grid)]).sum().backward()
+        close(xl.grad, x.grad[spatial_slices(shape, grid)], f"{what}: input grad")
+        for (name, p), (_, q) in zip(sp.named_parameters(), model.named_parameters()):
+            close(allreduce_(p.grad.clone(), grid.spatial_comm), q.grad, f"{what}: {name}")
+        assert any(taken) == whole_route, f"{what}: whole-map route taken {any(taken)}"
+        # float32 memory, activations outweighing the weights (batch 8, 16 channels)
+        plain = nn.Sequential(nn.Conv3d(16, 16, 3, padding=6, dilation=6), nn.ReLU(),
+                              nn.Conv3d(16, 16, 3, padding=6, dilation=6))
+        big = randn((8, 16, *shape), 3).requires_grad_()
+        whole = alloc_peak(plain, big)[0]
+        sp32 = spatialize(plain, grid)
+        got = alloc_peak(sp32, big.detach()[spatial_slices(shape, grid)].clone()
+                         .requires_grad_())[0]
+        # every rank's window is most of the map here, so its convolutions' backward holds
+        # map-sized buffers as torch's does: no more than torch's whole model (the bound of
+        # issue 61 item 6, whole / ranks + the map, x1.5, is not met on this geometry)
+        assert got <= whole, f"{what}: {got} bytes per rank, torch's whole model {whole}"
+
+    SpatialConv3d.whole_route = spy
+    try:
+        # 4 ranks on x or y: pieces of 2-3, halos of 6; on 2x2 the halos (4) fit the
+        # neighbours' pieces, but the halo buffer with its padding (17x16x19) would be 6x
+        # the map: the map is cheaper (the exchange held 8.0 MiB a rank, 6x torch's whole)
+        for data, *dims in ((1, 4, 1, 1), (1, 1, 4, 1), (1, 2, 2, 1)):
+            on_subgrid(comm, data, dims, lambda g: check(g, True))
+    finally:
+        SpatialConv3d.whole_route = route
