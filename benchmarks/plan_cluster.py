@@ -2,6 +2,7 @@
 the demo job at 1, 2 and 4 nodes and compare with runs that calibration never saw.
 
     python benchmarks/plan_cluster.py [--nodes 1,2,4] [--per-node 2] [--link 2gbit] [--steps 30]
+        [--machine FILE]
 
 As root, this brings up ``hpcpar.testing.cluster`` (4 virtual nodes, links shaped with ``tc``)
 and, all through Slurm on it:
@@ -38,6 +39,10 @@ def main(argv=None) -> int:
     ap.add_argument("--per-node", type=int, default=2)
     ap.add_argument("--link", default="2gbit", help="RATE[,DELAY] of every node's link")
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--machine", type=Path,
+                    help="predict with this machine file instead of calibrating on the "
+                         "cluster (the smoke stage: tests/launch/test_multinode.py runs the "
+                         "calibration there)")
     args = ap.parse_args(argv)
     nodes = [int(n) for n in args.nodes.split(",")]
 
@@ -50,16 +55,9 @@ def main(argv=None) -> int:
         env = cluster.env()
         print(f"virtual cluster: {max(nodes)} nodes, link {args.link}"
               + "".join(f"; {n}" for n in cluster.notes), flush=True)
-        machine = work / "vcluster.toml"
-        cal_log = work / "calibrate.out"
-        cmd = f"{sys.executable} -m hpcpar.cli plan --calibrate -o {machine}"
-        print(f"$ sbatch --nodes=2 --ntasks-per-node={args.per_node} --wrap '{cmd}'", flush=True)
-        job = cluster.sbatch("--nodes=2", f"--ntasks-per-node={args.per_node}",
-                             f"--output={cal_log}", f"--chdir={work}", "--wrap", cmd)
-        info = cluster.wait(job, 900)
-        print(cal_log.read_text().strip(), flush=True)
-        if info["JobState"] != "COMPLETED":
-            print(f"calibration failed: {info['JobState']}", file=sys.stderr)
+        machine = args.machine.resolve() if args.machine else _calibrate(cluster, work,
+                                                                         args.per_node)
+        if machine is None:
             return 1
         sets = [f"data.path={work / 'data'}", f"train.steps={args.steps}", "train.val_every=0",
                 "data.val_samples=0", "checkpoint.every=0", "grid.data=-1", "grid.x=2",
@@ -91,12 +89,30 @@ def main(argv=None) -> int:
             within += abs(ratio - 1) <= 0.25
             print(f"{p['ranks'] // args.per_node:>5} {p['ranks']:>5} {p['grid']:>9} "
                   f"{p['t_step_measured']:11.4f} {p['t_step_predicted']:12.4f} {ratio:10.2f}")
-        print(f"{within}/{len(pred)} within +-25% (calibrated on microbenchmarks only; "
+        how = f"machine file {args.machine}" if args.machine else \
+            "calibrated on microbenchmarks only"
+        print(f"{within}/{len(pred)} within +-25% ({how}; "
               f"{args.per_node} ranks per node, all nodes sharing this host's "
               f"{os.cpu_count()} cores)")
         return 0
     finally:
         cluster.stop()
+
+
+def _calibrate(cluster, work: Path, per_node: int) -> Path | None:
+    """``hpcpar plan --calibrate`` in a 2-node allocation: the machine file, or None."""
+    machine = work / "vcluster.toml"
+    cal_log = work / "calibrate.out"
+    cmd = f"{sys.executable} -m hpcpar.cli plan --calibrate -o {machine}"
+    print(f"$ sbatch --nodes=2 --ntasks-per-node={per_node} --wrap '{cmd}'", flush=True)
+    job = cluster.sbatch("--nodes=2", f"--ntasks-per-node={per_node}",
+                         f"--output={cal_log}", f"--chdir={work}", "--wrap", cmd)
+    info = cluster.wait(job, 900)
+    print(cal_log.read_text().strip(), flush=True)
+    if info["JobState"] != "COMPLETED":
+        print(f"calibration failed: {info['JobState']}", file=sys.stderr)
+        return None
+    return machine
 
 
 if __name__ == "__main__":

@@ -77,7 +77,8 @@ smoke multinode 300 "^ +1\.0 +$N +$N +$N +$N" \
 smoke plan 300 "configurations within" \
     "$PY" benchmarks/plan.py --jobs jobs/demo-cosmoflow.toml --ranks 1 --steps 7 --repeat 1
 smoke plan_cluster 600 "within \+-25%" \
-    "$PY" benchmarks/plan_cluster.py --nodes 2 --per-node 2 --steps 7   # calibration takes 2 nodes
+    "$PY" benchmarks/plan_cluster.py --nodes 2 --per-node 2 --steps 7 \
+    --machine slurm/machines/local.toml   # calibrating on the cluster: test_multinode.py
 smoke predict 300 "ratio hpcpar / monai wall time: $N" \
     "$PY" benchmarks/predict.py --size 16 --roi 8 --train-steps 1 --reps 1 \
     --work "$LOGS/predict"
