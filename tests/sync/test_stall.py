@@ -80,12 +80,15 @@ def _scenario():
     grid = hpcpar.ProcessGrid()
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
-    ddp = hpcpar.DDP(model, grid)
+    # a bucket per parameter: rank 1 stops between its two launches of sync #3, so the
+    # others cannot finish it (stopped after its last launch, its messages could already
+    # complete theirs, and they finished while mpiexec waited for it: a flaky hang)
+    ddp = hpcpar.DDP(model, grid, bucket_cap_mb=1e-6, first_bucket_mb=1e-6)
     ready = []
 
     def suspend(param):     # runs after DDP's own hook (registered first): launched by then
         ready.append(param)
-        if len(ready) == 2 * 3:
+        if len(ready) == 2 * 2 + 1:
             os.kill(os.getpid(), signal.SIGSTOP)   # e.g. a node that froze mid-step
 
     if case == "stop" and grid.rank == 1:
