@@ -107,8 +107,8 @@ class SpatialModule:
             per_axis.append(list(self.axis_halos(a, shape[a])))
         halo = HaloPlan.from_halos(self.grid, per_axis, self.layer_name)
         mine = xyz(per_axis[a][self.grid.spatial_coords[a]] for a in range(3))
-        out = xyz(per_axis[a][0].n_out for a in range(3))
-        return SpatialPlan(shape, mine, halo, self.make_extra(shape, mine), out)
+        return SpatialPlan(shape, mine, halo, self.make_extra(shape, mine),
+                           self.out_gshape(shape))
 
     def __deepcopy__(self, memo):
         memo[id(self.grid)] = self.grid

@@ -10,7 +10,6 @@ sync sums them over the spatial group.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -24,9 +23,11 @@ from hpcpar.parallel.halo import StencilOp, halo_stencil
 from hpcpar.parallel.halo_buffers import input_layout, memory_format
 from hpcpar.parallel.halo_plan import global_spatial_shape, neighbour_only
 from hpcpar.parallel.partition import (
+    MapWindow,
     ceil_div,
     conv_axis_halo,
     conv_pads,
+    map_window,
     part_ranges,
     stencil_input_range,
     torch_pad,
@@ -230,34 +231,6 @@ class ConvOp(StencilOp):
         return gi, gw, gb
 
 
-@dataclass(frozen=True)
-class _Window:
-    """One axis of a rank's window into the gathered map: the kernel's taps ``[t0, t1)``
-    that read the map for its outputs, the map's items they read (``box``), the padding
-    beyond the map's edge below and above, and how many outputs the rank owns."""
-
-    taps: tuple[int, int]
-    box: tuple[int, int]
-    pads: tuple[int, int]
-    count: int
-
-
-def _window(out: tuple[int, int], n: int, k: int, s: int, pad_lo: int, d: int) -> _Window:
-    """Outputs ``[o0, o1)`` of a convolution on an axis of length ``n``: output o's tap t
-    reads item ``o*s - pad_lo + t*d``."""
-    o0, o1 = out
-
-    def reads_map(t):   # some output of the range reads an item of [0, n) with tap t
-        c = t * d - pad_lo
-        return max(o0, ceil_div(-c, s)) <= min(o1 - 1, (n - 1 - c) // s)
-
-    live = [t for t in range(k) if reads_map(t)]
-    t0, t1 = live[0], live[-1] + 1
-    start, stop = o0 * s - pad_lo + t0 * d, (o1 - 1) * s - pad_lo + (t1 - 1) * d + 1
-    return _Window((t0, t1), (max(start, 0), min(stop, n)), (max(-start, 0), max(stop - n, 0)),
-                   o1 - o0)
-
-
 class _WholeConv(torch.autograd.Function):
     """A convolution of this rank's output piece from the gathered map, holding only the
     piece between forward and backward: backward gathers the map again (one map at a time
@@ -374,7 +347,7 @@ class SpatialConv3d(SpatialModule, nn.Conv3d):
             return boundary_conv(x, weight, bias, entry.extra.boundary)
         return halo_stencil(x, entry.halo, entry.extra, weight, bias)
 
-    def whole_route(self, x, gshape) -> tuple[_Window, _Window, _Window] | None:
+    def whole_route(self, x, gshape) -> tuple[MapWindow, MapWindow, MapWindow] | None:
         """Where a halo reaches past the adjacent rank's piece (a dilated kernel on a small
         map: ASPP's rates on a deep layer), the one exact route is the whole map: each rank
         gathers it and convolves its own output piece. Where a halo is longer than the piece
@@ -399,9 +372,10 @@ class SpatialConv3d(SpatialModule, nn.Conv3d):
             small = key[1] * voxels <= WHOLE_MAP_BYTES
             cache[key] = None if not ((far or wide and buffer > voxels) and small) or any(
                 h.out[1] <= h.out[0] for line in halos for h in line) else tuple(
-                _window(h.out, gshape[a], self.kernel_size[a], self.stride[a],
-                        conv_pads(self.padding, a, self.kernel_size[a], self.dilation[a])[0],
-                        self.dilation[a]) for a, h in enumerate(mine))
+                map_window(h.out, gshape[a], self.kernel_size[a], self.stride[a],
+                           self.dilation[a], *conv_pads(self.padding, a, self.kernel_size[a],
+                                                        self.dilation[a]))
+                for a, h in enumerate(mine))
         return cache[key]
 
     def _whole_conv(self, x, weight, bias, windows):

@@ -87,8 +87,9 @@ def conv3d(call: Call):
     # the first of a run of convolutions sharing one exchange? Not where the layer takes its
     # boundary path, which already hides the faces behind the interior's compute (UNet3D's
     # demo, batch 4 on 1x2x1x1: 0.74x fused through the general path)
-    far = std and twin.whole_route(raw(b["input"]), xyz(lay.gshape)) is not None
-    if call.ctx.fuse_halos > 1 and not far and not _boundary_path(twin, b["input"]):
+    if call.ctx.fuse_halos > 1 and not (
+            std and twin.whole_route(raw(b["input"]), xyz(lay.gshape)) is not None) and \
+            not _boundary_path(twin, b["input"]):
         out = fused_halo.start(call, b, w, bias)
         if out is not None:
             return out

@@ -386,27 +386,31 @@ class HaloPlan:
                              f"made for {want}")
 
 
-def neighbour_only(halos: Sequence[AxisHalo]) -> bool:
-    """Whether every ghost of an axis line (``halos[i]``: coordinate i's) comes from the
-    adjacent rank's items, as the exchange needs."""
+def _short_neighbour(halos: Sequence[AxisHalo]) -> tuple[AxisHalo, int, int, int] | None:
+    """The first ghost of an axis line (``halos[i]``: coordinate i's) that the adjacent rank
+    does not hold: ``(halo, neighbour, its extent, items needed)``, or None."""
     ext = [h.owned[1] - h.owned[0] for h in halos]
     for i, h in enumerate(halos):
         for j, need in ((i - 1, max(0, h.halo_lo)), (i + 1, max(0, h.halo_hi))):
             if need and (not 0 <= j < len(halos) or ext[j] < need):
-                return False
-    return True
+                return h, j, ext[j] if 0 <= j < len(halos) else 0, need
+    return None
+
+
+def neighbour_only(halos: Sequence[AxisHalo]) -> bool:
+    """Whether every ghost of an axis line comes from the adjacent rank's items, as the
+    exchange needs."""
+    return _short_neighbour(halos) is None
 
 
 def _check_axis(halos, a: int, layer: str) -> None:
     """Neighbour-only exchange: every ghost must come from the adjacent rank's items."""
-    name = AXIS_NAMES[a]
-    for i, h in enumerate(halos):
-        ext = [g.owned[1] - g.owned[0] for g in halos]
-        for j, need in ((i - 1, max(0, h.halo_lo)), (i + 1, max(0, h.halo_hi))):
-            if need and (not 0 <= j < len(halos) or ext[j] < need):
-                have = ext[j] if 0 <= j < len(halos) else 0
-                raise LayerError(
-                    f"{layer}: local extent {have} on axis {name} (rank {j} of {len(halos)} on "
-                    f"that axis) is smaller than the halo of {need} its neighbour needs; each "
-                    f"rank must hold at least {need} items on {name}: use a larger volume or "
-                    f"fewer ranks on {name} (global size {h.n_in})")
+    short = _short_neighbour(halos)
+    if short is not None:
+        h, j, have, need = short
+        name = AXIS_NAMES[a]
+        raise LayerError(
+            f"{layer}: local extent {have} on axis {name} (rank {j} of {len(halos)} on "
+            f"that axis) is smaller than the halo of {need} its neighbour needs; each "
+            f"rank must hold at least {need} items on {name}: use a larger volume or "
+            f"fewer ranks on {name} (global size {h.n_in})")

@@ -18,7 +18,7 @@ T = TypeVar("T")
 
 __all__ = [
     "split_sizes", "largest_piece", "part_range", "part_ranges", "box", "owner",
-    "stencil_output_length", "live_taps",
+    "stencil_output_length", "live_taps", "MapWindow", "map_window",
     "stencil_input_range", "transposed_output_length", "transposed_input_range", "AxisHalo",
     "axis_halo", "conv_axis_halo", "transposed_axis_halo", "same_padding", "conv_pads",
     "ceil_div", "xyz", "torch_pad",
@@ -411,19 +411,46 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def live_taps(n: int, k: int, s: int, d: int, lo: int, hi: int) -> tuple[int, int] | None:
+def live_taps(n: int, k: int, s: int, d: int, lo: int, hi: int,
+              outs: tuple[int, int] | None = None) -> tuple[int, int] | None:
     """``(first, last)`` taps of a stencil along an axis of global length ``n`` (kernel ``k``,
     stride ``s``, dilation ``d``, padding ``lo``/``hi``) that read input data for some
-    output, or None (no output, or no tap reads data): the taps outside only ever read the
-    padding (:mod:`hpcpar.nn._tap_trim`)."""
+    output (of ``outs = (start, stop)`` when given, else of all), or None (no output, or no
+    tap reads data): the taps outside only ever read the padding (:mod:`hpcpar.nn._tap_trim`)."""
     span = n + lo + hi - d * (k - 1) - 1
     if span < 0:
         return None
-    last_out = span // s
+    first_out, last_out = (0, span // s) if outs is None else \
+        (outs[0], min(span // s, outs[1] - 1))
 
     def reads_data(t: int) -> bool:
-        first = max(0, ceil_div(lo - t * d, s))  # the first output reading index >= 0
+        first = max(first_out, ceil_div(lo - t * d, s))  # the first output reading index >= 0
         return first <= last_out and first * s - lo + t * d < n
 
     live = [t for t in range(k) if reads_data(t)]
     return (live[0], live[-1]) if live else None
+
+
+@dataclass(frozen=True)
+class MapWindow:
+    """One axis of what a rank's outputs ``[o0, o1)`` of a zero-padded stencil read from the
+    whole map: the taps ``[t0, t1)`` that read the map for them, the map's items they read
+    (``box``), the padding beyond the map's edge below and above, and ``count = o1 - o0``."""
+
+    taps: tuple[int, int]
+    box: tuple[int, int]
+    pads: tuple[int, int]
+    count: int
+
+
+def map_window(out: tuple[int, int], n: int, k: int, s: int, d: int, lo: int,
+               hi: int) -> MapWindow:
+    """The :class:`MapWindow` of outputs ``out`` (not empty, some tap reading data) of a
+    stencil on an axis of length ``n`` (kernel ``k``, stride ``s``, dilation ``d``, padding
+    ``lo``/``hi``)."""
+    taps = live_taps(n, k, s, d, lo, hi, out)
+    assert taps is not None, (out, n, k, s, d, lo, hi)
+    t0, t1 = taps[0], taps[1] + 1
+    start, stop = stencil_input_range(*out, t1 - t0, s, lo - t0 * d, d)
+    return MapWindow((t0, t1), (max(start, 0), min(stop, n)),
+                     (max(-start, 0), max(stop - n, 0)), out[1] - out[0])

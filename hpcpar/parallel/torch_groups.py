@@ -96,6 +96,7 @@ class TorchGroup:
         device_type: The tensors it moves (``"cuda"`` or ``"cpu"``).
         store: The rendezvous store (lives as long as the group).
         release: Shuts the group down (collective).
+        lines: Axis lines' spatial ranks, cached by :func:`.transport.line_alltoallv`.
     """
 
     pg: object
@@ -103,6 +104,9 @@ class TorchGroup:
     device_type: str
     store: object = None
     release: object = field(default=lambda: None)
+    #: an axis line's communicator handle -> its ranks' spatial ranks (or None: out of
+    #: order), for :func:`.transport.line_alltoallv`
+    lines: dict = field(default_factory=dict)
 
     def allreduce_(self, t: torch.Tensor, op) -> torch.Tensor:
         """Reduce ``t`` in place, as :func:`.comm.allreduce_` does (16-bit floats in float32,

@@ -114,11 +114,16 @@ def line_alltoallv(send: torch.Tensor, send_rows: Sequence[int], line: MPI.Comm,
     the group bound to ``spatial`` when there is one (the line's blocks placed at their
     spatial ranks, nothing to the others: one group serves every line), else MPI on ``line``.
     """
-    if torch_group(spatial, send) is None:
+    group = torch_group(spatial, send)
+    if group is None:
         return alltoallv(send, send_rows, line, recv_rows)
-    peers = line.Get_group().Translate_ranks(list(range(line.Get_size())),
-                                             spatial.Get_group())
-    if list(peers) != sorted(peers):  # blocks would be out of order: MPI keeps the line's
+    key = int(line.py2f())   # the line lives as long as the grid, and so the binding
+    if key not in group.lines:
+        peers = line.Get_group().Translate_ranks(list(range(line.Get_size())),
+                                                 spatial.Get_group())
+        group.lines[key] = tuple(peers) if list(peers) == sorted(peers) else None
+    peers = group.lines[key]
+    if peers is None:  # blocks would be out of order: MPI keeps the line's
         return alltoallv(send, send_rows, line, recv_rows)
     sends, recvs = [0] * spatial.Get_size(), [0] * spatial.Get_size()
     for peer, s, r in zip(peers, send_rows, recv_rows):
