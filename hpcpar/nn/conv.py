@@ -27,6 +27,7 @@ from hpcpar.parallel.partition import (
     ceil_div,
     conv_axis_halo,
     conv_pads,
+    live_taps,
     map_window,
     part_ranges,
     stencil_input_range,
@@ -350,32 +351,37 @@ class SpatialConv3d(SpatialModule, nn.Conv3d):
     def whole_route(self, x, gshape) -> tuple[MapWindow, MapWindow, MapWindow] | None:
         """Where a halo reaches past the adjacent rank's piece (a dilated kernel on a small
         map: ASPP's rates on a deep layer), the one exact route is the whole map: each rank
-        gathers it and convolves its own output piece. Where a halo is longer than the piece
-        it extends and the exchange would hold a buffer (piece, halos and padding) larger
-        than the map, the map is the cheaper route too. Taken when the map is at most
-        :data:`WHOLE_MAP_BYTES` (else the halo plan runs or refuses in one line). Returns
-        this rank's window on each axis, or None. The same choice on every rank: it follows
+        gathers it and convolves its own output piece. Where a halo is as long as the piece
+        it extends (the whole neighbour piece) and the exchange would hold a buffer (piece,
+        halos and padding) more than twice the map, the map is the cheaper route too: its
+        backward holds the gathered map and the sum of the ranks' gradients of it, two maps.
+        Taken when the map is at most :data:`WHOLE_MAP_BYTES` (else the halo plan runs or
+        refuses in one line) and every rank's outputs read some of it. Returns this rank's
+        window on each axis, or None. The same choice on every rank: it follows
         from the global shape and the grid (a rank with no outputs keeps the exchange)."""
         key = (tuple(gshape), x.shape[0] * x.shape[1] * x.element_size())
         cache = self.__dict__.setdefault("_whole_routes", {})
         if key not in cache:
             halos = [self.axis_halos(a, gshape[a]) for a in range(3)]
             far = not all(neighbour_only(h) for h in halos)
-            # a halo longer than the piece it extends, and the largest halo buffer (a
-            # piece, its halos and its padding) over the ranks larger than the map
-            wide = any(max(h.halo_lo, h.halo_hi) > h.owned[1] - h.owned[0]
+            # a halo as long as the piece it extends, and the largest halo buffer (a piece,
+            # its halos and its padding) over the ranks more than twice the map
+            wide = any(max(h.halo_lo, h.halo_hi) >= h.owned[1] - h.owned[0]
                        for line in halos for h in line)
             buffer = math.prod(max(h.needed[1] - h.needed[0] + h.pad_lo + h.pad_hi
                                    for h in line) for line in halos)
             voxels = math.prod(gshape)
-            mine = [h[c] for h, c in zip(halos, self.grid.spatial_coords)]
             small = key[1] * voxels <= WHOLE_MAP_BYTES
-            cache[key] = None if not ((far or wide and buffer > voxels) and small) or any(
-                h.out[1] <= h.out[0] for line in halos for h in line) else tuple(
-                map_window(h.out, gshape[a], self.kernel_size[a], self.stride[a],
-                           self.dilation[a], *conv_pads(self.padding, a, self.kernel_size[a],
-                                                        self.dilation[a]))
-                for a, h in enumerate(mine))
+            # every rank's outputs read the map on every axis (not padding alone: the
+            # exchange serves outputs that are the bias only)
+            stencils = [(gshape[a], self.kernel_size[a], self.stride[a], self.dilation[a],
+                         *conv_pads(self.padding, a, self.kernel_size[a], self.dilation[a]))
+                        for a in range(3)]
+            reads = all(h.out[1] > h.out[0] and live_taps(*st, h.out) is not None
+                        for line, st in zip(halos, stencils) for h in line)
+            mine = [h[c].out for h, c in zip(halos, self.grid.spatial_coords)]
+            cache[key] = tuple(map_window(out, *st) for out, st in zip(mine, stencils)) \
+                if (far or wide and buffer > 2 * voxels) and small and reads else None
         return cache[key]
 
     def _whole_conv(self, x, weight, bias, windows):

@@ -105,9 +105,12 @@ def test_aspp_per_rank_memory(comm):
     """Per-rank peak over forward + backward at most 1.5x (torch's whole-model peak / ranks
     + the gathered map): dilations 6..24 reach past a 6-voxel map on every axis. Float32,
     activations outweighing the weights as in DeepLabV3 (batch 16, 16 channels). The full
-    kernels held 737 MiB per rank on 1x2x1x1 (bound 3.3 MiB), 700 on 1x2x2x1 (1.78)."""
+    kernels held 737 MiB per rank on 1x2x1x1 (bound 3.3 MiB), 700 on 1x2x2x1 (1.78). On
+    10 voxels over 2 ranks, dilation 6's halo is the whole neighbour piece (5): the exchange
+    held 31 MB a rank (1.6x the bound), the gathered map holds 12."""
     for data, *dims in GRIDS:
         on_subgrid(comm, data, dims, lambda g: _memory_check(g, (6, 6, 5)))
+    on_subgrid(comm, 1, (2, 1, 1), lambda g: _memory_check(g, (10, 10, 10)))
 
 
 @mpi_case(nprocs=(4,), timeout=120)
