@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from hpcpar.parallel.comm import ReplicatedSum, allreduce_
+from hpcpar.parallel.comm import allreduce_
+from hpcpar.parallel.primitives import ReplicatedSum
 
 if TYPE_CHECKING:
     from hpcpar.graph.distgraph import DistGraph

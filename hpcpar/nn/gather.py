@@ -20,10 +20,8 @@ import torch
 import torch.nn as nn
 
 from hpcpar.errors import LayerError
-from hpcpar.parallel.comm import allreduce_
 from hpcpar.parallel.grid import ProcessGrid
-from hpcpar.parallel.partition import box
-from hpcpar.parallel.spatial import allgather_volume
+from hpcpar.parallel.primitives import GatherVolume, ReplicatedSum
 
 from ._base import SpatialModule
 from .split import unwrap
@@ -43,18 +41,6 @@ class GatherPoint(nn.Identity):
         return SpatialGather(grid)
 
 
-class _Gather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, grid):
-        full, own = allgather_volume(x.detach(), grid)
-        ctx.own = own
-        return full
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad[ctx.own].contiguous(), None
-
-
 def gather_shrunk(t: torch.Tensor) -> torch.Tensor:
     """A split tensor shorter than its ranks on a split axis (:attr:`Layout.shrunk
     <hpcpar.nn.split.Layout.shrunk>`), whole and replicated on every rank of the spatial
@@ -63,7 +49,7 @@ def gather_shrunk(t: torch.Tensor) -> torch.Tensor:
     lay = t._hp  # type: ignore[attr-defined]
     ends = tuple(range(-len(lay.sdims), 0))
     piece = unwrap(t).movedim(lay.sdims, ends)
-    return _Gather.apply(piece, lay.ctx.grid).movedim(ends, lay.sdims)
+    return GatherVolume.apply(piece, lay.ctx.grid).movedim(ends, lay.sdims)
 
 
 class SpatialGather(SpatialModule, nn.Module):
@@ -84,60 +70,18 @@ class SpatialGather(SpatialModule, nn.Module):
         """The whole tensor, gathered from the spatial group, on every rank."""
         if self.grid.spatial_size == 1:
             return x
-        return _Gather.apply(x, self.grid)
+        return GatherVolume.apply(x, self.grid)
 
 
-class _GlobalMean(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm):
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-        n_local = x.shape[-3] * x.shape[-2] * x.shape[-1]
-        sums = x.sum(dim=(-3, -2, -1), dtype=acc).reshape(-1).double()
-        buf = torch.cat([sums, sums.new_full((1,), float(n_local))])  # counts > 2**24 exact
-        allreduce_(buf, comm)
-        count = buf[-1].item()
-        ctx.count, ctx.shape = count, x.shape
-        return (buf[:-1] / count).to(x.dtype).view(*x.shape[:-3], 1, 1, 1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return (grad / ctx.count).expand(ctx.shape).contiguous(), None
-
-
-class _GlobalMax(torch.autograd.Function):
-    """The max over the whole volume, replicated (allreduce max); backward: the replicated
-    gradient goes to ONE voxel, on its owner: the first maximum in global (d, h, w) order,
-    the one torch's ``adaptive_max_pool3d(x, 1)`` picks (a second allreduce, min of global
-    indices, settles ties between ranks)."""
-
-    @staticmethod
-    def forward(ctx, x, grid, gshape):
-        lead, local = x.shape[:-3], x.shape[-3:]
-        flat = x.detach().reshape(*lead, -1)
-        if flat.shape[-1]:
-            value, index = flat.max(dim=-1)            # this piece's first maximum
-        else:                                          # an empty piece holds no candidate
-            value = flat.new_full(lead, float("-inf"))
-            index = torch.zeros(lead, dtype=torch.long, device=x.device)
-        origin = box(gshape, grid.spatial_shape, grid.spatial_coords)
-        at = torch.zeros_like(index)
-        for a in range(3):  # this piece's flat index -> global (d, h, w) -> global flat index
-            step = math.prod(local[a + 1:])
-            at = at * gshape[a] + (index // step) % local[a] + origin[a][0]
-        best = allreduce_(value.clone(), grid.spatial_comm, "max")
-        first = torch.where(value == best, at, torch.full_like(at, math.prod(gshape)))
-        winner = allreduce_(first.clone(), grid.spatial_comm, "min")
-        ctx.save_for_backward(index, winner == first)
-        ctx.shape = x.shape
-        return best.view(*lead, 1, 1, 1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        index, mine = ctx.saved_tensors
-        g = grad.reshape(index.shape) * mine
-        out = grad.new_zeros((*index.shape, math.prod(ctx.shape[-3:])))
-        out.scatter_(-1, index.unsqueeze(-1), g.unsqueeze(-1))
-        return out.view(ctx.shape), None, None
+def global_mean(x: torch.Tensor, grid: ProcessGrid) -> torch.Tensor:
+    """The mean over the last three dims of the whole volume, ``(..., 1, 1, 1)``, replicated:
+    one :class:`~hpcpar.parallel.primitives.ReplicatedSum` of the pieces' sums and counts (in
+    float64: counts above 2**24 stay exact), so backward is the gradient / count, no message."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    sums = x.sum(dim=(-3, -2, -1), dtype=acc).reshape(-1).double()
+    counted = torch.cat([sums, sums.new_full((1,), float(math.prod(x.shape[-3:])))])
+    total = ReplicatedSum.apply(counted, grid.spatial_comm)
+    return (total[:-1] / total[-1].item()).to(x.dtype).view(*x.shape[:-3], 1, 1, 1)
 
 
 class SpatialAdaptiveAvgPool3d(SpatialModule, nn.AdaptiveAvgPool3d):
@@ -168,7 +112,7 @@ class SpatialAdaptiveAvgPool3d(SpatialModule, nn.AdaptiveAvgPool3d):
         if x.dim() not in (4, 5):
             raise LayerError(f"SpatialAdaptiveAvgPool3d: expected a 4D or 5D input, got "
                              f"shape {tuple(x.shape)}")
-        return _GlobalMean.apply(x, self.grid.spatial_comm)
+        return global_mean(x, self.grid)
 
 
 class ReplicatedDropout(nn.Module):

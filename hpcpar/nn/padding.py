@@ -6,9 +6,10 @@ global input item ``src[o]`` (or the constant). ``src`` is asked from torch itse
 ``arange(N)``), so every mode's rule, negative pads included (circular wraps around the cropped
 volume, as torch does), is torch's own. The output is split with the partition rule of the NEW
 length, so data moves between ranks, not only at the boundary: each rank fetches the items its
-outputs read from whichever rank of the axis owns them (:class:`AxisGather`, one ``alltoallv``
-on the axis line). For small pads only neighbours send anything; circular padding fetches a
-slab from the far end; pads and crops wider than a rank's piece reach past the neighbour.
+outputs read from whichever rank of the axis owns them (one ``alltoallv`` on the axis line:
+``hpcpar.parallel.primitives.AxisGather``). For small pads only neighbours send anything;
+circular padding fetches a slab from the far end; pads and crops wider than a rank's piece
+reach past the neighbour.
 The adjoint sends each output gradient back to the owner of its source item, which ADDS it in
 (replicated, reflected and wrapped items collect the gradients of all their copies).
 
@@ -18,7 +19,6 @@ Entries 7-10 of ``pad`` (channels, batch) are local; torch allows them in consta
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -26,98 +26,12 @@ import torch.nn.functional as F
 
 from hpcpar.parallel.grid import ProcessGrid
 from hpcpar.parallel.halo_plan import AXIS_NAMES
-from hpcpar.parallel.partition import part_range, part_ranges, xyz
-from hpcpar.parallel.transport import line_alltoallv
+from hpcpar.parallel.partition import xyz
+from hpcpar.parallel.primitives import AxisGather, AxisRoute, axis_route
 
 from ._functional import check_piece, same_format, torch_output_shape
 
-__all__ = ["pad", "AxisRoute", "axis_route", "AxisGather"]
-
-
-@dataclass(frozen=True)
-class AxisRoute:
-    """One rank's part of ``out[o] = x[src[o]]`` (``src[o] < 0``: a fill value) along one axis.
-
-    Attributes:
-        send_index: Local items sent, grouped by destination coordinate on the axis.
-        send_rows: How many go to each coordinate (this rank's own share included).
-        recv_rows: How many come from each coordinate: together, in coordinate order, the
-            sorted distinct global items this rank's outputs read.
-        position: For each owned output, its row in ``cat(received, fill)``.
-        length: Items this rank owns on the axis.
-    """
-
-    send_index: torch.Tensor
-    send_rows: tuple[int, ...]
-    recv_rows: tuple[int, ...]
-    position: torch.Tensor
-    length: int
-
-
-def axis_route(src: torch.Tensor, n: int, parts: int, index: int) -> AxisRoute:
-    """The route of part ``index`` for the gather ``out[o] = x[src[o]]`` along one axis.
-
-    Both the input (length ``n``) and the output (length ``len(src)``) are split with the
-    partition rule over ``parts``; every part derives every other part's needs, so sends and
-    receives match with no negotiation.
-
-    Args:
-        src: Global source item of every output item (negative: the fill value).
-        n: Global input length.
-        parts: Ranks on the axis.
-        index: This rank's coordinate on the axis.
-
-    Returns:
-        The route.
-    """
-    m = src.numel()
-
-    def reads(part):  # sorted distinct input items the part's outputs read
-        u = torch.unique(src[slice(*part_range(m, parts, part))])
-        return u[u >= 0]
-
-    own0, own1 = part_range(n, parts, index)
-    sends = []
-    for part in range(parts):
-        u = reads(part)
-        sends.append(u[(u >= own0) & (u < own1)] - own0)
-    mine = reads(index)
-    recv_rows = tuple(int(((mine >= a) & (mine < b)).sum()) for a, b in part_ranges(n, parts))
-    out = src[slice(*part_range(m, parts, index))]
-    position = torch.searchsorted(mine, out.clamp(min=0))
-    position[out < 0] = mine.numel()
-    return AxisRoute(torch.cat(sends), tuple(s.numel() for s in sends), recv_rows, position,
-                     own1 - own0)
-
-
-class AxisGather(torch.autograd.Function):
-    """``out = cat(fetched, fill).index_select(dim, position)``: each rank fetches the items
-    its outputs read from their owners (``alltoallv`` over the axis line; local with one rank).
-    Backward is the adjoint: gradients of all copies of an item are summed, sent back to its
-    owner and ADDED into it."""
-
-    @staticmethod
-    def forward(ctx, x, route: AxisRoute, dim: int, comms, fill):
-        rows = x.detach().movedim(dim, 0).index_select(0, route.send_index.to(x.device))
-        got = rows if comms is None else line_alltoallv(rows, route.send_rows, comms[0],
-                                                         comms[1], route.recv_rows)
-        ext = torch.cat([got, got.new_full((1, *got.shape[1:]), fill)])
-        ctx.route, ctx.dim, ctx.comms = route, dim, comms
-        return ext.index_select(0, route.position.to(x.device)).movedim(0, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        route = ctx.route
-        g = grad.movedim(ctx.dim, 0)
-        slots = g.new_zeros((sum(route.recv_rows) + 1, *g.shape[1:]))
-        slots.index_add_(0, route.position.to(g.device), g)
-        back = slots[:-1]
-        if ctx.comms is not None:
-            back = line_alltoallv(back, route.recv_rows, ctx.comms[0], ctx.comms[1],
-                                  route.send_rows)
-        gx = g.new_zeros((route.length, *g.shape[1:]))
-        gx.index_add_(0, route.send_index.to(g.device), back)
-        return gx.movedim(0, ctx.dim), None, None, None, None
+__all__ = ["pad"]
 
 
 @lru_cache(maxsize=512)

@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from hpcpar.errors import LayerError
-from hpcpar.parallel.comm import ReplicatedSum, allreduce_
 from hpcpar.parallel.grid import ProcessGrid
+from hpcpar.parallel.primitives import GlobalExtreme, ReplicatedSum, SquaredDeviation
 from hpcpar.parallel.spatial import local_shape
 
 if TYPE_CHECKING:
@@ -48,56 +48,6 @@ def split_dims(grid: ProcessGrid, ndim: int = 5) -> tuple[int, ...]:
     """The tensor dims (of an ``ndim``-D tensor whose last three dims are spatial) that the
     grid splits over more than one rank."""
     return tuple(ndim - 3 + a for a, p in enumerate(grid.spatial_shape) if p > 1)
-
-
-def _acc(dtype: torch.dtype) -> torch.dtype | None:
-    """Accumulate floating sums in float64 (a sum of partial sums over ranks); integers keep
-    torch's own promotion."""
-    return torch.float64 if dtype.is_floating_point else None
-
-
-class _SquaredDeviation(torch.autograd.Function):
-    """Σ(x - mean)² over ``dims`` (keepdim, float64), replicated, with the GLOBAL mean: two
-    allreduces, so the deviations are taken from the exact mean (two-pass). Backward is
-    2(x - mean)·g: the mean's own gradient is 2·Σ(x - mean)·g = 0 over the whole tensor
-    (torch's var_backward formula), so backward needs no message. Saves x and the small mean,
-    not the full-size deviations."""
-
-    @staticmethod
-    def forward(ctx, x, dims, count, comm):
-        acc = _acc(x.dtype)
-        mean = allreduce_(x.sum(dims, keepdim=True, dtype=acc), comm).div_(count)
-        dev = x - mean.to(x.dtype)
-        m2 = allreduce_(dev.square_().sum(dims, keepdim=True, dtype=acc), comm)
-        ctx.save_for_backward(x, mean)
-        return m2
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, mean = ctx.saved_tensors
-        dx = (x - mean.to(x.dtype)).mul_((2 * grad).to(x.dtype))
-        return dx, None, None, None
-
-
-class _GlobalExtreme(torch.autograd.Function):
-    """amax/amin over ``dims`` (keepdim), replicated: a max/min allreduce of the local extremes.
-    Backward splits g evenly over every element equal to the extreme on ANY rank, as torch's
-    amax does on one process: one allreduce of the tie counts."""
-
-    @staticmethod
-    def forward(ctx, x, dims, op, comm):
-        local = x.amax(dims, keepdim=True) if op == "amax" else x.amin(dims, keepdim=True)
-        ext = allreduce_(local, comm, "max" if op == "amax" else "min")
-        ctx.save_for_backward(x, ext)
-        ctx.dims, ctx.comm = dims, comm
-        return ext
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, ext = ctx.saved_tensors
-        hit = x == ext
-        ties = allreduce_(hit.sum(ctx.dims, keepdim=True, dtype=torch.float64), ctx.comm)
-        return hit.to(x.dtype).mul_(grad / ties.to(grad.dtype)), None, None, None
 
 
 class _MaskedSqrt(torch.autograd.Function):
@@ -186,12 +136,14 @@ def _global(x: torch.Tensor, op: str, dims: tuple[int, ...], count: int,
             correction: int | float, comm: MPI.Comm) -> torch.Tensor:
     """The replicated reduction, keepdim, in x's dtype."""
     if op in ("amax", "amin"):
-        return _GlobalExtreme.apply(x, dims, op, comm)
+        return GlobalExtreme.apply(x, dims, op, comm)
     if op in ("var", "std"):
-        out = _SquaredDeviation.apply(x, dims, count, comm) / max(count - correction, 0)
+        out = SquaredDeviation.apply(x, dims, count, comm) / max(count - correction, 0)
     else:
         terms = x.square() if op == "norm" else x
-        out = ReplicatedSum.apply(terms.sum(dims, keepdim=True, dtype=_acc(x.dtype)), comm)
+        # floating sums of partial sums accumulate in float64; integers keep torch's promotion
+        acc = torch.float64 if x.dtype.is_floating_point else None
+        out = ReplicatedSum.apply(terms.sum(dims, keepdim=True, dtype=acc), comm)
         if op == "mean":
             out = out / count
     if op in ("std", "norm"):

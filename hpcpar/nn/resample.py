@@ -32,9 +32,10 @@ from hpcpar.parallel.grid import ProcessGrid
 from hpcpar.parallel.halo import StencilOp, halo_exchange, halo_stencil
 from hpcpar.parallel.halo_plan import HaloPlan
 from hpcpar.parallel.partition import AxisHalo, axis_halo, ceil_div, xyz
+from hpcpar.parallel.primitives import GlobalExtreme
 
 from ._functional import check_piece, same_format, torch_output_shape
-from .gather import _GlobalMax, _GlobalMean
+from .gather import global_mean
 
 __all__ = ["interpolate", "adaptive_avg_pool3d", "adaptive_max_pool3d", "INTERPOLATE_MODES",
            "Interpolation", "resample_piece", "per_axis", "AdaptivePoolOp"]
@@ -261,8 +262,9 @@ def _adaptive(x, output_size, grid, gshape, reduce, torch_fn, layer):
                              repr(output_size))[2:]
     if out == (1, 1, 1):
         if reduce == "max":
-            return _GlobalMax.apply(x, grid, tuple(gshape)), out
-        return _GlobalMean.apply(x, grid.spatial_comm), out
+            return GlobalExtreme.apply(x, (-3, -2, -1), "amax", grid.spatial_comm,
+                                       (grid, tuple(gshape))), out
+        return global_mean(x, grid), out
     plan, op = _adaptive_plan(grid, tuple(gshape), out, reduce, layer)
     return same_format(halo_stencil(x, plan, op), x), out
 

@@ -7,11 +7,11 @@ Replicated operands of a split op (conventions of DESIGN §2, the conjugate pair
 
 * a parameter is used as it is: its gradient is this rank's partial one and the gradient sync
   sums it over the spatial group (it is recorded as *spatial*);
-* any other replicated tensor that needs a gradient passes through :class:`_SumGrad`
-  (identity forward, allreduce of the gradient backward), so whatever made it — a squeeze-
-  excitation gate, a global mean — gets its full gradient on every rank; parameters used only
-  on replicated tensors are therefore complete on every rank (recorded as *replicated*, tagged
-  data-only);
+* any other replicated tensor that needs a gradient passes through
+  :class:`hpcpar.parallel.primitives.SumGrad` (identity forward, allreduce of the gradient
+  backward), so whatever made it — a squeeze-excitation gate, a global mean — gets its full
+  gradient on every rank; parameters used only on replicated tensors are therefore complete
+  on every rank (recorded as *replicated*, tagged data-only);
 * a replicated tensor whose spatial dims have the GLOBAL lengths is sliced to this rank's
   piece; length 1 broadcasts; this rank's local lengths mean it is already this rank's piece.
 """
@@ -25,8 +25,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from hpcpar.parallel.comm import allreduce_
 from hpcpar.parallel.partition import part_range, torch_pad
+from hpcpar.parallel.primitives import SumGrad
 
 from . import padding
 from .split import FlatLayout, Layout, SplitTensor, TokenLayout, adopt, raw, refuse, wrap
@@ -113,20 +113,6 @@ def op_name(func) -> str:
 
 
 # -- replicated operands ---------------------------------------------------------------------
-class _SumGrad(torch.autograd.Function):
-    """Identity forward; the gradient summed over the spatial group backward (a replicated
-    tensor's partial gradients from every rank's piece)."""
-
-    @staticmethod
-    def forward(ctx, t, comm):
-        ctx.comm = comm
-        return t.view_as(t)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return allreduce_(grad.contiguous().clone(), ctx.comm), None
-
-
 def prepare_replicated(t, ctx):
     if not isinstance(t, torch.Tensor):
         return t
@@ -134,7 +120,7 @@ def prepare_replicated(t, ctx):
         ctx.spatial_params.add(id(t))
         return t
     if t.requires_grad and torch.is_grad_enabled() and ctx.grid.spatial_size > 1:
-        return _SumGrad.apply(t, ctx.grid.spatial_comm)
+        return SumGrad.apply(t, ctx.grid.spatial_comm)
     return t
 
 

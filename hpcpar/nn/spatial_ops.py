@@ -16,8 +16,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from hpcpar.parallel.comm import ReplicatedSum
 from hpcpar.parallel.partition import box, xyz
+from hpcpar.parallel.primitives import ReplicatedSum
 
 from . import fused_halo, global_norm, padding, resample
 from ._base import triple

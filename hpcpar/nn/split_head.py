@@ -44,9 +44,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpcpar.parallel.comm import ReplicatedSum, allreduce_, irecv, isend
+from hpcpar.parallel.comm import allreduce_, irecv, isend
 from hpcpar.parallel.grid import ProcessGrid, coords_of, rank_of
 from hpcpar.parallel.halo import autocast_cast
+from hpcpar.parallel.primitives import ReplicatedSum
 
 from . import rules, spill
 from . import spatial_ops as sops

@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 __all__ = ["SUPPORTED", "CudaAwareness", "detect_cuda_aware", "cuda_aware", "forced_cuda_path",
            "device_ready", "Synchronizable", "STAGING",
            "wire_dtype", "Buffer", "free_at_exit", "message_buffer", "as_buffer", "Handle",
-           "iallreduce", "allreduce_", "ReplicatedSum", "sum_grads_", "bcast_", "isend", "irecv",
+           "iallreduce", "allreduce_", "sum_grads_", "bcast_", "isend", "irecv",
            "sendrecv", "allgather", "allgatherv", "reduce_scatter", "alltoallv", "check_same"]
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -189,21 +189,6 @@ def allreduce_(t: torch.Tensor, comm: MPI.Comm, op: str | MPI.Op = "sum") -> tor
     if back is not None:
         back()
     return t
-
-
-class ReplicatedSum(torch.autograd.Function):
-    """Sum of every rank's partial ``t`` over ``comm``: allreduce in forward; identity in
-    backward (the adjoint under the replicated-gradient convention: the replicated result's
-    upstream gradient is the same on every rank, so each rank's gradient is its own part's,
-    and SUMMING gradients over ``comm`` gives the single-process one)."""
-
-    @staticmethod
-    def forward(ctx, t, comm):
-        return allreduce_(t.detach().clone(), comm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
 
 
 def sum_grads_(params: Iterable[torch.nn.Parameter], comm: MPI.Comm) -> None:

@@ -61,6 +61,11 @@ def _rand(shape, seed):
                        dtype=torch.float64)
 
 
+def _function(case: str) -> str:
+    """The Function a case tests: its name less a ``[label]`` (a Function's second route)."""
+    return case.split("[")[0]
+
+
 def _found(out, name) -> bool:
     """Whether the Function ``name`` (module.qualname) is in ``out``'s autograd graph."""
     todo, seen = [out.grad_fn], set()
@@ -76,7 +81,7 @@ def _found(out, name) -> bool:
     return False
 
 
-# -- the cases: name -> builder(grid) ---------------------------------------------------------
+# -- the cases: name[label] -> builder(grid) -------------------------------------------------
 # A linear case returns (inputs, fn, out_kind): inputs [(tensor, kind)], kind "split"
 # (per rank: summed) or "complete" (replicated: once); fn(*inputs) -> this rank's output.
 # A nonlinear case returns (sample, shape): sample(x) a plain-torch op on a 5D volume, run
@@ -128,14 +133,14 @@ def _conv(boundary):
 
 
 def _sum_grad(grid):
-    from hpcpar.nn.rules import _SumGrad
+    from hpcpar.parallel.primitives import SumGrad
 
     r = _rand((4,), 3).requires_grad_()
-    return [(r, "complete")], lambda t: _SumGrad.apply(t, grid.spatial_comm) * 1, "split"
+    return [(r, "complete")], lambda t: SumGrad.apply(t, grid.spatial_comm) * 1, "split"
 
 
 def _replicated_sum(grid):
-    from hpcpar.parallel.comm import ReplicatedSum
+    from hpcpar.parallel.primitives import ReplicatedSum
 
     t = _rand((2, 4), 4 + grid.rank).requires_grad_()
     return [(t, "split")], lambda u: ReplicatedSum.apply(u, grid.spatial_comm), "complete"
@@ -189,17 +194,17 @@ LINEAR = {
     "hpcpar.parallel.halo.HaloExchange": _halo_exchange,
     "hpcpar.parallel.halo.HaloStencil": _conv(False),
     "hpcpar.nn._boundary_conv.BoundaryConv": _conv(True),
-    "hpcpar.nn.padding.AxisGather":
+    "hpcpar.parallel.primitives.AxisGather":
         lambda g: _spatial(g, lambda x: F.pad(x, (1, 2, 2, 1, 3, 2), mode="reflect")),
     # a volume shorter than its ranks is gathered whole before the next op
-    "hpcpar.nn.gather._Gather": lambda g: _spatial(g, lambda x: F.avg_pool3d(x, 4, 4) * 2,
-                                                   shape=(2, 4, 6, 6, 6)),
-    "hpcpar.nn.gather._GlobalMean": _global_mean,
+    "hpcpar.parallel.primitives.GatherVolume": lambda g: _spatial(
+        g, lambda x: F.avg_pool3d(x, 4, 4) * 2, shape=(2, 4, 6, 6, 6)),
+    "hpcpar.parallel.primitives.ReplicatedSum[global mean]": _global_mean,
     # dilation 4 on pieces of 2-4: a halo past the adjacent rank, the map gathered whole
     "hpcpar.nn.conv._WholeConv": lambda g: _spatial(
         g, lambda x: F.conv3d(x, _rand((3, 4, 3, 3, 3), 2), padding=4, dilation=4)),
-    "hpcpar.parallel.comm.ReplicatedSum": _replicated_sum,
-    "hpcpar.nn.rules._SumGrad": _sum_grad,
+    "hpcpar.parallel.primitives.ReplicatedSum": _replicated_sum,
+    "hpcpar.parallel.primitives.SumGrad": _sum_grad,
     "hpcpar.nn.tensor_parallel._TPLinearFn": _tp_linear,
     "hpcpar.graph._vertex_halo.GraphHaloExchange": _graph("exchange"),
     "hpcpar.graph._vertex_halo.HaloAggregate": _graph("propagate"),
@@ -208,9 +213,10 @@ LINEAR = {
 #: name -> the plain op, or (the plain op, hpcpar's twin(grid, piece) -> (out, kind)); the
 #: plain op alone runs spatialized
 NONLINEAR = {
-    "hpcpar.nn.reduce._SquaredDeviation": lambda x: x.var(dim=(2, 3, 4)),
-    "hpcpar.nn.reduce._GlobalExtreme": lambda x: x.amax(dim=(2, 3, 4)),
-    "hpcpar.nn.gather._GlobalMax": (lambda x: F.adaptive_max_pool3d(x, 1), _global_max),
+    "hpcpar.parallel.primitives.SquaredDeviation": lambda x: x.var(dim=(2, 3, 4)),
+    "hpcpar.parallel.primitives.GlobalExtreme": lambda x: x.amax(dim=(2, 3, 4)),
+    "hpcpar.parallel.primitives.GlobalExtreme[first]":
+        (lambda x: F.adaptive_max_pool3d(x, 1), _global_max),
     "hpcpar.nn.global_norm._GlobalNorm": lambda x: F.group_norm(x, 2),
     "hpcpar.nn.norm._GlobalBatchNorm": lambda x: F.batch_norm(x, None, None, training=True),
 }
@@ -218,9 +224,10 @@ NONLINEAR = {
 
 def test_every_collective_function_has_an_adjoint_case():
     found = _functions()
-    missing = found - set(LINEAR) - set(NONLINEAR) - set(LOCAL)
+    listed = {_function(case) for case in (*LINEAR, *NONLINEAR, *LOCAL)}
+    missing = found - listed
     assert not missing, f"autograd Functions with no adjoint case here: {sorted(missing)}"
-    gone = (set(LINEAR) | set(NONLINEAR) | set(LOCAL)) - found
+    gone = listed - found
     assert not gone, f"listed here but not in hpcpar: {sorted(gone)}"
 
 
@@ -238,7 +245,8 @@ def _linear(grid, name):
     finally:
         _boundary_conv.ENABLED = True
     out_kind = out_kind[0] if isinstance(out_kind, list) else out_kind
-    assert grid.size == 1 or _found(out, name), f"{name}: not in the case's autograd graph"
+    assert grid.size == 1 or _found(out, _function(name)), \
+        f"{name}: not in the case's autograd graph"
     # a replicated cotangent is the same on every rank; a per-rank one differs
     y = _rand(out.shape, 11 + (grid.rank if out_kind == "split" else 0))
     grads = torch.autograd.grad(out, [t for t, _ in inputs], y)
@@ -262,7 +270,8 @@ def _nonlinear(grid, name):
     else:
         out, k = twin(grid, inputs[0][0])
         kind.append(k)
-    assert grid.size == 1 or _found(out, name), f"{name}: not in the case's autograd graph"
+    assert grid.size == 1 or _found(out, _function(name)), \
+        f"{name}: not in the case's autograd graph"
     own = y if kind[0] == "complete" else y[local_slices(y.shape, grid)]
     (g,) = torch.autograd.grad(out, inputs[0][0], own)     # A* y, hpcpar's backward
     rhs = (v[local_slices(SHAPE, grid)] * g).sum()
