@@ -106,24 +106,29 @@ class GlobalExtreme(torch.autograd.Function):
     def forward(ctx, x, dims, op, comm, first=None):
         local = x.amax(dims, keepdim=True) if op == "amax" else x.amin(dims, keepdim=True)
         ext = allreduce_(local, comm, "max" if op == "amax" else "min")
-        ctx.dims, ctx.comm, ctx.first = dims, comm, first is not None
-        ctx.save_for_backward(*((x, ext) if first is None else (_first_hit(x == ext, *first),)))
+        ctx.dims, ctx.comm, ctx.first, ctx.shape = dims, comm, first is not None, x.shape
+        # the first-extreme route keeps one index per (n, c), not a mask the size of x
+        ctx.save_for_backward(*((x, ext) if first is None else _first_hit(x == ext, *first)))
         return ext
 
     @staticmethod
     def backward(ctx, grad):
         if ctx.first:
-            (hit,) = ctx.saved_tensors
-            return hit.to(grad.dtype).mul_(grad), None, None, None, None
+            index, mine = ctx.saved_tensors
+            out = grad.new_zeros((*index.shape, math.prod(ctx.shape[-3:])))
+            out.scatter_(-1, index.unsqueeze(-1), (grad.reshape(index.shape) * mine)[..., None])
+            return out.view(ctx.shape), None, None, None, None
         x, ext = ctx.saved_tensors
         hit = x == ext
         ties = allreduce_(hit.sum(ctx.dims, keepdim=True, dtype=torch.float64), ctx.comm)
         return hit.to(x.dtype).mul_(grad / ties.to(grad.dtype)), None, None, None, None
 
 
-def _first_hit(hit: torch.Tensor, grid: ProcessGrid, gshape: Sequence[int]) -> torch.Tensor:
-    """``hit`` (the extremes over the last three dims) kept at its first element in global
-    (d, h, w) order over the spatial group only (one allreduce: the min of global indices)."""
+def _first_hit(hit: torch.Tensor, grid: ProcessGrid,
+               gshape: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Of ``hit`` (the extremes over the last three dims), the first in global (d, h, w)
+    order over the spatial group (one allreduce: the min of global indices): this piece's
+    flat index of its first hit and whether that one is the global first, per (n, c)."""
     lead, local = hit.shape[:-3], hit.shape[-3:]
     flat = hit.reshape(*lead, -1)
     index = flat.byte().argmax(-1)                     # this piece's first extreme
@@ -134,8 +139,7 @@ def _first_hit(hit: torch.Tensor, grid: ProcessGrid, gshape: Sequence[int]) -> t
         at = at * gshape[a] + (index // step) % local[a] + origin[a][0]
     first = torch.where(flat.any(-1), at, torch.full_like(at, math.prod(gshape)))
     winner = allreduce_(first.clone(), grid.spatial_comm, "min")
-    mine = (winner == first).unsqueeze(-1)
-    return torch.zeros_like(flat).scatter_(-1, index.unsqueeze(-1), mine).view(hit.shape)
+    return index, winner == first
 
 
 @dataclass(frozen=True)
