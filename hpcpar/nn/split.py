@@ -16,7 +16,7 @@ import functools
 import os
 import traceback
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -60,6 +60,23 @@ class Layout:
     sdims: tuple[int, ...]   # positions of the x, y, z axes in the tensor (FlatLayout: one)
     gshape: tuple[int, ...]  # their global lengths
 
+    #: This layout type's forms of the op table's rules (:mod:`hpcpar.nn.optable`), registered
+    #: beside its own code: rule -> ``form(call, redo)``, ``redo(func, args, kwargs)`` the
+    #: dispatch again. A rule with none (and not in ``optable.AS_IS``) goes to :meth:`no_form`.
+    forms: ClassVar[dict] = {}
+    #: ``(why, todo)`` of the one-line refusal of a rule with no form here, and of a call that
+    #: mixes this layout with another; None: the op table's rule itself runs.
+    refusal: ClassVar[tuple[str, str] | None] = None
+    mixed: ClassVar[tuple[str, str] | None] = None
+
+    def no_form(self, rule, call, redo):
+        """``call`` (its split operands of this layout, or of this and others) by a ``rule``
+        that has no form registered for this layout."""
+        if self.refusal is None:
+            return rule(call)
+        alike = all(type(t._hp) is type(self) for t in call.splits)
+        raise call.refuse(*(self.refusal if alike or self.mixed is None else self.mixed))
+
     def with_(self, sdims=None, gshape=None) -> Layout:
         """This layout with other split dims or global lengths (itself when they are equal:
         most ops keep both, and a layout is made per op)."""
@@ -97,6 +114,11 @@ class FlatLayout(Layout):
     elementwise ops, dropout and ``F.linear`` take it (:mod:`hpcpar.nn.split_head`)."""
 
     volume: tuple[int, int, int, int] = (0, 0, 0, 0)   # the global (C, D, H, W)
+    forms: ClassVar[dict] = {}
+    refusal = ("has no form on a flattened split tensor (only elementwise ops, dropout and "
+               "F.linear take it)", "apply the nn.Linear right after the flatten, or reduce "
+               "the spatial dims before flattening")
+    mixed = ("combines a flattened split tensor with an unflattened one", "flatten both alike")
 
     def box(self) -> tuple[tuple[int, int], ...]:
         """This rank's ``(start, stop)`` on each spatial axis of :attr:`volume`."""
@@ -109,6 +131,12 @@ class TokenLayout(Layout):
     ``gshape`` its global length; ``volume`` the global ``(D, H, W)``."""
 
     volume: tuple[int, int, int] = (0, 0, 0)
+    forms: ClassVar[dict] = {}
+    refusal = ("has no form on a tensor whose split dims are merged (elementwise ops, "
+               "reductions, softmax and a view back to the volume take it)", "reduce over the "
+               "merged dim, or keep the volume's (N, C, D, H, W) shape")
+    mixed = ("combines a tensor whose split dims are merged with one whose are not",
+             "view both alike")
 
     def box(self) -> tuple[tuple[int, int], ...]:
         """This rank's ``(start, stop)`` on each spatial axis of :attr:`volume`."""

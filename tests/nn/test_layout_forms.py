@@ -1,0 +1,37 @@
+"""The dispatch asks a split tensor's layout for its form of the op table's rule
+(:attr:`hpcpar.nn.split.Layout.forms`): a layout registers its forms beside its own code and is
+served without the dispatch knowing it; an op with no form is the layout's one-line refusal."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import pytest
+import torch
+
+from hpcpar.errors import LayerError
+from hpcpar.testing.oracles import one_rank_grid
+
+
+def test_a_layout_the_dispatch_does_not_know_is_served_by_its_forms():
+    import hpcpar.nn.dispatch  # noqa: F401  (opens the split tensor's door)
+    from hpcpar.nn import spatial_ops
+    from hpcpar.nn.split import Layout, SplitContext, wrap
+
+    @dataclass(frozen=True)
+    class Trial(Layout):
+        forms: ClassVar[dict] = {spatial_ops.reduction: lambda call, redo: ("trial", call.name)}
+        refusal = ("has no form on the trial layout", "reduce it")
+        mixed = ("mixes the trial layout", "keep it apart")
+
+    ctx = SplitContext(one_rank_grid())
+    x = wrap(torch.ones(1, 2, 3, 4, 5), Trial(ctx, (2, 3, 4), (3, 4, 5)))
+    y = wrap(torch.ones(1, 2, 3, 4, 5), Layout(ctx, (2, 3, 4), (3, 4, 5)))
+    assert x.sum() == ("trial", "sum")                       # its form
+    assert x.shape == (1, 2, 3, 4, 5) and x.numel() == 120   # as it is (optable.AS_IS)
+    with pytest.raises(LayerError, match=r"^spatialize: roll at \S+ has no form on the trial "
+                                         r"layout on a tensor split .*; reduce it$"):
+        torch.roll(x, 1, 2)
+    with pytest.raises(LayerError, match="add at .* mixes the trial layout .*; keep it apart$"):
+        x + y
