@@ -10,7 +10,8 @@ this rank's own voxels (the overlap is computed twice, by this rank and by its n
 instead of being exchanged again). The result is exact, voxel for voxel: the extra voxels
 are the neighbour's own values, computed from the same inputs by the same kernels.
 
-How it runs under :func:`~hpcpar.nn.spatialize`'s dispatch:
+How it runs under :func:`~hpcpar.nn.spatialize`'s dispatch, which it joins as a layout
+(:class:`MarginLayout`'s forms, the split volume's form of ``F.conv3d``, ``Layout.own``):
 
 * The first convolution of a run takes the halo of all of its run (``reach`` items per side,
   inner sides only; the global boundary is padded per convolution, as the single-process
@@ -66,7 +67,7 @@ from .conv import ConvOp
 from .norm import _GlobalBatchNorm
 from .rules import Call, leaves, map_args
 from .spatial_ops import CONV_ARGS
-from .split import Layout, SplitTensor, adopt, set_crop
+from .split import Layout, SplitTensor, adopt
 
 __all__ = ["MarginLayout", "crop", "check_setting"]
 
@@ -99,6 +100,9 @@ class MarginLayout(Layout):
         args, kwargs = map_args(lambda a: crop(a) if isinstance(a, SplitTensor) and
                                 type(a._hp) is MarginLayout else a, call.args, call.kwargs)
         return redo(call.func, args, kwargs)
+
+    def own(self, t: SplitTensor, end: bool = False) -> SplitTensor:
+        return crop(t, learn=end)
 
     def margins(self) -> tuple[tuple[int, int], ...]:
         """This rank's own margins: the reach on inner sides, 0 on global ones."""
@@ -381,4 +385,3 @@ MarginLayout.forms.update({sops.conv3d: _kept(_go_on), rules.pointwise: _kept(_p
 #: the split volume's convolution: the first of a run where fused halos are on
 Layout.forms[sops.conv3d] = lambda call, redo: sops.conv3d(
     call, start if call.ctx.fuse_halos > 1 else None)
-set_crop(lambda t: crop(t, learn=False))   # unwrap()/local(): a look at the piece, not a run's end

@@ -77,6 +77,12 @@ class Layout:
         alike = all(type(t._hp) is type(self) for t in call.splits)
         raise call.refuse(*(self.refusal if alike or self.mixed is None else self.mixed))
 
+    def own(self, t: SplitTensor, end: bool = False) -> SplitTensor:
+        """``t`` (of this layout) holding only this rank's own piece: ``t`` itself, unless its
+        layout holds more (a fused run's margin, :mod:`hpcpar.nn.fused_halo`, is cropped;
+        ``end``: the value leaves the run there, not just a look at the piece)."""
+        return t
+
     def with_(self, sdims=None, gshape=None) -> Layout:
         """This layout with other split dims or global lengths (itself when they are equal:
         most ops keep both, and a layout is made per op)."""
@@ -189,17 +195,6 @@ def _unset(func, args, kwargs):
 _HANDLE = _unset
 
 
-def set_crop(crop) -> None:
-    """How :func:`unwrap` makes a fused run's margin tensor this rank's piece:
-    :func:`hpcpar.nn.fused_halo.crop`, set when that module is imported (it imports this one,
-    and it made every such tensor)."""
-    global _CROP
-    _CROP = crop
-
-
-_CROP: Any = None
-
-
 def wrap(t: torch.Tensor, layout: Layout) -> SplitTensor:
     """``t`` (a plain local piece) as a split tensor with ``layout`` (autograd-transparent)."""
     with torch._C.DisableTorchFunction():
@@ -229,11 +224,10 @@ def raw(t):
 
 
 def unwrap(t):
-    """The plain tensor under a split tensor (anything else unchanged); a tensor holding a
-    fused run's margin (:mod:`hpcpar.nn.fused_halo`) is cropped to this rank's piece first."""
+    """The plain tensor under a split tensor, this rank's own piece (:meth:`Layout.own`);
+    anything else unchanged."""
     if isinstance(t, SplitTensor):
-        if hasattr(t._hp, "reach"):
-            t = _CROP(t)
+        t = t._hp.own(t)
         with torch._C.DisableTorchFunction():
             return t.as_subclass(torch.Tensor)
     return t
@@ -263,10 +257,7 @@ def whole(t: torch.Tensor, root: int = 0) -> torch.Tensor | None:
     """
     if not isinstance(t, SplitTensor):
         return t
-    split: SplitTensor = t
-    if hasattr(split._hp, "reach"):   # a fused run's margin: this rank's own voxels only
-        assert _CROP is not None  # set by hpcpar.nn.fused_halo, which made the margin
-        split = _CROP(split)
+    split = t._hp.own(t)
     lay = split._hp
     if type(lay) is not Layout:
         raise LayerError(f"whole: the tensor's split dims are merged ({type(lay).__name__}): "

@@ -35,3 +35,21 @@ def test_a_layout_the_dispatch_does_not_know_is_served_by_its_forms():
         torch.roll(x, 1, 2)
     with pytest.raises(LayerError, match="add at .* mixes the trial layout .*; keep it apart$"):
         x + y
+
+
+def test_the_way_out_takes_the_layouts_own_piece():
+    """local() and whole() ask the layout for this rank's own piece (Layout.own): a layout
+    that holds more than its piece (a fused run's margin) gives only the piece."""
+    from hpcpar.nn.split import Layout, SplitContext, local, whole, wrap
+
+    @dataclass(frozen=True)
+    class Wide(Layout):   # holds one plane of its neighbour's before its own
+        def own(self, t, end=False):
+            with torch._C.DisableTorchFunction():
+                piece = t.as_subclass(torch.Tensor)[:, :, 1:]
+            return wrap(piece, Layout(self.ctx, self.sdims, self.gshape))
+
+    ctx = SplitContext(one_rank_grid())
+    x = wrap(torch.arange(24.0).reshape(1, 1, 4, 3, 2), Wide(ctx, (2, 3, 4), (3, 3, 2)))
+    assert torch.equal(local(x), torch.arange(6.0, 24.0).reshape(1, 1, 3, 3, 2))
+    assert torch.equal(whole(x), local(x))
