@@ -25,7 +25,7 @@ from hpcpar.errors import LayerError
 from . import optable, tokens  # noqa: F401  (tokens registers its layout's forms)
 from . import rules as _rules
 from .gather import gather_shrunk
-from .optable import AS_IS
+from .optable import AS_IS, METADATA
 from .rules import FAST, Call, leaves, map_args, op_name
 from .split import FlatLayout, Layout, SplitTensor, refuse, set_handler, user_frame, wrap
 from .split_head import COLUMNS_ATTR, has_flat_form
@@ -64,7 +64,7 @@ def handle(func, args, kwargs, ctx=None):
     if not splits:
         return _replicated_call(func, args, kwargs, flat, ctx)
     rule, fast = _ROUTES.get(func) or _route(func)
-    if rule not in AS_IS and any(t._hp.shrunk for t in splits):
+    if rule not in METADATA and any(t._hp.shrunk for t in splits):
         return _gathered_call(func, args, kwargs, ctx, splits)
     # rules run with torch-function handling off: there a split tensor is its plain piece
     # (raw), and what ops return is plain until a rule adopts it

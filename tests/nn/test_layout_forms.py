@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hpcpar.errors import LayerError
+from hpcpar.testing import mpi_case
 from hpcpar.testing.oracles import one_rank_grid
 
 
@@ -53,3 +54,33 @@ def test_the_way_out_takes_the_layouts_own_piece():
     x = wrap(torch.arange(24.0).reshape(1, 1, 4, 3, 2), Wide(ctx, (2, 3, 4), (3, 3, 2)))
     assert torch.equal(local(x), torch.arange(6.0, 24.0).reshape(1, 1, 3, 3, 2))
     assert torch.equal(whole(x), local(x))
+
+
+@mpi_case(nprocs=(2,), timeout=120)
+def test_a_volume_shorter_than_its_ranks_is_gathered_for_what_reads_it(comm):
+    """A volume pooled to fewer voxels than ranks is gathered for every op but those that read
+    only its metadata (optable.METADATA), not for the layouts' whole as-is set: its values
+    read and a tensor made like it are the whole volume's (as-is, .tolist() was refused and
+    the buffer split, which refused the write into it)."""
+    import torch.nn.functional as F
+
+    from hpcpar.nn import spatialize
+    from hpcpar.parallel.grid import ProcessGrid
+
+    seen = {}
+
+    class Head(torch.nn.Module):
+        def forward(self, x):
+            h = F.avg_pool3d(x, (4, 1, 1))   # D 4 -> 1, split over 2 ranks
+            seen["values"] = h.tolist()
+            buf = torch.zeros_like(h)
+            buf[:, 0] = h[:, 0]
+            return buf.sum()
+
+    grid = ProcessGrid(1, 2, 1, 1, comm=comm)
+    x = torch.arange(48.0).reshape(1, 2, 4, 3, 2)
+    out = spatialize(Head(), grid)(x[:, :, 2 * comm.rank:2 * comm.rank + 2])
+    h = F.avg_pool3d(x, (4, 1, 1))
+    assert seen["values"] == h.tolist()
+    assert float(out) == float(h[:, 0].sum())
+    grid.free()
