@@ -4,7 +4,9 @@ Two doors lead in: :class:`SplitTensor.__torch_function__ <hpcpar.nn.split.Split
 call with a split argument, also after ``forward`` returned: the loss) and
 :class:`SpatialMode`, a ``TorchFunctionMode`` that a spatialized model holds during its
 ``forward``, so calls on replicated tensors are seen too (which parameters a replicated head
-uses, dropout there). :func:`handle` asks :mod:`hpcpar.nn.optable` for the op's rule; the
+uses, dropout there). :func:`handle` asks :mod:`hpcpar.nn.optable` for the op's rule and the
+split tensor's layout for its form of that rule (:attr:`Layout.forms
+<hpcpar.nn.split.Layout.forms>`, registered beside each layout), or its one-line refusal; the
 generic rules (shapes, pointwise ops, replicated operands) live in :mod:`hpcpar.nn.rules`, the
 spatial twins in :mod:`hpcpar.nn.spatial_ops`. Importing this module opens the first door
 (:func:`hpcpar.nn.split.set_handler`).
@@ -20,23 +22,13 @@ from torch.overrides import TorchFunctionMode
 
 from hpcpar.errors import LayerError
 
-from . import fused_halo, optable
+from . import optable, tokens  # noqa: F401  (tokens registers its layout's forms)
 from . import rules as _rules
 from .gather import gather_shrunk
+from .optable import AS_IS, METADATA
 from .rules import FAST, Call, leaves, map_args, op_name
-from .spatial_ops import batch_norm as _batch_norm
-from .spatial_ops import conv3d as _conv3d
-from .split import (
-    FlatLayout,
-    SplitTensor,
-    TokenLayout,
-    refuse,
-    set_handler,
-    user_frame,
-    wrap,
-)
-from .split_head import COLUMNS_ATTR, flat_rule, has_flat_form
-from .tokens import token_rule
+from .split import FlatLayout, Layout, SplitTensor, refuse, set_handler, user_frame, wrap
+from .split_head import COLUMNS_ATTR, has_flat_form
 
 __all__ = ["handle", "mode_call", "SpatialMode"]
 
@@ -72,7 +64,7 @@ def handle(func, args, kwargs, ctx=None):
     if not splits:
         return _replicated_call(func, args, kwargs, flat, ctx)
     rule, fast = _ROUTES.get(func) or _route(func)
-    if rule not in _SHAPE_ONLY and any(t._hp.shrunk for t in splits):
+    if rule not in METADATA and any(t._hp.shrunk for t in splits):
         return _gathered_call(func, args, kwargs, ctx, splits)
     # rules run with torch-function handling off: there a split tensor is its plain piece
     # (raw), and what ops return is plain until a rule adopts it
@@ -82,15 +74,17 @@ def handle(func, args, kwargs, ctx=None):
                 out = fast(func, args, kwargs, flat, splits)
                 if out is not NotImplemented:
                     return out
+            # the layout's form of the rule (the split volume's: the rule itself); a call
+            # that mixes the volume with another layout is that layout's
+            lay = next((t._hp for t in splits if type(t._hp) is not Layout), splits[0]._hp)
+            form = type(lay).forms.get(rule)
             call = Call(func, args, kwargs, splits)
-            if any(type(t._hp) is FlatLayout for t in splits):
-                return flat_rule(rule, call)   # a flattened volume: hpcpar.nn.split_head
-            if any(type(t._hp) is TokenLayout for t in splits):   # hpcpar.nn.tokens
-                return token_rule(rule, call, lambda f, a, k: handle(f, a, k, ctx))
-            if any(type(t._hp) is fused_halo.MarginLayout for t in splits):
-                return fused_halo.margin_call(call, rule, _MARGIN_KIND.get(rule),
-                                              lambda f, a, k: handle(f, a, k, ctx))
-            return rule(call)
+
+            def redo(f, a, k):
+                return handle(f, a, k, ctx)
+            if form is not None and all(type(t._hp) is type(lay) for t in splits):
+                return form(call, redo)
+            return rule(call) if rule in AS_IS else lay.no_form(rule, call, redo)
     except LayerError as exc:
         raise _told(_located(exc, func), splits) from exc
     except (RuntimeError, IndexError) as exc:
@@ -139,18 +133,6 @@ def _located(exc: LayerError, func) -> LayerError:
     if msg.startswith("spatialize"):
         return exc
     return LayerError(f"spatialize: {op_name(func)} at {user_frame()}: {msg}")
-
-
-#: Rules that only read a split tensor's (global) shape or look at its piece: they take a
-#: shrunk one, and one holding a fused run's margin, as it is.
-_SHAPE_ONLY = frozenset((_rules.global_size, _rules.global_numel, _rules.global_len,
-                         _rules.attribute, _rules.as_plain))
-
-#: How a rule meets a tensor holding a fused run's margin (:mod:`hpcpar.nn.fused_halo`);
-#: any rule not named here gets the cropped piece.
-_MARGIN_KIND = {_conv3d: "conv", _rules.pointwise: "pointwise",
-                _rules.channelwise: "channelwise", _batch_norm: "batch_norm",
-                **dict.fromkeys(_SHAPE_ONLY, "keep")}
 
 
 def _gathered_call(func, args, kwargs, ctx, splits):

@@ -10,7 +10,8 @@ this rank's own voxels (the overlap is computed twice, by this rank and by its n
 instead of being exchanged again). The result is exact, voxel for voxel: the extra voxels
 are the neighbour's own values, computed from the same inputs by the same kernels.
 
-How it runs under :func:`~hpcpar.nn.spatialize`'s dispatch:
+How it runs under :func:`~hpcpar.nn.spatialize`'s dispatch, which it joins as a layout
+(:class:`MarginLayout`'s forms, the split volume's form of ``F.conv3d``, ``Layout.own``):
 
 * The first convolution of a run takes the halo of all of its run (``reach`` items per side,
   inner sides only; the global boundary is padded per convolution, as the single-process
@@ -47,6 +48,8 @@ plan`` counts a run as one exchange and adds that compute to its estimate
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -57,17 +60,16 @@ from hpcpar.parallel.halo_buffers import input_layout, memory_format
 from hpcpar.parallel.halo_plan import HaloPlan
 from hpcpar.parallel.partition import axis_halo, conv_pads, split_sizes, torch_pad
 
+from . import rules
+from . import spatial_ops as sops
 from ._base import triple
 from .conv import ConvOp
 from .norm import _GlobalBatchNorm
 from .rules import Call, leaves, map_args
-from .split import Layout, SplitTensor, adopt, set_crop
+from .spatial_ops import CONV_ARGS
+from .split import Layout, SplitTensor, adopt
 
-__all__ = ["MarginLayout", "CONV_ARGS", "start", "margin_call", "crop", "check_setting"]
-
-#: ``F.conv3d``'s arguments by name, with the defaults of the trailing ones.
-CONV_ARGS = (("input", "weight", "bias", "stride", "padding", "dilation", "groups"),
-             (None, 1, 0, 1, 1))
+__all__ = ["MarginLayout", "crop", "check_setting"]
 
 
 def check_setting(value, where: str = "fuse_halos") -> int:
@@ -91,6 +93,16 @@ class MarginLayout(Layout):
 
     reach: tuple[tuple[int, int], ...] = ((0, 0),) * 3
     run: tuple = ()   # (key, convolutions so far, halo used so far per axis)
+    forms: ClassVar[dict] = {}
+
+    def no_form(self, rule, call: Call, redo):
+        """Any other op (module docstring) runs on the cropped pieces."""
+        args, kwargs = map_args(lambda a: crop(a) if isinstance(a, SplitTensor) and
+                                type(a._hp) is MarginLayout else a, call.args, call.kwargs)
+        return redo(call.func, args, kwargs)
+
+    def own(self, t: SplitTensor, end: bool = False) -> SplitTensor:
+        return crop(t, learn=end)
 
     def margins(self) -> tuple[tuple[int, int], ...]:
         """This rank's own margins: the reach on inner sides, 0 on global ones."""
@@ -359,26 +371,17 @@ def _batch_norm(call: Call) -> torch.Tensor | None:
     return adopt(out, lay)
 
 
-def margin_call(call: Call, rule, kind: str | None, redo):
-    """A call with a margin tensor among its arguments (module docstring): a convolution
-    goes on without exchange, a pointwise op keeps the margin, a question about the tensor
-    (``kind`` "keep": its global shape, dtype, printing) is answered by ``rule``; anything
-    else is ``redo(func, args, kwargs)``ne on the cropped pieces."""
-    if kind == "keep":
-        return rule(call)
-    if kind == "conv":
-        out = _go_on(call)
-    elif kind in ("pointwise", "channelwise"):
-        out = _pointwise(call, kind == "channelwise")
-    elif kind == "batch_norm":
-        out = _batch_norm(call)
-    else:
-        out = None
-    if out is not None:
-        return out
-    args, kwargs = map_args(lambda a: crop(a) if isinstance(a, SplitTensor) and
-                            type(a._hp) is MarginLayout else a, call.args, call.kwargs)
-    return redo(call.func, args, kwargs)
+def _kept(form):
+    """``form(call)`` as the layout's form: its result, or (None) the op on cropped pieces."""
+    def run(call: Call, redo):
+        out = form(call)
+        return out if out is not None else call.layout.no_form(None, call, redo)
+    return run
 
 
-set_crop(lambda t: crop(t, learn=False))   # unwrap()/local(): a look at the piece, not a run's end
+MarginLayout.forms.update({sops.conv3d: _kept(_go_on), rules.pointwise: _kept(_pointwise),
+                           rules.channelwise: _kept(partial(_pointwise, channelwise=True)),
+                           sops.batch_norm: _kept(_batch_norm)})
+#: the split volume's convolution: the first of a run where fused halos are on
+Layout.forms[sops.conv3d] = lambda call, redo: sops.conv3d(
+    call, start if call.ctx.fuse_halos > 1 else None)

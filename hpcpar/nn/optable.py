@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from . import rules as d
 from . import spatial_ops as s
 
-__all__ = ["rule_for", "kind_of", "table", "entries", "REPLICATED_RULES"]
+__all__ = ["rule_for", "kind_of", "table", "entries", "AS_IS", "METADATA", "REPLICATED_RULES"]
 
 _T, _TORCH = torch.Tensor, torch
 
@@ -130,6 +130,13 @@ _KIND: dict = {}
 for _kind, _rule, _obj in _ENTRIES:
     _RULES.setdefault(_obj, _rule)
     _KIND.setdefault(_obj, _kind)
+
+#: Rules that only read a split tensor's global shape or look at its piece: a volume shorter
+#: than its ranks (``Layout.shrunk``) is not gathered for them.
+METADATA = frozenset((d.global_size, d.global_numel, d.global_len, d.attribute, d.as_plain))
+#: Rules that take a split tensor of any layout as they are: those, a tensor made like it, and
+#: refusals (:meth:`hpcpar.nn.split.Layout.no_form`).
+AS_IS = METADATA | {d.like_factory, d.refuse_local_values, d.refuse_random}
 
 #: Calls with no split argument that still need care under a spatialized forward.
 REPLICATED_RULES = {getattr(F, n): s.replicated_dropout for n in ("dropout", "dropout2d",

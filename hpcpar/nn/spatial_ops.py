@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from hpcpar.parallel.partition import box, xyz
 from hpcpar.parallel.primitives import ReplicatedSum
 
-from . import fused_halo, global_norm, padding, resample
+from . import global_norm, padding, resample
 from ._base import triple
 from .conv import SpatialConv3d, SpatialConvTranspose3d
 from .dropout import spatial_dropout
@@ -71,8 +71,16 @@ def _run_twin(call: Call, twin, x, *params):
 
 
 # -- convolutions ----------------------------------------------------------------------------
-def conv3d(call: Call):
-    b = call.bind(*fused_halo.CONV_ARGS)
+#: ``F.conv3d``'s arguments by name, with the defaults of the trailing ones.
+CONV_ARGS = (("input", "weight", "bias", "stride", "padding", "dilation", "groups"),
+             (None, 1, 0, 1, 1))
+
+
+def conv3d(call: Call, start=None):
+    """``F.conv3d``. ``start(call, bound_args, weight, bias)``, given, may take the call
+    where the layer has no route of its own around the exchange (a fused run's first
+    convolution, :mod:`hpcpar.nn.fused_halo`); it returns None where it declines."""
+    b = call.bind(*CONV_ARGS)
     w, bias = call.replicated(b["weight"]), call.replicated(b["bias"])
     key = ("conv3d", w.shape, *(_hashable(b[k]) for k in ("stride", "padding", "dilation")),
            b["groups"], bias is not None)
@@ -87,10 +95,10 @@ def conv3d(call: Call):
     # the first of a run of convolutions sharing one exchange? Not where the layer takes its
     # boundary path, which already hides the faces behind the interior's compute (UNet3D's
     # demo, batch 4 on 1x2x1x1: 0.74x fused through the general path)
-    if call.ctx.fuse_halos > 1 and not (
+    if start is not None and not (
             std and twin.whole_route(raw(b["input"]), xyz(lay.gshape)) is not None) and \
             not _boundary_path(twin, b["input"]):
-        out = fused_halo.start(call, b, w, bias)
+        out = start(call, b, w, bias)
         if out is not None:
             return out
     return _run_twin(call, twin, b["input"], w, bias)

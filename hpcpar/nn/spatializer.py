@@ -43,8 +43,8 @@ from .checkpointing import install_user_checkpoint_replay, remove_user_checkpoin
 from .custom_functions import refuse_custom_functions
 from .dispatch import SpatialMode, mode_call
 from .error_notice import notices_for
-from .fused_halo import MarginLayout, crop, settle_runs
 from .fused_halo import check_setting as check_fuse
+from .fused_halo import settle_runs
 from .split import Layout, SplitContext, SplitTensor, unwrap, wrap
 
 __all__ = ["spatialize", "settle"]
@@ -211,9 +211,9 @@ def _layer_enter(module, args, kwargs):
 
 
 def _end_run(t):
-    """A fused run's margin tensor cropped where the run ends (learned from: a layer of
-    hpcpar's own takes the piece)."""
-    return crop(t) if isinstance(t, SplitTensor) and type(t._hp) is MarginLayout else t
+    """A split tensor as this rank's own piece where it leaves the model or enters a layer of
+    hpcpar's own (:meth:`~hpcpar.nn.split.Layout.own`: a fused run ends there)."""
+    return t._hp.own(t, end=True) if isinstance(t, SplitTensor) else t
 
 
 def _layer_leave(module, args, kwargs, output):

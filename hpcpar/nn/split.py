@@ -16,7 +16,7 @@ import functools
 import os
 import traceback
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -60,6 +60,29 @@ class Layout:
     sdims: tuple[int, ...]   # positions of the x, y, z axes in the tensor (FlatLayout: one)
     gshape: tuple[int, ...]  # their global lengths
 
+    #: This layout type's forms of the op table's rules (:mod:`hpcpar.nn.optable`), registered
+    #: beside its own code: rule -> ``form(call, redo)``, ``redo(func, args, kwargs)`` the
+    #: dispatch again. A rule with none (and not in ``optable.AS_IS``) goes to :meth:`no_form`.
+    forms: ClassVar[dict] = {}
+    #: ``(why, todo)`` of the one-line refusal of a rule with no form here, and of a call that
+    #: mixes this layout with another; None: the op table's rule itself runs.
+    refusal: ClassVar[tuple[str, str] | None] = None
+    mixed: ClassVar[tuple[str, str] | None] = None
+
+    def no_form(self, rule, call, redo):
+        """``call`` (its split operands of this layout, or of this and others) by a ``rule``
+        that has no form registered for this layout."""
+        if self.refusal is None:
+            return rule(call)
+        alike = all(type(t._hp) is type(self) for t in call.splits)
+        raise call.refuse(*(self.refusal if alike or self.mixed is None else self.mixed))
+
+    def own(self, t: SplitTensor, end: bool = False) -> SplitTensor:
+        """``t`` (of this layout) holding only this rank's own piece: ``t`` itself, unless its
+        layout holds more (a fused run's margin, :mod:`hpcpar.nn.fused_halo`, is cropped;
+        ``end``: the value leaves the run there, not just a look at the piece)."""
+        return t
+
     def with_(self, sdims=None, gshape=None) -> Layout:
         """This layout with other split dims or global lengths (itself when they are equal:
         most ops keep both, and a layout is made per op)."""
@@ -97,6 +120,11 @@ class FlatLayout(Layout):
     elementwise ops, dropout and ``F.linear`` take it (:mod:`hpcpar.nn.split_head`)."""
 
     volume: tuple[int, int, int, int] = (0, 0, 0, 0)   # the global (C, D, H, W)
+    forms: ClassVar[dict] = {}
+    refusal = ("has no form on a flattened split tensor (only elementwise ops, dropout and "
+               "F.linear take it)", "apply the nn.Linear right after the flatten, or reduce "
+               "the spatial dims before flattening")
+    mixed = ("combines a flattened split tensor with an unflattened one", "flatten both alike")
 
     def box(self) -> tuple[tuple[int, int], ...]:
         """This rank's ``(start, stop)`` on each spatial axis of :attr:`volume`."""
@@ -109,6 +137,12 @@ class TokenLayout(Layout):
     ``gshape`` its global length; ``volume`` the global ``(D, H, W)``."""
 
     volume: tuple[int, int, int] = (0, 0, 0)
+    forms: ClassVar[dict] = {}
+    refusal = ("has no form on a tensor whose split dims are merged (elementwise ops, "
+               "reductions, softmax and a view back to the volume take it)", "reduce over the "
+               "merged dim, or keep the volume's (N, C, D, H, W) shape")
+    mixed = ("combines a tensor whose split dims are merged with one whose are not",
+             "view both alike")
 
     def box(self) -> tuple[tuple[int, int], ...]:
         """This rank's ``(start, stop)`` on each spatial axis of :attr:`volume`."""
@@ -161,17 +195,6 @@ def _unset(func, args, kwargs):
 _HANDLE = _unset
 
 
-def set_crop(crop) -> None:
-    """How :func:`unwrap` makes a fused run's margin tensor this rank's piece:
-    :func:`hpcpar.nn.fused_halo.crop`, set when that module is imported (it imports this one,
-    and it made every such tensor)."""
-    global _CROP
-    _CROP = crop
-
-
-_CROP: Any = None
-
-
 def wrap(t: torch.Tensor, layout: Layout) -> SplitTensor:
     """``t`` (a plain local piece) as a split tensor with ``layout`` (autograd-transparent)."""
     with torch._C.DisableTorchFunction():
@@ -201,11 +224,10 @@ def raw(t):
 
 
 def unwrap(t):
-    """The plain tensor under a split tensor (anything else unchanged); a tensor holding a
-    fused run's margin (:mod:`hpcpar.nn.fused_halo`) is cropped to this rank's piece first."""
+    """The plain tensor under a split tensor, this rank's own piece (:meth:`Layout.own`);
+    anything else unchanged."""
     if isinstance(t, SplitTensor):
-        if hasattr(t._hp, "reach"):
-            t = _CROP(t)
+        t = t._hp.own(t)
         with torch._C.DisableTorchFunction():
             return t.as_subclass(torch.Tensor)
     return t
@@ -235,10 +257,7 @@ def whole(t: torch.Tensor, root: int = 0) -> torch.Tensor | None:
     """
     if not isinstance(t, SplitTensor):
         return t
-    split: SplitTensor = t
-    if hasattr(split._hp, "reach"):   # a fused run's margin: this rank's own voxels only
-        assert _CROP is not None  # set by hpcpar.nn.fused_halo, which made the margin
-        split = _CROP(split)
+    split = t._hp.own(t)
     lay = split._hp
     if type(lay) is not Layout:
         raise LayerError(f"whole: the tensor's split dims are merged ({type(lay).__name__}): "

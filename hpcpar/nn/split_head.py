@@ -53,9 +53,10 @@ from . import rules, spill
 from . import spatial_ops as sops
 from .dropout import spatial_dropout
 from .head_grad import COLUMNS_ATTR, CutWeight
+from .optable import AS_IS
 from .split import FlatLayout, SplitTensor, adopt, raw
 
-__all__ = ["ColumnSplit", "column_split", "flat_rule", "gathered_to", "has_flat_form"]
+__all__ = ["ColumnSplit", "column_split", "gathered_to", "has_flat_form"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -256,7 +257,7 @@ def _cut(weight, lay: FlatLayout, call):
 
 
 # -- the rules ------------------------------------------------------------------------------------
-def _linear(call):
+def _linear(call, redo=None):
     if call.name != "linear":
         raise call.refuse("is a matrix product over a flattened split tensor", "use "
                           "F.linear or nn.Linear, which take its features split")
@@ -283,7 +284,7 @@ def _linear(call):
     return y
 
 
-def _pointwise(call):
+def _pointwise(call, redo=None):
     """Elementwise among tensors of this one flattened layout and scalars."""
     lay = call.layout
     flat = rules.leaves(call.args, call.kwargs)
@@ -298,7 +299,7 @@ def _pointwise(call):
     return rules.wrap_like(out, lay, 2, flat)
 
 
-def _dropout(call):
+def _dropout(call, redo=None):
     """Element dropout with the split-independent masks of the volume it was flattened from."""
     if call.name != "dropout":
         raise call.refuse("drops features of a flattened split tensor by channel",
@@ -318,7 +319,7 @@ def _dropout(call):
     return adopt(out, lay)
 
 
-def _reduction(call):
+def _reduction(call, redo=None):
     """A sum or mean over the features (dim 1, or every dim): the global one, replicated
     (each rank's partial sum, allreduced; backward: each rank's own features get the
     gradient, as after a global pool). A critic's ``flatten(1)`` then ``mean(1)``."""
@@ -338,7 +339,7 @@ def _reduction(call):
     return total / count
 
 
-def _same_shape(call):
+def _same_shape(call, redo=None):
     """A view or reshape to the shape the flattened tensor already has: itself, as torch
     gives it (torch's own module backward hooks ``view_as`` a module's output to itself)."""
     out = rules.same_shape_view(call, *rules.reshape_target(call))
@@ -348,39 +349,12 @@ def _same_shape(call):
     return out
 
 
-_AS_IS = {rules.global_size, rules.global_numel, rules.global_len, rules.attribute,
-          rules.as_plain, rules.like_factory, rules.refuse_local_values, rules.refuse_random}
-_RULES = {rules.pointwise: _pointwise, rules.linear: _linear, sops.dropout: _dropout,
-          sops.reduction: _reduction, rules.reshape: _same_shape}
+FlatLayout.forms.update({rules.pointwise: _pointwise, rules.linear: _linear,
+                         sops.dropout: _dropout, sops.reduction: _reduction,
+                         rules.reshape: _same_shape})
 
 
 def has_flat_form(rule: Any) -> bool:
     """Whether calls by the op table's ``rule`` run on a flattened split tensor (beyond
     F.linear, which takes it as the head's input, never as its weight)."""
-    return rule in _AS_IS or (rule in _RULES and rule is not rules.linear)
-
-
-def flat_rule(rule: Any, call: Any) -> Any:
-    """Run a call on a flattened split tensor by the flattened form of its rule.
-
-    Args:
-        rule: The op table's rule for the call's function (:mod:`hpcpar.nn.optable`).
-        call: The call (:class:`hpcpar.nn.rules.Call`), one of its split arguments flattened.
-
-    Returns:
-        The call's result.
-
-    Raises:
-        LayerError: The op has no flattened form (module docstring), in one line.
-    """
-    if any(type(t._hp) is not FlatLayout for t in call.splits):
-        raise call.refuse("combines a flattened split tensor with an unflattened one",
-                          "flatten both alike")
-    if rule in _AS_IS:
-        return rule(call)
-    mine = _RULES.get(rule)
-    if mine is None:
-        raise call.refuse("has no form on a flattened split tensor (only elementwise ops, "
-                          "dropout and F.linear take it)", "apply the nn.Linear right after "
-                          "the flatten, or reduce the spatial dims before flattening")
-    return mine(call)
+    return rule in AS_IS or (rule in FlatLayout.forms and rule is not rules.linear)

@@ -30,7 +30,7 @@ from . import spatial_ops as sops
 from .rules import Call, leaves, map_args
 from .split import Layout, SplitTensor, TokenLayout, adopt, raw
 
-__all__ = ["token_rule"]
+__all__: list[str] = []   # registers the forms of TokenLayout
 
 
 def _volume(t) -> SplitTensor:
@@ -128,6 +128,8 @@ def _softmax(call: Call, run: Callable) -> Any:
     x = call.splits[0]
     lay: TokenLayout = x._hp
     p, n = lay.sdims[0], x.dim()
+    if call.name.rstrip("_") not in ("softmax", "log_softmax"):   # the other dim-wise ops
+        return lay.no_form(rules.dim_local, call, run)
     dim = call.bind(("input", "dim"), (None,)).get("dim")
     if dim is None or rules._norm_dim(dim, n) != p:   # None: the volume's rule refuses it
         args, kwargs = (call.args, call.kwargs) if dim is None else \
@@ -178,37 +180,7 @@ def _reshape(call: Call, run: Callable) -> Any:
                       "volume", "reduce over the merged dim, or view it back as (N, C, D, H, W)")
 
 
-_AS_IS = {rules.global_size, rules.global_numel, rules.global_len, rules.attribute,
-          rules.as_plain, rules.like_factory, rules.refuse_local_values, rules.refuse_random}
-_RULES = {rules.pointwise: _on_volume, sops.dropout: _on_volume, sops.noise: _on_volume,
-          sops.loss: _on_volume, sops.reduction: _reduction, rules.dim_local: _softmax,
-          rules.reshape: _reshape}
-
-
-def token_rule(rule: Any, call: Call, run: Callable) -> Any:
-    """Run a call on a token tensor by the rule of the volume it views.
-
-    Args:
-        rule: The op table's rule for the call's function.
-        call: The call, one of its split arguments a token tensor.
-        run: ``run(func, args, kwargs)``: the dispatch, for the op on the volume.
-
-    Returns:
-        The call's result.
-
-    Raises:
-        LayerError: The op has no form on a token tensor, in one line.
-    """
-    if any(type(t._hp) is not TokenLayout for t in call.splits):
-        raise call.refuse("combines a tensor whose split dims are merged with one whose are "
-                          "not", "view both alike")
-    if rule in _AS_IS:
-        return rule(call)
-    mine = _RULES.get(rule)
-    if mine is None or (rule is rules.dim_local and call.name.rstrip("_") not in
-                        ("softmax", "log_softmax")):
-        raise call.refuse("has no form on a tensor whose split dims are merged (elementwise "
-                          "ops, reductions, softmax and a view back to the volume take it)",
-                          "reduce over the merged dim, or keep the volume's (N, C, D, H, W) "
-                          "shape")
-    return mine(call, run)
+TokenLayout.forms.update({rules.pointwise: _on_volume, sops.dropout: _on_volume,
+                          sops.noise: _on_volume, sops.loss: _on_volume,
+                          sops.reduction: _reduction, rules.dim_local: _softmax,
+                          rules.reshape: _reshape})
