@@ -145,11 +145,10 @@ class TrainSection(Section):
                             "loss/gradient: stop the run (exit 4) or skip the step")
     grad_sync: str = key("mpi", choices=("mpi", "nccl"),
                          help="who reduces gradient buckets: MPI, or NCCL (CUDA models)")
-    halo_transport: str = key(
-        "auto", choices=("auto", "mpi", "nccl", "gloo", "staged"), help="who moves halo faces "
-        "and spatial collectives: auto (CUDA: CUDA-aware mpi, else staged; CPU: mpi), mpi, "
-        "nccl (CUDA), gloo (CPU), staged (CUDA through host memory); meta.json records the "
-        "one used")
+    halo_transport: str = key("auto", choices=("auto", "mpi", "nccl", "gloo", "staged"), help=(
+        "who moves halo faces and spatial collectives: auto (CUDA: CUDA-aware mpi, else staged; "
+        "CPU: mpi), mpi, nccl (CUDA), gloo (CPU), staged (CUDA through host memory); meta.json "
+        "records the one used"))
     check_replicas_every: int = key(100, min=0, help="compare every replicated parameter's "
                                     "checksum across ranks every N steps (0: never)")
     accumulate: int = key(1, min=1, help="micro-batches (each of global_batch samples) per "
@@ -185,9 +184,8 @@ class CheckpointSection(Section):
     every: int = key(0, min=0, help="checkpoint every N steps (0: only at end/signal)")
     keep: int = key(3, min=1, help="keep the newest K checkpoints")
     at_end: bool = key(True, help="checkpoint after the last step")
-    background: bool = key(True, help="copy the state to memory at the step boundary and "
-                           "write it in a background thread (false: training waits for the "
-                           "write)")
+    background: bool = key(True, help="copy the state to memory at the step boundary and write "
+                           "it in a background thread (false: training waits for the write)")
 
 
 class ResourcesSection(Section):
