@@ -18,9 +18,10 @@ import os
 import re
 import tomllib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from types import NoneType, UnionType
+from typing import Any, dataclass_transform, get_args, get_origin, get_type_hints
 
 from hpcpar.errors import ConfigError, HpcparError
 from hpcpar.formats.kinds import REQUIRED, SEED_MAX, Param, get_workload
@@ -35,10 +36,6 @@ TIME_RE = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$|^\d+$")
 NAME_RE = re.compile(r"^[^/\0.\-][^/\0]{0,199}$")
 
 
-def _p(t, default=REQUIRED, **kw) -> Param:
-    return Param(t, default, **kw)
-
-
 #: keys renamed: section -> {old name: new name}; a job giving the old name is still read
 #: (with a note saying so), the job as run (job.json) holds the new one
 RENAMED: dict[str, dict[str, str]] = {
@@ -46,115 +43,177 @@ RENAMED: dict[str, dict[str, str]] = {
 }
 
 
-# Fixed sections; [model] and [data] add the workload's keys.
-SCHEMA: dict[str, dict[str, Param]] = {
-    "job": {
-        "name": _p(str, "job", help="run name; run dirs default to runs/<name>"),
-        "description": _p(str, "", help="free text", compare=False),
-    },
-    "grid": {a: _p(int, -1 if a == "data" else 1, min=-1, compare=False,
-                   help="ranks along this axis (-1: inferred from the rank count)")
-             for a in AXES},
-    "model": {"kind": _p(str, help="cosmoflow, unet3d, gcn, sage, gat, an installed package's kind "
-                                   "(entry point group hpcpar.workloads), or "
-                                   "'package.module:Workload'"),
-              "check": _p(bool, True, help="spatialized models: compare the first step with "
-                                           "the plain model on one rank (hpcpar.nn.check)"),
-              "fuse_halos": _p(int, 1, min=1, help="spatialized models: up to N stride-1 "
-                               "convolutions in a row share one halo exchange, recomputing "
-                               "the overlap (hpcpar.nn.fused_halo; 1: off)")},
-    "data": {},
-    "train": {
-        "steps": _p(int, None, min=1, help="optimizer steps (give steps or epochs)"),
-        "epochs": _p(int, None, min=1, help="passes over the training data"),
-        "global_batch": _p(int, 1, min=1, compare=False,
-                           help="samples per step over all data-parallel ranks"),
-        "optimizer": _p(str, "adam", choices=("sgd", "adam", "adamw")),
-        "lr": _p(float, 1e-3, min=0.0, help="peak learning rate"),
-        "momentum": _p(float, 0.9, min=0.0, max=1.0, help="sgd only"),
-        "weight_decay": _p(float, 0.0, min=0.0),
-        "beta1": _p(float, 0.9, min=0.0, max=1.0, help="adam/adamw"),
-        "beta2": _p(float, 0.999, min=0.0, max=1.0, help="adam/adamw"),
-        "lr_schedule": _p(str, "constant", choices=("constant", "cosine", "step", "warmup"),
-                          help="after warmup_steps of linear warmup ('warmup' = constant)"),
-        "warmup_steps": _p(int, 0, min=0),
-        "lr_step_every": _p(int, 1000, min=1, help="step schedule: decay period in steps"),
-        "lr_gamma": _p(float, 0.1, min=0.0, max=1.0, help="step schedule: decay factor"),
-        "min_lr": _p(float, 0.0, min=0.0, help="cosine schedule floor"),
-        "seed": _p(int, 0, min=0, max=SEED_MAX),
-        "precision": _p(str, "fp32", choices=("fp32", "bf16", "fp16"),
-                        help="bf16/fp16 = autocast; fp16 adds dynamic loss scaling"),
-        "channels_last": _p(bool, True, help="volume models: channels_last_3d inputs "
-                            "(oneDNN's native order: the demo jobs' steps 1.4-2.6x faster)"),
-        "val_every": _p(int, 0, min=0, help="validate every N steps (0: only at the end)"),
-        "log_every": _p(int, 10, min=1, compare=False, help="rank-0 log line every N steps"),
-        "on_nonfinite": _p(str, "stop", choices=("stop", "skip"),
-                           help="non-finite loss/gradient: stop the run (exit 4) or skip the step"),
-        "grad_sync": _p(str, "mpi", choices=("mpi", "nccl"),
-                        help="who reduces gradient buckets: MPI, or NCCL (CUDA models)"),
-        "halo_transport": _p(str, "auto", choices=("auto", "mpi", "nccl", "gloo", "staged"),
-                             help="who moves halo faces and spatial collectives: auto (CUDA: "
-                             "CUDA-aware mpi, else staged; CPU: mpi), mpi, nccl "
-                             "(CUDA), gloo (CPU), staged (CUDA through host memory); "
-                             "meta.json records the one used"),
-        "check_replicas_every": _p(int, 100, min=0, help="compare every replicated "
-                                   "parameter's checksum across ranks every N steps (0: never)"),
-        "accumulate": _p(int, 1, min=1, help="micro-batches (each of global_batch samples) "
-                         "per optimizer step; the gradient sync runs on the last only"),
-        "clip_grad_norm": _p(float, 0.0, min=0.0, help="clip the global gradient 2-norm (of "
-                             "the single-process model) to this value after the sync (0: off)"),
-        "shard_optimizer": _p(bool, False, help="split the optimizer state and the reduced "
-                              "gradients over the ranks that replicate each parameter "
-                              "(ZeRO-1/2 style; exact, checkpoints unchanged)"),
-        "activation_checkpointing": _p((bool, int, str), False, help="recompute activations "
-                                       "in backward: N segments per chain (nn.Sequential), "
-                                       "\"auto\" or false; reuses the forward's halo faces"),
-        "init_from": _p(str, None, path=True, help="a new run starts from these weights: a "
-                        "torch.save'd state_dict of the plain single-process model (loaded "
-                        "weights_only)"),
-        "init_strict": _p(bool, True, help="init_from: every key must match (false: load the "
-                          "matching keys, warn about the others)"),
-    },
-    "ddp": {
-        "bucket_cap_mb": _p(float, 25.0, min=0.0),
-        "first_bucket_mb": _p(float, 1.0, min=0.0),
-        "hierarchical": _p((str, bool), "auto", choices=("auto", True, False)),
-        "compression": _p(str, "none", choices=("none", "fp16", "bf16")),
-    },
-    "checkpoint": {
-        "every": _p(int, 0, min=0, help="checkpoint every N steps (0: only at end/signal)"),
-        "keep": _p(int, 3, min=1, help="keep the newest K checkpoints"),
-        "at_end": _p(bool, True, help="checkpoint after the last step"),
-        "background": _p(bool, True, help="copy the state to memory at the step boundary "
-                         "and write it in a background thread (false: training waits for the "
-                         "write)"),
-    },
-    "resources": {
-        "nodes": _p(int, 1, compare=False, min=1),
-        "tasks_per_node": _p(int, None, compare=False, min=1, help="default: ranks / nodes"),
-        "gpus_per_node": _p(int, 0, compare=False, min=0),
-        "cpus_per_task": _p(int, 1, compare=False, min=1),
-        "time": _p(str, None, compare=False, help="Slurm time limit, e.g. 01:30:00"),
-        "partition": _p(str, None, compare=False),
-        "account": _p(str, None, compare=False),
-        "qos": _p(str, None, compare=False),
-        "constraint": _p(str, None, compare=False),
-    },
-    "output": {
-        "dir": _p(str, None, path=True, compare=False,
-                  help="run directory (else runs/<name>)"),
-        "tensorboard": _p(bool, False, help="TensorBoard event files in RUN/tensorboard "
-                                            "(rank 0; pip install 'hpcpar[tensorboard]')"),
-        "callbacks": _p(list, [], help="'package.module:factory' names; factory(job) -> "
-                                       "hpcpar.run.callbacks.Callback, on every rank"),
-    },
-    "profile": {
-        "steps": _p(str, None, help="torch.profiler window, e.g. '20-24' (1-based steps): "
-                                    "one Chrome trace per rank in RUN/profile"),
-        "record_shapes": _p(bool, False, help="record operator input shapes"),
-        "memory": _p(bool, False, help="profile memory allocations"),
-    },
-}
+def key(default: Any = REQUIRED, **kw: Any) -> Any:
+    """A job key, a field of its :class:`Section`: the :class:`Param` arguments but the type,
+    which the field's annotation gives (``int | None``: an int, None only as the default)."""
+    return field(metadata={"default": default, **kw})
+
+
+def _param_type(hint: Any) -> type | tuple:
+    parts = get_args(hint) if isinstance(hint, UnionType) else (hint,)
+    types = tuple(get_origin(t) or t for t in parts if t is not NoneType)
+    return types[0] if len(types) == 1 else types
+
+
+@dataclass_transform(frozen_default=True)
+@dataclass(frozen=True, repr=False)
+class Section:
+    """One validated section of a job, frozen: a run reads its job, never writes it.
+
+    Each subclass is a frozen dataclass (``TrainSection`` is ``[train]``, a field of
+    :class:`JobSpec`) declaring the section's keys as typed fields made by :func:`key`, from
+    which :data:`SCHEMA` follows. ``params`` holds the keys the workload of ``[model] kind``
+    adds (its ``model_params``, ``data_params``, ``train_params``).
+    """
+
+    params: dict[str, Any] = field(default_factory=dict, kw_only=True)
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        dataclass(frozen=True, repr=False)(cls)
+
+    @classmethod
+    def schema(cls) -> dict[str, Param]:
+        """Key -> :class:`Param`, in field order."""
+        hints = get_type_hints(cls)
+        return {f.name: Param(_param_type(hints[f.name]), **f.metadata)
+                for f in fields(cls) if f.metadata}
+
+    def as_dict(self) -> dict:
+        """Every key of the section, the kind-specific ones included."""
+        return {**{f.name: getattr(self, f.name) for f in fields(self) if f.metadata},
+                **self.params}
+
+    def __repr__(self) -> str:
+        return f"[{type(self).__name__.removesuffix('Section').lower()}] {self.as_dict()}"
+
+
+class JobSection(Section):
+    name: str = key("job", help="run name; run dirs default to runs/<name>")
+    description: str = key("", help="free text", compare=False)
+
+
+_AXIS = "ranks along this axis (-1: inferred from the rank count)"
+
+
+class GridSection(Section):  # the axes of hpcpar.parallel.grid.AXES
+    data: int = key(-1, min=-1, compare=False, help=_AXIS)
+    x: int = key(1, min=-1, compare=False, help=_AXIS)
+    y: int = key(1, min=-1, compare=False, help=_AXIS)
+    z: int = key(1, min=-1, compare=False, help=_AXIS)
+
+
+class ModelSection(Section):
+    kind: str = key(help="cosmoflow, unet3d, gcn, sage, gat, an installed package's kind "
+                         "(entry point group hpcpar.workloads), or 'package.module:Workload'")
+    check: bool = key(True, help="spatialized models: compare the first step with the plain "
+                                 "model on one rank (hpcpar.nn.check)")
+    fuse_halos: int = key(1, min=1, help="spatialized models: up to N stride-1 convolutions in "
+                          "a row share one halo exchange, recomputing the overlap "
+                          "(hpcpar.nn.fused_halo; 1: off)")
+
+
+class DataSection(Section):
+    """``[data]``: every key is the workload's (``params``)."""
+
+
+class TrainSection(Section):
+    steps: int | None = key(None, min=1, help="optimizer steps (give steps or epochs)")
+    epochs: int | None = key(None, min=1, help="passes over the training data")
+    global_batch: int = key(1, min=1, compare=False,
+                            help="samples per step over all data-parallel ranks")
+    optimizer: str = key("adam", choices=("sgd", "adam", "adamw"))
+    lr: float = key(1e-3, min=0.0, help="peak learning rate")
+    momentum: float = key(0.9, min=0.0, max=1.0, help="sgd only")
+    weight_decay: float = key(0.0, min=0.0)
+    beta1: float = key(0.9, min=0.0, max=1.0, help="adam/adamw")
+    beta2: float = key(0.999, min=0.0, max=1.0, help="adam/adamw")
+    lr_schedule: str = key("constant", choices=("constant", "cosine", "step", "warmup"),
+                           help="after warmup_steps of linear warmup ('warmup' = constant)")
+    warmup_steps: int = key(0, min=0)
+    lr_step_every: int = key(1000, min=1, help="step schedule: decay period in steps")
+    lr_gamma: float = key(0.1, min=0.0, max=1.0, help="step schedule: decay factor")
+    min_lr: float = key(0.0, min=0.0, help="cosine schedule floor")
+    seed: int = key(0, min=0, max=SEED_MAX)
+    precision: str = key("fp32", choices=("fp32", "bf16", "fp16"),
+                         help="bf16/fp16 = autocast; fp16 adds dynamic loss scaling")
+    channels_last: bool = key(True, help="volume models: channels_last_3d inputs (oneDNN's "
+                              "native order: the demo jobs' steps 1.4-2.6x faster)")
+    val_every: int = key(0, min=0, help="validate every N steps (0: only at the end)")
+    log_every: int = key(10, min=1, compare=False, help="rank-0 log line every N steps")
+    on_nonfinite: str = key("stop", choices=("stop", "skip"), help="non-finite "
+                            "loss/gradient: stop the run (exit 4) or skip the step")
+    grad_sync: str = key("mpi", choices=("mpi", "nccl"),
+                         help="who reduces gradient buckets: MPI, or NCCL (CUDA models)")
+    halo_transport: str = key("auto", choices=("auto", "mpi", "nccl", "gloo", "staged"), help=(
+        "who moves halo faces and spatial collectives: auto (CUDA: CUDA-aware mpi, else staged; "
+        "CPU: mpi), mpi, nccl (CUDA), gloo (CPU), staged (CUDA through host memory); meta.json "
+        "records the one used"))
+    check_replicas_every: int = key(100, min=0, help="compare every replicated parameter's "
+                                    "checksum across ranks every N steps (0: never)")
+    accumulate: int = key(1, min=1, help="micro-batches (each of global_batch samples) per "
+                          "optimizer step; the gradient sync runs on the last only")
+    clip_grad_norm: float = key(0.0, min=0.0, help="clip the global gradient 2-norm (of the "
+                                "single-process model) to this value after the sync (0: off)")
+    shard_optimizer: bool = key(False, help="split the optimizer state and the reduced "
+                                "gradients over the ranks that replicate each parameter "
+                                "(ZeRO-1/2 style; exact, checkpoints unchanged)")
+    activation_checkpointing: bool | int | str = key(
+        False, help="recompute activations in backward: N segments per chain (nn.Sequential), "
+        "\"auto\" or false; reuses the forward's halo faces")
+    init_from: str | None = key(None, path=True, help="a new run starts from these weights: a "
+                                "torch.save'd state_dict of the plain single-process model "
+                                "(loaded weights_only)")
+    init_strict: bool = key(True, help="init_from: every key must match (false: load the "
+                            "matching keys, warn about the others)")
+
+
+class DdpSection(Section):
+    bucket_cap_mb: float = key(25.0, min=0.0)
+    first_bucket_mb: float = key(1.0, min=0.0)
+    hierarchical: str | bool = key("auto", choices=("auto", True, False))
+    compression: str = key("none", choices=("none", "fp16", "bf16"))
+
+    def as_kwargs(self) -> dict:
+        """DistributedDataParallel keyword arguments."""
+        return {**self.as_dict(), "compression": None if self.compression == "none"
+                else self.compression}
+
+
+class CheckpointSection(Section):
+    every: int = key(0, min=0, help="checkpoint every N steps (0: only at end/signal)")
+    keep: int = key(3, min=1, help="keep the newest K checkpoints")
+    at_end: bool = key(True, help="checkpoint after the last step")
+    background: bool = key(True, help="copy the state to memory at the step boundary and write "
+                           "it in a background thread (false: training waits for the write)")
+
+
+class ResourcesSection(Section):
+    nodes: int = key(1, compare=False, min=1)
+    tasks_per_node: int | None = key(None, compare=False, min=1, help="default: ranks / nodes")
+    gpus_per_node: int = key(0, compare=False, min=0)
+    cpus_per_task: int = key(1, compare=False, min=1)
+    time: str | None = key(None, compare=False, help="Slurm time limit, e.g. 01:30:00")
+    partition: str | None = key(None, compare=False)
+    account: str | None = key(None, compare=False)
+    qos: str | None = key(None, compare=False)
+    constraint: str | None = key(None, compare=False)
+
+
+class OutputSection(Section):
+    dir: str | None = key(None, path=True, compare=False, help="run directory (else runs/<name>)")
+    tensorboard: bool = key(False, help="TensorBoard event files in RUN/tensorboard (rank 0; "
+                            "pip install 'hpcpar[tensorboard]')")
+    callbacks: list[str] = key([], help="'package.module:factory' names; factory(job) -> "
+                               "hpcpar.run.callbacks.Callback, on every rank")
+
+
+class ProfileSection(Section):
+    steps: str | None = key(None, help="torch.profiler window, e.g. '20-24' (1-based steps): "
+                            "one Chrome trace per rank in RUN/profile")
+    record_shapes: bool = key(False, help="record operator input shapes")
+    memory: bool = key(False, help="profile memory allocations")
+
 
 #: every integer of a job must fit the int64 the ranks compute with
 INT_LIMIT = 2**63 - 1
@@ -186,78 +245,47 @@ TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true
               list: "a list", dict: "a table"}
 
 
-class Section:
-    """Attribute access to one validated section; ``params`` holds the kind-specific keys.
-
-    Args:
-        name: The section's name (``"train"``).
-        values: The section's validated keys, exposed as attributes.
-        params: The kind-specific keys (``[model]`` and ``[data]``).
-    """
-
-    def __init__(self, name: str, values: dict, params: dict | None = None):
-        self._name = name
-        self.__dict__.update(values)
-        self.params = dict(params or {})
-
-    if TYPE_CHECKING:  # the section's keys are set as attributes: tell the type checker
-        def __getattr__(self, name: str) -> Any: ...
-
-    def as_dict(self) -> dict:
-        """Every key of the section, the kind-specific ones included."""
-        out = {k: v for k, v in self.__dict__.items() if not k.startswith("_") and k != "params"}
-        out.update(self.params)
-        return out
-
-    def as_kwargs(self) -> dict:
-        """[ddp] as DistributedDataParallel keyword arguments."""
-        d = self.as_dict()
-        if d.get("compression") == "none":
-            d["compression"] = None
-        return d
-
-    def __repr__(self) -> str:
-        return f"[{self._name}] {self.as_dict()}"
-
-
-@dataclass
+@dataclass(frozen=True)
 class JobSpec:
-    """A validated job: sections as attributes (``job.train.lr``, ``job.model.params``).
+    """A validated job, frozen: sections as typed attributes (``job.train.lr``,
+    ``job.model.params``); a field per section, in the order ``job.json`` lists them.
 
     Made by [load_job][hpcpar.formats.jobspec.load_job] or
     [build_job][hpcpar.formats.jobspec.build_job].
 
     Attributes:
         source: Where the job came from (the file path), for messages.
-        sections: Section name -> validated section.
         notes: One line per value the job changed to make a run of it work (a
             ``warmup_steps`` above ``steps`` clamped to it), for the CLI to print.
     """
 
     source: str
-    sections: dict[str, Section] = field(default_factory=dict)
+    job: JobSection
+    grid: GridSection
+    model: ModelSection
+    data: DataSection
+    train: TrainSection
+    ddp: DdpSection
+    checkpoint: CheckpointSection
+    resources: ResourcesSection
+    output: OutputSection
+    profile: ProfileSection
     notes: list[str] = field(default_factory=list)
-
-    def __getattr__(self, name):
-        sections = self.__dict__.get("sections", {})
-        if name in sections:
-            return sections[name]
-        raise AttributeError(name)
 
     @property
     def name(self) -> str:
         """The job's name (``[job] name``, else the file's stem)."""
-        return self.sections["job"].name
+        return self.job.name
 
     @property
     def grid_shape(self) -> tuple[int, int, int, int]:
         """``[grid]`` as ``(data, x, y, z)``; one axis may still be -1."""
-        g = self.sections["grid"]
-        return tuple(getattr(g, a) for a in AXES)
+        g = self.grid
+        return g.data, g.x, g.y, g.z
 
     def to_dict(self) -> dict:
         """Section name -> every key of the section (what ``RUN/job.json`` stores)."""
-        return {name: s.as_dict() for name, s in self.sections.items()}
+        return {name: getattr(self, name).as_dict() for name in SECTIONS}
 
     def to_json(self) -> str:
         """The job and its source as JSON (``RUN/job.json``; see ``load_resolved``)."""
@@ -293,16 +321,20 @@ class JobSpec:
 
     def fixed_ranks(self) -> int | None:
         """Rank count implied by the job alone (grid without -1, else [resources]), or None."""
-        shape = self.grid_shape
-        if -1 not in shape:
-            n = 1
-            for s in shape:
-                n *= s
-            return n
+        if -1 not in self.grid_shape:
+            return math.prod(self.grid_shape)
         r = self.resources
         if r.tasks_per_node:
             return r.nodes * r.tasks_per_node
         return None
+
+
+#: Section name -> its type: the sections of :class:`JobSpec`, in order
+SECTIONS: dict[str, type[Section]] = {n: t for n, t in get_type_hints(JobSpec).items()
+                                      if isinstance(t, type) and issubclass(t, Section)}
+#: Section name -> key -> :class:`Param`: the fixed keys, as the sections declare them;
+#: ``[model]``, ``[data]`` and ``[train]`` add the workload's keys
+SCHEMA: dict[str, dict[str, Param]] = {name: t.schema() for name, t in SECTIONS.items()}
 
 
 def grid_fix(shape: Sequence[int], n: int) -> str:
@@ -412,7 +444,7 @@ def _validate_section(src: str, name: str, raw: dict, schema: dict[str, Param]) 
             if spec.required:
                 raise ConfigError(f"{where} {key}: required key is missing")
             out[key] = spec.default
-    return out
+    return {k: out[k] for k in schema}   # schema order, whatever the file's
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
@@ -558,14 +590,12 @@ def build_job(raw: dict, overrides: Sequence[str] = (), source: str = "<job>",
         section, key, _ = parse_override(text)
         if key in raw[section]:
             raw[section][key] = _coerce_override(raw[section][key], schemas[section].get(key))
-    sections = {}
+    sections: dict[str, Any] = {}
     for name, schema in schemas.items():
         values = _validate_section(source, name, raw.get(name, {}), schema)
-        base = {k: v for k, v in values.items() if k in SCHEMA[name]}
-        extra = {k: v for k, v in values.items() if k not in SCHEMA[name]}
-        sections[name] = Section(name, base, extra)
-    job = JobSpec(source=source, sections=sections, notes=renamed)
-    _cross_checks(job)
+        sections[name] = SECTIONS[name](**{k: values.pop(k) for k in SCHEMA[name]},
+                                        params=values)
+    job = _cross_checks(JobSpec(source=source, **sections, notes=renamed))
     check = getattr(factory, "check_job", None)
     if check is not None:
         try:
@@ -620,7 +650,8 @@ def safe_name(text: str) -> str:
     return name or "job"
 
 
-def _cross_checks(job: JobSpec) -> None:
+def _cross_checks(job: JobSpec) -> JobSpec:
+    """``job`` checked across keys; a new job where a value is clamped (with a note)."""
     src, t = job.source, job.train
     if not NAME_RE.match(job.name):
         raise ConfigError(f"{src}: [job] name: {job.name!r} must be one plain name (no '/', "
@@ -633,17 +664,16 @@ def _cross_checks(job: JobSpec) -> None:
         # covers the whole run, as it would have; the job as run (job.json) says so
         job.notes.append(f"{src}: [train] warmup_steps {t.warmup_steps} > steps {t.steps}: "
                          f"clamped to {t.steps}")
-        t.warmup_steps = t.steps
+        job = replace(job, train=replace(t, warmup_steps=t.steps))
     ckpt = t.activation_checkpointing
     if not (ckpt is False or ckpt == "auto" or (type(ckpt) is int and ckpt >= 1)):
         raise ConfigError(f"{src}: [train] activation_checkpointing: expected false, \"auto\" "
                           f"or a number of segments per chain >= 1, got "
                           f"{str(ckpt).lower() if isinstance(ckpt, bool) else repr(ckpt)}")
-    for axis in AXES:
-        v = getattr(job.grid, axis)
+    for axis, v in zip(AXES, job.grid_shape):
         if v == 0:
             raise ConfigError(f"{src}: [grid] {axis}: 0 is out of range (must be >= 1, or -1)")
-    if sum(1 for a in AXES if getattr(job.grid, a) == -1) > 1:
+    if job.grid_shape.count(-1) > 1:
         raise ConfigError(f"{src}: [grid] at most one axis may be -1")
     try:
         window = profile_window(job.profile.steps)
@@ -665,6 +695,7 @@ def _cross_checks(job: JobSpec) -> None:
     if r.time is not None and not TIME_RE.match(r.time):
         raise ConfigError(f"{src}: [resources] time: {r.time!r} is not a Slurm time such as "
                           f"01:30:00 or 1-00:00:00")
+    return job
 
 
 def check_tensorboard() -> None:

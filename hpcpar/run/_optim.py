@@ -44,7 +44,7 @@ def build_optimizer(train, param_groups):
 def build_training_optimizer(train, param_groups, wrapped):
     """:func:`build_optimizer`, or with ``[train] shard_optimizer`` the same optimizer sharded
     over each parameter's replicas by the gradient sync ``wrapped`` (hpcpar.sync.sharded)."""
-    if not getattr(train, "shard_optimizer", False):
+    if not train.shard_optimizer:
         return build_optimizer(train, param_groups)
     from hpcpar.sync.sharded import ShardedOptimizer  # deferred: loads torch, numpy
 

@@ -37,10 +37,9 @@ def path_checksum(path: str | os.PathLike) -> str | None:
 def data_identity(job) -> dict:
     """``{field: {"path": ..., "checksum": ...}}`` for each data path of ``job`` that
     exists."""
-    params = getattr(job.data, "params", None) or {}
     out = {}
     for field in DATA_FIELDS:
-        path = params.get(field)
+        path = job.data.params.get(field)
         if isinstance(path, str) and path:
             checksum = path_checksum(path)
             if checksum is not None:

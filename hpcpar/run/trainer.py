@@ -226,18 +226,18 @@ def total_steps(job: JobSpec, steps_per_epoch: int) -> int:
     """
     t = job.train
     if t.steps is not None:
-        return int(t.steps)
-    batches = int(t.epochs) * int(steps_per_epoch)
+        return t.steps
+    batches = (t.epochs or 0) * int(steps_per_epoch)
     if batches < t.accumulate:
         raise ConfigError(f"{job.source}: [train] accumulate: {t.accumulate} micro-batches per "
                           f"step, but [train] epochs = {t.epochs} hold only {batches} batches")
-    return batches // int(t.accumulate)
+    return batches // t.accumulate
 
 
 class Trainer:
     """One rank's training run; construction is collective (grid, model, resume)."""
 
-    def __init__(self, job, run_dir, *, resume: bool = True, comm=None, device=None,
+    def __init__(self, job: JobSpec, run_dir, *, resume: bool = True, comm=None, device=None,
                  stop: StopRequest | None = None, callbacks=None,
                  start_from: str | os.PathLike | None = None):
         import torch

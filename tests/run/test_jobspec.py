@@ -1,8 +1,10 @@
 """Job specs: schema, defaults, --set overrides, and malformed jobs / CLI misuse -> one-line
 errors with exit code 2 and no traceback."""
 
+import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -10,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import hpcpar
 from hpcpar.errors import ConfigError
 from hpcpar.formats.jobspec import load_job, parse_override
 from hpcpar.formats.rundir import write_mark
@@ -215,3 +218,27 @@ def test_jobs_guide_documents_every_key():
     keys |= set(CosmoFlowWorkload.model_params) | set(UNet3DWorkload.model_params)
     missing = sorted(k for k in keys if f"`{k}`" not in text)
     assert not missing, f"docs/guides/jobs.md does not document {missing}"
+
+
+def test_sections_are_typed_and_frozen(tmp_path, monkeypatch):
+    """Issue 65: a job's sections are frozen dataclasses (the clamped warm-up is a new section,
+    a write raises) whose keys mypy knows: a misspelt key or a write is a type error."""
+    job = load_job(write(tmp_path, GOOD), ["train.warmup_steps=9"])
+    assert job.train.warmup_steps == 4 and job.model.params["dense"] == [16]
+    for section, attr in ((job.train, "lr"), (job, "train")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(section, attr, None)
+    api = pytest.importorskip("mypy.api")
+    monkeypatch.setenv("MYPYPATH", str(Path(hpcpar.__file__).parents[1]))
+    prog = ("from hpcpar.formats.jobspec import JobSpec\n"
+            "def f(job: JobSpec) -> float:\n"
+            "    reveal_type(job.checkpoint.background)\n"
+            "    job.train.lr = 1.0\n"
+            "    return job.train.lrr\n")
+    out, err, rc = api.run(["-c", prog, "--no-site-packages", "--follow-imports=silent",
+                            "--cache-dir", os.devnull, "--config-file", "",
+                            "--python-version", "3.11"])
+    assert rc == 1 and not err, out + err
+    assert re.search(r'<string>:3: note: Revealed type is "(builtins\.)?bool"', out), out
+    assert '<string>:4: error: Property "lr" defined in "TrainSection" is read-only' in out, out
+    assert '<string>:5: error: "TrainSection" has no attribute "lrr"' in out, out

@@ -188,10 +188,7 @@ class Workload:
         """
         from hpcpar.sync.ddp import DistributedDataParallel  # deferred: loads torch, numpy
 
-        opts = self.job.ddp.as_kwargs() if hasattr(self.job, "ddp") else {}
-        grad_sync = getattr(getattr(self.job, "train", None), "grad_sync", None)
-        if grad_sync:
-            opts.setdefault("grad_sync", grad_sync)
+        opts = {**self.job.ddp.as_kwargs(), "grad_sync": self.job.train.grad_sync}
         return DistributedDataParallel(model, self.grid, **opts)
 
     # -- data --------------------------------------------------------------------------------

@@ -70,9 +70,8 @@ DATA_PARAMS = {
 
 
 def _check_job(job) -> None:
-    data = job.grid.data if hasattr(job.grid, "data") else job.grid_shape[0]
-    if data != 1:
-        raise ConfigError(f"[grid] data = {data}: a graph is one sample, full-graph "
+    if job.grid.data != 1:
+        raise ConfigError(f"[grid] data = {job.grid.data}: a graph is one sample, full-graph "
                           f"training ({job.model.kind}) needs data = 1 and x = -1")
     if job.model.params.get("boundary_sample", 1.0) <= 0.0:
         raise ConfigError("[model] boundary_sample: 0 is out of range (must be > 0 and <= 1; "
