@@ -3,6 +3,7 @@
 and the example package (examples/segment3d) trains through ``hpcpar run`` on 2 ranks, equal
 to 1 rank, resumes from its checkpoint, and its records feed ``sweep`` and ``report``."""
 
+import importlib
 import json
 import os
 import subprocess
@@ -37,6 +38,8 @@ def _dist_info(site: Path) -> None:
 
 @pytest.fixture()
 def user_kinds(tmp_path, monkeypatch):
+    for module in set(base._BUILTIN.values()):   # the built-ins register in the real
+        importlib.import_module(module)          # registry, not in this test's copy
     monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
     monkeypatch.syspath_prepend(str(EXAMPLE))
     _dist_info(tmp_path / "site")

@@ -154,6 +154,8 @@ def _raw(kind, **train):
 
 @pytest.fixture()
 def model_file(tmp_path, monkeypatch):
+    for module in set(kinds._BUILTIN.values()):   # the built-ins register in the real
+        importlib.import_module(module)          # registry, not in this test's copy
     monkeypatch.setattr(kinds, "_REGISTRY", dict(kinds._REGISTRY))
     # "net:UNet" imports the module `net` by name: an earlier test's net.py (its folder left
     # on sys.path, its module in sys.modules) must not answer for this one
