@@ -18,7 +18,6 @@ Replicated operands of a split op (conventions of DESIGN §2, the conjugate pair
 
 from __future__ import annotations
 
-import inspect
 import math
 
 import torch
@@ -30,7 +29,7 @@ from hpcpar.parallel.partition import part_range, torch_pad
 
 from . import padding
 from .split import FlatLayout, Layout, SplitTensor, TokenLayout, adopt, raw, refuse, wrap
-from .view_maps import MAPS, by_name, propagate
+from .view_maps import MAPS, Out, by_name, propagate
 from .view_maps import dims_arg as _dims_arg
 from .view_maps import norm_dim as _norm_dim
 
@@ -58,15 +57,6 @@ def map_args(fn, args, kwargs):
     return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
 
 
-def bound(names, defaults, args, kwargs) -> dict:
-    """``args`` and ``kwargs`` by name (``names`` in the op's order; ``defaults`` for its
-    trailing names): :meth:`Call.bind`, and the replicated rules' form (they get no Call)."""
-    out = dict(zip(names[len(names) - len(defaults):], defaults))
-    out.update(zip(names, args))
-    out.update(kwargs)
-    return out
-
-
 class Call:
     """One call of ``func`` with at least one split argument, with the helpers rules share."""
 
@@ -83,8 +73,12 @@ class Call:
         return refuse(self.name, why, todo)
 
     def bind(self, names, defaults=()) -> dict:
-        """Positional and keyword arguments by name (``names`` in the op's order)."""
-        return bound(names, defaults, self.args, self.kwargs)
+        """Positional and keyword arguments by name (``names`` in the op's order; ``defaults``
+        for its trailing names)."""
+        out = dict(zip(names[len(names) - len(defaults):], defaults))
+        out.update(zip(names, self.args))
+        out.update(self.kwargs)
+        return out
 
     def by_name(self) -> dict:
         """The arguments by torch's own names, defaults filled in
@@ -456,14 +450,8 @@ def writes_by_name(name: str, kwargs) -> bool:
 def writes_into_first(func, args, kwargs) -> bool:
     """Whether ``func`` writes into its first argument (``add_``, ``x += y``, ``x[i] = v``,
     ``inplace=True``, ``out=``)."""
-    if writes_by_name(op_name(func), kwargs):
-        return True
-    try:
-        params = list(inspect.signature(func).parameters)
-    except (TypeError, ValueError):   # a builtin without a signature: named as above
-        return False
-    return "inplace" in params and params.index("inplace") < len(args) and \
-        bool(args[params.index("inplace")])
+    return writes_by_name(op_name(func), kwargs) or \
+        bool((by_name(func, args, kwargs) or {}).get("inplace"))
 
 
 def reshape_target(call: Call) -> tuple[list[int], list[int]]:
@@ -500,10 +488,8 @@ def same_shape_view(call: Call, gold, gnew):
 
 
 def reshape(call: Call):
-    """view / reshape / view_as / reshape_as with a GLOBAL target shape (:func:`shape_op`);
-    a plain tensor viewed as a split one takes its layout (:func:`_plain_as`)."""
-    if call.name.endswith("_as") and not isinstance(call.args[0], SplitTensor):
-        return _plain_as(call, call.by_name()["other"])
+    """view / reshape / view_as / reshape_as: :func:`shape_op` (a rule of its own: a layout
+    whose split dims are merged takes a view back to its volume, :mod:`hpcpar.nn.tokens`)."""
     return shape_op(call)
 
 
@@ -514,8 +500,8 @@ def shape_op(call: Call):
     flattened to ``(N, C*D*H*W)`` or ``(N, C, D*H*W)`` takes the split head's or the
     tokens' layout."""
     t: SplitTensor = call.splits[0]
-    if call.name == "expand_as" and not isinstance(call.args[0], SplitTensor):
-        return _plain_as(call, t)
+    if call.name.endswith("_as") and not isinstance(call.args[0], SplitTensor):
+        return _plain_as(call, t)   # a plain tensor shaped like the split `other`
     gold, name, outs = _dim_map(call, t)
     gnew = [o.length(gold) for o in outs]
     layout = _head(t, gold, gnew) if name in ("view", "reshape", "flatten") else None
@@ -593,6 +579,8 @@ def getitem(call: Call):
     t = call.splits[0]
     index = call.args[1]
     index = list(index) if isinstance(index, tuple) else [index]
+    if not any(i is Ellipsis for i in index):
+        index.append(Ellipsis)   # x[a, b] is x[a, b, ...]: every dim is read by an entry
     n = t.dim()
     crops = {}
     for pos, d in _index_dims(index, n):
@@ -618,45 +606,32 @@ def getitem(call: Call):
 
 
 def _index_dims(index, n):
-    """(position in the index, tensor dim) of each entry that consumes a dim."""
-    consumed = sum(1 for i in index if i is not None and i is not Ellipsis)
-    dim = 0
+    """(position in the index, the tensor dim it reads, or None for a new dim) of each entry;
+    ``...`` reads every dim the others leave."""
+    span, dim = n - sum(1 for i in index if i is not None and i is not Ellipsis), 0
     for pos, i in enumerate(index):
-        if i is Ellipsis:
-            dim += n - consumed
-        elif i is not None:
-            yield pos, dim
-            dim += 1
+        if i is None:
+            yield pos, None
+        k = 0 if i is None else span if i is Ellipsis else 1
+        yield from ((pos, d) for d in range(dim, dim + k))
+        dim += k
 
 
 def _getitem_whole(call: Call, t, index):
-    n = t.dim()
-    consumed = sum(1 for i in index if i is not None and i is not Ellipsis)
-    dim, out_dim, sdims = 0, 0, {}
-    for i in index:
-        if i is Ellipsis:
-            skip = n - consumed
-            for d in range(dim, dim + skip):
-                sdims[d] = out_dim + d - dim
-            dim, out_dim = dim + skip, out_dim + skip
-            continue
-        if i is None:
-            out_dim += 1
-            continue
-        if isinstance(i, torch.Tensor) or not isinstance(i, (int, slice)):
-            raise call.refuse("indexes with a tensor or list", "index batch/channel dims with "
-                              "ints and slices, or use hpcpar.nn.local")
-        if dim in t._hp.sdims and i != slice(None):
-            raise call.refuse("slices a split dim", "crop with F.pad and negative pads, or "
-                              "keep ':' on dims 2-4")
-        if isinstance(i, slice):
-            sdims[dim] = out_dim
-            out_dim += 1
-        dim += 1
-    for d in range(dim, n):
-        sdims[d] = out_dim + d - dim
-    out = raw(t)[index]
-    return adopt(out, t._hp.with_(sdims=[sdims[d] for d in t._hp.sdims]))
+    """``t[index]`` with ``:`` on every split dim, by its dimension map: an int drops its dim,
+    None adds one, a slice and ``...`` keep theirs."""
+    if any(isinstance(i, torch.Tensor) or not isinstance(i, (int, slice, type(None),
+                                                             type(Ellipsis))) for i in index):
+        raise call.refuse("indexes with a tensor or list", "index batch/channel dims with "
+                          "ints and slices, or use hpcpar.nn.local")
+    lay, dims = t._hp, list(_index_dims(index, t.dim()))
+    if any(d in lay.sdims and index[p] not in (slice(None), Ellipsis) for p, d in dims):
+        raise call.refuse("slices a split dim", "crop with F.pad and negative pads, or keep "
+                          "':' on dims 2-4")
+    outs = [Out(() if d is None else (d,)) for p, d in dims if not isinstance(index[p], int)]
+    _, sdims, _ = propagate(outs, lay.global_shape(t.shape_local), t.shape_local, lay.sdims,
+                            call.ctx.grid.spatial_shape, call.refuse)
+    return adopt(raw(t)[index], lay.with_(sdims=sdims))
 
 
 def setitem(call: Call):

@@ -1,13 +1,11 @@
 """Shape ops as dimension maps, and the one function that runs them on split tensors.
 
 Each shape op is one entry of :data:`MAPS`: from the input's global shape and the call's
-arguments (read by torch's own signature, :func:`by_name`) to a tuple of :class:`Out`, one per
-output dim, saying which input dims it is made of (kept, merged, cut into pieces, repeated, or
-new). :func:`propagate` reads the map against the split dims, the same way for every op: a
-split dim may move, be merged with whole dims after it or be cut with itself outermost, as long
-as every rank's piece stays its partition-rule piece of the output dim; anything else is
-refused in one line. (The idea is DTensor's ``_view_ops``; the code is ours.)
-"""
+arguments (read by torch's own signature, :func:`by_name`) to one :class:`Out` per output dim,
+made of input dims kept, merged, cut, repeated, or of none (new). :func:`propagate` reads the
+map against the split dims alike for every op: a split dim may move, merge with whole dims
+after it or be cut with itself outermost, while each rank's piece stays its partition-rule
+piece; else one-line refusal. (DTensor's ``_view_ops`` idea; our code.)"""
 
 from __future__ import annotations
 
@@ -35,9 +33,8 @@ class Out(NamedTuple):
 
     def length(self, shape) -> int:
         """Its global length, given the input's global ``shape``."""
-        if self.sizes is not None:
-            return self.sizes[self.i]
-        return math.prod(shape[s] for s in self.src) * self.times
+        return self.sizes[self.i] if self.sizes is not None else \
+            math.prod(shape[s] for s in self.src) * self.times
 
 
 # -- arguments by torch's signature -------------------------------------------------------------
@@ -46,55 +43,54 @@ _NONE = inspect.Parameter.empty
 
 @functools.cache
 def _signatures(func) -> tuple:
-    """``((name, type, default, keyword_only), ...)`` for each form of ``func``: the Python
-    signature of a Python function, else the schema of each overload of the aten op of its
-    name (``self`` called ``input``, as torch's Python functions call it)."""
+    """Each form of ``func`` (:func:`_form`): the Python signature of a Python function, else
+    the schema of each overload of the aten op of its name."""
     try:
         params = inspect.signature(func).parameters.values()
         if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
             raise ValueError("a wrapper (F.max_pool3d's): its op's schemas say more")
-        return (tuple(("input" if i == 0 and p.name == "self" else p.name, "", p.default,
-                       p.kind == p.KEYWORD_ONLY) for i, p in enumerate(params)),)
+        forms = [[(p.name, "", p.default, p.kind == p.KEYWORD_ONLY) for p in params]]
     except (TypeError, ValueError):   # a builtin: its aten op's schemas
-        pass
-    op = getattr(torch.ops.aten, getattr(func, "__name__", ""), None)
-    forms = [getattr(op, o)._schema.arguments for o in op.overloads()] if op else []
-    return tuple(tuple(("input" if a.name == "self" else a.name, str(a.real_type),
-                        a.default_value if a.has_default_value() else _NONE, a.kwarg_only)
-                       for a in form) for form in forms)
+        op = getattr(torch.ops.aten, getattr(func, "__name__", ""), None)
+        forms = [[(a.name, str(a.real_type), a.default_value if a.has_default_value() else
+                   _NONE, a.kwarg_only) for a in getattr(op, o)._schema.arguments]
+                 for o in (op.overloads() if op else ())]
+    return tuple(_form(f) for f in forms)
 
 
-def _takes(kind: str, v) -> bool:
-    """Whether an argument of schema type ``kind`` may be ``v`` (loosely: enough to tell
-    torch's overloads apart, ``x.var(1)``'s dim from ``x.var(False)``'s flag)."""
+def _form(params) -> tuple:
+    """(the positional count, the names, ``(name, optional, type, default)`` of each) of a
+    form's ``(name, schema type, default, keyword_only)``; ``self`` called ``input``, as
+    torch's Python functions call it."""
+    params = [("input" if n == "self" else n, *rest) for n, *rest in params]
+    return (sum(1 for p in params if not p[3]), frozenset(p[0] for p in params),
+            tuple((n, k.startswith("Optional["), k[9:-1] if k.startswith("Optional[") else k,
+                   d) for n, k, d, _ in params))
+
+
+def _takes(optional: bool, kind: str, v) -> bool:
+    """Whether an argument of schema type ``kind`` may be ``v``: enough to tell overloads apart
+    (``max(x, y)``, ``max(x, 1)``; ``x.var(1)``, ``x.var(False)``; ``x.view(torch.half)``)."""
     if not kind or v is None:   # a Python signature; None where Optional
-        return not kind or kind.startswith("Optional[")
-    kind = kind[9:-1] if kind.startswith("Optional[") else kind
+        return not kind or optional
     if isinstance(v, torch.Tensor) or kind == "Tensor":
-        return isinstance(v, torch.Tensor) and "Tensor" in kind
-    if kind == "List[int]":
-        return isinstance(v, int) or isinstance(v, (list, tuple)) and \
-            all(isinstance(i, int) for i in v)
-    check = _CHECKS.get(kind)
-    return check is None or isinstance(v, check)
-
-
-_CHECKS: dict[str, type | tuple[type, ...]] = {
-    "int": int, "SymInt": int, "bool": bool, "float": (float, int), "ScalarType": torch.dtype,
-    "str": str}
+        return isinstance(v, torch.Tensor) and kind == "Tensor"
+    want = {"bool": bool, "int": int, "SymInt": int, "ScalarType": torch.dtype}.get(kind)
+    return isinstance(v, want) if want else not isinstance(v, torch.dtype)
 
 
 def _bind(form, args, kwargs) -> dict | None:
-    if len(args) > 2 and len(form) > 1 and form[1][1] == "List[int]" and \
-            all(isinstance(a, int) for a in args[1:]):
-        args = (args[0], list(args[1:]))   # x.view(2, 3): the method's int varargs
-    positional = [p for p in form if not p[3]]
-    if len(args) > len(positional) or not set(kwargs) <= {p[0] for p in form}:
+    npos, names, params = form
+    if len(args) > 2 and npos == 2 and params[1][1:3] == (False, "List[int]") and \
+            all(type(a) is int for a in args[1:]):   # x.view(2, 3): an int list's varargs
+        args = (args[0], list(args[1:]))
+    if len(args) > npos or not names.issuperset(kwargs):
         return None
-    out = dict(zip((p[0] for p in positional), args))
-    for name, kind, default, _ in form:
-        value = out.get(name, kwargs.get(name, default))
-        if name in out and name in kwargs or value is _NONE or not _takes(kind, value):
+    out = {}
+    for i, (name, optional, kind, default) in enumerate(params):
+        value = args[i] if i < len(args) else kwargs.get(name, default)
+        if i < len(args) and name in kwargs or value is _NONE or \
+                not _takes(optional, kind, value):
             return None
         out[name] = value
     return out
@@ -103,11 +99,7 @@ def _bind(form, args, kwargs) -> dict | None:
 def by_name(func, args, kwargs) -> dict | None:
     """The call's arguments by torch's own names, defaults filled in, in torch's order
     (``topk(x, 1, 3)``'s dim is 3): the first form of ``func`` that takes them, or None."""
-    for form in _signatures(func):
-        bound = _bind(form, args, kwargs)
-        if bound is not None:
-            return bound
-    return None
+    return next((b for f in _signatures(func) if (b := _bind(f, args, kwargs)) is not None), None)
 
 
 # -- the maps -----------------------------------------------------------------------------------
@@ -122,21 +114,14 @@ def dims_arg(dims, ndim) -> list[int]:
     return [norm_dim(int(d), ndim) for d in ([dims] if isinstance(dims, int) else dims)]
 
 
-def _keep(order) -> tuple[Out, ...]:
+def _keep(order) -> tuple[Out, ...]:   # the dims in this order
     return tuple(Out((d,)) for d in order)
-
-
-def _swap(shape, a, b) -> tuple[Out, ...]:
-    order = list(range(len(shape)))
-    a, b = norm_dim(a, len(shape)), norm_dim(b, len(shape))
-    order[a], order[b] = order[b], order[a]
-    return _keep(order)
 
 
 def _movedim(shape, source, destination) -> tuple[Out, ...]:
     src, dst = dims_arg(source, len(shape)), dims_arg(destination, len(shape))
     order = [d for d in range(len(shape)) if d not in src]
-    for d, s in sorted(zip(dst, src)):
+    for d, s in sorted(dict(zip(dst, src)).items()):   # transpose(x, 1, 1): once
         order.insert(d, s)
     return _keep(order)
 
@@ -221,12 +206,12 @@ def _repeat(shape, repeats, expand=False) -> tuple[Out, ...]:
     return (*(Out((), (r,)) for r in reps[:lead]), *kept)
 
 
-#: op name -> (its dimension map: ``map(global shape, *arguments after the tensor)``, the op
-#: that runs it on a piece given the piece's output shape, or None where the call runs as
-#: made: its arguments name no lengths)
+#: op name -> (its dimension map ``map(global shape, *arguments after the tensor)``, the op
+#: run on a piece with the piece's output shape; None: the call as made names no lengths)
 MAPS: dict[str, tuple[Callable[..., tuple[Out, ...]], Callable | None]] = {
     "permute": (lambda shape, dims: _keep(dims_arg(dims, len(shape))), None),
-    **dict.fromkeys(("transpose", "transpose_", "swapaxes", "swapdims"), (_swap, None)),
+    **dict.fromkeys(("transpose", "transpose_", "swapaxes", "swapdims"),
+                    (lambda shape, a, b: _movedim(shape, (a, b), (b, a)), None)),
     **dict.fromkeys(("movedim", "moveaxis"), (_movedim, None)),
     "view": (_view, torch.Tensor.view),
     "reshape": (_view, torch.Tensor.reshape),
@@ -240,13 +225,6 @@ MAPS: dict[str, tuple[Callable[..., tuple[Out, ...]], Callable | None]] = {
 
 
 # -- propagation --------------------------------------------------------------------------------
-def _aligned(n: int, inner: int, rows: int, row: int, parts: int) -> bool:
-    """Whether every rank's piece of ``n`` rows of ``inner`` elements is, read as ``rows``
-    rows of ``row`` elements, its partition-rule piece of those rows."""
-    return all(tuple(x * inner for x in part_range(n, parts, c)) ==
-               tuple(x * row for x in part_range(rows, parts, c)) for c in range(parts))
-
-
 def propagate(outs, shape, local, sdims, parts, refuse):
     """``(the piece's output shape, the output's split dims, their global lengths)`` of the
     op whose map is ``outs``, on a tensor of global ``shape`` whose piece has shape ``local``,
@@ -267,7 +245,10 @@ def propagate(outs, shape, local, sdims, parts, refuse):
         first = next((j for j in hits if glen[j] != 1), hits[0])
         inner = math.prod(shape[s] for s in o.src[at + 1:])
         row = math.prod(glen[j] for j in hits if j > first)
-        if not _aligned(shape[d], inner, glen[first], row, p):
+        # each rank's piece of shape[d] rows of `inner` must be, read as rows of `row`, its
+        # partition-rule piece of the output dim's glen[first] rows
+        if any(tuple(x * inner for x in part_range(shape[d], p, c)) !=
+               tuple(x * row for x in part_range(glen[first], p, c)) for c in range(p)):
             raise refuse("merges or splits a split dim into pieces that are not the ranks' "
                          "own", MERGE_TODO)
         loc[first] = local[d] * inner // row
