@@ -41,7 +41,9 @@ WHAT = {
     "random": ("of a split volume", "numbers from the seed and each element's global "
                                     "coordinates (`hpcpar.nn.noise`): any grid gives the "
                                     "one-rank result"),
-    "shape": ("keeping every split dim whole; indexing batch/channel dims",
+    "shape": ("keeping every split dim a dim of its own (merged with whole dims after it, or "
+              "cut with itself outermost, where each rank's piece stays its own); indexing "
+              "batch/channel dims",
               "local, the split dims tracked"),
     "metadata": ("", "the **global** shape"),
     "refused": ("and anything else on split data (below)",

@@ -25,6 +25,7 @@ from torch import nn
 from hpcpar.parallel.comm import allreduce_
 
 from .split import refuse
+from .view_maps import by_name, dims_arg
 
 __all__ = ["COLUMNS_ATTR", "CutWeight", "ColumnGrad"]
 
@@ -43,7 +44,7 @@ class ColumnGrad(torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
             whole = _NORMS.get(func)
-            return out if whole is None else whole(out, args, kwargs)
+            return out if whole is None else whole(out, by_name(func, args, kwargs))
 
 
 class CutWeight(nn.Parameter):
@@ -88,22 +89,19 @@ def _order(value: Any) -> float:
     return float(value)
 
 
-def _foreach_norm(out, args, kwargs):
-    grads = args[0]
-    order = _order(args[1] if len(args) > 1 else kwargs.get("ord", 2))
-    return [_combine(n, order, g) if type(g) is ColumnGrad else n for n, g in zip(grads, out)]
+def _foreach_norm(out, b):
+    order = _order(b["ord"])
+    return [_combine(n, order, g) if type(g) is ColumnGrad else n for n, g in zip(b["input"], out)]
 
 
-def _vector_norm(out, args, kwargs):
+def _vector_norm(out, b):
     """``torch.linalg.vector_norm`` / ``torch.norm`` of one gradient: global over every
     element or per row; a norm over the columns alone would be per column (refused)."""
-    grad = args[0]
+    grad = b["input"]
     if type(grad) is not ColumnGrad:
         return out
-    order = _order(args[1] if len(args) > 1 else kwargs.get("ord", kwargs.get("p", 2)))
-    dim = args[2] if len(args) > 2 else kwargs.get("dim")
-    dims = None if dim is None else {d % grad.dim() for d in
-                                     ((dim,) if isinstance(dim, int) else dim)}
+    order = _order(b.get("ord", b.get("p")))
+    dims = None if b.get("dim") is None else set(dims_arg(b["dim"], grad.dim()))
     if dims is not None and grad.dim() - 1 not in dims:
         raise refuse("vector_norm", "takes a norm over the rows of a split head weight's "
                      "gradient, of which this rank holds its columns only",

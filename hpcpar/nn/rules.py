@@ -18,7 +18,6 @@ Replicated operands of a split op (conventions of DESIGN §2, the conjugate pair
 
 from __future__ import annotations
 
-import inspect
 import math
 
 import torch
@@ -30,6 +29,9 @@ from hpcpar.parallel.primitives import SumGrad
 
 from . import padding
 from .split import FlatLayout, Layout, SplitTensor, TokenLayout, adopt, raw, refuse, wrap
+from .view_maps import MAPS, Out, by_name, propagate
+from .view_maps import dims_arg as _dims_arg
+from .view_maps import norm_dim as _norm_dim
 
 __all__ = ["Call", "FAST", "leaves", "localize", "wrap_like", "pointwise", "channelwise"]
 
@@ -55,15 +57,6 @@ def map_args(fn, args, kwargs):
     return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
 
 
-def bound(names, defaults, args, kwargs) -> dict:
-    """``args`` and ``kwargs`` by name (``names`` in the op's order; ``defaults`` for its
-    trailing names): :meth:`Call.bind`, and the replicated rules' form (they get no Call)."""
-    out = dict(zip(names[len(names) - len(defaults):], defaults))
-    out.update(zip(names, args))
-    out.update(kwargs)
-    return out
-
-
 class Call:
     """One call of ``func`` with at least one split argument, with the helpers rules share."""
 
@@ -80,8 +73,21 @@ class Call:
         return refuse(self.name, why, todo)
 
     def bind(self, names, defaults=()) -> dict:
-        """Positional and keyword arguments by name (``names`` in the op's order)."""
-        return bound(names, defaults, self.args, self.kwargs)
+        """Positional and keyword arguments by name (``names`` in the op's order; ``defaults``
+        for its trailing names)."""
+        out = dict(zip(names[len(names) - len(defaults):], defaults))
+        out.update(zip(names, self.args))
+        out.update(self.kwargs)
+        return out
+
+    def by_name(self) -> dict:
+        """The arguments by torch's own names, defaults filled in
+        (:func:`~hpcpar.nn.view_maps.by_name`); refused where no form of the op takes them."""
+        b = by_name(self.func, self.args, self.kwargs)
+        if b is None:
+            raise self.refuse("is called with arguments hpcpar cannot match to torch's "
+                              "signature", "pass them as torch documents the op")
+        return b
 
     def replicated(self, t):
         """A replicated operand, made ready for a split op (module docstring)."""
@@ -344,33 +350,7 @@ def where(call: Call):
     return pointwise(call)
 
 
-# -- shapes -------------------------------------------------------------------------------------
-def _norm_dim(d: int, ndim: int) -> int:
-    return d + ndim if d < 0 else d
-
-
-def _dims_arg(dims, ndim) -> list[int]:
-    if dims is None:
-        return list(range(ndim))
-    if isinstance(dims, int):
-        dims = [dims]
-    return [_norm_dim(int(d), ndim) for d in dims]
-
-
-#: where each op of :func:`dim_local` takes its ``dim`` (torch's positional order) and its
-#: default: ``topk(x, 1, 3)`` mixes along dim 3, not 1 (read as the dim, a split dim was
-#: taken for a whole one and the op ran on each piece: silently wrong)
-_DIM_SIGNATURES: dict[str, tuple[tuple[str, ...], int | None]] = {
-    **dict.fromkeys(("softmax", "log_softmax", "softmin"), (("input", "dim"), 1)),  # legacy
-    **dict.fromkeys(("cumsum", "cumprod", "cummax", "cummin", "logcumsumexp"),
-                    (("input", "dim"), None)),
-    **dict.fromkeys(("sort", "argsort", "glu"), (("input", "dim"), -1)),
-    "topk": (("input", "k", "dim"), -1),
-    "diff": (("input", "n", "dim"), -1),
-    "normalize": (("input", "p", "dim"), 1),
-}
-
-
+# -- shapes ---------------------------------------------------------------------------------------
 #: dim_local ops whose result has another length along the dim (a spatial one would need a
 #: new global shape): refused along any spatial dim
 _RESIZING = ("topk", "diff", "glu")
@@ -378,10 +358,11 @@ _RESIZING = ("topk", "diff", "glu")
 
 def dim_local(call: Call):
     """Ops that mix values along one dim (softmax, cumsum, sort, ...): local unless the grid
-    splits that dim (along a whole one every rank holds all of it)."""
+    splits that dim (along a whole one every rank holds all of it). The dim is read by torch's
+    signature: ``topk(x, 1, 3)`` mixes along dim 3, not 1 (read as the dim, a split dim was
+    taken for a whole one and the op ran on each piece: silently wrong)."""
     t = call.splits[0]
-    names, default = _DIM_SIGNATURES.get(call.name.rstrip("_"), (("input", "dim"), None))
-    dim = call.bind(names).get("dim", default)
+    dim = call.by_name().get("dim")
     sdims, name = t._hp.sdims, call.name.rstrip("_")
     if dim is None and name in ("softmax", "log_softmax", "softmin"):
         dim = 0 if t.dim() in (0, 1, 3) else 1   # torch's implicit dim (nn.Softmax())
@@ -397,9 +378,7 @@ def flip(call: Call):
     """flip along batch or channel dims: local; along a split dim it would need the mirror
     rank's piece: refused."""
     t = call.splits[0]
-    rest = call.args[1:]   # x.flip(1, 2) passes the dims one by one, x.flip((1, 2)) as one
-    dims = call.kwargs.get("dims", rest[0] if len(rest) == 1 else rest)
-    if any(_norm_dim(int(d), t.dim()) in t._hp.sdims for d in _dims_arg(dims, t.dim())):
+    if any(d in t._hp.sdims for d in _dims_arg(call.by_name()["dims"], t.dim())):
         raise call.refuse("mirrors a split dim", "flip batch or channel dims only")
     return pointwise(call)
 
@@ -428,83 +407,21 @@ def new_factory(call: Call):
     return wrap_like(out, t._hp, t.dim())
 
 
-def permute(call: Call):
-    """permute / transpose / movedim / swapaxes: the split dims move with the data."""
-    t = call.splits[0]
-    n = t.dim()
-    order = list(range(n))
-    name = call.name
-    rest = call.args[1:] if call.args and call.args[0] is t else call.args
-    if name == "permute":
-        dims = call.kwargs.get("dims", rest[0] if len(rest) == 1 and not isinstance(
-            rest[0], int) else rest)
-        order = [_norm_dim(int(d), n) for d in dims]
-    elif name in ("transpose", "swapaxes", "swapdims", "transpose_"):
-        a, b = (call.kwargs.get(k, v) for k, v in zip(("dim0", "dim1"), rest))
-        a, b = _norm_dim(a, n), _norm_dim(b, n)
-        order[a], order[b] = order[b], order[a]
-    else:  # movedim / moveaxis
-        src, dst = (call.kwargs.get(k, v) for k, v in zip(("source", "destination"), rest))
-        src, dst = _dims_arg(src, n), _dims_arg(dst, n)
-        rest_dims = [d for d in range(n) if d not in src]
-        placed: list[int | None] = [None] * n
-        for s, d in zip(src, dst):
-            placed[d] = s
-        it = iter(rest_dims)
-        order = [o if o is not None else next(it) for o in placed]
-    out = call.run_plain()
-    sdims = [order.index(d) for d in t._hp.sdims]
-    return adopt(out, t._hp.with_(sdims=sdims))
-
-
-def _groups(old, new):
-    """Pairs (old dims, new dims) whose sizes multiply to the same number, in order: how a
-    view maps dims (size-1 dims stand alone)."""
-    groups, i, j = [], 0, 0
-    while i < len(old) or j < len(new):
-        if i < len(old) and old[i] == 1 and (j == len(new) or new[j] != 1):
-            groups.append(([i], []))
-            i += 1
-            continue
-        if j < len(new) and new[j] == 1 and (i == len(old) or old[i] != 1):
-            groups.append(([], [j]))
-            j += 1
-            continue
-        gi, gj, po, pn = [i], [j], old[i], new[j]
-        i, j = i + 1, j + 1
-        while po != pn:
-            if po < pn:
-                po *= old[i]
-                gi.append(i)
-                i += 1
-            else:
-                pn *= new[j]
-                gj.append(j)
-                j += 1
-        groups.append((gi, gj))
-    return groups
-
-
-def _resolve(shape, total):
-    shape = [int(s) for s in shape]
-    if -1 in shape:
-        known = math.prod(s for s in shape if s != -1)
-        shape[shape.index(-1)] = total // known if known else 0
-    return shape
-
-
 def _global_shape_of(t) -> torch.Size:
     """A tensor's global shape (rules see a split tensor's local one)."""
     return t._hp.global_shape(t.shape_local) if isinstance(t, SplitTensor) else t.shape
 
 
 def _plain_as(call: Call, other) -> torch.Tensor:
-    """``plain.view_as(x)`` / ``reshape_as(x)`` with ``x`` split: the plain tensor shaped to
-    ``x``'s global shape, then cut to this rank's piece of ``x``'s layout (it was taken for
-    ``x`` itself: silently wrong where nothing is split)."""
+    """``plain.view_as(x)`` / ``reshape_as(x)`` / ``expand_as(x)`` with ``x`` split: the plain
+    tensor given ``x``'s global shape (viewed or reshaped; expanded once cut), cut to this
+    rank's piece of ``x``'s layout (it was taken for ``x`` itself: silently wrong where
+    nothing is split)."""
     whole = call.replicated(call.args[0])
-    whole = whole.view(_global_shape_of(other)) if call.name == "view_as" else \
-        whole.reshape(_global_shape_of(other))
+    if call.name == "expand_as":
+        piece = localize(whole, other._hp, other.dim(), call.name)
+        return adopt(piece.expand(other.shape_local), other._hp)
+    whole = getattr(whole, call.name[:-3])(_global_shape_of(other))
     return adopt(localize(whole, other._hp, other.dim(), call.name), other._hp)
 
 
@@ -519,38 +436,30 @@ def writes_by_name(name: str, kwargs) -> bool:
 def writes_into_first(func, args, kwargs) -> bool:
     """Whether ``func`` writes into its first argument (``add_``, ``x += y``, ``x[i] = v``,
     ``inplace=True``, ``out=``)."""
-    if writes_by_name(op_name(func), kwargs):
-        return True
-    try:
-        params = list(inspect.signature(func).parameters)
-    except (TypeError, ValueError):   # a builtin without a signature: named as above
-        return False
-    return "inplace" in params and params.index("inplace") < len(args) and \
-        bool(args[params.index("inplace")])
+    return writes_by_name(op_name(func), kwargs) or \
+        bool((by_name(func, args, kwargs) or {}).get("inplace"))
 
 
 def reshape_target(call: Call) -> tuple[list[int], list[int]]:
     """(the split tensor's global shape, the global shape a view or reshape asks for)."""
-    t = call.splits[0]
-    rest = call.args[1:]
-    shape = call.kwargs.get("shape", call.kwargs.get("size"))
-    if shape is None:
-        shape = rest[0] if len(rest) == 1 and not isinstance(rest[0], int) else rest
-    if call.name in ("view_as", "reshape_as"):
-        shape = _global_shape_of(rest[0] if rest else call.kwargs["other"])
-    gold = list(t._hp.global_shape(t.shape_local))
-    if isinstance(shape, torch.dtype):
+    gold, _, outs = _dim_map(call, call.splits[0])
+    return gold, [o.length(gold) for o in outs]
+
+
+def _dim_map(call: Call, t) -> tuple[list[int], str, tuple]:
+    """(``t``'s global shape, the op's name in :data:`~hpcpar.nn.view_maps.MAPS`, its
+    dimension map for this call): ``x.view_as(y)`` is ``x.view(y.shape)``."""
+    b = call.by_name()
+    if "dtype" in b:
         raise call.refuse("reinterprets the dtype", "convert with .to(dtype) instead")
-    gnew = _resolve(shape, math.prod(gold))
-    if math.prod(gnew) != math.prod(gold):
-        raise call.refuse(f"cannot view global shape {tuple(gold)} as {tuple(gnew)}",
-                          "check the sizes")
-    return gold, gnew
-
-
-def reshape_fn(call: Call):
-    """torch's reshape or view, as the call asks."""
-    return torch.Tensor.reshape if call.name in ("reshape", "reshape_as") else torch.Tensor.view
+    name, args = call.name, list(b.values())[1:]
+    if name.endswith("_as"):   # rules see a split `other`'s local shape
+        name, args = name[:-3], [list(_global_shape_of(b["other"]))]
+    gold = list(t._hp.global_shape(t.shape_local))
+    try:
+        return gold, name, MAPS[name][0](gold, *args)
+    except ValueError as exc:
+        raise call.refuse(str(exc), "check the sizes") from None
 
 
 def same_shape_view(call: Call, gold, gnew):
@@ -560,135 +469,54 @@ def same_shape_view(call: Call, gold, gnew):
     t = call.splits[0]
     if t is not call.args[0] or gnew != gold:
         return None
-    return adopt(reshape_fn(call)(raw(t), raw(t).shape), t._hp)
+    fn = torch.Tensor.reshape if call.name.startswith("reshape") else torch.Tensor.view
+    return adopt(fn(raw(t), raw(t).shape), t._hp)
 
 
 def reshape(call: Call):
-    """view / reshape with a GLOBAL target shape: allowed where every split dim stays a dim
-    of its own (batch and channel dims may merge or split freely)."""
-    t = call.splits[0]
-    lay = t._hp
-    if call.name in ("view_as", "reshape_as") and not isinstance(call.args[0], SplitTensor):
-        rest = call.args[1:]   # a plain tensor shaped like a split `other`
-        return _plain_as(call, rest[0] if rest else call.kwargs["other"])
-    gold, gnew = reshape_target(call)
-    fn = reshape_fn(call)
-    if lay.standard and len(gold) == 5 and gnew == [gold[0], math.prod(gold[1:])]:
-        return adopt(fn(raw(t), [t.shape_local[0], -1]), flat_layout(t))  # x.view(N, -1)
-    if lay.standard and len(gold) == 5 and gnew == [*gold[:2], math.prod(gold[2:])]:
-        return adopt(fn(raw(t), [*t.shape_local[:2], -1]), token_layout(t))  # view(N, C, -1)
-    new_sdims = []
-    mapping = {}
-    for gi, gj in _groups(gold, gnew):
-        for d in lay.sdims:
-            if d in gi:
-                if len(gi) != 1 or len(gj) != 1:
-                    raise call.refuse("merges or splits a split dim", _MERGE_TODO)
-                mapping[d] = gj[0]
-    new_sdims = [mapping[d] for d in lay.sdims]
-    local_new = list(gnew)
-    for d_old, d_new in mapping.items():
-        local_new[d_new] = t.shape_local[d_old]
-    out = fn(raw(t), local_new)
-    return adopt(out, lay.with_(sdims=new_sdims))
+    """view / reshape / view_as / reshape_as: :func:`shape_op` (a rule of its own: a layout
+    whose split dims are merged takes a view back to its volume, :mod:`hpcpar.nn.tokens`)."""
+    return shape_op(call)
 
 
-_MERGE_TODO = ("flatten all of (C, D, H, W) at once (x.flatten(1), x.view(x.size(0), -1): "
-               "the next F.linear takes the features split), or reduce the spatial dims "
-               "first (x.mean(dim=(2, 3, 4)), nn.AdaptiveAvgPool3d(1))")
-
-
-def flat_layout(t) -> FlatLayout:
-    """The layout of a standard split ``(N, C, D, H, W)`` tensor flattened to ``(N, C*D*H*W)``
-    (:class:`~hpcpar.nn.split.FlatLayout`)."""
-    lay = t._hp
-    volume = (t.shape_local[1], *lay.gshape)
-    return FlatLayout(lay.ctx, (1,), (math.prod(volume),), volume)
-
-
-def token_layout(t) -> TokenLayout:
-    """The layout of a standard split ``(N, C, D, H, W)`` tensor viewed as ``(N, C, D*H*W)``
-    (:class:`~hpcpar.nn.split.TokenLayout`, :mod:`hpcpar.nn.tokens`)."""
-    lay = t._hp
-    return TokenLayout(lay.ctx, (2,), (math.prod(lay.gshape),), tuple(lay.gshape))
-
-
-def flatten(call: Call):
-    t = call.splits[0]
-    b = call.bind(("input", "start_dim", "end_dim"), (0, -1))
-    n = t.dim()
-    s, e = _norm_dim(b["start_dim"], n), _norm_dim(b["end_dim"], n)
-    if e > s and any(s <= d <= e for d in t._hp.sdims):
-        if (s, e) == (1, 4) and n == 5 and t._hp.standard:
-            return adopt(call.run_plain(), flat_layout(t))   # nn.Flatten(): the split head
-        if (s, e) == (2, 4) and n == 5 and t._hp.standard:
-            return adopt(call.run_plain(), token_layout(t))   # x.flatten(2): hpcpar.nn.tokens
-        raise call.refuse("merges a split dim with others", _MERGE_TODO)
-    out = call.run_plain()
-    shift = max(e - s, 0)
-    return adopt(out, t._hp.with_(sdims=[d - shift if d > e else d for d in t._hp.sdims]))
-
-
-def unsqueeze(call: Call):
-    t = call.splits[0]
-    dim = call.bind(("input", "dim"))["dim"]
-    dim = dim + t.dim() + 1 if dim < 0 else dim
-    out = call.run_plain()
-    return adopt(out, t._hp.with_(sdims=[d + 1 if d >= dim else d for d in t._hp.sdims]))
-
-
-def squeeze(call: Call):
-    """squeeze by the GLOBAL shape (a piece of length 1 on one rank is not squeezed)."""
-    t = call.splits[0]
-    lay = t._hp
-    n = t.dim()
-    gshape = lay.global_shape(t.shape_local)
-    dim = call.bind(("input", "dim"), (None,))["dim"]
-    dims = [d for d in _dims_arg(dim, n) if gshape[d] == 1]
-    if any(d in lay.sdims for d in dims):
-        raise call.refuse("removes a split dim", "keep the spatial dims")
-    out = torch.Tensor.squeeze(raw(t), tuple(dims)) if dims else raw(t).view_as(raw(t))
-    return adopt(out, lay.with_(sdims=[d - sum(1 for r in dims if r < d) for d in lay.sdims]))
-
-
-def expand(call: Call):
-    """expand / expand_as with GLOBAL sizes: the split dims keep their pieces. A plain tensor
-    expanded as a split one (``scale.expand_as(x)``) takes its layout: cut to this rank's
-    piece where it holds the global extent, broadcast where it holds 1."""
-    t = call.splits[0]
-    lay = t._hp
-    rest = call.args[1:]
-    if call.name == "expand_as":
-        other = rest[0] if rest else call.kwargs["other"]
-        src = call.args[0]
-        if not isinstance(src, SplitTensor):   # the split tensor is `other`, not the source
-            piece = localize(call.replicated(src), lay, t.dim(), call.name)
-            return adopt(piece.expand(t.shape_local), lay)
-        sizes = list(_global_shape_of(other))   # rules see a split `other`'s local shape
+def shape_op(call: Call):
+    """A shape op of :data:`~hpcpar.nn.view_maps.MAPS` (permute, flatten, squeeze, expand,
+    ...): its dimension map, propagated over the split dims (every split dim keeps a dim of
+    its own: batch and channel dims merge, split and repeat freely). A standard volume
+    flattened to ``(N, C*D*H*W)`` or ``(N, C, D*H*W)`` takes the split head's or the
+    tokens' layout."""
+    t: SplitTensor = call.splits[0]
+    if call.name.endswith("_as") and not isinstance(call.args[0], SplitTensor):
+        return _plain_as(call, t)   # a plain tensor shaped like the split `other`
+    gold, name, outs = _dim_map(call, t)
+    gnew = [o.length(gold) for o in outs]
+    layout = _head(t, gold, gnew) if name in ("view", "reshape", "flatten") else None
+    if layout is not None:
+        local = [*t.shape_local[:len(gnew) - 1], -1]
     else:
-        sizes = call.kwargs.get("size", rest[0] if len(rest) == 1 and not isinstance(
-            rest[0], int) else rest)
-        sizes = list(sizes)
-    lead = len(sizes) - t.dim()
-    for a, d in enumerate(lay.sdims):
-        if sizes[d + lead] not in (-1, lay.gshape[a]):
-            raise call.refuse("expands a split dim", "expand only batch and channel dims")
-        sizes[d + lead] = t.shape_local[d]
-    out = raw(t).expand(*sizes)
-    return adopt(out, lay.with_(sdims=[d + lead for d in lay.sdims]))
+        local, sdims, gshape = propagate(outs, gold, t.shape_local, t._hp.sdims,
+                                         call.ctx.grid.spatial_shape, call.refuse)
+        layout = t._hp.with_(sdims=sdims, gshape=gshape)
+    local_op = MAPS[name][1]
+    out = call.run_plain() if local_op is None else local_op(raw(t), local)
+    if out is t:   # in place (transpose_): the caller's object takes the new layout
+        t._hp = layout
+        return t
+    return adopt(out, layout)
 
 
-def repeat(call: Call):
-    """repeat: copies along batch/channel dims only (a split dim: 1)."""
-    t = call.splits[0]
-    rest = call.args[1:]
-    reps = call.kwargs.get("repeats", rest[0] if len(rest) == 1 and not isinstance(
-        rest[0], int) else rest)
-    lead = len(reps) - t.dim()
-    if any(reps[d + lead] != 1 for d in t._hp.sdims):
-        raise call.refuse("repeats along a split dim", "repeat batch or channel dims only")
-    out = raw(t).repeat(*reps)
-    return adopt(out, t._hp.with_(sdims=[d + lead for d in t._hp.sdims]))
+def _head(t, gold, gnew) -> Layout | None:
+    """The split head's layout for a standard split volume flattened to ``(N, C*D*H*W)``, the
+    tokens' for ``(N, C, D*H*W)``; None for any other shape."""
+    lay = t._hp
+    if not lay.standard or len(gold) != 5:
+        return None
+    if gnew == [gold[0], math.prod(gold[1:])]:   # nn.Flatten(), x.view(N, -1)
+        volume = (gold[1], *lay.gshape)
+        return FlatLayout(lay.ctx, (1,), (math.prod(volume),), volume)
+    if gnew == [*gold[:2], math.prod(gold[2:])]:   # x.flatten(2): hpcpar.nn.tokens
+        return TokenLayout(lay.ctx, (2,), (math.prod(lay.gshape),), tuple(lay.gshape))
+    return None
 
 
 #: the dim hstack / vstack / dstack join tensors of 3 dims or more along (a split tensor has
@@ -700,9 +528,9 @@ def cat(call: Call):
     """cat / stack / hstack / vstack / dstack along a dim that is not split: local (the batch
     dim too: a replica's samples are its own, as in DDP)."""
     rel, gshape = same_split(call, "tensors to join")
-    tensors = call.args[0] if call.args else call.kwargs["tensors"]
-    fixed = _FIXED_DIM.get(call.name)
-    dim = fixed if fixed is not None else call.bind(("tensors", "dim"), (0,))["dim"]
+    b = call.by_name()
+    tensors, fixed = b["tensors"], _FIXED_DIM.get(call.name)
+    dim = fixed if fixed is not None else b["dim"]
     ndim = call.splits[0].dim()
     stack = call.name == "stack"
     sdims = [ndim + r for r in rel]
@@ -722,13 +550,7 @@ def cat(call: Call):
 def split_like(call: Call):
     """chunk / split / unbind / narrow / select along a dim that is not split."""
     t = call.splits[0]
-    names = {"chunk": ("input", "chunks", "dim"), "split": ("tensor", "split_size_or_sections",
-             "dim"), "tensor_split": ("input", "indices_or_sections", "dim"),
-             "unbind": ("input", "dim"), "narrow": ("input", "dim", "start", "length"),
-             "select": ("input", "dim", "index")}[call.name]
-    defaults = {"chunk": (0,), "split": (0,), "tensor_split": (0,), "unbind": (0,)}
-    b = call.bind(names, defaults.get(call.name, ()))
-    dim = _norm_dim(b["dim"], t.dim())
+    dim = _norm_dim(call.by_name()["dim"], t.dim())
     if dim in t._hp.sdims:
         raise call.refuse("cuts along a split dim", "cut along batch or channel dims")
     out = call.run_plain()
@@ -743,6 +565,8 @@ def getitem(call: Call):
     t = call.splits[0]
     index = call.args[1]
     index = list(index) if isinstance(index, tuple) else [index]
+    if not any(i is Ellipsis for i in index):
+        index.append(Ellipsis)   # x[a, b] is x[a, b, ...]: every dim is read by an entry
     n = t.dim()
     crops = {}
     for pos, d in _index_dims(index, n):
@@ -768,45 +592,32 @@ def getitem(call: Call):
 
 
 def _index_dims(index, n):
-    """(position in the index, tensor dim) of each entry that consumes a dim."""
-    consumed = sum(1 for i in index if i is not None and i is not Ellipsis)
-    dim = 0
+    """(position in the index, the tensor dim it reads, or None for a new dim) of each entry;
+    ``...`` reads every dim the others leave."""
+    span, dim = n - sum(1 for i in index if i is not None and i is not Ellipsis), 0
     for pos, i in enumerate(index):
-        if i is Ellipsis:
-            dim += n - consumed
-        elif i is not None:
-            yield pos, dim
-            dim += 1
+        if i is None:
+            yield pos, None
+        k = 0 if i is None else span if i is Ellipsis else 1
+        yield from ((pos, d) for d in range(dim, dim + k))
+        dim += k
 
 
 def _getitem_whole(call: Call, t, index):
-    n = t.dim()
-    consumed = sum(1 for i in index if i is not None and i is not Ellipsis)
-    dim, out_dim, sdims = 0, 0, {}
-    for i in index:
-        if i is Ellipsis:
-            skip = n - consumed
-            for d in range(dim, dim + skip):
-                sdims[d] = out_dim + d - dim
-            dim, out_dim = dim + skip, out_dim + skip
-            continue
-        if i is None:
-            out_dim += 1
-            continue
-        if isinstance(i, torch.Tensor) or not isinstance(i, (int, slice)):
-            raise call.refuse("indexes with a tensor or list", "index batch/channel dims with "
-                              "ints and slices, or use hpcpar.nn.local")
-        if dim in t._hp.sdims and i != slice(None):
-            raise call.refuse("slices a split dim", "crop with F.pad and negative pads, or "
-                              "keep ':' on dims 2-4")
-        if isinstance(i, slice):
-            sdims[dim] = out_dim
-            out_dim += 1
-        dim += 1
-    for d in range(dim, n):
-        sdims[d] = out_dim + d - dim
-    out = raw(t)[index]
-    return adopt(out, t._hp.with_(sdims=[sdims[d] for d in t._hp.sdims]))
+    """``t[index]`` with ``:`` on every split dim, by its dimension map: an int drops its dim,
+    None adds one, a slice and ``...`` keep theirs."""
+    if any(isinstance(i, torch.Tensor) or not isinstance(i, (int, slice, type(None),
+                                                             type(Ellipsis))) for i in index):
+        raise call.refuse("indexes with a tensor or list", "index batch/channel dims with "
+                          "ints and slices, or use hpcpar.nn.local")
+    lay, dims = t._hp, list(_index_dims(index, t.dim()))
+    if any(d in lay.sdims and index[p] not in (slice(None), Ellipsis) for p, d in dims):
+        raise call.refuse("slices a split dim", "crop with F.pad and negative pads, or keep "
+                          "':' on dims 2-4")
+    outs = [Out(() if d is None else (d,)) for p, d in dims if not isinstance(index[p], int)]
+    _, sdims, _ = propagate(outs, lay.global_shape(t.shape_local), t.shape_local, lay.sdims,
+                            call.ctx.grid.spatial_shape, call.refuse)
+    return adopt(raw(t)[index], lay.with_(sdims=sdims))
 
 
 def setitem(call: Call):

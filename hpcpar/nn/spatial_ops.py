@@ -27,8 +27,9 @@ from .noise import spatial_noise
 from .norm import _GlobalBatchNorm
 from .pool import SpatialAvgPool3d, SpatialMaxPool3d
 from .reduce import global_reduce
-from .rules import Call, _dims_arg, bound, channelwise, localize, pointwise, wrap_like
+from .rules import Call, _dims_arg, channelwise, localize, pointwise, wrap_like
 from .split import Layout, adopt, raw
+from .view_maps import by_name
 
 __all__ = ["conv3d", "conv_transpose3d", "max_pool3d", "avg_pool3d", "adaptive_pool",
            "interpolate", "pad", "batch_norm", "group_norm", "instance_norm", "layer_norm",
@@ -123,8 +124,7 @@ def _conv_twin(call: Call, b, w, bias) -> SpatialConv3d:
 
 
 def conv_transpose3d(call: Call):
-    b = call.bind(("input", "weight", "bias", "stride", "padding", "output_padding", "groups",
-                   "dilation"), (None, 1, 0, 0, 1, 1))
+    b = call.by_name()
     w, bias = call.replicated(b["weight"]), call.replicated(b["bias"])
     names = ("stride", "padding", "output_padding", "dilation")
     key = ("conv_transpose3d", w.shape, *(_hashable(b[k]) for k in names), b["groups"],
@@ -184,9 +184,7 @@ def adaptive_pool(call: Call):
 
 # -- resampling and padding ---------------------------------------------------------------------
 def interpolate(call: Call):
-    b = call.bind(("input", "size", "scale_factor", "mode", "align_corners",
-                   "recompute_scale_factor", "antialias"), (None, None, "nearest", None, None,
-                                                            False))
+    b = call.by_name()
     x = b["input"]
     lay = _standard(call, x)
     if b["antialias"]:
@@ -198,7 +196,7 @@ def interpolate(call: Call):
 
 
 def pad(call: Call):
-    b = call.bind(("input", "pad", "mode", "value"), ("constant", None))
+    b = call.by_name()
     x = b["input"]
     lay = _standard(call, x)
     out, gshape = padding.pad(raw(x), tuple(b["pad"]), b["mode"], b["value"],
@@ -210,8 +208,7 @@ def pad(call: Call):
 def batch_norm(call: Call):
     """Training (or no running statistics): statistics of the whole volume (and the whole
     global batch with ``bn_include_data``); eval with running statistics: per channel, local."""
-    b = call.bind(("input", "running_mean", "running_var", "weight", "bias", "training",
-                   "momentum", "eps"), (None, None, False, 0.1, 1e-5))
+    b = call.by_name()
     x = b["input"]
     if not b["training"] and b["running_mean"] is not None:
         return channelwise(call)  # per channel with the running statistics
@@ -225,7 +222,7 @@ def batch_norm(call: Call):
 
 
 def group_norm(call: Call):
-    b = call.bind(("input", "num_groups", "weight", "bias", "eps"), (None, None, 1e-5))
+    b = call.by_name()
     lay = _standard(call, b["input"])
     out = global_norm.group_norm(raw(b["input"]), b["num_groups"], call.replicated(b["weight"]),
                                  call.replicated(b["bias"]), b["eps"], grid=call.ctx.grid,
@@ -234,9 +231,7 @@ def group_norm(call: Call):
 
 
 def instance_norm(call: Call):
-    b = call.bind(("input", "running_mean", "running_var", "weight", "bias",
-                   "use_input_stats", "momentum", "eps"), (None, None, None, None, True, 0.1,
-                                                           1e-5))
+    b = call.by_name()
     lay = _standard(call, b["input"])
     out = global_norm.instance_norm(raw(b["input"]), b["running_mean"], b["running_var"],
                                     call.replicated(b["weight"]), call.replicated(b["bias"]),
@@ -248,7 +243,7 @@ def instance_norm(call: Call):
 
 def layer_norm(call: Call):
     """Over trailing dims: local when none of them is split, else global per-sample."""
-    b = call.bind(("input", "normalized_shape", "weight", "bias", "eps"), (None, None, 1e-5))
+    b = call.by_name()
     x = b["input"]
     shape = b["normalized_shape"]
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
@@ -283,22 +278,14 @@ def reduction(call: Call):
     lay = x._hp
     n = x.dim()
     name = call.name
-    b = call.bind(("input", "dim"), (None,))
-    if name in ("max", "min") and b.get("dim") is not None and not isinstance(b["dim"],
-                                                                                torch.Tensor):
-        dims = _dims_arg(b["dim"], n)
-    elif name in ("max", "min") and len(call.args) > 1 and isinstance(call.args[1],
-                                                                      torch.Tensor):
-        return pointwise(call)  # torch.max(a, b): elementwise
-    elif name in _NORMS or name in _QUANTILES:   # (input, p | ord | q, dim, keepdim)
-        b = call.bind(("input", _NORMS.get(name, "q"), "dim", "keepdim"), (None, None, False))
-        dims = _dims_arg(b["dim"], n)
-    else:
-        dims = _dims_arg(b.get("dim"), n)
+    b = call.by_name()   # torch's names: x.var(1)'s dim, quantile's q, norm's p are not mixed
+    if "other" in b:   # torch.max(a, b): elementwise
+        return pointwise(call)
+    dim = None if b.get("dim") in ([], ()) else b.get("dim")   # amax(x): dim=[], every dim
+    dims = _dims_arg(dim, n)
     split = [d for a, d in enumerate(lay.sdims) if call.ctx.grid.spatial_shape[a] > 1]
     spatial = [d for d in lay.sdims if d in dims]
-    keepdim = bool(b["keepdim"] if name in _NORMS or name in _QUANTILES else
-                   call.kwargs.get("keepdim", _positional_keepdim(call)))
+    keepdim = bool(b.get("keepdim", False))
     if len(spatial) < 3 and not any(d in dims for d in split):
         if spatial and not keepdim:
             raise call.refuse("removes a spatial dim", "use keepdim=True, or reduce all of "
@@ -309,16 +296,13 @@ def reduction(call: Call):
             sdims=[d - sum(1 for r in dims if r < d) for d in lay.sdims])
         return wrap_like(out, keep, n if keepdim else n - len(dims))
     op = _REDUCE_NAMES.get(name)
-    if (op is None and name not in _COMPOSED) or (name in ("max", "min") and
-                                                  b.get("dim") is not None):
+    if (op is None and name not in _COMPOSED) or (name in ("max", "min") and dim is not None):
         raise call.refuse("reduces over a split dim and has no global form in hpcpar",
                           "use sum/mean/amax/amin/var/std (or var_mean, std_mean, nansum, "
                           "nanmean, logsumexp, count_nonzero, any, all) over all of dims "
                           "(2, 3, 4)")
-    xl = raw(x)
-    if call.kwargs.get("dtype") is not None:
-        xl = xl.to(call.kwargs["dtype"])
-    dim = None if b.get("dim") is None else tuple(dims)
+    xl = raw(x) if b.get("dtype") is None else raw(x).to(b["dtype"])
+    dim = None if dim is None else tuple(dims)
 
     # global_reduce takes (..., D, H, W); a permuted tensor ((N, D, H, W, C) after a
     # channels-last permute) is reduced through a view in that order, then put back
@@ -337,8 +321,8 @@ def reduction(call: Call):
     if name in _NORMS:
         return _p_norm(call, xl, reduce, b[_NORMS[name]])
     if op is None:
-        return _composed(name, xl, reduce, keepdim, dims, _correction(call))
-    return reduce(xl, op, **({"correction": _correction(call)} if op in ("var", "std") else {}))
+        return _composed(name, xl, reduce, keepdim, dims, _correction(b))
+    return reduce(xl, op, **({"correction": _correction(b)} if op in ("var", "std") else {}))
 
 
 #: torch reductions made of the global ones over something pointwise (:func:`_composed`)
@@ -346,8 +330,6 @@ _COMPOSED = ("var_mean", "std_mean", "nansum", "nanmean", "logsumexp", "count_no
              "all", "norm", "linalg_vector_norm")
 #: the vector norms, by name: the name of their order argument
 _NORMS = {"norm": "p", "linalg_vector_norm": "ord"}
-#: (input, q, dim, keepdim): q is not a dim
-_QUANTILES = ("quantile", "nanquantile")
 
 
 def _p_norm(call, xl, reduce, p):
@@ -391,24 +373,11 @@ def _composed(name, xl, reduce, keepdim, dims, correction):
     return out if keepdim else out.squeeze(tuple(dims))
 
 
-def _positional_keepdim(call: Call) -> bool:
-    """keepdim given positionally: (input, dim, keepdim) or var/std's (input, dim, unbiased,
-    keepdim)."""
-    # var/std's third positional argument is unbiased: x.var(dims, True) keeps no dim
-    pos = 3 if call.name in ("var", "std", "var_mean", "std_mean") else 2
-    return bool(call.args[pos]) if len(call.args) > pos and isinstance(call.args[pos],
-                                                                        bool) else False
-
-
-def _correction(call: Call) -> float:
-    if "correction" in call.kwargs and call.kwargs["correction"] is not None:
-        return call.kwargs["correction"]
-    unbiased = call.kwargs.get("unbiased")
-    if unbiased is None and len(call.args) > 2 and isinstance(call.args[2], bool):
-        unbiased = call.args[2]
-    if unbiased is None and len(call.args) == 2 and isinstance(call.args[1], bool):
-        unbiased = call.args[1]  # x.var(False)
-    return 1 if unbiased is None or unbiased else 0
+def _correction(b) -> float:
+    """var/std's correction: given, or from the older ``unbiased`` flag (True by default)."""
+    if b.get("correction") is not None:
+        return b["correction"]
+    return 0 if b.get("unbiased") is False else 1
 
 
 # -- dropout -----------------------------------------------------------------------------------
@@ -418,7 +387,7 @@ def dropout(call: Call):
     name = call.name
     if name in ("alpha_dropout", "feature_alpha_dropout", "dropout1d"):
         raise call.refuse("has no split-independent form", "use nn.Dropout or nn.Dropout3d")
-    b = call.bind(("input", "p", "training", "inplace"), (0.5, True, False))
+    b = call.by_name()
     x = b["input"]
     if not call.ctx.dropout:
         return x
@@ -492,7 +461,7 @@ def _probe_noise(call: Call, x, generator):
 
 def replicated_dropout(func, args, kwargs, ctx):
     """Dropout on a replicated tensor: the same mask on every rank of the spatial group."""
-    b = bound(("input", "p", "training", "inplace"), (0.5, True, False), args, kwargs)
+    b = by_name(func, args, kwargs)
     x = b["input"]
     if not b["training"] or b["p"] == 0.0 or not ctx.dropout:
         return x
@@ -513,8 +482,7 @@ def replicated_batch_norm(func, args, kwargs, ctx):
     """Batch norm in training on a replicated tensor (after a global pooling, or a volume
     gathered whole): with ``bn_include_data`` its statistics are those of the global batch,
     as the split volume's are; each data group holds its own samples, whole."""
-    b = bound(("input", "running_mean", "running_var", "weight", "bias", "training",
-                "momentum", "eps"), (None, None, None, None, False, 0.1, 1e-5), args, kwargs)
+    b = by_name(func, args, kwargs)
     grid = ctx.grid
     use_stats = b["training"] or b["running_mean"] is None
     if not (ctx.bn_include_data and grid.data > 1 and use_stats):
@@ -527,29 +495,15 @@ def replicated_batch_norm(func, args, kwargs, ctx):
 
 # -- losses ------------------------------------------------------------------------------------
 _CLASS_LOSSES = ("cross_entropy", "nll_loss")
-_LOSS_NAMES = {
-    "mse_loss": ("input", "target", "size_average", "reduce", "reduction"),
-    "l1_loss": ("input", "target", "size_average", "reduce", "reduction"),
-    "smooth_l1_loss": ("input", "target", "size_average", "reduce", "reduction", "beta"),
-    "huber_loss": ("input", "target", "reduction", "delta"),
-    "binary_cross_entropy": ("input", "target", "weight", "size_average", "reduce",
-                             "reduction"),
-    "binary_cross_entropy_with_logits": ("input", "target", "weight", "size_average", "reduce",
-                                         "reduction", "pos_weight"),
-    "cross_entropy": ("input", "target", "weight", "size_average", "ignore_index", "reduce",
-                      "reduction", "label_smoothing"),
-    "nll_loss": ("input", "target", "weight", "size_average", "ignore_index", "reduce",
-                 "reduction"),
-    "kl_div": ("input", "target", "size_average", "reduce", "reduction", "log_target"),
-}
+_LOSS_NAMES = ("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
+               "binary_cross_entropy_with_logits", "cross_entropy", "nll_loss", "kl_div")
 
 
 def loss(call: Call):
     """Mean and sum reductions of a loss on split tensors are the GLOBAL mean and sum, with
     torch's semantics (class weights and ignore_index for cross entropy / NLL): the value is
     the single-process loss on every rank, and its gradient each rank's exact piece."""
-    names = _LOSS_NAMES[call.name]
-    b = call.bind(names)
+    b = call.by_name()
     if b.get("size_average") is not None or b.get("reduce") is not None:
         raise call.refuse("uses the deprecated size_average/reduce", "pass reduction=")
     reduction_ = b.get("reduction", "mean")

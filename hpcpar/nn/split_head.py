@@ -324,14 +324,14 @@ def _reduction(call, redo=None):
     (each rank's partial sum, allreduced; backward: each rank's own features get the
     gradient, as after a global pool). A critic's ``flatten(1)`` then ``mean(1)``."""
     x = call.splits[0]
-    b = call.bind(("input", "dim"), (None,))
+    b = call.by_name()
     dims = rules._dims_arg(b.get("dim"), x.dim())
     if call.name not in ("sum", "mean") or 1 not in dims:
         raise call.refuse("reduces a flattened split tensor other than by a sum or mean over "
                           "its features", "reduce the spatial dims before flattening")
-    keepdim = bool(call.kwargs.get("keepdim", sops._positional_keepdim(call)))
+    keepdim = bool(b.get("keepdim", False))
     piece = raw(x)
-    part = piece.sum(dims, keepdim=keepdim, dtype=call.kwargs.get("dtype"))
+    part = piece.sum(dims, keepdim=keepdim, dtype=b.get("dtype"))
     total = ReplicatedSum.apply(part, call.ctx.grid.spatial_comm)
     if call.name == "sum":
         return total

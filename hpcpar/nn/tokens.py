@@ -87,29 +87,21 @@ def _dim_map(dims, p: int, ndim: int) -> tuple[list[int], bool]:
     return out, hit
 
 
-def _with_dim(call: Call, index: int, value) -> tuple[tuple, dict]:
-    """The call's arguments with its ``dim`` (keyword, else positional ``index``) replaced."""
-    args, kwargs = list(call.args), dict(call.kwargs)
-    if "dim" in kwargs or len(args) <= index:
-        kwargs["dim"] = value
-    else:
-        args[index] = value
-    return tuple(args), kwargs
+def _with_dim(b: dict, value) -> tuple[tuple, dict]:
+    """A call's arguments (``b``: by torch's names, :meth:`Call.by_name`), ``dim`` replaced."""
+    return (b["input"],), {**{k: v for k, v in b.items() if k != "input"}, "dim": value}
 
 
 def _reduction(call: Call, run: Callable) -> Any:
     x = call.splits[0]
     lay: TokenLayout = x._hp
     p, n = lay.sdims[0], x.dim()
-    index = 2 if call.name in sops._NORMS else 1
-    b = call.bind(("input", "dim"), (None,)) if index == 1 else \
-        call.bind(("input", "p", "dim"), (None, None))
-    if b.get("dim") is None:   # every dim: the same on the volume
+    b = call.by_name()
+    if b.get("dim") in (None, [], ()):   # every dim: the same on the volume
         args, kwargs = map_args(lambda a: _operand(a, lay, n), call.args, call.kwargs)
         return run(call.func, args, kwargs)
     dims, hit = _dim_map(b["dim"], p, n)
-    args, kwargs = _with_dim(call, index, tuple(dims))
-    args, kwargs = map_args(lambda a: _operand(a, lay, n), args, kwargs)
+    args, kwargs = map_args(lambda a: _operand(a, lay, n), *_with_dim(b, tuple(dims)))
     out = run(call.func, args, kwargs)
     if hit:   # kept dims (..., 1, 1, 1, ...) back to one token dim of 1, however keepdim came
         def squash(t):
@@ -130,10 +122,11 @@ def _softmax(call: Call, run: Callable) -> Any:
     p, n = lay.sdims[0], x.dim()
     if call.name.rstrip("_") not in ("softmax", "log_softmax"):   # the other dim-wise ops
         return lay.no_form(rules.dim_local, call, run)
-    dim = call.bind(("input", "dim"), (None,)).get("dim")
+    b = call.by_name()
+    dim = b.get("dim")
     if dim is None or rules._norm_dim(dim, n) != p:   # None: the volume's rule refuses it
         args, kwargs = (call.args, call.kwargs) if dim is None else \
-            _with_dim(call, 1, _dim_map(dim, p, n)[0][0])
+            _with_dim(b, _dim_map(dim, p, n)[0][0])
         args, kwargs = map_args(lambda a: _operand(a, lay, n), args, kwargs)
         return _tokens(run(call.func, args, kwargs), lay)
     if call.kwargs.get("dtype") is not None:

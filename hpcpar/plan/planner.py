@@ -145,7 +145,7 @@ def _flow_mode():
 
     stencil = {s.conv3d: "conv", s.conv_transpose3d: "convT", s.max_pool3d: "pool",
                s.avg_pool3d: "pool"}
-    flattens = (r.flatten, r.reshape)
+    flattens = (r.shape_op, r.reshape)
 
     class Dataflow(TorchFunctionMode):
         """Which traced layer made each tensor, so each layer knows its inputs' producers,

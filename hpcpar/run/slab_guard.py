@@ -23,6 +23,7 @@ from torch.overrides import TorchFunctionMode
 from hpcpar.errors import ConfigError
 from hpcpar.nn import optable
 from hpcpar.nn.split import user_frame
+from hpcpar.nn.view_maps import by_name
 
 __all__ = ["SlabGuard", "known_window"]
 
@@ -34,14 +35,6 @@ _ALONG_DIM = {"softmax", "log_softmax", "softmin", "cumsum", "cumprod", "cummax"
               "split", "tensor_split", "unbind", "narrow", "select", "index_select", "gather",
               "scatter", "take_along_dim", "unfold", "movedim", "moveaxis", "swapaxes",
               "transpose", "swapdims"}
-#: where the dim argument sits positionally (after the tensor; 1 unless listed), and its
-#: default where it has one (softmax's implicit dim of a 5D input is 1, channels)
-_DIM_POS = {"flip": 1, "roll": 2, "rot90": 2, "chunk": 2, "split": 2, "tensor_split": 2,
-            "topk": 2, "kthvalue": 2, "diff": 2, "normalize": 2}
-_DIM_DEFAULT = {"chunk": 0, "split": 0, "tensor_split": 0, "unbind": 0, "topk": -1,
-                "sort": -1, "argsort": -1, "kthvalue": -1, "diff": -1, "glu": -1,
-                "normalize": 1, "cat": 0, "concat": 0, "concatenate": 0, "stack": 0,
-                "softmax": 1, "log_softmax": 1, "softmin": 1, "rot90": (0, 1)}
 _TWO_DIMS = ("transpose", "swapaxes", "swapdims", "movedim", "moveaxis")
 
 
@@ -97,27 +90,25 @@ class SlabGuard(TorchFunctionMode):
     def _reaches_along_d(self, func, args, kwargs, x, result) -> str | None:
         """Why ``func`` reads along D beyond one voxel's column (None: it does not)."""
         name = getattr(func, "__name__", "").strip("_")
-        kind = optable.kind_of(func)
+        kind, b = optable.kind_of(func), by_name(func, args, kwargs) or {}
         if kind == "norm":
-            training = kwargs.get("training", args[5] if len(args) > 5 else False)
-            if name == "batch_norm" and not training:
+            if name == "batch_norm" and not b.get("training"):
                 return None    # running statistics: a per-channel affine map
             return "computes statistics over the whole sample"
         if kind == "stencil":
             if name == "pad":
-                pad = kwargs.get("pad", args[1] if len(args) > 1 else ())
-                mode = kwargs.get("mode", args[2] if len(args) > 2 else "constant")
-                if mode == "circular":
+                pad = b.get("pad", ())
+                if b.get("mode") == "circular":
                     return "wraps around the volume (circular padding)"
                 if len(pad) < 6 or not any(pad[4:6]):
                     return None
             return "reads a window along D that the slab margin does not count (call it " \
                    "through its nn layer: nn.Conv3d, nn.MaxPool3d, nn.Upsample)"
         if kind == "reduction":
-            dims = self._dims(name, args, kwargs)
+            dims = _dims(b, name)
             return None if dims is not None and _D not in dims else "reduces over D"
         if name in _ALONG_DIM:
-            dims = self._dims(name, args, kwargs)
+            dims = _dims(b, name)
             if name in _TWO_DIMS:
                 return None if dims is not None and _D not in dims else "moves D"
             return None if dims is not None and _D not in dims else "works along D"
@@ -135,22 +126,17 @@ class SlabGuard(TorchFunctionMode):
             return None   # a view or index that keeps D where it is
         return "is not known to keep D's voxels apart"
 
-    @staticmethod
-    def _dims(name: str, args, kwargs) -> set[int] | None:
-        """The volume dims an op with a ``dim`` argument works on, as non-negative indices
-        (None: all of them, or not found)."""
-        found = kwargs.get("dim", kwargs.get("dims", kwargs.get("axis")))
-        if found is None and name in _TWO_DIMS:
-            found = tuple(a for a in args[1:3] if isinstance(a, (int, tuple, list)))
-            found = tuple(d for a in found for d in (a if isinstance(a, (tuple, list)) else (a,)))
-        elif found is None:
-            pos = _DIM_POS.get(name, 1)
-            found = args[pos] if len(args) > pos else _DIM_DEFAULT.get(name)
-        if found is None:
-            return None
-        if isinstance(found, int):
-            found = (found,)
-        try:
-            return {int(d) % 5 for d in found}
-        except TypeError:
-            return None
+
+def _dims(b: dict, name: str) -> set[int] | None:
+    """The volume dims an op with dim arguments works on (``b``: its arguments by torch's
+    signature), as non-negative indices (None: all of them, or not found)."""
+    keys = ("dim0", "dim1", "axis0", "axis1", "source", "destination") if name in _TWO_DIMS \
+        else ("dim", "dims", "dimension")
+    found = [d for k in keys if b.get(k) not in (None, [], ()) for d in
+             (b[k] if isinstance(b[k], (tuple, list)) else (b[k],))]
+    if not found and name in ("softmax", "log_softmax", "softmin") and "dim" in b:
+        found = [1]   # torch's implicit dim of a 5D input: the channels
+    try:
+        return {int(d) % 5 for d in found} if found else None
+    except TypeError:
+        return None

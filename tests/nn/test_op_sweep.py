@@ -61,6 +61,13 @@ def _copied(f, x):
     return y
 
 
+def _transposed_in_place(f, x):
+    """The tensor itself transposed in place, then used."""
+    y = _y(x)
+    f(y, 1, 4)
+    return y * 2
+
+
 def _cl(x):
     """Channels-last, as ConvNeXt applies its Linear layers."""
     return x.permute(0, 2, 3, 4, 1)
@@ -156,6 +163,7 @@ SAMPLES = {
     "view_as": lambda f, x: f(x[:, :2] * 1, x[:, 2:]),
     "reshape_as": lambda f, x: f(x[:, :2] * 1, x[:, 2:]),
     "flatten": lambda f, x: f(x, 0, 1),
+    "unflatten": lambda f, x: f(x, 1, (2, -1)),
     "unsqueeze": lambda f, x: f(x, 1),
     "squeeze": lambda f, x: f(x[:, :1], 1),
     "expand": lambda f, x: f(x[:, :1], 2, 3, 7, 5, 6),
@@ -164,6 +172,16 @@ SAMPLES = {
     **{n: (lambda f, x: f([x, x * 2], 1)) for n in ("cat", "concat", "concatenate", "stack")},
     **{n: (lambda f, x: f([x, x * 2])) for n in ("hstack", "vstack", "dstack")},
     "dstack of (N, D, C, H, W)": lambda f, x: f([x.movedim(1, 2), x.movedim(1, 2) * 2]),
+    # a split dim cut with itself outermost, or merged with whole dims after it (W: the sweep's
+    # grids do not split it; tests/nn/test_view_maps.py cuts a split one)
+    "view cutting W": lambda f, x: f(x, (*x.shape[:4], 3, 2)),
+    "reshape merging W with the channels last": lambda f, x: f(_cl(x), (*x.shape[:1], 7, 5, -1)),
+    "flatten of W and the channels last": lambda f, x: f(_cl(x), 3),
+    "unflatten of W": lambda f, x: f(x, -1, (3, 2)).sum(-1),
+    # arguments by keyword, by torch's names (read by position, these crashed)
+    "transpose by keyword": lambda f, x: f(x, dim1=4, dim0=1),
+    "swapaxes by keyword": lambda f, x: f(x, axis0=1, axis1=4),
+    "transpose_ of the tensor used after": _transposed_in_place,
     **{n: (lambda f, x: f(x, 2, 1)) for n in ("chunk", "split", "tensor_split")},
     "unbind": lambda f, x: f(x, 1),
     "narrow": lambda f, x: f(x, 1, 1, 2),
@@ -210,7 +228,11 @@ SAMPLES = {
 
 #: a second sample of an op: its name here -> the op's name in the table (a call that the
 #: op's own sample does not make)
-VARIANTS = {"one_hot without num_classes": "one_hot", "dstack of (N, D, C, H, W)": "dstack"}
+VARIANTS = {"one_hot without num_classes": "one_hot", "dstack of (N, D, C, H, W)": "dstack",
+            "view cutting W": "view", "reshape merging W with the channels last": "reshape",
+            "flatten of W and the channels last": "flatten", "unflatten of W": "unflatten",
+            "transpose by keyword": "transpose", "swapaxes by keyword": "swapaxes",
+            "transpose_ of the tensor used after": "transpose_"}
 
 #: name -> why the sweep cannot run it here (torch's own op does not take this volume)
 NOT_RUN = {
