@@ -57,6 +57,16 @@ def map_args(fn, args, kwargs):
     return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
 
 
+def bind_args(names, defaults, args, kwargs) -> dict:
+    """A call's positional and keyword arguments by name (``names`` in the op's order;
+    ``defaults`` for its trailing names): the rules and the planner's tracer read an op the
+    same way."""
+    out = dict(zip(names[len(names) - len(defaults):], defaults))
+    out.update(zip(names, args))
+    out.update(kwargs)
+    return out
+
+
 class Call:
     """One call of ``func`` with at least one split argument, with the helpers rules share."""
 
@@ -73,12 +83,8 @@ class Call:
         return refuse(self.name, why, todo)
 
     def bind(self, names, defaults=()) -> dict:
-        """Positional and keyword arguments by name (``names`` in the op's order; ``defaults``
-        for its trailing names)."""
-        out = dict(zip(names[len(names) - len(defaults):], defaults))
-        out.update(zip(names, self.args))
-        out.update(self.kwargs)
-        return out
+        """Positional and keyword arguments by name (:func:`bind_args`)."""
+        return bind_args(names, defaults, self.args, self.kwargs)
 
     def by_name(self) -> dict:
         """The arguments by torch's own names, defaults filled in

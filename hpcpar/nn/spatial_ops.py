@@ -139,28 +139,36 @@ def conv_transpose3d(call: Call):
 
 
 # -- pools -------------------------------------------------------------------------------------
-def _pool(call: Call, cls, names, defaults):
-    b = call.bind(names, defaults)
-    if b.get("return_indices"):
-        raise call.refuse("returns indices into the local piece", "use return_indices=False")
-    kw = {k: b[k] for k in names[1:] if k != "return_indices"}
-    key = (cls.__name__,) + tuple(
-        tuple(v) if isinstance(v, list) else v for v in kw.values())
-    twin = _twin(call, key, lambda: cls(**kw, grid=call.ctx.grid))
-    return _run_twin(call, twin, b["input"])
+class PoolRule:
+    """The rule of a windowed pool whose spatial layer is ``cls`` (built from the call's
+    arguments but the input, by ``names`` with ``defaults`` for the trailing ones). A new
+    pool is its layer and one :mod:`~hpcpar.nn.optable` row holding its ``PoolRule``: the
+    planner's tracer reads the window (``kernel_size``, ``stride``, ``padding``,
+    ``dilation``, ``ceil_mode``) from the same names, and ``keeps`` what backward holds
+    ("none": indices only, else the planner's trace decides)."""
+
+    def __init__(self, cls, names, defaults, keeps=None):
+        self.cls, self.names, self.defaults, self.keeps = cls, names, defaults, keeps
+        self.__name__ = self.__qualname__ = f"pool[{cls.__name__}]"
+
+    def __call__(self, call: Call):
+        b = call.bind(self.names, self.defaults)
+        if b.get("return_indices"):
+            raise call.refuse("returns indices into the local piece",
+                              "use return_indices=False")
+        kw = {k: b[k] for k in self.names[1:] if k != "return_indices"}
+        key = (self.cls.__name__,) + tuple(
+            tuple(v) if isinstance(v, list) else v for v in kw.values())
+        twin = _twin(call, key, lambda: self.cls(**kw, grid=call.ctx.grid))
+        return _run_twin(call, twin, b["input"])
 
 
-def max_pool3d(call: Call):
-    return _pool(call, SpatialMaxPool3d, ("input", "kernel_size", "stride", "padding",
-                                          "dilation", "ceil_mode", "return_indices"),
-                 (None, 0, 1, False, False))
-
-
-def avg_pool3d(call: Call):
-    return _pool(call, SpatialAvgPool3d, ("input", "kernel_size", "stride", "padding",
-                                          "ceil_mode", "count_include_pad",
-                                          "divisor_override"),
-                 (None, 0, False, True, None))
+max_pool3d = PoolRule(SpatialMaxPool3d, ("input", "kernel_size", "stride", "padding",
+                                         "dilation", "ceil_mode", "return_indices"),
+                      (None, 0, 1, False, False), keeps="none")
+avg_pool3d = PoolRule(SpatialAvgPool3d, ("input", "kernel_size", "stride", "padding",
+                                         "ceil_mode", "count_include_pad", "divisor_override"),
+                      (None, 0, False, True, None))
 
 
 def adaptive_pool(call: Call):

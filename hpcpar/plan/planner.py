@@ -143,8 +143,7 @@ def _flow_mode():
     from hpcpar.nn import rules as r  # deferred: loads torch
     from hpcpar.nn import spatial_ops as s  # deferred: loads torch
 
-    stencil = {s.conv3d: "conv", s.conv_transpose3d: "convT", s.max_pool3d: "pool",
-               s.avg_pool3d: "pool"}
+    stencil = {s.conv3d: "conv", s.conv_transpose3d: "convT"}   # pools: s.PoolRule
     flattens = (r.shape_op, r.reshape)
 
     class Dataflow(TorchFunctionMode):
@@ -234,8 +233,9 @@ def _flow_mode():
             layer = self._layer(func, args, kwargs, flowing, out)
             if layer is not None:
                 self._add(layer, flowing, out)
-                if optable.rule_for(func) is s.max_pool3d:   # hpcpar's pool: indices only
-                    layer.keeps = "none"
+                keeps = getattr(optable.rule_for(func), "keeps", None)
+                if keeps is not None:   # hpcpar's max pool: indices only
+                    layer.keeps = keeps
             elif isinstance(out, (torch.Tensor, tuple, list)):
                 self.made(out, self.by_id[id(flowing[0])])
             self.saved = []
@@ -255,8 +255,13 @@ def _flow_mode():
             params = sum(t.numel() for t in _tensors(args, kwargs)
                          if isinstance(t, torch.nn.Parameter))
             if rule in stencil:
-                return self._stencil(stencil[rule], rule is s.max_pool3d, args, kwargs,
-                                     spatial, ins, outs, params)
+                return self._stencil(stencil[rule], args, kwargs, spatial, ins, outs, params)
+            if isinstance(rule, s.PoolRule):
+                b = r.bind_args(rule.names, rule.defaults, args, kwargs)
+                k = b["kernel_size"]
+                return Layer("pool", spatial, ins, outs, 0, halo=_stencil_halos(
+                    k, b.get("stride") or k, b.get("padding", 0), b.get("dilation", 1),
+                    b.get("ceil_mode", False)))
             if rule is s.adaptive_pool or (kind == "reduction" and x.dim() == 5 and
                                            out.dim() in (2, 5) and out.shape[2:] in
                                            ((), (1, 1, 1))):
@@ -285,35 +290,24 @@ def _flow_mode():
                 return None
             return Layer("pointwise", spatial, ins, outs, params)
 
-        def _stencil(self, kind, is_max, args, kwargs, spatial, ins, outs, params):
-            if kind in ("conv", "convT"):
-                w = _arg(args, kwargs, 1, "weight")
-                k = tuple(w.shape[2:])
-                stride = _tup(_arg(args, kwargs, 3, "stride", 1))
-                pad = _arg(args, kwargs, 4, "padding", 0)
-                groups = _arg(args, kwargs, 6, "groups", 1)
-                if kind == "conv":
-                    dil = _tup(_arg(args, kwargs, 5, "dilation", 1))
-                    halo = _stencil_halos(k, stride, pad, dil)
-                    flops = 2.0 * math.prod(outs) * w.shape[1] * math.prod(k)
-                else:
-                    dil = _tup(_arg(args, kwargs, 7, "dilation", 1))
-                    halo = _stencil_halos(k, stride, pad, dil,
-                                          output_padding=_arg(args, kwargs, 5,
-                                                              "output_padding", 0))
-                    flops = 2.0 * math.prod(ins) * w.shape[1] * math.prod(k)
-                return Layer(kind, spatial, ins, outs, params, flops, halo,
-                             kernel=(k, stride, dil, groups))
-            k = _arg(args, kwargs, 1, "kernel_size")
-            stride = _arg(args, kwargs, 2, "stride") or k
-            pad = _arg(args, kwargs, 3, "padding", 0)
-            if is_max:   # (input, kernel_size, stride, padding, dilation, ceil_mode, ...)
-                dil = _arg(args, kwargs, 4, "dilation", 1)
-                ceil = _arg(args, kwargs, 5, "ceil_mode", False)
+        def _stencil(self, kind, args, kwargs, spatial, ins, outs, params):
+            w = _arg(args, kwargs, 1, "weight")
+            k = tuple(w.shape[2:])
+            stride = _tup(_arg(args, kwargs, 3, "stride", 1))
+            pad = _arg(args, kwargs, 4, "padding", 0)
+            groups = _arg(args, kwargs, 6, "groups", 1)
+            if kind == "conv":
+                dil = _tup(_arg(args, kwargs, 5, "dilation", 1))
+                halo = _stencil_halos(k, stride, pad, dil)
+                flops = 2.0 * math.prod(outs) * w.shape[1] * math.prod(k)
             else:
-                dil, ceil = 1, _arg(args, kwargs, 4, "ceil_mode", False)
-            return Layer("pool", spatial, ins, outs, 0,
-                         halo=_stencil_halos(k, stride, pad, dil, ceil))
+                dil = _tup(_arg(args, kwargs, 7, "dilation", 1))
+                halo = _stencil_halos(k, stride, pad, dil,
+                                      output_padding=_arg(args, kwargs, 5,
+                                                          "output_padding", 0))
+                flops = 2.0 * math.prod(ins) * w.shape[1] * math.prod(k)
+            return Layer(kind, spatial, ins, outs, params, flops, halo,
+                         kernel=(k, stride, dil, groups))
 
     return Dataflow
 
