@@ -57,9 +57,6 @@ __all__ = ["SUPPORTED", "CudaAwareness", "detect_cuda_aware", "cuda_aware", "for
 _HALF = (torch.float16, torch.bfloat16)
 
 
-# --------------------------------------------------------------------------------------------
-# reductions
-# --------------------------------------------------------------------------------------------
 def _mpi_op(op: str | MPI.Op | None) -> MPI.Op:
     from mpi4py import MPI
 
@@ -81,15 +78,9 @@ def _bool_op(op: MPI.Op) -> MPI.Op:
 
 
 class Handle:
-    """A pending non-blocking operation on tensors; ``wait()`` completes it and returns the
-    result tensor (16-bit results are converted back from their fp32 accumulator).
-
-    Args:
-        request (mpi4py.MPI.Request): The MPI request.
-        buffers: The [Buffer][hpcpar.parallel.comm.Buffer]s to finish after completion.
-        after: Called once after the buffers are finished.
-        result: What ``wait()`` returns.
-    """
+    """A pending non-blocking operation on tensors; ``wait()`` completes it, finishes
+    ``buffers``, calls ``after`` once, and returns ``result`` (16-bit results are converted back
+    from their fp32 accumulator)."""
 
     def __init__(self, request: MPI.Request, buffers: list[Buffer],
                  after: Callable[[], object] | None = None,
@@ -142,19 +133,10 @@ def _reduce_in_place(t: torch.Tensor, op: str | MPI.Op | None) -> tuple[Buffer, 
 
 
 def iallreduce(t: torch.Tensor, comm: MPI.Comm, op: str | MPI.Op = "sum") -> Handle:
-    """Start an in-place allreduce of ``t`` over ``comm``.
+    """Start an in-place allreduce of ``t`` over ``comm``; the Handle's ``wait()`` returns ``t``.
 
-    Args:
-        t: The tensor to reduce in place (CPU, or CUDA with a CUDA-aware or staged MPI).
-            16-bit tensors reduce in a float32 scratch copy; bool tensors reduce as OR/AND.
-        comm (mpi4py.MPI.Comm): The communicator.
-        op: ``"sum"``, ``"max"``, ``"min"``, ``"prod"`` or an ``MPI.Op``.
-
-    Returns:
-        A [Handle][hpcpar.parallel.comm.Handle]: ``wait()`` completes it and returns ``t``.
-
-    Raises:
-        CommError: ``op`` is not a known reduction.
+    ``op`` is ``"sum"``, ``"max"``, ``"min"``, ``"prod"`` or an ``MPI.Op`` (else CommError).
+    16-bit tensors reduce in a float32 scratch copy; bool tensors as OR/AND.
     """
     from mpi4py import MPI
 
@@ -165,19 +147,8 @@ def iallreduce(t: torch.Tensor, comm: MPI.Comm, op: str | MPI.Op = "sum") -> Han
 
 @taped("allreduce_", in_place=True)
 def allreduce_(t: torch.Tensor, comm: MPI.Comm, op: str | MPI.Op = "sum") -> torch.Tensor:
-    """Allreduce ``t`` over ``comm`` in place.
-
-    Args:
-        t: The tensor to reduce in place; 16-bit tensors reduce in float32.
-        comm (mpi4py.MPI.Comm): The communicator (collective: every rank calls it).
-        op: ``"sum"``, ``"max"``, ``"min"``, ``"prod"`` or an ``MPI.Op``.
-
-    Returns:
-        ``t``, now holding the reduction.
-
-    Raises:
-        CommError: ``op`` is not a known reduction.
-    """
+    """Allreduce ``t`` over ``comm`` in place and return it (collective). ``op`` as in
+    :func:`iallreduce` (else CommError); 16-bit tensors reduce in float32."""
     from mpi4py import MPI
 
     group = torch_group(comm, t)
@@ -194,11 +165,7 @@ def allreduce_(t: torch.Tensor, comm: MPI.Comm, op: str | MPI.Op = "sum") -> tor
 def sum_grads_(params: Iterable[torch.nn.Parameter], comm: MPI.Comm) -> None:
     """Sum the ``.grad`` of ``params`` over ``comm`` in place, in one message (replicated
     weights whose ranks each hold a partial gradient, as in full-graph GNN training).
-
-    Args:
-        params: Parameters with gradients, the same list on every rank.
-        comm (mpi4py.MPI.Comm): The communicator (collective; a no-op on one rank).
-    """
+    Collective, the same list on every rank; a no-op on one rank."""
     params = list(params)
     if comm.Get_size() == 1:
         return
@@ -214,16 +181,8 @@ def sum_grads_(params: Iterable[torch.nn.Parameter], comm: MPI.Comm) -> None:
 
 
 def bcast_(t: torch.Tensor, comm: MPI.Comm, root: int = 0) -> torch.Tensor:
-    """Broadcast ``t`` from ``root`` in place.
-
-    Args:
-        t: Same shape and dtype on every rank; overwritten except on ``root``.
-        comm (mpi4py.MPI.Comm): The communicator.
-        root: Rank of ``comm`` that holds the data.
-
-    Returns:
-        ``t``.
-    """
+    """Broadcast ``t`` (same shape and dtype on every rank) from rank ``root`` of ``comm`` in
+    place and return it."""
     group = torch_group(comm, t)
     if group is not None:
         return group.broadcast_(t, root)
@@ -234,17 +193,8 @@ def bcast_(t: torch.Tensor, comm: MPI.Comm, root: int = 0) -> torch.Tensor:
 
 
 def isend(t: torch.Tensor, dest: int, comm: MPI.Comm, tag: int = 0) -> Handle:
-    """Start sending ``t`` to rank ``dest`` of ``comm`` (``MPI.PROC_NULL``: a no-op).
-
-    Args:
-        t: The tensor to send; do not modify it before ``wait()``.
-        dest: Destination rank.
-        comm (mpi4py.MPI.Comm): The communicator.
-        tag: Message tag.
-
-    Returns:
-        A [Handle][hpcpar.parallel.comm.Handle] whose ``wait()`` returns ``t``.
-    """
+    """Start sending ``t`` to rank ``dest`` of ``comm`` (``MPI.PROC_NULL``: a no-op); do not
+    modify ``t`` before the Handle's ``wait()``, which returns ``t``."""
     count_sent(t.numel() * t.element_size())
     group = torch_group(comm, t)
     if group is not None:
@@ -254,17 +204,8 @@ def isend(t: torch.Tensor, dest: int, comm: MPI.Comm, tag: int = 0) -> Handle:
 
 
 def irecv(t: torch.Tensor, source: int, comm: MPI.Comm, tag: int = 0) -> Handle:
-    """Start receiving into ``t`` from rank ``source`` of ``comm``.
-
-    Args:
-        t: The tensor to fill; its contents are valid after ``wait()``.
-        source: Source rank (``MPI.PROC_NULL``: a no-op).
-        comm (mpi4py.MPI.Comm): The communicator.
-        tag: Message tag.
-
-    Returns:
-        A [Handle][hpcpar.parallel.comm.Handle] whose ``wait()`` returns ``t``.
-    """
+    """Start receiving into ``t`` from rank ``source`` of ``comm`` (``MPI.PROC_NULL``: a
+    no-op); ``t`` is valid after the Handle's ``wait()``, which returns it."""
     group = torch_group(comm, t)
     if group is not None:
         return group.post(((t, source, tag),), ())[0]  # type: ignore[return-value]
@@ -274,19 +215,9 @@ def irecv(t: torch.Tensor, source: int, comm: MPI.Comm, tag: int = 0) -> Handle:
 
 def sendrecv(send: torch.Tensor, dest: int, recv: torch.Tensor, source: int, comm: MPI.Comm,
              sendtag: int = 0, recvtag: int | None = None) -> torch.Tensor:
-    """Send ``send`` to ``dest`` while receiving into ``recv`` from ``source``.
+    """Send ``send`` to ``dest`` while receiving into ``recv`` from ``source``; return ``recv``.
 
-    Args:
-        send: The tensor to send.
-        dest: Destination rank (``MPI.PROC_NULL`` at a boundary: nothing is sent).
-        recv: The tensor to fill.
-        source: Source rank (``MPI.PROC_NULL``: nothing is received).
-        comm (mpi4py.MPI.Comm): The communicator.
-        sendtag: Tag of the outgoing message.
-        recvtag: Tag of the incoming message; ``sendtag`` when None.
-
-    Returns:
-        ``recv``.
+    ``MPI.PROC_NULL`` at a boundary sends or receives nothing; ``recvtag`` None is ``sendtag``.
     """
     group = torch_group(comm, send)
     if group is not None:
@@ -307,15 +238,8 @@ def sendrecv(send: torch.Tensor, dest: int, recv: torch.Tensor, source: int, com
 
 @taped("allgather")
 def allgather(t: torch.Tensor, comm: MPI.Comm) -> torch.Tensor:
-    """Gather one equal-shaped tensor from every rank onto every rank.
-
-    Args:
-        t: This rank's tensor; same shape and dtype on every rank.
-        comm (mpi4py.MPI.Comm): The communicator.
-
-    Returns:
-        A tensor of shape ``(comm.size, *t.shape)``, rank r's tensor at index r.
-    """
+    """Gather one equal-shaped tensor from every rank onto every rank: shape
+    ``(comm.size, *t.shape)``, rank r's tensor at index r."""
     size = comm.Get_size()
     out = torch.empty((size, *t.shape), dtype=t.dtype, device=t.device)
     group = torch_group(comm, t)
@@ -331,15 +255,8 @@ def allgather(t: torch.Tensor, comm: MPI.Comm) -> torch.Tensor:
 
 @taped("allgatherv")
 def allgatherv(t: torch.Tensor, comm: MPI.Comm) -> torch.Tensor:
-    """Gather tensors whose first dimension differs between ranks, concatenated.
-
-    Args:
-        t: This rank's rows; the trailing dimensions and dtype must match on every rank.
-        comm (mpi4py.MPI.Comm): The communicator.
-
-    Returns:
-        Every rank's rows concatenated along dim 0 in rank order.
-    """
+    """Every rank's rows of ``t`` (dim 0 may differ, trailing dims and dtype match)
+    concatenated along dim 0 in rank order."""
     rows = comm.allgather(int(t.shape[0]))
     group = torch_group(comm, t)
     if group is not None:  # equal blocks: each rank's rows padded to the longest
@@ -360,20 +277,11 @@ def allgatherv(t: torch.Tensor, comm: MPI.Comm) -> torch.Tensor:
 
 def reduce_scatter(t: torch.Tensor, rows: Sequence[int], comm: MPI.Comm,
                    op: str | MPI.Op = "sum") -> torch.Tensor:
-    """Reduce ``t`` over ``comm`` and give each rank its block of rows of the result.
+    """Reduce ``t`` (same shape on every rank; 16-bit in float32) over ``comm`` element-wise
+    and return rank r's rows ``[off_r, off_r + rows[r])`` of the result in ``t``'s dtype.
 
-    Args:
-        t: Same shape on every rank; reduced element-wise (16-bit tensors in float32).
-        rows: Rows (dim 0) of the result each rank receives, in rank order; uneven counts
-            are allowed; they must sum to ``t.shape[0]``.
-        comm (mpi4py.MPI.Comm): The communicator.
-        op: ``"sum"``, ``"max"``, ``"min"``, ``"prod"`` or an ``MPI.Op``.
-
-    Returns:
-        Rows ``[off_r, off_r + rows[r])`` of the reduction on rank r, in ``t``'s dtype.
-
-    Raises:
-        CommError: ``rows`` does not split ``t``'s rows over the ranks.
+    ``rows`` (uneven allowed) must give one count per rank summing to ``t.shape[0]``, else
+    CommError. ``op`` as in :func:`iallreduce`.
     """
     rows = [int(r) for r in rows]
     if len(rows) != comm.Get_size() or sum(rows) != t.shape[0]:
@@ -399,21 +307,12 @@ def reduce_scatter(t: torch.Tensor, rows: Sequence[int], comm: MPI.Comm,
 def alltoallv(send: torch.Tensor, send_rows: Sequence[int], comm: MPI.Comm,
               recv_rows: Sequence[int] | None = None,
               out: torch.Tensor | None = None) -> torch.Tensor:
-    """Exchange row blocks: this rank sends ``send[off_r : off_r + send_rows[r]]`` to rank r.
+    """Exchange row blocks: this rank sends ``send[off_r : off_r + send_rows[r]]`` to rank r
+    and returns the received rows in source-rank order.
 
-    Args:
-        send: The rows to send, grouped by destination rank in rank order.
-        send_rows: Rows (dim 0) for each destination rank; they sum to ``send.shape[0]``.
-        comm (mpi4py.MPI.Comm): The communicator.
-        recv_rows: Rows expected from each rank; exchanged (one small Alltoall) when None.
-        out: Receive into this contiguous tensor (e.g. the tail of a larger one, saving a
-            copy) instead of a new one; its rows must be the received rows.
-
-    Returns:
-        The received rows concatenated in source-rank order (``out`` when given).
-
-    Raises:
-        CommError: ``send_rows`` has the wrong length or does not sum to the rows of ``send``.
+    ``send_rows`` must give one count per rank summing to ``send.shape[0]`` (else CommError);
+    ``recv_rows`` None is exchanged (one small Alltoall). ``out``: receive into this contiguous
+    tensor of the received rows (e.g. the tail of a larger one, saving a copy), returned.
     """
     size = comm.Get_size()
     send_rows = [int(r) for r in send_rows]
@@ -448,15 +347,9 @@ def alltoallv(send: torch.Tensor, send_rows: Sequence[int], comm: MPI.Comm,
 def check_same(comm: MPI.Comm, value: object, what: str) -> None:
     """Raise the same error on every rank when ``value`` differs across ranks.
 
-    Collective: every rank must call it. Turns "mismatched inputs" into an error, not a hang.
-
-    Args:
-        comm (mpi4py.MPI.Comm): The communicator.
-        value: A picklable value compared with ``!=`` against rank 0's.
-        what: What the value is, for the message (``"batch size"``).
-
-    Raises:
-        CommError: On every rank, naming the first rank whose value differs from rank 0's.
+    Collective: turns "mismatched inputs" into an error, not a hang. ``value`` is picklable,
+    compared with ``!=`` against rank 0's; the CommError names ``what`` (``"batch size"``) and
+    the first rank that differs.
     """
     values = comm.allgather(value)
     if any(v != values[0] for v in values):

@@ -27,33 +27,14 @@ SPATIAL_AXES = ("x", "y", "z")
 
 
 def coords_of(rank: int, shape: Sequence[int]) -> tuple[int, int, int, int]:
-    """The coordinates of a rank; x varies fastest, data slowest.
-
-    Args:
-        rank: The rank.
-        shape: ``(data, X, Y, Z)``.
-
-    Returns:
-        ``(d, i, j, k)``.
-    """
-    d, x, y, z = shape
-    i = rank % x
-    j = (rank // x) % y
-    k = (rank // (x * y)) % z
-    dd = rank // (x * y * z)
-    return (dd, i, j, k)
+    """The ``(d, i, j, k)`` of ``rank`` in a grid of ``shape`` ``(data, X, Y, Z)``; x varies
+    fastest, data slowest."""
+    _, x, y, z = shape
+    return (rank // (x * y * z), rank % x, (rank // x) % y, (rank // (x * y)) % z)
 
 
 def rank_of(coords: tuple[int, int, int, int], shape: tuple[int, int, int, int]) -> int:
-    """The rank at given coordinates: ``i + X*(j + Y*(k + Z*d))`` (inverse of ``coords_of``).
-
-    Args:
-        coords: ``(d, i, j, k)``.
-        shape: ``(data, X, Y, Z)``.
-
-    Returns:
-        The rank.
-    """
+    """The rank at ``(d, i, j, k)``: ``i + X*(j + Y*(k + Z*d))`` (inverse of ``coords_of``)."""
     d, i, j, k = coords
     _, x, y, z = shape
     return i + x * (j + y * (k + z * d))
@@ -64,18 +45,10 @@ AXIS_DIGITS = 7
 
 
 def parse_spec(spec: str) -> tuple[int, int, int, int]:
-    """Parse a grid string such as ``"2x2x1x1"``.
-
-    Args:
-        spec: ``data x X x Y x Z`` (``x``, ``×`` or ``,`` between); trailing axes may be
-            omitted (they are 1) and one may be -1.
-
-    Returns:
-        ``(data, X, Y, Z)``, not yet checked against a rank count (see ``resolve_shape``).
-
-    Raises:
-        GridError: Not 1 to 4 integers of ASCII digits (at most ``AXIS_DIGITS`` each) or -1.
-    """
+    """``(data, X, Y, Z)`` of a grid string such as ``"2x2x1x1"`` (``x``, ``×`` or ``,``
+    between; omitted trailing axes are 1; one may be -1), not yet checked against a rank count
+    (see ``resolve_shape``). GridError unless 1 to 4 integers of ASCII digits (at most
+    ``AXIS_DIGITS`` each) or -1."""
     text = str(spec).strip().lower()
     parts = re.split(r"[x×,]", text) if text else []
     if not 1 <= len(parts) <= 4:
@@ -89,19 +62,9 @@ def parse_spec(spec: str) -> tuple[int, int, int, int]:
 
 
 def resolve_shape(shape: Sequence[int], size: int) -> tuple[int, int, int, int]:
-    """Check a grid shape against a rank count, inferring at most one ``-1`` axis.
-
-    Args:
-        shape: ``(data, X, Y, Z)``; one axis may be -1.
-        size: Number of ranks.
-
-    Returns:
-        The shape with the ``-1`` axis filled in.
-
-    Raises:
-        GridError: Not four axes, an axis that is 0 or below -1, more than one -1, or a
-            product that does not match ``size``.
-    """
+    """``shape`` ``(data, X, Y, Z)`` checked against ``size`` ranks, its one ``-1`` axis
+    inferred. GridError: not four axes, an axis 0 or below -1, more than one -1, or a product
+    that does not match ``size``."""
     shape = tuple(int(s) for s in shape)
     if len(shape) != 4:
         raise GridError(f"grid needs 4 axes (data, x, y, z), got {len(shape)}")
@@ -131,29 +94,14 @@ def fake_nodes() -> int | None:
 
 
 def node_of(rank: int, size: int, nodes: int) -> int:
-    """The node of a rank when ranks are packed in blocks onto nodes.
-
-    Args:
-        rank: The rank.
-        size: Number of ranks.
-        nodes: Number of nodes.
-
-    Returns:
-        The node index, ``rank // ceil(size / nodes)``.
-    """
-    per_node = -(-size // nodes)
-    return rank // per_node
+    """The node of ``rank`` when ``size`` ranks are packed in blocks onto ``nodes`` nodes:
+    ``rank // ceil(size / nodes)``."""
+    return rank // -(-size // nodes)
 
 
 @dataclass(frozen=True)
 class Layout:
-    """One rank's place in the grid, computable without MPI (used by ``hpcpar info``).
-
-    Attributes:
-        rank: The rank.
-        coords: Its ``(d, i, j, k)``.
-        node: Its node index.
-    """
+    """One rank's ``(d, i, j, k)`` and node index, computable without MPI (``hpcpar info``)."""
 
     rank: int
     coords: tuple[int, int, int, int]
@@ -165,18 +113,8 @@ MAX_TABLE_RANKS = 1 << 20
 
 
 def layout(shape: Sequence[int], ranks_per_node: int) -> list[Layout]:
-    """The rank -> coordinates -> node table of a grid, block-placed on nodes (no MPI).
-
-    Args:
-        shape: ``(data, X, Y, Z)``, resolved.
-        ranks_per_node: Ranks on each node.
-
-    Returns:
-        One entry per rank, in rank order.
-
-    Raises:
-        GridError: ``ranks_per_node < 1``.
-    """
+    """The rank -> coordinates -> node table of a resolved grid ``shape``, block-placed on
+    nodes (no MPI), in rank order. GridError when ``ranks_per_node < 1``."""
     size = 1
     for s in shape:
         size *= s
@@ -193,29 +131,15 @@ class ProcessGrid:
     Sub-communicators are created once, collectively, at construction: every rank of ``comm``
     must construct the grid.
 
-    Args:
-        data: Ranks along the data axis (groups that split the global batch).
-        x: Ranks along x (tensor dim 2 of ``(N, C, D, H, W)``).
-        y: Ranks along y (dim 3).
-        z: Ranks along z (dim 4). At most one of the four may be ``-1``: inferred from the
-            communicator size.
-        comm: The MPI communicator to split; ``MPI.COMM_WORLD`` when None.
+    ``data`` splits the global batch; ``x``, ``y``, ``z`` split tensor dims 2, 3, 4 of
+    ``(N, C, D, H, W)``. At most one axis may be ``-1``, inferred from the size of ``comm``
+    (``MPI.COMM_WORLD`` when None). GridError: the product of the axes is not the communicator
+    size, more than one axis is ``-1``, or an axis is not a positive integer.
 
-    Raises:
-        GridError: The product of the axes does not equal the communicator size, or more than
-            one axis is ``-1``, or an axis is not a positive integer.
-
-    Attributes:
-        comm: All ranks of the grid.
-        shape: ``(data, X, Y, Z)``.
-        size: Number of ranks.
-        rank: This rank in ``comm``.
-        coords: This rank's ``(d, i, j, k)``.
-        spatial_comm: Ranks with this rank's data coordinate (rank = ``i + X*(j + Y*k)``).
-        data_comm: Ranks with this rank's ``(x, y, z)`` coordinates (rank = ``d``).
-        node_comm: Ranks on this rank's node (shared memory; ``HPCPAR_FAKE_NODES`` fakes it).
-        node_index: Index of this rank's node.
-        num_nodes: Number of nodes the grid spans.
+    ``coords`` is this rank's ``(d, i, j, k)``; ``spatial_comm`` holds the ranks with this
+    rank's data coordinate (rank ``i + X*(j + Y*k)``), ``data_comm`` those with its
+    ``(x, y, z)`` (rank ``d``), ``node_comm`` those on its node (shared memory;
+    ``HPCPAR_FAKE_NODES`` fakes it), of ``num_nodes`` nodes.
 
     Example:
         ```python
@@ -247,41 +171,20 @@ class ProcessGrid:
         self.node_comm, self.node_index, self.num_nodes = self._split_nodes()
         self._closed = False
 
-    # -- construction helpers -------------------------------------------------------------
     @classmethod
     def parse(cls, spec: str, comm: MPI.Comm | None = None) -> ProcessGrid:
-        """Build a grid from a ``"DxXxYxZ"`` string such as ``"2x2x1x1"``.
-
-        Args:
-            spec: ``data x X x Y x Z``; one axis may be ``-1``.
-            comm: The MPI communicator; ``MPI.COMM_WORLD`` when None.
-
-        Returns:
-            The grid (collective: every rank of ``comm`` must call it).
-
-        Raises:
-            GridError: The string is malformed or does not fit the communicator.
-        """
+        """A grid from a ``"DxXxYxZ"`` string such as ``"2x2x1x1"`` (collective). GridError: the
+        string is malformed or does not fit the communicator."""
         d, x, y, z = parse_spec(spec)
         return cls(d, x, y, z, comm=comm)
 
     @classmethod
     def from_spec(cls, spec: ProcessGrid | str | Sequence[int] | Mapping[str, int],
                   comm: MPI.Comm | None = None) -> ProcessGrid:
-        """Build a grid from any of the forms a job file or a caller may hold.
-
-        Args:
-            spec: A ``ProcessGrid`` (returned as is), a ``"DxXxYxZ"`` string, a sequence of up
-                to four ints (missing trailing axes are 1) or a mapping with keys
-                ``data``/``x``/``y``/``z``.
-            comm: The MPI communicator; ``MPI.COMM_WORLD`` when None.
-
-        Returns:
-            The grid.
-
-        Raises:
-            GridError: An unknown axis name, or a shape that does not fit the communicator.
-        """
+        """A grid from any form a job file or a caller may hold: a ``ProcessGrid`` (returned as
+        is), a ``"DxXxYxZ"`` string, up to four ints (missing trailing axes are 1) or a mapping
+        with keys ``data``/``x``/``y``/``z``. GridError: an unknown axis name, or a shape that
+        does not fit the communicator."""
         if isinstance(spec, ProcessGrid):
             return spec
         if isinstance(spec, str):
@@ -311,7 +214,6 @@ class ProcessGrid:
         num_nodes = self.comm.allreduce(1 if node_comm.Get_rank() == 0 else 0)
         return node_comm, node, num_nodes
 
-    # -- queries ----------------------------------------------------------------------------
     @property
     def data(self) -> int:
         """Number of ranks along the data axis."""
@@ -344,61 +246,23 @@ class ProcessGrid:
         return self.node_comm.Get_size()
 
     def axis_index(self, name: str) -> int:
-        """This rank's coordinate along one axis.
-
-        Args:
-            name: ``'data'``, ``'x'``, ``'y'`` or ``'z'``.
-
-        Returns:
-            The coordinate.
-
-        Raises:
-            GridError: ``name`` is not an axis.
-        """
+        """This rank's coordinate along axis ``name`` (GridError if not data/x/y/z)."""
         return self.coords[self._axis(name)]
 
     def axis_size(self, name: str) -> int:
-        """The number of ranks along one axis.
-
-        Args:
-            name: ``'data'``, ``'x'``, ``'y'`` or ``'z'``.
-
-        Returns:
-            The axis length.
-
-        Raises:
-            GridError: ``name`` is not an axis.
-        """
+        """The number of ranks along axis ``name`` (GridError if not data/x/y/z)."""
         return self.shape[self._axis(name)]
 
     def axis_comm(self, name: str) -> MPI.Comm:
-        """Communicator of the ranks that differ only in axis ``name``.
-
-        Args:
-            name: ``'data'``, ``'x'``, ``'y'`` or ``'z'``.
-
-        Returns:
-            The ``mpi4py`` communicator; a rank's rank in it is its coordinate on that axis.
-
-        Raises:
-            GridError: ``name`` is not an axis.
-        """
+        """Communicator of the ranks that differ only in axis ``name`` (GridError if not
+        data/x/y/z); a rank's rank in it is its coordinate on that axis."""
         self._axis(name)
         return self._axis_comms[name]
 
     def neighbors(self, axis: str | int) -> tuple[int, int]:
-        """The lower and upper neighbours along a spatial axis.
-
-        Args:
-            axis: ``'x'``, ``'y'``, ``'z'`` or ``0``, ``1``, ``2``.
-
-        Returns:
-            ``(lo, hi)`` as ranks of ``spatial_comm``; ``MPI.PROC_NULL`` at the global
-            boundary, so sends and receives there are no-ops.
-
-        Raises:
-            GridError: ``axis`` is not a spatial axis.
-        """
+        """``(lo, hi)`` neighbours along spatial ``axis`` (x/y/z or 0/1/2, else GridError) as
+        ranks of ``spatial_comm``; ``MPI.PROC_NULL`` at the global boundary, so sends and
+        receives there are no-ops."""
         name = SPATIAL_AXES[axis] if isinstance(axis, int) else axis
         if name not in SPATIAL_AXES:
             raise GridError(f"neighbors: axis must be one of x, y, z, got {axis!r}")
@@ -408,14 +272,8 @@ class ProcessGrid:
 
     def spatial_neighbor(self, offset: Sequence[int]) -> int:
         """The rank of ``spatial_comm`` at ``offset`` (dx, dy, dz) from this one: a face,
-        edge or corner neighbour for offsets in {-1, 0, 1}.
-
-        Args:
-            offset: Steps along x, y and z.
-
-        Returns:
-            Its rank in ``spatial_comm``; ``MPI.PROC_NULL`` beyond the global boundary.
-        """
+        edge or corner neighbour for offsets in {-1, 0, 1}; ``MPI.PROC_NULL`` beyond the global
+        boundary."""
         from mpi4py import MPI
 
         dims = self.spatial_shape

@@ -59,26 +59,18 @@ class DistributedDataParallel(nn.Module):
     ``state_dict()``/``load_state_dict()`` are the wrapped module's (no ``module.`` prefix;
     loading also accepts a torch-DDP state dict with that prefix).
 
-    Args:
-        module: The model (plain, spatialized or tensor-parallel).
-        grid: The process grid; ``ProcessGrid()`` (all ranks on the data axis) when None.
-        bucket_cap_mb: Size of every bucket after the first, in MB.
-        first_bucket_mb: Size of the first bucket, which launches early, in MB.
-        hierarchical: ``"auto"`` (on with more than one node and more than one rank per
-            node), True or False; results are bitwise identical either way in fp32/fp64.
-        compression: None, ``"fp16"`` or ``"bf16"``: 16-bit transport, fp32 sums (with
-            ``grad_sync="nccl"`` NCCL sums in the 16-bit type itself).
-        grad_sync: ``"mpi"`` (default) or ``"nccl"``: who reduces the gradient buckets.
-            NCCL (CUDA models) uses a torch.distributed group bootstrapped from the grid's
-            MPI communicator, with the same buckets, overlap and ``no_sync``; halo exchange
-            and everything else stays on MPI. ``"gloo"`` makes the same kind of group on
-            CPU (for tests of that path).
+    ``grid`` None is ``ProcessGrid()`` (all ranks on the data axis). Bucket sizes are in MB;
+    the first bucket launches early. ``hierarchical``: ``"auto"`` (on with more than one node
+    and more than one rank per node), True or False; bitwise identical results either way in
+    fp32/fp64. ``compression``: None, ``"fp16"`` or ``"bf16"``: 16-bit transport, fp32 sums
+    (with NCCL, sums in the 16-bit type itself). ``grad_sync``: ``"mpi"`` or ``"nccl"`` (CUDA
+    models: a torch.distributed group bootstrapped from the grid's MPI communicator, same
+    buckets, overlap and ``no_sync``; halo exchange stays on MPI); ``"gloo"`` makes the same
+    kind of group on CPU (for tests of that path).
 
-    Raises:
-        ConfigError: ``hierarchical``, ``compression`` or ``grad_sync`` is not one of the
-            accepted values, or ``grad_sync="nccl"`` for a model not on a CUDA device.
-        CommError: The model differs across ranks (names, shapes, dtypes or
-            ``requires_grad``); raised on every rank, naming the parameter.
+    Raises ConfigError for an unknown ``hierarchical``, ``compression`` or ``grad_sync``, or
+    ``"nccl"`` for a model not on a CUDA device; CommError on every rank, naming the
+    parameter, when the model differs across ranks (names, shapes, dtypes, ``requires_grad``).
 
     Example:
         ```python
@@ -149,20 +141,9 @@ class DistributedDataParallel(nn.Module):
         for b in retired:
             b.close()
 
-    # -- public API --------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Call the wrapped module.
-
-        Args:
-            *args: Passed to the module.
-            **kwargs: Passed to the module.
-
-        Returns:
-            The module's output.
-
-        Raises:
-            CommError: The wrapper was closed: its gradients would no longer be synchronised.
-        """
+        """Call the wrapped module (CommError after ``close()``: its gradients would no longer
+        be synchronised)."""
         if self.closed:
             raise CommError("DistributedDataParallel: called after close(); its gradients "
                             "would not be synchronised (wrap the module again)")
@@ -225,29 +206,13 @@ class DistributedDataParallel(nn.Module):
 
     # forwards every form of torch's overloaded state_dict, which one signature cannot spell
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        """The wrapped module's state dict (no ``module.`` prefix).
-
-        Args:
-            *args: Passed to the module's ``state_dict``.
-            **kwargs: Passed to the module's ``state_dict``.
-
-        Returns:
-            The module's state dict.
-        """
+        """The wrapped module's state dict (no ``module.`` prefix)."""
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
                         assign: bool = False) -> Any:
-        """Load into the wrapped module; a torch-DDP state dict (``module.`` keys) also loads.
-
-        Args:
-            state_dict: The module's state dict, with or without the ``module.`` prefix.
-            strict: As ``nn.Module.load_state_dict``.
-            assign: As ``nn.Module.load_state_dict``.
-
-        Returns:
-            The missing and unexpected keys, as ``nn.Module.load_state_dict``.
-        """
+        """Load into the wrapped module, as ``nn.Module.load_state_dict``; a torch-DDP state
+        dict (``module.`` keys) also loads."""
         keys = list(state_dict)
         if keys and all(k.startswith("module.") for k in keys):
             state_dict = {k[len("module."):]: v for k, v in state_dict.items()}
@@ -270,7 +235,6 @@ class DistributedDataParallel(nn.Module):
             h.remove()
         self._handles = []
 
-    # -- construction ------------------------------------------------------------------------
     def _check_same_model(self) -> None:
         """Same names/dtypes everywhere, same shapes where replicated; one error on all ranks."""
         grid = self.grid
@@ -346,7 +310,6 @@ class DistributedDataParallel(nn.Module):
         return [Bucket(i, chunk, self._groups[group], wire)
                 for i, (_, group, chunk) in enumerate(lists)]
 
-    # -- the per-step machinery --------------------------------------------------------------
     def _reset_pass(self) -> None:
         self._pass_active = False
         self._pass_sync = False
