@@ -16,22 +16,16 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
-__all__ = [
-    "split_sizes", "largest_piece", "part_range", "part_ranges", "box", "owner",
-    "stencil_output_length", "live_taps", "MapWindow", "map_window",
-    "stencil_input_range", "transposed_output_length", "transposed_input_range", "AxisHalo",
-    "axis_halo", "conv_axis_halo", "transposed_axis_halo", "same_padding", "conv_pads",
-    "ceil_div", "xyz", "torch_pad",
-]
+__all__ = ["split_sizes", "largest_piece", "part_range", "part_ranges", "box", "owner",
+           "stencil_output_length", "live_taps", "MapWindow", "map_window",
+           "stencil_input_range", "transposed_output_length", "transposed_input_range",
+           "AxisHalo", "axis_halo", "conv_axis_halo", "transposed_axis_halo", "same_padding",
+           "conv_pads", "ceil_div", "xyz", "torch_pad"]
 
 
 def xyz(values: Iterable[T]) -> tuple[T, T, T]:
     """The (x, y, z) values of the three spatial axes as a 3-tuple: ``tuple(values)``, which
-    the type checker cannot know has length three.
-
-    Raises:
-        ValueError: Not exactly three values.
-    """
+    the type checker cannot know has length three (ValueError if not three)."""
     x, y, z = values
     return x, y, z
 
@@ -49,18 +43,8 @@ def _check_parts(n: int, parts: int) -> None:
 
 
 def split_sizes(n: int, parts: int) -> list[int]:
-    """Sizes of the pieces of ``n`` items split over ``parts`` parts (the partition rule).
-
-    Args:
-        n: Number of items (non-negative).
-        parts: Number of parts (positive).
-
-    Returns:
-        ``parts`` sizes: part i gets ``n // parts + (1 if i < n % parts else 0)``.
-
-    Raises:
-        ValueError: ``parts < 1`` or ``n < 0``.
-    """
+    """Sizes of the pieces of ``n`` items split over ``parts`` parts (the partition rule);
+    ValueError when ``parts < 1`` or ``n < 0``."""
     _check_parts(n, parts)
     q, r = divmod(n, parts)
     return [q + (1 if i < r else 0) for i in range(parts)]
@@ -73,19 +57,8 @@ def largest_piece(shape: Sequence[int], parts: Sequence[int]) -> tuple[int, ...]
 
 
 def part_range(n: int, parts: int, index: int) -> tuple[int, int]:
-    """The global items ``[start, stop)`` part ``index`` owns under the partition rule.
-
-    Args:
-        n: Number of items.
-        parts: Number of parts.
-        index: The part, ``0 <= index < parts``.
-
-    Returns:
-        ``(start, stop)``, half-open.
-
-    Raises:
-        ValueError: ``parts < 1``, ``n < 0`` or ``index`` out of range.
-    """
+    """The global items ``[start, stop)`` part ``index`` owns under the partition rule;
+    ValueError when ``parts < 1``, ``n < 0`` or ``index`` is not in ``[0, parts)``."""
     _check_parts(n, parts)
     if not 0 <= index < parts:
         raise ValueError(f"part index {index} out of range for {parts} parts")
@@ -95,50 +68,20 @@ def part_range(n: int, parts: int, index: int) -> tuple[int, int]:
 
 
 def part_ranges(n: int, parts: int) -> list[tuple[int, int]]:
-    """Every part's ``[start, stop)`` under the partition rule.
-
-    Args:
-        n: Number of items.
-        parts: Number of parts.
-
-    Returns:
-        The ranges of parts ``0 .. parts-1``, in order.
-
-    Raises:
-        ValueError: ``parts < 1`` or ``n < 0``.
-    """
+    """Every part's ``[start, stop)`` under the partition rule, in order."""
     return [part_range(n, parts, i) for i in range(parts)]
 
 
 def box(shape: Sequence[int], parts: Sequence[int],
         index: Sequence[int]) -> tuple[tuple[int, int], ...]:
-    """A rank's sub-volume, hyperslab or block: the partition rule on every axis.
-
-    Args:
-        shape: Global length of each axis.
-        parts: Number of parts of each axis.
-        index: The part's coordinate on each axis.
-
-    Returns:
-        One ``(start, stop)`` per axis.
-    """
+    """A rank's sub-volume, hyperslab or block: one ``(start, stop)`` per axis, the partition
+    rule on every axis (``index``: the part's coordinate on each axis)."""
     return tuple(part_range(n, p, i) for n, p, i in zip(shape, parts, index))
 
 
 def owner(n: int, parts: int, item: int) -> int:
-    """The part that owns a global item under the partition rule.
-
-    Args:
-        n: Number of items.
-        parts: Number of parts.
-        item: The global item, ``0 <= item < n``.
-
-    Returns:
-        The index of the owning part.
-
-    Raises:
-        ValueError: ``parts < 1``, ``n < 0`` or ``item`` out of range.
-    """
+    """The part that owns global ``item`` under the partition rule; ValueError when
+    ``parts < 1``, ``n < 0`` or ``item`` is not in ``[0, n)``."""
     _check_parts(n, parts)
     if not 0 <= item < n:
         raise ValueError(f"item {item} out of range [0, {n})")
@@ -154,19 +97,7 @@ def stencil_output_length(n: int, kernel: int, stride: int = 1, pad_lo: int = 0,
 
     ``M = floor((n + p_lo + p_hi - d(k-1) - 1) / s) + 1``; with ``ceil_mode`` (pools) the
     division rounds up, but the last window must start inside the input or left padding
-    (torch's rule).
-
-    Args:
-        n: Global input length.
-        kernel: Kernel size k.
-        stride: Stride s.
-        pad_lo: Padding before the first item.
-        pad_hi: Padding after the last item; ``pad_lo`` when None.
-        dilation: Dilation d.
-        ceil_mode: Round the division up (pools).
-
-    Returns:
-        The output length M (0 when the window does not fit).
+    (torch's rule). ``pad_hi`` None is ``pad_lo``; 0 when the window does not fit.
     """
     pad_hi = pad_lo if pad_hi is None else pad_hi
     span = n + pad_lo + pad_hi - dilation * (kernel - 1) - 1
@@ -186,18 +117,7 @@ def stencil_input_range(out_start: int, out_stop: int, kernel: int, stride: int 
     """Global inputs read by a range of outputs of a convolution or pool, unclipped.
 
     Output o reads inputs ``s*o - p_lo + d*t`` for t in ``[0, k)``; positions outside
-    ``[0, N)`` are padding.
-
-    Args:
-        out_start: First owned output.
-        out_stop: One past the last owned output.
-        kernel: Kernel size k.
-        stride: Stride s.
-        pad_lo: Padding before the first item.
-        dilation: Dilation d.
-
-    Returns:
-        ``(start, stop)``, half-open; ``(start, start)`` for an empty output range.
+    ``[0, N)`` are padding. Half-open; ``(start, start)`` for an empty output range.
     """
     start = stride * out_start - pad_lo
     if out_stop <= out_start:
@@ -207,19 +127,8 @@ def stencil_input_range(out_start: int, out_stop: int, kernel: int, stride: int 
 
 def transposed_output_length(n: int, kernel: int, stride: int = 1, padding: int = 0,
                              output_padding: int = 0, dilation: int = 1) -> int:
-    """Global output length of a transposed convolution on one axis (torch's formula).
-
-    Args:
-        n: Global input length.
-        kernel: Kernel size k.
-        stride: Stride s.
-        padding: Padding p.
-        output_padding: Extra items on the high side.
-        dilation: Dilation d.
-
-    Returns:
-        ``(n - 1)*s - 2p + d(k - 1) + output_padding + 1``.
-    """
+    """Global output length of a transposed convolution on one axis (torch's formula):
+    ``(n - 1)*s - 2p + d(k - 1) + output_padding + 1``."""
     return (n - 1) * stride - 2 * padding + dilation * (kernel - 1) + output_padding + 1
 
 
@@ -229,17 +138,7 @@ def transposed_input_range(out_start: int, out_stop: int, kernel: int, stride: i
 
     Output o receives input i when ``o = s*i - p + d*t``, t in ``[0, k)``, so for owned
     outputs ``[a, b]`` i ranges over ``ceil((a + p - d(k-1)) / s) .. floor((b + p) / s)``.
-
-    Args:
-        out_start: First owned output.
-        out_stop: One past the last owned output.
-        kernel: Kernel size k.
-        stride: Stride s.
-        padding: Padding p.
-        dilation: Dilation d.
-
-    Returns:
-        ``(start, stop)``, half-open; ``(0, 0)`` for an empty output range.
+    Half-open; ``(0, 0)`` for an empty output range.
     """
     if out_stop <= out_start:
         return 0, 0
@@ -251,22 +150,12 @@ def transposed_input_range(out_start: int, out_stop: int, kernel: int, stride: i
 
 @dataclass(frozen=True)
 class AxisHalo:
-    """What one rank needs along one axis for one stencil layer.
+    """What one rank needs along one axis for one stencil layer (global coordinates).
 
-    When the owned outputs read only padding, ``needed`` is empty and the padding is all
-    there is.
-
-    Attributes:
-        n_in: Global input length.
-        n_out: Global output length.
-        owned: The rank's input range ``[start, stop)``.
-        out: The rank's output range.
-        needed: The input range its outputs read, clipped to ``[0, n_in)``.
-        halo_lo: Items to receive from the lower neighbours' data (negative: owned items
-            nobody needs, to trim).
-        halo_hi: Items to receive from the upper neighbours' data (negative: trim).
-        pad_lo: Padding items this rank adds itself below (only on the global boundary).
-        pad_hi: Padding items this rank adds itself above.
+    ``owned`` and ``out`` are its input and output ranges; ``needed`` the inputs its outputs
+    read, clipped to ``[0, n_in)`` (empty when they read only padding). ``halo_lo``/``halo_hi``:
+    items to receive from the lower/upper neighbours' data (negative: owned items nobody needs,
+    to trim); ``pad_lo``/``pad_hi``: padding this rank adds itself (only on the global boundary).
     """
 
     n_in: int
@@ -285,18 +174,8 @@ def axis_halo(n_in: int, n_out: int, parts: int, index: int,
     """The halo of one part along one axis, from output ownership.
 
     The output is split with the partition rule; the input partition is the partition rule
-    applied to ``n_in`` (the output partition of the previous layer).
-
-    Args:
-        n_in: Global input length.
-        n_out: Global output length.
-        parts: Number of parts on the axis.
-        index: The part.
-        needed_for: ``(out_start, out_stop) -> (start, stop)``: the unclipped inputs a
-            range of outputs reads.
-
-    Returns:
-        The part's halo widths, padding and ranges.
+    applied to ``n_in`` (the output partition of the previous layer). ``needed_for`` maps
+    ``(out_start, out_stop)`` to the unclipped inputs ``(start, stop)`` those outputs read.
     """
     owned = part_range(n_in, parts, index)
     out = part_range(n_out, parts, index)
@@ -320,22 +199,8 @@ def axis_halo(n_in: int, n_out: int, parts: int, index: int,
 def conv_axis_halo(n_in: int, parts: int, index: int, kernel: int, stride: int = 1,
                    pad_lo: int = 0, pad_hi: int | None = None, dilation: int = 1,
                    ceil_mode: bool = False) -> AxisHalo:
-    """The halo of one part along one axis for a convolution or pooling window.
-
-    Args:
-        n_in: Global input length.
-        parts: Number of parts on the axis.
-        index: The part.
-        kernel: Kernel size.
-        stride: Stride.
-        pad_lo: Padding before the first item.
-        pad_hi: Padding after the last item; ``pad_lo`` when None.
-        dilation: Dilation.
-        ceil_mode: Round the output length up (pools).
-
-    Returns:
-        The part's halo (see [axis_halo][hpcpar.parallel.partition.axis_halo]).
-    """
+    """The :func:`axis_halo` of part ``index`` for a convolution or pooling window
+    (``pad_hi`` None is ``pad_lo``; ``ceil_mode``: round the output length up, pools)."""
     n_out = stencil_output_length(n_in, kernel, stride, pad_lo, pad_hi, dilation, ceil_mode)
     return axis_halo(n_in, n_out, parts, index,
                      lambda a, b: stencil_input_range(a, b, kernel, stride, pad_lo, dilation))
@@ -344,21 +209,7 @@ def conv_axis_halo(n_in: int, parts: int, index: int, kernel: int, stride: int =
 def transposed_axis_halo(n_in: int, parts: int, index: int, kernel: int, stride: int = 1,
                          padding: int = 0, output_padding: int = 0,
                          dilation: int = 1) -> AxisHalo:
-    """The halo of one part along one axis for a transposed convolution.
-
-    Args:
-        n_in: Global input length.
-        parts: Number of parts on the axis.
-        index: The part.
-        kernel: Kernel size.
-        stride: Stride.
-        padding: Padding.
-        output_padding: Extra output items on the high side.
-        dilation: Dilation.
-
-    Returns:
-        The part's halo (see [axis_halo][hpcpar.parallel.partition.axis_halo]).
-    """
+    """The :func:`axis_halo` of part ``index`` for a transposed convolution."""
     n_out = transposed_output_length(n_in, kernel, stride, padding, output_padding, dilation)
     return axis_halo(n_in, n_out, parts, index,
                      lambda a, b: transposed_input_range(a, b, kernel, stride, padding,
@@ -366,32 +217,15 @@ def transposed_axis_halo(n_in: int, parts: int, index: int, kernel: int, stride:
 
 
 def same_padding(kernel: int, dilation: int = 1) -> tuple[int, int]:
-    """torch's ``padding="same"`` split for stride 1: extra padding goes on the high side.
-
-    Args:
-        kernel: Kernel size.
-        dilation: Dilation.
-
-    Returns:
-        ``(low, high)`` padding.
-    """
+    """torch's ``padding="same"`` ``(low, high)`` for stride 1: the extra goes on the high side."""
     total = dilation * (kernel - 1)
     return total // 2, total - total // 2
 
 
 def conv_pads(padding: str | int | Sequence[int], axis: int, kernel: int,
               dilation: int = 1) -> tuple[int, int]:
-    """The padding of a conv's ``padding`` argument on one axis (torch's meanings).
-
-    Args:
-        padding: ``"same"``, ``"valid"``, an int or one int per axis.
-        axis: The axis (an index into ``padding`` when it is a sequence).
-        kernel: Kernel size on the axis.
-        dilation: Dilation on the axis.
-
-    Returns:
-        ``(low, high)`` padding.
-    """
+    """``(low, high)`` padding on ``axis`` of a conv's ``padding`` argument (``"same"``,
+    ``"valid"``, an int or one int per axis; torch's meanings)."""
     if isinstance(padding, str):  # torch's modules accept only "same" and "valid"
         return same_padding(kernel, dilation) if padding == "same" else (0, 0)
     p = padding if isinstance(padding, int) else padding[axis]
@@ -399,15 +233,7 @@ def conv_pads(padding: str | int | Sequence[int], axis: int, kernel: int,
 
 
 def ceil_div(a: int, b: int) -> int:
-    """Divide rounding up, in exact integer arithmetic (no float rounding for large sizes).
-
-    Args:
-        a: The dividend.
-        b: The divisor (positive).
-
-    Returns:
-        ``ceil(a / b)``.
-    """
+    """``ceil(a / b)`` for ``b > 0`` in exact integer arithmetic (no float rounding)."""
     return -(-a // b)
 
 
