@@ -43,18 +43,7 @@ def global_spatial_shape(x: torch.Tensor, grid: ProcessGrid,
     No caching by local shape: two global sizes can give a rank the same local extent (9 or
     10 over 2 ranks: rank 0 holds 5) and a stale plan on one rank would hang the others. The
     checks are memoized by the whole gathered table instead, which every rank holds alike.
-
-    Args:
-        x: This rank's piece.
-        grid: The process grid.
-        what: What ``x`` is, for messages (the layer's name).
-
-    Returns:
-        ``(Nx, Ny, Nz)``.
-
-    Raises:
-        LayerError: Not 5D, or pieces that disagree across the spatial group (the same
-            error on every rank).
+    LayerError (the same on every rank, naming ``what``): not 5D, or pieces that disagree.
     """
     import numpy as np
 
@@ -124,26 +113,14 @@ def _spatial_rank(c, dims) -> int:
     return c[0] + dims[0] * (c[1] + dims[1] * c[2])
 
 
-# --------------------------------------------------------------------------------------------
-# plans
-# --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class AxisPlan:
     """One rank's exchange along one axis, in local coordinates (0 = first owned item).
 
-    Attributes:
-        length: Items this rank owns on the axis.
-        hull: Owned-relative range the buffer spans (needed items, and owned items a
-            neighbour needs).
-        pad_lo: Padding items before the hull (global boundary only).
-        pad_hi: Padding items after the hull.
-        recv_lo: Items received from the lower neighbour.
-        recv_hi: Items received from the upper neighbour.
-        send_lo: Items sent to the lower neighbour.
-        send_hi: Items sent to the upper neighbour.
-        lo: The lower neighbour's spatial rank (None: none).
-        hi: The upper neighbour's spatial rank (None: none).
-        result: Buffer index range returned to the layer.
+    ``length`` items owned; ``hull``: the owned-relative range the buffer spans (needed items,
+    and owned items a neighbour needs), with ``pad_lo``/``pad_hi`` padding around it (global
+    boundary only); ``recv_*``/``send_*``: items from/to the lower and upper neighbours, whose
+    spatial ranks are ``lo``/``hi`` (None: none); ``result``: the buffer range returned.
     """
 
     length: int
@@ -219,17 +196,9 @@ class HaloPlan:
 
     Build with ``from_halos`` (every rank's ``AxisHalo`` per axis, e.g. from
     ``hpcpar.parallel.partition.conv_axis_halo``, as layers do) or ``gather`` (each rank
-    passes only its own halos; one allgather).
-
-    Args:
-        grid: The process grid.
-        axes: This rank's exchange along x, y and z.
-        layer: The layer's name, for messages.
-
-    Attributes:
-        trims: True when the result is a strict sub-range of the buffer on some axis.
-        covers_owned: True when the buffer holds every owned item on every axis.
-        pad_regions: Slices of the buffer outside the global volume (padding).
+    passes only its own halos; one allgather). ``trims``: the result is a strict sub-range
+    of the buffer on some axis; ``covers_owned``: the buffer holds every owned item;
+    ``pad_regions``: slices of the buffer outside the global volume.
     """
 
     def __init__(self, grid: ProcessGrid, axes: tuple[AxisPlan, AxisPlan, AxisPlan],
@@ -266,25 +235,13 @@ class HaloPlan:
         """Bytes held by the plan's reused message buffers."""
         return sum(t.numel() * t.element_size() for t in self._messages.values())
 
-    # -- construction ---------------------------------------------------------------------
     @classmethod
     def from_halos(cls, grid: ProcessGrid, halos_per_axis: Sequence[Sequence[AxisHalo]],
                    layer: str = "halo exchange") -> HaloPlan:
-        """Build the plan from every rank's halos (no communication).
-
-        Args:
-            grid: The process grid.
-            halos_per_axis: ``halos_per_axis[a][i]`` is the ``AxisHalo`` of the rank at
-                coordinate ``i`` on axis ``a``.
-            layer: The layer's name, for messages.
-
-        Returns:
-            This rank's plan.
-
-        Raises:
-            LayerError: A wrong number of halos, or halos inconsistent with the partition
-                rule or larger than a neighbour's extent.
-        """
+        """This rank's plan from every rank's halos (no communication):
+        ``halos_per_axis[a][i]`` is the ``AxisHalo`` of coordinate ``i`` on axis ``a``.
+        LayerError: a wrong number of halos, or halos inconsistent with the partition rule or
+        larger than a neighbour's extent."""
         dims = grid.spatial_shape
         coords = grid.spatial_coords
         axes = []
@@ -309,19 +266,8 @@ class HaloPlan:
     @classmethod
     def gather(cls, grid: ProcessGrid, halos: Sequence[AxisHalo],
                layer: str = "halo exchange") -> HaloPlan:
-        """Build the plan from each rank's own halos (collective over the spatial group).
-
-        Args:
-            grid: The process grid.
-            halos: This rank's three ``AxisHalo`` (x, y, z).
-            layer: The layer's name, for messages.
-
-        Returns:
-            This rank's plan.
-
-        Raises:
-            LayerError: Not three ``AxisHalo``, or halos inconsistent across ranks.
-        """
+        """This rank's plan from each rank's own three ``AxisHalo`` (x, y, z); collective over
+        the spatial group. LayerError: not three, or inconsistent across ranks."""
         halos = tuple(halos)
         if len(halos) != 3 or not all(isinstance(h, AxisHalo) for h in halos):
             raise LayerError(f"{layer}: halos must be 3 hpcpar.parallel.partition.AxisHalo "
@@ -341,7 +287,6 @@ class HaloPlan:
             per_axis.append([line[mine][i] for i in range(dims[a])])
         return cls.from_halos(grid, per_axis, layer)
 
-    # -- geometry -------------------------------------------------------------------------
     def buffer_shape(self, lead: Sequence[int]) -> tuple[int, ...]:
         """Shape of the halo buffer for leading dims ``lead`` (``(N, C)``)."""
         return (*lead, *(ax.size for ax in self.axes))

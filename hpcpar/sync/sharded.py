@@ -60,13 +60,8 @@ class ShardedOptimizer:
     The group's learning rates live in :attr:`param_groups` (the inner optimizer's), so an lr
     scheduler attaches to :attr:`optimizer`.
 
-    Args:
-        ddp: The model's ``DistributedDataParallel`` (collective: every rank builds its own).
-        make: Builds the inner torch optimizer from a list of param-group dicts.
-        param_groups: The model's parameters or param-group dicts, as for torch optimizers.
-
-    Raises:
-        ConfigError: ``ddp`` is not a ``DistributedDataParallel``.
+    Collective (every rank builds its own over the model's ``DistributedDataParallel``, else
+    ConfigError); ``make`` builds the inner torch optimizer from a list of param-group dicts.
     """
 
     def __init__(self, ddp, make: Callable[[list[dict]], torch.optim.Optimizer], param_groups):
@@ -87,7 +82,6 @@ class ShardedOptimizer:
         self._build()
         ddp._shard_gradients(self._attach_grads)
 
-    # -- the shards ---------------------------------------------------------------------------
     def _build(self) -> None:
         """Pieces, master shards and the inner optimizer's params from the current buckets."""
         self._planned_for = self.ddp._buckets
@@ -193,7 +187,6 @@ class ShardedOptimizer:
                 else:
                     p.grad.zero_()
 
-    # -- consolidation (checkpoints) ----------------------------------------------------------
     def twin(self) -> torch.optim.Optimizer:
         """A plain optimizer over the model's parameters with this one's hyperparameters
         (learning rates included) and no state."""
@@ -276,7 +269,6 @@ class ShardedOptimizer:
         plain.load_state_dict(state_dict)
         self.load_consolidated(plain)
 
-    # -- the parameter all-gather -------------------------------------------------------------
     def _gather_params(self, buckets, pieces, source, into=None, scratch=False) -> None:
         """Per bucket: this rank's pieces (``source(piece)``; None = leave) into its chunk of
         the bucket's flat buffer, one in-place allgather over the bucket's group, then each
