@@ -71,27 +71,14 @@ class HaloExchange(torch.autograd.Function):
 
 def halo_exchange(x: torch.Tensor, grid: ProcessGrid,
                   halos: HaloPlan | Sequence[AxisHalo], pad_value: float = 0.0) -> torch.Tensor:
-    """Extend the local ``(N, C, D, H, W)`` tensor ``x`` by ghosts and boundary padding.
+    """``x``, this rank's ``(N, C, D, H, W)`` piece, extended by the halo widths on every side
+    (trimmed where a halo is negative) over ``grid.spatial_comm``; backward is the adjoint.
 
-    Axes are swept x, y, z, each message carrying the ghosts received before, so edges and
-    corners arrive with two messages per axis. Autograd-aware: backward is the adjoint (ghost
-    gradients go back and are added into their owners' cells).
-
-    Args:
-        x: This rank's piece of the volume.
-        grid: The process grid (the exchange runs over ``grid.spatial_comm``).
-        halos: This rank's three ``AxisHalo`` (x, y, z), e.g. from
-            ``partition.conv_axis_halo`` (then one small allgather over the spatial group
-            tells each rank what its neighbours need), or a ready ``HaloPlan`` (no collective).
-        pad_value: Value of the padding outside the global volume (0 for conv and average
-            pooling, ``-inf`` for max pooling); only ranks on the global boundary pad.
-
-    Returns:
-        ``x`` extended by the halo widths on every side (trimmed where a halo is negative).
-
-    Raises:
-        LayerError: A rank holds fewer items than a neighbour's halo needs (the same error
-            on every rank).
+    ``halos``: this rank's three ``AxisHalo`` (x, y, z), e.g. from ``partition.conv_axis_halo``
+    (then one small allgather over the spatial group tells each rank what its neighbours
+    need), or a ready ``HaloPlan`` (no collective). ``pad_value`` fills outside the global
+    volume (0 for conv and average pooling, ``-inf`` for max pooling). LayerError on every
+    rank when a rank holds fewer items than a neighbour's halo needs.
     """
     plan = halos if isinstance(halos, HaloPlan) else HaloPlan.gather(grid, halos)
     return HaloExchange.apply(x, plan, pad_value)
@@ -253,21 +240,12 @@ class HaloStencil(torch.autograd.Function):
 
 def halo_stencil(x: torch.Tensor, plan: HaloPlan, op: StencilOp, *params: torch.Tensor | None,
                  pad_value: float = 0.0) -> torch.Tensor:
-    """A halo exchange fused with a local op: ``op.forward(halo_exchange(x), *params)``.
+    """A halo exchange fused with a local op: ``op.forward(halo_exchange(x), *params)``, the
+    op's output on this rank's owned outputs; gradients flow to ``params`` (weight, bias).
 
     Keeps only the input and the received ghost faces for backward (the extended tensor is
     rebuilt there without messages), so it costs about 1x activation memory. What the
     spatial layers use.
-
-    Args:
-        x: This rank's piece ``(N, C, d, h, w)``.
-        plan: The layer's halo plan.
-        op: The local op applied to the extended tensor.
-        *params: Tensors passed to the op (weight, bias); gradients flow to them.
-        pad_value: Padding outside the global volume (``-inf`` for max pooling).
-
-    Returns:
-        The op's output on this rank's owned outputs.
     """
     dev = x.device.type
     if op.autocast and torch.is_autocast_enabled(dev):

@@ -17,8 +17,7 @@ from hpcpar.parallel.comm import allgatherv, irecv, isend
 from hpcpar.parallel.grid import ProcessGrid, coords_of
 from hpcpar.parallel.partition import box
 
-__all__ = ["scatter", "gather", "allgather_volume", "local_shape",
-           "local_slices"]
+__all__ = ["scatter", "gather", "allgather_volume", "local_shape", "local_slices"]
 
 _TAG = 7301  # point-to-point tag for scatter/gather traffic
 
@@ -40,20 +39,10 @@ def _check_shape(global_shape, grid) -> tuple[int, ...]:
 
 def local_slices(global_shape: Sequence[int], grid: ProcessGrid,
                  rank: int | None = None) -> tuple[slice, ...]:
-    """Where a rank's piece sits in the global volume.
-
-    Args:
-        global_shape: Shape of the whole volume, e.g. ``(N, C, D, H, W)``; the last three
-            dims are split over x, y, z.
-        grid: The process grid.
-        rank: A rank of ``grid.spatial_comm``; this rank when None.
-
-    Returns:
-        One slice per dim (whole for the leading dims) selecting the rank's piece.
-
-    Raises:
-        LayerError: The volume has fewer than 3 dims or fewer voxels than ranks on an axis.
-    """
+    """Where the piece of ``rank`` (of ``grid.spatial_comm``; this rank when None) sits in a
+    volume of ``global_shape`` whose last three dims are split over x, y, z: one slice per dim,
+    whole for the leading dims. LayerError: fewer than 3 dims or fewer voxels than ranks on an
+    axis."""
     shape = _check_shape(global_shape, grid)
     coords = grid.spatial_coords if rank is None else _spatial_coords(rank, grid)
     lead = [slice(None)] * (len(shape) - 3)
@@ -62,19 +51,8 @@ def local_slices(global_shape: Sequence[int], grid: ProcessGrid,
 
 def local_shape(global_shape: Sequence[int], grid: ProcessGrid,
                 rank: int | None = None) -> tuple[int, ...]:
-    """Shape of the piece a rank holds (the partition rule on each spatial axis).
-
-    Args:
-        global_shape: Shape of the whole volume, e.g. ``(N, C, D, H, W)``.
-        grid: The process grid.
-        rank: A rank of ``grid.spatial_comm``; this rank when None.
-
-    Returns:
-        The local shape: leading dims unchanged, the last three split.
-
-    Raises:
-        LayerError: The volume has fewer than 3 dims or fewer voxels than ranks on an axis.
-    """
+    """Shape of the piece ``rank`` holds: the partition rule on the last three dims (as
+    :func:`local_slices`, with its LayerError)."""
     shape = _check_shape(global_shape, grid)
     sl = local_slices(shape, grid, rank)
     return tuple(shape[:-3]) + tuple(s.stop - s.start for s in sl[-3:])
@@ -82,23 +60,10 @@ def local_shape(global_shape: Sequence[int], grid: ProcessGrid,
 
 def scatter(volume: torch.Tensor | None, grid: ProcessGrid, root: int = 0,
             device: torch.device | str | None = None) -> torch.Tensor:
-    """Split a whole volume over the spatial group; every rank gets its own piece.
-
-    Collective over ``grid.spatial_comm``.
-
-    Args:
-        volume: The whole ``(..., D, H, W)`` tensor on spatial rank ``root``; ignored
-            (may be None) elsewhere.
-        grid: The process grid.
-        root: The spatial rank holding ``volume``.
-        device: Where non-root ranks allocate their piece (CPU when None); the root keeps
-            the volume's device.
-
-    Returns:
-        This rank's contiguous piece, shaped as [local_shape][hpcpar.parallel.spatial.local_shape].
-
-    Raises:
-        LayerError: The volume has fewer than 3 dims or fewer voxels than ranks on an axis.
+    """Split a whole ``(..., D, H, W)`` volume on spatial rank ``root`` (ignored, may be None,
+    elsewhere) over the spatial group: this rank's contiguous piece, shaped as
+    :func:`local_shape` (with its LayerError). Collective over ``grid.spatial_comm``.
+    Non-root ranks allocate on ``device`` (CPU when None); the root keeps the volume's device.
     """
     comm = grid.spatial_comm
     me = comm.Get_rank()
@@ -127,13 +92,10 @@ def scatter(volume: torch.Tensor | None, grid: ProcessGrid, root: int = 0,
 
 def _layout(shapes, grid):
     """Global shape and per-rank slices from every rank's local shape (x/y/z offsets are
-    prefix sums of the extents along each grid axis; no split rule assumed).
-
-    Raises:
-        LayerError: The pieces do not tile one volume: leading dims that differ, or two
-            ranks at the same coordinate of a grid axis with different extents along it
-            (e.g. a piece whose split dims were moved on its way here). Every rank that
-            checks the same shapes raises the same error.
+    prefix sums of the extents along each grid axis; no split rule assumed). LayerError,
+    alike on every rank checking the same shapes, when the pieces do not tile one volume:
+    leading dims that differ, or two ranks at the same coordinate of a grid axis with
+    different extents along it (e.g. a piece whose split dims were moved on its way here).
     """
     X, Y, Z = grid.spatial_shape
     coords = [_spatial_coords(r, grid) for r in range(len(shapes))]
@@ -188,24 +150,14 @@ def _piece_shapes(local: torch.Tensor, comm, what: str) -> list[tuple[int, ...]]
 
 def gather(local: torch.Tensor, grid: ProcessGrid, root: int = 0, *,
            dims: Sequence[int] | None = None) -> torch.Tensor | None:
-    """Assemble the pieces of the spatial group into the whole volume on one rank.
+    """The pieces of the spatial group assembled into the whole volume on spatial rank
+    ``root``; None on every other rank. Collective over ``grid.spatial_comm``; the inverse of
+    :func:`scatter`.
 
-    Collective over ``grid.spatial_comm``; the inverse of
-    [scatter][hpcpar.parallel.spatial.scatter].
-
-    Args:
-        local: This rank's piece.
-        grid: The process grid.
-        root: The spatial rank that receives the volume.
-        dims: Where the x, y, z split dims are in ``local`` (default: its last three). A
-            split tensor knows them: ``hpcpar.nn.whole(t)`` passes them for you.
-
-    Returns:
-        The whole volume on ``root``; None on every other rank.
-
-    Raises:
-        LayerError: On every rank, when the pieces do not tile one volume (every rank checks
-            all the shapes before any piece travels: an error, never a rank left sending).
+    ``dims``: where the x, y, z split dims are in ``local`` (default: its last three); a
+    split tensor knows them: ``hpcpar.nn.whole(t)`` passes them for you. LayerError on every
+    rank when the pieces do not tile one volume (every rank checks all the shapes before any
+    piece travels: an error, never a rank left sending).
     """
     if dims is not None:
         moved = _split_dims(dims, local.dim())
@@ -231,20 +183,10 @@ def gather(local: torch.Tensor, grid: ProcessGrid, root: int = 0, *,
 
 def allgather_volume(local: torch.Tensor,
                      grid: ProcessGrid) -> tuple[torch.Tensor, tuple[slice, ...]]:
-    """Give every rank of the spatial group the full volume, e.g. for a layer that needs it whole.
-
-    Collective over ``grid.spatial_comm`` (one object allgather of shapes + one Allgatherv).
-
-    Args:
-        local: This rank's piece of the volume, (N, C, d, h, w).
-        grid: The process grid whose spatial group holds the pieces.
-
-    Returns:
-        The full volume, and the slices of it that are this rank's piece.
-
-    Raises:
-        LayerError: On every rank, when the pieces do not tile one volume.
-    """
+    """The full volume on every rank of the spatial group (e.g. for a layer that needs it
+    whole), and the slices of it that are this rank's piece. Collective over
+    ``grid.spatial_comm`` (one object allgather of shapes + one Allgatherv); LayerError on
+    every rank when the pieces do not tile one volume."""
     comm = grid.spatial_comm
     shapes = _piece_shapes(local, comm, "allgather_volume")
     global_shape, slices = _layout(shapes, grid)
