@@ -5,12 +5,8 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["BufferPool", "POOL", "CHANNELS_LAST", "input_layout", "memory_format",
            "new_buffer", "new_message"]
@@ -22,10 +18,8 @@ class BufferPool:
     vs 18 ms), but a kept buffer stays allocated from the forward into the backward, where
     the step's memory peaks (measured: +1 volume per rank, 6.2 vs 5 volumes for a 2-conv
     stack). Memory wins: ``keep=0`` by default (no reuse); ``POOL.keep = 4`` trades one
-    buffer per shape for speed. ``take`` hands a buffer to one user at a time.
-
-    Args:
-        keep: Idle buffers kept for reuse (0: none).
+    buffer per shape for speed (``keep``: idle buffers kept for reuse). ``take`` hands a
+    buffer to one user at a time.
     """
 
     def __init__(self, keep: int = 0):
@@ -34,17 +28,8 @@ class BufferPool:
 
     def take(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device | str,
              perm: tuple[int, int, int] | str | None = None) -> torch.Tensor:
-        """Hand out an ``(N, C, D, H, W)`` buffer, reused when an idle one matches.
-
-        Args:
-            shape: The buffer's shape.
-            dtype: Its dtype.
-            device: Its device.
-            perm: Its memory order (of the 3 spatial dims, or ``CHANNELS_LAST``).
-
-        Returns:
-            The buffer (contents undefined).
-        """
+        """Hand out an ``(N, C, D, H, W)`` buffer (contents undefined), reused when an idle one
+        matches; ``perm`` as in :func:`new_buffer`."""
         key = (tuple(shape), dtype, torch.device(device), perm)
         for i, (k, _) in enumerate(self._idle):
             if k == key:
@@ -77,13 +62,8 @@ def input_layout(x: torch.Tensor) -> str | None:
     """Detect a channels-last input, so the halo buffer can keep its layout.
 
     Like torch's own conv, the buffer then needs no transposing copy per layer, and x and y
-    faces are runs of whole rows of channels (they pack at copy speed).
-
-    Args:
-        x: The (N, C, D, H, W) input.
-
-    Returns:
-        :data:`CHANNELS_LAST` for a channels-last input with more than one channel, else None.
+    faces are runs of whole rows of channels (they pack at copy speed). :data:`CHANNELS_LAST`
+    for a channels-last input with more than one channel, else None.
     """
     if x.dim() == 5 and x.shape[1] > 1 and not x.is_contiguous() and \
             x.is_contiguous(memory_format=torch.channels_last_3d):
@@ -92,14 +72,8 @@ def input_layout(x: torch.Tensor) -> str | None:
 
 
 def memory_format(layout: str | None) -> torch.memory_format:
-    """Map a buffer layout to the torch memory format, for tensors that must match the buffer.
-
-    Args:
-        layout: :data:`CHANNELS_LAST`, or None for contiguous.
-
-    Returns:
-        ``torch.channels_last_3d`` or ``torch.contiguous_format``.
-    """
+    """The torch memory format of a buffer ``layout`` (:data:`CHANNELS_LAST` or None), for
+    tensors that must match the buffer."""
     return torch.channels_last_3d if layout == CHANNELS_LAST else torch.contiguous_format
 
 
@@ -108,17 +82,8 @@ def new_buffer(shape: Sequence[int], dtype: torch.dtype, device: torch.device | 
     """Allocate an empty halo buffer whose memory holds the spatial dims in a chosen order.
 
     With a permutation, ``t.permute(0, 1, *(2 + p for p in perm))`` is contiguous, so faces
-    along any axis can be packed cheaply.
-
-    Args:
-        shape: The logical (N, C, D, H, W) shape.
-        dtype: Element type.
-        device: Where to allocate.
-        perm: Order of the spatial dims in memory; None: contiguous; :data:`CHANNELS_LAST`:
-            channels innermost.
-
-    Returns:
-        The uninitialised tensor, with logical shape ``shape``.
+    along any axis can be packed cheaply. None: contiguous; :data:`CHANNELS_LAST`: channels
+    innermost.
     """
     if perm is None or isinstance(perm, str):  # contiguous or CHANNELS_LAST
         return torch.empty(shape, dtype=dtype, device=device, memory_format=memory_format(perm))

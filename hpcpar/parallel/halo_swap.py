@@ -7,7 +7,6 @@ boundary padding; and its exact adjoint (ghost gradients sent back and added by 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,9 +14,6 @@ from hpcpar.parallel import replay
 from hpcpar.parallel.counters import COUNTERS, profiled
 from hpcpar.parallel.halo_buffers import BufferPool, new_buffer, new_message
 from hpcpar.parallel.halo_plan import HaloPlan
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["exchange_forward", "rebuild", "exchange_adjoint"]
 
@@ -87,21 +83,12 @@ def exchange_forward(x: torch.Tensor, plan: HaloPlan, pad_value: float = 0.0,
     """Build the halo-extended buffer for ``x``, swapping faces with the neighbouring ranks.
 
     Collective with the neighbours along each split axis. The received faces are kept so the
-    backward pass can :func:`rebuild` the buffer without messages.
+    backward pass can :func:`rebuild` the buffer without messages: returns the buffer and,
+    per axis, a ``(low, high)`` pair of faces (None where nothing was received).
 
-    Args:
-        x: This rank's local (N, C, D, H, W) input.
-        plan: The halo plan made for ``x``'s local shape.
-        pad_value: Value written where the buffer lies outside the global volume.
-        pool: Buffer pool to take the buffer from (give it back when done); None: allocate.
-        perm: Memory order of the buffer's spatial dims, as in :func:`new_buffer`.
-
-    Returns:
-        The buffer, and the faces received, per axis a ``(low, high)`` pair (None where
-        nothing was received).
-
-    Raises:
-        LayerError: ``x`` does not have the local shape the plan was made for.
+    ``pad_value`` fills where the buffer lies outside the global volume; ``pool``: take the
+    buffer from it (give it back when done), else allocate; ``perm`` as in ``new_buffer``.
+    LayerError when ``x`` does not have the local shape the plan was made for.
     """
     t0 = time.perf_counter()
     plan.check_input(x)
@@ -149,18 +136,8 @@ def rebuild(x: torch.Tensor, plan: HaloPlan, received: list, pad_value: float = 
             perm: tuple[int, int, int] | str | None = None) -> torch.Tensor:
     """Rebuild the forward halo buffer from ``x`` and the faces received then, with no messages.
 
-    Lets the backward pass recompute the buffer instead of keeping it alive.
-
-    Args:
-        x: This rank's local (N, C, D, H, W) input, as in the forward pass.
-        plan: The halo plan used in the forward pass.
-        received: The faces :func:`exchange_forward` returned.
-        pad_value: Value written where the buffer lies outside the global volume.
-        pool: Buffer pool to take the buffer from (give it back when done); None: allocate.
-        perm: Memory order of the buffer's spatial dims, as in :func:`new_buffer`.
-
-    Returns:
-        The buffer, equal to the one :func:`exchange_forward` built.
+    Lets the backward pass recompute the buffer instead of keeping it alive; the arguments
+    are those of the forward pass.
     """
     t0 = time.perf_counter()
     with torch._C.DisableTorchFunction():   # a saved tensor subclass: its plain data, no dispatch
@@ -177,16 +154,9 @@ def exchange_adjoint(gbuf: torch.Tensor, plan: HaloPlan, like: torch.Tensor,
     """Apply the adjoint of :func:`exchange_forward`, turning a buffer gradient into the input's.
 
     Ghost gradients are sent back to their owners and added in. Collective with the
-    neighbours along each split axis.
-
-    Args:
-        gbuf: Gradient with respect to the buffer (buffer-shaped; modified in place).
-        plan: The halo plan used in the forward pass.
-        like: The forward input, giving the gradient's shape, dtype and device.
-        layout: The forward buffer's layout (messages travel in its memory order).
-
-    Returns:
-        The gradient with respect to the local input.
+    neighbours along each split axis. ``gbuf`` is modified in place; ``like`` (the forward
+    input) gives the gradient's shape, dtype and device; messages travel in ``layout``'s
+    memory order.
     """
     t0 = time.perf_counter()
     nbytes = 0
