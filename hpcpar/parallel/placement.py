@@ -17,14 +17,8 @@ __all__ = ["env_int", "in_slurm_step", "rank_info", "select_device"]
 
 
 class RankInfo(NamedTuple):
-    """Where a rank sits, as the launcher tells it.
-
-    Attributes:
-        rank: World rank.
-        local_rank: Rank among the ranks of its node.
-        size: Number of ranks.
-        local_size: Ranks on its node.
-    """
+    """Where a rank sits, as the launcher tells it: world ``rank`` of ``size``, ``local_rank``
+    of ``local_size`` on its node."""
 
     rank: int
     local_rank: int
@@ -43,16 +37,8 @@ def env_int(env: Mapping[str, str], names: Sequence[str],
 
 def env_int(env: Mapping[str, str], names: Sequence[str],
             default: int | None = None) -> int | None:
-    """The first of several environment variables that holds an integer.
-
-    Args:
-        env: The environment.
-        names: Variable names, in order of preference.
-        default: What to return when none holds an integer.
-
-    Returns:
-        The integer, or ``default``.
-    """
+    """The integer held by the first of ``names`` (in order of preference) that holds one,
+    else ``default``."""
     for n in names:
         v = env.get(n)
         if v not in (None, ""):
@@ -64,14 +50,8 @@ def env_int(env: Mapping[str, str], names: Sequence[str],
 
 
 def in_slurm_step(env: Mapping[str, str] | None = None) -> bool:
-    """Whether this process is a task of a Slurm job step (started by ``srun``).
-
-    Args:
-        env: The environment; ``os.environ`` when None.
-
-    Returns:
-        True inside a step (not in the batch script itself).
-    """
+    """Whether this process is a task of a Slurm job step (started by ``srun``), not the batch
+    script itself. ``env``: ``os.environ`` when None."""
     env = os.environ if env is None else env
     step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID"))
     return step not in (None, "", "batch", "extern", "4294967294", "4294967291")
@@ -81,13 +61,8 @@ def rank_info(env: Mapping[str, str] | None = None) -> RankInfo:
     """Rank, local rank and sizes from the launcher's variables, before MPI starts.
 
     Slurm (``SLURM_PROCID``/``SLURM_LOCALID``/``SLURM_NTASKS``, inside a step) first, then
-    Open MPI, PMI/PMIx (MPICH/hydra) and PALS.
-
-    Args:
-        env: The environment; ``os.environ`` when None.
-
-    Returns:
-        The rank's place; rank 0 of 1 when no launcher variable is set.
+    Open MPI, PMI/PMIx (MPICH/hydra) and PALS; rank 0 of 1 when no launcher variable is set.
+    ``env``: ``os.environ`` when None.
     """
     env = os.environ if env is None else env
     slurm = in_slurm_step(env)
@@ -103,15 +78,9 @@ def rank_info(env: Mapping[str, str] | None = None) -> RankInfo:
 
 
 def select_device(info: RankInfo | None = None) -> torch.device:
-    """The device this rank computes on, made current: one GPU per local rank.
-
-    Args:
-        info: The rank's place; ``rank_info()`` when None.
-
-    Returns:
-        ``cuda:<local rank mod visible GPUs>`` when CUDA exists (``cuda:0`` when the
-        launcher already restricted each rank to one GPU), else ``cpu``.
-    """
+    """The device this rank computes on, made current: one GPU per local rank (``info``:
+    ``rank_info()`` when None). ``cuda:<local rank mod visible GPUs>`` when CUDA exists
+    (``cuda:0`` when the launcher already restricted each rank to one GPU), else ``cpu``."""
     import torch
 
     if not torch.cuda.is_available():

@@ -3,11 +3,10 @@
 Two users: gradient buckets reduced by NCCL instead of MPI (``[train] grad_sync``,
 :mod:`hpcpar.sync._torchdist`), and the halo exchange and spatial collectives of a
 ``[train] halo_transport`` of ``"nccl"`` or ``"gloo"`` (:mod:`.transport`). The user sets no
-rendezvous variables: the MPI
-communicator already connects the ranks, so rank 0 opens a ``TCPStore`` on a free port of its
-host (port 0: the kernel picks one, no race), broadcasts address and port over MPI, and the
-other ranks connect to it. On one host the address is 127.0.0.1; across hosts it is rank 0's
-first non-loopback address.
+rendezvous variables: the MPI communicator already connects the ranks, so rank 0 opens a
+``TCPStore`` on a free port of its host (port 0: the kernel picks one, no race), broadcasts
+address and port over MPI, and the other ranks connect to it. On one host the address is
+127.0.0.1; across hosts it is rank 0's first non-loopback address.
 
 The group object is made directly (``ProcessGroupNCCL(store, rank, size)``), not through
 ``init_process_group``: no global default group, so several groups (world, data axis) and
@@ -29,14 +28,8 @@ from hpcpar.parallel.buffers import free_at_exit
 __all__ = ["shared_devices", "device_ident", "rendezvous_host", "process_group", "TorchWork"]
 
 def shared_devices(idents: list) -> tuple[int, int] | None:
-    """The first two ranks holding the same GPU, or None (NCCL refuses such a group).
-
-    Args:
-        idents: Per rank, an identity of its GPU (host and device UUID).
-
-    Returns:
-        ``(first rank, second rank)`` or None when every rank has its own GPU.
-    """
+    """The first two ranks whose GPU identity (``idents``: host and device UUID per rank) is
+    the same, or None when every rank has its own GPU (NCCL refuses such a group)."""
     seen: dict = {}
     for rank, ident in enumerate(idents):
         if ident in seen:
@@ -54,13 +47,7 @@ def device_ident(device: torch.device) -> tuple:
 def rendezvous_host(hostnames: list[str]) -> str:
     """Address the other ranks reach rank 0's store at: 127.0.0.1 when every rank is on
     rank 0's host, else rank 0's first non-loopback address (its hostname if none).
-
-    Args:
-        hostnames: ``socket.gethostname()`` of every rank, in rank order.
-
-    Returns:
-        The address (or name) to connect to.
-    """
+    ``hostnames``: ``socket.gethostname()`` of every rank, in rank order."""
     if all(h == hostnames[0] for h in hostnames):
         return "127.0.0.1"
     try:
@@ -79,24 +66,14 @@ def process_group(comm, backend: str, device: torch.device | None = None,
     """A torch.distributed process group over the ranks of the MPI communicator ``comm``.
 
     Collective over ``comm``. Errors (no free port, NCCL ranks sharing a GPU) are raised on
-    every rank alike, not left to hang the others.
+    every rank alike, not left to hang the others: CommError when the store could not be
+    opened or reached, or two ranks share one GPU under NCCL (``device``: NCCL only).
+    ``timeout``: seconds a collective may take before torch fails it; ``what``: the setting
+    that asked (``grad_sync``, ``halo_transport``), named in errors.
 
-    Args:
-        comm (mpi4py.MPI.Comm): The ranks of the group, in their ``comm`` order.
-        backend: ``"nccl"`` or ``"gloo"``.
-        device: The CUDA device of this rank (NCCL only).
-        timeout: Seconds a collective of the group may take before torch fails it.
-        what: The setting that asked for the group (``grad_sync``, ``halo_transport``), named
-            in errors.
-
-    Returns:
-        ``(group, store, release)``: the ``ProcessGroupNCCL`` or ``ProcessGroupGloo``, its
-        ``TCPStore``, which must live as long as the group, and the collective call that
-        shuts the group down (else done at exit).
-
-    Raises:
-        CommError: The store could not be opened or reached, or two ranks share one GPU
-            under NCCL.
+    Returns ``(group, store, release)``: the ``ProcessGroupNCCL`` or ``ProcessGroupGloo``, its
+    ``TCPStore``, which must live as long as the group, and the collective call that shuts
+    the group down (else done at exit).
     """
     rank, size = comm.Get_rank(), comm.Get_size()
     if backend == "nccl":

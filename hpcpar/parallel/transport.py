@@ -49,21 +49,11 @@ _KEY = "[train] halo_transport"
 
 def resolve_transport(name: str, device_type: str, *, nccl_available: bool, aware: bool,
                       shared_gpu: bool = False) -> str:
-    """The transport ``name`` means for tensors on ``device_type``, or a one-line refusal.
-
-    Args:
-        name: One of :data:`TRANSPORTS`.
-        device_type: ``"cuda"`` or ``"cpu"`` (anything not CUDA is host memory).
-        nccl_available: Whether this torch has NCCL.
-        aware: Whether the MPI library takes CUDA device memory.
-        shared_gpu: Whether two ranks of a spatial group share one GPU.
-
-    Returns:
-        ``"mpi"``, ``"staged"``, ``"nccl"`` or ``"gloo"``: on CPU ``"staged"`` is ``"mpi"``
-        (host memory has nothing to stage).
-
-    Raises:
-        ConfigError: An unknown name, or one that cannot move this device's tensors.
+    """The transport ``name`` means for tensors on ``device_type`` (anything not ``"cuda"`` is
+    host memory): ``"mpi"``, ``"staged"``, ``"nccl"`` or ``"gloo"``; on CPU ``"staged"`` is
+    ``"mpi"`` (nothing to stage). ``aware``: the MPI takes CUDA memory; ``shared_gpu``: two
+    ranks of a spatial group share one GPU. ConfigError (one line): an unknown name, or one
+    that cannot move this device's tensors.
     """
     if name not in TRANSPORTS:
         raise ConfigError(f"{_KEY} = {name!r}, expected one of "
@@ -133,12 +123,8 @@ def line_alltoallv(send: torch.Tensor, send_rows: Sequence[int], line: MPI.Comm,
 
 @dataclass
 class HaloTransport:
-    """The transport a run uses (what ``meta.json`` records) and how to stop using it.
-
-    Attributes:
-        name: ``"mpi"``, ``"staged"``, ``"nccl"`` or ``"gloo"``.
-        asked: The value the job gave (``"auto"``...).
-    """
+    """The transport a run uses (what ``meta.json`` records: ``name``, and ``asked``, the
+    value the job gave) and how to stop using it."""
 
     name: str
     asked: str
@@ -153,20 +139,9 @@ def use_transport(grid: ProcessGrid, name: str, device: torch.device | str,
                   timeout: float = 600.0) -> HaloTransport:
     """Choose the halo transport for ``grid``'s spatial messages and start using it.
 
-    Collective over ``grid.comm``; every rank gets the same choice or the same error.
-
-    Args:
-        grid: The process grid; the group is made over ``grid.spatial_comm``.
-        name: One of :data:`TRANSPORTS`.
-        device: The device this rank trains on.
-        timeout: Seconds a collective of a torch.distributed group may take.
-
-    Returns:
-        The transport in use; ``close()`` it when the run ends.
-
-    Raises:
-        ConfigError: The name cannot move this run's tensors (same on every rank).
-        CommError: The torch.distributed group could not be made.
+    Collective over ``grid.comm``; every rank gets the same choice or the same error
+    (ConfigError: the name cannot move this run's tensors; CommError: the torch.distributed
+    group over ``grid.spatial_comm`` could not be made). ``close()`` it when the run ends.
     """
     from mpi4py import MPI
 
