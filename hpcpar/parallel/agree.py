@@ -30,32 +30,18 @@ def agree(comm: Any, step: Callable[..., T], *args: Any, root: int | None = None
     """Run ``step(*args)`` so that an :class:`~hpcpar.errors.HpcparError` it raises on any
     rank is raised alike on every rank of ``comm``, never left for the others to hang on.
 
-    Collective over ``comm`` (one allgather, or one broadcast with ``root``).
+    Collective over ``comm`` (one allgather, or one broadcast with ``root``): an mpi4py
+    communicator, or anything with ``Get_rank``, ``Get_size``, ``allgather`` and ``bcast``;
+    None runs ``step`` in this process alone. Returns what ``step`` returned on this rank.
 
-    Args:
-        comm: The communicator whose ranks all call this (an mpi4py communicator, or anything
-            with ``Get_rank``, ``Get_size``, ``allgather`` and ``bcast``); None runs ``step`` in
-            this process alone.
-        step: What to run; exceptions other than ``catch`` pass through unchanged (a bug, not
-            a user error).
-        *args: Positional arguments for ``step``.
-        root: Run ``step`` on this rank only and give every rank its result (a file that one
-            rank writes for all); None runs it on every rank, each keeping its own result.
-        what: What the step does, for the message when some ranks failed and others did not:
-            ``"<what> failed on rank 3: <error>"`` (without it ``"rank 3: <error>"``).
-        catch: What a failure of the step is: hpcpar's errors, or wider (e.g. ``Exception``
-            where any failure must reach every rank).
-        foreign_as: The class the other ranks raise for a failure that is not hpcpar's (the
-            rank it happened on re-raises its own exception, traceback and all).
+    ``root``: run ``step`` on this rank only and give every rank its result (a file that one
+    rank writes for all). ``catch``: what counts as a failure (hpcpar's errors, or wider, e.g.
+    ``Exception``); other exceptions pass through unchanged (a bug, not a user error).
 
-    Returns:
-        What ``step`` returned on this rank (on ``root``, with ``root``).
-
-    Raises:
-        HpcparError: ``step`` failed on some rank: on every rank, the first failing rank's
-            class (``foreign_as`` for a failure not hpcpar's) and message, the failing ranks
-            named when not every rank failed (with ``root``, the root's error as it is); a
-            rank whose own failure was not hpcpar's re-raises that instead.
+    On a failure every rank raises the first failing rank's class (``foreign_as`` for one
+    not hpcpar's; the rank it happened on re-raises its own, traceback and all) and message,
+    prefixed ``"<what> failed on rank 3: "`` (or ``"rank 3: "``) when not every rank failed
+    (with ``root``, the root's error as it is).
     """
     if comm is None:
         return step(*args)

@@ -71,14 +71,8 @@ class Counters:
         return Counters(**asdict(self))
 
     def since(self, earlier: Counters) -> dict:
-        """The differences since an earlier snapshot (the per-step record fields).
-
-        Args:
-            earlier: A ``snapshot()`` taken before.
-
-        Returns:
-            Counter name -> difference.
-        """
+        """Counter name -> difference since an earlier ``snapshot()`` (the per-step record
+        fields)."""
         return {f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)}
 
     def reset(self) -> None:
@@ -88,10 +82,7 @@ class Counters:
 
     @contextmanager
     def timed(self, name: str) -> Iterator[None]:
-        """Add the seconds spent inside the ``with`` block to a counter.
-
-        Args:
-            name: The counter, e.g. ``"t_halo"``.
+        """Add the seconds spent inside the ``with`` block to counter ``name``.
 
         Example:
             ```python

@@ -99,14 +99,8 @@ def count_sent(nbytes: int, messages: int = 1) -> None:
 def recorded(sig) -> tuple[bool, Any]:
     """For calls that post messages and wait later (overlapped with compute): ``(True,
     result)`` when a replaying tape holds the call's result, else ``(False, None)``: then
-    communicate, and :func:`record` the result.
-
-    Args:
-        sig: What the call is (name and shapes): checked on replay.
-
-    Returns:
-        Whether the result was recorded, and the result.
-    """
+    communicate, and :func:`record` the result. ``sig`` (name and shapes) is checked on
+    replay."""
     active = _ACTIVE.get()
     if active is None or not active[1] or not REUSE:
         return False, None
@@ -122,18 +116,10 @@ def record(sig, result: Any) -> None:
 
 def received(sig, communicate: Callable[[], T], keep: Callable[[T], Any] = lambda r: r,
              restore: Callable[[Any], T] = lambda r: r) -> T:
-    """Run a communicating call, or replay what it received (module docstring).
-
-    Args:
-        sig: What the call is (name and shapes): checked on replay.
-        communicate: The call itself; returns what was received.
-        keep: What to record of the result (default: the result itself, for fresh tensors
-            nobody writes to afterwards).
-        restore: Turns a record back into the call's result on replay.
-
-    Returns:
-        The call's result, received now or recorded in the forward pass.
-    """
+    """Run ``communicate()``, or replay what it received (module docstring). ``sig`` (name and
+    shapes) is checked on replay; ``keep`` is what to record of the result (default: the
+    result itself, for fresh tensors nobody writes to afterwards), ``restore`` turns a record
+    back into the result."""
     if _ACTIVE.get() is None:
         return communicate()
     hit, value = recorded(sig)

@@ -19,19 +19,9 @@ GRAD_SYNC = {"mpi": None, "nccl": "nccl", "gloo": "gloo"}
 
 
 def check_grad_sync(grad_sync: str, devices: set) -> str | None:
-    """The torch.distributed backend for ``grad_sync`` on parameters living on ``devices``.
-
-    Args:
-        grad_sync: ``"mpi"``, ``"nccl"`` (CUDA parameters) or ``"gloo"`` (CPU; tests).
-        devices: The ``torch.device`` types of the parameters that need gradients.
-
-    Returns:
-        None for MPI, else the backend name.
-
-    Raises:
-        ConfigError: An unknown value, or NCCL for parameters that are not all on CUDA or
-            with a torch that has no NCCL.
-    """
+    """The torch.distributed backend for ``grad_sync`` (None for MPI) on trained parameters
+    of the device types ``devices``. ConfigError: an unknown value, or NCCL for parameters not
+    all on CUDA or with a torch that has no NCCL."""
     if grad_sync not in GRAD_SYNC:
         raise ConfigError(f"DistributedDataParallel: grad_sync={grad_sync!r}, expected "
                           f"'mpi' or 'nccl'")
@@ -42,7 +32,6 @@ def check_grad_sync(grad_sync: str, devices: set) -> str | None:
             raise ConfigError(f"DistributedDataParallel: grad_sync='nccl' needs the model on a "
                               f"CUDA device (its parameters are on {where}); use "
                               f"grad_sync='mpi'")
-
         if not (dist.is_available() and dist.is_nccl_available()):
             raise ConfigError("DistributedDataParallel: grad_sync='nccl' but this torch "
                               "build has no NCCL; use grad_sync='mpi'")

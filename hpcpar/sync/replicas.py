@@ -28,17 +28,10 @@ def _digest(p) -> int:
 def check_replicas(model, grid, shards: frozenset[str] = frozenset()) -> None:
     """Raise on every rank if a parameter differs between ranks that must hold it alike.
 
-    Collective over ``grid.comm`` (and ``grid.data_comm`` when there are shards).
-
-    Args:
-        model: The model (its named parameters are compared).
-        grid: The process grid.
-        shards: Names of parameters sharded over the spatial group (tensor-parallel layers):
-            compared across the data axis only.
-
-    Raises:
-        CommError: Naming the first differing parameter and the ranks that disagree with
-            the lowest rank of its group.
+    Collective over ``grid.comm`` (and ``grid.data_comm`` when there are shards: names of
+    parameters sharded over the spatial group, compared across the data axis only). The
+    CommError names the first differing parameter and the ranks that disagree with the
+    lowest rank of its group.
     """
     everywhere: list[tuple[str, int]] = []
     per_data: list[tuple[str, int]] = []

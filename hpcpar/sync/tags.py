@@ -29,24 +29,14 @@ def tag_data_only(param: torch.nn.Parameter) -> None:
 
     For tensor-parallel shards and layers computed redundantly on every rank of a spatial
     group (after a gather or a global pool); ``spatialize`` and ``TensorParallelLinear`` tag
-    theirs.
-
-    Args:
-        param: The parameter to tag (an attribute is set on it).
+    theirs (an attribute is set on the parameter).
     """
     setattr(param, REDUCE_ATTR, DATA_ONLY)
 
 
 def reduce_scope(param: torch.nn.Parameter) -> str:
-    """How the gradient sync reduces a parameter.
-
-    Args:
-        param: The parameter.
-
-    Returns:
-        ``"spatial+data"`` (the default: sum over the spatial group, average over data) or
-        ``"data"`` (average over the data axis only).
-    """
+    """How the gradient sync reduces a parameter: ``"spatial+data"`` (the default: sum over
+    the spatial group, average over data) or ``"data"`` (average over the data axis only)."""
     return getattr(param, REDUCE_ATTR, SPATIAL_AND_DATA)
 
 
@@ -57,10 +47,6 @@ def copy_tags(src: torch.nn.Module, dst: torch.nn.Module) -> None:
     so a deep copy of a spatialized model would silently lose the data-only tags of its
     replicated layers, and the sync would then sum their full gradients over the spatial
     group (``spatial`` times too large).
-
-    Args:
-        src: The original module.
-        dst: Its copy (or any module with the same parameter names).
     """
     tagged = {name: getattr(p, REDUCE_ATTR) for name, p in src.named_parameters()
               if hasattr(p, REDUCE_ATTR)}
