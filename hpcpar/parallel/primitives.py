@@ -146,13 +146,10 @@ def _first_hit(hit: torch.Tensor, grid: ProcessGrid,
 class AxisRoute:
     """One rank's part of ``out[o] = x[src[o]]`` (``src[o] < 0``: a fill value) along one axis.
 
-    Attributes:
-        send_index: Local items sent, grouped by destination coordinate on the axis.
-        send_rows: How many go to each coordinate (this rank's own share included).
-        recv_rows: How many come from each coordinate: together, in coordinate order, the
-            sorted distinct global items this rank's outputs read.
-        position: For each owned output, its row in ``cat(received, fill)``.
-        length: Items this rank owns on the axis.
+    ``send_index``: local items sent, grouped by destination coordinate, ``send_rows`` of them
+    to each (this rank's own share included); ``recv_rows`` from each: together, in coordinate
+    order, the sorted distinct global items this rank's outputs read. ``position``: each
+    owned output's row in ``cat(received, fill)``; ``length``: items owned on the axis.
     """
 
     send_index: torch.Tensor

@@ -20,7 +20,6 @@ if TYPE_CHECKING:
 
 __all__ = ["TorchGroup", "bind", "unbind", "torch_group"]
 
-
 _OPS = {"sum": "SUM", "max": "MAX", "min": "MIN", "prod": "PRODUCT"}
 
 
@@ -88,16 +87,9 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class TorchGroup:
-    """A torch.distributed group over the ranks of an MPI communicator, in its rank order.
-
-    Attributes:
-        pg: The ``ProcessGroupNCCL`` or ``ProcessGroupGloo``.
-        backend: ``"nccl"`` or ``"gloo"``.
-        device_type: The tensors it moves (``"cuda"`` or ``"cpu"``).
-        store: The rendezvous store (lives as long as the group).
-        release: Shuts the group down (collective).
-        lines: Axis lines' spatial ranks, cached by :func:`.transport.line_alltoallv`.
-    """
+    """A torch.distributed group (``pg``) over the ranks of an MPI communicator, in its rank
+    order, moving tensors of ``device_type``; ``store`` (the rendezvous) lives as long as the
+    group; ``release`` shuts it down (collective)."""
 
     pg: object
     backend: str

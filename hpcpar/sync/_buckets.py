@@ -177,7 +177,6 @@ class ReduceGroup:
         if bucket.wire is not bucket.flat:
             bucket.flat.copy_(bucket.wire)
 
-    # -- pipelines ---------------------------------------------------------------------------
     def _gather(self, bucket):
         (comm,) = bucket.channel
         rows = bucket.scratch("gather.recv", (self.size, bucket.wire.numel()), bucket.wire.dtype)

@@ -100,7 +100,6 @@ class StallMonitor:
         self._beat_lock = threading.Lock()   # no beat once the window is freed
         self._beats = 0
 
-    # -- counters ----------------------------------------------------------------------------
     def _post(self, value: int, slot: int = 0) -> None:
         """Publish ``value`` in this rank's ``slot`` (0: the reached step, 1: the heartbeat)."""
         from mpi4py import MPI
@@ -140,7 +139,6 @@ class StallMonitor:
             time.sleep(0.002)
         return [(int(b[0]), int(b[1])) if ok else None for b, ok in zip(bufs, done)]
 
-    # -- watchdog ----------------------------------------------------------------------------
     def arm(self) -> None:
         """Start timing a wait at the current step (no-op when disabled). Lock-free: the
         watchdog polls, so arming costs nothing on the training thread."""
