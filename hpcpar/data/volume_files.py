@@ -124,21 +124,15 @@ def _fit(a: np.ndarray, size: tuple, pad: bool, path: str) -> np.ndarray:
 
 
 class VolumeFiles:
-    """Image files (and their label volumes or per-sample targets) as a writer source.
+    """Image files, in sample order, and their label volumes (paired by stem) or per-sample
+    targets (a CSV file: header row, first column the stem) as a writer source.
 
-    Args:
-        images: The image files, in sample order.
-        labels: Label volume files (paired with the images by stem), or None.
-        targets: A CSV file of per-sample targets (header row; first column the stem), or None.
-        size: Crop (and with ``pad`` pad) every volume to this ``(D, H, W)``; None: every
-            volume must have the same size.
-        pad: Zero-pad volumes smaller than ``size``.
-
-    Raises:
-        DataError: A missing partner, a file that cannot be read, volumes of different
-            sizes (without ``size``), labels of another size than their image, or a
-            malformed targets file; one line naming the file.
+    ``size`` crops (and with ``pad`` zero-pads) every volume to this ``(D, H, W)``; None: every
+    volume must have the same size. DataError, one line naming the file: a missing partner, a
+    file that cannot be read, volumes of different sizes (without ``size``), labels of another
+    size than their image, or a malformed targets file.
     """
+
 
     transform = "none"
 
