@@ -585,7 +585,6 @@ def check_finite(x: np.ndarray, y: np.ndarray, items: Sequence[tuple[int, int]],
 def check_values(path: str, f: h5py.File, m: Manifest, s: Shard) -> None:
     """Scan every value of shard ``s`` for NaN/inf the manifest does not allow (DataError), in
     blocks of about ``SCAN_BLOCK_BYTES`` so memory use stays bounded."""
-
     import numpy as np
 
     for spec in (m.x, m.y):

@@ -44,7 +44,6 @@ class SyntheticVolumeDataset(VolumeDatasetBase):
     def sample(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         """``(x_local, y)`` of global sample ``index``: this rank's ``(C, d, h, w)`` sub-volume
         and the ``(K,)`` targets."""
-
         if self._cache is not None and index in self._cache:
             return self._cache[index]
         x, y = cosmoflow_sample(self.seed, index, self.size, self.channels)

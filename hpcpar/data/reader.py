@@ -87,7 +87,6 @@ class ShardedVolumeDataset(VolumeDatasetBase):
     smaller than the grid, or an unknown ``driver``.
     """
 
-
     def __init__(self, path: str | os.PathLike, grid: ProcessGrid, batch_size: int, *,
                  shuffle: bool = True, seed: int = 0, drop_last: bool = True,
                  prefetch: int = 2, stage_to: str | os.PathLike | None = None,

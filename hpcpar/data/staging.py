@@ -51,7 +51,6 @@ def stage_shards(directory: str, manifest: Manifest, needed: Iterable[int], stag
     once per node: collective over ``node_comm``, whose rank 0 copies. Returns ``(staged
     directory, bytes this rank copied)``; DataError on every rank of the node if the copy failed.
     """
-
     wanted = node_comm.gather(sorted(set(int(i) for i in needed)), root=0)
     dest = staged_dir(stage_to, directory, manifest)
 

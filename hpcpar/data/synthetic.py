@@ -108,7 +108,6 @@ class CosmoflowSource:
     """Sample source for the shard writer: ``read(start, stop) -> (x, y)`` blocks (DataError
     for an option the generator cannot work with)."""
 
-
     def __init__(self, samples: int, size: int, channels: int = 4, seed: int = 0):
         check_params(size, channels, seed, samples)
         self.name = f"cosmoflow generator (size {size}, seed {seed})"

@@ -133,7 +133,6 @@ class VolumeFiles:
     size than their image, or a malformed targets file.
     """
 
-
     transform = "none"
 
     def __init__(self, images: Sequence[str], labels: Sequence[str] | None = None,

@@ -422,7 +422,6 @@ class H5Source:
     of the wrong shapes.
     """
 
-
     def __init__(self, path: str, x_key: str = "x", y_key: str = "y"):
         check_file(path)
         self.path, self.x_key, self.y_key = path, x_key, y_key
