@@ -54,18 +54,8 @@ UNLABELED = -1
 
 def labels_int64(y, what: str) -> np.ndarray:
     """Labels as read from a file, as int64 class ids: a fraction, NaN or inf is refused (it
-    would be truncated to another class), and so is anything outside ``-1..MAX_CLASSES-1``.
-
-    Args:
-        y: The labels (any numeric dtype).
-        what: The file and field, for the message.
-
-    Returns:
-        The labels as int64.
-
-    Raises:
-        DataError: One line naming the vertex and its label.
-    """
+    would be truncated to another class), and so is anything outside ``-1..MAX_CLASSES-1``
+    (DataError naming the vertex and its label; ``what``: the file and field)."""
     y = np.asarray(y)
     if y.dtype == bool:
         return y.astype(np.int64)

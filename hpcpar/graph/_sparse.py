@@ -30,8 +30,8 @@ class SparseOperator:
         self.shape = (int(indptr.shape[0]) - 1, int(num_cols))
         self.backend = backend
         t = transpose_csr(indptr, indices, data, num_cols)
-        self.fwd = tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in (indptr, indices,
-                                                                                data))
+        self.fwd = tuple(torch.from_numpy(np.ascontiguousarray(a))
+                         for a in (indptr, indices, data))
         self.bwd = tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in t)
         self._torch: dict = {}
         self._dtype_cache: dict = {}

@@ -156,12 +156,7 @@ class SampledHaloPlan:
     rows zero, so the unchanged aggregation operator drops exactly the edges to unsampled
     vertices. ``give_back`` is the exact adjoint: the sampled rows' gradients, scaled by the
     same ``n / k``, go back to their owners. Exchanges count on the full plan's stall detector.
-
-    Args:
-        plan: The full plan.
-        p: Fraction of the boundary rows to send, ``0 < p <= 1``.
-        seed: Seed of the sample.
-        call: Index of the training step (a fresh sample per step).
+    ``0 < p <= 1``; ``call`` is the training step (a fresh sample per step).
     """
 
     def __init__(self, plan: HaloPlan, p: float, seed: int, call: int):
@@ -174,8 +169,7 @@ class SampledHaloPlan:
         device = plan.send_index.device
         self.send_index = torch.from_numpy(self.send_index_np).to(device)
         self.recv_index = torch.from_numpy(recv).to(device)
-        scale = np.repeat([n / k if k else 0.0 for n, k in zip(plan.recv_rows,
-                                                               self.recv_rows)],
+        scale = np.repeat([n / k if k else 0.0 for n, k in zip(plan.recv_rows, self.recv_rows)],
                           self.recv_rows)
         self._scale = torch.from_numpy(scale)
         self.halo_scale = np.zeros(plan.n_halo)  # per halo row: n / k if sampled, else 0

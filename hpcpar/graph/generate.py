@@ -45,28 +45,14 @@ def power_law_community_graph(nodes: int, avg_degree: float = 10.0, communities:
                               directed: bool = False, p_in: float = 0.85,
                               exponent: float = 2.5, signal: float = 0.25,
                               split: tuple[float, float, float] = (0.1, 0.1, 0.2)) -> dict:
-    """Generate a learnable synthetic graph: power-law degrees and planted communities.
+    """Generate a learnable synthetic graph (module docstring): ``indptr``, ``indices`` (in-edge
+    CSR), ``x``, ``y``, ``masks`` and ``directed`` (what
+    [write_graph][hpcpar.graph.format.write_graph] takes).
 
-    Args:
-        nodes: Number of vertices.
-        avg_degree: Mean in-degree (undirected edges count both ways).
-        communities: Planted communities; labels are ``community % classes``.
-        features: Features per vertex.
-        classes: Number of classes.
-        seed: Seed of everything.
-        directed: Keep edges one-way.
-        p_in: Probability that an edge stays inside its community.
-        exponent: Exponent of the power-law degree distribution.
-        signal: Strength of the class signal in the features.
-        split: Fractions of vertices in the train, validation and test masks.
-
-    Returns:
-        ``indptr``, ``indices`` (in-edge CSR), ``x``, ``y``, ``masks`` and ``directed``
-        (what [write_graph][hpcpar.graph.format.write_graph] takes).
-
-    Raises:
-        DataError: A parameter out of range (``nodes < 2``, more classes than
-            communities, ...), or a graph larger than the available memory.
+    ``avg_degree`` is the mean in-degree (undirected edges count both ways); ``p_in`` the
+    probability that an edge stays inside its community; ``split`` the fractions of vertices in
+    the train, validation and test masks. DataError: a parameter out of range (``nodes < 2``,
+    more classes than communities, ...), or a graph larger than the available memory.
     """
     for name, v, least in (("nodes", nodes, 2), ("communities", communities, 1),
                         ("features", features, 1), ("classes", classes, 2)):

@@ -29,15 +29,8 @@ def masked_loss(logits: torch.Tensor, graph: DistGraph, split: str = "train") ->
 
     The value is the single-process loss; the gradient on each rank is that of its own share
     (its owned vertices' sum / the GLOBAL count), so summing gradients over the graph's ranks
-    gives exactly the single-process gradient. Do not allreduce the value again.
-
-    Args:
-        logits: Logits of the owned vertices.
-        graph: This rank's part of the graph.
-        split: ``"train"``, ``"val"`` or ``"test"``.
-
-    Returns:
-        A scalar: the global mean loss of the split.
+    gives exactly the single-process gradient. Do not allreduce the value again. ``logits``:
+    the owned vertices'; ``split``: ``"train"``, ``"val"`` or ``"test"``.
     """
     m = graph.mask(split)
     total = max(graph.num_masked(split), 1)
@@ -49,16 +42,9 @@ def masked_loss(logits: torch.Tensor, graph: DistGraph, split: str = "train") ->
 
 
 def split_metrics(logits: torch.Tensor, graph: DistGraph, split: str) -> dict:
-    """Accuracy and mean loss of a split over the whole graph (collective).
-
-    Args:
-        logits: Logits of the owned vertices.
-        graph: This rank's part of the graph.
-        split: ``"train"``, ``"val"`` or ``"test"``.
-
-    Returns:
-        ``{f"{split}_acc": ..., f"{split}_loss": ...}``, the same on every rank.
-    """
+    """Accuracy and mean loss of a split over the whole graph (collective), as in
+    :func:`masked_loss`: ``{f"{split}_acc": ..., f"{split}_loss": ...}``, the same on every
+    rank."""
     m = graph.mask(split)
     with torch.no_grad():
         correct = (logits[m].argmax(1) == graph.y[m]).sum().double()
