@@ -6,13 +6,12 @@ A dataset is a directory::
     shard-00000.h5 ...       x (n, C, D, H, W), y (n, K); root attrs: format, format_version,
                              shard_index, sample_start, sample_stop (global [start, stop))
 
-``x`` is chunked ``(1, C, cd, ch, cw)``: one sample per chunk row and every channel in a chunk
-(a rank reads all channels of its sub-volume), so a rank's hyperslab of one sample touches only
-the chunks overlapping its box. By default chunks span half of H and all of W (long contiguous
-pieces a rank reads straight into its output); ``grid:XxYxZ`` makes one chunk per rank block. Every
-check here raises :class:`DataError` with one line that names the file and the field. numpy +
-h5py only (the prefetch process imports this).
-"""
+``x`` is chunked ``(1, C, cd, ch, cw)``: one sample per chunk row and every channel in a chunk (a
+rank reads all channels of its sub-volume), so a rank's hyperslab of one sample touches only the
+chunks overlapping its box. By default chunks span half of H and all of W (long contiguous pieces a
+rank reads straight into its output); ``grid:XxYxZ`` makes one chunk per rank block. Every check
+here raises :class:`DataError` with one line that names the file and the field. numpy + h5py only
+(the prefetch process imports this)."""
 
 from __future__ import annotations
 
@@ -67,8 +66,7 @@ def chunk_edge(n: int, target: int | None = None) -> int:
     """Chunk length on an axis of length ``n``: about ``target``, splitting the axis evenly.
 
     ``target`` None: at most 32 and at most a quarter of the axis, so grids of up to 4 ranks per
-    axis read their own quarter, not a whole small sample; 0: the whole axis.
-    """
+    axis read their own quarter, not a whole small sample; 0: the whole axis."""
     if target is None:
         target = min(DEFAULT_CHUNK, -(-n // 4))
     if target <= 0 or target >= n:
@@ -137,13 +135,11 @@ def x_chunks(sample_shape: Sequence[int],
     a (D, H, W) triple (0 means the whole axis) or ``PerRankChunks`` (the largest rank block of
     the balanced split on each axis).
 
-    Auto chunks span W because a grid that does not split W then reads each chunk as long
-    contiguous pieces straight into its output (as fast as a plain read): one piece per
-    channel and D plane, or per channel when the box spans the chunk's H (a grid splitting H
-    in two), so few pieces. Grids that split W read whole rows (W/z times their share), and
-    grids splitting H in more than 2 read whole half-planes, unless the data is chunked for
-    them (``PerRankChunks``).
-    """
+    Auto chunks span W because a grid that does not split W then reads each chunk as long contiguous
+    pieces straight into its output (as fast as a plain read): one piece per channel and D plane, or
+    per channel when the box spans the chunk's H (a grid splitting H in two), so few pieces. Grids
+    that split W read whole rows (W/z times their share), and grids splitting H in more than 2 read
+    whole half-planes, unless the data is chunked for them (``PerRankChunks``)."""
     c, *spatial = sample_shape
     if target is None:
         edges = [chunk_edge(spatial[0]), chunk_edge(spatial[1], -(-spatial[1] // 2)),
@@ -207,13 +203,11 @@ class Shard:
 class Manifest:
     """``manifest.json`` of a dataset directory (format: ``docs/guides/data.md``).
 
-    ``shards`` are in sample order, covering ``[0, num_samples)``; ``source`` is free-form facts
-    on how the data was made; ``stats`` min/max and NaN/inf counts of x and y (see
-    :func:`value_stats`; empty in older datasets). ``transform`` is the input transform readers
-    apply at run time (``TRANSFORMS``; the stored values are never transformed): ``"none"``
-    unless asked for when the dataset was made (``hpcpar data shard --transform``); ``"log1p"``
-    for CosmoFlow data.
-    """
+    ``shards`` are in sample order, covering ``[0, num_samples)``; ``source`` is free-form facts on
+    how the data was made; ``stats`` min/max and NaN/inf counts of x and y (see :func:`value_stats`;
+    empty in older datasets). ``transform`` is the input transform readers apply at run time
+    (``TRANSFORMS``; the stored values are never transformed): ``"none"`` unless asked for when the
+    dataset was made (``hpcpar data shard --transform``); ``"log1p"`` for CosmoFlow data."""
 
     num_samples: int
     x: Array
@@ -565,11 +559,10 @@ def check_finite(x: np.ndarray, y: np.ndarray, items: Sequence[tuple[int, int]],
                  manifest: Manifest, directory: str = "") -> None:
     """Catch NaN/inf in a batch as it is read, naming the shard and sample it came from.
 
-    ``x``, ``y`` are (n, ...) as read (a rank's sub-volume is fine), ``items`` the batch's
-    ``[(shard index, row in shard)]`` in order (``ShardedVolumeDataset._items``). DataError when
-    either holds NaN/inf although the manifest says its values are finite. Cost: one ``sum`` over
-    the batch at memory speed; the per-sample search only on failure.
-    """
+    ``x``, ``y`` are (n, ...) as read (a rank's sub-volume is fine), ``items`` the batch's ``[(shard
+    index, row in shard)]`` in order (``ShardedVolumeDataset._items``). DataError when either holds
+    NaN/inf although the manifest says its values are finite. Cost: one ``sum`` over the batch at
+    memory speed; the per-sample search only on failure."""
     for spec, arr in ((manifest.x, x), (manifest.y, y)):
         if not expects_finite(manifest, spec.key):
             continue

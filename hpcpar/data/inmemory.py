@@ -1,10 +1,9 @@
 """``SyntheticVolumeDataset``: the ``hpcpar data make cosmoflow`` samples, made in memory.
 
-Same interface and schedule as :class:`~hpcpar.data.ShardedVolumeDataset`, and the same
-batches as reading a dataset made with the same ``seed`` (the data seed doubles as the
-shuffle seed), without files: for quick jobs and tests. Each rank generates whole samples
-and keeps only its sub-volume (cached when it fits ``cache_bytes``).
-"""
+Same interface and schedule as :class:`~hpcpar.data.ShardedVolumeDataset`, and the same batches as
+reading a dataset made with the same ``seed`` (the data seed doubles as the shuffle seed), without
+files: for quick jobs and tests. Each rank generates whole samples and keeps only its sub-volume
+(cached when it fits ``cache_bytes``)."""
 
 from __future__ import annotations
 
@@ -23,12 +22,11 @@ CACHE_BYTES = 1 << 30
 class SyntheticVolumeDataset(VolumeDatasetBase):
     """The synthetic CosmoFlow samples, generated in memory; iterates like the file reader.
 
-    Yields ``(x_local, y)``: this rank's sub-volume of its data group's samples and their
-    targets, the same batches as reading a dataset made with the same ``seed`` (which seeds the
-    shuffle too). ``batch_size`` is the GLOBAL batch; the local sub-volumes stay in memory when
-    they fit in ``cache_bytes``. DataError: a batch larger than the dataset or smaller than the
-    number of data groups, or a volume smaller than the grid.
-    """
+    Yields ``(x_local, y)``: this rank's sub-volume of its data group's samples and their targets,
+    the same batches as reading a dataset made with the same ``seed`` (which seeds the shuffle too).
+    ``batch_size`` is the GLOBAL batch; the local sub-volumes stay in memory when they fit in
+    ``cache_bytes``. DataError: a batch larger than the dataset or smaller than the number of data
+    groups, or a volume smaller than the grid."""
 
     def __init__(self, grid: ProcessGrid, batch_size: int, *, size: int, channels: int = 4,
                  samples: int, seed: int = 0, shuffle: bool = True, drop_last: bool = True,

@@ -1,10 +1,9 @@
 """Copying the shards a node will read to node-local disk, once per node.
 
-The lowest rank of each node (``grid.node_comm``) copies the union of the shards its node's
-ranks need into ``STAGE_TO/<dataset>-<manifest digest>/``, each file to a temporary name
-then renamed, so a crashed copy is never taken for a finished one and a later run on the
-same node reuses what is there (matching size). The other ranks of the node wait for it.
-"""
+The lowest rank of each node (``grid.node_comm``) copies the union of the shards its node's ranks
+need into ``STAGE_TO/<dataset>-<manifest digest>/``, each file to a temporary name then renamed, so
+a crashed copy is never taken for a finished one and a later run on the same node reuses what is
+there (matching size). The other ranks of the node wait for it."""
 
 from __future__ import annotations
 
@@ -47,10 +46,9 @@ def _copy(src: str, dst: str) -> int:
 
 def stage_shards(directory: str, manifest: Manifest, needed: Iterable[int], stage_to: str,
                  node_comm: MPI.Comm) -> tuple[str, int]:
-    """Copy the shards a node needs (``needed``: those this rank reads) to node-local disk,
-    once per node: collective over ``node_comm``, whose rank 0 copies. Returns ``(staged
-    directory, bytes this rank copied)``; DataError on every rank of the node if the copy failed.
-    """
+    """Copy the shards a node needs (``needed``: those this rank reads) to node-local disk, once per
+    node: collective over ``node_comm``, whose rank 0 copies. Returns ``(staged directory, bytes
+    this rank copied)``; DataError on every rank of the node if the copy failed."""
     wanted = node_comm.gather(sorted(set(int(i) for i in needed)), root=0)
     dest = staged_dir(stage_to, directory, manifest)
 

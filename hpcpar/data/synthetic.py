@@ -10,10 +10,9 @@ field's power spectrum P(k) ∝ k^n exp(-(k/k_c)^2) and a log-normal transform:
 - ``nonlinearity`` u3: g = 1 + 0.5 u3
 
 Channel c (of C, like CosmoFlow's redshift slices) is the log-normal overdensity
-exp(g D_c δ − (g D_c σ)²/2) − 1 with growth D_c = (c+1)/C, so amplitude and nonlinearity show
-in how channels differ and slope/cutoff in spatial correlations: a 3D CNN can learn all four.
-numpy only (used by the writer and the in-memory dataset).
-"""
+exp(g D_c δ − (g D_c σ)²/2) − 1 with growth D_c = (c+1)/C, so amplitude and nonlinearity show in
+how channels differ and slope/cutoff in spatial correlations: a 3D CNN can learn all four. numpy
+only (used by the writer and the in-memory dataset)."""
 
 from __future__ import annotations
 
@@ -85,10 +84,9 @@ def cosmoflow_sample(seed: int, index: int, size: int,
                      channels: int = 4) -> tuple[np.ndarray, np.ndarray]:
     """One synthetic CosmoFlow-like sample, a pure function of ``(seed, index)``.
 
-    A Gaussian random field with power spectrum ``P(k) ∝ k^n exp(-(k/k_c)²)``; channel c is
-    its log-normal overdensity with growth ``(c + 1) / C`` (see ``docs/guides/data.md``).
-    Returns float32 ``x`` ``(channels, size, size, size)`` and ``y``, the four targets.
-    """
+    A Gaussian random field with power spectrum ``P(k) ∝ k^n exp(-(k/k_c)²)``; channel c is its
+    log-normal overdensity with growth ``(c + 1) / C`` (see ``docs/guides/data.md``). Returns
+    float32 ``x`` ``(channels, size, size, size)`` and ``y``, the four targets."""
     rng = np.random.default_rng([int(seed), int(index)])
     u = rng.uniform(-1.0, 1.0, size=len(TARGETS)).astype(np.float32)
     p = cosmoflow_params(u)

@@ -1,11 +1,10 @@
 """Writing a dataset directory in parallel, all or nothing.
 
-Shards are split over the ranks with the partition rule; each rank writes its own shards into
-a hidden temporary directory next to ``OUT``; rank 0 writes the manifest and renames the
-directory to ``OUT`` only when every rank succeeded. A failure on any rank removes the
-temporary directory, so ``OUT`` is either complete or absent. Sources provide
-``x_shape``, ``y_shape``, dtypes, ``attrs`` and ``read(start, stop) -> (x, y)``.
-"""
+Shards are split over the ranks with the partition rule; each rank writes its own shards into a
+hidden temporary directory next to ``OUT``; rank 0 writes the manifest and renames the directory to
+``OUT`` only when every rank succeeded. A failure on any rank removes the temporary directory, so
+``OUT`` is either complete or absent. Sources provide ``x_shape``, ``y_shape``, dtypes, ``attrs``
+and ``read(start, stop) -> (x, y)``."""
 
 from __future__ import annotations
 
@@ -185,12 +184,11 @@ ANNOUNCE_BYTES = 1 << 30
 
 
 def reserve_space(out: str, tmp: str, need: int, what: str = "the dataset") -> None:
-    """Allocate ``need`` bytes in ``tmp`` and free them again, before any HDF5 write: HDF5
-    cannot recover from a failed write (a full disk or quota makes the later close fail and
-    the process crash), so the space is claimed first, the way the disk and quota count it.
-    ``tmp`` is a writable directory on the same file system; DataError naming ``out`` (and
-    ``what``) when there is not that much space.
-    """
+    """Allocate ``need`` bytes in ``tmp`` and free them again, before any HDF5 write: HDF5 cannot
+    recover from a failed write (a full disk or quota makes the later close fail and the process
+    crash), so the space is claimed first, the way the disk and quota count it. ``tmp`` is a
+    writable directory on the same file system; DataError naming ``out`` (and ``what``) when there
+    is not that much space."""
     reserve = os.path.join(tmp, f".space-check-{os.getpid()}")
     try:
         fd = os.open(reserve, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -317,8 +315,7 @@ def write_dataset(out: str, source: CosmoflowSource | H5Source | VolumeFiles,
     (``log1p`` for the CosmoFlow generator, else ``none``).
 
     DataError: ``out`` exists without ``force``, a write failed on some rank (named), non-finite
-    values, or an unknown ``transform``.
-    """
+    values, or an unknown ``transform``."""
     transform = getattr(source, "transform", "none") if transform is None else transform
     if transform not in TRANSFORMS:
         raise DataError(f"transform {transform!r}: expected one of {', '.join(TRANSFORMS)}")
@@ -417,10 +414,9 @@ def _finish(out: str, tmp: str, gathered: list, total: int, source, chunk,
 class H5Source:
     """An existing single HDF5 file: the way real data comes in (``hpcpar data shard``).
 
-    ``x_key`` names the inputs, ``(N, C, D, H, W)`` or ``(N, D, H, W)`` (C = 1 added); ``y_key``
-    the targets, ``(N, K)`` or ``(N,)``. DataError for a missing or unreadable file, or datasets
-    of the wrong shapes.
-    """
+    ``x_key`` names the inputs, ``(N, C, D, H, W)`` or ``(N, D, H, W)`` (C = 1 added); ``y_key`` the
+    targets, ``(N, K)`` or ``(N,)``. DataError for a missing or unreadable file, or datasets of the
+    wrong shapes."""
 
     def __init__(self, path: str, x_key: str = "x", y_key: str = "y"):
         check_file(path)

@@ -1,10 +1,9 @@
 """Edge lists <-> in-edge CSR, with the checks every graph entry point shares.
 
-Convention used everywhere in hpcpar.graph: an edge ``(src, dst)`` means ``src -> dst``
-(messages flow from source to destination, PyG's ``edge_index`` order). The CSR is indexed by
-DESTINATION: row ``i`` lists the sources of ``i``'s in-edges, sorted, without duplicates. So
-aggregation is ``out = A @ x`` with ``A[i, j] = 1`` for an edge ``j -> i``.
-"""
+Convention used everywhere in hpcpar.graph: an edge ``(src, dst)`` means ``src -> dst`` (messages
+flow from source to destination, PyG's ``edge_index`` order). The CSR is indexed by DESTINATION: row
+``i`` lists the sources of ``i``'s in-edges, sorted, without duplicates. So aggregation is
+``out = A @ x`` with ``A[i, j] = 1`` for an edge ``j -> i``."""
 
 from __future__ import annotations
 
@@ -80,10 +79,9 @@ def num_classes_of(y) -> int:
 
 
 def check_labels(y, num_classes: int, what: str, masks: dict | None = None) -> None:
-    """A one-line :class:`DataError` unless every label is a class id in
-    ``[0, num_classes)`` (a label outside it would index past the model's outputs) or -1 on
-    a vertex outside every one of ``masks`` (unlabeled; without ``masks`` -1 is refused too).
-    """
+    """A one-line :class:`DataError` unless every label is a class id in ``[0, num_classes)`` (a
+    label outside it would index past the model's outputs) or -1 on a vertex outside every one of
+    ``masks`` (unlabeled; without ``masks`` -1 is refused too)."""
     y = np.asarray(y)
     if not 1 <= num_classes <= MAX_CLASSES:
         raise DataError(f"{what}: {num_classes} classes, expected 1..{MAX_CLASSES}")

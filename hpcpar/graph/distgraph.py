@@ -9,13 +9,11 @@ by owner (see :mod:`hpcpar.graph._vertex_halo`). Aggregation operators are local
   doubled), ``D~`` is the in-degree of ``A + I`` and a zero degree gives a zero weight;
 * ``"mean"``: ``A`` divided by the global in-degree (0 for isolated vertices); ``"sum"``: ``A``.
 
-Every row's entries are ordered by global source id, so a row's sum runs in the same order
-whatever the partition. The backward product uses the stored transpose (exact for directed
-graphs).
+Every row's entries are ordered by global source id, so a row's sum runs in the same order whatever
+the partition. The backward product uses the stored transpose (exact for directed graphs).
 
 A graph is one sample: build it over a grid with ``data == 1``; it is split over
-``grid.spatial_comm``.
-"""
+``grid.spatial_comm``."""
 
 from __future__ import annotations
 
@@ -80,12 +78,11 @@ class DistGraph:
     [from_global][hpcpar.graph.distgraph.DistGraph.from_global]; the constructor takes the
     rows of this rank's contiguous block and moves them to their owners (collective).
 
-    ``num_nodes`` counts the whole graph; ``num_owned`` vertices are this rank's (local rows
-    ``[0, num_owned)``, global ids ``global_ids``, ascending), ``num_halo`` the halo vertices
-    after them, grouped by owner (``halo_ids``). ``x`` ``(num_owned, F)``, ``y`` and
-    ``in_degree`` (global) are the owned vertices'. ``num_train``/``num_val``/``num_test`` count
-    the whole graph (the loss divides by ``num_train``).
-    """
+    ``num_nodes`` counts the whole graph; ``num_owned`` vertices are this rank's (local rows ``[0,
+    num_owned)``, global ids ``global_ids``, ascending), ``num_halo`` the halo vertices after them,
+    grouped by owner (``halo_ids``). ``x`` ``(num_owned, F)``, ``y`` and ``in_degree`` (global) are
+    the owned vertices'. ``num_train``/``num_val``/``num_test`` count the whole graph (the loss
+    divides by ``num_train``)."""
 
     #: Source-graph ids of the owned vertices (from_shards: the format renumbers them; or
     #: from_global's ``original_ids``)
@@ -249,9 +246,8 @@ class DistGraph:
         sampled operator. Only linear aggregations (:meth:`propagate`) are unbiased under
         it; evaluate on the graph itself (exact).
 
-        Returns a view sharing everything with this graph but the halo plan (this graph itself
-        for ``p == 1``); LayerError for ``p`` outside ``(0, 1]``.
-        """
+        Returns a view sharing everything with this graph but the halo plan (this graph itself for
+        ``p == 1``); LayerError for ``p`` outside ``(0, 1]``."""
         if not 0.0 < p <= 1.0:
             raise LayerError(f"boundary_sample: p = {p}, expected a fraction 0 < p <= 1 "
                              "(1 = exact)")
@@ -277,11 +273,10 @@ class DistGraph:
     def exchange(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's rows followed by its halo rows, ``[x_owned; x_halo]`` (collective).
 
-        Backward is the exact adjoint: each halo row's gradient is sent back to its owner
-        and added to the owned row's gradient. Identity on one rank. ``(num_owned, ...)`` in
-        (else LayerError), ``(num_local, ...)`` out, in the local numbering of
-        [local_edge_index][hpcpar.graph.distgraph.DistGraph.local_edge_index].
-        """
+        Backward is the exact adjoint: each halo row's gradient is sent back to its owner and added
+        to the owned row's gradient. Identity on one rank. ``(num_owned, ...)`` in (else
+        LayerError), ``(num_local, ...)`` out, in the local numbering of
+        [local_edge_index][hpcpar.graph.distgraph.DistGraph.local_edge_index]."""
         if x.dim() == 0 or x.shape[0] != self.num_owned:
             raise LayerError(f"DistGraph.exchange: x has shape {tuple(x.shape)}, expected "
                              f"one row per owned vertex ({self.num_owned}, ...) on rank "
@@ -293,10 +288,9 @@ class DistGraph:
 
         ``[0]``: sources, local ids ``[0, num_local)`` (owned, then halo: the rows of
         :meth:`exchange`); ``[1]``: destinations, owned ids ``[0, num_owned)``. Sorted by
-        destination, then by global source id; duplicate edges were dropped at the build.
-        Since every in-edge of an owned vertex is here, a message-passing layer's outputs on
-        the owned rows are its full-graph outputs (per-destination softmax included).
-        """
+        destination, then by global source id; duplicate edges were dropped at the build. Since
+        every in-edge of an owned vertex is here, a message-passing layer's outputs on the owned
+        rows are its full-graph outputs (per-destination softmax included)."""
         if "edge_index" not in self._views:
             dst = np.repeat(np.arange(self.num_owned, dtype=np.int64), self.in_degree)
             self._views["edge_index"] = torch.from_numpy(
@@ -324,13 +318,12 @@ class DistGraph:
         """Run a PyG message-passing layer (or any ``conv(x, edge_index, ...)``) on the
         distributed graph: ``conv(self.exchange(x), self.local_edge_index(), ...)[:num_owned]``.
 
-        Exact for layers whose output at a vertex depends only on its own row and its
-        in-neighbours' rows (``GATConv``, ``GINConv``, ``GraphConv``, ``TransformerConv``,
-        ``SAGEConv``, a custom ``MessagePassing``); not for layers that need the degrees of
-        source vertices (``GCNConv``'s normalisation: use ``hpcpar.nn.graph.DistGCNConv``).
-        Parameters are replicated: SUM their gradients over the graph's ranks (the default
-        gradient sync). ``sparse`` passes :meth:`adj_t` instead of :meth:`local_edge_index`.
-        """
+        Exact for layers whose output at a vertex depends only on its own row and its in-neighbours'
+        rows (``GATConv``, ``GINConv``, ``GraphConv``, ``TransformerConv``, ``SAGEConv``, a custom
+        ``MessagePassing``); not for layers that need the degrees of source vertices (``GCNConv``'s
+        normalisation: use ``hpcpar.nn.graph.DistGCNConv``). Parameters are replicated: SUM their
+        gradients over the graph's ranks (the default gradient sync). ``sparse`` passes
+        :meth:`adj_t` instead of :meth:`local_edge_index`."""
         edges = self.adj_t(x.dtype) if sparse else self.local_edge_index()
         return conv(self.exchange(x), edges, *args, **kwargs)[:self.num_owned]
 
@@ -366,18 +359,16 @@ class DistGraph:
                     y: torch.Tensor | np.ndarray | None = None, masks: dict | None = None,
                     method: str = "metis", seed: int = 0, owner: np.ndarray | None = None,
                     original_ids: np.ndarray | None = None, **kw: Any) -> DistGraph:
-        """Partition a graph that every rank holds in full (small graphs, tests); this rank's
-        part.
+        """Partition a graph that every rank holds in full (small graphs, tests); this rank's part.
 
         ``edge_index`` ``(2, E)``: edges ``src -> dst``; ``x`` ``(N, F)``; ``y`` ``(N,)`` labels
-        (zeros when None); ``masks`` ``{"train": ..., "val": ..., "test": ...}``, boolean
-        ``(N,)``. The graph is split over ``grid``'s spatial ranks (``data == 1``). ``method``:
-        ``"metis"``, ``"block"`` or ``"random"``, or a ready ``owner`` rank per vertex.
-        ``original_ids`` ``(N,)``: each vertex's id in the source graph, where the caller
-        renumbered it (dropout masks hash these, as a sharded graph's). ``kw`` goes to the
-        constructor (``num_classes``, ``directed``, ``row_normalize``, ``backend``). DataError:
-        more ranks than vertices, a grid with ``data > 1``, or ``original_ids`` not ``(N,)``.
-        """
+        (zeros when None); ``masks`` ``{"train": ..., "val": ..., "test": ...}``, boolean ``(N,)``.
+        The graph is split over ``grid``'s spatial ranks (``data == 1``). ``method``: ``"metis"``,
+        ``"block"`` or ``"random"``, or a ready ``owner`` rank per vertex. ``original_ids``
+        ``(N,)``: each vertex's id in the source graph, where the caller renumbered it (dropout
+        masks hash these, as a sharded graph's). ``kw`` goes to the constructor (``num_classes``,
+        ``directed``, ``row_normalize``, ``backend``). DataError: more ranks than vertices, a grid
+        with ``data > 1``, or ``original_ids`` not ``(N,)``."""
         comm = graph_comm(grid)
         if original_ids is not None and np.shape(original_ids) != (num_nodes,):
             raise DataError(f"DistGraph: original_ids has shape {np.shape(original_ids)}, "
@@ -413,13 +404,12 @@ class DistGraph:
                  **kw: Any) -> DistGraph:
         """Partition a PyTorch Geometric ``Data`` that every rank holds in full.
 
-        Reads ``edge_index`` (``[0]`` source, ``[1]`` target, as PyG), ``x``, and when
-        present ``y``, ``train_mask``/``val_mask``/``test_mask`` and ``num_nodes``. Layers
-        then aggregate over in-edges like PyG's ``flow="source_to_target"``. ``data`` may be any
-        object with those attributes; the rest as in
-        [from_global][hpcpar.graph.distgraph.DistGraph.from_global]. DataError: missing
-        ``edge_index``/``x``, arrays of the wrong shapes, more ranks than vertices, or a grid
-        with ``data > 1``.
+        Reads ``edge_index`` (``[0]`` source, ``[1]`` target, as PyG), ``x``, and when present
+        ``y``, ``train_mask``/``val_mask``/``test_mask`` and ``num_nodes``. Layers then aggregate
+        over in-edges like PyG's ``flow="source_to_target"``. ``data`` may be any object with those
+        attributes; the rest as in [from_global][hpcpar.graph.distgraph.DistGraph.from_global].
+        DataError: missing ``edge_index``/``x``, arrays of the wrong shapes, more ranks than
+        vertices, or a grid with ``data > 1``.
 
         Example:
             ```python
@@ -436,11 +426,10 @@ class DistGraph:
                   seed: int = 0, **kw: Any) -> DistGraph:
         """Read and partition a graph file (format: ``docs/guides/gnn.md``).
 
-        Each rank reads one contiguous block of rows (hyperslabs), then rows move to their
-        owners. METIS partitions on rank 0 (which reads the structure) and broadcasts.
-        Arguments as in [from_global][hpcpar.graph.distgraph.DistGraph.from_global]. DataError:
-        more ranks than vertices, a grid with ``data > 1``, or not a valid graph file.
-        """
+        Each rank reads one contiguous block of rows (hyperslabs), then rows move to their owners.
+        METIS partitions on rank 0 (which reads the structure) and broadcasts. Arguments as in
+        [from_global][hpcpar.graph.distgraph.DistGraph.from_global]. DataError: more ranks than
+        vertices, a grid with ``data > 1``, or not a valid graph file."""
         comm = graph_comm(grid)
         gf = agree(comm, GraphFile, path)
         try:
@@ -464,15 +453,13 @@ class DistGraph:
         """Build from a sharded graph (``hpcpar data graph partition``): rank ``r`` reads
         part ``r`` only, and finds its halo from its own rows.
 
-        Vertices carry the format's renumbered ids (part ``p`` owns the range
-        ``[offsets[p], offsets[p+1])``), so the owner of an id is a binary search over the
-        ``P + 1`` offsets: no rank holds anything N-long. ``original_ids`` maps the owned
-        rows back to the source graph's ids. Bit-identical to
-        [from_global][hpcpar.graph.distgraph.DistGraph.from_global] on the renumbered graph
-        with the same owners. ``grid``'s spatial ranks must equal the parts. DataError: a missing
-        or damaged manifest or part file, a part count other than the ranks, or a grid with
-        ``data > 1``.
-        """
+        Vertices carry the format's renumbered ids (part ``p`` owns the range ``[offsets[p],
+        offsets[p+1])``), so the owner of an id is a binary search over the ``P + 1`` offsets: no
+        rank holds anything N-long. ``original_ids`` maps the owned rows back to the source graph's
+        ids. Bit-identical to [from_global][hpcpar.graph.distgraph.DistGraph.from_global] on the
+        renumbered graph with the same owners. ``grid``'s spatial ranks must equal the parts.
+        DataError: a missing or damaged manifest or part file, a part count other than the ranks, or
+        a grid with ``data > 1``."""
         comm = graph_comm(grid)
         m = agree(comm, read_graph_manifest, path)
         if m["parts"] != comm.Get_size():
@@ -498,9 +485,8 @@ def _owner(comm, structure, num_nodes: int, method: str, seed: int,
            symmetric: bool = False) -> np.ndarray:
     """Owner array on every rank: computed on rank 0 (METIS needs the whole graph), broadcast.
 
-    Only METIS on more than one rank reads the whole structure: it is the one step where a
-    rank holds more than its own rows (``symmetric`` lets METIS take it without a copy).
-    """
+    Only METIS on more than one rank reads the whole structure: it is the one step where a rank
+    holds more than its own rows (``symmetric`` lets METIS take it without a copy)."""
     size = comm.Get_size()
 
     def compute():

@@ -1,9 +1,8 @@
 """Dropout whose mask depends on GLOBAL vertex ids, not on the partition.
 
-The keep/drop decision for element ``(v, c)`` is a hash of (seed, call, layer, v, c)
-(SplitMix64), so the same seed drops the same elements at every rank count and the
-distributed model trains exactly like the single-process one.
-"""
+The keep/drop decision for element ``(v, c)`` is a hash of (seed, call, layer, v, c) (SplitMix64),
+so the same seed drops the same elements at every rank count and the distributed model trains
+exactly like the single-process one."""
 
 from __future__ import annotations
 

@@ -12,8 +12,7 @@ Layout (``N`` vertices, ``E`` edges, ``F`` features)::
     /labels           (N,)   int64   class id
     /masks/train      (N,)   bool    (also /masks/val, /masks/test)
 
-Readers read row blocks (``[start, stop)`` hyperslabs), so each rank only touches its block.
-"""
+Readers read row blocks (``[start, stop)`` hyperslabs), so each rank only touches its block."""
 
 from __future__ import annotations
 
@@ -54,11 +53,10 @@ def write_graph(path: str | os.PathLike, num_nodes: int, x: np.ndarray | tuple,
     ``x``: dense ``(N, F)`` features, or CSR ``(indptr, indices, data, shape)``; ``y``: ``(N,)``
     class ids (-1: unlabeled, only on a vertex outside every mask); ``masks``: ``{"train": ...,
     "val": ..., "test": ...}``, boolean ``(N,)``. The edges: ``edge_index`` ``(2, E)``, ``src ->
-    dst``, or the in-edge ``csr`` ``(indptr, indices)``. ``source``: free text;
-    ``num_classes``: ``max(y) + 1`` when None. DataError: an edge out of range, CSR features
-    that are not a CSR of ``N`` rows, a label outside ``[0, num_classes)`` (or -1 on a masked
-    vertex), or a failed write (a full disk: nothing is left behind).
-    """
+    dst``, or the in-edge ``csr`` ``(indptr, indices)``. ``source``: free text; ``num_classes``:
+    ``max(y) + 1`` when None. DataError: an edge out of range, CSR features that are not a CSR of
+    ``N`` rows, a label outside ``[0, num_classes)`` (or -1 on a masked vertex), or a failed write
+    (a full disk: nothing is left behind)."""
     if csr is None:
         indptr, indices = edges_to_csr(edge_index, num_nodes)
     else:
@@ -356,10 +354,9 @@ def import_npz(src: str | os.PathLike, out: str | os.PathLike) -> dict:
     """Convert a Planetoid-style ``.npz`` to a graph file (read whole: for a large one,
     ``hpcpar data graph partition`` streams it, :class:`hpcpar.graph.stream_partition.NpzSource`).
 
-    ``src`` holds ``edge_index``, CSR features ``x_indptr``/``x_indices``/``x_data``/
-    ``x_shape``, ``y`` and ``train_idx``/``val_idx``/``test_idx``. Returns a summary: vertices,
-    edges, features, classes and split sizes. DataError: a missing or unreadable file or field.
-    """
+    ``src`` holds ``edge_index``, CSR features ``x_indptr``/``x_indices``/``x_data``/``x_shape``,
+    ``y`` and ``train_idx``/``val_idx``/``test_idx``. Returns a summary: vertices, edges, features,
+    classes and split sizes. DataError: a missing or unreadable file or field."""
     try:
         with np.load(src, allow_pickle=False) as npz:
             npz_missing(src, npz.files)

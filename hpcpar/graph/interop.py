@@ -1,13 +1,12 @@
 """Graphs from PyTorch Geometric and from plain files.
 
-:func:`pyg_arrays` reads a ``torch_geometric.data.Data`` by its attributes (``edge_index``,
-``x``, ``y``, ``train_mask``/``val_mask``/``test_mask``, ``num_nodes``), so this module never
-imports PyG; ``DistGraph.from_pyg`` partitions one, ``hpcpar data graph import`` converts a
-saved one (``torch.save(data, "g.pt")``) or an edge list plus a features file to a graph file.
-PyG's edge direction convention is kept: ``edge_index[0]`` is the source, ``[1]`` the target,
-and a layer aggregates over in-edges (``flow="source_to_target"``). hpcpar graphs are simple:
-repeated edges are merged (with a warning), where PyG's layers would count each copy.
-"""
+:func:`pyg_arrays` reads a ``torch_geometric.data.Data`` by its attributes (``edge_index``, ``x``,
+``y``, ``train_mask``/``val_mask``/``test_mask``, ``num_nodes``), so this module never imports PyG;
+``DistGraph.from_pyg`` partitions one, ``hpcpar data graph import`` converts a saved one
+(``torch.save(data, "g.pt")``) or an edge list plus a features file to a graph file. PyG's edge
+direction convention is kept: ``edge_index[0]`` is the source, ``[1]`` the target, and a layer
+aggregates over in-edges (``flow="source_to_target"``). hpcpar graphs are simple: repeated edges are
+merged (with a warning), where PyG's layers would count each copy."""
 
 from __future__ import annotations
 
@@ -83,11 +82,10 @@ def pyg_arrays(data: Any, where: str = "PyG Data") -> dict:
     """``{"num_nodes", "edge_index", "x", "y", "masks"}`` as numpy arrays of a PyG ``Data`` (or
     any object with its attributes; ``where`` names it in messages).
 
-    ``edge_index`` ``(2, E)`` and ``x`` ``(N, F)`` are required; ``y`` ``(N,)`` (zeros when
-    absent), boolean ``train_mask``/``val_mask``/``test_mask`` (all False when absent),
-    ``num_nodes`` (``x.shape[0]`` when absent). DataError: a missing ``edge_index``/``x`` or
-    arrays of the wrong shapes.
-    """
+    ``edge_index`` ``(2, E)`` and ``x`` ``(N, F)`` are required; ``y`` ``(N,)`` (zeros when absent),
+    boolean ``train_mask``/``val_mask``/``test_mask`` (all False when absent), ``num_nodes``
+    (``x.shape[0]`` when absent). DataError: a missing ``edge_index``/``x`` or arrays of the wrong
+    shapes."""
     n = pyg_num_nodes(data, where)
     x = _np(data.x, np.float32)
     edges = check_edges(_np(data.edge_index, np.int64), n, f"{where}: edge_index")
@@ -131,13 +129,12 @@ def _refusal(path, exc: Exception) -> DataError:
 def load_pyg(path: str | os.PathLike, trust_pickle: bool = False, mmap: bool = False) -> Any:
     """A PyG ``Data`` saved with ``torch.save`` (a saved dataset's first graph).
 
-    The file is unpickled with ``weights_only=True`` and only PyG's graph classes allowed, so a
-    file whose pickle would call anything else is refused, not run; ``trust_pickle`` unpickles
-    anything (``weights_only=False``: may run the file's code). ``mmap`` maps the tensors from
-    the file instead of reading them (zip-format files, torch.save's default since 1.6).
-    DataError: a missing file, one that holds no graph, or one that needs classes beyond PyG's
-    graph classes without ``trust_pickle``.
-    """
+    The file is unpickled with ``weights_only=True`` and only PyG's graph classes allowed, so a file
+    whose pickle would call anything else is refused, not run; ``trust_pickle`` unpickles anything
+    (``weights_only=False``: may run the file's code). ``mmap`` maps the tensors from the file
+    instead of reading them (zip-format files, torch.save's default since 1.6). DataError: a missing
+    file, one that holds no graph, or one that needs classes beyond PyG's graph classes without
+    ``trust_pickle``."""
     import torch
 
     if not os.path.isfile(path):
@@ -198,10 +195,9 @@ def edge_list_chunks(path: str | os.PathLike, lines: int = 1 << 20) -> Iterator[
 
 
 def read_edge_list(path: str | os.PathLike) -> np.ndarray:
-    """A text edge list: one ``src dst`` pair per line (spaces, tabs or commas; ``#``
-    comments and blank lines skipped; a non-numeric header line is skipped), as ``(2, E)``
-    int64 edges ``src -> dst``. DataError: a missing file or a line that is not two integers.
-    """
+    """A text edge list: one ``src dst`` pair per line (spaces, tabs or commas; ``#`` comments and
+    blank lines skipped; a non-numeric header line is skipped), as ``(2, E)`` int64 edges ``src ->
+    dst``. DataError: a missing file or a line that is not two integers."""
     return np.concatenate(list(edge_list_chunks(path)), axis=1)
 
 
@@ -239,11 +235,9 @@ def import_graph(source: str | os.PathLike, out: str | os.PathLike,
     direction and split sizes.
 
     Edge lists: ``features`` ``(N, F)`` and ``labels`` ``(N,)`` class ids (zeros when None),
-    ``.npy`` or text (one row per vertex). Masks the source lacks (edge lists; a PyG Data
-    without masks): random ``split = (train, val)`` fractions, the rest test. ``trust_pickle``:
-    see :func:`load_pyg`. DataError: an unreadable source, missing features, or inconsistent
-    shapes.
-    """
+    ``.npy`` or text (one row per vertex). Masks the source lacks (edge lists; a PyG Data without
+    masks): random ``split = (train, val)`` fractions, the rest test. ``trust_pickle``: see
+    :func:`load_pyg`. DataError: an unreadable source, missing features, or inconsistent shapes."""
     source = str(source)
     if source.endswith((".pt", ".pth")):
         arrays = pyg_arrays(load_pyg(source, trust_pickle), source)

@@ -14,12 +14,11 @@ A directory, written by ``hpcpar data graph partition``::
       /masks/train    (n,)   bool    (also val, test)
       /original_ids   (n,)   int64   each vertex's id in the source graph
 
-Vertices are renumbered so that part ``p`` owns the contiguous ids ``[offsets[p],
-offsets[p+1])`` (source order kept inside a part): a vertex's owner is a binary search over
-``P + 1`` offsets, so no rank needs an N-length owner array, and a rank reads only its own
-file. Files are checked with the volume format's helpers (path containment, HDF5 signature,
-size, sha256), so ``hpcpar data verify`` checks both formats alike.
-"""
+Vertices are renumbered so that part ``p`` owns the contiguous ids ``[offsets[p], offsets[p+1])``
+(source order kept inside a part): a vertex's owner is a binary search over ``P + 1`` offsets, so no
+rank needs an N-length owner array, and a rank reads only its own file. Files are checked with the
+volume format's helpers (path containment, HDF5 signature, size, sha256), so ``hpcpar data verify``
+checks both formats alike."""
 
 from __future__ import annotations
 
@@ -70,9 +69,8 @@ def is_sharded_graph(path: str | os.PathLike) -> bool:
 class RangeOwner:
     """Owner rank of global vertex ids when part ``p`` holds ``[offsets[p], offsets[p+1])``.
 
-    Indexes like an owner array (``owner[ids]``, ``owner[a:b]``) with ``P + 1`` integers of
-    state: what ``DistGraph`` needs instead of an N-length array.
-    """
+    Indexes like an owner array (``owner[ids]``, ``owner[a:b]``) with ``P + 1`` integers of state:
+    what ``DistGraph`` needs instead of an N-length array."""
 
     def __init__(self, offsets):
         self.offsets = np.asarray(offsets, np.int64)
@@ -148,10 +146,9 @@ def read_graph_manifest(directory: str | os.PathLike) -> GraphManifest:
 
 
 class PartWriter:
-    """Append rows to part files as a partitioner streams over the source, so no part is ever
-    held whole in memory. ``directory`` is created; one holding a manifest is replaced only with
-    ``force``, and part files without a manifest never.
-    """
+    """Append rows to part files as a partitioner streams over the source, so no part is ever held
+    whole in memory. ``directory`` is created; one holding a manifest is replaced only with
+    ``force``, and part files without a manifest never."""
 
     def __init__(self, directory: str | os.PathLike, parts: int, num_features: int,
                  force: bool = False):
