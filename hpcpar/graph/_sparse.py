@@ -36,10 +36,6 @@ class SparseOperator:
         self._torch: dict = {}
         self._dtype_cache: dict = {}
 
-    @property
-    def nnz(self) -> int:
-        return int(self.fwd[1].shape[0])
-
     def to(self, device=None, dtype=None) -> SparseOperator:
         """Move the CSR arrays (values to ``dtype`` if given)."""
         def mv(a):
