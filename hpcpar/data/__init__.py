@@ -2,8 +2,7 @@
 
 Names load lazily: ``hpcpar.data`` imports neither torch nor h5py until a name is used.
 
-May import: hpcpar.errors, hpcpar.parallel.
-"""
+May import: hpcpar.errors, hpcpar.parallel."""
 
 from .._lazy import lazy_getattr
 

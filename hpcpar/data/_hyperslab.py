@@ -4,24 +4,22 @@ Used in the main process (``prefetch=0``, ``mpio``) and in the prefetch process,
 numpy + h5py only. Bytes read are counted as storage delivers them: every chunk the box
 touches, whole (edge chunks are stored full size), plus the ``y`` rows.
 
-Fast path (unfiltered chunked ``x``, POSIX files): HDF5's chunk index, walked once per shard,
-gives each chunk's file offset. When the rank's box covers whole chunks along W (the default
-chunks span the whole W axis), every chunk lands in the output as a few long contiguous
-pieces (one per channel and D plane, or one per channel when the chunk also spans the box's
-H), so each run of chunks adjacent in the file is read with one ``preadv`` straight into the
-output; the parts of a chunk outside the box (a box not aligned with chunk edges along D or
-H) go to a reused discard buffer, so whole chunks are still read in one sequential pass. The
-hundreds of buffer addresses per sample are computed with numpy and passed to libc's
-``preadv`` directly (building as many Python buffer objects costs a third of the read).
-Otherwise (boxes that cut chunks along W) each row of touched chunks is read with one
-``preadv`` per run of chunks adjacent in the file into a reused buffer, then placed into the
-output with one transposing copy while the kernel's readahead fetches the next rows: that
-copy costs about as much as the read itself from the page cache. Both avoid HDF5's per-chunk
-cache allocation and row-wise copies, which make warm reads several times slower than a
-plain read. Anything else (compressed chunks, contiguous datasets, the mpio driver) goes
-through ``read_direct`` with a chunk cache big enough to hold a chunk, so HDF5 fetches each
-chunk once instead of row by row.
-"""
+Fast path (unfiltered chunked ``x``, POSIX files): HDF5's chunk index, walked once per shard, gives
+each chunk's file offset. When the rank's box covers whole chunks along W (the default chunks span
+the whole W axis), every chunk lands in the output as a few long contiguous pieces (one per channel
+and D plane, or one per channel when the chunk also spans the box's H), so each run of chunks
+adjacent in the file is read with one ``preadv`` straight into the output; the parts of a chunk
+outside the box (a box not aligned with chunk edges along D or H) go to a reused discard buffer, so
+whole chunks are still read in one sequential pass. The hundreds of buffer addresses per sample are
+computed with numpy and passed to libc's ``preadv`` directly (building as many Python buffer objects
+costs a third of the read). Otherwise (boxes that cut chunks along W) each row of touched chunks is
+read with one ``preadv`` per run of chunks adjacent in the file into a reused buffer, then placed
+into the output with one transposing copy while the kernel's readahead fetches the next rows: that
+copy costs about as much as the read itself from the page cache. Both avoid HDF5's per-chunk cache
+allocation and row-wise copies, which make warm reads several times slower than a plain read.
+Anything else (compressed chunks, contiguous datasets, the mpio driver) goes through ``read_direct``
+with a chunk cache big enough to hold a chunk, so HDF5 fetches each chunk once instead of row by
+row."""
 
 from __future__ import annotations
 
@@ -58,11 +56,10 @@ def cache_bytes(chunks, itemsize: int) -> int:
 
 @dataclass
 class OpenShard:
-    """One open shard: the ``x`` dataset, all of ``y`` (small: loaded at open; a label volume
-    stays a dataset, read by hyperslab), a plain
-    descriptor for direct chunk reads (or None), the chunk plans of the boxes read and the
-    file offset of every chunk (read once: a lookup per chunk per read costs as much as
-    copying the chunk from the page cache)."""
+    """One open shard: the ``x`` dataset, all of ``y`` (small: loaded at open; a label volume stays
+    a dataset, read by hyperslab), a plain descriptor for direct chunk reads (or None), the chunk
+    plans of the boxes read and the file offset of every chunk (read once: a lookup per chunk per
+    read costs as much as copying the chunk from the page cache)."""
 
     file: Any  # h5py.File (h5py ships no types)
     x: Any  # its h5py.Dataset

@@ -6,13 +6,12 @@ anything else that touches HDF5; a separate process can. The child is a fresh in
 inherited, the user's ``__main__`` is not re-imported (as spawn/forkserver would do), and it
 imports numpy + h5py only (no torch, no MPI: ~0.2 s to start). It opens the shard files itself.
 
-Protocol: the parent shares an anonymous memory file (``memfd``) split into ``depth`` slots
-and writes one JSON line per request ``{"slot": k, "items": [[shard, row], ...]}`` on the
-child's stdin; the child fills the slot and answers ``{"slot": k, "n": n, "bytes": b}`` (or
-``{"error": msg}``) on stdout. At most ``depth`` requests are outstanding: the bounded queue.
-The child exits when its stdin closes (the parent closed it or died) and asks the kernel to
-kill it if the parent dies (PR_SET_PDEATHSIG), so no orphan survives the parent.
-"""
+Protocol: the parent shares an anonymous memory file (``memfd``) split into ``depth`` slots and
+writes one JSON line per request ``{"slot": k, "items": [[shard, row], ...]}`` on the child's stdin;
+the child fills the slot and answers ``{"slot": k, "n": n, "bytes": b}`` (or ``{"error": msg}``) on
+stdout. At most ``depth`` requests are outstanding: the bounded queue. The child exits when its
+stdin closes (the parent closed it or died) and asks the kernel to kill it if the parent dies
+(PR_SET_PDEATHSIG), so no orphan survives the parent."""
 
 from __future__ import annotations
 
@@ -169,10 +168,9 @@ def _die_with_parent(parent: int) -> None:
 
 
 def main() -> None:
-    """Child side: serve read requests until stdin closes. The training's stop signals are
-    the parent's to handle (it checkpoints, then closes our stdin): srun delivers them to
-    every process of the step, and dying on one would leave the parent's requests
-    unanswered."""
+    """Child side: serve read requests until stdin closes. The training's stop signals are the
+    parent's to handle (it checkpoints, then closes our stdin): srun delivers them to every process
+    of the step, and dying on one would leave the parent's requests unanswered."""
     for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
     config = json.loads(sys.stdin.readline())

@@ -1,12 +1,11 @@
 """Split-invariant flips and 90° rotations of whole samples, applied as each rank reads its box.
 
-A sample's view ``T`` (flips of D, H, W after ``k`` quarter turns in the (H, W) plane) is drawn
-from ``(seed, epoch, sample)`` alone, so every rank agrees on it whatever the grid. ``T`` maps
-boxes to boxes (it only permutes and mirrors axes), so the rank owning box ``B`` of the
-augmented sample reads the source box ``T⁻¹(B)`` (:func:`source_box`) and applies ``T`` to that
-block locally (:func:`apply_view`): the same voxels as flipping the whole sample on one rank,
-with no communication. Quarter turns need a square (H, W) plane.
-"""
+A sample's view ``T`` (flips of D, H, W after ``k`` quarter turns in the (H, W) plane) is drawn from
+``(seed, epoch, sample)`` alone, so every rank agrees on it whatever the grid. ``T`` maps boxes to
+boxes (it only permutes and mirrors axes), so the rank owning box ``B`` of the augmented sample
+reads the source box ``T⁻¹(B)`` (:func:`source_box`) and applies ``T`` to that block locally
+(:func:`apply_view`): the same voxels as flipping the whole sample on one rank, with no
+communication. Quarter turns need a square (H, W) plane."""
 
 from __future__ import annotations
 

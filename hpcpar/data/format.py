@@ -6,13 +6,12 @@ A dataset is a directory::
     shard-00000.h5 ...       x (n, C, D, H, W), y (n, K); root attrs: format, format_version,
                              shard_index, sample_start, sample_stop (global [start, stop))
 
-``x`` is chunked ``(1, C, cd, ch, cw)``: one sample per chunk row and every channel in a chunk
-(a rank reads all channels of its sub-volume), so a rank's hyperslab of one sample touches only
-the chunks overlapping its box. By default chunks span half of H and all of W (long contiguous
-pieces a rank reads straight into its output); ``grid:XxYxZ`` makes one chunk per rank block. Every
-check here raises :class:`DataError` with one line that names the file and the field. numpy +
-h5py only (the prefetch process imports this).
-"""
+``x`` is chunked ``(1, C, cd, ch, cw)``: one sample per chunk row and every channel in a chunk (a
+rank reads all channels of its sub-volume), so a rank's hyperslab of one sample touches only the
+chunks overlapping its box. By default chunks span half of H and all of W (long contiguous pieces a
+rank reads straight into its output); ``grid:XxYxZ`` makes one chunk per rank block. Every check
+here raises :class:`DataError` with one line that names the file and the field. numpy + h5py only
+(the prefetch process imports this)."""
 
 from __future__ import annotations
 
@@ -49,13 +48,8 @@ MAX_AUTO_CHUNK = 1 << 22  # elements: automatic chunks are at most 16 MiB of flo
 
 
 def open_regular(path: str | os.PathLike):
-    """Open a manifest for reading (text), refusing anything but a regular file: a FIFO
-    named ``manifest.json`` would block its reader forever.
-
-    Raises:
-        OSError: It cannot be opened; ``ENXIO``-like ``OSError`` for a non-regular file
-            (its message says so).
-    """
+    """Open a manifest for reading (text), refusing anything but a regular file (OSError saying
+    so): a FIFO named ``manifest.json`` would block its reader forever."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
@@ -64,29 +58,15 @@ def open_regular(path: str | os.PathLike):
 
 
 def shard_name(index: int) -> str:
-    """Give the file name of shard ``index``, so every writer and reader agree on it.
-
-    Args:
-        index: Position of the shard in the manifest (0-based).
-
-    Returns:
-        The name, zero-padded to five digits: ``shard-00000.h5``.
-    """
+    """The file name of shard ``index`` (0-based), zero-padded: ``shard-00000.h5``."""
     return f"shard-{index:05d}.h5"
 
 
 def chunk_edge(n: int, target: int | None = None) -> int:
-    """Chunk length on one axis: about ``target``, splitting the axis evenly.
+    """Chunk length on an axis of length ``n``: about ``target``, splitting the axis evenly.
 
-    Args:
-        n: Length of the axis.
-        target: The wanted edge. None (the default): at most 32 and at most a quarter of the
-            axis, so grids of up to 4 ranks per axis read their own quarter, not a whole
-            small sample; 0: the whole axis.
-
-    Returns:
-        The chunk length.
-    """
+    ``target`` None: at most 32 and at most a quarter of the axis, so grids of up to 4 ranks per
+    axis read their own quarter, not a whole small sample; 0: the whole axis."""
     if target is None:
         target = min(DEFAULT_CHUNK, -(-n // 4))
     if target <= 0 or target >= n:
@@ -104,19 +84,9 @@ class PerRankChunks:
 
 
 def parse_chunk(text: str | None) -> int | tuple | PerRankChunks | None:
-    """Parse a ``--chunk`` option.
-
-    Args:
-        text: ``"auto"`` (or None), ``"32"`` (target edge on every axis), ``"16,128,128"``
-            (per-axis targets) or ``"grid:2x2x1"`` (or a 4D ``DxXxYxZ`` grid spec, data part
-            ignored: one chunk per rank block of that spatial grid).
-
-    Returns:
-        None, an int, a (D, H, W) tuple or ``PerRankChunks``, as ``x_chunks`` takes.
-
-    Raises:
-        DataError: Not one of these forms.
-    """
+    """Parse a ``--chunk`` option into what ``x_chunks`` takes: ``"auto"`` or None -> None,
+    ``"32"`` (edge on every axis) -> int, ``"16,128,128"`` -> (D, H, W) tuple, ``"grid:2x2x1"``
+    (or a 4D ``DxXxYxZ`` spec, data part ignored) -> ``PerRankChunks``; else DataError."""
     if text is None or str(text).strip().lower() == "auto":
         return None
     text = str(text).strip()
@@ -141,12 +111,8 @@ def parse_chunk(text: str | None) -> int | tuple | PerRankChunks | None:
 
 
 def chunk_from_options(chunk: str, grid: str | None) -> int | tuple | PerRankChunks | None:
-    """The writer's ``chunk`` from ``--chunk`` and ``--grid`` of ``hpcpar data make/shard`` (a
-    grid hint with an explicit ``--chunk`` other than auto is a contradiction).
-
-    Raises:
-        DataError: Both given, or a grid that is not DxXxYxZ / XxYxZ.
-    """
+    """The writer's ``chunk`` from ``--chunk`` and ``--grid`` of ``hpcpar data make/shard``.
+    DataError for both given (a contradiction) or a grid that is not DxXxYxZ / XxYxZ."""
     if grid is None:
         return parse_chunk(chunk)
     if str(chunk).strip().lower() != "auto":
@@ -161,25 +127,19 @@ def chunk_from_options(chunk: str, grid: str | None) -> int | tuple | PerRankChu
 
 def x_chunks(sample_shape: Sequence[int],
              target: int | Sequence[int] | PerRankChunks | None = None) -> tuple[int, ...]:
-    """The HDF5 chunk shape of ``x``.
+    """The HDF5 chunk shape ``(1, C, d, h, w)`` of ``x`` (one sample, all channels per chunk)
+    for a sample of shape ``(C, D, H, W)``.
 
-    Args:
-        sample_shape: Per-sample shape ``(C, D, H, W)``.
-        target: None (auto: the D edge as ``chunk_edge`` chooses, half of H, all of W,
-            halving the larger D/H edge while a chunk exceeds ``MAX_AUTO_CHUNK`` elements), one
-            edge for D, H, W, a (D, H, W) triple (0 means the whole axis) or
-            ``PerRankChunks`` (the largest rank block of the balanced split on each axis).
+    ``target``: None (auto: the D edge as ``chunk_edge`` chooses, half of H, all of W, halving
+    the larger D/H edge while a chunk exceeds ``MAX_AUTO_CHUNK`` elements), one edge for D, H, W,
+    a (D, H, W) triple (0 means the whole axis) or ``PerRankChunks`` (the largest rank block of
+    the balanced split on each axis).
 
-    Returns:
-        ``(1, C, d, h, w)``: one sample and all channels per chunk.
-
-    Auto chunks span W because a grid that does not split W then reads each chunk as long
-    contiguous pieces straight into its output (as fast as a plain read): one piece per
-    channel and D plane, or per channel when the box spans the chunk's H (a grid splitting H
-    in two), so few pieces. Grids that split W read whole rows (W/z times their share), and
-    grids splitting H in more than 2 read whole half-planes, unless the data is chunked for
-    them (``PerRankChunks``).
-    """
+    Auto chunks span W because a grid that does not split W then reads each chunk as long contiguous
+    pieces straight into its output (as fast as a plain read): one piece per channel and D plane, or
+    per channel when the box spans the chunk's H (a grid splitting H in two), so few pieces. Grids
+    that split W read whole rows (W/z times their share), and grids splitting H in more than 2 read
+    whole half-planes, unless the data is chunked for them (``PerRankChunks``)."""
     c, *spatial = sample_shape
     if target is None:
         edges = [chunk_edge(spatial[0]), chunk_edge(spatial[1], -(-spatial[1] // 2)),
@@ -196,16 +156,9 @@ def x_chunks(sample_shape: Sequence[int],
 
 @dataclass
 class Array:
-    """Per-sample shape and dtype of one dataset key (``x`` or ``y``).
-
-    Attributes:
-        key: The HDF5 dataset name in every shard.
-        shape: Shape of one sample (``(C, D, H, W)`` for x; ``(K,)`` for y, or ``(D, H, W)``
-            for a label volume).
-        dtype: numpy dtype name.
-        chunks: HDF5 chunk shape of one sample, if chunked.
-        names: Names of the targets (y only).
-    """
+    """Per-sample shape and dtype of one dataset key (``x`` or ``y``): ``key`` is the HDF5
+    dataset name in every shard; ``shape`` is ``(C, D, H, W)`` for x, ``(K,)`` for y or ``(D, H,
+    W)`` for a label volume; ``dtype`` a numpy dtype name; ``names`` the targets' (y only)."""
 
     key: str
     shape: tuple
@@ -231,15 +184,8 @@ class Array:
 
 @dataclass
 class Shard:
-    """One shard file of a dataset.
-
-    Attributes:
-        file: File name, relative to the dataset directory.
-        start: Global index of its first sample.
-        count: Number of samples.
-        bytes: File size.
-        sha256: Checksum of the file ("" when not recorded).
-    """
+    """One shard file of a dataset: ``file`` relative to the dataset directory, ``start`` the
+    global index of its first sample, ``sha256`` "" when not recorded."""
 
     file: str
     start: int
@@ -257,20 +203,11 @@ class Shard:
 class Manifest:
     """``manifest.json`` of a dataset directory (format: ``docs/guides/data.md``).
 
-    Attributes:
-        num_samples: Samples in the dataset.
-        x: The inputs' per-sample shape and dtype.
-        y: The targets' per-sample shape and dtype.
-        shards: The shard files in sample order, covering ``[0, num_samples)``.
-        source: How the data was made (free-form facts).
-        format: ``"hpcpar-volume-shards"``.
-        format_version: The format version this manifest follows.
-        stats: Min/max and NaN/inf counts of x and y (empty in older datasets).
-        transform: The input transform readers apply at run time (``TRANSFORMS``); the
-            stored values are never transformed. ``"none"`` unless asked for when the
-            dataset was made (``hpcpar data shard --transform``); ``"log1p"`` for CosmoFlow
-            data.
-    """
+    ``shards`` are in sample order, covering ``[0, num_samples)``; ``source`` is free-form facts on
+    how the data was made; ``stats`` min/max and NaN/inf counts of x and y (see :func:`value_stats`;
+    empty in older datasets). ``transform`` is the input transform readers apply at run time
+    (``TRANSFORMS``; the stored values are never transformed): ``"none"`` unless asked for when the
+    dataset was made (``hpcpar data shard --transform``); ``"log1p"`` for CosmoFlow data."""
 
     num_samples: int
     x: Array
@@ -279,7 +216,7 @@ class Manifest:
     source: dict = field(default_factory=dict)
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
-    stats: dict = field(default_factory=dict)  # see value_stats(); {} in older datasets
+    stats: dict = field(default_factory=dict)
     transform: str = "none"
 
     def to_json(self) -> dict:
@@ -310,14 +247,7 @@ class Manifest:
         return [s.start for s in self.shards]
 
     def locate(self, sample: int) -> tuple[int, int]:
-        """Where a global sample is stored.
-
-        Args:
-            sample: The global sample index.
-
-        Returns:
-            ``(shard index, row in that shard)``.
-        """
+        """``(shard index, row in that shard)`` of a global sample."""
         s = bisect.bisect_right(self.offsets, sample) - 1
         return s, sample - self.shards[s].start
 
@@ -380,18 +310,8 @@ def _no_constant(name: str):
 
 
 def read_manifest(directory: str | os.PathLike) -> Manifest:
-    """Load and check a dataset's ``manifest.json``.
-
-    Args:
-        directory: The dataset directory.
-
-    Returns:
-        The manifest.
-
-    Raises:
-        DataError: A missing directory or manifest, invalid JSON, another format or format
-            version, or malformed fields.
-    """
+    """Load and check a dataset's ``manifest.json``. DataError for a missing directory or
+    manifest, invalid JSON, another format or format version, or malformed fields."""
     if not os.path.isdir(directory):
         raise DataError(f"{directory}: dataset directory not found")
     path = os.path.join(directory, MANIFEST)
@@ -436,21 +356,10 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
 
 
 def member_path(directory: str | os.PathLike, name: object, field: str) -> str:
-    """Join a path read from a manifest to its dataset directory, refusing any that leaves it,
-    so a manifest can neither read files from elsewhere nor make staging write elsewhere.
-
-    Args:
-        directory: The dataset directory.
-        name: The path as the manifest gives it (relative to ``directory``).
-        field: The manifest and field it came from, for the message.
-
-    Returns:
-        ``directory/name``.
-
-    Raises:
-        DataError: ``name`` is not a non-empty string, is absolute, or resolves (``..``,
-            symbolic links) outside ``directory``.
-    """
+    """``directory/name`` for a path ``name`` read from a manifest's ``field`` (named in the
+    message), refusing (DataError) one that is not a non-empty string, is absolute, or resolves
+    (``..``, symbolic links) outside ``directory``: a manifest can neither read files from
+    elsewhere nor make staging write elsewhere."""
     if not isinstance(name, str) or not name or "\0" in name:
         raise DataError(f"{field} is {name!r}: expected a file name inside the dataset directory")
     if os.path.isabs(name):
@@ -465,16 +374,8 @@ def member_path(directory: str | os.PathLike, name: object, field: str) -> str:
 
 
 def check_file(path: str, expected_bytes: int | None = None) -> None:
-    """Check a shard file exists, is HDF5, and is not truncated, before h5py opens it.
-
-    Args:
-        path: The shard file.
-        expected_bytes: The size the manifest records; None or 0 skips the size check.
-
-    Raises:
-        DataError: The file is missing, lacks the HDF5 signature, or is shorter than
-            ``expected_bytes``.
-    """
+    """Check a shard file exists, is HDF5, and is not shorter than ``expected_bytes`` (None or 0
+    skips that), before h5py opens it; DataError if not."""
     if not os.path.isfile(path):
         raise DataError(f"{path}: shard file not found")
     with open(path, "rb") as fh:
@@ -488,18 +389,8 @@ def check_file(path: str, expected_bytes: int | None = None) -> None:
 
 
 def open_h5(path: str, **kwargs: Any) -> h5py.File:
-    """Open an HDF5 file read-only, turning HDF5's long open errors into one-line DataErrors.
-
-    Args:
-        path: The file to open.
-        **kwargs: Passed on to ``h5py.File``.
-
-    Returns:
-        The open ``h5py.File`` (mode ``'r'``); the caller closes it.
-
-    Raises:
-        DataError: The file is truncated, not HDF5, or cannot be opened.
-    """
+    """Open an HDF5 file read-only (the caller closes it), turning HDF5's long open errors
+    (truncated, not HDF5, cannot open) into one-line DataErrors."""
     import h5py
 
     try:
@@ -514,17 +405,8 @@ def open_h5(path: str, **kwargs: Any) -> h5py.File:
 
 
 def check_array(path: str, f: h5py.File, spec: Array, rows: int | None) -> None:
-    """Check a dataset in an open shard has the shape and dtype the manifest promises.
-
-    Args:
-        path: The shard file's path (used in messages).
-        f: The open shard file.
-        spec: The manifest's description of the dataset (key, per-sample shape, dtype).
-        rows: The number of samples the shard should hold; None accepts any.
-
-    Raises:
-        DataError: The dataset is missing or has the wrong shape or dtype.
-    """
+    """Check a dataset in an open shard is there, holds its own data and has the shape (``rows``
+    samples; None accepts any) and dtype the manifest promises; DataError if not."""
     if spec.key not in f:
         raise DataError(f"{path}: missing dataset '{spec.key}'")
     d = f[spec.key]
@@ -544,19 +426,8 @@ def check_array(path: str, f: h5py.File, spec: Array, rows: int | None) -> None:
 
 def check_shard(directory: str | os.PathLike, m: Manifest, index: int, checksum: bool = False,
                 values: bool = False) -> None:
-    """Check one shard against the manifest.
-
-    Args:
-        directory: The dataset directory.
-        m: Its manifest.
-        index: The shard.
-        checksum: Also compare the file's sha256.
-        values: Also scan every value for NaN/inf the manifest does not allow.
-
-    Raises:
-        DataError: The first problem: missing or not HDF5, wrong size, checksum, missing
-            dataset, wrong shape or dtype, or unexpected NaN/inf.
-    """
+    """Check one shard against the manifest, also its sha256 if ``checksum`` and every value for
+    NaN/inf the manifest does not allow if ``values``. DataError on the first problem."""
     s = m.shards[index]
     path = member_path(directory, s.file, f"{os.path.join(directory, MANIFEST)}: field "
                                           f"'shards[{index}].file'")
@@ -581,18 +452,9 @@ def check_shard(directory: str | os.PathLike, m: Manifest, index: int, checksum:
 
 
 def manifest_problems(directory: str | os.PathLike, m: Manifest) -> list[str]:
-    """Find what the manifest's own stats say is wrong, without reading any shard.
-
-    Flags NaN/inf recorded in a dataset that claims to be finite (a dataset made with NaN on
-    purpose says ``finite: false``).
-
-    Args:
-        directory: The dataset directory (used in messages).
-        m: Its manifest.
-
-    Returns:
-        One line per problem; empty when the stats are consistent.
-    """
+    """One line per problem the manifest's own stats show, without reading any shard: NaN/inf
+    recorded in a dataset that claims to be finite (one made with NaN on purpose says ``finite:
+    false``)."""
     path = os.path.join(directory, MANIFEST)
     problems = []
     for key in ("x", "y"):
@@ -605,16 +467,9 @@ def manifest_problems(directory: str | os.PathLike, m: Manifest) -> list[str]:
 
 def verify_dataset(directory: str | os.PathLike, checksum: bool = True,
                    values: bool | None = None) -> list[str]:
-    """Check a whole dataset: what ``hpcpar data verify`` does.
-
-    Args:
-        directory: The dataset directory.
-        checksum: Compare every shard's sha256 with the manifest.
-        values: Scan every value for NaN/inf; same as ``checksum`` when None.
-
-    Returns:
-        Every problem, one line each; empty when the dataset is sound.
-    """
+    """Check a whole dataset (``hpcpar data verify``): every problem, one line each, empty when
+    sound. ``checksum`` compares every shard's sha256; ``values`` (default: as ``checksum``)
+    scans every value for NaN/inf."""
     try:
         m = read_manifest(directory)
     except DataError as exc:
@@ -634,17 +489,9 @@ SCAN_BLOCK_BYTES = 64 << 20  # verify reads x in blocks of about this size
 
 
 def value_stats(a: ArrayLike) -> dict:
-    """Summarise an array's values so the manifest can record whether the data is finite.
-
-    Min/max are over the finite values only (None when there are none); integer arrays are
-    finite by construction.
-
-    Args:
-        a: The array (anything ``numpy.asarray`` accepts).
-
-    Returns:
-        ``{"nonfinite": count of NaN/inf, "min": ..., "max": ...}``.
-    """
+    """``{"nonfinite": count of NaN/inf, "min": ..., "max": ...}`` of an array, so the manifest
+    can record whether the data is finite. Min/max are over the finite values only (None when
+    there are none); integer arrays are finite by construction."""
     import numpy as np
 
     a = np.asarray(a)
@@ -666,15 +513,8 @@ def value_stats(a: ArrayLike) -> dict:
 
 
 def merge_stats(a: dict | None, b: dict) -> dict:
-    """Combine the :func:`value_stats` of two arrays, so shards can be summarised block by block.
-
-    Args:
-        a: The running total, or None for the first block.
-        b: The stats of the next array.
-
-    Returns:
-        The stats of both arrays together (a new dict).
-    """
+    """Combine the :func:`value_stats` of two arrays (a new dict), so shards can be summarised
+    block by block; ``a`` None for the first block."""
     if a is None:
         return dict(b)
     pick = {"min": min, "max": max}
@@ -686,14 +526,8 @@ def merge_stats(a: dict | None, b: dict) -> dict:
 
 
 def dataset_stats(shards: dict) -> dict:
-    """Build the manifest's ``stats`` field from the per-shard value stats.
-
-    Args:
-        shards: ``{shard file: {"x": value_stats, "y": value_stats}}``.
-
-    Returns:
-        ``{"x": {"finite", "nonfinite", "min", "max"}, "y": {...}, "shards": shards}``.
-    """
+    """The manifest's ``stats`` field, ``{"x": {"finite", "nonfinite", "min", "max"}, "y": {...},
+    "shards": shards}``, from ``shards = {shard file: {"x": value_stats, "y": value_stats}}``."""
     out: dict = {}
     for key in ("x", "y"):
         total = None
@@ -706,17 +540,8 @@ def dataset_stats(shards: dict) -> dict:
 
 
 def expects_finite(m: Manifest, key: str = "x") -> bool:
-    """Tell whether a dataset's values must be finite, so readers know when NaN/inf is corruption.
-
-    Datasets written without stats are expected finite too: a NaN input never trains.
-
-    Args:
-        m: The dataset's manifest.
-        key: Which dataset: ``'x'`` or ``'y'``.
-
-    Returns:
-        True unless the manifest records that ``key`` holds NaN/inf on purpose.
-    """
+    """Whether ``key``'s values must be finite (NaN/inf then is corruption): True unless the
+    manifest records NaN/inf on purpose; without stats too, as a NaN input never trains."""
     return (m.stats.get(key) or {}).get("finite", True) is not False
 
 
@@ -734,19 +559,10 @@ def check_finite(x: np.ndarray, y: np.ndarray, items: Sequence[tuple[int, int]],
                  manifest: Manifest, directory: str = "") -> None:
     """Catch NaN/inf in a batch as it is read, naming the shard and sample it came from.
 
-    Cost: one ``sum`` over the batch at memory speed; the per-sample search only on failure.
-
-    Args:
-        x: The batch's inputs as read, (n, ...) (a rank's sub-volume is fine).
-        y: The batch's targets as read, (n, ...).
-        items: The batch's ``[(shard index, row in shard)]`` in order
-            (``ShardedVolumeDataset._items``).
-        manifest: The dataset's manifest.
-        directory: The dataset directory (used in messages).
-
-    Raises:
-        DataError: ``x`` or ``y`` holds NaN/inf although the manifest says its values are finite.
-    """
+    ``x``, ``y`` are (n, ...) as read (a rank's sub-volume is fine), ``items`` the batch's ``[(shard
+    index, row in shard)]`` in order (``ShardedVolumeDataset._items``). DataError when either holds
+    NaN/inf although the manifest says its values are finite. Cost: one ``sum`` over the batch at
+    memory speed; the per-sample search only on failure."""
     for spec, arr in ((manifest.x, x), (manifest.y, y)):
         if not expects_finite(manifest, spec.key):
             continue
@@ -760,19 +576,8 @@ def check_finite(x: np.ndarray, y: np.ndarray, items: Sequence[tuple[int, int]],
 
 
 def check_values(path: str, f: h5py.File, m: Manifest, s: Shard) -> None:
-    """Scan every value of a shard for NaN/inf the manifest does not allow.
-
-    Reads in blocks of about ``SCAN_BLOCK_BYTES``, so memory use stays bounded.
-
-    Args:
-        path: The shard file's path (used in messages).
-        f: The open shard file.
-        m: The dataset's manifest.
-        s: The manifest's entry for this shard.
-
-    Raises:
-        DataError: A sample holds NaN/inf although the manifest says the dataset is finite.
-    """
+    """Scan every value of shard ``s`` for NaN/inf the manifest does not allow (DataError), in
+    blocks of about ``SCAN_BLOCK_BYTES`` so memory use stays bounded."""
     import numpy as np
 
     for spec in (m.x, m.y):

@@ -1,10 +1,9 @@
 """``SyntheticVolumeDataset``: the ``hpcpar data make cosmoflow`` samples, made in memory.
 
-Same interface and schedule as :class:`~hpcpar.data.ShardedVolumeDataset`, and the same
-batches as reading a dataset made with the same ``seed`` (the data seed doubles as the
-shuffle seed), without files: for quick jobs and tests. Each rank generates whole samples
-and keeps only its sub-volume (cached when it fits ``cache_bytes``).
-"""
+Same interface and schedule as :class:`~hpcpar.data.ShardedVolumeDataset`, and the same batches as
+reading a dataset made with the same ``seed`` (the data seed doubles as the shuffle seed), without
+files: for quick jobs and tests. Each rank generates whole samples and keeps only its sub-volume
+(cached when it fits ``cache_bytes``)."""
 
 from __future__ import annotations
 
@@ -23,24 +22,11 @@ CACHE_BYTES = 1 << 30
 class SyntheticVolumeDataset(VolumeDatasetBase):
     """The synthetic CosmoFlow samples, generated in memory; iterates like the file reader.
 
-    Yields ``(x_local, y)``: this rank's sub-volume of its data group's samples and their
-    targets, the same batches as reading a dataset made with the same ``seed``.
-
-    Args:
-        grid: The process grid: data groups split the batch, x/y/z split each volume.
-        batch_size: The GLOBAL batch: samples per step over all data groups.
-        size: Edge of the cubic samples.
-        channels: Channels per sample.
-        samples: Samples in the dataset.
-        seed: Seed of the data and of the shuffle.
-        shuffle: Shuffle the sample order each epoch.
-        drop_last: Drop the last incomplete batch of an epoch.
-        cache_bytes: Keep the local sub-volumes in memory when they fit in this many bytes.
-
-    Raises:
-        DataError: A batch larger than the dataset or smaller than the number of data
-            groups, or a volume smaller than the grid.
-    """
+    Yields ``(x_local, y)``: this rank's sub-volume of its data group's samples and their targets,
+    the same batches as reading a dataset made with the same ``seed`` (which seeds the shuffle too).
+    ``batch_size`` is the GLOBAL batch; the local sub-volumes stay in memory when they fit in
+    ``cache_bytes``. DataError: a batch larger than the dataset or smaller than the number of data
+    groups, or a volume smaller than the grid."""
 
     def __init__(self, grid: ProcessGrid, batch_size: int, *, size: int, channels: int = 4,
                  samples: int, seed: int = 0, shuffle: bool = True, drop_last: bool = True,
@@ -54,14 +40,8 @@ class SyntheticVolumeDataset(VolumeDatasetBase):
         self.bytes_read = 0  # nothing comes from storage
 
     def sample(self, index: int) -> tuple[np.ndarray, np.ndarray]:
-        """One sample's local piece.
-
-        Args:
-            index: The global sample index.
-
-        Returns:
-            ``(x_local, y)``: this rank's ``(C, d, h, w)`` sub-volume and the ``(K,)`` targets.
-        """
+        """``(x_local, y)`` of global sample ``index``: this rank's ``(C, d, h, w)`` sub-volume
+        and the ``(K,)`` targets."""
         if self._cache is not None and index in self._cache:
             return self._cache[index]
         x, y = cosmoflow_sample(self.seed, index, self.size, self.channels)

@@ -42,20 +42,9 @@ __all__ = ["ShardedVolumeDataset"]
 
 
 def single_file_manifest(path: str, x_key: str = "x", y_key: str = "y") -> Manifest:
-    """Describe a single HDF5 file as a one-shard dataset, so it can be read like a sharded one.
-
-    Args:
-        path: The HDF5 file, holding datasets ``x`` (N, C, D, H, W) and ``y`` (N, K).
-        x_key: Name of the input dataset in the file.
-        y_key: Name of the target dataset in the file.
-
-    Returns:
-        A manifest with one shard covering every sample of the file.
-
-    Raises:
-        DataError: The file is missing, not HDF5, lacks either dataset, or their shapes do not
-            match (N, C, D, H, W) and (N, K).
-    """
+    """Describe a single HDF5 file holding ``x_key`` (N, C, D, H, W) and ``y_key`` (N, K) as a
+    one-shard dataset, so it can be read like a sharded one. DataError for a missing or non-HDF5
+    file, a missing dataset or other shapes."""
     check_file(path)
     with open_h5(path) as f:
         for key in (x_key, y_key):
@@ -74,38 +63,26 @@ def single_file_manifest(path: str, x_key: str = "x", y_key: str = "y") -> Manif
 class ShardedVolumeDataset(VolumeDatasetBase):
     """Per-rank hyperslab reader of a sharded volume dataset (format: ``docs/guides/data.md``).
 
-    Each rank reads only its data group's samples and, of each, only its own sub-volume.
-    Iterating yields ``(x_local, y)`` torch tensors: ``x_local`` ``(n, C, d, h, w)`` is this
-    rank's sub-volume of its data group's ``n`` samples, ``y`` is ``(n, K)``, or ``(n, d, h,
-    w)``, the same sub-volume of a label volume (``manifest.voxel_targets``). ``len()`` is
-    the number of steps per epoch; ``set_epoch``, ``state_dict`` and ``load_state_dict``
-    make iteration resumable mid-epoch.
+    Each rank reads only its data group's samples and, of each, only its own sub-volume. Iterating
+    yields ``(x_local, y)`` torch tensors: ``x_local`` ``(n, C, d, h, w)`` is this rank's sub-volume
+    of its data group's ``n`` samples, ``y`` is ``(n, K)``, or ``(n, d, h, w)``, the same sub-volume
+    of a label volume (``manifest.voxel_targets``). ``len()`` is the number of steps per epoch;
+    ``set_epoch``, ``state_dict`` and ``load_state_dict`` make iteration resumable mid-epoch.
 
-    Construction is collective over ``grid.comm`` (shard checks are split over ranks;
-    staging synchronises each node).
+    Construction is collective over ``grid.comm`` (shard checks are split over ranks; staging
+    synchronises each node). ``path``: a dataset directory or a single HDF5 file. In ``grid``, data
+    groups split the batch, x/y/z split each volume. ``batch_size`` is the GLOBAL batch (samples per
+    step over all data groups). ``shuffle`` is seeded by ``seed``: identical on every rank.
+    ``prefetch``: batches read ahead by a separate reader process (0: read inline). ``stage_to``:
+    copy the shards this node needs to this (node-local) directory first. ``driver``: None or
+    ``"sec2"`` (POSIX), or ``"mpio"`` (collective MPI-IO, no prefetch). ``verify`` compares every
+    shard's sha256 with the manifest before the first read (split over the ranks; sha256 runs at
+    0.5-1 GB/s on one core), so a corrupted shard is a named error before training, not NaN. Values
+    are always checked for NaN/inf the manifest does not allow, batch by batch (one sum).
 
-    Args:
-        path: A dataset directory (with its manifest) or a single HDF5 file.
-        grid: The process grid: data groups split the batch, x/y/z split each volume.
-        batch_size: The GLOBAL batch: samples per step over all data groups.
-        shuffle: Shuffle the sample order each epoch (seeded: identical on every rank).
-        seed: Seed of the shuffle.
-        drop_last: Drop the last incomplete batch of an epoch.
-        prefetch: Batches read ahead by a separate reader process (0: read inline).
-        stage_to: Copy the shards this node needs to this (node-local) directory first.
-        driver: HDF5 driver: None or ``"sec2"`` (POSIX), or ``"mpio"`` (collective MPI-IO,
-            no prefetch).
-        verify: Compare every shard's sha256 with the manifest before the first read (the
-            shards are split over the ranks; sha256 runs at 0.5-1 GB/s on one core), so a
-            corrupted shard is a named error before training, not NaN. Values are always
-            checked for NaN/inf the manifest does not allow, batch by batch (one sum).
-
-    Raises:
-        DataError: A missing or corrupt shard, a manifest of another format version, a
-            batch larger than the dataset or smaller than the number of data groups, a
-            volume smaller than the grid, or an unknown ``driver``; the same error on every
-            rank.
-    """
+    DataError, the same on every rank: a missing or corrupt shard, a manifest of another format
+    version, a batch larger than the dataset or smaller than the number of data groups, a volume
+    smaller than the grid, or an unknown ``driver``."""
 
     def __init__(self, path: str | os.PathLike, grid: ProcessGrid, batch_size: int, *,
                  shuffle: bool = True, seed: int = 0, drop_last: bool = True,

@@ -1,10 +1,9 @@
 """Copying the shards a node will read to node-local disk, once per node.
 
-The lowest rank of each node (``grid.node_comm``) copies the union of the shards its node's
-ranks need into ``STAGE_TO/<dataset>-<manifest digest>/``, each file to a temporary name
-then renamed, so a crashed copy is never taken for a finished one and a later run on the
-same node reuses what is there (matching size). The other ranks of the node wait for it.
-"""
+The lowest rank of each node (``grid.node_comm``) copies the union of the shards its node's ranks
+need into ``STAGE_TO/<dataset>-<manifest digest>/``, each file to a temporary name then renamed, so
+a crashed copy is never taken for a finished one and a later run on the same node reuses what is
+there (matching size). The other ranks of the node wait for it."""
 
 from __future__ import annotations
 
@@ -28,16 +27,8 @@ __all__ = ["staged_dir", "stage_shards"]
 
 
 def staged_dir(stage_to: str, directory: str, manifest: Manifest) -> str:
-    """Where a dataset is staged: ``STAGE_TO/<dataset>-<manifest digest>``.
-
-    Args:
-        stage_to: The node-local staging root.
-        directory: The dataset directory.
-        manifest: Its manifest (the digest tells datasets of one name apart).
-
-    Returns:
-        The staging directory.
-    """
+    """Where a dataset is staged: ``STAGE_TO/<dataset>-<manifest digest>`` (the digest tells
+    datasets of one name apart)."""
     digest = hashlib.sha256(json.dumps(manifest.to_json(), sort_keys=True).encode())
     name = os.path.basename(os.path.abspath(directory).rstrip("/")) or "dataset"
     return os.path.join(stage_to, f"{name}-{digest.hexdigest()[:12]}")
@@ -55,21 +46,9 @@ def _copy(src: str, dst: str) -> int:
 
 def stage_shards(directory: str, manifest: Manifest, needed: Iterable[int], stage_to: str,
                  node_comm: MPI.Comm) -> tuple[str, int]:
-    """Copy the shards a node needs to node-local disk, once per node (collective).
-
-    Args:
-        directory: The dataset directory.
-        manifest: Its manifest.
-        needed: Indices of the shards this rank reads.
-        stage_to: The node-local staging root.
-        node_comm (mpi4py.MPI.Comm): The ranks of this node; its rank 0 copies.
-
-    Returns:
-        ``(staged directory, bytes this rank copied)``.
-
-    Raises:
-        DataError: The copy failed (on every rank of the node).
-    """
+    """Copy the shards a node needs (``needed``: those this rank reads) to node-local disk, once per
+    node: collective over ``node_comm``, whose rank 0 copies. Returns ``(staged directory, bytes
+    this rank copied)``; DataError on every rank of the node if the copy failed."""
     wanted = node_comm.gather(sorted(set(int(i) for i in needed)), root=0)
     dest = staged_dir(stage_to, directory, manifest)
 

@@ -10,10 +10,9 @@ field's power spectrum P(k) ∝ k^n exp(-(k/k_c)^2) and a log-normal transform:
 - ``nonlinearity`` u3: g = 1 + 0.5 u3
 
 Channel c (of C, like CosmoFlow's redshift slices) is the log-normal overdensity
-exp(g D_c δ − (g D_c σ)²/2) − 1 with growth D_c = (c+1)/C, so amplitude and nonlinearity show
-in how channels differ and slope/cutoff in spatial correlations: a 3D CNN can learn all four.
-numpy only (used by the writer and the in-memory dataset).
-"""
+exp(g D_c δ − (g D_c σ)²/2) − 1 with growth D_c = (c+1)/C, so amplitude and nonlinearity show in
+how channels differ and slope/cutoff in spatial correlations: a 3D CNN can learn all four. numpy
+only (used by the writer and the in-memory dataset)."""
 
 from __future__ import annotations
 
@@ -33,17 +32,8 @@ MIN_SIZE = 2
 
 
 def check_params(size: int, channels: int, seed: int, samples: int | None = None) -> None:
-    """Check the generator's options.
-
-    Args:
-        size: Volume edge (at least ``MIN_SIZE``).
-        channels: Channels (at least 1).
-        seed: Seed (a non-negative integer).
-        samples: Number of samples (at least 1), when given.
-
-    Raises:
-        DataError: One line naming the option the generator cannot work with.
-    """
+    """Check the generator's options (``size`` >= ``MIN_SIZE``, ``channels`` and ``samples`` >=
+    1, ``seed`` >= 0): DataError naming the option the generator cannot work with."""
     checks = [("--size", size, MIN_SIZE, "a 1-voxel field has no fluctuation modes"),
               ("--channels", channels, 1, None), ("--seed", seed, 0, "a numpy seed")]
     if samples is not None:
@@ -84,15 +74,8 @@ def _spectrum_sqrt(size: int, slope: float, cutoff: float) -> np.ndarray:
 
 
 def cosmoflow_params(u: np.ndarray) -> dict:
-    """Physical parameters from the normalised targets.
-
-    Args:
-        u: The four targets, in ``[-1, 1]``.
-
-    Returns:
-        ``sigma = 0.5 * 2**u0``, ``slope = -2 + u1``, ``cutoff = 0.35 * 2**(0.75 u2)`` (in
-        units of the Nyquist wavenumber) and ``nonlinearity = 1 + 0.5 u3``.
-    """
+    """Physical parameters from the four targets ``u`` in ``[-1, 1]`` (module docstring);
+    ``cutoff`` in units of the Nyquist wavenumber."""
     return {"sigma": 0.5 * 2.0 ** u[0], "slope": -2.0 + u[1],
             "cutoff": 0.35 * 2.0 ** (0.75 * u[2]), "nonlinearity": 1.0 + 0.5 * u[3]}
 
@@ -101,18 +84,9 @@ def cosmoflow_sample(seed: int, index: int, size: int,
                      channels: int = 4) -> tuple[np.ndarray, np.ndarray]:
     """One synthetic CosmoFlow-like sample, a pure function of ``(seed, index)``.
 
-    A Gaussian random field with power spectrum ``P(k) ∝ k^n exp(-(k/k_c)²)``; channel c is
-    its log-normal overdensity with growth ``(c + 1) / C`` (see ``docs/guides/data.md``).
-
-    Args:
-        seed: The dataset's seed (>= 0).
-        index: The sample's global index.
-        size: Volume edge (>= ``MIN_SIZE``).
-        channels: Channels.
-
-    Returns:
-        ``(x, y)``: float32 ``(channels, size, size, size)`` and the four targets, float32.
-    """
+    A Gaussian random field with power spectrum ``P(k) ∝ k^n exp(-(k/k_c)²)``; channel c is its
+    log-normal overdensity with growth ``(c + 1) / C`` (see ``docs/guides/data.md``). Returns
+    float32 ``x`` ``(channels, size, size, size)`` and ``y``, the four targets."""
     rng = np.random.default_rng([int(seed), int(index)])
     u = rng.uniform(-1.0, 1.0, size=len(TARGETS)).astype(np.float32)
     p = cosmoflow_params(u)
@@ -129,17 +103,8 @@ def cosmoflow_sample(seed: int, index: int, size: int,
 
 
 class CosmoflowSource:
-    """Sample source for the shard writer: ``read(start, stop) -> (x, y)`` blocks.
-
-    Args:
-        samples: Samples in the dataset.
-        size: Volume edge.
-        channels: Channels.
-        seed: The dataset's seed.
-
-    Raises:
-        DataError: An option the generator cannot work with.
-    """
+    """Sample source for the shard writer: ``read(start, stop) -> (x, y)`` blocks (DataError
+    for an option the generator cannot work with)."""
 
     def __init__(self, samples: int, size: int, channels: int = 4, seed: int = 0):
         check_params(size, channels, seed, samples)

@@ -1,15 +1,14 @@
 """Users' own volumes as a writer source: image files, with label volumes or per-sample
 targets, for ``hpcpar data shard OUT --images ... --labels ...``.
 
-One file per sample: ``.npy``, ``.npz`` (its one array), NIfTI ``.nii``/``.nii.gz`` (nibabel,
-``pip install 'hpcpar[imaging]'``), TIFF stacks ``.tif``/``.tiff`` (tifffile, the same extra)
-or ``.h5``/``.hdf5`` (its one dataset). An image is ``(D, H, W)`` or ``(C, D, H, W)`` (NIfTI's
-channels come last: ``(X, Y, Z, C)``); a label volume ``(D, H, W)``. Images and labels pair
-by file stem (``case7.nii.gz`` with ``case7.nii.gz`` in the labels folder); per-sample targets
-come from a CSV file whose first column is the stem. Only each file's header is read up front
-(shapes); :meth:`VolumeFiles.read` loads the few samples the writer asks for, so memory is
-bounded by a block of samples, not by the data set.
-"""
+One file per sample: ``.npy``, ``.npz`` (its one array), NIfTI ``.nii``/``.nii.gz`` (nibabel, ``pip
+install 'hpcpar[imaging]'``), TIFF stacks ``.tif``/``.tiff`` (tifffile, the same extra) or
+``.h5``/``.hdf5`` (its one dataset). An image is ``(D, H, W)`` or ``(C, D, H, W)`` (NIfTI's channels
+come last: ``(X, Y, Z, C)``); a label volume ``(D, H, W)``. Images and labels pair by file stem
+(``case7.nii.gz`` with ``case7.nii.gz`` in the labels folder); per-sample targets come from a CSV
+file whose first column is the stem. Only each file's header is read up front (shapes);
+:meth:`VolumeFiles.read` loads the few samples the writer asks for, so memory is bounded by a block
+of samples, not by the data set."""
 
 from __future__ import annotations
 
@@ -124,21 +123,13 @@ def _fit(a: np.ndarray, size: tuple, pad: bool, path: str) -> np.ndarray:
 
 
 class VolumeFiles:
-    """Image files (and their label volumes or per-sample targets) as a writer source.
+    """Image files, in sample order, and their label volumes (paired by stem) or per-sample
+    targets (a CSV file: header row, first column the stem) as a writer source.
 
-    Args:
-        images: The image files, in sample order.
-        labels: Label volume files (paired with the images by stem), or None.
-        targets: A CSV file of per-sample targets (header row; first column the stem), or None.
-        size: Crop (and with ``pad`` pad) every volume to this ``(D, H, W)``; None: every
-            volume must have the same size.
-        pad: Zero-pad volumes smaller than ``size``.
-
-    Raises:
-        DataError: A missing partner, a file that cannot be read, volumes of different
-            sizes (without ``size``), labels of another size than their image, or a
-            malformed targets file; one line naming the file.
-    """
+    ``size`` crops (and with ``pad`` zero-pads) every volume to this ``(D, H, W)``; None: every
+    volume must have the same size. DataError, one line naming the file: a missing partner, a file
+    that cannot be read, volumes of different sizes (without ``size``), labels of another size than
+    their image, or a malformed targets file."""
 
     transform = "none"
 

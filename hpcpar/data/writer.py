@@ -1,11 +1,10 @@
 """Writing a dataset directory in parallel, all or nothing.
 
-Shards are split over the ranks with the partition rule; each rank writes its own shards into
-a hidden temporary directory next to ``OUT``; rank 0 writes the manifest and renames the
-directory to ``OUT`` only when every rank succeeded. A failure on any rank removes the
-temporary directory, so ``OUT`` is either complete or absent. Sources provide
-``x_shape``, ``y_shape``, dtypes, ``attrs`` and ``read(start, stop) -> (x, y)``.
-"""
+Shards are split over the ranks with the partition rule; each rank writes its own shards into a
+hidden temporary directory next to ``OUT``; rank 0 writes the manifest and renames the directory to
+``OUT`` only when every rank succeeded. A failure on any rank removes the temporary directory, so
+``OUT`` is either complete or absent. Sources provide ``x_shape``, ``y_shape``, dtypes, ``attrs``
+and ``read(start, stop) -> (x, y)``."""
 
 from __future__ import annotations
 
@@ -79,20 +78,9 @@ class SerialComm:
 
 def shard_counts(samples: int, shards: int | None = None,
                  samples_per_shard: int | None = None) -> list[int]:
-    """Samples per shard: balanced shards, or shards of a fixed size.
-
-    Args:
-        samples: Samples in the dataset.
-        shards: Number of shards (the partition rule splits the samples); used when
-            ``samples_per_shard`` is None.
-        samples_per_shard: Samples per shard (the last one may be smaller).
-
-    Returns:
-        The sample count of each shard, in order.
-
-    Raises:
-        DataError: No samples, or a shard count or size out of range.
-    """
+    """Samples per shard, in order: ``shards`` balanced ones (the partition rule), or, given
+    ``samples_per_shard``, shards of that size (the last one may be smaller). DataError for no
+    samples, or a shard count or size out of range."""
     if samples < 1:
         raise DataError(f"--samples: need at least 1 sample, got {samples}")
     if samples_per_shard is not None:
@@ -196,19 +184,11 @@ ANNOUNCE_BYTES = 1 << 30
 
 
 def reserve_space(out: str, tmp: str, need: int, what: str = "the dataset") -> None:
-    """Allocate ``need`` bytes in ``tmp`` and free them again, before any HDF5 write: HDF5
-    cannot recover from a failed write (a full disk or quota makes the later close fail and
-    the process crash), so the space is claimed first, the way the disk and quota count it.
-
-    Args:
-        out: What is being written, for the message.
-        tmp: A directory on the same file system, writable.
-        need: Bytes to claim.
-        what: Its name in the message.
-
-    Raises:
-        DataError: There is not that much space (one line naming ``out``).
-    """
+    """Allocate ``need`` bytes in ``tmp`` and free them again, before any HDF5 write: HDF5 cannot
+    recover from a failed write (a full disk or quota makes the later close fail and the process
+    crash), so the space is claimed first, the way the disk and quota count it. ``tmp`` is a
+    writable directory on the same file system; DataError naming ``out`` (and ``what``) when there
+    is not that much space."""
     reserve = os.path.join(tmp, f".space-check-{os.getpid()}")
     try:
         fd = os.open(reserve, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -322,32 +302,20 @@ def write_dataset(out: str, source: CosmoflowSource | H5Source | VolumeFiles,
     ``.OUT.partial-*`` directory, renamed to ``out`` only when every rank has succeeded, so
     ``out`` is complete or absent. Rank 0 shows a progress bar of its own shards (on a
     terminal, or where ``HPCPAR_PROGRESS=1``). The manifest records min/max and the NaN/inf
-    count of x and y per shard and overall.
+    count of x and y per shard and overall. Returns the manifest on every rank.
 
-    Args:
-        out: The dataset directory to create.
-        source: Where the samples come from (synthetic, or an existing HDF5 file).
-        counts: Samples per shard (see [shard_counts][hpcpar.data.writer.shard_counts]).
-        comm: The communicator; ``MPI.COMM_WORLD`` when None.
-        chunk: Chunk edge target of x: None (auto: a D edge of at most 32, half of H, all
-            of W),
-            one edge for D, H, W, a (D, H, W) triple (0: the whole axis) or
-            ``PerRankChunks`` (one chunk per rank block; the manifest's ``source`` records
-            that grid as ``chunk_grid``).
-        force: Replace an existing ``out`` (only after the new one is complete).
-        progress: Show the progress bar.
-        allow_nonfinite: Accept NaN/inf in the source (an error naming the sample otherwise).
-        transform: The input transform readers apply at run time, recorded in the manifest
-            (``"none"`` or ``"log1p"``; the stored values are not changed). None: the
-            source's own (``log1p`` for the CosmoFlow generator, else ``none``).
+    ``counts``: samples per shard (see [shard_counts][hpcpar.data.writer.shard_counts]);
+    ``comm`` None: ``MPI.COMM_WORLD``. ``chunk``: chunk edge target of x: None (auto: a D edge of
+    at most 32, half of H, all of W), one edge for D, H, W, a (D, H, W) triple (0: the whole axis)
+    or ``PerRankChunks`` (one chunk per rank block; the manifest's ``source`` records that grid as
+    ``chunk_grid``). ``force`` replaces an existing ``out`` (only after the new one is complete).
+    ``allow_nonfinite`` accepts NaN/inf in the source (an error naming the sample otherwise).
+    ``transform``: the input transform readers apply at run time, recorded in the manifest
+    (``"none"`` or ``"log1p"``; the stored values are not changed); None: the source's own
+    (``log1p`` for the CosmoFlow generator, else ``none``).
 
-    Returns:
-        The manifest, on every rank.
-
-    Raises:
-        DataError: ``out`` exists without ``force``, a write failed on some rank (named),
-            non-finite values, or an unknown ``transform``.
-    """
+    DataError: ``out`` exists without ``force``, a write failed on some rank (named), non-finite
+    values, or an unknown ``transform``."""
     transform = getattr(source, "transform", "none") if transform is None else transform
     if transform not in TRANSFORMS:
         raise DataError(f"transform {transform!r}: expected one of {', '.join(TRANSFORMS)}")
@@ -446,14 +414,9 @@ def _finish(out: str, tmp: str, gathered: list, total: int, source, chunk,
 class H5Source:
     """An existing single HDF5 file: the way real data comes in (``hpcpar data shard``).
 
-    Args:
-        path: The HDF5 file.
-        x_key: Dataset of the inputs, ``(N, C, D, H, W)`` or ``(N, D, H, W)`` (C = 1 added).
-        y_key: Dataset of the targets, ``(N, K)`` or ``(N,)``.
-
-    Raises:
-        DataError: A missing or unreadable file, or datasets of the wrong shapes.
-    """
+    ``x_key`` names the inputs, ``(N, C, D, H, W)`` or ``(N, D, H, W)`` (C = 1 added); ``y_key`` the
+    targets, ``(N, K)`` or ``(N,)``. DataError for a missing or unreadable file, or datasets of the
+    wrong shapes."""
 
     def __init__(self, path: str, x_key: str = "x", y_key: str = "y"):
         check_file(path)

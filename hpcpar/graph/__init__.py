@@ -1,12 +1,10 @@
 """Full-graph GNN training over MPI: graph files, partitioning, halo plans, DistGraph.
 
-``partition`` and the format/generator helpers need only numpy; ``DistGraph`` (torch) loads
-lazily.
+``partition`` and the format/generator helpers need only numpy; ``DistGraph`` (torch) loads lazily.
 
-May import: hpcpar.errors, hpcpar.parallel, hpcpar.sync (the stall detector around halo
-exchanges), hpcpar.kernels, hpcpar.data (the sharded graph format checks its files with the
-volume format's helpers).
-"""
+May import: hpcpar.errors, hpcpar.parallel, hpcpar.sync (the stall detector around halo exchanges),
+hpcpar.kernels, hpcpar.data (the sharded graph format checks its files with the volume format's
+helpers)."""
 
 from hpcpar.graph.vertex_partition import partition, partition_csr  # numpy only
 

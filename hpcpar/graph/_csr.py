@@ -1,10 +1,9 @@
 """Edge lists <-> in-edge CSR, with the checks every graph entry point shares.
 
-Convention used everywhere in hpcpar.graph: an edge ``(src, dst)`` means ``src -> dst``
-(messages flow from source to destination, PyG's ``edge_index`` order). The CSR is indexed by
-DESTINATION: row ``i`` lists the sources of ``i``'s in-edges, sorted, without duplicates. So
-aggregation is ``out = A @ x`` with ``A[i, j] = 1`` for an edge ``j -> i``.
-"""
+Convention used everywhere in hpcpar.graph: an edge ``(src, dst)`` means ``src -> dst`` (messages
+flow from source to destination, PyG's ``edge_index`` order). The CSR is indexed by DESTINATION: row
+``i`` lists the sources of ``i``'s in-edges, sorted, without duplicates. So aggregation is
+``out = A @ x`` with ``A[i, j] = 1`` for an edge ``j -> i``."""
 
 from __future__ import annotations
 
@@ -54,18 +53,8 @@ UNLABELED = -1
 
 def labels_int64(y, what: str) -> np.ndarray:
     """Labels as read from a file, as int64 class ids: a fraction, NaN or inf is refused (it
-    would be truncated to another class), and so is anything outside ``-1..MAX_CLASSES-1``.
-
-    Args:
-        y: The labels (any numeric dtype).
-        what: The file and field, for the message.
-
-    Returns:
-        The labels as int64.
-
-    Raises:
-        DataError: One line naming the vertex and its label.
-    """
+    would be truncated to another class), and so is anything outside ``-1..MAX_CLASSES-1``
+    (DataError naming the vertex and its label; ``what``: the file and field)."""
     y = np.asarray(y)
     if y.dtype == bool:
         return y.astype(np.int64)
@@ -90,10 +79,9 @@ def num_classes_of(y) -> int:
 
 
 def check_labels(y, num_classes: int, what: str, masks: dict | None = None) -> None:
-    """A one-line :class:`DataError` unless every label is a class id in
-    ``[0, num_classes)`` (a label outside it would index past the model's outputs) or -1 on
-    a vertex outside every one of ``masks`` (unlabeled; without ``masks`` -1 is refused too).
-    """
+    """A one-line :class:`DataError` unless every label is a class id in ``[0, num_classes)`` (a
+    label outside it would index past the model's outputs) or -1 on a vertex outside every one of
+    ``masks`` (unlabeled; without ``masks`` -1 is refused too)."""
     y = np.asarray(y)
     if not 1 <= num_classes <= MAX_CLASSES:
         raise DataError(f"{what}: {num_classes} classes, expected 1..{MAX_CLASSES}")

@@ -30,15 +30,11 @@ class SparseOperator:
         self.shape = (int(indptr.shape[0]) - 1, int(num_cols))
         self.backend = backend
         t = transpose_csr(indptr, indices, data, num_cols)
-        self.fwd = tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in (indptr, indices,
-                                                                                data))
+        self.fwd = tuple(torch.from_numpy(np.ascontiguousarray(a))
+                         for a in (indptr, indices, data))
         self.bwd = tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in t)
         self._torch: dict = {}
         self._dtype_cache: dict = {}
-
-    @property
-    def nnz(self) -> int:
-        return int(self.fwd[1].shape[0])
 
     def to(self, device=None, dtype=None) -> SparseOperator:
         """Move the CSR arrays (values to ``dtype`` if given)."""

@@ -10,10 +10,9 @@ Every exchange (forward and backward) runs under the stall detector
 (:mod:`hpcpar.sync._stall`, ``HPCPAR_STALL_TIMEOUT``): a rank that never reaches an exchange
 the others wait in (one more layer, one fewer epoch) is named in one line and the job aborts.
 
-:class:`SampledHaloPlan` is one training step's BNS-GCN boundary sample of a plan: a seeded
-fraction of each owner's boundary rows travels, chosen per (step, sender, receiver) so both
-sides know the sample without exchanging it.
-"""
+:class:`SampledHaloPlan` is one training step's BNS-GCN boundary sample of a plan: a seeded fraction
+of each owner's boundary rows travels, chosen per (step, sender, receiver) so both sides know the
+sample without exchanging it."""
 
 from __future__ import annotations
 
@@ -32,8 +31,7 @@ class HaloPlan:
 
     ``send_index``: local owned rows to send, concatenated in destination-rank order;
     ``send_rows[r]`` of them go to rank ``r``; ``recv_rows[r]`` halo rows come from rank ``r``.
-    Built collectively by :meth:`build` (one Alltoall of counts + one Alltoallv of ids).
-    """
+    Built collectively by :meth:`build` (one Alltoall of counts + one Alltoallv of ids)."""
 
     def __init__(self, comm, n_owned: int, send_index: np.ndarray, send_rows, recv_rows):
         self.comm = comm
@@ -137,9 +135,8 @@ def sample_positions(n: int, p: float, seed: int, call: int, sender: int,
                      receiver: int) -> np.ndarray:
     """Which of the ``n`` boundary rows ``sender`` owes ``receiver`` travel in step ``call``.
 
-    A pure function of its arguments, so sender and receiver draw the same sample with no
-    message about it. Returns ``sample_size(n, p)`` ascending positions in ``[0, n)``.
-    """
+    A pure function of its arguments, so sender and receiver draw the same sample with no message
+    about it. Returns ``sample_size(n, p)`` ascending positions in ``[0, n)``."""
     k = sample_size(n, p)
     if k == n:
         return np.arange(n, dtype=np.int64)
@@ -150,19 +147,13 @@ def sample_positions(n: int, p: float, seed: int, call: int, sender: int,
 class SampledHaloPlan:
     """One training step's boundary sample of a :class:`HaloPlan` (BNS-GCN).
 
-    For every (sender, receiver) pair only ``sample_size(n, p)`` of the ``n`` boundary rows
-    travel, drawn by :func:`sample_positions`. The receiver scales them by ``n / k`` (BNS-GCN's
-    ``1 / ratio``: an unbiased estimate of the full aggregation) and leaves the unsampled halo
-    rows zero, so the unchanged aggregation operator drops exactly the edges to unsampled
-    vertices. ``give_back`` is the exact adjoint: the sampled rows' gradients, scaled by the
-    same ``n / k``, go back to their owners. Exchanges count on the full plan's stall detector.
-
-    Args:
-        plan: The full plan.
-        p: Fraction of the boundary rows to send, ``0 < p <= 1``.
-        seed: Seed of the sample.
-        call: Index of the training step (a fresh sample per step).
-    """
+    For every (sender, receiver) pair only ``sample_size(n, p)`` of the ``n`` boundary rows travel,
+    drawn by :func:`sample_positions`. The receiver scales them by ``n / k`` (BNS-GCN's ``1 /
+    ratio``: an unbiased estimate of the full aggregation) and leaves the unsampled halo rows zero,
+    so the unchanged aggregation operator drops exactly the edges to unsampled vertices.
+    ``give_back`` is the exact adjoint: the sampled rows' gradients, scaled by the same ``n / k``,
+    go back to their owners. Exchanges count on the full plan's stall detector. ``0 < p <= 1``;
+    ``call`` is the training step (a fresh sample per step)."""
 
     def __init__(self, plan: HaloPlan, p: float, seed: int, call: int):
         self.base = plan
@@ -174,8 +165,7 @@ class SampledHaloPlan:
         device = plan.send_index.device
         self.send_index = torch.from_numpy(self.send_index_np).to(device)
         self.recv_index = torch.from_numpy(recv).to(device)
-        scale = np.repeat([n / k if k else 0.0 for n, k in zip(plan.recv_rows,
-                                                               self.recv_rows)],
+        scale = np.repeat([n / k if k else 0.0 for n, k in zip(plan.recv_rows, self.recv_rows)],
                           self.recv_rows)
         self._scale = torch.from_numpy(scale)
         self.halo_scale = np.zeros(plan.n_halo)  # per halo row: n / k if sampled, else 0

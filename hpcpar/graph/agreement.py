@@ -1,12 +1,10 @@
 """Ranks must agree about a graph before they exchange its rows.
 
-Building a :class:`~hpcpar.graph.DistGraph` moves rows between ranks with counts each rank
-derives from its own copy of the graph (or of the file's header). Ranks that hold different
-graphs (a dataset sized by an unseeded RNG, two ranks reading different files) would pass
-mismatched counts to ``Alltoallv`` and wait there forever. One small allgather of a few facts
-and checksums first turns that into one error line on every rank, naming what differs and
-which ranks hold which value.
-"""
+Building a :class:`~hpcpar.graph.DistGraph` moves rows between ranks with counts each rank derives
+from its own copy of the graph (or of the file's header). Ranks that hold different graphs (a
+dataset sized by an unseeded RNG, two ranks reading different files) would pass mismatched counts to
+``Alltoallv`` and wait there forever. One small allgather of a few facts and checksums first turns
+that into one error line on every rank, naming what differs and which ranks hold which value."""
 
 from __future__ import annotations
 
@@ -35,19 +33,10 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def check_agree(comm: Any, where: str, facts: dict[str, Any]) -> None:
-    """Raise the same :class:`~hpcpar.errors.CommError` on every rank unless all agree.
-
-    Collective over ``comm`` (one object allgather).
-
-    Args:
-        comm: The communicator the graph is split over.
-        where: What is being built, for the message (``"DistGraph.from_pyg"``).
-        facts: Name -> a picklable value every rank must hold alike (counts, checksums).
-
-    Raises:
-        CommError: On every rank: one line listing each fact that differs with the value
-            each group of ranks holds, e.g. ``vertices: 120 on ranks 0, 2; 130 on rank 1``.
-    """
+    """Raise the same :class:`~hpcpar.errors.CommError` on every rank unless all hold alike
+    ``facts`` (name -> a picklable value: counts, checksums). Collective over ``comm`` (one object
+    allgather). The line names ``where`` (``"DistGraph.from_pyg"``) and each fact that differs with
+    the value each group of ranks holds, e.g. ``vertices: 120 on ranks 0, 2; 130 on rank 1``."""
     every = comm.allgather(facts)
     differ = []
     for name in facts:

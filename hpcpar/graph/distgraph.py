@@ -9,13 +9,11 @@ by owner (see :mod:`hpcpar.graph._vertex_halo`). Aggregation operators are local
   doubled), ``D~`` is the in-degree of ``A + I`` and a zero degree gives a zero weight;
 * ``"mean"``: ``A`` divided by the global in-degree (0 for isolated vertices); ``"sum"``: ``A``.
 
-Every row's entries are ordered by global source id, so a row's sum runs in the same order
-whatever the partition. The backward product uses the stored transpose (exact for directed
-graphs).
+Every row's entries are ordered by global source id, so a row's sum runs in the same order whatever
+the partition. The backward product uses the stored transpose (exact for directed graphs).
 
 A graph is one sample: build it over a grid with ``data == 1``; it is split over
-``grid.spatial_comm``.
-"""
+``grid.spatial_comm``."""
 
 from __future__ import annotations
 
@@ -50,18 +48,9 @@ KINDS = ("gcn", "mean", "sum")
 
 
 def graph_comm(grid: Any) -> Any:
-    """Pick the communicator a graph is split over (a graph is one sample, so no data groups).
-
-    Args:
-        grid: A ``ProcessGrid`` (its ``spatial_comm`` is used; ``data`` must be 1), or an MPI
-            communicator, used as is.
-
-    Returns:
-        ``grid.spatial_comm`` for a process grid, else ``grid`` itself.
-
-    Raises:
-        DataError: ``grid`` is a process grid with more than one data group.
-    """
+    """The communicator a graph is split over: ``grid.spatial_comm`` of a ``ProcessGrid``, or
+    ``grid`` itself (an MPI communicator). A graph is one sample: DataError for a process grid
+    with more than one data group."""
     if hasattr(grid, "spatial_comm"):
         if grid.data != 1:
             raise DataError(f"DistGraph: grid {grid.spec() if hasattr(grid, 'spec') else ''}"
@@ -89,22 +78,11 @@ class DistGraph:
     [from_global][hpcpar.graph.distgraph.DistGraph.from_global]; the constructor takes the
     rows of this rank's contiguous block and moves them to their owners (collective).
 
-    Attributes:
-        comm: The communicator the graph is partitioned over.
-        num_nodes: Vertices in the whole graph.
-        num_owned: Vertices this rank owns (local rows ``[0, num_owned)``).
-        num_halo: Halo vertices (local rows after the owned ones, grouped by owner).
-        global_ids: Global ids of the owned vertices, ascending.
-        halo_ids: Global ids of the halo vertices.
-        x: Features of the owned vertices ``(num_owned, F)``.
-        y: Labels of the owned vertices.
-        in_degree: Global in-degree of each owned vertex.
-        num_train: Training vertices in the whole graph (the loss divides by it).
-        num_val: Validation vertices in the whole graph.
-        num_test: Test vertices in the whole graph.
-        num_classes: Number of classes.
-        plan: The halo plan (which rows go to which rank).
-    """
+    ``num_nodes`` counts the whole graph; ``num_owned`` vertices are this rank's (local rows ``[0,
+    num_owned)``, global ids ``global_ids``, ascending), ``num_halo`` the halo vertices after them,
+    grouped by owner (``halo_ids``). ``x`` ``(num_owned, F)``, ``y`` and ``in_degree`` (global) are
+    the owned vertices'. ``num_train``/``num_val``/``num_test`` count the whole graph (the loss
+    divides by ``num_train``)."""
 
     #: Source-graph ids of the owned vertices (from_shards: the format renumbers them; or
     #: from_global's ``original_ids``)
@@ -127,7 +105,6 @@ class DistGraph:
         self._receive_rows(owner, block, start)
         self._build_halo(owner)
         counts = torch.tensor([int(m.sum()) for m in self.masks.values()], dtype=torch.int64)
-
         allreduce_(counts, comm)
         self.num_train, self.num_val, self.num_test = (int(c) for c in counts)
         if num_classes is None:
@@ -216,18 +193,8 @@ class DistGraph:
 
     # ---- operators ------------------------------------------------------------------------
     def operator(self, kind: str = "gcn") -> SparseOperator:
-        """The local aggregation matrix of ``kind`` (built once, cached).
-
-        Args:
-            kind: ``"gcn"`` (``D~^-1/2 (A+I) D~^-1/2`` with global degrees), ``"mean"``
-                (divided by the global in-degree) or ``"sum"``.
-
-        Returns:
-            The sparse operator over owned rows and owned + halo columns.
-
-        Raises:
-            DataError: An unknown ``kind``.
-        """
+        """The local aggregation matrix of ``kind`` (module docstring; DataError for another),
+        over owned rows and owned + halo columns, built once."""
         if kind not in KINDS:
             raise DataError(f"aggregation {kind!r}: expected one of {', '.join(KINDS)}")
         if kind not in self._ops:
@@ -243,8 +210,7 @@ class DistGraph:
                                   self.backend)
         if kind == "mean":
             inv = np.where(self.in_degree > 0, 1.0 / np.maximum(self.in_degree, 1), 0.0)
-            return SparseOperator(self.indptr, self.cols, inv[rows], width,
-                                  self.backend)
+            return SparseOperator(self.indptr, self.cols, inv[rows], width, self.backend)
         has_loop = np.zeros(n, bool)
         has_loop[rows[self.src_ids == self.global_ids[rows]]] = True
         deg = (self.in_degree + ~has_loop).astype(np.float64)
@@ -261,20 +227,12 @@ class DistGraph:
         r, c = r[order], c[order]
         indptr = np.zeros(n + 1, np.int64)
         np.cumsum(np.bincount(r, minlength=n), out=indptr[1:])
-        return SparseOperator(indptr, c, dinv[r] * dinv[c], width,
-                              self.backend)
+        return SparseOperator(indptr, c, dinv[r] * dinv[c], width, self.backend)
 
     def propagate(self, x: torch.Tensor, kind: str = "gcn") -> torch.Tensor:
-        """Aggregate over in-neighbours: ``A_kind @ x``.
-
-        Args:
-            x: Rows of the owned vertices ``(num_owned, F)``.
-            kind: The aggregation, as in [operator][hpcpar.graph.distgraph.DistGraph.operator].
-
-        Returns:
-            ``(num_owned, F)``: the halo rows are exchanged first (autograd-aware: backward
-            adds the halo gradients into their owners).
-        """
+        """Aggregate over in-neighbours: ``A_kind @ x``, ``(num_owned, F)`` in and out (``kind``
+        as in [operator][hpcpar.graph.distgraph.DistGraph.operator]). The halo rows are exchanged
+        first (autograd-aware: backward adds the halo gradients into their owners)."""
         return aggregate(x, self.plan, self.operator(kind))
 
     def boundary_sample(self, p: float, seed: int, call: int) -> DistGraph:
@@ -288,17 +246,8 @@ class DistGraph:
         sampled operator. Only linear aggregations (:meth:`propagate`) are unbiased under
         it; evaluate on the graph itself (exact).
 
-        Args:
-            p: Fraction of boundary rows sent, ``0 < p <= 1`` (1: this graph itself).
-            seed: Seed of the sample.
-            call: Index of the training step.
-
-        Returns:
-            A view sharing everything with this graph but the halo plan.
-
-        Raises:
-            LayerError: ``p`` outside ``(0, 1]``.
-        """
+        Returns a view sharing everything with this graph but the halo plan (this graph itself for
+        ``p == 1``); LayerError for ``p`` outside ``(0, 1]``."""
         if not 0.0 < p <= 1.0:
             raise LayerError(f"boundary_sample: p = {p}, expected a fraction 0 < p <= 1 "
                              "(1 = exact)")
@@ -324,19 +273,10 @@ class DistGraph:
     def exchange(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's rows followed by its halo rows, ``[x_owned; x_halo]`` (collective).
 
-        Backward is the exact adjoint: each halo row's gradient is sent back to its owner
-        and added to the owned row's gradient. Identity on one rank.
-
-        Args:
-            x: Rows of the owned vertices ``(num_owned, ...)``.
-
-        Returns:
-            ``(num_local, ...)`` rows in the local numbering of
-            [local_edge_index][hpcpar.graph.distgraph.DistGraph.local_edge_index].
-
-        Raises:
-            LayerError: ``x`` does not have one row per owned vertex.
-        """
+        Backward is the exact adjoint: each halo row's gradient is sent back to its owner and added
+        to the owned row's gradient. Identity on one rank. ``(num_owned, ...)`` in (else
+        LayerError), ``(num_local, ...)`` out, in the local numbering of
+        [local_edge_index][hpcpar.graph.distgraph.DistGraph.local_edge_index]."""
         if x.dim() == 0 or x.shape[0] != self.num_owned:
             raise LayerError(f"DistGraph.exchange: x has shape {tuple(x.shape)}, expected "
                              f"one row per owned vertex ({self.num_owned}, ...) on rank "
@@ -348,10 +288,9 @@ class DistGraph:
 
         ``[0]``: sources, local ids ``[0, num_local)`` (owned, then halo: the rows of
         :meth:`exchange`); ``[1]``: destinations, owned ids ``[0, num_owned)``. Sorted by
-        destination, then by global source id; duplicate edges were dropped at the build.
-        Since every in-edge of an owned vertex is here, a message-passing layer's outputs on
-        the owned rows are its full-graph outputs (per-destination softmax included).
-        """
+        destination, then by global source id; duplicate edges were dropped at the build. Since
+        every in-edge of an owned vertex is here, a message-passing layer's outputs on the owned
+        rows are its full-graph outputs (per-destination softmax included)."""
         if "edge_index" not in self._views:
             dst = np.repeat(np.arange(self.num_owned, dtype=np.int64), self.in_degree)
             self._views["edge_index"] = torch.from_numpy(
@@ -361,14 +300,8 @@ class DistGraph:
     def adj_t(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """:meth:`local_edge_index` as a square ``torch.sparse_csr`` ``adj_t`` (PyG's
         transposed adjacency: row = destination, column = source), ``(num_local, num_local)``
-        with empty halo rows, values 1 in ``dtype`` (default: the features' dtype).
-
-        Args:
-            dtype: Dtype of the values (the input's dtype for PyG's SpMM path).
-
-        Returns:
-            The sparse tensor (cached per dtype).
-        """
+        with empty halo rows, values 1 in ``dtype`` (default: the features' dtype; pass the
+        input's for PyG's SpMM path). Cached per dtype."""
         dtype = self.x.dtype if dtype is None else dtype
         if ("adj_t", dtype) not in self._views:
             crow = np.concatenate([self.indptr, np.full(self.num_halo, self.indptr[-1])])
@@ -385,23 +318,12 @@ class DistGraph:
         """Run a PyG message-passing layer (or any ``conv(x, edge_index, ...)``) on the
         distributed graph: ``conv(self.exchange(x), self.local_edge_index(), ...)[:num_owned]``.
 
-        Exact for layers whose output at a vertex depends only on its own row and its
-        in-neighbours' rows (``GATConv``, ``GINConv``, ``GraphConv``, ``TransformerConv``,
-        ``SAGEConv``, a custom ``MessagePassing``); not for layers that need the degrees of
-        source vertices (``GCNConv``'s normalisation: use ``hpcpar.nn.graph.DistGCNConv``).
-        Parameters are replicated: SUM their gradients over the graph's ranks (the default
-        gradient sync).
-
-        Args:
-            conv: The layer.
-            x: Rows of the owned vertices.
-            *args: Further positional arguments of ``conv``.
-            sparse: Pass :meth:`adj_t` instead of :meth:`local_edge_index`.
-            **kwargs: Keyword arguments of ``conv``.
-
-        Returns:
-            The layer's output rows of the owned vertices.
-        """
+        Exact for layers whose output at a vertex depends only on its own row and its in-neighbours'
+        rows (``GATConv``, ``GINConv``, ``GraphConv``, ``TransformerConv``, ``SAGEConv``, a custom
+        ``MessagePassing``); not for layers that need the degrees of source vertices (``GCNConv``'s
+        normalisation: use ``hpcpar.nn.graph.DistGCNConv``). Parameters are replicated: SUM their
+        gradients over the graph's ranks (the default gradient sync). ``sparse`` passes
+        :meth:`adj_t` instead of :meth:`local_edge_index`."""
         edges = self.adj_t(x.dtype) if sparse else self.local_edge_index()
         return conv(self.exchange(x), edges, *args, **kwargs)[:self.num_owned]
 
@@ -418,14 +340,8 @@ class DistGraph:
         return self
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
-        """Assemble per-vertex rows from every rank in global vertex order (collective).
-
-        Args:
-            t: One row per owned vertex.
-
-        Returns:
-            The ``(num_nodes, ...)`` tensor on every rank (for tests and small graphs).
-        """
+        """Rows ``t``, one per owned vertex, assembled from every rank in global vertex order:
+        ``(num_nodes, ...)`` on every rank (collective; for tests and small graphs)."""
         rows = allgatherv(t.detach().contiguous(), self.comm)
         ids = allgatherv(torch.from_numpy(self.global_ids), self.comm)
         out = torch.empty_like(rows)
@@ -443,30 +359,16 @@ class DistGraph:
                     y: torch.Tensor | np.ndarray | None = None, masks: dict | None = None,
                     method: str = "metis", seed: int = 0, owner: np.ndarray | None = None,
                     original_ids: np.ndarray | None = None, **kw: Any) -> DistGraph:
-        """Partition a graph that every rank holds in full (small graphs, tests).
+        """Partition a graph that every rank holds in full (small graphs, tests); this rank's part.
 
-        Args:
-            edge_index: ``(2, E)`` edges ``src -> dst`` (tensor or array).
-            num_nodes: Number of vertices.
-            x: ``(N, F)`` features.
-            grid: The process grid; the graph is split over its spatial ranks (``data == 1``).
-            y: ``(N,)`` labels (zeros when None).
-            masks: ``{"train": ..., "val": ..., "test": ...}`` boolean ``(N,)`` masks.
-            method: Partitioner: ``"metis"``, ``"block"`` or ``"random"``.
-            seed: Seed of the partitioner.
-            owner: A ready owner rank per vertex, instead of partitioning.
-            original_ids: ``(N,)`` each vertex's id in the source graph, where the caller
-                renumbered it (dropout masks hash these, as a sharded graph's).
-            **kw: Passed to the constructor (``num_classes``, ``directed``,
-                ``row_normalize``, ``backend``).
-
-        Returns:
-            This rank's part.
-
-        Raises:
-            DataError: More ranks than vertices, a grid with ``data > 1``, or
-                ``original_ids`` not ``(N,)``.
-        """
+        ``edge_index`` ``(2, E)``: edges ``src -> dst``; ``x`` ``(N, F)``; ``y`` ``(N,)`` labels
+        (zeros when None); ``masks`` ``{"train": ..., "val": ..., "test": ...}``, boolean ``(N,)``.
+        The graph is split over ``grid``'s spatial ranks (``data == 1``). ``method``: ``"metis"``,
+        ``"block"`` or ``"random"``, or a ready ``owner`` rank per vertex. ``original_ids``
+        ``(N,)``: each vertex's id in the source graph, where the caller renumbered it (dropout
+        masks hash these, as a sharded graph's). ``kw`` goes to the constructor (``num_classes``,
+        ``directed``, ``row_normalize``, ``backend``). DataError: more ranks than vertices, a grid
+        with ``data > 1``, or ``original_ids`` not ``(N,)``."""
         comm = graph_comm(grid)
         if original_ids is not None and np.shape(original_ids) != (num_nodes,):
             raise DataError(f"DistGraph: original_ids has shape {np.shape(original_ids)}, "
@@ -502,23 +404,12 @@ class DistGraph:
                  **kw: Any) -> DistGraph:
         """Partition a PyTorch Geometric ``Data`` that every rank holds in full.
 
-        Reads ``edge_index`` (``[0]`` source, ``[1]`` target, as PyG), ``x``, and when
-        present ``y``, ``train_mask``/``val_mask``/``test_mask`` and ``num_nodes``. Layers
-        then aggregate over in-edges like PyG's ``flow="source_to_target"``.
-
-        Args:
-            data: The ``torch_geometric.data.Data`` (any object with its attributes).
-            grid: The process grid; the graph is split over its spatial ranks (``data == 1``).
-            method: Partitioner: ``"metis"``, ``"block"`` or ``"random"``.
-            seed: Seed of the partitioner.
-            **kw: Passed to the constructor (``num_classes``, ``row_normalize``, ``backend``).
-
-        Returns:
-            This rank's part.
-
-        Raises:
-            DataError: Missing ``edge_index``/``x``, arrays of the wrong shapes, more ranks
-                than vertices, or a grid with ``data > 1``.
+        Reads ``edge_index`` (``[0]`` source, ``[1]`` target, as PyG), ``x``, and when present
+        ``y``, ``train_mask``/``val_mask``/``test_mask`` and ``num_nodes``. Layers then aggregate
+        over in-edges like PyG's ``flow="source_to_target"``. ``data`` may be any object with those
+        attributes; the rest as in [from_global][hpcpar.graph.distgraph.DistGraph.from_global].
+        DataError: missing ``edge_index``/``x``, arrays of the wrong shapes, more ranks than
+        vertices, or a grid with ``data > 1``.
 
         Example:
             ```python
@@ -535,23 +426,10 @@ class DistGraph:
                   seed: int = 0, **kw: Any) -> DistGraph:
         """Read and partition a graph file (format: ``docs/guides/gnn.md``).
 
-        Each rank reads one contiguous block of rows (hyperslabs), then rows move to their
-        owners. METIS partitions on rank 0 (which reads the structure) and broadcasts.
-
-        Args:
-            path: The graph's HDF5 file.
-            grid: The process grid; the graph is split over its spatial ranks (``data == 1``).
-            method: Partitioner: ``"metis"``, ``"block"`` or ``"random"``.
-            seed: Seed of the partitioner.
-            **kw: Passed to the constructor (``row_normalize``, ``backend``...).
-
-        Returns:
-            This rank's part.
-
-        Raises:
-            DataError: More ranks than vertices, a grid with ``data > 1``, or a file that is
-                not a valid graph file.
-        """
+        Each rank reads one contiguous block of rows (hyperslabs), then rows move to their owners.
+        METIS partitions on rank 0 (which reads the structure) and broadcasts. Arguments as in
+        [from_global][hpcpar.graph.distgraph.DistGraph.from_global]. DataError: more ranks than
+        vertices, a grid with ``data > 1``, or not a valid graph file."""
         comm = graph_comm(grid)
         gf = agree(comm, GraphFile, path)
         try:
@@ -575,25 +453,13 @@ class DistGraph:
         """Build from a sharded graph (``hpcpar data graph partition``): rank ``r`` reads
         part ``r`` only, and finds its halo from its own rows.
 
-        Vertices carry the format's renumbered ids (part ``p`` owns the range
-        ``[offsets[p], offsets[p+1])``), so the owner of an id is a binary search over the
-        ``P + 1`` offsets: no rank holds anything N-long. ``original_ids`` maps the owned
-        rows back to the source graph's ids. Bit-identical to
-        [from_global][hpcpar.graph.distgraph.DistGraph.from_global] on the renumbered graph
-        with the same owners.
-
-        Args:
-            path: The sharded graph directory.
-            grid: The process grid; its spatial ranks must equal the parts.
-            **kw: Passed to the constructor (``row_normalize``, ``backend``...).
-
-        Returns:
-            This rank's part.
-
-        Raises:
-            DataError: A missing or damaged manifest or part file, a part count other than
-                the ranks, or a grid with ``data > 1``.
-        """
+        Vertices carry the format's renumbered ids (part ``p`` owns the range ``[offsets[p],
+        offsets[p+1])``), so the owner of an id is a binary search over the ``P + 1`` offsets: no
+        rank holds anything N-long. ``original_ids`` maps the owned rows back to the source graph's
+        ids. Bit-identical to [from_global][hpcpar.graph.distgraph.DistGraph.from_global] on the
+        renumbered graph with the same owners. ``grid``'s spatial ranks must equal the parts.
+        DataError: a missing or damaged manifest or part file, a part count other than the ranks, or
+        a grid with ``data > 1``."""
         comm = graph_comm(grid)
         m = agree(comm, read_graph_manifest, path)
         if m["parts"] != comm.Get_size():
@@ -619,9 +485,8 @@ def _owner(comm, structure, num_nodes: int, method: str, seed: int,
            symmetric: bool = False) -> np.ndarray:
     """Owner array on every rank: computed on rank 0 (METIS needs the whole graph), broadcast.
 
-    Only METIS on more than one rank reads the whole structure: it is the one step where a
-    rank holds more than its own rows (``symmetric`` lets METIS take it without a copy).
-    """
+    Only METIS on more than one rank reads the whole structure: it is the one step where a rank
+    holds more than its own rows (``symmetric`` lets METIS take it without a copy)."""
     size = comm.Get_size()
 
     def compute():

@@ -1,9 +1,8 @@
 """Dropout whose mask depends on GLOBAL vertex ids, not on the partition.
 
-The keep/drop decision for element ``(v, c)`` is a hash of (seed, call, layer, v, c)
-(SplitMix64), so the same seed drops the same elements at every rank count and the
-distributed model trains exactly like the single-process one.
-"""
+The keep/drop decision for element ``(v, c)`` is a hash of (seed, call, layer, v, c) (SplitMix64),
+so the same seed drops the same elements at every rank count and the distributed model trains
+exactly like the single-process one."""
 
 from __future__ import annotations
 
@@ -62,20 +61,10 @@ def _threshold(p: float) -> np.uint64:
 
 def keep_mask(global_ids: np.ndarray, ncols: int, p: float, seed: int, call: int,
               layer: int) -> torch.Tensor:
-    """The dropout mask of a block of vertex rows, a pure function of its arguments.
-
-    Args:
-        global_ids: Global ids of the rows' vertices.
-        ncols: Columns per row.
-        p: Drop probability.
-        seed: The model's dropout seed.
-        call: Index of the forward call.
-        layer: Index of the layer (the dropout stream).
-
-    Returns:
-        Bool ``(len(global_ids), ncols)``: True where the element is kept (probability
-        ``1 - p``), the same at every rank count and partition.
-    """
+    """The dropout mask of rows of vertices ``global_ids``, a pure function of its arguments:
+    bool ``(len(global_ids), ncols)``, True where the element is kept (probability ``1 - p``),
+    the same at every rank count and partition. ``call`` counts forward calls; ``layer`` names
+    the dropout stream."""
     out = np.empty((global_ids.shape[0], ncols), dtype=np.bool_)
     _keep(np.ascontiguousarray(global_ids, np.int64), ncols, _key(seed, call, layer),
           _threshold(p), out)
@@ -105,20 +94,9 @@ def _fused(x, gids, key, threshold, scale):
 
 def vertex_dropout(x: torch.Tensor, p: float, global_ids: np.ndarray, seed: int, call: int,
                    layer: int, training: bool = True) -> torch.Tensor:
-    """Inverted dropout of vertex rows whose masks do not depend on the partition.
-
-    Args:
-        x: Rows of the vertices ``global_ids``.
-        p: Drop probability.
-        global_ids: Global ids of the rows' vertices.
-        seed: The model's dropout seed.
-        call: Index of the forward call.
-        layer: Index of the layer (the dropout stream).
-        training: Apply dropout (identity when False).
-
-    Returns:
-        ``x`` with dropped elements zeroed and the rest scaled by ``1 / (1 - p)``.
-    """
+    """Inverted dropout of the rows ``x`` of vertices ``global_ids``, masks as
+    :func:`keep_mask`: dropped elements zeroed (probability ``p``), the rest scaled by ``1 / (1 -
+    p)``; identity when not ``training``."""
     if not training or p == 0.0:
         return x
     if p >= 1.0:

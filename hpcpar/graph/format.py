@@ -12,8 +12,7 @@ Layout (``N`` vertices, ``E`` edges, ``F`` features)::
     /labels           (N,)   int64   class id
     /masks/train      (N,)   bool    (also /masks/val, /masks/test)
 
-Readers read row blocks (``[start, stop)`` hyperslabs), so each rank only touches its block.
-"""
+Readers read row blocks (``[start, stop)`` hyperslabs), so each rank only touches its block."""
 
 from __future__ import annotations
 
@@ -51,24 +50,13 @@ def write_graph(path: str | os.PathLike, num_nodes: int, x: np.ndarray | tuple,
                 num_classes: int | None = None) -> None:
     """Write a graph file (format version 1: ``docs/guides/gnn.md``).
 
-    Args:
-        path: The HDF5 file to write.
-        num_nodes: Number of vertices N.
-        x: Features: dense ``(N, F)``, or CSR ``(indptr, indices, data, shape)``.
-        y: ``(N,)`` class ids (-1: unlabeled, only on a vertex outside every mask).
-        masks: ``{"train": ..., "val": ..., "test": ...}`` boolean ``(N,)`` masks.
-        edge_index: ``(2, E)`` edges ``src -> dst``; used when ``csr`` is None.
-        csr: The in-edge CSR ``(indptr, indices)``, instead of ``edge_index``.
-        directed: Whether the edges are directed.
-        name: The graph's name.
-        source: Where it came from (free text).
-        num_classes: Number of classes; ``max(y) + 1`` when None.
-
-    Raises:
-        DataError: An edge out of range in ``edge_index``, CSR features that are not a CSR of
-            ``N`` rows, a label outside ``[0, num_classes)`` (or -1 on a masked vertex), or
-            a failed write (a full disk: nothing is left behind).
-    """
+    ``x``: dense ``(N, F)`` features, or CSR ``(indptr, indices, data, shape)``; ``y``: ``(N,)``
+    class ids (-1: unlabeled, only on a vertex outside every mask); ``masks``: ``{"train": ...,
+    "val": ..., "test": ...}``, boolean ``(N,)``. The edges: ``edge_index`` ``(2, E)``, ``src ->
+    dst``, or the in-edge ``csr`` ``(indptr, indices)``. ``source``: free text; ``num_classes``:
+    ``max(y) + 1`` when None. DataError: an edge out of range, CSR features that are not a CSR of
+    ``N`` rows, a label outside ``[0, num_classes)`` (or -1 on a masked vertex), or a failed write
+    (a full disk: nothing is left behind)."""
     if csr is None:
         indptr, indices = edges_to_csr(edge_index, num_nodes)
     else:
@@ -130,11 +118,8 @@ def _write_h5_atomic(path: str, fields: dict, attrs: dict, csr_shape) -> None:
 
 def check_graph_out(out: str | os.PathLike, force: bool) -> None:
     """Refuse (read-only) to replace an existing ``out`` without ``force``, and with it
-    anything but a graph file hpcpar wrote (``format="hpcpar-graph"``).
-
-    Raises:
-        DataError: One line naming ``out`` and what to do.
-    """
+    anything but a graph file hpcpar wrote (``format="hpcpar-graph"``): a DataError naming
+    ``out`` and what to do."""
     out = str(out)
     if not os.path.lexists(out):
         return
@@ -151,17 +136,9 @@ def check_graph_out(out: str | os.PathLike, force: bool) -> None:
 
 
 class GraphFile:
-    """A validated, open graph file; read row blocks with ``read_rows``.
-
-    Usable as a context manager (closes the file).
-
-    Args:
-        path: The graph's HDF5 file.
-
-    Raises:
-        DataError: A missing file, not HDF5, or a missing or malformed field (one line
-            naming the field).
-    """
+    """A validated, open graph file; read row blocks with ``read_rows``. A context manager
+    (closes the file). DataError: a missing file, not HDF5, or a missing or malformed field
+    (naming the field)."""
 
     def __init__(self, path: str | os.PathLike):
         import h5py
@@ -268,11 +245,8 @@ class GraphFile:
         return self._edge_csr
 
     def read_structure(self) -> tuple[np.ndarray, np.ndarray]:
-        """The whole in-edge CSR ``(indptr, indices)`` (for partitioning).
-
-        Raises:
-            DataError: An edge from a vertex out of range.
-        """
+        """The whole in-edge CSR ``(indptr, indices)`` (for partitioning); DataError for an
+        edge from a vertex out of range."""
         indptr, indices = self._csr_arrays()
         return self._checked(np.asarray(indptr[:], np.int64), np.asarray(indices[:], np.int64))
 
@@ -295,16 +269,9 @@ class GraphFile:
         return self._checked(ip - ip[0], idx)
 
     def read_rows(self, start: int, stop: int) -> dict:
-        """Read a contiguous block of vertex rows (hyperslabs).
-
-        Args:
-            start: First vertex.
-            stop: One past the last vertex.
-
-        Returns:
-            ``indptr`` (from 0), ``indices`` (global source ids), ``x`` (dense float32),
-            ``y``, and the ``train``/``val``/``test`` masks of the block.
-        """
+        """Vertex rows ``[start, stop)`` (hyperslabs): ``indptr`` (from 0), ``indices``
+        (global source ids), ``x`` (dense float32), ``y``, and the ``train``/``val``/``test``
+        masks of the block."""
         ip, idx = self.read_structure_rows(start, stop)
         out = {"indptr": ip, "indices": idx, "x": self._read_features(start, stop),
                "y": np.asarray(self.f["labels"][start:stop], np.int64)}
@@ -387,17 +354,9 @@ def import_npz(src: str | os.PathLike, out: str | os.PathLike) -> dict:
     """Convert a Planetoid-style ``.npz`` to a graph file (read whole: for a large one,
     ``hpcpar data graph partition`` streams it, :class:`hpcpar.graph.stream_partition.NpzSource`).
 
-    Args:
-        src: The ``.npz`` with ``edge_index``, CSR features ``x_indptr``/``x_indices``/
-            ``x_data``/``x_shape``, ``y`` and ``train_idx``/``val_idx``/``test_idx``.
-        out: The graph file to write.
-
-    Returns:
-        A summary: vertices, edges, features, classes and split sizes.
-
-    Raises:
-        DataError: A missing or unreadable file or field.
-    """
+    ``src`` holds ``edge_index``, CSR features ``x_indptr``/``x_indices``/``x_data``/``x_shape``,
+    ``y`` and ``train_idx``/``val_idx``/``test_idx``. Returns a summary: vertices, edges, features,
+    classes and split sizes. DataError: a missing or unreadable file or field."""
     try:
         with np.load(src, allow_pickle=False) as npz:
             npz_missing(src, npz.files)
@@ -418,12 +377,6 @@ def import_npz(src: str | os.PathLike, out: str | os.PathLike) -> dict:
 
 
 def bundled(name: str) -> str:
-    """The path of a dataset shipped with hpcpar.
-
-    Args:
-        name: ``"cora"`` (Planetoid Cora, MIT licence, T. Kipf).
-
-    Returns:
-        The ``.npz`` path (for [import_npz][hpcpar.graph.format.import_npz]).
-    """
+    """The ``.npz`` path (for [import_npz][hpcpar.graph.format.import_npz]) of a dataset shipped
+    with hpcpar: ``"cora"`` (Planetoid Cora, MIT licence, T. Kipf)."""
     return os.path.join(os.path.dirname(__file__), "datasets", f"{name}.npz")

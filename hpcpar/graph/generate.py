@@ -7,10 +7,9 @@ block partition cuts most edges while METIS finds the communities) and a Pareto 
 with probability proportional to ``theta``; with probability ``p_in`` its destination is drawn
 (again by ``theta``) inside the source's community, else from the whole graph.
 
-Labels are ``community % classes``; features are a class centre times ``signal`` plus unit
-Gaussian noise, so a feature-only model is weak and neighbourhood aggregation (which averages
-the noise away inside communities) is what makes the labels learnable.
-"""
+Labels are ``community % classes``; features are a class centre times ``signal`` plus unit Gaussian
+noise, so a feature-only model is weak and neighbourhood aggregation (which averages the noise away
+inside communities) is what makes the labels learnable."""
 
 from __future__ import annotations
 
@@ -33,9 +32,8 @@ BYTES_PER_EDGE = 64
 
 
 def generate_bytes(nodes: int, avg_degree: float, features: int, communities: int) -> int:
-    """Upper bound of the generator's peak memory: the edges (both directions counted) and
-    per vertex its features (twice: noise and result), community, degree propensity and
-    masks."""
+    """Upper bound of the generator's peak memory: the edges (both directions counted) and per
+    vertex its features (twice: noise and result), community, degree propensity and masks."""
     return int(BYTES_PER_EDGE * nodes * avg_degree + nodes * (8 * features + 64)
                + 16 * communities)
 
@@ -45,29 +43,14 @@ def power_law_community_graph(nodes: int, avg_degree: float = 10.0, communities:
                               directed: bool = False, p_in: float = 0.85,
                               exponent: float = 2.5, signal: float = 0.25,
                               split: tuple[float, float, float] = (0.1, 0.1, 0.2)) -> dict:
-    """Generate a learnable synthetic graph: power-law degrees and planted communities.
+    """Generate a learnable synthetic graph (module docstring): ``indptr``, ``indices`` (in-edge
+    CSR), ``x``, ``y``, ``masks`` and ``directed`` (what
+    [write_graph][hpcpar.graph.format.write_graph] takes).
 
-    Args:
-        nodes: Number of vertices.
-        avg_degree: Mean in-degree (undirected edges count both ways).
-        communities: Planted communities; labels are ``community % classes``.
-        features: Features per vertex.
-        classes: Number of classes.
-        seed: Seed of everything.
-        directed: Keep edges one-way.
-        p_in: Probability that an edge stays inside its community.
-        exponent: Exponent of the power-law degree distribution.
-        signal: Strength of the class signal in the features.
-        split: Fractions of vertices in the train, validation and test masks.
-
-    Returns:
-        ``indptr``, ``indices`` (in-edge CSR), ``x``, ``y``, ``masks`` and ``directed``
-        (what [write_graph][hpcpar.graph.format.write_graph] takes).
-
-    Raises:
-        DataError: A parameter out of range (``nodes < 2``, more classes than
-            communities, ...), or a graph larger than the available memory.
-    """
+    ``avg_degree`` is the mean in-degree (undirected edges count both ways); ``p_in`` the
+    probability that an edge stays inside its community; ``split`` the fractions of vertices in the
+    train, validation and test masks. DataError: a parameter out of range (``nodes < 2``, more
+    classes than communities, ...), or a graph larger than the available memory."""
     for name, v, least in (("nodes", nodes, 2), ("communities", communities, 1),
                         ("features", features, 1), ("classes", classes, 2)):
         if v < least:

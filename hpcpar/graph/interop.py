@@ -1,13 +1,12 @@
 """Graphs from PyTorch Geometric and from plain files.
 
-:func:`pyg_arrays` reads a ``torch_geometric.data.Data`` by its attributes (``edge_index``,
-``x``, ``y``, ``train_mask``/``val_mask``/``test_mask``, ``num_nodes``), so this module never
-imports PyG; ``DistGraph.from_pyg`` partitions one, ``hpcpar data graph import`` converts a
-saved one (``torch.save(data, "g.pt")``) or an edge list plus a features file to a graph file.
-PyG's edge direction convention is kept: ``edge_index[0]`` is the source, ``[1]`` the target,
-and a layer aggregates over in-edges (``flow="source_to_target"``). hpcpar graphs are simple:
-repeated edges are merged (with a warning), where PyG's layers would count each copy.
-"""
+:func:`pyg_arrays` reads a ``torch_geometric.data.Data`` by its attributes (``edge_index``, ``x``,
+``y``, ``train_mask``/``val_mask``/``test_mask``, ``num_nodes``), so this module never imports PyG;
+``DistGraph.from_pyg`` partitions one, ``hpcpar data graph import`` converts a saved one
+(``torch.save(data, "g.pt")``) or an edge list plus a features file to a graph file. PyG's edge
+direction convention is kept: ``edge_index[0]`` is the source, ``[1]`` the target, and a layer
+aggregates over in-edges (``flow="source_to_target"``). hpcpar graphs are simple: repeated edges are
+merged (with a warning), where PyG's layers would count each copy."""
 
 from __future__ import annotations
 
@@ -80,20 +79,13 @@ def warn_repeated_edges(where: str, repeats: int) -> None:
 
 
 def pyg_arrays(data: Any, where: str = "PyG Data") -> dict:
-    """The arrays of a PyG ``Data`` (or any object with its attributes).
+    """``{"num_nodes", "edge_index", "x", "y", "masks"}`` as numpy arrays of a PyG ``Data`` (or
+    any object with its attributes; ``where`` names it in messages).
 
-    Args:
-        data: The graph: ``edge_index`` ``(2, E)`` and ``x`` ``(N, F)`` required; ``y``
-            ``(N,)`` (zeros when absent), boolean ``train_mask``/``val_mask``/``test_mask``
-            (all False when absent), ``num_nodes`` (``x.shape[0]`` when absent).
-        where: What ``data`` is, for messages.
-
-    Returns:
-        ``{"num_nodes", "edge_index", "x", "y", "masks"}`` as numpy arrays.
-
-    Raises:
-        DataError: A missing ``edge_index``/``x`` or arrays of the wrong shapes.
-    """
+    ``edge_index`` ``(2, E)`` and ``x`` ``(N, F)`` are required; ``y`` ``(N,)`` (zeros when absent),
+    boolean ``train_mask``/``val_mask``/``test_mask`` (all False when absent), ``num_nodes``
+    (``x.shape[0]`` when absent). DataError: a missing ``edge_index``/``x`` or arrays of the wrong
+    shapes."""
     n = pyg_num_nodes(data, where)
     x = _np(data.x, np.float32)
     edges = check_edges(_np(data.edge_index, np.int64), n, f"{where}: edge_index")
@@ -135,24 +127,14 @@ def _refusal(path, exc: Exception) -> DataError:
 
 
 def load_pyg(path: str | os.PathLike, trust_pickle: bool = False, mmap: bool = False) -> Any:
-    """A PyG ``Data`` saved with ``torch.save``.
+    """A PyG ``Data`` saved with ``torch.save`` (a saved dataset's first graph).
 
-    The file is unpickled with ``weights_only=True`` and only PyG's graph classes allowed, so
-    a file whose pickle would call anything else is refused, not run.
-
-    Args:
-        path: The ``.pt`` file; a saved dataset's first graph is taken.
-        trust_pickle: Unpickle anything (``weights_only=False``): may run the file's code.
-        mmap: Map the tensors from the file instead of reading them (``torch.load(...,
-            mmap=True)``; zip-format files, torch.save's default since 1.6).
-
-    Returns:
-        The ``Data`` object.
-
-    Raises:
-        DataError: A missing file, one that holds no graph, or one that needs classes beyond
-            PyG's graph classes without ``trust_pickle``.
-    """
+    The file is unpickled with ``weights_only=True`` and only PyG's graph classes allowed, so a file
+    whose pickle would call anything else is refused, not run; ``trust_pickle`` unpickles anything
+    (``weights_only=False``: may run the file's code). ``mmap`` maps the tensors from the file
+    instead of reading them (zip-format files, torch.save's default since 1.6). DataError: a missing
+    file, one that holds no graph, or one that needs classes beyond PyG's graph classes without
+    ``trust_pickle``."""
     import torch
 
     if not os.path.isfile(path):
@@ -184,14 +166,8 @@ def load_pyg(path: str | os.PathLike, trust_pickle: bool = False, mmap: bool = F
 
 def edge_list_chunks(path: str | os.PathLike, lines: int = 1 << 20) -> Iterator[np.ndarray]:
     """Read a text edge list in blocks of about ``lines`` lines, so a partitioner streams a
-    file larger than memory; the rules of :func:`read_edge_list`.
-
-    Yields:
-        ``(2, k)`` int64 edges ``src -> dst`` of each block.
-
-    Raises:
-        DataError: A missing file or a line that is not two integers.
-    """
+    file larger than memory: ``(2, k)`` int64 edges ``src -> dst`` per block, by the rules of
+    :func:`read_edge_list`."""
     if not os.path.isfile(path):
         raise DataError(f"{path}: no such file")
     pairs, header, seen, number = [], False, False, 0
@@ -219,18 +195,9 @@ def edge_list_chunks(path: str | os.PathLike, lines: int = 1 << 20) -> Iterator[
 
 
 def read_edge_list(path: str | os.PathLike) -> np.ndarray:
-    """A text edge list: one ``src dst`` pair per line (spaces, tabs or commas; ``#``
-    comments and blank lines skipped; a non-numeric header line is skipped).
-
-    Args:
-        path: The file.
-
-    Returns:
-        ``(2, E)`` int64 edges ``src -> dst``.
-
-    Raises:
-        DataError: A missing file or a line that is not two integers.
-    """
+    """A text edge list: one ``src dst`` pair per line (spaces, tabs or commas; ``#`` comments and
+    blank lines skipped; a non-numeric header line is skipped), as ``(2, E)`` int64 edges ``src ->
+    dst``. DataError: a missing file or a line that is not two integers."""
     return np.concatenate(list(edge_list_chunks(path)), axis=1)
 
 
@@ -245,19 +212,8 @@ def _read_array(path: str | os.PathLike, what: str) -> np.ndarray:
 
 
 def random_masks(n: int, split: tuple[float, float], seed: int = 0) -> dict:
-    """Disjoint random train/val/test masks: fractions ``split = (train, val)``, the rest test.
-
-    Args:
-        n: Number of vertices.
-        split: Train and validation fractions (sum <= 1).
-        seed: Seed of the permutation.
-
-    Returns:
-        ``{"train", "val", "test"}`` boolean masks.
-
-    Raises:
-        DataError: Fractions out of range.
-    """
+    """Disjoint random train/val/test masks of ``n`` vertices: fractions ``split = (train,
+    val)`` (DataError unless >= 0 with sum <= 1), the rest test."""
     a, b = split
     if a < 0 or b < 0 or a + b > 1:
         raise DataError(f"--split {a},{b}: expected two fractions >= 0 summing to <= 1")
@@ -275,25 +231,13 @@ def import_graph(source: str | os.PathLike, out: str | os.PathLike,
                  split: tuple[float, float] = (0.6, 0.2), seed: int = 0,
                  trust_pickle: bool = False) -> dict:
     """Convert a saved PyG ``Data`` (``.pt``/``.pth``) or an edge list (any other text file,
-    with ``features``) to a graph file.
+    with ``features``) to a graph file; returns a summary: vertices, edges, features, classes,
+    direction and split sizes.
 
-    Args:
-        source: The PyG file or the edge list.
-        out: The graph file to write.
-        features: Edge list only: ``(N, F)`` features, ``.npy`` or text (one row per vertex).
-        labels: Edge list only: ``(N,)`` class ids, ``.npy`` or text (zeros when None).
-        split: Masks the source lacks (edge lists; a PyG Data without masks): random
-            ``(train, val)`` fractions, the rest test.
-        seed: Seed of the random split.
-        trust_pickle: PyG files only: unpickle classes beyond PyG's graph classes (may run
-            the file's code; see :func:`load_pyg`).
-
-    Returns:
-        A summary: vertices, edges, features, classes, direction and split sizes.
-
-    Raises:
-        DataError: An unreadable source, missing features, or inconsistent shapes.
-    """
+    Edge lists: ``features`` ``(N, F)`` and ``labels`` ``(N,)`` class ids (zeros when None),
+    ``.npy`` or text (one row per vertex). Masks the source lacks (edge lists; a PyG Data without
+    masks): random ``split = (train, val)`` fractions, the rest test. ``trust_pickle``: see
+    :func:`load_pyg`. DataError: an unreadable source, missing features, or inconsistent shapes."""
     source = str(source)
     if source.endswith((".pt", ".pth")):
         arrays = pyg_arrays(load_pyg(source, trust_pickle), source)

@@ -1,12 +1,11 @@
 """Loss and metrics of a partitioned graph, computed on owned vertices only.
 
-Loss: the global mean over a split on every rank, as a volume model's loss is. Each rank's
-share (the SUM over its owned vertices of the split, divided by the GLOBAL size of the split)
-is SUM-allreduced in forward, and backward is the identity, so each rank's gradient is its own
-share's and SUMMING gradients over the graph's ranks (the default ``"spatial+data"`` reduction
-with ``data == 1``) gives exactly the single-process gradient. Accuracy: correct and total
-counts are SUM-allreduced, so every rank returns the global value.
-"""
+Loss: the global mean over a split on every rank, as a volume model's loss is. Each rank's share
+(the SUM over its owned vertices of the split, divided by the GLOBAL size of the split) is
+SUM-allreduced in forward, and backward is the identity, so each rank's gradient is its own share's
+and SUMMING gradients over the graph's ranks (the default ``"spatial+data"`` reduction with ``data
+== 1``) gives exactly the single-process gradient. Accuracy: correct and total counts are
+SUM-allreduced, so every rank returns the global value."""
 
 from __future__ import annotations
 
@@ -27,18 +26,10 @@ __all__ = ["masked_loss", "split_metrics"]
 def masked_loss(logits: torch.Tensor, graph: DistGraph, split: str = "train") -> torch.Tensor:
     """Mean cross entropy over a split of the whole graph, the same on every rank (collective).
 
-    The value is the single-process loss; the gradient on each rank is that of its own share
-    (its owned vertices' sum / the GLOBAL count), so summing gradients over the graph's ranks
-    gives exactly the single-process gradient. Do not allreduce the value again.
-
-    Args:
-        logits: Logits of the owned vertices.
-        graph: This rank's part of the graph.
-        split: ``"train"``, ``"val"`` or ``"test"``.
-
-    Returns:
-        A scalar: the global mean loss of the split.
-    """
+    The value is the single-process loss; the gradient on each rank is that of its own share (its
+    owned vertices' sum / the GLOBAL count), so summing gradients over the graph's ranks gives
+    exactly the single-process gradient. Do not allreduce the value again. ``logits``: the owned
+    vertices'; ``split``: ``"train"``, ``"val"`` or ``"test"``."""
     m = graph.mask(split)
     total = max(graph.num_masked(split), 1)
     share = F.cross_entropy(logits[m], graph.y[m], reduction="sum") / total
@@ -49,16 +40,8 @@ def masked_loss(logits: torch.Tensor, graph: DistGraph, split: str = "train") ->
 
 
 def split_metrics(logits: torch.Tensor, graph: DistGraph, split: str) -> dict:
-    """Accuracy and mean loss of a split over the whole graph (collective).
-
-    Args:
-        logits: Logits of the owned vertices.
-        graph: This rank's part of the graph.
-        split: ``"train"``, ``"val"`` or ``"test"``.
-
-    Returns:
-        ``{f"{split}_acc": ..., f"{split}_loss": ...}``, the same on every rank.
-    """
+    """Accuracy and mean loss of a split over the whole graph (collective), as in
+    :func:`masked_loss`: ``{f"{split}_acc": ..., f"{split}_loss": ...}``, the same on every rank."""
     m = graph.mask(split)
     with torch.no_grad():
         correct = (logits[m].argmax(1) == graph.y[m]).sum().double()

@@ -14,12 +14,11 @@ A directory, written by ``hpcpar data graph partition``::
       /masks/train    (n,)   bool    (also val, test)
       /original_ids   (n,)   int64   each vertex's id in the source graph
 
-Vertices are renumbered so that part ``p`` owns the contiguous ids ``[offsets[p],
-offsets[p+1])`` (source order kept inside a part): a vertex's owner is a binary search over
-``P + 1`` offsets, so no rank needs an N-length owner array, and a rank reads only its own
-file. Files are checked with the volume format's helpers (path containment, HDF5 signature,
-size, sha256), so ``hpcpar data verify`` checks both formats alike.
-"""
+Vertices are renumbered so that part ``p`` owns the contiguous ids ``[offsets[p], offsets[p+1])``
+(source order kept inside a part): a vertex's owner is a binary search over ``P + 1`` offsets, so no
+rank needs an N-length owner array, and a rank reads only its own file. Files are checked with the
+volume format's helpers (path containment, HDF5 signature, size, sha256), so ``hpcpar data verify``
+checks both formats alike."""
 
 from __future__ import annotations
 
@@ -70,9 +69,8 @@ def is_sharded_graph(path: str | os.PathLike) -> bool:
 class RangeOwner:
     """Owner rank of global vertex ids when part ``p`` holds ``[offsets[p], offsets[p+1])``.
 
-    Indexes like an owner array (``owner[ids]``, ``owner[a:b]``) with ``P + 1`` integers of
-    state: what ``DistGraph`` needs instead of an N-length array.
-    """
+    Indexes like an owner array (``owner[ids]``, ``owner[a:b]``) with ``P + 1`` integers of state:
+    what ``DistGraph`` needs instead of an N-length array."""
 
     def __init__(self, offsets):
         self.offsets = np.asarray(offsets, np.int64)
@@ -99,18 +97,8 @@ def _whole(v, lo: int) -> bool:
 
 
 def read_graph_manifest(directory: str | os.PathLike) -> GraphManifest:
-    """Load and check a sharded graph's manifest.
-
-    Args:
-        directory: The sharded graph directory.
-
-    Returns:
-        The manifest.
-
-    Raises:
-        DataError: A missing directory or manifest, invalid JSON, another format or version,
-            or a field out of range (one line naming it).
-    """
+    """Load and check a sharded graph's manifest. DataError: a missing directory or manifest,
+    invalid JSON, another format or version, or a field out of range (naming it)."""
     directory = str(directory)
     path = os.path.join(directory, MANIFEST)
     if not os.path.isdir(directory):
@@ -158,15 +146,9 @@ def read_graph_manifest(directory: str | os.PathLike) -> GraphManifest:
 
 
 class PartWriter:
-    """Append rows to part files as a partitioner streams over the source, so no part is ever
-    held whole in memory.
-
-    Args:
-        directory: The output directory (created; must not exist unless ``force``).
-        parts: Number of parts.
-        num_features: Features per vertex.
-        force: Replace an existing directory's manifest and part files.
-    """
+    """Append rows to part files as a partitioner streams over the source, so no part is ever held
+    whole in memory. ``directory`` is created; one holding a manifest is replaced only with
+    ``force``, and part files without a manifest never."""
 
     def __init__(self, directory: str | os.PathLike, parts: int, num_features: int,
                  force: bool = False):
@@ -288,16 +270,10 @@ def _check_part(path: str, f, m: GraphManifest, s: Shard) -> None:
 
 
 def read_part(directory: str | os.PathLike, m: GraphManifest, p: int) -> dict:
-    """Read part ``p`` whole: the rows one rank owns (what ``DistGraph.from_shards`` reads).
-
-    Returns:
-        ``indptr``, ``indices`` (global renumbered ids), ``x``, ``y``, the masks and
-        ``original_ids``, as ``GraphFile.read_rows`` returns a block.
-
-    Raises:
-        DataError: A missing, truncated or malformed part file, or a source id outside the
-            graph.
-    """
+    """Read part ``p`` whole: the rows one rank owns (what ``DistGraph.from_shards`` reads), as
+    ``GraphFile.read_rows`` returns a block (``indices``: global renumbered ids) plus
+    ``original_ids``. DataError: a missing, truncated or malformed part file, or a source id
+    outside the graph."""
     directory = str(directory)
     path, s = _part_path(directory, m, p)
     with open_h5(path) as f:
@@ -311,15 +287,8 @@ def read_part(directory: str | os.PathLike, m: GraphManifest, p: int) -> dict:
 
 
 def verify_graph_shards(directory: str | os.PathLike, checksum: bool = True) -> list[str]:
-    """Check a sharded graph: what ``hpcpar data verify`` does for one.
-
-    Args:
-        directory: The sharded graph directory.
-        checksum: Compare every part file's sha256 with the manifest.
-
-    Returns:
-        Every problem, one line each; empty when sound (edge total included).
-    """
+    """Check a sharded graph (``hpcpar data verify``; ``checksum`` compares every part file's
+    sha256): every problem, one line each; empty when sound (edge total included)."""
     directory = str(directory)
     try:
         m = read_graph_manifest(directory)
@@ -347,11 +316,8 @@ def part_halo(directory: str | os.PathLike, m: GraphManifest, p: int,
               chunk: int = 1 << 22) -> tuple[int, np.ndarray]:
     """Part ``p``'s in-edges and the distinct ids of its halo (sources owned by other parts),
     reading ``/indices`` ``chunk`` entries at a time: what the planner counts per rank without
-    holding a part's edges (its memory is the halo, not the part).
-
-    Raises:
-        DataError: A missing, truncated or malformed part file.
-    """
+    holding a part's edges (its memory is the halo, not the part). DataError: a missing,
+    truncated or malformed part file."""
     directory = str(directory)
     path, s = _part_path(directory, m, p)
     halo = [np.zeros(0, np.int64)]

@@ -12,13 +12,12 @@ What ``hpcpar data graph partition`` runs. Two assignment methods:
   the loads current; later passes see the previous pass's placement of every neighbour. It
   holds O(N) integers plus one block of rows, never the edges.
 
-Writing streams the source once more in row blocks, renumbers vertices so each part is a
-contiguous id range (source order kept inside a part) and appends each row to its part
-file: O(N) memory plus a block, whatever the method. Sources: an hpcpar graph file (read by
-rows), a text edge list (bucket-sorted on disk, see :class:`EdgeListSource`), a ``.npz``
-(its fields streamed out of the archive, :class:`NpzSource`), or a PyG ``.pt`` file (its
-tensors mapped from the file, :class:`PygSource`; a legacy pre-zip file is imported whole).
-"""
+Writing streams the source once more in row blocks, renumbers vertices so each part is a contiguous
+id range (source order kept inside a part) and appends each row to its part file: O(N) memory plus a
+block, whatever the method. Sources: an hpcpar graph file (read by rows), a text edge list
+(bucket-sorted on disk, see :class:`EdgeListSource`), a ``.npz`` (its fields streamed out of the
+archive, :class:`NpzSource`), or a PyG ``.pt`` file (its tensors mapped from the file,
+:class:`PygSource`; a legacy pre-zip file is imported whole)."""
 
 from __future__ import annotations
 
@@ -105,20 +104,11 @@ def metis_memory_estimate(num_nodes: int, num_edges: int) -> int:
 def ldg_partition(structure_rows: Callable[[int, int], tuple], num_nodes: int,
                   num_edges: int, parts: int, passes: int = 3, slack: float = 0.05,
                   block: int = ROW_BLOCK) -> np.ndarray:
-    """Restreaming LDG over row blocks: the owner part of every vertex.
+    """Restreaming LDG over row blocks: int64 ``(num_nodes,)`` owners, every part non-empty.
 
-    Args:
-        structure_rows: ``(start, stop) -> (indptr, indices)`` of rows ``[start, stop)``.
-        num_nodes: Vertices.
-        num_edges: Stored in-edges (for the capacity).
-        parts: Number of parts.
-        passes: Streaming passes (the first places, later ones refine).
-        slack: Allowed imbalance of the load (in-degree + 1) over the mean.
-        block: Rows read at once.
-
-    Returns:
-        int64 ``(num_nodes,)`` owners; every part non-empty.
-    """
+    ``structure_rows(start, stop)`` gives ``(indptr, indices)`` of rows ``[start, stop)``;
+    ``num_edges`` (stored in-edges) sets the capacity; the first of ``passes`` places, later ones
+    refine; ``slack`` is the allowed imbalance of the load (in-degree + 1) over the mean."""
     owner = np.full(num_nodes, -1, np.int32)
     cap = (1.0 + slack) * (num_nodes + num_edges) / parts
     batch = int(min(4096, max(32, num_nodes // (parts * 64))))
@@ -149,14 +139,12 @@ def ldg_partition(structure_rows: Callable[[int, int], tuple], num_nodes: int,
 
 
 class _BucketedCSR:
-    """An in-edge CSR built on disk in bounded memory from a stream of edge blocks, read by
-    rows.
+    """An in-edge CSR built on disk in bounded memory from a stream of edge blocks, read by rows.
 
-    One pass over the edges appends each block's edges, keyed ``dst * N + src``, to bucket
-    files by destination range (and the reversed keys by source range, to tell whether the
-    graph is symmetric); each bucket is then sorted and deduplicated alone and kept as a CSR
-    piece. Memory: one bucket (about ``bucket_edges`` keys) plus O(N).
-    """
+    One pass over the edges appends each block's edges, keyed ``dst * N + src``, to bucket files by
+    destination range (and the reversed keys by source range, to tell whether the graph is
+    symmetric); each bucket is then sorted and deduplicated alone and kept as a CSR piece. Memory:
+    one bucket (about ``bucket_edges`` keys) plus O(N)."""
 
     num_nodes: int
     y: np.ndarray
@@ -236,17 +224,11 @@ class _BucketedCSR:
 
 class EdgeListSource(_BucketedCSR):
     """A text edge list as rows of an in-edge CSR, built on disk in bounded memory
-    (:class:`_BucketedCSR`).
+    (:class:`_BucketedCSR`): ``src dst`` per line, as ``hpcpar data graph import``.
 
-    Args:
-        path: The edge list (``src dst`` per line, as ``hpcpar data graph import``).
-        features: ``(N, F)`` features, ``.npy`` (memory-mapped, read by rows) or text.
-        labels: ``(N,)`` class ids (``.npy`` or text), zeros when None.
-        split: Random ``(train, val)`` fractions; the rest test.
-        seed: Seed of the split.
-        workdir: Folder for the bucket files.
-        bucket_edges: Target keys per bucket.
-    """
+    ``features`` ``(N, F)``: ``.npy`` (memory-mapped, read by rows) or text; ``labels`` ``(N,)``
+    class ids (``.npy`` or text), zeros when None; ``split``: random ``(train, val)`` fractions, the
+    rest test; ``workdir`` holds the bucket files."""
 
     def __init__(self, path: str, features: str | None, labels: str | None = None,
                  split: tuple = (0.6, 0.2), seed: int = 0, workdir: str = ".",
@@ -314,15 +296,12 @@ class _Npy:
 
 
 class NpzSource(_BucketedCSR):
-    """A Planetoid-style ``.npz`` (the fields of :func:`hpcpar.graph.format.import_npz`) in
-    bounded memory: each field is copied out of the archive into ``workdir`` by streaming
-    (stored or compressed alike); the edges go into the on-disk CSR in column blocks
-    (:class:`_BucketedCSR`) and the CSR features are read by rows. O(N) memory plus a
-    block, where importing it whole held every edge and feature at once.
-
-    Raises:
-        DataError: An unreadable archive or a missing or malformed field (one line).
-    """
+    """A Planetoid-style ``.npz`` (the fields of :func:`hpcpar.graph.format.import_npz`) in bounded
+    memory: each field is copied out of the archive into ``workdir`` by streaming (stored or
+    compressed alike); the edges go into the on-disk CSR in column blocks (:class:`_BucketedCSR`)
+    and the CSR features are read by rows. O(N) memory plus a block, where importing it whole held
+    every edge and feature at once. DataError: an unreadable archive or a missing or malformed
+    field."""
 
     def __init__(self, path: str, workdir: str = ".", bucket_edges: int = 1 << 23,
                  block: int = 1 << 20):
@@ -392,17 +371,14 @@ def _libc():
 
 
 class PygSource(_BucketedCSR):
-    """A PyG ``Data`` saved with ``torch.save`` (``.pt``) in bounded memory: the tensors are
-    mapped from the file (``torch.load(mmap=True)``, through the same safe unpickling as
-    :func:`~hpcpar.graph.interop.load_pyg`), the edges go into the on-disk CSR in column
-    blocks (:class:`_BucketedCSR`) and the features are read by rows, each block's pages
-    given back after reading. O(N) memory plus a block, where importing the file whole held
-    every edge and feature at once. The same fields and rules as
-    :func:`~hpcpar.graph.interop.pyg_arrays` (masks the file lacks: a seeded random split).
-
-    Raises:
-        DataError: An unreadable or unsafe file, or a missing or malformed field (one line).
-    """
+    """A PyG ``Data`` saved with ``torch.save`` (``.pt``) in bounded memory: the tensors are mapped
+    from the file (``torch.load(mmap=True)``, through the same safe unpickling as
+    :func:`~hpcpar.graph.interop.load_pyg`), the edges go into the on-disk CSR in column blocks
+    (:class:`_BucketedCSR`) and the features are read by rows, each block's pages given back after
+    reading. O(N) memory plus a block, where importing the file whole held every edge and feature at
+    once. The same fields and rules as :func:`~hpcpar.graph.interop.pyg_arrays` (masks the file
+    lacks: a seeded random split). DataError: an unreadable or unsafe file, or a missing or
+    malformed field."""
 
     def __init__(self, path: str, workdir: str = ".", split: tuple = (0.6, 0.2),
                  seed: int = 0, trust_pickle: bool = False, bucket_edges: int = 1 << 23,
@@ -461,11 +437,7 @@ def open_source(src: str, workdir: str, features=None, labels=None, split=(0.6, 
                 seed: int = 0, trust_pickle: bool = False):
     """Open a graph for partitioning: an hpcpar graph file (``.h5``/``.hdf5``), an ``.npz``
     (streamed), a PyG ``.pt``/``.pth`` (mapped; a legacy non-zip file is imported whole to
-    ``workdir`` first) or a text edge list.
-
-    Raises:
-        DataError: A missing or unreadable source.
-    """
+    ``workdir`` first) or a text edge list. DataError: a missing or unreadable source."""
     src = str(src)
     if not os.path.exists(src):
         raise DataError(f"{src}: no such file")
@@ -536,34 +508,19 @@ def partition_graph(src: str, out: str, parts: int, method: str = "auto", seed: 
                     features: str | None = None, labels: str | None = None,
                     split: tuple = (0.6, 0.2), trust_pickle: bool = False,
                     block: int = ROW_BLOCK) -> dict:
-    """Partition a graph into ``parts`` parts and write the sharded graph format.
+    """Partition graph ``src`` (an hpcpar graph file, ``.npz``, PyG ``.pt`` or a text edge list)
+    into ``parts`` parts (the ranks that will train on it) and write the sharded graph format to
+    ``out``; returns the manifest (with ``partition``: method, edge cut, balance, seconds, peak
+    memory).
 
-    Args:
-        src: The graph: an hpcpar graph file, ``.npz``, PyG ``.pt`` or a text edge list.
-        out: The output directory.
-        parts: Number of parts (the ranks that will train on it).
-        method: ``"metis"``, ``"stream"`` or ``"auto"`` (METIS when
-            :func:`metis_memory_estimate` is at most half of ``memory_limit``).
-        seed: Seed of METIS (and of the random split of an edge list's masks).
-        passes: Streaming passes.
-        memory_limit: Bytes ``auto`` may plan for; the available memory when None.
-        force: Replace an existing output.
-        features: Edge lists: the features file.
-        labels: Edge lists: the labels file.
-        split: Edge lists: random ``(train, val)`` fractions.
-        trust_pickle: PyG files: unpickle beyond PyG's classes.
-        block: Rows read at once.
-
-    Returns:
-        The manifest (with ``partition``: method, edge cut, balance, seconds, peak memory).
-
-    Raises:
-        DataError: An unreadable source, ``parts`` out of range, an unknown method, an
-            existing output without ``force``, or METIS missing.
-    """
+    ``method``: ``"metis"``, ``"stream"`` or ``"auto"`` (METIS when :func:`metis_memory_estimate` is
+    at most half of ``memory_limit``, by default the available memory). ``seed`` seeds METIS (and
+    the random split of an edge list's masks). ``features``, ``labels`` and ``split`` (random
+    ``(train, val)`` fractions) are for edge lists; ``trust_pickle`` unpickles PyG files beyond
+    PyG's classes. DataError: an unreadable source, ``parts`` out of range, an unknown method, an
+    existing output without ``force``, or METIS missing."""
     if method not in METHODS:
         raise DataError(f"--method {method!r}: expected one of {', '.join(METHODS)}")
-
     if os.path.exists(os.path.join(out, MANIFEST)) and not force:
         raise DataError(f"{out}: already holds a dataset (pass --force to replace it)")
     t0 = time.perf_counter()

@@ -2,8 +2,7 @@
 
 ``block``: contiguous ranges by the partition rule (hpcpar.parallel.partition); ``random``: a
 seeded, balanced random assignment; ``metis``: METIS k-way through pymetis on the symmetrised graph,
-vertex weights = in-degree + 1 so the aggregation work (one multiply-add per edge) is balanced.
-"""
+vertex weights = in-degree + 1 so the aggregation work (one multiply-add per edge) is balanced."""
 
 from __future__ import annotations
 
@@ -22,23 +21,13 @@ METHODS = ("metis", "block", "random")
 
 def partition(edge_index: np.ndarray, num_nodes: int, parts: int, method: str = "metis",
               seed: int = 0) -> np.ndarray:
-    """Assign every vertex of a graph to a part.
+    """The owner part (rank) of every vertex of a graph of ``(2, E)`` edges ``src -> dst``,
+    int64 ``(num_nodes,)``.
 
-    Args:
-        edge_index: ``(2, E)`` edges ``src -> dst``.
-        num_nodes: Number of vertices.
-        parts: Number of parts (ranks).
-        method: ``"metis"`` (balanced vertex weights, fewest cut edges; needs pymetis),
-            ``"block"`` (contiguous blocks, the partition rule) or ``"random"``.
-        seed: Seed of METIS or of the random permutation.
-
-    Returns:
-        The owner part of every vertex, int64 ``(num_nodes,)``.
-
-    Raises:
-        DataError: An unknown method, ``parts < 1``, more parts than vertices, an edge out
-            of range, or ``"metis"`` without pymetis.
-    """
+    ``method``: ``"metis"`` (balanced vertex weights, fewest cut edges; needs pymetis), ``"block"``
+    (contiguous blocks, the partition rule) or ``"random"``; ``seed`` seeds METIS or the random
+    permutation. DataError: an unknown method, ``parts < 1``, more parts than vertices, an edge out
+    of range, or ``"metis"`` without pymetis."""
     _check(num_nodes, parts, method)
     if method == "metis":
         return partition_csr(*edges_to_csr(edge_index, num_nodes), parts, method, seed)
@@ -48,29 +37,13 @@ def partition(edge_index: np.ndarray, num_nodes: int, parts: int, method: str = 
 
 def partition_csr(indptr: np.ndarray, indices: np.ndarray, parts: int, method: str = "metis",
                   seed: int = 0, symmetric: bool = False) -> np.ndarray:
-    """Assign every vertex of a graph given as an in-edge CSR to a part.
+    """[partition][hpcpar.graph.vertex_partition.partition] of a graph given as an in-edge CSR.
 
-    Args:
-        indptr: ``(N + 1,)`` row pointers of the in-edge CSR.
-        indices: ``(E,)`` source vertices of each row's in-edges.
-        parts: Number of parts (ranks).
-        method: ``"metis"``, ``"block"`` or ``"random"`` (see
-            [partition][hpcpar.graph.vertex_partition.partition]).
-        seed: Seed of METIS or of the random permutation.
-        symmetric: The CSR is known to hold both directions of every edge (an undirected
-            graph, sorted rows without duplicates, as graph files store it): METIS then
-            reads it as is instead of a symmetrised copy (peak memory of the partitioning
-            process on the 1M-vertex, 15M-edge job graph: 1.6 GB instead of 2.1 GB). Checked
-            cheaply (in-degree equals out-degree everywhere); a graph failing the check is
-            symmetrised.
-
-    Returns:
-        The owner part of every vertex, int64 ``(N,)``.
-
-    Raises:
-        DataError: An unknown method, ``parts < 1``, more parts than vertices, or
-            ``"metis"`` without pymetis.
-    """
+    ``symmetric``: the CSR is known to hold both directions of every edge (an undirected graph,
+    sorted rows without duplicates, as graph files store it): METIS then reads it as is instead of a
+    symmetrised copy (peak memory of the partitioning process on the 1M-vertex, 15M-edge job graph:
+    1.6 GB instead of 2.1 GB). Checked cheaply (in-degree equals out-degree everywhere); a graph
+    failing the check is symmetrised."""
     num_nodes = int(np.asarray(indptr).shape[0]) - 1
     _check(num_nodes, parts, method)
     if method != "metis" or parts == 1:
