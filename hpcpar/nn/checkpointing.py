@@ -1,18 +1,13 @@
 """Activation checkpointing that reuses the halo faces: ``[train] activation_checkpointing``.
 
 A checkpointed segment keeps only its input for backward; its inner activations are recomputed
-when backward reaches it (``torch.utils.checkpoint``, non-reentrant). Memory per rank then holds
-the segments' inputs plus one segment's activations at a time, for one more forward of the
-segment.
-
-What is cut into segments: the model's *chains*, its outermost ``nn.Sequential`` modules (the
-model itself when it is one; else, searched through its other modules, e.g. every conv block of
-:class:`~hpcpar.models.UNet3D`, CosmoFlow's conv trunk and its dense head). A chain of L layers
-is cut into ``min(N, L)`` contiguous segments of sizes given by the partition rule. ``"auto"``
-picks N so that the whole model has about sqrt(total layers in chains) segments (Chen et al.'s
-rule: stored segment inputs and one segment's recomputation then weigh about the same), at
-least one per chain: one segment per conv block for UNet3D, sqrt(L) for a model that is one
-long chain. The module tree and ``state_dict`` keys do not change.
+when backward reaches it (``torch.utils.checkpoint``, non-reentrant). Segments are cut from the
+model's *chains*, its outermost ``nn.Sequential`` modules: a chain of L layers into ``min(N,
+L)`` contiguous segments (sizes by the partition rule); ``"auto"`` picks N so that the model
+has about sqrt(total layers in chains) segments, at least one per chain (Chen et al.'s rule:
+stored segment inputs and one segment's recomputation then weigh about the same). The jobs
+guide's *Activation checkpointing* says more. The module tree and ``state_dict`` keys do not
+change.
 
 Spatialized models: the recomputation runs in backward, after the model's dispatch mode has
 exited, so each segment re-enters it. Every halo exchange and collective the segment made in its

@@ -1,13 +1,12 @@
 """Fused halos: one exchange for a run of convolutions (``spatialize(..., fuse_halos=k)``).
 
-A run of stride-1, size-keeping convolutions (``padding=1`` with a 3x3x3 kernel, ``"same"``)
-with pointwise ops (activations, scaling) and batch norms between them exchanges a halo per
-convolution. On small local volumes the exchanges' latency and the ranks' waiting for each
-other weigh more than the copies: fused, the first convolution of the run receives the COMBINED
-width of the run once and each later convolution computes on what its predecessor computed
-beyond this rank's own voxels (the overlap is computed twice, by this rank and by its
-neighbour, instead of being exchanged again). The result is exact, voxel for voxel: the extra
-voxels are the neighbour's own values, computed from the same inputs by the same kernels.
+On small local volumes the exchanges' latency and the ranks' waiting for each other weigh more
+than the copies: fused, the first of a run of stride-1, size-keeping convolutions receives the
+COMBINED halo of the run once and each later one computes on what its predecessor computed
+beyond this rank's voxels (the overlap computed twice instead of exchanged again). Exact voxel
+for voxel: the extra voxels are the neighbour's own values, from the same inputs and kernels.
+What a run may hold, where it ends and how its length is learned: the spatial guide's *Fused
+halos*.
 
 How it runs under :func:`~hpcpar.nn.spatialize`'s dispatch, which it joins as a layout
 (:class:`MarginLayout`'s forms, the split volume's form of ``F.conv3d``, ``Layout.own``):
@@ -25,22 +24,11 @@ How it runs under :func:`~hpcpar.nn.spatialize`'s dispatch, which it joins as a 
   model's output, :func:`~hpcpar.nn.local`) first crops the margin away: correct everywhere,
   the margin's compute is then wasted.
 
-A convolution that takes its layer's boundary path (ghosts sent while the interior computes)
-does not start a run: that path already hides the exchange, and the run's general path lost to
-it (the conv3d rule asks first).
-
-How long a run is: at most ``k`` convolutions, learned from the model's own dataflow. The first
-forward (``settle`` or the first step) assumes ``k`` alike; where a run ended earlier (cropped
-after ``j`` convolutions), the forwards after it take exactly the halo those ``j`` used, so in
-steady state a run ends with its margin used up and nothing is cropped. A convolution whose run
-would be shorter than 2 is not fused. What was learned changes only at the start of a forward,
-so the recomputation of a checkpointed segment makes the exchanges its forward made. Decisions
-use only global facts (the layers, the global shape, the partition), so every rank takes the
-same ones.
-
-Cost: the run's extra voxels are computed on every convolution but the last; ``hpcpar plan``
-counts a run as one exchange and adds that compute to its estimate
-(``hpcpar.plan.planner.fused_runs``, ``redundant_fraction``).
+A run's length (at most ``k``) is learned: a run cropped after ``j`` convolutions takes the halo
+those ``j`` used from the next forward on. What was learned changes only at the start of a
+forward, so the recomputation of a checkpointed segment makes the exchanges its forward made.
+Decisions use only global facts (the layers, the global shape, the partition), so every rank
+takes the same ones.
 """
 
 from __future__ import annotations

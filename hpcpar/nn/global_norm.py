@@ -1,9 +1,9 @@
 """Group, instance and layer normalisation of split volumes, with statistics over the WHOLE
 sample: the functional twins of ``F.group_norm``, ``F.instance_norm`` and ``F.layer_norm``.
 
-Each norm standardises rows: one row per (sample, group) for group norm, per (sample,
-channel) for instance norm, per leading index for layer norm, each row spread over the ranks
-of ``grid.spatial_comm``. With M the GLOBAL count of a row and x̂ = (x - mean) / sqrt(var + eps):
+Each norm standardises rows: one row per (sample, group) for group norm, per (sample, channel)
+for instance norm, per leading index for layer norm, each row spread over the ranks of
+``grid.spatial_comm``. With M the GLOBAL count of a row and x̂ = (x - mean) / sqrt(var + eps):
 
     forward   every rank sends its (count, mean, M2) per row (torch's one-pass Welford,
               locally), and all merge them in rank order with Chan's formula
@@ -17,6 +17,14 @@ Rows are this rank's piece seen through a view (group norm splits C into (G, C/G
 memory formats work without copies, and the output keeps the input's format. Statistics are
 accumulated in float64 for float64 inputs and in float32 otherwise (half types included).
 Instance norm's running statistics are updated from the merged ones, identical on every rank.
+
+Each function takes this rank's ``(N, C, d, h, w)`` piece ``x`` in either memory format (the
+output keeps it) and returns its piece of the normalised sample; ``gshape`` is the global spatial
+shape ``(D, H, W)``, the same on every rank, and the statistics run over ``grid.spatial_comm``
+(collective). ``weight``/``bias`` are replicated; their gradients are this rank's partial ones
+(the gradient sync sums them); ``eps`` is added to the variance. All raise LayerError where ``x``
+is not this rank's piece of ``gshape`` (on every rank where a collective follows) or an affine
+tensor has the wrong shape.
 """
 
 from __future__ import annotations
@@ -63,9 +71,9 @@ def _piece_error(op: str, x: torch.Tensor, grid: ProcessGrid, gshape: Sequence[i
 
 class _Rows(NamedTuple):
     """How a norm sees this rank's piece: ``x.view(view)`` reduced over ``dims`` gives one
-    statistic per row. ``where`` names the op and the global volume for errors; ``piece_ok``
-    says whether this rank's piece matched it; ``on_stats(mean, var)`` (float64, one value per
-    row) sees the merged statistics, e.g. to update running buffers."""
+    statistic per row. ``where`` names the op and the global volume for errors; ``piece_ok`` says
+    whether this rank's piece matched it; ``on_stats(mean, var)`` (float64, one value per row)
+    sees the merged statistics, e.g. to update running buffers."""
 
     view: tuple[int, ...]
     dims: tuple[int, ...]
@@ -77,7 +85,7 @@ class _Rows(NamedTuple):
 
 
 def _raise_local(error: str) -> None:
-    """Raise a piece error where no collective follows (no rank can be left waiting)."""
+    """Where no collective follows (no rank can be left waiting)."""
     if error:
         raise LayerError(error)
 
@@ -93,7 +101,6 @@ def _rows(op: str, x: torch.Tensor, grid: ProcessGrid, gshape: Sequence[int],
 def _merge_moments(var: torch.Tensor, mean: torch.Tensor, count: int, rows: _Rows):
     """Global (mean, biased var, count) per row from every rank's local ones (Chan et al.'s
     parallel combination in float64, in rank order: one allgather, the same bits everywhere).
-
     The gather also carries each rank's piece check, so a piece that does not match the global
     volume on SOME ranks is refused by ALL of them (no rank is left waiting in a collective)."""
     n = mean.numel()
@@ -200,23 +207,8 @@ def group_norm(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None = N
                bias: torch.Tensor | None = None, eps: float = 1e-5, *, grid: ProcessGrid,
                gshape: Sequence[int]) -> torch.Tensor:
     """``F.group_norm`` of the whole sample: each (sample, group) is normalised with its
-    statistics over all C/G channels and all D·H·W voxels of the spatial group.
-
-    Args:
-        x: This rank's ``(N, C, d, h, w)`` piece, either memory format (the output keeps it).
-        num_groups: Groups G; must divide C.
-        weight: Per-channel scale ``(C,)``, replicated; its gradient is this rank's partial one.
-        bias: Per-channel shift ``(C,)``, replicated; likewise.
-        eps: Added to the variance.
-        grid: The process grid (the statistics run over ``grid.spatial_comm``).
-        gshape: The global spatial shape ``(D, H, W)``, the same on every rank.
-
-    Returns:
-        This rank's piece of the normalised sample.
-
-    Raises:
-        LayerError: ``x`` is not this rank's piece of ``gshape``, G does not divide C, or an
-            affine tensor has the wrong shape.
+    statistics over all C/G channels and all D·H·W voxels of the spatial group. ``weight`` and
+    ``bias`` are per channel, ``(C,)``; LayerError also where ``num_groups`` does not divide C.
     """
     op = "group_norm"
     _check_dims(op, x)
@@ -236,36 +228,18 @@ def instance_norm(x: torch.Tensor, running_mean: torch.Tensor | None = None,
                   bias: torch.Tensor | None = None, use_input_stats: bool = True,
                   momentum: float = 0.1, eps: float = 1e-5, *, grid: ProcessGrid,
                   gshape: Sequence[int], include_data: bool = False) -> torch.Tensor:
-    """``F.instance_norm`` of the whole sample (what ``nn.InstanceNorm3d`` calls): each
-    (sample, channel) is normalised with its statistics over all D·H·W voxels.
+    """``F.instance_norm`` of the whole sample (what ``nn.InstanceNorm3d`` calls): each (sample,
+    channel) is normalised with its statistics over all D·H·W voxels. ``weight``, ``bias`` and
+    the running buffers are ``(C,)``; the buffers come both or neither.
 
-    With ``use_input_stats`` and running buffers, the buffers are updated in place as torch
-    does (momentum-weighted batch mean of the per-sample means and of the unbiased variances
-    over the global voxel count), identically on every rank; with ``include_data`` the batch
-    mean is over the whole global batch (every data replica's samples), so the replicas keep
-    one model's buffers. Without ``use_input_stats`` (eval
-    with tracked statistics) the running buffers normalise locally, with no communication.
-
-    Args:
-        x: This rank's ``(N, C, d, h, w)`` piece, either memory format (the output keeps it).
-        running_mean: ``(C,)`` buffer, or None.
-        running_var: ``(C,)`` buffer, or None (given together with ``running_mean``).
-        weight: Per-channel scale ``(C,)``, replicated; its gradient is this rank's partial one.
-        bias: Per-channel shift ``(C,)``, replicated; likewise.
-        use_input_stats: Normalise with this batch's statistics (training, or untracked).
-        momentum: Weight of this batch in the running statistics.
-        eps: Added to the variance.
-        grid: The process grid (the statistics run over ``grid.spatial_comm``).
-        gshape: The global spatial shape ``(D, H, W)``, the same on every rank.
-        include_data: Average the running statistics over ``grid.data_comm`` too.
-
-    Returns:
-        This rank's piece of the normalised sample.
-
-    Raises:
-        LayerError: ``x`` is not this rank's piece of ``gshape``, the volume has one voxel
-            (training), only one running buffer is given, or none in eval, or an affine or
-            running tensor has the wrong shape.
+    With ``use_input_stats`` (training, or untracked) and running buffers, the buffers are
+    updated in place as torch does (``momentum``-weighted batch mean of the per-sample means and
+    of the unbiased variances over the global voxel count), identically on every rank; with
+    ``include_data`` the batch mean is over the whole global batch (``grid.data_comm`` too), so
+    the replicas keep one model's buffers. Without ``use_input_stats`` (eval with tracked
+    statistics) the running buffers normalise locally, with no communication. LayerError also
+    for a one-voxel volume in training, one running buffer alone, none in eval, or a running
+    buffer of the wrong shape.
     """
     op = "instance_norm"
     _check_dims(op, x)
@@ -305,30 +279,15 @@ def instance_norm(x: torch.Tensor, running_mean: torch.Tensor | None = None,
 def layer_norm(x: torch.Tensor, normalized_shape: int | Sequence[int],
                weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                eps: float = 1e-5, *, grid: ProcessGrid, gshape: Sequence[int]) -> torch.Tensor:
-    """``F.layer_norm`` of the whole sample, ``normalized_shape`` in GLOBAL sizes.
+    """``F.layer_norm`` of the whole sample, ``normalized_shape`` (and the elementwise
+    ``weight``/``bias``'s shape) in GLOBAL sizes of the trailing dims.
 
     Trailing dims that hold every split axis, e.g. ``(C, D, H, W)`` or ``(D, H, W)``: each
-    leading index is normalised with its statistics over the whole sample, and this rank
-    applies its own slice of the elementwise ``weight``/``bias`` (their gradients are zero
-    outside it: partial, the gradient sync sums them). Trailing dims that hold no split axis
-    (``(W,)`` when W is not split) are plain local ``F.layer_norm``.
-
-    Args:
-        x: This rank's ``(N, C, d, h, w)`` piece, either memory format (the output keeps it).
-        normalized_shape: The global sizes of the trailing dims to normalise over.
-        weight: Elementwise scale of shape ``normalized_shape`` (global), replicated.
-        bias: Elementwise shift of shape ``normalized_shape`` (global), replicated.
-        eps: Added to the variance.
-        grid: The process grid (the statistics run over ``grid.spatial_comm``).
-        gshape: The global spatial shape ``(D, H, W)``, the same on every rank.
-
-    Returns:
-        This rank's piece of the normalised sample.
-
-    Raises:
-        LayerError: ``x`` is not this rank's piece of ``gshape``, ``normalized_shape`` is not
-            a trailing part of the global shape, or it holds some split axes but not all
-            (its statistics would need a sub-group of the spatial ranks).
+    leading index is normalised with its statistics over the whole sample, and this rank applies
+    its own slice of ``weight``/``bias`` (their gradients are zero outside it). Trailing dims
+    that hold no split axis (``(W,)`` when W is not split) are plain local ``F.layer_norm``.
+    LayerError also where ``normalized_shape`` is not a trailing part of the global shape, or
+    holds some split axes but not all (its statistics would need a sub-group of the ranks).
     """
     op = "layer_norm"
     _check_dims(op, x)
