@@ -62,8 +62,7 @@ _ROOT = "_hpcpar_root_split"
 
 
 def check_setting(value, where: str = "[train] activation_checkpointing") -> int | str | None:
-    """``value`` (``false``, ``"auto"`` or a number of segments per chain >= 1) as None (off),
-    ``"auto"`` or N; ConfigError naming ``where`` for any other value."""
+    """``false``, ``"auto"`` or N >= 1 segments per chain as None, "auto" or N; else ConfigError."""
     if value is False or value is None:
         return None
     if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
@@ -86,8 +85,7 @@ def chains(model: nn.Module) -> list[nn.Sequential]:
 
 
 def segment_sizes(lengths: list[int], setting) -> list[list[int]]:
-    """Per chain of ``lengths[i]`` layers, its segments' layer counts (they sum to the chain's
-    length) for ``setting`` N or ``"auto"`` (module docstring)."""
+    """Per chain of ``lengths[i]`` layers, its segments' layer counts (module docstring)."""
     if setting == "auto":
         n = max(1, round(math.sqrt(sum(lengths)) / max(1, len(lengths))))
     else:
@@ -172,8 +170,7 @@ def _user_region() -> Iterator[None]:
 
 
 class _Both:
-    """A user's region's two context managers entered as one, re-enterably (a recomputation
-    context is entered once per backward of a kept graph), marking the region."""
+    """Two context managers entered as one, re-enterably (once per backward of a kept graph)."""
 
     def __init__(self, first, second):
         self.first, self.second = first, second
@@ -200,8 +197,7 @@ def _user_contexts(user_context_fn, tape: Tape, root) -> tuple:
 
 
 def _split_context():
-    """The running spatialized forward's split context, or None (none runs, or hpcpar's own
-    spatial layers run undispatched)."""
+    """The running spatialized forward's split context, or None (also in hpcpar's own layers)."""
     for mode in reversed(_get_current_function_mode_stack()):
         if isinstance(mode, SpatialMode):
             ctx = mode.ctx
@@ -255,8 +251,7 @@ def _patch_reentrant() -> Callable[[], None] | None:
 
 
 def _patch_generator() -> Callable[[], None] | None:
-    """The non-reentrant form: torch's generator behind it gets hpcpar's contexts for regions
-    that start in a spatialized forward. Returns as :func:`_patch_reentrant`."""
+    """The non-reentrant form: hpcpar's contexts for regions in a spatialized forward."""
     original = getattr(_torch_checkpoint, "_checkpoint_without_reentrant_generator", None)
     if original is None or list(inspect.signature(original).parameters)[:3] \
             != ["fn", "preserve_rng_state", "context_fn"]:
@@ -276,8 +271,7 @@ def _patch_generator() -> Callable[[], None] | None:
 
 
 class _Holders:
-    """How many spatialized forwards (and recomputations) run now, in any thread, and what
-    puts torch's checkpoint back when the last one leaves."""
+    """How many spatialized forwards run now (any thread), and what puts torch's back."""
 
     lock = threading.Lock()
     count = 0
@@ -301,8 +295,7 @@ def install_user_checkpoint_replay() -> bool:
 
 
 def remove_user_checkpoint_replay() -> None:
-    """One holder of :func:`install_user_checkpoint_replay` leaves; the last puts torch's
-    checkpoint back as it was."""
+    """One holder of :func:`install_user_checkpoint_replay` leaves; the last restores torch's."""
     with _Holders.lock:
         _Holders.count -= 1
         if _Holders.count == 0:

@@ -1,10 +1,9 @@
 """Spatially partitioned 3D convolutions: torch's Conv3d / ConvTranspose3d plus ``grid=``.
 
 Each rank convolves its own sub-volume extended by the halo (``padding=0`` on the explicitly
-padded input: torch's CPU conv is faster that way, and only boundary ranks pad). Halo widths
-come from output ownership (DESIGN §2), so any kernel/stride/padding/dilation is exact.
-Weight and bias gradients are the partial gradients of this rank's outputs; the gradient
-sync sums them over the spatial group.
+padded input: torch's CPU conv is faster that way, and only boundary ranks pad). Halo widths come
+from output ownership (DESIGN §2), so any kernel/stride/padding/dilation is exact. Weight and
+bias gradients are this rank's partial ones; the gradient sync sums them over the spatial group.
 """
 
 from __future__ import annotations
@@ -51,16 +50,12 @@ from ._tap_trim import tap_trim
 
 __all__ = ["SpatialConv3d", "SpatialConvTranspose3d", "ConvOp", "ConvTransposeOp"]
 
-#: The largest input (all of its samples and channels) a convolution whose halos reach past
-#: the adjacent rank gathers whole on every rank (:meth:`SpatialConv3d.whole_route`)
+#: The largest input (all samples and channels) a convolution whose halos reach past the
+#: adjacent rank gathers whole on every rank (:meth:`SpatialConv3d.whole_route`)
 WHOLE_MAP_BYTES = 256 << 20
 
 #: torch's ``padding_mode`` values (only ``"zeros"`` is accepted on a split volume)
 PaddingMode = Literal["zeros", "reflect", "replicate", "circular"]
-
-
-def _empty_out(ext, channels, lengths):
-    return ext.new_zeros((ext.shape[0], channels, *lengths))
 
 
 def _perm(t, perm, base=2):
@@ -111,7 +106,7 @@ class ConvOp(StencilOp):
 
     def forward(self, ext, weight, bias=None):
         if 0 in self.out_shape:
-            return _empty_out(ext, self.out_channels, self.out_shape)
+            return ext.new_zeros((ext.shape[0], self.out_channels, *self.out_shape))
         if _pointwise(ext, weight, self.stride, self.groups):
             return _pointwise_forward(ext, weight, bias)
         ext, weight, stride, dilation, inv = self._permuted(ext, weight)
@@ -123,12 +118,10 @@ class ConvOp(StencilOp):
         return out if inv is None else out.permute(*inv).contiguous()
 
     def backward(self, holder, grad_out, params, needs):
-        """In one pass, or in chunks (:meth:`_chunked`) above CHUNK_BACKWARD_BYTES on CPU."""
-        weight, bias = params
         axis, spans = self._chunk_spans(grad_out, holder[0])
         if spans is None:
-            return self._backward(holder, grad_out, weight, bias, needs)
-        return self._chunked(holder, grad_out, weight, bias, needs, axis, spans)
+            return self._backward(holder, grad_out, *params, needs)
+        return self._chunked(holder, grad_out, *params, needs, axis, spans)
 
     def _copies_whole(self, ext) -> bool:
         """Whether one pass copies the whole output gradient (the permuted order, or oneDNN's
@@ -140,7 +133,7 @@ class ConvOp(StencilOp):
             ext, self.kernel, self.stride, self.dilation, self.groups)
 
     def _chunk_spans(self, grad_out, ext):
-        """(axis, [(out_lo, out_hi, in_lo, in_hi), ...]) of the chunks, or (None, None)."""
+        """(axis, [(out_lo, out_hi, in_lo, in_hi), ...]), or (None, None): one pass."""
         nbytes = grad_out.numel() * grad_out.element_size()
         if (grad_out.device.type != "cpu" or nbytes <= CHUNK_BACKWARD_BYTES or
                 0 in self.out_shape or grad_out.dim() != 5 or not self._copies_whole(ext)):
@@ -226,9 +219,8 @@ class ConvOp(StencilOp):
 
 
 class _WholeConv(torch.autograd.Function):
-    """A convolution of this rank's output piece from the gathered map, holding only the piece
-    between forward and backward: backward gathers the map again (one map at a time on the
-    rank, not one per layer) and sums every rank's gradient of it."""
+    """This rank's output piece from the gathered map, holding only the piece until backward,
+    which gathers the map again (one map at a time, not one per layer) and sums its gradients."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, conv, windows):
@@ -276,8 +268,7 @@ class SpatialConv3d(SpatialModule, nn.Conv3d):
     equals ``nn.Conv3d`` on the whole volume, split with the partition rule of the output's
     global length. Raises LayerError for a ``padding_mode`` other than ``"zeros"``; at forward,
     for a local extent smaller than the halo a neighbour needs, or inputs that differ across the
-    spatial group (the same error on every rank).
-    """
+    spatial group (the same error on every rank)."""
 
     def __init__(self, in_channels: int, out_channels: int,
                  kernel_size: int | tuple[int, int, int], stride: int | tuple[int, int, int] = 1,
@@ -305,12 +296,10 @@ class SpatialConv3d(SpatialModule, nn.Conv3d):
         return op
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Convolve this rank's piece ``(N, C, d, h, w)``; returns its piece of the output."""
         return self.spatial_forward(x, self.weight, self.bias)
 
     def spatial_forward(self, x, weight, bias, gshape=None) -> torch.Tensor:
-        """The forward with given parameters (``F.conv3d`` on a split tensor comes here); taps
-        that only read padding are dropped first (:meth:`trimmed`)."""
+        """With given parameters (``F.conv3d`` on a split tensor comes here)."""
         if gshape is None:
             gshape = global_spatial_shape(x, self.grid, what=self.layer_name)
         trimmed = self.trimmed(gshape)
@@ -319,7 +308,8 @@ class SpatialConv3d(SpatialModule, nn.Conv3d):
             return twin.spatial_forward(x, weight[taps], bias, gshape)
         whole = self.whole_route(x, gshape)
         if whole is not None:
-            return self._whole_conv(x, weight, bias, whole)
+            y = _WholeConv.apply(x, weight, bias, self, whole)
+            return y.contiguous(memory_format=memory_format(input_layout(x)))
         entry = self.spatial_plan(x, gshape)
         if self.boundary_path(x, entry):
             return boundary_conv(x, weight, bias, entry.extra.boundary)
@@ -357,10 +347,6 @@ class SpatialConv3d(SpatialModule, nn.Conv3d):
                 if (far or wide and buffer > 2 * voxels) and small and reads else None
         return cache[key]
 
-    def _whole_conv(self, x, weight, bias, windows):
-        y = _WholeConv.apply(x, weight, bias, self, windows)
-        return y.contiguous(memory_format=memory_format(input_layout(x)))
-
     def window_conv(self, full, weight, bias, windows, whole=True):
         """This rank's output piece from the whole map ``full`` (``whole=False``: the window
         already): only the taps that read the map for its outputs, the window they read, and
@@ -385,9 +371,8 @@ class SpatialConv3d(SpatialModule, nn.Conv3d):
         return y[(..., *crop)]
 
     def trimmed(self, gshape) -> tuple[SpatialConv3d, tuple[slice, ...]] | None:
-        """``(twin, taps)``: the convolution without the taps that only ever read padding on
-        ``gshape`` and the index of its weight in this one's, or None where every tap reads data
-        (:mod:`~hpcpar.nn._tap_trim`; cached per global shape)."""
+        """``(twin, taps)``: the convolution without the taps that only read padding on
+        ``gshape``, and its weight's index in this one's; None where every tap reads data."""
         cache = self.__dict__.setdefault("_trimmed", {})
         key = tuple(gshape)
         if key not in cache:
@@ -399,8 +384,7 @@ class SpatialConv3d(SpatialModule, nn.Conv3d):
         return cache[key]
 
     def boundary_path(self, x, entry) -> bool:
-        """Ghosts travel while the interior computes; not where torch's slow CPU kernel would
-        run the pieces."""
+        """Ghosts travel while the interior computes; not where torch's slow CPU kernel runs."""
         spec = entry.extra.boundary
         return spec is not None and _boundary_conv.ENABLED and \
             not torch.is_autocast_enabled(x.device.type) and \
@@ -421,7 +405,7 @@ class ConvTransposeOp(StencilOp):
 
     def forward(self, ext, weight, bias=None):
         if 0 in ext.shape[2:]:
-            out = _empty_out(ext, self.out_channels, self.out_shape)
+            out = ext.new_zeros((ext.shape[0], self.out_channels, *self.out_shape))
         else:
             out = F.conv_transpose3d(ext, weight, bias if self.trivial else None, self.stride,
                                      0, 0, self.groups, self.dilation)
@@ -447,13 +431,11 @@ class ConvTransposeOp(StencilOp):
 
 
 class SpatialConvTranspose3d(SpatialModule, nn.ConvTranspose3d):
-    """``torch.nn.ConvTranspose3d`` over a spatially split volume (any k, s, p, output_padding,
-    dilation, groups). Output o receives input i when o = s*i - p + d*t: each rank reads the
-    inputs feeding its owned outputs and crops the local result to them. Takes
-    ``nn.ConvTranspose3d``'s arguments plus ``grid``. Raises LayerError at forward for
+    """``torch.nn.ConvTranspose3d``'s arguments plus ``grid``, over a spatially split volume.
+    Output o receives input i when o = s*i - p + d*t: each rank reads the inputs feeding its
+    owned outputs and crops the local result to them. Raises LayerError at forward for
     ``output_size=`` (set ``output_padding`` instead), inputs too small for the halos, or inputs
-    inconsistent across the spatial group.
-    """
+    inconsistent across the spatial group."""
 
     def __init__(self, in_channels: int, out_channels: int,
                  kernel_size: int | tuple[int, int, int], stride: int | tuple[int, int, int] = 1,
@@ -488,13 +470,12 @@ class SpatialConvTranspose3d(SpatialModule, nn.ConvTranspose3d):
                                tuple(shape), crops)
 
     def forward(self, x: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
-        """Transposed convolution of this rank's piece; returns its piece of the output."""
         if output_size is not None:
             raise LayerError(f"{self.layer_name}: output_size= is not supported; set "
                              f"output_padding in the constructor")
         return self.spatial_forward(x, self.weight, self.bias)
 
     def spatial_forward(self, x, weight, bias, gshape=None) -> torch.Tensor:
-        """The forward with given parameters (``F.conv_transpose3d`` on a split tensor)."""
+        """With given parameters (``F.conv_transpose3d`` on a split tensor comes here)."""
         entry = self.spatial_plan(x, gshape)
         return halo_stencil(x, entry.halo, entry.extra, weight, bias)

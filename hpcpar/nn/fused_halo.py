@@ -97,20 +97,8 @@ class MarginLayout(Layout):
 
 
 # -- the learning -----------------------------------------------------------------------------
-def _learn(lay: MarginLayout) -> None:
-    """A run cropped before its margin was used up: the next forwards take only the halo it used
-    (applied at the next forward's start, :func:`settle_runs`)."""
-    key, convs, used = lay.run
-    lay.ctx.fuse_counts[1] += 1
-    seen = lay.ctx.fuse_seen
-    old = seen.get(key)
-    if old is None or convs < old[0]:
-        seen[key] = (convs, used)
-
-
 def settle_runs(ctx) -> None:
-    """At the start of an outermost forward: what the last forwards learned takes effect (and
-    the forward's counts of runs started and of margins cropped start at 0)."""
+    """At an outermost forward's start: what the last forwards learned takes effect."""
     ctx.fuse_counts[:] = [0, 0]
     if ctx.fuse_seen:
         for key, (convs, used) in ctx.fuse_seen.items():
@@ -122,8 +110,7 @@ def settle_runs(ctx) -> None:
 
 # -- geometry ---------------------------------------------------------------------------------
 def _fusable(b, w) -> tuple[tuple[int, int], ...] | None:
-    """Per axis (low, high) padding of a stride-1 convolution whose output keeps the input's size
-    (what a run is made of), else None."""
+    """Per axis (low, high) padding of a stride-1, size-keeping convolution, else None."""
     k = tuple(w.shape[2:])
     stride, dilation = triple(b["stride"], "stride", "conv3d"), _dilation(b)
     if stride != (1, 1, 1) or len(k) != 3:
@@ -182,8 +169,7 @@ def _plan(ctx, gshape, reach, pads) -> HaloPlan:
 
 
 def _reads(lo: int, hi: int):
-    """``(out_start, out_stop) -> the inputs read`` (what
-    :func:`~hpcpar.parallel.partition.axis_halo` asks)."""
+    """``(out_start, out_stop) -> the inputs read``, as :func:`axis_halo` asks."""
     return lambda start, stop: (start - lo, stop + hi)
 
 
@@ -233,8 +219,7 @@ def _step(lay: Layout, reach, pads, run) -> Layout:
 
 
 def _go_on(call: Call) -> torch.Tensor | None:
-    """A convolution given a margin tensor: convolve without exchange when the margin holds its
-    halo, else None (cropped by the caller)."""
+    """Convolve a margin tensor without exchange where its margin holds the halo, else None."""
     b = call.bind(*CONV_ARGS)
     x = b["input"]
     if not isinstance(x, SplitTensor) or type(x._hp) is not MarginLayout or \
@@ -310,8 +295,12 @@ def crop(t: SplitTensor, learn: bool = True) -> SplitTensor:
     :func:`~hpcpar.nn.local` or the first-step check's)."""
     lay = t._hp
     assert isinstance(lay, MarginLayout)   # what every caller checked
-    if learn:
-        _learn(lay)
+    if learn:   # cropped before its margin was used up: the next forwards take the halo it used
+        key, convs, used = lay.run
+        lay.ctx.fuse_counts[1] += 1
+        old = lay.ctx.fuse_seen.get(key)
+        if old is None or convs < old[0]:
+            lay.ctx.fuse_seen[key] = (convs, used)
     with torch._C.DisableTorchFunction():
         p = t.as_subclass(torch.Tensor)
         fmt = memory_format(input_layout(p))
@@ -323,9 +312,8 @@ def crop(t: SplitTensor, learn: bool = True) -> SplitTensor:
 
 
 def _batch_norm(call: Call) -> torch.Tensor | None:
-    """Batch norm of a margin tensor: statistics of the owned voxels (the same global ones as
-    unfused), every voxel normalised, margin kept; eval mode with running statistics is per
-    channel. None (cropped) for a tensor split otherwise."""
+    """Statistics of the owned voxels (the same global ones as unfused), every voxel normalised,
+    margin kept; eval with running statistics per channel. None for a tensor split otherwise."""
     b = call.bind(("input", "running_mean", "running_var", "weight", "bias", "training",
                    "momentum", "eps"), (None, None, False, 0.1, 1e-5))
     x = b["input"]

@@ -49,10 +49,6 @@ if TYPE_CHECKING:
 __all__ = ["group_norm", "instance_norm", "layer_norm"]
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _check_dims(op: str, x: torch.Tensor) -> None:
     if x.dim() != 5:
         raise LayerError(f"{op}: expected this rank's (N, C, d, h, w) piece of a split volume, "
@@ -60,7 +56,7 @@ def _check_dims(op: str, x: torch.Tensor) -> None:
 
 
 def _piece_error(op: str, x: torch.Tensor, grid: ProcessGrid, gshape: Sequence[int]) -> str:
-    """Why ``x`` is not this rank's part of the global volume ``gshape`` ("" when it is)."""
+    """Why ``x`` is not this rank's part of ``gshape``; "" when it is."""
     want = local_shape((*x.shape[:2], *gshape), grid)
     if tuple(x.shape) == want:
         return ""
@@ -82,12 +78,6 @@ class _Rows(NamedTuple):
     where: str
     piece_ok: bool
     on_stats: Callable | None = None
-
-
-def _raise_local(error: str) -> None:
-    """Where no collective follows (no rank can be left waiting)."""
-    if error:
-        raise LayerError(error)
 
 
 def _rows(op: str, x: torch.Tensor, grid: ProcessGrid, gshape: Sequence[int],
@@ -119,22 +109,12 @@ def _merge_moments(var: torch.Tensor, mean: torch.Tensor, count: int, rows: _Row
     return gmean.view(mean.shape), (m2 / total).view(mean.shape), int(total.item())
 
 
-def _views(t: torch.Tensor, shape: Sequence[int]) -> bool:
-    """Whether ``t.view(shape)`` works (an alias, no copy)."""
-    try:
-        t.view(shape)
-    except RuntimeError:
-        return False
-    return True
-
-
 class _GlobalNorm(torch.autograd.Function):
-    """y = γ x̂ + β over the rows of ``x`` that ``rows`` describes (module docstring);
-    ``weight``/``bias`` broadcast against the rows' view."""
+    """y = γ x̂ + β over ``rows`` (module docstring); ``weight``/``bias`` broadcast to its view."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, rows):
-        acc = _acc_dtype(x.dtype)
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         fmt = memory_format(input_layout(x))
         base = x.detach().to(acc)
         xa = base.view(rows.view)
@@ -148,13 +128,16 @@ class _GlobalNorm(torch.autograd.Function):
         # place after the norm (autograd forbids it; nn.ReLU(inplace=True) after a GroupNorm,
         # as MONAI's SegResNet and DynUNet write it, would fail)
         out = torch.empty_like(base)
-        y = out.view(rows.view) if _views(out, rows.view) else None
+        try:
+            y = out.view(rows.view)
+        except RuntimeError:   # a piece that is not dense: computed aside
+            y = None
         y = torch.sub(xa, mean, out=y).mul_(rstd)
         if weight is not None:
             y.mul_(weight.detach().to(acc))
         if bias is not None:
             y.add_(bias.detach().to(acc))
-        if y.data_ptr() != out.data_ptr():  # a piece that is not dense: computed aside
+        if y.data_ptr() != out.data_ptr():
             out.copy_(y.reshape(x.shape))
         # x as a plain alias: a split tensor's piece (hpcpar.nn.split) would send every op
         # of the backward through its __torch_function__
@@ -198,18 +181,21 @@ def _view(t: torch.Tensor | None, shape: Sequence[int]) -> torch.Tensor | None:
     return None if t is None else t.view(shape)
 
 
-def _output_format(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``y`` in ``x``'s memory format (torch's local norms return contiguous tensors)."""
-    return y.contiguous(memory_format=memory_format(input_layout(x)))
+def _local(op: str, x: torch.Tensor, grid: ProcessGrid, gshape: Sequence[int],
+           norm: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """torch's local ``norm()`` in ``x``'s memory format (torch's is contiguous); the piece is
+    checked here, as no collective follows (no rank can be left waiting)."""
+    error = _piece_error(op, x, grid, gshape)
+    if error:
+        raise LayerError(error)
+    return norm().contiguous(memory_format=memory_format(input_layout(x)))
 
 
 def group_norm(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None = None,
                bias: torch.Tensor | None = None, eps: float = 1e-5, *, grid: ProcessGrid,
                gshape: Sequence[int]) -> torch.Tensor:
-    """``F.group_norm`` of the whole sample: each (sample, group) is normalised with its
-    statistics over all C/G channels and all D·H·W voxels of the spatial group. ``weight`` and
-    ``bias`` are per channel, ``(C,)``; LayerError also where ``num_groups`` does not divide C.
-    """
+    """``F.group_norm`` of the whole sample: statistics per (sample, group) over its C/G channels
+    and all D·H·W voxels. ``weight``/``bias``: ``(C,)``; LayerError where G does not divide C."""
     op = "group_norm"
     _check_dims(op, x)
     n, c = x.shape[:2]
@@ -239,8 +225,7 @@ def instance_norm(x: torch.Tensor, running_mean: torch.Tensor | None = None,
     the replicas keep one model's buffers. Without ``use_input_stats`` (eval with tracked
     statistics) the running buffers normalise locally, with no communication. LayerError also
     for a one-voxel volume in training, one running buffer alone, none in eval, or a running
-    buffer of the wrong shape.
-    """
+    buffer of the wrong shape."""
     op = "instance_norm"
     _check_dims(op, x)
     n, c = x.shape[:2]
@@ -252,9 +237,8 @@ def instance_norm(x: torch.Tensor, running_mean: torch.Tensor | None = None,
         if running_mean is None:
             raise LayerError(f"{op}: use_input_stats=False needs running_mean and running_var "
                              "(track_running_stats=True)")
-        _raise_local(_piece_error(op, x, grid, gshape))
-        return _output_format(x, F.instance_norm(x, running_mean, running_var, weight, bias,
-                                                 False, momentum, eps))
+        return _local(op, x, grid, gshape, lambda: F.instance_norm(
+            x, running_mean, running_var, weight, bias, False, momentum, eps))
     count = math.prod(gshape)
     if count <= 1:
         raise LayerError(f"{op}: expected more than 1 voxel per channel when training, got "
@@ -287,8 +271,7 @@ def layer_norm(x: torch.Tensor, normalized_shape: int | Sequence[int],
     its own slice of ``weight``/``bias`` (their gradients are zero outside it). Trailing dims
     that hold no split axis (``(W,)`` when W is not split) are plain local ``F.layer_norm``.
     LayerError also where ``normalized_shape`` is not a trailing part of the global shape, or
-    holds some split axes but not all (its statistics would need a sub-group of the ranks).
-    """
+    holds some split axes but not all (its statistics would need a sub-group of the ranks)."""
     op = "layer_norm"
     _check_dims(op, x)
     full = (*x.shape[:2], *gshape)
@@ -301,8 +284,7 @@ def layer_norm(x: torch.Tensor, normalized_shape: int | Sequence[int],
     first = len(full) - k                                  # first normalised dim
     split = {2 + a: p > 1 for a, p in enumerate(grid.spatial_shape)}
     if not any(s for d, s in split.items() if d >= first):
-        _raise_local(_piece_error(op, x, grid, gshape))
-        return _output_format(x, F.layer_norm(x, dims, weight, bias, eps))
+        return _local(op, x, grid, gshape, lambda: F.layer_norm(x, dims, weight, bias, eps))
     outside = [d for d, s in split.items() if s and d < first]
     if outside:
         raise LayerError(f"{op}: normalized_shape {dims} leaves out dim {outside[-1]} of the "

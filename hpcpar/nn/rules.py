@@ -85,8 +85,7 @@ class Call:
         return bind_args(names, defaults, self.args, self.kwargs)
 
     def by_name(self) -> dict:
-        """The arguments by torch's own names, defaults filled in; refused where no form of the
-        op takes them."""
+        """The arguments by torch's own names, defaults filled in, or refused."""
         b = by_name(self.func, self.args, self.kwargs)
         if b is None:
             raise self.refuse("is called with arguments hpcpar cannot match to torch's "
@@ -94,7 +93,15 @@ class Call:
         return b
 
     def replicated(self, t):
-        return prepare_replicated(t, self.ctx)
+        if not isinstance(t, torch.Tensor):
+            return t
+        if isinstance(t, nn.Parameter):
+            self.ctx.spatial_params.add(id(t))
+            return t
+        grid = self.ctx.grid
+        if t.requires_grad and torch.is_grad_enabled() and grid.spatial_size > 1:
+            return SumGrad.apply(t, grid.spatial_comm)
+        return t
 
     def plain(self, localize_to: Layout | None = None, ndim: int | None = None):
         """``(args, kwargs)`` with split tensors unwrapped and replicated tensors prepared (and,
@@ -122,30 +129,15 @@ def op_name(func) -> str:
 
 
 # -- replicated operands ---------------------------------------------------------------------
-def prepare_replicated(t, ctx):
-    if not isinstance(t, torch.Tensor):
-        return t
-    if isinstance(t, nn.Parameter):
-        ctx.spatial_params.add(id(t))
-        return t
-    if t.requires_grad and torch.is_grad_enabled() and ctx.grid.spatial_size > 1:
-        return SumGrad.apply(t, ctx.grid.spatial_comm)
-    return t
-
-
-def local_ranges(layout: Layout) -> list[tuple[int, int]]:
-    grid = layout.ctx.grid
-    return [part_range(n, p, c) for n, p, c in
-            zip(layout.gshape, grid.spatial_shape, grid.spatial_coords)]
-
-
 def localize(t: torch.Tensor, layout: Layout, ndim: int | None, op: str) -> torch.Tensor:
     """A replicated operand broadcast against a split result of ``ndim`` dims with ``layout``:
     global lengths are cut to this rank's piece and 1 broadcasts. A plain tensor with this rank's
     LOCAL lengths is refused: it is someone's piece that the split world cannot see (a reduction
     of it alone would silently be this rank's share); mark it with :func:`hpcpar.nn.split_like`."""
     ndim = ndim if ndim is not None else max(layout.sdims) + 1
-    for a, ((start, stop), n) in enumerate(zip(local_ranges(layout), layout.gshape)):
+    grid = layout.ctx.grid
+    for a, (n, p, c) in enumerate(zip(layout.gshape, grid.spatial_shape, grid.spatial_coords)):
+        start, stop = part_range(n, p, c)
         d = layout.sdims[a] - ndim + t.dim()  # the operand's dim aligned with the split dim
         if d < 0:
             continue
@@ -178,9 +170,8 @@ def wrap_like(out, layout: Layout, ndim: int, inputs=()):
 
 def same_split(call: Call, what: str = "its operands", broadcast: bool = False):
     """The split operands' common layout relative to the last dim; refuse if they differ. With
-    ``broadcast``, an extent of 1 meets any other on an axis the grid does not split
-    (``h.amax(2, keepdim=True) * h`` with D whole: every rank holds that one plane); on a split
-    axis one rank would hold it and the others nothing."""
+    ``broadcast``, an extent of 1 meets any other on an axis the grid does not split (every rank
+    holds that one plane; on a split axis one rank would hold it and the others nothing)."""
     rel = None
     axes = call.ctx.grid.spatial_shape
     for t in call.splits:
@@ -201,15 +192,18 @@ def same_split(call: Call, what: str = "its operands", broadcast: bool = False):
 
 # -- pointwise -------------------------------------------------------------------------------
 def pointwise(call: Call):
-    """Elementwise with broadcasting: each voxel's result needs only that voxel. Written in place
-    into a plain tensor (``buf.add_(split)``, ``out=plain``), the result would be this rank's
-    piece of a tensor that every rank holds whole, the rest of it stale: refused."""
+    """Elementwise with broadcasting. Written in place into a plain tensor (``buf.add_(split)``,
+    ``out=plain``) it would update this rank's piece of what every rank holds whole: refused."""
     first = call.args[0] if call.args else None
     if isinstance(first, torch.Tensor) and not isinstance(first, SplitTensor) and \
             writes_by_name(call.name, call.kwargs) or \
             isinstance(call.kwargs.get("out"), torch.Tensor) and \
             not isinstance(call.kwargs["out"], SplitTensor):
-        raise refuse_write_into_plain(call)
+        raise call.refuse("writes a split tensor in place into a plain tensor that every rank "
+                          "holds whole (this rank would update only its piece, the rest stale)",
+                          "compute it out of place (prior = prior + conv(x): the result is "
+                          "split like its operands), and keep in a buffer only what every rank "
+                          "holds alike (a statistic reduced over the spatial dims)")
     rel, gshape = same_split(call, broadcast=True)
     ndim = max(t.dim() for t in leaves(call.args, call.kwargs) if isinstance(t, torch.Tensor))
     layout = call.layout.with_(sdims=[ndim + r for r in rel], gshape=gshape)
@@ -239,9 +233,8 @@ def _pointwise_alike(func, args, kwargs, flat, splits):
 
 
 def channelwise(call: Call):
-    """Ops that act per voxel across its channels (dim 1), with replicated operands per channel
-    (``prelu``'s weight, ``channel_shuffle``): no alignment; a split dim 1 (the channels moved
-    elsewhere) would mix a voxel with its neighbours."""
+    """Per voxel across its channels (dim 1), replicated operands per channel (``prelu``'s
+    weight): no alignment; a split dim 1 would mix a voxel with its neighbours."""
     if 1 in call.layout.sdims:
         raise call.refuse("acts along dim 1, which is split here", "apply it with the "
                           "channels at dim 1")
@@ -272,8 +265,7 @@ def global_len(call: Call):
 
 
 def attribute(call: Call):
-    """Getters (dtype, device, grad, data, ...): the piece's own; a tensor of the piece's shape
-    stays split."""
+    """Getters (dtype, grad, data, ...): the piece's own; a tensor of its shape stays split."""
     out = call.run_plain()
     t = call.splits[0]
     if isinstance(out, torch.Tensor) and out.shape == t.shape_local:
@@ -284,20 +276,6 @@ def attribute(call: Call):
 def as_plain(call: Call):
     """Calls that only look at the piece and return no tensor (printing, pickling, hooks)."""
     return call.run_plain()
-
-
-def _plain_alike(func, args, kwargs, flat, splits):
-    """:func:`as_plain` without a :class:`Call`."""
-    return func(*args, **kwargs)
-
-
-def refuse_write_into_plain(call: Call):
-    """The refusal of an in-place write of split data into a plain (replicated) tensor."""
-    return call.refuse("writes a split tensor in place into a plain tensor that every rank "
-                       "holds whole (this rank would update only its piece, the rest stale)",
-                       "compute it out of place (prior = prior + conv(x): the result is "
-                       "split like its operands), and keep in a buffer only what every rank "
-                       "holds alike (a statistic reduced over the spatial dims)")
 
 
 def one_hot(call: Call):
@@ -328,8 +306,7 @@ def refuse_random(call: Call):
 
 
 def rrelu(call: Call):
-    """Elementwise with the mean slope; while training, one random slope per element, which each
-    rank would draw for its own piece."""
+    """Elementwise with the mean slope; while training, refused: random slopes per element."""
     b = call.bind(("input", "lower", "upper", "training"))
     if b.get("training", False):
         return refuse_random(call)
@@ -337,8 +314,7 @@ def rrelu(call: Call):
 
 
 def where(call: Call):
-    """``where(cond, a, b)`` is elementwise; ``where(cond)`` lists the indices of the nonzero
-    elements, which on a piece are only this rank's, in its own coordinates."""
+    """``where(cond, a, b)`` is elementwise; ``where(cond)``'s indices would be this rank's."""
     if len(call.args) + len(call.kwargs) == 1:
         raise call.refuse("lists the indices of the nonzero elements", "use where(cond, a, b), "
                           "or count with (cond).sum(), which is global")
@@ -404,9 +380,8 @@ def _global_shape_of(t) -> torch.Size:
 
 
 def _plain_as(call: Call, other) -> torch.Tensor:
-    """``plain.view_as(x)`` / ``reshape_as(x)`` / ``expand_as(x)`` with ``x`` split: the plain
-    tensor given ``x``'s global shape (viewed or reshaped; expanded once cut), cut to this
-    rank's piece of ``x``'s layout."""
+    """``plain.view_as(x)`` / ``reshape_as(x)`` / ``expand_as(x)`` with ``x`` split: given
+    ``x``'s global shape (expanded once cut), cut to this rank's piece of ``x``'s layout."""
     whole = call.replicated(call.args[0])
     if call.name == "expand_as":
         piece = localize(whole, other._hp, other.dim(), call.name)
@@ -424,8 +399,7 @@ def writes_by_name(name: str, kwargs) -> bool:
 
 
 def writes_into_first(func, args, kwargs) -> bool:
-    """Whether ``func`` writes into its first argument (``add_``, ``x += y``, ``x[i] = v``,
-    ``inplace=True``, ``out=``)."""
+    """``add_``, ``x += y``, ``x[i] = v``, ``inplace=True``, ``out=``."""
     return writes_by_name(op_name(func), kwargs) or \
         bool((by_name(func, args, kwargs) or {}).get("inplace"))
 
@@ -494,8 +468,7 @@ def shape_op(call: Call):
 
 
 def _head(t, gold, gnew) -> Layout | None:
-    """The split head's layout for a standard split volume flattened to ``(N, C*D*H*W)``, the
-    tokens' for ``(N, C, D*H*W)``; None for any other shape."""
+    """The split head's layout for ``(N, C*D*H*W)``, the tokens' for ``(N, C, D*H*W)``, or None."""
     lay = t._hp
     if not lay.standard or len(gold) != 5:
         return None
@@ -513,8 +486,7 @@ _FIXED_DIM = {"hstack": 1, "vstack": 0, "dstack": 2}
 
 
 def cat(call: Call):
-    """cat / stack / hstack / vstack / dstack along a dim that is not split: local (the batch dim
-    too: a replica's samples are its own, as in DDP)."""
+    """Along a dim that is not split: local (the batch dim too: a replica's samples are its own)."""
     rel, gshape = same_split(call, "tensors to join")
     b = call.by_name()
     tensors, fixed = b["tensors"], _FIXED_DIM.get(call.name)
@@ -580,8 +552,7 @@ def getitem(call: Call):
 
 
 def _index_dims(index, n):
-    """(position in the index, the tensor dim it reads or None for a new dim) of each entry;
-    ``...`` reads every dim the others leave."""
+    """(position in the index, the tensor dim it reads or None for a new dim) of each entry."""
     span, dim = n - sum(1 for i in index if i is not None and i is not Ellipsis), 0
     for pos, i in enumerate(index):
         if i is None:
@@ -629,8 +600,7 @@ def setitem(call: Call):
 
 
 def linear(call: Call):
-    """F.linear / matmul on a split tensor: exact only when the contracted last dim is not split
-    (a per-voxel MLP on channels-last data)."""
+    """Exact only when the contracted last dim is not split (a per-voxel MLP, channels last)."""
     t = call.args[0]
     if not isinstance(t, SplitTensor) or any(isinstance(a, SplitTensor) for a in call.args[1:]):
         raise call.refuse("contracts over a split tensor's dims", "apply it per voxel on "
@@ -649,4 +619,5 @@ def linear(call: Call):
 
 #: Rules' fast forms: ``(func, args, kwargs, leaves, splits)`` -> the result, or
 #: ``NotImplemented`` where the rule itself must look (see :func:`handle`).
-FAST = {pointwise: _pointwise_alike, as_plain: _plain_alike}
+FAST = {pointwise: _pointwise_alike,
+        as_plain: lambda func, args, kwargs, flat, splits: func(*args, **kwargs)}

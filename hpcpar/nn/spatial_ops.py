@@ -76,39 +76,31 @@ CONV_ARGS = (("input", "weight", "bias", "stride", "padding", "dilation", "group
 
 
 def conv3d(call: Call, start=None):
-    """``F.conv3d``. ``start(call, bound_args, weight, bias)``, given, may take the call where
-    the layer has no route of its own around the exchange (a fused run's first convolution,
-    :mod:`hpcpar.nn.fused_halo`); it returns None where it declines."""
+    """``start(call, bound_args, weight, bias)`` may take the call where the layer has no route of
+    its own around the exchange (:mod:`hpcpar.nn.fused_halo`), or decline with None."""
     b = call.bind(*CONV_ARGS)
     w, bias = call.replicated(b["weight"]), call.replicated(b["bias"])
     key = ("conv3d", w.shape, *(_hashable(b[k]) for k in ("stride", "padding", "dilation")),
            b["groups"], bias is not None)
     twin = _twin(call, key, lambda: _conv_twin(call, b, w, bias))
-    lay = b["input"]._hp
-    std = type(lay) is Layout and lay.standard and b["input"].dim() == 5
+    x = b["input"]
+    lay = x._hp
+    std = type(lay) is Layout and lay.standard and x.dim() == 5
     trimmed = twin.trimmed(xyz(lay.gshape)) if std else None
     if trimmed is not None:
         # kernel taps that only read padding dropped: the smaller convolution, its own halo
         small, taps = trimmed
-        return _run_twin(call, small, b["input"], w[taps], bias)
-    # the first of a run of convolutions sharing one exchange? Not where the layer takes its
-    # boundary path, which already hides the faces behind the interior's compute (UNet3D's
-    # demo, batch 4 on 1x2x1x1: 0.74x fused through the general path)
-    if start is not None and not (
-            std and twin.whole_route(raw(b["input"]), xyz(lay.gshape)) is not None) and \
-            not _boundary_path(twin, b["input"]):
+        return _run_twin(call, small, x, w[taps], bias)
+    # the first of a run of convolutions sharing one exchange? Not where the layer gathers the
+    # map or takes its boundary path, which already hides the faces behind the interior's
+    # compute (UNet3D's demo, batch 4 on 1x2x1x1: 0.74x fused through the general path)
+    if start is not None and not (std and (
+            twin.whole_route(raw(x), xyz(lay.gshape)) is not None or
+            twin.boundary_path(raw(x), twin.spatial_plan(raw(x), xyz(lay.gshape))))):
         out = start(call, b, w, bias)
         if out is not None:
             return out
-    return _run_twin(call, twin, b["input"], w, bias)
-
-
-def _boundary_path(twin: SpatialConv3d, x) -> bool:
-    """The test of :meth:`SpatialConv3d.spatial_forward`."""
-    lay = x._hp
-    if type(lay) is not Layout or not lay.standard or x.dim() != 5:
-        return False
-    return twin.boundary_path(raw(x), twin.spatial_plan(raw(x), xyz(lay.gshape)))
+    return _run_twin(call, twin, x, w, bias)
 
 
 def _conv_twin(call: Call, b, w, bias) -> SpatialConv3d:
@@ -167,8 +159,7 @@ avg_pool3d = PoolRule(SpatialAvgPool3d, (*_WINDOW, "ceil_mode", "count_include_p
 
 
 def adaptive_pool(call: Call):
-    """Output size 1 on every axis is a global reduction (replicated); other sizes pool the owned
-    output cells' input windows (hpcpar.nn.resample)."""
+    """Size 1 on every axis: a global reduction (replicated); else :mod:`hpcpar.nn.resample`."""
     b = call.bind(("input", "output_size", "return_indices"), (False,))
     x = b["input"]
     lay = _standard(call, x)
@@ -271,8 +262,7 @@ _REDUCE_NAMES = {"sum": "sum", "mean": "mean", "amax": "amax", "amin": "amin", "
 
 
 def reduction(call: Call):
-    """Over dims none of which is split: local. Over every split dim: the global value,
-    replicated (``hpcpar.nn.reduce``). Over some split dims only: refused."""
+    """Over no split dim: local; over every one: the global value, replicated; else refused."""
     x = call.splits[0]
     lay = x._hp
     n = x.dim()
@@ -348,9 +338,8 @@ def _p_norm(call, xl, reduce, p):
 
 
 def _composed(name, xl, reduce, keepdim, dims, correction):
-    """``var_mean``/``std_mean`` (hand-written norms), ``nansum``/``nanmean`` (masked losses),
-    ``logsumexp`` (LSE pooling) and ``count_nonzero``/``any``/``all`` (checks) over the split
-    dims, from global sums, means and maxima."""
+    """``var_mean``, ``std_mean``, ``nansum``, ``nanmean``, ``logsumexp``, ``count_nonzero``,
+    ``any`` and ``all`` over the split dims, from global sums, means and maxima."""
     if name in ("var_mean", "std_mean"):
         return reduce(xl, name[:3], correction=correction), reduce(xl, "mean")
     if name in ("count_nonzero", "any", "all"):   # counts of nonzero elements, in float64
@@ -379,8 +368,7 @@ def _correction(b) -> float:
 
 # -- dropout -----------------------------------------------------------------------------------
 def dropout(call: Call):
-    """Masks depend on the seed and the GLOBAL sample, channel and voxel (hpcpar.nn.dropout),
-    so any grid gives the one-rank result."""
+    """Masks depend on the seed and the GLOBAL sample, channel and voxel: split-independent."""
     name = call.name
     if name in ("alpha_dropout", "feature_alpha_dropout", "dropout1d"):
         raise call.refuse("has no split-independent form", "use nn.Dropout or nn.Dropout3d")
@@ -409,10 +397,9 @@ _NOISE = {"randn_like": "normal", "rand_like": "uniform", "normal_": "normal",
 
 
 def noise(call: Call):
-    """``randn_like`` / ``rand_like`` / ``normal_`` / ``uniform_`` of a split volume: numbers that
-    depend on the seed and each element's GLOBAL coordinates (hpcpar.nn.noise), so any grid
-    gives the one-rank result. In the first-step check's probe, torch's own numbers for the
-    whole tensor instead (its plain model drew them)."""
+    """Numbers that depend on the seed and each element's GLOBAL coordinates (hpcpar.nn.noise);
+    in the first-step check's probe, torch's own for the whole tensor (its plain model drew
+    them)."""
     x = call.splits[0]
     lay = x._hp
     if x is not call.args[0] or len(lay.sdims) != 3 or 0 in lay.sdims:
@@ -438,8 +425,7 @@ def noise(call: Call):
 
 
 def _probe_noise(call: Call, x, generator):
-    """torch's call on the whole tensor from the spatial root's generator state (what the
-    check's plain model drew), cut to this rank's piece."""
+    """torch's call on the whole tensor from the spatial root's generator state, cut."""
     grid, lay = call.ctx.grid, x._hp
     gen = generator if generator is not None else torch.default_generator
     gen.set_state(grid.spatial_comm.bcast(gen.get_state(), root=0))
@@ -496,9 +482,8 @@ _LOSS_NAMES = ("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cr
 
 
 def loss(call: Call):
-    """Mean and sum reductions of a loss on split tensors are the GLOBAL mean and sum, with
-    torch's semantics (class weights and ignore_index for cross entropy / NLL): the value is the
-    single-process loss on every rank, and its gradient each rank's exact piece."""
+    """Mean and sum reductions are the GLOBAL ones, with torch's semantics (class weights and
+    ignore_index for cross entropy / NLL): the single-process loss on every rank."""
     b = call.by_name()
     if b.get("size_average") is not None or b.get("reduce") is not None:
         raise call.refuse("uses the deprecated size_average/reduce", "pass reduction=")
@@ -513,7 +498,8 @@ def loss(call: Call):
                                                        "reduce", "reduction")}
     for k in ("weight", "pos_weight"):
         if isinstance(kwargs.get(k), torch.Tensor):
-            kwargs[k] = _localized(call, kwargs[k], lay, x.dim())
+            t = call.replicated(kwargs[k])
+            kwargs[k] = t if t.dim() < 3 else localize(t, lay, x.dim(), call.name)
     if isinstance(target, type(x)):
         tl = raw(target)
     else:
@@ -554,11 +540,6 @@ def loss(call: Call):
 def _spatial_sum(t: torch.Tensor, grid) -> torch.Tensor:
     """Allreduce forward, identity backward (hpcpar.nn.reduce's convention)."""
     return ReplicatedSum.apply(t, grid.spatial_comm) if grid.spatial_size > 1 else t
-
-
-def _localized(call, t, lay, ndim):
-    t = call.replicated(t)
-    return t if t.dim() < 3 else localize(t, lay, ndim, call.name)
 
 
 def _class_count(target, weight, ignore_index):

@@ -96,7 +96,7 @@ class _Mode(SpatialMode):
 
 
 def _split_inputs(ctx, values):
-    """Every 5D floating tensor argument: this rank's piece, marked split (collective)."""
+    """Every 5D floating tensor argument marked split (collective)."""
     def one(v):
         if isinstance(v, torch.Tensor) and not isinstance(v, SplitTensor) and v.dim() == 5 \
                 and v.is_floating_point():
@@ -194,7 +194,7 @@ def _retag(model: nn.Module, ctx) -> bool:
 
 
 def _layer_enter(module, args, kwargs):
-    """hpcpar's own spatial layers take plain pieces: unwrap, and run them undispatched."""
+    """hpcpar's own spatial layers take plain pieces and run undispatched."""
     root = getattr(module, "_hpcpar_root_ctx", None)
     if root is None or root.depth == 0:
         return None
@@ -225,13 +225,10 @@ def _layer_leave(module, args, kwargs, output):
 
 
 def _swap_twins(module: nn.Module, grid) -> nn.Module:
-    """Replace modules that name their spatial twin (``spatial_twin(grid)``)."""
     if hasattr(module, "spatial_twin") and not isinstance(module, SpatialModule):
         twin = module.spatial_twin(grid)  # type: ignore[operator]  # a method, not a submodule
-        for name, p in module._parameters.items():
-            twin._parameters[name] = p
-        for name, b in module._buffers.items():
-            twin._buffers[name] = b
+        twin._parameters.update(module._parameters)
+        twin._buffers.update(module._buffers)
         twin.train(module.training)
         return twin
     for name, child in list(module.named_children()):
@@ -289,18 +286,13 @@ def spatialize(model: nn.Module, grid: ProcessGrid, *, bn_include_data: bool = F
 
 
 def settle(model: nn.Module, *args: Any, **kwargs: Any) -> None:
-    """Run one forward of a model returned by :func:`spatialize` on its forward's ``args`` and
-    ``kwargs`` (zeros of this rank's piece will do) so its dataflow fixes its layout before
-    anything holds state for its parameters.
-
-    The first forward decides which parameters are replicated (their tags) and cuts a dense layer
-    after a flatten of the split volume to this rank's columns (:mod:`hpcpar.nn.split_head`); an
-    optimizer that already holds state, or a loaded checkpoint's optimizer state, would not match
-    the cut. Call this before building the gradient sync and the optimizer (``hpcpar run``
-    does). It runs in eval mode without gradients, leaves torch's random stream and batch-norm
-    statistics as they were, and leaves the ``check=True`` comparison to the first real forward.
-    Collective.
-    """
+    """Run one forward of a model returned by :func:`spatialize` on its forward's arguments
+    (zeros of this rank's piece will do) so its dataflow fixes its layout before anything holds
+    state for its parameters: it decides their tags and cuts a split head's weight
+    (:mod:`hpcpar.nn.split_head`), which an optimizer's state would not match. Call it before
+    building the gradient sync and the optimizer (``hpcpar run`` does). Eval mode, no gradients;
+    torch's random stream and batch-norm statistics are left as they were, and the
+    ``check=True`` comparison to the first real forward. Collective."""
     ctx = getattr(model, _CTX)
     training, rng = model.training, torch.get_rng_state()
     ctx.settling = True

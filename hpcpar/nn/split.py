@@ -70,8 +70,7 @@ class Layout:
     mixed: ClassVar[tuple[str, str] | None] = None
 
     def no_form(self, rule, call, redo):
-        """``call`` (its split operands of this layout, or of this and others) by a ``rule`` that
-        has no form registered for this layout."""
+        """``call`` (split operands of this layout, maybe others too) by a ``rule`` with no form."""
         if self.refusal is None:
             return rule(call)
         alike = all(type(t._hp) is type(self) for t in call.splits)
@@ -126,7 +125,6 @@ class FlatLayout(Layout):
     mixed = ("combines a flattened split tensor with an unflattened one", "flatten both alike")
 
     def box(self) -> tuple[tuple[int, int], ...]:
-        """This rank's ``(start, stop)`` on each spatial axis of :attr:`volume`."""
         return _own_box(self.ctx.grid, self.volume[1:])
 
 
@@ -144,12 +142,11 @@ class TokenLayout(Layout):
              "view both alike")
 
     def box(self) -> tuple[tuple[int, int], ...]:
-        """This rank's ``(start, stop)`` on each spatial axis of :attr:`volume`."""
         return _own_box(self.ctx.grid, self.volume)
 
 
 def _own_box(grid, spatial) -> tuple[tuple[int, int], ...]:
-    """This rank's sub-box of a global ``(D, H, W)`` volume (the partition rule)."""
+    """This rank's ``(start, stop)`` on each axis of a global ``(D, H, W)`` volume."""
     return part_box(spatial, grid.spatial_shape, grid.spatial_coords)
 
 
@@ -195,7 +192,7 @@ _HANDLE = _unset
 
 
 def wrap(t: torch.Tensor, layout: Layout) -> SplitTensor:
-    """``t`` (a plain local piece) as a split tensor with ``layout`` (autograd-transparent)."""
+    """A plain local piece as a split tensor (autograd-transparent)."""
     with torch._C.DisableTorchFunction():
         s = t.as_subclass(SplitTensor)
     s._hp = layout
@@ -222,8 +219,7 @@ def raw(t):
 
 
 def unwrap(t):
-    """The plain tensor under a split tensor, this rank's own piece (:meth:`Layout.own`);
-    anything else unchanged."""
+    """The plain tensor under a split tensor, this rank's own piece; anything else unchanged."""
     if isinstance(t, SplitTensor):
         t = t._hp.own(t)
         with torch._C.DisableTorchFunction():
@@ -232,11 +228,9 @@ def unwrap(t):
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of a split tensor as a plain tensor (gradients flow through it).
-
-    The explicit way out of the split world: what you compute from it is this rank's share,
-    and you are responsible for combining shares (a plain tensor is returned unchanged).
-    """
+    """This rank's piece of a split tensor as a plain tensor (gradients flow through it): the
+    explicit way out of the split world. What you compute from it is this rank's share, and you
+    combine the shares (a plain tensor is returned unchanged)."""
     return unwrap(t)
 
 

@@ -67,8 +67,7 @@ class ColumnSplit:
         return self   # immutable; a grid is never copied
 
     @property
-    def features(self) -> int:
-        """The global input features, ``C*D*H*W``."""
+    def features(self) -> int:   # the global input features, C*D*H*W
         return math.prod(self.volume)
 
     def take(self, full: torch.Tensor) -> torch.Tensor:
@@ -130,8 +129,7 @@ def _box_index(box) -> tuple[Any, ...]:
 
 
 def column_split(p: Any) -> ColumnSplit | None:
-    """The :class:`ColumnSplit` of a parameter (or anything) cut to this rank's columns, else
-    None."""
+    """The :class:`ColumnSplit` of ``p`` where it was cut to this rank's columns, else None."""
     return getattr(p, COLUMNS_ATTR, None)
 
 
@@ -173,15 +171,7 @@ def _load_hook(module, state_dict, prefix, local_metadata, strict, missing, unex
             state_dict[prefix + name] = info.take(value)
 
 
-def _install_hooks(module: nn.Module) -> None:
-    if not getattr(module, "_hpcpar_column_hooks", False):
-        module.register_state_dict_post_hook(_state_dict_hook)
-        module.register_load_state_dict_pre_hook(_load_hook)
-        module._hpcpar_column_hooks = True  # type: ignore[assignment]  # a plain attribute
-
-
 def _owner(ctx, param) -> nn.Module | None:
-    """The module of the spatialized model that registers ``param``."""
     root = ctx.root() if isinstance(ctx.root, weakref.ref) else None
     if root is None:
         return None
@@ -192,8 +182,7 @@ def _owner(ctx, param) -> nn.Module | None:
 
 
 def _cut(weight, lay: FlatLayout, call):
-    """This rank's columns of ``weight`` for the flattened layout ``lay``: the Parameter itself
-    once cut (cut now on its first use), else sliced per call."""
+    """The Parameter itself, cut to this rank's columns on its first use, else sliced per call."""
     ctx = call.ctx
     info = column_split(weight)
     if info is not None:
@@ -214,7 +203,10 @@ def _cut(weight, lay: FlatLayout, call):
     setattr(weight, COLUMNS_ATTR, info)
     if type(weight) is nn.Parameter:   # norms of its gradient: the whole weight's
         weight.__class__ = CutWeight
-    _install_hooks(owner)
+    if not getattr(owner, "_hpcpar_column_hooks", False):
+        owner.register_state_dict_post_hook(_state_dict_hook)
+        owner.register_load_state_dict_pre_hook(_load_hook)
+        owner._hpcpar_column_hooks = True  # type: ignore[assignment]  # a plain attribute
     ctx.replicated_params.add(id(weight))
     return weight
 
@@ -262,7 +254,7 @@ def _pointwise(call, redo=None):
 
 
 def _dropout(call, redo=None):
-    """Element dropout with the split-independent masks of the volume it was flattened from."""
+    """The split-independent masks of the volume it was flattened from."""
     if call.name != "dropout":
         raise call.refuse("drops features of a flattened split tensor by channel",
                           "use nn.Dropout")
@@ -302,8 +294,7 @@ def _reduction(call, redo=None):
 
 
 def _same_shape(call, redo=None):
-    """A view or reshape to the shape the flattened tensor already has: itself, as torch gives
-    it (torch's own module backward hooks ``view_as`` a module's output to itself)."""
+    """Only to the shape it has (torch's module backward hooks ``view_as`` an output to itself)."""
     out = rules.same_shape_view(call, *rules.reshape_target(call))
     if out is None:
         raise call.refuse("reshapes a flattened split tensor", "apply the nn.Linear right "
@@ -317,6 +308,5 @@ FlatLayout.forms.update({rules.pointwise: _pointwise, rules.linear: _linear,
 
 
 def has_flat_form(rule: Any) -> bool:
-    """Whether calls by the op table's ``rule`` run on a flattened split tensor (beyond F.linear,
-    which takes it as the head's input, never as its weight)."""
+    """Whether ``rule`` runs on a flattened split tensor (F.linear as the head's input only)."""
     return rule in AS_IS or (rule in FlatLayout.forms and rule is not rules.linear)
