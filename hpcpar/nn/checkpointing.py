@@ -1,13 +1,11 @@
 """Activation checkpointing that reuses the halo faces: ``[train] activation_checkpointing``.
 
-A checkpointed segment keeps only its input for backward; its inner activations are recomputed
-when backward reaches it (``torch.utils.checkpoint``, non-reentrant). Segments are cut from the
-model's *chains*, its outermost ``nn.Sequential`` modules: a chain of L layers into ``min(N,
-L)`` contiguous segments (sizes by the partition rule); ``"auto"`` picks N so that the model
-has about sqrt(total layers in chains) segments, at least one per chain (Chen et al.'s rule:
-stored segment inputs and one segment's recomputation then weigh about the same). The jobs
-guide's *Activation checkpointing* says more. The module tree and ``state_dict`` keys do not
-change.
+A checkpointed segment keeps only its input for backward (``torch.utils.checkpoint``,
+non-reentrant). Segments are cut from the model's *chains*, its outermost ``nn.Sequential``
+modules: a chain of L layers into ``min(N, L)`` contiguous segments (the partition rule);
+``"auto"`` picks N so that the model has about sqrt(total layers in chains) segments, at least
+one per chain (Chen et al.'s rule: stored inputs and one segment's recomputation then weigh
+about the same). More in the jobs guide's *Activation checkpointing*.
 
 Spatialized models: the recomputation runs in backward, after the model's dispatch mode has
 exited, so each segment re-enters it. Every halo exchange and collective the segment made in its
@@ -16,17 +14,14 @@ recomputation: it sends no message (``recompute_msgs`` in the step records prove
 faces it uses are the ones the forward received. Batch-norm running statistics are restored
 after the recomputation, so a step updates them once, as without checkpointing.
 
-A model that calls ``torch.utils.checkpoint`` itself (``checkpoint(block, x)`` in either form,
-``checkpoint_sequential``) gets the same treatment for its own regions: while a spatialized
-forward runs, the region's recomputation re-enters the dispatch mode and replays the region's
-tape (:func:`install_user_checkpoint_replay`; the reentrant form through :class:`Recomputed`,
-when a split tensor enters the region). Otherwise torch would recompute the region on this
-rank's plain piece, with no halo and local reductions: its check of what was saved fails in
-backward, or (same shapes, other values) the first-step check refuses the model. Running
-statistics are left as torch leaves them (updated again by the recomputation), so the model
-trains as it does in one process. A reentrant region that no split tensor enters is refused
-(:mod:`hpcpar.nn.custom_functions`): it may close over split tensors, which it would then
-recompute on this rank's piece.
+A model that calls ``torch.utils.checkpoint`` itself (either form, ``checkpoint_sequential``)
+gets the same for its own regions: the recomputation re-enters the dispatch mode and replays the
+region's tape (:func:`install_user_checkpoint_replay`; the reentrant form through
+:class:`Recomputed`, when a split tensor enters the region). Otherwise torch would recompute
+the region on this rank's plain piece, with no halo and local reductions. Running statistics are
+left as torch leaves them (updated again by the recomputation), as in one process. A reentrant
+region that no split tensor enters is refused (:mod:`hpcpar.nn.custom_functions`): it may close
+over split tensors, which it would then recompute on this rank's piece.
 """
 
 from __future__ import annotations
@@ -94,10 +89,9 @@ def segment_sizes(lengths: list[int], setting) -> list[list[int]]:
 
 
 def plan_segments(model: nn.Module, setting) -> list[tuple[nn.Sequential, list[int]]]:
-    """``(chain, sizes)`` per chain of ``model``: its segments' layer counts for ``setting`` N
-    or ``"auto"``. A segment never starts with an in-place layer (``ReLU(inplace=True)``): it
-    would overwrite the input the segment keeps for its recomputation, so such a boundary moves
-    one layer on."""
+    """``(chain, segment sizes)`` per chain of ``model``. A segment never starts with an in-place
+    layer (``ReLU(inplace=True)``), which would overwrite the input it keeps: such a boundary
+    moves one layer on."""
     found = chains(model)
     out = []
     for chain, sizes in zip(found, segment_sizes([len(c) for c in found], setting)):
@@ -114,9 +108,8 @@ def plan_segments(model: nn.Module, setting) -> list[tuple[nn.Sequential, list[i
 
 
 class _Replay:
-    """The recomputation's context: the dispatch mode of a spatialized model re-entered (as in
-    its forward), the tape replaying, buffers (batch-norm running statistics) restored after.
-    Re-enterable: a graph kept by ``retain_graph`` is recomputed per backward."""
+    """The recomputation's context: dispatch mode re-entered, tape replaying, buffers restored
+    after. Re-enterable: a graph kept by ``retain_graph`` is recomputed per backward."""
 
     def __init__(self, tape: Tape, root, layers):
         self.tape, self.root, self.layers = tape, root, layers
@@ -189,9 +182,8 @@ class _Both:
 
 
 def _user_contexts(user_context_fn, tape: Tape, root) -> tuple:
-    """A user's region's own contexts, plus the tape recording in its forward and replaying in
-    its recomputation (no buffer is restored: torch updates running statistics again when it
-    recomputes, and so do we)."""
+    """A user's region's own contexts plus the tape (no buffer is restored: torch updates
+    running statistics again when it recomputes, and so do we)."""
     forward, recompute = user_context_fn()
     return _Both(forward, tape.recording()), _Both(recompute, _Replay(tape, root, []))
 
@@ -207,10 +199,9 @@ def _split_context():
 
 class Recomputed:
     """The function of a reentrant ``torch.utils.checkpoint`` region in a spatialized forward.
-    Its first call (torch's forward, under no_grad) records the region's tape; a later call
-    (torch's recomputation) re-enters the dispatch mode and replays the tape, on the inputs
-    labelled split again as they were (torch detaches them, which drops the label).
-    :mod:`hpcpar.nn.custom_functions` accepts a checkpoint Function whose function is one."""
+    Its first call (torch's forward) records the region's tape; a later call (torch's
+    recomputation) re-enters the dispatch mode and replays the tape, on the inputs labelled split
+    again (torch detaches them, which drops the label)."""
 
     def __init__(self, fn, root):
         self.fn, self.root, self.tape = fn, root, Tape()
@@ -228,10 +219,8 @@ class Recomputed:
 
 
 def _patch_reentrant() -> Callable[[], None] | None:
-    """The reentrant form: its Function's forward gets a :class:`Recomputed` function when a
-    split tensor enters it (the dispatch mode may be paused, so the split context is read from
-    the inputs). Returns what puts torch's own back (None: this torch's checkpoint has another
-    form)."""
+    """The reentrant form gets a :class:`Recomputed` function where a split tensor enters it (the
+    split context read from the inputs). Returns what puts torch's own back, or None."""
     fn_cls = getattr(_torch_checkpoint, "CheckpointFunction", None)
     kept = vars(fn_cls).get("forward") if fn_cls is not None else None
     original = getattr(fn_cls, "forward", None)
@@ -279,13 +268,11 @@ class _Holders:
 
 
 def install_user_checkpoint_replay() -> bool:
-    """Make ``torch.utils.checkpoint`` exact inside spatialized models (module docstring) while a
-    spatialized forward or its recomputation runs: a spatialized model's dispatch mode calls
-    this when entered and :func:`remove_user_checkpoint_replay` when left, so torch's checkpoint
-    is its own outside (a plain model's regions are untouched). Counted: the first holder
-    installs, the last one's remove restores. Returns whether both forms are installed (False:
-    this torch's checkpoint has another form; a region then fails in backward with torch's own
-    check, or is refused)."""
+    """Make ``torch.utils.checkpoint`` exact in spatialized models (module docstring): a
+    spatialized model's dispatch mode calls this when entered and
+    :func:`remove_user_checkpoint_replay` when left, so torch's is its own outside. Counted: the
+    first holder installs, the last one's remove restores. Returns whether both forms are
+    installed (False: this torch's checkpoint has another form)."""
     with _Holders.lock:
         if _Holders.count == 0:
             _Holders.undo = [undo for undo in (_patch_reentrant(), _patch_generator())
@@ -305,9 +292,8 @@ def remove_user_checkpoint_replay() -> None:
 
 
 def _segmented_forward(self: nn.Sequential, x):
-    """``nn.Sequential.forward``, each segment under ``torch.utils.checkpoint``; plainly inside a
-    region the model checkpoints itself (that region is recomputed already, and segments nested
-    in its recomputation would make their collectives in another order per rank)."""
+    """Each segment under ``torch.utils.checkpoint``; plainly in a region the model checkpoints
+    itself (nested, their collectives would come in another order per rank)."""
     layers = list(self)
     if not torch.is_grad_enabled() or _IN_USER_REGION.get():
         return _run(x, *layers)
@@ -326,10 +312,8 @@ def _segmented_forward(self: nn.Sequential, x):
 def checkpoint_activations(model: nn.Module, setting) -> list[list[int]]:
     """Recompute the activations of ``model``'s segments in backward (module docstring), for
     ``setting`` N segments per chain, ``"auto"``, or False/None (nothing is done; ConfigError
-    for anything else). Returns per chain its segments' layer counts (empty when off).
-
-    In place: each chain's ``forward`` is replaced (an instance attribute), so parameters,
-    ``state_dict`` keys and the module tree stay as they are. Works on plain and
+    for anything else). Returns per chain its segments' layer counts (empty when off). In place:
+    each chain's ``forward`` is replaced (an instance attribute). Works on plain and
     :func:`~hpcpar.nn.spatialize`'d models (apply it to the spatialized copy)."""
     setting = check_setting(setting)
     if setting is None:

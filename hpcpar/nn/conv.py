@@ -63,10 +63,9 @@ def _perm(t, perm, base=2):
 
 
 class ConvOp(StencilOp):
-    """Valid (padding 0) convolution of the halo-extended tensor. Where torch would pick its slow
-    CPU kernel for this sub-volume, the spatial dims are permuted (the halo buffer is laid out
-    that way, so it costs no copy) to put the shortest extent last; where that does not escape
-    the rule (a cube), oneDNN is called directly (:func:`_onednn`)."""
+    """Valid convolution of the halo-extended tensor. Where torch would pick its slow CPU kernel,
+    the spatial dims are permuted to put the shortest extent last (the halo buffer is laid out
+    that way: no copy); where that does not escape the rule (a cube), oneDNN is called directly."""
 
     autocast = True
 
@@ -124,11 +123,10 @@ class ConvOp(StencilOp):
         return self._chunked(holder, grad_out, *params, needs, axis, spans)
 
     def _copies_whole(self, ext) -> bool:
-        """Whether one pass copies the whole output gradient (the permuted order, or oneDNN's
-        through ``to_mkldnn``): only then do chunks save memory. Elsewhere chunks only add
-        copies: each is small enough for torch's slow-kernel rule and goes through oneDNN's
-        conversions (16 -> 16 channels, 64 x 128^2 channels-last per rank at 2x1x1: 2.6 s of
-        backward in 8 chunks a layer against 1.5 s in one pass, measured)."""
+        """Whether one pass copies the whole output gradient (permuted, or oneDNN's
+        ``to_mkldnn``): only then do chunks save memory. Elsewhere they only add copies (16 -> 16
+        channels, 64 x 128^2 channels-last per rank at 2x1x1: 2.6 s of backward in 8 chunks a
+        layer against 1.5 s in one pass, measured)."""
         return self._memory_order(ext) != (0, 1, 2) or _onednn(
             ext, self.kernel, self.stride, self.dilation, self.groups)
 
@@ -148,11 +146,9 @@ class ConvOp(StencilOp):
                        for lo, hi in part_ranges(n, parts)]
 
     def _chunked(self, holder, grad_out, weight, bias, needs, axis, spans):
-        """The backward in chunks of the output gradient: weight and bias gradients summed,
-        input gradients added into their spans. One pass copies the whole output gradient two
-        or three times (permuted or oneDNN order, oneDNN's reorder): 98-133 MiB above the saved
-        tensors on CosmoFlow's first layer (16 x 64 x 64 x 128 per rank at 2x2x1); a chunk's
-        copies are a chunk's size. The input is released before the input gradient pass."""
+        """The backward in chunks of the output gradient. One pass copies the whole output
+        gradient two or three times: 98-133 MiB above the saved tensors on CosmoFlow's first
+        layer (16 x 64 x 64 x 128 per rank at 2x2x1); a chunk's copies are a chunk's size."""
         ext = holder.pop()
         gw = gb = None
         if needs[1] or (bias is not None and needs[2]):
@@ -177,9 +173,8 @@ class ConvOp(StencilOp):
 
     def _backward(self, holder, grad_out, weight, bias, needs):
         """One pass. Weight/bias gradients first (they read the extended input), then free it
-        and compute the input gradient (which reads only its shape): one volume less at peak. A
-        small input takes one call for all three, as torch does (the volume saved is worth less
-        than a call's ~0.1 ms), and so does the oneDNN route (:func:`_onednn`)."""
+        for the input gradient (which reads only its shape): one volume less at peak. A small
+        input (or the oneDNN route) takes one call for all three, as torch does (~0.1 ms)."""
         ext = holder.pop()
         if 0 in self.out_shape:
             return (torch.zeros_like(ext) if needs[0] else None,
@@ -317,13 +312,11 @@ class SpatialConv3d(SpatialModule, nn.Conv3d):
 
     def whole_route(self, x, gshape) -> tuple[MapWindow, MapWindow, MapWindow] | None:
         """Where a halo reaches past the adjacent rank's piece (a dilated kernel on a small map:
-        ASPP's rates on a deep layer), the one exact route is the whole map: each rank gathers
-        it and convolves its own output piece. Where a halo is as long as the piece it extends
-        and the exchange would hold a buffer (piece, halos and padding) more than twice the map,
-        the map is the cheaper route too (its backward holds two maps). Taken when the map is at
-        most :data:`WHOLE_MAP_BYTES` (else the halo plan runs or refuses in one line) and every
-        rank's outputs read some of it. Returns this rank's window on each axis, or None; the
-        same choice on every rank, from the global shape and the grid."""
+        ASPP's rates on a deep layer), the one exact route is the whole map: each rank gathers it
+        and convolves its own output piece. Where a halo is as long as its piece and the exchange
+        would hold a buffer more than twice the map, the map is cheaper too (its backward holds
+        two). Taken when the map is at most :data:`WHOLE_MAP_BYTES` and every rank's outputs read
+        some of it. This rank's window on each axis, or None; the same choice on every rank."""
         key = (tuple(gshape), x.shape[0] * x.shape[1] * x.element_size())
         cache = self.__dict__.setdefault("_whole_routes", {})
         if key not in cache:
@@ -348,10 +341,9 @@ class SpatialConv3d(SpatialModule, nn.Conv3d):
         return cache[key]
 
     def window_conv(self, full, weight, bias, windows, whole=True):
-        """This rank's output piece from the whole map ``full`` (``whole=False``: the window
-        already): only the taps that read the map for its outputs, the window they read, and
-        padding where the window passes the map's edge (given to the convolution where it is the
-        same on both sides, so never made: under a large dilation it is many times the map)."""
+        """This rank's output piece from the whole map ``full`` (``whole=False``: the window):
+        the taps that read the map, the window they read, and padding past the map's edge (given
+        to the convolution where even, so never made: under a large dilation it is many maps)."""
         taps = tuple(slice(*w.taps) for w in windows)
         part = full[(..., *(slice(*w.box) for w in windows))] if whole else full
         # padding p = max(lo, hi) on both sides computes (p - lo) / stride outputs too many

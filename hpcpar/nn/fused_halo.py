@@ -17,18 +17,13 @@ How it runs under :func:`~hpcpar.nn.spatialize`'s dispatch, which it joins as a 
   output with a :class:`MarginLayout`: the piece plus the part of the reach not used yet.
 * A convolution given such a tensor pads only its global sides and convolves with no exchange,
   using up its own halo of the margin; a pointwise op keeps the margin, and so does batch norm
-  (statistics of the owned voxels only, applied to every voxel; in backward a margin voxel's
-  gradient is its direct part, its share of the statistics' gradient goes to the owners through
-  the sums). When the margin is used up the tensor is an ordinary split tensor again.
-* Anything else (another norm, a pool, a skip connection's add with an unfused tensor, the
-  model's output, :func:`~hpcpar.nn.local`) first crops the margin away: correct everywhere,
-  the margin's compute is then wasted.
+  (statistics of the owned voxels only; in backward a margin voxel's share of the statistics'
+  gradient goes to the owners through the sums).
+* Anything else first crops the margin away: correct everywhere, its compute then wasted.
 
-A run's length (at most ``k``) is learned: a run cropped after ``j`` convolutions takes the halo
-those ``j`` used from the next forward on. What was learned changes only at the start of a
-forward, so the recomputation of a checkpointed segment makes the exchanges its forward made.
-Decisions use only global facts (the layers, the global shape, the partition), so every rank
-takes the same ones.
+What was learned changes only at the start of a forward, so the recomputation of a checkpointed
+segment makes the exchanges its forward made. Decisions use only global facts (the layers, the
+global shape, the partition), so every rank takes the same ones.
 """
 
 from __future__ import annotations
@@ -68,10 +63,9 @@ def check_setting(value, where: str = "fuse_halos") -> int:
 
 @dataclass(frozen=True)
 class MarginLayout(Layout):
-    """A split tensor that holds, beyond this rank's piece, up to ``reach`` items of its
-    neighbours' voxels on each inner side (the global boundary has none): the unused rest of a
-    fused run's halo. ``reach`` (per axis, low and high side) is the same on every rank; ``run``
-    names the run (what the learning keys on) and how far it got."""
+    """A split tensor that holds, beyond this rank's piece, up to ``reach`` (per axis, low and
+    high; the same on every rank) items of its neighbours' voxels on each inner side: the unused
+    rest of a fused run's halo."""
 
     reach: tuple[tuple[int, int], ...] = ((0, 0),) * 3
     run: tuple = ()   # (key, convolutions so far, halo used so far per axis)
@@ -207,8 +201,7 @@ def _conv_op(b, w, out_shape) -> ConvOp:
 
 
 def _step(lay: Layout, reach, pads, run) -> Layout:
-    """The layout after one convolution of the run ``run`` took its halo ``pads`` of ``reach``
-    (split axes only: an axis with no reach pads on both sides)."""
+    """The layout after one convolution of ``run`` took its halo ``pads`` of ``reach``."""
     key, convs, used = run
     took = tuple(p if any(r) else (0, 0) for r, p in zip(reach, pads))
     left = tuple((r[0] - t[0], r[1] - t[1]) for r, t in zip(reach, took))
@@ -241,9 +234,8 @@ def _go_on(call: Call) -> torch.Tensor | None:
 
 
 class _PaddedConv(torch.autograd.Function):
-    """Zero-pad (global sides), then a valid convolution by the spatial layers' own
-    :class:`~hpcpar.nn.conv.ConvOp` (its kernel routes); keeps the unpadded input for backward
-    (the padded copy is rebuilt there), so it holds no more than the plain layer."""
+    """Zero-pad (global sides), then the layers' own :class:`~hpcpar.nn.conv.ConvOp`; holds the
+    unpadded input for backward (padded again there): no more than the plain layer."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, pad, op):
@@ -290,9 +282,8 @@ def _pointwise(call: Call, channelwise: bool = False) -> torch.Tensor | None:
 
 
 def crop(t: SplitTensor, learn: bool = True) -> SplitTensor:
-    """A margin tensor as this rank's piece (a copy; gradients flow to the margin's owner through
-    the run's exchange). ``learn``: the run ends here (not so for a look at the piece,
-    :func:`~hpcpar.nn.local` or the first-step check's)."""
+    """A margin tensor as this rank's piece (a copy). ``learn``: the run ends here (not so for a
+    look at the piece, :func:`~hpcpar.nn.local` or the first-step check's)."""
     lay = t._hp
     assert isinstance(lay, MarginLayout)   # what every caller checked
     if learn:   # cropped before its margin was used up: the next forwards take the halo it used

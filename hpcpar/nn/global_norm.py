@@ -14,17 +14,14 @@ for instance norm, per leading index for layer norm, each row spread over the ra
               dγ, dβ = Σ_local dy·x̂, Σ_local dy   (partial: the gradient sync sums them)
 
 Rows are this rank's piece seen through a view (group norm splits C into (G, C/G)), so both
-memory formats work without copies, and the output keeps the input's format. Statistics are
-accumulated in float64 for float64 inputs and in float32 otherwise (half types included).
-Instance norm's running statistics are updated from the merged ones, identical on every rank.
+memory formats work without copies. Statistics accumulate in float64 for float64 inputs, else in
+float32 (half types included).
 
-Each function takes this rank's ``(N, C, d, h, w)`` piece ``x`` in either memory format (the
-output keeps it) and returns its piece of the normalised sample; ``gshape`` is the global spatial
-shape ``(D, H, W)``, the same on every rank, and the statistics run over ``grid.spatial_comm``
-(collective). ``weight``/``bias`` are replicated; their gradients are this rank's partial ones
-(the gradient sync sums them); ``eps`` is added to the variance. All raise LayerError where ``x``
-is not this rank's piece of ``gshape`` (on every rank where a collective follows) or an affine
-tensor has the wrong shape.
+Each function takes this rank's ``(N, C, d, h, w)`` piece ``x`` (the output keeps its memory
+format) and the global spatial shape ``gshape`` ``(D, H, W)``; collective over
+``grid.spatial_comm``. ``weight``/``bias`` are replicated, their gradients this rank's partial
+ones. LayerError where ``x`` is not this rank's piece of ``gshape`` (on every rank where a
+collective follows) or an affine tensor has the wrong shape.
 """
 
 from __future__ import annotations
@@ -66,10 +63,8 @@ def _piece_error(op: str, x: torch.Tensor, grid: ProcessGrid, gshape: Sequence[i
 
 
 class _Rows(NamedTuple):
-    """How a norm sees this rank's piece: ``x.view(view)`` reduced over ``dims`` gives one
-    statistic per row. ``where`` names the op and the global volume for errors; ``piece_ok`` says
-    whether this rank's piece matched it; ``on_stats(mean, var)`` (float64, one value per row)
-    sees the merged statistics, e.g. to update running buffers."""
+    """``x.view(view)`` reduced over ``dims`` gives one statistic per row; ``where`` names the op
+    for errors; ``on_stats(mean, var)`` (float64, per row) sees the merged statistics."""
 
     view: tuple[int, ...]
     dims: tuple[int, ...]
@@ -89,10 +84,9 @@ def _rows(op: str, x: torch.Tensor, grid: ProcessGrid, gshape: Sequence[int],
 
 
 def _merge_moments(var: torch.Tensor, mean: torch.Tensor, count: int, rows: _Rows):
-    """Global (mean, biased var, count) per row from every rank's local ones (Chan et al.'s
-    parallel combination in float64, in rank order: one allgather, the same bits everywhere).
-    The gather also carries each rank's piece check, so a piece that does not match the global
-    volume on SOME ranks is refused by ALL of them (no rank is left waiting in a collective)."""
+    """Global (mean, biased var, count) per row (Chan et al. in float64, in rank order: the same
+    bits everywhere). The allgather also carries each rank's piece check, so a bad piece on SOME
+    ranks is refused by ALL of them (no rank is left waiting in a collective)."""
     n = mean.numel()
     head = torch.tensor([float(count), float(rows.piece_ok)], dtype=torch.float64,
                         device=mean.device)
@@ -218,14 +212,12 @@ def instance_norm(x: torch.Tensor, running_mean: torch.Tensor | None = None,
     channel) is normalised with its statistics over all D·H·W voxels. ``weight``, ``bias`` and
     the running buffers are ``(C,)``; the buffers come both or neither.
 
-    With ``use_input_stats`` (training, or untracked) and running buffers, the buffers are
-    updated in place as torch does (``momentum``-weighted batch mean of the per-sample means and
-    of the unbiased variances over the global voxel count), identically on every rank; with
-    ``include_data`` the batch mean is over the whole global batch (``grid.data_comm`` too), so
-    the replicas keep one model's buffers. Without ``use_input_stats`` (eval with tracked
-    statistics) the running buffers normalise locally, with no communication. LayerError also
-    for a one-voxel volume in training, one running buffer alone, none in eval, or a running
-    buffer of the wrong shape."""
+    With ``use_input_stats`` (training, or untracked), running buffers are updated in place as
+    torch does (batch mean of the per-sample means and unbiased variances over the global voxel
+    count), identically on every rank; with ``include_data`` over the whole global batch
+    (``grid.data_comm`` too). Without (eval with tracked statistics) they normalise locally, no
+    communication. LayerError also for a one-voxel volume in training, one running buffer alone,
+    none in eval, or a running buffer of the wrong shape."""
     op = "instance_norm"
     _check_dims(op, x)
     n, c = x.shape[:2]

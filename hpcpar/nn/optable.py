@@ -1,24 +1,12 @@
 """The one table that decides what every torch call on a split tensor does.
 
-Each op is in exactly one class (the spatial guide prints this table):
-
-=============  ==============================================================================
-class          meaning
-=============  ==============================================================================
-local          per voxel or per channel: runs on this rank's piece (pointwise math,
-               activations, casts, ``cat`` along channels, 1x1x1 convs go through ``conv``)
-stencil        needs neighbours: convolutions, pools, interpolation, padding (halo exchange)
-norm           statistics of the whole sample: batch/group/instance/layer norm (allreduce)
-reduction      over every split dim: the global value, replicated (allreduce)
-loss           mean/sum losses: the global mean/sum (the single-process value)
-dropout        masks from the seed and the GLOBAL voxel: independent of the split
-shape          views, permutes, indexing: allowed while every split dim stays whole
-metadata       ``.shape``/``.size()``/``.numel()`` answer with the GLOBAL shape
-refused        anything else: one line naming the op and the user's source line
-=============  ==============================================================================
-
-Ops not listed by name are classified by torch's own tags: an aten op tagged ``pointwise``
-is local; everything else is refused. Nothing is guessed.
+Each op is in exactly one class: local (this rank's piece), stencil (halo exchange), norm and
+reduction (global statistics, allreduce), loss (the single-process value), dropout and random
+(from the seed and GLOBAL coordinates), shape (the split dims tracked), metadata (the GLOBAL
+shape) or refused (one line naming the op and the user's source line). The models guide prints
+the table (:func:`table`, through ``docs/optable_table.py``). Ops not listed by name are
+classified by torch's own tags: an aten op tagged ``pointwise`` is local; everything else is
+refused. Nothing is guessed.
 """
 
 from __future__ import annotations

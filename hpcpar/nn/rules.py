@@ -1,7 +1,6 @@
-"""The generic rules of the dispatch (:mod:`.dispatch`): how a call on split tensors is run for
-shapes, pointwise and channel ops, indexing, reshapes, concatenation and replicated operands,
-and :class:`Call`, what a rule is given. The op table (:mod:`.optable`) maps each torch op to
-one of these or to a spatial twin (:mod:`.spatial_ops`).
+"""The generic rules of the dispatch (:mod:`.dispatch`) for shapes, pointwise and channel ops,
+indexing, reshapes, concatenation and replicated operands, and :class:`Call`, what a rule is
+given. The op table (:mod:`.optable`) maps each torch op to one of these or to a spatial twin.
 
 Replicated operands of a split op (conventions of DESIGN §2, the conjugate pair):
 
@@ -9,11 +8,11 @@ Replicated operands of a split op (conventions of DESIGN §2, the conjugate pair
   sums it over the spatial group (it is recorded as *spatial*);
 * any other replicated tensor that needs a gradient passes through
   :class:`hpcpar.parallel.primitives.SumGrad` (identity forward, allreduce of the gradient
-  backward), so whatever made it — a squeeze-excitation gate, a global mean — gets its full
-  gradient on every rank; parameters used only on replicated tensors are therefore complete
-  on every rank (recorded as *replicated*, tagged data-only);
-* a replicated tensor whose spatial dims have the GLOBAL lengths is sliced to this rank's
-  piece; length 1 broadcasts; this rank's local lengths mean it is already this rank's piece.
+  backward), so whatever made it (a squeeze-excitation gate, a global mean) gets its full
+  gradient on every rank; parameters used only on replicated tensors are therefore complete on
+  every rank (recorded as *replicated*, tagged data-only);
+* a replicated tensor whose spatial dims have the GLOBAL lengths is sliced to this rank's piece;
+  length 1 broadcasts; this rank's LOCAL lengths are refused (:func:`localize`).
 """
 
 from __future__ import annotations
@@ -131,9 +130,8 @@ def op_name(func) -> str:
 # -- replicated operands ---------------------------------------------------------------------
 def localize(t: torch.Tensor, layout: Layout, ndim: int | None, op: str) -> torch.Tensor:
     """A replicated operand broadcast against a split result of ``ndim`` dims with ``layout``:
-    global lengths are cut to this rank's piece and 1 broadcasts. A plain tensor with this rank's
-    LOCAL lengths is refused: it is someone's piece that the split world cannot see (a reduction
-    of it alone would silently be this rank's share); mark it with :func:`hpcpar.nn.split_like`."""
+    global lengths are cut to this rank's piece, 1 broadcasts. This rank's LOCAL lengths are
+    refused (a reduction of someone's piece alone would silently be a share: ``split_like``)."""
     ndim = ndim if ndim is not None else max(layout.sdims) + 1
     grid = layout.ctx.grid
     for a, (n, p, c) in enumerate(zip(layout.gshape, grid.spatial_shape, grid.spatial_coords)):
@@ -169,9 +167,8 @@ def wrap_like(out, layout: Layout, ndim: int, inputs=()):
 
 
 def same_split(call: Call, what: str = "its operands", broadcast: bool = False):
-    """The split operands' common layout relative to the last dim; refuse if they differ. With
-    ``broadcast``, an extent of 1 meets any other on an axis the grid does not split (every rank
-    holds that one plane; on a split axis one rank would hold it and the others nothing)."""
+    """The split operands' common layout relative to the last dim, or refused. ``broadcast``: an
+    extent of 1 meets any other on an axis the grid does not split (on a split one, one rank)."""
     rel = None
     axes = call.ctx.grid.spatial_shape
     for t in call.splits:
@@ -352,9 +349,8 @@ def flip(call: Call):
 
 
 def new_factory(call: Call):
-    """``x.new_zeros(size)`` and friends. ``x``'s own (global) shape gives a split tensor of this
-    rank's piece, as ``zeros_like`` does (a global-size copy on every rank would only cost
-    memory); any other size, and ``new_tensor(data)``, a plain tensor, the same on every rank."""
+    """``x.new_zeros(size)`` and friends: ``x``'s own (global) shape gives a split tensor, as
+    ``zeros_like`` does; any other size, and ``new_tensor(data)``, a plain tensor."""
     t = call.splits[0]
     if call.name.endswith("new_tensor"):   # its argument is data, never a shape
         return call.run_plain()
@@ -443,10 +439,9 @@ def reshape(call: Call):
 
 
 def shape_op(call: Call):
-    """A shape op of :data:`~hpcpar.nn.view_maps.MAPS` (permute, flatten, squeeze, expand, ...):
-    its dimension map, propagated over the split dims (every split dim keeps a dim of its own:
-    batch and channel dims merge, split and repeat freely). A standard volume flattened to
-    ``(N, C*D*H*W)`` or ``(N, C, D*H*W)`` takes the split head's or the tokens' layout."""
+    """A shape op of :data:`~hpcpar.nn.view_maps.MAPS`: its dimension map, propagated over the
+    split dims. A standard volume flattened to ``(N, C*D*H*W)`` or ``(N, C, D*H*W)`` takes the
+    split head's or the tokens' layout."""
     t: SplitTensor = call.splits[0]
     if call.name.endswith("_as") and not isinstance(call.args[0], SplitTensor):
         return _plain_as(call, t)   # a plain tensor shaped like the split `other`

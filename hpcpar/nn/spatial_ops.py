@@ -1,12 +1,10 @@
 """The rules of split ops that need their neighbours or the whole sample: convolutions, pools,
 resampling, padding, norms, reductions, dropout and losses.
 
-Each rule takes a :class:`~hpcpar.nn.rules.Call`, runs the exact spatial implementation on this
-rank's piece and returns the result split (or replicated, for a reduction over every split dim).
-Module and functional forms arrive here alike: ``nn.Conv3d.forward`` calls ``F.conv3d``, so the
-rule for ``F.conv3d`` serves both. Stencils reuse the spatial layers' cached halo plans through a
-twin per op signature (built once, on the meta device: it holds the geometry, the caller's
-tensors are the parameters).
+Each rule takes a :class:`~hpcpar.nn.rules.Call` and runs the exact spatial implementation on
+this rank's piece (``nn.Conv3d.forward`` calls ``F.conv3d``, so one rule serves module and
+function). Stencils reuse the spatial layers' cached halo plans through a twin per op signature
+(built once, on the meta device: it holds the geometry, the caller's tensors the parameters).
 """
 
 from __future__ import annotations
@@ -130,11 +128,9 @@ def conv_transpose3d(call: Call):
 # -- pools -------------------------------------------------------------------------------------
 class PoolRule:
     """The rule of a windowed pool whose spatial layer is ``cls`` (built from the call's
-    arguments but the input, by ``names`` with ``defaults`` for the trailing ones). A new pool
-    is its layer and one :mod:`~hpcpar.nn.optable` row holding its ``PoolRule``: the planner's
-    tracer reads the window (``kernel_size``, ``stride``, ``padding``, ``dilation``,
-    ``ceil_mode``) from the same names; ``keeps`` what backward holds ("none": indices only,
-    else the planner's trace decides)."""
+    arguments by ``names``, ``defaults`` for the trailing ones). A new pool is its layer and one
+    :mod:`~hpcpar.nn.optable` row holding its ``PoolRule``: the planner's tracer reads the
+    window by the same names; ``keeps`` what backward holds ("none": indices only)."""
 
     def __init__(self, cls, names, defaults, keeps=None):
         self.cls, self.names, self.defaults, self.keeps = cls, names, defaults, keeps
@@ -384,8 +380,7 @@ def dropout(call: Call):
 
 
 def forward_seed(ctx, generator: torch.Generator | None = None) -> int:
-    """One seed per dropout or noise call: drawn from torch's generator (or the call's own) on
-    every rank, keeping their streams in step, and the spatial root's value taken."""
+    """Drawn on every rank (their streams in step); the spatial root's value taken."""
     drawn = int(torch.randint(0, 2**62, (1,), generator=generator).item())
     grid = ctx.grid
     return grid.spatial_comm.bcast(drawn, root=0) if grid.spatial_size > 1 else drawn

@@ -6,15 +6,13 @@ marked split (:class:`~hpcpar.nn.split.SplitTensor`), and while ``forward`` runs
 :mod:`hpcpar.nn.optable` (locally, by an exact spatial twin, or refused in one line).
 
 Which parameters are replicated over the spatial group is learned from the same dataflow: after
-each ``forward``, a parameter used only on replicated tensors (a head after a global pool, a
-gate computed from a global mean) is tagged data-only (its gradient is complete on every rank);
-one used on split tensors keeps the default (partial gradients, summed by the sync).
-:class:`hpcpar.DDP` re-plans its buckets when the tags change. A parameter used both ways keeps
-the default too: its replicated uses' gradient is divided by the group's size
-(:class:`hpcpar.nn.dispatch._ReplicatedUse`), so the sync's sum counts them once.
-
-Modules that carry ``spatial_twin(grid)`` (``GatherPoint``) are replaced by their twin;
-hpcpar's own spatial layers inside a model take this rank's piece as before.
+each ``forward``, a parameter used only on replicated tensors (a head after a global pool) is
+tagged data-only (its gradient is complete on every rank); one used on split tensors keeps the
+default (partial gradients, summed by the sync), and so does one used both ways: its replicated
+uses' gradient is divided by the group's size (:class:`hpcpar.nn.dispatch._ReplicatedUse`).
+:class:`hpcpar.DDP` re-plans its buckets when the tags change. Modules that carry
+``spatial_twin(grid)`` (``GatherPoint``) are replaced by their twin; hpcpar's own spatial layers
+take this rank's piece.
 """
 
 from __future__ import annotations
@@ -67,9 +65,8 @@ class _Context(SplitContext):
 
 
 class _Mode(SpatialMode):
-    """The model's dispatch mode, entered for its outermost forward and again for each
-    recomputation in backward; while it is entered (and only then) torch's checkpoint replays the
-    model's own regions (:func:`~hpcpar.nn.checkpointing.install_user_checkpoint_replay`)."""
+    """Entered for the outermost forward and each recomputation in backward; only while it is,
+    torch's checkpoint replays the model's own regions."""
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -159,10 +156,8 @@ def _leave(module, args, kwargs, output):
 
 
 def _retag(model: nn.Module, ctx) -> bool:
-    """Tags from what this forward did (module docstring); bump the version on a change. A
-    forward that used the parameters the same ways as the one the tags were derived from is
-    skipped (walking the parameters costs ~0.1 ms a step). Returns whether the tags were
-    derived again."""
+    """Tags from what this forward did (module docstring), the version bumped on a change;
+    whether they were derived again (not where the parameters were used as before: ~0.1 ms)."""
     late = ctx.unscaled & ctx.spatial_params
     if late:   # its replicated use this forward went unscaled (dispatch._ReplicatedUse)
         name = next(n for n, p in model.named_parameters() if id(p) in late)
@@ -206,8 +201,7 @@ def _layer_enter(module, args, kwargs):
 
 
 def _end_run(t):
-    """A split tensor as this rank's own piece where it leaves the model or enters a layer of
-    hpcpar's own (:meth:`~hpcpar.nn.split.Layout.own`: a fused run ends there)."""
+    """Its own piece where it leaves the model or enters hpcpar's own layer: a fused run ends."""
     return t._hp.own(t, end=True) if isinstance(t, SplitTensor) else t
 
 
@@ -244,12 +238,10 @@ def spatialize(model: nn.Module, grid: ProcessGrid, *, bn_include_data: bool = F
 
     The copy (same modules, parameters and ``state_dict`` keys) takes every 5D tensor argument of
     ``forward`` as this rank's piece of the global ``(N, C, D, H, W)`` tensor, split on ``grid``'s
-    x, y, z axes; each torch call its code makes on split data (modules, functional calls, tensor
-    methods, in dataflow order) runs exactly or is refused with one line naming the op and your
-    source line (LayerError at forward: module docstring). Outputs that are still split come
-    back as :class:`~hpcpar.nn.split.SplitTensor`: ``.shape`` is the global shape, and a mean or
-    sum loss on them (``F.mse_loss``, ``F.cross_entropy``, ...) is the single-process loss on
-    every rank. ``hpcpar.nn.local(t)`` gives this rank's piece as a plain tensor.
+    x, y, z axes; each torch call on split data runs exactly or is refused with one line naming
+    the op and your source line (LayerError at forward). Outputs still split are
+    :class:`~hpcpar.nn.split.SplitTensor`: ``.shape`` is the global shape, and a mean or sum loss
+    on them is the single-process loss on every rank (``hpcpar.nn.local(t)``: the piece).
 
     ``bn_include_data``: batch-norm statistics also cover the data group (what one BatchNorm on
     the whole global batch computes). ``check``: on the first forward, compare a probe (the

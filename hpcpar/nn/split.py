@@ -77,14 +77,12 @@ class Layout:
         raise call.refuse(*(self.refusal if alike or self.mixed is None else self.mixed))
 
     def own(self, t: SplitTensor, end: bool = False) -> SplitTensor:
-        """``t`` (of this layout) holding only this rank's own piece: ``t`` itself, unless its
-        layout holds more (a fused run's margin, :mod:`hpcpar.nn.fused_halo`, is cropped;
-        ``end``: the value leaves the run there, not just a look at the piece)."""
+        """``t`` holding only this rank's own piece (a fused run's margin is cropped; ``end``:
+        the value leaves the run there, not just a look at the piece)."""
         return t
 
     def with_(self, sdims=None, gshape=None) -> Layout:
-        """This layout with other split dims or global lengths (itself when they are equal: most
-        ops keep both, and a layout is made per op)."""
+        """Itself where equal: most ops keep both, and a layout is made per op."""
         sdims = self.sdims if sdims is None else tuple(sdims)
         gshape = self.gshape if gshape is None else tuple(gshape)
         if sdims == self.sdims and gshape == self.gshape:
@@ -113,9 +111,8 @@ class Layout:
 @dataclass(frozen=True)
 class FlatLayout(Layout):
     """A split ``(N, C, D, H, W)`` volume flattened to ``(N, C*D*H*W)`` (``sdims`` ``(1,)``,
-    ``gshape`` the feature count): this rank holds the features of its own sub-box, ``C x (d, h,
-    w)`` in its piece's row-major order, a known subset of the global indices. Only elementwise
-    ops, dropout and ``F.linear`` take it (:mod:`hpcpar.nn.split_head`)."""
+    ``gshape`` the feature count): this rank holds its sub-box's features, ``C x (d, h, w)`` in
+    its piece's row-major order (:mod:`hpcpar.nn.split_head`)."""
 
     volume: tuple[int, int, int, int] = (0, 0, 0, 0)   # the global (C, D, H, W)
     forms: ClassVar[dict] = {}
@@ -200,9 +197,8 @@ def wrap(t: torch.Tensor, layout: Layout) -> SplitTensor:
 
 
 def adopt(t: torch.Tensor, layout: Layout) -> SplitTensor:
-    """A FRESH op output (a plain tensor no one else holds) made split in place: its class is
-    switched, so autograd gets no extra alias node (an ``as_subclass`` per op cost ~15% of a
-    small model's step). Anything else gets :func:`wrap`'s alias."""
+    """A FRESH op output (a plain tensor no one else holds) made split by switching its class: no
+    alias node (an ``as_subclass`` per op cost ~15% of a small step); else :func:`wrap`."""
     if type(t) is torch.Tensor:
         t.__class__ = SplitTensor  # the checker cannot follow a class switch: t is split now
         t._hp = layout  # type: ignore[attr-defined]
@@ -236,12 +232,10 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 def whole(t: torch.Tensor, root: int = 0) -> torch.Tensor | None:
     """The whole of a split tensor, assembled on spatial rank ``root`` (None on the group's other
-    ranks): the way out of the split world for a result wanted entire (a prediction, a field to
+    ranks; a plain tensor is returned as it is): a result wanted entire (a prediction, a field to
     write out). Its split dims are taken from where they are, so an output permuted to ``(N, D,
-    H, W, C)`` comes back as the single-process model's; gathering ``local(t)`` yourself assumes
-    them last. Detached: no gradient flows back. Collective over the spatial group. A plain
-    tensor (every rank holds it whole) is returned as it is. LayerError where ``t`` is flattened
-    (a split head's features, voxel tokens: take it before the flatten) or the pieces do not
+    H, W, C)`` comes back as the single-process model's. Detached. Collective over the spatial
+    group. LayerError where ``t`` is flattened (take it before the flatten) or the pieces do not
     tile one volume."""
     if not isinstance(t, SplitTensor):
         return t
@@ -322,8 +316,7 @@ def _under_dynamo() -> bool:
 
 def refuse(op: str, why: str, todo: str) -> LayerError:
     """The one-line refusal: the op, the user's line, why, and what to do. Under ``torch.compile``
-    the first refusal is dynamo's probing of a split tensor (``_is_view``), which would name an
-    op the model never called: the line says what is refused instead."""
+    (whose probing of a split tensor would name an op the model never called): that instead."""
     if _under_dynamo():
         return LayerError(f"spatialize: torch.compile cannot trace a model split over the "
                           f"spatial grid (at {user_frame()}: its split tensors run each op "

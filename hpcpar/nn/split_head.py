@@ -14,13 +14,11 @@ every spatial rank, since the loss after the head is computed redundantly and co
 
 Memory divides by the spatial ranks: on its first use the weight Parameter is cut in place
 (``p.data``) to this rank's columns, so the optimizer and ``hpcpar.DDP`` keep the same object (a
-:class:`~hpcpar.nn.head_grad.CutWeight`); neither may hold state for it yet
-(:func:`hpcpar.nn.spatializer.settle` runs that first use before they are built). The cut
-weight's gradient is complete for its columns: tagged data-only. ``state_dict()`` gathers the
-full weight (a collective) and ``load_state_dict`` takes this rank's columns of a full one, so
-checkpoints keep the single-process format; :func:`column_split` says which parameters are cut.
-The models guide (*spatialize*, the split head) says which other ops take a flattened split
-tensor and what is refused.
+:class:`~hpcpar.nn.head_grad.CutWeight`; neither may hold state for it yet: see
+:func:`hpcpar.nn.spatializer.settle`). Its gradient is complete for its columns: tagged
+data-only. ``state_dict()`` gathers the full weight (a collective) and ``load_state_dict`` takes
+this rank's columns of a full one: the single-process format. The models guide says which other
+ops take a flattened split tensor.
 """
 
 from __future__ import annotations
@@ -72,19 +70,16 @@ class ColumnSplit:
 
     def take(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's ``(..., C*d*h*w)`` columns of a full ``(..., C*D*H*W)`` tensor (a weight,
-        its optimizer state, a gradient): autograd-transparent; a copy unless the box is the
-        whole volume."""
+        its optimizer state, a gradient): autograd-transparent."""
         lead = full.shape[:-1]
         cut = full.reshape(*lead, *self.volume)[_box_index(self.box)]
         return cut.reshape(*lead, -1)
 
     def gather(self, local: torch.Tensor, root: int | None = None) -> torch.Tensor:
         """The whole ``(..., C*D*H*W)`` tensor from every rank's ``local`` ``(..., C*d*h*w)``
-        columns (collective over the spatial group), on every rank; or on ``root`` (a rank of
-        the grid's communicator) only: the ranks of its spatial group send it their columns and
-        get ``local`` back, holding no more than their own (a checkpoint's writer: a full-size
-        head on every rank would not divide by the spatial ranks); ranks of other spatial
-        groups do nothing."""
+        columns (collective over the spatial group) on every rank; or on ``root`` (of the grid's
+        communicator) only, the others getting ``local`` back and holding no more (a full-size
+        head on every rank would not divide by the ranks); other spatial groups do nothing."""
         if root is not None:
             return self._gather_to(local, root)
         lead = local.shape[:-1]
@@ -141,11 +136,9 @@ _SPILL: list[Any] = [None]         # the directory backing what a root gathers (
 @contextmanager
 def gathered_to(root: int | None, spill_dir: Any = None) -> Iterator[None]:
     """Inside, ``state_dict()`` gathers a cut weight to rank ``root`` of the grid's communicator
-    only (:meth:`ColumnSplit.gather`; None: every rank, the default outside): the other ranks'
-    state dicts hold their own columns. A checkpoint's writer needs the full weight; no other
-    rank should hold it. ``spill_dir``: a directory where what ``root`` gathers (on the CPU) is
-    file-backed (:mod:`hpcpar.nn.spill`: the checkpoint's, which those bytes are bound for);
-    None: memory."""
+    only (None: every rank, the default outside); the others' hold their own columns: a
+    checkpoint's writer needs the full weight, no other rank should hold it. ``spill_dir``: where
+    what ``root`` gathers on the CPU is file-backed (:mod:`hpcpar.nn.spill`); None: memory."""
     before = _ROOT[0], _SPILL[0]
     _ROOT[0], _SPILL[0] = root, spill_dir
     try:
@@ -274,9 +267,8 @@ def _dropout(call, redo=None):
 
 
 def _reduction(call, redo=None):
-    """A sum or mean over the features (dim 1, or every dim): the global one, replicated (each
-    rank's partial sum, allreduced; backward: each rank's own features get the gradient, as
-    after a global pool). A critic's ``flatten(1)`` then ``mean(1)``."""
+    """A sum or mean over the features (dim 1, or every dim): the global one, replicated (a
+    critic's ``flatten(1)`` then ``mean(1)``)."""
     x = call.splits[0]
     b = call.by_name()
     dims = rules._dims_arg(b.get("dim"), x.dim())
