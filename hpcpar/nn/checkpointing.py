@@ -1,39 +1,27 @@
 """Activation checkpointing that reuses the halo faces: ``[train] activation_checkpointing``.
 
-A checkpointed segment keeps only its input for backward; its inner activations are
-recomputed when backward reaches it (``torch.utils.checkpoint``, non-reentrant). Memory per
-rank then holds the segments' inputs plus one segment's activations at a time, for one more
-forward of the segment.
-
-What is cut into segments: the model's *chains*, its outermost ``nn.Sequential`` modules (the
-model itself when it is one; else, searched through its other modules, e.g. every conv block
-of :class:`~hpcpar.models.UNet3D`, CosmoFlow's conv trunk and its dense head). A chain of L
-layers is cut into ``min(N, L)`` contiguous segments of sizes given by the partition rule.
-``"auto"`` picks N so that the whole model has about sqrt(total layers in chains) segments
-(Chen et al.'s rule: stored segment inputs and one segment's recomputation then weigh about
-the same), at least one per chain: one segment per conv block for UNet3D, sqrt(L) for a
-model that is one long chain. The module tree and ``state_dict`` keys do not change.
+A checkpointed segment keeps only its input for backward (``torch.utils.checkpoint``,
+non-reentrant). Segments are cut from the model's *chains*, its outermost ``nn.Sequential``
+modules: a chain of L layers into ``min(N, L)`` contiguous segments (the partition rule);
+``"auto"`` picks N so that the model has about sqrt(total layers in chains) segments, at least
+one per chain (Chen et al.'s rule: stored inputs and one segment's recomputation then weigh
+about the same). More in the jobs guide's *Activation checkpointing*.
 
 Spatialized models: the recomputation runs in backward, after the model's dispatch mode has
-exited, so each segment re-enters it. Every halo exchange and collective the segment made in
-its forward is recorded on a :class:`~hpcpar.parallel.replay.Tape` and replayed in the
-recomputation: it sends no message (``recompute_msgs`` in the step records proves it) and
-the faces it uses are the ones the forward received. Batch-norm running statistics are
-restored after the recomputation, so a step updates them once, as without checkpointing.
+exited, so each segment re-enters it. Every halo exchange and collective the segment made in its
+forward is recorded on a :class:`~hpcpar.parallel.replay.Tape` and replayed in the
+recomputation: it sends no message (``recompute_msgs`` in the step records proves it) and the
+faces it uses are the ones the forward received. Batch-norm running statistics are restored
+after the recomputation, so a step updates them once, as without checkpointing.
 
-A model that calls ``torch.utils.checkpoint`` itself (``checkpoint(block, x)`` in either
-form, ``checkpoint_sequential``) gets the same treatment for its own regions: while a
-spatialized forward runs, the region's recomputation re-enters the dispatch mode and replays
-the region's tape (:func:`install_user_checkpoint_replay`, which the spatialized model's
-dispatch mode holds while it is entered, so that torch's checkpoint is its own outside; the
-reentrant form through :class:`Recomputed`, when a split tensor enters the region).
-Otherwise torch would recompute the region on this rank's plain piece, with no halo and local
-reductions: its check of what was saved fails in backward, or (same shapes, other values)
-the first-step check refuses the model. Running statistics are left as torch
-leaves them (updated again by the recomputation), so the model trains as it does in one
-process. A reentrant region that no split tensor enters is refused
-(:mod:`hpcpar.nn.custom_functions`): it may close over split tensors, which it would then
-recompute on this rank's piece.
+A model that calls ``torch.utils.checkpoint`` itself (either form, ``checkpoint_sequential``)
+gets the same for its own regions: the recomputation re-enters the dispatch mode and replays the
+region's tape (:func:`install_user_checkpoint_replay`; the reentrant form through
+:class:`Recomputed`, when a split tensor enters the region). Otherwise torch would recompute
+the region on this rank's plain piece, with no halo and local reductions. Running statistics are
+left as torch leaves them (updated again by the recomputation), as in one process. A reentrant
+region that no split tensor enters is refused (:mod:`hpcpar.nn.custom_functions`): it may close
+over split tensors, which it would then recompute on this rank's piece.
 """
 
 from __future__ import annotations
@@ -69,18 +57,7 @@ _ROOT = "_hpcpar_root_split"
 
 
 def check_setting(value, where: str = "[train] activation_checkpointing") -> int | str | None:
-    """The setting as N, ``"auto"`` or None (off).
-
-    Args:
-        value: ``false``, ``"auto"`` or a number of segments per chain >= 1.
-        where: The field, for the message.
-
-    Returns:
-        None (off), ``"auto"`` or N.
-
-    Raises:
-        ConfigError: Any other value.
-    """
+    """``false``, ``"auto"`` or N >= 1 segments per chain as None, "auto" or N; else ConfigError."""
     if value is False or value is None:
         return None
     if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
@@ -103,15 +80,7 @@ def chains(model: nn.Module) -> list[nn.Sequential]:
 
 
 def segment_sizes(lengths: list[int], setting) -> list[list[int]]:
-    """Per chain of ``lengths[i]`` layers, the sizes of its segments (module docstring).
-
-    Args:
-        lengths: Layers per chain.
-        setting: N or ``"auto"`` (see :func:`check_setting`).
-
-    Returns:
-        For each chain, its segments' layer counts (they sum to the chain's length).
-    """
+    """Per chain of ``lengths[i]`` layers, its segments' layer counts (module docstring)."""
     if setting == "auto":
         n = max(1, round(math.sqrt(sum(lengths)) / max(1, len(lengths))))
     else:
@@ -120,19 +89,9 @@ def segment_sizes(lengths: list[int], setting) -> list[list[int]]:
 
 
 def plan_segments(model: nn.Module, setting) -> list[tuple[nn.Sequential, list[int]]]:
-    """The chains of ``model`` and their segments' layer counts for ``setting``.
-
-    A segment never starts with an in-place layer (``ReLU(inplace=True)``): it would
-    overwrite the input the segment keeps for its recomputation, so such a boundary moves
-    one layer on.
-
-    Args:
-        model: The model.
-        setting: N or ``"auto"`` (see :func:`check_setting`).
-
-    Returns:
-        ``(chain, sizes)`` per chain.
-    """
+    """``(chain, segment sizes)`` per chain of ``model``. A segment never starts with an in-place
+    layer (``ReLU(inplace=True)``), which would overwrite the input it keeps: such a boundary
+    moves one layer on."""
     found = chains(model)
     out = []
     for chain, sizes in zip(found, segment_sizes([len(c) for c in found], setting)):
@@ -149,8 +108,7 @@ def plan_segments(model: nn.Module, setting) -> list[tuple[nn.Sequential, list[i
 
 
 class _Replay:
-    """The recomputation's context: the dispatch mode of a spatialized model re-entered (as
-    in its forward), the tape replaying, buffers (batch-norm running statistics) restored
+    """The recomputation's context: dispatch mode re-entered, tape replaying, buffers restored
     after. Re-enterable: a graph kept by ``retain_graph`` is recomputed per backward."""
 
     def __init__(self, tape: Tape, root, layers):
@@ -188,7 +146,6 @@ def _run(x, *layers):
 
 
 def _contexts(tape: Tape, root, seg) -> tuple:
-    """The segment's forward context (the tape records) and recomputation context."""
     return tape.recording(), _Replay(tape, root, seg)
 
 
@@ -206,8 +163,7 @@ def _user_region() -> Iterator[None]:
 
 
 class _Both:
-    """A user's region's two context managers entered as one, re-enterably (a recomputation
-    context is entered once per backward of a kept graph), marking the region."""
+    """Two context managers entered as one, re-enterably (once per backward of a kept graph)."""
 
     def __init__(self, first, second):
         self.first, self.second = first, second
@@ -226,16 +182,14 @@ class _Both:
 
 
 def _user_contexts(user_context_fn, tape: Tape, root) -> tuple:
-    """A user's checkpointed region: its own contexts, plus the tape recording in its forward
-    and replaying under the re-entered dispatch mode in its recomputation (no buffer is
-    restored: torch updates running statistics again when it recomputes, and so do we)."""
+    """A user's region's own contexts plus the tape (no buffer is restored: torch updates
+    running statistics again when it recomputes, and so do we)."""
     forward, recompute = user_context_fn()
     return _Both(forward, tape.recording()), _Both(recompute, _Replay(tape, root, []))
 
 
 def _split_context():
-    """The split context of the spatialized forward running now, or None (none runs, or
-    hpcpar's own spatial layers run undispatched)."""
+    """The running spatialized forward's split context, or None (also in hpcpar's own layers)."""
     for mode in reversed(_get_current_function_mode_stack()):
         if isinstance(mode, SpatialMode):
             ctx = mode.ctx
@@ -245,11 +199,9 @@ def _split_context():
 
 class Recomputed:
     """The function of a reentrant ``torch.utils.checkpoint`` region in a spatialized forward.
-    Its first call (torch's forward, under no_grad) records the region's tape; a later call
-    (torch's recomputation, inside its Function's backward) re-enters the dispatch mode and
-    replays the tape, on the inputs labelled split again as they were (torch detaches them
-    first, which drops the label). :mod:`hpcpar.nn.custom_functions` accepts a checkpoint
-    Function whose function is one of these."""
+    Its first call (torch's forward) records the region's tape; a later call (torch's
+    recomputation) re-enters the dispatch mode and replays the tape, on the inputs labelled split
+    again (torch detaches them, which drops the label)."""
 
     def __init__(self, fn, root):
         self.fn, self.root, self.tape = fn, root, Tape()
@@ -267,10 +219,8 @@ class Recomputed:
 
 
 def _patch_reentrant() -> Callable[[], None] | None:
-    """The reentrant form: its Function's forward gets a :class:`Recomputed` function when a
-    split tensor enters it (the Function may run with the dispatch mode paused, so the split
-    context is read from the inputs). Returns what puts torch's own back (None: this torch's
-    checkpoint has another form)."""
+    """The reentrant form gets a :class:`Recomputed` function where a split tensor enters it (the
+    split context read from the inputs). Returns what puts torch's own back, or None."""
     fn_cls = getattr(_torch_checkpoint, "CheckpointFunction", None)
     kept = vars(fn_cls).get("forward") if fn_cls is not None else None
     original = getattr(fn_cls, "forward", None)
@@ -290,9 +240,7 @@ def _patch_reentrant() -> Callable[[], None] | None:
 
 
 def _patch_generator() -> Callable[[], None] | None:
-    """The non-reentrant form: torch's generator behind it gets hpcpar's contexts for regions
-    that start in a spatialized forward. Returns what puts torch's own back (None: this
-    torch's checkpoint has another form)."""
+    """The non-reentrant form: hpcpar's contexts for regions in a spatialized forward."""
     original = getattr(_torch_checkpoint, "_checkpoint_without_reentrant_generator", None)
     if original is None or list(inspect.signature(original).parameters)[:3] \
             != ["fn", "preserve_rng_state", "context_fn"]:
@@ -312,8 +260,7 @@ def _patch_generator() -> Callable[[], None] | None:
 
 
 class _Holders:
-    """How many spatialized forwards (and recomputations) run now, in any thread, and what
-    puts torch's checkpoint back when the last one leaves."""
+    """How many spatialized forwards run now (any thread), and what puts torch's back."""
 
     lock = threading.Lock()
     count = 0
@@ -321,16 +268,11 @@ class _Holders:
 
 
 def install_user_checkpoint_replay() -> bool:
-    """Make ``torch.utils.checkpoint`` exact inside spatialized models (module docstring), while
-    a spatialized forward or its recomputation runs: the dispatch mode of a spatialized model
-    calls this when it is entered and :func:`remove_user_checkpoint_replay` when it is left,
-    so torch's checkpoint is its own again outside (a plain model's regions in the same process
-    are untouched). Counted: the first holder installs, the last one's remove restores.
-
-    Returns:
-        Whether both forms are installed (False: this torch's checkpoint has another form; a
-        region then fails in backward with torch's own check, or is refused, as before).
-    """
+    """Make ``torch.utils.checkpoint`` exact in spatialized models (module docstring): a
+    spatialized model's dispatch mode calls this when entered and
+    :func:`remove_user_checkpoint_replay` when left, so torch's is its own outside. Counted: the
+    first holder installs, the last one's remove restores. Returns whether both forms are
+    installed (False: this torch's checkpoint has another form)."""
     with _Holders.lock:
         if _Holders.count == 0:
             _Holders.undo = [undo for undo in (_patch_reentrant(), _patch_generator())
@@ -340,8 +282,7 @@ def install_user_checkpoint_replay() -> bool:
 
 
 def remove_user_checkpoint_replay() -> None:
-    """One holder of :func:`install_user_checkpoint_replay` leaves; the last puts torch's
-    checkpoint back as it was."""
+    """One holder of :func:`install_user_checkpoint_replay` leaves; the last restores torch's."""
     with _Holders.lock:
         _Holders.count -= 1
         if _Holders.count == 0:
@@ -351,9 +292,8 @@ def remove_user_checkpoint_replay() -> None:
 
 
 def _segmented_forward(self: nn.Sequential, x):
-    """``nn.Sequential.forward``, each segment under ``torch.utils.checkpoint``; plainly inside
-    a region the model checkpoints itself (that region is recomputed already, and segments
-    nested in its recomputation would make their collectives in another order per rank)."""
+    """Each segment under ``torch.utils.checkpoint``; plainly in a region the model checkpoints
+    itself (nested, their collectives would come in another order per rank)."""
     layers = list(self)
     if not torch.is_grad_enabled() or _IN_USER_REGION.get():
         return _run(x, *layers)
@@ -370,22 +310,11 @@ def _segmented_forward(self: nn.Sequential, x):
 
 
 def checkpoint_activations(model: nn.Module, setting) -> list[list[int]]:
-    """Recompute the activations of ``model``'s segments in backward (module docstring).
-
-    In place: each chain's ``forward`` is replaced (an instance attribute), so parameters,
-    ``state_dict`` keys and the module tree stay as they are. Works on plain and
-    :func:`~hpcpar.nn.spatialize`'d models (apply it to the spatialized copy).
-
-    Args:
-        model: The model.
-        setting: N segments per chain, ``"auto"``, or False/None (nothing is done).
-
-    Returns:
-        Per chain, its segments' layer counts (empty when off).
-
-    Raises:
-        ConfigError: A setting other than those.
-    """
+    """Recompute the activations of ``model``'s segments in backward (module docstring), for
+    ``setting`` N segments per chain, ``"auto"``, or False/None (nothing is done; ConfigError
+    for anything else). Returns per chain its segments' layer counts (empty when off). In place:
+    each chain's ``forward`` is replaced (an instance attribute). Works on plain and
+    :func:`~hpcpar.nn.spatialize`'d models (apply it to the spatialized copy)."""
     setting = check_setting(setting)
     if setting is None:
         return []

@@ -1,10 +1,9 @@
 """Spatially partitioned 3D convolutions: torch's Conv3d / ConvTranspose3d plus ``grid=``.
 
 Each rank convolves its own sub-volume extended by the halo (``padding=0`` on the explicitly
-padded input: torch's CPU conv is faster that way, and only boundary ranks pad). Halo widths
-come from output ownership (DESIGN §2), so any kernel/stride/padding/dilation is exact.
-Weight and bias gradients are the partial gradients of this rank's outputs; the gradient
-sync sums them over the spatial group.
+padded input: torch's CPU conv is faster that way, and only boundary ranks pad). Halo widths come
+from output ownership (DESIGN §2), so any kernel/stride/padding/dilation is exact. Weight and
+bias gradients are this rank's partial ones; the gradient sync sums them over the spatial group.
 """
 
 from __future__ import annotations
@@ -51,16 +50,12 @@ from ._tap_trim import tap_trim
 
 __all__ = ["SpatialConv3d", "SpatialConvTranspose3d", "ConvOp", "ConvTransposeOp"]
 
-#: The largest input (all of its samples and channels) a convolution whose halos reach past
-#: the adjacent rank gathers whole on every rank (:meth:`SpatialConv3d.whole_route`)
+#: The largest input (all samples and channels) a convolution whose halos reach past the
+#: adjacent rank gathers whole on every rank (:meth:`SpatialConv3d.whole_route`)
 WHOLE_MAP_BYTES = 256 << 20
 
 #: torch's ``padding_mode`` values (only ``"zeros"`` is accepted on a split volume)
 PaddingMode = Literal["zeros", "reflect", "replicate", "circular"]
-
-
-def _empty_out(ext, channels, lengths):
-    return ext.new_zeros((ext.shape[0], channels, *lengths))
 
 
 def _perm(t, perm, base=2):
@@ -68,10 +63,9 @@ def _perm(t, perm, base=2):
 
 
 class ConvOp(StencilOp):
-    """Valid (padding 0) convolution of the halo-extended tensor. Where torch would pick its
-    slow CPU kernel for this sub-volume, the spatial dims are permuted (the halo buffer is
-    laid out that way, so it costs no copy) to put the shortest extent last; where that does
-    not escape the rule (a cube), oneDNN is called directly (:func:`_onednn`)."""
+    """Valid convolution of the halo-extended tensor. Where torch would pick its slow CPU kernel,
+    the spatial dims are permuted to put the shortest extent last (the halo buffer is laid out
+    that way: no copy); where that does not escape the rule (a cube), oneDNN is called directly."""
 
     autocast = True
 
@@ -94,8 +88,7 @@ class ConvOp(StencilOp):
         return order
 
     @staticmethod
-    def _memory_order(ext) -> tuple[int, ...]:
-        """The spatial dims of ``ext`` from the outermost in memory to the innermost."""
+    def _memory_order(ext) -> tuple[int, ...]:  # spatial dims, outermost in memory first
         strides = ext.stride()[2:]
         return tuple(sorted(range(3), key=lambda a: -strides[a]))
 
@@ -112,7 +105,7 @@ class ConvOp(StencilOp):
 
     def forward(self, ext, weight, bias=None):
         if 0 in self.out_shape:
-            return _empty_out(ext, self.out_channels, self.out_shape)
+            return ext.new_zeros((ext.shape[0], self.out_channels, *self.out_shape))
         if _pointwise(ext, weight, self.stride, self.groups):
             return _pointwise_forward(ext, weight, bias)
         ext, weight, stride, dilation, inv = self._permuted(ext, weight)
@@ -124,26 +117,21 @@ class ConvOp(StencilOp):
         return out if inv is None else out.permute(*inv).contiguous()
 
     def backward(self, holder, grad_out, params, needs):
-        """The gradients in one pass, or (a CPU output gradient above CHUNK_BACKWARD_BYTES)
-        in chunks along the output's longest axis (:meth:`_chunked`)."""
-        weight, bias = params
         axis, spans = self._chunk_spans(grad_out, holder[0])
         if spans is None:
-            return self._backward(holder, grad_out, weight, bias, needs)
-        return self._chunked(holder, grad_out, weight, bias, needs, axis, spans)
+            return self._backward(holder, grad_out, *params, needs)
+        return self._chunked(holder, grad_out, *params, needs, axis, spans)
 
     def _copies_whole(self, ext) -> bool:
-        """Whether one pass copies the whole output gradient (the permuted order, or
-        oneDNN's through ``to_mkldnn``): only then do chunks save memory. Where torch's own
-        call takes the volume as it is, chunks would only add copies: each chunk is small
-        enough for torch's slow-kernel rule and goes through oneDNN's conversions (16 -> 16
-        channels, 64 x 128^2 channels-last per rank at 2x1x1: 2.6 s of backward in 8 chunks
-        a layer against 1.5 s in one pass, measured)."""
+        """Whether one pass copies the whole output gradient (permuted, or oneDNN's
+        ``to_mkldnn``): only then do chunks save memory. Elsewhere they only add copies (16 -> 16
+        channels, 64 x 128^2 channels-last per rank at 2x1x1: 2.6 s of backward in 8 chunks a
+        layer against 1.5 s in one pass, measured)."""
         return self._memory_order(ext) != (0, 1, 2) or _onednn(
             ext, self.kernel, self.stride, self.dilation, self.groups)
 
     def _chunk_spans(self, grad_out, ext):
-        """(axis, [(out_lo, out_hi, in_lo, in_hi), ...]) of the chunks, or (None, None)."""
+        """(axis, [(out_lo, out_hi, in_lo, in_hi), ...]), or (None, None): one pass."""
         nbytes = grad_out.numel() * grad_out.element_size()
         if (grad_out.device.type != "cpu" or nbytes <= CHUNK_BACKWARD_BYTES or
                 0 in self.out_shape or grad_out.dim() != 5 or not self._copies_whole(ext)):
@@ -158,13 +146,9 @@ class ConvOp(StencilOp):
                        for lo, hi in part_ranges(n, parts)]
 
     def _chunked(self, holder, grad_out, weight, bias, needs, axis, spans):
-        """The backward of a large output gradient in chunks of it: each chunk's weight and
-        bias gradients (summed) and input gradient (added into its span of the input's).
-        One pass at once copies the whole output gradient two or three times (into the
-        permuted or oneDNN order, and oneDNN's own reorder): on CosmoFlow's first layer
-        (16 x 64 x 64 x 128 per rank at 2x2x1) that was 98-133 MiB above the saved tensors;
-        a chunk's copies are a chunk's size. The input is released before the input
-        gradient pass, as in one pass."""
+        """The backward in chunks of the output gradient. One pass copies the whole output
+        gradient two or three times: 98-133 MiB above the saved tensors on CosmoFlow's first
+        layer (16 x 64 x 64 x 128 per rank at 2x2x1); a chunk's copies are a chunk's size."""
         ext = holder.pop()
         gw = gb = None
         if needs[1] or (bias is not None and needs[2]):
@@ -188,12 +172,9 @@ class ConvOp(StencilOp):
         return gi, gw, gb
 
     def _backward(self, holder, grad_out, weight, bias, needs):
-        """One pass. Weight/bias gradients first (they read the extended input), then free
-        it and compute the input gradient (which reads only its shape): one volume less at
-        peak. A small input takes one call for all three instead, as torch does: the volume
-        saved is then smaller than a call's fixed cost is worth (~0.1 ms, half a small
-        layer); so does the oneDNN route (:func:`_onednn`), whose inputs are small by torch's
-        rule."""
+        """One pass. Weight/bias gradients first (they read the extended input), then free it
+        for the input gradient (which reads only its shape): one volume less at peak. A small
+        input (or the oneDNN route) takes one call for all three, as torch does (~0.1 ms)."""
         ext = holder.pop()
         if 0 in self.out_shape:
             return (torch.zeros_like(ext) if needs[0] else None,
@@ -233,9 +214,8 @@ class ConvOp(StencilOp):
 
 
 class _WholeConv(torch.autograd.Function):
-    """A convolution of this rank's output piece from the gathered map, holding only the
-    piece between forward and backward: backward gathers the map again (one map at a time
-    on the rank, not one per layer) and sums every rank's gradient of it."""
+    """This rank's output piece from the gathered map, holding only the piece until backward,
+    which gathers the map again (one map at a time, not one per layer) and sums its gradients."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, conv, windows):
@@ -277,30 +257,13 @@ class _WholeConv(torch.autograd.Function):
 class SpatialConv3d(SpatialModule, nn.Conv3d):
     """``torch.nn.Conv3d`` over a volume split on the grid's x, y, z axes (dims 2, 3, 4).
 
-    Takes ``nn.Conv3d``'s arguments plus ``grid``; same parameters and state_dict keys (each
-    loads the other's). The forward exchanges halos whose widths follow from output
-    ownership, then convolves with ``padding=0``; the result equals ``nn.Conv3d`` on the whole
-    volume, split with the partition rule of the output's global length.
-
-    Args:
-        in_channels: As ``nn.Conv3d``.
-        out_channels: As ``nn.Conv3d``.
-        kernel_size: As ``nn.Conv3d``.
-        stride: As ``nn.Conv3d``.
-        padding: Ints, ``"same"`` or ``"valid"``, as ``nn.Conv3d``.
-        dilation: As ``nn.Conv3d``.
-        groups: As ``nn.Conv3d``.
-        bias: As ``nn.Conv3d``.
-        padding_mode: Only ``"zeros"``.
-        device: As ``nn.Conv3d``.
-        dtype: As ``nn.Conv3d``.
-        grid: The process grid whose x, y, z axes split the volume.
-
-    Raises:
-        LayerError: An unsupported ``padding_mode``; at forward, a local extent smaller than
-            the halo a neighbour needs, or inputs that differ across the spatial group (the
-            same error on every rank).
-    """
+    Takes ``nn.Conv3d``'s arguments (``padding`` ints, ``"same"`` or ``"valid"``) plus ``grid``;
+    same parameters and state_dict keys (each loads the other's). The forward exchanges halos
+    whose widths follow from output ownership, then convolves with ``padding=0``; the result
+    equals ``nn.Conv3d`` on the whole volume, split with the partition rule of the output's
+    global length. Raises LayerError for a ``padding_mode`` other than ``"zeros"``; at forward,
+    for a local extent smaller than the halo a neighbour needs, or inputs that differ across the
+    spatial group (the same error on every rank)."""
 
     def __init__(self, in_channels: int, out_channels: int,
                  kernel_size: int | tuple[int, int, int], stride: int | tuple[int, int, int] = 1,
@@ -328,12 +291,10 @@ class SpatialConv3d(SpatialModule, nn.Conv3d):
         return op
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Convolve this rank's piece ``(N, C, d, h, w)``; returns its piece of the output."""
         return self.spatial_forward(x, self.weight, self.bias)
 
     def spatial_forward(self, x, weight, bias, gshape=None) -> torch.Tensor:
-        """The forward with given parameters (``F.conv3d`` on a split tensor comes here).
-        Kernel taps that only read padding are dropped first (:meth:`trimmed`)."""
+        """With given parameters (``F.conv3d`` on a split tensor comes here)."""
         if gshape is None:
             gshape = global_spatial_shape(x, self.grid, what=self.layer_name)
         trimmed = self.trimmed(gshape)
@@ -342,30 +303,25 @@ class SpatialConv3d(SpatialModule, nn.Conv3d):
             return twin.spatial_forward(x, weight[taps], bias, gshape)
         whole = self.whole_route(x, gshape)
         if whole is not None:
-            return self._whole_conv(x, weight, bias, whole)
+            y = _WholeConv.apply(x, weight, bias, self, whole)
+            return y.contiguous(memory_format=memory_format(input_layout(x)))
         entry = self.spatial_plan(x, gshape)
         if self.boundary_path(x, entry):
             return boundary_conv(x, weight, bias, entry.extra.boundary)
         return halo_stencil(x, entry.halo, entry.extra, weight, bias)
 
     def whole_route(self, x, gshape) -> tuple[MapWindow, MapWindow, MapWindow] | None:
-        """Where a halo reaches past the adjacent rank's piece (a dilated kernel on a small
-        map: ASPP's rates on a deep layer), the one exact route is the whole map: each rank
-        gathers it and convolves its own output piece. Where a halo is as long as the piece
-        it extends (the whole neighbour piece) and the exchange would hold a buffer (piece,
-        halos and padding) more than twice the map, the map is the cheaper route too: its
-        backward holds the gathered map and the sum of the ranks' gradients of it, two maps.
-        Taken when the map is at most :data:`WHOLE_MAP_BYTES` (else the halo plan runs or
-        refuses in one line) and every rank's outputs read some of it. Returns this rank's
-        window on each axis, or None. The same choice on every rank: it follows
-        from the global shape and the grid (a rank with no outputs keeps the exchange)."""
+        """Where a halo reaches past the adjacent rank's piece (a dilated kernel on a small map:
+        ASPP's rates on a deep layer), the one exact route is the whole map: each rank gathers it
+        and convolves its own output piece. Where a halo is as long as its piece and the exchange
+        would hold a buffer more than twice the map, the map is cheaper too (its backward holds
+        two). Taken when the map is at most :data:`WHOLE_MAP_BYTES` and every rank's outputs read
+        some of it. This rank's window on each axis, or None; the same choice on every rank."""
         key = (tuple(gshape), x.shape[0] * x.shape[1] * x.element_size())
         cache = self.__dict__.setdefault("_whole_routes", {})
         if key not in cache:
             halos = [self.axis_halos(a, gshape[a]) for a in range(3)]
             far = not all(neighbour_only(h) for h in halos)
-            # a halo as long as the piece it extends, and the largest halo buffer (a piece,
-            # its halos and its padding) over the ranks more than twice the map
             wide = any(max(h.halo_lo, h.halo_hi) >= h.owned[1] - h.owned[0]
                        for line in halos for h in line)
             buffer = math.prod(max(h.needed[1] - h.needed[0] + h.pad_lo + h.pad_hi
@@ -384,16 +340,10 @@ class SpatialConv3d(SpatialModule, nn.Conv3d):
                 if (far or wide and buffer > 2 * voxels) and small and reads else None
         return cache[key]
 
-    def _whole_conv(self, x, weight, bias, windows):
-        y = _WholeConv.apply(x, weight, bias, self, windows)
-        return y.contiguous(memory_format=memory_format(input_layout(x)))
-
     def window_conv(self, full, weight, bias, windows, whole=True):
-        """This rank's output piece from the whole map ``full``: only the taps that read the
-        map for its outputs, the window they read, and padding where the window passes the
-        map's edge (given to the convolution where it is the same on both sides, so it is
-        never made: the padded map would be many times the map under a large dilation).
-        ``whole=False``: ``full`` is the window already."""
+        """This rank's output piece from the whole map ``full`` (``whole=False``: the window):
+        the taps that read the map, the window they read, and padding past the map's edge (given
+        to the convolution where even, so never made: under a large dilation it is many maps)."""
         taps = tuple(slice(*w.taps) for w in windows)
         part = full[(..., *(slice(*w.box) for w in windows))] if whole else full
         # padding p = max(lo, hi) on both sides computes (p - lo) / stride outputs too many
@@ -413,9 +363,8 @@ class SpatialConv3d(SpatialModule, nn.Conv3d):
         return y[(..., *crop)]
 
     def trimmed(self, gshape) -> tuple[SpatialConv3d, tuple[slice, ...]] | None:
-        """``(twin, taps)``: the convolution without the taps that only ever read padding on
-        global shape ``gshape`` and the index of its weight in this one's, or None where
-        every tap reads data (:mod:`~hpcpar.nn._tap_trim`; cached per global shape)."""
+        """``(twin, taps)``: the convolution without the taps that only read padding on
+        ``gshape``, and its weight's index in this one's; None where every tap reads data."""
         cache = self.__dict__.setdefault("_trimmed", {})
         key = tuple(gshape)
         if key not in cache:
@@ -427,8 +376,7 @@ class SpatialConv3d(SpatialModule, nn.Conv3d):
         return cache[key]
 
     def boundary_path(self, x, entry) -> bool:
-        """Whether ``x`` takes the boundary path (ghosts travel while the interior computes;
-        not where torch's slow CPU kernel would run the pieces)."""
+        """Ghosts travel while the interior computes; not where torch's slow CPU kernel runs."""
         spec = entry.extra.boundary
         return spec is not None and _boundary_conv.ENABLED and \
             not torch.is_autocast_enabled(x.device.type) and \
@@ -436,8 +384,8 @@ class SpatialConv3d(SpatialModule, nn.Conv3d):
 
 
 class ConvTransposeOp(StencilOp):
-    """Transposed convolution of the needed inputs, then crop / zero-extend to the owned
-    outputs (``crops[a] = (lo, hi)`` in ``F.pad`` convention: negative crops), then bias."""
+    """Transposed convolution of the needed inputs, crop / zero-extend to the owned outputs
+    (``crops[a] = (lo, hi)`` in ``F.pad`` convention: negative crops), then bias."""
 
     autocast = True
 
@@ -449,7 +397,7 @@ class ConvTransposeOp(StencilOp):
 
     def forward(self, ext, weight, bias=None):
         if 0 in ext.shape[2:]:
-            out = _empty_out(ext, self.out_channels, self.out_shape)
+            out = ext.new_zeros((ext.shape[0], self.out_channels, *self.out_shape))
         else:
             out = F.conv_transpose3d(ext, weight, bias if self.trivial else None, self.stride,
                                      0, 0, self.groups, self.dilation)
@@ -475,29 +423,11 @@ class ConvTransposeOp(StencilOp):
 
 
 class SpatialConvTranspose3d(SpatialModule, nn.ConvTranspose3d):
-    """``torch.nn.ConvTranspose3d`` over a spatially split volume (any k, s, p, output_padding,
-    dilation, groups). Output o receives input i when o = s*i - p + d*t: each rank reads the
-    inputs feeding its owned outputs and crops the local result to them.
-
-    Args:
-        in_channels: As ``nn.ConvTranspose3d``.
-        out_channels: As ``nn.ConvTranspose3d``.
-        kernel_size: As ``nn.ConvTranspose3d``.
-        stride: As ``nn.ConvTranspose3d``.
-        padding: As ``nn.ConvTranspose3d``.
-        output_padding: As ``nn.ConvTranspose3d``.
-        groups: As ``nn.ConvTranspose3d``.
-        bias: As ``nn.ConvTranspose3d``.
-        dilation: As ``nn.ConvTranspose3d``.
-        padding_mode: As ``nn.ConvTranspose3d`` (which supports only ``"zeros"``).
-        device: As ``nn.ConvTranspose3d``.
-        dtype: As ``nn.ConvTranspose3d``.
-        grid: The process grid whose x, y, z axes split the volume.
-
-    Raises:
-        LayerError: At forward: ``output_size=`` (set ``output_padding`` instead), inputs too
-            small for the halos, or inputs inconsistent across the spatial group.
-    """
+    """``torch.nn.ConvTranspose3d``'s arguments plus ``grid``, over a spatially split volume.
+    Output o receives input i when o = s*i - p + d*t: each rank reads the inputs feeding its
+    owned outputs and crops the local result to them. Raises LayerError at forward for
+    ``output_size=`` (set ``output_padding`` instead), inputs too small for the halos, or inputs
+    inconsistent across the spatial group."""
 
     def __init__(self, in_channels: int, out_channels: int,
                  kernel_size: int | tuple[int, int, int], stride: int | tuple[int, int, int] = 1,
@@ -532,13 +462,12 @@ class SpatialConvTranspose3d(SpatialModule, nn.ConvTranspose3d):
                                tuple(shape), crops)
 
     def forward(self, x: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
-        """Transposed convolution of this rank's piece; returns its piece of the output."""
         if output_size is not None:
             raise LayerError(f"{self.layer_name}: output_size= is not supported; set "
                              f"output_padding in the constructor")
         return self.spatial_forward(x, self.weight, self.bias)
 
     def spatial_forward(self, x, weight, bias, gshape=None) -> torch.Tensor:
-        """The forward with given parameters (``F.conv_transpose3d`` on a split tensor)."""
+        """With given parameters (``F.conv_transpose3d`` on a split tensor comes here)."""
         entry = self.spatial_plan(x, gshape)
         return halo_stencil(x, entry.halo, entry.extra, weight, bias)

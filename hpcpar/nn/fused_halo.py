@@ -1,48 +1,29 @@
 """Fused halos: one exchange for a run of convolutions (``spatialize(..., fuse_halos=k)``).
 
-A run of stride-1, size-keeping convolutions (``padding=1`` with a 3x3x3 kernel, ``"same"``)
-with pointwise ops (activations, scaling) and batch norms between them exchanges a halo per
-convolution.
-On small local volumes the exchanges' latency and the ranks' waiting for each other weigh
-more than the copies: fused, the first convolution of the run receives the COMBINED width
-of the run once and each later convolution computes on what its predecessor computed beyond
-this rank's own voxels (the overlap is computed twice, by this rank and by its neighbour,
-instead of being exchanged again). The result is exact, voxel for voxel: the extra voxels
-are the neighbour's own values, computed from the same inputs by the same kernels.
+On small local volumes the exchanges' latency and the ranks' waiting for each other weigh more
+than the copies: fused, the first of a run of stride-1, size-keeping convolutions receives the
+COMBINED halo of the run once and each later one computes on what its predecessor computed
+beyond this rank's voxels (the overlap computed twice instead of exchanged again). Exact voxel
+for voxel: the extra voxels are the neighbour's own values, from the same inputs and kernels.
+What a run may hold, where it ends and how its length is learned: the spatial guide's *Fused
+halos*.
 
 How it runs under :func:`~hpcpar.nn.spatialize`'s dispatch, which it joins as a layout
 (:class:`MarginLayout`'s forms, the split volume's form of ``F.conv3d``, ``Layout.own``):
 
 * The first convolution of a run takes the halo of all of its run (``reach`` items per side,
-  inner sides only; the global boundary is padded per convolution, as the single-process
-  model pads each layer) through one :func:`~hpcpar.parallel.halo.halo_stencil`, and returns
-  its output with a :class:`MarginLayout`: the piece plus the part of the reach not used yet.
-* A convolution given such a tensor pads only its global sides and convolves with no
-  exchange, using up its own halo of the margin; a pointwise op keeps the margin, and so
-  does batch norm (statistics of the owned voxels only, applied to every voxel; in backward
-  a margin voxel's gradient is its direct part, its share of the statistics' gradient goes
-  to the owners through the sums). When the margin is used up the tensor is an ordinary
-  split tensor again.
-* Anything else (another norm, a pool, a skip connection's add with an unfused tensor, the
-  model's output, :func:`~hpcpar.nn.local`) first crops the margin away: correct everywhere,
-  the margin's compute is then wasted.
+  inner sides only; the global boundary is padded per convolution, as the single-process model
+  pads each layer) through one :func:`~hpcpar.parallel.halo.halo_stencil`, and returns its
+  output with a :class:`MarginLayout`: the piece plus the part of the reach not used yet.
+* A convolution given such a tensor pads only its global sides and convolves with no exchange,
+  using up its own halo of the margin; a pointwise op keeps the margin, and so does batch norm
+  (statistics of the owned voxels only; in backward a margin voxel's share of the statistics'
+  gradient goes to the owners through the sums).
+* Anything else first crops the margin away: correct everywhere, its compute then wasted.
 
-A convolution that takes its layer's boundary path (ghosts sent while the interior
-computes) does not start a run: that path already hides the exchange, and the run's general
-path lost to it (the conv3d rule asks first).
-
-How long a run is: at most ``k`` convolutions, learned from the model's own dataflow. The
-first forward (``settle`` or the first step) assumes ``k`` alike; where a run ended earlier
-(cropped after ``j`` convolutions), the forwards after it take exactly the halo those ``j``
-used, so in steady state a run ends with its margin used up and nothing is cropped. A
-convolution whose run would be shorter than 2 is not fused. What was learned changes only at
-the start of a forward, so the recomputation of a checkpointed segment makes the exchanges
-its forward made. Decisions use only global facts (the layers, the global shape, the
-partition), so every rank takes the same ones.
-
-Cost: the run's extra voxels are computed on every convolution but the last; ``hpcpar
-plan`` counts a run as one exchange and adds that compute to its estimate
-(``hpcpar.plan.planner.fused_runs``, ``redundant_fraction``).
+What was learned changes only at the start of a forward, so the recomputation of a checkpointed
+segment makes the exchanges its forward made. Decisions use only global facts (the layers, the
+global shape, the partition), so every rank takes the same ones.
 """
 
 from __future__ import annotations
@@ -73,11 +54,7 @@ __all__ = ["MarginLayout", "crop", "check_setting"]
 
 
 def check_setting(value, where: str = "fuse_halos") -> int:
-    """``fuse_halos`` as the longest run (1: off).
-
-    Raises:
-        LayerError: Not an integer >= 1.
-    """
+    """``fuse_halos`` as the longest run (1: off); LayerError if not an integer >= 1."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise LayerError(f"{where}: expected the longest run of convolutions sharing one "
                          f"halo exchange, an integer >= 1 (1: off), got {value!r}")
@@ -86,10 +63,9 @@ def check_setting(value, where: str = "fuse_halos") -> int:
 
 @dataclass(frozen=True)
 class MarginLayout(Layout):
-    """A split tensor that holds, beyond this rank's piece, up to ``reach`` items of its
-    neighbours' voxels on each inner side (the global boundary has none): the unused rest of
-    a fused run's halo. ``reach`` (per axis, low and high side) is the same on every rank;
-    ``run`` names the run (what the learning keys on) and how far it got."""
+    """A split tensor that holds, beyond this rank's piece, up to ``reach`` (per axis, low and
+    high; the same on every rank) items of its neighbours' voxels on each inner side: the unused
+    rest of a fused run's halo."""
 
     reach: tuple[tuple[int, int], ...] = ((0, 0),) * 3
     run: tuple = ()   # (key, convolutions so far, halo used so far per axis)
@@ -115,20 +91,8 @@ class MarginLayout(Layout):
 
 
 # -- the learning -----------------------------------------------------------------------------
-def _learn(lay: MarginLayout) -> None:
-    """A run cropped before its margin was used up: the next forwards take only the halo it
-    used (applied at the next forward's start, :func:`settle_runs`)."""
-    key, convs, used = lay.run
-    lay.ctx.fuse_counts[1] += 1
-    seen = lay.ctx.fuse_seen
-    old = seen.get(key)
-    if old is None or convs < old[0]:
-        seen[key] = (convs, used)
-
-
 def settle_runs(ctx) -> None:
-    """At the start of an outermost forward: what the last forwards learned takes effect
-    (and the forward's counts of runs started and of margins cropped start at 0)."""
+    """At an outermost forward's start: what the last forwards learned takes effect."""
     ctx.fuse_counts[:] = [0, 0]
     if ctx.fuse_seen:
         for key, (convs, used) in ctx.fuse_seen.items():
@@ -140,8 +104,7 @@ def settle_runs(ctx) -> None:
 
 # -- geometry ---------------------------------------------------------------------------------
 def _fusable(b, w) -> tuple[tuple[int, int], ...] | None:
-    """Per axis (low, high) padding of a stride-1 convolution whose output keeps the input's
-    size (what a run is made of), else None."""
+    """Per axis (low, high) padding of a stride-1, size-keeping convolution, else None."""
     k = tuple(w.shape[2:])
     stride, dilation = triple(b["stride"], "stride", "conv3d"), _dilation(b)
     if stride != (1, 1, 1) or len(k) != 3:
@@ -158,8 +121,8 @@ def _dilation(b) -> tuple[int, int, int]:
 
 
 def _fits(reach, gshape, grid) -> bool:
-    """Every piece on a split axis holds at least the reach (ghosts come from the adjacent
-    rank only, and a run's margin never crosses the global boundary)."""
+    """Every piece on a split axis holds at least the reach (ghosts come from the adjacent rank
+    only, and a run's margin never crosses the global boundary)."""
     return all(p == 1 or min(split_sizes(n, p)) >= max(r)
                for r, n, p in zip(reach, gshape, grid.spatial_shape))
 
@@ -184,15 +147,14 @@ def _run_reach(ctx, key, pads, gshape):
 
 
 def _plan(ctx, gshape, reach, pads) -> HaloPlan:
-    """The run's one exchange: ``reach`` items from each inner neighbour, the first
-    convolution's own padding on global sides (cached per geometry)."""
+    """The run's one exchange: ``reach`` items from each inner neighbour, the first convolution's
+    own padding on global sides (cached per geometry)."""
     key = ("fused halo", gshape, reach, pads)
     plan = ctx.twins.get(key)
     if plan is None:
         grid = ctx.grid
         per_axis = []
         for n, parts, r, p in zip(gshape, grid.spatial_shape, reach, pads):
-            # inner sides read the reach, global sides the first convolution's padding
             per_axis.append([axis_halo(n, n, parts, i, _reads(r[0] if i > 0 else p[0],
                                                               r[1] if i < parts - 1 else p[1]))
                              for i in range(parts)])
@@ -201,15 +163,8 @@ def _plan(ctx, gshape, reach, pads) -> HaloPlan:
 
 
 def _reads(lo: int, hi: int):
-    """``(out_start, out_stop) -> the inputs read``: the outputs' own range widened by ``lo``
-    and ``hi`` (what :func:`~hpcpar.parallel.partition.axis_halo` asks)."""
+    """``(out_start, out_stop) -> the inputs read``, as :func:`axis_halo` asks."""
     return lambda start, stop: (start - lo, stop + hi)
-
-
-def _layout(lay: Layout, reach, run) -> Layout:
-    if not any(any(r) for r in reach):
-        return lay if type(lay) is Layout else Layout(lay.ctx, lay.sdims, lay.gshape)
-    return MarginLayout(lay.ctx, lay.sdims, lay.gshape, reach, run)
 
 
 # -- the ops ---------------------------------------------------------------------------------
@@ -246,18 +201,18 @@ def _conv_op(b, w, out_shape) -> ConvOp:
 
 
 def _step(lay: Layout, reach, pads, run) -> Layout:
-    """The layout after one convolution of the run ``run`` took its halo ``pads`` of
-    ``reach`` (split axes only: an axis with no reach pads on both sides)."""
+    """The layout after one convolution of ``run`` took its halo ``pads`` of ``reach``."""
     key, convs, used = run
     took = tuple(p if any(r) else (0, 0) for r, p in zip(reach, pads))
     left = tuple((r[0] - t[0], r[1] - t[1]) for r, t in zip(reach, took))
     used = tuple((u[0] + t[0], u[1] + t[1]) for u, t in zip(used, took))
-    return _layout(lay, left, (key, convs + 1, used))
+    if not any(any(r) for r in left):
+        return lay if type(lay) is Layout else Layout(lay.ctx, lay.sdims, lay.gshape)
+    return MarginLayout(lay.ctx, lay.sdims, lay.gshape, left, (key, convs + 1, used))
 
 
 def _go_on(call: Call) -> torch.Tensor | None:
-    """A convolution given a margin tensor: convolve without exchange when the margin holds
-    its halo, else None (cropped by the caller)."""
+    """Convolve a margin tensor without exchange where its margin holds the halo, else None."""
     b = call.bind(*CONV_ARGS)
     x = b["input"]
     if not isinstance(x, SplitTensor) or type(x._hp) is not MarginLayout or \
@@ -279,10 +234,8 @@ def _go_on(call: Call) -> torch.Tensor | None:
 
 
 class _PaddedConv(torch.autograd.Function):
-    """Zero-pad (global sides), then a valid convolution by the spatial layers' own
-    :class:`~hpcpar.nn.conv.ConvOp` (its kernel routes: torch's slow CPU path avoided, the
-    input freed before its gradient); keeps the unpadded input for backward (the padded copy
-    is rebuilt there), so it holds no more than the plain layer."""
+    """Zero-pad (global sides), then the layers' own :class:`~hpcpar.nn.conv.ConvOp`; holds the
+    unpadded input for backward (padded again there): no more than the plain layer."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, pad, op):
@@ -306,9 +259,8 @@ class _PaddedConv(torch.autograd.Function):
 
 
 def _pointwise(call: Call, channelwise: bool = False) -> torch.Tensor | None:
-    """An elementwise op on margin tensors of one layout (and operands that broadcast over
-    every spatial dim, or act per channel): computed on the whole piece, margin kept; else
-    None."""
+    """An elementwise op on margin tensors of one layout (and operands that broadcast over every
+    spatial dim, or act per channel): computed on the whole piece, margin kept; else None."""
     lay = call.splits[0]._hp
     if any(t._hp != lay for t in call.splits):
         return None
@@ -330,13 +282,16 @@ def _pointwise(call: Call, channelwise: bool = False) -> torch.Tensor | None:
 
 
 def crop(t: SplitTensor, learn: bool = True) -> SplitTensor:
-    """A margin tensor as this rank's piece (a copy; gradients flow to the margin's owner
-    through the run's exchange). ``learn``: the run ends here (not so for a look at the
-    piece, :func:`~hpcpar.nn.local` or the first-step check's)."""
+    """A margin tensor as this rank's piece (a copy). ``learn``: the run ends here (not so for a
+    look at the piece, :func:`~hpcpar.nn.local` or the first-step check's)."""
     lay = t._hp
     assert isinstance(lay, MarginLayout)   # what every caller checked
-    if learn:
-        _learn(lay)
+    if learn:   # cropped before its margin was used up: the next forwards take the halo it used
+        key, convs, used = lay.run
+        lay.ctx.fuse_counts[1] += 1
+        old = lay.ctx.fuse_seen.get(key)
+        if old is None or convs < old[0]:
+            lay.ctx.fuse_seen[key] = (convs, used)
     with torch._C.DisableTorchFunction():
         p = t.as_subclass(torch.Tensor)
         fmt = memory_format(input_layout(p))
@@ -348,14 +303,12 @@ def crop(t: SplitTensor, learn: bool = True) -> SplitTensor:
 
 
 def _batch_norm(call: Call) -> torch.Tensor | None:
-    """Batch norm of a margin tensor: statistics of the owned voxels (the same global ones
-    as unfused), every voxel normalised, margin kept; eval mode with running statistics is
-    per channel. None (cropped) for a tensor split otherwise."""
+    """Statistics of the owned voxels (the same global ones as unfused), every voxel normalised,
+    margin kept; eval with running statistics per channel. None for a tensor split otherwise."""
     b = call.bind(("input", "running_mean", "running_var", "weight", "bias", "training",
                    "momentum", "eps"), (None, None, False, 0.1, 1e-5))
     x = b["input"]
-    if not isinstance(x, SplitTensor) or any(t is not x for t in call.splits) or \
-            x.dim() != 5:
+    if not isinstance(x, SplitTensor) or any(t is not x for t in call.splits) or x.dim() != 5:
         return None
     if not b["training"] and b["running_mean"] is not None:
         return _pointwise(call, channelwise=True)

@@ -1,9 +1,9 @@
 """Group, instance and layer normalisation of split volumes, with statistics over the WHOLE
 sample: the functional twins of ``F.group_norm``, ``F.instance_norm`` and ``F.layer_norm``.
 
-Each norm standardises rows: one row per (sample, group) for group norm, per (sample,
-channel) for instance norm, per leading index for layer norm, each row spread over the ranks
-of ``grid.spatial_comm``. With M the GLOBAL count of a row and x̂ = (x - mean) / sqrt(var + eps):
+Each norm standardises rows: one row per (sample, group) for group norm, per (sample, channel)
+for instance norm, per leading index for layer norm, each row spread over the ranks of
+``grid.spatial_comm``. With M the GLOBAL count of a row and x̂ = (x - mean) / sqrt(var + eps):
 
     forward   every rank sends its (count, mean, M2) per row (torch's one-pass Welford,
               locally), and all merge them in rank order with Chan's formula
@@ -14,9 +14,14 @@ of ``grid.spatial_comm``. With M the GLOBAL count of a row and x̂ = (x - mean) 
               dγ, dβ = Σ_local dy·x̂, Σ_local dy   (partial: the gradient sync sums them)
 
 Rows are this rank's piece seen through a view (group norm splits C into (G, C/G)), so both
-memory formats work without copies, and the output keeps the input's format. Statistics are
-accumulated in float64 for float64 inputs and in float32 otherwise (half types included).
-Instance norm's running statistics are updated from the merged ones, identical on every rank.
+memory formats work without copies. Statistics accumulate in float64 for float64 inputs, else in
+float32 (half types included).
+
+Each function takes this rank's ``(N, C, d, h, w)`` piece ``x`` (the output keeps its memory
+format) and the global spatial shape ``gshape`` ``(D, H, W)``; collective over
+``grid.spatial_comm``. ``weight``/``bias`` are replicated, their gradients this rank's partial
+ones. LayerError where ``x`` is not this rank's piece of ``gshape`` (on every rank where a
+collective follows) or an affine tensor has the wrong shape.
 """
 
 from __future__ import annotations
@@ -41,10 +46,6 @@ if TYPE_CHECKING:
 __all__ = ["group_norm", "instance_norm", "layer_norm"]
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _check_dims(op: str, x: torch.Tensor) -> None:
     if x.dim() != 5:
         raise LayerError(f"{op}: expected this rank's (N, C, d, h, w) piece of a split volume, "
@@ -52,7 +53,7 @@ def _check_dims(op: str, x: torch.Tensor) -> None:
 
 
 def _piece_error(op: str, x: torch.Tensor, grid: ProcessGrid, gshape: Sequence[int]) -> str:
-    """Why ``x`` is not this rank's part of the global volume ``gshape`` ("" when it is)."""
+    """Why ``x`` is not this rank's part of ``gshape``; "" when it is."""
     want = local_shape((*x.shape[:2], *gshape), grid)
     if tuple(x.shape) == want:
         return ""
@@ -62,10 +63,8 @@ def _piece_error(op: str, x: torch.Tensor, grid: ProcessGrid, gshape: Sequence[i
 
 
 class _Rows(NamedTuple):
-    """How a norm sees this rank's piece: ``x.view(view)`` reduced over ``dims`` gives one
-    statistic per row. ``where`` names the op and the global volume for errors; ``piece_ok``
-    says whether this rank's piece matched it; ``on_stats(mean, var)`` (float64, one value per
-    row) sees the merged statistics, e.g. to update running buffers."""
+    """``x.view(view)`` reduced over ``dims`` gives one statistic per row; ``where`` names the op
+    for errors; ``on_stats(mean, var)`` (float64, per row) sees the merged statistics."""
 
     view: tuple[int, ...]
     dims: tuple[int, ...]
@@ -74,12 +73,6 @@ class _Rows(NamedTuple):
     where: str
     piece_ok: bool
     on_stats: Callable | None = None
-
-
-def _raise_local(error: str) -> None:
-    """Raise a piece error where no collective follows (no rank can be left waiting)."""
-    if error:
-        raise LayerError(error)
 
 
 def _rows(op: str, x: torch.Tensor, grid: ProcessGrid, gshape: Sequence[int],
@@ -91,11 +84,9 @@ def _rows(op: str, x: torch.Tensor, grid: ProcessGrid, gshape: Sequence[int],
 
 
 def _merge_moments(var: torch.Tensor, mean: torch.Tensor, count: int, rows: _Rows):
-    """Global (mean, biased var, count) per row from every rank's local ones (Chan et al.'s
-    parallel combination in float64, in rank order: one allgather, the same bits everywhere).
-
-    The gather also carries each rank's piece check, so a piece that does not match the global
-    volume on SOME ranks is refused by ALL of them (no rank is left waiting in a collective)."""
+    """Global (mean, biased var, count) per row (Chan et al. in float64, in rank order: the same
+    bits everywhere). The allgather also carries each rank's piece check, so a bad piece on SOME
+    ranks is refused by ALL of them (no rank is left waiting in a collective)."""
     n = mean.numel()
     head = torch.tensor([float(count), float(rows.piece_ok)], dtype=torch.float64,
                         device=mean.device)
@@ -112,22 +103,12 @@ def _merge_moments(var: torch.Tensor, mean: torch.Tensor, count: int, rows: _Row
     return gmean.view(mean.shape), (m2 / total).view(mean.shape), int(total.item())
 
 
-def _views(t: torch.Tensor, shape: Sequence[int]) -> bool:
-    """Whether ``t.view(shape)`` works (an alias, no copy)."""
-    try:
-        t.view(shape)
-    except RuntimeError:
-        return False
-    return True
-
-
 class _GlobalNorm(torch.autograd.Function):
-    """y = γ x̂ + β over the rows of ``x`` that ``rows`` describes (module docstring);
-    ``weight``/``bias`` broadcast against the rows' view."""
+    """y = γ x̂ + β over ``rows`` (module docstring); ``weight``/``bias`` broadcast to its view."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, rows):
-        acc = _acc_dtype(x.dtype)
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         fmt = memory_format(input_layout(x))
         base = x.detach().to(acc)
         xa = base.view(rows.view)
@@ -141,13 +122,16 @@ class _GlobalNorm(torch.autograd.Function):
         # place after the norm (autograd forbids it; nn.ReLU(inplace=True) after a GroupNorm,
         # as MONAI's SegResNet and DynUNet write it, would fail)
         out = torch.empty_like(base)
-        y = out.view(rows.view) if _views(out, rows.view) else None
+        try:
+            y = out.view(rows.view)
+        except RuntimeError:   # a piece that is not dense: computed aside
+            y = None
         y = torch.sub(xa, mean, out=y).mul_(rstd)
         if weight is not None:
             y.mul_(weight.detach().to(acc))
         if bias is not None:
             y.add_(bias.detach().to(acc))
-        if y.data_ptr() != out.data_ptr():  # a piece that is not dense: computed aside
+        if y.data_ptr() != out.data_ptr():
             out.copy_(y.reshape(x.shape))
         # x as a plain alias: a split tensor's piece (hpcpar.nn.split) would send every op
         # of the backward through its __torch_function__
@@ -191,33 +175,21 @@ def _view(t: torch.Tensor | None, shape: Sequence[int]) -> torch.Tensor | None:
     return None if t is None else t.view(shape)
 
 
-def _output_format(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``y`` in ``x``'s memory format (torch's local norms return contiguous tensors)."""
-    return y.contiguous(memory_format=memory_format(input_layout(x)))
+def _local(op: str, x: torch.Tensor, grid: ProcessGrid, gshape: Sequence[int],
+           norm: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """torch's local ``norm()`` in ``x``'s memory format (torch's is contiguous); the piece is
+    checked here, as no collective follows (no rank can be left waiting)."""
+    error = _piece_error(op, x, grid, gshape)
+    if error:
+        raise LayerError(error)
+    return norm().contiguous(memory_format=memory_format(input_layout(x)))
 
 
 def group_norm(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None = None,
                bias: torch.Tensor | None = None, eps: float = 1e-5, *, grid: ProcessGrid,
                gshape: Sequence[int]) -> torch.Tensor:
-    """``F.group_norm`` of the whole sample: each (sample, group) is normalised with its
-    statistics over all C/G channels and all D·H·W voxels of the spatial group.
-
-    Args:
-        x: This rank's ``(N, C, d, h, w)`` piece, either memory format (the output keeps it).
-        num_groups: Groups G; must divide C.
-        weight: Per-channel scale ``(C,)``, replicated; its gradient is this rank's partial one.
-        bias: Per-channel shift ``(C,)``, replicated; likewise.
-        eps: Added to the variance.
-        grid: The process grid (the statistics run over ``grid.spatial_comm``).
-        gshape: The global spatial shape ``(D, H, W)``, the same on every rank.
-
-    Returns:
-        This rank's piece of the normalised sample.
-
-    Raises:
-        LayerError: ``x`` is not this rank's piece of ``gshape``, G does not divide C, or an
-            affine tensor has the wrong shape.
-    """
+    """``F.group_norm`` of the whole sample: statistics per (sample, group) over its C/G channels
+    and all D·H·W voxels. ``weight``/``bias``: ``(C,)``; LayerError where G does not divide C."""
     op = "group_norm"
     _check_dims(op, x)
     n, c = x.shape[:2]
@@ -236,37 +208,16 @@ def instance_norm(x: torch.Tensor, running_mean: torch.Tensor | None = None,
                   bias: torch.Tensor | None = None, use_input_stats: bool = True,
                   momentum: float = 0.1, eps: float = 1e-5, *, grid: ProcessGrid,
                   gshape: Sequence[int], include_data: bool = False) -> torch.Tensor:
-    """``F.instance_norm`` of the whole sample (what ``nn.InstanceNorm3d`` calls): each
-    (sample, channel) is normalised with its statistics over all D·H·W voxels.
+    """``F.instance_norm`` of the whole sample (what ``nn.InstanceNorm3d`` calls): each (sample,
+    channel) is normalised with its statistics over all D·H·W voxels. ``weight``, ``bias`` and
+    the running buffers are ``(C,)``; the buffers come both or neither.
 
-    With ``use_input_stats`` and running buffers, the buffers are updated in place as torch
-    does (momentum-weighted batch mean of the per-sample means and of the unbiased variances
-    over the global voxel count), identically on every rank; with ``include_data`` the batch
-    mean is over the whole global batch (every data replica's samples), so the replicas keep
-    one model's buffers. Without ``use_input_stats`` (eval
-    with tracked statistics) the running buffers normalise locally, with no communication.
-
-    Args:
-        x: This rank's ``(N, C, d, h, w)`` piece, either memory format (the output keeps it).
-        running_mean: ``(C,)`` buffer, or None.
-        running_var: ``(C,)`` buffer, or None (given together with ``running_mean``).
-        weight: Per-channel scale ``(C,)``, replicated; its gradient is this rank's partial one.
-        bias: Per-channel shift ``(C,)``, replicated; likewise.
-        use_input_stats: Normalise with this batch's statistics (training, or untracked).
-        momentum: Weight of this batch in the running statistics.
-        eps: Added to the variance.
-        grid: The process grid (the statistics run over ``grid.spatial_comm``).
-        gshape: The global spatial shape ``(D, H, W)``, the same on every rank.
-        include_data: Average the running statistics over ``grid.data_comm`` too.
-
-    Returns:
-        This rank's piece of the normalised sample.
-
-    Raises:
-        LayerError: ``x`` is not this rank's piece of ``gshape``, the volume has one voxel
-            (training), only one running buffer is given, or none in eval, or an affine or
-            running tensor has the wrong shape.
-    """
+    With ``use_input_stats`` (training, or untracked), running buffers are updated in place as
+    torch does (batch mean of the per-sample means and unbiased variances over the global voxel
+    count), identically on every rank; with ``include_data`` over the whole global batch
+    (``grid.data_comm`` too). Without (eval with tracked statistics) they normalise locally, no
+    communication. LayerError also for a one-voxel volume in training, one running buffer alone,
+    none in eval, or a running buffer of the wrong shape."""
     op = "instance_norm"
     _check_dims(op, x)
     n, c = x.shape[:2]
@@ -278,9 +229,8 @@ def instance_norm(x: torch.Tensor, running_mean: torch.Tensor | None = None,
         if running_mean is None:
             raise LayerError(f"{op}: use_input_stats=False needs running_mean and running_var "
                              "(track_running_stats=True)")
-        _raise_local(_piece_error(op, x, grid, gshape))
-        return _output_format(x, F.instance_norm(x, running_mean, running_var, weight, bias,
-                                                 False, momentum, eps))
+        return _local(op, x, grid, gshape, lambda: F.instance_norm(
+            x, running_mean, running_var, weight, bias, False, momentum, eps))
     count = math.prod(gshape)
     if count <= 1:
         raise LayerError(f"{op}: expected more than 1 voxel per channel when training, got "
@@ -305,31 +255,15 @@ def instance_norm(x: torch.Tensor, running_mean: torch.Tensor | None = None,
 def layer_norm(x: torch.Tensor, normalized_shape: int | Sequence[int],
                weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                eps: float = 1e-5, *, grid: ProcessGrid, gshape: Sequence[int]) -> torch.Tensor:
-    """``F.layer_norm`` of the whole sample, ``normalized_shape`` in GLOBAL sizes.
+    """``F.layer_norm`` of the whole sample, ``normalized_shape`` (and the elementwise
+    ``weight``/``bias``'s shape) in GLOBAL sizes of the trailing dims.
 
     Trailing dims that hold every split axis, e.g. ``(C, D, H, W)`` or ``(D, H, W)``: each
-    leading index is normalised with its statistics over the whole sample, and this rank
-    applies its own slice of the elementwise ``weight``/``bias`` (their gradients are zero
-    outside it: partial, the gradient sync sums them). Trailing dims that hold no split axis
-    (``(W,)`` when W is not split) are plain local ``F.layer_norm``.
-
-    Args:
-        x: This rank's ``(N, C, d, h, w)`` piece, either memory format (the output keeps it).
-        normalized_shape: The global sizes of the trailing dims to normalise over.
-        weight: Elementwise scale of shape ``normalized_shape`` (global), replicated.
-        bias: Elementwise shift of shape ``normalized_shape`` (global), replicated.
-        eps: Added to the variance.
-        grid: The process grid (the statistics run over ``grid.spatial_comm``).
-        gshape: The global spatial shape ``(D, H, W)``, the same on every rank.
-
-    Returns:
-        This rank's piece of the normalised sample.
-
-    Raises:
-        LayerError: ``x`` is not this rank's piece of ``gshape``, ``normalized_shape`` is not
-            a trailing part of the global shape, or it holds some split axes but not all
-            (its statistics would need a sub-group of the spatial ranks).
-    """
+    leading index is normalised with its statistics over the whole sample, and this rank applies
+    its own slice of ``weight``/``bias`` (their gradients are zero outside it). Trailing dims
+    that hold no split axis (``(W,)`` when W is not split) are plain local ``F.layer_norm``.
+    LayerError also where ``normalized_shape`` is not a trailing part of the global shape, or
+    holds some split axes but not all (its statistics would need a sub-group of the ranks)."""
     op = "layer_norm"
     _check_dims(op, x)
     full = (*x.shape[:2], *gshape)
@@ -342,8 +276,7 @@ def layer_norm(x: torch.Tensor, normalized_shape: int | Sequence[int],
     first = len(full) - k                                  # first normalised dim
     split = {2 + a: p > 1 for a, p in enumerate(grid.spatial_shape)}
     if not any(s for d, s in split.items() if d >= first):
-        _raise_local(_piece_error(op, x, grid, gshape))
-        return _output_format(x, F.layer_norm(x, dims, weight, bias, eps))
+        return _local(op, x, grid, gshape, lambda: F.layer_norm(x, dims, weight, bias, eps))
     outside = [d for d, s in split.items() if s and d < first]
     if outside:
         raise LayerError(f"{op}: normalized_shape {dims} leaves out dim {outside[-1]} of the "

@@ -1,24 +1,12 @@
 """The one table that decides what every torch call on a split tensor does.
 
-Each op is in exactly one class (the spatial guide prints this table):
-
-=============  ==============================================================================
-class          meaning
-=============  ==============================================================================
-local          per voxel or per channel: runs on this rank's piece (pointwise math,
-               activations, casts, ``cat`` along channels, 1x1x1 convs go through ``conv``)
-stencil        needs neighbours: convolutions, pools, interpolation, padding (halo exchange)
-norm           statistics of the whole sample: batch/group/instance/layer norm (allreduce)
-reduction      over every split dim: the global value, replicated (allreduce)
-loss           mean/sum losses: the global mean/sum (the single-process value)
-dropout        masks from the seed and the GLOBAL voxel: independent of the split
-shape          views, permutes, indexing: allowed while every split dim stays whole
-metadata       ``.shape``/``.size()``/``.numel()`` answer with the GLOBAL shape
-refused        anything else: one line naming the op and the user's source line
-=============  ==============================================================================
-
-Ops not listed by name are classified by torch's own tags: an aten op tagged ``pointwise``
-is local; everything else is refused. Nothing is guessed.
+Each op is in exactly one class: local (this rank's piece), stencil (halo exchange), norm and
+reduction (global statistics, allreduce), loss (the single-process value), dropout and random
+(from the seed and GLOBAL coordinates), shape (the split dims tracked), metadata (the GLOBAL
+shape) or refused (one line naming the op and the user's source line). The models guide prints
+the table (:func:`table`, through ``docs/optable_table.py``). Ops not listed by name are
+classified by torch's own tags: an aten op tagged ``pointwise`` is local; everything else is
+refused. Nothing is guessed.
 """
 
 from __future__ import annotations
@@ -34,22 +22,18 @@ __all__ = ["rule_for", "kind_of", "table", "entries", "AS_IS", "METADATA", "REPL
 _T, _TORCH = torch.Tensor, torch
 
 
-def _get(ns, name):
-    return getattr(ns, name, None)
-
-
 def _names(kind, rule, names, spaces=(_T, _TORCH, F)):
     return [(kind, rule, obj) for n in names for ns in spaces
-            if (obj := _get(ns, n)) is not None]
+            if (obj := getattr(ns, n, None)) is not None]
 
 
 _LOCAL_EXTRA = (
     "to", "type", "type_as", "float", "double", "half", "bfloat16", "int", "long", "bool",
     "byte", "char", "short", "cpu", "cuda", "contiguous", "clone", "detach", "detach_",
     "requires_grad_", "retain_grad", "zero_", "fill_", "copy_", "hardswish", "hardsigmoid",
-    "relu6", "celu", "selu", "softsign", "tanhshrink", "hardtanh", "elu",
-    "logsigmoid", "mish", "silu", "threshold", "float_power", "clamp_min", "clamp_max",
-    "nan_to_num", "pin_memory", "register_hook", "masked_fill",
+    "relu6", "celu", "selu", "softsign", "tanhshrink", "hardtanh", "elu", "logsigmoid", "mish",
+    "silu", "threshold", "float_power", "clamp_min", "clamp_max", "nan_to_num", "pin_memory",
+    "register_hook", "masked_fill",
     # every elementwise activation by name: torch's pointwise tags differ between versions
     # (2.11 leaves leaky_relu and the in-place elu_, celu_, selu_, hardtanh_ untagged)
     "relu", "relu_", "leaky_relu", "leaky_relu_", "elu_", "celu_", "selu_", "hardtanh_",
@@ -105,8 +89,7 @@ _ENTRIES = [
     *_names("stencil", s.conv_transpose3d, ("conv_transpose3d",), (F,)),
     *_names("stencil", s.max_pool3d, ("max_pool3d",), (F,)),
     *_names("stencil", s.avg_pool3d, ("avg_pool3d",), (F,)),
-    *_names("stencil", s.adaptive_pool, ("adaptive_avg_pool3d", "adaptive_max_pool3d"),
-            (F,)),
+    *_names("stencil", s.adaptive_pool, ("adaptive_avg_pool3d", "adaptive_max_pool3d"), (F,)),
     *_names("stencil", s.interpolate, ("interpolate", "upsample", "upsample_nearest",
                                        "upsample_bilinear"), (F,)),
     *_names("stencil", s.pad, ("pad",), (F,)),
@@ -167,7 +150,7 @@ _ATEN_NAME = {
 def _aten_pointwise(name: str) -> bool:
     """torch's own classification: an aten op whose tensor overload is tagged pointwise. An
     alias is read as the op it names, and an in-place form (``abs_``, ``eq_``, ``x /= y``,
-    untagged) as its out-of-place twin (``x.abs_()`` refused was a false refusal)."""
+    untagged) as its out-of-place twin."""
     base = name.strip("_") if name.startswith("__") else name
     inplace = base.endswith("_")
     base = base.rstrip("_")
@@ -184,20 +167,16 @@ def _aten_pointwise(name: str) -> bool:
 
 
 _LOCAL_NAMES = frozenset(n.rstrip("_") for n in _LOCAL_EXTRA)
-
-
 #: The overloads that take tensors (the others are TorchScript's int/float/str forms).
 _TENSOR_OVERLOADS = ("default", "Tensor", "Scalar", "self", "Tensor_Scalar", "Tensor_Tensor")
-
-
 #: calls on a tensor itself, not on its values (a hook must go on the parameter)
 _NOT_VALUES = {"__get__", "__set__", "__delete__", "__setitem__", "register_hook",
                "register_post_accumulate_grad_hook", "retain_grad", "backward"}
 
 
 def reads_values(func) -> bool:
-    """Whether ``func`` computes from its tensors' values, so that a parameter among them
-    gets a gradient from the call: not an attribute, metadata or an in-place write."""
+    """Whether ``func`` computes from its tensors' values, so that a parameter among them gets a
+    gradient from the call: not an attribute, metadata or an in-place write."""
     name = getattr(func, "__name__", "")
     if name in _NOT_VALUES or _KIND.get(func) == "metadata":
         return False
@@ -213,7 +192,9 @@ def rule_for(func):
         return rule
     name = getattr(func, "__name__", "")
     if name == "__get__" and hasattr(func, "__self__"):
-        rule = _property_rule(func.__self__.__name__)
+        prop = func.__self__.__name__
+        rule = d.global_size if prop == "shape" else \
+            d.refuse_unknown if prop in ("T", "mT", "H", "mH") else d.attribute
     elif name == "__set__":
         rule = d.as_plain
     elif _aten_pointwise(name):
@@ -232,20 +213,11 @@ def kind_of(func) -> str | None:
     return _KIND.get(func)
 
 
-def _property_rule(name: str):
-    if name == "shape":
-        return d.global_size
-    if name in ("T", "mT", "H", "mH"):
-        return d.refuse_unknown
-    return d.attribute
-
-
 def entries(kinds=None) -> list[tuple[str, object, str]]:
     """(name, callable, class) for every op named here (of ``kinds`` only, if given), named
-    where torch binds it (``torch.nn.functional``, ``torch``, ``torch.linalg``, ``Tensor``;
-    an alias by the op's own name): what the op sweep (tests/nn/test_op_sweep.py) and the
-    models guide's table (:func:`table`) read. Names that torch binds to
-    non-callables (``torch.float`` is a dtype) are left out."""
+    where torch binds it (``torch.nn.functional``, ``torch``, ``torch.linalg``, ``Tensor``; an
+    alias by the op's own name): what the op sweep and the models guide's table read. Names that
+    torch binds to non-callables (``torch.float`` is a dtype) are left out."""
     names: dict = {}
     own = {o: getattr(o, "__name__", None) for o in _KIND}   # aliases compare equal
     for ns in (F, _TORCH, torch.linalg, _T):

@@ -1,7 +1,6 @@
-"""The generic rules of the dispatch (:mod:`.dispatch`): how a call on split tensors is run for
-shapes, pointwise and channel ops, indexing, reshapes, concatenation and replicated operands,
-and :class:`Call`, what a rule is given. The op table (:mod:`.optable`) maps each torch op to
-one of these or to a spatial twin (:mod:`.spatial_ops`).
+"""The generic rules of the dispatch (:mod:`.dispatch`) for shapes, pointwise and channel ops,
+indexing, reshapes, concatenation and replicated operands, and :class:`Call`, what a rule is
+given. The op table (:mod:`.optable`) maps each torch op to one of these or to a spatial twin.
 
 Replicated operands of a split op (conventions of DESIGN §2, the conjugate pair):
 
@@ -9,11 +8,11 @@ Replicated operands of a split op (conventions of DESIGN §2, the conjugate pair
   sums it over the spatial group (it is recorded as *spatial*);
 * any other replicated tensor that needs a gradient passes through
   :class:`hpcpar.parallel.primitives.SumGrad` (identity forward, allreduce of the gradient
-  backward), so whatever made it — a squeeze-excitation gate, a global mean — gets its full
-  gradient on every rank; parameters used only on replicated tensors are therefore complete
-  on every rank (recorded as *replicated*, tagged data-only);
-* a replicated tensor whose spatial dims have the GLOBAL lengths is sliced to this rank's
-  piece; length 1 broadcasts; this rank's local lengths mean it is already this rank's piece.
+  backward), so whatever made it (a squeeze-excitation gate, a global mean) gets its full
+  gradient on every rank; parameters used only on replicated tensors are therefore complete on
+  every rank (recorded as *replicated*, tagged data-only);
+* a replicated tensor whose spatial dims have the GLOBAL lengths is sliced to this rank's piece;
+  length 1 broadcasts; this rank's LOCAL lengths are refused (:func:`localize`).
 """
 
 from __future__ import annotations
@@ -37,8 +36,8 @@ __all__ = ["Call", "FAST", "leaves", "localize", "wrap_like", "pointwise", "chan
 
 
 def leaves(args, kwargs) -> list:
-    """The arguments, with lists and tuples opened one level (``cat``'s tensors): torch ops
-    take no deeper nesting of tensors, and a pytree walk costs ~50 us a call."""
+    """The arguments, with lists and tuples opened one level (``cat``'s tensors): torch ops take
+    no deeper nesting of tensors, and a pytree walk costs ~50 us a call."""
     out = []
     for a in (*args, *kwargs.values()):
         if type(a) in (list, tuple):
@@ -58,9 +57,8 @@ def map_args(fn, args, kwargs):
 
 
 def bind_args(names, defaults, args, kwargs) -> dict:
-    """A call's positional and keyword arguments by name (``names`` in the op's order;
-    ``defaults`` for its trailing names): the rules and the planner's tracer read an op the
-    same way."""
+    """A call's arguments by name (``names`` in the op's order; ``defaults`` for its trailing
+    names): the rules and the planner's tracer read an op the same way."""
     out = dict(zip(names[len(names) - len(defaults):], defaults))
     out.update(zip(names, args))
     out.update(kwargs)
@@ -83,12 +81,10 @@ class Call:
         return refuse(self.name, why, todo)
 
     def bind(self, names, defaults=()) -> dict:
-        """Positional and keyword arguments by name (:func:`bind_args`)."""
         return bind_args(names, defaults, self.args, self.kwargs)
 
     def by_name(self) -> dict:
-        """The arguments by torch's own names, defaults filled in
-        (:func:`~hpcpar.nn.view_maps.by_name`); refused where no form of the op takes them."""
+        """The arguments by torch's own names, defaults filled in, or refused."""
         b = by_name(self.func, self.args, self.kwargs)
         if b is None:
             raise self.refuse("is called with arguments hpcpar cannot match to torch's "
@@ -96,12 +92,19 @@ class Call:
         return b
 
     def replicated(self, t):
-        """A replicated operand, made ready for a split op (module docstring)."""
-        return prepare_replicated(t, self.ctx)
+        if not isinstance(t, torch.Tensor):
+            return t
+        if isinstance(t, nn.Parameter):
+            self.ctx.spatial_params.add(id(t))
+            return t
+        grid = self.ctx.grid
+        if t.requires_grad and torch.is_grad_enabled() and grid.spatial_size > 1:
+            return SumGrad.apply(t, grid.spatial_comm)
+        return t
 
     def plain(self, localize_to: Layout | None = None, ndim: int | None = None):
-        """``(args, kwargs)`` with split tensors unwrapped and replicated tensors prepared
-        (and, given ``localize_to``, cut to this rank's piece of that layout)."""
+        """``(args, kwargs)`` with split tensors unwrapped and replicated tensors prepared (and,
+        given ``localize_to``, cut to this rank's piece of that layout)."""
         def one(t):
             if isinstance(t, SplitTensor):
                 return raw(t)
@@ -125,31 +128,14 @@ def op_name(func) -> str:
 
 
 # -- replicated operands ---------------------------------------------------------------------
-def prepare_replicated(t, ctx):
-    if not isinstance(t, torch.Tensor):
-        return t
-    if isinstance(t, nn.Parameter):
-        ctx.spatial_params.add(id(t))
-        return t
-    if t.requires_grad and torch.is_grad_enabled() and ctx.grid.spatial_size > 1:
-        return SumGrad.apply(t, ctx.grid.spatial_comm)
-    return t
-
-
-def local_ranges(layout: Layout) -> list[tuple[int, int]]:
-    grid = layout.ctx.grid
-    return [part_range(n, p, c) for n, p, c in
-            zip(layout.gshape, grid.spatial_shape, grid.spatial_coords)]
-
-
 def localize(t: torch.Tensor, layout: Layout, ndim: int | None, op: str) -> torch.Tensor:
     """A replicated operand broadcast against a split result of ``ndim`` dims with ``layout``:
-    global lengths are cut to this rank's piece and 1 broadcasts. A plain tensor with this
-    rank's LOCAL lengths is refused: it is someone's piece that the split world cannot see
-    (a reduction of it alone would silently be this rank's share); mark it with
-    :func:`hpcpar.nn.split_like` instead."""
+    global lengths are cut to this rank's piece, 1 broadcasts. This rank's LOCAL lengths are
+    refused (a reduction of someone's piece alone would silently be a share: ``split_like``)."""
     ndim = ndim if ndim is not None else max(layout.sdims) + 1
-    for a, ((start, stop), n) in enumerate(zip(local_ranges(layout), layout.gshape)):
+    grid = layout.ctx.grid
+    for a, (n, p, c) in enumerate(zip(layout.gshape, grid.spatial_shape, grid.spatial_coords)):
+        start, stop = part_range(n, p, c)
         d = layout.sdims[a] - ndim + t.dim()  # the operand's dim aligned with the split dim
         if d < 0:
             continue
@@ -171,9 +157,8 @@ def localize(t: torch.Tensor, layout: Layout, ndim: int | None, op: str) -> torc
 
 # -- results ----------------------------------------------------------------------------------
 def wrap_like(out, layout: Layout, ndim: int, inputs=()):
-    """Every tensor of ``out`` that has ``ndim`` dims, split with ``layout``; one of the
-    call's ``inputs`` returned as it is (``type_as`` of the same type) is aliased, never
-    changed in place."""
+    """Every tensor of ``out`` that has ``ndim`` dims, split with ``layout``; one of the call's
+    ``inputs`` returned as it is (``type_as`` of the same type) is aliased, never changed."""
     def one(t):
         if isinstance(t, torch.Tensor) and not isinstance(t, SplitTensor) and t.dim() == ndim:
             return wrap(t, layout) if any(t is a for a in inputs) else adopt(t, layout)
@@ -182,10 +167,8 @@ def wrap_like(out, layout: Layout, ndim: int, inputs=()):
 
 
 def same_split(call: Call, what: str = "its operands", broadcast: bool = False):
-    """The split operands' common layout relative to the last dim; refuse if they differ.
-    With ``broadcast``, an extent of 1 meets any other on an axis the grid does not split
-    (``h.amax(2, keepdim=True) * h`` with D whole: every rank holds that one plane); on a
-    split axis one rank would hold it and the others nothing."""
+    """The split operands' common layout relative to the last dim, or refused. ``broadcast``: an
+    extent of 1 meets any other on an axis the grid does not split (on a split one, one rank)."""
     rel = None
     axes = call.ctx.grid.spatial_shape
     for t in call.splits:
@@ -206,16 +189,18 @@ def same_split(call: Call, what: str = "its operands", broadcast: bool = False):
 
 # -- pointwise -------------------------------------------------------------------------------
 def pointwise(call: Call):
-    """Elementwise with broadcasting: each voxel's result needs only that voxel. Written in
-    place into a plain tensor (``buf.add_(split)``, ``out=plain``), the result would be
-    this rank's piece of a tensor that every rank holds whole, the rest of it stale: refused
-    (:func:`refuse_write_into_plain`)."""
+    """Elementwise with broadcasting. Written in place into a plain tensor (``buf.add_(split)``,
+    ``out=plain``) it would update this rank's piece of what every rank holds whole: refused."""
     first = call.args[0] if call.args else None
     if isinstance(first, torch.Tensor) and not isinstance(first, SplitTensor) and \
             writes_by_name(call.name, call.kwargs) or \
             isinstance(call.kwargs.get("out"), torch.Tensor) and \
             not isinstance(call.kwargs["out"], SplitTensor):
-        raise refuse_write_into_plain(call)
+        raise call.refuse("writes a split tensor in place into a plain tensor that every rank "
+                          "holds whole (this rank would update only its piece, the rest stale)",
+                          "compute it out of place (prior = prior + conv(x): the result is "
+                          "split like its operands), and keep in a buffer only what every rank "
+                          "holds alike (a statistic reduced over the spatial dims)")
     rel, gshape = same_split(call, broadcast=True)
     ndim = max(t.dim() for t in leaves(call.args, call.kwargs) if isinstance(t, torch.Tensor))
     layout = call.layout.with_(sdims=[ndim + r for r in rel], gshape=gshape)
@@ -245,9 +230,8 @@ def _pointwise_alike(func, args, kwargs, flat, splits):
 
 
 def channelwise(call: Call):
-    """Ops that act per voxel across its channels (dim 1), with replicated operands per
-    channel (``prelu``'s weight, ``channel_shuffle``): no alignment; a split dim 1 (the
-    channels moved elsewhere) would mix a voxel with its neighbours."""
+    """Per voxel across its channels (dim 1), replicated operands per channel (``prelu``'s
+    weight): no alignment; a split dim 1 would mix a voxel with its neighbours."""
     if 1 in call.layout.sdims:
         raise call.refuse("acts along dim 1, which is split here", "apply it with the "
                           "channels at dim 1")
@@ -257,8 +241,7 @@ def channelwise(call: Call):
 
 def like_factory(call: Call):
     """``zeros_like`` and friends: a new split tensor of the same layout."""
-    out = call.run_plain()
-    return wrap_like(out, call.layout, call.splits[0].dim())
+    return wrap_like(call.run_plain(), call.layout, call.splits[0].dim())
 
 
 # -- metadata -----------------------------------------------------------------------------------
@@ -271,18 +254,15 @@ def global_size(call: Call):
 
 
 def global_numel(call: Call):
-    t = call.splits[0]
-    return math.prod(t._hp.global_shape(t.shape_local))
+    return math.prod(_global_shape_of(call.splits[0]))
 
 
 def global_len(call: Call):
-    t = call.splits[0]
-    return t._hp.global_shape(t.shape_local)[0]
+    return _global_shape_of(call.splits[0])[0]
 
 
 def attribute(call: Call):
-    """Getters (dtype, device, grad, data, ...): the piece's own; a tensor of the piece's
-    shape stays split."""
+    """Getters (dtype, grad, data, ...): the piece's own; a tensor of its shape stays split."""
     out = call.run_plain()
     t = call.splits[0]
     if isinstance(out, torch.Tensor) and out.shape == t.shape_local:
@@ -291,29 +271,13 @@ def attribute(call: Call):
 
 
 def as_plain(call: Call):
-    """Calls that only look at the piece and return no tensor (printing, copying for
-    pickling, hooks)."""
+    """Calls that only look at the piece and return no tensor (printing, pickling, hooks)."""
     return call.run_plain()
 
 
-def _plain_alike(func, args, kwargs, flat, splits):
-    """:func:`as_plain` without a :class:`Call`."""
-    return func(*args, **kwargs)
-
-
-def refuse_write_into_plain(call: Call):
-    """The refusal of an in-place write of split data into a plain (replicated) tensor."""
-    return call.refuse("writes a split tensor in place into a plain tensor that every rank "
-                       "holds whole (this rank would update only its piece, the rest stale)",
-                       "compute it out of place (prior = prior + conv(x): the result is "
-                       "split like its operands), and keep in a buffer only what every rank "
-                       "holds alike (a statistic reduced over the spatial dims)")
-
-
 def one_hot(call: Call):
-    """``F.one_hot`` of a split label volume: each voxel alone, its classes appended as a
-    new last dim. The class count must be given: torch takes it from the largest label,
-    which on a piece is this rank's own."""
+    """``F.one_hot`` of a split label volume: each voxel alone, its classes a new last dim. The
+    class count must be given: torch takes it from the largest label, on a piece this rank's."""
     b = call.bind(("tensor", "num_classes"), (-1,))
     if b["num_classes"] < 0:
         raise call.refuse("takes the class count from the largest label of this rank's "
@@ -339,8 +303,7 @@ def refuse_random(call: Call):
 
 
 def rrelu(call: Call):
-    """Elementwise with the mean slope; while training, one random slope per element, which
-    each rank would draw for its own piece."""
+    """Elementwise with the mean slope; while training, refused: random slopes per element."""
     b = call.bind(("input", "lower", "upper", "training"))
     if b.get("training", False):
         return refuse_random(call)
@@ -348,8 +311,7 @@ def rrelu(call: Call):
 
 
 def where(call: Call):
-    """``where(cond, a, b)`` is elementwise; ``where(cond)`` lists the indices of the nonzero
-    elements (``nonzero``'s), which on a piece are only this rank's, in its own coordinates."""
+    """``where(cond, a, b)`` is elementwise; ``where(cond)``'s indices would be this rank's."""
     if len(call.args) + len(call.kwargs) == 1:
         raise call.refuse("lists the indices of the nonzero elements", "use where(cond, a, b), "
                           "or count with (cond).sum(), which is global")
@@ -364,9 +326,7 @@ _RESIZING = ("topk", "diff", "glu")
 
 def dim_local(call: Call):
     """Ops that mix values along one dim (softmax, cumsum, sort, ...): local unless the grid
-    splits that dim (along a whole one every rank holds all of it). The dim is read by torch's
-    signature: ``topk(x, 1, 3)`` mixes along dim 3, not 1 (read as the dim, a split dim was
-    taken for a whole one and the op ran on each piece: silently wrong)."""
+    splits that dim. The dim is read by torch's signature: ``topk(x, 1, 3)`` mixes along dim 3."""
     t = call.splits[0]
     dim = call.by_name().get("dim")
     sdims, name = t._hp.sdims, call.name.rstrip("_")
@@ -381,8 +341,7 @@ def dim_local(call: Call):
 
 
 def flip(call: Call):
-    """flip along batch or channel dims: local; along a split dim it would need the mirror
-    rank's piece: refused."""
+    """Along batch or channel dims: local; a split dim would need the mirror rank's piece."""
     t = call.splits[0]
     if any(d in t._hp.sdims for d in _dims_arg(call.by_name()["dims"], t.dim())):
         raise call.refuse("mirrors a split dim", "flip batch or channel dims only")
@@ -390,10 +349,8 @@ def flip(call: Call):
 
 
 def new_factory(call: Call):
-    """``x.new_zeros(size)`` and friends. ``x``'s own (global) shape gives a split tensor of
-    this rank's piece, as ``zeros_like`` does (a global-size copy on every rank would only
-    cost memory); any other size, and ``new_tensor(data)``, a plain tensor, the same on
-    every rank."""
+    """``x.new_zeros(size)`` and friends: ``x``'s own (global) shape gives a split tensor, as
+    ``zeros_like`` does; any other size, and ``new_tensor(data)``, a plain tensor."""
     t = call.splits[0]
     if call.name.endswith("new_tensor"):   # its argument is data, never a shape
         return call.run_plain()
@@ -419,10 +376,8 @@ def _global_shape_of(t) -> torch.Size:
 
 
 def _plain_as(call: Call, other) -> torch.Tensor:
-    """``plain.view_as(x)`` / ``reshape_as(x)`` / ``expand_as(x)`` with ``x`` split: the plain
-    tensor given ``x``'s global shape (viewed or reshaped; expanded once cut), cut to this
-    rank's piece of ``x``'s layout (it was taken for ``x`` itself: silently wrong where
-    nothing is split)."""
+    """``plain.view_as(x)`` / ``reshape_as(x)`` / ``expand_as(x)`` with ``x`` split: given
+    ``x``'s global shape (expanded once cut), cut to this rank's piece of ``x``'s layout."""
     whole = call.replicated(call.args[0])
     if call.name == "expand_as":
         piece = localize(whole, other._hp, other.dim(), call.name)
@@ -432,16 +387,15 @@ def _plain_as(call: Call, other) -> torch.Tensor:
 
 
 def writes_by_name(name: str, kwargs) -> bool:
-    """:func:`writes_into_first` by the op's name and keywords only (no signature read:
-    the pointwise rule asks on every call with a plain first operand)."""
+    """:func:`writes_into_first` by the op's name and keywords only (no signature read: the
+    pointwise rule asks on every call with a plain first operand)."""
     return (name.endswith("_") and not name.endswith("__")) or (
         name.startswith("__i") and name not in ("__index__", "__int__", "__invert__")) or \
         name == "__setitem__" or bool(kwargs.get("inplace")) or "out" in kwargs
 
 
 def writes_into_first(func, args, kwargs) -> bool:
-    """Whether ``func`` writes into its first argument (``add_``, ``x += y``, ``x[i] = v``,
-    ``inplace=True``, ``out=``)."""
+    """``add_``, ``x += y``, ``x[i] = v``, ``inplace=True``, ``out=``."""
     return writes_by_name(op_name(func), kwargs) or \
         bool((by_name(func, args, kwargs) or {}).get("inplace"))
 
@@ -453,8 +407,8 @@ def reshape_target(call: Call) -> tuple[list[int], list[int]]:
 
 
 def _dim_map(call: Call, t) -> tuple[list[int], str, tuple]:
-    """(``t``'s global shape, the op's name in :data:`~hpcpar.nn.view_maps.MAPS`, its
-    dimension map for this call): ``x.view_as(y)`` is ``x.view(y.shape)``."""
+    """(``t``'s global shape, the op's name in :data:`~hpcpar.nn.view_maps.MAPS`, its dimension
+    map for this call): ``x.view_as(y)`` is ``x.view(y.shape)``."""
     b = call.by_name()
     if "dtype" in b:
         raise call.refuse("reinterprets the dtype", "convert with .to(dtype) instead")
@@ -469,9 +423,8 @@ def _dim_map(call: Call, t) -> tuple[list[int], str, tuple]:
 
 
 def same_shape_view(call: Call, gold, gnew):
-    """A view or reshape of a split tensor to the global shape it already has: itself, as
-    torch gives it (torch's module backward hooks ``view_as`` an output to itself); None for
-    any other call."""
+    """A view or reshape of a split tensor to the global shape it already has: itself, as torch
+    gives it (torch's module backward hooks ``view_as`` an output to itself); else None."""
     t = call.splits[0]
     if t is not call.args[0] or gnew != gold:
         return None
@@ -480,17 +433,15 @@ def same_shape_view(call: Call, gold, gnew):
 
 
 def reshape(call: Call):
-    """view / reshape / view_as / reshape_as: :func:`shape_op` (a rule of its own: a layout
-    whose split dims are merged takes a view back to its volume, :mod:`hpcpar.nn.tokens`)."""
+    """view / reshape / view_as / reshape_as: a rule of its own, since a layout whose split dims
+    are merged takes a view back to its volume (:mod:`hpcpar.nn.tokens`)."""
     return shape_op(call)
 
 
 def shape_op(call: Call):
-    """A shape op of :data:`~hpcpar.nn.view_maps.MAPS` (permute, flatten, squeeze, expand,
-    ...): its dimension map, propagated over the split dims (every split dim keeps a dim of
-    its own: batch and channel dims merge, split and repeat freely). A standard volume
-    flattened to ``(N, C*D*H*W)`` or ``(N, C, D*H*W)`` takes the split head's or the
-    tokens' layout."""
+    """A shape op of :data:`~hpcpar.nn.view_maps.MAPS`: its dimension map, propagated over the
+    split dims. A standard volume flattened to ``(N, C*D*H*W)`` or ``(N, C, D*H*W)`` takes the
+    split head's or the tokens' layout."""
     t: SplitTensor = call.splits[0]
     if call.name.endswith("_as") and not isinstance(call.args[0], SplitTensor):
         return _plain_as(call, t)   # a plain tensor shaped like the split `other`
@@ -512,8 +463,7 @@ def shape_op(call: Call):
 
 
 def _head(t, gold, gnew) -> Layout | None:
-    """The split head's layout for a standard split volume flattened to ``(N, C*D*H*W)``, the
-    tokens' for ``(N, C, D*H*W)``; None for any other shape."""
+    """The split head's layout for ``(N, C*D*H*W)``, the tokens' for ``(N, C, D*H*W)``, or None."""
     lay = t._hp
     if not lay.standard or len(gold) != 5:
         return None
@@ -525,14 +475,13 @@ def _head(t, gold, gnew) -> Layout | None:
     return None
 
 
-#: the dim hstack / vstack / dstack join tensors of 3 dims or more along (a split tensor has
-#: at least its 3 spatial dims): they are then torch.cat along it
+#: the dim hstack / vstack / dstack join tensors of 3 dims or more along (a split tensor has at
+#: least its 3 spatial dims): they are then torch.cat along it
 _FIXED_DIM = {"hstack": 1, "vstack": 0, "dstack": 2}
 
 
 def cat(call: Call):
-    """cat / stack / hstack / vstack / dstack along a dim that is not split: local (the batch
-    dim too: a replica's samples are its own, as in DDP)."""
+    """Along a dim that is not split: local (the batch dim too: a replica's samples are its own)."""
     rel, gshape = same_split(call, "tensors to join")
     b = call.by_name()
     tensors, fixed = b["tensors"], _FIXED_DIM.get(call.name)
@@ -566,8 +515,8 @@ def split_like(call: Call):
 
 
 def getitem(call: Call):
-    """Indexing: ints, slices, None and ... on batch and channel dims; a split dim takes
-    ``:`` or a step-1 slice in GLOBAL coordinates (a crop: ``F.pad`` with negative pads)."""
+    """Indexing: ints, slices, None and ... on batch and channel dims; a split dim takes ``:`` or
+    a step-1 slice in GLOBAL coordinates (a crop: ``F.pad`` with negative pads)."""
     t = call.splits[0]
     index = call.args[1]
     index = list(index) if isinstance(index, tuple) else [index]
@@ -598,8 +547,7 @@ def getitem(call: Call):
 
 
 def _index_dims(index, n):
-    """(position in the index, the tensor dim it reads, or None for a new dim) of each entry;
-    ``...`` reads every dim the others leave."""
+    """(position in the index, the tensor dim it reads or None for a new dim) of each entry."""
     span, dim = n - sum(1 for i in index if i is not None and i is not Ellipsis), 0
     for pos, i in enumerate(index):
         if i is None:
@@ -647,8 +595,7 @@ def setitem(call: Call):
 
 
 def linear(call: Call):
-    """F.linear / matmul on a split tensor: exact only when the contracted last dim is not
-    split (a per-voxel MLP on channels-last data)."""
+    """Exact only when the contracted last dim is not split (a per-voxel MLP, channels last)."""
     t = call.args[0]
     if not isinstance(t, SplitTensor) or any(isinstance(a, SplitTensor) for a in call.args[1:]):
         raise call.refuse("contracts over a split tensor's dims", "apply it per voxel on "
@@ -667,4 +614,5 @@ def linear(call: Call):
 
 #: Rules' fast forms: ``(func, args, kwargs, leaves, splits)`` -> the result, or
 #: ``NotImplemented`` where the rule itself must look (see :func:`handle`).
-FAST = {pointwise: _pointwise_alike, as_plain: _plain_alike}
+FAST = {pointwise: _pointwise_alike,
+        as_plain: lambda func, args, kwargs, flat, splits: func(*args, **kwargs)}

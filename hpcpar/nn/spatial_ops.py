@@ -1,12 +1,10 @@
-"""The rules of split ops that need their neighbours or the whole sample: convolutions,
-pools, resampling, padding, norms, reductions, dropout and losses.
+"""The rules of split ops that need their neighbours or the whole sample: convolutions, pools,
+resampling, padding, norms, reductions, dropout and losses.
 
-Each rule takes a :class:`~hpcpar.nn.rules.Call`, runs the exact spatial implementation
-on this rank's piece and returns the result split (or replicated, for a reduction over every
-split dim). Module and functional forms arrive here alike: ``nn.Conv3d.forward`` calls
-``F.conv3d``, so the rule for ``F.conv3d`` serves both. Stencils reuse the spatial layers'
-cached halo plans through a twin per op signature (built once, on the meta device: it holds
-the geometry, the caller's tensors are the parameters).
+Each rule takes a :class:`~hpcpar.nn.rules.Call` and runs the exact spatial implementation on
+this rank's piece (``nn.Conv3d.forward`` calls ``F.conv3d``, so one rule serves module and
+function). Stencils reuse the spatial layers' cached halo plans through a twin per op signature
+(built once, on the meta device: it holds the geometry, the caller's tensors the parameters).
 """
 
 from __future__ import annotations
@@ -48,9 +46,8 @@ def _standard(call: Call, x) -> Layout:
 
 
 def _hashable(v):
-    """A call's argument as part of a twin's key: lists as tuples. Keys use the arguments as
-    given (normalised only when a twin is made): ``padding=1`` and ``(1, 1, 1)`` may get two
-    equal twins, and no call pays for normalising."""
+    """Keys use the arguments as given (lists as tuples; normalised only when a twin is made):
+    ``padding=1`` and ``(1, 1, 1)`` may get two equal twins, and no call pays for normalising."""
     return tuple(v) if isinstance(v, list) else v
 
 
@@ -62,8 +59,7 @@ def _twin(call: Call, key, make):
 
 
 def _run_twin(call: Call, twin, x, *params):
-    """The twin's forward on this rank's piece (``params`` for the convolutions; called
-    directly, not through ``nn.Module.__call__``: a twin has no hooks)."""
+    """The twin's forward on this rank's piece, called directly: a twin has no hooks."""
     lay = _standard(call, x)
     xl = raw(x)
     out = twin.spatial_forward(xl, *params, lay.gshape) if params else \
@@ -78,40 +74,31 @@ CONV_ARGS = (("input", "weight", "bias", "stride", "padding", "dilation", "group
 
 
 def conv3d(call: Call, start=None):
-    """``F.conv3d``. ``start(call, bound_args, weight, bias)``, given, may take the call
-    where the layer has no route of its own around the exchange (a fused run's first
-    convolution, :mod:`hpcpar.nn.fused_halo`); it returns None where it declines."""
+    """``start(call, bound_args, weight, bias)`` may take the call where the layer has no route of
+    its own around the exchange (:mod:`hpcpar.nn.fused_halo`), or decline with None."""
     b = call.bind(*CONV_ARGS)
     w, bias = call.replicated(b["weight"]), call.replicated(b["bias"])
     key = ("conv3d", w.shape, *(_hashable(b[k]) for k in ("stride", "padding", "dilation")),
            b["groups"], bias is not None)
     twin = _twin(call, key, lambda: _conv_twin(call, b, w, bias))
-    lay = b["input"]._hp
-    std = type(lay) is Layout and lay.standard and b["input"].dim() == 5
+    x = b["input"]
+    lay = x._hp
+    std = type(lay) is Layout and lay.standard and x.dim() == 5
     trimmed = twin.trimmed(xyz(lay.gshape)) if std else None
     if trimmed is not None:
         # kernel taps that only read padding dropped: the smaller convolution, its own halo
         small, taps = trimmed
-        return _run_twin(call, small, b["input"], w[taps], bias)
-    # the first of a run of convolutions sharing one exchange? Not where the layer takes its
-    # boundary path, which already hides the faces behind the interior's compute (UNet3D's
-    # demo, batch 4 on 1x2x1x1: 0.74x fused through the general path)
-    if start is not None and not (
-            std and twin.whole_route(raw(b["input"]), xyz(lay.gshape)) is not None) and \
-            not _boundary_path(twin, b["input"]):
+        return _run_twin(call, small, x, w[taps], bias)
+    # the first of a run of convolutions sharing one exchange? Not where the layer gathers the
+    # map or takes its boundary path, which already hides the faces behind the interior's
+    # compute (UNet3D's demo, batch 4 on 1x2x1x1: 0.74x fused through the general path)
+    if start is not None and not (std and (
+            twin.whole_route(raw(x), xyz(lay.gshape)) is not None or
+            twin.boundary_path(raw(x), twin.spatial_plan(raw(x), xyz(lay.gshape))))):
         out = start(call, b, w, bias)
         if out is not None:
             return out
-    return _run_twin(call, twin, b["input"], w, bias)
-
-
-def _boundary_path(twin: SpatialConv3d, x) -> bool:
-    """Whether the convolution of ``x`` takes the layer's boundary path (the test of
-    :meth:`SpatialConv3d.spatial_forward`)."""
-    lay = x._hp
-    if type(lay) is not Layout or not lay.standard or x.dim() != 5:
-        return False
-    return twin.boundary_path(raw(x), twin.spatial_plan(raw(x), xyz(lay.gshape)))
+    return _run_twin(call, twin, x, w, bias)
 
 
 def _conv_twin(call: Call, b, w, bias) -> SpatialConv3d:
@@ -141,11 +128,9 @@ def conv_transpose3d(call: Call):
 # -- pools -------------------------------------------------------------------------------------
 class PoolRule:
     """The rule of a windowed pool whose spatial layer is ``cls`` (built from the call's
-    arguments but the input, by ``names`` with ``defaults`` for the trailing ones). A new
-    pool is its layer and one :mod:`~hpcpar.nn.optable` row holding its ``PoolRule``: the
-    planner's tracer reads the window (``kernel_size``, ``stride``, ``padding``,
-    ``dilation``, ``ceil_mode``) from the same names, and ``keeps`` what backward holds
-    ("none": indices only, else the planner's trace decides)."""
+    arguments by ``names``, ``defaults`` for the trailing ones). A new pool is its layer and one
+    :mod:`~hpcpar.nn.optable` row holding its ``PoolRule``: the planner's tracer reads the
+    window by the same names; ``keeps`` what backward holds ("none": indices only)."""
 
     def __init__(self, cls, names, defaults, keeps=None):
         self.cls, self.names, self.defaults, self.keeps = cls, names, defaults, keeps
@@ -157,23 +142,20 @@ class PoolRule:
             raise call.refuse("returns indices into the local piece",
                               "use return_indices=False")
         kw = {k: b[k] for k in self.names[1:] if k != "return_indices"}
-        key = (self.cls.__name__,) + tuple(
-            tuple(v) if isinstance(v, list) else v for v in kw.values())
+        key = (self.cls.__name__, *map(_hashable, kw.values()))
         twin = _twin(call, key, lambda: self.cls(**kw, grid=call.ctx.grid))
         return _run_twin(call, twin, b["input"])
 
 
-max_pool3d = PoolRule(SpatialMaxPool3d, ("input", "kernel_size", "stride", "padding",
-                                         "dilation", "ceil_mode", "return_indices"),
+_WINDOW = ("input", "kernel_size", "stride", "padding")
+max_pool3d = PoolRule(SpatialMaxPool3d, (*_WINDOW, "dilation", "ceil_mode", "return_indices"),
                       (None, 0, 1, False, False), keeps="none")
-avg_pool3d = PoolRule(SpatialAvgPool3d, ("input", "kernel_size", "stride", "padding",
-                                         "ceil_mode", "count_include_pad", "divisor_override"),
-                      (None, 0, False, True, None))
+avg_pool3d = PoolRule(SpatialAvgPool3d, (*_WINDOW, "ceil_mode", "count_include_pad",
+                                         "divisor_override"), (None, 0, False, True, None))
 
 
 def adaptive_pool(call: Call):
-    """Adaptive pools: output size 1 on every axis is a global reduction (replicated);
-    other sizes pool the owned output cells' input windows (hpcpar.nn.resample)."""
+    """Size 1 on every axis: a global reduction (replicated); else :mod:`hpcpar.nn.resample`."""
     b = call.bind(("input", "output_size", "return_indices"), (False,))
     x = b["input"]
     lay = _standard(call, x)
@@ -183,8 +165,7 @@ def adaptive_pool(call: Call):
         raise call.refuse("returns indices into the local piece", "use return_indices=False")
     op = "mean" if "avg" in call.name else "amax"
     if all(s == 1 for s in sizes):
-            return global_reduce(raw(x), op, (2, 3, 4), True, grid=call.ctx.grid,
-                             gshape=lay.gshape)
+        return global_reduce(raw(x), op, (2, 3, 4), True, grid=call.ctx.grid, gshape=lay.gshape)
     fn = resample.adaptive_avg_pool3d if op == "mean" else resample.adaptive_max_pool3d
     out, gshape = fn(raw(x), sizes, grid=call.ctx.grid, gshape=lay.gshape)
     return adopt(out, lay.with_(gshape=gshape))
@@ -214,12 +195,12 @@ def pad(call: Call):
 
 # -- norms -------------------------------------------------------------------------------------
 def batch_norm(call: Call):
-    """Training (or no running statistics): statistics of the whole volume (and the whole
-    global batch with ``bn_include_data``); eval with running statistics: per channel, local."""
+    """Training (or no running statistics): statistics of the whole volume (and the whole global
+    batch with ``bn_include_data``); eval with running statistics: per channel, local."""
     b = call.by_name()
     x = b["input"]
     if not b["training"] and b["running_mean"] is not None:
-        return channelwise(call)  # per channel with the running statistics
+        return channelwise(call)
     lay = _standard(call, x)
     grid = call.ctx.grid
     comm = grid.comm if call.ctx.bn_include_data else grid.spatial_comm
@@ -257,7 +238,10 @@ def layer_norm(call: Call):
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     lay = x._hp
     if all(d < x.dim() - len(shape) for d in lay.sdims):
-        return pointwise(call) if b["weight"] is None else _local_layer_norm(call, b, shape)
+        if b["weight"] is None:
+            return pointwise(call)
+        args, kwargs = call.plain()  # weights over non-split dims: used whole
+        return adopt(call.func(*args, **kwargs), lay)
     lay = _standard(call, x)
     out = global_norm.layer_norm(raw(x), shape, call.replicated(b["weight"]),
                                  call.replicated(b["bias"]), b["eps"], grid=call.ctx.grid,
@@ -265,23 +249,16 @@ def layer_norm(call: Call):
     return adopt(out, lay)
 
 
-def _local_layer_norm(call: Call, b, shape):
-    args, kwargs = call.plain()  # weights over non-split dims: used whole
-    return adopt(call.func(*args, **kwargs), b["input"]._hp)
-
-
 # -- reductions --------------------------------------------------------------------------------
 _REDUCE_NAMES = {"sum": "sum", "mean": "mean", "amax": "amax", "amin": "amin", "var": "var",
-                 "std": "std", "max": "amax", "min": "amin", "nansum": None, "nanmean": None,
-                 "prod": None, "logsumexp": None, "norm": None, "all": None, "any": None,
-                 "count_nonzero": None, "argmax": None, "argmin": None, "median": None,
-                 "linalg_vector_norm": None,
-                 "quantile": None, "nanquantile": None, "var_mean": None, "std_mean": None}
+                 "std": "std", "max": "amax", "min": "amin", **dict.fromkeys((
+                     "nansum", "nanmean", "prod", "logsumexp", "norm", "all", "any",
+                     "count_nonzero", "argmax", "argmin", "median", "linalg_vector_norm",
+                     "quantile", "nanquantile", "var_mean", "std_mean"))}
 
 
 def reduction(call: Call):
-    """Over dims none of which is split: local. Over every split dim: the global value,
-    replicated (``hpcpar.nn.reduce``). Over some split dims only: refused."""
+    """Over no split dim: local; over every one: the global value, replicated; else refused."""
     x = call.splits[0]
     lay = x._hp
     n = x.dim()
@@ -341,9 +318,8 @@ _NORMS = {"norm": "p", "linalg_vector_norm": "ord"}
 
 
 def _p_norm(call, xl, reduce, p):
-    """``torch.norm`` / ``torch.linalg.vector_norm`` of order ``p`` over the split dims (a
-    global response norm's ``torch.norm(x, p=2, dim=(-3, -2, -1))``) from global sums and
-    maxima; the gradient of each is torch's on the piece."""
+    """``torch.norm`` / ``torch.linalg.vector_norm`` of order ``p`` over the split dims (a global
+    response norm's ``torch.norm(x, p=2, dim=(-3, -2, -1))``) from global sums and maxima."""
     if p is None or p == "fro" or p == 2:
         return reduce(xl, "norm")
     if isinstance(p, str) or not isinstance(p, (int, float)):
@@ -358,10 +334,8 @@ def _p_norm(call, xl, reduce, p):
 
 
 def _composed(name, xl, reduce, keepdim, dims, correction):
-    """``var_mean``/``std_mean`` (hand-written norms use them), ``nansum``/``nanmean`` (masked
-    losses), ``logsumexp`` (LSE pooling) and ``count_nonzero``/``any``/``all`` (checks) over
-    the split dims, from global sums, means and maxima: the single-process values, their
-    gradients the exact pieces."""
+    """``var_mean``, ``std_mean``, ``nansum``, ``nanmean``, ``logsumexp``, ``count_nonzero``,
+    ``any`` and ``all`` over the split dims, from global sums, means and maxima."""
     if name in ("var_mean", "std_mean"):
         return reduce(xl, name[:3], correction=correction), reduce(xl, "mean")
     if name in ("count_nonzero", "any", "all"):   # counts of nonzero elements, in float64
@@ -390,8 +364,7 @@ def _correction(b) -> float:
 
 # -- dropout -----------------------------------------------------------------------------------
 def dropout(call: Call):
-    """Split-independent masks: they depend on the seed and the GLOBAL sample, channel and
-    voxel (hpcpar.nn.dropout), so any grid gives the one-rank result."""
+    """Masks depend on the seed and the GLOBAL sample, channel and voxel: split-independent."""
     name = call.name
     if name in ("alpha_dropout", "feature_alpha_dropout", "dropout1d"):
         raise call.refuse("has no split-independent form", "use nn.Dropout or nn.Dropout3d")
@@ -407,9 +380,7 @@ def dropout(call: Call):
 
 
 def forward_seed(ctx, generator: torch.Generator | None = None) -> int:
-    """One seed per dropout or noise call: drawn from torch's generator (or the call's own)
-    on every rank, keeping their streams in step, and the spatial root's value taken, so the
-    group agrees."""
+    """Drawn on every rank (their streams in step); the spatial root's value taken."""
     drawn = int(torch.randint(0, 2**62, (1,), generator=generator).item())
     grid = ctx.grid
     return grid.spatial_comm.bcast(drawn, root=0) if grid.spatial_size > 1 else drawn
@@ -421,10 +392,9 @@ _NOISE = {"randn_like": "normal", "rand_like": "uniform", "normal_": "normal",
 
 
 def noise(call: Call):
-    """``randn_like`` / ``rand_like`` / ``normal_`` / ``uniform_`` of a split volume: numbers
-    that depend on the seed and each element's GLOBAL coordinates (hpcpar.nn.noise), so any
-    grid gives the one-rank result. In the first-step check's probe, torch's own numbers for
-    the whole tensor instead (its plain model drew them)."""
+    """Numbers that depend on the seed and each element's GLOBAL coordinates (hpcpar.nn.noise);
+    in the first-step check's probe, torch's own for the whole tensor (its plain model drew
+    them)."""
     x = call.splits[0]
     lay = x._hp
     if x is not call.args[0] or len(lay.sdims) != 3 or 0 in lay.sdims:
@@ -450,8 +420,7 @@ def noise(call: Call):
 
 
 def _probe_noise(call: Call, x, generator):
-    """torch's call on the whole tensor, from the spatial root's generator state (what the
-    check's plain model drew), cut to this rank's piece."""
+    """torch's call on the whole tensor from the spatial root's generator state, cut."""
     grid, lay = call.ctx.grid, x._hp
     gen = generator if generator is not None else torch.default_generator
     gen.set_state(grid.spatial_comm.bcast(gen.get_state(), root=0))
@@ -488,8 +457,8 @@ def replicated_dropout(func, args, kwargs, ctx):
 
 def replicated_batch_norm(func, args, kwargs, ctx):
     """Batch norm in training on a replicated tensor (after a global pooling, or a volume
-    gathered whole): with ``bn_include_data`` its statistics are those of the global batch,
-    as the split volume's are; each data group holds its own samples, whole."""
+    gathered whole): with ``bn_include_data`` its statistics are those of the global batch, as
+    the split volume's are; each data group holds its own samples, whole."""
     b = by_name(func, args, kwargs)
     grid = ctx.grid
     use_stats = b["training"] or b["running_mean"] is None
@@ -508,9 +477,8 @@ _LOSS_NAMES = ("mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cr
 
 
 def loss(call: Call):
-    """Mean and sum reductions of a loss on split tensors are the GLOBAL mean and sum, with
-    torch's semantics (class weights and ignore_index for cross entropy / NLL): the value is
-    the single-process loss on every rank, and its gradient each rank's exact piece."""
+    """Mean and sum reductions are the GLOBAL ones, with torch's semantics (class weights and
+    ignore_index for cross entropy / NLL): the single-process loss on every rank."""
     b = call.by_name()
     if b.get("size_average") is not None or b.get("reduce") is not None:
         raise call.refuse("uses the deprecated size_average/reduce", "pass reduction=")
@@ -518,16 +486,15 @@ def loss(call: Call):
     x = b["input"]
     if not isinstance(x, type(call.splits[0])):
         raise call.refuse("has a replicated input and a split target", "split both or neither")
-    lay = x._hp
-    target = b["target"]
-    out_lay = lay
-    if call.name in _CLASS_LOSSES:
-        out_lay = lay.with_(sdims=[d - 1 for d in lay.sdims])  # the class dim 1 goes
+    lay, target = x._hp, b["target"]
+    # the class dim 1 goes
+    out_lay = lay.with_(sdims=[d - 1 for d in lay.sdims]) if call.name in _CLASS_LOSSES else lay
     kwargs = {k: v for k, v in b.items() if k not in ("input", "target", "size_average",
                                                        "reduce", "reduction")}
     for k in ("weight", "pos_weight"):
         if isinstance(kwargs.get(k), torch.Tensor):
-            kwargs[k] = _localized(call, kwargs[k], lay, x.dim())
+            t = call.replicated(kwargs[k])
+            kwargs[k] = t if t.dim() < 3 else localize(t, lay, x.dim(), call.name)
     if isinstance(target, type(x)):
         tl = raw(target)
     else:
@@ -538,8 +505,9 @@ def loss(call: Call):
     if call.name not in _CLASS_LOSSES:
         # a target with more dims broadcasts the input (torch warns, and computes it): the
         # split dims are counted from the end of the broadcast result
-        out_lay = _broadcast_layout(lay, x.dim(), torch.broadcast_shapes(raw(x).shape,
-                                                                         tl.shape))
+        shape = torch.broadcast_shapes(raw(x).shape, tl.shape)
+        extra = len(shape) - x.dim()
+        out_lay = lay if extra <= 0 else lay.with_(sdims=[d + extra for d in lay.sdims])
     func = getattr(F, call.name)
     if reduction_ == "none":
         return adopt(func(raw(x), tl, reduction="none", **kwargs), out_lay)
@@ -564,27 +532,14 @@ def loss(call: Call):
     return total / math.prod(out_lay.global_shape(per_voxel))
 
 
-def _broadcast_layout(lay, ndim: int, shape) -> Layout:
-    """The layout of a result of ``shape`` broadcast from a split tensor of ``ndim`` dims
-    laid out as ``lay`` (broadcasting aligns the last dims)."""
-    extra = len(shape) - ndim
-    return lay if extra <= 0 else lay.with_(sdims=[d + extra for d in lay.sdims])
-
-
 def _spatial_sum(t: torch.Tensor, grid) -> torch.Tensor:
-    """Every spatial rank's partial ``t`` summed, replicated (allreduce forward, identity
-    backward: hpcpar.nn.reduce's convention)."""
+    """Allreduce forward, identity backward (hpcpar.nn.reduce's convention)."""
     return ReplicatedSum.apply(t, grid.spatial_comm) if grid.spatial_size > 1 else t
 
 
-def _localized(call, t, lay, ndim):
-    t = call.replicated(t)
-    return t if t.dim() < 3 else localize(t, lay, ndim, call.name)
-
-
 def _class_count(target, weight, ignore_index):
-    """The denominator of torch's mean for class-index targets: Σ weight[target] over the
-    voxels that are not ignored (their count without weights)."""
+    """torch's mean's denominator for class-index targets: Σ weight[target] over the voxels not
+    ignored (their count without weights)."""
     valid = target != ignore_index
     if weight is None:
         return valid.sum()

@@ -1,24 +1,18 @@
 """``spatialize(model, grid)``: a copy of a plain torch model that runs spatially split, exactly.
 
-Conversion follows dataflow, not registration order. The copy keeps its own modules; what
-changes is what its ``forward`` sees: every 5D tensor argument is taken as this rank's piece
-of the global ``(N, C, D, H, W)`` volume and marked split
-(:class:`~hpcpar.nn.split.SplitTensor`), and while ``forward`` runs a ``TorchFunctionMode``
-sees every torch call. Each call on a split tensor — from a module's ``forward``, a functional
-call or a tensor method, in whatever order the user's code makes them — is run by its rule in
-:mod:`hpcpar.nn.optable`: locally, by an exact spatial twin (halo exchange, global statistics,
-global reductions), or refused with one line naming the op and the user's source line.
+Conversion follows dataflow, not registration order: every 5D tensor argument of ``forward`` is
+marked split (:class:`~hpcpar.nn.split.SplitTensor`), and while ``forward`` runs a
+``TorchFunctionMode`` sees every torch call; each call on a split tensor is run by its rule in
+:mod:`hpcpar.nn.optable` (locally, by an exact spatial twin, or refused in one line).
 
-Which parameters are replicated over the spatial group is learned from the same dataflow:
-after each ``forward``, a parameter used only on replicated tensors (a head after a global
-pool, a gate computed from a global mean) is tagged data-only (its gradient is complete on
-every rank); one used on split tensors keeps the default (partial gradients, summed by the
-sync). :class:`hpcpar.DDP` re-plans its buckets when the tags change. A parameter used both
-ways keeps the default too: its replicated uses' gradient is divided by the group's size
-(:class:`hpcpar.nn.dispatch._ReplicatedUse`), so the sync's sum counts them once.
-
-Modules that carry ``spatial_twin(grid)`` (``GatherPoint``) are replaced by their twin;
-hpcpar's own spatial layers inside a model take this rank's piece as before.
+Which parameters are replicated over the spatial group is learned from the same dataflow: after
+each ``forward``, a parameter used only on replicated tensors (a head after a global pool) is
+tagged data-only (its gradient is complete on every rank); one used on split tensors keeps the
+default (partial gradients, summed by the sync), and so does one used both ways: its replicated
+uses' gradient is divided by the group's size (:class:`hpcpar.nn.dispatch._ReplicatedUse`).
+:class:`hpcpar.DDP` re-plans its buckets when the tags change. Modules that carry
+``spatial_twin(grid)`` (``GatherPoint``) are replaced by their twin; hpcpar's own spatial layers
+take this rank's piece.
 """
 
 from __future__ import annotations
@@ -71,9 +65,8 @@ class _Context(SplitContext):
 
 
 class _Mode(SpatialMode):
-    """The model's dispatch mode, entered for its outermost forward and again for each
-    recomputation in backward; while it is entered (and only then) torch's checkpoint replays
-    the model's own regions (:func:`~hpcpar.nn.checkpointing.install_user_checkpoint_replay`)."""
+    """Entered for the outermost forward and each recomputation in backward; only while it is,
+    torch's checkpoint replays the model's own regions."""
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -100,7 +93,7 @@ class _Mode(SpatialMode):
 
 
 def _split_inputs(ctx, values):
-    """Every 5D floating tensor argument: this rank's piece, marked split (collective)."""
+    """Every 5D floating tensor argument marked split (collective)."""
     def one(v):
         if isinstance(v, torch.Tensor) and not isinstance(v, SplitTensor) and v.dim() == 5 \
                 and v.is_floating_point():
@@ -117,9 +110,9 @@ def _enter(module, args, kwargs):
         return None
     if ctx.root is None:
         ctx.root = weakref.ref(module)   # a split head finds the Linear of its weight
-    # the check compares gradients on its own probe: a first call under no_grad (a
-    # validation pass, inference) still gets it, with grad on; inference mode cannot make
-    # tensors that backward accepts, so the check waits for the first call outside it
+    # the check compares gradients on its own probe: a first call under no_grad (a validation
+    # pass, inference) still gets it, with grad on; inference mode cannot make tensors that
+    # backward accepts, so the check waits for the first call outside it
     if ctx.plain is not None and not ctx.settling and not torch.is_inference_mode_enabled():
         plain, ctx.plain = ctx.plain, None
         try:
@@ -163,10 +156,8 @@ def _leave(module, args, kwargs, output):
 
 
 def _retag(model: nn.Module, ctx) -> bool:
-    """Tags from what this forward did (module docstring); bump the version on a change.
-    A forward that used the same parameters the same ways as the one the tags were derived
-    from changes nothing: it is skipped (walking the parameters costs ~0.1 ms a step).
-    Returns whether the parameters were used differently (the tags were derived again)."""
+    """Tags from what this forward did (module docstring), the version bumped on a change;
+    whether they were derived again (not where the parameters were used as before: ~0.1 ms)."""
     late = ctx.unscaled & ctx.spatial_params
     if late:   # its replicated use this forward went unscaled (dispatch._ReplicatedUse)
         name = next(n for n, p in model.named_parameters() if id(p) in late)
@@ -181,9 +172,8 @@ def _retag(model: nn.Module, ctx) -> bool:
         return False
     changed = False
     for p in model.parameters():
-        # used on split tensors (and maybe on replicated ones too, whose gradient part is
-        # then divided by the group's size: hpcpar.nn.dispatch._ReplicatedUse): summed over
-        # the spatial group; used on replicated tensors only: complete on every rank
+        # used on split tensors (and maybe replicated ones, whose gradient part is then
+        # divided: _ReplicatedUse): summed; used on replicated tensors only: complete
         spatial, replicated = id(p) in ctx.spatial_params, id(p) in ctx.replicated_params
         was = getattr(p, REDUCE_ATTR, None) == DATA_ONLY
         if replicated and not spatial and not was:
@@ -199,7 +189,7 @@ def _retag(model: nn.Module, ctx) -> bool:
 
 
 def _layer_enter(module, args, kwargs):
-    """hpcpar's own spatial layers take plain pieces: unwrap, and run them undispatched."""
+    """hpcpar's own spatial layers take plain pieces and run undispatched."""
     root = getattr(module, "_hpcpar_root_ctx", None)
     if root is None or root.depth == 0:
         return None
@@ -211,8 +201,7 @@ def _layer_enter(module, args, kwargs):
 
 
 def _end_run(t):
-    """A split tensor as this rank's own piece where it leaves the model or enters a layer of
-    hpcpar's own (:meth:`~hpcpar.nn.split.Layout.own`: a fused run ends there)."""
+    """Its own piece where it leaves the model or enters hpcpar's own layer: a fused run ends."""
     return t._hp.own(t, end=True) if isinstance(t, SplitTensor) else t
 
 
@@ -230,13 +219,10 @@ def _layer_leave(module, args, kwargs, output):
 
 
 def _swap_twins(module: nn.Module, grid) -> nn.Module:
-    """Replace modules that name their spatial twin (``spatial_twin(grid)``)."""
     if hasattr(module, "spatial_twin") and not isinstance(module, SpatialModule):
         twin = module.spatial_twin(grid)  # type: ignore[operator]  # a method, not a submodule
-        for name, p in module._parameters.items():
-            twin._parameters[name] = p
-        for name, b in module._buffers.items():
-            twin._buffers[name] = b
+        twin._parameters.update(module._parameters)
+        twin._buffers.update(module._buffers)
         twin.train(module.training)
         return twin
     for name, child in list(module.named_children()):
@@ -250,38 +236,25 @@ def spatialize(model: nn.Module, grid: ProcessGrid, *, bn_include_data: bool = F
                check: bool = False, inplace: bool = False, fuse_halos: int = 1) -> nn.Module:
     """Make a copy of a plain torch model that runs on each rank's piece of the volume.
 
-    The copy's ``forward`` takes every 5D tensor argument as this rank's piece of the global
-    ``(N, C, D, H, W)`` tensor; each torch call its code makes on split data (modules,
-    functional calls, tensor methods, in dataflow order) runs exactly or is refused with one
-    line naming the op and your source line (module docstring). Outputs that are still split
-    come back as :class:`~hpcpar.nn.split.SplitTensor`: ``.shape`` is the global shape, and a
-    mean or sum loss on them (``F.mse_loss``, ``F.cross_entropy``, ...) is the single-process
-    loss on every rank. ``hpcpar.nn.local(t)`` gives this rank's piece as a plain tensor.
+    The copy (same modules, parameters and ``state_dict`` keys) takes every 5D tensor argument of
+    ``forward`` as this rank's piece of the global ``(N, C, D, H, W)`` tensor, split on ``grid``'s
+    x, y, z axes; each torch call on split data runs exactly or is refused with one line naming
+    the op and your source line (LayerError at forward). Outputs still split are
+    :class:`~hpcpar.nn.split.SplitTensor`: ``.shape`` is the global shape, and a mean or sum loss
+    on them is the single-process loss on every rank (``hpcpar.nn.local(t)``: the piece).
 
-    Args:
-        model: The plain model; it is deep-copied, not modified (unless ``inplace``).
-        grid: The process grid whose x, y, z axes split every sample's volume.
-        bn_include_data: Batch-norm statistics also cover the data group (what one
-            BatchNorm on the whole global batch computes).
-        check: On the first forward, compare a probe (the first sample) module by module
-            and gradient by gradient with the plain model on one rank
-            (:mod:`hpcpar.nn.check`): catches whatever escapes the dispatch. Only the plain
-            model's code is kept for it (:func:`skeleton`), not a second copy of its weights.
-        inplace: Convert ``model`` itself (modified and returned) instead of a copy, for a
-            caller that no longer needs the plain model: its weights then exist once, not
-            twice, until a split head is cut (:func:`settle`).
-        fuse_halos: Let up to this many stride-1, size-keeping convolutions with pointwise
-            ops between them share one halo exchange of their combined width, recomputing
-            the overlap instead of exchanging it again (:mod:`hpcpar.nn.fused_halo`): fewer,
-            larger messages for small local volumes. 1 (the default) exchanges per layer.
-
-    Returns:
-        The spatialized copy (same modules, parameters and ``state_dict`` keys).
-
-    Raises:
-        LayerError: At forward, an op with no exact split form (the message names it, your
-            source line and what to do); with ``check``, the first module whose output or
-            gradient differs from the plain model's.
+    ``bn_include_data``: batch-norm statistics also cover the data group (what one BatchNorm on
+    the whole global batch computes). ``check``: on the first forward, compare a probe (the
+    first sample) module by module and gradient by gradient with the plain model on one rank
+    (:mod:`hpcpar.nn.check`), catching whatever escapes the dispatch (LayerError naming the first
+    module whose output or gradient differs); only the plain model's code is kept for it
+    (:func:`skeleton`), not a second copy of its weights. ``inplace``: convert ``model`` itself
+    (modified and returned; else it is deep-copied) for a caller that no longer needs the plain
+    model: its weights then exist once, not twice, until a split head is cut (:func:`settle`).
+    ``fuse_halos``: let up to this many stride-1, size-keeping convolutions with pointwise ops
+    between them share one halo exchange of their combined width, recomputing the overlap
+    instead of exchanging it again (:mod:`hpcpar.nn.fused_halo`): fewer, larger messages for
+    small local volumes; 1 (the default) exchanges per layer.
 
     Example:
         ```python
@@ -305,22 +278,13 @@ def spatialize(model: nn.Module, grid: ProcessGrid, *, bn_include_data: bool = F
 
 
 def settle(model: nn.Module, *args: Any, **kwargs: Any) -> None:
-    """Run one forward of a spatialized model on ``args`` (zeros of this rank's piece will
-    do) so its dataflow fixes its layout before anything holds state for its parameters.
-
-    The first forward decides which parameters are replicated (their tags) and cuts a dense
-    layer after a flatten of the split volume to this rank's columns
-    (:mod:`hpcpar.nn.split_head`); an optimizer that already holds state, or a loaded
-    checkpoint's optimizer state, would not match the cut. Call this before building the
-    gradient sync and the optimizer (``hpcpar run`` does). It runs in eval mode without
-    gradients, leaves torch's random stream and batch-norm statistics as they were, and
-    leaves the ``check=True`` comparison to the first real forward. Collective.
-
-    Args:
-        model: A model returned by :func:`spatialize`.
-        *args: Its forward's positional arguments.
-        **kwargs: Its forward's keyword arguments.
-    """
+    """Run one forward of a model returned by :func:`spatialize` on its forward's arguments
+    (zeros of this rank's piece will do) so its dataflow fixes its layout before anything holds
+    state for its parameters: it decides their tags and cuts a split head's weight
+    (:mod:`hpcpar.nn.split_head`), which an optimizer's state would not match. Call it before
+    building the gradient sync and the optimizer (``hpcpar run`` does). Eval mode, no gradients;
+    torch's random stream and batch-norm statistics are left as they were, and the
+    ``check=True`` comparison to the first real forward. Collective."""
     ctx = getattr(model, _CTX)
     training, rng = model.training, torch.get_rng_state()
     ctx.settling = True

@@ -33,8 +33,8 @@ __all__ = ["SplitTensor", "Layout", "FlatLayout", "TokenLayout", "SplitContext",
 
 @dataclass
 class SplitContext:
-    """What every split tensor of one spatialized model shares: the grid, the options, the
-    caches of spatial twins and what the last forward learned about each parameter."""
+    """What every split tensor of one spatialized model shares: the grid, the options, the caches
+    of spatial twins and what the last forward learned about each parameter."""
 
     grid: ProcessGrid
     bn_include_data: bool = False
@@ -70,22 +70,19 @@ class Layout:
     mixed: ClassVar[tuple[str, str] | None] = None
 
     def no_form(self, rule, call, redo):
-        """``call`` (its split operands of this layout, or of this and others) by a ``rule``
-        that has no form registered for this layout."""
+        """``call`` (split operands of this layout, maybe others too) by a ``rule`` with no form."""
         if self.refusal is None:
             return rule(call)
         alike = all(type(t._hp) is type(self) for t in call.splits)
         raise call.refuse(*(self.refusal if alike or self.mixed is None else self.mixed))
 
     def own(self, t: SplitTensor, end: bool = False) -> SplitTensor:
-        """``t`` (of this layout) holding only this rank's own piece: ``t`` itself, unless its
-        layout holds more (a fused run's margin, :mod:`hpcpar.nn.fused_halo`, is cropped;
-        ``end``: the value leaves the run there, not just a look at the piece)."""
+        """``t`` holding only this rank's own piece (a fused run's margin is cropped; ``end``:
+        the value leaves the run there, not just a look at the piece)."""
         return t
 
     def with_(self, sdims=None, gshape=None) -> Layout:
-        """This layout with other split dims or global lengths (itself when they are equal:
-        most ops keep both, and a layout is made per op)."""
+        """Itself where equal: most ops keep both, and a layout is made per op."""
         sdims = self.sdims if sdims is None else tuple(sdims)
         gshape = self.gshape if gshape is None else tuple(gshape)
         if sdims == self.sdims and gshape == self.gshape:
@@ -100,11 +97,10 @@ class Layout:
 
     @functools.cached_property
     def shrunk(self) -> bool:
-        """Shorter than its ranks on a split axis: some rank holds none of it (a volume
-        pooled or strided down to fewer voxels than the grid splits it into)."""
-        grid = self.ctx.grid
+        """Shorter than its ranks on a split axis: some rank holds none of it (a volume pooled
+        or strided down to fewer voxels than the grid splits it into)."""
         return type(self) is Layout and any(n < p for n, p in zip(self.gshape,
-                                                                    grid.spatial_shape))
+                                                                    self.ctx.grid.spatial_shape))
 
     @property
     def standard(self) -> bool:
@@ -115,9 +111,8 @@ class Layout:
 @dataclass(frozen=True)
 class FlatLayout(Layout):
     """A split ``(N, C, D, H, W)`` volume flattened to ``(N, C*D*H*W)`` (``sdims`` ``(1,)``,
-    ``gshape`` the feature count): this rank holds the features of its own sub-box, ``C x
-    (d, h, w)`` in its piece's row-major order, a known subset of the global indices. Only
-    elementwise ops, dropout and ``F.linear`` take it (:mod:`hpcpar.nn.split_head`)."""
+    ``gshape`` the feature count): this rank holds its sub-box's features, ``C x (d, h, w)`` in
+    its piece's row-major order (:mod:`hpcpar.nn.split_head`)."""
 
     volume: tuple[int, int, int, int] = (0, 0, 0, 0)   # the global (C, D, H, W)
     forms: ClassVar[dict] = {}
@@ -127,7 +122,6 @@ class FlatLayout(Layout):
     mixed = ("combines a flattened split tensor with an unflattened one", "flatten both alike")
 
     def box(self) -> tuple[tuple[int, int], ...]:
-        """This rank's ``(start, stop)`` on each spatial axis of :attr:`volume`."""
         return _own_box(self.ctx.grid, self.volume[1:])
 
 
@@ -145,12 +139,11 @@ class TokenLayout(Layout):
              "view both alike")
 
     def box(self) -> tuple[tuple[int, int], ...]:
-        """This rank's ``(start, stop)`` on each spatial axis of :attr:`volume`."""
         return _own_box(self.ctx.grid, self.volume)
 
 
 def _own_box(grid, spatial) -> tuple[tuple[int, int], ...]:
-    """This rank's sub-box of a global ``(D, H, W)`` volume (the partition rule)."""
+    """This rank's ``(start, stop)`` on each axis of a global ``(D, H, W)`` volume."""
     return part_box(spatial, grid.spatial_shape, grid.spatial_coords)
 
 
@@ -182,8 +175,8 @@ class SplitTensor(torch.Tensor):
 
 
 def set_handler(handle) -> None:
-    """Where calls on split tensors go: :func:`hpcpar.nn.dispatch.handle`, set when that module
-    is imported (it imports this one; ``hpcpar.nn`` imports both)."""
+    """Where calls on split tensors go: :func:`hpcpar.nn.dispatch.handle`, set when that module is
+    imported (it imports this one; ``hpcpar.nn`` imports both)."""
     global _HANDLE
     _HANDLE = handle
 
@@ -196,7 +189,7 @@ _HANDLE = _unset
 
 
 def wrap(t: torch.Tensor, layout: Layout) -> SplitTensor:
-    """``t`` (a plain local piece) as a split tensor with ``layout`` (autograd-transparent)."""
+    """A plain local piece as a split tensor (autograd-transparent)."""
     with torch._C.DisableTorchFunction():
         s = t.as_subclass(SplitTensor)
     s._hp = layout
@@ -204,9 +197,8 @@ def wrap(t: torch.Tensor, layout: Layout) -> SplitTensor:
 
 
 def adopt(t: torch.Tensor, layout: Layout) -> SplitTensor:
-    """A FRESH op output (a plain tensor no one else holds) made split in place: its class is
-    switched, so autograd gets no extra alias node (an ``as_subclass`` per op cost ~15% of a
-    small model's step). Anything else gets :func:`wrap`'s alias."""
+    """A FRESH op output (a plain tensor no one else holds) made split by switching its class: no
+    alias node (an ``as_subclass`` per op cost ~15% of a small step); else :func:`wrap`."""
     if type(t) is torch.Tensor:
         t.__class__ = SplitTensor  # the checker cannot follow a class switch: t is split now
         t._hp = layout  # type: ignore[attr-defined]
@@ -218,14 +210,12 @@ def adopt(t: torch.Tensor, layout: Layout) -> SplitTensor:
 
 def raw(t):
     """A split tensor as its plain piece INSIDE a dispatch rule: rules run with torch-function
-    handling off, where a split tensor already acts as its piece (no alias, no autograd
-    node)."""
+    handling off, where a split tensor already acts as its piece (no alias, no autograd node)."""
     return t
 
 
 def unwrap(t):
-    """The plain tensor under a split tensor, this rank's own piece (:meth:`Layout.own`);
-    anything else unchanged."""
+    """The plain tensor under a split tensor, this rank's own piece; anything else unchanged."""
     if isinstance(t, SplitTensor):
         t = t._hp.own(t)
         with torch._C.DisableTorchFunction():
@@ -234,27 +224,19 @@ def unwrap(t):
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of a split tensor as a plain tensor (gradients flow through it).
-
-    The explicit way out of the split world: what you compute from it is this rank's share,
-    and you are responsible for combining shares (a plain tensor is returned unchanged).
-    """
+    """This rank's piece of a split tensor as a plain tensor (gradients flow through it): the
+    explicit way out of the split world. What you compute from it is this rank's share, and you
+    combine the shares (a plain tensor is returned unchanged)."""
     return unwrap(t)
 
 
 def whole(t: torch.Tensor, root: int = 0) -> torch.Tensor | None:
-    """The whole of a split tensor, assembled on spatial rank ``root`` (None on the group's
-    other ranks): the way out of the split world for a result wanted entire (a prediction, a
-    field to write out). Its split dims are taken from where they are, so an output permuted
-    to ``(N, D, H, W, C)`` comes back as the single-process model's; gathering ``local(t)``
-    yourself assumes them last. Detached: no gradient flows back. Collective over the
-    spatial group. A plain tensor (every rank holds it whole) is returned as it is.
-
-    Raises:
-        LayerError: ``t`` is flattened (a split head's features, voxel tokens): there is no
-            volume to assemble, take it before the flatten; or the pieces do not tile one
-            volume.
-    """
+    """The whole of a split tensor, assembled on spatial rank ``root`` (None on the group's other
+    ranks; a plain tensor is returned as it is): a result wanted entire (a prediction, a field to
+    write out). Its split dims are taken from where they are, so an output permuted to ``(N, D,
+    H, W, C)`` comes back as the single-process model's. Detached. Collective over the spatial
+    group. LayerError where ``t`` is flattened (take it before the flatten) or the pieces do not
+    tile one volume."""
     if not isinstance(t, SplitTensor):
         return t
     split = t._hp.own(t)
@@ -269,15 +251,10 @@ def whole(t: torch.Tensor, root: int = 0) -> torch.Tensor | None:
 
 
 def split_like(piece: torch.Tensor, like: SplitTensor) -> torch.Tensor:
-    """Mark ``piece`` — this rank's piece of a tensor split like ``like`` on its LAST three
-    dims (a per-voxel target ``(N, d, h, w)``, a mask ``(N, C, d, h, w)``) — as split, so what
-    is computed from it (a Dice loss's sums) is global too. A plain tensor is returned
-    unchanged when ``like`` is not split.
-
-    Raises:
-        LayerError: The piece's last three lengths are not this rank's local lengths of
-            ``like``.
-    """
+    """Mark ``piece`` — this rank's piece of a tensor split like ``like`` on its LAST three dims
+    (a per-voxel target ``(N, d, h, w)``, a mask ``(N, C, d, h, w)``) — as split, so what is
+    computed from it (a Dice loss's sums) is global too; unchanged when ``like`` is not split.
+    LayerError where its last three lengths are not this rank's local lengths of ``like``."""
     if not isinstance(like, SplitTensor) or isinstance(piece, SplitTensor):
         return piece
     lay = like._hp
@@ -299,22 +276,22 @@ _HPCPAR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def own_dirs(torch_dir: str, hpcpar_dir: str) -> tuple[str, str]:
-    """torch itself and hpcpar, each a directory with its separator: ``torch_geometric``
-    and ``torchio`` beside torch are the user's, not torch's."""
+    """torch itself and hpcpar, each a directory with its separator: ``torch_geometric`` and
+    ``torchio`` beside torch are the user's, not torch's."""
     return torch_dir.rstrip(os.sep) + os.sep, hpcpar_dir.rstrip(os.sep) + os.sep
 
 
 #: what :func:`user_frame` skips (hpcpar's own models excepted: they are a user's code)
 _OWN = own_dirs(os.path.dirname(os.path.abspath(torch.__file__)), _HPCPAR)
 _MODELS = os.path.join(_HPCPAR, "models") + os.sep
-#: where no frame is a user's (a loss hpcpar's own loop computes): the innermost outside
-#: torch and the layers
+#: where no frame is a user's (a loss hpcpar's own loop computes): the innermost outside torch
+#: and the layers
 _LAYERS = (_OWN[0], *(os.path.join(_HPCPAR, p) + os.sep for p in ("nn", "parallel", "sync")))
 
 
 def user_frame() -> str:
-    """``file:line`` of the innermost caller outside torch itself and hpcpar (where the
-    user's ``forward`` applied the op); in hpcpar's own models, their line."""
+    """``file:line`` of the innermost caller outside torch itself and hpcpar (where the user's
+    ``forward`` applied the op); in hpcpar's own models, their line."""
     fallback = None
     for frame in reversed(traceback.extract_stack()[:-1]):
         path = os.path.abspath(frame.filename)
@@ -331,16 +308,15 @@ _DYNAMO = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "_dynam
 
 
 def _under_dynamo() -> bool:
-    """Whether torch.compile is tracing: ``is_compiling()`` says so from torch 2.13 on, and
-    dynamo's own frames on the stack say so on earlier versions (2.11 probes outside it)."""
+    """Whether torch.compile is tracing: ``is_compiling()`` says so from torch 2.13 on, dynamo's
+    own frames on the stack on earlier versions (2.11 probes outside it)."""
     return torch.compiler.is_compiling() or any(
         os.path.abspath(f.filename).startswith(_DYNAMO) for f in traceback.extract_stack())
 
 
 def refuse(op: str, why: str, todo: str) -> LayerError:
-    """The one-line refusal: the op, the user's line, why, and what to do. Under
-    ``torch.compile`` the first refusal is dynamo's probing of a split tensor (``_is_view``),
-    which would name an op the model never called: the line says what is refused instead."""
+    """The one-line refusal: the op, the user's line, why, and what to do. Under ``torch.compile``
+    (whose probing of a split tensor would name an op the model never called): that instead."""
     if _under_dynamo():
         return LayerError(f"spatialize: torch.compile cannot trace a model split over the "
                           f"spatial grid (at {user_frame()}: its split tensors run each op "

@@ -13,22 +13,12 @@ matching columns of the weight and the partial products are summed over the spat
 every spatial rank, since the loss after the head is computed redundantly and counts once).
 
 Memory divides by the spatial ranks: on its first use the weight Parameter is cut in place
-(``p.data``) to this rank's columns, so the optimizer and ``hpcpar.DDP`` keep the same object
-(a :class:`~hpcpar.nn.head_grad.CutWeight`: a user's own ``clip_grad_norm_`` takes the
-whole weight's gradient norm).
-Neither may hold state for it yet: :func:`hpcpar.nn.spatializer.settle` runs that first use
-before they are built (the trainer does). The cut weight's gradient is complete for its
-columns, so it is tagged data-only, like the replicated bias. ``state_dict()`` shows the full
-weight (gathered over the spatial group: a collective) and ``load_state_dict`` of a full weight
-takes this rank's columns, so state dicts and checkpoints keep the single-process format;
-:func:`column_split` tells the checkpoint, the gradient norm and the tests which parameters
-are cut. A weight that is not the model's own Parameter (or already has a gradient) is used
-whole: its columns are sliced per call and its gradient summed like any replicated operand's.
-
-Other ops on a flattened split tensor: elementwise ones among tensors of that layout and
-scalars run locally, dropout keeps its split-independent masks, a sum or mean over the
-features is the global one, shape questions answer with the global shape; anything else is
-refused in one line.
+(``p.data``) to this rank's columns, so the optimizer and ``hpcpar.DDP`` keep the same object (a
+:class:`~hpcpar.nn.head_grad.CutWeight`; neither may hold state for it yet: see
+:func:`hpcpar.nn.spatializer.settle`). Its gradient is complete for its columns: tagged
+data-only. ``state_dict()`` gathers the full weight (a collective) and ``load_state_dict`` takes
+this rank's columns of a full one: the single-process format. The models guide says which other
+ops take a flattened split tensor.
 """
 
 from __future__ import annotations
@@ -61,8 +51,8 @@ __all__ = ["ColumnSplit", "column_split", "gathered_to", "has_flat_form"]
 
 @dataclass(frozen=True, eq=False)
 class ColumnSplit:
-    """Which columns of an ``(out, C*D*H*W)`` weight this rank holds: those of its sub-box
-    ``box`` of the global ``volume`` ``(C, D, H, W)``, in its piece's row-major order."""
+    """Which columns of an ``(out, C*D*H*W)`` weight this rank holds: those of its sub-box ``box``
+    of the global ``volume`` ``(C, D, H, W)``, in its piece's row-major order."""
 
     grid: ProcessGrid
     volume: tuple[int, int, int, int]
@@ -75,57 +65,34 @@ class ColumnSplit:
         return self   # immutable; a grid is never copied
 
     @property
-    def features(self) -> int:
-        """The global input features, ``C*D*H*W``."""
+    def features(self) -> int:   # the global input features, C*D*H*W
         return math.prod(self.volume)
 
-    @property
-    def _index(self) -> tuple[Any, ...]:
-        """This rank's sub-box of a ``(..., C, D, H, W)`` tensor (leading dims whole)."""
-        return _box_index(self.box)
-
     def take(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's columns of a full ``(..., C*D*H*W)`` tensor.
-
-        Args:
-            full: The whole tensor (a weight, its optimizer state, a gradient).
-
-        Returns:
-            ``(..., C*d*h*w)``, autograd-transparent; a copy unless the box is the whole
-            volume.
-        """
+        """This rank's ``(..., C*d*h*w)`` columns of a full ``(..., C*D*H*W)`` tensor (a weight,
+        its optimizer state, a gradient): autograd-transparent."""
         lead = full.shape[:-1]
-        cut = full.reshape(*lead, *self.volume)[self._index]
+        cut = full.reshape(*lead, *self.volume)[_box_index(self.box)]
         return cut.reshape(*lead, -1)
 
     def gather(self, local: torch.Tensor, root: int | None = None) -> torch.Tensor:
-        """The full tensor from every rank's columns (collective over the spatial group).
-
-        Args:
-            local: This rank's ``(..., C*d*h*w)`` columns.
-            root: The rank (of the grid's communicator) that needs the whole tensor, or None
-                for every rank. With a root, the ranks of its spatial group send it their
-                columns and no other rank holds more than its own (a checkpoint's writer:
-                a full-size head on every rank would not divide by the spatial ranks);
-                ranks of other spatial groups do nothing.
-
-        Returns:
-            The whole ``(..., C*D*H*W)`` tensor on every rank (on ``root`` only, when given;
-            the others get ``local`` back).
-        """
+        """The whole ``(..., C*D*H*W)`` tensor from every rank's ``local`` ``(..., C*d*h*w)``
+        columns (collective over the spatial group) on every rank; or on ``root`` (of the grid's
+        communicator) only, the others getting ``local`` back and holding no more (a full-size
+        head on every rank would not divide by the ranks); other spatial groups do nothing."""
         if root is not None:
             return self._gather_to(local, root)
         lead = local.shape[:-1]
         sub = tuple(b - a for a, b in self.box)
         full = local.new_zeros(*lead, *self.volume)
-        full[self._index] = local.detach().reshape(*lead, self.volume[0], *sub)
+        full[_box_index(self.box)] = local.detach().reshape(*lead, self.volume[0], *sub)
         if self.grid.spatial_size > 1:
             allreduce_(full, self.grid.spatial_comm)
         return full.reshape(*lead, -1)
 
     def _gather_to(self, local: torch.Tensor, root: int) -> torch.Tensor:
-        """:meth:`gather` to ``root`` alone, point to point: the root holds the whole tensor
-        and one piece at a time, every other rank nothing more than ``local``."""
+        """:meth:`gather` to ``root`` alone, point to point: the root holds the whole tensor and
+        one piece at a time."""
         grid, comm = self.grid, self.grid.spatial_comm
         d, i, j, k = coords_of(root, grid.shape)
         if d != grid.coords[0]:
@@ -157,14 +124,7 @@ def _box_index(box) -> tuple[Any, ...]:
 
 
 def column_split(p: Any) -> ColumnSplit | None:
-    """Which columns a split head's weight holds.
-
-    Args:
-        p: A parameter (or anything).
-
-    Returns:
-        Its :class:`ColumnSplit` when it was cut to this rank's columns, else None.
-    """
+    """The :class:`ColumnSplit` of ``p`` where it was cut to this rank's columns, else None."""
     return getattr(p, COLUMNS_ATTR, None)
 
 
@@ -175,16 +135,10 @@ _SPILL: list[Any] = [None]         # the directory backing what a root gathers (
 
 @contextmanager
 def gathered_to(root: int | None, spill_dir: Any = None) -> Iterator[None]:
-    """Inside, ``state_dict()`` gathers a cut weight to rank ``root`` of the grid's
-    communicator only (:meth:`ColumnSplit.gather`): the other ranks' state dicts hold their
-    own columns. A checkpoint's writer needs the full weight; no other rank should hold it.
-
-    Args:
-        root: The rank; None: every rank (the default outside).
-        spill_dir: A directory where what ``root`` gathers (on the CPU) is file-backed
-            (:mod:`hpcpar.nn.spill`: the checkpoint's, which those bytes are bound for);
-            None: memory.
-    """
+    """Inside, ``state_dict()`` gathers a cut weight to rank ``root`` of the grid's communicator
+    only (None: every rank, the default outside); the others' hold their own columns: a
+    checkpoint's writer needs the full weight, no other rank should hold it. ``spill_dir``: where
+    what ``root`` gathers on the CPU is file-backed (:mod:`hpcpar.nn.spill`); None: memory."""
     before = _ROOT[0], _SPILL[0]
     _ROOT[0], _SPILL[0] = root, spill_dir
     try:
@@ -210,15 +164,7 @@ def _load_hook(module, state_dict, prefix, local_metadata, strict, missing, unex
             state_dict[prefix + name] = info.take(value)
 
 
-def _install_hooks(module: nn.Module) -> None:
-    if not getattr(module, "_hpcpar_column_hooks", False):
-        module.register_state_dict_post_hook(_state_dict_hook)
-        module.register_load_state_dict_pre_hook(_load_hook)
-        module._hpcpar_column_hooks = True  # type: ignore[assignment]  # a plain attribute
-
-
 def _owner(ctx, param) -> nn.Module | None:
-    """The module of the spatialized model that registers ``param``."""
     root = ctx.root() if isinstance(ctx.root, weakref.ref) else None
     if root is None:
         return None
@@ -229,8 +175,7 @@ def _owner(ctx, param) -> nn.Module | None:
 
 
 def _cut(weight, lay: FlatLayout, call):
-    """This rank's columns of ``weight`` for the flattened layout ``lay``: the Parameter itself
-    once cut (cut now on its first use), else sliced per call."""
+    """The Parameter itself, cut to this rank's columns on its first use, else sliced per call."""
     ctx = call.ctx
     info = column_split(weight)
     if info is not None:
@@ -251,7 +196,10 @@ def _cut(weight, lay: FlatLayout, call):
     setattr(weight, COLUMNS_ATTR, info)
     if type(weight) is nn.Parameter:   # norms of its gradient: the whole weight's
         weight.__class__ = CutWeight
-    _install_hooks(owner)
+    if not getattr(owner, "_hpcpar_column_hooks", False):
+        owner.register_state_dict_post_hook(_state_dict_hook)
+        owner.register_load_state_dict_pre_hook(_load_hook)
+        owner._hpcpar_column_hooks = True  # type: ignore[assignment]  # a plain attribute
     ctx.replicated_params.add(id(weight))
     return weight
 
@@ -272,9 +220,8 @@ def _linear(call, redo=None):
                           f"{lay.gshape[0]} input features", "give the layer in_features = "
                           "C*D*H*W of the flattened volume")
     y = F.linear(raw(x), _cut(weight, lay, call))
-    comm = call.ctx.grid.spatial_comm
     if call.ctx.grid.spatial_size > 1:
-        y = ReplicatedSum.apply(y, comm)
+        y = ReplicatedSum.apply(y, call.ctx.grid.spatial_comm)
     if bias is not None:
         if isinstance(bias, nn.Parameter):
             call.ctx.replicated_params.add(id(bias))
@@ -300,7 +247,7 @@ def _pointwise(call, redo=None):
 
 
 def _dropout(call, redo=None):
-    """Element dropout with the split-independent masks of the volume it was flattened from."""
+    """The split-independent masks of the volume it was flattened from."""
     if call.name != "dropout":
         raise call.refuse("drops features of a flattened split tensor by channel",
                           "use nn.Dropout")
@@ -320,9 +267,8 @@ def _dropout(call, redo=None):
 
 
 def _reduction(call, redo=None):
-    """A sum or mean over the features (dim 1, or every dim): the global one, replicated
-    (each rank's partial sum, allreduced; backward: each rank's own features get the
-    gradient, as after a global pool). A critic's ``flatten(1)`` then ``mean(1)``."""
+    """A sum or mean over the features (dim 1, or every dim): the global one, replicated (a
+    critic's ``flatten(1)`` then ``mean(1)``)."""
     x = call.splits[0]
     b = call.by_name()
     dims = rules._dims_arg(b.get("dim"), x.dim())
@@ -340,8 +286,7 @@ def _reduction(call, redo=None):
 
 
 def _same_shape(call, redo=None):
-    """A view or reshape to the shape the flattened tensor already has: itself, as torch
-    gives it (torch's own module backward hooks ``view_as`` a module's output to itself)."""
+    """Only to the shape it has (torch's module backward hooks ``view_as`` an output to itself)."""
     out = rules.same_shape_view(call, *rules.reshape_target(call))
     if out is None:
         raise call.refuse("reshapes a flattened split tensor", "apply the nn.Linear right "
@@ -355,6 +300,5 @@ FlatLayout.forms.update({rules.pointwise: _pointwise, rules.linear: _linear,
 
 
 def has_flat_form(rule: Any) -> bool:
-    """Whether calls by the op table's ``rule`` run on a flattened split tensor (beyond
-    F.linear, which takes it as the head's input, never as its weight)."""
+    """Whether ``rule`` runs on a flattened split tensor (F.linear as the head's input only)."""
     return rule in AS_IS or (rule in FlatLayout.forms and rule is not rules.linear)

@@ -31,8 +31,7 @@ class Out(NamedTuple):
     i: int = 0
     times: int = 1
 
-    def length(self, shape) -> int:
-        """Its global length, given the input's global ``shape``."""
+    def length(self, shape) -> int:   # global, given the input's global shape
         return self.sizes[self.i] if self.sizes is not None else \
             math.prod(shape[s] for s in self.src) * self.times
 
@@ -43,8 +42,7 @@ _NONE = inspect.Parameter.empty
 
 @functools.cache
 def _signatures(func) -> tuple:
-    """Each form of ``func`` (:func:`_form`): the Python signature of a Python function, else
-    the schema of each overload of the aten op of its name."""
+    """Each form of ``func``: its Python signature, else its aten op's overloads' schemas."""
     try:
         params = inspect.signature(func).parameters.values()
         if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
@@ -59,9 +57,8 @@ def _signatures(func) -> tuple:
 
 
 def _form(params) -> tuple:
-    """(the positional count, the names, ``(name, optional, type, default)`` of each) of a
-    form's ``(name, schema type, default, keyword_only)``; ``self`` called ``input``, as
-    torch's Python functions call it."""
+    """(the positional count, the names, ``(name, optional, type, default)`` of each) of a form's
+    ``(name, schema type, default, keyword_only)``; ``self`` called ``input``, as in Python."""
     params = [("input" if n == "self" else n, *rest) for n, *rest in params]
     return (sum(1 for p in params if not p[3]), frozenset(p[0] for p in params),
             tuple((n, k.startswith("Optional["), k[9:-1] if k.startswith("Optional[") else k,
@@ -139,8 +136,7 @@ def _resolve(shape, total: int) -> list[int]:
 
 
 def _groups(old, new):
-    """Pairs (old dims, new dims) whose sizes multiply to the same number, in order: how a
-    view maps dims (size-1 dims stand alone)."""
+    """How a view maps dims: pairs (old dims, new dims) of equal products (size-1 dims alone)."""
     groups, i, j = [], 0, 0
     while i < len(old) or j < len(new):
         if i < len(old) and old[i] == 1 and (j == len(new) or new[j] != 1):
@@ -196,8 +192,7 @@ def _unsqueeze(shape, dim) -> tuple[Out, ...]:
 
 
 def _repeat(shape, repeats, expand=False) -> tuple[Out, ...]:
-    """repeat, or (``expand``) expand: new leading dims, and each dim repeated (an expanded
-    dim of length 1 is repeated to its new length)."""
+    """repeat, or expand (an expanded dim of length 1 is repeated to its new length)."""
     reps = _ints(repeats)
     lead = len(reps) - len(shape)
     kept = [Out((d,)) if r in (1, -1) or expand and r == shape[d] else
@@ -226,9 +221,9 @@ MAPS: dict[str, tuple[Callable[..., tuple[Out, ...]], Callable | None]] = {
 
 # -- propagation --------------------------------------------------------------------------------
 def propagate(outs, shape, local, sdims, parts, refuse):
-    """``(the piece's output shape, the output's split dims, their global lengths)`` of the
-    op whose map is ``outs``, on a tensor of global ``shape`` whose piece has shape ``local``,
-    split on ``sdims`` into ``parts`` ranks each; ``refuse(why, todo)`` raises otherwise."""
+    """``(the piece's output shape, the output's split dims, their global lengths)`` of the op
+    whose map is ``outs``, on a tensor of global ``shape`` whose piece has shape ``local``, split
+    on ``sdims`` into ``parts`` ranks each; ``refuse(why, todo)`` raises otherwise."""
     glen = [o.length(shape) for o in outs]
     loc, new_sdims = list(glen), []
     for d, p in zip(sdims, parts):
