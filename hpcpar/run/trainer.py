@@ -90,23 +90,17 @@ __all__ = ["TrainResult", "Verdict", "grads_finite", "peak_memory", "total_steps
 
 @dataclass
 class TrainResult:
-    """What [train][hpcpar.run.trainer.train] returns.
+    """What [train][hpcpar.run.trainer.train] returns: the ``step``s completed, whether a signal
+    ``stopped`` the run after a checkpoint (exit code 3), the final evaluation ``metrics``, and
+    the optimizer steps skipped for a non-finite loss (``skipped_steps``, ``on_nonfinite =
+    "skip"``) or for an fp16 gradient overflow (``overflow_steps``, ``precision = "fp16"``; not
+    a divergence: the loss scale backs off)."""
 
-    Attributes:
-        step: Steps completed.
-        stopped: True when a signal stopped the run after a checkpoint (exit code 3).
-        metrics: The final evaluation metrics.
-        skipped_steps: Optimizer steps skipped for a non-finite loss
-            (``on_nonfinite = "skip"``).
-        overflow_steps: Optimizer steps skipped for an fp16 gradient overflow
-            (``precision = "fp16"``; not a divergence: the loss scale backs off).
-    """
-
-    step: int                       # steps completed
-    stopped: bool = False           # True: stopped by a signal after checkpointing
+    step: int
+    stopped: bool = False
     metrics: dict = field(default_factory=dict)
-    skipped_steps: int = 0          # optimizer steps skipped (non-finite, on_nonfinite="skip")
-    overflow_steps: int = 0         # optimizer steps skipped for fp16 gradient overflow
+    skipped_steps: int = 0
+    overflow_steps: int = 0
 
 
 @dataclass
@@ -180,11 +174,7 @@ def grads_finite(params) -> bool:
 
 
 def seed_all(seed: int) -> None:
-    """Seed the Python, NumPy and torch generators, so runs are reproducible.
-
-    Args:
-        seed: The seed (taken modulo 2**32 for NumPy).
-    """
+    """Seed the Python, NumPy (modulo 2**32) and torch generators, so runs are reproducible."""
     import numpy as np
     import torch
 
@@ -194,36 +184,18 @@ def seed_all(seed: int) -> None:
 
 
 def peak_memory(device: torch.device) -> float:
-    """Measure peak memory use: CUDA max allocated on a GPU, else this process's max RSS.
-
-    Args:
-        device: The device training runs on.
-
-    Returns:
-        The peak, in bytes.
-    """
+    """Peak memory in bytes: CUDA max allocated on a GPU, else this process's max RSS."""
     import torch
 
     if device.type == "cuda":
         return float(torch.cuda.max_memory_allocated(device))
-
     return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024.0
 
 
 def total_steps(job: JobSpec, steps_per_epoch: int) -> int:
-    """Work out how many optimizer steps the job runs.
-
-    Args:
-        job: The job; ``[train] steps`` wins over ``[train] epochs``.
-        steps_per_epoch: Batches in one epoch of the workload; with ``[train] accumulate = K``
-            an optimizer step takes K of them (a remainder below K is not trained).
-
-    Returns:
-        The total number of optimizer steps.
-
-    Raises:
-        ConfigError: The epochs hold fewer than ``accumulate`` batches.
-    """
+    """How many optimizer steps the job runs: ``[train] steps``, else the epochs' batches
+    (``steps_per_epoch`` each) over ``[train] accumulate`` (a remainder is not trained);
+    ConfigError when the epochs hold fewer than ``accumulate`` batches."""
     t = job.train
     if t.steps is not None:
         return t.steps
@@ -267,9 +239,8 @@ class Trainer:
         self._check_accumulate()
         half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(job.train.precision)
         self.autocast = torch.autocast(self.device.type, dtype=half) if half else None
-        self.scaler = None                 # [train] precision = "fp16": the agreed loss scale
-        if job.train.precision == "fp16":
-            self.scaler = LossScaler()
+        # [train] precision = "fp16": the agreed loss scale
+        self.scaler = LossScaler() if job.train.precision == "fp16" else None
         self.step = 0
         self.history: list[list] = []      # [step, mean loss] at log points
         self._packed = (PackedHistory(), PackedHistory())  # both, as trainer.pt
@@ -320,22 +291,15 @@ class Trainer:
     def _resume(self, chosen: Path | None = None) -> None:
         """Continue from ``chosen`` (``hpcpar run --from``), else from the newest valid
         checkpoint of the run directory."""
-        if chosen is not None:
-            path = chosen
-            try:
-                manifest = resume.check_chosen(path, self.grid.shape, self.job.model.kind,
-                                             self.comm)
-            except HpcparError as exc:
-                raise _collective(exc) from None
-        else:
-            resumable = resume.choose_resumable(self.ckpt_dir, self.comm, log=self.log)
-            if resumable is None:
-                return
-            path = resumable
-            try:
-                manifest = resume.check_compatible(path, self.grid.shape)
-            except HpcparError as exc:
-                raise _collective(exc) from None
+        path = chosen if chosen is not None else resume.choose_resumable(self.ckpt_dir, self.comm,
+                                                                          log=self.log)
+        if path is None:
+            return
+        try:
+            manifest = (resume.check_chosen(path, self.grid.shape, self.job.model.kind, self.comm)
+                        if chosen is not None else resume.check_compatible(path, self.grid.shape))
+        except HpcparError as exc:
+            raise _collective(exc) from None
         manifest, model_sd, trainer_sd, rank_sd = resume.load(
             path, resume.source_rank(manifest, self.grid.coords))
         change = resume.grid_change(manifest, self.grid.shape)
@@ -385,9 +349,6 @@ class Trainer:
         try:
             merged, missing, unexpected = agree(self.comm, lambda: init_weights.fit_state_dict(
                 init_weights.read_state_dict(path), expected, self.job.train.init_strict, path))
-        except HpcparError as exc:
-            raise _collective(exc) from None
-        try:
             capture.load_full_state_dict(self.model, merged)
         except HpcparError as exc:
             raise _collective(exc) from None
@@ -512,10 +473,7 @@ class Trainer:
             self._sync()
             t1 = time.perf_counter()
             with self._micro_context(micro):
-                if self.autocast is not None:
-                    with self.autocast:
-                        res = self.workload.forward_loss(self.wrapped, batch)
-                else:
+                with self.autocast or nullcontext():
                     res = self.workload.forward_loss(self.wrapped, batch)
                 self._sync()
                 t2 = time.perf_counter()
@@ -631,14 +589,8 @@ class Trainer:
 
         self.model.eval()
         try:
-            with torch.no_grad():
-                if self.autocast is not None:
-                    with self.autocast:
-                        m = (self.workload.final_metrics if final else
-                             self.workload.evaluate)(self.model)
-                else:
-                    m = (self.workload.final_metrics if final else self.workload.evaluate)(
-                        self.model)
+            with torch.no_grad(), self.autocast or nullcontext():
+                m = (self.workload.final_metrics if final else self.workload.evaluate)(self.model)
         finally:
             self.model.train()
         return {k: float(v) for k, v in (m or {}).items()}
@@ -911,7 +863,6 @@ class Trainer:
                 "train_loss_history": self.history, "validation_history": self.val_history,
                 "skipped_steps": self.skipped, "overflow_steps": self.overflows, **metrics}
 
-
     def close(self) -> None:
         self.transport.close()
         self.workload.close()
@@ -973,24 +924,16 @@ def train(job: JobSpec, run_dir: str | os.PathLike, *, resume: bool = True,
     after the first step) to the end of this call: every rank stops after the same step and
     checkpoints; a second SIGINT exits at once (code 130).
 
-    Args:
-        job: A validated job (``hpcpar.formats.jobspec.load_job``).
-        run_dir: The run directory (records, checkpoints, logs).
-        resume: Continue from the run directory's last checkpoint when there is one.
-        comm: The communicator to train on; ``MPI.COMM_WORLD`` when None.
-        device: Where to train; chosen from the job and the machine when None.
-        callbacks: ``hpcpar.run.callbacks.Callback`` instances, after the job's own
-            (``[output] tensorboard``/``callbacks``).
-        start_from: Continue from this checkpoint directory (of this run or another; it
-            must verify and fit the job and grid) instead of the run directory's newest.
+    ``job`` is a validated job (``hpcpar.formats.jobspec.load_job``); ``run_dir`` holds the
+    records, checkpoints and logs. ``resume``: continue from its last checkpoint when there is
+    one; ``start_from``: from this checkpoint directory instead (of this run or another; it
+    must verify and fit the job and grid). ``comm`` None is ``MPI.COMM_WORLD``; ``device`` None
+    is chosen from the job and the machine. ``callbacks`` (``hpcpar.run.callbacks.Callback``)
+    run after the job's own (``[output] tensorboard``/``callbacks``).
 
-    Returns:
-        The steps completed, whether a signal stopped the run, and the final metrics.
-
-    Raises:
-        DivergedError: The loss or gradients became non-finite (``on_nonfinite = "stop"``).
-        HpcparError: A user error (job, run directory, incompatible checkpoint), raised
-            alike on every rank.
+    Returns a [TrainResult][hpcpar.run.trainer.TrainResult]. Raises DivergedError when the loss
+    or gradients became non-finite (``on_nonfinite = "stop"``), HpcparError on a user error
+    (job, run directory, incompatible checkpoint), alike on every rank.
 
     Example:
         ```python
@@ -1067,20 +1010,11 @@ def _die(code: int, msg: str, on_exit=None) -> None:
 
 def main(argv: Sequence[str] | None = None,
          on_exit: Callable[[], object] | None = None) -> int:
-    """Per-rank entry point: train the resolved job in the run directory.
-
-    Errors end the process (``os._exit``) with the exit codes of :mod:`hpcpar.errors`; a run
-    stopped by a signal exits with ``EXIT_REQUEUE``.
-
-    Args:
-        argv: Command-line arguments (job JSON, ``--run-dir``, ``--[no-]resume``,
-            ``--from CHECKPOINT``); None reads
-            ``sys.argv``.
-        on_exit: Called before the process exits on an error or stop.
-
-    Returns:
-        ``EXIT_OK`` when the run finished.
-    """
+    """Per-rank entry point: train the resolved job (``argv``: job JSON, ``--run-dir``,
+    ``--[no-]resume``, ``--from CHECKPOINT``; None reads ``sys.argv``) in the run directory;
+    ``EXIT_OK`` when the run finished. Errors end the process (``os._exit``, after ``on_exit``)
+    with the exit codes of :mod:`hpcpar.errors`; a run stopped by a signal exits with
+    ``EXIT_REQUEUE``."""
     ap = argparse.ArgumentParser(prog="python -m hpcpar.run.trainer")
     ap.add_argument("job_json")
     ap.add_argument("--run-dir", required=True)
