@@ -118,10 +118,6 @@ class VolumeSource:
         return ShardFiles(self.paths, self.x_key, None)
 
 
-def _peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def _out_shape(model, in_channels: int, size: tuple) -> tuple[int, ...]:
     """The model's output shape for one sample (a meta-device forward: no data, no memory);
     refuses a model whose output is not one value per input voxel."""
@@ -240,7 +236,8 @@ def predict(model: Any, source: str | os.PathLike, out: str | os.PathLike,
     finally:
         files.close()
     # the same record on every rank (mpio writes it collectively): the slowest rank's time
-    stats = comm.allgather((voxels / busy if busy else 0.0, _peak_rss(),
+    stats = comm.allgather((voxels / busy if busy else 0.0,
+                            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                             time.perf_counter() - start))
     rates = [r for r, _, _ in stats]
     record = {**settings, "wall_s": round(max(t for _, _, t in stats), 3),

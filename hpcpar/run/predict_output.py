@@ -53,12 +53,6 @@ def _ours(out: Path) -> dict | None:
         return None
 
 
-def is_complete(out: str | os.PathLike) -> bool:
-    """Whether ``out`` is a prediction every rank finished writing."""
-    mine = _ours(Path(out))
-    return bool(mine and mine["complete"])
-
-
 def check_out(out: str | os.PathLike, force: bool) -> str:
     """What to do with the output path: ``"new"``, ``"restart"`` (an incomplete prediction
     of ours) or ``"replace"`` (``force``). The parts folder of a run that never created

@@ -3,17 +3,14 @@ sync -> timed steps, with records, validation, checkpoints and the stop-signal c
 
 Run by ``hpcpar run`` as ``python -m hpcpar.run.trainer RUN/job.json --run-dir RUN [--resume]`` on
 every rank, or in-process with :func:`train`. Each step is timed per phase (data wait, forward,
-backward, exposed allreduce, optimizer; halo and allreduce totals come from
-``hpcpar.parallel.counters.COUNTERS``) and recorded through
-:class:`hpcpar.formats.records.RunRecorder`.
+backward, exposed allreduce, optimizer; halo and allreduce totals from
+``hpcpar.parallel.counters.COUNTERS``) and recorded (:class:`hpcpar.formats.records.RunRecorder`).
 Between the gradient sync and the optimizer step, one small allreduce gives all ranks the mean
 loss, whether any rank got SIGUSR1/SIGTERM/SIGINT (all ranks stop, checkpoint and exit 3 after the
-same step) and whether any rank saw a non-finite loss or gradient (the divergence guard:
-``[train] on_nonfinite = "stop"`` ends the run at that step with exit 4 and status "diverged",
-keeping the last finite checkpoint; ``"skip"`` skips that optimizer step and counts it). Checking
-the gradients costs one read-only pass per step (a sum per gradient; ``isfinite`` only where a
-sum is not finite), less than the fused optimizer step. Under ``precision = "fp16"`` the loss is
-scaled (:mod:`hpcpar.run.loss_scale`) and the gradients unscaled before that check; a
+same step) and whether any rank saw a non-finite loss or gradient (``[train] on_nonfinite =
+"stop"`` ends the run there with exit 4 and status "diverged", keeping the last finite
+checkpoint; ``"skip"`` skips that optimizer step and counts it). Under ``precision = "fp16"`` the
+loss is scaled (:mod:`hpcpar.run.loss_scale`) and the gradients unscaled before that check; a
 non-finite gradient with every loss finite is an overflow: the step is skipped on every rank,
 the scale backs off alike everywhere, and the run goes on.
 """
@@ -447,8 +444,7 @@ class Trainer:
     def _describe_nonfinite(self, loss: float) -> str:
         """Collective (only called when some rank saw a non-finite value): which ranks and what,
         for the one-line message."""
-        mine = (not math.isfinite(loss), not self._grads_ok)
-        seen = self.comm.allgather(mine)
+        seen = self.comm.allgather((not math.isfinite(loss), not self._grads_ok))
         what = []
         loss_ranks = [r for r, (bl, _) in enumerate(seen) if bl]
         grad_ranks = [r for r, (_, bg) in enumerate(seen) if bg]
@@ -462,9 +458,9 @@ class Trainer:
         """One optimizer step: forward and backward of each of the ``[train] accumulate``
         micro-batches of ``it`` (each loss scaled by 1/K; the gradient sync runs in the last
         backward only), the agreement allreduce, gradient clipping, then the optimizer step
-        unless some rank saw a non-finite value (under fp16, the loss scale's update with
-        that agreed flag). Returns (record row: phases summed over the
-        micro-batches, local loss: their mean, verdict)."""
+        unless some rank saw a non-finite value (under fp16, the loss scale's update with that
+        agreed flag). Returns (record row: phases summed over the micro-batches, local loss:
+        their mean, verdict)."""
         t_start = t0 = time.perf_counter()
         before = COUNTERS.snapshot()
         t_data = t_fwd = t_bwd = 0.0
@@ -522,7 +518,6 @@ class Trainer:
         if stepped:
             self.scheduler.step()
             return
-
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)` before",
                                     UserWarning)
@@ -707,7 +702,9 @@ class Trainer:
                 elif not verdict.finite:
                     self._on_nonfinite(verdict, loss)
                 loop.stopped = verdict.stop and self.step < self.total   # done anyway: finish
-                self._show_progress(loop)
+                if loop.bar is not None:
+                    loop.bar.update(1)
+                    loop.bar.set_postfix(loss=f"{loop.mean_loss:.4g}")
                 self._log_step(row, loop)
                 self._hook("on_step_end", row, verdict.mean_loss)
                 self._maybe_validate()
@@ -757,11 +754,6 @@ class Trainer:
                 loop.epoch = epoch
                 loop.it = iter(self.workload.batches(epoch))
             yield next(loop.it)
-
-    def _show_progress(self, loop: _LoopState) -> None:
-        if loop.bar is not None:
-            loop.bar.update(1)
-            loop.bar.set_postfix(loss=f"{loop.mean_loss:.4g}")
 
     def _log_step(self, row: dict, loop: _LoopState) -> None:
         """Every ``log_every`` steps (and the first and last): the window's mean loss into the
@@ -842,7 +834,6 @@ class Trainer:
         if self.rank == 0:
             if self.skipped:
                 recorder.update_meta(lambda m: m.update(skipped_steps=self.skipped))
-
             write_json_atomic(self.run_dir / "metrics.json", out)
             self.log("done: " + ", ".join(f"{k} {v:.5g}" for k, v in out.items()
                                           if isinstance(v, float)))

@@ -26,9 +26,8 @@ checkpoints, signals, records and logs. ``[model] kind`` in a job file picks the
 Lifecycle, per rank (every call is made on every rank in the same order; methods marked
 *collective* may communicate):
 
-1. ``W(job, grid, device)``: ``job`` is a :class:`hpcpar.formats.jobspec.JobSpec` whose
-   ``job.model.params`` / ``job.data.params`` hold this kind's keys, validated against
-   ``model_params`` / ``data_params``, defaults filled (also ``job.train.seed``, ...).
+1. ``W(job, grid, device)``: ``job`` (:class:`hpcpar.formats.jobspec.JobSpec`) holds this
+   kind's keys in ``job.model.params`` / ``job.data.params``, validated, defaults filled.
 2. ``build_model()`` -> ``nn.Module`` on ``self.device``; every rank must build identical
    initial replicated parameters (seed with ``job.train.seed`` before creating layers).
 3. ``param_groups(model)`` -> what the optimizer gets (default: all trainable parameters in one
@@ -41,10 +40,8 @@ Lifecycle, per rank (every call is made on every rank in the same order; methods
 6. Per step: ``forward_loss(model, batch)`` -> :class:`StepResult`; the loop calls
    ``result.loss.backward()``, so the *convention* is: after ``wrap``'s gradient sync,
    gradients equal the single-process gradients. For the default DDP (sum over spatial ranks,
-   average over data ranks) return the mean loss over this rank's local samples. ``samples``:
-   the samples this rank's data-parallel replica processed this step (the loop divides by the
-   spatial size itself). ``loss_value`` (optional float) is what is logged and recorded;
-   default ``result.loss.item()``.
+   average over data ranks) return the mean loss over this rank's local samples. ``samples``
+   counts this replica's samples (the loop divides by the spatial size itself).
 7. ``evaluate(model)`` (collective) -> ``{"val_loss": .., "val_acc": ..}``, the same dict on
    every rank, every ``[train] val_every`` steps, in eval mode under ``torch.no_grad``;
    ``final_metrics(model)`` (collective, default ``evaluate``) at the end, e.g. adding
@@ -54,14 +51,12 @@ Lifecycle, per rank (every call is made on every rank in the same order; methods
 9. ``run_meta()``: facts decided at run time, JSON-able, recorded in ``RUN/meta.json``.
 10. ``close()``: stop prefetchers, close files.
 
-Class attributes read when validating a job (before any rank starts, without MPI):
-``model_params`` / ``data_params`` / ``train_params`` (dicts of :class:`Param`: the keys this
-kind accepts in ``[model]`` / ``[data]`` / extra ``[train]`` keys; unknown keys are errors),
-``splits_global_batch`` (False when ``[train] global_batch`` is not split over data ranks, e.g.
-full-graph training) and an optional ``check_job(job)`` staticmethod raising
-:class:`hpcpar.errors.ConfigError` for cross-field problems. Keep the workload module
-importable without torch at import time (import torch inside methods): job validation runs in
-the launcher process.
+Read when validating a job (before any rank starts, without MPI): ``model_params`` /
+``data_params`` / ``train_params`` (dicts of :class:`Param`: the ``[model]`` / ``[data]`` /
+extra ``[train]`` keys; unknown keys are errors), ``splits_global_batch`` (False when ``[train]
+global_batch`` is not split over data ranks, e.g. full-graph training) and an optional
+``check_job(job)`` staticmethod raising :class:`hpcpar.errors.ConfigError` for cross-field
+problems. Import torch inside methods, not at module import: validation runs in the launcher.
 
 Your own kind, without editing hpcpar (``docs/guides/custom-workloads.md``): name it in the job
 as an import path, ``[model] kind = "my_pkg.my_module:MyWorkload"`` (any importable callable
@@ -78,8 +73,7 @@ someone's run directory runs none of its code.
 Checkpoints store ``hpcpar.run.checkpoint.capture.full_state_dict(model)``: the unpartitioned
 single-process ``state_dict`` (modules exposing ``full_state_dict()`` / ``load_full_state_dict()``
 are asked for theirs, e.g. tensor-parallel layers). ``reference_model()`` optionally returns the
-plain single-process twin (same state_dict keys) so tests can ``load_state_dict`` a checkpoint
-into it.
+plain single-process twin (same keys) so tests can ``load_state_dict`` a checkpoint into it.
 """
 
 from __future__ import annotations
@@ -114,8 +108,8 @@ MAX_POOLINGS = 20
 @dataclass
 class StepResult:
     """What ``forward_loss`` returns: the ``loss`` tensor the loop calls ``backward()`` on, the
-    ``samples`` this rank's data-parallel replica processed this step, the ``loss_value`` logged
-    and recorded (``loss.item()`` when None), and ``extra`` per-step values for the log."""
+    ``samples`` this rank's data-parallel replica processed this step, the ``loss_value`` (a
+    float) logged and recorded (``loss.item()`` when None), and ``extra`` values for the log."""
 
     loss: Any
     samples: int
