@@ -22,11 +22,10 @@ def make_optimizer(name: str, param_groups, **options):
     import torch
 
     items = [param_groups] if isinstance(param_groups, torch.Tensor) else list(param_groups)
-    groups = [dict(g) for g in items] if items and isinstance(items[0], dict) \
-        else [{"params": items}]
+    groups = ([dict(g) for g in items] if items and isinstance(items[0], dict)
+              else [{"params": items}])
     for g in groups:   # a generator or a single tensor, as torch accepts them
-        g["params"] = [g["params"]] if isinstance(g["params"], torch.Tensor) \
-            else list(g["params"])
+        g["params"] = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
     cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]
     return cls(groups, **options, **fused_kwargs(groups))
 

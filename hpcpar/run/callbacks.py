@@ -32,48 +32,30 @@ class Callback:
     """Override what you need; every hook is called on every rank, in loop order."""
 
     def on_train_start(self, trainer: Any) -> None:
-        """After set-up (and resume), before the first step of this segment.
-
-        Args:
-            trainer: The :class:`hpcpar.run.trainer.Trainer` (``.job``, ``.rank``,
-                ``.grid``, ``.run_dir``, ``.step``, ``.total``, ``.model``).
-        """
+        """After set-up (and resume), before the first step of this segment. ``trainer`` is the
+        :class:`hpcpar.run.trainer.Trainer` (``.job``, ``.rank``, ``.grid``, ``.run_dir``,
+        ``.step``, ``.total``, ``.model``), in every hook."""
 
     def on_step_end(self, trainer: Any, row: dict, mean_loss: float) -> None:
-        """After each optimizer step (``trainer.step`` already counts it).
-
-        Args:
-            trainer: The trainer.
-            row: This rank's step record (``hpcpar.formats.records.COLUMNS``: ``t_step``,
-                ``samples``, ``peak_mem``, ...).
-            mean_loss: The step's loss averaged over all ranks (NaN for a skipped step).
-        """
+        """After each optimizer step (``trainer.step`` already counts it): ``row`` is this
+        rank's step record (``hpcpar.formats.records.COLUMNS``: ``t_step``, ``samples``,
+        ``peak_mem``, ...), ``mean_loss`` the step's loss averaged over all ranks (NaN for a
+        skipped step)."""
 
     def on_validation(self, trainer: Any, metrics: dict) -> None:
-        """After a validation (every ``[train] val_every`` steps) and the final metrics.
-
-        Args:
-            trainer: The trainer.
-            metrics: Metric name -> value, the same on every rank.
-        """
+        """After a validation (every ``[train] val_every`` steps) and the final metrics;
+        ``metrics`` (name -> value) are the same on every rank."""
 
     def on_train_end(self, trainer: Any, metrics: dict) -> None:
-        """At the end of this segment (finished, stopped by a signal or diverged).
-
-        Args:
-            trainer: The trainer.
-            metrics: The final metrics when finished, else ``{}``.
-        """
+        """At the end of this segment (finished, stopped by a signal or diverged); ``metrics``
+        are the final metrics when finished, else ``{}``."""
 
 
 class TensorBoardCallback(Callback):
     """Event files in ``RUN/tensorboard`` from rank 0: ``train/loss`` (mean over ranks),
     ``train/lr``, ``time/<phase>`` per step, ``throughput/samples_per_s`` (whole job),
-    ``memory/peak_bytes`` and ``val/<metric>``; ``tensorboard --logdir RUN/tensorboard``.
-
-    Args:
-        log_dir: Where to write; ``RUN/tensorboard`` when None.
-    """
+    ``memory/peak_bytes`` and ``val/<metric>``; ``tensorboard --logdir RUN/tensorboard``
+    (``log_dir`` None)."""
 
     def __init__(self, log_dir: str | None = None):
         self.log_dir = log_dir
@@ -132,17 +114,8 @@ def _factory(path: str) -> Any:
 
 
 def job_callbacks(job: JobSpec) -> list[Callback]:
-    """The callbacks a job asks for: TensorBoard, then ``[output] callbacks`` in order.
-
-    Args:
-        job: The validated job.
-
-    Returns:
-        Callback instances (``factory(job)`` of each named one).
-
-    Raises:
-        ConfigError: A callback that cannot be imported, or tensorboard missing.
-    """
+    """The callbacks a job asks for: TensorBoard, then ``factory(job)`` of each of ``[output]
+    callbacks`` in order; ConfigError for one that cannot be imported, or tensorboard missing."""
     out: list[Callback] = []
     if job.output.tensorboard:
         check_tensorboard()

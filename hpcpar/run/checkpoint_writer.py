@@ -87,35 +87,23 @@ class CheckpointWriter:
     rename, rotation; a thread on rank 0) once a gather says every part is written. The
     next checkpoint's parts may be written while the previous one is finished; the finish
     of one waits for the finish of the one before, so checkpoints appear in step order.
-
-    Args:
-        ckpt_dir: Directory holding the checkpoints.
-        comm: MPI communicator of all ranks.
-        keep: How many of the newest checkpoints to keep.
-        background: Write in a thread (else :meth:`save` writes and commits before it returns).
-    """
+    Without ``background``, :meth:`save` writes and commits before it returns."""
 
     def __init__(self, ckpt_dir: str | os.PathLike, comm: Any, keep: int, background: bool):
-        self.ckpt_dir = Path(ckpt_dir)
-        self.comm = comm
-        self.keep = keep
-        self.background = background
+        self.ckpt_dir, self.comm = Path(ckpt_dir), comm
+        self.keep, self.background = keep, background
         self._pending: _Pending | None = None      # its parts are being written
         self._finishing: _Pending | None = None    # rank 0 is finishing it
         # parts and finishes each have their thread: one checkpoint's finish (fsyncs,
         # rename, rotation) runs while the next one's parts are written
-        self._writes, self._finishes = _Worker("hpcpar-ckpt-parts"), \
-            _Worker("hpcpar-ckpt-finish")
+        self._writes, self._finishes = _Worker("hpcpar-ckpt-parts"), _Worker("hpcpar-ckpt-finish")
         store.prepare(self.ckpt_dir, comm)
 
     def save(self, step: int, *, model_state: dict, trainer_state: dict, rank_state: dict,
              info: dict) -> Path:
         """Write checkpoint ``step``: in the background (the states are copied to memory
         first; a pending one's parts are waited for and handed to its finish), else at once.
-
-        Returns:
-            The checkpoint's final path (it exists once committed).
-        """
+        Returns the checkpoint's final path (it exists once committed)."""
         if not self.background:   # prepared once, at __init__
             self.flush()
             return store.write_and_commit(self.ckpt_dir, step, comm=self.comm,
@@ -154,11 +142,8 @@ class CheckpointWriter:
                             f"failed: {type(exc).__name__}: {exc}"
 
     def _finished(self) -> Path | None:
-        """Wait for the checkpoint being finished; its path, or None when none was.
-
-        Raises:
-            RunDirError: On every rank, when it could not be written or finished.
-        """
+        """Wait for the checkpoint being finished; its path, or None when none was. RunDirError
+        on every rank when it could not be written or finished."""
         done, self._finishing = self._finishing, None
         if done is None:
             return None
@@ -186,11 +171,8 @@ class CheckpointWriter:
 
     def poll(self) -> Path | None:
         """Start the pending checkpoint's finish if every rank has written its part (one
-        small allreduce, only while one is pending); never waits for the writes.
-
-        Returns:
-            The checkpoint finished before it, or None.
-        """
+        small allreduce, only while one is pending); never waits for the writes. Returns the
+        checkpoint finished before it, or None."""
         if self._pending is None:
             return None
         from mpi4py import MPI
@@ -200,15 +182,9 @@ class CheckpointWriter:
         return None if busy else self._hand_over()
 
     def flush(self) -> Path | None:
-        """Wait for the pending checkpoint: its parts, then its finish.
-
-        Returns:
-            The newest committed checkpoint, or None when none was pending.
-
-        Raises:
-            RunDirError: On every rank, when some rank could not write its part or the
-                checkpoint could not be finished.
-        """
+        """Wait for the pending checkpoint (its parts, then its finish); the newest committed
+        checkpoint, or None when none was pending. RunDirError on every rank when some rank
+        could not write its part or the checkpoint could not be finished."""
         done = self._hand_over()
         return self._finished() or done
 

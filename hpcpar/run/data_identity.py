@@ -35,8 +35,7 @@ def path_checksum(path: str | os.PathLike) -> str | None:
 
 
 def data_identity(job) -> dict:
-    """``{field: {"path": ..., "checksum": ...}}`` for each data path of ``job`` that
-    exists."""
+    """``{field: {"path": ..., "checksum": ...}}`` for each data path of ``job`` that exists."""
     out = {}
     for field in DATA_FIELDS:
         path = job.data.params.get(field)
@@ -48,15 +47,8 @@ def data_identity(job) -> dict:
 
 
 def check_same_data(run_dir: str | os.PathLike, job) -> None:
-    """Refuse to resume the run in ``run_dir`` on data other than its last segment's.
-
-    Args:
-        run_dir: The run directory (its ``meta.json`` ``data``, when recorded).
-        job: The job about to resume.
-
-    Raises:
-        DataError: A data path now holds other contents (one line, naming the field).
-    """
+    """Refuse (DataError, one line naming the field) to resume the run in ``run_dir`` on data
+    other than its last segment's (its ``meta.json`` ``data``, when recorded)."""
     try:
         recorded = json.loads((Path(run_dir) / "meta.json").read_text()).get("data")
     except (OSError, ValueError, AttributeError):

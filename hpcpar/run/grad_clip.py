@@ -31,15 +31,7 @@ def norm_share(model: torch.nn.Module, grid: ProcessGrid) -> list[torch.nn.Param
     a replicated parameter counts on spatial rank 0; a ``TensorParallelLinear`` weight shard
     counts where the layer says its piece is this rank's own
     (``TensorParallelLinear.owns_piece``); a split head's weight (cut to this rank's columns,
-    :mod:`hpcpar.nn.split_head`) counts on every spatial rank.
-
-    Args:
-        model: The model (a wrapper's ``module`` is used).
-        grid: The process grid.
-
-    Returns:
-        This rank's share (empty on data index > 0).
-    """
+    :mod:`hpcpar.nn.split_head`) counts on every spatial rank."""
     if grid.coords[0] != 0:
         return []
     counted = spatial_share(model, grid)
@@ -50,15 +42,7 @@ def norm_share(model: torch.nn.Module, grid: ProcessGrid) -> list[torch.nn.Param
 def spatial_share(model: torch.nn.Module, grid: ProcessGrid):
     """Whether this rank counts a parameter among the ranks of its data index (see
     :func:`norm_share`); with ``[train] shard_optimizer`` it picks the pieces of the
-    parameters sharded over the data axis only.
-
-    Args:
-        model: The model (a wrapper's ``module`` is used).
-        grid: The process grid.
-
-    Returns:
-        A predicate on parameters.
-    """
+    parameters sharded over the data axis only. Returns a predicate on parameters."""
     from hpcpar.nn.split_head import column_split  # deferred: loads torch, numpy
     from hpcpar.nn.tensor_parallel import TensorParallelLinear  # deferred: loads torch, numpy
 
@@ -71,14 +55,8 @@ def spatial_share(model: torch.nn.Module, grid: ProcessGrid):
 
 
 def squared_norm(params: list[torch.nn.Parameter]) -> float:
-    """Sum of the squared gradient entries of ``params`` (float64; a missing grad is zero).
-
-    Args:
-        params: The parameters (:func:`norm_share`).
-
-    Returns:
-        The sum, a Python float (inf or NaN when a gradient is not finite).
-    """
+    """Sum of the squared gradient entries of ``params`` in float64 (a missing grad is zero;
+    inf or NaN when a gradient is not finite)."""
     import torch
 
     norms = [torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float64)
@@ -87,13 +65,8 @@ def squared_norm(params: list[torch.nn.Parameter]) -> float:
 
 
 def clip_(params, max_norm: float, total_norm: float) -> None:
-    """Scale every gradient by ``max_norm / (total_norm + 1e-6)`` when that is below one.
-
-    Args:
-        params: Every parameter of this rank (its gradients are scaled in place).
-        max_norm: ``[train] clip_grad_norm``.
-        total_norm: The global norm before clipping.
-    """
+    """Scale every gradient of ``params`` in place by ``max_norm / (total_norm + 1e-6)`` when
+    that is below one (``total_norm``: the global norm before clipping)."""
     import torch
 
     coef = max_norm / (total_norm + EPS)

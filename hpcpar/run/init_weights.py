@@ -23,18 +23,9 @@ _SHOWN = 3
 
 
 def read_state_dict(path: str | os.PathLike) -> dict:
-    """Read a torch-saved state dict safely.
-
-    Args:
-        path: ``[train] init_from``.
-
-    Returns:
-        Key -> tensor (a torch-DDP ``module.`` prefix on every key is dropped).
-
-    Raises:
-        ConfigError: Missing, unreadable, refused by ``weights_only`` or not a mapping of
-            names to tensors (one line naming the file).
-    """
+    """The torch-saved state dict ``[train] init_from``, read safely (a torch-DDP ``module.``
+    prefix on every key is dropped); ConfigError naming the file when it is missing,
+    unreadable, refused by ``weights_only`` or not a mapping of names to tensors."""
     import torch
 
     where = f"[train] init_from {os.fspath(path)!r}"
@@ -48,8 +39,7 @@ def read_state_dict(path: str | os.PathLike) -> dict:
                           f"{first})") from None
     except (OSError, RuntimeError, EOFError, ValueError) as exc:
         first = (str(exc).strip().splitlines() or [""])[0][:200]
-        raise ConfigError(f"{where}: not a torch file ({type(exc).__name__}: {first})") \
-            from None
+        raise ConfigError(f"{where}: not a torch file ({type(exc).__name__}: {first})") from None
     if not isinstance(sd, dict) or not all(
             isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items()):
         raise ConfigError(f"{where}: expected a state_dict (names -> tensors), got a "
@@ -60,15 +50,7 @@ def read_state_dict(path: str | os.PathLike) -> dict:
 
 
 def describe_keys(missing: list[str], unexpected: list[str]) -> str:
-    """``missing 2 keys (a, b), unexpected 1 key (c)``: the first few names of each.
-
-    Args:
-        missing: Keys the model has and the file lacks.
-        unexpected: Keys the file has and the model lacks.
-
-    Returns:
-        One clause.
-    """
+    """``missing 2 keys (a, b), unexpected 1 key (c)``: the first few names of each."""
     def part(what, keys):
         names = ", ".join(keys[:_SHOWN]) + (", ..." if len(keys) > _SHOWN else "")
         return f"{what} {len(keys)} key{'s' if len(keys) != 1 else ''} ({names})"
@@ -79,20 +61,9 @@ def describe_keys(missing: list[str], unexpected: list[str]) -> str:
 
 def fit_state_dict(given: dict, expected: dict[str, Any], strict: bool,
                    where: str) -> tuple[dict, list[str], list[str]]:
-    """Match ``given`` against the model's full state dict ``expected``.
-
-    Args:
-        given: The file's state dict.
-        expected: The model's full state dict (its current values fill missing keys).
-        strict: Refuse missing or unexpected keys.
-        where: The file, for messages.
-
-    Returns:
-        (the full state dict to load, missing keys, unexpected keys).
-
-    Raises:
-        ConfigError: A shape differs, or (strict) keys are missing or unexpected.
-    """
+    """(full state dict to load, missing keys, unexpected keys) of the file's ``given`` against
+    the model's full state dict ``expected`` (whose values fill missing keys); ConfigError
+    when a shape differs, or (``strict``) keys are missing or unexpected."""
     missing = [k for k in expected if k not in given]
     unexpected = [k for k in given if k not in expected]
     for k, v in given.items():

@@ -33,13 +33,8 @@ _FP32_MAX = 3.4028234663852886e38
 class LossScaler:
     """The scale of one run: multiply the loss by it before backward, divide the gradients
     by it after the sync, then :meth:`update` with the overflow flag all ranks agreed on.
-
-    Args:
-        init_scale: The first scale (``GradScaler``'s default).
-        growth_factor: Multiplies the scale after ``growth_interval`` good steps in a row.
-        backoff_factor: Multiplies the scale on an overflow.
-        growth_interval: Good steps in a row before the scale grows.
-    """
+    The scale is multiplied by ``growth_factor`` after ``growth_interval`` good steps in a row,
+    by ``backoff_factor`` on an overflow."""
 
     def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000):

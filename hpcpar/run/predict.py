@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import os
 import resource
 import sys
@@ -117,10 +118,6 @@ class VolumeSource:
         return ShardFiles(self.paths, self.x_key, None)
 
 
-def _peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def _out_shape(model, in_channels: int, size: tuple) -> tuple[int, ...]:
     """The model's output shape for one sample (a meta-device forward: no data, no memory);
     refuses a model whose output is not one value per input voxel."""
@@ -144,12 +141,10 @@ def _regions(grid: ProcessGrid, n: int, slabs: list[Slab], size: tuple) -> list:
     for sample in range(n):
         g = owner(n, grid.shape[0], sample)
         for s in slabs:
-            for k in range(spatial[2]):
-                for j in range(spatial[1]):
-                    for i in range(spatial[0]):
-                        b = _central(s, size, spatial, (i, j, k))
-                        if b is not None:
-                            out.append((rank_of((g, i, j, k), grid.shape), sample, b))
+            for k, j, i in itertools.product(*(range(p) for p in reversed(spatial))):
+                b = _central(s, size, spatial, (i, j, k))
+                if b is not None:
+                    out.append((rank_of((g, i, j, k), grid.shape), sample, b))
     return out
 
 
@@ -158,9 +153,7 @@ def _central(s: Slab, size: tuple, spatial, coords) -> tuple | None:
     coordinates (None: empty)."""
     (d0, d1), *rest = box((s.hi - s.lo, *size[1:]), spatial, coords)
     d0, d1 = max(d0 + s.lo, s.start), min(d1 + s.lo, s.stop)
-    if d0 >= d1:
-        return None
-    return ((d0, d1), *rest)
+    return ((d0, d1), *rest) if d0 < d1 else None
 
 
 def predict(model: Any, source: str | os.PathLike, out: str | os.PathLike,
@@ -168,35 +161,25 @@ def predict(model: Any, source: str | os.PathLike, out: str | os.PathLike,
             max_slab: int | None = None, post: Post | None = None,
             channels: int | None = None, force: bool = False,
             progress: Callable[[dict], None] | None = None) -> dict:
-    """Run a plain model over every sample of ``source`` and write its outputs to ``out``.
+    """Run a plain model (``torch.nn.Module``, (N, C, D, H, W) -> (N, C', D, H, W)) over every
+    sample of ``source`` (a dataset folder or an HDF5 file with ``x``) and write its outputs to
+    the HDF5 file ``out``.
 
-    Collective over ``grid.comm``. The model is spatialized over the grid's x, y, z axes
-    (a copy; ``model`` is not changed) and evaluated in inference mode; each data group
-    takes its share of the samples. The output file holds ``y`` (N, C, D, H, W) and the
-    attribute ``complete`` (1 only when every rank finished): see
-    :mod:`hpcpar.run.predict_output`.
+    Collective over ``grid.comm``. The model is spatialized over the grid's x, y, z axes (a
+    copy; ``model`` is not changed) and evaluated in inference mode; each data group takes its
+    share of the samples. ``grid``: a :class:`~hpcpar.ProcessGrid` or its spec
+    (``"1x2x1x1"``); None: every rank its own samples (``data = world size``). ``max_slab``
+    tiles each volume into slabs of at most this many voxels along D (plus the model's
+    receptive-field margin, :mod:`hpcpar.run.slabs`); None: whole volumes. ``channels``: use
+    the first ``channels`` input channels (None: all). ``force`` replaces an existing ``out``
+    that is not an incomplete prediction. ``progress`` is called on rank 0 after each of its
+    samples with that sample's record. The output holds ``y`` (N, C, D, H, W) and the attribute
+    ``complete`` (1 only when every rank finished): see :mod:`hpcpar.run.predict_output`.
 
-    Args:
-        model: A plain ``torch.nn.Module`` mapping (N, C, D, H, W) to (N, C', D, H, W).
-        source: A dataset folder or an HDF5 file with ``x`` (N, C, D, H, W).
-        out: The output HDF5 file.
-        grid: A :class:`~hpcpar.ProcessGrid` or its spec (``"1x2x1x1"``); None: every rank
-            its own samples (``data = world size``).
-        max_slab: Tile each volume into slabs of at most this many voxels along D (plus the
-            model's receptive-field margin, :mod:`hpcpar.run.slabs`); None: whole volumes.
-        post: Per-voxel post-processing (:class:`Post`).
-        channels: Use the first ``channels`` input channels (None: all).
-        force: Replace an existing ``out`` that is not an incomplete prediction.
-        progress: Called on rank 0 after each of its samples with that sample's record.
-
-    Returns:
-        The run's record (same on every rank): samples, grid, slabs, wall time, voxels/s
-        per rank (min, mean), peak memory per rank (max, bytes).
-
-    Raises:
-        DataError: Unreadable input, an unwritable output.
-        ConfigError: A model whose output is not per voxel, bad post-processing options.
-        RunDirError: ``out`` exists and may not be replaced (see ``force``).
+    Returns the run's record (same on every rank): samples, grid, slabs, wall time, voxels/s
+    per rank (min, mean), peak memory per rank (max, bytes). Raises DataError (unreadable
+    input, unwritable output), ConfigError (a model whose output is not per voxel, bad
+    post-processing options), RunDirError (``out`` exists and may not be replaced).
     """
     import torch
 
@@ -207,8 +190,7 @@ def predict(model: Any, source: str | os.PathLike, out: str | os.PathLike,
     grid = ProcessGrid(-1) if grid is None else ProcessGrid.from_spec(grid)
     post = post or Post()
     comm = grid.comm
-    (n, _c, *size), in_c, out_c = agreed(comm, lambda: _describe(source, channels, post,
-                                                                   model))
+    (n, _c, *size), in_c, out_c = agreed(comm, lambda: _describe(source, channels, post, model))
     src = VolumeSource(source)
     size = tuple(size)
     if max_slab is not None and max_slab < 1:
@@ -254,7 +236,8 @@ def predict(model: Any, source: str | os.PathLike, out: str | os.PathLike,
     finally:
         files.close()
     # the same record on every rank (mpio writes it collectively): the slowest rank's time
-    stats = comm.allgather((voxels / busy if busy else 0.0, _peak_rss(),
+    stats = comm.allgather((voxels / busy if busy else 0.0,
+                            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                             time.perf_counter() - start))
     rates = [r for r, _, _ in stats]
     record = {**settings, "wall_s": round(max(t for _, _, t in stats), 3),

@@ -78,18 +78,10 @@ def _load(model, sd: dict, where: str):
 
 def load_model(target: str | None, model: str | None,
                weights: str | None) -> tuple[Any, int | None]:
-    """(plain model in eval mode, input channels to read (None: all)) for ``hpcpar predict``.
-
-    Args:
-        target: A run directory or checkpoint (None with ``model``).
-        model: ``file.py:Class`` (instantiated without arguments), with ``weights``.
-        weights: A state_dict file.
-
-    Raises:
-        ConfigError: Neither or both of ``target`` and ``model``; an import or weights
-            that fail.
-        RunDirError: No valid checkpoint.
-    """
+    """(plain model in eval mode, input channels to read (None: all)) for ``hpcpar predict``,
+    from a run directory or checkpoint ``target``, or from ``model`` (``file.py:Class``,
+    instantiated without arguments) with the state_dict file ``weights``. ConfigError for
+    neither or both, an import or weights that fail; RunDirError for no valid checkpoint."""
     if (target is None) == (model is None):
         raise ConfigError("predict needs a RUN_DIR_OR_CHECKPOINT or --model FILE.py:Class "
                           "with --weights, not both")

@@ -48,27 +48,16 @@ def _ours(out: Path) -> dict | None:
         with h5py.File(out, "r") as f:
             if MARK not in f.attrs:
                 return None
-            return {"complete": int(f.attrs.get("complete", 0)),
-                    **json.loads(f.attrs[MARK])}
+            return {"complete": int(f.attrs.get("complete", 0)), **json.loads(f.attrs[MARK])}
     except (OSError, ValueError):
         return None
-
-
-def is_complete(out: str | os.PathLike) -> bool:
-    """Whether ``out`` is a prediction every rank finished writing."""
-    mine = _ours(Path(out))
-    return bool(mine and mine["complete"])
 
 
 def check_out(out: str | os.PathLike, force: bool) -> str:
     """What to do with the output path: ``"new"``, ``"restart"`` (an incomplete prediction
     of ours) or ``"replace"`` (``force``). The parts folder of a run that never created
-    ``OUT`` holds only rank files: it is ours too.
-
-    Raises:
-        RunDirError: ``OUT`` (or its parts folder) exists, is not an incomplete prediction,
-            and ``force`` is not set; or ``OUT`` is a folder.
-    """
+    ``OUT`` holds only rank files: it is ours too. RunDirError when ``OUT`` is a folder, or it
+    (or its parts folder) exists, is not an incomplete prediction, and ``force`` is not set."""
     out, parts = Path(out), parts_dir(out)
     if out.is_dir():
         raise RunDirError(f"{out}: is a folder; --out needs an HDF5 file path")
@@ -103,26 +92,18 @@ def prepare(out: str | os.PathLike, force: bool) -> None:
 
 
 class Output:
-    """This rank's writer of the output array (collective open and close).
-
-    Args:
-        out: The output path (already cleared by rank 0).
-        shape: (N, C, D, H, W) of ``y``.
-        dtype: Its element type.
-        comm: The grid's communicator.
-        regions: On rank 0, every rank's pieces, ``[(rank, sample, ((d0, d1), (h0, h1),
-            (w0, w1))), ...]`` (the virtual data set's map; unused with ``mpio``).
-        settings: What produced it (stored as JSON in the ``hpcpar_predict`` attribute).
-        mpio: Write one file collectively (h5py with MPI).
-    """
+    """This rank's writer of ``y`` (``shape`` (N, C, D, H, W)) into ``out``, already cleared by
+    rank 0 (collective open and close). ``regions``, on rank 0: every rank's pieces,
+    ``[(rank, sample, ((d0, d1), (h0, h1), (w0, w1))), ...]``, the virtual data set's map
+    (unused with ``mpio``: one file written collectively); ``settings`` are stored as JSON in
+    the ``hpcpar_predict`` attribute."""
 
     def __init__(self, out: str | os.PathLike, shape: tuple, dtype: Any, comm: Any,
                  regions: list, settings: dict, mpio: bool):
         import h5py
 
         self.out, self.shape, self.dtype = Path(out), tuple(shape), np.dtype(dtype)
-        self.comm, self.mpio = comm, mpio
-        self.settings = settings
+        self.comm, self.mpio, self.settings = comm, mpio, settings
         rank = comm.Get_rank()
         chunks = (1, shape[1], *(min(n, 64) for n in shape[2:]))
         if not mpio:
@@ -151,7 +132,6 @@ class Output:
         import h5py
 
         parts_dir(self.out).mkdir(exist_ok=True)
-
         layout = h5py.VirtualLayout(self.shape, self.dtype)
         parts = parts_dir(self.out).name
         for rank, sample, box in regions:

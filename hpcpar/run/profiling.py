@@ -24,15 +24,8 @@ __all__ = ["ProfileWindow", "named_range"]
 
 @contextlib.contextmanager
 def named_range(name: str, cuda: bool = False) -> Iterator[None]:
-    """A range named ``name`` in torch.profiler traces (and NVTX when ``cuda``).
-
-    Args:
-        name: The range's name.
-        cuda: Also push an NVTX range (Nsight Systems).
-
-    Yields:
-        Nothing; the range covers the ``with`` body.
-    """
+    """A range named ``name`` over the ``with`` body in torch.profiler traces (and an NVTX range
+    for Nsight Systems when ``cuda``)."""
     import torch
 
     with torch.profiler.record_function(name):
@@ -47,16 +40,9 @@ def named_range(name: str, cuda: bool = False) -> Iterator[None]:
 
 
 class ProfileWindow:
-    """Profiles steps ``first..last`` (1-based, inclusive) of this rank.
-
-    Args:
-        window: ``(first, last)``, or None for no profiling.
-        out_dir: Where the traces go (``RUN/profile``).
-        rank: This rank (names the trace file).
-        device_type: ``"cpu"`` or ``"cuda"`` (adds CUDA activity).
-        record_shapes: Record operator input shapes.
-        memory: Profile memory allocations.
-    """
+    """Profiles steps ``window = (first, last)`` (1-based, inclusive; None: none) of this rank
+    into ``out_dir`` (``RUN/profile``); ``device_type`` ``"cuda"`` adds CUDA activity,
+    ``record_shapes`` operator input shapes, ``memory`` memory allocations."""
 
     def __init__(self, window: tuple[int, int] | None, out_dir: str | Path, rank: int,
                  device_type: str = "cpu", record_shapes: bool = False, memory: bool = False):
@@ -66,11 +52,7 @@ class ProfileWindow:
         self.trace: Path | None = None
 
     def before_step(self, step: int) -> None:
-        """Start profiling when ``step`` (1-based, about to run) opens the window.
-
-        Args:
-            step: The step about to run, 1-based.
-        """
+        """Start profiling when ``step`` (1-based, about to run) opens the window."""
         if self.window is None or self.prof is not None or not (
                 self.window[0] <= step <= self.window[1]):
             return
@@ -84,11 +66,7 @@ class ProfileWindow:
         self.prof.start()
 
     def after_step(self, step: int) -> None:
-        """Stop and write the trace when ``step`` (1-based, just done) closes the window.
-
-        Args:
-            step: The step just completed, 1-based.
-        """
+        """Stop and write the trace when ``step`` (1-based, just done) closes the window."""
         if self.prof is not None and self.window is not None and step >= self.window[1]:
             self.close()
 

@@ -44,11 +44,8 @@ def _stderr(line: str) -> None:
 
 
 def default_run_dir(job) -> str:
-    """``[output] dir``, else ``runs/<job name>``: stable, so running the same command again
-    resumes."""
-    if job.output.dir:
-        return job.output.dir
-    return os.path.join("runs", job.name)
+    """``[output] dir``, else ``runs/<job name>``: stable, so the same command again resumes."""
+    return job.output.dir or os.path.join("runs", job.name)
 
 
 def _is_grid(change: tuple) -> bool:
@@ -61,8 +58,7 @@ def grid_report(run_dir: Path, shape, start_from: Path | None = None) -> str | N
     """The one line a rerun on another grid prints: ``resuming step N of grid A on grid B``
     from ``start_from`` or the newest readable checkpoint (the ranks skip a corrupt one and
     the closing line names the one they took); None when it was written on this grid."""
-    paths = [start_from] if start_from is not None else \
-        list_checkpoints(run_dir / "checkpoints")
+    paths = [start_from] if start_from is not None else list_checkpoints(run_dir / "checkpoints")
     for path in paths:
         try:
             change = grid_change(check_compatible(path, shape), shape)
@@ -210,15 +206,8 @@ def prepare(rd: Path, job, job_file: str, diff: list, fresh: bool, say: Say = _s
 def supersede(ckpt_dir: Path, start_from: Path) -> list[str]:
     """Rename aside (``step-N.superseded``) the checkpoints of ``ckpt_dir`` at or after the
     step of ``start_from`` (other than itself): a run continued from an older checkpoint makes
-    them another history, which a later plain resume must not pick up as the newest.
-
-    Args:
-        ckpt_dir: The run directory's checkpoints.
-        start_from: The checkpoint ``--from`` names.
-
-    Returns:
-        The new names.
-    """
+    them another history, which a later plain resume must not pick up as the newest. Returns
+    the new names."""
     step = checkpoint_step(start_from)
     assert step is not None, f"{start_from}: not a checkpoint directory"
     kept = []
@@ -231,8 +220,7 @@ def supersede(ckpt_dir: Path, start_from: Path) -> list[str]:
 def copy_job_file(rd: Path, job_file: str) -> None:
     """RUN/job.toml: the job file as given (a different earlier copy is kept, renamed)."""
     src, copy = Path(job_file), rd / "job.toml"
-    if src.resolve() == copy.resolve() or (copy.exists()
-                                           and copy.read_bytes() == src.read_bytes()):
+    if src.resolve() == copy.resolve() or (copy.exists() and copy.read_bytes() == src.read_bytes()):
         return
     if copy.exists():
         copy.replace(rd / f"job-{time.strftime('%Y%m%d-%H%M%S')}.toml")
@@ -272,10 +260,10 @@ def settle_settings(rd: Path, job_path: Path, job_file: str, started: bool,
 def outcome(rd: Path, rc: int, started: bool, oom: str | None = None,
             say: Say = _stderr) -> int:
     """Say one closing line per outcome and mark how the run ended; returns the exit code of
-    ``hpcpar run`` (documented codes only:
-    a rank killed by a signal is 1, like any crash, unless its memory cgroup counted an
-    out-of-memory kill: ``oom`` is then the line to print, exit code 6). ``started``: the ranks
-    began a segment (else meta.json is a previous run's and is left alone)."""
+    ``hpcpar run`` (documented codes only: a rank killed by a signal is 1, like any crash,
+    unless its memory cgroup counted an out-of-memory kill: ``oom`` is then the line to print,
+    exit code 6). ``started``: the ranks began a segment (else meta.json is a previous run's
+    and is left alone)."""
     resumed = rundir.resumed_from(rd) if started else None
     if resumed is not None:
         say(f"hpcpar: the ranks resumed from {resumed[0]} (step {resumed[1]})")
@@ -291,13 +279,12 @@ def outcome(rd: Path, rc: int, started: bool, oom: str | None = None,
         if started:
             rundir.mark_ended(rd, "stopped by a signal (exit code 3)", status="preempted")
         say(f"hpcpar: stopped by signal after checkpointing in {rd / 'checkpoints'}; "
-                   f"run the same command again (or requeue) to resume")
+            f"run the same command again (or requeue) to resume")
     elif rc == EXIT_ABORTED:
         if started:
             rundir.mark_ended(rd, "interrupted")
-        say(f"hpcpar: interrupted twice: the ranks were stopped without a checkpoint; "
-                   f"run the same command again to resume from the newest one in "
-                   f"{rd / 'checkpoints'}")
+        say(f"hpcpar: interrupted twice: the ranks were stopped without a checkpoint; run the "
+            f"same command again to resume from the newest one in {rd / 'checkpoints'}")
     elif oom is not None and rc not in (EXIT_USAGE, EXIT_DIVERGED):
         if started:
             rundir.mark_ended(rd, "out of memory")
@@ -306,8 +293,7 @@ def outcome(rd: Path, rc: int, started: bool, oom: str | None = None,
     elif rc not in (EXIT_USAGE, EXIT_DIVERGED):
         if started:
             rundir.mark_ended(rd, f"ranks failed (launcher exit code {rc})")
-        say(f"hpcpar: error: the ranks failed (launcher exit code {rc}); logs in "
-                   f"{rd / 'logs'}")
+        say(f"hpcpar: error: the ranks failed (launcher exit code {rc}); logs in {rd / 'logs'}")
         rc = EXIT_FAILED
     elif started:   # the ranks record their error; a rank killed meanwhile may not have
         rundir.mark_ended(rd, f"the ranks exited with code {rc}; see their error line in "

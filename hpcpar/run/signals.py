@@ -4,8 +4,8 @@
 A signal only sets a flag (:class:`StopRequest`). At the end of every step all ranks agree on
 whether to stop with one small allreduce of their flags (the training loop's, which also
 carries the loss), so every rank stops after the *same* step even when the signal reached only
-some of them (srun and mpiexec forward it to all, ``kill`` of one rank
-does not). The loop then writes a checkpoint and exits with
+some of them (srun and mpiexec forward it to all, ``kill`` of one rank does not). The loop
+then writes a checkpoint and exits with
 :data:`hpcpar.errors.EXIT_REQUEUE` (3); the Slurm batch script (and ``hpcpar run``) turn that
 code into "requeue me, I will resume". Every exit code is listed in :mod:`hpcpar.errors`.
 

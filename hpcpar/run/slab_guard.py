@@ -109,9 +109,8 @@ class SlabGuard(TorchFunctionMode):
             return None if dims is not None and _D not in dims else "reduces over D"
         if name in _ALONG_DIM:
             dims = _dims(b, name)
-            if name in _TWO_DIMS:
-                return None if dims is not None and _D not in dims else "moves D"
-            return None if dims is not None and _D not in dims else "works along D"
+            return None if dims is not None and _D not in dims else (
+                "moves D" if name in _TWO_DIMS else "works along D")
         if name == "setitem":   # a write at positions along D: a slab's are not the volume's
             index = args[1] if len(args) > 1 else None
             index = index if isinstance(index, tuple) else (index,)

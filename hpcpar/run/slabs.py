@@ -97,20 +97,10 @@ def _layer_reach(module, n_in: int, n_out: int) -> tuple[int, Fraction] | None:
 
 
 def model_reach(model, in_channels: int, hw: tuple[int, int]) -> Reach:
-    """The slab margin and total stride of ``model`` along D (module docstring).
-
-    Args:
-        model: The plain model (not modified: a copy runs on the meta device).
-        in_channels: Its input channels.
-        hw: The volume's H and W (the probe's).
-
-    Returns:
-        The :class:`Reach`.
-
-    Raises:
-        ConfigError: A layer changes D's length with no known window, or an op reaches along
-            D beyond the layers the margin counts (:class:`~.slab_guard.SlabGuard`).
-    """
+    """The slab margin and total stride of the plain ``model`` along D (module docstring; a
+    copy runs on the meta device, with H and W ``hw``). ConfigError when a layer changes D's
+    length with no known window, or an op reaches along D beyond the layers the margin counts
+    (:class:`~.slab_guard.SlabGuard`)."""
     import torch
 
     from .slab_guard import SlabGuard  # deferred: loads the dispatch tables
@@ -150,17 +140,9 @@ def model_reach(model, in_channels: int, hw: tuple[int, int]) -> Reach:
 
 
 def slab_plan(length: int, max_slab: int | None, reach: Reach | None) -> list[Slab]:
-    """The slabs of a volume ``length`` voxels long along D.
-
-    Args:
-        length: D.
-        max_slab: Largest central part of a slab (rounded down to the total stride, at least
-            one stride); None: one slab, the whole volume.
-        reach: The model's :func:`model_reach` (needed when tiling).
-
-    Returns:
-        Slabs covering ``[0, length)`` in order.
-    """
+    """The slabs covering ``[0, length)`` along D in order, each central part at most
+    ``max_slab`` (rounded down to the total stride, at least one stride; None: one slab, the
+    whole volume); ``reach`` is the model's :func:`model_reach`, needed when tiling."""
     if max_slab is None or max_slab >= length or reach is None:
         return [Slab(0, length, 0, length)]
     step = max(reach.stride, max_slab // reach.stride * reach.stride)

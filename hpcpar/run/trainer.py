@@ -3,17 +3,14 @@ sync -> timed steps, with records, validation, checkpoints and the stop-signal c
 
 Run by ``hpcpar run`` as ``python -m hpcpar.run.trainer RUN/job.json --run-dir RUN [--resume]`` on
 every rank, or in-process with :func:`train`. Each step is timed per phase (data wait, forward,
-backward, exposed allreduce, optimizer; halo and allreduce totals come from
-``hpcpar.parallel.counters.COUNTERS``) and recorded through
-:class:`hpcpar.formats.records.RunRecorder`.
+backward, exposed allreduce, optimizer; halo and allreduce totals from
+``hpcpar.parallel.counters.COUNTERS``) and recorded (:class:`hpcpar.formats.records.RunRecorder`).
 Between the gradient sync and the optimizer step, one small allreduce gives all ranks the mean
 loss, whether any rank got SIGUSR1/SIGTERM/SIGINT (all ranks stop, checkpoint and exit 3 after the
-same step) and whether any rank saw a non-finite loss or gradient (the divergence guard:
-``[train] on_nonfinite = "stop"`` ends the run at that step with exit 4 and status "diverged",
-keeping the last finite checkpoint; ``"skip"`` skips that optimizer step and counts it). Checking
-the gradients costs one read-only pass per step (a sum per gradient; ``isfinite`` only where a
-sum is not finite), less than the fused optimizer step. Under ``precision = "fp16"`` the loss is
-scaled (:mod:`hpcpar.run.loss_scale`) and the gradients unscaled before that check; a
+same step) and whether any rank saw a non-finite loss or gradient (``[train] on_nonfinite =
+"stop"`` ends the run there with exit 4 and status "diverged", keeping the last finite
+checkpoint; ``"skip"`` skips that optimizer step and counts it). Under ``precision = "fp16"`` the
+loss is scaled (:mod:`hpcpar.run.loss_scale`) and the gradients unscaled before that check; a
 non-finite gradient with every loss finite is an overflow: the step is skipped on every rank,
 the scale backs off alike everywhere, and the run goes on.
 """
@@ -90,23 +87,17 @@ __all__ = ["TrainResult", "Verdict", "grads_finite", "peak_memory", "total_steps
 
 @dataclass
 class TrainResult:
-    """What [train][hpcpar.run.trainer.train] returns.
+    """What [train][hpcpar.run.trainer.train] returns: the ``step``s completed, whether a signal
+    ``stopped`` the run after a checkpoint (exit code 3), the final evaluation ``metrics``, and
+    the optimizer steps skipped for a non-finite loss (``skipped_steps``, ``on_nonfinite =
+    "skip"``) or for an fp16 gradient overflow (``overflow_steps``, ``precision = "fp16"``; not
+    a divergence: the loss scale backs off)."""
 
-    Attributes:
-        step: Steps completed.
-        stopped: True when a signal stopped the run after a checkpoint (exit code 3).
-        metrics: The final evaluation metrics.
-        skipped_steps: Optimizer steps skipped for a non-finite loss
-            (``on_nonfinite = "skip"``).
-        overflow_steps: Optimizer steps skipped for an fp16 gradient overflow
-            (``precision = "fp16"``; not a divergence: the loss scale backs off).
-    """
-
-    step: int                       # steps completed
-    stopped: bool = False           # True: stopped by a signal after checkpointing
+    step: int
+    stopped: bool = False
     metrics: dict = field(default_factory=dict)
-    skipped_steps: int = 0          # optimizer steps skipped (non-finite, on_nonfinite="skip")
-    overflow_steps: int = 0         # optimizer steps skipped for fp16 gradient overflow
+    skipped_steps: int = 0
+    overflow_steps: int = 0
 
 
 @dataclass
@@ -180,11 +171,7 @@ def grads_finite(params) -> bool:
 
 
 def seed_all(seed: int) -> None:
-    """Seed the Python, NumPy and torch generators, so runs are reproducible.
-
-    Args:
-        seed: The seed (taken modulo 2**32 for NumPy).
-    """
+    """Seed the Python, NumPy (modulo 2**32) and torch generators, so runs are reproducible."""
     import numpy as np
     import torch
 
@@ -194,36 +181,18 @@ def seed_all(seed: int) -> None:
 
 
 def peak_memory(device: torch.device) -> float:
-    """Measure peak memory use: CUDA max allocated on a GPU, else this process's max RSS.
-
-    Args:
-        device: The device training runs on.
-
-    Returns:
-        The peak, in bytes.
-    """
+    """Peak memory in bytes: CUDA max allocated on a GPU, else this process's max RSS."""
     import torch
 
     if device.type == "cuda":
         return float(torch.cuda.max_memory_allocated(device))
-
     return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024.0
 
 
 def total_steps(job: JobSpec, steps_per_epoch: int) -> int:
-    """Work out how many optimizer steps the job runs.
-
-    Args:
-        job: The job; ``[train] steps`` wins over ``[train] epochs``.
-        steps_per_epoch: Batches in one epoch of the workload; with ``[train] accumulate = K``
-            an optimizer step takes K of them (a remainder below K is not trained).
-
-    Returns:
-        The total number of optimizer steps.
-
-    Raises:
-        ConfigError: The epochs hold fewer than ``accumulate`` batches.
-    """
+    """How many optimizer steps the job runs: ``[train] steps``, else the epochs' batches
+    (``steps_per_epoch`` each) over ``[train] accumulate`` (a remainder is not trained);
+    ConfigError when the epochs hold fewer than ``accumulate`` batches."""
     t = job.train
     if t.steps is not None:
         return t.steps
@@ -267,9 +236,8 @@ class Trainer:
         self._check_accumulate()
         half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(job.train.precision)
         self.autocast = torch.autocast(self.device.type, dtype=half) if half else None
-        self.scaler = None                 # [train] precision = "fp16": the agreed loss scale
-        if job.train.precision == "fp16":
-            self.scaler = LossScaler()
+        # [train] precision = "fp16": the agreed loss scale
+        self.scaler = LossScaler() if job.train.precision == "fp16" else None
         self.step = 0
         self.history: list[list] = []      # [step, mean loss] at log points
         self._packed = (PackedHistory(), PackedHistory())  # both, as trainer.pt
@@ -320,22 +288,15 @@ class Trainer:
     def _resume(self, chosen: Path | None = None) -> None:
         """Continue from ``chosen`` (``hpcpar run --from``), else from the newest valid
         checkpoint of the run directory."""
-        if chosen is not None:
-            path = chosen
-            try:
-                manifest = resume.check_chosen(path, self.grid.shape, self.job.model.kind,
-                                             self.comm)
-            except HpcparError as exc:
-                raise _collective(exc) from None
-        else:
-            resumable = resume.choose_resumable(self.ckpt_dir, self.comm, log=self.log)
-            if resumable is None:
-                return
-            path = resumable
-            try:
-                manifest = resume.check_compatible(path, self.grid.shape)
-            except HpcparError as exc:
-                raise _collective(exc) from None
+        path = chosen if chosen is not None else resume.choose_resumable(self.ckpt_dir, self.comm,
+                                                                          log=self.log)
+        if path is None:
+            return
+        try:
+            manifest = (resume.check_chosen(path, self.grid.shape, self.job.model.kind, self.comm)
+                        if chosen is not None else resume.check_compatible(path, self.grid.shape))
+        except HpcparError as exc:
+            raise _collective(exc) from None
         manifest, model_sd, trainer_sd, rank_sd = resume.load(
             path, resume.source_rank(manifest, self.grid.coords))
         change = resume.grid_change(manifest, self.grid.shape)
@@ -385,9 +346,6 @@ class Trainer:
         try:
             merged, missing, unexpected = agree(self.comm, lambda: init_weights.fit_state_dict(
                 init_weights.read_state_dict(path), expected, self.job.train.init_strict, path))
-        except HpcparError as exc:
-            raise _collective(exc) from None
-        try:
             capture.load_full_state_dict(self.model, merged)
         except HpcparError as exc:
             raise _collective(exc) from None
@@ -486,8 +444,7 @@ class Trainer:
     def _describe_nonfinite(self, loss: float) -> str:
         """Collective (only called when some rank saw a non-finite value): which ranks and what,
         for the one-line message."""
-        mine = (not math.isfinite(loss), not self._grads_ok)
-        seen = self.comm.allgather(mine)
+        seen = self.comm.allgather((not math.isfinite(loss), not self._grads_ok))
         what = []
         loss_ranks = [r for r, (bl, _) in enumerate(seen) if bl]
         grad_ranks = [r for r, (_, bg) in enumerate(seen) if bg]
@@ -501,9 +458,9 @@ class Trainer:
         """One optimizer step: forward and backward of each of the ``[train] accumulate``
         micro-batches of ``it`` (each loss scaled by 1/K; the gradient sync runs in the last
         backward only), the agreement allreduce, gradient clipping, then the optimizer step
-        unless some rank saw a non-finite value (under fp16, the loss scale's update with
-        that agreed flag). Returns (record row: phases summed over the
-        micro-batches, local loss: their mean, verdict)."""
+        unless some rank saw a non-finite value (under fp16, the loss scale's update with that
+        agreed flag). Returns (record row: phases summed over the micro-batches, local loss:
+        their mean, verdict)."""
         t_start = t0 = time.perf_counter()
         before = COUNTERS.snapshot()
         t_data = t_fwd = t_bwd = 0.0
@@ -512,10 +469,7 @@ class Trainer:
             self._sync()
             t1 = time.perf_counter()
             with self._micro_context(micro):
-                if self.autocast is not None:
-                    with self.autocast:
-                        res = self.workload.forward_loss(self.wrapped, batch)
-                else:
+                with self.autocast or nullcontext():
                     res = self.workload.forward_loss(self.wrapped, batch)
                 self._sync()
                 t2 = time.perf_counter()
@@ -564,7 +518,6 @@ class Trainer:
         if stepped:
             self.scheduler.step()
             return
-
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)` before",
                                     UserWarning)
@@ -631,14 +584,8 @@ class Trainer:
 
         self.model.eval()
         try:
-            with torch.no_grad():
-                if self.autocast is not None:
-                    with self.autocast:
-                        m = (self.workload.final_metrics if final else
-                             self.workload.evaluate)(self.model)
-                else:
-                    m = (self.workload.final_metrics if final else self.workload.evaluate)(
-                        self.model)
+            with torch.no_grad(), self.autocast or nullcontext():
+                m = (self.workload.final_metrics if final else self.workload.evaluate)(self.model)
         finally:
             self.model.train()
         return {k: float(v) for k, v in (m or {}).items()}
@@ -755,7 +702,9 @@ class Trainer:
                 elif not verdict.finite:
                     self._on_nonfinite(verdict, loss)
                 loop.stopped = verdict.stop and self.step < self.total   # done anyway: finish
-                self._show_progress(loop)
+                if loop.bar is not None:
+                    loop.bar.update(1)
+                    loop.bar.set_postfix(loss=f"{loop.mean_loss:.4g}")
                 self._log_step(row, loop)
                 self._hook("on_step_end", row, verdict.mean_loss)
                 self._maybe_validate()
@@ -805,11 +754,6 @@ class Trainer:
                 loop.epoch = epoch
                 loop.it = iter(self.workload.batches(epoch))
             yield next(loop.it)
-
-    def _show_progress(self, loop: _LoopState) -> None:
-        if loop.bar is not None:
-            loop.bar.update(1)
-            loop.bar.set_postfix(loss=f"{loop.mean_loss:.4g}")
 
     def _log_step(self, row: dict, loop: _LoopState) -> None:
         """Every ``log_every`` steps (and the first and last): the window's mean loss into the
@@ -890,7 +834,6 @@ class Trainer:
         if self.rank == 0:
             if self.skipped:
                 recorder.update_meta(lambda m: m.update(skipped_steps=self.skipped))
-
             write_json_atomic(self.run_dir / "metrics.json", out)
             self.log("done: " + ", ".join(f"{k} {v:.5g}" for k, v in out.items()
                                           if isinstance(v, float)))
@@ -910,7 +853,6 @@ class Trainer:
                 "wall_time_s": wall, "samples_per_s": total_samples / wall if wall > 0 else None,
                 "train_loss_history": self.history, "validation_history": self.val_history,
                 "skipped_steps": self.skipped, "overflow_steps": self.overflows, **metrics}
-
 
     def close(self) -> None:
         self.transport.close()
@@ -973,24 +915,16 @@ def train(job: JobSpec, run_dir: str | os.PathLike, *, resume: bool = True,
     after the first step) to the end of this call: every rank stops after the same step and
     checkpoints; a second SIGINT exits at once (code 130).
 
-    Args:
-        job: A validated job (``hpcpar.formats.jobspec.load_job``).
-        run_dir: The run directory (records, checkpoints, logs).
-        resume: Continue from the run directory's last checkpoint when there is one.
-        comm: The communicator to train on; ``MPI.COMM_WORLD`` when None.
-        device: Where to train; chosen from the job and the machine when None.
-        callbacks: ``hpcpar.run.callbacks.Callback`` instances, after the job's own
-            (``[output] tensorboard``/``callbacks``).
-        start_from: Continue from this checkpoint directory (of this run or another; it
-            must verify and fit the job and grid) instead of the run directory's newest.
+    ``job`` is a validated job (``hpcpar.formats.jobspec.load_job``); ``run_dir`` holds the
+    records, checkpoints and logs. ``resume``: continue from its last checkpoint when there is
+    one; ``start_from``: from this checkpoint directory instead (of this run or another; it
+    must verify and fit the job and grid). ``comm`` None is ``MPI.COMM_WORLD``; ``device`` None
+    is chosen from the job and the machine. ``callbacks`` (``hpcpar.run.callbacks.Callback``)
+    run after the job's own (``[output] tensorboard``/``callbacks``).
 
-    Returns:
-        The steps completed, whether a signal stopped the run, and the final metrics.
-
-    Raises:
-        DivergedError: The loss or gradients became non-finite (``on_nonfinite = "stop"``).
-        HpcparError: A user error (job, run directory, incompatible checkpoint), raised
-            alike on every rank.
+    Returns a [TrainResult][hpcpar.run.trainer.TrainResult]. Raises DivergedError when the loss
+    or gradients became non-finite (``on_nonfinite = "stop"``), HpcparError on a user error
+    (job, run directory, incompatible checkpoint), alike on every rank.
 
     Example:
         ```python
@@ -1067,20 +1001,11 @@ def _die(code: int, msg: str, on_exit=None) -> None:
 
 def main(argv: Sequence[str] | None = None,
          on_exit: Callable[[], object] | None = None) -> int:
-    """Per-rank entry point: train the resolved job in the run directory.
-
-    Errors end the process (``os._exit``) with the exit codes of :mod:`hpcpar.errors`; a run
-    stopped by a signal exits with ``EXIT_REQUEUE``.
-
-    Args:
-        argv: Command-line arguments (job JSON, ``--run-dir``, ``--[no-]resume``,
-            ``--from CHECKPOINT``); None reads
-            ``sys.argv``.
-        on_exit: Called before the process exits on an error or stop.
-
-    Returns:
-        ``EXIT_OK`` when the run finished.
-    """
+    """Per-rank entry point: train the resolved job (``argv``: job JSON, ``--run-dir``,
+    ``--[no-]resume``, ``--from CHECKPOINT``; None reads ``sys.argv``) in the run directory;
+    ``EXIT_OK`` when the run finished. Errors end the process (``os._exit``, after ``on_exit``)
+    with the exit codes of :mod:`hpcpar.errors`; a run stopped by a signal exits with
+    ``EXIT_REQUEUE``."""
     ap = argparse.ArgumentParser(prog="python -m hpcpar.run.trainer")
     ap.add_argument("job_json")
     ap.add_argument("--run-dir", required=True)

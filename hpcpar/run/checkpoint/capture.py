@@ -34,27 +34,17 @@ def _hooked_modules(model, attr: str):
 
 def full_state_dict(model: Any, root: int | None = None, spill_dir: Any = None,
                     copy: bool = True) -> dict:
-    """Gather the single-process state_dict of a (possibly partitioned) model, on CPU.
+    """The single-process state_dict of a (possibly wrapped or partitioned) model: every tensor
+    detached and (``copy``) on CPU, none sharing memory with the model (a tensor gathered for it
+    is not copied again). Collective when a module has ``full_state_dict()`` or a split head is
+    cut; spatial layers' parameters are replicated already.
 
-    Collective when a module has ``full_state_dict()`` or a split head is cut; spatial
-    layers' parameters are replicated already.
-
-    Args:
-        model: The model, possibly wrapped (its ``module`` is used) or partitioned.
-        root: The only rank that needs a split head's full weight (the writer of
-            ``model.pt``): the others keep their own columns in its place
-            (:func:`hpcpar.nn.split_head.gathered_to`); None: every rank.
-        spill_dir: Where ``root`` backs that full weight by a file instead of memory
-            (:mod:`hpcpar.nn.spill`); None: memory.
-        copy: False on a rank that only checks the state (not the writer of ``model.pt``):
-            its tensors stay the model's own, detached, on their device; a copy of the whole
-            model on every rank of a node would not divide by the ranks (each copied to the
-            host, at every checkpoint, to be dropped).
-
-    Returns:
-        The full state_dict, every tensor detached and (``copy``) on CPU, none sharing
-        memory with the model (a tensor gathered for it is not copied again).
-    """
+    ``root`` is the only rank that needs a split head's full weight (the writer of
+    ``model.pt``; None: every rank): the others keep their own columns in its place
+    (:func:`hpcpar.nn.split_head.gathered_to`); ``spill_dir`` backs it there by a file instead
+    of memory (:mod:`hpcpar.nn.spill`). ``copy=False`` on a rank that only checks the state:
+    its tensors stay the model's own, on their device; a copy of the whole model on every rank
+    of a node would not divide by the ranks."""
     from hpcpar.nn.split_head import gathered_to  # deferred: loads torch, numpy
 
     model = getattr(model, "module", model) if not callable(
@@ -82,18 +72,8 @@ def _private(t, live: set) -> Any:
 
 
 def load_full_state_dict(model: Any, sd: dict) -> None:
-    """Load a full state_dict into a (possibly partitioned) model; inverse of `full_state_dict`.
-
-    Strict: every key must match.
-
-    Args:
-        model: The model, possibly wrapped (its ``module`` is used) or partitioned.
-        sd: Full state_dict, as returned by :func:`full_state_dict`.
-
-    Raises:
-        RunDirError: The state does not fit the model (shape mismatch, missing or
-            unexpected keys).
-    """
+    """Inverse of :func:`full_state_dict`; strict: RunDirError when the state does not fit the
+    model (shape mismatch, missing or unexpected keys)."""
     model = getattr(model, "module", model) if not callable(
         getattr(model, "load_full_state_dict", None)) else model
     hooked = _hooked_modules(model, "load_full_state_dict")
@@ -118,14 +98,8 @@ def load_full_state_dict(model: Any, sd: dict) -> None:
 
 
 def local_buffers(model: Any) -> dict:
-    """Copy this rank's buffers (e.g. BatchNorm running statistics), which are saved per rank.
-
-    Args:
-        model: The model, possibly wrapped (its ``module`` is used).
-
-    Returns:
-        Buffer name to a detached CPU copy of the buffer.
-    """
+    """Detached CPU copies of this rank's buffers (e.g. BatchNorm running statistics), which
+    are saved per rank."""
     model = getattr(model, "module", model)
     return {k: v.detach().cpu().clone() for k, v in model.named_buffers()}
 
@@ -151,18 +125,14 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
-    """Restore the Python, NumPy and torch generator states, so a resumed run draws alike.
-
-    Args:
-        state: Generator states as returned by :func:`rng_state`; CUDA states are restored only
-            when present and CUDA is available.
-    """
+    """Restore :func:`rng_state`'s states, so a resumed run draws alike (CUDA's only when
+    present and CUDA is available)."""
     import numpy as np
     import torch
 
     ver, st, gauss = state["python"]
-    random.setstate((ver, tuple(st.tolist() if hasattr(st, "tolist") else st), gauss))  # or
-    # the list of ints that checkpoints before 2026-12 hold
+    # a tensor, or the list of ints of older checkpoints
+    random.setstate((ver, tuple(st.tolist() if hasattr(st, "tolist") else st), gauss))
     n = state["numpy"]
     np.random.set_state((n[0], n[1].numpy().astype(np.uint32), n[2], n[3], n[4]))
     torch.set_rng_state(state["torch"])
@@ -177,14 +147,7 @@ _ATOMS = (int, float, str, bytes, bool, type(None))
 def in_memory(obj: Any) -> Any:
     """A copy of ``obj`` that training can no longer change: every tensor copied to CPU memory,
     containers rebuilt, anything else deep-copied. What an asynchronous checkpoint writes
-    while the next steps run (the optimizer's ``state_dict()`` holds its live tensors).
-
-    Args:
-        obj: Nested dicts, lists and tuples of tensors and plain values.
-
-    Returns:
-        The copy.
-    """
+    while the next steps run (the optimizer's ``state_dict()`` holds its live tensors)."""
     import torch
 
     if isinstance(obj, _ATOMS):   # immutable: the data state's sample orders are lists of
@@ -202,12 +165,7 @@ def in_memory(obj: Any) -> Any:
 
 def restore_buffers(model: Any, saved: dict) -> None:
     """Copy a rank file's buffers into the model: those it has, of the same shape (a buffer
-    whose shape depends on the split is no state of the model and is left as built).
-
-    Args:
-        model: The model, possibly wrapped (its ``module`` is used).
-        saved: Buffer name to tensor, as :func:`local_buffers` returned.
-    """
+    whose shape depends on the split is no state of the model and is left as built)."""
     import torch
 
     model = getattr(model, "module", model)
@@ -251,20 +209,9 @@ def _swapped(params, tensors: dict, fn, *args):
 def full_optimizer_state(model: Any, optimizer: Any, root: int | None = None,
                          spill_dir: Any = None) -> dict:
     """The optimizer's state_dict with every sharded parameter's state gathered to its full
-    shape (collective when the model has sharded modules), so it loads on any grid.
-
-    Args:
-        model: The model the optimizer trains, possibly wrapped or partitioned.
-        optimizer: The optimizer.
-        root: The only rank that needs a split head's full state (the writer of
-            ``trainer.pt``): the others keep their own columns; None: every rank.
-        spill_dir: Where ``root`` backs that full state by a file instead of memory
-            (:mod:`hpcpar.nn.spill`); None: memory.
-
-    Returns:
-        ``optimizer.state_dict()``, sharded state replaced by full tensors (the optimizer's
-        own state is not modified).
-    """
+    shape (collective when the model has sharded modules), so it loads on any grid; the
+    optimizer's own state is not modified. ``root`` and ``spill_dir`` as in
+    :func:`full_state_dict`, for the writer of ``trainer.pt``."""
     if hasattr(optimizer, "consolidated"):   # [train] shard_optimizer: the plain optimizer
         optimizer = optimizer.consolidated()
     sd = optimizer.state_dict()
@@ -316,13 +263,7 @@ def _column_state(optimizer: Any):
 def load_full_optimizer_state(model: Any, optimizer: Any, saved: dict) -> None:
     """Load what :func:`full_optimizer_state` saved, re-sharding each sharded parameter's state
     for this grid (collective when the model has sharded modules); state saved at the shard's
-    own shape (a checkpoint of an older hpcpar) loads unchanged.
-
-    Args:
-        model: The model the optimizer trains, possibly wrapped or partitioned.
-        optimizer: The optimizer.
-        saved: The saved optimizer state_dict.
-    """
+    own shape (a checkpoint of an older hpcpar) loads unchanged."""
     import torch
 
     from hpcpar.sync.layout import match_state_layouts  # deferred: loads torch

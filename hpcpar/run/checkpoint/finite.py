@@ -13,14 +13,7 @@ def finite_flags(tensors: Sequence[Any]) -> list[bool]:
     finite sum proves its tensor finite in one vectorised read-only pass, with no temporary
     (a maximum of |x| does too, but torch's CPU kernel for it took 4-7x as long: 0.55-0.67
     ms a checkpoint of the demo model); only a tensor whose sum is not finite, which overflow of
-    finite values can also give, is checked element by element.
-
-    Args:
-        tensors: Floating-point tensors, on any devices.
-
-    Returns:
-        One flag per tensor.
-    """
+    finite values can also give, is checked element by element. Any devices."""
     import torch
 
     flags: dict[int, bool] = {}
@@ -34,14 +27,8 @@ def finite_flags(tensors: Sequence[Any]) -> list[bool]:
 
 
 def nonfinite_entries(state: dict) -> list[str]:
-    """Find the floating-point tensors holding NaN or inf, so a diverged state is not saved or used.
-
-    Args:
-        state: Mapping of names to values; only floating-point tensors are checked.
-
-    Returns:
-        The names of the entries holding NaN or inf.
-    """
+    """The names of the floating-point tensors of ``state`` holding NaN or inf, so a diverged
+    state is not saved or used."""
     import torch
 
     tensors = {k: v.detach() for k, v in state.items()

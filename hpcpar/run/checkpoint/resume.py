@@ -39,19 +39,7 @@ __all__ = ["find_resumable", "choose_resumable", "check_optimizer", "check_compa
 def check_step(path: str | os.PathLike, manifest: dict, trainer_state: dict) -> int:
     """The step to resume at, cross-checked against the saved model state: the learning-rate
     scheduler counts one step per training step, and the loss history never runs past it.
-
-    Args:
-        path: The checkpoint directory (for the message).
-        manifest: Its (verified) manifest.
-        trainer_state: Its ``trainer.pt``.
-
-    Returns:
-        The manifest's step.
-
-    Raises:
-        RunDirError: The saved state was taken at another step (one line naming the
-            checkpoint).
-    """
+    RunDirError (one line naming the checkpoint) when the state was taken at another step."""
     step = manifest["step"]
     sched = trainer_state.get("scheduler") if isinstance(trainer_state, dict) else None
     counted = sched.get("last_epoch") if isinstance(sched, dict) else None
@@ -67,18 +55,8 @@ def check_step(path: str | os.PathLike, manifest: dict, trainer_state: dict) -> 
 
 def find_resumable(ckpt_dir: str | os.PathLike, comm: Any,
                    log: Callable[[str], object] = print) -> Path | None:
-    """Collective: find the newest checkpoint whose manifest and checksums verify.
-
-    Rank 0 checks, warns about each corrupt one, and broadcasts its choice.
-
-    Args:
-        ckpt_dir: Directory holding the checkpoints.
-        comm: MPI communicator of all ranks.
-        log: Where rank 0 writes a warning for each corrupt checkpoint.
-
-    Returns:
-        The newest valid checkpoint, or None when there is none.
-    """
+    """Collective: the newest checkpoint whose manifest and checksums verify, or None. Rank 0
+    checks, warns (to ``log``) about each corrupt one, and broadcasts its choice."""
     choice = None
     if comm.Get_rank() == 0:
         for path in list_checkpoints(ckpt_dir):
@@ -97,25 +75,14 @@ def find_resumable(ckpt_dir: str | os.PathLike, comm: Any,
 
 def choose_resumable(ckpt_dir: str | os.PathLike, comm: Any,
                      log: Callable[[str], object] = print) -> Path | None:
-    """Collective: choose the newest valid checkpoint to resume from.
+    """Collective: the newest valid checkpoint to resume from, or None when there is none at all.
 
     Rank 0 verifies newest first. Corrupt checkpoints newer than the chosen one are renamed
-    aside (:func:`set_aside`) with one warning each; a checkpoint whose manifest step is not the
-    step its directory is named after is invalid alike (never trusted). When checkpoints exist
-    but none verifies, nothing is renamed: a silent restart from step 0 would throw the run
-    away; when only set-aside ones are left, one warning says the run starts from step 0.
-
-    Args:
-        ckpt_dir: Directory holding the checkpoints.
-        comm: MPI communicator of all ranks.
-        log: Where rank 0 writes a warning for each corrupt checkpoint set aside.
-
-    Returns:
-        The newest valid checkpoint, or None when there is no checkpoint at all.
-
-    Raises:
-        RunDirError: On every rank, when checkpoints exist but none verifies.
-    """
+    aside (:func:`set_aside`) with one warning each to ``log``; a checkpoint whose manifest step
+    is not the step its directory is named after is invalid alike (never trusted). When
+    checkpoints exist but none verifies, nothing is renamed and every rank raises RunDirError: a
+    silent restart from step 0 would throw the run away; when only set-aside ones are left, one
+    warning says the run starts from step 0."""
     try:
         choice = agree(comm, _choose_resumable, ckpt_dir, log, root=0)
     except RunDirError as exc:
@@ -157,20 +124,8 @@ def _choose_resumable(ckpt_dir: str | os.PathLike, log: Callable[[str], object])
 
 def check_optimizer(path: str | os.PathLike, optimizer: Any, name: str,
                     saved_state: dict) -> None:
-    """Refuse a checkpoint written with another optimizer, which torch would load and fail on later.
-
-    Without this check torch fails later with a KeyError inside ``step()``.
-
-    Args:
-        path: Checkpoint directory.
-        optimizer: This run's optimizer.
-        name: This run's optimizer name, from the job.
-        saved_state: Optimizer state_dict saved in the checkpoint.
-
-    Raises:
-        RunDirError: The checkpoint holds the state of another optimizer (one line, raised
-            alike on every rank).
-    """
+    """Refuse (RunDirError, alike on every rank) a checkpoint written with another optimizer
+    than the job's ``name``: torch would load it and fail later with a KeyError in ``step()``."""
     manifest = json.loads((Path(path) / MANIFEST).read_text())
     saved_name = manifest.get("optimizer")
     saved_groups = saved_state.get("param_groups", [])
@@ -187,23 +142,10 @@ def check_optimizer(path: str | os.PathLike, optimizer: Any, name: str,
 
 
 def check_compatible(path: str | os.PathLike, shape: Sequence[int]) -> dict:
-    """Read the manifest of a checkpoint to resume on grid ``shape``.
-
-    Any grid resumes any checkpoint (:mod:`hpcpar.run.checkpoint`): whether the grid fits the
-    job (its split of the sample, the data width of the global batch) is the job's and the
-    model's check, made before any checkpoint is read. Every rank calls this with the same
-    arguments.
-
-    Args:
-        path: Checkpoint directory.
-        shape: This run's grid shape, (data, X, Y, Z).
-
-    Returns:
-        The checkpoint's manifest.
-
-    Raises:
-        ValueError: An unreadable manifest (resume skips it: :func:`choose_resumable`).
-    """
+    """The manifest of a checkpoint to resume on grid ``shape`` (data, X, Y, Z); ValueError when
+    it is unreadable. Any grid resumes any checkpoint (:mod:`hpcpar.run.checkpoint`): whether the
+    grid fits the job is the job's and the model's check, made before any checkpoint is read.
+    Every rank calls this with the same arguments."""
     try:
         manifest = json.loads((Path(path) / MANIFEST).read_text())
         old = grid_shape(manifest)
@@ -215,35 +157,18 @@ def check_compatible(path: str | os.PathLike, shape: Sequence[int]) -> dict:
 
 
 def grid_change(manifest: dict, shape: Sequence[int]) -> str | None:
-    """The one line saying a checkpoint resumes on another grid, or None on the same grid.
-
-    Args:
-        manifest: The checkpoint's manifest.
-        shape: This run's grid shape, (data, X, Y, Z).
-
-    Returns:
-        ``resuming step N of grid A on grid B``, or None when A is B.
-    """
+    """``resuming step N of grid A on grid B``, or None on the same grid."""
     old, new = "x".join(map(str, grid_shape(manifest))), "x".join(map(str, shape))
     return None if old == new else f"resuming step {manifest.get('step')} of grid {old} on " \
                                    f"grid {new}"
 
 
 def source_rank(manifest: dict, coords: Sequence[int]) -> int:
-    """Pick the checkpoint rank whose per-rank file (RNG, loader position, buffers) a rank takes.
-
-    Data index ``d`` modulo the old data width (buffers may differ between data groups);
-    within it, the rank at the same spatial place when the spatial split is unchanged (so an
-    unchanged grid reads its own files), else the group's first rank: the files of a data
-    group are alike (:mod:`hpcpar.run.checkpoint`).
-
-    Args:
-        manifest: The checkpoint's manifest (it names the old grid).
-        coords: This rank's coordinates (d, i, j, k) in this run's grid.
-
-    Returns:
-        The rank in the checkpoint's grid whose per-rank file to load.
-    """
+    """The rank of the checkpoint's grid whose per-rank file (RNG, loader position, buffers) the
+    rank at ``coords`` (d, i, j, k) of this grid takes: data index ``d`` modulo the old data
+    width (buffers may differ between data groups); within it, the rank at the same spatial
+    place when the spatial split is unchanged (so an unchanged grid reads its own files), else
+    the group's first rank: the files of a data group are alike (:mod:`hpcpar.run.checkpoint`)."""
     old_d, x, y, z = grid_shape(manifest)
     d, i, j, k = coords
     fits = i < x and j < y and k < z
@@ -252,19 +177,8 @@ def source_rank(manifest: dict, coords: Sequence[int]) -> int:
 
 
 def load(path: str | os.PathLike, rank: int) -> tuple[dict, dict, dict, dict]:
-    """Read a checkpoint's files for one rank, all with ``weights_only=True``.
-
-    Args:
-        path: Checkpoint directory.
-        rank: Rank whose per-rank file to read.
-
-    Returns:
-        (manifest, model_state, trainer_state, rank_state) of the checkpoint.
-
-    Raises:
-        RunDirError: The manifest's step does not match the saved training state
-            (:func:`check_step`), alike on every rank.
-    """
+    """(manifest, model_state, trainer_state, rank_state) of a checkpoint for ``rank``, all read
+    with ``weights_only=True``; RunDirError alike on every rank from :func:`check_step`."""
     import torch
 
     path = Path(path)
@@ -298,21 +212,8 @@ def check_chosen(path: str | os.PathLike, shape: Sequence[int], kind: str,
                  comm: Any = None) -> dict:
     """Check a checkpoint chosen by the user (``hpcpar run --from``): it exists, verifies
     (:func:`verify`), was written by the same ``[model] kind`` and resumes on this grid
-    (:func:`check_compatible`). Rank 0 checks; every rank gets its result or its error.
-
-    Args:
-        path: The checkpoint directory, of this run directory or another.
-        shape: This run's grid shape, (data, X, Y, Z).
-        kind: This job's ``[model] kind``.
-        comm: MPI communicator of all ranks; None checks in this process alone.
-
-    Returns:
-        The checkpoint's manifest.
-
-    Raises:
-        RunDirError: One line naming the checkpoint: missing, damaged or written by an
-            incompatible job.
-    """
+    (:func:`check_compatible`), and return its manifest. Rank 0 checks (``comm`` None: this
+    process alone); every rank gets its result or its error, one line naming the checkpoint."""
     return agree(comm, _check_chosen, Path(path), shape, kind, root=0)
 
 

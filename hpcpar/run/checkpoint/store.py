@@ -21,10 +21,10 @@ from hpcpar._digest import sha256_file
 from hpcpar.errors import RunDirError
 from hpcpar.parallel.agree import agree
 
-__all__ = ["MANIFEST", "FORMAT_VERSION", "PREFIX", "step_dir_name", "rank_file",
-           "checkpoint_step", "list_checkpoints", "read_manifest", "verify", "grid_shape",
-           "temp_dir", "prepare", "writer", "writes", "write_part", "commit", "finish", "save",
-           "write_and_commit", "rotated", "CORRUPT_SUFFIX", "set_aside"]
+__all__ = ["MANIFEST", "FORMAT_VERSION", "PREFIX", "step_dir_name", "rank_file", "checkpoint_step",
+           "list_checkpoints", "read_manifest", "verify", "grid_shape", "temp_dir", "prepare",
+           "writer", "writes", "write_part", "commit", "finish", "save", "write_and_commit",
+           "rotated", "CORRUPT_SUFFIX", "set_aside"]
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -33,26 +33,13 @@ _TEMP = ".tmp-"   # marks a checkpoint's directory until its rename (temp_dir)
 
 
 def step_dir_name(step: int) -> str:
-    """Name the directory that holds the checkpoint of one step.
-
-    Args:
-        step: Training step the checkpoint was written at.
-
-    Returns:
-        The directory name, ``step-`` followed by the step zero-padded to six digits.
-    """
+    """``step-`` and the step zero-padded to six digits."""
     return f"{PREFIX}{step:06d}"
 
 
 def rank_file(rank: int) -> str:
-    """Name the per-rank state file inside a checkpoint directory.
-
-    Args:
-        rank: Rank whose state the file holds.
-
-    Returns:
-        The file name, ``rank-`` followed by the rank zero-padded to five digits, then ``.pt``.
-    """
+    """The per-rank state file of a checkpoint: ``rank-`` and the rank zero-padded to five
+    digits, then ``.pt``."""
     return f"rank-{rank:05d}.pt"
 
 
@@ -110,14 +97,7 @@ def _remove(path: Path) -> None:
 
 def checkpoint_step(path: str | os.PathLike) -> int | None:
     """The step a checkpoint directory's name states: ``step-`` and ASCII digits, named as
-    :func:`step_dir_name` names it; None for any other name (not a checkpoint of hpcpar's).
-
-    Args:
-        path: The directory.
-
-    Returns:
-        The step, or None.
-    """
+    :func:`step_dir_name` names it; None for any other name (not a checkpoint of hpcpar's)."""
     name = Path(path).name
     digits = name[len(PREFIX):]
     if not name.startswith(PREFIX) or not digits.isascii() or not digits.isdigit():
@@ -127,14 +107,8 @@ def checkpoint_step(path: str | os.PathLike) -> int | None:
 
 
 def list_checkpoints(ckpt_dir: str | os.PathLike) -> list[Path]:
-    """List the finished checkpoint directories, newest (highest step) first.
-
-    Args:
-        ckpt_dir: Directory holding the ``step-N`` checkpoint directories.
-
-    Returns:
-        The checkpoint directories, newest first; empty when ``ckpt_dir`` does not exist.
-    """
+    """The finished ``step-N`` checkpoint directories, newest (highest step) first; empty when
+    ``ckpt_dir`` does not exist."""
     d = Path(ckpt_dir)
     if not d.is_dir():
         return []
@@ -174,11 +148,8 @@ def _check_manifest(path: Path, manifest: Any) -> dict:
 
 def read_manifest(path: str | os.PathLike) -> dict:
     """A checkpoint's manifest, checked against its directory (the step its name states, plain
-    file names, a grid) but not its files' checksums: what a launcher may read cheaply.
-
-    Raises:
-        RunDirError: The manifest is unreadable or does not match the directory.
-    """
+    file names, a grid) but not its files' checksums: what a launcher may read cheaply. Raises
+    RunDirError when it is unreadable or does not match the directory."""
     path = Path(path)
     try:
         manifest = json.loads((path / MANIFEST).read_text())
@@ -188,19 +159,9 @@ def read_manifest(path: str | os.PathLike) -> dict:
 
 
 def verify(path: str | os.PathLike) -> dict:
-    """Check every file of a checkpoint against its manifest's size and sha256, and the
-    manifest's step against the directory's name.
-
-    Args:
-        path: Checkpoint directory.
-
-    Returns:
-        The checkpoint's manifest.
-
-    Raises:
-        RunDirError: The manifest is unreadable or does not match the directory, or a file
-            is missing or corrupt (the first problem is named).
-    """
+    """The checkpoint's manifest, once every file matches its size and sha256 and the step
+    matches the directory's name; RunDirError names the first problem (unreadable manifest,
+    missing or corrupt file)."""
     path = Path(path)
     manifest = read_manifest(path)
     for name, info in manifest["files"].items():
@@ -221,15 +182,8 @@ def prepare(ckpt_dir: str | os.PathLike, comm: Any) -> None:
     """Collective, once before a run's checkpoints: rank 0 removes the temporary directories
     (:func:`temp_dir`) that a run killed before finishing them left. Each rank makes a
     checkpoint's temporary directory itself when it writes its part (:func:`write_part`), so a
-    checkpoint costs no collective of its own before its files are written.
-
-    Args:
-        ckpt_dir: Directory holding the checkpoints (nothing is made when it is missing).
-        comm: MPI communicator of all ranks.
-
-    Raises:
-        RunDirError: On every rank, when one cannot be removed.
-    """
+    checkpoint costs no collective of its own before its files are written. Nothing is made
+    when ``ckpt_dir`` is missing; RunDirError on every rank when one cannot be removed."""
     agree(comm, _remove_unfinished, ckpt_dir, root=0)
 
 
@@ -260,21 +214,10 @@ def writes(name: str, rank: int, size: int) -> bool:
 
 def write_part(tmp: Path, rank: int, *, model_state: dict | None, trainer_state: dict | None,
                rank_state: dict, size: int = 1) -> dict:
-    """This rank's files of a checkpoint, each fsynced; calls no MPI, so a background
-    thread may run it.
-
-    Args:
-        tmp: The temporary directory (:func:`temp_dir`; made when missing).
-        rank: This rank: it also writes the shared files :func:`writes` gives it.
-        model_state: Full state_dict (used by the rank that writes ``model.pt``).
-        trainer_state: Trainer state (used by the rank that writes ``trainer.pt``).
-        rank_state: This rank's own state.
-        size: The number of ranks.
-
-    Returns:
-        File name to its ``bytes`` and ``sha256``, or ``{"error": one line}`` when a file
-        could not be written.
-    """
+    """This rank's files of a checkpoint in ``tmp`` (:func:`temp_dir`, made when missing),
+    the shared files :func:`writes` gives it included, each fsynced; calls no MPI, so a
+    background thread may run it. Returns file name -> its ``bytes`` and ``sha256``, or
+    ``{"error": one line}`` when a file could not be written."""
     mine: dict[str, Any] = {}
     try:
         tmp.mkdir(parents=True, exist_ok=True)   # every rank: whichever comes first makes it
@@ -289,24 +232,9 @@ def write_part(tmp: Path, rank: int, *, model_state: dict | None, trainer_state:
 
 def commit(ckpt_dir: str | os.PathLike, step: int, *, comm: Any, mine: dict, info: dict,
            keep: int) -> Path:
-    """Collective, once every rank wrote its part (:func:`write_part`): rank 0 finishes the
-    checkpoint (:func:`finish`).
-
-    Args:
-        ckpt_dir: Directory holding the checkpoints.
-        step: Training step the checkpoint was taken at.
-        comm: MPI communicator of all ranks.
-        mine: What :func:`write_part` returned on this rank.
-        info: Extra entries for the manifest.
-        keep: How many of the newest checkpoints to keep.
-
-    Returns:
-        The final path of the checkpoint directory.
-
-    Raises:
-        RunDirError: On every rank, when any rank could not write its part or the checkpoint
-            could not be finished.
-    """
+    """Collective, once every rank wrote its part (``mine``, from :func:`write_part`): rank 0
+    finishes the checkpoint (:func:`finish`); returns its final path. RunDirError on every rank
+    when any rank could not write its part or the checkpoint could not be finished."""
     parts = comm.gather(mine, root=0)
 
     def finished() -> None:
@@ -324,19 +252,7 @@ def finish(ckpt_dir: str | os.PathLike, step: int, *, parts: list[dict], world_s
     """Rank 0's end of a checkpoint, given every rank's part: writes the manifest, fsyncs,
     renames the temporary directory to ``step-N`` (the checkpoint exists from this moment),
     fsyncs the parent and drops the oldest beyond ``keep``. Calls no MPI, so the background
-    writer runs it in a thread.
-
-    Args:
-        ckpt_dir: Directory holding the checkpoints.
-        step: Training step the checkpoint was taken at.
-        parts: What :func:`write_part` returned on each rank.
-        world_size: Number of ranks.
-        info: Extra entries for the manifest.
-        keep: How many of the newest checkpoints to keep.
-
-    Returns:
-        None, or one line saying why the checkpoint could not be finished.
-    """
+    writer runs it in a thread. Returns None, or one line saying why it could not finish."""
     ckpt_dir = Path(ckpt_dir)
     final, tmp = ckpt_dir / step_dir_name(step), temp_dir(ckpt_dir, step)
     try:
@@ -366,26 +282,10 @@ def save(ckpt_dir: str | os.PathLike, step: int, *, comm: Any, model_state: dict
          trainer_state: dict, rank_state: dict, info: dict, keep: int) -> Path:
     """Collective: write checkpoint ``step`` atomically, then drop the oldest beyond ``keep``
     (:func:`prepare`, :func:`write_part`, :func:`commit` in a row; the background writer,
-    :mod:`hpcpar.run.checkpoint_writer`, runs the middle one in a thread).
-
-    Args:
-        ckpt_dir: Directory holding the checkpoints; created when missing.
-        step: Training step the checkpoint is written at.
-        comm: MPI communicator of all ranks.
-        model_state: Full state_dict, written by rank 0 (pass it on every rank; other ranks'
-            copies are ignored).
-        trainer_state: Trainer state, written by the last rank (:func:`writes`).
-        rank_state: This rank's own state, written by each rank.
-        info: Extra entries for the manifest.
-        keep: How many of the newest checkpoints to keep.
-
-    Returns:
-        The final path of the checkpoint directory.
-
-    Raises:
-        RunDirError: On every rank, when any rank could not write its part or the checkpoint
-            could not be finished.
-    """
+    :mod:`hpcpar.run.checkpoint_writer`, runs the middle one in a thread). ``model_state`` is
+    written by rank 0, ``trainer_state`` by the last rank (:func:`writes`; other ranks' copies
+    are ignored), ``rank_state`` by each rank; ``info`` adds manifest entries. Returns the final
+    path; RunDirError on every rank when any part or the commit failed."""
     prepare(ckpt_dir, comm)
     return write_and_commit(ckpt_dir, step, comm=comm, model_state=model_state,
                             trainer_state=trainer_state, rank_state=rank_state, info=info,
@@ -405,16 +305,8 @@ def write_and_commit(ckpt_dir: str | os.PathLike, step: int, *, comm: Any,
 def rotated(ckpt_dir: str | os.PathLike, step: int, keep: int) -> list[Path]:
     """The checkpoints to delete after writing ``step``: those beyond the newest ``keep`` at
     or below ``step``. The one just written is never among them, nor is a directory named
-    after a later step (not written by this run: resume set it aside or it is not hpcpar's).
-
-    Args:
-        ckpt_dir: Directory holding the checkpoints.
-        step: The step just written.
-        keep: How many to keep (at least the one just written).
-
-    Returns:
-        The checkpoint directories to delete.
-    """
+    after a later step (not written by this run: resume set it aside or it is not hpcpar's);
+    ``keep`` counts at least the one just written."""
     mine = [p for p in list_checkpoints(ckpt_dir) if (checkpoint_step(p) or 0) <= step]
     return mine[max(keep, 1):]
 
@@ -423,17 +315,9 @@ CORRUPT_SUFFIX = ".corrupt"
 
 
 def set_aside(path: str | os.PathLike, suffix: str = CORRUPT_SUFFIX) -> Path:
-    """Rename a corrupt checkpoint aside: kept for the user, never resumed from nor rotated away.
-
-    The new name is ``step-N.corrupt`` (``.corrupt-2``, ... if taken).
-
-    Args:
-        path: The corrupt checkpoint directory.
-        suffix: What the name gets (another reason to keep a checkpoint aside).
-
-    Returns:
-        The checkpoint's new path.
-    """
+    """Rename a corrupt checkpoint aside, returning its new path ``step-N.corrupt``
+    (``.corrupt-2``, ... if taken; ``suffix`` for another reason to keep it aside): kept for
+    the user, never resumed from nor rotated away."""
     path = Path(path)
     dest, n = path.with_name(path.name + suffix), 1
     while dest.exists():

@@ -79,16 +79,9 @@ def _check_job(job) -> None:
 
 
 def make_graph_file(path: str, d: dict) -> None:
-    """Create the graph file a job's ``[data] make`` asks for (rank 0 only).
-
-    Args:
-        path: Graph file to write; its folder is created when missing.
-        d: The job's ``[data]`` parameters: ``make`` is "cora" (the bundled Cora graph) or
-            "synthetic" (``nodes``, ``avg_degree``, ``communities``, ``features``,
-            ``classes``, ``seed``).
-    """
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
+    """Create the graph file ``path`` (and its folder) that ``[data] make`` asks for (rank 0
+    only): "cora", the bundled Cora graph, or "synthetic" from the ``[data]`` keys ``d``."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     if d["make"] == "cora":
         from hpcpar.graph.format import bundled, import_npz  # deferred: loads numpy
 
@@ -109,13 +102,8 @@ class GraphWorkload(Workload):
     """Full-graph node classification with a GCN on a vertex-partitioned graph.
 
     Every rank holds its part of the graph (created first with ``[data] make`` when asked);
-    ``conv`` chooses the graph convolution.
+    ``conv`` chooses the graph convolution. The job's grid must have data = 1."""
 
-    Args:
-        job: The resolved job; its grid must have data = 1.
-        grid: The process grid.
-        device: The device to train on.
-    """
     conv = "gcn"
     model_params = MODEL_PARAMS
     data_params = DATA_PARAMS
@@ -187,10 +175,7 @@ class GraphWorkload(Workload):
         from hpcpar.graph.metrics import split_metrics  # deferred: loads torch, numpy
 
         out = model(self.graph.x, self.graph)
-        res = {}
-        for s in splits:
-            res.update(split_metrics(out, self.graph, s))
-        return res
+        return {k: v for s in splits for k, v in split_metrics(out, self.graph, s).items()}
 
     def evaluate(self, model) -> dict:
         return self._metrics(model, ("val",))
@@ -201,25 +186,15 @@ class GraphWorkload(Workload):
 
 @register_workload("gcn")
 class GCNWorkload(GraphWorkload):
-    """Graph workload with GCN convolutions (model kind "gcn").
+    """Graph workload with GCN convolutions (model kind "gcn")."""
 
-    Args:
-        job: The resolved job; its grid must have data = 1.
-        grid: The process grid.
-        device: The device to train on.
-    """
     conv = "gcn"
 
 
 @register_workload("sage")
 class SAGEWorkload(GraphWorkload):
-    """Graph workload with GraphSAGE convolutions (model kind "sage").
+    """Graph workload with GraphSAGE convolutions (model kind "sage")."""
 
-    Args:
-        job: The resolved job; its grid must have data = 1.
-        grid: The process grid.
-        device: The device to train on.
-    """
     conv = "sage"
 
 
@@ -286,13 +261,8 @@ def _gat(in_channels: int, hidden: int, out_channels: int, heads: int, layers: i
 
 @register_workload("gat")
 class GATWorkload(GraphWorkload):
-    """Graph workload with graph attention (model kind "gat", PyG's ``GATConv``).
+    """Graph workload with graph attention (model kind "gat", PyG's ``GATConv``)."""
 
-    Args:
-        job: The resolved job; its grid must have data = 1.
-        grid: The process grid.
-        device: The device to train on.
-    """
     conv = "gat"
     model_params = GAT_PARAMS
     check_job = staticmethod(_check_gat_job)

@@ -47,9 +47,7 @@ def check_metrics(names) -> None:
 
 def _classes(out, target):
     """Class labels ``(N, ...)`` from a label volume or a ``(N, 1)`` per-sample target."""
-    if target.dim() == 2 and out.dim() == 2:
-        return target[:, 0].long()
-    return target.long()
+    return target[:, 0].long() if target.dim() == 2 and out.dim() == 2 else target.long()
 
 
 def _onehot(labels, channels: int, dtype):
@@ -67,16 +65,13 @@ def like(out, target):
     """A float target shaped like ``out``: a label volume ``(N, D, H, W)`` gains the channel
     dim of a one-channel output; per-sample targets are reshaped."""
     target = target.float()
-    if out.dim() == 5 and target.dim() == 4:
-        return target.unsqueeze(1)
-    return target.reshape(out.shape)
+    return (target.unsqueeze(1) if out.dim() == 5 and target.dim() == 4
+            else target.reshape(out.shape))
 
 
 def _valid(labels, ignore_index):
     """1 where the label counts, 0 at ``ignore_index`` (``(N, 1, ...)``), or None."""
-    if ignore_index is None:
-        return None
-    return (labels != ignore_index).unsqueeze(1).float()
+    return None if ignore_index is None else (labels != ignore_index).unsqueeze(1).float()
 
 
 def dice_loss(out, labels, ignore_index=None):

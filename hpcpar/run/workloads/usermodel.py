@@ -17,12 +17,7 @@ from __future__ import annotations
 from hpcpar.errors import ConfigError
 from hpcpar.run.workloads.base import Param, StepResult
 from hpcpar.run.workloads.graphmodel import GraphModelWorkload, is_graph_model
-from hpcpar.run.workloads.objectives import (
-    MetricSums,
-    check_loss,
-    check_metrics,
-    make_loss,
-)
+from hpcpar.run.workloads.objectives import MetricSums, check_loss, check_metrics, make_loss
 from hpcpar.run.workloads.volume import VOLUME_DATA, VolumeWorkload, _check_volume_job
 
 #: keeps the intensity draws apart from every other use of the data seed
@@ -80,10 +75,8 @@ def _check_job(job) -> None:
 
 
 class ModelWorkload(VolumeWorkload):
-    """A plain volume model trained with a loss and metrics by name (the module docstring).
-
-    Subclassed per model by :func:`model_workload`, which sets ``model_factory``.
-    """
+    """A plain volume model trained with a loss and metrics by name (the module docstring);
+    subclassed per model by :func:`model_workload`, which sets ``model_factory``."""
 
     model_factory: object = None
     model_params = MODEL_PARAMS
@@ -183,10 +176,8 @@ class ModelWorkload(VolumeWorkload):
             total += float(self.loss_fn(out, target))
             batches += 1
             sums.update(out, target)
-        comm = self.grid.data_comm
-        res = {"val_loss": self._global_mean(total / max(batches, 1))}
-        res.update({f"val_{k}": v for k, v in sums.values(comm).items()})
-        return res
+        return {"val_loss": self._global_mean(total / max(batches, 1)),
+                **{f"val_{k}": v for k, v in sums.values(self.grid.data_comm).items()}}
 
 
 def model_workload(kind: str, model) -> type:

@@ -80,10 +80,6 @@ def _channels(d: dict) -> int:
     return d["channels"] if d["channels"] is not None else DEFAULT_CHANNELS
 
 
-def _manifest_field(path: str) -> str:
-    return os.path.join(path, "manifest.json") if os.path.isdir(path) else path
-
-
 def _dataset_dir(path: str, field: str) -> str:
     """``path`` (a job field), or a one-line error naming the field when it is missing."""
     if not os.path.exists(path):
@@ -147,8 +143,7 @@ class VolumeWorkload(Workload):
 
     def __init__(self, job, grid, device):
         super().__init__(job, grid, device)
-        d = job.data.params
-        self.d = d
+        self.d = d = job.data.params
         batch = job.train.global_batch
         if d["source"] == "synthetic":
             self.train_set = self._synthetic(d["samples"], d["seed"], d["shuffle"])
@@ -214,7 +209,8 @@ class VolumeWorkload(Workload):
         ``path`` (job field ``[data] field``) has samples of another ``shape`` (C, D, H, W)
         than the job says ([data] size/channels, the model's needs, the training set's)."""
         d = job.data.params
-        where = f"{_manifest_field(path)} ([data] {field})"
+        manifest = os.path.join(path, "manifest.json") if os.path.isdir(path) else path
+        where = f"{manifest} ([data] {field})"
         shown = "x".join(map(str, shape))
         if train_shape is not None and tuple(shape) != tuple(train_shape):
             raise DataError(f"{where}: field 'x.shape' is {shown}, the training set "
@@ -273,9 +269,7 @@ class VolumeWorkload(Workload):
     @staticmethod
     def _sample_shape(ds) -> tuple:
         m = getattr(ds, "manifest", None)
-        if m is not None:
-            return tuple(m.x.shape)
-        return (ds.channels, ds.size, ds.size, ds.size)
+        return tuple(m.x.shape) if m is not None else (ds.channels, ds.size, ds.size, ds.size)
 
     # -- data --------------------------------------------------------------------------------
     def steps_per_epoch(self) -> int:
@@ -351,15 +345,11 @@ class VolumeWorkload(Workload):
         return model
 
     def _in_order(self, model):
-        """With ``[train] channels_last``, the convolutions' weights in channels_last_3d too.
-
+        """With ``[train] channels_last``, the convolutions' weights in channels_last_3d too:
         torch's convolution runs in channels-last order when its input *or* its weight is in
-        it. A one-channel input is dense in both orders (the UNet3D demo's: its second
-        channel is the label), and a layer that returns NCDHW (a transposed convolution on
-        torch's own slow kernel) puts every later layer with NCDHW weights in that order:
-        the UNet3D demo ran on oneDNN's slow path for few channels (1.6x the model's step at
-        96³, and two 77 MiB blocked buffers in each top-level convolution's backward at
-        108³)."""
+        it, and a one-channel input (dense in both orders) or a layer returning NCDHW (a
+        transposed convolution on torch's own kernel) would put every later layer with NCDHW
+        weights on oneDNN's slow path (1.6x the UNet3D demo's step at 96³)."""
         if self.job.train.channels_last:
             import torch
 
@@ -406,10 +396,9 @@ class VolumeWorkload(Workload):
         # one replica per data group: sum over the data axis only
         data_comm = self.grid.data_comm
         sums = data_comm.allreduce(sums, op=MPI.SUM)
-        count = data_comm.allreduce(count, op=MPI.SUM)
-        out = {"val_loss": sums[0] / max(count, 1)}
-        out.update({f"val_{k}": v / max(count, 1) for k, v in zip(self.metric_names, sums[1:])})
-        return out
+        count = max(data_comm.allreduce(count, op=MPI.SUM), 1)
+        return {"val_loss": sums[0] / count,
+                **{f"val_{k}": v / count for k, v in zip(self.metric_names, sums[1:])}}
 
     metric_names: tuple = ()
 
