@@ -19,18 +19,8 @@ __all__ = ["UNet3D"]
 
 
 def conv_block(cin: int, cout: int, batch_norm: bool, kernel_size: int = 3) -> nn.Sequential:
-    """Two [Conv3d(k, 'same') (+ BatchNorm3d) + ReLU] layers.
-
-    Args:
-        cin: Input channels.
-        cout: Output channels.
-        batch_norm: Add BatchNorm3d after each convolution (the convolution then has no
-            bias).
-        kernel_size: Convolution kernel size.
-
-    Returns:
-        The block.
-    """
+    """Two [Conv3d(k, 'same') (+ BatchNorm3d) + ReLU] layers; with ``batch_norm`` the
+    convolutions have no bias."""
     layers: list[nn.Module] = []
     for c in (cin, cout):
         layers.append(nn.Conv3d(c, cout, kernel_size, padding="same", bias=not batch_norm))
@@ -45,32 +35,22 @@ class UNet3D(nn.Module):
 
     Level i has ``base_filters * 2**i`` channels; the decoder up-samples with
     ConvTranspose3d(kernel 2, stride 2); a 1x1x1 conv maps to ``out_channels`` (logits).
-    The input needs at least ``2**depth`` voxels per axis; odd sizes are fine.
-
-    Args:
-        in_channels: Input channels.
-        out_channels: Output channels (classes).
-        base_filters: Channels of the first level (doubling per level).
-        depth: Number of poolings.
-        batch_norm: BatchNorm3d after each convolution.
-        kernel_size: Convolution kernel size.
+    The input needs at least ``2**depth`` voxels per axis; odd sizes are fine. ``batch_norm``
+    puts a BatchNorm3d after each convolution.
     """
 
     def __init__(self, in_channels: int = 1, out_channels: int = 2, base_filters: int = 16,
                  depth: int = 3, batch_norm: bool = True, kernel_size: int = 3):
         super().__init__()
         widths = [base_filters * 2 ** i for i in range(depth + 1)]
-        self.encoders = nn.ModuleList()
-        self.pools = nn.ModuleList()
+        self.encoders, self.pools = nn.ModuleList(), nn.ModuleList()
         cin = in_channels
         for w in widths[:-1]:
             self.encoders.append(conv_block(cin, w, batch_norm, kernel_size))
             self.pools.append(nn.MaxPool3d(2))
             cin = w
         self.bottom = conv_block(cin, widths[-1], batch_norm, kernel_size)
-        self.ups = nn.ModuleList()
-        self.matches = nn.ModuleList()
-        self.decoders = nn.ModuleList()
+        self.ups, self.matches, self.decoders = nn.ModuleList(), nn.ModuleList(), nn.ModuleList()
         for w_lo, w_hi in reversed(list(zip(widths[:-1], widths[1:]))):
             self.ups.append(nn.ConvTranspose3d(w_hi, w_lo, 2, stride=2))
             self.matches.append(MatchSize())

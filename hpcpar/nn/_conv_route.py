@@ -58,13 +58,11 @@ def onednn_backward(grad, x, weight, padding, stride, dilation, groups, mask):
     of a dense one; so only the weight and bias gradients go that way (they read ``x``). With
     stride 1 the input gradient is a forward convolution of ``grad`` with the kernel flipped
     and its channel axes swapped (padding ``dilation * (k - 1) - padding``), which oneDNN runs
-    on the dense tensors as they are, in their memory format: no copy in, none out. The
-    one-call backward also copied its input gradient out twice: 16 -> 16 channels at 34^3
-    channels-last, 13.7 -> 12.0 ms a layer; four such layers on one rank, forward +
-    backward, 86.6 -> 79.5 ms (contiguous 76.7 -> 70.8); the backward's peak above its
-    inputs at 4 -> 16 channels, 64^3 channels-last, 31.5 -> 17.9 MiB (an AVX-512 host,
-    2026-12-05). Equal to torch's up to float32 rounding: the same sums in another order.
-    Strided convolutions keep the one call."""
+    on the dense tensors as they are, in their memory format: no copy in, none out (against
+    the one call, which copies its input gradient out twice: 16 -> 16 channels at 34^3
+    channels-last 13.7 -> 12.0 ms a layer; the backward's peak at 4 -> 16, 64^3, 31.5 -> 17.9
+    MiB; AVX-512 host). Equal to torch's up to float32 rounding: the same sums in another
+    order. Strided convolutions keep the one call."""
     pads = [d * (k - 1) - p for d, k, p in zip(dilation, weight.shape[2:], padding)]
     flipped = all(s == 1 for s in stride) and min(pads) >= 0
     gi = gw = gb = None

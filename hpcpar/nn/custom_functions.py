@@ -35,16 +35,9 @@ _TORCH_LOCAL = {("torch.nn.modules._functions", "BackwardHookFunction")}
 
 def local_function(cls: type) -> type:
     """Mark a custom ``torch.autograd.Function`` as local: its forward and backward each need
-    only the values at one voxel, so it runs on each rank's piece of a split volume.
-
-    Usable as a class decorator. Without the mark, a spatialized model using the Function is
-    refused (module docstring).
-
-    Args:
-        cls: The ``torch.autograd.Function`` subclass.
-
-    Returns:
-        ``cls``, marked.
+    only the values at one voxel, so it runs on each rank's piece of a split volume. Usable as
+    a class decorator (returns ``cls``). Without the mark, a spatialized model using the
+    Function is refused (module docstring).
     """
     if not (isinstance(cls, type) and issubclass(cls, torch.autograd.Function)):
         raise TypeError(f"local_function: {cls!r} is not a torch.autograd.Function subclass")
@@ -80,15 +73,10 @@ def _replayed_checkpoint(node) -> bool:
 
 
 def refuse_custom_functions(output: Any) -> bool:
-    """Walk the autograd graph behind ``output`` (any nesting of tensors); raise on a custom
-    Function defined outside hpcpar and not marked local.
-
-    Returns:
-        Whether there was a graph to walk (False: no output requires grad).
-
-    Raises:
-        LayerError: One line naming the Function and what to do.
-    """
+    """Walk the autograd graph behind ``output`` (any nesting of tensors); raise a one-line
+    LayerError naming the Function and what to do on a custom Function defined outside hpcpar
+    and not marked local. Returns whether there was a graph to walk (False: no output requires
+    grad)."""
     todo: list[Any] = [t.grad_fn for t in tree_leaves(output)
                        if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     walked = bool(todo)

@@ -7,9 +7,9 @@ loss computed after them is the same on every spatial rank and counts ONCE, so t
 flowing back into the partitioned part is each rank's slice, not a sum over ranks.
 
 Parameters of layers after a gather are complete on every rank: tag them with
-:func:`hpcpar.sync.tags.tag_data_only` (``spatialize`` does) so the gradient sync does not sum them
-over the spatial group. Random layers there must draw the same numbers on every spatial rank:
-:class:`ReplicatedDropout` does.
+:func:`hpcpar.sync.tags.tag_data_only` (``spatialize`` does) so the gradient sync does not sum
+them over the spatial group. Random layers there must draw the same numbers on every spatial
+rank: :class:`ReplicatedDropout` does.
 """
 
 from __future__ import annotations
@@ -54,11 +54,8 @@ def gather_shrunk(t: torch.Tensor) -> torch.Tensor:
 
 class SpatialGather(SpatialModule, nn.Module):
     """All-gather the partitioned ``(N, C, D, H, W)`` tensor into the full tensor on every rank
-    of the spatial group; backward returns the rank's own slice of the gradient.
-
-    Args:
-        grid: The process grid (the gather runs over ``grid.spatial_comm``).
-    """
+    of the spatial group (``grid.spatial_comm``); backward returns the rank's own slice of the
+    gradient."""
 
     replicates = True
 
@@ -68,9 +65,7 @@ class SpatialGather(SpatialModule, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The whole tensor, gathered from the spatial group, on every rank."""
-        if self.grid.spatial_size == 1:
-            return x
-        return GatherVolume.apply(x, self.grid)
+        return x if self.grid.spatial_size == 1 else GatherVolume.apply(x, self.grid)
 
 
 def global_mean(x: torch.Tensor, grid: ProcessGrid) -> torch.Tensor:
@@ -86,14 +81,8 @@ def global_mean(x: torch.Tensor, grid: ProcessGrid) -> torch.Tensor:
 
 class SpatialAdaptiveAvgPool3d(SpatialModule, nn.AdaptiveAvgPool3d):
     """``nn.AdaptiveAvgPool3d(1)`` over the whole (partitioned) volume: the mean over all
-    voxels of the spatial group, replicated on every rank.
-
-    Args:
-        output_size: Must be 1 (or ``(1, 1, 1)``).
-        grid: The process grid.
-
-    Raises:
-        LayerError: ``output_size`` is not 1.
+    voxels of the spatial group, replicated on every rank. ``output_size`` must be 1 (or
+    ``(1, 1, 1)``): LayerError otherwise.
     """
 
     replicates = True
@@ -136,9 +125,7 @@ class ReplicatedDropout(nn.Module):
     def _generator(self, device):
         key = str(device)
         if key not in self._generators:
-            g = torch.Generator(device=device)
-            g.manual_seed(self.seed)
-            self._generators[key] = g
+            self._generators[key] = torch.Generator(device=device).manual_seed(self.seed)
         return self._generators[key]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

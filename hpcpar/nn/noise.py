@@ -40,20 +40,10 @@ def spatial_noise(piece: torch.Tensor, kind: str, *, grid: ProcessGrid, sdims: S
                   gshape: Sequence[int], seed: int,
                   dtype: torch.dtype | None = None) -> torch.Tensor:
     """Numbers for this rank's ``piece`` of a global tensor: standard normal (``"normal"``) or
-    uniform on [0, 1) (``"uniform"``), in ``piece``'s memory format.
-
-    Args:
-        piece: This rank's piece (only its shape, device and memory format are used); dim 0
-            is the batch, split evenly over the data axis.
-        kind: ``"normal"`` or ``"uniform"``.
-        grid: The process grid.
-        sdims: The piece's dims along the grid's x, y and z axes.
-        gshape: Their global lengths.
-        seed: The call's seed, the same on every rank.
-        dtype: The output's dtype (default: ``piece``'s).
-
-    Returns:
-        A new tensor shaped like ``piece``.
+    uniform on [0, 1) (``"uniform"``): a new tensor shaped like ``piece``, in its memory format
+    (``dtype`` default: ``piece``'s). Only the piece's shape, device and memory format are used;
+    its dim 0 is the batch, split evenly over the data axis, and its dims ``sdims`` (global
+    lengths ``gshape``) lie along the grid's x, y and z axes. ``seed`` is the same on every rank.
     """
     dtype = dtype or piece.dtype
     rest = [d for d in range(1, piece.dim()) if d not in sdims]

@@ -129,18 +129,8 @@ class SpatialBatchNorm3d(SpatialModule, nn.BatchNorm3d):
 
     Training-mode statistics are exact: two allreduces in forward (sum, then sum of squared
     deviations) and one in backward, so the result equals ``nn.BatchNorm3d`` on the whole
-    volume (and, with ``include_data``, the whole global batch).
-
-    Args:
-        num_features: As ``nn.BatchNorm3d``.
-        eps: As ``nn.BatchNorm3d``.
-        momentum: As ``nn.BatchNorm3d``.
-        affine: As ``nn.BatchNorm3d``.
-        track_running_stats: As ``nn.BatchNorm3d``.
-        device: As ``nn.BatchNorm3d``.
-        dtype: As ``nn.BatchNorm3d``.
-        grid: The process grid whose x, y, z axes split the volume.
-        include_data: Also reduce over the data group (BatchNorm over the global batch).
+    volume (and, with ``include_data``, the whole global batch). ``grid``'s x, y, z axes split
+    the volume.
     """
 
     def __init__(self, num_features: int, eps: float = 1e-05, momentum: float | None = 0.1,

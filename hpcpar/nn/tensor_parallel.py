@@ -40,17 +40,12 @@ __all__ = ["TensorParallelLinear", "tensor_parallelize", "full_state_dict"]
 
 def _gather_rows(t: torch.Tensor, comm) -> torch.Tensor:
     """All-gather row blocks (dim 0) of possibly uneven sizes."""
-    if comm.Get_size() == 1:
-        return t
-    return hc.allgatherv(t.contiguous(), comm)
+    return t if comm.Get_size() == 1 else hc.allgatherv(t.contiguous(), comm)
 
 
 def _gather_cols(t: torch.Tensor, comm) -> torch.Tensor:
     """All-gather column blocks (dim 1) of possibly uneven widths."""
-    if comm.Get_size() == 1:
-        return t
-    blocks = hc.allgatherv(t.t().contiguous(), comm)
-    return blocks.t().contiguous()
+    return t if comm.Get_size() == 1 else _gather_rows(t.t(), comm).t().contiguous()
 
 
 class _TPLinearFn(torch.autograd.Function):
@@ -100,18 +95,9 @@ class TensorParallelLinear(nn.Module):
     (the y part of the bias). ``full_weight()`` gathers the whole matrix;
     ``full_state_dict()`` / ``load_full_state_dict(sd)`` speak plain ``nn.Linear`` state dicts.
     Input and output hold all features, so the layer drops into any model; its parameters
-    are tagged data-only (DDP averages them over the data axis alone).
-
-    Args:
-        in_features: As ``nn.Linear``; split over the grid's x axis.
-        out_features: As ``nn.Linear``; split over y (and each block's rows over z).
-        bias: As ``nn.Linear``.
-        grid: The process grid.
-        device: As ``nn.Linear``.
-        dtype: As ``nn.Linear``.
-
-    Raises:
-        LayerError: The x (y) axis has more ranks than ``in_features`` (``out_features``).
+    are tagged data-only (DDP averages them over the data axis alone). ``in_features`` are
+    split over the grid's x axis, ``out_features`` over y (and each block's rows over z): an
+    axis with more ranks than its features is a LayerError.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
@@ -152,14 +138,8 @@ class TensorParallelLinear(nn.Module):
         self.load_full_state_dict(full)
 
     def load_full_state_dict(self, sd: Mapping[str, torch.Tensor]) -> None:
-        """Load this rank's shard from a plain ``nn.Linear`` state dict.
-
-        Args:
-            sd: ``{"weight": (out, in), "bias": (out,)}``.
-
-        Raises:
-            LayerError: The shapes are not this layer's.
-        """
+        """Load this rank's shard from a plain ``nn.Linear`` state dict ``{"weight": (out, in),
+        "bias": (out,)}``; LayerError if the shapes are not this layer's."""
         w = sd["weight"]
         if tuple(w.shape) != (self.out_features, self.in_features):
             raise LayerError(
@@ -220,16 +200,9 @@ class TensorParallelLinear(nn.Module):
 
 
 def tensor_parallelize(model: nn.Module, grid: ProcessGrid, min_features: int = 1) -> nn.Module:
-    """Make a tensor-parallel copy of ``model``.
-
-    Args:
-        model: A plain torch model; it is deep-copied, not modified.
-        grid: The process grid (x, y, z split the dense layers).
-        min_features: Only ``nn.Linear`` layers with both sides at least this wide are split.
-
-    Returns:
-        The copy, every eligible ``nn.Linear`` replaced by a ``TensorParallelLinear`` holding
-        the same weights (so it computes the same function).
+    """A tensor-parallel copy of ``model`` (deep-copied, not modified): every ``nn.Linear``
+    with both sides at least ``min_features`` wide replaced by a ``TensorParallelLinear``
+    holding the same weights (so it computes the same function), split over the grid's x, y, z.
     """
     original, model = model, copy.deepcopy(model)
     copy_tags(original, model)   # a spatialized head's replicated layers stay data-only
@@ -251,23 +224,12 @@ def tensor_parallelize(model: nn.Module, grid: ProcessGrid, min_features: int = 
 
 
 def full_state_dict(model: nn.Module) -> dict:
-    """The model's state dict with tensor-parallel layers gathered (collective).
-
-    Args:
-        model: A model that may hold ``TensorParallelLinear`` layers.
-
-    Returns:
-        A state dict with plain ``nn.Linear`` keys and shapes, loadable into the plain model.
-    """
+    """The model's state dict with tensor-parallel layers gathered (collective): plain
+    ``nn.Linear`` keys and shapes, loadable into the plain model."""
+    tp = {name: mod.full_state_dict() for name, mod in model.named_modules()
+          if isinstance(mod, TensorParallelLinear)}
     sd = {}
-    tp_prefixes = {}
-    for name, mod in model.named_modules():
-        if isinstance(mod, TensorParallelLinear):
-            tp_prefixes[name] = mod.full_state_dict()
     for key, value in model.state_dict().items():
         prefix, _, leaf = key.rpartition(".")
-        if prefix in tp_prefixes:
-            sd[key] = tp_prefixes[prefix][leaf]
-        else:
-            sd[key] = value
+        sd[key] = tp[prefix][leaf] if prefix in tp else value
     return sd

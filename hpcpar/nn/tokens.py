@@ -133,10 +133,9 @@ def _softmax(call: Call, run: Callable) -> Any:
         raise call.refuse("takes a dtype over the merged spatial dims", "cast first")
     v = _volume(x)
     spatial = (p, p + 1, p + 2)
-    shifted = run(torch.sub, (v, run(torch.amax, (v,), {"dim": spatial, "keepdim": True})),
-                  {})
-    total = run(torch.sum, (run(torch.exp, (shifted,), {}),), {"dim": spatial,
-                                                               "keepdim": True})
+    kept = {"dim": spatial, "keepdim": True}
+    shifted = run(torch.sub, (v, run(torch.amax, (v,), kept)), {})
+    total = run(torch.sum, (run(torch.exp, (shifted,), {}),), kept)
     if call.name.startswith("log_softmax"):
         out = run(torch.sub, (shifted, run(torch.log, (total,), {})), {})
     else:

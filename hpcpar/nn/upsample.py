@@ -24,10 +24,6 @@ from .resample import Interpolation, per_axis, resample_piece
 
 __all__ = ["SpatialUpsample", "MatchSize", "SpatialMatchSize"]
 
-def _exchange(x, plan):
-    return halo_exchange(x, plan.grid, plan)
-
-
 _MODES = ("nearest", "nearest-exact", "trilinear")
 
 
@@ -35,18 +31,8 @@ class SpatialUpsample(SpatialModule, nn.Upsample):
     """``nn.Upsample`` on a volume partitioned over the grid: nearest, nearest-exact, or
     trilinear with ``align_corners`` True or False, by ``size`` (global) or ``scale_factor``
     (non-integer too). Exact vs torch on the whole volume; the output is split with the
-    partition rule of its global length.
-
-    Args:
-        size: Global output size (int or 3 ints), as ``nn.Upsample``.
-        scale_factor: As ``nn.Upsample``.
-        mode: ``"nearest"``, ``"nearest-exact"`` or ``"trilinear"``.
-        align_corners: As ``nn.Upsample`` (trilinear only).
-        recompute_scale_factor: As ``nn.Upsample``.
-        grid: The process grid whose x, y, z axes split the volume.
-
-    Raises:
-        LayerError: Another ``mode``.
+    partition rule of its global length. The arguments are ``nn.Upsample``'s (another
+    ``mode`` is a LayerError), plus the ``grid`` whose x, y, z axes split the volume.
     """
 
     def __init__(self, size: int | tuple[int, int, int] | None = None,
@@ -131,4 +117,4 @@ class SpatialMatchSize(SpatialModule, nn.Module):
                 per_axis.append([axis_halo(n, t, parts, i, shifted) for i in range(parts)])
             plan = self._spatial_plans[(src, dst)] = HaloPlan.from_halos(self.grid, per_axis,
                                                                          name)
-        return _exchange(x, plan)
+        return halo_exchange(x, plan.grid, plan)
