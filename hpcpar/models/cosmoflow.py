@@ -28,11 +28,10 @@ class CosmoFlow(nn.Module):
     regression outputs.
 
     Defaults follow the MLPerf reference on 128³ x 4 cubes; ``CosmoFlow.small()`` is a 32³ demo
-    configuration. ``input_size``, the edge of the cubic input, fixes the width of the first
-    dense layer; one smaller than ``2**n_conv_blocks`` is a LayerError. ``gather`` puts a
-    gather point before the head (spatialized: the whole volume gathered and the first dense
-    layer replicated) instead of the split head.
-    """
+    configuration. ``input_size``, the edge of the cubic input, fixes the width of the first dense
+    layer; one smaller than ``2**n_conv_blocks`` is a LayerError. ``gather`` puts a gather point
+    before the head (spatialized: the whole volume gathered and the first dense layer replicated)
+    instead of the split head."""
 
     def __init__(self, input_size: int = 128, in_channels: int = 4, n_conv_blocks: int = 5,
                  base_filters: int = 16, kernel_size: int = 3,

@@ -34,13 +34,12 @@ __all__ = ["GCN"]
 class GCN(nn.Module):
     """GCN or GraphSAGE node classifier: ``model(x, graph)`` returns logits of the owned vertices.
 
-    ``out_channels`` are the classes; ``dropout`` acts on the input of every layer, its masks
-    seeded by ``seed`` (the same training at every rank count); ``conv`` is ``"gcn"``
-    (``DistGCNConv``) or ``"sage"`` (``DistSAGEConv``, aggregating by ``aggr``, ``"mean"`` or
-    ``"sum"``); ``precompute`` and ``boundary_sample`` (the fraction of boundary rows each rank
-    sends per training step, 1 exact) as in the module docstring. LayerError: an unknown
-    ``conv``, or ``boundary_sample`` outside ``(0, 1]``.
-    """
+    ``out_channels`` are the classes; ``dropout`` acts on the input of every layer, its masks seeded
+    by ``seed`` (the same training at every rank count); ``conv`` is ``"gcn"`` (``DistGCNConv``) or
+    ``"sage"`` (``DistSAGEConv``, aggregating by ``aggr``, ``"mean"`` or ``"sum"``); ``precompute``
+    and ``boundary_sample`` (the fraction of boundary rows each rank sends per training step, 1
+    exact) as in the module docstring. LayerError: an unknown ``conv``, or ``boundary_sample``
+    outside ``(0, 1]``."""
 
     def __init__(self, in_channels: int, hidden_channels: int, out_channels: int,
                  num_layers: int = 2, dropout: float = 0.5, conv: str = "gcn",

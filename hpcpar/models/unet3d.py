@@ -1,11 +1,10 @@
 """3D U-Net for any input size, odd ones included. Plain torch;
 ``hpcpar.nn.spatialize(UNet3D(), grid)`` runs it spatially partitioned, exactly.
 
-Down: MaxPool3d(2) floors odd sizes; up: ConvTranspose3d(2, stride 2) doubles, so an odd
-level comes back one short. :class:`~hpcpar.nn.upsample.MatchSize` zero-pads (or crops) the
-up-sampled tensor to the skip's size, a rule stated in global sizes (the skip's ``shape``),
-so under ``spatialize`` (where a split tensor's ``shape`` is global) its plain forward is
-exact as it is.
+Down: MaxPool3d(2) floors odd sizes; up: ConvTranspose3d(2, stride 2) doubles, so an odd level comes
+back one short. :class:`~hpcpar.nn.upsample.MatchSize` zero-pads (or crops) the up-sampled tensor to
+the skip's size, a rule stated in global sizes (the skip's ``shape``), so under ``spatialize``
+(where a split tensor's ``shape`` is global) its plain forward is exact as it is.
 """
 
 from __future__ import annotations
@@ -33,11 +32,10 @@ def conv_block(cin: int, cout: int, batch_norm: bool, kernel_size: int = 3) -> n
 class UNet3D(nn.Module):
     """Encoder/decoder with ``depth`` poolings and skip connections (concatenation).
 
-    Level i has ``base_filters * 2**i`` channels; the decoder up-samples with
-    ConvTranspose3d(kernel 2, stride 2); a 1x1x1 conv maps to ``out_channels`` (logits).
-    The input needs at least ``2**depth`` voxels per axis; odd sizes are fine. ``batch_norm``
-    puts a BatchNorm3d after each convolution.
-    """
+    Level i has ``base_filters * 2**i`` channels; the decoder up-samples with ConvTranspose3d(kernel
+    2, stride 2); a 1x1x1 conv maps to ``out_channels`` (logits). The input needs at least
+    ``2**depth`` voxels per axis; odd sizes are fine. ``batch_norm`` puts a BatchNorm3d after each
+    convolution."""
 
     def __init__(self, in_channels: int = 1, out_channels: int = 2, base_filters: int = 16,
                  depth: int = 3, batch_norm: bool = True, kernel_size: int = 3):

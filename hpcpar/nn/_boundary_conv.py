@@ -1,17 +1,16 @@
 """The fast path of SpatialConv3d: torch's own padded convolution of the local piece, plus thin
 corrections where the neighbours' ghosts enter.
 
-A "same" convolution (stride 1, dilation 1, kernel 2p+1, padding p) of the halo-extended
-piece is linear in it, and the extended piece is the local piece zero-padded plus the ghosts
-(faces, and with several split axes edges and corners): ``conv(x + ghosts) = conv_padded(x) +
-conv(ghosts)``. The second term is non-zero only on the p output planes next to each side a
-neighbour sent, and reaches them only through the p kernel taps that fall into the ghost
-region. So the piece is never copied into an extended buffer (neither in forward nor
-backward), torch picks its fastest kernel for the padded convolution, and every ghost block
-travels while it runs: all of them, edges and corners included, come straight from the rank
-that owns them (one message per neighbour, up to 26), posted first and waited for after the
-interior's convolution. In backward the ghosts' gradients, computed first, travel back to
-their owners while the piece's own backward runs.
+A "same" convolution (stride 1, dilation 1, kernel 2p+1, padding p) of the halo-extended piece is
+linear in it, and the extended piece is the local piece zero-padded plus the ghosts (faces, and with
+several split axes edges and corners): ``conv(x + ghosts) = conv_padded(x) + conv(ghosts)``. The
+second term is non-zero only on the p output planes next to each side a neighbour sent, and reaches
+them only through the p kernel taps that fall into the ghost region. So the piece is never copied
+into an extended buffer (neither in forward nor backward), torch picks its fastest kernel for the
+padded convolution, and every ghost block travels while it runs: all of them, edges and corners
+included, come straight from the rank that owns them (one message per neighbour, up to 26), posted
+first and waited for after the interior's convolution. In backward the ghosts' gradients, computed
+first, travel back to their owners while the piece's own backward runs.
 
 The ghost shell is cut into disjoint **slabs**, one per split axis and side with a neighbour:
 the slab beyond side ``s`` of split axis ``a`` holds the ghosts there, spanning the ghosts of

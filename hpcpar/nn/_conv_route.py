@@ -54,15 +54,14 @@ def onednn(ext, kernel, stride, dilation, groups) -> bool:
 def onednn_backward(grad, x, weight, padding, stride, dilation, groups, mask):
     """The gradients ``(input, weight, bias)`` (None where ``mask`` says not wanted) of
     ``mkldnn_convolution(x, weight, bias, padding, stride, dilation, groups)`` on the route of
-    :func:`onednn`. torch's backward takes oneDNN only when handed oneDNN tensors, each a copy
-    of a dense one; so only the weight and bias gradients go that way (they read ``x``). With
-    stride 1 the input gradient is a forward convolution of ``grad`` with the kernel flipped
-    and its channel axes swapped (padding ``dilation * (k - 1) - padding``), which oneDNN runs
-    on the dense tensors as they are, in their memory format: no copy in, none out (against
-    the one call, which copies its input gradient out twice: 16 -> 16 channels at 34^3
-    channels-last 13.7 -> 12.0 ms a layer; the backward's peak at 4 -> 16, 64^3, 31.5 -> 17.9
-    MiB; AVX-512 host). Equal to torch's up to float32 rounding: the same sums in another
-    order. Strided convolutions keep the one call."""
+    :func:`onednn`. torch's backward takes oneDNN only when handed oneDNN tensors, each a copy of a
+    dense one; so only the weight and bias gradients go that way (they read ``x``). With stride 1
+    the input gradient is a forward convolution of ``grad`` with the kernel flipped and its channel
+    axes swapped (padding ``dilation * (k - 1) - padding``), which oneDNN runs on the dense tensors
+    as they are, in their memory format: no copy in, none out (against the one call, which copies
+    its input gradient out twice: 16 -> 16 channels at 34^3 channels-last 13.7 -> 12.0 ms a layer;
+    the backward's peak at 4 -> 16, 64^3, 31.5 -> 17.9 MiB; AVX-512 host). Equal to torch's up to
+    float32 rounding: the same sums in another order. Strided convolutions keep the one call."""
     pads = [d * (k - 1) - p for d, k, p in zip(dilation, weight.shape[2:], padding)]
     flipped = all(s == 1 for s in stride) and min(pads) >= 0
     gi = gw = gb = None
@@ -169,23 +168,22 @@ def pointwise_backward(grad, x, weight, mask):
 
 
 def prepadded_weight_grad(x, weight, groups) -> bool:
-    """Whether a padded convolution's weight gradient is taken from a zero-padded copy of
-    its input (padding 0) instead of handing the padding to oneDNN: faster and leaner for
-    channels-last inputs with few channels where oneDNN has no AVX-512 kernels. Measured on
-    CPU float32 (torch 2.13, one thread, stride 1, 3^3 kernel), time and peak RSS above the
-    inputs of the backward, one padded call -> input gradient padded + weight gradient
-    pre-padded, on an AVX2 host: 16 -> 16 channels at 128^3 1527 -> 1134 ms, 283 -> 262 MiB;
-    at 96^3 692 -> 480 ms, 123 -> 112 MiB; the weight gradient alone at 4 -> 8 channels,
-    128^3, 174 -> 72 ms. Not taken where it measured slower: channels-last from 16 -> 32 or
-    32 -> 16 channels up (0.64-0.83x, hence the bound on in x out channels), and every layer
-    on an AVX-512 host (AMD EPYC, 2026-12-04), where oneDNN's padded call is the faster and
-    leaner one: the weight gradient at 16 -> 16, 128^3, 271-380 ms padded against 360-462 ms
-    from the copy in every weight and gradient layout, and the backward's peak 139 MiB
-    against 274 (the same host with ``ONEDNN_MAX_CPU_ISA=AVX2``: 811-972 against 555-577
-    ms, the rule's first measurement); nor for contiguous inputs (1.5-3.7x faster on AVX2,
-    but twice the peak: 16 -> 33 MiB at 64^3 x 8). Depends only on the layer, the memory
-    format and the host's instruction set, never on a timing, so a run repeats bitwise.
-    Inputs up to SPLIT_BACKWARD_BYTES take the one call."""
+    """Whether a padded convolution's weight gradient is taken from a zero-padded copy of its input
+    (padding 0) instead of handing the padding to oneDNN: faster and leaner for channels-last inputs
+    with few channels where oneDNN has no AVX-512 kernels. Measured on CPU float32 (torch 2.13, one
+    thread, stride 1, 3^3 kernel), time and peak RSS above the inputs of the backward, one padded
+    call -> input gradient padded + weight gradient pre-padded, on an AVX2 host: 16 -> 16 channels
+    at 128^3 1527 -> 1134 ms, 283 -> 262 MiB; at 96^3 692 -> 480 ms, 123 -> 112 MiB; the weight
+    gradient alone at 4 -> 8 channels, 128^3, 174 -> 72 ms. Not taken where it measured slower:
+    channels-last from 16 -> 32 or 32 -> 16 channels up (0.64-0.83x, hence the bound on in x out
+    channels), and every layer on an AVX-512 host (AMD EPYC, 2026-12-04), where oneDNN's padded call
+    is the faster and leaner one: the weight gradient at 16 -> 16, 128^3, 271-380 ms padded against
+    360-462 ms from the copy in every weight and gradient layout, and the backward's peak 139 MiB
+    against 274 (the same host with ``ONEDNN_MAX_CPU_ISA=AVX2``: 811-972 against 555-577 ms, the
+    rule's first measurement); nor for contiguous inputs (1.5-3.7x faster on AVX2, but twice the
+    peak: 16 -> 33 MiB at 64^3 x 8). Depends only on the layer, the memory format and the host's
+    instruction set, never on a timing, so a run repeats bitwise. Inputs up to SPLIT_BACKWARD_BYTES
+    take the one call."""
     if (x.numel() * x.element_size() <= SPLIT_BACKWARD_BYTES or x.device.type != "cpu"
             or x.dtype != torch.float32 or groups != 1 or x.dim() != 5 or x.is_contiguous()
             or not x.is_contiguous(memory_format=torch.channels_last_3d)

@@ -44,11 +44,10 @@ _ACCEPTED: dict = {}
 
 def torch_output_shape(op: str, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
                        gshape: Sequence[int], key: str) -> tuple[int, ...]:
-    """Run ``fn`` (the single-process call, e.g. ``lambda t: F.pad(t, pad, mode)``) on a
-    ``meta`` tensor of the global shape (batch, channels and dtype of the piece ``x``): torch's
-    checks and the global output shape ``(N, C, D', H', W')``. A refusal is a one-line
-    LayerError naming ``op``; accepted calls are remembered by ``key`` (the arguments' repr).
-    """
+    """Run ``fn`` (the single-process call, e.g. ``lambda t: F.pad(t, pad, mode)``) on a ``meta``
+    tensor of the global shape (batch, channels and dtype of the piece ``x``): torch's checks and
+    the global output shape ``(N, C, D', H', W')``. A refusal is a one-line LayerError naming
+    ``op``; accepted calls are remembered by ``key`` (the arguments' repr)."""
     shape = (*x.shape[:2], *gshape)
     memo = (op, key, shape, x.dtype)
     out = _ACCEPTED.get(memo)

@@ -1,18 +1,17 @@
 """The first-step check: whatever escapes the dispatch (an op run with torch-function handling
 disabled, a C++ extension reading the raw piece) is caught before it trains.
 
-On the first forward of a model spatialized with ``check=True``, each data group takes the
-first sample of its input, the spatial root gathers it whole, runs the plain model on it and
-records every module's output, then every rank runs a copy of the spatialized model on its
-piece and the outputs are gathered and compared module by module in call order, followed by
-the parameter gradients of ``sum(output * w)``. Dropout is off in both (masks are random)
-and batch-norm statistics cover the probe only; both runs start from the same random state
-(other random draws, a VAE's sampling, match) and the check leaves it as it found it; a float32
-mismatch is decided again in float64 (:data:`FLOAT64_LIMIT_BYTES`), so rounding is never taken
-for an escape. A mismatch raises one line on every rank naming the first module that differs.
-Copies are used, so the model's state does not change. The plain model is kept as a
-:func:`skeleton` (its code, no weights) until then: the check loads the weights the spatial
-model trains from anyway.
+On the first forward of a model spatialized with ``check=True``, each data group takes the first
+sample of its input, the spatial root gathers it whole, runs the plain model on it and records every
+module's output, then every rank runs a copy of the spatialized model on its piece and the outputs
+are gathered and compared module by module in call order, followed by the parameter gradients of
+``sum(output * w)``. Dropout is off in both (masks are random) and batch-norm statistics cover the
+probe only; both runs start from the same random state (other random draws, a VAE's sampling, match)
+and the check leaves it as it found it; a float32 mismatch is decided again in float64
+(:data:`FLOAT64_LIMIT_BYTES`), so rounding is never taken for an escape. A mismatch raises one line
+on every rank naming the first module that differs. Copies are used, so the model's state does not
+change. The plain model is kept as a :func:`skeleton` (its code, no weights) until then: the check
+loads the weights the spatial model trains from anyway.
 """
 
 from __future__ import annotations
@@ -96,12 +95,11 @@ def _recording(model: nn.Module, grid, gathered: bool):
 
 
 def skeleton(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` whose parameters hold no memory (meta tensors; buffers are copied):
-    the first-step check needs the plain model's code, not its weights, which it loads from
-    the spatial model it checks (:func:`materialize`). Keeping a real copy until the first
-    forward would hold a second full-size dense head on every rank through the start-up.
-    ``model`` is not modified; tied parameters stay tied in the copy.
-    """
+    """A copy of ``model`` whose parameters hold no memory (meta tensors; buffers are copied): the
+    first-step check needs the plain model's code, not its weights, which it loads from the spatial
+    model it checks (:func:`materialize`). Keeping a real copy until the first forward would hold a
+    second full-size dense head on every rank through the start-up. ``model`` is not modified; tied
+    parameters stay tied in the copy."""
     memo: dict[int, Any] = {}
     for p in model.parameters():
         memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)

@@ -102,14 +102,13 @@ def spatial_dropout(x: torch.Tensor, p: float, training: bool = True, inplace: b
     """Dropout of this rank's piece with a mask that depends only on the seed and global
     coordinates: any grid gives what one rank with the whole tensor gives.
 
-    ``x`` is this rank's float piece of the global ``(N, C, *gshape)`` tensor (either memory
-    format; the output keeps it); ``p`` the probability of dropping an element (or, with
-    ``feature``, a whole channel: ``Dropout3d``); ``training`` False is the identity, as in
-    ``F.dropout``; the grid's data coordinate numbers the samples; ``seed`` is the call's, the
-    same on every rank (e.g. :func:`next_dropout_seed`). Dropped elements are zeroed, kept ones
-    scaled by ``1 / (1 - p)``. LayerError: ``p`` outside [0, 1], a non-float or non-5D input,
-    or a piece whose shape is not this rank's piece of ``gshape``.
-    """
+    ``x`` is this rank's float piece of the global ``(N, C, *gshape)`` tensor (either memory format;
+    the output keeps it); ``p`` the probability of dropping an element (or, with ``feature``, a
+    whole channel: ``Dropout3d``); ``training`` False is the identity, as in ``F.dropout``; the
+    grid's data coordinate numbers the samples; ``seed`` is the call's, the same on every rank (e.g.
+    :func:`next_dropout_seed`). Dropped elements are zeroed, kept ones scaled by ``1 / (1 - p)``.
+    LayerError: ``p`` outside [0, 1], a non-float or non-5D input, or a piece whose shape is not
+    this rank's piece of ``gshape``."""
     kind = "Dropout3d" if feature else "Dropout"
     if not 0.0 <= p <= 1.0:
         raise LayerError(f"spatial {kind}: dropout probability has to be between 0 and 1, "

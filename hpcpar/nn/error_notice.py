@@ -157,11 +157,10 @@ def stop(line: str) -> None:
 
 
 def notices_for(grid: Any) -> Notices:
-    """The grid's :class:`Notices`, made on its first spatialized forward (collective: every
-    rank of the grid runs that forward) and watched from then on. They go to the ranks of
-    this rank's spatial group: those its forward waits for (another data group runs its
-    forward on its own; a rank there that stops is named by the gradient sync's stall
-    detector)."""
+    """The grid's :class:`Notices`, made on its first spatialized forward (collective: every rank of
+    the grid runs that forward) and watched from then on. They go to the ranks of this rank's
+    spatial group: those its forward waits for (another data group runs its forward on its own; a
+    rank there that stops is named by the gradient sync's stall detector)."""
     found = _BY_GRID.get(grid)
     if found is None:
         found = _BY_GRID[grid] = Notices(grid.spatial_comm)

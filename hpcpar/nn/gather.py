@@ -80,10 +80,9 @@ def global_mean(x: torch.Tensor, grid: ProcessGrid) -> torch.Tensor:
 
 
 class SpatialAdaptiveAvgPool3d(SpatialModule, nn.AdaptiveAvgPool3d):
-    """``nn.AdaptiveAvgPool3d(1)`` over the whole (partitioned) volume: the mean over all
-    voxels of the spatial group, replicated on every rank. ``output_size`` must be 1 (or
-    ``(1, 1, 1)``): LayerError otherwise.
-    """
+    """``nn.AdaptiveAvgPool3d(1)`` over the whole (partitioned) volume: the mean over all voxels of
+    the spatial group, replicated on every rank. ``output_size`` must be 1 (or ``(1, 1, 1)``):
+    LayerError otherwise."""
 
     replicates = True
 
@@ -109,8 +108,7 @@ class ReplicatedDropout(nn.Module):
     data groups), so replicated layers stay replicated. ``feature=True`` drops whole channels
     (``Dropout3d``), which is also correct on a partitioned tensor.
 
-    The generator is seeded once from the spatial root (collective at construction).
-    """
+    The generator is seeded once from the spatial root (collective at construction)."""
 
     def __init__(self, p: float = 0.5, *, grid: ProcessGrid, feature: bool = False,
                  inplace: bool = False):

@@ -33,10 +33,9 @@ __all__ = ["DistConv", "DistGCNConv", "DistSAGEConv", "distributed"]
 class DistGCNConv(nn.Module):
     """``out = D~^-1/2 (A+I) D~^-1/2 X W + b`` (Kipf & Welling), global degrees.
 
-    State-dict keys match PyG's ``GCNConv`` (``lin.weight``, ``bias``); Glorot weights, zero
-    bias. Call it as ``conv(x, graph)`` with this rank's owned vertex rows and a
-    ``hpcpar.graph.DistGraph``; the halo rows are exchanged inside.
-    """
+    State-dict keys match PyG's ``GCNConv`` (``lin.weight``, ``bias``); Glorot weights, zero bias.
+    Call it as ``conv(x, graph)`` with this rank's owned vertex rows and a
+    ``hpcpar.graph.DistGraph``; the halo rows are exchanged inside."""
 
     def __init__(self, in_channels: int, out_channels: int, bias: bool = True):
         super().__init__()
@@ -69,9 +68,8 @@ class DistGCNConv(nn.Module):
 
 class DistSAGEConv(nn.Module):
     """GraphSAGE: ``out = W_l · aggr_{j->i} x_j + b + W_r · x_i``; ``aggr="mean"`` divides the
-    neighbour sum by the GLOBAL in-degree. Keys match PyG's ``SAGEConv`` (``lin_l``,
-    ``lin_r``). ``aggr`` is ``"mean"`` or ``"sum"`` (else LayerError).
-    """
+    neighbour sum by the GLOBAL in-degree. Keys match PyG's ``SAGEConv`` (``lin_l``, ``lin_r``).
+    ``aggr`` is ``"mean"`` or ``"sum"`` (else LayerError)."""
 
     def __init__(self, in_channels: int, out_channels: int, aggr: str = "mean",
                  bias: bool = True):
@@ -104,11 +102,10 @@ class DistConv(nn.Module):
     """A PyG message-passing layer on a distributed graph: ``DistConv(conv)(x, graph)`` is
     ``graph.apply(conv, x)`` (see [DistGraph.apply][hpcpar.graph.distgraph.DistGraph.apply]).
 
-    The wrapped layer is ``self.conv`` (state-dict keys ``conv.*``); its parameters are
-    replicated, and their gradients are SUMMED over the graph's ranks by the default
-    gradient sync. ``conv`` is called as ``conv(x, edge_index, ...)``, or with the graph's
-    sparse ``adj_t`` in place of its local ``edge_index`` when ``sparse``.
-    """
+    The wrapped layer is ``self.conv`` (state-dict keys ``conv.*``); its parameters are replicated,
+    and their gradients are SUMMED over the graph's ranks by the default gradient sync. ``conv`` is
+    called as ``conv(x, edge_index, ...)``, or with the graph's sparse ``adj_t`` in place of its
+    local ``edge_index`` when ``sparse``."""
 
     def __init__(self, conv: nn.Module, sparse: bool = False):
         super().__init__()

@@ -128,10 +128,9 @@ class SpatialBatchNorm3d(SpatialModule, nn.BatchNorm3d):
     and running statistics as torch's; eval mode is purely local.
 
     Training-mode statistics are exact: two allreduces in forward (sum, then sum of squared
-    deviations) and one in backward, so the result equals ``nn.BatchNorm3d`` on the whole
-    volume (and, with ``include_data``, the whole global batch). ``grid``'s x, y, z axes split
-    the volume.
-    """
+    deviations) and one in backward, so the result equals ``nn.BatchNorm3d`` on the whole volume
+    (and, with ``include_data``, the whole global batch). ``grid``'s x, y, z axes split the
+    volume."""
 
     def __init__(self, num_features: int, eps: float = 1e-05, momentum: float | None = 0.1,
                  affine: bool = True, track_running_stats: bool = True,

@@ -47,10 +47,9 @@ class _PoolMixin(SpatialModule):
 
 
 class MaxPoolOp(StencilOp):
-    """Max-pool a rank's halo-extended piece: the stencil :class:`SpatialMaxPool3d` runs.
-    The halo already holds the padding (``-inf``), so pooling uses no padding of its own;
-    ``out_shape`` is this rank's output extent per spatial axis (a 0 gives an empty output).
-    """
+    """Max-pool a rank's halo-extended piece: the stencil :class:`SpatialMaxPool3d` runs. The halo
+    already holds the padding (``-inf``), so pooling uses no padding of its own; ``out_shape`` is
+    this rank's output extent per spatial axis (a 0 gives an empty output)."""
 
     def __init__(self, kernel: tuple[int, int, int], stride: tuple[int, int, int],
                  dilation: tuple[int, int, int], out_shape: tuple[int, ...]):
@@ -97,11 +96,10 @@ class MaxPoolOp(StencilOp):
 class SpatialMaxPool3d(_PoolMixin, nn.MaxPool3d):
     """``torch.nn.MaxPool3d`` over a spatially split volume (ceil_mode, dilation, padding).
 
-    Boundary ranks pad with ``-inf``; the result equals ``nn.MaxPool3d`` on the whole volume.
-    The arguments are ``nn.MaxPool3d``'s, plus the ``grid`` whose x, y, z axes split the
-    volume. LayerError: ``return_indices=True`` (indices into a split volume are not
-    supported); at forward, a local extent smaller than a halo.
-    """
+    Boundary ranks pad with ``-inf``; the result equals ``nn.MaxPool3d`` on the whole volume. The
+    arguments are ``nn.MaxPool3d``'s, plus the ``grid`` whose x, y, z axes split the volume.
+    LayerError: ``return_indices=True`` (indices into a split volume are not supported); at forward,
+    a local extent smaller than a halo."""
 
     def __init__(self, kernel_size: int | tuple[int, int, int],
                  stride: int | tuple[int, int, int] | None = None,
@@ -162,8 +160,7 @@ class SpatialAvgPool3d(_PoolMixin, nn.AvgPool3d):
     """``torch.nn.AvgPool3d`` over a spatially split volume (ceil_mode, count_include_pad,
     divisor_override); divisors follow torch's rule in global coordinates. The arguments are
     ``nn.AvgPool3d``'s, plus the ``grid`` whose x, y, z axes split the volume. LayerError at
-    forward: a local extent smaller than a halo, or inputs inconsistent across the spatial group.
-    """
+    forward: a local extent smaller than a halo, or inputs inconsistent across the spatial group."""
 
     def __init__(self, kernel_size: int | tuple[int, int, int],
                  stride: int | tuple[int, int, int] | None = None,

@@ -1,11 +1,10 @@
 """Reductions over a split volume that give the single-process value, replicated.
 
 A reduction whose ``dim`` covers every split spatial axis (an axis a with
-``grid.spatial_shape[a] > 1``) is a global reduction: each rank reduces its piece, one
-allreduce over ``grid.spatial_comm`` combines the pieces, and every spatial rank holds torch's
-result on the whole tensor. One that reduces no split axis is local (exact as it is); one that
-reduces some split axes but not all would leave a result split over a partial set of axes and
-is refused.
+``grid.spatial_shape[a] > 1``) is a global reduction: each rank reduces its piece, one allreduce
+over ``grid.spatial_comm`` combines the pieces, and every spatial rank holds torch's result on the
+whole tensor. One that reduces no split axis is local (exact as it is); one that reduces some split
+axes but not all would leave a result split over a partial set of axes and is refused.
 
 Convention: "allreduce in forward, identity in backward" (the replicated result's upstream
 gradient is the same on every rank, so each rank's input gradient is its own slice of torch's).
@@ -93,13 +92,12 @@ def global_reduce(x: torch.Tensor, op: str, dim: int | Sequence[int] | None = No
     """torch's ``x.<op>(dim, keepdim)`` on the whole tensor, from this rank's piece ``x`` of the
     global ``(N, C, *gshape)`` tensor (collective over ``grid.spatial_comm``).
 
-    ``op`` is one of :data:`REDUCTIONS` (``"norm"``: the 2-norm); ``dim`` None reduces all (a
-    0-d result); ``correction`` is torch's, for ``var``/``std`` (1: unbiased, 0: population).
-    When ``dim`` covers every split spatial axis the result is torch's on the whole tensor,
-    identical on every spatial rank; when it covers none, this rank's piece of it. LayerError:
-    an unknown op, a bad ``dim``, a ``dim`` that reduces some split axes but not all, or a
-    piece whose shape is not this rank's piece of ``gshape``.
-    """
+    ``op`` is one of :data:`REDUCTIONS` (``"norm"``: the 2-norm); ``dim`` None reduces all (a 0-d
+    result); ``correction`` is torch's, for ``var``/``std`` (1: unbiased, 0: population). When
+    ``dim`` covers every split spatial axis the result is torch's on the whole tensor, identical on
+    every spatial rank; when it covers none, this rank's piece of it. LayerError: an unknown op, a
+    bad ``dim``, a ``dim`` that reduces some split axes but not all, or a piece whose shape is not
+    this rank's piece of ``gshape``."""
     if op not in REDUCTIONS:
         raise LayerError(f"global_reduce: unknown op {op!r} (expected one of "
                          f"{', '.join(REDUCTIONS)})")

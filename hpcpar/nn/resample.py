@@ -74,10 +74,9 @@ def _axis_map(n: int, size, scale, mode: str, align_corners, recompute):
 @dataclass(frozen=True)
 class Interpolation:
     """The per-axis geometry of one ``F.interpolate`` call (hashable: plans are cached by it).
-    :class:`hpcpar.nn.upsample.SpatialUpsample` and :func:`interpolate` both plan with it.
-    ``sizes`` are global output lengths (``None``: from ``scales``, and the reverse); ``mode``
-    is ``"nearest"``, ``"nearest-exact"`` or ``"trilinear"``; the rest as ``F.interpolate``.
-    """
+    :class:`hpcpar.nn.upsample.SpatialUpsample` and :func:`interpolate` both plan with it. ``sizes``
+    are global output lengths (``None``: from ``scales``, and the reverse); ``mode`` is
+    ``"nearest"``, ``"nearest-exact"`` or ``"trilinear"``; the rest as ``F.interpolate``."""
 
     sizes: tuple
     scales: tuple
@@ -142,14 +141,13 @@ def interpolate(x: torch.Tensor, size: int | Sequence[int] | None = None,
     """``F.interpolate`` of the whole volume, on this rank's piece ``x`` (``(N, C, d, h, w)``)
     of the global ``(N, C, *gshape)`` tensor.
 
-    ``size`` is the global output size; the arguments are ``F.interpolate``'s (non-integer
-    scales included; ``"area"`` is :func:`adaptive_avg_pool3d`, as torch); ``layer`` is the
-    name errors give. Returns this rank's piece of the output (split with the partition rule
-    of the output's lengths, in ``x``'s memory format) and the output's global spatial shape.
-    Raises LayerError for arguments torch refuses on the whole volume, and for an output range
-    that reaches past a neighbour's piece (downsampling over too many ranks: the message gives
-    the smallest piece that works).
-    """
+    ``size`` is the global output size; the arguments are ``F.interpolate``'s (non-integer scales
+    included; ``"area"`` is :func:`adaptive_avg_pool3d`, as torch); ``layer`` is the name errors
+    give. Returns this rank's piece of the output (split with the partition rule of the output's
+    lengths, in ``x``'s memory format) and the output's global spatial shape. Raises LayerError for
+    arguments torch refuses on the whole volume, and for an output range that reaches past a
+    neighbour's piece (downsampling over too many ranks: the message gives the smallest piece that
+    works)."""
     check_piece(layer, x, grid, gshape)
     out = torch_output_shape(layer, lambda t: F.interpolate(
         t, size, scale_factor, mode, align_corners, recompute_scale_factor), x, gshape,
@@ -242,13 +240,11 @@ def adaptive_avg_pool3d(x: torch.Tensor, output_size: int | Sequence[int | None]
     """``F.adaptive_avg_pool3d`` of the whole volume, on this rank's piece ``x`` of the global
     ``(N, C, *gshape)`` tensor (``output_size`` as torch: ``None`` keeps that axis's length).
 
-    Returns this rank's piece of the output (split with the partition rule of the output's
-    lengths, in ``x``'s memory format) and its global spatial shape. An output of 1 on every
-    axis (a global mean) is REPLICATED: the whole ``(N, C, 1, 1, 1)`` on every rank. Raises
-    LayerError for an ``output_size`` torch refuses, and for cells wider than a neighbour's
-    piece (an output much shorter than the ranks on an axis: the message gives the smallest
-    piece that works).
-    """
+    Returns this rank's piece of the output (split with the partition rule of the output's lengths,
+    in ``x``'s memory format) and its global spatial shape. An output of 1 on every axis (a global
+    mean) is REPLICATED: the whole ``(N, C, 1, 1, 1)`` on every rank. Raises LayerError for an
+    ``output_size`` torch refuses, and for cells wider than a neighbour's piece (an output much
+    shorter than the ranks on an axis: the message gives the smallest piece that works)."""
     return _adaptive(x, output_size, grid, gshape, "avg", F.adaptive_avg_pool3d,
                      "adaptive_avg_pool3d")
 
@@ -257,10 +253,9 @@ def adaptive_max_pool3d(x: torch.Tensor, output_size: int | Sequence[int | None]
                         return_indices: bool = False, *, grid: ProcessGrid,
                         gshape: Sequence[int]) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """``F.adaptive_max_pool3d`` of the whole volume, on this rank's piece: as
-    :func:`adaptive_avg_pool3d`, with maxima (a global max is replicated). Ties pick torch's
-    voxel (the first in (d, h, w) order), which alone gets the gradient. ``return_indices``
-    must be False (LayerError otherwise).
-    """
+    :func:`adaptive_avg_pool3d`, with maxima (a global max is replicated). Ties pick torch's voxel
+    (the first in (d, h, w) order), which alone gets the gradient. ``return_indices`` must be False
+    (LayerError otherwise)."""
     if return_indices:
         raise LayerError("adaptive_max_pool3d: return_indices=True is not supported on a split "
                          "volume (indices of a piece do not address the global volume)")

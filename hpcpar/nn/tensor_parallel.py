@@ -91,14 +91,13 @@ class _TPLinearFn(torch.autograd.Function):
 class TensorParallelLinear(nn.Module):
     """``nn.Linear(in_features, out_features, bias)`` with W split over the grid's x, y, z.
 
-    Holds ``weight`` (this rank's shard: rows ``shard_rows`` of the (y, x) block) and ``bias``
-    (the y part of the bias). ``full_weight()`` gathers the whole matrix;
-    ``full_state_dict()`` / ``load_full_state_dict(sd)`` speak plain ``nn.Linear`` state dicts.
-    Input and output hold all features, so the layer drops into any model; its parameters
-    are tagged data-only (DDP averages them over the data axis alone). ``in_features`` are
-    split over the grid's x axis, ``out_features`` over y (and each block's rows over z): an
-    axis with more ranks than its features is a LayerError.
-    """
+    Holds ``weight`` (this rank's shard: rows ``shard_rows`` of the (y, x) block) and ``bias`` (the
+    y part of the bias). ``full_weight()`` gathers the whole matrix; ``full_state_dict()`` /
+    ``load_full_state_dict(sd)`` speak plain ``nn.Linear`` state dicts. Input and output hold all
+    features, so the layer drops into any model; its parameters are tagged data-only (DDP averages
+    them over the data axis alone). ``in_features`` are split over the grid's x axis,
+    ``out_features`` over y (and each block's rows over z): an axis with more ranks than its
+    features is a LayerError."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  grid: ProcessGrid, device: torch.device | str | None = None,
@@ -200,10 +199,9 @@ class TensorParallelLinear(nn.Module):
 
 
 def tensor_parallelize(model: nn.Module, grid: ProcessGrid, min_features: int = 1) -> nn.Module:
-    """A tensor-parallel copy of ``model`` (deep-copied, not modified): every ``nn.Linear``
-    with both sides at least ``min_features`` wide replaced by a ``TensorParallelLinear``
-    holding the same weights (so it computes the same function), split over the grid's x, y, z.
-    """
+    """A tensor-parallel copy of ``model`` (deep-copied, not modified): every ``nn.Linear`` with
+    both sides at least ``min_features`` wide replaced by a ``TensorParallelLinear`` holding the
+    same weights (so it computes the same function), split over the grid's x, y, z."""
     original, model = model, copy.deepcopy(model)
     copy_tags(original, model)   # a spatialized head's replicated layers stay data-only
 

@@ -10,12 +10,11 @@ volume's own rule (a reduction over the token dim becomes one over dims (2, 3, 4
 softmax over it is composed of global reductions), and a result that is still split is
 flattened back. So the same rules, and the same exactness, hold for both spellings.
 
-Taken: elementwise ops among token tensors, scalars and replicated operands whose token dim
-is 1 or the whole volume; losses; reductions (over the token dim: global, replicated; over other
-dims: local); ``softmax`` / ``log_softmax`` over any dim; dropout; a view or reshape back to
-the ``(N, C, D, H, W)`` volume; shape questions (the global shape). Anything else
-(``transpose`` to tokens-first, a ``matmul`` of tokens with tokens: attention) is refused in
-one line.
+Taken: elementwise ops among token tensors, scalars and replicated operands whose token dim is 1 or
+the whole volume; losses; reductions (over the token dim: global, replicated; over other dims:
+local); ``softmax`` / ``log_softmax`` over any dim; dropout; a view or reshape back to the
+``(N, C, D, H, W)`` volume; shape questions (the global shape). Anything else (``transpose`` to
+tokens-first, a ``matmul`` of tokens with tokens: attention) is refused in one line.
 """
 
 from __future__ import annotations

@@ -28,12 +28,11 @@ _MODES = ("nearest", "nearest-exact", "trilinear")
 
 
 class SpatialUpsample(SpatialModule, nn.Upsample):
-    """``nn.Upsample`` on a volume partitioned over the grid: nearest, nearest-exact, or
-    trilinear with ``align_corners`` True or False, by ``size`` (global) or ``scale_factor``
-    (non-integer too). Exact vs torch on the whole volume; the output is split with the
-    partition rule of its global length. The arguments are ``nn.Upsample``'s (another
-    ``mode`` is a LayerError), plus the ``grid`` whose x, y, z axes split the volume.
-    """
+    """``nn.Upsample`` on a volume partitioned over the grid: nearest, nearest-exact, or trilinear
+    with ``align_corners`` True or False, by ``size`` (global) or ``scale_factor`` (non-integer
+    too). Exact vs torch on the whole volume; the output is split with the partition rule of its
+    global length. The arguments are ``nn.Upsample``'s (another ``mode`` is a LayerError), plus the
+    ``grid`` whose x, y, z axes split the volume."""
 
     def __init__(self, size: int | tuple[int, int, int] | None = None,
                  scale_factor: float | tuple[float, float, float] | None = None,
