@@ -34,8 +34,7 @@ class CosmoFlow(nn.Module):
     instead of the split head."""
 
     def __init__(self, input_size: int = 128, in_channels: int = 4, n_conv_blocks: int = 5,
-                 base_filters: int = 16, kernel_size: int = 3,
-                 dense: Sequence[int] = (128, 64),
+                 base_filters: int = 16, kernel_size: int = 3, dense: Sequence[int] = (128, 64),
                  n_targets: int = 4, dropout: float = 0.0, negative_slope: float = 0.3,
                  gather: bool = False):
         super().__init__()

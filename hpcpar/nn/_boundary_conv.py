@@ -174,12 +174,10 @@ def _slab_grads(grad: torch.Tensor, slab: torch.Tensor, taps: torch.Tensor, pads
                 mask) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The slab's and its taps' gradients of a slab's term (the route of :func:`_slab_conv`)."""
     if onednn(slab, taps.shape[2:], (1, 1, 1), (1, 1, 1), groups):
-        gs, gt, _ = onednn_backward(grad, slab, taps, pads, (1, 1, 1), (1, 1, 1), groups,
-                                    [*mask, False])
-        return gs, gt
+        return onednn_backward(grad, slab, taps, pads, (1, 1, 1), (1, 1, 1), groups,
+                               [*mask, False])[:2]
     args = (None, [1, 1, 1], list(pads), [1, 1, 1], False, [0, 0, 0], groups, [*mask, False])
-    gs, gt, _ = torch.ops.aten.convolution_backward(grad, slab, taps, *args)
-    return gs, gt
+    return torch.ops.aten.convolution_backward(grad, slab, taps, *args)[:2]
 
 
 def _exchange(spec: BoundarySpec, sends: dict, recvs: dict, tag: int):

@@ -64,12 +64,6 @@ def _why(cls: type) -> str:
             "only the values at each voxel, or apply it after a global reduction")
 
 
-def _replayed_checkpoint(node) -> bool:
-    """A reentrant torch.utils.checkpoint whose recomputation hpcpar re-enters its dispatch
-    for (:class:`hpcpar.nn.checkpointing.Recomputed`; the node is the Function's ctx)."""
-    return isinstance(getattr(node, "run_function", None), Recomputed)
-
-
 def refuse_custom_functions(output: Any) -> bool:
     """Walk the autograd graph behind ``output`` (any nesting of tensors); raise a one-line
     LayerError naming the Function and what to do on a custom Function defined outside hpcpar and
@@ -87,7 +81,7 @@ def refuse_custom_functions(output: Any) -> bool:
         if cls is not None and not getattr(cls, _MARK, False) \
                 and not cls.__module__.startswith("hpcpar.") \
                 and (cls.__module__, cls.__qualname__) not in _TORCH_LOCAL \
-                and not _replayed_checkpoint(node):
-            raise LayerError(_why(cls))
+                and not isinstance(getattr(node, "run_function", None), Recomputed):
+            raise LayerError(_why(cls))   # a reentrant checkpoint hpcpar re-enters passes
         todo.extend(fn for fn, _ in node.next_functions)
     return walked

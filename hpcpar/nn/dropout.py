@@ -1,24 +1,20 @@
 """Dropout whose mask does not depend on how the volume is split.
 
 torch's dropout draws its mask from a random stream in memory order, so a split run would drop
-different voxels than one process. Here each keep/drop decision is a counter-based hash of the
-seed and the element's GLOBAL coordinates, so any grid gives exactly (bit for bit) what one rank
-with the whole volume and the whole batch gives. This is hpcpar's own dropout: the same
-probability and scaling as torch's, not torch's random numbers.
+different voxels than one process. Here each keep/drop decision is a counter-based hash
+(:mod:`hpcpar.nn._voxel_hash`) of the seed and the element's GLOBAL coordinates, so any grid gives
+exactly (bit for bit) what one rank with the whole volume and the whole batch gives: hpcpar's own
+dropout, with torch's probability and scaling (1/(1 - p)), not its random numbers. A voxel is
+dropped when its 32-bit draw ``u < round(p·2³²)``: the rate is p to within 2⁻³².
 
 Coordinates: global sample ``n_g = grid.coords[0] * N + n`` (the global batch is split evenly
 over the data axis, data group d holding samples ``[d*N, (d+1)*N)``), channel ``c``, and unless
 ``feature`` (whole channels, ``Dropout3d``) the global voxel ``(d, h, w)``.
 
-Draws: :mod:`hpcpar.nn._voxel_hash` (a hash of the key and the global coordinates). The
-voxel is dropped when its 32-bit draw ``u < round(p·2³²)``, so the rate is p to within 2⁻³².
-Kept values are scaled by 1/(1 - p).
-
-Backward regenerates the mask (nothing is saved): a bool mask would hold one byte per voxel
-from forward to backward, and memory per rank is what limits the sample size, while the hash
-costs a few ns per voxel (~4-7 ns/voxel in one thread on a 8x64³ float32 piece, against
-~10-11 for torch's own dropout measured the same way; ~0.5 for whole channels). Voxels are
-hashed in slabs of planes, so the temporaries are ~1 MB plus 12 bytes per row of w voxels.
+Backward regenerates the mask (nothing is saved): a bool mask would hold one byte per voxel from
+forward to backward, and memory per rank is what limits the sample size, while the hash costs a few
+ns per voxel (~4-7 ns/voxel in one thread on a 8x64³ float32 piece, against ~10-11 for torch's own
+dropout; ~0.5 for whole channels).
 """
 
 from __future__ import annotations

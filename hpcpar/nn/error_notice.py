@@ -166,18 +166,14 @@ def notices_for(grid: Any) -> Notices:
         found = _BY_GRID[grid] = Notices(grid.spatial_comm)
         with _LOCK:
             _WATCHED.append(found)
-        if not _THREAD and _threads_allowed():
+        from mpi4py import MPI
+
+        # a watcher thread only where MPI may be called from it while the main thread calls it
+        if not _THREAD and MPI.Query_thread() >= MPI.THREAD_MULTIPLE:
             _THREAD.append(threading.Thread(target=_watch, name="hpcpar-notices", daemon=True))
             _THREAD[0].start()
             atexit.register(_stop)   # after mpi4py's own: runs before MPI_Finalize
     return found
-
-
-def _threads_allowed() -> bool:
-    """Whether MPI may be called from the watcher thread while the main thread calls it."""
-    from mpi4py import MPI
-
-    return MPI.Query_thread() >= MPI.THREAD_MULTIPLE
 
 
 def _watch() -> None:

@@ -33,9 +33,8 @@ __all__ = ["DistConv", "DistGCNConv", "DistSAGEConv", "distributed"]
 class DistGCNConv(nn.Module):
     """``out = D~^-1/2 (A+I) D~^-1/2 X W + b`` (Kipf & Welling), global degrees.
 
-    State-dict keys match PyG's ``GCNConv`` (``lin.weight``, ``bias``); Glorot weights, zero bias.
-    Call it as ``conv(x, graph)`` with this rank's owned vertex rows and a
-    ``hpcpar.graph.DistGraph``; the halo rows are exchanged inside."""
+    State-dict keys match PyG's ``GCNConv`` (``lin.weight``, ``bias``); Glorot weights, zero bias;
+    the halo rows are exchanged inside."""
 
     def __init__(self, in_channels: int, out_channels: int, bias: bool = True):
         super().__init__()

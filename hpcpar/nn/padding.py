@@ -11,8 +11,6 @@ outputs read from whichever rank of the axis owns them (one ``alltoallv`` on the
 padding fetches a slab from the far end; pads and crops wider than a rank's piece reach past the
 neighbour. The adjoint sends each output gradient back to the owner of its source item, which ADDS
 it in (replicated, reflected and wrapped items collect the gradients of all their copies).
-
-Entries 7-10 of ``pad`` (channels, batch) are local; torch allows them in constant mode only.
 """
 
 from __future__ import annotations

@@ -132,10 +132,7 @@ def avg_divisors(halo: AxisHalo, kernel: int, stride: int, padding: int,
     for o in range(*halo.out):
         start = o * stride - padding
         end = min(start + kernel, halo.n_in + padding)
-        if count_include_pad:
-            out.append(end - start)
-        else:
-            out.append(min(end, halo.n_in) - max(start, 0))
+        out.append(end - start if count_include_pad else min(end, halo.n_in) - max(start, 0))
     return out
 
 

@@ -12,10 +12,9 @@ exchange brings in (negative halo = trim), then a local op computes the owned ou
 * adaptive pooling: output cell o of an axis of length N covers inputs
   ``[floor(o·N/M), ceil((o+1)·N/M))``. torch's adaptive pool on the fetched range would use
   windows of the LOCAL lengths (different cells), so each axis reduces its owned cells' windows
-  explicitly (a gather of every window, padded to the longest by repeating its last item).
-  Max reduces the last axis first, each keeping the first maximum: the voxel it picks (and
-  the gradient goes to) is the first in (d, h, w) order, as torch's. An output of 1 on every
-  axis is a global pool: one allreduce, the result replicated on every rank of the group.
+  explicitly (a gather of every window, padded to the longest by repeating its last item). Max
+  reduces the last axis first, each keeping the first maximum: torch's pick. An output of 1 on
+  every axis is a global pool: one allreduce.
 """
 
 from __future__ import annotations

@@ -93,9 +93,8 @@ class TensorParallelLinear(nn.Module):
 
     Holds ``weight`` (this rank's shard: rows ``shard_rows`` of the (y, x) block) and ``bias`` (the
     y part of the bias). ``full_weight()`` gathers the whole matrix; ``full_state_dict()`` /
-    ``load_full_state_dict(sd)`` speak plain ``nn.Linear`` state dicts. Input and output hold all
-    features, so the layer drops into any model; its parameters are tagged data-only (DDP averages
-    them over the data axis alone). ``in_features`` are split over the grid's x axis,
+    ``load_full_state_dict(sd)`` speak plain ``nn.Linear`` state dicts (input, output and
+    parameters as the module docstring says). ``in_features`` are split over the grid's x axis,
     ``out_features`` over y (and each block's rows over z): an axis with more ranks than its
     features is a LayerError."""
 
@@ -124,9 +123,8 @@ class TensorParallelLinear(nn.Module):
                                                self.in_range[1] - self.in_range[0], **factory))
         self.bias = nn.Parameter(torch.empty(rows, **factory)) if bias else None
         self._init_from_replicated(full.state_dict())
-        tag_data_only(self.weight)
-        if self.bias is not None:
-            tag_data_only(self.bias)
+        for p in self.parameters():
+            tag_data_only(p)
 
     def _init_from_replicated(self, sd) -> None:
         """Make the shards consistent: rank 0 of the spatial group broadcasts its init."""

@@ -1,10 +1,6 @@
-"""Resampling a partitioned volume: ``SpatialUpsample`` (nearest, trilinear) and the
+"""Resampling a partitioned volume in global coordinates: ``SpatialUpsample``, the module form of
+:func:`hpcpar.nn.resample.interpolate` (the geometry, plan and local op live there), and the
 pad-or-crop used to line up U-Net skips (``MatchSize`` / ``SpatialMatchSize``).
-
-Both work per axis in global coordinates. The global output length M is split with the
-partition rule; the output items a rank owns read a contiguous global input range, which the
-halo exchange brings in (negative halo = trim). ``SpatialUpsample`` is the module form of
-:func:`hpcpar.nn.resample.interpolate` (the geometry, plan and local op live there).
 """
 
 from __future__ import annotations
