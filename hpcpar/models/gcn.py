@@ -32,14 +32,12 @@ __all__ = ["GCN"]
 
 
 class GCN(nn.Module):
-    """GCN or GraphSAGE node classifier: ``model(x, graph)`` returns logits of the owned vertices.
-
-    ``out_channels`` are the classes; ``dropout`` acts on the input of every layer, its masks seeded
-    by ``seed`` (the same training at every rank count); ``conv`` is ``"gcn"`` (``DistGCNConv``) or
-    ``"sage"`` (``DistSAGEConv``, aggregating by ``aggr``, ``"mean"`` or ``"sum"``); ``precompute``
-    and ``boundary_sample`` (the fraction of boundary rows each rank sends per training step, 1
-    exact) as in the module docstring. LayerError: an unknown ``conv``, or ``boundary_sample``
-    outside ``(0, 1]``."""
+    """GCN or GraphSAGE node classifier: ``model(x, graph)`` returns logits of the owned vertices
+    (``out_channels`` classes). ``conv`` is ``"gcn"`` (``DistGCNConv``) or ``"sage"``
+    (``DistSAGEConv``, aggregating by ``aggr``: ``"mean"`` or ``"sum"``); ``dropout``, ``seed``,
+    ``precompute`` and ``boundary_sample`` (the fraction of boundary rows each rank sends per
+    training step) as in the module docstring. LayerError: an unknown ``conv``, or
+    ``boundary_sample`` outside ``(0, 1]``."""
 
     def __init__(self, in_channels: int, hidden_channels: int, out_channels: int,
                  num_layers: int = 2, dropout: float = 0.5, conv: str = "gcn",
@@ -62,8 +60,7 @@ class GCN(nn.Module):
         self._agg: tuple[tuple, torch.Tensor] | None = None
 
     def first_aggregate(self, x: torch.Tensor, graph: DistGraph) -> torch.Tensor:
-        """The constant ``A·X`` of the first layer, on the owned vertices (cached per graph
-        and input)."""
+        """The first layer's constant ``A·X`` on the owned vertices, cached per graph and input."""
         key = (id(graph), x.data_ptr(), tuple(x.shape))
         if self._agg is None or self._agg[0] != key:
             with torch.no_grad():

@@ -18,8 +18,7 @@ __all__ = ["UNet3D"]
 
 
 def conv_block(cin: int, cout: int, batch_norm: bool, kernel_size: int = 3) -> nn.Sequential:
-    """Two [Conv3d(k, 'same') (+ BatchNorm3d) + ReLU] layers; with ``batch_norm`` the
-    convolutions have no bias."""
+    """Two [Conv3d(k, 'same') (+ BatchNorm3d, then no conv bias) + ReLU] layers."""
     layers: list[nn.Module] = []
     for c in (cin, cout):
         layers.append(nn.Conv3d(c, cout, kernel_size, padding="same", bias=not batch_norm))

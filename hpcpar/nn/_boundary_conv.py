@@ -62,8 +62,7 @@ def _face(axis: int, side: int) -> Offset:
 
 
 def _toward(n: int, p: int, o: int) -> slice:
-    """Along one axis of extent ``n``: the ``p`` items at the side of offset ``o`` (-1 lo,
-    +1 hi), or all of them (0)."""
+    """Along an axis of extent ``n``: the ``p`` items toward offset ``o`` (-1 lo, +1 hi); 0: all."""
     return slice(None) if o == 0 else slice(0, p) if o < 0 else slice(n - p, n)
 
 
@@ -181,8 +180,7 @@ def _slab_grads(grad: torch.Tensor, slab: torch.Tensor, taps: torch.Tensor, pads
 
 
 def _exchange(spec: BoundarySpec, sends: dict, recvs: dict, tag: int):
-    """Post the receives and sends, one per neighbour (messages are dense contiguous
-    tensors); returns the handles and the bytes sent."""
+    """Post a receive and a send per neighbour (dense contiguous tensors): (handles, bytes sent)."""
     from hpcpar.parallel.transport import exchange  # deferred: loads numpy
 
     # the neighbour at o sent it toward -o

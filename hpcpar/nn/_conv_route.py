@@ -85,8 +85,7 @@ def onednn_backward(grad, x, weight, padding, stride, dilation, groups, mask):
 
 
 def onednn_shape(shape, kernel, stride, dilation, groups) -> bool:
-    """:func:`onednn`'s rule on a float32 CPU piece of ``shape`` (what the planner asks
-    of a piece it has not made)."""
+    """:func:`onednn`'s rule from a float32 CPU piece's ``shape`` alone (the planner's question)."""
     if all(k == 1 for k in kernel) and all(s == 1 for s in stride):
         return False
     return torch_picks_slow_conv(shape, kernel, stride, dilation, groups)
@@ -117,8 +116,7 @@ def _matrices(t):
 
 
 def _as_volume(m, like):
-    """Products ``m`` back into a volume shaped and laid out like ``like``: (N, C, V) for
-    NCDHW, (N, V, C) for channels-last."""
+    """Products ``m`` as a volume like ``like``: (N, C, V) if NCDHW, (N, V, C) if channels-last."""
     n, _, *vol = like.shape
     if like.is_contiguous():
         return m.view(n, -1, *vol)

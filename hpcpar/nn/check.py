@@ -183,9 +183,8 @@ def _verdict(plain, state, piece, whole, grid, spatialize, dtype) -> str | None:
     sp._hpcpar_split.dropout = False  # type: ignore[union-attr]  # set by spatialize
     with _recording(sp, grid, True) as calls, _NoDropout():
         out = sp(piece.to(dtype))
-    weight = w
-    if isinstance(out, SplitTensor):
-        weight = split_like(w[local_slices(w.shape, grid)], out)
+    weight = split_like(w[local_slices(w.shape, grid)], out) if isinstance(out, SplitTensor) \
+        else w
     # an output that is not the plain model's shape (a local piece posing as replicated) has
     # no gradient to compare: every rank must agree before the backward's collectives
     shaped = grid.spatial_comm.allreduce(int(tuple(weight.shape) == tuple(out.shape)))

@@ -62,8 +62,7 @@ _STOP = threading.Event()
 
 
 class Notices:
-    """One spatial group's error messages: a duplicate of its communicator (collective
-    construction)."""
+    """One spatial group's error messages, on a duplicate of its communicator (collective)."""
 
     def __init__(self, comm: Any):
         self.comm = comm.Dup()

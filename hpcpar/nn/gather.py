@@ -64,7 +64,6 @@ class SpatialGather(SpatialModule, nn.Module):
         self.init_spatial(grid)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The whole tensor, gathered from the spatial group, on every rank."""
         return x if self.grid.spatial_size == 1 else GatherVolume.apply(x, self.grid)
 
 
@@ -96,7 +95,6 @@ class SpatialAdaptiveAvgPool3d(SpatialModule, nn.AdaptiveAvgPool3d):
         self.init_spatial(grid)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The mean over the whole volume, ``(N, C, 1, 1, 1)``, on every spatial rank."""
         if x.dim() not in (4, 5):
             raise LayerError(f"SpatialAdaptiveAvgPool3d: expected a 4D or 5D input, got "
                              f"shape {tuple(x.shape)}")
@@ -127,7 +125,6 @@ class ReplicatedDropout(nn.Module):
         return self._generators[key]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Dropout with masks shared by the spatial group (identity in eval mode)."""
         if not self.training or self.p == 0.0:
             return x
         if self.p == 1.0:

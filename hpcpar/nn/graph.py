@@ -112,7 +112,6 @@ class DistConv(nn.Module):
 
     def forward(self, x: torch.Tensor, graph: DistGraph, *args: Any,
                 **kwargs: Any) -> torch.Tensor:
-        """The layer's output rows of the owned vertices; ``x``: the owned rows."""
         return graph.apply(self.conv, x, *args, sparse=self.sparse, **kwargs)
 
     def extra_repr(self) -> str:

@@ -118,7 +118,6 @@ class SpatialMaxPool3d(_PoolMixin, nn.MaxPool3d):
         return MaxPoolOp(k, s, d, tuple(h.out[1] - h.out[0] for h in halos))
 
     def forward(self, x: torch.Tensor, gshape=None) -> torch.Tensor:
-        """Max-pool this rank's piece; returns its piece of the output."""
         entry = self.spatial_plan(x, gshape)
         return halo_stencil(x, entry.halo, entry.extra, pad_value=float("-inf"))
 
@@ -184,6 +183,5 @@ class SpatialAvgPool3d(_PoolMixin, nn.AvgPool3d):
         return AvgPoolOp(k, s, shape, divisor=t)
 
     def forward(self, x: torch.Tensor, gshape=None) -> torch.Tensor:
-        """Average-pool this rank's piece; returns its piece of the output."""
         entry = self.spatial_plan(x, gshape)
         return halo_stencil(x, entry.halo, entry.extra, pad_value=0.0)

@@ -44,14 +44,12 @@ REDUCTIONS = ("sum", "mean", "amax", "amin", "var", "std", "norm")
 
 
 def split_dims(grid: ProcessGrid, ndim: int = 5) -> tuple[int, ...]:
-    """The tensor dims (of an ``ndim``-D tensor whose last three dims are spatial) that the
-    grid splits over more than one rank."""
+    """The dims of an ``ndim``-D tensor (last three spatial) split over more than one rank."""
     return tuple(ndim - 3 + a for a, p in enumerate(grid.spatial_shape) if p > 1)
 
 
 class _MaskedSqrt(torch.autograd.Function):
-    """sqrt whose gradient is 0 where the result is 0 (torch's std and norm backward), not
-    the inf·0 = nan of a plain sqrt."""
+    """sqrt with gradient 0 where it is 0, as torch's std and norm backward (not inf·0 = nan)."""
 
     @staticmethod
     def forward(ctx, t):
@@ -77,15 +75,6 @@ def _dims(op: str, ndim: int, dim: int | Sequence[int] | None) -> tuple[int, ...
     return dims
 
 
-def _local(x, op, dims, keepdim, correction):
-    """torch's own op on the piece (exact when no reduced dim is split)."""
-    if op in ("var", "std"):
-        return getattr(torch, op)(x, dims, correction=correction, keepdim=keepdim)
-    if op == "norm":
-        return torch.linalg.vector_norm(x, 2, dims, keepdim)
-    return getattr(torch, op)(x, dims, keepdim=keepdim)
-
-
 def global_reduce(x: torch.Tensor, op: str, dim: int | Sequence[int] | None = None,
                   keepdim: bool = False, *, grid: ProcessGrid, gshape: Sequence[int],
                   correction: int | float = 1) -> torch.Tensor:
@@ -104,8 +93,12 @@ def global_reduce(x: torch.Tensor, op: str, dim: int | Sequence[int] | None = No
     dims = _dims(op, x.dim(), dim)
     split = split_dims(grid, x.dim())
     reduced = [d for d in split if d in dims]
-    if not reduced:
-        return _local(x, op, dims, keepdim, correction)
+    if not reduced:   # torch's own op on the piece: exact when no reduced dim is split
+        if op in ("var", "std"):
+            return getattr(torch, op)(x, dims, correction=correction, keepdim=keepdim)
+        if op == "norm":
+            return torch.linalg.vector_norm(x, 2, dims, keepdim)
+        return getattr(torch, op)(x, dims, keepdim=keepdim)
     if len(reduced) != len(split):
         kept = [d for d in split if d not in dims]
         raise LayerError(f"global_reduce {op}: dim {tuple(dims)} of a tensor split over dims "

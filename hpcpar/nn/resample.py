@@ -8,7 +8,6 @@ exchange brings in (negative halo = trim), then a local op computes the owned ou
 * interpolation: which inputs an output reads, and their weights, are asked from torch itself
   (a 1D interpolation of ``arange(N)`` in float64), so index rounding, scales,
   ``align_corners`` and ``recompute_scale_factor`` are torch's own, exactly.
-  :class:`hpcpar.nn.upsample.SpatialUpsample` is this function in module form.
 * adaptive pooling: output cell o of an axis of length N covers inputs
   ``[floor(o·N/M), ceil((o+1)·N/M))``. torch's adaptive pool on the fetched range would use
   windows of the LOCAL lengths (different cells), so each axis reduces its owned cells' windows

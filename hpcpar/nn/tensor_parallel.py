@@ -117,6 +117,8 @@ class TensorParallelLinear(nn.Module):
         rows = self.out_range[1] - self.out_range[0]
         self.block_rows = split_sizes(rows, self.Z)
         self.shard_rows = part_range(rows, self.Z, self.kz)
+        self._rows = slice(self.out_range[0] + self.shard_rows[0],   # of the whole weight
+                           self.out_range[0] + self.shard_rows[1])
         factory: dict[str, Any] = {"device": device, "dtype": dtype}
         full = nn.Linear(in_features, out_features, bias, **factory)  # torch's init, then shard
         self.weight = nn.Parameter(torch.empty(self.block_rows[self.kz],
@@ -142,10 +144,8 @@ class TensorParallelLinear(nn.Module):
             raise LayerError(
                 f"TensorParallelLinear: weight shape {tuple(w.shape)} does not match "
                 f"({self.out_features}, {self.in_features})")
-        o0 = self.out_range[0] + self.shard_rows[0]
-        o1 = self.out_range[0] + self.shard_rows[1]
         with torch.no_grad():
-            self.weight.copy_(w[o0:o1, self.in_range[0]:self.in_range[1]])
+            self.weight.copy_(w[self._rows, self.in_range[0]:self.in_range[1]])
             if self.bias is not None:
                 self.bias.copy_(sd["bias"][self.out_range[0]:self.out_range[1]])
 
@@ -153,9 +153,7 @@ class TensorParallelLinear(nn.Module):
         """The whole (out, in) matrix on every rank (collective over the spatial group)."""
         full = torch.zeros(self.out_features, self.in_features, dtype=self.weight.dtype,
                            device=self.weight.device)
-        o0 = self.out_range[0] + self.shard_rows[0]
-        o1 = self.out_range[0] + self.shard_rows[1]
-        full[o0:o1, self.in_range[0]:self.in_range[1]] = self.weight.detach()
+        full[self._rows, self.in_range[0]:self.in_range[1]] = self.weight.detach()
         return hc.allreduce_(full, self.grid.spatial_comm) if self.grid.spatial_size > 1 \
             else full
 
@@ -183,7 +181,6 @@ class TensorParallelLinear(nn.Module):
         return sd
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W.T + b`` for a replicated input; the output is replicated too."""
         if x.shape[-1] != self.in_features:
             raise LayerError(f"TensorParallelLinear: input has {x.shape[-1]} "
                              f"features, expected {self.in_features}")

@@ -57,7 +57,6 @@ class SpatialUpsample(SpatialModule, nn.Upsample):
         return tuple(geometry.local(a, h) for a, h in enumerate(halos))
 
     def forward(self, x: torch.Tensor, gshape=None) -> torch.Tensor:
-        """Upsample this rank's piece; returns its piece of the global output."""
         entry = self.spatial_plan(x, gshape)
         return resample_piece(x, entry.halo, entry.extra)
 
@@ -75,7 +74,6 @@ class MatchSize(nn.Module):
     :class:`SpatialMatchSize` is the same rule for hand-written spatial models."""
 
     def forward(self, x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        """Zero-pad or crop ``x`` (centred) to the spatial size of ``like``."""
         src, dst = x.shape[-3:], like.shape[-3:]
         if tuple(src) == tuple(dst):
             return x
@@ -94,7 +92,6 @@ class SpatialMatchSize(SpatialModule, nn.Module):
         self.init_spatial(grid)
 
     def forward(self, x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        """Pad or crop this rank's piece of ``x`` to its piece of ``like``'s global size."""
         name = self.layer_name
         src = global_spatial_shape(x, self.grid, name)
         dst = global_spatial_shape(like, self.grid, name + " (reference)")
