@@ -22,33 +22,19 @@ __all__ = ["CosmoFlow"]
 
 
 class CosmoFlow(nn.Module):
-    """``n_conv_blocks`` x [Conv3d(k, 'same') + LeakyReLU + MaxPool3d(2)] with
-    ``base_filters * 2**i`` filters, then Flatten + dense layers
-    (``dense`` widths, LeakyReLU, optional dropout) to ``n_targets`` outputs.
+    """``n_conv_blocks`` x [Conv3d(``kernel_size``, 'same') + LeakyReLU(``negative_slope``) +
+    MaxPool3d(2)] with ``base_filters * 2**i`` filters, then Flatten + dense layers (``dense``
+    widths, LeakyReLU, dropout of probability ``dropout`` after each, 0: none) to ``n_targets``
+    regression outputs.
 
-    Defaults follow the MLPerf reference on 128³ x 4 cubes; ``CosmoFlow.small()`` is a
-    32³ demo configuration.
-
-    Args:
-        input_size: Edge of the cubic input; fixes the width of the first dense layer.
-        in_channels: Input channels.
-        n_conv_blocks: Convolution + pooling blocks.
-        base_filters: Filters of the first block (doubling per block).
-        kernel_size: Convolution kernel size.
-        dense: Widths of the hidden dense layers.
-        n_targets: Regression outputs.
-        dropout: Dropout probability after each hidden dense layer (0: none).
-        negative_slope: LeakyReLU slope.
-        gather: Put a gather point before the head (spatialized: the whole volume gathered
-            and the first dense layer replicated) instead of the split head.
-
-    Raises:
-        LayerError: ``input_size`` is smaller than ``2**n_conv_blocks``.
-    """
+    Defaults follow the MLPerf reference on 128³ x 4 cubes; ``CosmoFlow.small()`` is a 32³ demo
+    configuration. ``input_size``, the edge of the cubic input, fixes the width of the first dense
+    layer; one smaller than ``2**n_conv_blocks`` is a LayerError. ``gather`` puts a gather point
+    before the head (spatialized: the whole volume gathered and the first dense layer replicated)
+    instead of the split head."""
 
     def __init__(self, input_size: int = 128, in_channels: int = 4, n_conv_blocks: int = 5,
-                 base_filters: int = 16, kernel_size: int = 3,
-                 dense: Sequence[int] = (128, 64),
+                 base_filters: int = 16, kernel_size: int = 3, dense: Sequence[int] = (128, 64),
                  n_targets: int = 4, dropout: float = 0.0, negative_slope: float = 0.3,
                  gather: bool = False):
         super().__init__()
@@ -76,15 +62,8 @@ class CosmoFlow(nn.Module):
 
     @classmethod
     def small(cls, input_size: int = 32, **kw: Any) -> CosmoFlow:
-        """A demo configuration: 3 blocks from 8 filters, dense (64, 32).
-
-        Args:
-            input_size: Edge of the cubic input.
-            **kw: Any other constructor argument, overriding the demo's.
-
-        Returns:
-            The model.
-        """
+        """A demo configuration: 3 blocks from 8 filters, dense (64, 32); ``kw``: any other
+        constructor argument, overriding the demo's."""
         kw = {"n_conv_blocks": 3, "base_filters": 8, "dense": (64, 32), **kw}
         return cls(input_size=input_size, **kw)
 

@@ -32,24 +32,12 @@ __all__ = ["GCN"]
 
 
 class GCN(nn.Module):
-    """GCN or GraphSAGE node classifier: ``model(x, graph)`` returns logits of the owned vertices.
-
-    Args:
-        in_channels: Input features per vertex.
-        hidden_channels: Width of the hidden layers.
-        out_channels: Classes.
-        num_layers: Graph convolution layers.
-        dropout: Dropout probability on the input of every layer.
-        conv: ``"gcn"`` (``DistGCNConv``) or ``"sage"`` (``DistSAGEConv``).
-        precompute: Compute the constant ``A·X`` of the first layer once.
-        seed: Seed of the dropout masks (the same training at every rank count).
-        aggr: GraphSAGE aggregation, ``"mean"`` or ``"sum"``.
-        boundary_sample: Fraction of boundary rows each rank sends per training step
-            (BNS-GCN); 1 is exact.
-
-    Raises:
-        LayerError: An unknown ``conv``, or ``boundary_sample`` outside ``(0, 1]``.
-    """
+    """GCN or GraphSAGE node classifier: ``model(x, graph)`` returns logits of the owned vertices
+    (``out_channels`` classes). ``conv`` is ``"gcn"`` (``DistGCNConv``) or ``"sage"``
+    (``DistSAGEConv``, aggregating by ``aggr``: ``"mean"`` or ``"sum"``); ``dropout``, ``seed``,
+    ``precompute`` and ``boundary_sample`` (the fraction of boundary rows each rank sends per
+    training step) as in the module docstring. LayerError: an unknown ``conv``, or
+    ``boundary_sample`` outside ``(0, 1]``."""
 
     def __init__(self, in_channels: int, hidden_channels: int, out_channels: int,
                  num_layers: int = 2, dropout: float = 0.5, conv: str = "gcn",
@@ -72,15 +60,7 @@ class GCN(nn.Module):
         self._agg: tuple[tuple, torch.Tensor] | None = None
 
     def first_aggregate(self, x: torch.Tensor, graph: DistGraph) -> torch.Tensor:
-        """The constant ``A·X`` of the first layer (cached per graph and input).
-
-        Args:
-            x: Features of the owned vertices.
-            graph: This rank's part of the graph.
-
-        Returns:
-            The aggregated features of the owned vertices.
-        """
+        """The first layer's constant ``A·X`` on the owned vertices, cached per graph and input."""
         key = (id(graph), x.data_ptr(), tuple(x.shape))
         if self._agg is None or self._agg[0] != key:
             with torch.no_grad():

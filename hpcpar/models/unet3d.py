@@ -1,11 +1,10 @@
 """3D U-Net for any input size, odd ones included. Plain torch;
 ``hpcpar.nn.spatialize(UNet3D(), grid)`` runs it spatially partitioned, exactly.
 
-Down: MaxPool3d(2) floors odd sizes; up: ConvTranspose3d(2, stride 2) doubles, so an odd
-level comes back one short. :class:`~hpcpar.nn.upsample.MatchSize` zero-pads (or crops) the
-up-sampled tensor to the skip's size, a rule stated in global sizes (the skip's ``shape``),
-so under ``spatialize`` (where a split tensor's ``shape`` is global) its plain forward is
-exact as it is.
+Down: MaxPool3d(2) floors odd sizes; up: ConvTranspose3d(2, stride 2) doubles, so an odd level comes
+back one short. :class:`~hpcpar.nn.upsample.MatchSize` zero-pads (or crops) the up-sampled tensor to
+the skip's size, a rule stated in global sizes (the skip's ``shape``), so under ``spatialize``
+(where a split tensor's ``shape`` is global) its plain forward is exact as it is.
 """
 
 from __future__ import annotations
@@ -19,18 +18,7 @@ __all__ = ["UNet3D"]
 
 
 def conv_block(cin: int, cout: int, batch_norm: bool, kernel_size: int = 3) -> nn.Sequential:
-    """Two [Conv3d(k, 'same') (+ BatchNorm3d) + ReLU] layers.
-
-    Args:
-        cin: Input channels.
-        cout: Output channels.
-        batch_norm: Add BatchNorm3d after each convolution (the convolution then has no
-            bias).
-        kernel_size: Convolution kernel size.
-
-    Returns:
-        The block.
-    """
+    """Two [Conv3d(k, 'same') (+ BatchNorm3d, then no conv bias) + ReLU] layers."""
     layers: list[nn.Module] = []
     for c in (cin, cout):
         layers.append(nn.Conv3d(c, cout, kernel_size, padding="same", bias=not batch_norm))
@@ -43,34 +31,23 @@ def conv_block(cin: int, cout: int, batch_norm: bool, kernel_size: int = 3) -> n
 class UNet3D(nn.Module):
     """Encoder/decoder with ``depth`` poolings and skip connections (concatenation).
 
-    Level i has ``base_filters * 2**i`` channels; the decoder up-samples with
-    ConvTranspose3d(kernel 2, stride 2); a 1x1x1 conv maps to ``out_channels`` (logits).
-    The input needs at least ``2**depth`` voxels per axis; odd sizes are fine.
-
-    Args:
-        in_channels: Input channels.
-        out_channels: Output channels (classes).
-        base_filters: Channels of the first level (doubling per level).
-        depth: Number of poolings.
-        batch_norm: BatchNorm3d after each convolution.
-        kernel_size: Convolution kernel size.
-    """
+    Level i has ``base_filters * 2**i`` channels; the decoder up-samples with ConvTranspose3d(kernel
+    2, stride 2); a 1x1x1 conv maps to ``out_channels`` (logits). The input needs at least
+    ``2**depth`` voxels per axis; odd sizes are fine. ``batch_norm`` puts a BatchNorm3d after each
+    convolution."""
 
     def __init__(self, in_channels: int = 1, out_channels: int = 2, base_filters: int = 16,
                  depth: int = 3, batch_norm: bool = True, kernel_size: int = 3):
         super().__init__()
         widths = [base_filters * 2 ** i for i in range(depth + 1)]
-        self.encoders = nn.ModuleList()
-        self.pools = nn.ModuleList()
+        self.encoders, self.pools = nn.ModuleList(), nn.ModuleList()
         cin = in_channels
         for w in widths[:-1]:
             self.encoders.append(conv_block(cin, w, batch_norm, kernel_size))
             self.pools.append(nn.MaxPool3d(2))
             cin = w
         self.bottom = conv_block(cin, widths[-1], batch_norm, kernel_size)
-        self.ups = nn.ModuleList()
-        self.matches = nn.ModuleList()
-        self.decoders = nn.ModuleList()
+        self.ups, self.matches, self.decoders = nn.ModuleList(), nn.ModuleList(), nn.ModuleList()
         for w_lo, w_hi in reversed(list(zip(widths[:-1], widths[1:]))):
             self.ups.append(nn.ConvTranspose3d(w_hi, w_lo, 2, stride=2))
             self.matches.append(MatchSize())

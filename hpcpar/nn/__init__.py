@@ -7,36 +7,20 @@ May import: hpcpar.errors, hpcpar.parallel, hpcpar.sync, hpcpar.graph, hpcpar.ke
 
 from .._lazy import lazy_getattr
 
-_LAZY = {
-    # spatial CNN layers
-    "SpatialConv3d": "hpcpar.nn.conv",
-    "SpatialConvTranspose3d": "hpcpar.nn.conv",
-    "SpatialMaxPool3d": "hpcpar.nn.pool",
-    "SpatialAvgPool3d": "hpcpar.nn.pool",
-    "SpatialBatchNorm3d": "hpcpar.nn.norm",
-    "SpatialUpsample": "hpcpar.nn.upsample",
-    "SpatialAdaptiveAvgPool3d": "hpcpar.nn.gather",
-    "SpatialGather": "hpcpar.nn.gather",
-    "spatialize": "hpcpar.nn.spatializer",
-    "settle": "hpcpar.nn.spatializer",
-    "SplitTensor": "hpcpar.nn.split",
-    "local": "hpcpar.nn.split",
-    "whole": "hpcpar.nn.split",
-    "is_split": "hpcpar.nn.split",
-    "split_like": "hpcpar.nn.split",
-    "global_reduce": "hpcpar.nn.reduce",
-    "spatial_dropout": "hpcpar.nn.dropout",
-    "local_function": "hpcpar.nn.custom_functions",
-    # tensor parallelism
-    "TensorParallelLinear": "hpcpar.nn.tensor_parallel",
-    "tensor_parallelize": "hpcpar.nn.tensor_parallel",
-    # graphs
-    "DistGCNConv": "hpcpar.nn.graph",
-    "DistSAGEConv": "hpcpar.nn.graph",
+_MODULES = {   # module of hpcpar.nn -> the names it gives the package
+    "conv": ("SpatialConv3d", "SpatialConvTranspose3d"),
+    "pool": ("SpatialMaxPool3d", "SpatialAvgPool3d"),
+    "norm": ("SpatialBatchNorm3d",), "upsample": ("SpatialUpsample",),
+    "gather": ("SpatialAdaptiveAvgPool3d", "SpatialGather"),
+    "spatializer": ("spatialize", "settle"),
+    "split": ("SplitTensor", "local", "whole", "is_split", "split_like"),
+    "reduce": ("global_reduce",), "dropout": ("spatial_dropout",),
+    "custom_functions": ("local_function",),
+    "tensor_parallel": ("TensorParallelLinear", "tensor_parallelize"),
+    "graph": ("DistGCNConv", "DistSAGEConv"),
 }
-
+_LAZY = {name: f"hpcpar.nn.{m}" for m, names in _MODULES.items() for name in names}
 
 __getattr__ = lazy_getattr("hpcpar.nn", _LAZY)
-
 
 __all__ = sorted(_LAZY)

@@ -70,7 +70,6 @@ class SpatialModule:
     def layer_name(self) -> str:
         return type(self).__name__
 
-    # -- to override ----------------------------------------------------------------------
     def axis_halos(self, axis: int, n: int) -> list[AxisHalo]:
         """Every rank's AxisHalo on ``axis`` (index = coordinate) for global length ``n``."""
         raise NotImplementedError
@@ -79,7 +78,6 @@ class SpatialModule:
         """Per-plan data the layer wants cached next to the halo plan (default none)."""
         return None
 
-    # -- planning -------------------------------------------------------------------------
     def spatial_plan(self, x, gshape: tuple[int, int, int] | None = None) -> SpatialPlan:
         """Plan for input ``x`` (cached by global shape). Collective over the spatial group
         unless the caller knows the global shape (``gshape``: a split tensor carries it)."""

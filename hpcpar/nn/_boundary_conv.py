@@ -1,17 +1,16 @@
 """The fast path of SpatialConv3d: torch's own padded convolution of the local piece, plus thin
 corrections where the neighbours' ghosts enter.
 
-A "same" convolution (stride 1, dilation 1, kernel 2p+1, padding p) of the halo-extended
-piece is linear in it, and the extended piece is the local piece zero-padded plus the ghosts
-(faces, and with several split axes edges and corners): ``conv(x + ghosts) = conv_padded(x) +
-conv(ghosts)``. The second term is non-zero only on the p output planes next to each side a
-neighbour sent, and reaches them only through the p kernel taps that fall into the ghost
-region. So the piece is never copied into an extended buffer (neither in forward nor
-backward), torch picks its fastest kernel for the padded convolution, and every ghost block
-travels while it runs: all of them, edges and corners included, come straight from the rank
-that owns them (one message per neighbour, up to 26), posted first and waited for after the
-interior's convolution. In backward the ghosts' gradients, computed first, travel back to
-their owners while the piece's own backward runs.
+A "same" convolution (stride 1, dilation 1, kernel 2p+1, padding p) of the halo-extended piece is
+linear in it, and the extended piece is the local piece zero-padded plus the ghosts (faces, and with
+several split axes edges and corners): ``conv(x + ghosts) = conv_padded(x) + conv(ghosts)``. The
+second term is non-zero only on the p output planes next to each side a neighbour sent, and reaches
+them only through the p kernel taps that fall into the ghost region. So the piece is never copied
+into an extended buffer (neither in forward nor backward), torch picks its fastest kernel for the
+padded convolution, and every ghost block travels while it runs: all of them, edges and corners
+included, come straight from the rank that owns them (one message per neighbour, up to 26), posted
+first and waited for after the interior's convolution. In backward the ghosts' gradients, computed
+first, travel back to their owners while the piece's own backward runs.
 
 The ghost shell is cut into disjoint **slabs**, one per split axis and side with a neighbour:
 the slab beyond side ``s`` of split axis ``a`` holds the ghosts there, spanning the ghosts of
@@ -63,8 +62,7 @@ def _face(axis: int, side: int) -> Offset:
 
 
 def _toward(n: int, p: int, o: int) -> slice:
-    """Along one axis of extent ``n``: the ``p`` items at the side of offset ``o`` (-1 lo,
-    +1 hi), or all of them (0)."""
+    """Along an axis of extent ``n``: the ``p`` items toward offset ``o`` (-1 lo, +1 hi); 0: all."""
     return slice(None) if o == 0 else slice(0, p) if o < 0 else slice(n - p, n)
 
 
@@ -175,17 +173,14 @@ def _slab_grads(grad: torch.Tensor, slab: torch.Tensor, taps: torch.Tensor, pads
                 mask) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The slab's and its taps' gradients of a slab's term (the route of :func:`_slab_conv`)."""
     if onednn(slab, taps.shape[2:], (1, 1, 1), (1, 1, 1), groups):
-        gs, gt, _ = onednn_backward(grad, slab, taps, pads, (1, 1, 1), (1, 1, 1), groups,
-                                    [*mask, False])
-        return gs, gt
+        return onednn_backward(grad, slab, taps, pads, (1, 1, 1), (1, 1, 1), groups,
+                               [*mask, False])[:2]
     args = (None, [1, 1, 1], list(pads), [1, 1, 1], False, [0, 0, 0], groups, [*mask, False])
-    gs, gt, _ = torch.ops.aten.convolution_backward(grad, slab, taps, *args)
-    return gs, gt
+    return torch.ops.aten.convolution_backward(grad, slab, taps, *args)[:2]
 
 
 def _exchange(spec: BoundarySpec, sends: dict, recvs: dict, tag: int):
-    """Post the receives and sends, one per neighbour (messages are dense contiguous
-    tensors); returns the handles and the bytes sent."""
+    """Post a receive and a send per neighbour (dense contiguous tensors): (handles, bytes sent)."""
     from hpcpar.parallel.transport import exchange  # deferred: loads numpy
 
     # the neighbour at o sent it toward -o

@@ -54,17 +54,14 @@ def onednn(ext, kernel, stride, dilation, groups) -> bool:
 def onednn_backward(grad, x, weight, padding, stride, dilation, groups, mask):
     """The gradients ``(input, weight, bias)`` (None where ``mask`` says not wanted) of
     ``mkldnn_convolution(x, weight, bias, padding, stride, dilation, groups)`` on the route of
-    :func:`onednn`. torch's backward takes oneDNN only when handed oneDNN tensors, each a copy
-    of a dense one; so only the weight and bias gradients go that way (they read ``x``). With
-    stride 1 the input gradient is a forward convolution of ``grad`` with the kernel flipped
-    and its channel axes swapped (padding ``dilation * (k - 1) - padding``), which oneDNN runs
-    on the dense tensors as they are, in their memory format: no copy in, none out. The
-    one-call backward also copied its input gradient out twice: 16 -> 16 channels at 34^3
-    channels-last, 13.7 -> 12.0 ms a layer; four such layers on one rank, forward +
-    backward, 86.6 -> 79.5 ms (contiguous 76.7 -> 70.8); the backward's peak above its
-    inputs at 4 -> 16 channels, 64^3 channels-last, 31.5 -> 17.9 MiB (an AVX-512 host,
-    2026-12-05). Equal to torch's up to float32 rounding: the same sums in another order.
-    Strided convolutions keep the one call."""
+    :func:`onednn`. torch's backward takes oneDNN only when handed oneDNN tensors, each a copy of a
+    dense one; so only the weight and bias gradients go that way (they read ``x``). With stride 1
+    the input gradient is a forward convolution of ``grad`` with the kernel flipped and its channel
+    axes swapped (padding ``dilation * (k - 1) - padding``), which oneDNN runs on the dense tensors
+    as they are, in their memory format: no copy in, none out (against the one call, which copies
+    its input gradient out twice: 16 -> 16 channels at 34^3 channels-last 13.7 -> 12.0 ms a layer;
+    the backward's peak at 4 -> 16, 64^3, 31.5 -> 17.9 MiB; AVX-512 host). Equal to torch's up to
+    float32 rounding: the same sums in another order. Strided convolutions keep the one call."""
     pads = [d * (k - 1) - p for d, k, p in zip(dilation, weight.shape[2:], padding)]
     flipped = all(s == 1 for s in stride) and min(pads) >= 0
     gi = gw = gb = None
@@ -88,8 +85,7 @@ def onednn_backward(grad, x, weight, padding, stride, dilation, groups, mask):
 
 
 def onednn_shape(shape, kernel, stride, dilation, groups) -> bool:
-    """:func:`onednn`'s rule on a float32 CPU piece of ``shape`` (what the planner asks
-    of a piece it has not made)."""
+    """:func:`onednn`'s rule from a float32 CPU piece's ``shape`` alone (the planner's question)."""
     if all(k == 1 for k in kernel) and all(s == 1 for s in stride):
         return False
     return torch_picks_slow_conv(shape, kernel, stride, dilation, groups)
@@ -98,13 +94,11 @@ def onednn_shape(shape, kernel, stride, dilation, groups) -> bool:
 def pointwise(x, weight, stride, groups) -> bool:
     """Whether this convolution is taken as a matrix product over channels: a CPU 1x1x1
     kernel of stride 1 without groups, on a dense input of either memory format, with the
-    weight's dtype. torch's CPU kernel for it copies a channels-last input and output gradient
-    to NCDHW, returns NCDHW, and its backward holds 2.5-3x the input gradient: 4 -> 2
-    channels at 116^3 channels-last, backward 32-44 ms and 10 channel-volumes allocated,
-    against 15-16 ms and 4 (the input gradient alone) as products; 16 -> 16 at 58^3 27-39
-    ms and 48 against 7-8 ms and 16; the forward at 16 -> 16 8-12 ms against 3-4 (NCDHW:
-    level, torch 2.13, one thread, AVX-512 host, 2026-12-05). The final layer of a U-Net
-    (UNet3D's at 116^3 was its peak) and every bottleneck of a ResNet are such layers."""
+    weight's dtype. torch's CPU kernel for it copies a channels-last input and output gradient to
+    NCDHW, returns NCDHW, and its backward holds 2.5-3x the input gradient (4 -> 2 channels at 116^3
+    channels-last: backward 32-44 against 15-16 ms as products, 10 against 4 channel-volumes
+    allocated; one thread, AVX-512 host). The final layer of a U-Net (UNet3D's at 116^3 was its
+    peak) and every bottleneck of a ResNet are such layers."""
     return (x.device.type == "cpu" and x.dim() == 5 and groups == 1 and x.is_floating_point()
             and x.dtype == weight.dtype and all(k == 1 for k in weight.shape[2:])
             and all(s == 1 for s in stride) and _matrices(x) is not None)
@@ -122,8 +116,7 @@ def _matrices(t):
 
 
 def _as_volume(m, like):
-    """Products ``m`` back into a volume shaped and laid out like ``like``: (N, C, V) for
-    NCDHW, (N, V, C) for channels-last."""
+    """Products ``m`` as a volume like ``like``: (N, C, V) if NCDHW, (N, V, C) if channels-last."""
     n, _, *vol = like.shape
     if like.is_contiguous():
         return m.view(n, -1, *vol)
@@ -171,23 +164,16 @@ def pointwise_backward(grad, x, weight, mask):
 
 
 def prepadded_weight_grad(x, weight, groups) -> bool:
-    """Whether a padded convolution's weight gradient is taken from a zero-padded copy of
-    its input (padding 0) instead of handing the padding to oneDNN: faster and leaner for
-    channels-last inputs with few channels where oneDNN has no AVX-512 kernels. Measured on
-    CPU float32 (torch 2.13, one thread, stride 1, 3^3 kernel), time and peak RSS above the
-    inputs of the backward, one padded call -> input gradient padded + weight gradient
-    pre-padded, on an AVX2 host: 16 -> 16 channels at 128^3 1527 -> 1134 ms, 283 -> 262 MiB;
-    at 96^3 692 -> 480 ms, 123 -> 112 MiB; the weight gradient alone at 4 -> 8 channels,
-    128^3, 174 -> 72 ms. Not taken where it measured slower: channels-last from 16 -> 32 or
-    32 -> 16 channels up (0.64-0.83x, hence the bound on in x out channels), and every layer
-    on an AVX-512 host (AMD EPYC, 2026-12-04), where oneDNN's padded call is the faster and
-    leaner one: the weight gradient at 16 -> 16, 128^3, 271-380 ms padded against 360-462 ms
-    from the copy in every weight and gradient layout, and the backward's peak 139 MiB
-    against 274 (the same host with ``ONEDNN_MAX_CPU_ISA=AVX2``: 811-972 against 555-577
-    ms, the rule's first measurement); nor for contiguous inputs (1.5-3.7x faster on AVX2,
-    but twice the peak: 16 -> 33 MiB at 64^3 x 8). Depends only on the layer, the memory
-    format and the host's instruction set, never on a timing, so a run repeats bitwise.
-    Inputs up to SPLIT_BACKWARD_BYTES take the one call."""
+    """Whether a padded convolution's weight gradient is taken from a zero-padded copy of its input
+    (padding 0) instead of handing the padding to oneDNN: faster and leaner for channels-last inputs
+    with few channels where oneDNN has no AVX-512 kernels (CPU float32, 3^3 kernel, AVX2 host: 16 ->
+    16 channels at 128^3, backward 1527 -> 1134 ms, peak above its inputs 283 -> 262 MiB). Not taken
+    where it measured slower or fatter: channels-last from 16 -> 32 or 32 -> 16 channels up
+    (0.64-0.83x, hence the bound on in x out channels); every layer on an AVX-512 host, where
+    oneDNN's padded call wins (the weight gradient at 16 -> 16, 128^3: 271-380 against 360-462 ms,
+    peak 139 against 274 MiB); contiguous inputs (faster on AVX2, but twice the peak). Depends only
+    on the layer, the memory format and the host's instruction set, never on a timing, so a run
+    repeats bitwise. Inputs up to SPLIT_BACKWARD_BYTES take the one call."""
     if (x.numel() * x.element_size() <= SPLIT_BACKWARD_BYTES or x.device.type != "cpu"
             or x.dtype != torch.float32 or groups != 1 or x.dim() != 5 or x.is_contiguous()
             or not x.is_contiguous(memory_format=torch.channels_last_3d)

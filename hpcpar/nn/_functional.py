@@ -23,17 +23,8 @@ __all__ = ["check_piece", "torch_output_shape", "same_format"]
 
 
 def check_piece(op: str, x: torch.Tensor, grid: ProcessGrid, gshape: Sequence[int]) -> None:
-    """Raise ``LayerError`` unless ``x`` is this rank's ``(N, C, d, h, w)`` piece of ``gshape``.
-
-    Args:
-        op: The op's name, for the message.
-        x: This rank's piece.
-        grid: The process grid.
-        gshape: The global spatial shape ``(D, H, W)``.
-
-    Raises:
-        LayerError: ``x`` is not 5D, or its extents are not the partition rule's for ``gshape``.
-    """
+    """Raise ``LayerError`` (naming ``op``) unless ``x`` is this rank's ``(N, C, d, h, w)``
+    piece of ``gshape``: 5D, with the partition rule's extents."""
     if x.dim() != 5:
         raise LayerError(f"{op}: expected this rank's (N, C, d, h, w) piece, got shape "
                          f"{tuple(x.shape)}")
@@ -53,21 +44,10 @@ _ACCEPTED: dict = {}
 
 def torch_output_shape(op: str, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
                        gshape: Sequence[int], key: str) -> tuple[int, ...]:
-    """Run ``fn`` on a ``meta`` tensor of the global shape: torch's checks and output shape.
-
-    Args:
-        op: The op's name, for the message.
-        fn: The single-process torch call, e.g. ``lambda t: F.pad(t, pad, mode)``.
-        x: This rank's piece (gives batch, channels and dtype).
-        gshape: The global spatial shape.
-        key: ``fn``'s arguments (their ``repr``): accepted calls are remembered by it.
-
-    Returns:
-        The global output shape ``(N, C, D', H', W')``.
-
-    Raises:
-        LayerError: torch refuses the call on the whole volume (its message, one line).
-    """
+    """Run ``fn`` (the single-process call, e.g. ``lambda t: F.pad(t, pad, mode)``) on a ``meta``
+    tensor of the global shape (batch, channels and dtype of the piece ``x``): torch's checks and
+    the global output shape ``(N, C, D', H', W')``. A refusal is a one-line LayerError naming
+    ``op``; accepted calls are remembered by ``key`` (the arguments' repr)."""
     shape = (*x.shape[:2], *gshape)
     memo = (op, key, shape, x.dtype)
     out = _ACCEPTED.get(memo)

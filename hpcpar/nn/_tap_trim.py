@@ -1,14 +1,13 @@
-"""Kernel taps that only ever read zero padding, dropped exactly (issue 61 item 6).
+"""Kernel taps that only ever read zero padding, dropped exactly.
 
-Along an axis of global length ``n``, tap ``t`` of a zero-padded convolution (kernel ``k``,
-stride ``s``, dilation ``d``, padding ``lo``/``hi``) reads input ``i*s - lo + t*d`` for each
-output ``i``. A tap whose every read falls outside ``[0, n)`` only ever multiplies zeros: the
-convolution with the kernel cut to the taps that can read data (padding lowered by the dropped
-taps' reach) has the same outputs, and its weight's gradient at the dropped taps is torch's
-own, zero. What it saves is the halo: DeepLabV3's ASPP (dilation = padding 12..36 on a map a
-few voxels wide) becomes a 1x1x1 convolution with nothing to exchange, where the full kernel
-would materialise a padded copy many times the map on every rank. Decided from global sizes
-only, so every rank trims alike.
+Along an axis of global length ``n``, tap ``t`` of a zero-padded convolution (kernel ``k``, stride
+``s``, dilation ``d``, padding ``lo``/``hi``) reads input ``i*s - lo + t*d`` for each output ``i``.
+A tap whose every read falls outside ``[0, n)`` only ever multiplies zeros: the convolution with the
+kernel cut to the taps that can read data (padding lowered by the dropped taps' reach) has the same
+outputs, and its weight's gradient at the dropped taps is torch's own, zero. What it saves is the
+halo: DeepLabV3's ASPP (dilation = padding 12..36 on a map a few voxels wide) becomes a 1x1x1
+convolution with nothing to exchange, where the full kernel would materialise a padded copy many
+times the map on every rank. Decided from global sizes only, so every rank trims alike.
 """
 
 from __future__ import annotations

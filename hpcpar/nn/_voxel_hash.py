@@ -1,14 +1,13 @@
 """Counter-based random draws keyed by GLOBAL coordinates: the same numbers on any split.
 
-torch's generators fill a tensor in memory order, so a split run would draw different numbers
-for a voxel than one process. Here each draw is a hash of a call's key and the element's
-global coordinates (hpcpar's own dropout and noise use it): global sample ``n_g``, channel
-``c`` (any non-split dims, flattened) and voxel ``(d, h, w)``. The row
-``r = ((n_g·C + c)·D + d)·H + h`` takes output r of the SplitMix64 stream of the key,
-truncated to 32 bits; voxel w of the row is murmur3's 32-bit finaliser of ``row + w·0x9E3779B9``
-(a bijection per row, so no two voxels of a row share a draw). 64-bit work per row, 32-bit
-per voxel: int64 multiplies have no SIMD instruction on most CPUs. Voxels are hashed in
-slabs of planes, so the temporaries are ~1 MB plus 12 bytes per row.
+torch's generators fill a tensor in memory order, so a split run would draw different numbers for a
+voxel than one process. Here each draw is a hash of a call's key and the element's global
+coordinates (hpcpar's own dropout and noise use it): global sample ``n_g``, channel ``c`` (any
+non-split dims, flattened) and voxel ``(d, h, w)``. The row ``r = ((n_g·C + c)·D + d)·H + h`` takes
+output r of the SplitMix64 stream of the key, truncated to 32 bits; voxel w of the row is murmur3's
+32-bit finaliser of ``row + w·0x9E3779B9`` (a bijection per row, so no two voxels of a row share a
+draw). 64-bit work per row, 32-bit per voxel: int64 multiplies have no SIMD instruction on most
+CPUs. Voxels are hashed in slabs of planes, so the temporaries are ~1 MB plus 12 bytes per row.
 """
 
 from __future__ import annotations
@@ -35,9 +34,8 @@ FMIX32 = ((16, signed(0x85EBCA6B, 32)), (13, signed(0xC2B2AE35, 32)), (16, None)
 
 
 def finalise_(z: torch.Tensor, steps, bits: int, tmp: torch.Tensor) -> torch.Tensor:
-    """z ^= z >>> s; z *= m, for each (s, m), in place with wrapping integer arithmetic
-    (``>>>`` is the logical shift: torch's ``>>`` is arithmetic, so the sign copies are
-    masked off)."""
+    """z ^= z >>> s; z *= m, for each (s, m), in place with wrapping integer arithmetic (``>>>`` is
+    the logical shift: torch's ``>>`` is arithmetic, so the sign copies are masked off)."""
     for shift, mult in steps:
         torch.bitwise_right_shift(z, shift, out=tmp).bitwise_and_((1 << (bits - shift)) - 1)
         z.bitwise_xor_(tmp)

@@ -1,18 +1,17 @@
 """The first-step check: whatever escapes the dispatch (an op run with torch-function handling
 disabled, a C++ extension reading the raw piece) is caught before it trains.
 
-On the first forward of a model spatialized with ``check=True``, each data group takes the
-first sample of its input, the spatial root gathers it whole, runs the plain model on it and
-records every module's output, then every rank runs a copy of the spatialized model on its
-piece and the outputs are gathered and compared module by module in call order, followed by
-the parameter gradients of ``sum(output * w)``. Dropout is off in both (masks are random)
-and batch-norm statistics cover the probe only; both runs start from the same random state
-(other random draws, a VAE's sampling, match) and the check leaves it as it found it; a
-float32 mismatch is decided again in
-float64 (:data:`FLOAT64_LIMIT_BYTES`), so rounding is never taken for an escape. A mismatch
-raises one line on every rank naming the first module that differs. Copies are used, so the model's
-state does not change. The plain model is kept as a :func:`skeleton` (its code, no weights)
-until then: the check loads the weights the spatial model trains from anyway.
+On the first forward of a model spatialized with ``check=True``, each data group takes the first
+sample of its input, the spatial root gathers it whole, runs the plain model on it and records every
+module's output, then every rank runs a copy of the spatialized model on its piece and the outputs
+are gathered and compared module by module in call order, followed by the parameter gradients of
+``sum(output * w)``. Dropout is off in both (masks are random) and batch-norm statistics cover the
+probe only; both runs start from the same random state (other random draws, a VAE's sampling, match)
+and the check leaves it as it found it; a float32 mismatch is decided again in float64
+(:data:`FLOAT64_LIMIT_BYTES`), so rounding is never taken for an escape. A mismatch raises one line
+on every rank naming the first module that differs. Copies are used, so the model's state does not
+change. The plain model is kept as a :func:`skeleton` (its code, no weights) until then: the check
+loads the weights the spatial model trains from anyway.
 """
 
 from __future__ import annotations
@@ -96,17 +95,11 @@ def _recording(model: nn.Module, grid, gathered: bool):
 
 
 def skeleton(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` whose parameters hold no memory (meta tensors; buffers are copied):
-    the first-step check needs the plain model's code, not its weights, which it loads from
-    the spatial model it checks (:func:`materialize`). Keeping a real copy until the first
-    forward would hold a second full-size dense head on every rank through the start-up.
-
-    Args:
-        model: The plain model (not modified).
-
-    Returns:
-        The copy (tied parameters stay tied).
-    """
+    """A copy of ``model`` whose parameters hold no memory (meta tensors; buffers are copied): the
+    first-step check needs the plain model's code, not its weights, which it loads from the spatial
+    model it checks (:func:`materialize`). Keeping a real copy until the first forward would hold a
+    second full-size dense head on every rank through the start-up. ``model`` is not modified; tied
+    parameters stay tied in the copy."""
     memo: dict[int, Any] = {}
     for p in model.parameters():
         memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
@@ -129,11 +122,6 @@ def materialize(model: nn.Module, state: dict) -> nn.Module:
     return model
 
 
-def _probe(x, grid):
-    """The first sample of this data group's piece, and the whole of it on the spatial root."""
-    piece = x[:1].detach()   # the probe's backward must not reach the caller's input
-    return piece, gather(piece, grid)
-
 
 def first_step_check(spatial_model: nn.Module, plain: nn.Module, args: tuple, ctx,
                      spatialize: Callable[..., nn.Module]) -> None:
@@ -152,7 +140,8 @@ def first_step_check(spatial_model: nn.Module, plain: nn.Module, args: tuple, ct
                           f" is larger than {PROBE_LIMIT_BYTES >> 20} MiB, too large to run "
                           "whole on one rank", stacklevel=2)
         return
-    piece, whole = _probe(x, grid)
+    piece = x[:1].detach()   # the probe's backward must not reach the caller's input
+    whole = gather(piece, grid)  # the whole first sample, on the spatial root
     state = spatial_model.state_dict()   # collective once a split head is cut (split_head)
     rng = torch.get_rng_state()   # the training run draws what it would have without the check
     try:
@@ -194,9 +183,8 @@ def _verdict(plain, state, piece, whole, grid, spatialize, dtype) -> str | None:
     sp._hpcpar_split.dropout = False  # type: ignore[union-attr]  # set by spatialize
     with _recording(sp, grid, True) as calls, _NoDropout():
         out = sp(piece.to(dtype))
-    weight = w
-    if isinstance(out, SplitTensor):
-        weight = split_like(w[local_slices(w.shape, grid)], out)
+    weight = split_like(w[local_slices(w.shape, grid)], out) if isinstance(out, SplitTensor) \
+        else w
     # an output that is not the plain model's shape (a local piece posing as replicated) has
     # no gradient to compare: every rank must agree before the backward's collectives
     shaped = grid.spatial_comm.allreduce(int(tuple(weight.shape) == tuple(out.shape)))

@@ -1,15 +1,14 @@
 """A user's own ``torch.autograd.Function`` in a spatialized model: refused unless marked local.
 
-hpcpar's dispatch sees every operation a Function's *forward* makes on split tensors (a sum
-there is the global one), but not its *backward*, which torch runs on this rank's plain
-pieces: a backward that reduces over the volume (``(grad * x).sum()``) gives this rank's share
-only, and every gradient before it is silently wrong. ``torch.utils.checkpoint`` in its
-reentrant form is such a Function (its recomputation runs after the model's dispatch has
-exited: wrong gradients too). So the autograd graph of a spatialized model's output is
-walked once a forward builds one, and again whenever the parameters are used differently
-(:func:`refuse_custom_functions`); a Function defined outside hpcpar is refused in one line
-unless its class is marked with :func:`local_function` (an activation, a clamp: forward and
-backward need only the values at each voxel, so each rank's piece is enough).
+hpcpar's dispatch sees every operation a Function's *forward* makes on split tensors (a sum there is
+the global one), but not its *backward*, which torch runs on this rank's plain pieces: a backward
+that reduces over the volume (``(grad * x).sum()``) gives this rank's share only, and every gradient
+before it is silently wrong. ``torch.utils.checkpoint`` in its reentrant form is such a Function
+(its recomputation runs after the model's dispatch has exited: wrong gradients too). So the autograd
+graph of a spatialized model's output is walked once a forward builds one, and again whenever the
+parameters are used differently (:func:`refuse_custom_functions`); a Function defined outside hpcpar
+is refused in one line unless its class is marked with :func:`local_function` (an activation, a
+clamp: forward and backward need only the values at each voxel, so each rank's piece is enough).
 """
 
 from __future__ import annotations
@@ -34,18 +33,10 @@ _TORCH_LOCAL = {("torch.nn.modules._functions", "BackwardHookFunction")}
 
 
 def local_function(cls: type) -> type:
-    """Mark a custom ``torch.autograd.Function`` as local: its forward and backward each need
-    only the values at one voxel, so it runs on each rank's piece of a split volume.
-
-    Usable as a class decorator. Without the mark, a spatialized model using the Function is
-    refused (module docstring).
-
-    Args:
-        cls: The ``torch.autograd.Function`` subclass.
-
-    Returns:
-        ``cls``, marked.
-    """
+    """Mark a custom ``torch.autograd.Function`` as local: its forward and backward each need only
+    the values at one voxel, so it runs on each rank's piece of a split volume. Usable as a class
+    decorator (returns ``cls``). Without the mark, a spatialized model using the Function is refused
+    (module docstring)."""
     if not (isinstance(cls, type) and issubclass(cls, torch.autograd.Function)):
         raise TypeError(f"local_function: {cls!r} is not a torch.autograd.Function subclass")
     setattr(cls, _MARK, True)
@@ -73,22 +64,10 @@ def _why(cls: type) -> str:
             "only the values at each voxel, or apply it after a global reduction")
 
 
-def _replayed_checkpoint(node) -> bool:
-    """A reentrant torch.utils.checkpoint whose recomputation hpcpar re-enters its dispatch
-    for (:class:`hpcpar.nn.checkpointing.Recomputed`; the node is the Function's ctx)."""
-    return isinstance(getattr(node, "run_function", None), Recomputed)
-
-
 def refuse_custom_functions(output: Any) -> bool:
-    """Walk the autograd graph behind ``output`` (any nesting of tensors); raise on a custom
-    Function defined outside hpcpar and not marked local.
-
-    Returns:
-        Whether there was a graph to walk (False: no output requires grad).
-
-    Raises:
-        LayerError: One line naming the Function and what to do.
-    """
+    """Walk the autograd graph behind ``output`` (any nesting of tensors); raise a one-line
+    LayerError naming the Function and what to do on a custom Function defined outside hpcpar and
+    not marked local. Returns whether there was a graph to walk (False: no output requires grad)."""
     todo: list[Any] = [t.grad_fn for t in tree_leaves(output)
                        if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     walked = bool(todo)
@@ -102,7 +81,7 @@ def refuse_custom_functions(output: Any) -> bool:
         if cls is not None and not getattr(cls, _MARK, False) \
                 and not cls.__module__.startswith("hpcpar.") \
                 and (cls.__module__, cls.__qualname__) not in _TORCH_LOCAL \
-                and not _replayed_checkpoint(node):
-            raise LayerError(_why(cls))
+                and not isinstance(getattr(node, "run_function", None), Recomputed):
+            raise LayerError(_why(cls))   # a reentrant checkpoint hpcpar re-enters passes
         todo.extend(fn for fn, _ in node.next_functions)
     return walked

@@ -1,15 +1,14 @@
 """Every torch call that touches a split tensor comes here, and is run exactly or refused.
 
-Two doors lead in: :class:`SplitTensor.__torch_function__ <hpcpar.nn.split.SplitTensor>` (any
-call with a split argument, also after ``forward`` returned: the loss) and
-:class:`SpatialMode`, a ``TorchFunctionMode`` that a spatialized model holds during its
-``forward``, so calls on replicated tensors are seen too (which parameters a replicated head
-uses, dropout there). :func:`handle` asks :mod:`hpcpar.nn.optable` for the op's rule and the
-split tensor's layout for its form of that rule (:attr:`Layout.forms
-<hpcpar.nn.split.Layout.forms>`, registered beside each layout), or its one-line refusal; the
-generic rules (shapes, pointwise ops, replicated operands) live in :mod:`hpcpar.nn.rules`, the
-spatial twins in :mod:`hpcpar.nn.spatial_ops`. Importing this module opens the first door
-(:func:`hpcpar.nn.split.set_handler`).
+Two doors lead in: :class:`SplitTensor.__torch_function__ <hpcpar.nn.split.SplitTensor>` (any call
+with a split argument, also after ``forward`` returned: the loss) and :class:`SpatialMode`, a
+``TorchFunctionMode`` that a spatialized model holds during its ``forward``, so calls on replicated
+tensors are seen too (which parameters a replicated head uses, dropout there). :func:`handle` asks
+:mod:`hpcpar.nn.optable` for the op's rule and the split tensor's layout for its form of that rule
+(:attr:`Layout.forms <hpcpar.nn.split.Layout.forms>`, registered beside each layout), or its
+one-line refusal; the generic rules (shapes, pointwise ops, replicated operands) live in
+:mod:`hpcpar.nn.rules`, the spatial twins in :mod:`hpcpar.nn.spatial_ops`. Importing this module
+opens the first door (:func:`hpcpar.nn.split.set_handler`).
 """
 
 from __future__ import annotations

@@ -1,24 +1,20 @@
 """Dropout whose mask does not depend on how the volume is split.
 
 torch's dropout draws its mask from a random stream in memory order, so a split run would drop
-different voxels than one process. Here each keep/drop decision is a counter-based hash of the
-seed and the element's GLOBAL coordinates, so any grid gives exactly (bit for bit) what one rank
-with the whole volume and the whole batch gives. This is hpcpar's own dropout: the same
-probability and scaling as torch's, not torch's random numbers.
+different voxels than one process. Here each keep/drop decision is a counter-based hash
+(:mod:`hpcpar.nn._voxel_hash`) of the seed and the element's GLOBAL coordinates, so any grid gives
+exactly (bit for bit) what one rank with the whole volume and the whole batch gives: hpcpar's own
+dropout, with torch's probability and scaling (1/(1 - p)), not its random numbers. A voxel is
+dropped when its 32-bit draw ``u < round(p·2³²)``: the rate is p to within 2⁻³².
 
 Coordinates: global sample ``n_g = grid.coords[0] * N + n`` (the global batch is split evenly
 over the data axis, data group d holding samples ``[d*N, (d+1)*N)``), channel ``c``, and unless
 ``feature`` (whole channels, ``Dropout3d``) the global voxel ``(d, h, w)``.
 
-Draws: :mod:`hpcpar.nn._voxel_hash` (a hash of the key and the global coordinates). The
-voxel is dropped when its 32-bit draw ``u < round(p·2³²)``, so the rate is p to within 2⁻³².
-Kept values are scaled by 1/(1 - p).
-
-Backward regenerates the mask (nothing is saved): a bool mask would hold one byte per voxel
-from forward to backward, and memory per rank is what limits the sample size, while the hash
-costs a few ns per voxel (~4-7 ns/voxel in one thread on a 8x64³ float32 piece, against
-~10-11 for torch's own dropout measured the same way; ~0.5 for whole channels). Voxels are
-hashed in slabs of planes, so the temporaries are ~1 MB plus 12 bytes per row of w voxels.
+Backward regenerates the mask (nothing is saved): a bool mask would hold one byte per voxel from
+forward to backward, and memory per rank is what limits the sample size, while the hash costs a few
+ns per voxel (~4-7 ns/voxel in one thread on a 8x64³ float32 piece, against ~10-11 for torch's own
+dropout; ~0.5 for whole channels).
 """
 
 from __future__ import annotations
@@ -102,24 +98,13 @@ def spatial_dropout(x: torch.Tensor, p: float, training: bool = True, inplace: b
     """Dropout of this rank's piece with a mask that depends only on the seed and global
     coordinates: any grid gives what one rank with the whole tensor gives.
 
-    Args:
-        x: This rank's piece ``(N, C, d, h, w)`` of the global ``(N, C, *gshape)`` tensor
-            (float, either memory format; the output keeps it).
-        p: Probability of dropping an element (or channel), ``0 <= p <= 1``.
-        training: Apply dropout (identity when False), as torch's ``F.dropout``.
-        inplace: Write the result into ``x``.
-        grid: The process grid (its data coordinate numbers the samples).
-        gshape: The global spatial shape ``(D, H, W)``.
-        feature: Drop whole channels (``Dropout3d``) instead of single voxels (``Dropout``).
-        seed: The call's seed, the same on every rank (e.g. :func:`next_dropout_seed`).
-
-    Returns:
-        ``x`` with dropped elements zeroed and kept ones scaled by ``1 / (1 - p)``.
-
-    Raises:
-        LayerError: ``p`` outside [0, 1], a non-float or non-5D input, or a piece whose shape
-            is not this rank's piece of ``gshape``.
-    """
+    ``x`` is this rank's float piece of the global ``(N, C, *gshape)`` tensor (either memory format;
+    the output keeps it); ``p`` the probability of dropping an element (or, with ``feature``, a
+    whole channel: ``Dropout3d``); ``training`` False is the identity, as in ``F.dropout``; the
+    grid's data coordinate numbers the samples; ``seed`` is the call's, the same on every rank (e.g.
+    :func:`next_dropout_seed`). Dropped elements are zeroed, kept ones scaled by ``1 / (1 - p)``.
+    LayerError: ``p`` outside [0, 1], a non-float or non-5D input, or a piece whose shape is not
+    this rank's piece of ``gshape``."""
     kind = "Dropout3d" if feature else "Dropout"
     if not 0.0 <= p <= 1.0:
         raise LayerError(f"spatial {kind}: dropout probability has to be between 0 and 1, "

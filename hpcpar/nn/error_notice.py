@@ -62,8 +62,7 @@ _STOP = threading.Event()
 
 
 class Notices:
-    """One spatial group's error messages: a duplicate of its communicator (collective
-    construction)."""
+    """One spatial group's error messages, on a duplicate of its communicator (collective)."""
 
     def __init__(self, comm: Any):
         self.comm = comm.Dup()
@@ -157,28 +156,23 @@ def stop(line: str) -> None:
 
 
 def notices_for(grid: Any) -> Notices:
-    """The grid's :class:`Notices`, made on its first spatialized forward (collective: every
-    rank of the grid runs that forward) and watched from then on. They go to the ranks of
-    this rank's spatial group: those its forward waits for (another data group runs its
-    forward on its own; a rank there that stops is named by the gradient sync's stall
-    detector)."""
+    """The grid's :class:`Notices`, made on its first spatialized forward (collective: every rank of
+    the grid runs that forward) and watched from then on. They go to the ranks of this rank's
+    spatial group: those its forward waits for (another data group runs its forward on its own; a
+    rank there that stops is named by the gradient sync's stall detector)."""
     found = _BY_GRID.get(grid)
     if found is None:
         found = _BY_GRID[grid] = Notices(grid.spatial_comm)
         with _LOCK:
             _WATCHED.append(found)
-        if not _THREAD and _threads_allowed():
+        from mpi4py import MPI
+
+        # a watcher thread only where MPI may be called from it while the main thread calls it
+        if not _THREAD and MPI.Query_thread() >= MPI.THREAD_MULTIPLE:
             _THREAD.append(threading.Thread(target=_watch, name="hpcpar-notices", daemon=True))
             _THREAD[0].start()
             atexit.register(_stop)   # after mpi4py's own: runs before MPI_Finalize
     return found
-
-
-def _threads_allowed() -> bool:
-    """Whether MPI may be called from the watcher thread while the main thread calls it."""
-    from mpi4py import MPI
-
-    return MPI.Query_thread() >= MPI.THREAD_MULTIPLE
 
 
 def _watch() -> None:

@@ -7,9 +7,9 @@ loss computed after them is the same on every spatial rank and counts ONCE, so t
 flowing back into the partitioned part is each rank's slice, not a sum over ranks.
 
 Parameters of layers after a gather are complete on every rank: tag them with
-:func:`hpcpar.sync.tags.tag_data_only` (``spatialize`` does) so the gradient sync does not sum them
-over the spatial group. Random layers there must draw the same numbers on every spatial rank:
-:class:`ReplicatedDropout` does.
+:func:`hpcpar.sync.tags.tag_data_only` (``spatialize`` does) so the gradient sync does not sum
+them over the spatial group. Random layers there must draw the same numbers on every spatial
+rank: :class:`ReplicatedDropout` does.
 """
 
 from __future__ import annotations
@@ -54,11 +54,8 @@ def gather_shrunk(t: torch.Tensor) -> torch.Tensor:
 
 class SpatialGather(SpatialModule, nn.Module):
     """All-gather the partitioned ``(N, C, D, H, W)`` tensor into the full tensor on every rank
-    of the spatial group; backward returns the rank's own slice of the gradient.
-
-    Args:
-        grid: The process grid (the gather runs over ``grid.spatial_comm``).
-    """
+    of the spatial group (``grid.spatial_comm``); backward returns the rank's own slice of the
+    gradient."""
 
     replicates = True
 
@@ -67,10 +64,7 @@ class SpatialGather(SpatialModule, nn.Module):
         self.init_spatial(grid)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The whole tensor, gathered from the spatial group, on every rank."""
-        if self.grid.spatial_size == 1:
-            return x
-        return GatherVolume.apply(x, self.grid)
+        return x if self.grid.spatial_size == 1 else GatherVolume.apply(x, self.grid)
 
 
 def global_mean(x: torch.Tensor, grid: ProcessGrid) -> torch.Tensor:
@@ -85,16 +79,9 @@ def global_mean(x: torch.Tensor, grid: ProcessGrid) -> torch.Tensor:
 
 
 class SpatialAdaptiveAvgPool3d(SpatialModule, nn.AdaptiveAvgPool3d):
-    """``nn.AdaptiveAvgPool3d(1)`` over the whole (partitioned) volume: the mean over all
-    voxels of the spatial group, replicated on every rank.
-
-    Args:
-        output_size: Must be 1 (or ``(1, 1, 1)``).
-        grid: The process grid.
-
-    Raises:
-        LayerError: ``output_size`` is not 1.
-    """
+    """``nn.AdaptiveAvgPool3d(1)`` over the whole (partitioned) volume: the mean over all voxels of
+    the spatial group, replicated on every rank. ``output_size`` must be 1 (or ``(1, 1, 1)``):
+    LayerError otherwise."""
 
     replicates = True
 
@@ -108,7 +95,6 @@ class SpatialAdaptiveAvgPool3d(SpatialModule, nn.AdaptiveAvgPool3d):
         self.init_spatial(grid)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The mean over the whole volume, ``(N, C, 1, 1, 1)``, on every spatial rank."""
         if x.dim() not in (4, 5):
             raise LayerError(f"SpatialAdaptiveAvgPool3d: expected a 4D or 5D input, got "
                              f"shape {tuple(x.shape)}")
@@ -120,8 +106,7 @@ class ReplicatedDropout(nn.Module):
     data groups), so replicated layers stay replicated. ``feature=True`` drops whole channels
     (``Dropout3d``), which is also correct on a partitioned tensor.
 
-    The generator is seeded once from the spatial root (collective at construction).
-    """
+    The generator is seeded once from the spatial root (collective at construction)."""
 
     def __init__(self, p: float = 0.5, *, grid: ProcessGrid, feature: bool = False,
                  inplace: bool = False):
@@ -136,13 +121,10 @@ class ReplicatedDropout(nn.Module):
     def _generator(self, device):
         key = str(device)
         if key not in self._generators:
-            g = torch.Generator(device=device)
-            g.manual_seed(self.seed)
-            self._generators[key] = g
+            self._generators[key] = torch.Generator(device=device).manual_seed(self.seed)
         return self._generators[key]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Dropout with masks shared by the spatial group (identity in eval mode)."""
         if not self.training or self.p == 0.0:
             return x
         if self.p == 1.0:

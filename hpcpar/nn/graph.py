@@ -33,15 +33,8 @@ __all__ = ["DistConv", "DistGCNConv", "DistSAGEConv", "distributed"]
 class DistGCNConv(nn.Module):
     """``out = D~^-1/2 (A+I) D~^-1/2 X W + b`` (Kipf & Welling), global degrees.
 
-    State-dict keys match PyG's ``GCNConv`` (``lin.weight``, ``bias``); Glorot weights, zero
-    bias. Call it as ``conv(x, graph)`` with this rank's owned vertex rows and a
-    ``hpcpar.graph.DistGraph``; the halo rows are exchanged inside.
-
-    Args:
-        in_channels: Input features per vertex.
-        out_channels: Output features per vertex.
-        bias: Learn an additive bias.
-    """
+    State-dict keys match PyG's ``GCNConv`` (``lin.weight``, ``bias``); Glorot weights, zero bias;
+    the halo rows are exchanged inside."""
 
     def __init__(self, in_channels: int, out_channels: int, bias: bool = True):
         super().__init__()
@@ -58,16 +51,8 @@ class DistGCNConv(nn.Module):
 
     def forward(self, x: torch.Tensor, graph: DistGraph,
                 agg: torch.Tensor | None = None) -> torch.Tensor:
-        """One GCN layer on the owned vertices.
-
-        Args:
-            x: Features of the owned vertices (ignored when ``agg`` is given).
-            graph: This rank's part of the graph.
-            agg: A precomputed ``A·x`` (the constant first-layer aggregate).
-
-        Returns:
-            The output features of the owned vertices.
-        """
+        """One GCN layer: the owned vertices' output features from their features ``x``, or
+        from ``agg``, a precomputed ``A·x`` (the constant first-layer aggregate)."""
         if agg is not None:
             out = self.lin(agg)
         elif self.in_channels > self.out_channels:
@@ -82,18 +67,8 @@ class DistGCNConv(nn.Module):
 
 class DistSAGEConv(nn.Module):
     """GraphSAGE: ``out = W_l · aggr_{j->i} x_j + b + W_r · x_i``; ``aggr="mean"`` divides the
-    neighbour sum by the GLOBAL in-degree. Keys match PyG's ``SAGEConv`` (``lin_l``,
-    ``lin_r``).
-
-    Args:
-        in_channels: Input features per vertex.
-        out_channels: Output features per vertex.
-        aggr: ``"mean"`` (divide by the global in-degree) or ``"sum"``.
-        bias: Learn an additive bias.
-
-    Raises:
-        LayerError: ``aggr`` is neither ``"mean"`` nor ``"sum"``.
-    """
+    neighbour sum by the GLOBAL in-degree. Keys match PyG's ``SAGEConv`` (``lin_l``, ``lin_r``).
+    ``aggr`` is ``"mean"`` or ``"sum"`` (else LayerError)."""
 
     def __init__(self, in_channels: int, out_channels: int, aggr: str = "mean",
                  bias: bool = True):
@@ -106,16 +81,8 @@ class DistSAGEConv(nn.Module):
 
     def forward(self, x: torch.Tensor, graph: DistGraph,
                 agg: torch.Tensor | None = None) -> torch.Tensor:
-        """One GraphSAGE layer on the owned vertices.
-
-        Args:
-            x: Features of the owned vertices.
-            graph: This rank's part of the graph.
-            agg: A precomputed neighbour aggregate of ``x``.
-
-        Returns:
-            The output features of the owned vertices.
-        """
+        """One GraphSAGE layer: the owned vertices' output features from their features
+        ``x`` (``agg``: a precomputed neighbour aggregate of ``x``)."""
         if agg is not None:
             neigh = self.lin_l(agg)
         elif self.in_channels > self.out_channels:
@@ -134,14 +101,10 @@ class DistConv(nn.Module):
     """A PyG message-passing layer on a distributed graph: ``DistConv(conv)(x, graph)`` is
     ``graph.apply(conv, x)`` (see [DistGraph.apply][hpcpar.graph.distgraph.DistGraph.apply]).
 
-    The wrapped layer is ``self.conv`` (state-dict keys ``conv.*``); its parameters are
-    replicated, and their gradients are SUMMED over the graph's ranks by the default
-    gradient sync.
-
-    Args:
-        conv: The layer, called as ``conv(x, edge_index, ...)``.
-        sparse: Pass the graph's sparse ``adj_t`` instead of its local ``edge_index``.
-    """
+    The wrapped layer is ``self.conv`` (state-dict keys ``conv.*``); its parameters are replicated,
+    and their gradients are SUMMED over the graph's ranks by the default gradient sync. ``conv`` is
+    called as ``conv(x, edge_index, ...)``, or with the graph's sparse ``adj_t`` in place of its
+    local ``edge_index`` when ``sparse``."""
 
     def __init__(self, conv: nn.Module, sparse: bool = False):
         super().__init__()
@@ -149,7 +112,6 @@ class DistConv(nn.Module):
 
     def forward(self, x: torch.Tensor, graph: DistGraph, *args: Any,
                 **kwargs: Any) -> torch.Tensor:
-        """The layer's output rows of the owned vertices; ``x``: the owned rows."""
         return graph.apply(self.conv, x, *args, sparse=self.sparse, **kwargs)
 
     def extra_repr(self) -> str:
@@ -158,14 +120,8 @@ class DistConv(nn.Module):
 
 def distributed(conv: nn.Module, sparse: bool = False) -> DistConv:
     """Wrap a PyG message-passing layer (``GATConv``, ``GINConv``, your own ...) so that it
-    runs on a :class:`~hpcpar.graph.DistGraph` with its full-graph result.
-
-    Args:
-        conv: The layer.
-        sparse: Use the sparse ``adj_t`` form of the local graph.
-
-    Returns:
-        The wrapped layer, called as ``layer(x_owned, graph)``.
+    runs on a :class:`~hpcpar.graph.DistGraph` with its full-graph result: a
+    :class:`DistConv`, called as ``layer(x_owned, graph)``.
 
     Example:
         ```python

@@ -2,17 +2,16 @@
 
 After the first forward a split head's weight holds this rank's columns
 (:mod:`hpcpar.nn.split_head`), and so does its ``.grad``. A user's own
-``torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)`` adds the norms of every
-gradient it is given; with the piece it would add this rank's columns only and clip by a
-per-rank norm, neither global nor the same on every rank. So the cut weight is a
-:class:`CutWeight` whose ``.grad`` reads as a :class:`ColumnGrad`: a norm of it (what
-``clip_grad_norm_`` and ``get_total_norm`` take, ``torch._foreach_norm`` or
-``torch.linalg.vector_norm`` of each gradient, ``torch.norm``) is the norm of the whole
-weight's gradient, its columns' contributions combined over the spatial group (a
-collective: every rank of the group takes it, as every rank clips). Replicated parameters'
-gradients are whole on every rank and count once; the total is the single-process norm, the
-same on every rank, and so is the clipping. Every other op on the gradient (the optimizer's,
-the gradient sync's, ``.detach()``) sees a plain tensor of this rank's columns.
+``torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)`` adds the norms of every gradient it is
+given; with the piece it would add this rank's columns only and clip by a per-rank norm, neither
+global nor the same on every rank. So the cut weight is a :class:`CutWeight` whose ``.grad`` reads
+as a :class:`ColumnGrad`: a norm of it (what ``clip_grad_norm_`` and ``get_total_norm`` take,
+``torch._foreach_norm`` or ``torch.linalg.vector_norm`` of each gradient, ``torch.norm``) is the
+norm of the whole weight's gradient, its columns' contributions combined over the spatial group (a
+collective: every rank of the group takes it, as every rank clips). Replicated parameters' gradients
+are whole on every rank and count once; the total is the single-process norm, the same on every
+rank, and so is the clipping. Every other op on the gradient (the optimizer's, the gradient sync's,
+``.detach()``) sees a plain tensor of this rank's columns.
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
 """Random numbers shaped like a split volume that do not depend on how it is split.
 
 ``torch.randn_like(x)``, ``torch.rand_like(x)``, ``x.normal_()`` and ``x.uniform_()`` on a split
-``x`` (a VAE sampling its latent volume, noise injected into a feature map, ``nn.init`` on a
-volume) would draw each rank's piece from its own generator in memory order: different
-numbers than one process, and different again on another grid. Here every element's numbers
-are a hash of the call's seed and the element's GLOBAL coordinates
-(:mod:`hpcpar.nn._voxel_hash`, as hpcpar's dropout), so any grid, data width included, gives
-bit for bit what one rank with the whole tensor and the whole batch gives. These are hpcpar's
-numbers, not torch's: the same distributions, other draws.
+``x`` (a VAE sampling its latent volume, noise injected into a feature map, ``nn.init`` on a volume)
+would draw each rank's piece from its own generator in memory order: different numbers than one
+process, and different again on another grid. Here every element's numbers are a hash of the call's
+seed and the element's GLOBAL coordinates (:mod:`hpcpar.nn._voxel_hash`, as hpcpar's dropout), so
+any grid, data width included, gives bit for bit what one rank with the whole tensor and the whole
+batch gives. These are hpcpar's numbers, not torch's: the same distributions, other draws.
 
 Uniform numbers are 32-bit (``k / 2³²``, kept below 1 in the output's precision); normal ones
 come from two independent 32-bit uniforms by the Box-Muller transform in float64 (tails to
@@ -40,21 +39,10 @@ def spatial_noise(piece: torch.Tensor, kind: str, *, grid: ProcessGrid, sdims: S
                   gshape: Sequence[int], seed: int,
                   dtype: torch.dtype | None = None) -> torch.Tensor:
     """Numbers for this rank's ``piece`` of a global tensor: standard normal (``"normal"``) or
-    uniform on [0, 1) (``"uniform"``), in ``piece``'s memory format.
-
-    Args:
-        piece: This rank's piece (only its shape, device and memory format are used); dim 0
-            is the batch, split evenly over the data axis.
-        kind: ``"normal"`` or ``"uniform"``.
-        grid: The process grid.
-        sdims: The piece's dims along the grid's x, y and z axes.
-        gshape: Their global lengths.
-        seed: The call's seed, the same on every rank.
-        dtype: The output's dtype (default: ``piece``'s).
-
-    Returns:
-        A new tensor shaped like ``piece``.
-    """
+    uniform on [0, 1) (``"uniform"``): a new tensor shaped like ``piece``, in its memory format
+    (``dtype`` default: ``piece``'s). Only the piece's shape, device and memory format are used; its
+    dim 0 is the batch, split evenly over the data axis, and its dims ``sdims`` (global lengths
+    ``gshape``) lie along the grid's x, y and z axes. ``seed`` is the same on every rank."""
     dtype = dtype or piece.dtype
     rest = [d for d in range(1, piece.dim()) if d not in sdims]
     order = [0, *rest, *sdims]

@@ -124,24 +124,10 @@ class _GlobalBatchNorm(torch.autograd.Function):
 
 class SpatialBatchNorm3d(SpatialModule, nn.BatchNorm3d):
     """``nn.BatchNorm3d`` whose batch statistics cover the whole volume of the spatial group
-    (``include_data=True``: also every sample of the data group). Same arguments, state_dict
-    and running statistics as torch's; eval mode is purely local.
-
-    Training-mode statistics are exact: two allreduces in forward (sum, then sum of squared
-    deviations) and one in backward, so the result equals ``nn.BatchNorm3d`` on the whole
-    volume (and, with ``include_data``, the whole global batch).
-
-    Args:
-        num_features: As ``nn.BatchNorm3d``.
-        eps: As ``nn.BatchNorm3d``.
-        momentum: As ``nn.BatchNorm3d``.
-        affine: As ``nn.BatchNorm3d``.
-        track_running_stats: As ``nn.BatchNorm3d``.
-        device: As ``nn.BatchNorm3d``.
-        dtype: As ``nn.BatchNorm3d``.
-        grid: The process grid whose x, y, z axes split the volume.
-        include_data: Also reduce over the data group (BatchNorm over the global batch).
-    """
+    (``include_data=True``: also every sample of the data group; ``grid``'s x, y, z axes split the
+    volume): exactly ``nn.BatchNorm3d`` on the whole volume (or global batch), by the module
+    docstring's allreduces. Same arguments, state_dict and running statistics as torch's; eval mode
+    is purely local."""
 
     def __init__(self, num_features: int, eps: float = 1e-05, momentum: float | None = 0.1,
                  affine: bool = True, track_running_stats: bool = True,

@@ -1,19 +1,16 @@
 """``F.pad`` on a partitioned volume: constant, replicate, reflect and circular padding (and
 cropping, with negative pads) applied at the GLOBAL boundary.
 
-Padding is separable: along each axis, output item o of the padded volume is a copy of one
-global input item ``src[o]`` (or the constant). ``src`` is asked from torch itself (``F.pad`` of
+Padding is separable: along each axis, output item o of the padded volume is a copy of one global
+input item ``src[o]`` (or the constant). ``src`` is asked from torch itself (``F.pad`` of
 ``arange(N)``), so every mode's rule, negative pads included (circular wraps around the cropped
 volume, as torch does), is torch's own. The output is split with the partition rule of the NEW
 length, so data moves between ranks, not only at the boundary: each rank fetches the items its
 outputs read from whichever rank of the axis owns them (one ``alltoallv`` on the axis line:
-``hpcpar.parallel.primitives.AxisGather``). For small pads only neighbours send anything;
-circular padding fetches a slab from the far end; pads and crops wider than a rank's piece
-reach past the neighbour.
-The adjoint sends each output gradient back to the owner of its source item, which ADDS it in
-(replicated, reflected and wrapped items collect the gradients of all their copies).
-
-Entries 7-10 of ``pad`` (channels, batch) are local; torch allows them in constant mode only.
+``hpcpar.parallel.primitives.AxisGather``). For small pads only neighbours send anything; circular
+padding fetches a slab from the far end; pads and crops wider than a rank's piece reach past the
+neighbour. The adjoint sends each output gradient back to the owner of its source item, which ADDS
+it in (replicated, reflected and wrapped items collect the gradients of all their copies).
 """
 
 from __future__ import annotations
@@ -45,25 +42,14 @@ def _pad_route(n: int, lo: int, hi: int, mode: str, parts: int, index: int) -> A
 
 def pad(x: torch.Tensor, pad: Sequence[int], mode: str = "constant", value: float | None = None,
         *, grid: ProcessGrid, gshape: Sequence[int]) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """``F.pad`` of the whole volume, on this rank's piece.
+    """``F.pad`` of the whole volume, on this rank's piece ``x`` of the global
+    ``(N, C, *gshape)`` tensor.
 
-    Args:
-        x: This rank's piece ``(N, C, d, h, w)`` of the global ``(N, C, *gshape)`` tensor.
-        pad: As ``F.pad``: up to 10 entries, last dim first (entries 7-10 pad channels and
-            batch, locally; constant mode only, as torch). Negative entries crop.
-        mode: ``"constant"``, ``"replicate"``, ``"reflect"`` or ``"circular"``.
-        value: The constant (constant mode; torch's default 0).
-        grid: The process grid.
-        gshape: The global spatial shape ``(D, H, W)`` (the same on every rank).
-
-    Returns:
-        This rank's piece of the padded volume (split with the partition rule of the new
-        lengths, in ``x``'s memory format), and the new global spatial shape.
-
-    Raises:
-        LayerError: A combination torch refuses on the whole volume (its message), or ``x``
-            is not this rank's piece of ``gshape``.
-    """
+    ``pad``, ``mode`` and ``value`` are ``F.pad``'s: up to 10 entries, last dim first (entries 7-10
+    pad channels and batch, locally; constant mode only, as torch); negative entries crop. Returns
+    this rank's piece of the padded volume (split with the partition rule of the new lengths, in
+    ``x``'s memory format) and the new global spatial shape. LayerError: a combination torch refuses
+    on the whole volume (its message), or ``x`` is not this rank's piece of ``gshape``."""
     pad = tuple(int(p) for p in pad)
     check_piece("pad", x, grid, gshape)
     out = torch_output_shape("pad", lambda t: F.pad(t, pad, mode, value), x, gshape,

@@ -47,21 +47,14 @@ class _PoolMixin(SpatialModule):
 
 
 class MaxPoolOp(StencilOp):
-    """Max-pool a rank's halo-extended piece: the stencil :class:`SpatialMaxPool3d` runs.
-
-    The halo already holds the padding (``-inf``), so pooling uses no padding of its own.
-
-    Args:
-        kernel: Window size per spatial axis.
-        stride: Step per spatial axis.
-        dilation: Window dilation per spatial axis.
-        out_shape: This rank's output extent per spatial axis (a 0 gives an empty output).
-    """
+    """Max-pool a rank's halo-extended piece: the stencil :class:`SpatialMaxPool3d` runs. The halo
+    already holds the padding (``-inf``), so pooling uses no padding of its own; ``out_shape`` is
+    this rank's output extent per spatial axis (a 0 gives an empty output)."""
 
     def __init__(self, kernel: tuple[int, int, int], stride: tuple[int, int, int],
                  dilation: tuple[int, int, int], out_shape: tuple[int, ...]):
-        self.kernel, self.stride, self.dilation, self.out_shape = kernel, stride, dilation, \
-            out_shape
+        self.kernel, self.stride, self.dilation = kernel, stride, dilation
+        self.out_shape = out_shape
 
     #: backward scatters into the argmax cells, which the indices name: no input values
     needs_input = False
@@ -103,20 +96,10 @@ class MaxPoolOp(StencilOp):
 class SpatialMaxPool3d(_PoolMixin, nn.MaxPool3d):
     """``torch.nn.MaxPool3d`` over a spatially split volume (ceil_mode, dilation, padding).
 
-    Boundary ranks pad with ``-inf``; the result equals ``nn.MaxPool3d`` on the whole volume.
-
-    Args:
-        kernel_size: As ``nn.MaxPool3d``.
-        stride: As ``nn.MaxPool3d`` (``kernel_size`` when None).
-        padding: As ``nn.MaxPool3d``.
-        dilation: As ``nn.MaxPool3d``.
-        return_indices: Must be False (indices into a split volume are not supported).
-        ceil_mode: As ``nn.MaxPool3d``.
-        grid: The process grid whose x, y, z axes split the volume.
-
-    Raises:
-        LayerError: ``return_indices=True``; at forward, a local extent smaller than a halo.
-    """
+    Boundary ranks pad with ``-inf``; the result equals ``nn.MaxPool3d`` on the whole volume. The
+    arguments are ``nn.MaxPool3d``'s, plus the ``grid`` whose x, y, z axes split the volume.
+    LayerError: ``return_indices=True`` (indices into a split volume are not supported); at forward,
+    a local extent smaller than a halo."""
 
     def __init__(self, kernel_size: int | tuple[int, int, int],
                  stride: int | tuple[int, int, int] | None = None,
@@ -135,35 +118,20 @@ class SpatialMaxPool3d(_PoolMixin, nn.MaxPool3d):
         return MaxPoolOp(k, s, d, tuple(h.out[1] - h.out[0] for h in halos))
 
     def forward(self, x: torch.Tensor, gshape=None) -> torch.Tensor:
-        """Max-pool this rank's piece; returns its piece of the output."""
         entry = self.spatial_plan(x, gshape)
         return halo_stencil(x, entry.halo, entry.extra, pad_value=float("-inf"))
 
 
 def avg_divisors(halo: AxisHalo, kernel: int, stride: int, padding: int,
                  count_include_pad: bool) -> list[int]:
-    """Compute torch's avg-pool divisor for each owned output along one axis (global rule).
-
-    Matches ``nn.AvgPool3d`` on the whole volume, windows at the global boundary included.
-
-    Args:
-        halo: This rank's halo along the axis (its owned outputs and the axis length).
-        kernel: Window size along the axis.
-        stride: Step along the axis.
-        padding: Padding on each side of the axis.
-        count_include_pad: Whether padded positions count in the divisor (as torch).
-
-    Returns:
-        One divisor per owned output, in order.
-    """
+    """torch's avg-pool divisor for each owned output of ``halo`` along one axis (global rule,
+    ``padding`` on each side): as ``nn.AvgPool3d`` on the whole volume, windows at the global
+    boundary included."""
     out = []
     for o in range(*halo.out):
         start = o * stride - padding
         end = min(start + kernel, halo.n_in + padding)
-        if count_include_pad:
-            out.append(end - start)
-        else:
-            out.append(min(end, halo.n_in) - max(start, 0))
+        out.append(end - start if count_include_pad else min(end, halo.n_in) - max(start, 0))
     return out
 
 
@@ -186,21 +154,9 @@ class AvgPoolOp(StencilOp):
 
 class SpatialAvgPool3d(_PoolMixin, nn.AvgPool3d):
     """``torch.nn.AvgPool3d`` over a spatially split volume (ceil_mode, count_include_pad,
-    divisor_override); divisors follow torch's rule in global coordinates.
-
-    Args:
-        kernel_size: As ``nn.AvgPool3d``.
-        stride: As ``nn.AvgPool3d`` (``kernel_size`` when None).
-        padding: As ``nn.AvgPool3d``.
-        ceil_mode: As ``nn.AvgPool3d``.
-        count_include_pad: As ``nn.AvgPool3d``.
-        divisor_override: As ``nn.AvgPool3d``.
-        grid: The process grid whose x, y, z axes split the volume.
-
-    Raises:
-        LayerError: At forward, a local extent smaller than a halo, or inputs inconsistent
-            across the spatial group.
-    """
+    divisor_override); divisors follow torch's rule in global coordinates. The arguments are
+    ``nn.AvgPool3d``'s, plus the ``grid`` whose x, y, z axes split the volume. LayerError at
+    forward: a local extent smaller than a halo, or inputs inconsistent across the spatial group."""
 
     def __init__(self, kernel_size: int | tuple[int, int, int],
                  stride: int | tuple[int, int, int] | None = None,
@@ -227,6 +183,5 @@ class SpatialAvgPool3d(_PoolMixin, nn.AvgPool3d):
         return AvgPoolOp(k, s, shape, divisor=t)
 
     def forward(self, x: torch.Tensor, gshape=None) -> torch.Tensor:
-        """Average-pool this rank's piece; returns its piece of the output."""
         entry = self.spatial_plan(x, gshape)
         return halo_stencil(x, entry.halo, entry.extra, pad_value=0.0)

@@ -1,11 +1,10 @@
 """Reductions over a split volume that give the single-process value, replicated.
 
 A reduction whose ``dim`` covers every split spatial axis (an axis a with
-``grid.spatial_shape[a] > 1``) is a global reduction: each rank reduces its piece, one
-allreduce over ``grid.spatial_comm`` combines the pieces, and every spatial rank holds torch's
-result on the whole tensor. One that reduces no split axis is local (exact as it is); one that
-reduces some split axes but not all would leave a result split over a partial set of axes and is
-refused.
+``grid.spatial_shape[a] > 1``) is a global reduction: each rank reduces its piece, one allreduce
+over ``grid.spatial_comm`` combines the pieces, and every spatial rank holds torch's result on the
+whole tensor. One that reduces no split axis is local (exact as it is); one that reduces some split
+axes but not all would leave a result split over a partial set of axes and is refused.
 
 Convention: "allreduce in forward, identity in backward" (the replicated result's upstream
 gradient is the same on every rank, so each rank's input gradient is its own slice of torch's).
@@ -45,14 +44,12 @@ REDUCTIONS = ("sum", "mean", "amax", "amin", "var", "std", "norm")
 
 
 def split_dims(grid: ProcessGrid, ndim: int = 5) -> tuple[int, ...]:
-    """The tensor dims (of an ``ndim``-D tensor whose last three dims are spatial) that the
-    grid splits over more than one rank."""
+    """The dims of an ``ndim``-D tensor (last three spatial) split over more than one rank."""
     return tuple(ndim - 3 + a for a, p in enumerate(grid.spatial_shape) if p > 1)
 
 
 class _MaskedSqrt(torch.autograd.Function):
-    """sqrt whose gradient is 0 where the result is 0 (torch's std and norm backward), not
-    the inf·0 = nan of a plain sqrt."""
+    """sqrt with gradient 0 where it is 0, as torch's std and norm backward (not inf·0 = nan)."""
 
     @staticmethod
     def forward(ctx, t):
@@ -78,45 +75,30 @@ def _dims(op: str, ndim: int, dim: int | Sequence[int] | None) -> tuple[int, ...
     return dims
 
 
-def _local(x, op, dims, keepdim, correction):
-    """torch's own op on the piece (exact when no reduced dim is split)."""
-    if op in ("var", "std"):
-        return getattr(torch, op)(x, dims, correction=correction, keepdim=keepdim)
-    if op == "norm":
-        return torch.linalg.vector_norm(x, 2, dims, keepdim)
-    return getattr(torch, op)(x, dims, keepdim=keepdim)
-
-
 def global_reduce(x: torch.Tensor, op: str, dim: int | Sequence[int] | None = None,
                   keepdim: bool = False, *, grid: ProcessGrid, gshape: Sequence[int],
                   correction: int | float = 1) -> torch.Tensor:
-    """torch's ``x.<op>(dim, keepdim)`` on the whole tensor, from this rank's piece.
+    """torch's ``x.<op>(dim, keepdim)`` on the whole tensor, from this rank's piece ``x`` of the
+    global ``(N, C, *gshape)`` tensor (collective over ``grid.spatial_comm``).
 
-    Args:
-        x: This rank's piece ``(N, C, d, h, w)`` of the global ``(N, C, *gshape)`` tensor.
-        op: One of :data:`REDUCTIONS` (``"norm"`` is the 2-norm).
-        dim: The dims to reduce (negative allowed); None: all (a 0-d result).
-        keepdim: Keep the reduced dims with size 1, as torch.
-        grid: The process grid; the reduction runs over ``grid.spatial_comm``.
-        gshape: The global spatial shape ``(D, H, W)`` (the same on every rank).
-        correction: ``var``/``std`` only: torch's correction (1: unbiased, 0: population).
-
-    Returns:
-        When ``dim`` covers every split spatial axis: torch's result on the whole tensor,
-        identical on every spatial rank. When it covers none: this rank's piece of it.
-
-    Raises:
-        LayerError: An unknown op, a bad ``dim``, a ``dim`` that reduces some split axes but
-            not all, or a piece whose shape is not this rank's piece of ``gshape``.
-    """
+    ``op`` is one of :data:`REDUCTIONS` (``"norm"``: the 2-norm); ``dim`` None reduces all (a 0-d
+    result); ``correction`` is torch's, for ``var``/``std`` (1: unbiased, 0: population). When
+    ``dim`` covers every split spatial axis the result is torch's on the whole tensor, identical on
+    every spatial rank; when it covers none, this rank's piece of it. LayerError: an unknown op, a
+    bad ``dim``, a ``dim`` that reduces some split axes but not all, or a piece whose shape is not
+    this rank's piece of ``gshape``."""
     if op not in REDUCTIONS:
         raise LayerError(f"global_reduce: unknown op {op!r} (expected one of "
                          f"{', '.join(REDUCTIONS)})")
     dims = _dims(op, x.dim(), dim)
     split = split_dims(grid, x.dim())
     reduced = [d for d in split if d in dims]
-    if not reduced:
-        return _local(x, op, dims, keepdim, correction)
+    if not reduced:   # torch's own op on the piece: exact when no reduced dim is split
+        if op in ("var", "std"):
+            return getattr(torch, op)(x, dims, correction=correction, keepdim=keepdim)
+        if op == "norm":
+            return torch.linalg.vector_norm(x, 2, dims, keepdim)
+        return getattr(torch, op)(x, dims, keepdim=keepdim)
     if len(reduced) != len(split):
         kept = [d for d in split if d not in dims]
         raise LayerError(f"global_reduce {op}: dim {tuple(dims)} of a tensor split over dims "

@@ -8,14 +8,12 @@ exchange brings in (negative halo = trim), then a local op computes the owned ou
 * interpolation: which inputs an output reads, and their weights, are asked from torch itself
   (a 1D interpolation of ``arange(N)`` in float64), so index rounding, scales,
   ``align_corners`` and ``recompute_scale_factor`` are torch's own, exactly.
-  :class:`hpcpar.nn.upsample.SpatialUpsample` is this function in module form.
 * adaptive pooling: output cell o of an axis of length N covers inputs
   ``[floor(o·N/M), ceil((o+1)·N/M))``. torch's adaptive pool on the fetched range would use
   windows of the LOCAL lengths (different cells), so each axis reduces its owned cells' windows
-  explicitly (a gather of every window, padded to the longest by repeating its last item).
-  Max reduces the last axis first, each keeping the first maximum: the voxel it picks (and
-  the gradient goes to) is the first in (d, h, w) order, as torch's. An output of 1 on every
-  axis is a global pool: one allreduce, the result replicated on every rank of the group.
+  explicitly (a gather of every window, padded to the longest by repeating its last item). Max
+  reduces the last axis first, each keeping the first maximum: torch's pick. An output of 1 on
+  every axis is a global pool: one allreduce.
 """
 
 from __future__ import annotations
@@ -51,9 +49,7 @@ def per_axis(value) -> tuple:
     return (value,) * 3
 
 
-# ---------------------------------------------------------------------------------------------
-# interpolation
-# ---------------------------------------------------------------------------------------------
+# --- interpolation ----------------------------------------------------------------------------
 @lru_cache(maxsize=256)
 def _axis_map(n: int, size, scale, mode: str, align_corners, recompute):
     """(M, i0, i1, w1) for one axis of input length n: output o = (1-w1)·x[i0] + w1·x[i1]
@@ -76,15 +72,9 @@ def _axis_map(n: int, size, scale, mode: str, align_corners, recompute):
 @dataclass(frozen=True)
 class Interpolation:
     """The per-axis geometry of one ``F.interpolate`` call (hashable: plans are cached by it).
-    :class:`hpcpar.nn.upsample.SpatialUpsample` and :func:`interpolate` both plan with it.
-
-    Attributes:
-        sizes: Global output length per axis (``None``: from the scale).
-        scales: Scale factor per axis (``None``: from the size).
-        mode: ``"nearest"``, ``"nearest-exact"`` or ``"trilinear"``.
-        align_corners: As ``F.interpolate``.
-        recompute_scale_factor: As ``F.interpolate``.
-    """
+    :class:`hpcpar.nn.upsample.SpatialUpsample` and :func:`interpolate` both plan with it. ``sizes``
+    are global output lengths (``None``: from ``scales``, and the reverse); ``mode`` is
+    ``"nearest"``, ``"nearest-exact"`` or ``"trilinear"``; the rest as ``F.interpolate``."""
 
     sizes: tuple
     scales: tuple
@@ -122,16 +112,8 @@ def _interpolation_plan(grid: ProcessGrid, gshape, geometry: Interpolation, laye
 
 
 def resample_piece(x: torch.Tensor, plan: HaloPlan, local: Sequence[tuple]) -> torch.Tensor:
-    """Exchange the halo, then pick (nearest) or blend (trilinear) along each axis.
-
-    Args:
-        x: This rank's piece.
-        plan: The interpolation's halo plan.
-        local: Per axis ``(i0, i1, w1)`` (:meth:`Interpolation.local`).
-
-    Returns:
-        This rank's piece of the output, in ``x``'s memory format.
-    """
+    """Exchange the halo, then pick (nearest) or blend (trilinear) along each axis by ``local``
+    (per axis :meth:`Interpolation.local`); the output piece is in ``x``'s memory format."""
     dtype = x.dtype
     y = halo_exchange(x, plan.grid, plan)
     if local[0][2] is not None and dtype in (torch.float16, torch.bfloat16):
@@ -154,29 +136,16 @@ def interpolate(x: torch.Tensor, size: int | Sequence[int] | None = None,
                 align_corners: bool | None = None, recompute_scale_factor: bool | None = None,
                 *, grid: ProcessGrid, gshape: Sequence[int],
                 layer: str = "interpolate") -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """``F.interpolate`` of the whole volume, on this rank's piece.
+    """``F.interpolate`` of the whole volume, on this rank's piece ``x`` (``(N, C, d, h, w)``)
+    of the global ``(N, C, *gshape)`` tensor.
 
-    Args:
-        x: This rank's piece ``(N, C, d, h, w)`` of the global ``(N, C, *gshape)`` tensor.
-        size: Global output size (int or 3 ints), as ``F.interpolate``.
-        scale_factor: As ``F.interpolate`` (non-integer factors included).
-        mode: ``"nearest"``, ``"nearest-exact"``, ``"trilinear"`` or ``"area"``
-            (:func:`adaptive_avg_pool3d`, as torch).
-        align_corners: As ``F.interpolate`` (trilinear only).
-        recompute_scale_factor: As ``F.interpolate``.
-        grid: The process grid.
-        gshape: The global spatial shape ``(D, H, W)``.
-        layer: The name errors give (the calling layer's).
-
-    Returns:
-        This rank's piece of the output (split with the partition rule of the output's
-        lengths, in ``x``'s memory format), and the output's global spatial shape.
-
-    Raises:
-        LayerError: Arguments torch refuses on the whole volume; an output range that reaches
-            past a neighbour's piece (downsampling over too many ranks: the message gives the
-            smallest piece that works).
-    """
+    ``size`` is the global output size; the arguments are ``F.interpolate``'s (non-integer scales
+    included; ``"area"`` is :func:`adaptive_avg_pool3d`, as torch); ``layer`` is the name errors
+    give. Returns this rank's piece of the output (split with the partition rule of the output's
+    lengths, in ``x``'s memory format) and the output's global spatial shape. Raises LayerError for
+    arguments torch refuses on the whole volume, and for an output range that reaches past a
+    neighbour's piece (downsampling over too many ranks: the message gives the smallest piece that
+    works)."""
     check_piece(layer, x, grid, gshape)
     out = torch_output_shape(layer, lambda t: F.interpolate(
         t, size, scale_factor, mode, align_corners, recompute_scale_factor), x, gshape,
@@ -192,9 +161,7 @@ def interpolate(x: torch.Tensor, size: int | Sequence[int] | None = None,
         xyz(out)
 
 
-# ---------------------------------------------------------------------------------------------
-# adaptive pooling
-# ---------------------------------------------------------------------------------------------
+# --- adaptive pooling -------------------------------------------------------------------------
 def _window_table(start: int, n: int, m: int, cells: range):
     """(index, weight) of ``cells`` on an axis of length n pooled to m, ``index`` relative to
     global item ``start``: shape (cells, longest window); a short window repeats its last
@@ -210,12 +177,8 @@ def _window_table(start: int, n: int, m: int, cells: range):
 
 
 class AdaptivePoolOp(StencilOp):
-    """Reduce each owned cell's window, axis by axis (last axis first), on the fetched range.
-
-    Args:
-        tables: Per axis x, y, z the ``(index, weight)`` of :func:`_window_table`.
-        reduce: ``"max"`` or ``"avg"``.
-    """
+    """Reduce (``"max"`` or ``"avg"``) each owned cell's window, axis by axis (last axis
+    first), on the fetched range; ``tables`` holds per axis :func:`_window_table`'s pair."""
 
     def __init__(self, tables: tuple[tuple[torch.Tensor, torch.Tensor], ...], reduce: str):
         self.tables, self.reduce = tables, reduce
@@ -272,24 +235,14 @@ def _adaptive(x, output_size, grid, gshape, reduce, torch_fn, layer):
 def adaptive_avg_pool3d(x: torch.Tensor, output_size: int | Sequence[int | None], *,
                         grid: ProcessGrid,
                         gshape: Sequence[int]) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """``F.adaptive_avg_pool3d`` of the whole volume, on this rank's piece.
+    """``F.adaptive_avg_pool3d`` of the whole volume, on this rank's piece ``x`` of the global
+    ``(N, C, *gshape)`` tensor (``output_size`` as torch: ``None`` keeps that axis's length).
 
-    Args:
-        x: This rank's piece ``(N, C, d, h, w)`` of the global ``(N, C, *gshape)`` tensor.
-        output_size: As torch: an int or 3 entries, ``None`` keeping that axis's length.
-        grid: The process grid.
-        gshape: The global spatial shape ``(D, H, W)``.
-
-    Returns:
-        This rank's piece of the output (split with the partition rule of the output's
-        lengths, in ``x``'s memory format) and its global spatial shape. An output of 1 on
-        every axis (a global mean) is REPLICATED: the whole ``(N, C, 1, 1, 1)`` on every rank.
-
-    Raises:
-        LayerError: An ``output_size`` torch refuses; cells wider than a neighbour's piece (an
-            output much shorter than the ranks on an axis: the message gives the smallest
-            piece that works).
-    """
+    Returns this rank's piece of the output (split with the partition rule of the output's lengths,
+    in ``x``'s memory format) and its global spatial shape. An output of 1 on every axis (a global
+    mean) is REPLICATED: the whole ``(N, C, 1, 1, 1)`` on every rank. Raises LayerError for an
+    ``output_size`` torch refuses, and for cells wider than a neighbour's piece (an output much
+    shorter than the ranks on an axis: the message gives the smallest piece that works)."""
     return _adaptive(x, output_size, grid, gshape, "avg", F.adaptive_avg_pool3d,
                      "adaptive_avg_pool3d")
 
@@ -297,22 +250,10 @@ def adaptive_avg_pool3d(x: torch.Tensor, output_size: int | Sequence[int | None]
 def adaptive_max_pool3d(x: torch.Tensor, output_size: int | Sequence[int | None],
                         return_indices: bool = False, *, grid: ProcessGrid,
                         gshape: Sequence[int]) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """``F.adaptive_max_pool3d`` of the whole volume, on this rank's piece.
-
-    Args:
-        x: This rank's piece ``(N, C, d, h, w)`` of the global ``(N, C, *gshape)`` tensor.
-        output_size: As torch: an int or 3 entries, ``None`` keeping that axis's length.
-        return_indices: Must be False.
-        grid: The process grid.
-        gshape: The global spatial shape ``(D, H, W)``.
-
-    Returns:
-        As :func:`adaptive_avg_pool3d`, with maxima (a global max is replicated). Ties pick
-        torch's voxel (the first in (d, h, w) order), which alone gets the gradient.
-
-    Raises:
-        LayerError: ``return_indices=True``, or as :func:`adaptive_avg_pool3d`.
-    """
+    """``F.adaptive_max_pool3d`` of the whole volume, on this rank's piece: as
+    :func:`adaptive_avg_pool3d`, with maxima (a global max is replicated). Ties pick torch's voxel
+    (the first in (d, h, w) order), which alone gets the gradient. ``return_indices`` must be False
+    (LayerError otherwise)."""
     if return_indices:
         raise LayerError("adaptive_max_pool3d: return_indices=True is not supported on a split "
                          "volume (indices of a piece do not address the global volume)")

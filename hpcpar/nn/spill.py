@@ -27,16 +27,9 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, directory: str | Path | No
           ) -> torch.Tensor:
     """A zero tensor of ``shape``: file-backed in ``directory`` when it is at least
     ``HPCPAR_CHECKPOINT_SPILL`` bytes (smaller ones cost more in page faults than they save),
-    else in memory.
+    else in memory (a CPU tensor). ``directory`` (None: memory) is made if missing; the file is
+    unlinked at once, so nothing is left behind even if the process dies.
 
-    Args:
-        shape: Its shape.
-        dtype: Its dtype (CPU).
-        directory: Where its file lives while it does, made if missing (the file is unlinked
-            at once: nothing is left behind even if the process dies); None: memory.
-
-    Returns:
-        The tensor; its storage is a mapping of the file when spilled.
     """
     count = math.prod(shape)
     nbytes = count * torch.empty((), dtype=dtype).element_size()

@@ -40,17 +40,12 @@ __all__ = ["TensorParallelLinear", "tensor_parallelize", "full_state_dict"]
 
 def _gather_rows(t: torch.Tensor, comm) -> torch.Tensor:
     """All-gather row blocks (dim 0) of possibly uneven sizes."""
-    if comm.Get_size() == 1:
-        return t
-    return hc.allgatherv(t.contiguous(), comm)
+    return t if comm.Get_size() == 1 else hc.allgatherv(t.contiguous(), comm)
 
 
 def _gather_cols(t: torch.Tensor, comm) -> torch.Tensor:
     """All-gather column blocks (dim 1) of possibly uneven widths."""
-    if comm.Get_size() == 1:
-        return t
-    blocks = hc.allgatherv(t.t().contiguous(), comm)
-    return blocks.t().contiguous()
+    return t if comm.Get_size() == 1 else _gather_rows(t.t(), comm).t().contiguous()
 
 
 class _TPLinearFn(torch.autograd.Function):
@@ -96,23 +91,12 @@ class _TPLinearFn(torch.autograd.Function):
 class TensorParallelLinear(nn.Module):
     """``nn.Linear(in_features, out_features, bias)`` with W split over the grid's x, y, z.
 
-    Holds ``weight`` (this rank's shard: rows ``shard_rows`` of the (y, x) block) and ``bias``
-    (the y part of the bias). ``full_weight()`` gathers the whole matrix;
-    ``full_state_dict()`` / ``load_full_state_dict(sd)`` speak plain ``nn.Linear`` state dicts.
-    Input and output hold all features, so the layer drops into any model; its parameters
-    are tagged data-only (DDP averages them over the data axis alone).
-
-    Args:
-        in_features: As ``nn.Linear``; split over the grid's x axis.
-        out_features: As ``nn.Linear``; split over y (and each block's rows over z).
-        bias: As ``nn.Linear``.
-        grid: The process grid.
-        device: As ``nn.Linear``.
-        dtype: As ``nn.Linear``.
-
-    Raises:
-        LayerError: The x (y) axis has more ranks than ``in_features`` (``out_features``).
-    """
+    Holds ``weight`` (this rank's shard: rows ``shard_rows`` of the (y, x) block) and ``bias`` (the
+    y part of the bias). ``full_weight()`` gathers the whole matrix; ``full_state_dict()`` /
+    ``load_full_state_dict(sd)`` speak plain ``nn.Linear`` state dicts (input, output and
+    parameters as the module docstring says). ``in_features`` are split over the grid's x axis,
+    ``out_features`` over y (and each block's rows over z): an axis with more ranks than its
+    features is a LayerError."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  grid: ProcessGrid, device: torch.device | str | None = None,
@@ -133,15 +117,16 @@ class TensorParallelLinear(nn.Module):
         rows = self.out_range[1] - self.out_range[0]
         self.block_rows = split_sizes(rows, self.Z)
         self.shard_rows = part_range(rows, self.Z, self.kz)
+        self._rows = slice(self.out_range[0] + self.shard_rows[0],   # of the whole weight
+                           self.out_range[0] + self.shard_rows[1])
         factory: dict[str, Any] = {"device": device, "dtype": dtype}
         full = nn.Linear(in_features, out_features, bias, **factory)  # torch's init, then shard
         self.weight = nn.Parameter(torch.empty(self.block_rows[self.kz],
                                                self.in_range[1] - self.in_range[0], **factory))
         self.bias = nn.Parameter(torch.empty(rows, **factory)) if bias else None
         self._init_from_replicated(full.state_dict())
-        tag_data_only(self.weight)
-        if self.bias is not None:
-            tag_data_only(self.bias)
+        for p in self.parameters():
+            tag_data_only(p)
 
     def _init_from_replicated(self, sd) -> None:
         """Make the shards consistent: rank 0 of the spatial group broadcasts its init."""
@@ -152,23 +137,15 @@ class TensorParallelLinear(nn.Module):
         self.load_full_state_dict(full)
 
     def load_full_state_dict(self, sd: Mapping[str, torch.Tensor]) -> None:
-        """Load this rank's shard from a plain ``nn.Linear`` state dict.
-
-        Args:
-            sd: ``{"weight": (out, in), "bias": (out,)}``.
-
-        Raises:
-            LayerError: The shapes are not this layer's.
-        """
+        """Load this rank's shard from a plain ``nn.Linear`` state dict ``{"weight": (out, in),
+        "bias": (out,)}``; LayerError if the shapes are not this layer's."""
         w = sd["weight"]
         if tuple(w.shape) != (self.out_features, self.in_features):
             raise LayerError(
                 f"TensorParallelLinear: weight shape {tuple(w.shape)} does not match "
                 f"({self.out_features}, {self.in_features})")
-        o0 = self.out_range[0] + self.shard_rows[0]
-        o1 = self.out_range[0] + self.shard_rows[1]
         with torch.no_grad():
-            self.weight.copy_(w[o0:o1, self.in_range[0]:self.in_range[1]])
+            self.weight.copy_(w[self._rows, self.in_range[0]:self.in_range[1]])
             if self.bias is not None:
                 self.bias.copy_(sd["bias"][self.out_range[0]:self.out_range[1]])
 
@@ -176,9 +153,7 @@ class TensorParallelLinear(nn.Module):
         """The whole (out, in) matrix on every rank (collective over the spatial group)."""
         full = torch.zeros(self.out_features, self.in_features, dtype=self.weight.dtype,
                            device=self.weight.device)
-        o0 = self.out_range[0] + self.shard_rows[0]
-        o1 = self.out_range[0] + self.shard_rows[1]
-        full[o0:o1, self.in_range[0]:self.in_range[1]] = self.weight.detach()
+        full[self._rows, self.in_range[0]:self.in_range[1]] = self.weight.detach()
         return hc.allreduce_(full, self.grid.spatial_comm) if self.grid.spatial_size > 1 \
             else full
 
@@ -206,7 +181,6 @@ class TensorParallelLinear(nn.Module):
         return sd
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W.T + b`` for a replicated input; the output is replicated too."""
         if x.shape[-1] != self.in_features:
             raise LayerError(f"TensorParallelLinear: input has {x.shape[-1]} "
                              f"features, expected {self.in_features}")
@@ -220,17 +194,9 @@ class TensorParallelLinear(nn.Module):
 
 
 def tensor_parallelize(model: nn.Module, grid: ProcessGrid, min_features: int = 1) -> nn.Module:
-    """Make a tensor-parallel copy of ``model``.
-
-    Args:
-        model: A plain torch model; it is deep-copied, not modified.
-        grid: The process grid (x, y, z split the dense layers).
-        min_features: Only ``nn.Linear`` layers with both sides at least this wide are split.
-
-    Returns:
-        The copy, every eligible ``nn.Linear`` replaced by a ``TensorParallelLinear`` holding
-        the same weights (so it computes the same function).
-    """
+    """A tensor-parallel copy of ``model`` (deep-copied, not modified): every ``nn.Linear`` with
+    both sides at least ``min_features`` wide replaced by a ``TensorParallelLinear`` holding the
+    same weights (so it computes the same function), split over the grid's x, y, z."""
     original, model = model, copy.deepcopy(model)
     copy_tags(original, model)   # a spatialized head's replicated layers stay data-only
 
@@ -251,23 +217,12 @@ def tensor_parallelize(model: nn.Module, grid: ProcessGrid, min_features: int = 
 
 
 def full_state_dict(model: nn.Module) -> dict:
-    """The model's state dict with tensor-parallel layers gathered (collective).
-
-    Args:
-        model: A model that may hold ``TensorParallelLinear`` layers.
-
-    Returns:
-        A state dict with plain ``nn.Linear`` keys and shapes, loadable into the plain model.
-    """
+    """The model's state dict with tensor-parallel layers gathered (collective): plain
+    ``nn.Linear`` keys and shapes, loadable into the plain model."""
+    tp = {name: mod.full_state_dict() for name, mod in model.named_modules()
+          if isinstance(mod, TensorParallelLinear)}
     sd = {}
-    tp_prefixes = {}
-    for name, mod in model.named_modules():
-        if isinstance(mod, TensorParallelLinear):
-            tp_prefixes[name] = mod.full_state_dict()
     for key, value in model.state_dict().items():
         prefix, _, leaf = key.rpartition(".")
-        if prefix in tp_prefixes:
-            sd[key] = tp_prefixes[prefix][leaf]
-        else:
-            sd[key] = value
+        sd[key] = tp[prefix][leaf] if prefix in tp else value
     return sd

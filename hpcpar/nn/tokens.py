@@ -10,12 +10,11 @@ volume's own rule (a reduction over the token dim becomes one over dims (2, 3, 4
 softmax over it is composed of global reductions), and a result that is still split is
 flattened back. So the same rules, and the same exactness, hold for both spellings.
 
-Taken: elementwise ops among token tensors, scalars and replicated operands whose token dim
-is 1 or the whole volume; losses; reductions (over the token dim: global, replicated; over other
-dims: local); ``softmax`` / ``log_softmax`` over any dim; dropout; a view or reshape back to
-the ``(N, C, D, H, W)`` volume; shape questions (the global shape). Anything else
-(``transpose`` to tokens-first, a ``matmul`` of tokens with tokens: attention) is refused in
-one line.
+Taken: elementwise ops among token tensors, scalars and replicated operands whose token dim is 1 or
+the whole volume; losses; reductions (over the token dim: global, replicated; over other dims:
+local); ``softmax`` / ``log_softmax`` over any dim; dropout; a view or reshape back to the
+``(N, C, D, H, W)`` volume; shape questions (the global shape). Anything else (``transpose`` to
+tokens-first, a ``matmul`` of tokens with tokens: attention) is refused in one line.
 """
 
 from __future__ import annotations
@@ -133,10 +132,9 @@ def _softmax(call: Call, run: Callable) -> Any:
         raise call.refuse("takes a dtype over the merged spatial dims", "cast first")
     v = _volume(x)
     spatial = (p, p + 1, p + 2)
-    shifted = run(torch.sub, (v, run(torch.amax, (v,), {"dim": spatial, "keepdim": True})),
-                  {})
-    total = run(torch.sum, (run(torch.exp, (shifted,), {}),), {"dim": spatial,
-                                                               "keepdim": True})
+    kept = {"dim": spatial, "keepdim": True}
+    shifted = run(torch.sub, (v, run(torch.amax, (v,), kept)), {})
+    total = run(torch.sum, (run(torch.exp, (shifted,), {}),), kept)
     if call.name.startswith("log_softmax"):
         out = run(torch.sub, (shifted, run(torch.log, (total,), {})), {})
     else:

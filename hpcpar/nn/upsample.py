@@ -1,10 +1,6 @@
-"""Resampling a partitioned volume: ``SpatialUpsample`` (nearest, trilinear) and the
+"""Resampling a partitioned volume in global coordinates: ``SpatialUpsample``, the module form of
+:func:`hpcpar.nn.resample.interpolate` (the geometry, plan and local op live there), and the
 pad-or-crop used to line up U-Net skips (``MatchSize`` / ``SpatialMatchSize``).
-
-Both work per axis in global coordinates. The global output length M is split with the
-partition rule; the output items a rank owns read a contiguous global input range, which the
-halo exchange brings in (negative halo = trim). ``SpatialUpsample`` is the module form of
-:func:`hpcpar.nn.resample.interpolate` (the geometry, plan and local op live there).
 """
 
 from __future__ import annotations
@@ -24,30 +20,15 @@ from .resample import Interpolation, per_axis, resample_piece
 
 __all__ = ["SpatialUpsample", "MatchSize", "SpatialMatchSize"]
 
-def _exchange(x, plan):
-    return halo_exchange(x, plan.grid, plan)
-
-
 _MODES = ("nearest", "nearest-exact", "trilinear")
 
 
 class SpatialUpsample(SpatialModule, nn.Upsample):
-    """``nn.Upsample`` on a volume partitioned over the grid: nearest, nearest-exact, or
-    trilinear with ``align_corners`` True or False, by ``size`` (global) or ``scale_factor``
-    (non-integer too). Exact vs torch on the whole volume; the output is split with the
-    partition rule of its global length.
-
-    Args:
-        size: Global output size (int or 3 ints), as ``nn.Upsample``.
-        scale_factor: As ``nn.Upsample``.
-        mode: ``"nearest"``, ``"nearest-exact"`` or ``"trilinear"``.
-        align_corners: As ``nn.Upsample`` (trilinear only).
-        recompute_scale_factor: As ``nn.Upsample``.
-        grid: The process grid whose x, y, z axes split the volume.
-
-    Raises:
-        LayerError: Another ``mode``.
-    """
+    """``nn.Upsample`` on a volume partitioned over the grid: nearest, nearest-exact, or trilinear
+    with ``align_corners`` True or False, by ``size`` (global) or ``scale_factor`` (non-integer
+    too). Exact vs torch on the whole volume; the output is split with the partition rule of its
+    global length. The arguments are ``nn.Upsample``'s (another ``mode`` is a LayerError), plus the
+    ``grid`` whose x, y, z axes split the volume."""
 
     def __init__(self, size: int | tuple[int, int, int] | None = None,
                  scale_factor: float | tuple[float, float, float] | None = None,
@@ -76,7 +57,6 @@ class SpatialUpsample(SpatialModule, nn.Upsample):
         return tuple(geometry.local(a, h) for a, h in enumerate(halos))
 
     def forward(self, x: torch.Tensor, gshape=None) -> torch.Tensor:
-        """Upsample this rank's piece; returns its piece of the global output."""
         entry = self.spatial_plan(x, gshape)
         return resample_piece(x, entry.halo, entry.extra)
 
@@ -94,7 +74,6 @@ class MatchSize(nn.Module):
     :class:`SpatialMatchSize` is the same rule for hand-written spatial models."""
 
     def forward(self, x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        """Zero-pad or crop ``x`` (centred) to the spatial size of ``like``."""
         src, dst = x.shape[-3:], like.shape[-3:]
         if tuple(src) == tuple(dst):
             return x
@@ -113,7 +92,6 @@ class SpatialMatchSize(SpatialModule, nn.Module):
         self.init_spatial(grid)
 
     def forward(self, x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        """Pad or crop this rank's piece of ``x`` to its piece of ``like``'s global size."""
         name = self.layer_name
         src = global_spatial_shape(x, self.grid, name)
         dst = global_spatial_shape(like, self.grid, name + " (reference)")
@@ -131,4 +109,4 @@ class SpatialMatchSize(SpatialModule, nn.Module):
                 per_axis.append([axis_halo(n, t, parts, i, shifted) for i in range(parts)])
             plan = self._spatial_plans[(src, dst)] = HaloPlan.from_halos(self.grid, per_axis,
                                                                          name)
-        return _exchange(x, plan)
+        return halo_exchange(x, plan.grid, plan)
