@@ -22,14 +22,7 @@ _JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string", 
 
 
 def param_schema(spec: Param) -> dict:
-    """One key's JSON Schema: type, enum, bounds, default and description.
-
-    Args:
-        spec: The key's declaration.
-
-    Returns:
-        A JSON Schema object for the key's value.
-    """
+    """One key's JSON Schema: type, enum, bounds, default and description."""
     types = spec.type if isinstance(spec.type, tuple) else (spec.type,)
     out: dict[str, Any] = {}
     if spec.choices is not None:
@@ -59,18 +52,11 @@ def _section(params: dict[str, Param], closed: bool) -> dict:
 
 
 def json_schema(kind: str | None = None) -> dict:
-    """The job file's JSON Schema (draft 2020-12).
+    """The job file's JSON Schema (draft 2020-12) as a JSON-able dict.
 
-    Args:
-        kind: A ``[model] kind`` (built-in, installed or ``package.module:Workload``): its
-            ``[model]``/``[data]``/``[train]`` keys are added and unknown keys rejected.
-            None: the fixed sections only, ``[model]`` and ``[data]`` left open.
-
-    Returns:
-        The schema as a JSON-able dict.
-
-    Raises:
-        ConfigError: ``kind`` cannot be resolved.
+    With a ``[model] kind`` (built-in, installed or ``package.module:Workload``; ConfigError
+    when it cannot be resolved) its ``[model]``/``[data]``/``[train]`` keys are added and unknown
+    keys rejected; without, the fixed sections only, ``[model]`` and ``[data]`` left open.
     """
     sections = {name: dict(params) for name, params in SCHEMA.items()}
     title = "hpcpar job file"
@@ -106,14 +92,9 @@ def job_to_toml(job: JobSpec) -> str:
     """The resolved job as a TOML job file: every section and key, defaults included; keys
     without a value (TOML has no null) are shown commented out.
 
-    Written with ``tomlkit``, which quotes and escapes every string and key the TOML way and,
-    unlike ``tomli-w``, writes comments: the header naming the source and the unset keys.
-
-    Args:
-        job: A validated job.
-
-    Returns:
-        TOML text that ``load_job`` reads back into the same job.
+    ``load_job`` reads it back into the same job. Written with ``tomlkit``, which quotes and
+    escapes every string and key the TOML way and, unlike ``tomli-w``, writes comments: the
+    header naming the source and the unset keys.
     """
     doc = tomlkit.document()
     doc.add(tomlkit.comment(f"resolved from {job.source} by hpcpar"))

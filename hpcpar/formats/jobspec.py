@@ -31,8 +31,8 @@ __all__ = ["TIME_RE", "SCHEMA", "Section", "JobSpec", "parse_override", "load_jo
            "load_resolved", "profile_window"]
 
 TIME_RE = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$|^\d+$")
-#: A job name is one path component: run directories are runs/<name>-<time>, never elsewhere.
-# one path component that stays under runs/: no '/' or NUL, not hidden, not an option
+#: A job name is one path component (run directories are runs/<name>-<time>, never elsewhere):
+#: no '/' or NUL, not hidden, not an option
 NAME_RE = re.compile(r"^[^/\0.\-][^/\0]{0,199}$")
 
 
@@ -222,17 +222,8 @@ PROFILE_RE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
 
 
 def profile_window(text: str | None) -> tuple[int, int] | None:
-    """``[profile] steps`` as a 1-based inclusive ``(first, last)``, or None when unset.
-
-    Args:
-        text: ``"20-24"`` or ``"20"``.
-
-    Returns:
-        The window, or None.
-
-    Raises:
-        ConfigError: Not ``A-B`` with ``1 <= A <= B``.
-    """
+    """``[profile] steps`` (``"20-24"`` or ``"20"``) as a 1-based inclusive ``(first, last)``,
+    or None when unset; ConfigError unless ``A-B`` with ``1 <= A <= B``."""
     if text is None:
         return None
     m = PROFILE_RE.match(text)
@@ -251,12 +242,9 @@ class JobSpec:
     ``job.model.params``); a field per section, in the order ``job.json`` lists them.
 
     Made by [load_job][hpcpar.formats.jobspec.load_job] or
-    [build_job][hpcpar.formats.jobspec.build_job].
-
-    Attributes:
-        source: Where the job came from (the file path), for messages.
-        notes: One line per value the job changed to make a run of it work (a
-            ``warmup_steps`` above ``steps`` clamped to it), for the CLI to print.
+    [build_job][hpcpar.formats.jobspec.build_job]. ``source`` is where the job came from (the
+    file path), for messages; ``notes`` one line per value the job changed to make a run of it
+    work (a ``warmup_steps`` above ``steps`` clamped to it), for the CLI to print.
     """
 
     source: str
@@ -292,18 +280,8 @@ class JobSpec:
         return json.dumps({"source": self.source, "job": self.to_dict()}, indent=1)
 
     def check_ranks(self, n: int) -> tuple[int, int, int, int]:
-        """Resolve the grid against a rank count.
-
-        Args:
-            n: Number of ranks.
-
-        Returns:
-            The grid shape ``(data, x, y, z)``.
-
-        Raises:
-            ConfigError: The grid does not fit ``n`` ranks, or the global batch does not
-                split over the data ranks.
-        """
+        """The grid ``(data, x, y, z)`` resolved for ``n`` ranks; ConfigError when it does not
+        fit ``n`` or the global batch does not split over the data ranks."""
         try:
             shape = resolve_shape(self.grid_shape, n)
         except HpcparError as exc:
@@ -340,15 +318,8 @@ SCHEMA: dict[str, dict[str, Param]] = {name: t.schema() for name, t in SECTIONS.
 def grid_fix(shape: Sequence[int], n: int) -> str:
     """The fix to suggest when grid ``shape`` (data, x, y, z; one axis may be -1) does not fit
     ``n`` ranks: the rank count it needs, and a grid for ``n`` ranks keeping the spatial split
-    when it divides ``n``.
-
-    Args:
-        shape: The job's grid.
-        n: The rank count asked for.
-
-    Returns:
-        One clause, e.g. ``"run with -n 4, or fit the grid to 2 ranks: --grid 1x2x1x1"``.
-    """
+    when it divides ``n``; one clause, e.g. ``"run with -n 4, or fit the grid to 2 ranks:
+    --grid 1x2x1x1"``."""
     known = math.prod(s for s in shape if s != -1)
     fixes = []
     if -1 not in shape:
@@ -390,20 +361,8 @@ def _describe(types) -> str:
 
 
 def check_value(where: str, key: str, value: Any, spec: Param) -> Any:
-    """Validate one value against its Param.
-
-    Args:
-        where: The file and section, for messages.
-        key: The key, for messages.
-        value: The value as read.
-        spec: What the key accepts.
-
-    Returns:
-        The normalised value (ints accepted as floats...).
-
-    Raises:
-        ConfigError: Wrong type, out of range or not one of the choices.
-    """
+    """``value`` normalised (ints accepted as floats...); ConfigError naming ``where`` (file and
+    section) and ``key`` for a wrong type, an out-of-range value or one not of the choices."""
     if value is None and spec.default is None:
         return None
     if not _type_ok(value, spec.type):
@@ -448,18 +407,9 @@ def _validate_section(src: str, name: str, raw: dict, schema: dict[str, Param]) 
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
-    """Split a ``--set`` override.
-
-    Args:
-        text: ``"SECTION.KEY=VALUE"``; the value is read as a TOML literal when it is one
-            (numbers, booleans, quoted strings, arrays), else as a bare string.
-
-    Returns:
-        ``(section, key, value)``, e.g. ``("train", "lr", 0.01)``.
-
-    Raises:
-        ConfigError: Not of the form ``SECTION.KEY=VALUE``.
-    """
+    """Split a ``--set`` override ``"SECTION.KEY=VALUE"`` into ``(section, key, value)``, e.g.
+    ``("train", "lr", 0.01)``: the value is read as a TOML literal when it is one (numbers,
+    booleans, quoted strings, arrays), else as a bare string; ConfigError on another form."""
     if "=" not in text:
         raise ConfigError(f"--set {text!r}: expected SECTION.KEY=VALUE, e.g. train.lr=0.01")
     path, value = text.split("=", 1)
@@ -511,21 +461,13 @@ def _read_toml(path: str | os.PathLike) -> dict:
 
 def load_job(path: str | os.PathLike, overrides: Sequence[str] = (),
              name: str | None = None) -> JobSpec:
-    """Read, override and validate a job file (keys: ``docs/guides/jobs.md``).
+    """Read, override and validate a TOML job file (keys: ``docs/guides/jobs.md``).
 
-    Args:
-        path: The TOML job file.
-        overrides: ``"section.key=value"`` strings (``--set``), applied before validation;
-            the value is parsed as TOML, else taken as a string.
-        name: The job name when ``[job] name`` is not set; the file's stem when None.
-
-    Returns:
-        The validated job: sections as attributes (``job.train.lr``, ``job.model.params``).
-
-    Raises:
-        ConfigError: An unreadable file, invalid TOML, an unknown section or key (with a
-            "did you mean"), a value of the wrong type or out of range, or an unknown model
-            kind; one line naming the file and the field.
+    ``overrides`` are ``"section.key=value"`` strings (``--set``) applied before validation (the
+    value parsed as TOML, else taken as a string); ``name`` is the job name when ``[job] name``
+    is not set (None: the file's stem). Raises ConfigError, one line naming the file and the
+    field, for an unreadable file, invalid TOML, an unknown section or key (with a "did you
+    mean"), a value of the wrong type or out of range, or an unknown model kind.
 
     Example:
         ```python
@@ -539,23 +481,13 @@ def load_job(path: str | os.PathLike, overrides: Sequence[str] = (),
 def build_job(raw: dict, overrides: Sequence[str] = (), source: str = "<job>",
               default_name: str = "job", untrusted: bool = False,
               trust_kind: bool = False) -> JobSpec:
-    """Validate an already parsed job mapping (``load_job`` without the file).
+    """Validate an already parsed job mapping, section -> key -> value (``load_job`` without
+    the file; ``source`` names it in messages).
 
-    Args:
-        raw: Section name -> key -> value, as read from TOML.
-        overrides: ``"section.key=value"`` strings applied first.
-        source: Where the mapping came from, for messages.
-        default_name: The job name when ``[job] name`` is not set.
-        untrusted: The mapping was read from a run directory, not given by the user: its
-            ``[model] kind`` may import no code unless ``trust_kind`` (see
-            :func:`hpcpar.run.workloads.base.get_workload`).
-        trust_kind: With ``untrusted``: load a non-built-in kind from an installed package.
-
-    Returns:
-        The validated job.
-
-    Raises:
-        ConfigError: An unknown section or key, a bad value, or an unknown model kind.
+    ``untrusted``: the mapping was read from a run directory, not given by the user, so its
+    ``[model] kind`` may import no code unless ``trust_kind`` (load a non-built-in kind from an
+    installed package; see :func:`hpcpar.run.workloads.base.get_workload`). Raises ConfigError
+    for an unknown section or key, a bad value, or an unknown model kind.
     """
     raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
     for text in overrides:
@@ -606,12 +538,9 @@ def build_job(raw: dict, overrides: Sequence[str] = (), source: str = "<job>",
 
 
 def uncompared_keys() -> tuple[str, ...]:
-    """The job keys in which like-for-like runs may differ (:class:`Param` ``compare`` False):
-    ``"section."`` for a section none of whose keys compare, else ``"section.key"``.
-
-    Returns:
-        Dotted keys and section prefixes, in schema order.
-    """
+    """The job keys in which like-for-like runs may differ (:class:`Param` ``compare`` False),
+    in schema order: ``"section."`` for a section none of whose keys compare, else
+    ``"section.key"``."""
     out: list[str] = []
     for name, params in SCHEMA.items():
         off = [f"{name}.{k}" for k, p in params.items() if not p.compare]
@@ -638,14 +567,8 @@ def _read_old_names(raw: dict, source: str) -> list[str]:
 
 
 def safe_name(text: str) -> str:
-    """A job name made from free text (the job file's stem).
-
-    Args:
-        text: Any text.
-
-    Returns:
-        The text with characters outside ``NAME_RE`` replaced by ``-`` (``"job"`` if empty).
-    """
+    """A job name made from free text (the job file's stem): characters outside ``NAME_RE``
+    replaced by ``-`` (``"job"`` if empty)."""
     name = re.sub(r"[^A-Za-z0-9_.+=@-]+", "-", str(text)).lstrip(".-")[:200]
     return name or "job"
 
@@ -699,11 +622,7 @@ def _cross_checks(job: JobSpec) -> JobSpec:
 
 
 def check_tensorboard() -> None:
-    """ConfigError unless the ``tensorboard`` package is installed (the launcher checks it).
-
-    Raises:
-        ConfigError: ``tensorboard`` is missing.
-    """
+    """ConfigError unless the ``tensorboard`` package is installed (the launcher checks it)."""
     if importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("[output] tensorboard = true needs the tensorboard package: "
                           "pip install 'hpcpar[tensorboard]'")
@@ -711,17 +630,9 @@ def check_tensorboard() -> None:
 
 def load_resolved(path: str | os.PathLike, untrusted: bool = False,
                   trust_kind: bool = False) -> JobSpec:
-    """Reload the ``RUN/job.json`` written by ``hpcpar run`` (validated again).
-
-    Args:
-        path: The ``job.json`` file.
-        untrusted: Read by a tool other than the run that wrote it (``plan --fit-on``):
-            see :func:`build_job`.
-        trust_kind: With ``untrusted``: see :func:`build_job`.
-
-    Returns:
-        The job.
-    """
+    """Reload the ``RUN/job.json`` written by ``hpcpar run`` (validated again); ``untrusted``
+    when read by a tool other than the run that wrote it (``plan --fit-on``), with
+    ``trust_kind`` as in :func:`build_job`."""
     doc = json.loads(Path(path).read_text())
     if untrusted:
         return build_job(doc["job"], (), source=str(path), untrusted=True,

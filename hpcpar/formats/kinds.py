@@ -35,21 +35,15 @@ REQUIRED = object()
 SEED_MAX = 2**32 - 1
 @dataclass(frozen=True)
 class Param:
-    """One kind-specific job key: type(s), default (``REQUIRED`` if none), range, choices.
+    """One job key: accepted type (or tuple of types), default (``REQUIRED`` if it must be
+    given), inclusive ``min``/``max`` for numbers, ``choices`` when a closed set, and ``help``,
+    one line for the documentation and error messages.
 
-    Attributes:
-        type: Accepted Python type, or a tuple of them.
-        default: The default value; ``REQUIRED`` when the key must be given.
-        min: Smallest accepted value (numbers).
-        max: Largest accepted value (numbers).
-        choices: The accepted values, when they are a closed set.
-        help: One line for the documentation and error messages.
-        path: A file or directory: a leading ``~`` is expanded once, where the job is parsed,
-            so every reader (pyarrow expands it itself) sees the same path.
-        compare: Runs that differ in this key are not like for like: a scaling report gives
-            them rows of their own. False for what a scaling sweep varies with the rank count
-            (the grid, the resources, the global batch) and for what changes nothing measured
-            (a description, how often to log).
+    ``path``: a file or directory, whose leading ``~`` is expanded once, where the job is
+    parsed, so every reader (pyarrow expands it itself) sees the same path. ``compare``: runs
+    that differ in this key are not like for like (a scaling report gives them rows of their
+    own); False for what a scaling sweep varies with the rank count (the grid, the resources,
+    the global batch) and for what changes nothing measured (a description, how often to log).
     """
 
     type: type | tuple = float
@@ -86,16 +80,12 @@ MODEL_WORKLOAD = "hpcpar.run.workloads.usermodel:model_workload"
 
 
 def register_workload(kind: str, factory: Callable[..., Any] | None = None) -> Any:
-    """Register a model kind for ``[model] kind`` in job files; usable as a decorator.
+    """Register a model kind for ``[model] kind`` in job files; returns ``factory``, or without
+    one, a decorator that registers what it decorates.
 
-    Args:
-        kind: The kind's name.
-        factory: ``factory(job, grid, device) -> Workload``, normally the Workload subclass
-            itself; its ``model_params``/``data_params`` are read for job validation (a
-            factory function may carry them as attributes too). None: return a decorator.
-
-    Returns:
-        ``factory``, or a decorator that registers what it decorates.
+    ``factory(job, grid, device) -> Workload`` is normally the Workload subclass itself; its
+    ``model_params``/``data_params`` are read for job validation (a factory function may carry
+    them as attributes too).
     """
 
     def deco(f):
@@ -288,25 +278,17 @@ def _from_entry_point(kind: str, ep: Any) -> Callable[..., Any]:
 
 def get_workload(kind: str, untrusted: str | None = None,
                  trust_kind: bool = False) -> Callable[..., Any]:
-    """The factory of a kind: registered, built-in, an installed package's entry point in the
-    ``hpcpar.workloads`` group, or an import path ``"package.module:Callable"``.
+    """The factory (normally the Workload subclass, whose ``model_params``/``data_params``/
+    ``train_params`` declare the kind's job keys) of a ``[model] kind``: registered, built-in,
+    an installed package's entry point in the ``hpcpar.workloads`` group, or an import path
+    ``"package.module:Callable"``.
 
-    Args:
-        kind: The ``[model] kind`` value.
-        untrusted: Where the kind was read from when that is not the user's own job (a run
-            directory's ``job.json``): then only built-in and already loaded kinds resolve,
-            unless ``trust_kind``.
-        trust_kind: With ``untrusted``: also load the kind from an installed package (never
-            from the working directory).
-
-    Returns:
-        The factory (normally the Workload subclass); ``model_params``/``data_params``/
-        ``train_params`` on it declare the kind's job keys.
-
-    Raises:
-        ConfigError: An unknown kind (with a "did you mean"), a module or attribute that
-            cannot be imported, a broken entry point, a built-in kind whose module is
-            missing from this build, or an untrusted kind that would import code.
+    ``untrusted`` names where the kind was read when that is not the user's own job (a run
+    directory's ``job.json``): then only built-in and already loaded kinds resolve, unless
+    ``trust_kind`` (also load it from an installed package, never the working directory).
+    Raises ConfigError for an unknown kind (with a "did you mean"), a module or attribute that
+    cannot be imported, a broken entry point, a built-in kind whose module is missing from this
+    build, or an untrusted kind that would import code.
     """
     if untrusted is not None and kind not in _REGISTRY and kind not in _BUILTIN:
         if not trust_kind:

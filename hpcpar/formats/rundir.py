@@ -4,8 +4,8 @@
 while its ranks run, so a second run into a busy directory is refused with one line instead of
 interleaving records. A lock whose holder is gone (same host, pid not running or reused; or an
 earlier incarnation of the same requeued Slurm job, on any node) is stale: it is taken over
-with a warning. A lock held from another host cannot be checked: it is
-refused, naming the host and pid (delete the file if that run is gone).
+with a warning. A lock held from another host cannot be checked: it is refused, naming the host
+and pid (delete the file if that run is gone).
 
 A rerun continues the run in the directory only with the same settings: the resolved job is
 compared with ``RUN/job.json`` key by key, and a difference is refused naming the keys, before
@@ -99,16 +99,8 @@ def read_json_file(path: Path) -> dict:
 
 
 def read_mark(d: str | os.PathLike, what: str = "run") -> dict | None:
-    """The mark of a directory hpcpar owns as ``what`` (``"run"`` or ``"sweep"``), or None.
-
-    Args:
-        d: The directory.
-        what: Whose mark is expected.
-
-    Returns:
-        The mark (``run_id``, ``what``, ``entries``...) when ``d/hpcpar-run.json`` is one of
-        ``what``, else None.
-    """
+    """The mark (``run_id``, ``what``, ``entries``...) of a directory hpcpar owns as ``what``
+    (``"run"`` or ``"sweep"``): ``d/hpcpar-run.json`` when it is one of ``what``, else None."""
     mark = read_json_file(Path(d) / MARK_NAME)
     ok = (mark.get("schema") == MARK_SCHEMA and mark.get("what") == what
           and isinstance(mark.get("run_id"), str) and isinstance(mark.get("entries"), list))
@@ -116,15 +108,9 @@ def read_mark(d: str | os.PathLike, what: str = "run") -> dict | None:
 
 
 def write_mark(d: str | os.PathLike, what: str, run_id: str, entries=RUN_ENTRIES) -> None:
-    """Mark ``d`` as a directory hpcpar owns (call only holding its lock, after the directory
-    was found new, empty or already hpcpar's).
-
-    Args:
-        d: The directory.
-        what: ``"run"`` or ``"sweep"``.
-        run_id: The directory's id (the lock records it).
-        entries: The names (patterns) of the entries that are hpcpar's there.
-    """
+    """Mark ``d`` as a directory hpcpar owns as ``what`` (``"run"`` or ``"sweep"``), with its id
+    (the lock records it too) and the name patterns of the entries that are hpcpar's there.
+    Call only holding its lock, after the directory was found new, empty or already hpcpar's."""
     write_json_atomic(Path(d) / MARK_NAME, {
         "schema": MARK_SCHEMA, "what": what, "run_id": run_id, "created": now_iso(),
         "entries": list(entries)})
@@ -171,27 +157,14 @@ def is_run_dir(run_dir: str | os.PathLike) -> bool:
     entries of hpcpar's own names, e.g. a ``records/`` mount point), marked as one
     (``hpcpar-run.json``, which only ``hpcpar run`` writes), or a run directory of an hpcpar
     before the mark (meta.json of schema ``hpcpar.run``, job.json holding the resolved job,
-    and nothing but hpcpar's own entries).
-
-    Args:
-        run_dir: An existing directory.
-
-    Returns:
-        True for an empty directory or a run directory.
-    """
+    and nothing but hpcpar's own entries)."""
     return owned_dir(Path(run_dir), "run", RUN_ENTRIES, _old_run)
 
 
 def check_run_dir(run_dir: str | os.PathLike) -> None:
-    """Refuse (read-only) a directory that hpcpar did not make as a run directory.
-
-    Args:
-        run_dir: An existing directory.
-
-    Raises:
-        RunDirError: The directory is not empty and not a run directory (named, with an
-            entry of it), or one of its :data:`RUN_FILES` is not a regular file.
-    """
+    """Refuse (read-only) an existing directory that hpcpar did not make as a run directory:
+    RunDirError when it is not empty and not a run directory (named, with an entry of it), or
+    one of its :data:`RUN_FILES` is not a regular file."""
     if is_run_dir(run_dir):
         for name in RUN_FILES:
             path = Path(run_dir) / name
@@ -209,11 +182,8 @@ def check_run_dir(run_dir: str | os.PathLike) -> None:
 
 
 def make_run_dir(run_dir: str | os.PathLike) -> None:
-    """Create the run directory (and its parents) when missing.
-
-    Raises:
-        RunDirError: It cannot be created (a read-only file system, permissions): one line.
-    """
+    """Create the run directory (and its parents) when missing; one-line RunDirError when it
+    cannot be (a read-only file system, permissions)."""
     try:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -255,16 +225,11 @@ def _slurm_incarnation() -> tuple[str | None, str]:
 class RunLock:
     """``DIR/hpcpar.lock``: :meth:`acquire` or a :class:`RunDirError`; :meth:`release`.
 
-    The holder marks the directory as hpcpar's (:func:`write_mark`) and records its run id
-    in the lock: call :meth:`acquire` only on a directory found new, empty or hpcpar's.
-
-    Args:
-        run_dir: The directory to lock.
-        warn: Prints the warning about a stale lock taken over.
-        what: Who holds it, named to the next one refused: ``"run"`` (a run directory) or
-            ``"sweep"`` (a sweep's ``--out``).
-        option: The option that chooses another directory, named in the refusal.
-        entries: The names (patterns) of what the holder writes there, listed in the mark.
+    The holder marks the directory as hpcpar's (:func:`write_mark`, listing ``entries``, the
+    name patterns of what it writes there) and records its run id in the lock: call
+    :meth:`acquire` only on a directory found new, empty or hpcpar's. ``warn`` prints the
+    warning about a stale lock taken over; ``what`` (``"run"``, or ``"sweep"`` for a sweep's
+    ``--out``) and ``option`` (the one that chooses another directory) are named in a refusal.
     """
 
     def __init__(self, run_dir: str | os.PathLike, warn: Callable[[str], object] = print,
@@ -393,18 +358,9 @@ def _free(key: str) -> bool:
 
 
 def settings_diff(old: dict, new: dict) -> list[tuple[str, object, object]]:
-    """List the result-changing settings that differ between two jobs, to refuse a silent change.
-
-    Keys free to change on resume (``RESUME_FREE``) are left out.
-
-    Args:
-        old: Job dict the run was started with.
-        new: Job dict of this start.
-
-    Returns:
-        (key, old value, new value) of every differing key, sorted by key; an unset value is a
-        placeholder object.
-    """
+    """(key, old value, new value) of every result-changing setting (not ``RESUME_FREE``) that
+    differs between the job dict a run started with and this start's, sorted by key, to refuse
+    a silent change; an unset value is a placeholder object."""
     a, b = _flat(old), _flat(new)
     missing = object()
     return [(k, a.get(k, missing), b.get(k, missing)) for k in sorted(set(a) | set(b))
@@ -412,15 +368,8 @@ def settings_diff(old: dict, new: dict) -> list[tuple[str, object, object]]:
 
 
 def describe_diff(diff: list[tuple[str, object, object]]) -> str:
-    """Describe setting differences in one line for an error message.
-
-    Args:
-        diff: Differences as returned by :func:`settings_diff`.
-
-    Returns:
-        ``key old -> new`` for each difference, comma-separated; an unset value reads
-        ``(unset)``.
-    """
+    """:func:`settings_diff`'s differences in one line for an error message: ``key old -> new``
+    each, comma-separated; an unset value reads ``(unset)``."""
     def show(v):
         return "(unset)" if not isinstance(v, (str, int, float, bool, list, dict, type(None))) \
             else json.dumps(v)
@@ -428,21 +377,12 @@ def describe_diff(diff: list[tuple[str, object, object]]) -> str:
 
 
 def check_settings(run_dir: str | os.PathLike, job: dict) -> list:
-    """Compare a job with the settings the run directory was started with, before resuming it.
+    """Compare the resolved job dict of this start with the settings the run directory was
+    started with, before resuming it: :func:`settings_diff`'s differences, [] when there is no
+    ``job.json`` yet.
 
-    Keys added to hpcpar since ``job.json`` was written count at their defaults. An
-    unreadable ``job.json`` is never overwritten.
-
-    Args:
-        run_dir: The run directory.
-        job: The resolved job dict of this start.
-
-    Returns:
-        The differences, as :func:`settings_diff` returns them; [] when there is no
-        ``job.json`` yet.
-
-    Raises:
-        RunDirError: ``job.json`` exists but cannot be read.
+    Keys added to hpcpar since ``job.json`` was written count at their defaults. An unreadable
+    ``job.json`` raises RunDirError and is never overwritten.
     """
     path = Path(run_dir) / "job.json"
     if not path.exists():
@@ -465,14 +405,8 @@ def _with_new_defaults(old: dict) -> dict:
 
 
 def finished_status(run_dir: str | os.PathLike) -> dict | None:
-    """Read the meta.json of a run that finished, to tell a finished run from one to resume.
-
-    Args:
-        run_dir: The run directory.
-
-    Returns:
-        The meta.json contents when its status is "ok", else None (also when unreadable).
-    """
+    """A run's meta.json when its status is "ok", else None (also when unreadable): tells a
+    finished run from one to resume."""
     try:
         meta = json.loads((Path(run_dir) / "meta.json").read_text())
     except (OSError, ValueError):
@@ -481,14 +415,8 @@ def finished_status(run_dir: str | os.PathLike) -> dict | None:
 
 
 def resumed_from(run_dir: str | os.PathLike) -> tuple[str, int] | None:
-    """Read which checkpoint the ranks of the latest segment resumed from, as written to meta.json.
-
-    Args:
-        run_dir: The run directory.
-
-    Returns:
-        (checkpoint name, step), or None for a start from step 0 (or no record).
-    """
+    """(checkpoint name, step) the ranks of the latest segment resumed from, as meta.json
+    records it; None for a start from step 0 (or no record)."""
     try:
         seg = json.loads((Path(run_dir) / "meta.json").read_text())["segments"][-1]
     except (OSError, ValueError, KeyError, IndexError, TypeError):
@@ -503,16 +431,9 @@ def move_aside(run_dir: str | os.PathLike, keep=()) -> Path | None:
     """``--fresh``: move hpcpar's own files of a run directory into ``previous-<time>/``.
 
     Only the entries the directory's mark lists as hpcpar's (:func:`owned_entries`) are moved:
-    the mark, the lock, earlier ``previous-*`` folders and anything else (a user's notes or
-    code) stay in place. Call only while holding the lock.
-
-    Args:
-        run_dir: The run directory.
-        keep: Paths left in place although hpcpar's (the job file being run, when it is
-            ``RUN/job.toml``).
-
-    Returns:
-        The ``previous-*`` folder, or None when there was nothing to move.
+    the mark, the lock, earlier ``previous-*`` folders, ``keep`` (the job file being run, when
+    it is ``RUN/job.toml``) and anything else (a user's notes or code) stay in place. Call only
+    while holding the lock. Returns the ``previous-*`` folder, None when nothing moved.
     """
     run_dir = Path(run_dir)
     kept = {Path(k).resolve() for k in keep}
@@ -535,11 +456,7 @@ def move_aside(run_dir: str | os.PathLike, keep=()) -> Path | None:
 def check_fresh(run_dir: str | os.PathLike, job_file: str | os.PathLike) -> None:
     """Refuse (read-only) a ``--fresh`` that would move the job file being run aside: one
     inside an entry :func:`move_aside` moves (``RUN/records/job.toml``; ``RUN/job.toml``
-    itself stays).
-
-    Raises:
-        RunDirError: Naming the job file and the entry.
-    """
+    itself stays); the RunDirError names the job file and the entry."""
     run_dir, src = Path(run_dir).resolve(), Path(job_file).resolve()
     if not src.is_relative_to(run_dir) or src.parent == run_dir:
         return
@@ -550,16 +467,9 @@ def check_fresh(run_dir: str | os.PathLike, job_file: str | os.PathLike) -> None
 
 
 def keep_old_settings(run_dir: str | os.PathLike, result: Path | None = None) -> Path | None:
-    """``--new-settings``: copy job.json to ``job-<time>.json`` before it is replaced.
-
-    Args:
-        run_dir: The run directory.
-        result: The result of these settings set aside (:func:`set_aside_result`): the copy
-            takes its time, so the two read as a pair.
-
-    Returns:
-        The copy, or None when there is no job.json.
-    """
+    """``--new-settings``: copy job.json to ``job-<time>.json`` before it is replaced; None when
+    there is none. With ``result`` (these settings' result set aside, :func:`set_aside_result`)
+    the copy takes its time, so the two read as a pair."""
     src = Path(run_dir) / "job.json"
     if not src.exists():
         return None
@@ -582,13 +492,8 @@ def set_aside_result(run_dir: str | os.PathLike) -> Path | None:
     A run that starts a segment has not finished (a finished one with its own settings is not
     run again), so its metrics.json is an earlier result: of other settings (``--new-settings``)
     or of a history ``--from`` replaces. Left in place it would outlive a segment that stops or
-    fails and claim the run finished. Call only while holding the lock.
-
-    Args:
-        run_dir: The run directory.
-
-    Returns:
-        The new name, or None when there is no metrics.json.
+    fails and claim the run finished. Call only while holding the lock. Returns the new name,
+    None when there is no metrics.json.
     """
     src = Path(run_dir) / "metrics.json"
     if not src.is_file():
@@ -614,17 +519,12 @@ def mark_ended(run_dir: str | os.PathLike, reason: str, status: str = "failed",
                job: dict | None = None, final: bool = True) -> None:
     """Record how a run ended when its ranks could not (killed, crashed, stopped by a signal).
 
-    A meta.json that has not recorded an ending (:func:`ended`) gets ``status``, ``end_reason``
-    and an end time; one that has is left as it is. A missing meta.json is written (a run that
-    failed before its records started) only when ``job`` is given; an unreadable one is left.
-
-    Args:
-        run_dir: The run directory.
-        reason: Why the run ended, stored as ``end_reason`` (one line).
-        status: ``"failed"``, or ``"preempted"`` for a stop a signal asked for.
-        job: The resolved job (dict), to start a meta.json where there is none.
-        final: False for a stop that is under way (no end time: the ranks' own ending, or a
-            later failure, still replaces it).
+    A meta.json that has not recorded an ending (:func:`ended`) gets ``status`` (``"failed"``,
+    or ``"preempted"`` for a stop a signal asked for), ``end_reason`` (one line) and an end time
+    (none when not ``final``: a stop under way, which the ranks' own ending or a later failure
+    still replaces); one that has is left as it is. A missing meta.json is written (a run that
+    failed before its records started) only when the resolved ``job`` dict is given; an
+    unreadable one is left.
     """
     path = Path(run_dir) / "meta.json"
     try:

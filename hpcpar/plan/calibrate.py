@@ -34,22 +34,12 @@ from hpcpar.run._optim import make_optimizer
 if TYPE_CHECKING:
     from mpi4py import MPI
 
-    from hpcpar.plan.machine import Link
-
 __all__ = ["best_time", "pingpong", "placement", "conv_rate", "layer_costs", "oversubscription",
            "gemm_rates", "graph_costs", "opt_costs", "conv_grid", "main"]
 
 
 def best_time(fn: Callable[[], object], repeat: int = 5) -> float:
-    """The fastest of several timed calls, after one untimed warm-up call.
-
-    Args:
-        fn: What to time.
-        repeat: Timed calls.
-
-    Returns:
-        Seconds of the fastest call.
-    """
+    """Seconds of the fastest of ``repeat`` timed calls of ``fn``, after one untimed warm-up."""
     fn()
     best = float("inf")
     for _ in range(repeat):
@@ -60,18 +50,9 @@ def best_time(fn: Callable[[], object], repeat: int = 5) -> float:
 
 
 def pingpong(comm: MPI.Comm, nbytes: int, iters: int, peer: int = 1) -> float:
-    """One-way time of a message between ranks 0 and ``peer`` (half a round trip).
-
-    Args:
-        comm: The communicator; ranks 0 and ``peer`` take part, the others only in the
-            barrier (they wait politely, leaving the cores to the two).
-        nbytes: Message size.
-        iters: Round trips timed.
-        peer: The other rank.
-
-    Returns:
-        Seconds per one-way message (on ranks 0 and ``peer``; 0 elsewhere).
-    """
+    """Seconds per one-way message of ``nbytes`` between ranks 0 and ``peer`` (half a round
+    trip, over ``iters`` round trips) on those two; 0 elsewhere. Collective: the other ranks
+    take part only in the barriers (they wait politely, leaving the cores to the two)."""
     import numpy as np
 
     buf = np.zeros(max(1, nbytes), dtype=np.uint8)
@@ -92,15 +73,8 @@ def pingpong(comm: MPI.Comm, nbytes: int, iters: int, peer: int = 1) -> float:
 
 def measure_link(comm: MPI.Comm, peer: int) -> Link:
     """The alpha-beta link between ranks 0 and ``peer``: the best of three pingpongs of 8 B
-    (latency) and of 16 MiB (bandwidth beyond the latency). Collective; rank 0's result.
-
-    Args:
-        comm: The communicator.
-        peer: The other rank.
-
-    Returns:
-        The link (the same on every rank).
-    """
+    (latency) and of 16 MiB (bandwidth beyond the latency). Collective; rank 0's result on
+    every rank."""
     small = min(pingpong(comm, 8, 2000, peer) for _ in range(3))
     big_bytes = 16 * 2**20
     big = min(pingpong(comm, big_bytes, 10, peer) for _ in range(3))
@@ -108,15 +82,9 @@ def measure_link(comm: MPI.Comm, peer: int) -> Link:
 
 
 def placement(comm: MPI.Comm) -> tuple[list[str], bool]:
-    """Each rank's host name, and whether the hosts are virtual nodes of one machine (several
-    host names, one running kernel: the same boot id), which then share its cores.
-
-    Args:
-        comm: The communicator (collective).
-
-    Returns:
-        ``(hosts, shared)``: the host name of every rank, and whether they share one host.
-    """
+    """``(hosts, shared)``: each rank's host name, and whether the hosts are virtual nodes of
+    one machine (several host names, one running kernel: the same boot id), which then share
+    its cores. Collective."""
     hosts = comm.allgather(socket.gethostname())
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
@@ -167,22 +135,11 @@ def _seconds_per_step(mod, x, seconds: float, windows: int = 3) -> float:
 
 def conv_rate(cin: int, size: int = 24, batch: int = 4, seconds: float = 0.6,
               threads: int = 1, cout: int | None = None, call: float = 0.0) -> float:
-    """Measure the convolution rate of one thread (or ``threads``) as training runs it.
+    """The convolution rate (FLOP/s) of one thread (or ``threads``) as training runs it.
 
-    Forward + backward of hpcpar's SpatialConv3d (k=3, cin -> ``cout``, by default 2*cin,
-    its halo buffers included), counted as 3x the forward FLOPs.
-
-    Args:
-        cin: Input channels.
-        size: Volume edge.
-        batch: Batch size.
-        seconds: Length of each timing window.
-        threads: Torch threads.
-        cout: Output channels (default ``2 * cin``).
-        call: The layer's fixed cost per call (:func:`call_costs`), not part of the rate.
-
-    Returns:
-        FLOP/s.
+    Forward + backward of hpcpar's SpatialConv3d (k=3, cin -> ``cout``, by default 2*cin, its
+    halo buffers included) on ``batch`` volumes of edge ``size``, counted as 3x the forward
+    FLOPs, less ``call``, the layer's fixed cost per call (:func:`call_costs`).
     """
     import torch
 
@@ -199,16 +156,9 @@ CONV_GRID = (1, 2, 4, 8, 16, 32, 64)
 
 def conv_grid(channels: tuple = CONV_GRID, seconds: float = 0.1, call: float = 0.0) -> tuple:
     """The one-thread conv rate on a grid of input x output channels: it depends on both
-    (SIMD lanes fill along each; measured here 8 -> 4 channels ran at a quarter of
-    8 -> 16's rate), which a series over input channels alone cannot say.
-
-    Args:
-        channels: Channel counts for both axes.
-        seconds: Length of each timing window.
-        call: A convolution's fixed cost per call, not part of the rate.
-
-    Returns:
-        ``((in_channels, out_channels, FLOP/s), ...)``.
+    (SIMD lanes fill along each; measured here 8 -> 4 channels ran at a quarter of 8 -> 16's
+    rate), which a series over input channels alone cannot say. Returns ``((in_channels,
+    out_channels, FLOP/s), ...)``, net of ``call`` as :func:`conv_rate`.
     """
     return tuple((i, o, conv_rate(i, seconds=seconds, cout=o, call=call)) for i in channels
                  for o in channels)
@@ -216,22 +166,10 @@ def conv_grid(channels: tuple = CONV_GRID, seconds: float = 0.1, call: float = 0
 
 def layer_costs(cin: int = 8, size: int = 24, batch: int = 4, seconds: float = 0.4,
                 threads: int = 1, calls: tuple = ()) -> tuple:
-    """Measure the memory-bound layers as hpcpar runs them (one thread, or ``threads``).
-
-    Max-pool (halo buffers included), LeakyReLU and batch norm, forward + backward.
-
-    Args:
-        cin: Channels.
-        size: Volume edge.
-        batch: Batch size.
-        seconds: Length of each timing window.
-        threads: Torch threads.
-        calls: ``((kind, fixed seconds per call), ...)`` (:func:`call_costs`), not part of
-            the per-byte cost.
-
-    Returns:
-        ``((kind, seconds per input byte), ...)`` for ``pool``, ``pointwise`` and ``bn``.
-    """
+    """``((kind, seconds per input byte), ...)`` of the memory-bound layers as hpcpar runs
+    them (one thread, or ``threads``): max-pool (``pool``, halo buffers included), LeakyReLU
+    (``pointwise``) and batch norm (``bn``), forward + backward, less each one's fixed cost per
+    call (``calls``: ``((kind, seconds), ...)``, :func:`call_costs`)."""
     import torch
 
     torch.set_num_threads(threads)
@@ -249,17 +187,10 @@ def layer_costs(cin: int = 8, size: int = 24, batch: int = 4, seconds: float = 0
 
 
 def call_costs(size: int = 2, seconds: float = 0.3) -> tuple:
-    """The fixed cost of one call of hpcpar's spatial layers (forward + backward, one
-    thread): each timed on a 4-channel ``size``-cubed volume, where the arithmetic is
-    negligible and what is left is Python, halo planning and kernel launches.
-
-    Args:
-        size: Volume edge.
-        seconds: Length of each timing window.
-
-    Returns:
-        ``((kind, seconds), ...)`` for ``conv``, ``pool`` and ``bn``.
-    """
+    """``((kind, seconds), ...)``: the fixed cost of one call of hpcpar's spatial layers
+    ``conv``, ``pool`` and ``bn`` (forward + backward, one thread), each timed on a 4-channel
+    ``size``-cubed volume, where the arithmetic is negligible and what is left is Python, halo
+    planning and kernel launches."""
     import torch
 
     torch.set_num_threads(1)
@@ -272,22 +203,12 @@ def call_costs(size: int = 2, seconds: float = 0.3) -> tuple:
 
 def graph_halo_call(comm: MPI.Comm, rows: int = 1000, halo: int = 100, cols: int = 16,
                     iters: int = 30, rounds: int = 3) -> float:
-    """The fixed cost of one graph halo exchange, forward + backward, between pairs of the
-    ranks of ``comm`` (collective): a GNN layer's fetch of ``halo`` neighbour rows and the
-    return of their gradients, as :mod:`hpcpar.graph` runs it (index, all-to-all, scatter-add
-    and Python), which the link's latency alone does not carry. A fixed count of exchanges
-    per round (the partners must agree), the best round.
-
-    Args:
-        comm: The ranks; rank 2k pairs with 2k + 1 (an odd last rank measures nothing).
-        rows: Rows each rank owns.
-        halo: Rows it reads from its partner.
-        cols: Features per row.
-        iters: Exchanges per timed round.
-        rounds: Rounds.
-
-    Returns:
-        Seconds per exchange (forward + backward); 0 without a partner.
+    """Seconds of one graph halo exchange, forward + backward, between pairs of the ranks of
+    ``comm`` (collective; rank 2k pairs with 2k + 1, an odd last rank measures nothing and
+    returns 0): a GNN layer's fetch of ``halo`` of its partner's ``rows`` and the return of
+    their gradients, as :mod:`hpcpar.graph` runs it (index, all-to-all, scatter-add and Python),
+    which the link's latency alone does not carry. ``iters`` exchanges per round (the partners
+    must agree), the best of ``rounds``.
     """
     import numpy as np
     import torch
@@ -340,17 +261,9 @@ def thread_speedups(cores: int, rounds: int = 3) -> tuple[float, float]:
 def opt_costs(params: int = 8_000_000, tensors: int = 4, repeat: int = 5) -> tuple:
     """Seconds per parameter of one optimizer step, one thread, as training builds the
     optimizers (:func:`hpcpar.run._optim.make_optimizer`: torch's fused kernels).
-    The tensors are larger than caches, as a dense head's weight is: small tensors that stay
-    in cache update twice as fast per parameter.
-
-    Args:
-        params: Parameters in all.
-        tensors: Tensors they are split into.
-        repeat: Timed steps (the best counts).
-
-    Returns:
-        ``((optimizer, seconds per parameter), ...)`` for ``sgd`` (momentum), ``adam`` and
-        ``adamw``.
+    The ``tensors`` are larger than caches, as a dense head's weight is: small tensors that stay
+    in cache update twice as fast per parameter. Returns ``((optimizer, seconds per parameter),
+    ...)`` for ``sgd`` (momentum), ``adam`` and ``adamw``, the best of ``repeat`` steps.
     """
     import torch
 
@@ -372,15 +285,8 @@ GEMM_WIDTHS = (4, 16, 64, 256, 1024)
 
 def gemm_rates(features: int = 1024, seconds: float = 0.2) -> tuple:
     """``nn.Linear(features, features)`` forward + backward (input gradient included) on
-    ``m`` rows, one thread: a GEMM with one narrow side runs well below the conv rate.
-
-    Args:
-        features: Input and output features.
-        seconds: Length of each timing window.
-
-    Returns:
-        ``((m, FLOP/s), ...)`` for m in :data:`GEMM_WIDTHS`.
-    """
+    ``m`` rows, one thread, as ``((m, FLOP/s), ...)`` for m in :data:`GEMM_WIDTHS`: a GEMM with
+    one narrow side runs well below the conv rate."""
     import torch
 
     torch.set_num_threads(1)
@@ -396,11 +302,8 @@ def graph_costs(nodes: int = 20000, degree: int = 6, cols: int = 16,
                 seconds: float = 0.2) -> tuple:
     """The GNN kernels as full-graph training runs them, one thread: hpcpar's sparse
     operator ``A @ x`` forward + backward (its transposed CSR) on a random graph, per nonzero
-    and column; the vertex-hash dropout (the mask depends on global ids), per element.
-
-    Returns:
-        ``(("spmm", s), ("dropout", s))``.
-    """
+    and column; the vertex-hash dropout (the mask depends on global ids), per element:
+    ``(("spmm", s), ("dropout", s))``."""
     import numpy as np
     import torch
 
@@ -432,8 +335,6 @@ def _torch_conv_rate(seconds: float) -> float:
 
 
 OVERSUB_WINDOWS = 5
-
-
 #: seconds the helper processes keep computing after their windows, while the ranks time
 #: messages between them (``sync_wait``)
 SYNC_WINDOW = 2.0
@@ -459,14 +360,9 @@ def oversubscription(comm: MPI.Comm) -> tuple[float, float]:
     Every rank starts a helper process that computes beside it, both pinned to one core per
     rank (left to itself, the kernel at times puts both helpers on one core and the ranks
     alone on the other, and measures something else); while the helpers still compute, ranks
-    0 and 1 pingpong small messages (the partner is often descheduled).
-
-    Args:
-        comm: The ranks of the calibration.
-
-    Returns:
-        ``(ratio, sync_wait)``: the compute ratio (1.0: time slicing costs nothing) and the
-        extra one-way seconds of a message (rank 0's value on every rank).
+    0 and 1 pingpong small messages (the partner is often descheduled). Returns ``(ratio,
+    sync_wait)``: the compute ratio (1.0: time slicing costs nothing) and the extra one-way
+    seconds of a message (rank 0's value on every rank).
     """
     allowed = sorted(os.sched_getaffinity(0))
     core = allowed[comm.Get_rank() % len(allowed)]
@@ -511,11 +407,7 @@ def _time_sliced(comm: MPI.Comm, core: int) -> tuple[float, float]:
 
 
 def polite_barrier(comm: MPI.Comm) -> None:
-    """A barrier that sleeps instead of spinning, so waiting ranks leave the cores alone.
-
-    Args:
-        comm: The communicator.
-    """
+    """A barrier that sleeps instead of spinning, so waiting ranks leave the cores alone."""
     req = comm.Ibarrier()
     while not req.Test():
         time.sleep(0.001)
@@ -538,14 +430,8 @@ def compute_rates(calls: tuple = ()) -> tuple[float, float, tuple, tuple]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Calibrate this machine and write a machine file (run under ``mpiexec -n 2`` or more).
-
-    Args:
-        argv: ``[OUT.toml, ...]``; ``sys.argv[1:]`` when None.
-
-    Returns:
-        The exit code.
-    """
+    """Calibrate this machine and write the machine file ``argv[0]`` (``argv``: default
+    ``sys.argv[1:]``); run under ``mpiexec -n 2`` or more. Returns the exit code."""
     from mpi4py import MPI
 
     argv = sys.argv[1:] if argv is None else argv
@@ -597,14 +483,12 @@ def main(argv: list[str] | None = None) -> int:
         m = Machine(name="local", ranks_per_node=hosts.count(hosts[0]) if nodes > 1
                     else max(8, cores), cores=cores, conv_rates=rates,
                     contention=contention, mem_contention=mem_contention, layer_costs=costs,
-                    oversubscription=over, sync_wait=sync_wait,
-                    host_cores=cores if shared else 0,
+                    oversubscription=over, sync_wait=sync_wait, host_cores=cores if shared else 0,
                     gemm_rates=gemms, graph_costs=gcosts, opt_costs=ocosts, conv_grid=cgrid,
                     call_costs=calls + ((("graph_halo", graph_halo),) if graph_halo else ()),
-                    thread_speedup=threaded[0], mem_thread_speedup=threaded[1],
-                    flops=flops, mem_bw=mem_bw,
-                    mem_per_rank=_mem_per_rank(cores), io_bw=_io_bw(), intra=intra,
-                    inter=inter,
+                    thread_speedup=threaded[0], mem_thread_speedup=threaded[1], flops=flops,
+                    mem_bw=mem_bw, mem_per_rank=_mem_per_rank(cores), io_bw=_io_bw(),
+                    intra=intra, inter=inter,
                     description=f"calibrated on {os.uname().nodename} by hpcpar plan "
                                 f"--calibrate ({where}"
                                 f"{'; the nodes share one host' if shared else ''})")
@@ -614,19 +498,18 @@ def main(argv: list[str] | None = None) -> int:
         os.replace(tmp, out)
         print(f"latency {intra.alpha * 1e6:.1f} us, bandwidth {intra.beta / 1e9:.2f} GB/s "
               f"in a node; {inter.alpha * 1e6:.1f} us, {inter.beta / 1e9:.2f} GB/s between "
-              f"nodes ({where}); conv3d "
-              f"{flops / 1e9:.1f} GFLOP/s (x{contention:.2f} with all cores busy), memory "
-              f"{mem_bw / 1e9:.1f} GB/s, pool/pointwise/bn "
+              f"nodes ({where}); conv3d {flops / 1e9:.1f} GFLOP/s (x{contention:.2f} with all "
+              f"cores busy), memory {mem_bw / 1e9:.1f} GB/s, pool/pointwise/bn "
               f"{'/'.join(f'{v * 1e9:.2f}' for _, v in costs)} ns per input byte "
               f"(x{mem_contention:.2f} with all cores busy), x{over:.2f} per core and "
-              f"+{sync_wait * 1e6:.0f} us per message with two "
-              f"ranks per core; GEMM {'/'.join(f'{r / 1e9:.0f}' for _, r in gemms)} GFLOP/s "
+              f"+{sync_wait * 1e6:.0f} us per message with two ranks per core; GEMM "
+              f"{'/'.join(f'{r / 1e9:.0f}' for _, r in gemms)} GFLOP/s "
               f"at {'/'.join(str(m) for m, _ in gemms)} rows; x{threaded[0]:.2f} (dense) "
               f"and x{threaded[1]:.2f} (memory-bound) with {cores} threads; Adam "
               f"{dict(ocosts)['adam'] * 1e9:.2f} ns per parameter; a call of conv/pool/bn "
               f"{'/'.join(f'{v * 1e3:.2f}' for _, v in calls)} ms, a graph halo exchange "
-              f"{graph_halo * 1e3:.2f} ms; SpMM "
-              f"{dict(gcosts)['spmm'] * 1e9:.2f} ns per nonzero x column -> {out}")
+              f"{graph_halo * 1e3:.2f} ms; SpMM {dict(gcosts)['spmm'] * 1e9:.2f} ns per "
+              f"nonzero x column -> {out}")
     return 0
 
 

@@ -34,19 +34,8 @@ def ring_gather(nbytes: float, p: int, link) -> float:
 
 
 def allreduce_time(nbytes: float, ranks: int, machine: Machine) -> float:
-    """Predicted time of one gradient allreduce.
-
-    Hierarchical: intra-node reduce, inter-node ring between node peers, intra-node
-    broadcast.
-
-    Args:
-        nbytes: Bytes reduced.
-        ranks: Ranks taking part.
-        machine: The machine model.
-
-    Returns:
-        Seconds.
-    """
+    """Predicted seconds of one gradient allreduce of ``nbytes`` over ``ranks``, hierarchical:
+    intra-node reduce, inter-node ring between node peers, intra-node broadcast."""
     per_node = min(ranks, machine.ranks_per_node)
     nodes = math.ceil(ranks / per_node)
     buckets = max(1, math.ceil(nbytes / BUCKET_BYTES))

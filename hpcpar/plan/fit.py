@@ -23,15 +23,8 @@ __all__ = ["ratios", "scale", "apply"]
 
 
 def ratios(points: Iterable[tuple[Workload, tuple, float]], machine: Machine) -> dict:
-    """Measured / predicted step per rank count.
-
-    Args:
-        points: ``(workload, grid, measured seconds per step)`` of each finished run.
-        machine: The machine model the predictions come from.
-
-    Returns:
-        ``{ranks: [ratio, ...]}``.
-    """
+    """``{ranks: [measured / predicted step, ...]}`` of the finished runs' ``(workload, grid,
+    measured seconds per step)``."""
     out: dict[int, list[float]] = {}
     for work, grid, measured in points:
         pred = predict(work, tuple(grid), machine)

@@ -16,8 +16,8 @@ A step is one forward and backward over the whole graph, split over the grid's s
 
 ``V`` (owned vertices), the in-edges and the halo of every part come from the graph file
 partitioned exactly as the run partitions it, or from a sharded graph's own parts, counted part
-by part (:class:`GraphJob` ``parts``). The step is the
-slowest part's; the gradient allreduce (tiny) and the optimizer follow the volume model.
+by part (:class:`GraphJob` ``parts``). The step is the slowest part's; the gradient allreduce
+(tiny) and the optimizer follow the volume model.
 """
 
 from __future__ import annotations
@@ -44,42 +44,26 @@ _HEADROOM = 0.9
 
 @dataclass(frozen=True)
 class Part:
-    """One rank's share of a partitioned graph.
+    """One rank's share of a partitioned graph."""
 
-    Attributes:
-        owned: Vertices it owns.
-        edges: In-edges of its owned vertices (rows of its aggregation operator).
-        halo: Distinct vertices of other parts its in-edges read.
-        peers: Parts it exchanges halo rows with.
-    """
-
-    owned: int
-    edges: int
-    halo: int
-    peers: int
+    owned: int   # vertices it owns
+    edges: int   # in-edges of its owned vertices (rows of its aggregation operator)
+    halo: int    # distinct vertices of other parts its in-edges read
+    peers: int   # parts it exchanges halo rows with
 
 
 @dataclass
 class GraphJob:
-    """What the planner needs of a full-graph job.
+    """What the planner needs of a full-graph job."""
 
-    Attributes:
-        widths: ``(features, hidden, ..., classes)``.
-        conv: ``"gcn"`` or ``"sage"``.
-        dropout: Dropout probability on every layer input.
-        precompute: The first layer's ``A X`` is computed once (no first-layer aggregation).
-        parts: ``ranks -> [Part per rank]`` (the job's partitioner on its graph file).
-        num_nodes: Vertices of the graph.
-        sharded: Parts of a sharded graph (partitioned ahead: a run needs exactly that many
-            ranks, the parts are the file's), or None (the run partitions the graph file).
-    """
-
-    widths: tuple
-    conv: str
-    dropout: float
-    precompute: bool
-    parts: Callable[[int], list]
+    widths: tuple       # (features, hidden, ..., classes)
+    conv: str           # "gcn" or "sage"
+    dropout: float      # probability, on every layer input
+    precompute: bool    # the first layer's A X is computed once (no first-layer aggregation)
+    parts: Callable[[int], list]   # ranks -> [Part per rank]: the job's partitioner, its graph
     num_nodes: int
+    #: parts of a sharded graph (partitioned ahead: a run needs exactly that many ranks, the
+    #: parts are the file's), or None (the run partitions the graph file)
     sharded: int | None = None
     _cache: dict = field(default_factory=dict, repr=False)
 
@@ -98,18 +82,7 @@ class GraphJob:
 
 def layer_times(job: GraphJob, part: Part, machine: Machine, link: Link, ranks: int) -> dict:
     """Seconds of one rank's step by kind: ``dense``, ``sparse``, ``pointwise``, ``halo``,
-    and the number of halo ``exchanges``.
-
-    Args:
-        job: The graph job.
-        part: This rank's part.
-        machine: The machine model.
-        link: The link between the ranks.
-        ranks: Ranks the graph is split over.
-
-    Returns:
-        The times (compute before contention; the caller applies it).
-    """
+    and the number of halo ``exchanges`` (compute before contention: the caller applies it)."""
     v = part.owned
     nnz = part.edges + (v if job.conv == "gcn" else 0)  # GCN adds self loops
     spmm = machine.graph_cost("spmm")
@@ -149,16 +122,8 @@ def layer_times(job: GraphJob, part: Part, machine: Machine, link: Link, ranks: 
 
 
 def predict_graph(work: Workload, grid: tuple, machine: Machine) -> Prediction:
-    """Predict one full-graph step on ``grid`` (the model is the module docstring).
-
-    Args:
-        work: The job; ``work.graph`` is its :class:`GraphJob`.
-        grid: ``(data, x, y, z)``; data must be 1.
-        machine: The machine model.
-
-    Returns:
-        The prediction of the slowest part.
-    """
+    """Predict one full-graph step (``work.graph``) on ``grid`` (the model is the module
+    docstring): the slowest part's; a grid with data > 1 is infeasible."""
     d, X, Y, Z = grid
     job = work.graph
     assert isinstance(job, GraphJob), "predict_graph needs work.graph"

@@ -58,15 +58,8 @@ def _manifest(job):
 
 def dataset_note(path: str, overrides=()) -> str | None:
     """Why a run of the job as planned would not start as it is: the dataset at [data] path
-    holds samples of another size than the [data] size planned for.
-
-    Args:
-        path: The job file.
-        overrides: ``--set`` overrides.
-
-    Returns:
-        One line, or None when the dataset fits (or there is none yet).
-    """
+    holds samples of another size than the [data] size planned for; one line, None when the
+    dataset fits (or there is none yet)."""
     job = load_job(path, list(overrides))
     m, size = _manifest(job), job.data.params.get("size")
     if m is None or not size or tuple(m.x.shape[1:]) == (size,) * 3:

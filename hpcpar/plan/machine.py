@@ -47,26 +47,14 @@ __all__ = ["Link", "Machine", "REQUIRED", "machines_dir", "load_machine"]
 
 @dataclass(frozen=True)
 class Link:
-    """An alpha-beta link: a message of n bytes costs ``alpha + n / beta`` seconds.
+    """An alpha-beta link: a message of n bytes costs ``alpha + n / beta`` seconds."""
 
-    Attributes:
-        alpha: Seconds per message (latency).
-        beta: Bytes per second (bandwidth).
-    """
-
-    alpha: float  # seconds per message
-    beta: float   # bytes per second
+    alpha: float  # seconds per message (latency)
+    beta: float   # bytes per second (bandwidth)
 
     def time(self, nbytes: float, messages: int = 1) -> float:
-        """Seconds to move ``nbytes`` in ``messages`` messages.
-
-        Args:
-            nbytes: Bytes moved.
-            messages: Number of messages.
-
-        Returns:
-            ``messages * alpha + nbytes / beta``.
-        """
+        """Seconds to move ``nbytes`` in ``messages`` messages: ``messages * alpha + nbytes /
+        beta``."""
         return messages * self.alpha + nbytes / self.beta
 
 
@@ -74,22 +62,10 @@ class Link:
 class Machine:
     """A machine model for the planner: rates, links and calibrated costs (a TOML file).
 
+    Per rank: ``flops`` (sustained FLOP/s), ``mem_bw`` and ``io_bw`` (bytes/s), ``mem_per_rank``
+    (bytes); ``intra`` links ranks of a node, ``inter`` nodes.
+
     Attributes:
-        name: The machine's name.
-        ranks_per_node: Ranks per node.
-        flops: Sustained FLOP/s per rank.
-        mem_bw: Memory bandwidth per rank, bytes/s.
-        mem_per_rank: Memory per rank, bytes.
-        io_bw: Read bandwidth per rank, bytes/s.
-        intra: The link between ranks of a node.
-        inter: The link between nodes.
-        description: Free text.
-        cores: Cores per node (0: one per rank).
-        conv_rates: ``((in_channels, FLOP/s), ...)`` measured by calibration.
-        contention: Per-rank compute rate with every core busy / with one busy.
-        layer_costs: ``((kind, seconds per input byte), ...)`` of memory-bound layers.
-        mem_contention: ``contention`` for memory-bound layers.
-        oversubscription: Compute per core with more ranks than cores, relative to one.
         host_cores: Cores that every node shares (virtual nodes on one host, as
             ``hpcpar.testing.cluster`` makes); 0 when each node has its own ``cores``.
         gemm_rates: ``((narrowest GEMM dimension, FLOP/s), ...)`` of ``nn.Linear`` forward +
@@ -148,19 +124,10 @@ class Machine:
 
     def slowdown(self, ranks_on_node: int, contention: float | None = None,
                  ranks: int | None = None) -> float:
-        """Compute-time factor of a node with several busy ranks.
-
-        Shared memory bandwidth and caches (``contention``, reached when every core is
-        busy) times oversubscription.
-
-        Args:
-            ranks_on_node: Busy ranks on the node.
-            contention: The contention to use; ``self.contention`` when None.
-            ranks: Busy ranks of the whole job (they share ``host_cores`` when set).
-
-        Returns:
-            The factor (1 for one rank).
-        """
+        """Compute-time factor (1 for one rank) of a node with ``ranks_on_node`` busy ranks:
+        shared memory bandwidth and caches (``contention``, default ``self.contention``,
+        reached when every core is busy) times oversubscription. ``ranks``: busy ranks of the
+        whole job, which share ``host_cores`` when set (so in every method below)."""
         contention = self.contention if contention is None else contention
         ranks_on_node, cores = self._sharing(ranks_on_node, ranks)
         busy = min(max(ranks_on_node, 1), cores)
@@ -176,15 +143,7 @@ class Machine:
     def compute_factors(self, ranks_on_node: int, ranks: int | None = None) -> tuple:
         """``(dense, memory-bound)`` factors on one-thread compute times: contention and
         oversubscription (:meth:`slowdown`) over the speedup of the rank's threads, linear
-        between one thread and ``cores``.
-
-        Args:
-            ranks_on_node: Busy ranks on the node.
-            ranks: Busy ranks of the whole job (they share ``host_cores`` when set).
-
-        Returns:
-            Two factors.
-        """
+        between one thread and ``cores``."""
         _, cores = self._sharing(ranks_on_node, ranks)
         frac = (self.threads(ranks_on_node, ranks) - 1) / (cores - 1) if cores > 1 else 0.0
         return (self.slowdown(ranks_on_node, ranks=ranks)
@@ -195,16 +154,8 @@ class Machine:
     def optimizer_time(self, optimizer: str, params: int, mem_factor: float = 1.0) -> float:
         """Seconds of one optimizer step over ``params`` parameters: the calibrated cost per
         parameter, else streaming parameters, gradients and state through memory
-        (3 + 2 x state passes).
-
-        Args:
-            optimizer: ``"sgd"``, ``"adam"`` or ``"adamw"``.
-            params: Parameters the rank updates.
-            mem_factor: The memory-bound factor of :meth:`compute_factors`.
-
-        Returns:
-            Seconds.
-        """
+        (3 + 2 x state passes), times ``mem_factor`` (:meth:`compute_factors`' memory-bound
+        one)."""
         costs = dict(self.opt_costs)
         cost = costs.get(optimizer, costs.get("adam") if optimizer == "adamw" else None)
         if cost is None:
@@ -219,40 +170,18 @@ class Machine:
         return ranks_on_node, self.cores or self.ranks_per_node
 
     def ranks_per_core(self, ranks_on_node: int, ranks: int | None = None) -> float:
-        """Busy ranks per core (1 when the cores are not oversubscribed).
-
-        Args:
-            ranks_on_node: Busy ranks on the node.
-            ranks: Busy ranks of the whole job (they share ``host_cores`` when set).
-
-        Returns:
-            Ranks per core, at least 1.
-        """
+        """Busy ranks per core (1 when the cores are not oversubscribed)."""
         busy, cores = self._sharing(ranks_on_node, ranks)
         return max(1.0, busy / cores)
 
     def sync_delay(self, ranks_on_node: int, ranks: int | None = None) -> float:
         """Seconds each synchronisation (halo exchange, collective) waits for descheduled
-        partners: ``sync_wait`` per extra rank on a core (0 with a core per rank).
-
-        Args:
-            ranks_on_node: Busy ranks on the node.
-            ranks: Busy ranks of the whole job (they share ``host_cores`` when set).
-
-        Returns:
-            Seconds.
-        """
+        partners: ``sync_wait`` per extra rank on a core (0 with a core per rank)."""
         return self.sync_wait * (self.ranks_per_core(ranks_on_node, ranks) - 1)
 
     def layer_cost(self, kind: str) -> float | None:
-        """Calibrated seconds per input byte (forward + backward) of a memory-bound layer.
-
-        Args:
-            kind: ``"pool"``, ``"pointwise"`` or ``"bn"``.
-
-        Returns:
-            The cost, or None when not calibrated.
-        """
+        """Calibrated seconds per input byte (forward + backward) of a memory-bound layer
+        (``"pool"``, ``"pointwise"`` or ``"bn"``); None when not calibrated."""
         return dict(self.layer_costs).get(kind)
 
     def call_cost(self, kind: str) -> float:
@@ -262,17 +191,9 @@ class Machine:
         return dict(self.call_costs).get("conv" if kind == "convT" else kind, 0.0)
 
     def gemm_rate(self, narrowest: int) -> float:
-        """Sustained rate of a dense layer's GEMMs (forward + backward).
-
-        Log-linear in the GEMM's narrowest dimension between the calibrated points, else
-        ``flops``.
-
-        Args:
-            narrowest: The smallest of rows, input and output features.
-
-        Returns:
-            FLOP/s.
-        """
+        """Sustained FLOP/s of a dense layer's GEMMs (forward + backward): log-linear in the
+        GEMM's narrowest dimension (of rows, input and output features) between the
+        calibrated points, else ``flops``."""
         return _log_interp(self.gemm_rates, narrowest, self.flops)
 
     def graph_cost(self, kind: str) -> float | None:
@@ -281,19 +202,12 @@ class Machine:
         return dict(self.graph_costs).get(kind)
 
     def conv_rate(self, in_channels: int, out_channels: int | None = None) -> float:
-        """Sustained convolution rate for a layer.
+        """Sustained convolution rate (FLOP/s) for a layer.
 
         With ``out_channels`` and a calibrated ``conv_grid``: the logarithm of the rate
-        bilinear in the logarithms of both channel counts, clamped at the grid's edges.
-        Else log-linear in the input channels between the ``conv_rates`` points (small
-        channel counts run far below peak on CPUs), else ``flops``.
-
-        Args:
-            in_channels: The layer's input channels.
-            out_channels: Its output channels.
-
-        Returns:
-            FLOP/s.
+        bilinear in the logarithms of both channel counts, clamped at the grid's edges. Else
+        log-linear in the input channels between the ``conv_rates`` points (small channel
+        counts run far below peak on CPUs), else ``flops``.
         """
         if out_channels is not None and self.conv_grid:
             ins, outs, lg = self._conv_grid_logs
@@ -310,15 +224,8 @@ class Machine:
         return sorted({i for i, _ in lg}), sorted({o for _, o in lg}), lg
 
     def compute_share(self, ranks_on_node: int, cores: int | None = None) -> float:
-        """Fraction of a core each rank gets.
-
-        Args:
-            ranks_on_node: Ranks sharing the cores.
-            cores: The cores they share; the node's when None.
-
-        Returns:
-            1 unless the cores are oversubscribed.
-        """
+        """Fraction of a core each of ``ranks_on_node`` ranks sharing ``cores`` (default the
+        node's) gets: 1 unless the cores are oversubscribed."""
         cores = cores or self.cores or self.ranks_per_node
         if ranks_on_node <= cores:
             return 1.0
@@ -389,17 +296,8 @@ def machines_dir() -> Path:
 
 
 def load_machine(name_or_path: str) -> Machine:
-    """Load a machine file.
-
-    Args:
-        name_or_path: A path, or a name in ``machines_dir()``.
-
-    Returns:
-        The machine.
-
-    Raises:
-        ConfigError: Not found, invalid TOML, a missing key or a bad value.
-    """
+    """Load a machine file: a path, or a name in ``machines_dir()``; ConfigError when not found,
+    invalid TOML, or with a missing key or a bad value."""
     path = Path(name_or_path)
     if not path.suffix:
         path = machines_dir() / f"{name_or_path}.toml"

@@ -152,16 +152,8 @@ def _outs(work: Workload, parts, b: int, nbytes: int) -> list[int]:
 
 
 def estimate(work: Workload, grid: tuple[int, int, int, int], nbytes: int = 4) -> MemoryEstimate:
-    """Predicted peak memory per rank of one training step of ``work`` on ``grid``.
-
-    Args:
-        work: The job.
-        grid: ``(data, x, y, z)``.
-        nbytes: Bytes per activation element (2 under bf16).
-
-    Returns:
-        The estimate, by part.
-    """
+    """Predicted peak memory per rank, by part, of one training step of ``work`` on ``grid``
+    ``(data, x, y, z)``; ``nbytes`` per activation element (2 under bf16)."""
     d, *parts = grid
     spatial = math.prod(parts)
     b = max(1, work.global_batch // d)
@@ -277,17 +269,11 @@ def _activations(layers: Sequence, outs: Sequence[float], x_bytes: float, x_owne
     below); a convolution's weight gradient reads a padded copy of its input. A layer inside
     an activation-checkpointing segment (not its last) keeps nothing in forward; while its
     segment's backward runs, the segment's kept outputs exist again (recomputed), and the
-    segment's input is kept for the recomputation.
-
-    Args:
-        layers: The traced layers (``flatten`` and pass-through layers make no memory).
-        outs: Bytes of each layer's output on this rank.
-        x_bytes: Bytes of the input on this rank.
-        x_owned: The step made its own copy of the input (kept by the first layer); without
-            it the input is the loaded batch, counted under ``data``.
-        copies: Per layer, whether its backward makes oneDNN's copies of its operands
-            (:func:`_onednn_copies`).
-        nbytes: Bytes per activation element.
+    segment's input is kept for the recomputation. ``flatten`` and pass-through layers make no
+    memory. ``x_owned``: the step made its own copy of the input (``x_bytes`` on this rank,
+    kept by the first layer); without it the input is the loaded batch, counted under
+    ``data``. ``copies``: per layer, whether its backward makes oneDNN's copies of its
+    operands (:func:`_onednn_copies`).
     """
     from hpcpar.nn._conv_route import CHUNK_BACKWARD_BYTES  # deferred: imports torch
 
@@ -369,16 +355,7 @@ def _activations(layers: Sequence, outs: Sequence[float], x_bytes: float, x_owne
 def largest_edge(fits: Callable[[int], bool], smallest: int, limit: int = 1 << 14) -> int | None:
     """The largest cubic edge ``s >= smallest`` with ``fits(s)``; None when not even the
     smallest fits. Memory grows with the edge, so ``fits`` holds up to some edge and not
-    after it: doubling finds a bound, bisection the edge.
-
-    Args:
-        fits: Whether a sample of edge ``s`` fits (``s`` never below ``smallest``).
-        smallest: The smallest edge the model accepts.
-        limit: Largest edge tried.
-
-    Returns:
-        The edge, or None.
-    """
+    after it: doubling finds a bound, bisection the edge (never above ``limit``)."""
     if not fits(smallest):
         return None
     lo, hi = smallest, smallest * 2

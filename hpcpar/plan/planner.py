@@ -4,20 +4,19 @@ For a job and a rank count N it enumerates every grid (data, x, y, z) with produ
 predicts, per rank: compute (FLOPs of each convolution and dense layer at the machine's rate;
 pools, pointwise layers and batch norms at their calibrated cost per input byte, else at the
 memory bandwidth; each class slowed by its measured contention and by time slicing; plus each
-spatial layer's calibrated fixed cost per call), halo
-exchange (face bytes per split axis, one message per side, forward and backward), gradient
-allreduce (ring cost per hierarchy level, overlapped with backward except the last bucket),
-the gather feeding a replicated head (or a split head's allreduce of its partial products:
-each rank multiplies its own voxels' weight columns, :mod:`hpcpar.nn.split_head`, and holds
-only those), tensor-parallel dense layers (their GEMM shard and the
-activation/weight collectives of :mod:`hpcpar.nn.tensor_parallel`; their gradients are reduced
-over the data axis only), I/O (overlapped by prefetch) and memory (runtime, activations
-kept for backward, the backward's transient, parameters, gradients, optimizer state). On
-oversubscribed cores each synchronisation (halo exchange, gather, collective) also waits for
-descheduled partners: the machine's calibrated ``sync_wait`` per extra rank on a core.
-Grids that cannot run (too many ranks for a layer's extent, batch not divisible, out of
-memory: :mod:`hpcpar.plan.memory`'s estimate over the machine's ``mem_per_rank``) are marked
-infeasible with the reason and never recommended.
+spatial layer's calibrated fixed cost per call), halo exchange (face bytes per split axis, one
+message per side, forward and backward), gradient allreduce (ring cost per hierarchy level,
+overlapped with backward except the last bucket), the gather feeding a replicated head (or a
+split head's allreduce of its partial products: each rank multiplies its own voxels' weight
+columns, :mod:`hpcpar.nn.split_head`, and holds only those), tensor-parallel dense layers
+(their GEMM shard and the activation/weight collectives of :mod:`hpcpar.nn.tensor_parallel`;
+their gradients are reduced over the data axis only), I/O (overlapped by prefetch) and memory
+(runtime, activations kept for backward, the backward's transient, parameters, gradients,
+optimizer state). On oversubscribed cores each synchronisation (halo exchange, gather,
+collective) also waits for descheduled partners: the machine's calibrated ``sync_wait`` per
+extra rank on a core. Grids that cannot run (too many ranks for a layer's extent, batch not
+divisible, out of memory: :mod:`hpcpar.plan.memory`'s estimate over the machine's
+``mem_per_rank``) are marked infeasible with the reason and never recommended.
 
 Full-graph GNN jobs (``Workload.graph``) are modelled per layer by :mod:`hpcpar.plan.gnn`.
 
@@ -100,18 +99,14 @@ def trace_layers(model: torch.nn.Module, sample_shape: Sequence[int],
     twin written with ``F.conv3d``/``F.max_pool3d`` plan alike. Views pass their input's
     producer on; hpcpar's ``GatherPoint`` (a marker that makes no call) is a gather.
 
-    Args:
-        model: The plain (not spatialized) model.
-        sample_shape: Shape of one sample, e.g. ``(C, D, H, W)``.
-        checkpointing: ``[train] activation_checkpointing``: the layers of each segment
-            (:func:`hpcpar.nn.checkpointing.plan_segments`) get its index.
-
-    Returns:
-        The layers with per-sample shapes, parameters, FLOPs and halo functions.
+    ``sample_shape`` is one sample's, e.g. ``(C, D, H, W)``. With ``checkpointing`` (``[train]
+    activation_checkpointing``) the layers of each segment
+    (:func:`hpcpar.nn.checkpointing.plan_segments`) get its index. The layers come with
+    per-sample shapes, parameters, FLOPs and halo functions.
     """
     import torch
 
-    flow = _dataflow()
+    flow = _flow_mode()()
     flow.segment_of = _segment_index(model, checkpointing)
     hooks = []
     for mod in model.modules():
@@ -325,11 +320,6 @@ def _tensors(args, kwargs) -> list:
     return out
 
 
-def _dataflow():
-    """A fresh dataflow recorder for one trace."""
-    return _flow_mode()()
-
-
 def _segment_index(model, checkpointing) -> dict[int, int]:
     """id(leaf module) -> index of the checkpointed segment holding it."""
     if checkpointing is False or checkpointing is None:
@@ -359,14 +349,7 @@ def mark_tensor_parallel(layers: list[Layer], min_features: int) -> list[Layer]:
 
 
 def grids(n: int) -> Iterator[tuple[int, int, int, int]]:
-    """Every grid of ``n`` ranks.
-
-    Args:
-        n: Number of ranks.
-
-    Yields:
-        Every ``(data, x, y, z)`` with product ``n``.
-    """
+    """Every grid ``(data, x, y, z)`` of ``n`` ranks (product ``n``)."""
     for d in _divisors(n):
         rest = n // d
         for x in _divisors(rest):
@@ -391,17 +374,9 @@ def tp_linear_time(layer: Layer, rows: int, grid: tuple, machine: Machine,
     all-gather of the weight block over z, all-reduce of the partial output over x,
     all-gather of output columns over y and of rows over z. Backward: all-reduce of the input
     gradient over y, all-gather of its columns over x and rows over z, reduce-scatter of the
-    weight gradient over z, all-reduce of the bias gradient over z.
-
-    Args:
-        layer: A traced ``linear`` layer with ``tp`` set.
-        rows: Batch rows of the data replica.
-        grid: ``(data, x, y, z)``.
-        machine: The machine model.
-        link: The link between the spatial group's ranks.
-
-    Returns:
-        Compute and communication seconds.
+    weight gradient over z, all-reduce of the bias gradient over z. ``layer``: a traced
+    ``linear`` layer with ``tp`` set; ``rows``: the data replica's batch rows; ``link``: between
+    the spatial group's ranks.
     """
     _, X, Y, Z = grid
     fin, fout = layer.in_shape[-1], layer.out_shape[-1]
@@ -577,16 +552,8 @@ def redundant_fraction(local, widths, convs: int) -> float:
 
 
 def predict(work: Workload, grid: tuple, machine: Machine) -> Prediction:
-    """Predict one training step of a job on one grid (the model is the module docstring).
-
-    Args:
-        work: The job.
-        grid: ``(data, x, y, z)``.
-        machine: The machine model.
-
-    Returns:
-        The prediction; infeasible with a reason when the grid cannot run.
-    """
+    """Predict one training step of a job on one grid ``(data, x, y, z)`` (the model is the
+    module docstring); infeasible with a reason when the grid cannot run."""
     if work.graph is not None:
         return predict_graph(work, grid, machine)
     d, X, Y, Z = grid
@@ -661,16 +628,8 @@ def predict(work: Workload, grid: tuple, machine: Machine) -> Prediction:
 
 
 def plan(work: Workload, ranks: int, machine: Machine) -> list[Prediction]:
-    """Predict every grid of a rank count.
-
-    Args:
-        work: The job.
-        ranks: Number of ranks.
-        machine: The machine model.
-
-    Returns:
-        One prediction per grid: feasible ones first, fastest first.
-    """
+    """One prediction per grid of ``ranks`` ranks: feasible ones first, fastest first (ties,
+    :data:`TIE`, by communication, then memory)."""
     preds = sorted((predict(work, g, machine) for g in grids(ranks)),
                    key=lambda p: (not p.feasible, p.t_step if p.feasible else 0.0, p.grid))
     feasible = [p for p in preds if p.feasible]

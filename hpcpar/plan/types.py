@@ -19,31 +19,14 @@ BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 @dataclass
 class Layer:
-    """One traced leaf layer.
+    """One traced leaf layer (the fields' comments say what each holds).
 
-    Attributes:
-        kind: ``conv``, ``convT``, ``pool``, ``bn``, ``pointwise``, ``linear`` or ``gather``.
-        spatial: Runs on partitioned volumes (before the gather point).
-        in_shape: Input shape per sample, ``(C, D, H, W)`` or ``(F,)``.
-        out_shape: Output shape per sample.
-        params: Parameter count.
-        flops: Forward FLOPs per sample (dense layers).
-        halo: Per spatial axis, ``(n_in, parts, index) -> AxisHalo``.
-        tp: A ``TensorParallelLinear`` over the grid's spatial group.
-        split: A split head (:mod:`hpcpar.nn.split_head`): the ``(C, D, H, W)`` of the
-            flattened split volume it takes, whose voxels' weight columns each rank holds.
-        segment: The checkpointed segment ([train] activation_checkpointing) the layer is
-            in, -1 for none: its output is recomputed in backward, not kept.
-        inputs: The layers whose outputs it takes (indices into the traced list; -1 the
-            model's input); empty: the layer before it. What the memory model follows to
-            know which outputs backward keeps and for how long.
-        alias: The layer returned one of its inputs (no new memory).
-        keeps: What its backward keeps, as torch's autograd reported it in the trace:
-            ``"in"``, ``"out"``, ``"in,out"`` or ``"none"``; empty: by ``kind``.
-        extra: Bytes per output element of the other tensors it keeps (a max pool's int64
-            indices, a dropout's mask).
-        kernel: A convolution's ``(kernel_size, stride, dilation, groups)``: which of
-            torch's CPU kernels runs it on a piece decides the copies its backward makes.
+    A layer in a checkpointed ``segment`` has its output recomputed in backward, not kept.
+    ``inputs`` (indices into the traced list) is what the memory model follows to know which
+    outputs backward keeps and for how long; ``keeps`` is as torch's autograd reported it in
+    the trace. A split head (:mod:`hpcpar.nn.split_head`) takes the flattened split volume
+    ``split``. A convolution's ``kernel`` decides which of torch's CPU kernels runs it on a
+    piece, and so the copies its backward makes.
     """
 
     kind: str            # conv, convT, pool, bn, pointwise, linear, gather
@@ -59,7 +42,7 @@ class Layer:
     inputs: tuple = ()   # producing layers (-1: the model's input); (): the previous layer
     alias: bool = False  # returned one of its inputs
     keeps: str = ""      # kept for backward: "in", "out", "in,out", "none"; "": by kind
-    extra: float = 0.0   # bytes per output element of other kept tensors (pool indices)
+    extra: float = 0.0   # bytes per output element of other kept tensors (pool indices, masks)
     kernel: tuple = ()   # a convolution's (kernel, stride, dilation, groups)
 
     def head_share(self, parts) -> int:
@@ -74,25 +57,13 @@ class Layer:
 
 @dataclass
 class Workload:
-    """What the planner needs to know about a job.
-
-    Attributes:
-        name: The job's name.
-        layers: The traced layers (``trace_layers``).
-        sample_shape: Shape of one sample.
-        global_batch: Samples per step.
-        precision: ``"fp32"`` or ``"bf16"``.
-        optimizer: The optimizer (its state counts in memory).
-        params: Parameter count (summed from the layers).
-        graph: A full-graph GNN job (:class:`hpcpar.plan.gnn.GraphJob`); ``layers`` is then
-            empty.
-        checkpoints: The run writes checkpoints (their writer's memory counts).
-        shard_optimizer: ``[train] shard_optimizer``: optimizer state split over each
-            parameter's replicas.
-        fuse_halos: ``[model] fuse_halos``: the longest run of convolutions sharing one halo
-            exchange (:mod:`hpcpar.nn.fused_halo`).
-        input_copy: The step makes its own copy of the input piece (an input transform or
-            channels-last order), which the first layer keeps for backward.
+    """What the planner needs to know about a job: its traced ``layers`` (``trace_layers``;
+    ``params`` is summed from them), or a full-graph GNN job's ``graph``
+    (:class:`hpcpar.plan.gnn.GraphJob`, ``layers`` empty), and the settings that change a
+    step's time or memory: ``checkpoints`` (the run writes some: their writer's memory counts),
+    ``[train] shard_optimizer``, ``[model] fuse_halos`` (:mod:`hpcpar.nn.fused_halo`) and
+    ``input_copy`` (the step makes its own copy of the input piece, an input transform or
+    channels-last order, which the first layer keeps for backward).
     """
 
     name: str
@@ -141,23 +112,12 @@ class Workload:
 
 @dataclass
 class Prediction:
-    """The predicted step of one grid; times are seconds per step, per rank.
-
-    Attributes:
-        grid: ``(data, x, y, z)``.
-        feasible: False when the grid cannot run.
-        reason: Why not (a layer's extent, the batch, memory).
-        t_compute: Compute time.
-        t_halo: Halo exchange time.
-        t_gather: Time of the gather feeding a replicated head.
-        t_allreduce: Gradient allreduce time.
-        t_allreduce_exposed: The part of it not hidden behind backward.
-        t_io: Exposed I/O time.
-        t_tp: Collectives of tensor-parallel layers (GNN jobs: the halo exchange is
-            ``t_halo``).
-        t_step: The whole step.
-        mem_bytes: Peak memory per rank.
-        extra: Further facts.
+    """The predicted step of one grid ``(data, x, y, z)``; times are seconds per step, per
+    rank, ``mem_bytes`` the peak memory per rank. A grid that cannot run is not ``feasible``,
+    with the ``reason`` (a layer's extent, the batch, memory). ``t_gather`` is the gather
+    feeding a replicated head, ``t_allreduce_exposed`` the part of the gradient allreduce not
+    hidden behind backward, ``t_tp`` the collectives of tensor-parallel layers (a GNN job's halo
+    exchange is ``t_halo``).
     """
 
     grid: tuple

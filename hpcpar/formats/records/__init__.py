@@ -37,8 +37,7 @@ from .schema import (
 
 __all__ = ["SCHEMA_VERSION", "SCHEMA_NAME", "Column", "COLUMNS", "COLUMN_NAMES", "META_KEYS",
            "STATUSES", "OPTIONAL_COLUMNS", "now_iso", "package_versions", "slurm_facts",
-           "rank_machine_facts", "machine_facts", "git_facts", "LocalComm",
-           "LocalGrid", "encode_row", "row_from_counters", "write_json_atomic", "read_meta",
-           "open_nofollow", "read_regular",
-           "RunRecorder", "read_rank_file", "merge_records", "read_steps", "schema_markdown",
-           "strict_json", "pd_concat"]
+           "rank_machine_facts", "machine_facts", "git_facts", "LocalComm", "LocalGrid",
+           "encode_row", "row_from_counters", "write_json_atomic", "read_meta", "open_nofollow",
+           "read_regular", "RunRecorder", "read_rank_file", "merge_records", "read_steps",
+           "schema_markdown", "strict_json", "pd_concat"]

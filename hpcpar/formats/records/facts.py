@@ -50,14 +50,8 @@ def package_versions() -> dict:
 
 
 def slurm_facts(env: Mapping[str, str] | None = None) -> dict | None:
-    """Slurm job id, node list and friends from the environment.
-
-    Args:
-        env: The environment; ``os.environ`` when None.
-
-    Returns:
-        The facts, or None outside Slurm.
-    """
+    """Slurm job id, node list and friends from ``env`` (default ``os.environ``); None outside
+    Slurm."""
     env = os.environ if env is None else env
     job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
     if not job:
@@ -86,13 +80,8 @@ def rank_machine_facts(env: Mapping[str, str] | None = None) -> dict:
     ``cpus`` is this process's affinity set (``os.sched_getaffinity``; all logical CPUs
     where that is unavailable), ``cpu_count`` the node's logical CPUs, ``slurm_cpus`` Slurm's
     ``SLURM_CPUS_ON_NODE`` (the CPUs the job holds on the node), ``threads`` torch's intra-op
-    threads when torch is loaded, else ``OMP_NUM_THREADS``, else None (unknown).
-
-    Args:
-        env: The environment; ``os.environ`` when None.
-
-    Returns:
-        ``{host, cpus (list), cpu_count, slurm_cpus, threads}``.
+    threads when torch is loaded, else ``OMP_NUM_THREADS`` (of ``env``, default ``os.environ``),
+    else None (unknown).
     """
     env = os.environ if env is None else env
     try:
@@ -111,20 +100,14 @@ def rank_machine_facts(env: Mapping[str, str] | None = None) -> dict:
 
 def machine_facts(per_rank: Sequence[dict]) -> dict:
     """Cores per node, ranks per node and threads per rank from every rank's
-    :func:`rank_machine_facts`, and whether the run was oversubscribed.
+    :func:`rank_machine_facts` (``comm.allgather(rank_machine_facts())``), and whether the run
+    was oversubscribed: ``{cores_per_node, cores_source, ranks_per_node, threads_per_rank,
+    oversubscribed, hosts}``.
 
-    cores of a node = Slurm's CPUs on the node when set, else the union of its ranks'
-    affinity sets (what the ranks could use). cores_per_node, ranks_per_node and
-    threads_per_rank are the values of the most crowded node (where the ratio
-    ranks x threads / cores is largest); oversubscribed = ranks x threads > cores on any
-    node (None when the threads are unknown).
-
-    Args:
-        per_rank: One dict per rank (``comm.allgather(rank_machine_facts())``).
-
-    Returns:
-        ``{cores_per_node, cores_source, ranks_per_node, threads_per_rank, oversubscribed,
-        hosts}``.
+    cores of a node = Slurm's CPUs on the node when set, else the union of its ranks' affinity
+    sets (what the ranks could use). cores_per_node, ranks_per_node and threads_per_rank are the
+    values of the most crowded node (where the ratio ranks x threads / cores is largest);
+    oversubscribed = ranks x threads > cores on any node (None when the threads are unknown).
     """
     hosts: dict = {}
     for f in per_rank:
@@ -154,12 +137,9 @@ def machine_facts(per_rank: Sequence[dict]) -> dict:
 
 
 def host_load() -> list | None:
-    """The host's 1, 5 and 15-minute load averages (runnable processes, ``os.getloadavg``):
-    a busy host makes every step time, and so every speedup, suspect.
-
-    Returns:
-        ``[load1, load5, load15]`` rounded to 0.01, or None where the OS has none.
-    """
+    """The host's 1, 5 and 15-minute load averages (runnable processes, ``os.getloadavg``)
+    rounded to 0.01, None where the OS has none: a busy host makes every step time, and so every
+    speedup, suspect."""
     try:
         return [round(v, 2) for v in os.getloadavg()]
     except (AttributeError, OSError):
@@ -167,14 +147,8 @@ def host_load() -> list | None:
 
 
 def git_facts(path: str | os.PathLike | None) -> dict | None:
-    """Commit, dirtiness and root of the git repository holding a file.
-
-    Args:
-        path: A file or directory (the job file).
-
-    Returns:
-        The facts, or None outside a repository (or without git).
-    """
+    """Commit, dirtiness and root of the git repository holding a file or directory (the job
+    file); None outside a repository (or without git)."""
     if not path:
         return None
     where = Path(path).resolve()

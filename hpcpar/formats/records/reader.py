@@ -125,23 +125,15 @@ def _parse_rows(header: bytes, rows: bytes, rank: int | None, bad: list,
 
 
 def read_rank_file(path: str | os.PathLike, notes: list | None = None) -> pd.DataFrame:
-    """Read one rank's step file.
+    """One rank's step file (``rank-NNNNN.csv``) as its step table; RunDirError when it is not a
+    step record of this schema version.
 
     A torn last line (crash mid-write) is dropped; where the step goes back (a resumed run
     appending from its checkpoint), every earlier row at or past that step is replaced (steps
     redone after the checkpoint, and stale ones the crash left behind). Lines that are not
-    rows of the schema (damage, another rank's row) are left out. Files of older hpcpar
-    versions (a schema tag line first, ``# resume`` lines) read the same.
-
-    Args:
-        path: The ``rank-NNNNN.csv`` file.
-        notes: A list that receives one note saying how many lines were left out.
-
-    Returns:
-        The rank's step table.
-
-    Raises:
-        RunDirError: The file is not a step record of this schema version.
+    rows of the schema (damage, another rank's row) are left out, with one note in ``notes``
+    saying how many. Files of older hpcpar versions (a schema tag line first, ``# resume``
+    lines) read the same.
     """
     path = Path(path)
     try:
@@ -189,14 +181,7 @@ def _latest_segments(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def pd_concat(frames: Sequence[pd.DataFrame]) -> pd.DataFrame:
-    """Concatenate step tables, keeping the schema's column types.
-
-    Args:
-        frames: The step tables.
-
-    Returns:
-        One table with a fresh index and the schema's column types.
-    """
+    """Concatenate step tables into one with a fresh index, keeping the schema's column types."""
     import pandas as pd
 
     return _typed(pd.concat(frames, ignore_index=True))
@@ -223,19 +208,9 @@ def _read_rank_files(files, notes: list | None):
 
 
 def merge_records(run_dir: str | os.PathLike) -> Path:
-    """Merge a run's per-rank step files into one table.
-
-    Damaged lines and unreadable rank files are left out (the rank files stay as they are).
-
-    Args:
-        run_dir: The run directory.
-
-    Returns:
-        ``RUN/steps.parquet``.
-
-    Raises:
-        RunDirError: No rank files.
-    """
+    """Merge a run's per-rank step files into ``RUN/steps.parquet`` (returned); RunDirError when
+    there are none. Damaged lines and unreadable rank files are left out (the rank files stay
+    as they are)."""
     run_dir = Path(run_dir)
     files = sorted((run_dir / "records").glob("rank-*.csv"))
     if not files:
@@ -274,22 +249,13 @@ def _read_parquet(path: Path):
 
 
 def read_steps(run_dir: str | os.PathLike, notes: list | None = None) -> pd.DataFrame:
-    """The step table of a run, checked against the schema version.
+    """The step table of a run (one row per rank per step), checked against the schema version.
 
-    Reads steps.parquet / steps.csv when the run finished, else the per-rank files (a
-    crashed or running run).
-
-    Args:
-        run_dir: The run directory.
-        notes: Without a list, any damage raises. With one, the reader keeps what it can and
-            appends one line per problem: a merged file that cannot be read falls back to
-            the rank files, an unreadable rank file is skipped, damaged lines are left out.
-
-    Returns:
-        One row per rank per step.
-
-    Raises:
-        RunDirError: Damage (without ``notes``), or no step records at all.
+    Reads steps.parquet / steps.csv when the run finished, else the per-rank files (a crashed or
+    running run). Without a ``notes`` list any damage raises RunDirError; with one, the reader
+    keeps what it can and appends one line per problem: a merged file that cannot be read falls
+    back to the rank files, an unreadable rank file is skipped, damaged lines are left out. No
+    step records at all raise RunDirError either way.
     """
     run_dir = Path(run_dir)
     parquet, csv = run_dir / "steps.parquet", run_dir / "steps.csv"

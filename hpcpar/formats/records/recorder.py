@@ -72,13 +72,8 @@ class LocalComm:
 
 
 class LocalGrid:
-    """Grid facts for a recorder without MPI.
-
-    Args:
-        shape: ``(data, x, y, z)``.
-        rank: The rank this process records as.
-        nodes: Number of nodes to record.
-    """
+    """Grid facts for a recorder without MPI: ``shape`` ``(data, x, y, z)``, the rank this
+    process records as, and the number of nodes to record."""
 
     def __init__(self, shape: Sequence[int] = (1, 1, 1, 1), rank: int = 0, nodes: int = 1):
         self.shape = tuple(shape)
@@ -88,14 +83,8 @@ class LocalGrid:
 
 
 def row_from_counters(delta: dict) -> dict:
-    """Map counter differences onto step columns (graph halos count as halo time).
-
-    Args:
-        delta: What ``hpcpar.parallel.counters.Counters.since`` returned.
-
-    Returns:
-        The step columns among them.
-    """
+    """The step columns among counter differences (``Counters.since`` of
+    :mod:`hpcpar.parallel.counters`); graph halos count as halo time."""
     row = {k: v for k, v in delta.items() if k in KINDS}
     if "t_graph_halo" in delta:
         row["t_halo"] = row.get("t_halo", 0.0) + delta["t_graph_halo"]
@@ -117,19 +106,12 @@ class RunRecorder:
 
     Construction and [finish][hpcpar.formats.records.RunRecorder.finish] are collective over
     ``grid.comm``; [step][hpcpar.formats.records.RunRecorder.step] is local (every rank records
-    its own row every step).
-
-    Args:
-        run_dir: The run directory; records go to ``run_dir/records``.
-        grid: The process grid; None records a single process without MPI.
-        meta: Caller facts stored in meta.json (``job_name``, ``job`` dict, ``job_file``,
-            ``global_batch``, ``config``, anything else JSON-able).
-        resume: Keep the rows and start time already there; rows of steps redone after the
-            checkpoint replace the old ones when the records are merged.
-
-    Raises:
-        RunDirError: Rank 0 cannot create the records or read the existing meta.json (the
-            same error on every rank).
+    its own row every step). Rows go to ``run_dir/records``; ``grid=None`` records a single
+    process without MPI. ``meta`` holds the caller's facts for meta.json (``job_name``, ``job``
+    dict, ``job_file``, ``global_batch``, ``config``, anything else JSON-able). ``resume`` keeps
+    the rows and start time already there; rows of steps redone after the checkpoint replace the
+    old ones when the records are merged. When rank 0 cannot create the records or read the
+    existing meta.json, every rank raises the same RunDirError.
 
     Example:
         ```python
@@ -221,15 +203,9 @@ class RunRecorder:
         write_json_atomic(path, meta)
 
     def step(self, **row: Any) -> None:
-        """Append this rank's row of one step and flush it to the OS (it survives a crash).
-
-        Args:
-            **row: Values of the step columns (``COLUMNS``; ``rank`` is filled in, missing
-                columns are left empty).
-
-        Raises:
-            RunDirError: The row cannot be written (disk full...); no torn line is left.
-        """
+        """Append this rank's row of one step (``COLUMNS``; ``rank`` filled in, missing columns
+        left empty) and flush it to the OS, so it survives a crash. A row that cannot be written
+        (disk full...) raises RunDirError and leaves no torn line."""
         row.setdefault("rank", self.rank)
         if "step" not in row or row["step"] is None:
             raise KeyError("step record: 'step' is required")
@@ -241,11 +217,8 @@ class RunRecorder:
             self.update_meta(lambda m: m["segments"][-1].update(first_step=int(row["step"])))
 
     def update_meta(self, change: Callable[[dict], None]) -> None:
-        """Apply ``change(meta_dict)`` to meta.json atomically (rank 0 only).
-
-        Args:
-            change: Called with the meta dict; modifies it in place.
-        """
+        """Apply ``change(meta_dict)``, which modifies it in place, to meta.json atomically
+        (rank 0 only)."""
         meta = read_meta(self.run_dir)
         change(meta)
         write_json_atomic(self.run_dir / "meta.json", meta)
@@ -261,17 +234,9 @@ class RunRecorder:
             os.close(fd)
 
     def finish(self, status: str = "ok", reason: str | None = None) -> Path | None:
-        """Close every rank's file, merge them, and record the end time and status (collective).
-
-        Args:
-            status: The run's final status for meta.json (``"ok"``, ``"stopped"``,
-                ``"failed"``...).
-            reason: Why the run ended, stored as ``end_reason`` (None removes an earlier one).
-
-        Returns:
-            The merged ``steps.parquet`` on rank 0; None on
-            the other ranks.
-        """
+        """Close every rank's file, merge them, and record the end time, the final ``status``
+        (one of ``STATUSES`` but "running") and ``reason`` as ``end_reason`` (None removes an
+        earlier one). Collective; returns the merged ``steps.parquet`` on rank 0, else None."""
         if status not in STATUSES[1:]:
             raise ValueError(f"finish status must be one of {STATUSES[1:]}, got {status!r}")
         self.close()

@@ -27,14 +27,8 @@ SCHEMA_NAME = "hpcpar.run"
 
 @dataclass(frozen=True)
 class Column:
-    """One column of the step table.
-
-    Attributes:
-        name: Column name.
-        kind: ``"int"`` or ``"float"``.
-        unit: Unit (``"s"``, ``"B"``...).
-        doc: One line saying what it measures.
-    """
+    """One column of the step table: name, kind, unit (``"s"``, ``"B"``...) and ``doc``, one
+    line saying what it measures."""
 
     name: str
     kind: str  # "int" or "float"
@@ -134,7 +128,6 @@ def now_iso() -> str:
     return _dt.datetime.now(_dt.UTC).isoformat(timespec="milliseconds")
 
 
-# -- environment facts ----------------------------------------------------------------------
 # -- row encoding ----------------------------------------------------------------------------
 def _cell(name: str, value) -> str:
     if value is None:
@@ -147,19 +140,10 @@ def _cell(name: str, value) -> str:
 
 
 def encode_row(row: dict, names: Sequence[str] = COLUMN_NAMES) -> str:
-    """Encode a step row as one CSV line.
-
-    Args:
-        row: Column name -> value; missing columns are left empty.
-        names: The file's columns (a file begun before an optional column existed keeps
-            its own columns on resume; values of columns it lacks are not written).
-
-    Returns:
-        The line, with its newline.
-
-    Raises:
-        KeyError: A column not in the schema (a bug).
-    """
+    """A step row (column name -> value; missing columns left empty) as one CSV line with its
+    newline, in the file's columns ``names`` (a file begun before an optional column existed
+    keeps its own columns on resume; values of columns it lacks are not written). A column not
+    in the schema is a bug: KeyError."""
     unknown = set(row) - set(COLUMN_NAMES)
     if unknown:
         raise KeyError(f"step record: unknown column(s) {sorted(unknown)}; schema v"
@@ -198,15 +182,8 @@ def drop_torn_tail(path: Path) -> None:
 
 
 def strict_json(obj: Any) -> Any:
-    """Make a value dump as strict JSON (``allow_nan=False``) that any parser reads.
-
-    Args:
-        obj: Nested dicts, lists and scalars.
-
-    Returns:
-        A copy with NaN/inf floats as None (JSON ``null``) and numpy scalars as Python
-        numbers.
-    """
+    """A copy of nested dicts, lists and scalars that dumps as strict JSON (``allow_nan=False``)
+    any parser reads: NaN/inf floats as None (JSON ``null``), numpy scalars as Python numbers."""
     if isinstance(obj, dict):
         return {k: strict_json(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -225,12 +202,8 @@ def oserror_text(exc: OSError) -> str:
 def open_nofollow(path: str | os.PathLike, flags: int, mode: int = 0o666) -> int:
     """``os.open`` of a run file that never follows a symbolic link placed at ``path`` (a link
     in a run directory must not make hpcpar append to or truncate its target); usable as
-    ``open(path, "a", opener=open_nofollow)``.
-
-    Raises:
-        RunDirError: ``path`` is a symbolic link (one line naming it).
-        OSError: Any other failure to open.
-    """
+    ``open(path, "a", opener=open_nofollow)``. A link raises a one-line RunDirError; any other
+    failure to open, OSError."""
     try:
         return os.open(path, flags | os.O_NOFOLLOW, mode)
     except OSError as exc:
@@ -242,12 +215,9 @@ def open_nofollow(path: str | os.PathLike, flags: int, mode: int = 0o666) -> int
 
 def read_regular(path: str | os.PathLike, limit: int = 1 << 28) -> bytes:
     """The bytes of a regular file: a FIFO or a device named like a run file is refused
-    instead of read (reading a FIFO blocks until someone writes to it).
-
-    Raises:
-        RunDirError: ``path`` is not a regular file, or larger than ``limit`` bytes.
-        OSError: It cannot be opened (FileNotFoundError when missing).
-    """
+    instead of read (reading a FIFO blocks until someone writes to it), as is one larger than
+    ``limit`` bytes (RunDirError); OSError when it cannot be opened (FileNotFoundError when
+    missing)."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     try:
         st = os.fstat(fd)
@@ -263,18 +233,10 @@ def read_regular(path: str | os.PathLike, limit: int = 1 << 28) -> bytes:
 
 
 def write_json_atomic(path: Path, obj: dict) -> None:
-    """Write strict JSON atomically: a temporary file, fsync, then rename.
-
-    Readers see the old or the new file, never half of one.
-
-    Args:
-        path: The file to write.
-        obj: The content (NaN/inf are written as null, see ``strict_json``).
-
-    Raises:
-        RunDirError: An OSError (disk full, permissions), naming the file; the old file is
-            left as it was.
-    """
+    """Write ``obj`` as strict JSON (NaN/inf as null, see ``strict_json``) atomically: a
+    temporary file, fsync, then rename, so readers see the old or the new file, never half of
+    one. An OSError (disk full, permissions) becomes a RunDirError naming the file; the old
+    file is left as it was."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     text = json.dumps(strict_json(obj), indent=2, sort_keys=True, default=str,
@@ -295,17 +257,8 @@ def write_json_atomic(path: Path, obj: dict) -> None:
 
 
 def read_meta(run_dir: str | os.PathLike) -> dict:
-    """Read a run's meta.json, checked for schema name and version.
-
-    Args:
-        run_dir: The run directory.
-
-    Returns:
-        The meta dict.
-
-    Raises:
-        RunDirError: Missing or unreadable, or another schema or version.
-    """
+    """A run's meta.json, checked for schema name and version; RunDirError when missing or
+    unreadable, or of another schema or version."""
     path = Path(run_dir) / "meta.json"
     try:
         meta = json.loads(read_regular(path))
