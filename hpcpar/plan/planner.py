@@ -124,11 +124,6 @@ def trace_layers(model: torch.nn.Module, sample_shape: Sequence[int],
     return flow.layers
 
 
-def _arg(args, kwargs, i: int, name: str, default=None):
-    """Argument ``i`` (or keyword ``name``) of a torch call."""
-    return args[i] if len(args) > i else kwargs.get(name, default)
-
-
 def _flow_mode():
     """The torch function mode class of :func:`trace_layers` (torch imported on first use)."""
     import torch
@@ -137,6 +132,7 @@ def _flow_mode():
     from hpcpar.nn import optable  # deferred: the dispatcher's table loads torch
     from hpcpar.nn import rules as r  # deferred: loads torch
     from hpcpar.nn import spatial_ops as s  # deferred: loads torch
+    from hpcpar.nn.view_maps import by_name  # deferred: loads torch
 
     stencil = {s.conv3d: "conv", s.conv_transpose3d: "convT"}   # pools: s.PoolRule
     flattens = (r.shape_op, r.reshape)
@@ -250,7 +246,8 @@ def _flow_mode():
             params = sum(t.numel() for t in _tensors(args, kwargs)
                          if isinstance(t, torch.nn.Parameter))
             if rule in stencil:
-                return self._stencil(stencil[rule], args, kwargs, spatial, ins, outs, params)
+                return self._stencil(stencil[rule], by_name(func, args, kwargs), spatial, ins,
+                                     outs, params)
             if isinstance(rule, s.PoolRule):
                 b = r.bind_args(rule.names, rule.defaults, args, kwargs)
                 k = b["kernel_size"]
@@ -268,7 +265,7 @@ def _flow_mode():
                 return Layer("bn", spatial, ins, outs, params)
             if rule is r.linear and out.dim() == 2:
                 self.state["spatial"] = False
-                w = _arg(args, kwargs, 1, "weight")
+                w = by_name(func, args, kwargs)["weight"]
                 return Layer("linear", False, ins, outs, params, flops=2.0 * w.numel(),
                              split=self.state.pop("flat", ()))
             if rule in flattens and x.dim() == 5 and out.dim() == 2:
@@ -285,24 +282,14 @@ def _flow_mode():
                 return None
             return Layer("pointwise", spatial, ins, outs, params)
 
-        def _stencil(self, kind, args, kwargs, spatial, ins, outs, params):
-            w = _arg(args, kwargs, 1, "weight")
+        def _stencil(self, kind, b, spatial, ins, outs, params):
+            w, stride, dil = b["weight"], _tup(b["stride"]), _tup(b["dilation"])
             k = tuple(w.shape[2:])
-            stride = _tup(_arg(args, kwargs, 3, "stride", 1))
-            pad = _arg(args, kwargs, 4, "padding", 0)
-            groups = _arg(args, kwargs, 6, "groups", 1)
-            if kind == "conv":
-                dil = _tup(_arg(args, kwargs, 5, "dilation", 1))
-                halo = _stencil_halos(k, stride, pad, dil)
-                flops = 2.0 * math.prod(outs) * w.shape[1] * math.prod(k)
-            else:
-                dil = _tup(_arg(args, kwargs, 7, "dilation", 1))
-                halo = _stencil_halos(k, stride, pad, dil,
-                                      output_padding=_arg(args, kwargs, 5,
-                                                          "output_padding", 0))
-                flops = 2.0 * math.prod(ins) * w.shape[1] * math.prod(k)
+            halo = _stencil_halos(k, stride, b["padding"], dil,
+                                  output_padding=b.get("output_padding"))
+            flops = 2.0 * math.prod(outs if kind == "conv" else ins) * w.shape[1] * math.prod(k)
             return Layer(kind, spatial, ins, outs, params, flops, halo,
-                         kernel=(k, stride, dil, groups))
+                         kernel=(k, stride, dil, b["groups"]))
 
     return Dataflow
 

@@ -65,6 +65,24 @@ class Functional(Modules):
         return F.linear(F.adaptive_avg_pool3d(h, 1).flatten(1), self.fc.weight, self.fc.bias)
 
 
+class Positional(Modules):
+    """The same functions, every argument by position (the tracer reads them by torch's
+    names, as the dispatcher does)."""
+
+    def forward(self, x):
+        bn = self.bn
+        h = F.leaky_relu(F.batch_norm(F.conv3d(x, self.c1.weight, self.c1.bias, 1, 1),
+                                      bn.running_mean, bn.running_var, bn.weight, bn.bias,
+                                      True), 0.1)
+        p = F.max_pool3d(h, 2)
+        p = p + F.leaky_relu(F.conv3d(p, self.c2.weight, self.c2.bias, 1, 2, 2, 1), 0.1)
+        u = F.conv_transpose3d(F.avg_pool3d(p, 2, None, 0, True), self.up.weight,
+                               self.up.bias, 2, 0, 0, 1, 1)
+        h = torch.cat([h[:, :, :u.shape[2], :u.shape[3], :u.shape[4]], u], 1)
+        h = torch.relu(F.conv3d(h, self.c3.weight, self.c3.bias, 2, 1))
+        return F.linear(F.adaptive_avg_pool3d(h, 1).flatten(1), self.fc.weight, self.fc.bias)
+
+
 def _row(layer, parts=(2, 2, 1)):
     halos = tuple(fn(n, p, 0) for fn, n, p in zip(layer.halo, layer.in_shape[1:], parts))
     return (layer.kind, layer.spatial, layer.in_shape, layer.out_shape, layer.params,
@@ -72,9 +90,10 @@ def _row(layer, parts=(2, 2, 1)):
             halos)
 
 
-def test_a_model_and_its_functional_twin_trace_alike():
+@pytest.mark.parametrize("twin", [Functional, Positional])
+def test_a_model_and_its_functional_twin_trace_alike(twin):
     module_layers = trace_layers(Modules(), SHAPE)
-    twin_layers = trace_layers(Functional(), SHAPE)
+    twin_layers = trace_layers(twin(), SHAPE)
     kinds = [layer.kind for layer in module_layers]
     assert kinds.count("conv") == 3 and kinds.count("pool") == 2 and "convT" in kinds \
         and "gather" in kinds and "linear" in kinds, kinds
