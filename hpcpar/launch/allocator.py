@@ -39,8 +39,7 @@ def find_jemalloc() -> str | None:
         path = os.path.join(d, "libjemalloc.so.2")
         if os.path.isfile(path):
             return path
-    name = ctypes.util.find_library("jemalloc")   # ldconfig's cache: another prefix
-    return name
+    return ctypes.util.find_library("jemalloc")   # ldconfig's cache: another prefix
 
 
 def preload(env: MutableMapping[str, str]) -> bool:

@@ -94,12 +94,8 @@ def _gib(nbytes: int) -> str:
 
 
 class OomWatch:
-    """Counts the out-of-memory kills of this process's memory cgroups from now on.
-
-    Args:
-        proc: ``/proc/<pid>/cgroup`` to read (tests point it elsewhere).
-        root: Where the cgroup filesystem is mounted.
-    """
+    """Counts the out-of-memory kills of this process's memory cgroups from now on; ``proc``
+    (``/proc/<pid>/cgroup``) and ``root`` (the cgroup mount) let tests point elsewhere."""
 
     def __init__(self, proc: Path = Path("/proc/self/cgroup"), root: Path = CGROUP_ROOT):
         self.groups = memory_groups(proc, root)
@@ -114,15 +110,9 @@ class OomWatch:
                 zip(self.groups, self._counts(), self.before) if now > then]
 
     def message(self, ranks: int, grid: str) -> str | None:
-        """The one-line error for a run that ended with kills, else None.
-
-        Args:
-            ranks: Ranks of the run.
-            grid: Its grid, ``"DxXxYxZ"``.
-
-        Returns:
-            ``"out of memory: ..."`` naming the group, its limit and what to change.
-        """
+        """The one-line ``"out of memory: ..."`` error for a run of ``ranks`` on ``grid``
+        (``"DxXxYxZ"``) that ended with kills, naming the group, its limit and what to change; else
+        None."""
         kills = self.kills()
         if not kills:
             return None

@@ -61,22 +61,13 @@ def _once(argv: Sequence[str], env, timeout: float) -> subprocess.CompletedProce
 def run_slurm(argv: Sequence[str], env: Mapping[str, str] | None = None,
               timeout: float = 60, delays: Sequence[float] = DELAYS
               ) -> subprocess.CompletedProcess:
-    """Run a Slurm client command, retrying transient failures after ``delays``.
+    """Run a Slurm client command (``env`` None: this process's), each attempt within ``timeout``
+    seconds, retrying transient failures after ``delays``.
 
-    Args:
-        argv: The command line (``argv[0]`` is ``sbatch``, ``scontrol``, ...).
-        env: Its environment (None: this process's).
-        timeout: Seconds one attempt may take.
-        delays: Seconds to wait before each retry.
-
-    Returns:
-        The finished command: success, or a failure that is not transient (the caller
-        reports it).
-
-    Raises:
-        LaunchError: The command is missing or hangs; a transient failure outlasted every
-            retry; ``sbatch``'s reply timed out (the job may exist: not resubmitted blindly).
-    """
+    Returns the finished command: success, or a failure that is not transient (the caller reports
+    it). Raises :class:`LaunchError` when the command is missing or hangs, a transient failure
+    outlasted every retry, or ``sbatch``'s reply timed out (the job may exist: not resubmitted
+    blindly)."""
     name, waits = os.path.basename(argv[0]), list(delays)
     while True:
         proc = _once(argv, env, timeout)

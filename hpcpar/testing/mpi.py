@@ -36,18 +36,13 @@ _PR_SET_PDEATHSIG = 1
 
 def mpi_case(nprocs: int | Sequence[int] = (1, 2, 4),
              timeout: float = DEFAULT_TIMEOUT) -> Callable[[Callable], Callable]:
-    """Mark a test function to run on every rank under ``mpiexec -n N`` for each N.
+    """Mark a test function to run on every rank under ``mpiexec -n N`` for each N in ``nprocs``
+    (``HPCPAR_TEST_MAX_NP`` skips larger ones).
 
-    The function takes no arguments, or one named ``comm`` (``MPI.COMM_WORLD``). Assertions
-    inside run on every rank; any rank failing fails the case. All cases of one module and
-    rank count share one launch.
-
-    Args:
-        nprocs: The rank counts to run it at (``HPCPAR_TEST_MAX_NP`` skips larger ones).
-        timeout: Seconds before the case is killed and reported with the ranks still in it.
-
-    Returns:
-        The decorator.
+    The function takes no arguments, or one named ``comm`` (``MPI.COMM_WORLD``). Assertions inside
+    run on every rank; any rank failing fails the case. All cases of one module and rank count share
+    one launch. After ``timeout`` seconds the case is killed and reported with the ranks still in
+    it.
 
     Example:
         ```python
@@ -68,15 +63,8 @@ def mpi_case(nprocs: int | Sequence[int] = (1, 2, 4),
 
 @dataclass
 class CaseResult:
-    """The outcome of one case at one rank count.
-
-    Attributes:
-        name: The test function's name.
-        status: ``passed``, ``failed``, ``skipped``, ``timeout`` or ``not-run``.
-        message: One line for the report.
-        ranks: Rank -> traceback or message.
-        duration: Seconds.
-    """
+    """The outcome of one case at one rank count; ``ranks`` maps a rank to its traceback or message,
+    ``duration`` is in seconds."""
 
     name: str
     status: str  # passed | failed | skipped | timeout | not-run
@@ -87,18 +75,9 @@ class CaseResult:
 
 @dataclass
 class ModuleRun:
-    """One ``mpiexec`` launch of test cases.
-
-    Attributes:
-        path: The test module ("" for a launch of several).
-        nprocs: Ranks.
-        cases: Case name (:func:`run_module`) or :func:`case_id` (:func:`run_cases`) ->
-            ``CaseResult``.
-        returncode: ``mpiexec``'s exit code (None if it never ended).
-        output: Its combined output.
-        timed_out: Whether the launch was killed at its timeout.
-        elapsed: Seconds.
-    """
+    """One ``mpiexec`` launch of test cases: ``path`` is "" for a launch of several modules;
+    ``cases`` maps the case name (:func:`run_module`) or :func:`case_id` (:func:`run_cases`) to its
+    ``CaseResult``; ``returncode`` is None if ``mpiexec`` never ended; ``elapsed`` is in seconds."""
 
     path: str
     nprocs: int
@@ -110,14 +89,8 @@ class ModuleRun:
 
 
 def startup_allowance(nprocs: int) -> float:
-    """Seconds to allow for launching N Python+torch processes on a small machine.
-
-    Args:
-        nprocs: Ranks.
-
-    Returns:
-        ``20 + 4 * nprocs``.
-    """
+    """Seconds to allow for launching N Python+torch processes on a small machine: ``20 + 4 *
+    nprocs``."""
     return 20.0 + 4.0 * nprocs
 
 
@@ -128,20 +101,12 @@ def case_id(path: str, name: str) -> str:
 
 def run_module(path: str, nprocs: int, cases: list[str], timeouts: dict | None = None,
                timeout: float | None = None, env: dict | None = None) -> ModuleRun:
-    """Run some cases of a test module on ``nprocs`` ranks in one ``mpiexec`` launch.
+    """Run some cases (function names, in order) of a test module on ``nprocs`` ranks in one
+    ``mpiexec`` launch; results by case name.
 
-    Args:
-        path: The test module's file.
-        nprocs: Ranks.
-        cases: Names of the test functions to run, in order.
-        timeouts: Case name -> seconds (``DEFAULT_TIMEOUT`` for the others).
-        timeout: Seconds for the whole launch; the start-up allowance plus every case's
-            timeout when None.
-        env: Extra environment variables for the ranks.
-
-    Returns:
-        The launch's results, one ``CaseResult`` per case (by name).
-    """
+    ``timeouts`` maps a case name to seconds (``DEFAULT_TIMEOUT`` for the others); ``timeout``, for
+    the whole launch, defaults to the start-up allowance plus every case's timeout; ``env`` adds
+    environment variables for the ranks."""
     timeouts = timeouts or {}
     run = run_cases([(path, c) for c in cases], nprocs,
                     {case_id(path, c): t for c, t in timeouts.items()}, timeout, env)
@@ -152,24 +117,14 @@ def run_module(path: str, nprocs: int, cases: list[str], timeouts: dict | None =
 
 def run_cases(cases: list[tuple[str, str]], nprocs: int, timeouts: dict | None = None,
               timeout: float | None = None, env: dict | None = None) -> ModuleRun:
-    """Run cases of one or more test modules on ``nprocs`` ranks in one ``mpiexec`` launch.
+    """Run ``(module file, function name)`` cases (a module's cases together) of one or more test
+    modules on ``nprocs`` ranks in one ``mpiexec`` launch; results by :func:`case_id`, the other
+    arguments as in :func:`run_module` with ``timeouts`` keyed by :func:`case_id`.
 
-    Each rank imports a module just before its first case and, after its last, puts back
-    what a module may change for the whole process (environment, working directory, torch's
-    default dtype, threads, determinism, grad mode and generator, warning filters), so the
-    next module starts as in a fresh process.
-
-    Args:
-        cases: ``(module file, function name)`` pairs, in order (a module's cases together).
-        nprocs: Ranks.
-        timeouts: :func:`case_id` -> seconds (``DEFAULT_TIMEOUT`` for the others).
-        timeout: Seconds for the whole launch; the start-up allowance plus every case's
-            timeout when None.
-        env: Extra environment variables for the ranks.
-
-    Returns:
-        The launch's results, one ``CaseResult`` per case, by :func:`case_id`.
-    """
+    Each rank imports a module just before its first case and, after its last, puts back what a
+    module may change for the whole process (environment, working directory, torch's default dtype,
+    threads, determinism, grad mode and generator, warning filters), so the next module starts as in
+    a fresh process."""
     timeouts = timeouts or {}
     ids = [case_id(p, n) for p, n in cases]
     if timeout is None:
