@@ -96,15 +96,12 @@ def _alive(pid: int | None) -> bool:
 
 
 class VirtualCluster(SlurmCluster):
-    """``nodes`` virtual nodes (``node1`` ...) behind one private bridge, one Slurm partition.
+    """``nodes`` virtual nodes (``node1`` ...) behind one private bridge, one Slurm partition;
+    ``root`` holds slurm.conf, logs and spool files (removed by :meth:`stop`).
 
-    Args:
-        root: folder for slurm.conf, logs and spool files (removed by :meth:`stop`).
-        nodes: number of nodes.
-        link: ``RATE[,DELAY]`` for every node's link (``tc``), or None for an unshaped link.
-        cpus: CPUs each node advertises (more than the host has is fine: ranks oversubscribe).
-        state_file: where the running cluster is recorded (one cluster per machine).
-    """
+    ``link`` is ``RATE[,DELAY]`` for every node's link (``tc``; None: unshaped); each node
+    advertises ``cpus`` (more than the host has is fine: ranks oversubscribe); ``state_file``
+    records the running cluster (one cluster per machine)."""
 
     def __init__(self, root: Path, nodes: int = 2, link: str | None = None,
                  cpus: int = NODE_CPUS, state_file: Path = STATE_FILE):
@@ -141,13 +138,10 @@ class VirtualCluster(SlurmCluster):
 
     # -- life cycle ------------------------------------------------------------------------
     def start(self, timeout: float = 60) -> VirtualCluster:
-        """Make the bridge, the nodes and the daemons; wait until every node is idle.
-
-        Raises:
-            SlurmUnavailable: not root, a tool missing, or a daemon would not start (the
-                message says which; everything made so far is removed again).
-            ClusterBusy: another virtual cluster is up on this machine.
-        """
+        """Make the bridge, the nodes and the daemons; wait until every node is
+        idle. :class:`ClusterBusy` when another virtual cluster is up on this machine;
+        :class:`SlurmUnavailable` when not root, a tool is missing, or a daemon would not start (the
+        message says which; everything made so far is removed again)."""
         missing = [t for t in DAEMONS + TOOLS if not _find(t)]
         if missing:
             raise SlurmUnavailable(f"missing {', '.join(missing)} (Debian: slurmd slurmctld "

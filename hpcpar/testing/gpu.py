@@ -18,11 +18,8 @@ __all__ = ["gpu_skip_reason", "requires_gpu", "skip_without_gpu", "busy_stream"]
 
 
 def gpu_skip_reason() -> str | None:
-    """Why GPU tests cannot run here, or None when a CUDA device is visible.
-
-    Returns:
-        One line (torch built without CUDA, no device visible, ``CUDA_VISIBLE_DEVICES``).
-    """
+    """Why GPU tests cannot run here in one line (torch built without CUDA, no device visible,
+    ``CUDA_VISIBLE_DEVICES``), or None when a CUDA device is visible."""
     import torch
 
     if torch.version.cuda is None:
@@ -35,11 +32,8 @@ def gpu_skip_reason() -> str | None:
 
 
 def requires_gpu() -> list:
-    """The marks of a GPU test module: ``gpu``, and skip-with-the-reason without a device.
-
-    Returns:
-        ``[pytest.mark.gpu, pytest.mark.skipif(...)]`` for a module's ``pytestmark``.
-    """
+    """The marks of a GPU test module's ``pytestmark``: ``[pytest.mark.gpu,
+    pytest.mark.skipif(...)]``, skipping with the reason without a device."""
     import pytest
 
     reason = gpu_skip_reason()
@@ -56,16 +50,8 @@ def skip_without_gpu() -> None:
 
 
 def busy_stream(seconds: float = 0.05) -> torch.cuda.Stream:
-    """A new CUDA stream with a kernel that spins about ``seconds`` queued on it: work
-    queued after it on that stream is still pending when the host moves on (stream-safety
-    tests). Returns the stream.
-
-    Args:
-        seconds: Roughly how long the spinning kernel runs.
-
-    Returns:
-        The ``torch.cuda.Stream``.
-    """
+    """A new CUDA stream with a kernel that spins about ``seconds`` queued on it: work queued after
+    it on that stream is still pending when the host moves on (stream-safety tests)."""
     import torch
 
     stream = torch.cuda.Stream()

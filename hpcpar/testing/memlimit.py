@@ -121,12 +121,8 @@ def parse_size(text: str | int) -> int:
 
 
 class MemoryGroup:
-    """A memory cgroup with a hard limit (no swap either, where the kernel accounts it).
-
-    Args:
-        limit: The limit in bytes.
-        what: A word for the group's name (``hpcpar-<what>-<pid>``).
-    """
+    """A memory cgroup with a hard ``limit`` in bytes (no swap either, where the kernel accounts
+    it), named ``hpcpar-<what>-<pid>``."""
 
     def __init__(self, limit: int, what: str = "limit"):
         self.limit = int(limit)
@@ -191,22 +187,14 @@ class MemoryGroup:
 
 
 def run_limited(cmd: list[str], limit: int, what: str = "limit", **popen) -> tuple[int, dict]:
-    """Run ``cmd`` (and everything it starts) in a new group limited to ``limit`` bytes.
+    """Run ``cmd`` (and everything it starts; ``popen`` goes to ``subprocess.Popen``) in a new group
+    limited to ``limit`` bytes.
 
-    The child joins the group before it executes ``cmd``, so every byte it touches counts.
-    MPI's inherited descriptors stay open (``close_fds=False``) for a rank wrapped this way.
-
-    Args:
-        cmd: The command.
-        limit: Bytes.
-        what: Word in the group's name.
-        **popen: Passed to ``subprocess.Popen``.
-
-    Returns:
-        The exit code (negative: killed by that signal), the group's ``oom_kills``,
-        ``max_usage`` (page cache included) and ``failcnt``, and ``max_rss``: the largest
-        resident set of the command or of any of its waited-for descendants (bytes).
-    """
+    The child joins the group before it executes ``cmd``, so every byte it touches counts. MPI's
+    inherited descriptors stay open (``close_fds=False``) for a rank wrapped this way. Returns the
+    exit code (negative: killed by that signal) and the facts: the group's ``oom_kills``,
+    ``max_usage`` (page cache included) and ``failcnt``, and ``max_rss``: the largest resident set
+    of the command or of any of its waited-for descendants (bytes)."""
     with MemoryGroup(limit, what) as group:
         procs = group.path / "cgroup.procs"
         popen.setdefault("close_fds", False)
@@ -220,18 +208,10 @@ def run_limited(cmd: list[str], limit: int, what: str = "limit", **popen) -> tup
 
 
 def mpiexec_wrapper(path: Path, limit: int, report: Path | None = None) -> Path:
-    """Write an executable ``mpiexec`` stand-in that starts every rank in its own group of
-    ``limit`` bytes; point ``HPCPAR_MPIEXEC`` at it and ``hpcpar run -n N`` runs each rank
-    under the limit of one (what ``--mem-per-cpu`` promises on a cluster).
-
-    Args:
-        path: The script to write.
-        limit: Bytes per rank.
-        report: File each rank appends ``rank rc oom_kills max_usage max_rss`` to.
-
-    Returns:
-        ``path``.
-    """
+    """Write (to ``path``, returned) an executable ``mpiexec`` stand-in that starts
+    every rank in its own group of ``limit`` bytes; point ``HPCPAR_MPIEXEC`` at it and ``hpcpar run
+    -n N`` runs each rank under the limit of one (what ``--mem-per-cpu`` promises on a cluster).
+    Each rank appends ``rank rc oom_kills max_usage max_rss`` to ``report`` when given."""
     real = find_mpiexec()
     tail = ["--report", str(report)] if report else []
     wrap = shlex.join([sys.executable, "-m", "hpcpar.testing.memlimit", "--limit", str(limit),

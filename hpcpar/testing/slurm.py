@@ -205,10 +205,9 @@ class SlurmCluster:
     def log_tail(self, n: int = 15) -> str:
         parts = []
         for path in [self.root / "slurmctld.log", *sorted(self.root.glob("slurmd*.log"))]:
-            name = path.name
             if path.exists():
                 lines = path.read_text(errors="replace").splitlines()[-n:]
-                parts.append(f"--- {name}\n" + "\n".join(lines))
+                parts.append(f"--- {path.name}\n" + "\n".join(lines))
         return "\n".join(parts)
 
     # -- life cycle ------------------------------------------------------------------------
@@ -257,8 +256,7 @@ class SlurmCluster:
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         log = open(self.root / f"{name}.stdout", "wb")
-        env = self.env()
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env(),
                                 stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
         self.pids[name] = proc.pid
@@ -323,7 +321,6 @@ class SlurmCluster:
         comp = self.root / "jobcomp.txt"
         if not comp.exists():
             return
-
         for job_id in set(re.findall(r"JobId=(\d+)", comp.read_text(errors="replace"))):
             for step in range(steps):
                 h = 0x811C9DC5
@@ -458,10 +455,9 @@ def tiny_job(data_dir: Path) -> list[str]:
     return ["grid.data=2", "grid.x=1", "model.n_conv_blocks=2", "model.base_filters=2",
             "model.dense=[8]", f"data.path={data_dir}", "data.size=8", "data.samples=16",
             "data.shards=2", "data.val_samples=0", f"train.steps={TINY_STEPS}",
-            "train.global_batch=2",
-            "train.val_every=0", "train.warmup_steps=0", "train.log_every=1",
+            "train.global_batch=2", "train.val_every=0", "train.warmup_steps=0",
+            "train.log_every=1",
             "checkpoint.every=8", "checkpoint.keep=2", "resources.tasks_per_node=2"]
-
 
 
 def register_test_kind() -> None:
@@ -498,22 +494,13 @@ def shipped_profiles_only(tmp_path, monkeypatch):
 
 
 _CLUSTER: SlurmCluster | None = None
-
-
 _Cluster = TypeVar("_Cluster", bound=SlurmCluster)
 
 
 def start_or_skip(cluster: _Cluster, what: str) -> _Cluster:
-    """Start ``cluster`` for a test. Where it cannot start here (not root, packages missing)
-    the test skips with the reason; under ``CI=true`` it fails, because CI installs them.
-
-    Args:
-        cluster: A cluster not yet started (a failed start cleans up after itself).
-        what: How the message names it (``"Slurm"``, ``"the virtual cluster"``).
-
-    Returns:
-        The running cluster.
-    """
+    """Start ``cluster`` (a failed start cleans up after itself) for a test. Where it cannot start
+    here (not root, packages missing) the test skips with the reason, naming the cluster as
+    ``what``; under ``CI=true`` it fails, because CI installs them."""
     try:
         return cluster.start()
     except SlurmUnavailable as exc:
