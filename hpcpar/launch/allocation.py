@@ -1,10 +1,9 @@
 """The Slurm allocation this shell is in: its hosts and where ``srun`` puts each rank.
 
-Read from the allocation's environment only (``SLURM_JOB_NODELIST``,
-``SLURM_TASKS_PER_NODE``), so ``hpcpar info`` can show the rank -> host table before anything
-is launched. ``srun``'s default distribution is *block*: the first node's tasks are ranks
-0..n0-1, the next node's follow, and so on.
-"""
+Read from the allocation's environment only (``SLURM_JOB_NODELIST``, ``SLURM_TASKS_PER_NODE``), so
+``hpcpar info`` can show the rank -> host table before anything is launched. ``srun``'s default
+distribution is *block*: the first node's tasks are ranks 0..n0-1, the next node's follow, and so
+on."""
 
 from __future__ import annotations
 

@@ -14,8 +14,7 @@ when already running under MPI.
   (:func:`loopback_flags`).
 
 ``HPCPAR_LAUNCH=direct|srun|mpiexec`` forces a mode. Ranks read their place from
-:func:`hpcpar.parallel.placement.rank_info` and take one GPU per local rank.
-"""
+:func:`hpcpar.parallel.placement.rank_info` and take one GPU per local rank."""
 
 from __future__ import annotations
 
@@ -26,6 +25,7 @@ import subprocess
 import sys
 import sysconfig
 from collections.abc import Mapping, Sequence
+from contextlib import suppress
 from importlib import metadata
 from typing import Any
 
@@ -115,14 +115,11 @@ def wheel_srun_export(env: Mapping[str, str], flags: Sequence[str] = ()) -> list
 
 
 def loopback_flags(mpiexec: str, env: Mapping[str, str]) -> list[str]:
-    """``mpiexec`` flags that keep a local run off the network, where the MPI allows it (none for
-    any other MPI, or a run that may span hosts).
-
-    Only for the ``mpich`` wheel's hydra (the ``mpiexec`` beside this Python) and only when it
-    starts every rank on this host (no host file, not in a batch allocation): ``-iface lo`` (hydra's
-    proxies reach ``mpiexec`` over loopback) and :data:`LOOPBACK_ENV` for the ranks through
-    ``-genv``. Hydra's own control port still listens on every interface: MPICH 5.0 has no option to
-    bind it."""
+    """``mpiexec`` flags that keep a local run off the network, where the MPI allows it: only for
+    the ``mpich`` wheel's hydra (the ``mpiexec`` beside this Python) starting every rank on this
+    host (no host file, no batch allocation), ``-iface lo`` (hydra's proxies reach ``mpiexec`` over
+    loopback) and :data:`LOOPBACK_ENV` for the ranks through ``-genv``; none otherwise. Hydra's own
+    control port still listens on every interface: MPICH 5.0 has no option to bind it."""
     beside = {os.path.abspath(d) for d in (sysconfig.get_path("scripts"),
                                            os.path.dirname(sys.executable))}
     if os.path.dirname(os.path.abspath(mpiexec)) not in beside or not _uses_mpich_wheel() \
@@ -138,11 +135,9 @@ def loopback_flags(mpiexec: str, env: Mapping[str, str]) -> list[str]:
 def launch_command(mode: str, n: int, argv: list[str], *, cpus_per_task: int = 1,
                    gpus_per_node: int = 0, env: Mapping[str, str] | None = None) -> list[str]:
     """The full command line that starts the per-rank ``argv`` on ``n`` ranks in ``mode`` (from
-    ``plan_launch``; ``argv`` itself for ``"direct"``).
-
-    With ``srun``, the allocation's ``SLURM_CPUS_PER_TASK`` wins over ``cpus_per_task``, and each
-    task gets one GPU when ``gpus_per_node``. ``mpiexec`` mode without an ``mpiexec`` raises
-    :class:`LaunchError`."""
+    ``plan_launch``; ``argv`` itself for ``"direct"``). With ``srun``, the allocation's
+    ``SLURM_CPUS_PER_TASK`` wins over ``cpus_per_task``, and each task gets one GPU when
+    ``gpus_per_node``; ``mpiexec`` mode without an ``mpiexec`` raises :class:`LaunchError`."""
     env = os.environ if env is None else env
     if mode == "mpiexec":
         mpiexec = find_mpiexec()
@@ -170,21 +165,19 @@ def _child_setup() -> None:  # pragma: no cover - runs in the child between fork
     run``, which forwards it exactly once) and dies with ``hpcpar run`` (Linux
     ``PR_SET_PDEATHSIG``), taking its ranks along, so nothing outlives a killed CLI."""
     os.setpgid(0, 0)
-    try:
+    with suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))   # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def run_ranks(cmd: list[str], env: dict) -> int:
     """Run the launcher command with the ranks' ``env``, forwarding SIGUSR1/SIGTERM/SIGINT to it;
-    return its exit code (128 + the signal number when a signal killed it).
+    its exit code (128 + the signal number when a signal killed it), or :class:`LaunchError` when it
+    cannot start.
 
     Ctrl-C: the first SIGINT is forwarded (as SIGTERM to ``srun``, which would only print its status
     on a single SIGINT): the ranks checkpoint and exit 3. A second one kills the launcher and its
-    ranks at once: ``EXIT_ABORTED`` (130). (The launcher runs in its own process group, so a
-    terminal's Ctrl-C reaches it only through this forwarding, once.) A command that cannot be
-    started raises :class:`LaunchError`."""
+    ranks at once: ``EXIT_ABORTED`` (130). The launcher runs in its own process group, so a
+    terminal's Ctrl-C reaches it only through this forwarding, once."""
     state: dict[str, Any] = {"proc": None, "interrupted": False, "aborted": False}
     as_term = os.path.basename(cmd[0]) == "srun"
 

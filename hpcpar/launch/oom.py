@@ -1,18 +1,15 @@
 """Telling a rank killed by a memory limit from any other crash.
 
-The kernel's out-of-memory killer sends SIGKILL: the launcher only sees "signal 9", the same
-as a ``kill -9``. What tells them apart is the memory cgroup (Slurm's memory limit, a
-``systemd-run -p MemoryMax=`` scope, a container): it counts the processes it killed.
-:class:`OomWatch` reads those counters of this process's memory cgroup and its ancestors
-before the ranks start and after they end, so ``hpcpar run`` can say "out of memory" and
-exit with :data:`hpcpar.errors.EXIT_OUT_OF_MEMORY`.
+The kernel's out-of-memory killer sends SIGKILL: the launcher only sees "signal 9", as after a
+``kill -9``. The memory cgroup (Slurm's memory limit, a ``systemd-run -p MemoryMax=`` scope, a
+container) counts the processes it killed: :class:`OomWatch` reads those counters of this process's
+memory cgroup and its ancestors before the ranks start and after they end, so ``hpcpar run`` can say
+"out of memory" and exit with :data:`hpcpar.errors.EXIT_OUT_OF_MEMORY`.
 
 The kernel counts a kill in the killed process's own group (v1 ``memory.oom_control``:
-``oom_kill``); v2's ``memory.events`` of a group also counts its descendants' kills, so v2
-ranks in their own groups below ``hpcpar run``'s are seen too. Ranks in groups that are not
-``hpcpar run``'s or below it (a sibling Slurm step, v1 per-rank groups) are not: their
-launcher (``srun``) or wrapper reports those.
-"""
+``oom_kill``); v2's ``memory.events`` of a group also counts its descendants' kills, so v2 ranks in
+their own groups below ``hpcpar run``'s are seen too. Ranks in other groups (a sibling Slurm step,
+v1 per-rank groups) are not: their launcher (``srun``) or wrapper reports those."""
 
 from __future__ import annotations
 
@@ -123,6 +120,5 @@ class OomWatch:
         where = f"cgroup {group.name}" + (f": {_gib(limit)}" if limit < UNLIMITED else "")
         who = "rank 0 was" if ranks == 1 else f"{n} of the {ranks} ranks' processes were"
         return (f"out of memory: {who} killed by the kernel's memory limit ({where}) on grid "
-                f"{grid}; split the sample over more ranks (--grid with more x/y/z ranks) or "
-                f"use a smaller batch; `hpcpar plan JOB -n N --memory-budget {size}` shows "
-                f"what fits")
+                f"{grid}; split the sample over more ranks (--grid with more x/y/z ranks) or use a "
+                f"smaller batch; `hpcpar plan JOB -n N --memory-budget {size}` shows what fits")

@@ -9,10 +9,9 @@ backslashes or ``$(...)`` reaches Slurm and the shell literally:
   option at an unquoted ``#``. :func:`sbatch_quote` writes ``"..."`` with ``\\`` and ``"``
   escaped; filename patterns additionally double ``%`` (:func:`sbatch_filename`).
 
-Templates (``slurm/templates/*.sbatch``) hold ``{{name}}`` fields; a line that is only a field
-whose value is empty disappears. Newlines and NULs in user values are refused.
-This module does not import torch.
-"""
+Templates (``slurm/templates/*.sbatch``) hold ``{{name}}`` fields; a line that is only a field whose
+value is empty disappears. Newlines and NULs in user values are refused. This module does not import
+torch."""
 
 from __future__ import annotations
 
@@ -114,10 +113,8 @@ class Point:
 @dataclass
 class Allocation:
     """What the scheduler is asked for (resolved from site, job ``[resources]`` and CLI); "" leaves
-    an option to Slurm's default.
-
-    ``chdir`` (``--chdir``) is where ``submit`` ran, so a job's relative paths (``[data] path``)
-    mean what they meant there, whatever directory ``sbatch`` is later run from."""
+    an option to Slurm. ``chdir`` is where ``submit`` ran, so a job's relative paths (``[data]
+    path``) mean what they meant there, whatever directory ``sbatch`` is later run from."""
 
     name: str
     time: str

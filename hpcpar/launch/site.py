@@ -2,11 +2,10 @@
 
 A profile is a TOML file (``slurm/sites/<name>.toml``; see ``generic.toml`` for every key).
 ``load_site("perlmutter")`` finds it by name in, in order: the folders of ``HPCPAR_SITE_PATH``
-(colon-separated), ``~/.config/hpcpar/sites``, and the profiles shipped with hpcpar; any
-argument containing a ``/`` or ending in ``.toml`` is read as a path. Templates
-(``slurm/templates/<name>.sbatch``) are found the same way (``HPCPAR_TEMPLATE_PATH``).
-This module does not import torch.
-"""
+(colon-separated), ``~/.config/hpcpar/sites``, and the profiles shipped with hpcpar; any argument
+containing a ``/`` or ending in ``.toml`` is read as a path. Templates
+(``slurm/templates/<name>.sbatch``) are found the same way (``HPCPAR_TEMPLATE_PATH``). This module
+does not import torch."""
 
 from __future__ import annotations
 

@@ -1,12 +1,11 @@
 """Submitting a job file to Slurm as a scaling sweep, and reading back the sweep's state.
 
-``plan_submit`` resolves the sweep points (``--ranks`` or ``--nodes``), the allocation (site profile
-< job ``[resources]`` < command line) and renders one batch script per point (or one job array) plus
-an optional report job; ``submit`` writes the scripts to ``OUT/slurm/``, submits them with ``sbatch
---parsable`` (the report with ``--dependency=afterany:...``) and appends one record per job (array
-tasks: one per task) to ``OUT/jobs.json``. Runs land in ``OUT/ranks-N/`` as with ``hpcpar sweep``.
-``sweep_status`` joins those records with ``sacct`` (when accounting exists) or ``scontrol show
-job`` and with each run directory. This module does not import torch."""
+``plan_submit`` renders one batch script per point (or one job array) plus an optional report job,
+the allocation resolved as site profile < job ``[resources]`` < command line; ``submit`` writes them
+to ``OUT/slurm/``, submits them and records each job (array tasks: each task) in ``OUT/jobs.json``;
+runs land in ``OUT/ranks-N/`` as with ``hpcpar sweep``. ``sweep_status`` joins those records with
+``sacct`` (when accounting exists) or ``scontrol show job`` and with each run directory. This module
+does not import torch."""
 
 from __future__ import annotations
 
@@ -141,8 +140,7 @@ def plan_submit(job_file: str | os.PathLike, out: str | os.PathLike, *,
 
     ``time`` and ``ranks_per_node`` default to the job's ``[resources]``, then the site's;
     ``python`` to this interpreter; ``grace`` is the seconds between the pre-timeout signal and the
-    time limit; ``weak`` grows the global batch with the ranks. A bad option (time, dependency,
-    output directory...) raises :class:`LaunchError`, a point whose job does not validate
+    time limit. A bad option raises :class:`LaunchError`, a point whose job does not validate
     :class:`ConfigError`."""
     job_path = Path(job_file).expanduser().absolute()
     out = Path(out).expanduser().absolute()
@@ -186,8 +184,7 @@ def plan_submit(job_file: str | os.PathLike, out: str | os.PathLike, *,
     if array:
         a = alloc(f"{job.name}-sweep", "array-%A_%a.out", points)
         jobs.append(BatchJob("run", "array", scripts / "array.sbatch",
-                             run_script(site, a, points, array=True, **common), points,
-                             dependency))
+                             run_script(site, a, points, array=True, **common), points, dependency))
     else:
         for p in points:
             a = alloc(f"{job.name}-{p.label}", f"{p.label}-%j.out", [p])
@@ -196,8 +193,7 @@ def plan_submit(job_file: str | os.PathLike, out: str | os.PathLike, *,
     if report:
         rep = site.report
         a = alloc(f"{job.name}-report", "report-%j.out", time=rep["time"],
-                  cpus_per_task=rep["cpus_per_task"], gpus_per_node=0,
-                  exclusive=rep["exclusive"],
+                  cpus_per_task=rep["cpus_per_task"], gpus_per_node=0, exclusive=rep["exclusive"],
                   **{k: rep[k] or pick[k] for k in ("partition", "qos", "constraint")})
         text = report_script(site, a, [p.run_dir for p in points], out / "report", out=out,
                              python=python)
@@ -262,9 +258,7 @@ def _append_records(out: Path, records: list[dict]) -> None:
 def submit(jobs: list[BatchJob], out: str | os.PathLike,
            env: Mapping[str, str] | None = None) -> list[dict]:
     """Write the scripts and submit them in order (the report after the runs); return the records
-    written.
-
-    Each job is recorded in ``OUT/jobs.json`` as soon as sbatch accepted it, so when sbatch fails
+    written. Each job is recorded in ``OUT/jobs.json`` once sbatch accepted it, so when sbatch fails
     (:class:`LaunchError`) the jobs submitted before stay recorded."""
     out = Path(out).expanduser().absolute()
     (out / SCRIPTS).mkdir(parents=True, exist_ok=True)

@@ -4,16 +4,14 @@ Grid of a point (:func:`point_grid`): keep the job's spatial axes (x, y, z) when
 divides N; otherwise shrink the largest spatial axis (z first on ties) by its smallest prime
 factor until it does; the data axis takes the rest. Weak scaling grows the global batch with N:
 B(N) = B0 * N / N0 (N0 the smallest count of the sweep), so the work per rank stays constant.
+Every point runs with the same threads per rank (``--threads``, else the rule of
+:func:`hpcpar.launch.threads.threads_per_rank` decided once for the whole sweep), so the 1-rank
+baseline computes exactly as each rank of the other points does.
 
-Like for like: every point runs with the same threads per rank (``--threads``, else the rule of
-:func:`hpcpar.launch.threads.threads_per_rank` decided once for the whole sweep), so the
-1-rank baseline computes exactly as each rank of the other points does.
-
-A sweep owns its output directory while it runs (:func:`sweep_lock`: ``OUT/hpcpar.lock``, the
-run directories' lock), so a second sweep into the same ``--out`` is refused at once instead of
-overwriting the first one's logs and moving its finished runs aside; and it uses only a
-directory that is new, empty or marked as a sweep's (the lock's holder marks it).
-"""
+A sweep owns its output directory while it runs (:func:`sweep_lock`: ``OUT/hpcpar.lock``, the run
+directories' lock), so a second sweep into the same ``--out`` is refused at once instead of
+overwriting the first one's logs and moving its finished runs aside; and it uses only a directory
+that is new, empty or marked as a sweep's (the lock's holder marks it)."""
 
 from __future__ import annotations
 
@@ -55,12 +53,10 @@ def _smallest_factor(n: int) -> int:
 
 
 def point_grid(job_shape: Sequence[int], n: int) -> tuple[int, int, int, int]:
-    """The ``(data, x, y, z)`` grid of one sweep point of ``n`` ranks, from the job's ``(data, x, y,
-    z)`` (a -1 spatial axis counts as 1).
-
-    The spatial axes stay while X*Y*Z divides N, else the largest one (on ties z, then y: x groups
-    stay inside a node) shrinks by its smallest prime factor until the product divides N; data = N /
-    (X*Y*Z)."""
+    """The ``(data, x, y, z)`` grid of a sweep point of ``n`` ranks from the job's (a -1 spatial
+    axis counts as 1): the spatial axes stay while X*Y*Z divides N, else the largest one (on ties z,
+    then y: x groups stay inside a node) shrinks by its smallest prime factor until it does; data =
+    N / (X*Y*Z)."""
     spatial = [max(1, int(a)) for a in tuple(job_shape)[1:]]
     while n % (spatial[0] * spatial[1] * spatial[2]):
         i = max(range(3), key=lambda a: (spatial[a], a))  # ties: z, then y, then x
@@ -72,12 +68,10 @@ def point_grid(job_shape: Sequence[int], n: int) -> tuple[int, int, int, int]:
 def plan(job_path: str, ranks: list[int], weak: bool, sets: Sequence[str],
          threads: int | None = None) -> list[dict]:
     """Plan a scaling sweep: one ``{"ranks", "grid", "sets", "threads"}`` dict per point, every
-    point validated before any runs.
-
-    ``sets`` apply to every point; ``weak`` grows the global batch as ``B0 * N / N0``; ``threads``
-    per rank default to ``OMP_NUM_THREADS``, else the job's ``[resources] cpus_per_task``. A point
-    whose job does not validate (named), or a weak-scaling batch that is not an integer, raises
-    :class:`ConfigError`."""
+    point validated before any runs (:class:`ConfigError` naming a point whose job does not
+    validate, or a weak-scaling batch that is not an integer). ``weak`` grows the global batch as
+    ``B0 * N / N0``; ``threads`` per rank default to ``OMP_NUM_THREADS``, else ``[resources]
+    cpus_per_task``."""
     job = load_job(job_path, list(sets))
     base_batch = job.train.global_batch
     threads = threads or threads_per_rank(job.resources.cpus_per_task)
@@ -200,8 +194,7 @@ def run_points(job_path, points, out: Path, verbose: bool, resume: bool = False,
                     say(f"  {line.rstrip(chr(10))}")
                 rc = proc.wait()
             else:
-                rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT,
-                                    env=env).returncode
+                rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env).returncode
         took = time.monotonic() - t0
         if rc == 0:
             say(f"sweep: {point['ranks']} rank(s) done in {took:.1f} s (log {log})")

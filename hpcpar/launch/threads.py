@@ -1,7 +1,6 @@
 """Threads per rank: one rule for every way ranks start, so that the points of a scaling study
-compare like for like (a 1-rank run in the launcher's own process must not compute on every core
-while launched ranks get one thread each; on a busy host two threads cost far more than two times
-one).
+compare like for like (a 1-rank run in the launcher's process must not use every core while launched
+ranks get one thread each).
 
 The rule (:func:`threads_per_rank`): ``OMP_NUM_THREADS`` when the user set it, else the job's
 ``[resources] cpus_per_task`` (default 1). Launched ranks get it as the thread variables
@@ -31,9 +30,8 @@ def threads_per_rank(cpus_per_task: int, env: Mapping[str, str] | None = None) -
         return max(1, int(cpus_per_task))
     first = text.split(",")[0].strip()
     if not (first.isascii() and first.isdigit() and 0 < int(first) < 1 << 16):
-        raise ConfigError(f"OMP_NUM_THREADS={text!r}: expected a positive integer (the "
-                          f"threads of each rank), or unset it to use [resources] "
-                          f"cpus_per_task")
+        raise ConfigError(f"OMP_NUM_THREADS={text!r}: expected a positive integer (the threads "
+                          f"of each rank), or unset it to use [resources] cpus_per_task")
     return int(first)
 
 

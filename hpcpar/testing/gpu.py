@@ -1,10 +1,9 @@
 """GPU tests: the ``gpu`` pytest marker's skip rule, shared by tests/gpu/ and the device check.
 
-A GPU test module starts with ``pytestmark = requires_gpu()``: it is marked ``gpu`` (select
-the GPU tests with ``pytest -m gpu``) and skipped, with the reason, where no CUDA device is
-visible, before any ``mpiexec`` is launched. Inside an MPI case, :func:`skip_without_gpu`
-gives the same skip on every rank.
-"""
+A GPU test module starts with ``pytestmark = requires_gpu()``: it is marked ``gpu`` (select the GPU
+tests with ``pytest -m gpu``) and skipped, with the reason, where no CUDA device is visible, before
+any ``mpiexec`` is launched. Inside an MPI case, :func:`skip_without_gpu` gives the same skip on
+every rank."""
 
 from __future__ import annotations
 

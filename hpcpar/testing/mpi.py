@@ -1,14 +1,13 @@
 """Launching MPI test cases under ``mpiexec`` and collecting per-rank results.
 
-One ``mpiexec -n N`` runs many cases in order, of one module (:func:`run_module`) or of
-several (:func:`run_cases`: the pytest plugin's one launch per rank count for the session), as
-a new Python process that imports torch costs seconds on small machines. A case that raises
-on any rank writes its traceback and aborts the whole job at once (``MPI.Abort``), so a
-failure never becomes a deadlock; a case that hangs is killed at its own timeout (counted
-from when every rank has entered it), and the report says which ranks were still inside
-which case. The launch dies with the process that started it (killed, or interrupted by an
-exception such as pytest-timeout's): no ranks are left spinning behind it.
-"""
+One ``mpiexec -n N`` runs many cases in order, of one module (:func:`run_module`) or of several
+(:func:`run_cases`: the pytest plugin's one launch per rank count for the session), as a new Python
+process that imports torch costs seconds on small machines. A case that raises on any rank writes
+its traceback and aborts the whole job at once (``MPI.Abort``), so a failure never becomes a
+deadlock; a case that hangs is killed at its own timeout (counted from when every rank has entered
+it), and the report says which ranks were still inside which case. The launch dies with the process
+that started it (killed, or interrupted by an exception such as pytest-timeout's): no ranks are left
+spinning behind it."""
 
 from __future__ import annotations
 
@@ -22,6 +21,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from contextlib import suppress
 from dataclasses import dataclass, field
 
 from hpcpar.launch.mpiexec import find_mpiexec, rank_env
@@ -49,8 +49,7 @@ def mpi_case(nprocs: int | Sequence[int] = (1, 2, 4),
         @mpi_case(nprocs=(1, 2, 4), timeout=60)
         def test_allreduce(comm):
             ...   # runs on every rank
-        ```
-    """
+        ```"""
     if isinstance(nprocs, int):
         nprocs = (nprocs,)
 
@@ -102,11 +101,9 @@ def case_id(path: str, name: str) -> str:
 def run_module(path: str, nprocs: int, cases: list[str], timeouts: dict | None = None,
                timeout: float | None = None, env: dict | None = None) -> ModuleRun:
     """Run some cases (function names, in order) of a test module on ``nprocs`` ranks in one
-    ``mpiexec`` launch; results by case name.
-
-    ``timeouts`` maps a case name to seconds (``DEFAULT_TIMEOUT`` for the others); ``timeout``, for
-    the whole launch, defaults to the start-up allowance plus every case's timeout; ``env`` adds
-    environment variables for the ranks."""
+    ``mpiexec`` launch; results by case name. ``timeouts``: case name -> seconds
+    (``DEFAULT_TIMEOUT`` otherwise); ``timeout`` for the whole launch defaults to the start-up
+    allowance plus every case's; ``env`` adds variables for the ranks."""
     timeouts = timeouts or {}
     run = run_cases([(path, c) for c in cases], nprocs,
                     {case_id(path, c): t for c, t in timeouts.items()}, timeout, env)
@@ -117,14 +114,12 @@ def run_module(path: str, nprocs: int, cases: list[str], timeouts: dict | None =
 
 def run_cases(cases: list[tuple[str, str]], nprocs: int, timeouts: dict | None = None,
               timeout: float | None = None, env: dict | None = None) -> ModuleRun:
-    """Run ``(module file, function name)`` cases (a module's cases together) of one or more test
-    modules on ``nprocs`` ranks in one ``mpiexec`` launch; results by :func:`case_id`, the other
-    arguments as in :func:`run_module` with ``timeouts`` keyed by :func:`case_id`.
+    """:func:`run_module` for ``(module file, function name)`` cases of one or more modules (a
+    module's cases together), ``timeouts`` and results by :func:`case_id`.
 
     Each rank imports a module just before its first case and, after its last, puts back what a
     module may change for the whole process (environment, working directory, torch's default dtype,
-    threads, determinism, grad mode and generator, warning filters), so the next module starts as in
-    a fresh process."""
+    threads, determinism, grad mode and generator, warning filters)."""
     timeouts = timeouts or {}
     ids = [case_id(p, n) for p, n in cases]
     if timeout is None:
@@ -150,8 +145,7 @@ def run_cases(cases: list[tuple[str, str]], nprocs: int, timeouts: dict | None =
             out.seek(0)
             output = out.read()
         elapsed = time.monotonic() - start
-        results = _collect(tmp, nprocs, ids, timed_out, timeout, proc.returncode,
-                           hung, timeouts)
+        results = _collect(tmp, nprocs, ids, timed_out, timeout, proc.returncode, hung, timeouts)
     paths = sorted({p for p, _ in cases})
     return ModuleRun(paths[0] if len(paths) == 1 else "", nprocs, results, proc.returncode,
                      output or "", timed_out, elapsed)
@@ -225,12 +219,9 @@ def _read_json_lines(path: str) -> list[dict]:
     out = []
     with open(path) as fh:
         for line in fh:
-            line = line.strip()
-            if line:
-                try:
+            with suppress(json.JSONDecodeError):   # a line still being written
+                if line.strip():
                     out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    pass
     return out
 
 
@@ -254,8 +245,7 @@ def _collect(tmp: str, nprocs: int, cases: list[str], timed_out: bool, timeout: 
         dur = max((v.get("duration", 0.0) for v in recs.values()), default=0.0)
         inside = sorted(r for r, cc in progress.items() if cc == c)
         if failed:
-            results[c] = CaseResult(c, "failed", f"failed on rank(s) {sorted(failed)}",
-                                    failed, dur)
+            results[c] = CaseResult(c, "failed", f"failed on rank(s) {sorted(failed)}", failed, dur)
         elif len(recs) == nprocs and len(skipped) == nprocs:
             results[c] = CaseResult(c, "skipped", next(iter(skipped.values())), skipped, dur)
         elif len(recs) == nprocs and skipped:  # a test that ran on only some ranks checked
@@ -270,9 +260,8 @@ def _collect(tmp: str, nprocs: int, cases: list[str], timed_out: bool, timeout: 
             done = sorted(recs)
             limit = (f"its {(timeouts or {}).get(c, DEFAULT_TIMEOUT):.0f} s timeout"
                      if c == hung else f"the launch's {timeout:.0f} s timeout")
-            results[c] = CaseResult(
-                c, "timeout", f"killed at {limit}: rank(s) {inside} still "
-                f"inside this case, rank(s) {done} had finished it", {}, dur)
+            results[c] = CaseResult(c, "timeout", f"killed at {limit}: rank(s) {inside} still "
+                                    f"inside this case, rank(s) {done} had finished it", {}, dur)
         elif inside:
             results[c] = CaseResult(
                 c, "failed", f"the job ended (exit code {returncode}) while rank(s) {inside} "

@@ -8,8 +8,7 @@ Everything here is importable inside the ``mpiexec`` workers of :func:`hpcpar.te
   (:func:`check_layer`, :func:`compare_with_twin`).
 - GNN: a single-process dense reference of the GNN maths (DESIGN §2), written independently of
   hpcpar.graph (:func:`gnn_forward`, :func:`dense_operators`), Cora, and the Kipf & Welling
-  training recipe (:func:`train_cora`).
-"""
+  training recipe (:func:`train_cora`)."""
 
 from __future__ import annotations
 
@@ -160,14 +159,11 @@ def spatial_slices(spatial_shape, grid):
 
 def check_spatial_model(grid, model, x, seed, what, replicated_output=False, slack=None,
                         device=None):
-    """``spatialize(model)`` on ``grid`` vs ``model`` itself (whose gradients the reference pass
-    fills) on the same global batch ``x`` ``(N, C, D, H, W)``, on ``device`` (default: where the
-    model is; compared on the CPU): output, every parameter gradient (summed over the spatial group;
-    a split head's weight gathered from its columns) and the buffers.
-
-    ``seed`` seeds the output weighting; ``replicated_output``: the output is whole on every rank (a
-    head), not split; ``slack`` is the tolerance factor, by default 10 in fp32 (whole models sum
-    over every voxel of several layers), 1 in fp64."""
+    """``spatialize(model)`` on ``grid`` vs ``model`` itself on the global batch ``x``, on
+    ``device`` (default: the model's; compared on the CPU): output, every parameter gradient (summed
+    over the spatial group; a split head's weight gathered from its columns) and the buffers.
+    ``replicated_output``: the output is whole on every rank (a head); ``slack``: tolerance factor,
+    by default 10 in fp32 (whole models sum over many voxels and layers), 1 in fp64."""
     slack = slack or (10.0 if x.dtype == torch.float32 else 1.0)
     if device is not None:
         model, x = model.to(device), x.to(device)
@@ -366,8 +362,7 @@ def train_cora(graph, seed: int, epochs: int = 200) -> dict:
     torch.manual_seed(seed)
     model = GCN(graph.num_features, 16, graph.num_classes, dropout=0.5, seed=seed)
     opt = torch.optim.Adam([{"params": model.convs[0].parameters(), "weight_decay": 5e-4},
-                            {"params": model.convs[1].parameters(), "weight_decay": 0.0}],
-                           lr=0.01)
+                            {"params": model.convs[1].parameters(), "weight_decay": 0.0}], lr=0.01)
     for _ in range(epochs):
         model.train()
         opt.zero_grad()

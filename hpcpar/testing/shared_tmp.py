@@ -32,8 +32,7 @@ def shared_tmpdir(comm: MPI.Comm, prefix: str = "hpcpar-test-") -> Iterator[Path
         def test_files(comm):
             with shared_tmpdir(comm, prefix="hpcpar-files-") as tmp:
                 ...   # every rank reads and writes under tmp
-        ```
-    """
+        ```"""
     rank = comm.Get_rank()
     path = Path(comm.bcast(tempfile.mkdtemp(prefix=prefix) if rank == 0 else None))
     yield path   # an exception in the body is raised here: no barrier, no removal
