@@ -222,8 +222,7 @@ def sbatch(job: BatchJob, env: Mapping[str, str] | None = None) -> str:
 
 
 def dry_run_text(jobs: list[BatchJob]) -> str:
-    """What ``--dry-run`` prints: each job's script under the sbatch command that would submit
-    it."""
+    """What ``--dry-run`` prints: each job's script under the sbatch command for it."""
     parts = []
     for j in jobs:
         argv = j.sbatch_argv()

@@ -88,8 +88,8 @@ class ModuleRun:
 
 
 def startup_allowance(nprocs: int) -> float:
-    """Seconds to allow for launching N Python+torch processes on a small machine: ``20 + 4 *
-    nprocs``."""
+    """``20 + 4 * nprocs``: seconds to allow for launching N Python+torch processes on a small
+    machine."""
     return 20.0 + 4.0 * nprocs
 
 
