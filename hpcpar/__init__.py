@@ -1,10 +1,9 @@
-"""hpcpar: 4D-parallel training (data x x x y x z) of large-sample 3D CNNs and full-graph GNNs
-over MPI and Slurm, with scaling analysis.
+"""hpcpar: 4D-parallel training (data x x x y x z) of large-sample 3D CNNs and full-graph GNNs over
+MPI and Slurm, with scaling analysis.
 
 The public face: the names below are what a user's script imports (``hpcpar.ProcessGrid``,
-``hpcpar.DDP``, ``hpcpar.spatialize`` ...). Heavy ones (torch layers, data readers) load
-lazily so ``import hpcpar`` and ``hpcpar --help`` stay fast.
-"""
+``hpcpar.DDP``, ``hpcpar.spatialize`` ...). Heavy ones (torch layers, data readers) load lazily so
+``import hpcpar`` and ``hpcpar --help`` stay fast."""
 
 from ._checkout import install as _install_checkout_finder
 
@@ -40,12 +39,9 @@ _LAZY = {
     "predict": ("hpcpar.run.predict", "predict"),
 }
 
-
 __getattr__ = lazy_getattr("hpcpar", _LAZY)
-
 
 __all__ = ["__version__", "ProcessGrid", "DistributedDataParallel", "DDP", "spatialize",
            "ShardedVolumeDataset", "DistGraph", "RunRecorder", "Workload", "register_workload",
-           "load_job", "train", "predict",
-           "HpcparError", "ConfigError", "GridError", "LayerError", "CommError", "DataError",
-           "RunDirError", "DivergedError", "LaunchError"]
+           "load_job", "train", "predict", "HpcparError", "ConfigError", "GridError",
+           "LayerError", "CommError", "DataError", "RunDirError", "DivergedError", "LaunchError"]

@@ -1,15 +1,13 @@
 """Import paths that are file paths: ``hpcpar.kernels``, ``hpcpar.analysis`` and
-``hpcpar.slurm_files`` are the top-level folders ``kernels/``, ``analysis/`` and ``slurm/`` of
-the checkout this ``hpcpar/`` sits in.
+``hpcpar.slurm_files`` are the top-level folders ``kernels/``, ``analysis/`` and ``slurm/`` of the
+checkout this ``hpcpar/`` sits in.
 
-``setup.cfg`` maps those folders into the ``hpcpar`` namespace, which is what an installed
-wheel holds. In a source checkout, though, an editable install's finder maps them to the
-checkout that was *installed*: with a second checkout first on ``PYTHONPATH`` (a worktree for
-an A/B benchmark), ``import hpcpar`` came from one checkout and ``hpcpar.kernels`` from the
-other. This finder, first on ``sys.meta_path``, resolves the three names next to this very
-``hpcpar/`` whenever it sits in a checkout (a ``setup.cfg`` beside it), so an import always
-loads the file at that path in the checkout being run; elsewhere it steps aside.
-"""
+``setup.cfg`` maps those folders into the ``hpcpar`` namespace, which is what an installed wheel
+holds. In a source checkout, though, an editable install's finder maps them to the checkout that was
+*installed*, so with a second checkout first on ``PYTHONPATH`` (a worktree for an A/B benchmark)
+``import hpcpar`` and ``hpcpar.kernels`` would come from different checkouts. This finder, first on
+``sys.meta_path``, resolves the three names next to this very ``hpcpar/`` whenever it sits in a
+checkout (a ``setup.cfg`` beside it); elsewhere it steps aside."""
 
 from __future__ import annotations
 

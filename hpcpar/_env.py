@@ -1,18 +1,15 @@
 """Every ``HPCPAR_*`` environment variable: read here, documented here.
 
-``get("HPCPAR_STALL_TIMEOUT")`` returns the variable's typed value, read from ``os.environ``
-(or from the ``env`` mapping given, for functions that take an ``env=`` argument) at call
-time, so tests can set variables with ``monkeypatch.setenv``. An unset or empty variable
-gives the default; a value that does not parse raises :class:`hpcpar.errors.ConfigError`
-naming the variable and what was expected.
+``get("HPCPAR_STALL_TIMEOUT")`` returns the variable's typed value, read from ``os.environ`` (or
+from the ``env`` mapping given, for functions that take an ``env=`` argument) at call time, so tests
+can set variables with ``monkeypatch.setenv``. An unset or empty variable gives the default; a value
+that does not parse raises :class:`hpcpar.errors.ConfigError` naming the variable and what was
+expected.
 
 :data:`VARS` is the reference: name, default and effect of each variable.
-docs/reference/environment.md lists the same names (a test checks it), and a test checks that
-no other module reads an ``HPCPAR_*`` variable itself.
-
-This module imports nothing from hpcpar but :mod:`hpcpar.errors` and :mod:`hpcpar._units`
-(both leaves): every layer may use it.
-"""
+docs/reference/environment.md lists the same names, and no other module reads an ``HPCPAR_*``
+variable itself (tests check both). This module imports nothing from hpcpar but the leaves
+:mod:`hpcpar.errors` and :mod:`hpcpar._units`: every layer may use it."""
 
 from __future__ import annotations
 
@@ -122,68 +119,58 @@ def _words(name, text):
 DEFAULT_STALL_TIMEOUT = 600.0
 
 VARS: dict[str, Var] = {v.name: v for v in [
-    Var("HPCPAR_CUDA_AWARE", "auto-detect",
-        "`1`/`0`: treat the MPI library as CUDA-aware or not, skipping the detection "
-        "(mpi4py query, vendor variables, ompi_info).", _unless_blank(_bool, None)),
-    Var("HPCPAR_FORCE_STAGING", "0",
-        "`1`: send CPU tensors through the device staging path too (tests).",
-        _unless_blank(_bool, False)),
-    Var("HPCPAR_FAKE_NODES", "one node per host",
-        "k: pretend the ranks are spread over k nodes (tests of node-aware code on one "
-        "machine).", _unless_blank(_positive_int, None)),
-    Var("HPCPAR_DDP_SHM", "1",
-        "`0`: no shared-memory reduction of gradient buckets when all ranks share a node.",
-        _unless_blank(_bool, True)),
-    Var("HPCPAR_STALL_TIMEOUT", "600",
-        "Seconds a gradient sync may wait before the stall detector names the missing ranks "
-        "and aborts the job; `0` or `off` disables the detector.",
+    Var("HPCPAR_CUDA_AWARE", "auto-detect", "`1`/`0`: treat the MPI library as CUDA-aware or not, "
+        "skipping the detection (mpi4py query, vendor variables, ompi_info).",
+        _unless_blank(_bool, None)),
+    Var("HPCPAR_FORCE_STAGING", "0", "`1`: send CPU tensors through the device staging path too "
+        "(tests).", _unless_blank(_bool, False)),
+    Var("HPCPAR_FAKE_NODES", "one node per host", "k: pretend the ranks are spread over k nodes "
+        "(tests of node-aware code on one machine).", _unless_blank(_positive_int, None)),
+    Var("HPCPAR_DDP_SHM", "1", "`0`: no shared-memory reduction of gradient buckets when all ranks "
+        "share a node.", _unless_blank(_bool, True)),
+    Var("HPCPAR_STALL_TIMEOUT", "600", "Seconds a gradient sync may wait before the stall detector "
+        "names the missing ranks and aborts the job; `0` or `off` disables the detector.",
         _unless_blank(_seconds, DEFAULT_STALL_TIMEOUT)),
-    Var("HPCPAR_HALO_KERNELS", "auto",
-        "`torch` or `numba`: force the halo pack/unpack path (`auto` takes torch's strided "
-        "copy, measured faster on the CPU and on GPUs; `numba` the Numba CPU twins, or the "
-        "CUDA kernel for tensors on a GPU).",
+    Var("HPCPAR_HALO_KERNELS", "auto", "`torch` or `numba`: force the halo pack/unpack path "
+        "(`auto` takes torch's strided copy, measured faster on the CPU and on GPUs; `numba` the "
+        "Numba CPU twins, or the CUDA kernel for tensors on a GPU).",
         _unless_blank(_one_of("auto", "torch", "numba"), "auto")),
-    Var("HPCPAR_ALLOCATOR", "auto",
-        "Memory allocator of the ranks `hpcpar run` launches (through `LD_PRELOAD`): `auto` "
-        "(jemalloc when found, else the system's malloc), `jemalloc` (required), `system`, "
-        "or an allocator library's path. glibc's malloc lets a rank's peak creep up step "
-        "after step.", _unless_blank(_allocator, "auto")),
-    Var("HPCPAR_CHECKPOINT_SPILL", "16MiB",
-        "Smallest split-head tensor (weight, optimizer moment) that the rank writing a "
-        "checkpoint gathers into a file in the checkpoint directory instead of memory "
-        "(page cache the kernel can write out and drop); `off`: always memory.",
+    Var("HPCPAR_ALLOCATOR", "auto", "Memory allocator of the ranks `hpcpar run` launches (through "
+        "`LD_PRELOAD`): `auto` (jemalloc when found, else the system's malloc), `jemalloc` "
+        "(required), `system`, or an allocator library's path. glibc's malloc lets a rank's peak "
+        "creep up step after step.", _unless_blank(_allocator, "auto")),
+    Var("HPCPAR_CHECKPOINT_SPILL", "16MiB", "Smallest split-head tensor (weight, optimizer moment) "
+        "that the rank writing a checkpoint gathers into a file in the checkpoint directory "
+        "instead of memory (page cache the kernel can write out and drop); `off`: always memory.",
         _unless_blank(_size_or_off, 16 << 20)),
-    Var("HPCPAR_PROGRESS", "0",
-        "`1`: rank 0 shows a progress bar over the steps (`hpcpar run` sets it when stderr "
-        "is a terminal) and over the samples `hpcpar data make`/`shard` write, also when "
-        "stderr is a log file or a pipe.", _unless_blank(_bool, False)),
-    Var("HPCPAR_LAUNCH", "decided from the environment",
-        "`direct`, `srun` or `mpiexec`: force how `hpcpar run` starts the ranks.",
+    Var("HPCPAR_PROGRESS", "0", "`1`: rank 0 shows a progress bar over the steps (`hpcpar run` "
+        "sets it when stderr is a terminal) and over the samples `hpcpar data make`/`shard` write, "
+        "also when stderr is a log file or a pipe.", _unless_blank(_bool, False)),
+    Var("HPCPAR_LAUNCH", "decided from the environment", "`direct`, `srun` or `mpiexec`: force how "
+        "`hpcpar run` starts the ranks.",
         _unless_blank(_one_of("direct", "srun", "mpiexec"), None)),
-    Var("HPCPAR_MPIEXEC", "the mpiexec beside python, else on PATH",
-        "The `mpiexec` command to launch ranks with.", _nonempty),
-    Var("HPCPAR_SRUN_MPI", "pmi2 with the pip mpich wheel, else none",
-        "Value of `srun --mpi=`; set it empty for no `--mpi` flag.", _text),
-    Var("HPCPAR_SRUN_FLAGS", "none",
-        "Extra `srun` flags (shell words), appended to every `srun` launch.", _words),
-    Var("HPCPAR_SITE_PATH", "none",
-        "Folders (`:`-separated) searched before `~/.config/hpcpar/sites` and the bundled "
-        "profiles for site profiles `<name>.toml`.", _paths),
-    Var("HPCPAR_TEMPLATE_PATH", "none",
-        "Folders (`:`-separated) searched before `~/.config/hpcpar/templates` and the bundled "
-        "templates for batch templates `<name>.sbatch`.", _paths),
-    Var("HPCPAR_MACHINES", "the bundled slurm/machines/",
-        "Folder of the planner's machine files (`hpcpar plan --machine NAME`).", _nonempty),
-    Var("HPCPAR_REGEN_GOLDEN", "0",
-        "`1`: the golden-file tests (batch scripts, reports) rewrite their files in "
-        "`tests/golden/` instead of comparing; review the diff.", _unless_blank(_bool, False)),
-    Var("HPCPAR_TEST_LAUNCH", "session",
-        "`module`: one `mpiexec` per test module and rank count for the MPI test cases "
-        "(`hpcpar.testing.mpi_case`) instead of one per rank count for the whole session.",
-        _unless_blank(_one_of("session", "module"), "session")),
-    Var("HPCPAR_TEST_MAX_NP", "8",
-        "MPI test cases (`hpcpar.testing.mpi_case`) with more ranks than this are skipped.",
-        _unless_blank(_positive_int, 8)),
+    Var("HPCPAR_MPIEXEC", "the mpiexec beside python, else on PATH", "The `mpiexec` command to "
+        "launch ranks with.", _nonempty),
+    Var("HPCPAR_SRUN_MPI", "pmi2 with the pip mpich wheel, else none", "Value of `srun --mpi=`; "
+        "set it empty for no `--mpi` flag.", _text),
+    Var("HPCPAR_SRUN_FLAGS", "none", "Extra `srun` flags (shell words), appended to every `srun` "
+        "launch.", _words),
+    Var("HPCPAR_SITE_PATH", "none", "Folders (`:`-separated) searched before "
+        "`~/.config/hpcpar/sites` and the bundled profiles for site profiles `<name>.toml`.",
+        _paths),
+    Var("HPCPAR_TEMPLATE_PATH", "none", "Folders (`:`-separated) searched before "
+        "`~/.config/hpcpar/templates` and the bundled templates for batch templates "
+        "`<name>.sbatch`.", _paths),
+    Var("HPCPAR_MACHINES", "the bundled slurm/machines/", "Folder of the planner's machine files "
+        "(`hpcpar plan --machine NAME`).", _nonempty),
+    Var("HPCPAR_REGEN_GOLDEN", "0", "`1`: the golden-file tests (batch scripts, reports) rewrite "
+        "their files in `tests/golden/` instead of comparing; review the diff.",
+        _unless_blank(_bool, False)),
+    Var("HPCPAR_TEST_LAUNCH", "session", "`module`: one `mpiexec` per test module and rank count "
+        "for the MPI test cases (`hpcpar.testing.mpi_case`) instead of one per rank count for the "
+        "whole session.", _unless_blank(_one_of("session", "module"), "session")),
+    Var("HPCPAR_TEST_MAX_NP", "8", "MPI test cases (`hpcpar.testing.mpi_case`) with more ranks "
+        "than this are skipped.", _unless_blank(_positive_int, 8)),
 ]}
 
 

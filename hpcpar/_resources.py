@@ -3,6 +3,7 @@ package data, or the source checkout's ``slurm/`` folder when running from a che
 
 from __future__ import annotations
 
+from contextlib import suppress
 from importlib.resources import files
 from pathlib import Path
 
@@ -13,10 +14,8 @@ def data_dirs() -> list[Path]:
     """The folders holding hpcpar's own ``templates/`` and ``sites/`` (installed package data,
     else the source checkout's ``slurm/``)."""
     dirs = []
-    try:
+    with suppress(ModuleNotFoundError, TypeError):
         dirs.append(Path(str(files(PACKAGE_DATA))))
-    except (ModuleNotFoundError, TypeError):
-        pass
     checkout = Path(__file__).resolve().parent.parent / "slurm"
     if checkout.is_dir() and checkout not in dirs:
         dirs.append(checkout)

@@ -18,18 +18,8 @@ _UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g"
 
 def parse_bytes(text: str, what: str = "size") -> int:
     """Bytes from ``"1.5GiB"``, ``"800M"``, ``"2GB"`` (K/M/G alone are binary, like Slurm's
-    ``--mem``).
-
-    Args:
-        text: The size.
-        what: The option or field, for the message.
-
-    Returns:
-        Bytes.
-
-    Raises:
-        ConfigError: Not a positive size (a ``ValueError`` too).
-    """
+    ``--mem``); not a positive size raises :class:`ConfigError` (a ``ValueError`` too) naming
+    ``what``."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
         raise ConfigError(f"{what}: {text!r} is not a memory size (e.g. 1.5GiB, 800MiB, 2GB)")
@@ -50,15 +40,8 @@ def bytes_unit(n: float) -> tuple[str, int]:
 
 
 def format_bytes(n: float) -> str:
-    """``n`` bytes for a person: three significant digits in binary units (``512 B``,
-    ``1.25 MiB``, ``3.5 GiB``); whole bytes below 1 KiB.
-
-    Args:
-        n: The byte count (NaN: ``-``).
-
-    Returns:
-        The text.
-    """
+    """``n`` bytes for a person: three significant digits in binary units (``512 B``, ``1.25 MiB``,
+    ``3.5 GiB``); whole bytes below 1 KiB; NaN: ``-``."""
     if n != n:
         return "-"
     unit, scale = bytes_unit(n)

@@ -1,73 +1,31 @@
 """Every error class of hpcpar and every exit code, in one place.
 
-A mistake a user can make (a bad job file, a grid that does not fit, a broken dataset, a
-layer that cannot be split that way, a run directory that cannot be resumed, a job that
-cannot be launched) raises a subclass of :class:`HpcparError` whose message is one line
-naming the file/field/layer and what was expected. The CLI and every rank print it as
-``hpcpar: error: <message>`` and exit with the class's ``exit_code``, without a traceback.
-Anything else is a bug and keeps its traceback (exit code 1).
+A mistake a user can make (a bad job file, a grid that does not fit, a broken dataset, a layer that
+cannot be split that way, a run directory that cannot be resumed, a job that cannot be launched)
+raises a subclass of :class:`HpcparError` whose message is one line naming the file/field/layer and
+what was expected. The CLI and every rank print it as ``hpcpar: error: <message>`` and exit with the
+class's ``exit_code``, without a traceback. Anything else is a bug and keeps its traceback (exit
+code 1).
 
 The classes are as few as a user needs to tell apart: each names *what to fix*.
+docs/reference/errors.md lists each class with what raises it, and what every exit code means (a
+test checks that it names every class and code).
 
-=================  ======================================================================
-class              what to fix
-=================  ======================================================================
-``ConfigError``    a setting: job file field, command-line option, ``HPCPAR_*`` variable,
-                   machine file, an API option value
-``GridError``      the process grid against the job: rank count, axis sizes
-``LayerError``     a layer or model against the grid or its input: volume too small for
-                   the ranks, an option the distributed layer lacks, a wrong input shape
-``CommError``      what the ranks pass to a collective: a tensor MPI cannot carry, or
-                   ranks that disagree (shapes, model parameters)
-``DataError``      a dataset (volume shards, graph file): missing, malformed, or not
-                   matching the job
-``RunDirError``    a run directory: checkpoints or run records missing, corrupt, or
-                   written by an incompatible grid/model/version
-``DivergedError``  the training itself: the loss or gradients became non-finite (exit 4)
-``LaunchError``    starting or submitting the job: MPI launcher, ``srun``, site profile,
-                   batch script, submission options, ``sbatch``/Slurm, failed sweep points
-=================  ======================================================================
-
-Exit codes of ``hpcpar`` (every command) and of every rank of ``hpcpar run``:
-
-====  ========================  ==============================================================
-code  name                      meaning
-====  ========================  ==============================================================
-0     ``EXIT_OK``               finished (all steps, or the command did what it was asked)
-1     ``EXIT_FAILED``           crashed: a bug (traceback with the rank), a rank died, or the
-                                stall detector aborted a hung gradient sync; ``mpiexec``/``srun
-                                --kill-on-bad-exit`` then stop the other ranks, never a hang
-2     ``EXIT_USAGE``            user error (any :class:`HpcparError`, a click usage error): one
-                                line, fix what it names and run again
-3     ``EXIT_REQUEUE``          stopped by SIGUSR1/SIGTERM/SIGINT after writing a checkpoint:
-                                requeue (or run the same command again) to resume
-4     ``EXIT_DIVERGED``         training diverged: a non-finite loss or gradient (``[train]
-                                on_nonfinite = "stop"``); the last finite checkpoint is kept
-5     ``EXIT_BELOW_REFERENCE``  ``hpcpar report --expect``: a point fell short of its
-                                reference (minimum efficiency or maximum step time)
-6     ``EXIT_OUT_OF_MEMORY``    ``hpcpar run``: a rank was killed by the kernel's memory limit
-                                (its memory cgroup counted the kill): more spatial ranks
-130   ``EXIT_ABORTED``          interrupted by Ctrl-C (SIGINT) in the CLI
-====  ========================  ==============================================================
-
-This module imports nothing from hpcpar: every layer may use it.
-"""
+This module imports nothing from hpcpar: every layer may use it."""
 
 EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
-EXIT_REQUEUE = 3
-EXIT_DIVERGED = 4
-EXIT_BELOW_REFERENCE = 5
-EXIT_OUT_OF_MEMORY = 6
-EXIT_ABORTED = 130
+EXIT_FAILED = 1               # a bug, a dead rank, or the stall detector's abort
+EXIT_USAGE = 2                # any HpcparError, a click usage error
+EXIT_REQUEUE = 3              # stopped by a signal after a checkpoint: requeue to resume
+EXIT_DIVERGED = 4             # a non-finite loss or gradient (on_nonfinite = "stop")
+EXIT_BELOW_REFERENCE = 5      # hpcpar report --expect: a point fell short of its reference
+EXIT_OUT_OF_MEMORY = 6        # hpcpar run: a rank killed by the kernel's memory limit
+EXIT_ABORTED = 130            # Ctrl-C in the CLI
 
 
 class HpcparError(Exception):
     """A user error: the message is one line naming the file/field/layer and what was expected.
-
-    Catch this to catch every hpcpar user error; raise one of the subclasses below.
-    """
+    Catch this to catch every hpcpar user error; raise one of the subclasses below."""
 
     exit_code = EXIT_USAGE
     #: Set on an error every rank raises alike (the same check on the same data), so that
@@ -140,8 +98,4 @@ ERRORS = (HpcparError, ConfigError, GridError, LayerError, CommError, DataError,
           DivergedError, LaunchError)
 
 #: every exit code: name -> value
-EXIT_CODES = {"EXIT_OK": EXIT_OK, "EXIT_FAILED": EXIT_FAILED, "EXIT_USAGE": EXIT_USAGE,
-              "EXIT_REQUEUE": EXIT_REQUEUE,
-              "EXIT_DIVERGED": EXIT_DIVERGED, "EXIT_BELOW_REFERENCE": EXIT_BELOW_REFERENCE,
-              "EXIT_OUT_OF_MEMORY": EXIT_OUT_OF_MEMORY,
-              "EXIT_ABORTED": EXIT_ABORTED}
+EXIT_CODES = {name: code for name, code in globals().items() if name.startswith("EXIT_")}

@@ -5,8 +5,7 @@
   when given several; ``sweep`` and ``submit`` take a list.
 * ``-o/--out``: where the command writes its results.
 * ``--set SECTION.KEY=VALUE``: override a job field (repeatable).
-* ``--json``: machine-readable output instead of the text (stdout, one document).
-"""
+* ``--json``: machine-readable output instead of the text (stdout, one document)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """``hpcpar data``: make, inspect, verify and re-shard HDF5 volume datasets.
 
-``make`` and ``shard`` run in parallel under ``mpiexec`` (each rank writes its own shards)
-and as one rank without it. torch/h5py/mpi4py load inside the commands, not at import.
-"""
+``make`` and ``shard`` run in parallel under ``mpiexec`` (each rank writes its own shards) and as
+one rank without it. torch/h5py/mpi4py load inside the commands, not at import."""
 
 from __future__ import annotations
 
@@ -67,8 +66,8 @@ def _comm():
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def cosmoflow(out, samples, size, channels, shards, seed, chunk, grid, force, quiet):
-    """CosmoFlow-like Gaussian random fields; targets: amplitude, slope, cutoff,
-    nonlinearity (normalised to [-1, 1])."""
+    """CosmoFlow-like Gaussian random fields; targets: amplitude, slope, cutoff, nonlinearity
+    (normalised to [-1, 1])."""
     from hpcpar.data.format import chunk_from_options  # deferred: keeps --help fast
     from hpcpar.data.synthetic import CosmoflowSource, check_params  # deferred: keeps --help fast
     from hpcpar.data.writer import shard_counts, write_dataset  # deferred: keeps --help fast
@@ -119,16 +118,11 @@ def cosmoflow(out, samples, size, channels, shards, seed, chunk, grid, force, qu
                    "follows it.")
 def shard(in_file, out, images, labels, targets_csv, fit_size, pad, x_key, y_key, samples_per_shard,
           chunk, grid, force, quiet, allow_nonfinite, transform):
-    """Shard a single HDF5 file (IN.h5 OUT), or image files with their label volumes or
-    per-sample targets (OUT --images ... --labels/--targets ...), into an hpcpar dataset
-    directory; values are copied as they are, and no input transform is applied at run
-    time unless --transform asks."""
+    """Shard a single HDF5 file (IN.h5 OUT), or image files with their label volumes or per-sample
+    targets (OUT --images ... --labels/--targets ...), into an hpcpar dataset directory; values are
+    copied as they are, and no input transform is applied at run time unless --transform asks."""
     from hpcpar.data.format import chunk_from_options  # deferred: keeps --help fast
-    from hpcpar.data.writer import (  # deferred: keeps --help fast
-        H5Source,
-        shard_counts,
-        write_dataset,
-    )
+    from hpcpar.data.writer import H5Source, shard_counts, write_dataset  # deferred: fast --help
 
     chunking = chunk_from_options(chunk, grid)
     given = [o for o, v in (("--labels", labels), ("--targets", targets_csv),
@@ -153,8 +147,7 @@ def shard(in_file, out, images, labels, targets_csv, fit_size, pad, x_key, y_key
         comm = _comm()
         counts = shard_counts(len(source), samples_per_shard=samples_per_shard)
         m = write_dataset(out, source, counts, comm=comm, chunk=chunking, force=force,
-                          progress=not quiet, allow_nonfinite=allow_nonfinite,
-                          transform=transform)
+                          progress=not quiet, allow_nonfinite=allow_nonfinite, transform=transform)
     finally:
         source.close()
     if comm.Get_rank() == 0:
@@ -210,9 +203,9 @@ def info(directory, as_json):
               "(shapes only).")
 @json_option("Print one JSON object: ok, the problems found, shards and samples checked.")
 def verify(directory, no_checksum, as_json):
-    """Check every shard: present, HDF5, size, sha256, keys, shapes, dtypes, sample range,
-    and every value finite (NaN/inf only where the manifest records them). A sharded graph
-    (hpcpar data graph partition): every part file's size, sha256, datasets and ranges."""
+    """Check every shard: present, HDF5, size, sha256, keys, shapes, dtypes, sample range, and every
+    value finite (NaN/inf only where the manifest records them). A sharded graph (hpcpar data graph
+    partition): every part file's size, sha256, datasets and ranges."""
     from hpcpar.data.format import read_manifest, verify_dataset  # deferred: keeps --help fast
 
     if _is_graph(directory):

@@ -1,9 +1,8 @@
 """The examples every ``--help`` ends with, one table for all commands (click epilogs).
 
 Kept apart from the command modules so that every command, whoever owns its module, gets its
-examples the same way: :class:`hpcpar.cli.main.LazyGroup` attaches them when it loads a
-command. A command path missing here fails tests/cli/test_cli_conventions.py.
-"""
+examples the same way: :class:`hpcpar.cli.main.LazyGroup` attaches them when it loads a command. A
+command path missing here fails tests/cli/test_cli_conventions.py."""
 
 from __future__ import annotations
 
@@ -65,14 +64,8 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
 
 
 def epilog(path: str) -> str | None:
-    """The ``Examples:`` epilog of command ``path`` (``"data shard"``), or None.
-
-    Args:
-        path: The command's words after ``hpcpar``.
-
-    Returns:
-        Epilog text with click's no-rewrap marker, or None when there are no examples.
-    """
+    """The ``Examples:`` epilog of command ``path`` (its words after ``hpcpar``, e.g. ``"data
+    shard"``), with click's no-rewrap marker; None when there are no examples."""
     lines = EXAMPLES.get(path)
     if not lines:
         return None
@@ -80,15 +73,8 @@ def epilog(path: str) -> str | None:
 
 
 def attach(cmd: click.Command, path: str) -> click.Command:
-    """Give ``cmd`` and its sub-commands (groups) their examples, unless they have an epilog.
-
-    Args:
-        cmd: The command.
-        path: Its words after ``hpcpar``.
-
-    Returns:
-        ``cmd``.
-    """
+    """Give ``cmd`` (at ``path``) and its sub-commands (groups) their examples, unless they have an
+    epilog; returns ``cmd``."""
     if cmd.epilog is None:
         cmd.epilog = epilog(path)
     if isinstance(cmd, click.Group):

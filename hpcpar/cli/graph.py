@@ -1,8 +1,7 @@
 """``hpcpar data graph``: import, generate and partition graph files (HDF5).
 
-Mounted under ``hpcpar data`` by hpcpar/commands/data.py. No numpy-heavy/torch/h5py imports at
-module import time (``--help`` stays fast).
-"""
+Mounted under ``hpcpar data`` by hpcpar/cli/data.py. No numpy-heavy/torch/h5py imports at module
+import time (``--help`` stays fast)."""
 
 from __future__ import annotations
 
@@ -45,14 +44,12 @@ def _split(ctx, param, value):
                    "file's code: only for files you trust).")
 @click.option("--force", is_flag=True, help="Replace OUT if it is a graph file hpcpar made.")
 def import_(source, out, features, labels, split, seed, trust_pickle, force):
-    """Convert a graph to OUT.h5: a Planetoid-style .npz (edge_index, CSR x, y,
-    train/val/test_idx), a PyTorch Geometric Data saved with torch.save (.pt/.pth: edge_index,
-    x, y, *_mask; loaded with weights_only=True and PyG's graph classes only, so the file's
-    code never runs unless you pass --trust-pickle), or an edge list (text, one `src dst`
-    per line) with --features.
+    """Convert a graph to OUT.h5: a Planetoid-style .npz (edge_index, CSR x, y, train/val/test_idx),
+    a PyTorch Geometric Data saved with torch.save (.pt/.pth: edge_index, x, y, *_mask; loaded with
+    weights_only=True and PyG's graph classes only, so the file's code never runs unless you pass
+    --trust-pickle), or an edge list (text, one `src dst` per line) with --features.
 
-    SOURCE may be a path or the name of a bundled dataset (``cora``).
-    """
+    SOURCE may be a path or the name of a bundled dataset (``cora``)."""
     from hpcpar.graph.interop import import_graph  # deferred: keeps --help fast
 
     check_graph_out(out, force)
@@ -127,19 +124,18 @@ def make(out, nodes, avg_degree, communities, features, classes, seed, directed,
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 def partition(source, out, parts, method, memory_limit, passes, seed, features, labels, split,
               trust_pickle, force):
-    """Partition a graph into the sharded graph format OUT/ (one HDF5 file per part and a
-    manifest with counts and sha256): SOURCE is an hpcpar graph file (.h5), a .npz, a PyG
-    .pt or a text edge list (with --features). Prints the edge cut and the measured peak
-    memory (ru_maxrss)."""
+    """Partition a graph into the sharded graph format OUT/ (one HDF5 file per part and a manifest
+    with counts and sha256): SOURCE is an hpcpar graph file (.h5), a .npz, a PyG .pt or a text edge
+    list (with --features). Prints the edge cut and the measured peak memory (ru_maxrss)."""
     from hpcpar._units import parse_bytes  # deferred: keeps --help fast
     from hpcpar.graph.stream_partition import partition_graph  # deferred: keeps --help fast
 
     if not os.path.exists(source) and os.path.exists(bundled(source.removesuffix(".npz"))):
         source = bundled(source.removesuffix(".npz"))
     limit = parse_bytes(memory_limit, "--memory-limit") if memory_limit else None
-    m = partition_graph(source, out, parts, method, seed=seed, passes=passes,
-                        memory_limit=limit, force=force, features=features, labels=labels,
-                        split=split, trust_pickle=trust_pickle)
+    m = partition_graph(source, out, parts, method, seed=seed, passes=passes, memory_limit=limit,
+                        force=force, features=features, labels=labels, split=split,
+                        trust_pickle=trust_pickle)
     p = m["partition"]
     click.echo(f"wrote {out}: {m['num_nodes']} nodes, {m['num_edges']} edges in {parts} parts "
                f"({p['method']}); edge cut {p['edge_cut']} ({100 * p['cut_fraction']:.1f}%), "

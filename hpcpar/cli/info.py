@@ -151,6 +151,5 @@ def info(ranks, grid_spec, ranks_per_node, as_json):
             for e, node in table]}))
         return
     click.echo(title)
-    click.echo(text_table(("rank", "data", "x", "y", "z", "node"),
-                          [(e.rank, *e.coords, node) for e, node in table], markdown=False,
-                          align=("right",) * 6))
+    click.echo(text_table(("rank", "data", "x", "y", "z", "node"), [(e.rank, *e.coords, node)
+                          for e, node in table], markdown=False, align=("right",) * 6))

@@ -1,9 +1,8 @@
 """The ``hpcpar`` command line.
 
-Sub-commands live in their own modules and load lazily (importing torch costs seconds), so
-``hpcpar --help`` is instant. Register a command by adding it to ``COMMANDS``.
-User errors (:class:`hpcpar.HpcparError`, click usage errors) print one line and exit 2.
-"""
+Sub-commands live in their own modules and load lazily (importing torch costs seconds), so ``hpcpar
+--help`` is instant. Register a command by adding it to ``COMMANDS``. User errors
+(:class:`hpcpar.HpcparError`, click usage errors) print one line and exit 2."""
 
 from __future__ import annotations
 
@@ -49,7 +48,6 @@ class LazyGroup(click.Group):
                 raise click.UsageError(f"command {name!r} is not available in this build") \
                     from None
             raise
-
         return attach(getattr(mod, attr), name)
 
     def format_commands(self, ctx, formatter):
@@ -62,8 +60,8 @@ class LazyGroup(click.Group):
              epilog=epilog(""))
 @click.version_option(__version__, prog_name="hpcpar")
 def cli():
-    """hpcpar: train large-sample 3D CNNs and full graphs over many MPI ranks, then see how
-    well it scaled."""
+    """hpcpar: train large-sample 3D CNNs and full graphs over many MPI ranks, then see how well it
+    scaled."""
 
 
 def main(argv=None) -> None:
@@ -87,9 +85,8 @@ def main(argv=None) -> None:
 
 
 def _set_hint(argv: list[str]) -> str | None:
-    """The right form of a ``--set KEY VALUE`` (two words) in ``argv``: click takes KEY as
-    the option's value and VALUE as an unexpected extra argument, which says nothing of the
-    fix."""
+    """The right form of a ``--set KEY VALUE`` (two words) in ``argv``: click takes KEY as the
+    option's value and VALUE as an unexpected extra argument, which says nothing of the fix."""
     for i, word in enumerate(argv[:-2]):
         if word == "--set" and "=" not in argv[i + 1] and not argv[i + 2].startswith("-"):
             return (f"--set takes one word SECTION.KEY=VALUE: use --set "

@@ -212,9 +212,8 @@ def plan(job, ranks, machine, top, csv_path, sets, calibrate, out, as_json, budg
     if csv_path:
         write_csv(preds, csv_path)
     if as_json:
-        extra = {} if largest is None else {
-            "memory_budget": m.mem_per_rank,
-            "largest_samples": [asdict(r) for r in largest]}
+        extra = {} if largest is None else {"memory_budget": m.mem_per_rank,
+                                            "largest_samples": [asdict(r) for r in largest]}
         if fit is not None:
             extra["fit_scale"] = fit
         click.echo(json.dumps({"job": work.name, "ranks": ranks, "machine": m.name,

@@ -1,9 +1,8 @@
-"""``hpcpar predict RUN_DIR_OR_CHECKPOINT --data PATH --out OUT.h5 -n N``: a trained model
-over whole volumes, split over ranks (:mod:`hpcpar.run.predict`).
+"""``hpcpar predict RUN_DIR_OR_CHECKPOINT --data PATH --out OUT.h5 -n N``: a trained model over
+whole volumes, split over ranks (:mod:`hpcpar.run.predict`).
 
-The output rules are checked here, before any rank starts; the ranks run
-``python -m hpcpar.run.predict`` (in this process for one rank or under MPI already).
-"""
+The output rules are checked here, before any rank starts; the ranks run ``python -m
+hpcpar.run.predict`` (in this process for one rank or under MPI already)."""
 
 from __future__ import annotations
 
@@ -46,9 +45,9 @@ __all__ = ["predict"]
 def predict(target, data, out, ranks, grid_spec, model_spec, weights, max_slab, argmax,
             softmax, sigmoid, dtype, force):
     """Predict every sample of --data with a trained model, exactly (equal to the one-process
-    whole-volume forward), each rank writing its own piece of OUT. A rerun restarts an
-    unfinished OUT; any other existing file needs --force. Exit codes: 0 done, 1 a rank
-    failed (OUT stays marked incomplete), 2 user error."""
+    whole-volume forward), each rank writing its own piece of OUT. A rerun restarts an unfinished
+    OUT; any other existing file needs --force. Exit codes: 0 done, 1 a rank failed (OUT stays
+    marked incomplete), 2 user error."""
     from hpcpar.launch.launcher import (  # deferred: keeps --help fast
         default_ranks,
         launch_command,

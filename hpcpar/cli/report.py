@@ -71,9 +71,8 @@ def plan_predictor(machine_name: str, trust_kind: bool = False):
     def predict_point(job_dict: dict, grid: tuple) -> dict:
         key = json.dumps(job_dict, sort_keys=True, default=str)
         if key not in works:
-            works[key] = workload_of(build_job(job_dict, source="meta.json job",
-                                                        untrusted=True,
-                                                        trust_kind=trust_kind))
+            works[key] = workload_of(build_job(job_dict, source="meta.json job", untrusted=True,
+                                               trust_kind=trust_kind))
         pred = predict(works[key], grid, machine)
         if not pred.feasible:
             raise ConfigError(f"grid {pred.spec}: {pred.reason}")

@@ -1,7 +1,6 @@
 """``hpcpar run JOB.toml``: validate the job, pick the run directory, start the ranks.
 
-No torch import here: validation errors come back in well under a second.
-"""
+No torch import here: validation errors come back in well under a second."""
 
 from __future__ import annotations
 
@@ -55,12 +54,11 @@ def _grid_overrides(spec: str) -> list[str]:
 @json_option("With --print-config or --dry-run: print JSON instead.")
 def run(job_file, ranks, grid_spec, run_dir, sets, fresh, _resume, start_from, new_settings,
         dry_run, print_config, as_json):
-    """Run a training job: mpiexec locally, srun inside a Slurm allocation, in-process when
-    already under MPI. Exit codes: 0 done (or already finished), 1 failed (crash or a rank
-    died), 2 user error, 3 checkpointed after SIGUSR1/SIGTERM/Ctrl-C (run again to resume),
-    4 diverged (non-finite loss or gradient), 6 a rank was killed by the memory limit,
-    130 interrupted twice. The run directory is
-    printed on stdout (`RUN=$(hpcpar run job.toml)`), progress on stderr."""
+    """Run a training job: mpiexec locally, srun inside a Slurm allocation, in-process when already
+    under MPI. Exit codes: 0 done (or already finished), 1 failed (crash or a rank died), 2 user
+    error, 3 checkpointed after SIGUSR1/SIGTERM/Ctrl-C (run again to resume), 4 diverged (non-finite
+    loss or gradient), 6 a rank was killed by the memory limit, 130 interrupted twice. The run
+    directory is printed on stdout (`RUN=$(hpcpar run job.toml)`), progress on stderr."""
     from hpcpar.formats.jobspec import load_job  # deferred: keeps --help fast
     from hpcpar.launch.launcher import (  # deferred: keeps --help fast
         default_ranks,
@@ -83,8 +81,7 @@ def run(job_file, ranks, grid_spec, run_dir, sets, fresh, _resume, start_from, n
     if print_config:
         from hpcpar.formats.jobschema import job_to_toml  # deferred: keeps --help fast
 
-        click.echo(json.dumps(job.to_dict(), indent=1) if as_json else job_to_toml(job),
-                   nl=as_json)
+        click.echo(json.dumps(job.to_dict(), indent=1) if as_json else job_to_toml(job), nl=as_json)
         return
     spec = "x".join(map(str, shape))
     mode = plan_launch(n)
@@ -118,9 +115,8 @@ def run(job_file, ranks, grid_spec, run_dir, sets, fresh, _resume, start_from, n
             click.echo(json.dumps({"run_dir": str(rd), "ranks": n, "grid": spec, "mode": mode,
                                    "threads_per_rank": threads, "command": cmd}))
         else:
-            click.echo(f"run dir: {rd}\nranks: {n} (grid {spec}, {mode})\n"
-                       f"threads per rank: {threads} (OMP_NUM_THREADS, torch)\n"
-                       f"command: {shlex.join(cmd)}")
+            click.echo(f"run dir: {rd}\nranks: {n} (grid {spec}, {mode})\nthreads per rank: "
+                       f"{threads} (OMP_NUM_THREADS, torch)\ncommand: {shlex.join(cmd)}")
         return
     if what == "finished":
         if lead:

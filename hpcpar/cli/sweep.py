@@ -1,14 +1,8 @@
 """``hpcpar sweep JOB.toml --ranks 1,2,4 --out DIR``: a scaling study on this machine.
 
-Each rank count N runs ``hpcpar run JOB -n N --grid G --run-dir DIR/ranks-N`` in turn, then
-``hpcpar report`` writes DIR/report/. Grid of a point (:func:`point_grid`): keep the job's
-spatial axes (x, y, z) when their product divides N; otherwise shrink the largest spatial axis
-(z first on ties) by its smallest prime factor until it does; the data axis takes the rest.
-``--weak`` scales the global batch with N: B(N) = B0 * N / N0 (N0 the smallest count of the
-sweep), so the work per rank stays constant. Every point runs with the same threads per rank
-(``--threads``, else one rule for the whole sweep: see :mod:`hpcpar.launch.sweep`).
-``--submit`` hands the whole sweep to ``hpcpar submit`` (Slurm).
-"""
+Each rank count N runs ``hpcpar run JOB -n N --grid G --run-dir DIR/ranks-N`` in turn, then ``hpcpar
+report`` writes DIR/report/. The grid of a point, ``--weak`` batches and the threads per rank follow
+:mod:`hpcpar.launch.sweep`. ``--submit`` hands the whole sweep to ``hpcpar submit`` (Slurm)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
 """The Slurm allocation this shell is in: its hosts and where ``srun`` puts each rank.
 
-Read from the allocation's environment only (``SLURM_JOB_NODELIST``,
-``SLURM_TASKS_PER_NODE``), so ``hpcpar info`` can show the rank -> host table before anything
-is launched. ``srun``'s default distribution is *block*: the first node's tasks are ranks
-0..n0-1, the next node's follow, and so on.
-"""
+Read from the allocation's environment only (``SLURM_JOB_NODELIST``, ``SLURM_TASKS_PER_NODE``), so
+``hpcpar info`` can show the rank -> host table before anything is launched. ``srun``'s default
+distribution is *block*: the first node's tasks are ranks 0..n0-1, the next node's follow, and so
+on."""
 
 from __future__ import annotations
 
@@ -31,17 +30,9 @@ def _split_top(text: str) -> list[str]:
 
 
 def expand_hostlist(text: str) -> list[str]:
-    """Slurm's compressed host list -> host names, in order.
-
-    Args:
-        text: e.g. ``"node[1-3,7],gpu[01-02]x"`` (zero padding is kept).
-
-    Returns:
-        ``["node1", "node2", "node3", "node7", "gpu01x", "gpu02x"]``.
-
-    Raises:
-        LaunchError: The list is not in Slurm's host list syntax.
-    """
+    """Slurm's compressed host list -> host names, in order: ``"node[1-3,7],gpu[01-02]x"``
+    -> ``["node1", "node2", "node3", "node7", "gpu01x", "gpu02x"]`` (zero padding is kept);
+    :class:`LaunchError` for what is not in Slurm's host list syntax."""
     hosts = []
     for part in _split_top(text.strip()):
         m = re.fullmatch(r"([^\[\]]*)\[([^\[\]]+)\](.*)", part)
@@ -63,17 +54,8 @@ def expand_hostlist(text: str) -> list[str]:
 
 
 def tasks_per_node(text: str) -> list[int]:
-    """Expand Slurm's compressed task counts into one count per node.
-
-    Args:
-        text: ``SLURM_TASKS_PER_NODE``, e.g. ``"2(x3),1"``.
-
-    Returns:
-        One count per node: ``"2(x3),1"`` -> ``[2, 2, 2, 1]``.
-
-    Raises:
-        LaunchError: A part of ``text`` is not ``N`` or ``N(xM)``.
-    """
+    """``SLURM_TASKS_PER_NODE`` as one count per node: ``"2(x3),1"`` -> ``[2, 2, 2, 1]``;
+    :class:`LaunchError` for a part that is not ``N`` or ``N(xM)``."""
     counts = []
     for part in text.split(","):
         m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
@@ -84,18 +66,9 @@ def tasks_per_node(text: str) -> list[int]:
 
 
 def rank_hosts(env: Mapping[str, str] | None = None) -> list[str] | None:
-    """Find the host of every rank ``srun`` starts in this allocation (block distribution).
-
-    Args:
-        env: The environment to read the ``SLURM_*`` variables from; ``os.environ`` when None.
-
-    Returns:
-        One host name per rank, in rank order; None outside an allocation.
-
-    Raises:
-        LaunchError: The node list and the task counts disagree on the number of nodes, or
-            either cannot be read.
-    """
+    """The host of every rank ``srun`` starts in this allocation (block distribution), in rank
+    order; None outside an allocation. ``env`` defaults to ``os.environ``. A node list and task
+    counts that disagree on the number of nodes, or cannot be read, raise :class:`LaunchError`."""
     env = os.environ if env is None else env
     nodelist, tasks = env.get("SLURM_JOB_NODELIST"), env.get("SLURM_TASKS_PER_NODE")
     if not env.get("SLURM_JOB_ID") or not nodelist or not tasks:

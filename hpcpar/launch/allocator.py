@@ -1,19 +1,16 @@
 """The memory allocator of launched ranks: jemalloc where the system has it.
 
-glibc's malloc raises its mmap threshold after the first large free (up to 32 MiB), so from
-the second step on a rank's activations of 128 KiB-32 MiB come from the heap, whose holes do
-not fit the next step's requests: the peak creeps up step after step (CosmoFlow 224³ on 8
-ranks: 666 MiB at the first step, 830 MiB by the sixth, where the planner's live set is 663
-MiB), and a sample that fits the first steps is killed by the memory limit later. jemalloc
-holds it flat (682-693 MiB) at the same step time (demo jobs, median of 4 alternating rounds:
-UNet3D 1.00x, CosmoFlow 0.99x). A fixed glibc threshold (``MALLOC_MMAP_THRESHOLD_``) holds it
-too but pays a page fault per fresh buffer: up to 1.18x the step time.
+glibc's malloc raises its mmap threshold after the first large free (up to 32 MiB), so from the
+second step on a rank's activations of 128 KiB-32 MiB come from the heap, whose holes do not fit the
+next step's requests: the peak creeps up step after step (CosmoFlow 224³ on 8 ranks: 666 MiB at the
+first step, 830 MiB by the sixth, where the planner's live set is 663 MiB), and a sample that fits
+the first steps is killed by the memory limit later. jemalloc holds it flat (682-693 MiB) at the
+same step time (demo jobs, median of 4 alternating rounds: UNet3D 1.00x, CosmoFlow 0.99x). A fixed
+glibc threshold (``MALLOC_MMAP_THRESHOLD_``) holds it too but pays a page fault per fresh buffer: up
+to 1.18x the step time.
 
-``HPCPAR_ALLOCATOR``: ``auto`` (jemalloc when found, else the system's malloc), ``jemalloc``
-(required: an error when not found), ``system``, or the path of an allocator library. Ranks
-get it through ``LD_PRELOAD``; a run records which allocator its ranks had
-(``meta.json`` ``versions.malloc``).
-"""
+``HPCPAR_ALLOCATOR`` (see hpcpar._env) chooses; ranks get it through ``LD_PRELOAD``, and a run
+records which allocator its ranks had (``meta.json`` ``versions.malloc``)."""
 
 from __future__ import annotations
 
@@ -39,8 +36,7 @@ def find_jemalloc() -> str | None:
         path = os.path.join(d, "libjemalloc.so.2")
         if os.path.isfile(path):
             return path
-    name = ctypes.util.find_library("jemalloc")   # ldconfig's cache: another prefix
-    return name
+    return ctypes.util.find_library("jemalloc")   # ldconfig's cache: another prefix
 
 
 def preload(env: MutableMapping[str, str]) -> bool:

@@ -14,8 +14,7 @@ when already running under MPI.
   (:func:`loopback_flags`).
 
 ``HPCPAR_LAUNCH=direct|srun|mpiexec`` forces a mode. Ranks read their place from
-:func:`hpcpar.parallel.placement.rank_info` and take one GPU per local rank.
-"""
+:func:`hpcpar.parallel.placement.rank_info` and take one GPU per local rank."""
 
 from __future__ import annotations
 
@@ -26,6 +25,7 @@ import subprocess
 import sys
 import sysconfig
 from collections.abc import Mapping, Sequence
+from contextlib import suppress
 from importlib import metadata
 from typing import Any
 
@@ -59,14 +59,8 @@ _HYDRA_REMOTE = ("HYDRA_HOST_FILE", "SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID")
 
 
 def mpi_world_size(env: Mapping[str, str] | None = None) -> int:
-    """Ranks of the MPI job this process already belongs to.
-
-    Args:
-        env: The environment; ``os.environ`` when None.
-
-    Returns:
-        The world size (1 when not launched by MPI).
-    """
+    """Ranks of the MPI job this process already belongs to (1 when not launched by MPI); ``env``
+    defaults to ``os.environ``, here and below."""
     env = os.environ if env is None else env
     if in_slurm_step(env):
         return env_int(env, ["SLURM_NTASKS", "PMI_SIZE"], 1)
@@ -74,14 +68,8 @@ def mpi_world_size(env: Mapping[str, str] | None = None) -> int:
 
 
 def default_ranks(env: Mapping[str, str] | None = None) -> int | None:
-    """The rank count implied by the environment: an MPI world or a Slurm allocation's tasks.
-
-    Args:
-        env: The environment; ``os.environ`` when None.
-
-    Returns:
-        The count, or None when the environment implies none.
-    """
+    """The rank count implied by the environment: an MPI world or a Slurm allocation's tasks; None
+    when it implies none."""
     env = os.environ if env is None else env
     world = mpi_world_size(env)
     if world > 1:
@@ -92,18 +80,8 @@ def default_ranks(env: Mapping[str, str] | None = None) -> int | None:
 
 
 def plan_launch(n: int, env: Mapping[str, str] | None = None) -> str:
-    """How to start ``n`` ranks here (the rules are in the module docstring).
-
-    Args:
-        n: Number of ranks.
-        env: The environment; ``os.environ`` when None.
-
-    Returns:
-        ``"direct"``, ``"srun"`` or ``"mpiexec"``.
-
-    Raises:
-        LaunchError: Already under MPI with another rank count.
-    """
+    """How to start ``n`` ranks here: ``"direct"``, ``"srun"`` or ``"mpiexec"`` by the rules of the
+    module docstring. :class:`LaunchError` when already under MPI with another rank count."""
     env = os.environ if env is None else env
     forced = _env.get("HPCPAR_LAUNCH", env)
     if forced:
@@ -128,16 +106,8 @@ def _uses_mpich_wheel() -> bool:
 
 
 def wheel_srun_export(env: Mapping[str, str], flags: Sequence[str] = ()) -> list[str]:
-    """``srun --export=ALL,...`` with :data:`WHEEL_SRUN_ENV` for what ``env`` does not set
-    (nothing when ``flags`` already choose an ``--export``).
-
-    Args:
-        env: The launcher's environment.
-        flags: The other ``srun`` flags.
-
-    Returns:
-        Zero or one ``srun`` flag.
-    """
+    """``srun --export=ALL,...`` with :data:`WHEEL_SRUN_ENV` for what ``env`` does not set: zero or
+    one flag (none when ``flags`` already choose an ``--export``)."""
     add = [f"{k}={v}" for k, v in WHEEL_SRUN_ENV.items() if k not in env]
     if not add or any(f.startswith("--export") for f in flags):
         return []
@@ -145,21 +115,11 @@ def wheel_srun_export(env: Mapping[str, str], flags: Sequence[str] = ()) -> list
 
 
 def loopback_flags(mpiexec: str, env: Mapping[str, str]) -> list[str]:
-    """``mpiexec`` flags that keep a local run off the network, where the MPI allows it.
-
-    Only for the ``mpich`` wheel's hydra (the ``mpiexec`` beside this Python) and only when it
-    starts every rank on this host (no host file, not in a batch allocation): ``-iface lo``
-    (hydra's proxies reach ``mpiexec`` over loopback) and :data:`LOOPBACK_ENV` for the ranks
-    through ``-genv``. Hydra's own control port still listens on every interface: MPICH 5.0
-    has no option to bind it.
-
-    Args:
-        mpiexec: The ``mpiexec`` that will start the ranks.
-        env: The launcher's environment.
-
-    Returns:
-        The flags (none for any other MPI, or a run that may span hosts).
-    """
+    """``mpiexec`` flags that keep a local run off the network, where the MPI allows it: only for
+    the ``mpich`` wheel's hydra (the ``mpiexec`` beside this Python) starting every rank on this
+    host (no host file, no batch allocation), ``-iface lo`` (hydra's proxies reach ``mpiexec`` over
+    loopback) and :data:`LOOPBACK_ENV` for the ranks through ``-genv``; none otherwise. Hydra's own
+    control port still listens on every interface: MPICH 5.0 has no option to bind it."""
     beside = {os.path.abspath(d) for d in (sysconfig.get_path("scripts"),
                                            os.path.dirname(sys.executable))}
     if os.path.dirname(os.path.abspath(mpiexec)) not in beside or not _uses_mpich_wheel() \
@@ -174,22 +134,10 @@ def loopback_flags(mpiexec: str, env: Mapping[str, str]) -> list[str]:
 
 def launch_command(mode: str, n: int, argv: list[str], *, cpus_per_task: int = 1,
                    gpus_per_node: int = 0, env: Mapping[str, str] | None = None) -> list[str]:
-    """The full command line that starts a per-rank command on ``n`` ranks.
-
-    Args:
-        mode: ``"direct"``, ``"srun"`` or ``"mpiexec"`` (from ``plan_launch``).
-        n: Number of ranks.
-        argv: The per-rank command.
-        cpus_per_task: ``--cpus-per-task`` for ``srun`` (the allocation's value wins).
-        gpus_per_node: GPUs per node; with ``srun``, each task gets one.
-        env: The environment; ``os.environ`` when None.
-
-    Returns:
-        The command line (``argv`` itself for ``"direct"``).
-
-    Raises:
-        LaunchError: ``mpiexec`` mode without an ``mpiexec``.
-    """
+    """The full command line that starts the per-rank ``argv`` on ``n`` ranks in ``mode`` (from
+    ``plan_launch``; ``argv`` itself for ``"direct"``). With ``srun``, the allocation's
+    ``SLURM_CPUS_PER_TASK`` wins over ``cpus_per_task``, and each task gets one GPU when
+    ``gpus_per_node``; ``mpiexec`` mode without an ``mpiexec`` raises :class:`LaunchError`."""
     env = os.environ if env is None else env
     if mode == "mpiexec":
         mpiexec = find_mpiexec()
@@ -217,30 +165,19 @@ def _child_setup() -> None:  # pragma: no cover - runs in the child between fork
     run``, which forwards it exactly once) and dies with ``hpcpar run`` (Linux
     ``PR_SET_PDEATHSIG``), taking its ranks along, so nothing outlives a killed CLI."""
     os.setpgid(0, 0)
-    try:
+    with suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))   # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def run_ranks(cmd: list[str], env: dict) -> int:
-    """Run the launcher command, forwarding SIGUSR1/SIGTERM/SIGINT to it.
+    """Run the launcher command with the ranks' ``env``, forwarding SIGUSR1/SIGTERM/SIGINT to it;
+    its exit code (128 + the signal number when a signal killed it), or :class:`LaunchError` when it
+    cannot start.
 
-    Ctrl-C: the first SIGINT is forwarded (as SIGTERM to ``srun``, which would only print its
-    status on a single SIGINT): the ranks checkpoint and exit 3. A second one kills the
-    launcher and its ranks at once: ``EXIT_ABORTED`` (130). (The launcher runs in its own
-    process group, so a terminal's Ctrl-C reaches it only through this forwarding, once.)
-
-    Args:
-        cmd: The command line (from ``launch_command``).
-        env: The ranks' environment.
-
-    Returns:
-        The launcher's exit code; 128 + the signal number when a signal killed it.
-
-    Raises:
-        LaunchError: The command cannot be started.
-    """
+    Ctrl-C: the first SIGINT is forwarded (as SIGTERM to ``srun``, which would only print its status
+    on a single SIGINT): the ranks checkpoint and exit 3. A second one kills the launcher and its
+    ranks at once: ``EXIT_ABORTED`` (130). The launcher runs in its own process group, so a
+    terminal's Ctrl-C reaches it only through this forwarding, once."""
     state: dict[str, Any] = {"proc": None, "interrupted": False, "aborted": False}
     as_term = os.path.basename(cmd[0]) == "srun"
 
@@ -277,15 +214,7 @@ def run_ranks(cmd: list[str], env: dict) -> int:
 
 
 def rank_argv(job_json: str, run_dir: str, resume: bool) -> list[str]:
-    """The per-rank command (``python -m hpcpar.run.trainer``).
-
-    Args:
-        job_json: The resolved job file (``RUN/job.json``).
-        run_dir: The run directory.
-        resume: Resume from the last checkpoint.
-
-    Returns:
-        The command line.
-    """
+    """The per-rank command (``python -m hpcpar.run.trainer``) for the resolved job file
+    (``RUN/job.json``)."""
     return [sys.executable, "-m", "hpcpar.run.trainer", job_json, "--run-dir", run_dir,
             "--resume" if resume else "--no-resume"]

@@ -15,15 +15,9 @@ __all__ = ["find_mpiexec", "rank_env"]
 
 
 def find_mpiexec() -> str:
-    """The ``mpiexec`` to launch ranks with.
-
-    Returns:
-        ``HPCPAR_MPIEXEC``, else the ``mpiexec`` installed beside this Python (the ``mpich``
-        wheel puts it there), else the first ``mpiexec``/``mpirun`` on PATH.
-
-    Raises:
-        LaunchError: None found.
-    """
+    """The ``mpiexec`` to launch ranks with: ``HPCPAR_MPIEXEC``, else the one installed beside this
+    Python (the ``mpich`` wheel puts it there), else the first ``mpiexec``/``mpirun`` on PATH;
+    :class:`LaunchError` when none is found."""
     forced = _env.get("HPCPAR_MPIEXEC")
     if forced:
         return forced
@@ -42,15 +36,8 @@ def find_mpiexec() -> str:
 
 
 def rank_env(extra: dict | None = None) -> dict:
-    """The environment for launched ranks: one compute thread per rank unless the user set one,
-    and jemalloc (:mod:`hpcpar.launch.allocator`).
-
-    Args:
-        extra: Variables to add or override.
-
-    Returns:
-        A copy of ``os.environ`` with the defaults and ``extra``.
-    """
+    """A copy of ``os.environ`` for launched ranks, with ``extra`` on top: one compute thread per
+    rank unless the user set one, and jemalloc (:mod:`hpcpar.launch.allocator`)."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("MKL_NUM_THREADS", "1")

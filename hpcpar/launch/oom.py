@@ -1,18 +1,15 @@
 """Telling a rank killed by a memory limit from any other crash.
 
-The kernel's out-of-memory killer sends SIGKILL: the launcher only sees "signal 9", the same
-as a ``kill -9``. What tells them apart is the memory cgroup (Slurm's memory limit, a
-``systemd-run -p MemoryMax=`` scope, a container): it counts the processes it killed.
-:class:`OomWatch` reads those counters of this process's memory cgroup and its ancestors
-before the ranks start and after they end, so ``hpcpar run`` can say "out of memory" and
-exit with :data:`hpcpar.errors.EXIT_OUT_OF_MEMORY`.
+The kernel's out-of-memory killer sends SIGKILL: the launcher only sees "signal 9", as after a
+``kill -9``. The memory cgroup (Slurm's memory limit, a ``systemd-run -p MemoryMax=`` scope, a
+container) counts the processes it killed: :class:`OomWatch` reads those counters of this process's
+memory cgroup and its ancestors before the ranks start and after they end, so ``hpcpar run`` can say
+"out of memory" and exit with :data:`hpcpar.errors.EXIT_OUT_OF_MEMORY`.
 
 The kernel counts a kill in the killed process's own group (v1 ``memory.oom_control``:
-``oom_kill``); v2's ``memory.events`` of a group also counts its descendants' kills, so v2
-ranks in their own groups below ``hpcpar run``'s are seen too. Ranks in groups that are not
-``hpcpar run``'s or below it (a sibling Slurm step, v1 per-rank groups) are not: their
-launcher (``srun``) or wrapper reports those.
-"""
+``oom_kill``); v2's ``memory.events`` of a group also counts its descendants' kills, so v2 ranks in
+their own groups below ``hpcpar run``'s are seen too. Ranks in other groups (a sibling Slurm step,
+v1 per-rank groups) are not: their launcher (``srun``) or wrapper reports those."""
 
 from __future__ import annotations
 
@@ -94,12 +91,8 @@ def _gib(nbytes: int) -> str:
 
 
 class OomWatch:
-    """Counts the out-of-memory kills of this process's memory cgroups from now on.
-
-    Args:
-        proc: ``/proc/<pid>/cgroup`` to read (tests point it elsewhere).
-        root: Where the cgroup filesystem is mounted.
-    """
+    """Counts the out-of-memory kills of this process's memory cgroups from now on; ``proc``
+    (``/proc/<pid>/cgroup``) and ``root`` (the cgroup mount) let tests point elsewhere."""
 
     def __init__(self, proc: Path = Path("/proc/self/cgroup"), root: Path = CGROUP_ROOT):
         self.groups = memory_groups(proc, root)
@@ -114,15 +107,9 @@ class OomWatch:
                 zip(self.groups, self._counts(), self.before) if now > then]
 
     def message(self, ranks: int, grid: str) -> str | None:
-        """The one-line error for a run that ended with kills, else None.
-
-        Args:
-            ranks: Ranks of the run.
-            grid: Its grid, ``"DxXxYxZ"``.
-
-        Returns:
-            ``"out of memory: ..."`` naming the group, its limit and what to change.
-        """
+        """The one-line ``"out of memory: ..."`` error for a run of ``ranks`` on ``grid``
+        (``"DxXxYxZ"``) that ended with kills, naming the group, its limit and what to change; else
+        None."""
         kills = self.kills()
         if not kills:
             return None
@@ -133,6 +120,5 @@ class OomWatch:
         where = f"cgroup {group.name}" + (f": {_gib(limit)}" if limit < UNLIMITED else "")
         who = "rank 0 was" if ranks == 1 else f"{n} of the {ranks} ranks' processes were"
         return (f"out of memory: {who} killed by the kernel's memory limit ({where}) on grid "
-                f"{grid}; split the sample over more ranks (--grid with more x/y/z ranks) or "
-                f"use a smaller batch; `hpcpar plan JOB -n N --memory-budget {size}` shows "
-                f"what fits")
+                f"{grid}; split the sample over more ranks (--grid with more x/y/z ranks) or use a "
+                f"smaller batch; `hpcpar plan JOB -n N --memory-budget {size}` shows what fits")

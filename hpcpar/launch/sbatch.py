@@ -9,10 +9,9 @@ backslashes or ``$(...)`` reaches Slurm and the shell literally:
   option at an unquoted ``#``. :func:`sbatch_quote` writes ``"..."`` with ``\\`` and ``"``
   escaped; filename patterns additionally double ``%`` (:func:`sbatch_filename`).
 
-Templates (``slurm/templates/*.sbatch``) hold ``{{name}}`` fields; a line that is only a field
-whose value is empty disappears. Newlines and NULs in user values are refused.
-This module does not import torch.
-"""
+Templates (``slurm/templates/*.sbatch``) hold ``{{name}}`` fields; a line that is only a field whose
+value is empty disappears. Newlines and NULs in user values are refused. This module does not import
+torch."""
 
 from __future__ import annotations
 
@@ -42,34 +41,14 @@ def _plain(value, what: str) -> str:
 
 
 def shell_quote(value: object, what: str = "value") -> str:
-    """Quote a value as one literal shell word (``shlex.quote``).
-
-    Args:
-        value: The value (converted with ``str``).
-        what: What it is, for messages.
-
-    Returns:
-        The quoted word.
-
-    Raises:
-        LaunchError: The value holds a newline or NUL.
-    """
+    """Quote a value (``str()`` of it) as one literal shell word; ``what`` names it in the
+    :class:`LaunchError` for a newline or NUL."""
     return shlex.quote(_plain(value, what))
 
 
 def sbatch_quote(value: object, what: str = "value") -> str:
-    """Quote one ``#SBATCH`` option value literally for sbatch's parser (not a shell).
-
-    Args:
-        value: The value (converted with ``str``).
-        what: What it is, for messages.
-
-    Returns:
-        The value, double-quoted unless it is a plain word.
-
-    Raises:
-        LaunchError: The value holds a newline or NUL.
-    """
+    """Quote one ``#SBATCH`` option value literally for sbatch's parser (not a shell): double-quoted
+    unless it is a plain word. Refuses a newline or NUL like :func:`shell_quote`."""
     text = _plain(value, what)
     if text and _SBATCH_BARE.match(text):
         return text
@@ -77,29 +56,14 @@ def sbatch_quote(value: object, what: str = "value") -> str:
 
 
 def sbatch_filename(path: str | os.PathLike) -> str:
-    """Escape a path for ``--output``: ``%`` doubled so ``%j``-style patterns stay literal.
-
-    Append the pattern you want after escaping the directory.
-
-    Args:
-        path: The user's path.
-
-    Returns:
-        The escaped path.
-    """
+    """Escape a path for ``--output``: ``%`` doubled so ``%j``-style patterns stay literal. Append
+    the pattern you want after escaping the directory."""
     return str(path).replace("%", "%%")
 
 
 def sbatch_lines(options: list[tuple[str, object]]) -> str:
-    """Render ``#SBATCH --opt=value`` lines.
-
-    Args:
-        options: ``(option, value)`` pairs; a value of None, False or "" drops the option,
-            True writes the bare flag.
-
-    Returns:
-        The lines, joined by newlines.
-    """
+    """``#SBATCH --opt=value`` lines: a value of None, False or "" drops the option, True writes the
+    bare flag."""
     lines = []
     for opt, value in options:
         if value is None or value is False or value == "":
@@ -112,21 +76,9 @@ def sbatch_lines(options: list[tuple[str, object]]) -> str:
 
 
 def render(template: str, values: dict[str, str], source: str = "<template>") -> str:
-    """Fill a template's ``{{name}}`` fields.
-
-    Lines that are a lone empty field are dropped.
-
-    Args:
-        template: The template text.
-        values: Field name -> text.
-        source: The template's file, for messages.
-
-    Returns:
-        The script.
-
-    Raises:
-        LaunchError: A field without a value.
-    """
+    """Fill a template's ``{{name}}`` fields (``source`` names the template in messages);
+    lines that are a lone empty field are dropped, a field without a value is a
+    :class:`LaunchError`."""
     missing = sorted({m.group(1) for m in _FIELD.finditer(template)} - set(values))
     if missing:
         raise LaunchError(f"{source}: unknown template field(s) {', '.join(missing)}; known: "
@@ -143,15 +95,8 @@ def render(template: str, values: dict[str, str], source: str = "<template>") ->
 # -- what goes into a script --------------------------------------------------------------------
 @dataclass
 class Point:
-    """One sweep point.
-
-    Attributes:
-        label: ``"ranks-N"``.
-        ranks: MPI ranks.
-        nodes: Nodes.
-        run_dir: The point's run directory.
-        args: This point's own ``hpcpar run`` arguments (``--grid``, weak-scaling batch).
-    """
+    """One sweep point: ``label`` is ``"ranks-N"``; ``args`` are its own ``hpcpar run`` arguments
+    (``--grid``, weak-scaling batch)."""
 
     label: str
     ranks: int
@@ -167,24 +112,9 @@ class Point:
 
 @dataclass
 class Allocation:
-    """What the scheduler is asked for (resolved from site, job ``[resources]`` and CLI).
-
-    Attributes:
-        name: Job name.
-        time: Time limit.
-        cpus_per_task: CPUs per task.
-        gpus_per_node: GPUs per node.
-        account: Account ("" for the default).
-        partition: Partition.
-        qos: Quality of service.
-        constraint: Node features.
-        exclusive: Whole nodes.
-        output: Log file pattern, already escaped with ``sbatch_filename``.
-        options: Extra ``#SBATCH`` options.
-        chdir: The job's working directory (``--chdir``; "" for none): where ``submit`` ran,
-            so a job's relative paths (``[data] path``) mean what they meant there, whatever
-            directory ``sbatch`` is later run from.
-    """
+    """What the scheduler is asked for (resolved from site, job ``[resources]`` and CLI); "" leaves
+    an option to Slurm. ``chdir`` is where ``submit`` ran, so a job's relative paths (``[data]
+    path``) mean what they meant there, whatever directory ``sbatch`` is later run from."""
 
     name: str
     time: str
@@ -239,27 +169,10 @@ def run_script(site: Site, alloc: Allocation, points: list[Point], *, job: Path,
                max_requeues: int | None = None, array: bool = False) -> str:
     """The batch script for one sweep point, or for all points as one job array.
 
-    In an array, task i runs point i and the allocation is sized for the largest point. The
-    script checkpoints on the pre-timeout signal and requeues itself.
-
-    Args:
-        site: The site profile.
-        alloc: The allocation.
-        points: The point, or the points of the array.
-        job: The job file.
-        out: The sweep directory.
-        python: The Python the script runs.
-        sets: ``--set`` overrides.
-        grace: Seconds between the pre-timeout signal and the limit; the site's when None.
-        max_requeues: Requeues allowed; the site's when None.
-        array: Render a job array over ``points``.
-
-    Returns:
-        The script.
-
-    Raises:
-        LaunchError: No points, several points without ``array``, or a bad value.
-    """
+    In an array, task i runs point i and the allocation is sized for the largest point. The script
+    checkpoints on the pre-timeout signal and requeues itself; ``grace`` (seconds between that
+    signal and the limit) and ``max_requeues`` default to the site's. No points, several points
+    without ``array``, or a bad value raise :class:`LaunchError`."""
     if not points:
         raise LaunchError("no sweep points to render")
     if len(points) > 1 and not array:
@@ -337,19 +250,7 @@ def run_script(site: Site, alloc: Allocation, points: list[Point], *, job: Path,
 
 def report_script(site: Site, alloc: Allocation, run_dirs: list[Path], report_dir: Path, *,
                   out: Path, python: str) -> str:
-    """The ``--report`` job: one task running ``hpcpar report RUN_DIRS... -o REPORT_DIR``.
-
-    Args:
-        site: The site profile.
-        alloc: The allocation.
-        run_dirs: The points' run directories.
-        report_dir: Where the report goes.
-        out: The sweep directory.
-        python: The Python the script runs.
-
-    Returns:
-        The script.
-    """
+    """The ``--report`` job: one task running ``hpcpar report RUN_DIRS... -o REPORT_DIR``."""
     opts = _common_options(alloc) + [
         ("--nodes", 1), ("--ntasks", 1), ("--cpus-per-task", alloc.cpus_per_task),
         ("--exclusive", alloc.exclusive), ("--time", alloc.time), ("--output", alloc.output)]
@@ -367,15 +268,7 @@ def report_script(site: Site, alloc: Allocation, run_dirs: list[Path], report_di
 
 
 def omp_threads(site: Site, cpus_per_task: int) -> int:
-    """Compute threads per rank: the task's CPUs over the hardware threads per core.
-
-    Args:
-        site: The site profile.
-        cpus_per_task: CPUs per task.
-
-    Returns:
-        The thread count (at least 1).
-    """
+    """Threads per rank: the task's CPUs over the hardware threads per core (at least 1)."""
     return max(1, cpus_per_task // site.node["threads_per_core"])
 
 

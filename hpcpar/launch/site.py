@@ -2,11 +2,10 @@
 
 A profile is a TOML file (``slurm/sites/<name>.toml``; see ``generic.toml`` for every key).
 ``load_site("perlmutter")`` finds it by name in, in order: the folders of ``HPCPAR_SITE_PATH``
-(colon-separated), ``~/.config/hpcpar/sites``, and the profiles shipped with hpcpar; any
-argument containing a ``/`` or ending in ``.toml`` is read as a path. Templates
-(``slurm/templates/<name>.sbatch``) are found the same way (``HPCPAR_TEMPLATE_PATH``).
-This module does not import torch.
-"""
+(colon-separated), ``~/.config/hpcpar/sites``, and the profiles shipped with hpcpar; any argument
+containing a ``/`` or ending in ``.toml`` is read as a path. Templates
+(``slurm/templates/<name>.sbatch``) are found the same way (``HPCPAR_TEMPLATE_PATH``). This module
+does not import torch."""
 
 from __future__ import annotations
 
@@ -43,23 +42,8 @@ SCHEMA: dict[str, dict[str, tuple]] = {
 
 @dataclass
 class Site:
-    """A validated site profile; sections as dicts with every default filled in.
-
-    Profiles are TOML files found by name on the search path (``HPCPAR_SITE_PATH``,
-    ``~/.config/hpcpar/sites``, the bundled ones); see ``docs/guides/slurm.md``.
-
-    Attributes:
-        name: The profile's name (its file stem).
-        source: Its file.
-        site: ``[site]``: description, documentation links, templates.
-        node: ``[node]``: CPUs, threads per core, GPUs, tasks per node.
-        sbatch: ``[sbatch]``: default partition, qos, constraint, account, time, options.
-        srun: ``[srun]``: ``--mpi``, CPU binding, GPU and extra options.
-        setup: ``[setup]``: modules, shell commands and the Python to run.
-        env: ``[env]``: environment variables of the job.
-        requeue: ``[requeue]``: pre-timeout signal, grace seconds and requeue limit.
-        report: ``[report]``: resources of the report job.
-    """
+    """A validated site profile: ``name`` (its file stem), ``source`` (its file) and one dict per
+    :data:`SCHEMA` section with every default filled in; see ``docs/guides/slurm.md``."""
 
     name: str
     source: str
@@ -98,16 +82,8 @@ def _find(what: str, name_or_path: str, env_var: str, sub: str, suffix: str) -> 
 
 def available(sub: str = "sites", suffix: str = ".toml",
               env_var: str = "HPCPAR_SITE_PATH") -> list[str]:
-    """Names of the profiles (or templates) found on the search path.
-
-    Args:
-        sub: ``"sites"`` or ``"templates"``.
-        suffix: The files' suffix.
-        env_var: The variable holding extra search directories.
-
-    Returns:
-        The names, sorted.
-    """
+    """Names of the profiles (``sub="sites"``) or templates (``"templates"``, with ``suffix`` and
+    ``env_var`` to match) found on the search path, sorted."""
     names: set[str] = set()
     for d in _search_path(env_var, sub):
         if d.is_dir():
@@ -116,17 +92,8 @@ def available(sub: str = "sites", suffix: str = ".toml",
 
 
 def find_template(name_or_path: str) -> Path:
-    """The sbatch template named (on ``HPCPAR_TEMPLATE_PATH`` and the bundled ones) or given.
-
-    Args:
-        name_or_path: A template name, or a path to a ``.sbatch`` file.
-
-    Returns:
-        The template's path.
-
-    Raises:
-        LaunchError: Not found (with a "did you mean").
-    """
+    """The sbatch template named (on ``HPCPAR_TEMPLATE_PATH`` and the bundled ones) or given as a
+    path to a ``.sbatch`` file; :class:`LaunchError` with a "did you mean" when not found."""
     return _find("template", name_or_path, "HPCPAR_TEMPLATE_PATH", "templates", ".sbatch")
 
 
@@ -148,20 +115,9 @@ def _check(src: str, section: str, key: str, value, expected) -> None:
 
 
 def parse_site(raw: dict, name: str, source: str) -> Site:
-    """Validate a parsed profile.
-
-    Args:
-        raw: The parsed TOML.
-        name: The profile's name.
-        source: Its file, for messages.
-
-    Returns:
-        The profile with every default filled in.
-
-    Raises:
-        LaunchError: An unknown section or key (with a "did you mean"), a wrong type or a
-            value out of range.
-    """
+    """Validate a parsed profile (``source`` names its file in messages) and fill in every default.
+    An unknown section or key (with a "did you mean"), a wrong type or a value out of range raises
+    :class:`LaunchError`."""
     out = {}
     for section, values in raw.items():
         if section not in SCHEMA:
@@ -193,17 +149,8 @@ def parse_site(raw: dict, name: str, source: str) -> Site:
 
 
 def load_site(name_or_path: str = "generic") -> Site:
-    """Load and validate a site profile.
-
-    Args:
-        name_or_path: A name on the search path, or a path to a ``.toml`` file.
-
-    Returns:
-        The profile.
-
-    Raises:
-        LaunchError: Not found, invalid TOML, or invalid fields.
-    """
+    """Load and validate a site profile, by name on the search path or as a path to a ``.toml``
+    file; :class:`LaunchError` when not found, invalid TOML, or invalid fields."""
     path = _find("site", name_or_path, "HPCPAR_SITE_PATH", "sites", ".toml")
     try:
         raw = tomllib.loads(path.read_text())

@@ -1,16 +1,13 @@
-"""Running Slurm's client commands (``sbatch``, ``scontrol``, ``squeue``, ``sacct``), retried
-while the controller is briefly out of reach.
+"""Running Slurm's client commands (``sbatch``, ``scontrol``, ``squeue``, ``sacct``), retried while
+the controller is briefly out of reach.
 
-A busy or restarting ``slurmctld`` makes a client command fail with a message such as
-"Socket timed out on send/recv operation" or "Unable to contact slurm controller"; the same
-command a few seconds later works. Those failures are retried with bounded exponential
-backoff; anything else (a rejection: bad partition, invalid option, unknown job) is returned
-at once for the caller to report. Slurm's clients exit 1 for every error, so the message, not
-the exit code, tells the two apart.
-
-``sbatch`` is the one command that creates something: when its reply timed out the job may
-have been accepted, so that case is not retried but reported with what to check.
-"""
+A busy or restarting ``slurmctld`` makes a client command fail with a message such as "Socket timed
+out on send/recv operation"; the same command a few seconds later works. Those failures are retried
+with bounded exponential backoff; anything else (a rejection: bad partition, invalid option, unknown
+job) is returned at once for the caller to report. Slurm's clients exit 1 for every error, so the
+message, not the exit code, tells the two apart. ``sbatch`` is the one command that creates
+something: when its reply timed out the job may have been accepted, so that case is not retried but
+reported with what to check."""
 
 from __future__ import annotations
 
@@ -49,8 +46,7 @@ def _last_line(proc: subprocess.CompletedProcess) -> str:
 
 def _once(argv: Sequence[str], env, timeout: float) -> subprocess.CompletedProcess:
     try:
-        return subprocess.run(list(argv), capture_output=True, text=True, env=env,
-                              timeout=timeout)
+        return subprocess.run(list(argv), capture_output=True, text=True, env=env, timeout=timeout)
     except FileNotFoundError:
         raise LaunchError(f"{argv[0]} not found: run this on a Slurm login node "
                           "(or use --dry-run)") from None
@@ -61,22 +57,11 @@ def _once(argv: Sequence[str], env, timeout: float) -> subprocess.CompletedProce
 def run_slurm(argv: Sequence[str], env: Mapping[str, str] | None = None,
               timeout: float = 60, delays: Sequence[float] = DELAYS
               ) -> subprocess.CompletedProcess:
-    """Run a Slurm client command, retrying transient failures after ``delays``.
-
-    Args:
-        argv: The command line (``argv[0]`` is ``sbatch``, ``scontrol``, ...).
-        env: Its environment (None: this process's).
-        timeout: Seconds one attempt may take.
-        delays: Seconds to wait before each retry.
-
-    Returns:
-        The finished command: success, or a failure that is not transient (the caller
-        reports it).
-
-    Raises:
-        LaunchError: The command is missing or hangs; a transient failure outlasted every
-            retry; ``sbatch``'s reply timed out (the job may exist: not resubmitted blindly).
-    """
+    """Run a Slurm client command (``env`` None: this process's), ``timeout`` seconds per attempt,
+    retrying transient failures after ``delays``; return it finished: a success, or a failure that
+    is not transient (the caller reports it). :class:`LaunchError` when the command is missing or
+    hangs, a transient failure outlasted every retry, or ``sbatch``'s reply timed out (the job may
+    exist: not resubmitted blindly)."""
     name, waits = os.path.basename(argv[0]), list(delays)
     while True:
         proc = _once(argv, env, timeout)
@@ -84,12 +69,10 @@ def run_slurm(argv: Sequence[str], env: Mapping[str, str] | None = None,
         if why is None:
             return proc
         if name == "sbatch" and why in UNSURE:
-            raise LaunchError(f"sbatch's reply timed out ({_last_line(proc)}): the job may "
-                              f"have been submitted; check `squeue --me` before submitting "
-                              f"again")
+            raise LaunchError(f"sbatch's reply timed out ({_last_line(proc)}): the job may have "
+                              f"been submitted; check `squeue --me` before submitting again")
         if not waits:
-            raise LaunchError(f"{name} failed {len(delays) + 1} times on a transient Slurm "
-                              f"error (last: {_last_line(proc)}); try again when the "
-                              f"controller answers")
+            raise LaunchError(f"{name} failed {len(delays) + 1} times on a transient Slurm error "
+                              f"(last: {_last_line(proc)}); try again when the controller answers")
         time.sleep(waits.pop(0))
 

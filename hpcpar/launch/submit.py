@@ -1,14 +1,11 @@
 """Submitting a job file to Slurm as a scaling sweep, and reading back the sweep's state.
 
-``plan_submit`` resolves the sweep points (``--ranks`` or ``--nodes``), the allocation (site
-profile < job ``[resources]`` < command line) and renders one batch script per point (or one
-job array) plus an optional report job; ``submit`` writes the scripts to ``OUT/slurm/``,
-submits them with ``sbatch --parsable`` (the report with ``--dependency=afterany:...``) and
-appends one record per job (array tasks: one per task) to ``OUT/jobs.json``. Runs land in
-``OUT/ranks-N/`` as with ``hpcpar sweep``. ``sweep_status`` joins those records with
-``sacct`` (when accounting exists) or ``scontrol show job`` and with each run directory.
-This module does not import torch.
-"""
+``plan_submit`` renders one batch script per point (or one job array) plus an optional report job,
+the allocation resolved as site profile < job ``[resources]`` < command line; ``submit`` writes them
+to ``OUT/slurm/``, submits them and records each job (array tasks: each task) in ``OUT/jobs.json``;
+runs land in ``OUT/ranks-N/`` as with ``hpcpar sweep``. ``sweep_status`` joins those records with
+``sacct`` (when accounting exists) or ``scontrol show job`` and with each run directory. This module
+does not import torch."""
 
 from __future__ import annotations
 
@@ -47,16 +44,7 @@ _DEPEND = re.compile(r"^(?:(after|afterok|afterany|afternotok|aftercorr|afterbur
 @dataclass
 class BatchJob:
     """One script to submit: a run (one point, or an array over points) or the report.
-
-    Attributes:
-        kind: ``"run"`` or ``"report"``.
-        label: ``"ranks-4"``, ``"array"`` or ``"report"``.
-        script: Where the script is written.
-        text: The rendered script.
-        points: The sweep points it runs.
-        dependency: Its ``--dependency`` ("" for none).
-        job_id: The Slurm job id, once submitted.
-    """
+    ``dependency`` is its ``--dependency`` ("" for none); ``job_id`` is set once submitted."""
 
     kind: str                       # "run" or "report"
     label: str                      # "ranks-4", "array", "report"
@@ -90,18 +78,10 @@ def _explicit_resources(job_path: Path, sets) -> set[str]:
 
 
 def parse_after(values: Iterable[str | int]) -> str:
-    """Turn ``--after`` values into a Slurm dependency.
+    """Turn ``--after`` values into a Slurm ``--dependency`` value (all required).
 
-    Args:
-        values: Job ids (``123`` means ``afterok:123``) or ``TYPE:ID[:ID]`` (passed
-            through); comma-separated lists allowed. All are required.
-
-    Returns:
-        The ``--dependency`` value, e.g. ``"afterok:123,afterany:456"``.
-
-    Raises:
-        LaunchError: A value that is neither.
-    """
+    A job id ``123`` means ``afterok:123``; ``TYPE:ID[:ID]`` passes through; comma-separated lists
+    are allowed. Anything else raises :class:`LaunchError`."""
     parts = []
     for value in values:
         for item in str(value).split(","):
@@ -156,32 +136,12 @@ def plan_submit(job_file: str | os.PathLike, out: str | os.PathLike, *,
                 sets: Sequence[str] = (), python: str | None = None, grace: int | None = None,
                 max_requeues: int | None = None, weak: bool = False,
                 ranks_per_node: int | None = None) -> list[BatchJob]:
-    """Everything ``hpcpar submit`` would submit, rendered but not written.
+    """Everything ``hpcpar submit`` would submit, rendered but not written, in order.
 
-    Args:
-        job_file: The job file.
-        out: The sweep directory.
-        site: A site profile name or path, or a loaded ``Site``.
-        ranks: Rank counts of the points (or give ``nodes``).
-        nodes: Node counts of the points.
-        array: One job array over the points instead of one job per point.
-        after: ``--after`` dependencies of the first jobs.
-        report: Add a report job that runs after the points.
-        time: Time limit per job; the job's ``[resources]`` or the site's when None.
-        sets: ``--set`` overrides.
-        python: The Python the scripts run; this one when None.
-        grace: Seconds between the pre-timeout signal and the time limit.
-        max_requeues: Requeues allowed per job.
-        weak: Weak scaling: the global batch grows with the ranks.
-        ranks_per_node: Tasks per node; the job's or the site's when None.
-
-    Returns:
-        The scripts to submit, in order.
-
-    Raises:
-        LaunchError: A bad option (time, dependency, output directory...).
-        ConfigError: A point whose job does not validate.
-    """
+    ``time`` and ``ranks_per_node`` default to the job's ``[resources]``, then the site's;
+    ``python`` to this interpreter; ``grace`` is the seconds between the pre-timeout signal and the
+    time limit. A bad option raises :class:`LaunchError`, a point whose job does not validate
+    :class:`ConfigError`."""
     job_path = Path(job_file).expanduser().absolute()
     out = Path(out).expanduser().absolute()
     if "\\" in str(out):
@@ -224,8 +184,7 @@ def plan_submit(job_file: str | os.PathLike, out: str | os.PathLike, *,
     if array:
         a = alloc(f"{job.name}-sweep", "array-%A_%a.out", points)
         jobs.append(BatchJob("run", "array", scripts / "array.sbatch",
-                             run_script(site, a, points, array=True, **common), points,
-                             dependency))
+                             run_script(site, a, points, array=True, **common), points, dependency))
     else:
         for p in points:
             a = alloc(f"{job.name}-{p.label}", f"{p.label}-%j.out", [p])
@@ -234,8 +193,7 @@ def plan_submit(job_file: str | os.PathLike, out: str | os.PathLike, *,
     if report:
         rep = site.report
         a = alloc(f"{job.name}-report", "report-%j.out", time=rep["time"],
-                  cpus_per_task=rep["cpus_per_task"], gpus_per_node=0,
-                  exclusive=rep["exclusive"],
+                  cpus_per_task=rep["cpus_per_task"], gpus_per_node=0, exclusive=rep["exclusive"],
                   **{k: rep[k] or pick[k] for k in ("partition", "qos", "constraint")})
         text = report_script(site, a, [p.run_dir for p in points], out / "report", out=out,
                              python=python)
@@ -254,18 +212,8 @@ def _gpus(gpus: int, points, explicit: bool) -> int:
 
 # -- submitting -------------------------------------------------------------------------------
 def sbatch(job: BatchJob, env: Mapping[str, str] | None = None) -> str:
-    """Submit one script with ``sbatch --parsable``.
-
-    Args:
-        job: The script (already written).
-        env: The environment for ``sbatch``.
-
-    Returns:
-        The Slurm job id.
-
-    Raises:
-        LaunchError: sbatch failed (its last error line).
-    """
+    """Submit one (written) script with ``sbatch --parsable`` and return the Slurm job id;
+    :class:`LaunchError` with sbatch's last error line if it fails."""
     proc = run_slurm(job.sbatch_argv(), env)
     if proc.returncode != 0:
         msg = proc.stderr.strip().splitlines()
@@ -274,14 +222,7 @@ def sbatch(job: BatchJob, env: Mapping[str, str] | None = None) -> str:
 
 
 def dry_run_text(jobs: list[BatchJob]) -> str:
-    """Render what ``--dry-run`` prints, so a sweep can be checked before anything is submitted.
-
-    Args:
-        jobs: The batch jobs that would be submitted, in order.
-
-    Returns:
-        Each job's script under the sbatch command that would submit it.
-    """
+    """What ``--dry-run`` prints: each job's script under the sbatch command for it."""
     parts = []
     for j in jobs:
         argv = j.sbatch_argv()
@@ -315,21 +256,9 @@ def _append_records(out: Path, records: list[dict]) -> None:
 
 def submit(jobs: list[BatchJob], out: str | os.PathLike,
            env: Mapping[str, str] | None = None) -> list[dict]:
-    """Write the scripts and submit them in order (the report after the runs).
-
-    Each job is recorded in ``OUT/jobs.json`` as soon as sbatch accepted it.
-
-    Args:
-        jobs: What ``plan_submit`` returned.
-        out: The sweep directory.
-        env: The environment for ``sbatch``.
-
-    Returns:
-        The records written (id, label, ranks, nodes, run directory, script, dependency).
-
-    Raises:
-        LaunchError: sbatch failed (the jobs submitted before stay recorded).
-    """
+    """Write the scripts and submit them in order (the report after the runs); return the records
+    written. Each job is recorded in ``OUT/jobs.json`` once sbatch accepted it, so when sbatch fails
+    (:class:`LaunchError`) the jobs submitted before stay recorded."""
     out = Path(out).expanduser().absolute()
     (out / SCRIPTS).mkdir(parents=True, exist_ok=True)
     records: list[dict] = []
@@ -356,17 +285,8 @@ def submit(jobs: list[BatchJob], out: str | os.PathLike,
 
 # -- status ----------------------------------------------------------------------------------
 def read_records(out: str | os.PathLike) -> dict:
-    """Read a sweep's ``jobs.json``.
-
-    Args:
-        out: The sweep directory.
-
-    Returns:
-        The document: ``version`` and ``jobs`` (one record per job or array task).
-
-    Raises:
-        LaunchError: Missing, invalid JSON, or another record version.
-    """
+    """Read a sweep's ``jobs.json``: ``version`` and ``jobs`` (one record per job or array task).
+    :class:`LaunchError` when missing, not JSON, or of another record version."""
     path = Path(out) / RECORDS
     if not path.is_file():
         raise LaunchError(f"{out}: no {RECORDS} here (not a directory made by hpcpar submit)")
@@ -381,16 +301,8 @@ def read_records(out: str | os.PathLike) -> dict:
 
 
 def parse_scontrol(line: str) -> dict:
-    """Parse one ``scontrol show ... --oneliner`` record into its fields.
-
-    Values may hold spaces: each runs up to the next ``Key=``.
-
-    Args:
-        line: The record, one line.
-
-    Returns:
-        ``{key: value}`` for every field of the record, values as strings.
-    """
+    """One ``scontrol show ... --oneliner`` record as ``{key: value}`` strings; a value may hold
+    spaces and runs up to the next ``Key=``."""
     fields = {}
     matches = list(re.finditer(r"(?:^|\s)([A-Za-z][A-Za-z0-9_:/]*)=", line))
     for m, nxt in zip(matches, matches[1:] + [None]):
@@ -449,15 +361,8 @@ def _sacct_states(ids: list[str], env=None) -> dict[str, dict]:
 
 
 def run_dir_state(run_dir: str | os.PathLike) -> str:
-    """What a run directory shows.
-
-    Args:
-        run_dir: The run directory (or a report directory).
-
-    Returns:
-        ``"finished"`` (metrics.json), ``"written"`` (a report), ``"checkpoint step-N"``,
-        ``"started"`` or ``"-"`` (absent).
-    """
+    """What a run (or report) directory shows: ``"finished"`` (metrics.json), ``"written"`` (a
+    report), ``"checkpoint step-N"``, ``"started"`` or ``"-"`` (absent)."""
     d = Path(run_dir)
     if (d / "metrics.json").is_file():
         return "finished"
@@ -470,19 +375,9 @@ def run_dir_state(run_dir: str | os.PathLike) -> str:
 
 
 def sweep_status(out: str | os.PathLike, env: Mapping[str, str] | None = None) -> list[dict]:
-    """Each recorded job of a sweep with its Slurm state and its run directory's state.
-
-    Args:
-        out: The sweep directory (its ``jobs.json``).
-        env: The environment for ``scontrol``/``sacct``.
-
-    Returns:
-        One row per job: its record, ``state``, ``reason``, ``exit``, ``restarts``,
-        ``elapsed``, ``nodes`` and ``run``.
-
-    Raises:
-        LaunchError: No readable ``jobs.json``.
-    """
+    """Each recorded job of a sweep with its Slurm state and its run directory's state: its record
+    plus ``state``, ``reason``, ``exit``, ``restarts``, ``elapsed``, ``nodes`` and ``run``.
+    :class:`LaunchError` when there is no readable ``jobs.json``."""
     records = read_records(out)["jobs"]
     ids = [r["id"] for r in records]
     try:
@@ -500,14 +395,7 @@ def sweep_status(out: str | os.PathLike, env: Mapping[str, str] | None = None) -
 
 
 def format_status(rows: list[dict]) -> str:
-    """Lay out ``sweep_status`` rows as the aligned table ``hpcpar status`` prints.
-
-    Args:
-        rows: The rows from ``sweep_status``.
-
-    Returns:
-        The table, a header line then one line per row, columns padded to align.
-    """
+    """The aligned table ``hpcpar status`` prints from ``sweep_status`` rows."""
     cols = [("JOBID", "id"), ("LABEL", "label"), ("RANKS", "ranks"), ("STATE", "state"),
             ("EXIT", "exit"), ("RESTARTS", "restarts"), ("ELAPSED", "elapsed"),
             ("RUN", "run"), ("REASON", "reason")]

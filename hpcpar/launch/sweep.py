@@ -4,16 +4,14 @@ Grid of a point (:func:`point_grid`): keep the job's spatial axes (x, y, z) when
 divides N; otherwise shrink the largest spatial axis (z first on ties) by its smallest prime
 factor until it does; the data axis takes the rest. Weak scaling grows the global batch with N:
 B(N) = B0 * N / N0 (N0 the smallest count of the sweep), so the work per rank stays constant.
+Every point runs with the same threads per rank (``--threads``, else the rule of
+:func:`hpcpar.launch.threads.threads_per_rank` decided once for the whole sweep), so the 1-rank
+baseline computes exactly as each rank of the other points does.
 
-Like for like: every point runs with the same threads per rank (``--threads``, else the rule of
-:func:`hpcpar.launch.threads.threads_per_rank` decided once for the whole sweep), so the
-1-rank baseline computes exactly as each rank of the other points does.
-
-A sweep owns its output directory while it runs (:func:`sweep_lock`: ``OUT/hpcpar.lock``, the
-run directories' lock), so a second sweep into the same ``--out`` is refused at once instead of
-overwriting the first one's logs and moving its finished runs aside; and it uses only a
-directory that is new, empty or marked as a sweep's (the lock's holder marks it).
-"""
+A sweep owns its output directory while it runs (:func:`sweep_lock`: ``OUT/hpcpar.lock``, the run
+directories' lock), so a second sweep into the same ``--out`` is refused at once instead of
+overwriting the first one's logs and moving its finished runs aside; and it uses only a directory
+that is new, empty or marked as a sweep's (the lock's holder marks it)."""
 
 from __future__ import annotations
 
@@ -37,18 +35,8 @@ SUBMIT_RECORDS = "jobs.json"  # hpcpar submit's records: a sweep submitted to Sl
 
 
 def parse_ranks(text: str, flag: str = "--ranks") -> list[int]:
-    """Parse a ``--ranks`` (or ``--nodes``) list.
-
-    Args:
-        text: Comma-separated counts, e.g. ``"1,2,4"``.
-        flag: The flag named in the error.
-
-    Returns:
-        The counts, sorted and distinct.
-
-    Raises:
-        ConfigError: Not a list of positive integers.
-    """
+    """Parse a comma-separated ``--ranks`` (or ``--nodes``: ``flag``) list such as ``"1,2,4"`` into
+    sorted distinct counts; :class:`ConfigError` unless positive integers."""
     items = [t.strip() for t in str(text).split(",") if t.strip()]
     # ASCII digits only (int() also takes other scripts' digits), and a sane count
     if not items or not all(t.isascii() and t.isdigit() and len(t) <= 9 for t in items):
@@ -65,19 +53,10 @@ def _smallest_factor(n: int) -> int:
 
 
 def point_grid(job_shape: Sequence[int], n: int) -> tuple[int, int, int, int]:
-    """The grid of one sweep point.
-
-    The spatial axes stay while X*Y*Z divides N, else the largest one (on ties z, then y: x
-    groups stay inside a node) shrinks by its smallest prime factor until the product
-    divides N; data = N / (X*Y*Z).
-
-    Args:
-        job_shape: The job's ``(data, x, y, z)``; a -1 spatial axis counts as 1.
-        n: Ranks of the point.
-
-    Returns:
-        ``(data, x, y, z)`` for ``n`` ranks.
-    """
+    """The ``(data, x, y, z)`` grid of a sweep point of ``n`` ranks from the job's (a -1 spatial
+    axis counts as 1): the spatial axes stay while X*Y*Z divides N, else the largest one (on ties z,
+    then y: x groups stay inside a node) shrinks by its smallest prime factor until it does; data =
+    N / (X*Y*Z)."""
     spatial = [max(1, int(a)) for a in tuple(job_shape)[1:]]
     while n % (spatial[0] * spatial[1] * spatial[2]):
         i = max(range(3), key=lambda a: (spatial[a], a))  # ties: z, then y, then x
@@ -88,23 +67,11 @@ def point_grid(job_shape: Sequence[int], n: int) -> tuple[int, int, int, int]:
 
 def plan(job_path: str, ranks: list[int], weak: bool, sets: Sequence[str],
          threads: int | None = None) -> list[dict]:
-    """Plan a scaling sweep; every point is validated before any runs.
-
-    Args:
-        job_path: The job file.
-        ranks: Rank counts of the points.
-        weak: Weak scaling: the global batch grows as ``B0 * N / N0``.
-        sets: ``--set`` overrides for every point.
-        threads: Threads per rank of every point; None: ``OMP_NUM_THREADS``, else the job's
-            ``[resources] cpus_per_task``.
-
-    Returns:
-        One ``{"ranks", "grid", "sets", "threads"}`` dict per point.
-
-    Raises:
-        ConfigError: A point whose job does not validate (named), or a weak-scaling batch
-            that is not an integer.
-    """
+    """Plan a scaling sweep: one ``{"ranks", "grid", "sets", "threads"}`` dict per point, every
+    point validated before any runs (:class:`ConfigError` naming a point whose job does not
+    validate, or a weak-scaling batch that is not an integer). ``weak`` grows the global batch as
+    ``B0 * N / N0``; ``threads`` per rank default to ``OMP_NUM_THREADS``, else ``[resources]
+    cpus_per_task``."""
     job = load_job(job_path, list(sets))
     base_batch = job.train.global_batch
     threads = threads or threads_per_rank(job.resources.cpus_per_task)
@@ -143,16 +110,9 @@ def _old_sweep(out: Path) -> bool:
 
 
 def check_sweep_dir(out: Path) -> None:
-    """Refuse (read-only) an ``--out`` that is neither new, empty, nor a sweep's directory, so
-    a sweep never writes its logs, runs and report among a user's files.
-
-    Args:
-        out: The sweep directory.
-
-    Raises:
-        LaunchError: ``out`` is a file, or a non-empty directory without a sweep's mark
-            (``hpcpar-run.json``, which only a sweep writes).
-    """
+    """Refuse (read-only, :class:`LaunchError`) an ``--out`` that is a file, or a non-empty
+    directory without a sweep's mark (``hpcpar-run.json``, which only a sweep writes), so a sweep
+    never writes its logs, runs and report among a user's files."""
     from hpcpar.formats.rundir import MARK_NAME, owned_dir  # deferred: loads filelock (CLI --help)
 
     if not out.exists():
@@ -172,16 +132,10 @@ def check_sweep_dir(out: Path) -> None:
 
 @contextmanager
 def sweep_lock(out: Path, warn: Callable[[str], object] = print) -> Iterator[None]:
-    """Hold ``OUT/hpcpar.lock`` while a sweep runs (a stale one is taken over with a warning).
+    """Hold ``OUT/hpcpar.lock`` while a sweep runs, creating ``out`` when missing.
 
-    Args:
-        out: The sweep directory (created when missing).
-        warn: Prints the warning about a stale lock taken over.
-
-    Raises:
-        RunDirError: Another live sweep (or run) holds ``out``: one line naming its pid, host
-            and start time.
-    """
+    A stale lock is taken over with a warning through ``warn``; another live sweep (or run) holding
+    ``out`` raises :class:`RunDirError`: one line naming its pid, host and start time."""
     from hpcpar.formats.rundir import RunLock  # deferred: loads filelock (CLI --help)
 
     check_sweep_dir(out)
@@ -240,8 +194,7 @@ def run_points(job_path, points, out: Path, verbose: bool, resume: bool = False,
                     say(f"  {line.rstrip(chr(10))}")
                 rc = proc.wait()
             else:
-                rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT,
-                                    env=env).returncode
+                rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env).returncode
         took = time.monotonic() - t0
         if rc == 0:
             say(f"sweep: {point['ranks']} rank(s) done in {took:.1f} s (log {log})")

@@ -1,26 +1,22 @@
-"""A virtual multi-node Slurm cluster on one machine: each node is its own set of Linux
-namespaces, running its own ``slurmd``.
+"""A virtual multi-node Slurm cluster on one machine: each node is its own set of Linux namespaces,
+running its own ``slurmd``.
 
-A node is a network namespace (its own address on a private bridge that exists only inside
-this machine) plus UTS (its own hostname, ``node1`` ... ``nodeN``), IPC, mount (a private
-``/dev/shm`` and node-local scratch, :attr:`VirtualCluster.local_dir`) and PID namespaces,
-entered by its ``slurmd``. So, as on a real cluster, ranks
-on one node share memory and ranks on different nodes cannot: MPI has to talk over the
-network (TCP over the bridge), and a node whose ``slurmd`` dies takes every process on it
-along (the PID namespace ends). ``slurmctld`` and ``munged`` run on this host, which holds the
-bridge's last address; client commands (``sbatch``, ``srun``) work from here with
-``SLURM_CONF`` set. ``--link RATE[,DELAY]`` shapes every node's link with ``tc`` (``tbf`` for
-the rate; ``netem`` for the delay, where the kernel has it).
+A node is a network namespace (its own address on a private bridge that exists only inside this
+machine) plus UTS (hostname ``node1`` ... ``nodeN``), IPC, mount (a private ``/dev/shm`` and
+node-local scratch, :attr:`VirtualCluster.local_dir`) and PID namespaces, entered by its ``slurmd``.
+So, as on a real cluster, ranks on one node share memory and ranks on different nodes cannot (MPI
+talks TCP over the bridge), and a node whose ``slurmd`` dies takes every process on it along.
+``slurmctld`` and ``munged`` run on this host (the bridge's last address); client commands work from
+here with ``SLURM_CONF`` set. ``--link RATE[,DELAY]`` shapes every node's link with ``tc`` (``tbf``;
+``netem`` for the delay, where the kernel has it).
 
-Traffic stays between the namespaces made here: the bridge has no uplink and the nodes no
-route beyond its subnet. Everything made is recorded in a state file, so ``down`` (or the next
-``up``, after a crash) removes exactly that: processes by PID, namespaces, bridge, files.
+The bridge has no uplink and the nodes no route beyond its subnet. Everything made is recorded in a
+state file, so ``down`` (or the next ``up``, after a crash) removes exactly that.
 
 By hand (as root)::
 
     python -m hpcpar.testing.cluster up --nodes 4 --link 2gbit,50us   # prints export SLURM_CONF=...
-    python -m hpcpar.testing.cluster down
-"""
+    python -m hpcpar.testing.cluster down"""
 
 from __future__ import annotations
 
@@ -36,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import suppress
 from pathlib import Path
 
 import pytest
@@ -96,15 +93,10 @@ def _alive(pid: int | None) -> bool:
 
 
 class VirtualCluster(SlurmCluster):
-    """``nodes`` virtual nodes (``node1`` ...) behind one private bridge, one Slurm partition.
-
-    Args:
-        root: folder for slurm.conf, logs and spool files (removed by :meth:`stop`).
-        nodes: number of nodes.
-        link: ``RATE[,DELAY]`` for every node's link (``tc``), or None for an unshaped link.
-        cpus: CPUs each node advertises (more than the host has is fine: ranks oversubscribe).
-        state_file: where the running cluster is recorded (one cluster per machine).
-    """
+    """``nodes`` virtual nodes (``node1`` ...) behind one private bridge, one Slurm partition;
+    ``root`` holds slurm.conf, logs and spool files (removed by :meth:`stop`). ``link``:
+    ``RATE[,DELAY]`` of every node's link (None: unshaped); ``cpus`` each node advertises (more than
+    the host has is fine); ``state_file`` records the running cluster (one per machine)."""
 
     def __init__(self, root: Path, nodes: int = 2, link: str | None = None,
                  cpus: int = NODE_CPUS, state_file: Path = STATE_FILE):
@@ -141,13 +133,10 @@ class VirtualCluster(SlurmCluster):
 
     # -- life cycle ------------------------------------------------------------------------
     def start(self, timeout: float = 60) -> VirtualCluster:
-        """Make the bridge, the nodes and the daemons; wait until every node is idle.
-
-        Raises:
-            SlurmUnavailable: not root, a tool missing, or a daemon would not start (the
-                message says which; everything made so far is removed again).
-            ClusterBusy: another virtual cluster is up on this machine.
-        """
+        """Make the bridge, the nodes and the daemons; wait until every node is
+        idle. :class:`ClusterBusy` when another virtual cluster is up on this machine;
+        :class:`SlurmUnavailable` when not root, a tool is missing, or a daemon would not start (the
+        message says which; everything made so far is removed again)."""
         missing = [t for t in DAEMONS + TOOLS if not _find(t)]
         if missing:
             raise SlurmUnavailable(f"missing {', '.join(missing)} (Debian: slurmd slurmctld "
@@ -240,9 +229,8 @@ class VirtualCluster(SlurmCluster):
             super().stop()
         finally:  # whatever happened above, nothing this cluster made stays behind
             teardown(json.loads(self.state_file.read_text()) if self.state_file.exists() else {
-                "root": str(self.root), "bridge": self.bridge,
-                "netns": list(self.netns.values()), "veth": list(self.veth.values()),
-                "pids": {}})
+                "root": str(self.root), "bridge": self.bridge, "netns": list(self.netns.values()),
+                "veth": list(self.veth.values()), "pids": {}})
             self.state_file.unlink(missing_ok=True)
 
     # -- acting on nodes -------------------------------------------------------------------
@@ -292,19 +280,15 @@ def _kill(pids, grace: float = 10) -> None:
     """SIGTERM to every live PID, then SIGKILL to those still there after ``grace`` s."""
     pids = [p for p in pids if _alive(p)]
     for pid in pids:
-        try:
+        with suppress(OSError):
             os.kill(pid, signal.SIGTERM)
-        except OSError:
-            pass
     deadline = time.monotonic() + grace
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     for pid in pids:
         if _alive(pid):
-            try:
+            with suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
 
 
 def teardown(state: dict) -> None:
@@ -354,8 +338,7 @@ def virtual_cluster(request, tmp_path_factory) -> VirtualCluster:
     global _SESSION
     if _SESSION is None:
         root = Path(tempfile.mkdtemp(prefix="vcluster-", dir=tmp_path_factory.getbasetemp()))
-        cluster = start_or_skip(VirtualCluster(root, nodes=4, link="2gbit"),
-                                "the virtual cluster")
+        cluster = start_or_skip(VirtualCluster(root, nodes=4, link="2gbit"), "the virtual cluster")
         atexit.register(cluster.stop)  # an interrupted session still tears it down
         request.addfinalizer(cluster.stop)
         _SESSION = cluster
@@ -395,11 +378,9 @@ def main(argv=None) -> int:
             return 0
         state = json.loads(STATE_FILE.read_text())
         if _alive(state.get("pids", {}).get("slurmctld")):
-            try:
+            with suppress(subprocess.TimeoutExpired):
                 subprocess.run(["scancel", "--full", "--user=root"], capture_output=True,
                                env={**os.environ, "SLURM_CONF": state["conf"]}, timeout=20)
-            except subprocess.TimeoutExpired:
-                pass
         teardown(state)
         STATE_FILE.unlink(missing_ok=True)
         print("virtual cluster down")

@@ -5,8 +5,7 @@ strategies here start from a valid document and change one place of it: a value 
 type, a huge, negative or non-finite number, unicode, a missing key or section, deep nesting.
 :func:`outcome` states the property every reader must keep: it returns normally or raises
 :class:`~hpcpar.errors.HpcparError` with a one-line message; anything else (a traceback a user
-would see) propagates and fails the case. Needs ``hypothesis`` (the ``test`` extra).
-"""
+would see) propagates and fails the case. Needs ``hypothesis`` (the ``test`` extra)."""
 
 from __future__ import annotations
 
@@ -40,8 +39,8 @@ def deep_text() -> str:
 
 
 _NUMBERS = st.sampled_from([0, -1, 1, 2**31, 2**63 - 1, 2**63, 2**64, -2**63 - 1, 10**30,
-                            10**400, 7, 3, 1000000000,
-                            0.0, -0.0, 0.5, -1.5, 1e308, 1e-320, math.nan, math.inf, -math.inf])
+                            10**400, 7, 3, 1000000000, 0.0, -0.0, 0.5, -1.5, 1e308, 1e-320,
+                            math.nan, math.inf, -math.inf])
 _STRINGS = st.sampled_from(["", " ", "1", "-1", "1e400", "nan", "inf", "true", "null", "1x1",
                             "../../etc/passwd", "/abs/path", "a/b", ".", "..", "x" * 4096,
                             "é", "１２", "\u202e", "🙂", "\t\n", "\\", "\"", "'", "=", "[", "{}",
@@ -54,17 +53,14 @@ _BAD_LITERALS = st.sampled_from(["1" * 5000, "[" * 3000 + "]" * 3000, "nan", "in
 
 
 def plausible_values(containers: bool = True) -> st.SearchStrategy:
-    """Values a field might wrongly hold: edge-case numbers, odd strings (unicode, paths,
-    numbers as text), booleans, None, and with ``containers`` lists, tables and :data:`DEEP`.
-    """
+    """Values a field might wrongly hold: edge-case numbers, odd strings (unicode, paths, numbers as
+    text), booleans, None, and with ``containers`` lists, tables and :data:`DEEP`."""
     scalars = st.one_of(_NUMBERS, _STRINGS, st.booleans(), st.none(),
                         st.integers(min_value=-2**70, max_value=2**70),
-                        st.floats(allow_nan=True, allow_infinity=True),
-                        st.text(max_size=12))
+                        st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12))
     if not containers:
         return scalars
-    return st.one_of(scalars, st.just(DEEP),
-                     st.lists(scalars, max_size=4),
+    return st.one_of(scalars, st.just(DEEP), st.lists(scalars, max_size=4),
                      st.dictionaries(st.sampled_from(["a", "x", "kind", "1", ""]), scalars,
                                      max_size=3))
 
@@ -204,10 +200,9 @@ def time_limit(seconds: float = HANG_SECONDS):
 
 
 def outcome(action: Callable[[], Any]) -> str:
-    """Run ``action`` (within :func:`time_limit`) and name how it ended: ``"ok"``, or the class
-    of the :class:`~hpcpar.errors.HpcparError` it raised after checking that its message is one
-    non-empty line. Any other exception propagates (that is the failure the fuzzer looks for).
-    """
+    """Run ``action`` (within :func:`time_limit`) and name how it ended: ``"ok"``, or the class of
+    the :class:`~hpcpar.errors.HpcparError` it raised after checking that its message is one
+    non-empty line. Any other exception propagates (that is the failure the fuzzer looks for)."""
     try:
         with time_limit():
             action()

@@ -1,10 +1,9 @@
 """GPU tests: the ``gpu`` pytest marker's skip rule, shared by tests/gpu/ and the device check.
 
-A GPU test module starts with ``pytestmark = requires_gpu()``: it is marked ``gpu`` (select
-the GPU tests with ``pytest -m gpu``) and skipped, with the reason, where no CUDA device is
-visible, before any ``mpiexec`` is launched. Inside an MPI case, :func:`skip_without_gpu`
-gives the same skip on every rank.
-"""
+A GPU test module starts with ``pytestmark = requires_gpu()``: it is marked ``gpu`` (select the GPU
+tests with ``pytest -m gpu``) and skipped, with the reason, where no CUDA device is visible, before
+any ``mpiexec`` is launched. Inside an MPI case, :func:`skip_without_gpu` gives the same skip on
+every rank."""
 
 from __future__ import annotations
 
@@ -18,11 +17,8 @@ __all__ = ["gpu_skip_reason", "requires_gpu", "skip_without_gpu", "busy_stream"]
 
 
 def gpu_skip_reason() -> str | None:
-    """Why GPU tests cannot run here, or None when a CUDA device is visible.
-
-    Returns:
-        One line (torch built without CUDA, no device visible, ``CUDA_VISIBLE_DEVICES``).
-    """
+    """Why GPU tests cannot run here in one line (torch built without CUDA, no device visible,
+    ``CUDA_VISIBLE_DEVICES``), or None when a CUDA device is visible."""
     import torch
 
     if torch.version.cuda is None:
@@ -35,11 +31,8 @@ def gpu_skip_reason() -> str | None:
 
 
 def requires_gpu() -> list:
-    """The marks of a GPU test module: ``gpu``, and skip-with-the-reason without a device.
-
-    Returns:
-        ``[pytest.mark.gpu, pytest.mark.skipif(...)]`` for a module's ``pytestmark``.
-    """
+    """The marks of a GPU test module's ``pytestmark``: ``[pytest.mark.gpu,
+    pytest.mark.skipif(...)]``, skipping with the reason without a device."""
     import pytest
 
     reason = gpu_skip_reason()
@@ -56,16 +49,8 @@ def skip_without_gpu() -> None:
 
 
 def busy_stream(seconds: float = 0.05) -> torch.cuda.Stream:
-    """A new CUDA stream with a kernel that spins about ``seconds`` queued on it: work
-    queued after it on that stream is still pending when the host moves on (stream-safety
-    tests). Returns the stream.
-
-    Args:
-        seconds: Roughly how long the spinning kernel runs.
-
-    Returns:
-        The ``torch.cuda.Stream``.
-    """
+    """A new CUDA stream with a kernel that spins about ``seconds`` queued on it: work queued after
+    it on that stream is still pending when the host moves on (stream-safety tests)."""
     import torch
 
     stream = torch.cuda.Stream()

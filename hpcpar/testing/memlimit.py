@@ -1,22 +1,15 @@
-"""Run a command under a kernel-enforced memory limit (a cgroup memory group, v1 or v2), the
-way Slurm's cgroup plugin limits a job, so tests can show what happens at the limit.
+"""Run a command under a kernel-enforced memory limit (a cgroup memory group, v1 or v2), the way
+Slurm's cgroup plugin limits a job, so tests can show what happens at the limit.
 
-Groups are made inside this process's own memory cgroup (so they count against it too),
-named ``hpcpar-<what>-<pid>``, and removed once their processes have exited. On cgroup v2
-(the unified hierarchy) a group whose processes forbid child groups a memory controller
-(the "no internal processes" rule) has them made under the hierarchy's root instead.
-
-* :class:`MemoryGroup`: one group; ``add`` a pid, read ``oom_kills`` / ``max_usage``.
-* :func:`run_limited`: start a command inside a fresh group and wait for it.
-* ``python -m hpcpar.testing.memlimit --limit 1.5GiB -- CMD...``: the same from a shell;
-  under ``mpiexec -n N`` every rank gets its own group with the same limit (``--per-rank``
-  names it after the rank);
-* :func:`mpiexec_wrapper`: an ``mpiexec`` stand-in for ``HPCPAR_MPIEXEC`` doing that, which
-  is how the 8-rank demo runs each rank of ``hpcpar run`` under the limit of one.
-
-Needs root and a cgroup memory controller: v1, or v2 with ``memory.peak`` (Linux 5.19+)
-(:func:`available` says why not).
-"""
+Groups are made inside this process's own memory cgroup (so they count against it too), named
+``hpcpar-<what>-<pid>``, and removed once their processes have exited; on v2, where this
+process's group may not give children a memory controller ("no internal processes"), under the
+hierarchy's root. :class:`MemoryGroup` is one group, :func:`run_limited` runs a command in a
+fresh one, ``python -m hpcpar.testing.memlimit --limit 1.5GiB -- CMD...`` does it from a shell
+(under ``mpiexec`` each rank gets its own group; ``--per-rank`` names it after the rank), and
+:func:`mpiexec_wrapper` makes an ``mpiexec`` stand-in for ``HPCPAR_MPIEXEC`` so that each rank of
+``hpcpar run`` runs under the limit of one. Needs root and a cgroup memory controller: v1, or v2
+with ``memory.peak`` (Linux 5.19+); :func:`available` says why not."""
 
 from __future__ import annotations
 
@@ -121,12 +114,8 @@ def parse_size(text: str | int) -> int:
 
 
 class MemoryGroup:
-    """A memory cgroup with a hard limit (no swap either, where the kernel accounts it).
-
-    Args:
-        limit: The limit in bytes.
-        what: A word for the group's name (``hpcpar-<what>-<pid>``).
-    """
+    """A memory cgroup with a hard ``limit`` in bytes (no swap either, where the kernel accounts
+    it), named ``hpcpar-<what>-<pid>``."""
 
     def __init__(self, limit: int, what: str = "limit"):
         self.limit = int(limit)
@@ -191,27 +180,15 @@ class MemoryGroup:
 
 
 def run_limited(cmd: list[str], limit: int, what: str = "limit", **popen) -> tuple[int, dict]:
-    """Run ``cmd`` (and everything it starts) in a new group limited to ``limit`` bytes.
-
-    The child joins the group before it executes ``cmd``, so every byte it touches counts.
-    MPI's inherited descriptors stay open (``close_fds=False``) for a rank wrapped this way.
-
-    Args:
-        cmd: The command.
-        limit: Bytes.
-        what: Word in the group's name.
-        **popen: Passed to ``subprocess.Popen``.
-
-    Returns:
-        The exit code (negative: killed by that signal), the group's ``oom_kills``,
-        ``max_usage`` (page cache included) and ``failcnt``, and ``max_rss``: the largest
-        resident set of the command or of any of its waited-for descendants (bytes).
-    """
+    """Run ``cmd`` (and all it starts; ``popen`` goes to ``subprocess.Popen``) in a new group
+    limited to ``limit`` bytes, which the child joins before it executes ``cmd`` (every byte it
+    touches counts); MPI's inherited descriptors stay open for a rank wrapped this way. Returns the
+    exit code (negative: that signal) and the group's ``oom_kills``, ``max_usage`` (page cache
+    included), ``failcnt`` and ``max_rss`` (bytes, of the command or its waited-for descendants)."""
     with MemoryGroup(limit, what) as group:
         procs = group.path / "cgroup.procs"
         popen.setdefault("close_fds", False)
-        proc = subprocess.Popen(cmd, preexec_fn=lambda: procs.write_text(str(os.getpid())),
-                                **popen)
+        proc = subprocess.Popen(cmd, preexec_fn=lambda: procs.write_text(str(os.getpid())), **popen)
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = rc = os.waitstatus_to_exitcode(status)
         facts = {"oom_kills": group.oom_kills, "max_usage": group.max_usage,
@@ -220,18 +197,10 @@ def run_limited(cmd: list[str], limit: int, what: str = "limit", **popen) -> tup
 
 
 def mpiexec_wrapper(path: Path, limit: int, report: Path | None = None) -> Path:
-    """Write an executable ``mpiexec`` stand-in that starts every rank in its own group of
-    ``limit`` bytes; point ``HPCPAR_MPIEXEC`` at it and ``hpcpar run -n N`` runs each rank
-    under the limit of one (what ``--mem-per-cpu`` promises on a cluster).
-
-    Args:
-        path: The script to write.
-        limit: Bytes per rank.
-        report: File each rank appends ``rank rc oom_kills max_usage max_rss`` to.
-
-    Returns:
-        ``path``.
-    """
+    """Write (to ``path``, returned) an executable ``mpiexec`` stand-in that starts
+    every rank in its own group of ``limit`` bytes; point ``HPCPAR_MPIEXEC`` at it and ``hpcpar run
+    -n N`` runs each rank under the limit of one (what ``--mem-per-cpu`` promises on a cluster).
+    Each rank appends ``rank rc oom_kills max_usage max_rss`` to ``report`` when given."""
     real = find_mpiexec()
     tail = ["--report", str(report)] if report else []
     wrap = shlex.join([sys.executable, "-m", "hpcpar.testing.memlimit", "--limit", str(limit),

@@ -1,7 +1,6 @@
-"""Whether a model written in plain torch is exact under ``spatialize``: one model of the
-zoo's form (``tests/support/zoo.py`` in the checkout) run on a grid against one process. Shared by
-tests/nn/test_model_zoo.py and benchmarks/third_party_models.py (other people's networks).
-"""
+"""Whether a model written in plain torch is exact under ``spatialize``: one model of the zoo's form
+(``tests/support/zoo.py`` in the checkout) run on a grid against one process. Shared by
+tests/nn/test_model_zoo.py and benchmarks/third_party_models.py (other people's networks)."""
 
 from __future__ import annotations
 
@@ -83,33 +82,16 @@ def _zero_dropout(model: torch.nn.Module) -> bool:
 
 def check_model(grid, entry, name: str, seed: int = 0, fuse: int = 1,
                 masks: bool = False) -> tuple[str, str]:
-    """Spatialize one model of the zoo's form and compare it with one process on the same
-    global batch (float64: output, loss value, every parameter gradient after hpcpar.DDP,
-    and every buffer after the step: BN's running statistics).
+    """Spatialize one model of the zoo's form and compare it with one process on the same global
+    batch (float64: output, loss value, every parameter gradient after hpcpar.DDP, and every buffer
+    after the step: BN's running statistics); ``("exact", line)`` or ``("refused", its line)``.
 
-    Dropout modules are compared with plain torch at ``p = 0`` (the rest of the network is
-    then checked against torch itself); ``masks=True`` keeps their ``p`` and compares with
-    hpcpar's own one-rank run instead, whose masks do not depend on the split (torch's
-    masks cannot be reproduced on pieces). Volume noise (``randn_like`` of a split tensor)
-    is always compared with the one-rank run, for the same reason.
-
-    Args:
-        grid: The process grid (this rank's).
-        entry: ``(factory, channels, size, loss, target kind, expected)`` as in
-            the zoo's ``ZOO``; ``factory(c=channels)`` builds the model.
-        name: The model's name, for messages.
-        seed: Seeds the weights, the input and the target.
-        fuse: ``spatialize(..., fuse_halos=fuse)``; the line then says how many fused runs'
-            exchanges the model made.
-        masks: Keep the dropout modules' ``p`` (see above).
-
-    Returns:
-        ``("exact", line)`` or ``("refused", the refusal's line)``.
-
-    Raises:
-        AssertionError: A value differs from one process's (silently wrong), or a refusal is
-            not one line naming the source line.
-    """
+    ``entry`` is as in the zoo's ``ZOO``; ``seed`` seeds weights, input and target; ``fuse`` goes to
+    ``spatialize(..., fuse_halos=)`` (the line then counts the fused runs' exchanges). A silently
+    wrong value, or a refusal that is not one line naming the source line, fails an assertion.
+    Dropout compares with plain torch at ``p = 0``; ``masks=True`` keeps ``p`` and compares with
+    hpcpar's own one-rank run, whose masks do not depend on the split (torch's cannot be reproduced
+    on pieces); so is volume noise (``randn_like`` of a split tensor), always."""
     import hpcpar  # deferred: hpcpar.DDP, the user's entry point, as the user calls it
 
     factory, c, size, loss_fn, kind, _ = entry

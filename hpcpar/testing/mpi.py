@@ -1,14 +1,13 @@
 """Launching MPI test cases under ``mpiexec`` and collecting per-rank results.
 
-One ``mpiexec -n N`` runs many cases in order, of one module (:func:`run_module`) or of
-several (:func:`run_cases`: the pytest plugin's one launch per rank count for the session), as
-a new Python process that imports torch costs seconds on small machines. A case that raises
-on any rank writes its traceback and aborts the whole job at once (``MPI.Abort``), so a
-failure never becomes a deadlock; a case that hangs is killed at its own timeout (counted
-from when every rank has entered it), and the report says which ranks were still inside
-which case. The launch dies with the process that started it (killed, or interrupted by an
-exception such as pytest-timeout's): no ranks are left spinning behind it.
-"""
+One ``mpiexec -n N`` runs many cases in order, of one module (:func:`run_module`) or of several
+(:func:`run_cases`: the pytest plugin's one launch per rank count for the session), as a new Python
+process that imports torch costs seconds on small machines. A case that raises on any rank writes
+its traceback and aborts the whole job at once (``MPI.Abort``), so a failure never becomes a
+deadlock; a case that hangs is killed at its own timeout (counted from when every rank has entered
+it), and the report says which ranks were still inside which case. The launch dies with the process
+that started it (killed, or interrupted by an exception such as pytest-timeout's): no ranks are left
+spinning behind it."""
 
 from __future__ import annotations
 
@@ -22,6 +21,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from contextlib import suppress
 from dataclasses import dataclass, field
 
 from hpcpar.launch.mpiexec import find_mpiexec, rank_env
@@ -36,26 +36,20 @@ _PR_SET_PDEATHSIG = 1
 
 def mpi_case(nprocs: int | Sequence[int] = (1, 2, 4),
              timeout: float = DEFAULT_TIMEOUT) -> Callable[[Callable], Callable]:
-    """Mark a test function to run on every rank under ``mpiexec -n N`` for each N.
+    """Mark a test function to run on every rank under ``mpiexec -n N`` for each N in ``nprocs``
+    (``HPCPAR_TEST_MAX_NP`` skips larger ones).
 
-    The function takes no arguments, or one named ``comm`` (``MPI.COMM_WORLD``). Assertions
-    inside run on every rank; any rank failing fails the case. All cases of one module and
-    rank count share one launch.
-
-    Args:
-        nprocs: The rank counts to run it at (``HPCPAR_TEST_MAX_NP`` skips larger ones).
-        timeout: Seconds before the case is killed and reported with the ranks still in it.
-
-    Returns:
-        The decorator.
+    The function takes no arguments, or one named ``comm`` (``MPI.COMM_WORLD``). Assertions inside
+    run on every rank; any rank failing fails the case. All cases of one module and rank count share
+    one launch. After ``timeout`` seconds the case is killed and reported with the ranks still in
+    it.
 
     Example:
         ```python
         @mpi_case(nprocs=(1, 2, 4), timeout=60)
         def test_allreduce(comm):
             ...   # runs on every rank
-        ```
-    """
+        ```"""
     if isinstance(nprocs, int):
         nprocs = (nprocs,)
 
@@ -68,15 +62,8 @@ def mpi_case(nprocs: int | Sequence[int] = (1, 2, 4),
 
 @dataclass
 class CaseResult:
-    """The outcome of one case at one rank count.
-
-    Attributes:
-        name: The test function's name.
-        status: ``passed``, ``failed``, ``skipped``, ``timeout`` or ``not-run``.
-        message: One line for the report.
-        ranks: Rank -> traceback or message.
-        duration: Seconds.
-    """
+    """The outcome of one case at one rank count; ``ranks`` maps a rank to its traceback or message,
+    ``duration`` is in seconds."""
 
     name: str
     status: str  # passed | failed | skipped | timeout | not-run
@@ -87,18 +74,9 @@ class CaseResult:
 
 @dataclass
 class ModuleRun:
-    """One ``mpiexec`` launch of test cases.
-
-    Attributes:
-        path: The test module ("" for a launch of several).
-        nprocs: Ranks.
-        cases: Case name (:func:`run_module`) or :func:`case_id` (:func:`run_cases`) ->
-            ``CaseResult``.
-        returncode: ``mpiexec``'s exit code (None if it never ended).
-        output: Its combined output.
-        timed_out: Whether the launch was killed at its timeout.
-        elapsed: Seconds.
-    """
+    """One ``mpiexec`` launch of test cases: ``path`` is "" for a launch of several modules;
+    ``cases`` maps the case name (:func:`run_module`) or :func:`case_id` (:func:`run_cases`) to its
+    ``CaseResult``; ``returncode`` is None if ``mpiexec`` never ended; ``elapsed`` is in seconds."""
 
     path: str
     nprocs: int
@@ -110,14 +88,8 @@ class ModuleRun:
 
 
 def startup_allowance(nprocs: int) -> float:
-    """Seconds to allow for launching N Python+torch processes on a small machine.
-
-    Args:
-        nprocs: Ranks.
-
-    Returns:
-        ``20 + 4 * nprocs``.
-    """
+    """``20 + 4 * nprocs``: seconds to allow for launching N Python+torch processes on a small
+    machine."""
     return 20.0 + 4.0 * nprocs
 
 
@@ -128,20 +100,10 @@ def case_id(path: str, name: str) -> str:
 
 def run_module(path: str, nprocs: int, cases: list[str], timeouts: dict | None = None,
                timeout: float | None = None, env: dict | None = None) -> ModuleRun:
-    """Run some cases of a test module on ``nprocs`` ranks in one ``mpiexec`` launch.
-
-    Args:
-        path: The test module's file.
-        nprocs: Ranks.
-        cases: Names of the test functions to run, in order.
-        timeouts: Case name -> seconds (``DEFAULT_TIMEOUT`` for the others).
-        timeout: Seconds for the whole launch; the start-up allowance plus every case's
-            timeout when None.
-        env: Extra environment variables for the ranks.
-
-    Returns:
-        The launch's results, one ``CaseResult`` per case (by name).
-    """
+    """Run some cases (function names, in order) of a test module on ``nprocs`` ranks in one
+    ``mpiexec`` launch; results by case name. ``timeouts``: case name -> seconds
+    (``DEFAULT_TIMEOUT`` otherwise); ``timeout`` for the whole launch defaults to the start-up
+    allowance plus every case's; ``env`` adds variables for the ranks."""
     timeouts = timeouts or {}
     run = run_cases([(path, c) for c in cases], nprocs,
                     {case_id(path, c): t for c, t in timeouts.items()}, timeout, env)
@@ -152,24 +114,12 @@ def run_module(path: str, nprocs: int, cases: list[str], timeouts: dict | None =
 
 def run_cases(cases: list[tuple[str, str]], nprocs: int, timeouts: dict | None = None,
               timeout: float | None = None, env: dict | None = None) -> ModuleRun:
-    """Run cases of one or more test modules on ``nprocs`` ranks in one ``mpiexec`` launch.
+    """:func:`run_module` for ``(module file, function name)`` cases of one or more modules (a
+    module's cases together), ``timeouts`` and results by :func:`case_id`.
 
-    Each rank imports a module just before its first case and, after its last, puts back
-    what a module may change for the whole process (environment, working directory, torch's
-    default dtype, threads, determinism, grad mode and generator, warning filters), so the
-    next module starts as in a fresh process.
-
-    Args:
-        cases: ``(module file, function name)`` pairs, in order (a module's cases together).
-        nprocs: Ranks.
-        timeouts: :func:`case_id` -> seconds (``DEFAULT_TIMEOUT`` for the others).
-        timeout: Seconds for the whole launch; the start-up allowance plus every case's
-            timeout when None.
-        env: Extra environment variables for the ranks.
-
-    Returns:
-        The launch's results, one ``CaseResult`` per case, by :func:`case_id`.
-    """
+    Each rank imports a module just before its first case and, after its last, puts back what a
+    module may change for the whole process (environment, working directory, torch's default dtype,
+    threads, determinism, grad mode and generator, warning filters)."""
     timeouts = timeouts or {}
     ids = [case_id(p, n) for p, n in cases]
     if timeout is None:
@@ -195,8 +145,7 @@ def run_cases(cases: list[tuple[str, str]], nprocs: int, timeouts: dict | None =
             out.seek(0)
             output = out.read()
         elapsed = time.monotonic() - start
-        results = _collect(tmp, nprocs, ids, timed_out, timeout, proc.returncode,
-                           hung, timeouts)
+        results = _collect(tmp, nprocs, ids, timed_out, timeout, proc.returncode, hung, timeouts)
     paths = sorted({p for p, _ in cases})
     return ModuleRun(paths[0] if len(paths) == 1 else "", nprocs, results, proc.returncode,
                      output or "", timed_out, elapsed)
@@ -270,12 +219,9 @@ def _read_json_lines(path: str) -> list[dict]:
     out = []
     with open(path) as fh:
         for line in fh:
-            line = line.strip()
-            if line:
-                try:
+            with suppress(json.JSONDecodeError):   # a line still being written
+                if line.strip():
                     out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    pass
     return out
 
 
@@ -299,8 +245,7 @@ def _collect(tmp: str, nprocs: int, cases: list[str], timed_out: bool, timeout: 
         dur = max((v.get("duration", 0.0) for v in recs.values()), default=0.0)
         inside = sorted(r for r, cc in progress.items() if cc == c)
         if failed:
-            results[c] = CaseResult(c, "failed", f"failed on rank(s) {sorted(failed)}",
-                                    failed, dur)
+            results[c] = CaseResult(c, "failed", f"failed on rank(s) {sorted(failed)}", failed, dur)
         elif len(recs) == nprocs and len(skipped) == nprocs:
             results[c] = CaseResult(c, "skipped", next(iter(skipped.values())), skipped, dur)
         elif len(recs) == nprocs and skipped:  # a test that ran on only some ranks checked
@@ -315,9 +260,8 @@ def _collect(tmp: str, nprocs: int, cases: list[str], timed_out: bool, timeout: 
             done = sorted(recs)
             limit = (f"its {(timeouts or {}).get(c, DEFAULT_TIMEOUT):.0f} s timeout"
                      if c == hung else f"the launch's {timeout:.0f} s timeout")
-            results[c] = CaseResult(
-                c, "timeout", f"killed at {limit}: rank(s) {inside} still "
-                f"inside this case, rank(s) {done} had finished it", {}, dur)
+            results[c] = CaseResult(c, "timeout", f"killed at {limit}: rank(s) {inside} still "
+                                    f"inside this case, rank(s) {done} had finished it", {}, dur)
         elif inside:
             results[c] = CaseResult(
                 c, "failed", f"the job ended (exit code {returncode}) while rank(s) {inside} "

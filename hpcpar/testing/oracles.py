@@ -8,8 +8,7 @@ Everything here is importable inside the ``mpiexec`` workers of :func:`hpcpar.te
   (:func:`check_layer`, :func:`compare_with_twin`).
 - GNN: a single-process dense reference of the GNN maths (DESIGN §2), written independently of
   hpcpar.graph (:func:`gnn_forward`, :func:`dense_operators`), Cora, and the Kipf & Welling
-  training recipe (:func:`train_cora`).
-"""
+  training recipe (:func:`train_cora`)."""
 
 from __future__ import annotations
 
@@ -40,12 +39,9 @@ __all__ = ["PROCESS_GRIDS", "SPATIAL_GRIDS", "idle_barrier", "on_grids", "on_sub
            "refused_on_one_rank", "one_rank_grid", "randn", "tol", "close", "rel_err",
            "batch_slice", "piece_of", "spatial_slices", "check_layer", "compare_with_twin",
            "check_spatial_model", "alloc_peak", "cover", "CORA_NPZ", "load_cora",
-           "dense_operators",
-           "gnn_forward", "gnn_loss", "train_cora"]
+           "dense_operators", "gnn_forward", "gnn_loss", "train_cora"]
 
-# ============================================================================================
-# spatial layers
-# ============================================================================================
+# -- spatial layers ------------------------------------------------------------------------
 # (data, x, y, z) process grids; each case runs on the first prod(grid) ranks of the launch
 PROCESS_GRIDS = [(1, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2), (1, 2, 2, 1),
                  (1, 2, 2, 2), (1, 3, 1, 1), (1, 1, 3, 2), (2, 2, 1, 1), (2, 1, 2, 1),
@@ -163,21 +159,11 @@ def spatial_slices(spatial_shape, grid):
 
 def check_spatial_model(grid, model, x, seed, what, replicated_output=False, slack=None,
                         device=None):
-    """``spatialize(model)`` on ``grid`` vs ``model`` itself on the same global batch, on
-    ``device`` (default: where the model is): output, every parameter gradient (summed over the
-    spatial group; a split head's weight gathered from its columns) and the buffers.
-
-    Args:
-        grid: The process grid.
-        model: The plain model (its gradients are filled by the reference pass).
-        x: The global batch ``(N, C, D, H, W)``.
-        seed: Seed of the output weighting.
-        what: The name in failure messages.
-        replicated_output: The output is whole on every rank (a head), not split.
-        slack: Tolerance factor; default 10 in fp32 (whole models sum over every voxel of
-            several layers), 1 in fp64.
-        device: Run both models there (compared on the CPU).
-    """
+    """``spatialize(model)`` on ``grid`` vs ``model`` itself on the global batch ``x``, on
+    ``device`` (default: the model's; compared on the CPU): output, every parameter gradient (summed
+    over the spatial group; a split head's weight gathered from its columns) and the buffers.
+    ``replicated_output``: the output is whole on every rank (a head); ``slack``: tolerance factor,
+    by default 10 in fp32 (whole models sum over many voxels and layers), 1 in fp64."""
     slack = slack or (10.0 if x.dtype == torch.float32 else 1.0)
     if device is not None:
         model, x = model.to(device), x.to(device)
@@ -305,9 +291,7 @@ def cover(rng: random.Random, n: int, **values):
     return [{k: cols[k][i] for k in values} for i in range(n)]
 
 
-# ============================================================================================
-# GNN: dense single-process reference (independent of hpcpar.graph's sparse code)
-# ============================================================================================
+# -- GNN: dense single-process reference (independent of hpcpar.graph's sparse code) -------
 CORA_NPZ = Path(__file__).resolve().parents[1] / "graph" / "datasets" / "cora.npz"
 
 
@@ -378,8 +362,7 @@ def train_cora(graph, seed: int, epochs: int = 200) -> dict:
     torch.manual_seed(seed)
     model = GCN(graph.num_features, 16, graph.num_classes, dropout=0.5, seed=seed)
     opt = torch.optim.Adam([{"params": model.convs[0].parameters(), "weight_decay": 5e-4},
-                            {"params": model.convs[1].parameters(), "weight_decay": 0.0}],
-                           lr=0.01)
+                            {"params": model.convs[1].parameters(), "weight_decay": 0.0}], lr=0.01)
     for _ in range(epochs):
         model.train()
         opt.zero_grad()

@@ -1,13 +1,11 @@
 """pytest plugin: collect :func:`mpi_case` functions as one item per rank count.
 
-Load it with ``pytest_plugins = ["hpcpar.testing.pytest_plugin"]`` in a conftest. The selected
-items of one rank count share one ``mpiexec`` launch for the whole session (made on the first
-such item; ``HPCPAR_TEST_LAUNCH=module``: one per module and rank count). When a failing case
-aborts the launch, the cases it did not reach run in a new one, so each reports for itself.
-Set ``HPCPAR_TEST_MAX_NP`` to skip rank counts above a limit. The ranks get pytest's
-``pythonpath`` setting on their ``PYTHONPATH``: a test module imports there what it imports
-under pytest.
-"""
+Load it with ``pytest_plugins = ["hpcpar.testing.pytest_plugin"]`` in a conftest. The selected items
+of one rank count share one ``mpiexec`` launch for the whole session (made on the first such item;
+``HPCPAR_TEST_LAUNCH=module``: one per module and rank count). When a failing case aborts the
+launch, the cases it did not reach run in a new one, so each reports for itself. Set
+``HPCPAR_TEST_MAX_NP`` to skip rank counts above a limit. The ranks get pytest's ``pythonpath``
+setting on their ``PYTHONPATH``: a test module imports there what it imports under pytest."""
 
 from __future__ import annotations
 
@@ -74,9 +72,8 @@ class MPIItem(pytest.Item):
 
 
 def _launch(items: list[MPIItem], nprocs: int) -> dict:
-    """Case id -> (its result, the output of the launch that ran it): the cases of ``items``
-    in one launch, and the ones a failure's abort or a case's timeout left unrun in the
-    next."""
+    """Case id -> (its result, the output of the launch that ran it): the cases of ``items`` in one
+    launch, and the ones a failure's abort or a case's timeout left unrun in the next."""
     results: dict = {}
     todo = list(items)
     env = _pythonpath(items[0].config) if items else None

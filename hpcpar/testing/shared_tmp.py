@@ -1,8 +1,5 @@
-"""A temporary directory that every rank of an MPI test case shares, removed after the case.
-
-MPI cases used to make one with ``tempfile.mkdtemp`` on rank 0, broadcast its path and never
-remove it: each run of the suite left about 250 MB of directories in /tmp.
-"""
+"""A temporary directory that every rank of an MPI test case shares, removed after the case (so that
+a run of the suite leaves nothing in /tmp)."""
 
 from __future__ import annotations
 
@@ -21,19 +18,13 @@ __all__ = ["shared_tmpdir"]
 
 @contextmanager
 def shared_tmpdir(comm: MPI.Comm, prefix: str = "hpcpar-test-") -> Iterator[Path]:
-    """A new directory made by rank 0, its path the same on every rank of ``comm`` (collective).
+    """A new directory made by rank 0 (name starting with ``prefix``), its path yielded on every
+    rank of ``comm`` (collective).
 
-    On a clean exit all ranks meet at a barrier, then rank 0 removes the directory. When the
-    body raises, nothing waits and nothing is removed: a barrier could hang while another rank
-    is gone (the MPI harness aborts the job on any rank's failure), and a failed case's files
-    stay to look at.
-
-    Args:
-        comm: The communicator whose ranks share the directory.
-        prefix: The start of the directory's name (``tempfile.mkdtemp``'s).
-
-    Yields:
-        The directory's path, on every rank.
+    On a clean exit all ranks meet at a barrier, then rank 0 removes the directory. When the body
+    raises, nothing waits and nothing is removed: a barrier could hang while another rank is gone
+    (the MPI harness aborts the job on any rank's failure), and a failed case's files stay to look
+    at.
 
     Example:
         ```python
@@ -41,8 +32,7 @@ def shared_tmpdir(comm: MPI.Comm, prefix: str = "hpcpar-test-") -> Iterator[Path
         def test_files(comm):
             with shared_tmpdir(comm, prefix="hpcpar-files-") as tmp:
                 ...   # every rank reads and writes under tmp
-        ```
-    """
+        ```"""
     rank = comm.Get_rank()
     path = Path(comm.bcast(tempfile.mkdtemp(prefix=prefix) if rank == 0 else None))
     yield path   # an exception in the body is raised here: no barrier, no removal

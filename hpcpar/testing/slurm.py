@@ -1,22 +1,16 @@
 """A private single-node Slurm cluster for the tests (Debian's slurmctld/slurmd + munge).
 
-``slurm_cluster`` is a session-scoped pytest fixture (tests/conftest.py imports it): it writes
-a ``slurm.conf`` into a temporary directory, starts munged (own key and socket), slurmctld and
-slurmd there, waits for the node to be idle, and at the end of the session stops exactly the
-PIDs it started. Client commands must see ``SLURM_CONF``: use :meth:`SlurmCluster.env` /
-:meth:`SlurmCluster.run`.
+``slurm_cluster`` is a session-scoped pytest fixture: it writes a ``slurm.conf`` into a temporary
+directory, starts munged (own key and socket), slurmctld and slurmd there, waits for the node to be
+idle, and at the end of the session stops exactly the PIDs it started. Client commands must see
+``SLURM_CONF``: use :meth:`SlurmCluster.env` / :meth:`SlurmCluster.run`. Where Slurm cannot start
+the tests skip (under ``CI=true`` they fail: CI installs it, .ci/setup.d/10-slurm.sh).
 
-Where Slurm cannot start (not root, packages missing) the tests skip with the reason; with
-``CI=true`` they fail instead, because CI installs the packages (.ci/setup.d/10-slurm.sh).
-Configuration facts (Slurm 22.05 as root without cgroups): proctrack/pgid + task/none,
-select/cons_tres so jobs share the node, no scheduling delay, kill_invalid_depend, the node
-advertises more CPUs than it has (config_overrides), jobcomp/filetxt instead of slurmdbd.
-Run ``python -m hpcpar.testing.slurm`` to start one by hand (it prints the SLURM_CONF to export).
-
-Also here: the helpers of the sbatch/Slurm tests (a test job kind, a stub ``python``) and the
-``shipped_profiles_only`` fixture they use (``pytest.mark.usefixtures``; not autouse, so that
-other tests keep the real HOME).
-"""
+Configuration (Slurm 22.05 as root without cgroups): proctrack/pgid + task/none, select/cons_tres so
+jobs share the node, no scheduling delay, kill_invalid_depend, more CPUs advertised than present
+(config_overrides), jobcomp/filetxt instead of slurmdbd. ``python -m hpcpar.testing.slurm`` starts
+one by hand. Also here: the helpers of the sbatch/Slurm tests and their ``shipped_profiles_only``
+fixture (not autouse: other tests keep the real HOME)."""
 
 from __future__ import annotations
 
@@ -30,6 +24,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from contextlib import suppress
 from pathlib import Path
 from typing import Self, TypeVar
 
@@ -81,11 +76,10 @@ def slurm_conf(root: Path, node: str, ports: list[int], munge_socket: Path,
                first_job_id: int, nodes: list[tuple[str, str]] | None = None,
                controller_addr: str = "127.0.0.1", cpus: int = NODE_CPUS,
                slurmd_timeout: int = 300) -> str:
-    """The cluster's slurm.conf: by default one node ``node`` at 127.0.0.1 in partition
-    ``debug``; ``nodes`` [(name, address), ...] makes a multi-node cluster whose controller runs
-    on this host (``node``) at ``controller_addr``. Job ids start at a random
-    ``first_job_id``: MPICH names its shared memory after "jobid.stepid", and segments leaked
-    by an earlier session's job 1 would hang this one's."""
+    """The cluster's slurm.conf: one node ``node`` at 127.0.0.1 in partition ``debug``, or ``nodes``
+    [(name, address), ...] with the controller on this host at ``controller_addr``. Job ids start at
+    a random ``first_job_id``: MPICH names its shared memory after "jobid.stepid", and segments
+    leaked by an earlier session's job 1 would hang this one's."""
     nodes = nodes or [(node, "127.0.0.1")]
     names = ",".join(name for name, _ in nodes)
     node_lines = "".join(
@@ -205,10 +199,9 @@ class SlurmCluster:
     def log_tail(self, n: int = 15) -> str:
         parts = []
         for path in [self.root / "slurmctld.log", *sorted(self.root.glob("slurmd*.log"))]:
-            name = path.name
             if path.exists():
                 lines = path.read_text(errors="replace").splitlines()[-n:]
-                parts.append(f"--- {name}\n" + "\n".join(lines))
+                parts.append(f"--- {path.name}\n" + "\n".join(lines))
         return "\n".join(parts)
 
     # -- life cycle ------------------------------------------------------------------------
@@ -257,8 +250,7 @@ class SlurmCluster:
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         log = open(self.root / f"{name}.stdout", "wb")
-        env = self.env()
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env(),
                                 stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
         self.pids[name] = proc.pid
@@ -288,7 +280,7 @@ class SlurmCluster:
         if not procs:
             return
         if "slurmctld" in procs and procs["slurmctld"].poll() is None:
-            try:  # a controller that no longer answers is stopped below all the same
+            with suppress(subprocess.TimeoutExpired):  # a silent controller is stopped below
                 self.run("scancel", "--full", check=False, timeout=10)
                 deadline = time.monotonic() + 15
                 while time.monotonic() < deadline:
@@ -296,8 +288,6 @@ class SlurmCluster:
                     if q.returncode != 0 or not q.stdout.strip():
                         break
                     time.sleep(0.2)
-            except subprocess.TimeoutExpired:
-                pass
         for name in ("slurmd", "slurmctld", "munged"):
             proc = procs.get(name)
             if proc is None or proc.poll() is not None:
@@ -310,10 +300,8 @@ class SlurmCluster:
                 proc.wait(timeout=10)
         procs.clear()
         for pid in self._leftover_pids():
-            try:
+            with suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
         self._remove_mpich_segments()
 
     def _remove_mpich_segments(self, steps: int = 8) -> None:
@@ -323,7 +311,6 @@ class SlurmCluster:
         comp = self.root / "jobcomp.txt"
         if not comp.exists():
             return
-
         for job_id in set(re.findall(r"JobId=(\d+)", comp.read_text(errors="replace"))):
             for step in range(steps):
                 h = 0x811C9DC5
@@ -392,8 +379,7 @@ exit 0
 def submit_job(cluster, sandbox, out, **kw) -> list[dict]:
     """``hpcpar submit`` (the library call) into ``cluster``; python defaults to the stub."""
     kw.setdefault("python", sandbox["python"])
-    return submit(plan_submit(kw.pop("job", sandbox["job"]), out, **kw), out,
-                  env=cluster.env())
+    return submit(plan_submit(kw.pop("job", sandbox["job"]), out, **kw), out, env=cluster.env())
 
 
 def wait_for(pred, timeout: float, what: str, cluster=None) -> None:
@@ -463,7 +449,6 @@ def tiny_job(data_dir: Path) -> list[str]:
             "checkpoint.every=8", "checkpoint.keep=2", "resources.tasks_per_node=2"]
 
 
-
 def register_test_kind() -> None:
     """A model kind without parameters, so job validation does not depend on real models."""
     class SbatchTestKind:
@@ -498,22 +483,13 @@ def shipped_profiles_only(tmp_path, monkeypatch):
 
 
 _CLUSTER: SlurmCluster | None = None
-
-
 _Cluster = TypeVar("_Cluster", bound=SlurmCluster)
 
 
 def start_or_skip(cluster: _Cluster, what: str) -> _Cluster:
-    """Start ``cluster`` for a test. Where it cannot start here (not root, packages missing)
-    the test skips with the reason; under ``CI=true`` it fails, because CI installs them.
-
-    Args:
-        cluster: A cluster not yet started (a failed start cleans up after itself).
-        what: How the message names it (``"Slurm"``, ``"the virtual cluster"``).
-
-    Returns:
-        The running cluster.
-    """
+    """Start ``cluster`` (a failed start cleans up after itself) for a test. Where it cannot start
+    here (not root, packages missing) the test skips with the reason, naming the cluster as
+    ``what``; under ``CI=true`` it fails, because CI installs them."""
     try:
         return cluster.start()
     except SlurmUnavailable as exc:

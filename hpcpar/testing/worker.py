@@ -1,8 +1,7 @@
 """Per-rank runner of MPI test cases (launched by :func:`hpcpar.testing.mpi.run_cases`).
 
 Usage: ``python -m hpcpar.testing.worker CASES.json RESULT_DIR``; ``CASES.json`` lists
-``/path/module.py::function`` names, a module's cases together.
-"""
+``/path/module.py::function`` names, a module's cases together."""
 
 from __future__ import annotations
 
@@ -40,9 +39,8 @@ class _Process:
 
         self.env, self.cwd = dict(os.environ), os.getcwd()
         self.warnings = list(warnings.filters)
-        self.torch = (torch.get_default_dtype(), torch.get_num_threads(),
-                      torch.are_deterministic_algorithms_enabled(), torch.is_grad_enabled(),
-                      torch.get_rng_state())
+        self.torch = (torch.get_default_dtype(), torch.get_num_threads(), torch.get_rng_state(),
+                      torch.are_deterministic_algorithms_enabled(), torch.is_grad_enabled())
 
     def restore(self) -> None:
         import torch
@@ -52,7 +50,7 @@ class _Process:
             os.environ.update(self.env)
         os.chdir(self.cwd)
         warnings.filters[:] = self.warnings   # type: ignore[index]  # a list at run time
-        dtype, threads, deterministic, grad, rng = self.torch
+        dtype, threads, rng, deterministic, grad = self.torch
         torch.set_default_dtype(dtype)
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(deterministic)
