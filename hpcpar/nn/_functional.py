@@ -1,4 +1,5 @@
-"""Checks shared by the spatial functional ops (``hpcpar.nn.padding``, ``hpcpar.nn.resample``).
+"""Checks shared by the spatial functional ops (``hpcpar.nn.padding``, ``hpcpar.nn.resample``), and
+the accumulation dtype of the ops that reduce over the whole volume.
 
 A functional op receives this rank's piece and the global spatial shape ``gshape``. Its
 arguments are validated by torch itself, on a ``meta`` tensor of the GLOBAL shape: the same
@@ -19,7 +20,13 @@ from hpcpar.parallel.halo_buffers import input_layout, memory_format
 from hpcpar.parallel.halo_plan import AXIS_NAMES
 from hpcpar.parallel.partition import box
 
-__all__ = ["check_piece", "torch_output_shape", "same_format"]
+__all__ = ["check_piece", "torch_output_shape", "same_format", "acc_dtype"]
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What sums over a volume accumulate in: float64 stays, everything else (half types
+    included) sums in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def check_piece(op: str, x: torch.Tensor, grid: ProcessGrid, gshape: Sequence[int]) -> None:

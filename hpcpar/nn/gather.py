@@ -24,6 +24,7 @@ from hpcpar.parallel.grid import ProcessGrid
 from hpcpar.parallel.primitives import GatherVolume, ReplicatedSum
 
 from ._base import SpatialModule
+from ._functional import acc_dtype
 from .split import unwrap
 
 __all__ = ["GatherPoint", "SpatialGather", "gather_shrunk", "SpatialAdaptiveAvgPool3d",
@@ -71,7 +72,7 @@ def global_mean(x: torch.Tensor, grid: ProcessGrid) -> torch.Tensor:
     """The mean over the last three dims of the whole volume, ``(..., 1, 1, 1)``, replicated:
     one :class:`~hpcpar.parallel.primitives.ReplicatedSum` of the pieces' sums and counts (in
     float64: counts above 2**24 stay exact), so backward is the gradient / count, no message."""
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(x.dtype)
     sums = x.sum(dim=(-3, -2, -1), dtype=acc).reshape(-1).double()
     counted = torch.cat([sums, sums.new_full((1,), float(math.prod(x.shape[-3:])))])
     total = ReplicatedSum.apply(counted, grid.spatial_comm)

@@ -40,6 +40,8 @@ from hpcpar.parallel.grid import ProcessGrid
 from hpcpar.parallel.halo_buffers import input_layout, memory_format
 from hpcpar.parallel.spatial import local_shape, local_slices
 
+from ._functional import acc_dtype
+
 if TYPE_CHECKING:
     from mpi4py import MPI
 
@@ -108,7 +110,7 @@ class _GlobalNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, rows):
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        acc = acc_dtype(x.dtype)
         fmt = memory_format(input_layout(x))
         base = x.detach().to(acc)
         xa = base.view(rows.view)

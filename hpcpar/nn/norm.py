@@ -26,15 +26,12 @@ from hpcpar.parallel.grid import ProcessGrid
 from hpcpar.parallel.halo_buffers import input_layout, memory_format
 
 from ._base import SpatialModule
+from ._functional import acc_dtype
 
 if TYPE_CHECKING:
     from mpi4py import MPI
 
 __all__ = ["SpatialBatchNorm3d"]
-
-
-def _acc_dtype(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class _GlobalBatchNorm(torch.autograd.Function):
@@ -50,7 +47,7 @@ class _GlobalBatchNorm(torch.autograd.Function):
         # (hpcpar.nn.fused_halo): the statistics are of owned voxels only, every voxel is
         # normalised, and in backward a margin voxel's gradient is only its direct part (its
         # share of the statistics' gradient reaches the owner through the sums)
-        acc = _acc_dtype(x.dtype)
+        acc = acc_dtype(x.dtype)
         C = x.shape[1]
         dims = [0] + list(range(2, x.dim()))
         view = (1, C) + (1,) * (x.dim() - 2)
